@@ -1,0 +1,17 @@
+"""minivllm: a small, fast LLM inference engine for Qwen3, written as pure functions over
+immutable pytrees.
+
+    params = minivllm.load("path/to/Qwen3-0.6B")
+    cache = minivllm.init_cache(params, num_blocks=64)
+    new_tokens, cache = minivllm.generate(params, cache, [[1, 2, 3]], max_new_tokens=16)
+"""
+
+from .functional import forward, generate
+from .state import (Batch, KVCache, LayerParams, ModelConfig, Params, SeqChunk, ShardSpec,
+                    config_for_shape, init_cache, make_batch, random_params)
+from .state.load import CheckpointError, load
+
+__all__ = ["forward", "generate", "Batch", "KVCache", "LayerParams", "ModelConfig", "Params",
+           "SeqChunk", "ShardSpec", "config_for_shape", "init_cache", "make_batch", "random_params",
+           "CheckpointError", "load"]
+__version__ = "0.1.0"

@@ -1,0 +1,117 @@
+"""Attention over the paged KV cache: the backend interface and the pure-PyTorch reference.
+
+A backend is a callable
+
+    backend(q, k, v, k_cache, v_cache, batch, scale) -> out
+
+  q:  [T, heads, head_dim]        this step's queries (RoPE applied)
+  k, v: [T, kv_heads, head_dim]   this step's keys and values
+  k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim]   one layer of the cache
+  batch: Batch                    slot_mapping, cu_seqlens_q, context_lens, block_tables
+  out: [T, heads, head_dim]
+
+that first writes k/v into the cache slots named by batch.slot_mapping (-1: skip), in place, and
+then computes causal attention of each sequence's new tokens over its whole context: the prefix
+already in the cache (read through its block table) followed by the new tokens themselves.
+Backends are objects with a `name`, chosen once (see minivllm.kernels.select_backend) and passed
+to `forward` as static arguments.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..state.batch import Batch
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, batch: Batch, scale: float) -> torch.Tensor: ...
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write k, v: [T, kv_heads, head_dim] into their cache slots in place; slot -1 is skipped.
+
+    Shapes stay static (no boolean indexing, so this compiles with fullgraph=True): a skipped
+    row is redirected to the first written row's slot and value, a duplicate write of identical
+    data; with no written row at all, slot 0 is rewritten with its own contents. The cache holds
+    values, never gradients, so the written data is detached."""
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    valid = slot_mapping >= 0
+    first = torch.argmax(valid.to(torch.int32)).reshape(1)  # the first written row (0 if none)
+    any_valid = valid.index_select(0, first)  # [1]
+    fallback_slot = torch.where(any_valid, slot_mapping.index_select(0, first), 0)  # [1]
+    slots = torch.where(valid, slot_mapping, fallback_slot)
+    for new, cache in ((k, k_cache), (v, v_cache)):
+        flat = cache.view(num_slots, *cache.shape[2:])
+        new = new.detach().to(cache.dtype)
+        fallback_value = torch.where(any_valid[:, None, None], new.index_select(0, first), flat[:1])
+        values = torch.where(valid[:, None, None], new, fallback_value)
+        flat.index_copy_(0, slots, values)
+
+
+def token_seq_ids(cu_seqlens_q: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[T] index of the sequence each packed token belongs to."""
+    tokens = torch.arange(num_tokens, device=cu_seqlens_q.device, dtype=cu_seqlens_q.dtype)
+    return torch.searchsorted(cu_seqlens_q[1:].contiguous(), tokens, right=True)
+
+
+def gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """cache: [num_blocks, block_size, kv_heads, d], block_tables: [B, M]
+    -> [B, M * block_size, kv_heads, d]: each sequence's slots laid out contiguously."""
+    b, m = block_tables.shape
+    blocks = cache[block_tables.clamp(min=0).long()]  # [B, M, block_size, kv_heads, d]
+    return blocks.reshape(b, m * cache.shape[1], *cache.shape[2:])
+
+
+class ReferenceBackend:
+    """Pure PyTorch, vectorised over the batch with static shapes: the CPU path, the oracle for
+    every other backend, and differentiable with respect to q, k and v (the cached prefix is read
+    from the cache, the new tokens' keys and values are used as computed)."""
+
+    name = "reference"
+
+    def __call__(self, q, k, v, k_cache, v_cache, batch: Batch, scale: float) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        return reference_attention(q, k, v, k_cache, v_cache, batch, scale)
+
+    def __repr__(self):
+        return "ReferenceBackend()"
+
+
+def reference_attention(q, k, v, k_cache, v_cache, batch: Batch, scale: float) -> torch.Tensor:
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    seq = token_seq_ids(batch.cu_seqlens_q, t)  # [T]
+    q_lens = batch.cu_seqlens_q[1:] - batch.cu_seqlens_q[:-1]
+    prefix_lens = (batch.context_lens - q_lens).long()  # [B] tokens read from the cache
+
+    qf = q.float().reshape(t, hkv, group, d)
+    # Scores against the cached prefix: [T, hkv, group, L]
+    k_ctx = gather_context(k_cache, batch.block_tables)[seq].float()  # [T, L, hkv, d]
+    v_ctx = gather_context(v_cache, batch.block_tables)[seq].float()
+    s_ctx = torch.einsum("thgd,tlhd->thgl", qf, k_ctx) * scale
+    ctx_pos = torch.arange(k_ctx.shape[1], device=q.device)
+    ctx_mask = ctx_pos[None, :] < prefix_lens[seq][:, None]  # [T, L]
+    # Scores against this step's tokens, causal within the same sequence: [T, hkv, group, T]
+    s_new = torch.einsum("thgd,uhd->thgu", qf, k.float()) * scale
+    idx = torch.arange(t, device=q.device)
+    new_mask = (seq[:, None] == seq[None, :]) & (idx[None, :] <= idx[:, None])  # [T, T]
+
+    scores = torch.cat([s_ctx, s_new], dim=-1)
+    mask = torch.cat([ctx_mask, new_mask], dim=-1)[:, None, None, :]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    l = k_ctx.shape[1]
+    out = torch.einsum("thgl,tlhd->thgd", probs[..., :l], v_ctx) + torch.einsum(
+        "thgu,uhd->thgd", probs[..., l:], v.float())
+    return out.reshape(t, hq, d).to(q.dtype)
+
+
+REFERENCE = ReferenceBackend()

@@ -1,0 +1,104 @@
+"""generate(params, cache, tokens): the research entry point, built only from the pure functions:
+one batched prefill of all prompts, then batched decode steps until every prompt is done."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..state.batch import SeqChunk, make_batch
+from ..state.cache import KVCache, check_cache_fits
+from ..state.config import ceil_div
+from ..state.params import Params
+from .attention import AttentionBackend
+from .model import forward
+from .sampling import sample_tokens
+
+
+def _check_prompts(tokens, vocab_size: int) -> list[list[int]]:
+    if isinstance(tokens, torch.Tensor):
+        raise TypeError("tokens must be a list of prompts (lists of ints), not a tensor; "
+                        "use tensor.tolist()")
+    if not isinstance(tokens, (list, tuple)) or not tokens:
+        raise ValueError("tokens must be a non-empty list of prompts (lists of token ids)")
+    prompts = []
+    for i, prompt in enumerate(tokens):
+        if isinstance(prompt, int) or not isinstance(prompt, (list, tuple)):
+            raise TypeError(f"prompt {i} must be a list of token ids, got {type(prompt).__name__}")
+        if not prompt:
+            raise ValueError(f"prompt {i} is empty")
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise TypeError(f"prompt {i} holds {t!r}, not an int token id")
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"prompt {i} holds token id {t}, outside the vocabulary [0, {vocab_size})")
+        prompts.append(list(prompt))
+    return prompts
+
+
+def generate(params: Params, cache: KVCache, tokens: Sequence[Sequence[int]], *, max_new_tokens: int,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+             seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
+             backend: AttentionBackend | str | None = None) -> tuple[list[list[int]], KVCache]:
+    """Generate up to `max_new_tokens` for each prompt in `tokens` (lists of ids, any lengths,
+    batched without padding). Returns each prompt's new tokens (ending with the EOS token when one
+    stopped it) and the cache, which is donated: use the returned one.
+
+    Greedy when temperature == 0, else sampled with top_k / top_p and a generator seeded by
+    `seed`. Prompt i uses cache blocks laid out one prompt after the other from block 0."""
+    from ..kernels import select_backend
+
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    check_cache_fits(params, cache)
+    prompts = _check_prompts(tokens, params.config.vocab_size)
+    eos = set() if eos_token_id is None else (
+        {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id))
+    backend = select_backend(params.device, backend)
+
+    # The last sampled token is never fed back, so a prompt needs len + max_new - 1 slots.
+    bs = cache.block_size
+    tables, next_block = [], 0
+    for prompt in prompts:
+        n = ceil_div(len(prompt) + max_new_tokens - 1, bs)
+        tables.append(list(range(next_block, next_block + n)))
+        next_block += n
+    if next_block > cache.num_blocks:
+        raise ValueError(f"the cache is too small: these prompts need {next_block} blocks of "
+                         f"{bs} tokens, the cache has {cache.num_blocks}")
+    if max(len(p) for p in prompts) + max_new_tokens > params.config.max_position_embeddings:
+        raise ValueError(f"prompt + max_new_tokens exceeds max_position_embeddings "
+                         f"({params.config.max_position_embeddings})")
+
+    generator = None
+    if temperature > 0:
+        generator = torch.Generator(device=params.device)
+        generator.manual_seed(seed if seed is not None else torch.seed())
+
+    device = params.device
+    outputs: list[list[int]] = [[] for _ in prompts]
+    chunks = [SeqChunk(p, 0, t) for p, t in zip(prompts, tables)]
+    active = list(range(len(prompts)))
+    while True:
+        batch = make_batch(chunks, block_size=bs, device=device)
+        with torch.no_grad():
+            logits, cache = forward(params, cache, batch, backend)
+        next_tokens = sample_tokens(logits, temperature=float(temperature), top_k=top_k, top_p=top_p,
+                                    generator=generator).tolist()
+        still = []
+        for i, tok in zip(active, next_tokens):
+            outputs[i].append(tok)
+            if tok not in eos and len(outputs[i]) < max_new_tokens:
+                still.append(i)
+        if not still:
+            return outputs, cache
+        active = still
+        chunks = [SeqChunk([outputs[i][-1]], len(prompts[i]) + len(outputs[i]) - 1, tables[i])
+                  for i in active]

@@ -1,0 +1,42 @@
+"""forward(params, cache, batch) -> (logits, cache): the whole Qwen3 model."""
+
+from __future__ import annotations
+
+import torch
+
+from ..state.batch import Batch
+from ..state.cache import KVCache
+from ..state.params import Params
+from .attention import REFERENCE, AttentionBackend
+from .embedding import embed, lm_head
+from .layer import decoder_layer
+from .norm import add_rms_norm
+from .rope import rope_cos_sin
+
+
+def hidden_states(params: Params, cache: KVCache, batch: Batch, backend: AttentionBackend = REFERENCE,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The final-normed hidden state of each token in `rows` (default all): [rows, hidden].
+    Writes this step's K/V into `cache`."""
+    config, shard = params.config, params.shard
+    x = embed(batch.input_ids, params.embed, config, shard)
+    cos, sin = rope_cos_sin(config, batch.positions)
+    residual = None
+    for lp, k_cache, v_cache in zip(params.layers, cache.k, cache.v):
+        x, residual = decoder_layer(lp, x, residual, cos, sin, k_cache, v_cache, batch,
+                                    config=config, shard=shard, backend=backend)
+    if rows is not None:
+        x, residual = x[rows], residual[rows]
+    x, _ = add_rms_norm(x, residual, params.final_norm, config.rms_norm_eps)
+    return x
+
+
+def forward(params: Params, cache: KVCache, batch: Batch, backend: AttentionBackend = REFERENCE
+            ) -> tuple[torch.Tensor, KVCache]:
+    """logits: [len(batch.logits_indices), vocab_size] fp32, and the cache with this step's K/V.
+
+    The cache is donated: its buffers are written in place and the returned cache is the one to
+    use from now on (see minivllm.state.cache)."""
+    x = hidden_states(params, cache, batch, backend, batch.logits_indices)
+    logits = lm_head(x, params.head_weight, params.config, params.shard)
+    return logits.float(), cache

@@ -1,0 +1,22 @@
+"""RMSNorm, plain and fused with the residual add."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., hidden] -> [..., hidden]. Statistics in fp32; the weight multiplies in x's dtype
+    (as Qwen3's reference does, so bf16 results match it bit for bit where possible)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the pre-norm block's residual stream in one call.
+    residual None means x is the first block's input and becomes the residual as is."""
+    if residual is not None:
+        x = x + residual
+    return rms_norm(x, weight, eps), x

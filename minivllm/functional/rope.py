@@ -1,0 +1,56 @@
+"""Rotary position embedding (neox / rotate-half layout), with Llama-3 frequency scaling."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..state.config import ModelConfig
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """[head_dim // 2] fp32 inverse frequencies, scaled as the config's rope_scaling says."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling_dict
+    if scaling is None:
+        return inv_freq
+    # Llama 3: keep high frequencies, divide low ones by `factor`, interpolate in between.
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+    high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling.get("original_max_position_embeddings", 8192))
+    low_freq_wavelen = old_len / low_freq_factor
+    high_freq_wavelen = old_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin_table(config: ModelConfig, max_positions: int, device=None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [max_positions, head_dim] fp32, for position lookups (kernels index this)."""
+    positions = torch.arange(max_positions, device=device)
+    return rope_cos_sin(config, positions)
+
+
+def rope_cos_sin(config: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: [T] -> cos, sin: [T, head_dim] fp32 (each frequency repeated for both halves)."""
+    inv_freq = rope_inv_freq(config).to(positions.device)
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos, sin: [T, head_dim] fp32. Rotated in x's dtype, like the
+    reference implementation (cos/sin are cast to x's dtype first)."""
+    cos = cos.to(x.dtype)[:, None, :]
+    sin = sin.to(x.dtype)[:, None, :]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,56 @@
+"""Choosing the attention backend: once, by device and what is installed.
+
+Order of preference on CUDA: flash_attn (flash-attn-4) when importable, then triton; everywhere
+else: reference. `MINIVLLM_ATTENTION_BACKEND` (or an explicit name) overrides the choice; asking
+for a backend that is not available is a ValueError.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from ..functional.attention import REFERENCE
+
+log = logging.getLogger("minivllm")
+BACKEND_NAMES = ("triton", "flash_attn", "reference")
+_logged: set[tuple[str, str]] = set()
+
+
+def available_backends(device) -> list[str]:
+    device = torch.device(device)
+    names = []
+    if device.type == "cuda":
+        # Filled in as the Triton and flash-attn backends land.
+        pass
+    names.append("reference")
+    return names
+
+
+def _make(name: str):
+    if name == "reference":
+        return REFERENCE
+    raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(BACKEND_NAMES)}")
+
+
+def select_backend(device, requested=None):
+    """The backend object for `device`. `requested`: a backend object (returned as is), a name,
+    or None (then MINIVLLM_ATTENTION_BACKEND, then the best available)."""
+    if requested is not None and not isinstance(requested, str):
+        return requested
+    name = requested or os.environ.get("MINIVLLM_ATTENTION_BACKEND") or None
+    available = available_backends(device)
+    if name is None:
+        name = available[0]
+    elif name not in BACKEND_NAMES:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(BACKEND_NAMES)}")
+    elif name not in available:
+        raise ValueError(f"attention backend {name!r} is not available on {torch.device(device)}; "
+                         f"available: {', '.join(available)}")
+    key = (name, str(torch.device(device)))
+    if key not in _logged:
+        _logged.add(key)
+        log.info("minivllm attention backend: %s on %s", name, key[1])
+    return _make(name)

@@ -1,0 +1,100 @@
+"""Batch: what one forward step computes, as a pytree of tensors.
+
+T tokens from B sequences, packed without padding, sequence after sequence:
+  input_ids      [T]      int64  token ids
+  positions      [T]      int64  each token's position in its sequence
+  slot_mapping   [T]      int64  cache slot its K/V is written to (-1: do not write)
+  cu_seqlens_q   [B + 1]  int32  offsets of each sequence's tokens in the packed T
+  context_lens   [B]      int32  tokens in the cache for the sequence once this step's are written
+  block_tables   [B, M]   int32  the blocks holding each sequence's context (-1: unused)
+  logits_indices [N]      int64  rows of T that get logits (in prefill, each sequence's last)
+
+The new tokens of sequence b sit at positions context_lens[b] - q_len_b ... context_lens[b] - 1;
+the earlier ones (a cached prefix or earlier chunks) are read from the cache through block_tables.
+A decode step is the case q_len_b == 1 for every b, i.e. T == B, which is static (from shapes).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import attrs
+import torch
+
+from .pytree import pytree_class
+
+
+@pytree_class
+class Batch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    logits_indices: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens.shape[0]
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence brings exactly one new token (static: read off the shapes)."""
+        return self.num_tokens == self.num_seqs
+
+
+@attrs.frozen
+class SeqChunk:
+    """One sequence's part of a step: `token_ids` are new, `num_cached` tokens precede them in the
+    cache, `block_table` lists the sequence's blocks, `want_logits` asks for its last row's logits."""
+
+    token_ids: Sequence[int]
+    num_cached: int
+    block_table: Sequence[int]
+    want_logits: bool = True
+
+
+def make_batch(chunks: Sequence[SeqChunk], *, block_size: int, device=None,
+               max_blocks: int | None = None) -> Batch:
+    """Pack sequence chunks into a Batch (built on the host, then moved to `device`)."""
+    if not chunks:
+        raise ValueError("a batch needs at least one sequence")
+    ids, positions, slots, cu, ctx, logit_rows = [], [], [], [0], [], []
+    width = max(max_blocks or 0, max(len(c.block_table) for c in chunks), 1)
+    tables = torch.full((len(chunks), width), -1, dtype=torch.int32)
+    for b, chunk in enumerate(chunks):
+        n = len(chunk.token_ids)
+        if n == 0:
+            raise ValueError(f"sequence {b} brings no new tokens")
+        total = chunk.num_cached + n
+        if total > len(chunk.block_table) * block_size:
+            raise ValueError(f"sequence {b} needs {total} slots but its block table holds "
+                             f"{len(chunk.block_table) * block_size}")
+        ids.extend(chunk.token_ids)
+        for pos in range(chunk.num_cached, total):
+            positions.append(pos)
+            slots.append(chunk.block_table[pos // block_size] * block_size + pos % block_size)
+        cu.append(cu[-1] + n)
+        ctx.append(total)
+        if chunk.block_table:
+            tables[b, : len(chunk.block_table)] = torch.tensor(list(chunk.block_table), dtype=torch.int32)
+        if chunk.want_logits:
+            logit_rows.append(cu[-1] - 1)
+
+    def t(x, dtype):
+        return torch.tensor(x, dtype=dtype).to(device)
+
+    return Batch(
+        input_ids=t(ids, torch.int64),
+        positions=t(positions, torch.int64),
+        slot_mapping=t(slots, torch.int64),
+        cu_seqlens_q=t(cu, torch.int32),
+        context_lens=t(ctx, torch.int32),
+        block_tables=tables.to(device),
+        logits_indices=t(logit_rows, torch.int64),
+    )

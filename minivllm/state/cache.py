@@ -1,0 +1,87 @@
+"""KVCache: the paged key/value cache as an immutable pytree of donated buffers.
+
+Per layer, K and V are `[num_blocks, block_size, num_kv_heads, head_dim]`. Token slot `s` is
+block `s // block_size`, offset `s % block_size`.
+
+Donation contract (as with JAX's donated buffers): a forward call writes the new tokens' K/V into
+these buffers *in place* and returns the cache. The caller hands its cache in and must use the one
+that comes back; the one handed in must be treated as consumed. Copying the cache each step is not
+an option: it is gigabytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import parse_dtype
+from .params import Params
+from .pytree import pytree_class
+
+
+@pytree_class
+class KVCache:
+    k: tuple  # per layer: [num_blocks, block_size, num_kv_heads, head_dim]
+    v: tuple
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.k[0].device
+
+
+def cache_shape(params: Params, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+    config = params.config
+    return (num_blocks, block_size, params.shard.num_kv_heads(config), config.head_dim)
+
+
+def init_cache(params: Params, *, num_blocks: int, block_size: int = 16, dtype=None,
+               device=None) -> KVCache:
+    """An empty (zeroed) paged cache fitting `params`: `num_blocks` blocks of `block_size` tokens."""
+    if not isinstance(num_blocks, int) or num_blocks < 1:
+        raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    dtype = parse_dtype(dtype, params.dtype)
+    device = params.device if device is None else torch.device(device)
+    shape = cache_shape(params, num_blocks, block_size)
+    layers = params.config.num_layers
+    k = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers))
+    v = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers))
+    return KVCache(k=k, v=v)
+
+
+def check_cache_fits(params: Params, cache: KVCache) -> None:
+    """TypeError/ValueError naming the mismatch when `cache` was not made for `params`."""
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache must be a KVCache, got {type(cache).__name__}")
+    if cache.num_layers != params.config.num_layers or len(cache.v) != cache.num_layers:
+        raise ValueError(f"cache has {cache.num_layers} layers, the model has {params.config.num_layers}")
+    expected = cache_shape(params, cache.num_blocks, cache.block_size)
+    for name, tensors in (("k", cache.k), ("v", cache.v)):
+        for i, t in enumerate(tensors):
+            if tuple(t.shape) != expected:
+                raise ValueError(f"cache.{name}[{i}] has shape {tuple(t.shape)}, expected {expected} "
+                                 f"(num_blocks, block_size, num_kv_heads, head_dim)")
+            if t.dtype != params.dtype:
+                raise ValueError(f"cache.{name}[{i}] dtype {t.dtype} differs from the params' {params.dtype}")
+            if t.device != params.device:
+                raise ValueError(f"cache.{name}[{i}] is on {t.device}, the params on {params.device}")

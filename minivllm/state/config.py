@@ -1,0 +1,195 @@
+"""ModelConfig: what a Qwen3 checkpoint's config.json says, as an immutable, hashable value."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import attrs
+import torch
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(dtype: Any, default: torch.dtype | None = None) -> torch.dtype:
+    """A torch dtype from a torch dtype, a name ("bfloat16", "torch.float16") or "auto"/None."""
+    if dtype is None or dtype == "auto":
+        if default is None:
+            raise ValueError("dtype 'auto' needs a default (the checkpoint's dtype)")
+        return default
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
+        return dtype
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        if name in _DTYPES:
+            return _DTYPES[name]
+        raise ValueError(f"unknown dtype {dtype!r}; use 'auto', 'float32', 'bfloat16' or 'float16'")
+    raise TypeError(f"dtype must be a torch.dtype or a string, got {type(dtype).__name__}")
+
+
+def _freeze(value: Any) -> Any:
+    """Dicts and lists to sorted tuples, so that the config stays hashable (it is treedef context)."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+@attrs.frozen
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    # rope_scaling as sorted (key, value) pairs, or None: hashable so the config can be static.
+    rope_scaling: tuple | None = None
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+    dtype: torch.dtype = torch.bfloat16
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+
+    def __attrs_post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"config {name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def rope_scaling_dict(self) -> dict | None:
+        return None if self.rope_scaling is None else dict(self.rope_scaling)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        """Read a HF config dict in the transformers 4 layout (rope_theta, rope_scaling, torch_dtype)
+        or the transformers 5 layout (rope_parameters, dtype)."""
+        archs = d.get("architectures") or ["Qwen3ForCausalLM"]
+        for arch in archs:
+            if arch not in SUPPORTED_ARCHITECTURES:
+                raise ValueError(
+                    f"unsupported architecture {arch!r}: minivllm runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+                )
+        model_type = d.get("model_type", "qwen3")
+        if model_type != "qwen3":
+            raise ValueError(f"unsupported model_type {model_type!r}: minivllm runs qwen3")
+        if d.get("attention_bias", False):
+            raise ValueError("attention_bias=True is not supported (Qwen3 checkpoints have none)")
+        if d.get("use_sliding_window", False):
+            raise ValueError("use_sliding_window=True is not supported")
+
+        rope_params = d.get("rope_parameters")
+        rope_theta = d.get("rope_theta")
+        rope_scaling = d.get("rope_scaling")
+        if rope_params is not None:
+            rope_params = dict(rope_params)
+            rope_theta = rope_params.pop("rope_theta", rope_theta)
+            if rope_params.get("rope_type", "default") != "default":
+                rope_scaling = rope_params
+        if rope_scaling is not None:
+            rope_scaling = dict(rope_scaling)
+            kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            rope_scaling["rope_type"] = kind
+            rope_scaling.pop("type", None)
+            if kind == "default":
+                rope_scaling = None
+            elif kind != "llama3":
+                raise ValueError(f"unsupported rope scaling type {kind!r}: minivllm supports 'llama3'")
+        if rope_theta is None:
+            rope_theta = 10000.0
+
+        num_heads = d["num_attention_heads"]
+        dtype_name = d.get("dtype", d.get("torch_dtype")) or "bfloat16"
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=d.get("num_key_value_heads") or num_heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=_freeze(rope_scaling),
+            max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            dtype=parse_dtype(dtype_name),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=_freeze(d.get("eos_token_id")),
+        )
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "ModelConfig":
+        """From a config.json file, or a checkpoint directory holding one."""
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no config.json at {path}")
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from e
+        return cls.from_dict(d)
+
+
+# Real Qwen3 shapes, for random-weight benchmarks.
+SHAPES = {
+    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
+                       num_heads=16, num_kv_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=28,
+                       num_heads=16, num_kv_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-4b": dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_layers=36,
+                     num_heads=32, num_kv_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+                     num_heads=32, num_kv_heads=8, head_dim=128, tie_word_embeddings=False),
+}
+
+
+def config_for_shape(name: str, **overrides) -> ModelConfig:
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
+    kwargs = dict(SHAPES[name], rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+                  max_position_embeddings=40960, eos_token_id=151645)
+    kwargs.update(overrides)
+    return ModelConfig(**kwargs)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+

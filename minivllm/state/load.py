@@ -1,0 +1,183 @@
+"""Loading a local Hugging Face Qwen3 checkpoint into Params.
+
+Q/K/V are merged into one QKV weight and gate/up into one weight as they are read; each
+tensor-parallel rank reads only its own slice from disk (safetensors `get_slice`), so no rank ever
+holds the full checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+from .config import ModelConfig, parse_dtype
+from .params import LayerParams, Params
+from .shard import ShardSpec
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded: names the file and the tensor."""
+
+
+def _index_tensors(path: str) -> dict[str, str]:
+    """tensor name -> safetensors file, from the index when there is one, else from the files."""
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        try:
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index_path}: not a valid safetensors index ({e})") from e
+        files = {name: os.path.join(path, fname) for name, fname in weight_map.items()}
+        for fname in set(files.values()):
+            if not os.path.isfile(fname):
+                raise CheckpointError(f"{index_path} names {os.path.basename(fname)}, which is missing")
+        return files
+    shards = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not shards:
+        raise CheckpointError(f"no *.safetensors files in {path}")
+    files = {}
+    for fname in shards:
+        full = os.path.join(path, fname)
+        for name in _open(full).keys():
+            files[name] = full
+    return files
+
+
+def _open(file: str):
+    try:
+        return safe_open(file, framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises its own error types for corrupt headers
+        raise CheckpointError(f"{file}: cannot read safetensors file ({e})") from e
+
+
+def _hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h, d, i, v = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    for n in range(config.num_layers):
+        p = f"model.layers.{n}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (config.num_heads * d, h),
+            p + "self_attn.k_proj.weight": (config.num_kv_heads * d, h),
+            p + "self_attn.v_proj.weight": (config.num_kv_heads * d, h),
+            p + "self_attn.o_proj.weight": (h, config.num_heads * d),
+            p + "self_attn.q_norm.weight": (d,),
+            p + "self_attn.k_norm.weight": (d,),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        })
+    return shapes
+
+
+def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec | None = None) -> Params:
+    """Params from a local HF checkpoint directory (config.json + safetensors, sharded or not).
+
+    dtype: "auto"/None keeps the checkpoint's dtype; device: where the tensors go; shard: the
+    tensor-parallel rank whose slice to read (default: the whole model)."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise CheckpointError(f"{config_path} is missing")
+    try:
+        config = ModelConfig.from_json(config_path)
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"{config_path}: {e}") from e
+    shard = shard or ShardSpec()
+    shard.check(config)
+    dtype = parse_dtype(dtype, config.dtype)
+
+    files = _index_tensors(path)
+    expected = _hf_shapes(config)
+    missing = sorted(set(expected) - set(files))
+    if missing:
+        raise CheckpointError(f"{path}: missing tensor(s) {', '.join(missing[:5])}"
+                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    allowed_extra = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    extra = sorted(n for n in set(files) - set(expected) - allowed_extra
+                   if not n.endswith("rotary_emb.inv_freq"))
+    if extra:
+        raise CheckpointError(f"{path}: unexpected tensor(s) {', '.join(extra[:5])}"
+                              + (f" and {len(extra) - 5} more" if len(extra) > 5 else ""))
+
+    handles: dict[str, object] = {}
+
+    def read(name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None):
+        file = files[name]
+        if file not in handles:
+            handles[file] = _open(file)
+        try:
+            sl = handles[file].get_slice(name)
+            shape = tuple(sl.get_shape())
+        except Exception as e:
+            raise CheckpointError(f"{file}: cannot read tensor {name} ({e})") from e
+        if shape != expected[name]:
+            raise CheckpointError(f"{file}: tensor {name} has shape {shape}, expected {expected[name]}")
+        try:
+            if rows is not None:
+                t = sl[rows[0]:rows[1]]
+            elif cols is not None:
+                t = sl[:, cols[0]:cols[1]]
+            else:
+                t = sl[:]
+        except Exception as e:
+            raise CheckpointError(f"{file}: cannot read tensor {name} ({e})") from e
+        return t.to(dtype)
+
+    def put(t):
+        return t.contiguous().to(device)
+
+    d = config.head_dim
+    q0, q1 = shard.head_range(config)
+    k0, k1 = shard.kv_head_range(config)
+    i0, i1 = shard.intermediate_range(config)
+    v0, v1 = shard.vocab_range(config)
+
+    def vocab_rows(name):
+        # Rows past the real vocabulary are zero padding (the vocabulary is padded to a multiple
+        # of the world size); a rank reads only the real rows it owns.
+        out = torch.zeros(v1 - v0, config.hidden_size, dtype=dtype)
+        real_end = min(v1, config.vocab_size)
+        if real_end > v0:
+            out[: real_end - v0] = read(name, rows=(v0, real_end))
+        return put(out)
+
+    layers = []
+    for n in range(config.num_layers):
+        p = f"model.layers.{n}."
+        qkv = torch.cat([
+            read(p + "self_attn.q_proj.weight", rows=(q0 * d, q1 * d)),
+            read(p + "self_attn.k_proj.weight", rows=(k0 * d, k1 * d)),
+            read(p + "self_attn.v_proj.weight", rows=(k0 * d, k1 * d)),
+        ])
+        gate_up = torch.cat([
+            read(p + "mlp.gate_proj.weight", rows=(i0, i1)),
+            read(p + "mlp.up_proj.weight", rows=(i0, i1)),
+        ])
+        layers.append(LayerParams(
+            input_norm=put(read(p + "input_layernorm.weight")),
+            qkv=put(qkv),
+            q_norm=put(read(p + "self_attn.q_norm.weight")),
+            k_norm=put(read(p + "self_attn.k_norm.weight")),
+            o_proj=put(read(p + "self_attn.o_proj.weight", cols=(q0 * d, q1 * d))),
+            post_norm=put(read(p + "post_attention_layernorm.weight")),
+            gate_up=put(gate_up),
+            down=put(read(p + "mlp.down_proj.weight", cols=(i0, i1))),
+        ))
+    return Params(
+        embed=vocab_rows("model.embed_tokens.weight"),
+        layers=tuple(layers),
+        final_norm=put(read("model.norm.weight")),
+        lm_head=None if config.tie_word_embeddings else vocab_rows("lm_head.weight"),
+        config=config,
+        shard=shard,
+    )

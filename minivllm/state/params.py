@@ -1,0 +1,139 @@
+"""Params: the model's weights as an immutable pytree.
+
+Layout (per rank; `local` sizes are the shard's):
+  embed      [vocab_local, hidden]          vocab-parallel rows of the padded vocabulary
+  layers     tuple of LayerParams, one per decoder layer
+  final_norm [hidden]
+  lm_head    [vocab_local, hidden] or None  None when tied to the embedding
+LayerParams:
+  input_norm [hidden]
+  qkv        [(heads + 2 * kv_heads)_local * head_dim, hidden]   q rows, then k rows, then v rows
+  q_norm, k_norm [head_dim]
+  o_proj     [hidden, heads_local * head_dim]
+  post_norm  [hidden]
+  gate_up    [2 * intermediate_local, hidden]                     gate rows, then up rows
+  down       [hidden, intermediate_local]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+from .pytree import pytree_class, static
+from .shard import ShardSpec
+
+
+@pytree_class
+class LayerParams:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+@pytree_class
+class Params:
+    embed: torch.Tensor
+    layers: tuple
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor | None
+    config: ModelConfig = static()
+    shard: ShardSpec = static(factory=ShardSpec)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed if self.lm_head is None else self.lm_head
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+
+def expected_shapes(config: ModelConfig, shard: ShardSpec) -> dict[str, tuple[int, ...]]:
+    """The per-rank shape of every LayerParams field and top-level tensor."""
+    h, d = config.hidden_size, config.head_dim
+    nq, nkv = shard.num_heads(config), shard.num_kv_heads(config)
+    i0, i1 = shard.intermediate_range(config)
+    v0, v1 = shard.vocab_range(config)
+    return {
+        "embed": (v1 - v0, h),
+        "final_norm": (h,),
+        "lm_head": (v1 - v0, h),
+        "input_norm": (h,),
+        "qkv": ((nq + 2 * nkv) * d, h),
+        "q_norm": (d,),
+        "k_norm": (d,),
+        "o_proj": (h, nq * d),
+        "post_norm": (h,),
+        "gate_up": (2 * (i1 - i0), h),
+        "down": (h, i1 - i0),
+    }
+
+
+def random_params(config: ModelConfig, *, seed: int = 0, dtype: torch.dtype | str | None = None,
+                  device: torch.device | str | None = None, shard: ShardSpec | None = None,
+                  std: float = 0.02) -> Params:
+    """Synthetic weights at the config's real shapes (benchmarks, tests). Norm weights are near 1
+    so that activations keep a realistic scale; every rank of a shard spec draws the same full
+    tensors and keeps its slice, so TP=N equals TP=1 for the same seed."""
+    from .config import parse_dtype
+
+    shard = shard or ShardSpec()
+    shard.check(config)
+    dtype = parse_dtype(dtype, config.dtype)
+    gen = torch.Generator().manual_seed(seed)
+    h, d, v = config.hidden_size, config.head_dim, config.vocab_size
+
+    def normal(*shape):
+        return torch.randn(*shape, generator=gen) * std
+
+    def norm_weight(n):
+        return 1.0 + 0.1 * torch.randn(n, generator=gen)
+
+    def put(t):
+        return t.to(dtype=dtype, device=device).contiguous()
+
+    q0, q1 = shard.head_range(config)
+    k0, k1 = shard.kv_head_range(config)
+    i0, i1 = shard.intermediate_range(config)
+    v0, v1 = shard.vocab_range(config)
+
+    def vocab_slice(w):  # w: [vocab, hidden] -> this rank's rows of the padded vocabulary
+        padded = torch.zeros(shard.padded_vocab(config), h)
+        padded[:v] = w
+        return padded[v0:v1]
+
+    embed = normal(v, h)
+    layers = []
+    for _ in range(config.num_layers):
+        wq = normal(config.num_heads * d, h).view(config.num_heads, d, h)
+        wk = normal(config.num_kv_heads * d, h).view(config.num_kv_heads, d, h)
+        wv = normal(config.num_kv_heads * d, h).view(config.num_kv_heads, d, h)
+        wo = normal(h, config.num_heads * d).view(h, config.num_heads, d)
+        wg = normal(config.intermediate_size, h)
+        wu = normal(config.intermediate_size, h)
+        wd = normal(h, config.intermediate_size)
+        qkv = torch.cat([wq[q0:q1].reshape(-1, h), wk[k0:k1].reshape(-1, h), wv[k0:k1].reshape(-1, h)])
+        layers.append(LayerParams(
+            input_norm=put(norm_weight(h)),
+            qkv=put(qkv),
+            q_norm=put(norm_weight(d)),
+            k_norm=put(norm_weight(d)),
+            o_proj=put(wo[:, q0:q1].reshape(h, -1)),
+            post_norm=put(norm_weight(h)),
+            gate_up=put(torch.cat([wg[i0:i1], wu[i0:i1]])),
+            down=put(wd[:, i0:i1]),
+        ))
+    final_norm = norm_weight(h)
+    lm_head = None if config.tie_word_embeddings else put(vocab_slice(normal(v, h)))
+    return Params(embed=put(vocab_slice(embed)), layers=tuple(layers), final_norm=put(final_norm),
+                  lm_head=lm_head, config=config, shard=shard)
