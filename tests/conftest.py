@@ -1,0 +1,21 @@
+"""Test setup: Triton's interpreter on machines without a GPU (set before triton is imported),
+and a device fixture that is "cuda" when a GPU is present (the GPU run of the suite)."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True)
+settings.register_profile("dev", deadline=None, max_examples=25)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,0 +1,53 @@
+"""Tiny random Qwen3 checkpoints written by transformers: the numerical oracle for the tests."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+TINY = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+            rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def hf_config(**overrides) -> Qwen3Config:
+    kwargs = dict(TINY)
+    kwargs.update(overrides)
+    return Qwen3Config(**kwargs)
+
+
+def make_hf_model(seed: int = 0, std: float = 0.1, **overrides) -> Qwen3ForCausalLM:
+    """A tiny fp32 Qwen3ForCausalLM with random weights. `std` sets the linear weights' scale:
+    large enough (~0.1 at hidden 64) that greedy outputs vary from token to token."""
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(hf_config(**overrides)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, std)
+    return model
+
+
+def save_checkpoint(model: Qwen3ForCausalLM, path, *, layout: str = "v5", max_shard_size=None) -> str:
+    """Write `model` as a HF checkpoint. layout "v4" rewrites config.json the way transformers 4
+    (and real Qwen3 checkpoints) write it: top-level rope_theta / rope_scaling and torch_dtype."""
+    path = os.fspath(path)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    if layout == "v4":
+        cfg_path = os.path.join(path, "config.json")
+        with open(cfg_path) as f:
+            d = json.load(f)
+        rope = dict(d.pop("rope_parameters", None) or {})
+        d["rope_theta"] = rope.pop("rope_theta", 10000.0)
+        if rope.get("rope_type", "default") != "default":
+            d["rope_scaling"] = rope
+        d["torch_dtype"] = d.pop("dtype", None) or "float32"
+        with open(cfg_path, "w") as f:
+            json.dump(d, f)
+    return path
