@@ -8,6 +8,10 @@ import os
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+# Where minivllm runs in the tests: the GPU when there is one (the suite's GPU run), else the CPU.
+# transformers, the oracle, always runs on the CPU in fp32.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 TINY = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
             rms_norm_eps=1e-6, tie_word_embeddings=False)

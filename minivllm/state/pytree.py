@@ -28,19 +28,25 @@ def pytree_class(cls):
     child_names = tuple(f.name for f in fields if not f.metadata.get(_STATIC))
     static_names = tuple(f.name for f in fields if f.metadata.get(_STATIC))
 
+    # A child that is None (an untied model's absent lm_head) is recorded in the context rather
+    # than kept as a leaf: torch's pytree counts None as a leaf, which torch.func would reject.
     def flatten(obj):
-        children = [getattr(obj, n) for n in child_names]
-        context = tuple(getattr(obj, n) for n in static_names)
-        return children, context
+        values = [getattr(obj, n) for n in child_names]
+        present = tuple(v is not None for v in values)
+        context = (tuple(getattr(obj, n) for n in static_names), present)
+        return [v for v in values if v is not None], context
 
     def unflatten(children, context):
-        kwargs = dict(zip(child_names, children))
-        kwargs.update(zip(static_names, context))
+        static_values, present = context
+        it = iter(children)
+        kwargs = {n: next(it) if p else None for n, p in zip(child_names, present)}
+        kwargs.update(zip(static_names, static_values))
         return cls(**kwargs)
 
     def flatten_with_keys(obj):
         children, context = flatten(obj)
-        return [(pytree.GetAttrKey(n), c) for n, c in zip(child_names, children)], context
+        names = [n for n in child_names if getattr(obj, n) is not None]
+        return [(pytree.GetAttrKey(n), c) for n, c in zip(names, children)], context
 
     pytree.register_pytree_node(
         cls,

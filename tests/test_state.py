@@ -1,0 +1,105 @@
+"""state/: config parsing in both layouts, pytree round trips, compile without recompiles."""
+
+import json
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+import minivllm
+from minivllm.state import KVCache, ModelConfig, ShardSpec, make_batch, SeqChunk
+from hf_tiny import hf_config, make_hf_model, save_checkpoint
+
+SMALL = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=8, dtype=torch.float32)
+
+
+def test_config_reads_both_layouts(tmp_path):
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    model = make_hf_model(rope_parameters={"rope_theta": 5000.0, **scaling}, tie_word_embeddings=True)
+    v5 = ModelConfig.from_json(save_checkpoint(model, tmp_path / "v5"))
+    v4 = ModelConfig.from_json(save_checkpoint(model, tmp_path / "v4", layout="v4"))
+    assert "rope_theta" in json.loads((tmp_path / "v4" / "config.json").read_text())
+    assert v4 == v5
+    assert v5.rope_theta == 5000.0 and v5.rope_scaling_dict["factor"] == 8.0
+    assert v5.tie_word_embeddings and v5.num_kv_heads == 2 and v5.head_dim == 16
+
+
+def test_config_rejects_other_architectures():
+    d = hf_config().to_dict()
+    d["architectures"] = ["LlamaForCausalLM"]
+    with pytest.raises(ValueError, match="LlamaForCausalLM"):
+        ModelConfig.from_dict(d)
+
+
+def test_config_default_head_dim_and_kv_heads():
+    d = hf_config().to_dict()
+    del d["head_dim"], d["num_key_value_heads"]
+    c = ModelConfig.from_dict(d)
+    assert c.head_dim == d["hidden_size"] // d["num_attention_heads"]
+    assert c.num_kv_heads == c.num_heads
+
+
+def test_params_pytree_round_trip():
+    params = minivllm.random_params(SMALL, seed=0)
+    leaves, spec = pytree.tree_flatten(params)
+    # 3 top-level tensors (embed, final_norm, lm_head) + 8 per layer
+    assert len(leaves) == 3 + 8 * SMALL.num_layers
+    assert all(isinstance(t, torch.Tensor) for t in leaves)
+    back = pytree.tree_unflatten(leaves, spec)
+    assert back.config == SMALL and back.shard == params.shard
+    assert all(a is b for a, b in zip(pytree.tree_leaves(back), leaves))
+    doubled = pytree.tree_map(lambda t: t * 2, params)
+    assert isinstance(doubled, minivllm.Params)
+    torch.testing.assert_close(doubled.layers[1].qkv, params.layers[1].qkv * 2)
+
+
+def test_tied_params_have_no_head_leaf():
+    tied = minivllm.random_params(ModelConfig(**{**_fields(SMALL), "tie_word_embeddings": True}))
+    assert tied.lm_head is None and tied.head_weight is tied.embed
+    assert len(pytree.tree_leaves(tied)) == 2 + 8 * SMALL.num_layers
+
+
+def _fields(config):
+    import attrs
+    return attrs.asdict(config, recurse=False)
+
+
+def test_cache_and_batch_round_trip():
+    params = minivllm.random_params(SMALL)
+    cache = minivllm.init_cache(params, num_blocks=4, block_size=8)
+    assert cache.k[0].shape == (4, 8, 2, 8) and cache.num_slots == 32
+    leaves, spec = pytree.tree_flatten(cache)
+    assert len(leaves) == 2 * SMALL.num_layers
+    assert isinstance(pytree.tree_unflatten(leaves, spec), KVCache)
+    batch = make_batch([SeqChunk([1, 2, 3], 0, [2])], block_size=8)
+    leaves, spec = pytree.tree_flatten(batch)
+    assert len(leaves) == 7
+    assert pytree.tree_unflatten(leaves, spec).slot_mapping.tolist() == [16, 17, 18]
+
+
+def test_shard_spec_ranges():
+    c = ModelConfig(vocab_size=51, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=8,
+                    num_kv_heads=2, head_dim=4)
+    s = ShardSpec(rank=3, world_size=4)
+    assert s.head_range(c) == (6, 8)
+    assert s.kv_head_range(c) == (1, 2)  # 2 KV heads over 4 ranks: each replicated twice
+    assert s.padded_vocab(c) == 52 and s.vocab_range(c) == (39, 52)
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        ShardSpec(rank=0, world_size=3).check(c)
+
+
+def test_compiled_forward_accepts_new_instances_without_recompiling():
+    from torch._dynamo.testing import CompileCounter
+
+    params = minivllm.random_params(SMALL, seed=1)
+    counter = CompileCounter()
+    fn = torch.compile(minivllm.forward, backend=counter, fullgraph=True)
+    batch = make_batch([SeqChunk([1, 2, 3], 0, [0]), SeqChunk([4, 5], 0, [1])], block_size=8)
+    for seed in range(3):
+        p = minivllm.random_params(SMALL, seed=seed)  # a new Params around same-shaped tensors
+        cache = minivllm.init_cache(p, num_blocks=4, block_size=8)
+        b = pytree.tree_map(lambda t: t.clone(), batch)  # a new Batch too
+        fn(p, cache, b)
+    assert counter.frame_count == 1
