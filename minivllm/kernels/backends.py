@@ -1,8 +1,9 @@
 """Choosing the attention backend: once, by device and what is installed.
 
 Order of preference on CUDA: flash_attn (flash-attn-4) when importable, then triton; everywhere
-else: reference. `MINIVLLM_ATTENTION_BACKEND` (or an explicit name) overrides the choice; asking
-for a backend that is not available is a ValueError.
+else: reference. Under TRITON_INTERPRET=1 the triton backend is also available on CPU (tests and
+CI run it with MINIVLLM_ATTENTION_BACKEND=triton). `MINIVLLM_ATTENTION_BACKEND` (or an explicit
+name) overrides the choice; asking for a backend that is not available is a ValueError.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import torch
 
 from ..functional.attention import REFERENCE
+from .launch import triton_usable
 
 log = logging.getLogger("minivllm")
 BACKEND_NAMES = ("triton", "flash_attn", "reference")
@@ -20,11 +22,16 @@ _logged: set[tuple[str, str]] = set()
 
 
 def available_backends(device) -> list[str]:
+    """Usable backend names for `device`, best first."""
     device = torch.device(device)
     names = []
     if device.type == "cuda":
-        # Filled in as the Triton and flash-attn backends land.
-        pass
+        from .flash_attn_backend import flash_attn_varlen
+
+        if flash_attn_varlen() is not None:
+            names.append("flash_attn")
+    if triton_usable(device):
+        names.append("triton")
     names.append("reference")
     return names
 
@@ -32,6 +39,14 @@ def available_backends(device) -> list[str]:
 def _make(name: str):
     if name == "reference":
         return REFERENCE
+    if name == "triton":
+        from .triton_backend import TRITON
+
+        return TRITON
+    if name == "flash_attn":
+        from .flash_attn_backend import FLASH_ATTN
+
+        return FLASH_ATTN
     raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(BACKEND_NAMES)}")
 
 

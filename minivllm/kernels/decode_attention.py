@@ -1,0 +1,175 @@
+"""Paged decode attention: one new token per sequence over its whole context.
+
+GQA-aware: a program holds all GROUP query heads of one KV head, so each K/V row is read from
+memory once for the group. When batch x kv_heads programs cannot fill the GPU, the context is
+split into NUM_SPLITS ranges whose partial results (normalised output and log2-sum-exp) a second
+kernel merges.
+
+  q: [B, heads, head_dim], k/v: [B, kv_heads, head_dim]   this step's token (not read from cache)
+  k_cache/v_cache: [num_blocks, PAGE, kv_heads, head_dim], block_tables: [B, M] int32
+  context_lens: [B] int32, tokens including the new one; the cached prefix is context_lens - 1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import dot_precision, interpreting, next_pow2, num_sms
+from .paged import load_rows, page_rows
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr,
+                   out_ptr, part_out_ptr, part_lse_ptr, scale_log2,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                   stride_bt, stride_ot, stride_oh,
+                   KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ROW: tl.constexpr = KV_HEADS * HEAD_DIM
+    dt = k_cache_ptr.dtype.element_ty
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HEAD_DIM
+    D_MASKED: tl.constexpr = BLOCK_D != HEAD_DIM
+    heads = kvh * GROUP + offs_g
+    b64 = b.to(tl.int64)
+    q = tl.load(q_ptr + b64 * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(dt)
+
+    # The new token seeds split 0's running softmax; other splits start empty. Every split loads
+    # it (one row) so that the seed needs no branch.
+    k_new = tl.load(k_ptr + b64 * stride_kt + kvh * stride_kh + offs_d, mask=mask_d, other=0.0)
+    v_new = tl.load(v_ptr + b64 * stride_vt + kvh * stride_vh + offs_d, mask=mask_d, other=0.0)
+    s_new = tl.sum(q.to(tl.float32) * k_new.to(dt).to(tl.float32)[None, :], 1) * scale_log2
+    first = split == 0
+    m_i = tl.where(first, s_new, float("-inf"))
+    l_i = tl.where(first, 1.0, 0.0) + tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.where(first, 1.0, 0.0) * v_new.to(dt).to(tl.float32)[None, :] + tl.zeros(
+        [BLOCK_G, BLOCK_D], tl.float32)
+
+    prefix = tl.load(ctx_ptr + b) - 1
+    per_split = tl.cdiv(tl.cdiv(prefix, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, prefix)
+    bt_row = bt_ptr + b64 * stride_bt
+    head_off = kvh * HEAD_DIM
+    for n0 in range(start, end, BLOCK_N):
+        mask_n = (n0 + offs_n) < end
+        rows = page_rows(bt_row, n0, offs_n, mask_n, PAGE, BLOCK_N, ROW) + head_off
+        kt = load_rows(k_cache_ptr + rows[:, None] + offs_d[None, :], mask_n, mask_d, True, D_MASKED)
+        s = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the tile holds a valid position
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vt = load_rows(v_cache_ptr + rows[:, None] + offs_d[None, :], mask_n, mask_d, True, D_MASKED)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dt), vt, input_precision=PRECISION)
+        m_i = m_new
+
+    # An empty split (short context) has l = 0: it writes zeros and lse = -inf, weight 0 later.
+    nonempty = l_i > 0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    o_mask = mask_g[:, None] & mask_d[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + b64 * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        row = (b64 * (KV_HEADS * GROUP) + heads) * NUM_SPLITS + split  # [BLOCK_G]
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=o_mask)
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=mask_g)
+
+
+@triton.jit
+def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh,
+                         HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < NUM_SPLITS
+    base = (b * HEADS + h) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=mask_s, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))  # split 0 always holds the new token: the max is finite
+    w = w / tl.sum(w, 0)
+    o = tl.load(part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=mask_s[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(w[:, None] * o, 0)
+    tl.store(out_ptr + b * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
+MAX_SPLITS = 64
+WAVES = 4  # programs per SM wanted in flight to keep enough loads outstanding
+
+
+def decode_splits(batch_size: int, kv_heads: int, max_context: int, device: torch.device,
+                  waves: int = WAVES) -> int:
+    """How many ranges to split each context into: enough programs to fill the GPU, none shorter
+    than MIN_SPLIT_TOKENS. From shapes only (max_context = block_tables.shape[1] * page)."""
+    programs = batch_size * kv_heads
+    want = math.ceil(waves * num_sms(device) / programs)
+    return max(1, min(want, math.ceil(max_context / MIN_SPLIT_TOKENS), MAX_SPLITS))
+
+
+def decode_config(device: torch.device, dtype: torch.dtype, head_dim: int) -> dict:
+    if interpreting() or device.type != "cuda":
+        return dict(block_n=16, num_warps=1, num_stages=1)
+    if dtype == torch.float32:
+        return dict(block_n=32, num_warps=4, num_stages=2)
+    return dict(block_n=64, num_warps=4, num_stages=3)
+
+
+def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
+                           num_splits: int | None = None, config: dict | None = None) -> torch.Tensor:
+    """out: [B, heads, head_dim]; the new token's K/V come from k/v, the prefix from the cache."""
+    b, heads, head_dim = q.shape
+    _, page, kv_heads, _ = k_cache.shape
+    group = heads // kv_heads
+    assert heads == group * kv_heads and k.shape == (b, kv_heads, head_dim), (q.shape, k.shape)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.stride(1) == 1
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
+    cfg = decode_config(q.device, k_cache.dtype, head_dim) | dict(config or {})
+    if num_splits is None:
+        num_splits = decode_splits(b, kv_heads, block_tables.shape[1] * page, q.device)
+    if out is None:
+        out = torch.empty_like(q)
+    if num_splits > 1:
+        part_out = torch.empty((b, heads, num_splits, head_dim), device=q.device, dtype=torch.float32)
+        part_lse = torch.empty((b, heads, num_splits), device=q.device, dtype=torch.float32)
+    else:
+        part_out = part_lse = out  # unused
+    block_d = next_pow2(head_dim)
+    _decode_kernel[(b, kv_heads, num_splits)](
+        q, k, v, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_G=max(16, next_pow2(group)),
+        BLOCK_D=block_d, PAGE=page, BLOCK_N=cfg["block_n"], NUM_SPLITS=num_splits,
+        PRECISION=dot_precision(k_cache.dtype), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+    if num_splits > 1:
+        _merge_splits_kernel[(b, heads)](
+            part_out, part_lse, out, out.stride(0), out.stride(1),
+            HEADS=heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d, num_warps=4)
+    return out

@@ -1,0 +1,45 @@
+"""What the kernels' launch choices depend on: the device, read off tensors, never off data.
+
+Every grid and tile size here derives from shapes and the device, so a backend call traces under
+torch.compile and replays under CUDA graphs without a host sync (no .item())."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1: kernels run on the CPU through Triton's interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_usable(device) -> bool:
+    """Triton kernels can run on tensors of `device`: CUDA, or any device under the interpreter."""
+    device = torch.device(device)
+    return device.type == "cuda" or (interpreting() and device.type == "cpu")
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors to fill; under the interpreter a small number, so that tests on
+    tiny shapes still take the split-KV paths."""
+    if device.type != "cuda":
+        return 4
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 operands keep fp32 products (tf32 would cost ~3e-4 relative error); 16-bit ones use
+    the tensor cores' native products, where the setting has no effect."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())

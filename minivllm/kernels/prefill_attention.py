@@ -1,0 +1,175 @@
+"""Varlen causal prefill attention over a paged cache: one kernel for prefix-cache hits, chunked
+prefill and fresh prompts (and mixed batches: a decode row is a chunk of length one).
+
+Sequence b brings q_len_b = cu_seqlens_q[b+1] - cu_seqlens_q[b] new tokens at positions
+prefix_b .. context_lens[b] - 1, where prefix_b = context_lens[b] - q_len_b tokens are read from
+the cache through block_tables; the new tokens' keys and values are read from k/v (packed, like q),
+so the result matches the reference even for rows whose cache write was skipped (slot -1).
+
+  q: [T, heads, head_dim], k/v: [T, kv_heads, head_dim], out: [T, heads, head_dim]
+  k_cache/v_cache: [num_blocks, PAGE, kv_heads, head_dim], block_tables: [B, M] int32
+
+The grid is (T // BLOCK_M + B, heads): sequence b's query tiles start at program
+cu_seqlens_q[b] // BLOCK_M + b, an upper-bound layout that needs no host-side tile count; a program
+finds its sequence by binary search and programs past a sequence's last tile exit at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import dot_precision, interpreting, next_pow2
+from .paged import load_rows, page_rows
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _online_softmax_step(acc, l_i, m_i, q, kt, vt, valid, scale_log2, MASKED: tl.constexpr,
+                         PRECISION: tl.constexpr):
+    """Fold one key tile into the running (acc, l, m) of a query tile; valid: [BLOCK_M, BLOCK_N]
+    (ignored unless MASKED). Rows that see no key yet keep m = -inf without producing NaN."""
+    s = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * scale_log2
+    if MASKED:
+        s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr,
+                    scale_log2, num_seqs,
+                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                    stride_bt, stride_ot, stride_oh,
+                    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // GROUP
+    ROW: tl.constexpr = KV_HEADS * HEAD_DIM
+    dt = k_cache_ptr.dtype.element_ty
+
+    # The last sequence whose first tile index cu[b] // BLOCK_M + b is <= pid.
+    lo = 0
+    hi = num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        go_right = tl.load(cu_ptr + mid) // BLOCK_M + mid <= pid
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    b = lo
+    q_start = tl.load(cu_ptr + b)
+    q_len = tl.load(cu_ptr + b + 1) - q_start
+    m0 = (pid - (q_start // BLOCK_M + b)) * BLOCK_M
+    if m0 >= q_len:
+        return
+    prefix = tl.load(ctx_ptr + b) - q_len
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < q_len
+    mask_d = offs_d < HEAD_DIM
+    D_MASKED: tl.constexpr = BLOCK_D != HEAD_DIM
+    rows_q = (q_start + offs_m).to(tl.int64)
+    q = load_rows(q_ptr + rows_q[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask_m,
+                  mask_d, True, D_MASKED).to(dt)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+
+    # 1. The cached prefix: every query sees all of it; only the last tile needs a bound.
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    head_off = kvh * HEAD_DIM
+    prefix_full = (prefix // BLOCK_N) * BLOCK_N
+    for n0 in range(0, prefix_full, BLOCK_N):
+        rows = page_rows(bt_row, n0, offs_n, offs_n < BLOCK_N, PAGE, BLOCK_N, ROW) + head_off
+        kt = load_rows(k_cache_ptr + rows[:, None] + offs_d[None, :], offs_n, mask_d, False, D_MASKED)
+        vt = load_rows(v_cache_ptr + rows[:, None] + offs_d[None, :], offs_n, mask_d, False, D_MASKED)
+        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, q, kt, vt, mask_m[:, None], scale_log2,
+                                             False, PRECISION)
+    if prefix_full < prefix:
+        mask_n = (prefix_full + offs_n) < prefix
+        rows = page_rows(bt_row, prefix_full, offs_n, mask_n, PAGE, BLOCK_N, ROW) + head_off
+        kt = load_rows(k_cache_ptr + rows[:, None] + offs_d[None, :], mask_n, mask_d, True, D_MASKED)
+        vt = load_rows(v_cache_ptr + rows[:, None] + offs_d[None, :], mask_n, mask_d, True, D_MASKED)
+        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, q, kt, vt, mask_n[None, :], scale_log2,
+                                             True, PRECISION)
+
+    # 2. This step's tokens, causal. Key tiles wholly before this query tile need no mask
+    # (BLOCK_M is a multiple of BLOCK_N, so m0 is a tile boundary).
+    k_base = k_ptr + q_start.to(tl.int64) * stride_kt + kvh * stride_kh
+    v_base = v_ptr + q_start.to(tl.int64) * stride_vt + kvh * stride_vh
+    for n0 in range(0, m0, BLOCK_N):
+        rows_k = (n0 + offs_n).to(tl.int64)
+        kt = load_rows(k_base + rows_k[:, None] * stride_kt + offs_d[None, :], offs_n, mask_d, False,
+                       D_MASKED)
+        vt = load_rows(v_base + rows_k[:, None] * stride_vt + offs_d[None, :], offs_n, mask_d, False,
+                       D_MASKED)
+        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, q, kt.to(dt), vt.to(dt),
+                                             mask_m[:, None], scale_log2, False, PRECISION)
+    end = tl.minimum(q_len, m0 + BLOCK_M)
+    for n0 in range(m0, end, BLOCK_N):
+        cols = n0 + offs_n
+        mask_n = cols < q_len
+        rows_k = cols.to(tl.int64)
+        kt = load_rows(k_base + rows_k[:, None] * stride_kt + offs_d[None, :], mask_n, mask_d, True,
+                       D_MASKED)
+        vt = load_rows(v_base + rows_k[:, None] * stride_vt + offs_d[None, :], mask_n, mask_d, True,
+                       D_MASKED)
+        valid = (cols[None, :] <= offs_m[:, None]) & mask_n[None, :]
+        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, q, kt.to(dt), vt.to(dt), valid,
+                                             scale_log2, True, PRECISION)
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + rows_q[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def prefill_config(device: torch.device, dtype: torch.dtype, head_dim: int) -> dict:
+    if interpreting() or device.type != "cuda":
+        return dict(block_m=16, block_n=16, num_warps=1, num_stages=1)
+    if dtype == torch.float32 or head_dim > 128:
+        return dict(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    return dict(block_m=128, block_n=64, num_warps=8, num_stages=3)
+
+
+def varlen_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                             block_tables: torch.Tensor, scale: float, *,
+                             out: torch.Tensor | None = None, config: dict | None = None
+                             ) -> torch.Tensor:
+    """out: [T, heads, head_dim], causal attention of each sequence's new tokens over its context."""
+    t, heads, head_dim = q.shape
+    _, page, kv_heads, _ = k_cache.shape
+    group = heads // kv_heads
+    num_seqs = context_lens.shape[0]
+    assert heads == group * kv_heads and k.shape == (t, kv_heads, head_dim), (q.shape, k.shape)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.stride(1) == 1
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
+    cfg = prefill_config(q.device, k_cache.dtype, head_dim) | dict(config or {})
+    assert cfg["block_m"] % cfg["block_n"] == 0, cfg
+    if out is None:
+        out = torch.empty_like(q)
+    if t == 0:
+        return out
+    grid = (t // cfg["block_m"] + num_seqs, heads)
+    _prefill_kernel[grid](
+        q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+        scale * LOG2E, num_seqs,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), PAGE=page,
+        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], PRECISION=dot_precision(k_cache.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out

@@ -1,0 +1,175 @@
+"""Triton kernels and backends against the pure-PyTorch reference, on random shapes.
+
+On CPU these run under TRITON_INTERPRET=1 (set by conftest) in fp32 and fp16 on small shapes; on a
+GPU in the same dtypes (benchmarks/gpu_kernel_check.py adds bf16 and long contexts there). Every
+case poisons what the kernel must not read (cache slots outside the contexts hold NaN, table
+padding is -1) and what it must write (the output buffer starts as NaN)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minivllm.functional.attention import REFERENCE, reference_attention, write_kv
+from minivllm.kernels import BACKEND_NAMES, available_backends, select_backend
+from minivllm.kernels.decode_attention import decode_splits, paged_decode_attention
+from minivllm.kernels.launch import triton_usable
+from minivllm.kernels.prefill_attention import varlen_prefill_attention
+from minivllm.kernels.store_kv import store_kvcache
+from minivllm.kernels.testing import make_problem, rel_error
+from minivllm.kernels.triton_backend import TRITON
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+DTYPES = st.sampled_from([torch.float32, torch.float16])
+GROUPS = st.sampled_from([1, 2, 4, 8])
+# 16 and 256 are the engine's page sizes; 4 makes tiles straddle many pages on small shapes.
+PAGES = st.sampled_from([4, 16, 256])
+HEAD_DIMS = st.sampled_from([16, 32, 24])  # 24: not a power of two, masked along head_dim
+
+
+@pytest.fixture(autouse=True)
+def _needs_triton(device):
+    if not triton_usable(device):
+        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+
+
+def nan_like(x):
+    return torch.full_like(x, float("nan"))
+
+
+def check(out, ref, dtype):
+    err = rel_error(out, ref)
+    assert err <= TOL[dtype], f"relative error {err:.3g} > {TOL[dtype]:g}"
+
+
+# --- store_kvcache --------------------------------------------------------------------------------
+
+@settings(max_examples=15)
+@given(t=st.integers(1, 40), kv_heads=st.sampled_from([1, 2, 3]), head_dim=HEAD_DIMS, page=PAGES,
+       dtype=DTYPES, seed=st.integers(0, 2**16), strided=st.booleans())
+def test_store_kvcache_matches_reference(device, t, kv_heads, head_dim, page, dtype, seed, strided):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = -(-t // page) + 2
+    slots = torch.randperm(num_blocks * page, generator=g)[:t]
+    slots[torch.rand(t, generator=g) < 0.2] = -1  # skipped rows
+    slots = slots.to(device)
+    # k and v as views into a fused qkv output: rows strided, like the model's.
+    qkv = torch.randn(t, 3 if strided else 2, kv_heads, head_dim, generator=g).to(device, dtype)
+    k, v = qkv[:, 0], qkv[:, 1]
+    cache = torch.full((num_blocks, page, kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
+    k_ref, v_ref, k_out, v_out = cache.clone(), cache.clone(), cache.clone(), cache.clone()
+    write_kv(k, v, k_ref, v_ref, slots)
+    store_kvcache(k, v, k_out, v_out, slots)
+    # Bit-exact, and untouched slots still NaN.
+    torch.testing.assert_close(k_out, k_ref, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_out, v_ref, rtol=0, atol=0, equal_nan=True)
+
+
+# --- decode ---------------------------------------------------------------------------------------
+
+@st.composite
+def decode_cases(draw, max_batch=4, max_ctx=300):
+    b = draw(st.integers(1, max_batch))
+    # Contexts of 1 (nothing cached), page-size multiples and off-by-ones, ragged.
+    ctx = draw(st.lists(st.one_of(st.just(1), st.sampled_from([16, 17, 255, 256, 257]),
+                                  st.integers(1, max_ctx)), min_size=b, max_size=b))
+    return dict(q_lens=[1] * b, cached=[c - 1 for c in ctx], page=draw(PAGES),
+                kv_heads=draw(st.sampled_from([1, 2])), group=draw(GROUPS),
+                head_dim=draw(HEAD_DIMS), dtype=draw(DTYPES), seed=draw(st.integers(0, 2**16)))
+
+
+@settings(max_examples=20)
+@given(case=decode_cases(), num_splits=st.sampled_from([None, 1, 2, 3, 8]))
+def test_paged_decode_matches_reference(device, case, num_splits):
+    p = make_problem(**case, device=device)
+    ref = reference_attention(p.q, p.k, p.v, *p.clean_cache(), p.batch, p.scale)
+    out = paged_decode_attention(p.q, p.k, p.v, p.k_cache, p.v_cache, p.batch.block_tables,
+                                 p.batch.context_lens, p.scale, out=nan_like(p.q),
+                                 num_splits=num_splits)
+    check(out, ref, case["dtype"])
+
+
+def test_decode_splits_fill_the_gpu_from_shapes():
+    cpu = torch.device("cpu")  # 4 "SMs" under the interpreter
+    assert decode_splits(256, 8, 2048, cpu) == 1
+    assert decode_splits(1, 2, 100, cpu) == 1  # too short to split
+    assert decode_splits(1, 2, 4096, cpu) == 8
+    assert decode_splits(1, 1, 10**6, cpu, waves=1000) == 64  # capped
+
+
+# --- prefill --------------------------------------------------------------------------------------
+
+@st.composite
+def prefill_cases(draw, max_batch=3, max_q=40, max_cached=70):
+    b = draw(st.integers(1, max_batch))
+    q_lens = draw(st.lists(st.integers(1, max_q), min_size=b, max_size=b))
+    cached = draw(st.lists(st.one_of(st.just(0), st.integers(0, max_cached)), min_size=b, max_size=b))
+    return dict(q_lens=q_lens, cached=cached, page=draw(PAGES),
+                kv_heads=draw(st.sampled_from([1, 2])), group=draw(GROUPS),
+                head_dim=draw(HEAD_DIMS), dtype=draw(DTYPES), seed=draw(st.integers(0, 2**16)))
+
+
+@settings(max_examples=20)
+@given(case=prefill_cases())
+def test_varlen_prefill_matches_reference(device, case):
+    p = make_problem(**case, device=device)
+    ref = reference_attention(p.q, p.k, p.v, *p.clean_cache(), p.batch, p.scale)
+    out = varlen_prefill_attention(p.q, p.k, p.v, p.k_cache, p.v_cache, p.batch.cu_seqlens_q,
+                                   p.batch.context_lens, p.batch.block_tables, p.scale,
+                                   out=nan_like(p.q))
+    check(out, ref, case["dtype"])
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (32, 32)])
+def test_prefill_tiles_straddling_sequences(device, block_m, block_n):
+    """Sequences that start mid-tile, lengths around tile multiples, a one-token row among them
+    (a decode row inside a mixed batch): every tile-to-sequence mapping path."""
+    p = make_problem([block_m - 1, 1, block_m + 1, 2 * block_m, 5], [0, 9, block_n, 3, 2 * block_n + 1],
+                     page=16, kv_heads=2, group=2, head_dim=16, device=device, seed=3)
+    ref = reference_attention(p.q, p.k, p.v, *p.clean_cache(), p.batch, p.scale)
+    out = varlen_prefill_attention(p.q, p.k, p.v, p.k_cache, p.v_cache, p.batch.cu_seqlens_q,
+                                   p.batch.context_lens, p.batch.block_tables, p.scale,
+                                   out=nan_like(p.q), config=dict(block_m=block_m, block_n=block_n))
+    check(out, ref, torch.float32)
+
+
+# --- the backend: write, then attend --------------------------------------------------------------
+
+@settings(max_examples=12)
+@given(case=st.one_of(decode_cases(max_ctx=120), prefill_cases(max_q=24, max_cached=40)),
+       skip_seed=st.integers(0, 2**16))
+def test_triton_backend_matches_reference_backend(device, case, skip_seed):
+    """Cache writes (bit-exact, skipped rows untouched, poison kept) and outputs, decode or not."""
+    t = sum(case["q_lens"])
+    g = torch.Generator().manual_seed(skip_seed)
+    skip = torch.nonzero(torch.rand(t, generator=g) < 0.15).flatten().tolist()
+    p = make_problem(**case, device=device, skip=skip)
+    k_ref, v_ref = p.clean_cache()
+    ref = REFERENCE(p.q, p.k, p.v, k_ref, v_ref, p.batch, p.scale)
+    k_out, v_out = p.k_cache.clone(), p.v_cache.clone()
+    out = TRITON(p.q, p.k, p.v, k_out, v_out, p.batch, p.scale)
+    check(out, ref, case["dtype"])
+    for got, want in ((k_out, k_ref), (v_out, v_ref)):
+        want = want.clone()
+        want[p.poison] = float("nan")
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+# --- selection ------------------------------------------------------------------------------------
+
+def test_triton_backend_is_selectable(device, monkeypatch):
+    assert "triton" in available_backends(device) and "reference" in available_backends(device)
+    assert select_backend(device, "triton").name == "triton"
+    monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "triton")
+    assert select_backend(device).name == "triton"
+    monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "reference")
+    assert select_backend(device).name == "reference"
+    assert set(available_backends(device)) <= set(BACKEND_NAMES)
+
+
+def test_unavailable_or_unknown_backend_is_a_clear_error(monkeypatch):
+    with pytest.raises(ValueError, match="not available on cpu"):
+        select_backend("cpu", "flash_attn")
+    monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "xformers")
+    with pytest.raises(ValueError, match="unknown attention backend 'xformers'"):
+        select_backend("cpu")
