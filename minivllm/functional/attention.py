@@ -43,7 +43,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     values, never gradients, so the written data is detached."""
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     valid = slot_mapping >= 0
-    first = torch.argmax(valid.to(torch.int32)).reshape(1)  # the first written row (0 if none)
+    rows = torch.arange(slot_mapping.shape[0], device=slot_mapping.device)
+    # the first written row (the last row if none); a min, not an argmax over ties
+    first = torch.where(valid, rows, slot_mapping.shape[0] - 1).min().reshape(1)
     any_valid = valid.index_select(0, first)  # [1]
     fallback_slot = torch.where(any_valid, slot_mapping.index_select(0, first), 0)  # [1]
     slots = torch.where(valid, slot_mapping, fallback_slot)
