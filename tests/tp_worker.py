@@ -1,0 +1,46 @@
+"""Worker side of the tensor-parallel tests, kept free of transformers so that spawned ranks
+start quickly."""
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+import minivllm
+from minivllm.state import SeqChunk, ShardSpec, make_batch
+
+PROMPTS = [[3, 17, 25, 4, 99, 60, 12, 8, 41], [7, 1, 55], [90, 34, 2, 2, 18, 76, 43, 21, 9, 10]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(path: str, rank: int, world_size: int):
+    shard = ShardSpec(rank=rank, world_size=world_size, group=dist.group.WORLD if world_size > 1 else None)
+    params = minivllm.load(path, shard=shard)
+    tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(PROMPTS))]
+    cache = minivllm.init_cache(params, num_blocks=8 * len(PROMPTS), block_size=4)
+    batch = make_batch([SeqChunk(p, 0, t) for p, t in zip(PROMPTS, tables)], block_size=4)
+    batch = minivllm.Batch(**{**{f: getattr(batch, f) for f in ("input_ids", "positions", "slot_mapping",
+                                                                 "cu_seqlens_q", "context_lens", "block_tables")},
+                              "logits_indices": torch.arange(batch.num_tokens)})
+    logits, _ = minivllm.forward(params, cache, batch)
+    cache = minivllm.init_cache(params, num_blocks=64, block_size=4)
+    tokens, _ = minivllm.generate(params, cache, PROMPTS, max_new_tokens=20)
+    return logits, tokens
+
+
+def _worker(rank: int, world_size: int, port: int, root: str, cases: list[str]):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        torch.set_num_threads(1)
+        for case in cases:
+            logits, tokens = _run(os.path.join(root, case), rank, world_size)
+            torch.save({"logits": logits, "tokens": tokens}, os.path.join(root, f"{case}.rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
