@@ -1,8 +1,28 @@
-"""Sampling the next token from logits, as pure functions on the device."""
+"""Sampling the next token from logits, as pure functions on the device.
+
+`sample(logits, sb)` samples one token for each of B rows of logits, every row with its own
+parameters (a `SamplingBatch` of [B] tensors): penalties, greedy or temperature, top-k, top-p,
+min-p, and the top-N logprobs. There is no per-row Python loop.
+
+Randomness is counter based: row b's uniform is a hash of (seeds[b], steps[b]), where `steps` is
+how many tokens that sequence has generated so far, and the token is read off the row's CDF at
+that uniform (inverse-CDF sampling). A row's token therefore depends only on its own logits, its
+own parameters, its seed and its step, never on which other rows share the batch: a seeded
+request gives the same output whatever it is batched with, and a sequence recomputed after
+preemption continues the same random stream. The CDF is accumulated in float64 so that rounding
+does not depend on the batch either.
+
+`sample_tokens` is the simpler one-parameter-set sampler that `functional.generate` uses.
+"""
 
 from __future__ import annotations
 
+from typing import Sequence
+
+import attrs
 import torch
+
+from ..state.pytree import pytree_class, static
 
 
 def sample_tokens(logits: torch.Tensor, *, temperature: float = 0.0, top_k: int | None = None,
@@ -24,3 +44,270 @@ def sample_tokens(logits: torch.Tensor, *, temperature: float = 0.0, top_k: int 
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Counter-based uniforms: a hash of (seed, step), vectorised over rows.
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for int64 x in [0, 2**32): split c in 16-bit halves so that no product
+    overflows int64 (signed overflow is undefined in the kernels that would run it)."""
+    lo = x * (c & 0xFFFF)
+    hi = (x * (c >> 16)) & 0xFFFF
+    return (lo + (hi << 16)) & _M32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A well-mixed bijection on 32-bit values held in int64 ("lowbias32", C. Wellons)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniform_from_counter(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """seeds, steps: [B] int64 -> [B] float64 uniforms in (0, 1), a pure function of each row's
+    (seed, step). Seeds may use all 64 bits (negative int64 included); steps the low 32."""
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    h = _hash32((steps & _M32) ^ 0x9E3779B9)
+    h = _hash32(h ^ hi)
+    h = _hash32(h ^ lo)
+    h = _hash32(h ^ 0x85EBCA6B)
+    return (h.double() + 0.5) * (2.0 ** -32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-row sampling parameters.
+
+@attrs.frozen
+class SamplingRow:
+    """One row's sampling parameters, as host values (see make_sampling_batch).
+
+    temperature 0 is greedy; top_k <= 0 or >= vocab, top_p 1, min_p 0 and the neutral penalties
+    (0, 0, 1) are off. `seed` and `step` (tokens this sequence has generated) pick the row's
+    uniform. `output_ids` feed the presence / frequency / repetition penalties and `prompt_ids`
+    the repetition penalty; `banned_ids` can never be sampled (EOS before min_tokens);
+    `logprobs` asks for the top-N logprobs (None: none)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+    step: int = 0
+    output_ids: Sequence[int] = ()
+    prompt_ids: Sequence[int] = ()
+    banned_ids: Sequence[int] = ()
+    logprobs: int | None = None
+
+
+@pytree_class
+class SamplingBatch:
+    """Per-row sampling parameters for B rows of logits, as device tensors.
+
+    temperature        [B] fp32   0: greedy
+    top_k              [B] int64  >= vocab: off
+    top_p, min_p       [B] fp32   1 / 0: off
+    presence_penalty, frequency_penalty, repetition_penalty [B] fp32
+    seeds, steps       [B] int64  the counter that picks each row's uniform
+    output_ids         [B, L] int64 or None   tokens generated so far, padded with vocab_size
+    prompt_ids         [B, P] int64 or None   prompt tokens, padded with vocab_size
+    banned_rows, banned_ids [K] int64 or None  (row, id) pairs that can never be sampled
+    Static flags say which stages any row needs, so that a batch skips what no row asks for
+    (they are read off the host values, never synchronised from the device)."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    presence_penalty: torch.Tensor
+    frequency_penalty: torch.Tensor
+    repetition_penalty: torch.Tensor
+    seeds: torch.Tensor
+    steps: torch.Tensor
+    output_ids: torch.Tensor | None = None
+    prompt_ids: torch.Tensor | None = None
+    banned_rows: torch.Tensor | None = None
+    banned_ids: torch.Tensor | None = None
+    all_greedy: bool = static(default=False)
+    do_top_k: bool = static(default=False)
+    do_top_p: bool = static(default=False)
+    do_min_p: bool = static(default=False)
+    num_logprobs: int = static(default=-1)  # the most logprobs any row asks for; -1: none
+
+    @property
+    def num_rows(self) -> int:
+        return self.temperature.shape[0]
+
+
+def _as_int64(x: int) -> int:
+    """A Python int seed of up to 64 bits as the int64 holding the same bits."""
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _padded(rows: Sequence[Sequence[int]], pad: int, device) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    out = torch.full((len(rows), width), pad, dtype=torch.int64)
+    for b, r in enumerate(rows):
+        if len(r):
+            out[b, : len(r)] = torch.as_tensor(list(r), dtype=torch.int64)
+    return out.to(device)
+
+
+def make_sampling_batch(rows: Sequence[SamplingRow], *, vocab_size: int, device=None) -> SamplingBatch:
+    """Pack per-row parameters into a SamplingBatch (built on the host, then moved to `device`)."""
+    if not rows:
+        raise ValueError("a sampling batch needs at least one row")
+
+    def t(values, dtype):
+        return torch.tensor(values, dtype=dtype).to(device)
+
+    top_k = [r.top_k if 0 < r.top_k < vocab_size else vocab_size for r in rows]
+    penalised = [r.presence_penalty != 0 or r.frequency_penalty != 0 or r.repetition_penalty != 1
+                 for r in rows]
+    # Token lists cost a host-to-device copy each step: send them only when a row is penalised,
+    # and only that row's (the others get an empty, all-padding row).
+    output_ids = prompt_ids = None
+    if any(penalised):
+        output_ids = _padded([r.output_ids if p else () for r, p in zip(rows, penalised)],
+                             vocab_size, device)
+        if any(r.repetition_penalty != 1 for r in rows):
+            prompt_ids = _padded([r.prompt_ids if r.repetition_penalty != 1 else () for r in rows],
+                                 vocab_size, device)
+    banned_rows = banned_ids = None
+    pairs = [(b, i) for b, r in enumerate(rows) for i in r.banned_ids]
+    if pairs:
+        banned_rows = t([b for b, _ in pairs], torch.int64)
+        banned_ids = t([i for _, i in pairs], torch.int64)
+    wanted = [r.logprobs for r in rows if r.logprobs is not None]
+    return SamplingBatch(
+        temperature=t([float(r.temperature) for r in rows], torch.float32),
+        top_k=t(top_k, torch.int64),
+        top_p=t([float(r.top_p) for r in rows], torch.float32),
+        min_p=t([float(r.min_p) for r in rows], torch.float32),
+        presence_penalty=t([float(r.presence_penalty) for r in rows], torch.float32),
+        frequency_penalty=t([float(r.frequency_penalty) for r in rows], torch.float32),
+        repetition_penalty=t([float(r.repetition_penalty) for r in rows], torch.float32),
+        seeds=t([_as_int64(r.seed) for r in rows], torch.int64),
+        steps=t([r.step for r in rows], torch.int64),
+        output_ids=output_ids,
+        prompt_ids=prompt_ids,
+        banned_rows=banned_rows,
+        banned_ids=banned_ids,
+        all_greedy=all(r.temperature == 0 for r in rows),
+        do_top_k=any(k < vocab_size for k in top_k),
+        do_top_p=any(r.top_p < 1 for r in rows),
+        do_min_p=any(r.min_p > 0 for r in rows),
+        num_logprobs=max(wanted) if wanted else -1,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The sampler.
+
+@attrs.frozen
+class SampleOutput:
+    """token_ids [B] int64; when the batch asks for logprobs (else None): logprobs [B] fp32 and
+    ranks [B] int64 of the sampled token (rank 1 = most likely), top_ids / top_logprobs [B, N].
+    Logprobs are those of the model's raw distribution (log_softmax of the logits, before
+    penalties, temperature and truncation), as vLLM reports them."""
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    ranks: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+
+def token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """ids: [B, L] int64 padded with vocab_size -> counts [B, vocab_size] fp32."""
+    counts = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.float32, device=ids.device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """logits: [B, V] fp32 -> penalised logits, as vLLM applies them: the repetition penalty
+    divides positive (multiplies negative) logits of ids seen in the prompt or the output; then
+    the frequency penalty subtracts per output occurrence and the presence penalty once per id
+    present in the output. Banned ids go to -inf."""
+    vocab = logits.shape[-1]
+    if sb.output_ids is not None:
+        out_counts = token_counts(sb.output_ids, vocab)  # [B, V]
+        seen = out_counts > 0
+        if sb.prompt_ids is not None:
+            seen = seen | (token_counts(sb.prompt_ids, vocab) > 0)
+        rep = sb.repetition_penalty[:, None]
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+        logits = logits - sb.frequency_penalty[:, None] * out_counts
+        logits = logits - sb.presence_penalty[:, None] * (out_counts > 0).float()
+    if sb.banned_rows is not None:
+        logits = logits.index_put((sb.banned_rows, sb.banned_ids),
+                                  torch.tensor(float("-inf"), device=logits.device))
+    return logits
+
+
+def truncated_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """Penalised logits [B, V] -> probabilities [B, V] after temperature, top-k, top-p and min-p
+    (a truncated row is renormalised only implicitly: sample() reads its CDF up to its total)."""
+    temp = torch.where(sb.temperature > 0, sb.temperature, torch.ones_like(sb.temperature))
+    x = logits / temp[:, None]
+    if sb.do_top_k or sb.do_top_p:
+        vocab = x.shape[-1]
+        # Stable sort: equal logits keep their id order, so truncation is deterministic.
+        sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
+        if sb.do_top_k:
+            rank = torch.arange(vocab, device=x.device)[None, :]
+            sorted_x = sorted_x.masked_fill(rank >= sb.top_k[:, None], float("-inf"))
+        if sb.do_top_p:
+            p = torch.softmax(sorted_x, dim=-1)
+            # Drop an id when the mass strictly before it already reaches top_p (the top one stays).
+            drop = (p.cumsum(dim=-1) - p) >= sb.top_p[:, None]
+            sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        x = torch.empty_like(x).scatter_(-1, order, sorted_x)
+    probs = torch.softmax(x, dim=-1)
+    if sb.do_min_p:
+        floor = sb.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs
+
+
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: probs [B, V] (unnormalised is fine), uniforms [B] in (0, 1)
+    -> ids [B]: the first id whose float64 CDF reaches u * total. An id of probability 0 is never
+    chosen: the CDF does not rise there, and u * total > 0."""
+    cdf = probs.double().cumsum(dim=-1)  # [B, V]
+    target = (uniforms * cdf[:, -1]).unsqueeze(-1)  # [B, 1]
+    ids = torch.searchsorted(cdf, target).squeeze(-1)
+    return ids.clamp(max=probs.shape[-1] - 1)
+
+
+def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
+    """logits: [B, V] -> one token per row under that row's parameters (see SamplingBatch)."""
+    logits = logits.float()
+    raw = logits
+    logits = apply_penalties(logits, sb)
+    greedy = logits.argmax(dim=-1)
+    if sb.all_greedy:
+        token_ids = greedy
+    else:
+        probs = truncated_probs(logits, sb)
+        drawn = sample_from_probs(probs, uniform_from_counter(sb.seeds, sb.steps))
+        token_ids = torch.where(sb.temperature > 0, drawn, greedy)
+    if sb.num_logprobs < 0:
+        return SampleOutput(token_ids=token_ids)
+    logprobs = torch.log_softmax(raw, dim=-1)
+    chosen = logprobs.gather(1, token_ids[:, None])  # [B, 1]
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    n = min(sb.num_logprobs, logprobs.shape[-1])
+    top = torch.topk(logprobs, n, dim=-1)
+    return SampleOutput(token_ids=token_ids, logprobs=chosen.squeeze(-1), ranks=ranks,
+                        top_ids=top.indices, top_logprobs=top.values)

@@ -1,0 +1,15 @@
+"""The imperative shell: KV blocks, scheduling, the model runner, the engine loop and the LLM API."""
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .engine import EngineStats, LLMEngine
+from .llm import LLM
+from .outputs import CompletionOutput, Logprob, RequestOutput
+from .runner import ModelRunner, StepInput, StepResult
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerOutput
+from .sequence import Sequence
+
+__all__ = ["BlockManager", "EngineConfig", "EngineStats", "LLMEngine", "LLM", "CompletionOutput",
+           "Logprob", "RequestOutput", "ModelRunner", "StepInput", "StepResult", "SamplingParams",
+           "Scheduler", "SchedulerOutput", "Sequence"]

@@ -1,0 +1,216 @@
+"""The `minivllm` command: `generate` completes prompts, `chat` is an interactive conversation.
+
+    minivllm generate --model DIR --prompt "Hello, my name is" --max-tokens 32
+    minivllm chat --model DIR
+    minivllm generate --demo          # a built-in tiny model with random weights: no download
+
+With neither --model nor --demo it runs the demo model, and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+DEFAULT_PROMPTS = ["Hello, my name is", "The capital of France is", "The future of AI is"]
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", help="a local Hugging Face Qwen3 checkpoint directory")
+    g.add_argument("--demo", action="store_true",
+                   help="use the built-in tiny demo model (random weights: meaningless text)")
+    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--attention-backend", default=None)
+    g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--engine-seed", type=int, default=0, help="seeds requests that set no --seed")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--temperature", type=float, default=None,
+                   help="0 is greedy (default: 0.8 for chat, 0 for generate)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minivllm", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete prompts and print the completions")
+    _add_model_args(gen)
+    _add_sampling_args(gen, max_tokens=32)
+    gen.add_argument("--prompt", "-p", action="append", default=None,
+                     help="a prompt (repeatable; default: three example prompts)")
+    gen.add_argument("--n", type=int, default=1, help="completions per prompt")
+    gen.add_argument("--logprobs", type=int, default=None)
+    gen.add_argument("--chat-template", action="store_true",
+                     help="format each prompt as a user message with the chat template")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    gen.add_argument("--json", action="store_true", help="one JSON object per completion")
+    chat = sub.add_parser("chat", help="an interactive chat on stdin/stdout")
+    _add_model_args(chat)
+    _add_sampling_args(chat, max_tokens=256)
+    chat.add_argument("--system", default=None, help="a system message")
+    return parser
+
+
+def _resolve_model(args) -> str:
+    from .runtime.demo import NOTICE, ensure_demo_model
+
+    if args.model and args.demo:
+        raise SystemExit("minivllm: give --model or --demo, not both")
+    if args.model:
+        return args.model
+    if not args.demo:
+        print("minivllm: no --model given, so running the built-in demo model.", file=sys.stderr)
+    print(NOTICE, file=sys.stderr)
+    return ensure_demo_model()
+
+
+def _make_llm(args):
+    from .runtime.llm import LLM
+
+    model = _resolve_model(args)
+    demo = not args.model
+    kwargs = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                  block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                  gpu_memory_utilization=args.gpu_memory_utilization,
+                  attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+                  tensor_parallel_size=args.tensor_parallel_size, seed=args.engine_seed,
+                  enable_prefix_caching=not args.no_prefix_caching,
+                  max_num_batched_tokens=args.max_num_batched_tokens)
+    # An interactive CLI serves few sequences: keep the default KV cache small.
+    kwargs["max_num_seqs"] = args.max_num_seqs or (16 if demo or args.command == "chat" else 256)
+    if demo and args.max_model_len is None:
+        kwargs["max_model_len"] = 2048
+    return LLM(model, **kwargs)
+
+
+def _sampling_params(args, **extra):
+    from .runtime.sampling_params import SamplingParams
+
+    temperature = args.temperature
+    if temperature is None:
+        temperature = 0.8 if args.command == "chat" else 0.0
+    return SamplingParams(
+        max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=temperature,
+        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
+        ignore_eos=args.ignore_eos, **extra)
+
+
+def cmd_generate(args) -> int:
+    llm = _make_llm(args)
+    params = _sampling_params(args, n=args.n, logprobs=args.logprobs)
+    texts = args.prompt or DEFAULT_PROMPTS
+    prompts = (llm.chat_prompts([[{"role": "user", "content": t}] for t in texts])
+               if args.chat_template else texts)
+    start = time.perf_counter()
+    if args.stream:
+        # Prompts are interleaved as they run: label every piece with its prompt number.
+        ids: dict[str, int] = {}
+        for delta in llm.stream(prompts, params):
+            k = ids.setdefault(delta.request_id, len(ids))
+            for c in delta.outputs:
+                if c.text:
+                    print(f"[{k}.{c.index}] {c.text!r}", flush=True)
+        outputs = []
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
+    elapsed = time.perf_counter() - start
+    for text, out in zip(texts, outputs):
+        for c in out.outputs:
+            if args.json:
+                print(json.dumps({"prompt": text, "index": c.index, "text": c.text,
+                                  "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                                  "cumulative_logprob": c.cumulative_logprob}))
+            else:
+                print(f"Prompt: {text!r}\nGenerated: {c.text!r}  [{len(c.token_ids)} tokens, "
+                      f"{c.finish_reason}]\n")
+    s = llm.stats
+    print(f"minivllm: {s.prompt_tokens_computed + s.prompt_tokens_cached} prompt tokens "
+          f"({s.prompt_tokens_cached} from the prefix cache), {s.generation_tokens} generated "
+          f"in {elapsed:.2f} s ({s.generation_tokens / max(elapsed, 1e-9):.1f} tok/s), "
+          f"{s.steps} steps, {s.preemptions} preemptions", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    llm = _make_llm(args)
+    params = _sampling_params(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("minivllm chat: type a message; /reset clears the conversation, /exit or Ctrl-D "
+              "quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            break
+        if line == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        messages.append({"role": "user", "content": line})
+        prompt = llm.chat_prompts(messages)[0]
+        reply = []
+        try:
+            for delta in llm.stream([prompt], params):
+                for c in delta.outputs:
+                    reply.append(c.text)
+                    print(c.text, end="", flush=True)
+        except KeyboardInterrupt:
+            pass  # the stream's cleanup aborts the request
+        print(flush=True)
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=os.environ.get("MINIVLLM_LOG_LEVEL", "WARNING"),
+                        format="%(message)s")
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        return cmd_chat(args)
+    except ValueError as e:
+        print(f"minivllm: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

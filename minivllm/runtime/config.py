@@ -1,0 +1,89 @@
+"""EngineConfig: the engine's settings, checked and resolved against the checkpoint once."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..state.config import ModelConfig, parse_dtype
+
+
+def _positive(name: str, value, allow_none: bool = True):
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer{' or None' if allow_none else ''}, "
+                         f"got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What LLM(...) was asked for, resolved: `dtype` a torch dtype, `device` a torch device,
+    `max_model_len` and `max_num_batched_tokens` numbers. num_kv_blocks None: sized from memory."""
+
+    model: str
+    model_config: ModelConfig
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    gpu_memory_utilization: float
+    num_kv_blocks: int | None
+    enforce_eager: bool
+    tensor_parallel_size: int
+    attention_backend: str | None
+    seed: int
+    enable_prefix_caching: bool
+    max_logprobs: int
+
+    @classmethod
+    def create(cls, model, *, dtype="auto", max_model_len=None, max_num_seqs=256,
+               max_num_batched_tokens=None, block_size=16, gpu_memory_utilization=0.9,
+               num_kv_blocks=None, enforce_eager=False, tensor_parallel_size=1,
+               attention_backend=None, seed=0, enable_prefix_caching=True, max_logprobs=20,
+               device=None) -> "EngineConfig":
+        model = os.fspath(model)
+        if not os.path.isdir(model):
+            raise ValueError(f"model directory {model!r} does not exist (minivllm loads local "
+                             f"Hugging Face checkpoints; try `minivllm generate --demo`)")
+        model_config = ModelConfig.from_json(model)
+        for name, value in (("max_num_seqs", max_num_seqs), ("block_size", block_size)):
+            _positive(name, value, allow_none=False)
+        for name, value in (("max_model_len", max_model_len), ("num_kv_blocks", num_kv_blocks),
+                            ("max_num_batched_tokens", max_num_batched_tokens)):
+            _positive(name, value)
+        _positive("tensor_parallel_size", tensor_parallel_size, allow_none=False)
+        if tensor_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: tensor parallelism "
+                             f"lands with issue 6; use tensor_parallel_size=1 for now")
+        if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        if not isinstance(max_logprobs, int) or isinstance(max_logprobs, bool) or max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {max_logprobs!r}")
+
+        device = torch.device(device if device is not None else
+                              ("cuda" if torch.cuda.is_available() else "cpu"))
+        # "auto" keeps the checkpoint's dtype (float32 tiny test checkpoints stay float32).
+        dtype = parse_dtype(dtype, model_config.dtype)
+        limit = model_config.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = limit
+        elif max_model_len > limit:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                             f"max_position_embeddings ({limit})")
+        if max_num_batched_tokens is None:
+            # CPU: the reference attention's memory grows with tokens x context, keep steps small.
+            max_num_batched_tokens = 8192 if device.type == "cuda" else 1024
+        return cls(model=model, model_config=model_config, dtype=dtype, device=device,
+                   max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                   max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                   gpu_memory_utilization=float(gpu_memory_utilization), num_kv_blocks=num_kv_blocks,
+                   enforce_eager=bool(enforce_eager), tensor_parallel_size=tensor_parallel_size,
+                   attention_backend=attention_backend, seed=seed,
+                   enable_prefix_caching=bool(enable_prefix_caching), max_logprobs=max_logprobs)

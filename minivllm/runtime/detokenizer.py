@@ -1,0 +1,38 @@
+"""Incremental detokenization and stop strings, as functions of what they read.
+
+Decoding a growing sequence from scratch every step costs O(length) per token; instead each step
+decodes a short window: the text of ids[prefix_offset:] minus the text of
+ids[prefix_offset:read_offset]. The window starts a few tokens before the new ones so that
+tokenizers that drop or merge leading spaces decode the new tokens in context, and it does not
+advance while the text ends in an incomplete UTF-8 character (U+FFFD), which a later byte-level
+token will complete.
+"""
+
+from __future__ import annotations
+
+
+def detokenize_incrementally(tokenizer, ids: list[int], prefix_offset: int, read_offset: int, *,
+                             skip_special_tokens: bool = True,
+                             spaces_between_special_tokens: bool = True) -> tuple[str, int, int]:
+    """-> (new text, new prefix_offset, new read_offset) after ids[read_offset:] were added."""
+    kwargs = dict(skip_special_tokens=skip_special_tokens)
+    if not spaces_between_special_tokens:
+        kwargs["spaces_between_special_tokens"] = False
+    prefix_text = tokenizer.decode(ids[prefix_offset:read_offset], **kwargs)
+    text = tokenizer.decode(ids[prefix_offset:], **kwargs)
+    if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
+        return text[len(prefix_text):], read_offset, len(ids)
+    return "", prefix_offset, read_offset
+
+
+def find_stop_string(text: str, num_new_chars: int, stops: tuple[str, ...]) -> tuple[int, str] | None:
+    """The earliest stop string that the last `num_new_chars` characters of `text` complete:
+    (its start index, the string), or None. Only the tail is searched: earlier text was searched
+    when it was new."""
+    best = None
+    for stop in stops:
+        start = max(0, len(text) - num_new_chars - len(stop) + 1)
+        i = text.find(stop, start)
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, stop)
+    return best

@@ -1,0 +1,310 @@
+"""LLMEngine: requests in, one scheduled step at a time, RequestOutputs out.
+
+add_requests checks every request before any is queued (a bad one raises ValueError and leaves
+the engine as it was); step() schedules, runs the model runner, records the sampled tokens,
+detokenizes incrementally and applies stop strings, and returns the outputs of the requests the
+step touched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..functional.sampling import SamplingRow
+from ..state.batch import SeqChunk
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .detokenizer import detokenize_incrementally, find_stop_string
+from .outputs import CompletionOutput, Logprob, RequestOutput
+from .runner import ModelRunner, StepInput, StepResult
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerOutput
+from .sequence import Sequence, Status
+
+log = logging.getLogger("minivllm")
+
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started (tokens, not time: tests assert on them)."""
+
+    steps: int = 0
+    prompt_tokens_computed: int = 0  # prompt positions run through the model (recomputes included)
+    prompt_tokens_cached: int = 0  # prompt positions found in the prefix cache at first admission
+    tokens_recomputed: int = 0  # generated positions run again after a preemption
+    generation_tokens: int = 0  # tokens sampled
+    preemptions: int = 0
+    max_step_tokens: int = 0
+    max_step_seqs: int = 0
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+
+def read_eos_ids(model_dir: str, model_config, tokenizer) -> tuple[int, ...]:
+    """EOS ids: the config's, generation_config.json's and the tokenizer's (Qwen3 lists two)."""
+    ids = list(model_config.eos_token_ids)
+    path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(path):
+        try:
+            with open(path) as f:
+                eos = json.load(f).get("eos_token_id")
+            ids.extend([eos] if isinstance(eos, int) else (eos or []))
+        except (OSError, json.JSONDecodeError):
+            pass
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer=None, runner: ModelRunner | None = None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.runner = runner if runner is not None else ModelRunner(config)
+        self.model_config = self.runner.model_config
+        self.vocab_size = self.model_config.vocab_size
+        self.num_blocks = self.runner.num_blocks
+        self.block_manager = BlockManager(self.num_blocks, config.block_size,
+                                          enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_model_len=config.max_model_len)
+        self.eos_ids = read_eos_ids(config.model, self.model_config, tokenizer)
+        self.rng = random.Random(config.seed)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._next_seq_id = 0
+        self._next_request_id = 0
+        capacity = self.num_blocks * config.block_size
+        if capacity < config.max_model_len:
+            log.warning("minivllm: the KV cache holds %d tokens, less than max_model_len=%d; "
+                        "requests that could outgrow it are refused", capacity, config.max_model_len)
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def _prompt_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
+        text = None
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
+            elif "prompt" in prompt:
+                text = prompt["prompt"]
+                ids = None
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, str):
+            text, ids = prompt, None
+        else:
+            raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, "
+                             f"got {type(prompt).__name__}")
+        if ids is None:
+            if not isinstance(text, str):
+                raise ValueError(f"prompt must be a string, got {type(text).__name__}")
+            if not text:
+                raise ValueError("the prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass {'prompt_token_ids': [...]}")
+            ids = self.tokenizer.encode(text)
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
+            raise ValueError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
+        ids = list(ids.tolist() if hasattr(ids, "tolist") else ids)
+        if not ids:
+            raise ValueError("the prompt is empty (no tokens)")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ValueError(f"prompt_token_ids holds {t!r}, not an int token id")
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {self.vocab_size})")
+        return text, ids
+
+    def check_request(self, prompt: Any, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """ValueError unless the request can run; returns (prompt text, prompt ids)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self._prompt_ids(prompt)
+        max_len = self.config.max_model_len
+        if len(ids) >= max_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len={max_len} leaves "
+                             f"no room to generate (the prompt must be shorter than it)")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={self.config.max_logprobs}")
+        if (params.stop_strings or not params.skip_special_tokens) and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this engine has none")
+        for i in params.stop_ids:
+            if i >= self.vocab_size:
+                raise ValueError(f"stop token id {i} is outside the vocabulary [0, {self.vocab_size})")
+        # The most tokens the sequence ever holds in the cache (its last token is never fed back).
+        longest = min(len(ids) + (params.max_tokens or max_len), max_len) - 1
+        need = self.block_manager.blocks_for(longest)
+        if need > self.num_blocks:
+            raise ValueError(f"this request can never fit the KV cache: it may grow to {longest} "
+                             f"tokens ({need} blocks of {self.config.block_size}) and the cache has "
+                             f"{self.num_blocks} blocks; lower max_tokens or raise num_kv_blocks")
+        return text, ids
+
+    def add_requests(self, prompts: list, params: list[SamplingParams]) -> list[str]:
+        """Queue requests, all or none: every one is checked before any is queued."""
+        if len(prompts) != len(params):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        checked = [self.check_request(p, sp) for p, sp in zip(prompts, params)]
+        return [self._enqueue(text, ids, sp) for (text, ids), sp in zip(checked, params)]
+
+    def add_request(self, prompt: Any, params: SamplingParams) -> str:
+        return self.add_requests([prompt], [params])[0]
+
+    def _enqueue(self, text: str | None, ids: list[int], params: SamplingParams) -> str:
+        request_id = str(self._next_request_id)
+        self._next_request_id += 1
+        request = Request(request_id, text, ids, params)
+        base = params.seed if params.seed is not None else self.rng.getrandbits(63)
+        for i in range(params.n):
+            seed = base if i == 0 else (base + i * _GOLDEN) & ((1 << 64) - 1)
+            seq = Sequence(self._next_seq_id, request_id, i, ids, params, seed,
+                           arrival=self._next_seq_id, eos_ids=self.eos_ids)
+            self._next_seq_id += 1
+            request.seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = request
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            for seq in request.seqs:
+                self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        p = seq.params
+        penalised = p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+        banned = ()
+        if seq.num_output < p.min_tokens:
+            banned = tuple(i for i in (*(() if p.ignore_eos else seq.eos_ids), *p.stop_ids)
+                           if i < self.vocab_size)
+        return SamplingRow(
+            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+            presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty, seed=seq.seed, step=seq.num_output,
+            output_ids=seq.output_ids if penalised else (),
+            prompt_ids=seq.prompt_ids if p.repetition_penalty != 1 else (),
+            banned_ids=banned, logprobs=p.logprobs)
+
+    def step_input(self, out: SchedulerOutput) -> StepInput:
+        chunks = [SeqChunk(c.token_ids, c.start, list(c.seq.block_table), c.want_logits)
+                  for c in out.chunks]
+        rows = [self._sampling_row(c.seq) for c in out.sampled]
+        return StepInput(chunks, rows)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; the outputs of the requests it touched (finished included)."""
+        out = self.scheduler.schedule()
+        if out.empty:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler could not schedule anything")
+            return []
+        self._count(out)
+        result = self.runner.execute(self.step_input(out))
+        seqs = self.scheduler.update(out, result.token_ids)
+        self.stats.generation_tokens += len(seqs)
+        self._postprocess(seqs, result)
+        touched = dict.fromkeys(c.seq.request_id for c in out.chunks)
+        touched.update(dict.fromkeys(s.request_id for s in out.preempted))
+        outputs = []
+        for request_id in touched:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            outputs.append(self.make_output(request))
+            if request.finished:
+                del self.requests[request_id]
+        return outputs
+
+    def _count(self, out: SchedulerOutput) -> None:
+        s = self.stats
+        s.steps += 1
+        s.preemptions = self.scheduler.num_preemptions
+        s.prompt_tokens_cached = self.scheduler.num_prompt_tokens_cached
+        s.max_step_tokens = max(s.max_step_tokens, out.num_tokens)
+        s.max_step_seqs = max(s.max_step_seqs, len(out.chunks))
+        for c in out.chunks:
+            end = c.start + c.num_tokens
+            s.prompt_tokens_computed += max(0, min(end, c.seq.prompt_len) - c.start)
+            # Generated positions before the step's last token were computed before a preemption.
+            s.tokens_recomputed += max(0, end - 1 - max(c.start, c.seq.prompt_len))
+
+    def _postprocess(self, seqs: list[Sequence], result: StepResult) -> None:
+        for k, seq in enumerate(seqs):
+            p = seq.params
+            tok = seq.token_ids[-1]
+            if result.logprobs is not None and seq.logprobs is not None:
+                lp = result.logprobs[k]
+                seq.cumulative_logprob += lp.logprob
+                entry = {i: Logprob(v, r + 1, self._decode_one(i))
+                         for r, (i, v) in enumerate(zip(lp.top_ids, lp.top_logprobs))}
+                entry[tok] = Logprob(lp.logprob, lp.rank, self._decode_one(tok))
+                seq.logprobs.append(entry)
+            if self.tokenizer is None or not p.detokenize:
+                continue
+            new_text, seq.prefix_offset, seq.read_offset = detokenize_incrementally(
+                self.tokenizer, seq.token_ids, seq.prefix_offset, seq.read_offset,
+                skip_special_tokens=p.skip_special_tokens,
+                spaces_between_special_tokens=p.spaces_between_special_tokens)
+            seq.text += new_text
+            if not p.stop_strings or not new_text or seq.num_output < p.min_tokens:
+                continue
+            hit = find_stop_string(seq.text, len(new_text), p.stop_strings)
+            if hit is None:
+                continue
+            at, stop = hit
+            seq.text = seq.text[:at + len(stop)] if p.include_stop_str_in_output else seq.text[:at]
+            if seq.finished:
+                if seq.stop_reason is None and seq.finish_reason == "length":
+                    seq.finish_reason, seq.stop_reason = "stop", stop
+            else:
+                self.scheduler.finish(seq, "stop", stop)
+
+    def _decode_one(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id])
+
+    def make_output(self, request: Request) -> RequestOutput:
+        """The request's cumulative output so far."""
+        outputs = []
+        for seq in request.seqs:
+            outputs.append(CompletionOutput(
+                index=seq.index, text=seq.text, token_ids=seq.output_ids,
+                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        cached = [s.num_cached_prompt for s in request.seqs if s.num_cached_prompt >= 0]
+        return RequestOutput(request_id=request.request_id, prompt=request.prompt,
+                             prompt_token_ids=list(request.prompt_ids), outputs=outputs,
+                             finished=request.finished,
+                             num_cached_tokens=cached[0] if cached else 0)
+
+    @property
+    def running_sequences(self) -> list[Sequence]:
+        return [s for s in self.scheduler.sequences if s.status is Status.RUNNING]

@@ -1,0 +1,245 @@
+"""LLM: the offline API, shaped like vLLM's, so that switching is a one-line change.
+
+    from minivllm import LLM, SamplingParams
+    llm = LLM("path/to/Qwen3-0.6B")
+    for out in llm.generate(["Hello, my name is"], SamplingParams(temperature=0.8, max_tokens=32)):
+        print(out.outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Iterator
+
+from .config import EngineConfig
+from .engine import EngineStats, LLMEngine
+from .outputs import CompletionOutput, RequestOutput
+from .sampling_params import SamplingParams
+
+log = logging.getLogger("minivllm")
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(path: str, *, required: bool):
+    """transformers' AutoTokenizer from `path`; None (with a warning) when the directory has no
+    tokenizer files and none is required."""
+    if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        if required:
+            raise ValueError(f"no tokenizer files in {path}")
+        log.warning("minivllm: no tokenizer in %s; prompts must be given as prompt_token_ids "
+                    "and outputs have no text", path)
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class LLM:
+    """An inference engine over one local Qwen3 checkpoint.
+
+    model: a Hugging Face checkpoint directory. tokenizer: a directory to load the tokenizer
+    from instead (default: the model's). dtype: "auto" (the checkpoint's), "float32",
+    "bfloat16", "float16" or a torch dtype. max_model_len: longest prompt + output (default: the
+    model's max_position_embeddings). max_num_seqs / max_num_batched_tokens: the scheduler's
+    budgets per step. block_size: tokens per KV block. num_kv_blocks: the KV cache's size in
+    blocks (default: sized from free GPU memory * gpu_memory_utilization after a warm-up step,
+    or on CPU from a memory budget, MINIVLLM_CPU_KV_CACHE_SPACE GiB). enforce_eager: no CUDA
+    graphs (issue 5). attention_backend: "reference", "triton", "flash_attn" or None (best for
+    the device; MINIVLLM_ATTENTION_BACKEND). seed: draws the seeds of requests that set none.
+    """
+
+    def __init__(self, model, *, tokenizer=None, dtype="auto", max_model_len: int | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                 block_size: int = 16, gpu_memory_utilization: float = 0.9,
+                 num_kv_blocks: int | None = None, enforce_eager: bool = False,
+                 tensor_parallel_size: int = 1, attention_backend: str | None = None, seed: int = 0,
+                 enable_prefix_caching: bool = True, max_logprobs: int = 20, device=None,
+                 skip_tokenizer_init: bool = False):
+        self.config = EngineConfig.create(
+            model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+            gpu_memory_utilization=gpu_memory_utilization, num_kv_blocks=num_kv_blocks,
+            enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
+            attention_backend=attention_backend, seed=seed,
+            enable_prefix_caching=enable_prefix_caching, max_logprobs=max_logprobs, device=device)
+        tok = None
+        if not skip_tokenizer_init:
+            tok = load_tokenizer(os.fspath(tokenizer or self.config.model), required=tokenizer is not None)
+        self.engine = LLMEngine(self.config, tok)
+
+    # -- accessors -------------------------------------------------------------------------------
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.engine.stats
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.block_manager.reset_prefix_cache()
+
+    # -- requests --------------------------------------------------------------------------------
+
+    @staticmethod
+    def _prompt_list(prompts) -> list:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if prompts is None:
+            raise ValueError("prompts is None")
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("no prompts given")
+        return prompts
+
+    @staticmethod
+    def _params_list(sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise ValueError(f"{n} prompts but {len(params)} sampling params")
+        return params
+
+    def _add(self, prompts, sampling_params) -> list[str]:
+        prompts = self._prompt_list(prompts)
+        return self.engine.add_requests(prompts, self._params_list(sampling_params, len(prompts)))
+
+    def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt (a string, or {"prompt_token_ids": [...]}, or a list of them);
+        results in input order. Every request is checked (ValueError) before any is scheduled."""
+        ids = self._add(prompts, sampling_params)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params=None, *, use_tqdm: bool = True, chat_template=None,
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None
+             ) -> list[RequestOutput]:
+        """Complete one conversation (a list of {"role", "content"} dicts) or a list of them,
+        formatted by the tokenizer's chat template."""
+        prompts = self.chat_prompts(messages, chat_template=chat_template,
+                                    add_generation_prompt=add_generation_prompt,
+                                    chat_template_kwargs=chat_template_kwargs)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat_prompts(self, messages, *, chat_template=None, add_generation_prompt: bool = True,
+                     chat_template_kwargs: dict | None = None) -> list[dict]:
+        """Conversations -> prompts ({"prompt", "prompt_token_ids"}) through the chat template."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError("chat needs a tokenizer, and this engine has none")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in conversations:
+            text = tok.apply_chat_template(list(conv), tokenize=False, chat_template=chat_template,
+                                           add_generation_prompt=add_generation_prompt,
+                                           **(chat_template_kwargs or {}))
+            # The template writes any special tokens itself.
+            ids = tok.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return prompts
+
+    def stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
+        """Yield incremental outputs as they are produced: each RequestOutput holds, per
+        completion, only the text, token ids and logprobs that are new since the last one yielded
+        for that request (`finished` and finish_reason on the last). Text that could be the
+        start of a stop string is held back until it is known not to be one."""
+        ids = self._add(prompts, sampling_params)
+        mine = set(ids)
+        # Characters that may begin a stop string: up to the longest stop string, less one.
+        hold = {i: max(map(len, self.engine.requests[i].params.stop_strings), default=1) - 1
+                for i in ids}
+        sent: dict[tuple[str, int], tuple[int, int]] = {}  # (request, index) -> (chars, tokens)
+        try:
+            while mine:
+                for out in self.engine.step():
+                    if out.request_id not in mine:
+                        continue
+                    delta = _delta(out, sent, hold[out.request_id])
+                    if out.finished:
+                        mine.discard(out.request_id)
+                    if delta is not None:
+                        yield delta
+        finally:
+            for request_id in mine:  # the caller stopped early: free the cache
+                self.engine.abort_request(request_id)
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(ids)
+        final: dict[str, RequestOutput] = {}
+        bar = _Progress(len(ids), self.engine.stats) if use_tqdm else None
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        final[out.request_id] = out
+                        if bar:
+                            bar.update(1)
+                if bar:
+                    bar.refresh()
+        except BaseException:
+            for request_id in pending:
+                self.engine.abort_request(request_id)
+            raise
+        finally:
+            if bar:
+                bar.close()
+        return [final[i] for i in ids]
+
+
+def _delta(out: RequestOutput, sent: dict, hold: int) -> RequestOutput | None:
+    """What is new in `out` since `sent` recorded, keeping back the last `hold` characters of an
+    unfinished text; None when nothing is new."""
+    outputs = []
+    for c in out.outputs:
+        chars, tokens = sent.get((out.request_id, c.index), (0, 0))
+        visible = len(c.text) if c.finished() else max(chars, len(c.text) - hold)
+        new = CompletionOutput(index=c.index, text=c.text[chars:visible], token_ids=c.token_ids[tokens:],
+                               cumulative_logprob=c.cumulative_logprob,
+                               logprobs=c.logprobs[tokens:] if c.logprobs is not None else None,
+                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+        sent[(out.request_id, c.index)] = (visible, len(c.token_ids))
+        if new.text or new.token_ids or new.finish_reason is not None:
+            outputs.append(new)
+    if not outputs and not out.finished:
+        return None
+    return RequestOutput(request_id=out.request_id, prompt=out.prompt,
+                         prompt_token_ids=out.prompt_token_ids, outputs=outputs,
+                         finished=out.finished, num_cached_tokens=out.num_cached_tokens)
+
+
+class _Progress:
+    """A tqdm bar over finished requests, showing prompt and generation throughput."""
+
+    def __init__(self, total: int, stats: EngineStats):
+        from tqdm.auto import tqdm
+
+        self.stats = stats
+        self.start = time.perf_counter()
+        self.base = (stats.prompt_tokens_computed + stats.prompt_tokens_cached, stats.generation_tokens)
+        self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True,
+                        postfix="input: 0.00 toks/s, output: 0.00 toks/s")
+
+    def update(self, n: int) -> None:
+        self.bar.update(n)
+
+    def refresh(self) -> None:
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        s = self.stats
+        prompt = s.prompt_tokens_computed + s.prompt_tokens_cached - self.base[0]
+        gen = s.generation_tokens - self.base[1]
+        self.bar.set_postfix_str(f"input: {prompt / elapsed:.2f} toks/s, output: {gen / elapsed:.2f} toks/s",
+                                 refresh=False)
+
+    def close(self) -> None:
+        self.refresh()
+        self.bar.close()

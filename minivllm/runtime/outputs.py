@@ -1,0 +1,51 @@
+"""What the engine hands back, shaped like vLLM's RequestOutput / CompletionOutput / Logprob."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """One token's log probability under the model's raw distribution; rank 1 is the most likely."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per generated token: {token_id: Logprob} holding the top-N ids and the sampled one.
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request. finish_reason: None while running, then "stop" (EOS, a stop
+    id or a stop string; stop_reason says which, None for EOS) or "length" (max_tokens or
+    max_model_len). In a streamed output, text / token_ids / logprobs hold only what is new."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The outputs of one request: `outputs` holds its n completions (index order).
+    num_cached_tokens: prompt tokens found in the prefix cache when it was first scheduled."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: None = None
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)

@@ -1,0 +1,169 @@
+"""The model runner: owns the weights and the KV cache on one device, and turns a scheduled step
+into a Batch, runs the forward, and samples.
+
+Its input (`StepInput`) and output (`StepResult`) are plain, picklable data with no reference to
+the engine's sequences, so that a tensor-parallel executor can broadcast a StepInput to one
+runner per rank (each loading its own shard) and take rank 0's StepResult: that is the seam
+issue 6 plugs into. CUDA graphs and torch.compile for decode (issue 5) belong in `execute`;
+`enforce_eager` is kept here for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..functional.model import forward
+from ..functional.sampling import SamplingRow, make_sampling_batch, sample
+from ..kernels import select_backend
+from ..state.batch import SeqChunk, make_batch
+from ..state.cache import init_cache
+from ..state.config import ceil_div
+from ..state.load import load
+from ..state.params import Params
+from ..state.shard import ShardSpec
+from .config import EngineConfig
+
+log = logging.getLogger("minivllm")
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One forward step: the sequences' chunks (in batch order) and, for each chunk that wants
+    logits (in the same order), its sampling row."""
+
+    chunks: list[SeqChunk]
+    rows: list[SamplingRow]
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The sampled token's logprob and rank, and the top-N (ids, logprobs), for one row."""
+
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    token_ids: list[int]  # one per sampling row
+    logprobs: list[TokenLogprobs] | None = None  # per row, when any row asked for logprobs
+
+
+def kv_block_bytes(params: Params, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block across all layers (K and V) on this rank."""
+    config = params.config
+    per_token = 2 * config.num_layers * params.shard.num_kv_heads(config) * config.head_dim
+    return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+
+
+def cpu_kv_budget_bytes() -> int:
+    """MINIVLLM_CPU_KV_CACHE_SPACE GiB when set, else 4 GiB capped at a quarter of the RAM."""
+    env = os.environ.get("MINIVLLM_CPU_KV_CACHE_SPACE")
+    if env:
+        return int(float(env) * GiB)
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 16 * GiB
+    return min(4 * GiB, ram // 4)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, *, shard: ShardSpec | None = None,
+                 params: Params | None = None):
+        self.config = config
+        self.block_size = config.block_size
+        self.params = params if params is not None else load(
+            config.model, dtype=config.dtype, device=config.device, shard=shard)
+        self.model_config = self.params.config
+        self.vocab_size = self.model_config.vocab_size
+        self.device = self.params.device
+        self.backend = select_backend(self.device, config.attention_backend)
+        self.enforce_eager = config.enforce_eager  # CUDA graphs / compile: issue 5
+        self.num_blocks = self._num_blocks()
+        self.cache = init_cache(self.params, num_blocks=self.num_blocks, block_size=self.block_size)
+
+    # -- sizing the KV cache ---------------------------------------------------------------------
+
+    def _num_blocks(self) -> int:
+        config = self.config
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        per_block = kv_block_bytes(self.params, self.block_size, self.params.dtype)
+        if self.device.type == "cuda":
+            budget = self._cuda_kv_budget()
+        else:
+            budget = cpu_kv_budget_bytes()
+        # Enough for every sequence at full length, within the memory budget.
+        wanted = config.max_num_seqs * ceil_div(config.max_model_len, self.block_size)
+        num = min(wanted, budget // per_block)
+        if num < 1:
+            raise ValueError(f"no memory left for the KV cache (a block needs {per_block} bytes, "
+                             f"the budget is {budget}); lower max_num_batched_tokens or raise "
+                             f"gpu_memory_utilization")
+        log.info("minivllm KV cache: %d blocks of %d tokens (%.2f GiB)", num, self.block_size,
+                 num * per_block / GiB)
+        return num
+
+    def _cuda_kv_budget(self) -> int:
+        """Free memory * gpu_memory_utilization, less what a full-size step needs, measured by
+        running one (a warm-up forward of max_num_batched_tokens tokens and its sampling)."""
+        config = self.config
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        tokens = min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
+        per_seq = min(config.max_model_len, tokens)
+        lengths = [per_seq] * (tokens // per_seq) + ([tokens % per_seq] if tokens % per_seq else [])
+        blocks = sum(ceil_div(n, self.block_size) for n in lengths)
+        scratch = init_cache(self.params, num_blocks=blocks, block_size=self.block_size)
+        chunks, next_block = [], 0
+        for n in lengths:
+            table = list(range(next_block, next_block + ceil_div(n, self.block_size)))
+            next_block += len(table)
+            chunks.append(SeqChunk([0] * n, 0, table))
+        rows = [SamplingRow(temperature=1.0, top_p=0.9, top_k=50)] * len(chunks)
+        self._run(scratch, StepInput(chunks, rows))
+        torch.cuda.synchronize(self.device)
+        activations = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+        del scratch
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        in_use = total - free  # weights, the CUDA context, other processes
+        return int(total * config.gpu_memory_utilization - in_use - activations)
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def _run(self, cache, step: StepInput):
+        batch = make_batch(step.chunks, block_size=self.block_size, device=self.device)
+        with torch.no_grad():
+            logits, cache = forward(self.params, cache, batch, self.backend)
+            out = None
+            if step.rows:
+                sb = make_sampling_batch(step.rows, vocab_size=self.vocab_size, device=self.device)
+                out = sample(logits, sb)
+        return out, cache
+
+    def execute(self, step: StepInput) -> StepResult:
+        """Compute the step's tokens into the cache and sample one token per row."""
+        out, self.cache = self._run(self.cache, step)
+        if out is None:
+            return StepResult(token_ids=[])
+        token_ids = out.token_ids.tolist()
+        if out.logprobs is None:
+            return StepResult(token_ids=token_ids)
+        lps, ranks = out.logprobs.tolist(), out.ranks.tolist()
+        top_ids, top_lps = out.top_ids.tolist(), out.top_logprobs.tolist()
+        logprobs = []
+        for row, lp, rank, ids, tops in zip(step.rows, lps, ranks, top_ids, top_lps):
+            n = row.logprobs or 0
+            logprobs.append(TokenLogprobs(lp, rank, ids[:n], tops[:n]))
+        return StepResult(token_ids=token_ids, logprobs=logprobs)

@@ -1,0 +1,109 @@
+"""SamplingParams: how to sample one request, with vLLM's names and defaults, checked on creation."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling parameters for one request (vLLM's `SamplingParams`, the subset minivllm runs).
+
+    n: completions per prompt. temperature: 0 is greedy. top_p in (0, 1]; top_k 0 or -1 is off;
+    min_p in [0, 1]. presence/frequency penalties in [-2, 2] act on generated tokens, the
+    repetition penalty (> 0, 1 is off) on prompt and generated tokens. seed: makes this request's
+    samples reproducible whatever it is batched with. stop: strings that end the output (left out
+    of the text unless include_stop_str_in_output); stop_token_ids: ids that end it (kept in
+    token_ids). ignore_eos: run past EOS. max_tokens: None means up to max_model_len.
+    min_tokens: EOS and stop ids are masked out before this many tokens. logprobs: the top-N
+    logprobs (plus the sampled token's) per generated token."""
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Normalised forms of stop / stop_token_ids (tuples), filled in by __post_init__.
+    stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
+    stop_ids: tuple[int, ...] = field(init=False, repr=False, default=())
+
+    def __post_init__(self):
+        def bad(msg):
+            raise ValueError(f"SamplingParams: {msg}")
+
+        if not _is_int(self.n) or self.n < 1:
+            bad(f"n must be an integer >= 1, got {self.n!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2.0 <= v <= 2.0:
+                bad(f"{name} must be in [-2, 2], got {v!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            bad(f"top_k must be an integer >= 1, or 0 / -1 to disable, got {self.top_k!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            bad(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            bad(f"seed must be an integer or None, got {self.seed!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            bad(f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            bad(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None:
+            bad("prompt_logprobs is not supported by minivllm yet")
+
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        else:
+            stop = tuple(stop)
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                bad(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        ids = () if self.stop_token_ids is None else tuple(self.stop_token_ids)
+        for i in ids:
+            if not _is_int(i) or i < 0:
+                bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if stop and not self.detokenize:
+            bad("stop strings need detokenize=True")
+        object.__setattr__(self, "stop_strings", stop)
+        object.__setattr__(self, "stop_ids", ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,193 @@
+"""The scheduler: which tokens of which sequences the next forward step computes.
+
+Continuous batching under two budgets, `max_num_batched_tokens` per step and `max_num_seqs`
+running sequences. Each step:
+  1. running sequences, decodes first, then unfinished prefills (chunked), oldest first within
+     each: a sequence gets min(its uncomputed tokens, the budget left), so a long prompt is
+     prefilled over several steps, in the same steps as other sequences' decodes;
+  2. if nothing was preempted, waiting sequences are admitted oldest first while the budgets and
+     the free blocks allow, taking what the prefix cache holds for them and scheduling the rest
+     (or a first chunk of it).
+When a sequence's table cannot grow, the newest running sequence not yet scheduled this step is
+preempted by recompute: its blocks are freed and it waits again at the front of the queue, with
+its generated tokens kept, to be prefilled again (through the prefix cache when its blocks
+survive). The scheduler needs no tensors: a mock model can drive it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sequence import Sequence, Status
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """seq computes token_ids[start : start + num_tokens] this step; `want_logits` when that
+    reaches its last token (then the step samples its next one)."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def want_logits(self) -> bool:
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start:self.start + self.num_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def sampled(self) -> list[ScheduledChunk]:
+        """The chunks that get a sampled token, in the order of the step's logits rows."""
+        return [c for c in self.chunks if c.want_logits]
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks
+
+
+def stop_by_token(seq: Sequence, max_model_len: int) -> tuple[str, int | None] | None:
+    """(finish_reason, stop_reason) when seq's last token ends it, else None: EOS (unless
+    ignore_eos) or a stop id, once min_tokens are out; max_tokens; max_model_len."""
+    p, tok, n = seq.params, seq.token_ids[-1], seq.num_output
+    if n >= p.min_tokens:
+        if not p.ignore_eos and tok in seq.eos_ids:
+            return "stop", None
+        if tok in p.stop_ids:
+            return "stop", tok
+    if p.max_tokens is not None and n >= p.max_tokens:
+        return "length", None
+    if seq.num_tokens >= max_model_len:
+        return "length", None
+    return None
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: list[Sequence] = []  # by seq_id (arrival), oldest first
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.num_prompt_tokens_cached = 0  # prompt tokens taken from the prefix cache at first admission
+
+    # -- queues ----------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.seq_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        return self.running + self.waiting
+
+    def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
+        """End seq (a stop string, an abort, or a stop token) and free its blocks."""
+        if seq.status is Status.FINISHED:
+            return
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.bm.free_blocks(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free_blocks(seq)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()
+
+        # 1. Running sequences: decodes first, then chunks of unfinished prefills.
+        for seq in sorted(self.running, key=lambda s: (s.num_uncomputed > 1, s.seq_id)):
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_uncomputed, budget)
+            while not self.bm.can_allocate(seq, seq.num_computed + n):
+                victim = max((s for s in self.running if s.seq_id not in scheduled),
+                             key=lambda s: s.seq_id)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self._schedule(out, seq, seq.num_computed, n)
+                scheduled.add(seq.seq_id)
+                budget -= n
+
+        # 2. Waiting sequences, oldest first; none while memory is short (something was preempted).
+        while (not out.preempted and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            hits = self.bm.match_prefix(seq)
+            cached = len(hits) * self.bm.block_size
+            n = min(seq.num_tokens - cached, budget)
+            if not self.bm.can_allocate(seq, cached + n, hits):
+                break
+            self.waiting.pop(0)
+            self.bm.allocate(seq, cached + n, hits)
+            seq.num_computed = cached
+            if seq.num_cached_prompt < 0:
+                seq.num_cached_prompt = min(cached, seq.prompt_len)
+                self.num_prompt_tokens_cached += seq.num_cached_prompt
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            self._schedule(out, seq, cached, n)
+            budget -= n
+        return out
+
+    def _schedule(self, out: SchedulerOutput, seq: Sequence, start: int, n: int) -> None:
+        self.bm.allocate(seq, start + n)
+        self.bm.register_full_blocks(seq, start + n)
+        out.chunks.append(ScheduledChunk(seq, start, n))
+
+    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
+        """Record a finished step: the chunks' tokens are now computed, and each sampled chunk's
+        sequence gets its token (`sampled` in the order of out.sampled). Sequences that a token
+        ends are finished and their blocks freed. Returns the sequences that got a token."""
+        chunks = out.sampled
+        if len(sampled) != len(chunks):
+            raise ValueError(f"{len(sampled)} sampled tokens for {len(chunks)} sampled sequences")
+        for chunk in out.chunks:
+            chunk.seq.num_computed = chunk.start + chunk.num_tokens
+        for chunk, tok in zip(chunks, sampled):
+            seq = chunk.seq
+            seq.token_ids.append(int(tok))
+            stop = stop_by_token(seq, self.max_model_len)
+            if stop is not None:
+                self.finish(seq, *stop)
+        return [c.seq for c in chunks]

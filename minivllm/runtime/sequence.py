@@ -1,0 +1,77 @@
+"""Sequence: the mutable record of one completion while the engine runs it.
+
+A sequence is its prompt followed by the tokens generated so far (`token_ids`); `num_computed`
+of them have their K/V in the cache, in the blocks of `block_table`. Each step computes tokens
+`num_computed ... num_computed + n - 1` for some n the scheduler picks; when that reaches the
+last token, the step samples one more. Preemption drops the blocks and sets num_computed to 0,
+keeping the tokens: the sequence is prefilled again (prompt and output) when it comes back.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from .sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, seq_id: int, request_id: str, index: int, prompt_ids: list[int],
+                 params: SamplingParams, seed: int, arrival: int, eos_ids: tuple[int, ...] = ()):
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.index = index  # which of the request's n completions
+        self.params = params
+        self.seed = seed  # the sampler's counter key (the request's seed, or one drawn for it)
+        self.arrival = arrival  # admission order key: lower is older
+        self.eos_ids = eos_ids
+        self.prompt_len = len(prompt_ids)
+        self.token_ids: list[int] = list(prompt_ids)
+        self.num_computed = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chain hash of each full block of token_ids, as far as known
+        self.num_registered_blocks = 0  # leading blocks of block_table already offered to the prefix cache
+        self.num_cached_prompt = -1  # prompt tokens found in the prefix cache at first admission
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        # Incremental detokenization (see detokenizer.py) and what has been streamed.
+        self.text = ""
+        self.prefix_offset = max(self.prompt_len - 5, 0)
+        self.read_offset = self.prompt_len
+        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[: self.prompt_len]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def __repr__(self):
+        return (f"Sequence({self.seq_id}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed}, blocks={self.block_table})")

@@ -1,0 +1,197 @@
+"""Hypothesis state machine for the block allocator: random sequences that share prefixes grow,
+free and come back. A mock "KV cache" records, for every slot written, the whole token prefix
+whose K/V it would hold; a sequence must always read its own prefix back through its block
+table, so a wrong prefix-cache hit, an overwritten shared block or a leaked block all fail."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, invariant, precondition,
+                                 rule)
+
+from minivllm.runtime.block_manager import BlockManager
+from minivllm.runtime.sampling_params import SamplingParams
+from minivllm.runtime.sequence import Sequence
+
+BS = 2
+TOKENS = st.lists(st.integers(0, 1), min_size=1, max_size=12)  # a tiny alphabet: prefixes repeat
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    hash_fn = None
+
+    def __init__(self):
+        super().__init__()
+        kwargs = {} if self.hash_fn is None else {"hash_fn": self.hash_fn}
+        self.bm = BlockManager(10, BS, **kwargs)
+        self.live: list[Sequence] = []
+        self.slots: dict[tuple[int, int], tuple[int, ...]] = {}  # (block, offset) -> prefix held
+        self.next_id = 0
+        self.hits = 0
+
+    seqs = Bundle("seqs")
+
+    def _compute(self, seq: Sequence, end: int) -> None:
+        """Write K/V for positions num_computed..end-1 (what a forward step does)."""
+        for pos in range(seq.num_computed, end):
+            slot = (seq.block_table[pos // BS], pos % BS)
+            assert self.bm.blocks[slot[0]].ref == 1, "a sequence writes into a shared block"
+            self.slots[slot] = tuple(seq.token_ids[:pos + 1])
+        seq.num_computed = end
+        self.bm.register_full_blocks(seq, end)
+
+    @rule(target=seqs, tokens=TOKENS, chunk=st.integers(1, 14))
+    def admit(self, tokens, chunk):
+        seq = Sequence(self.next_id, str(self.next_id), 0, tokens, SamplingParams(), 0, self.next_id)
+        self.next_id += 1
+        hits = self.bm.match_prefix(seq)
+        cached = len(hits) * BS
+        assert cached < seq.num_tokens, "a hit covered the last token"
+        end = min(seq.num_tokens, cached + chunk)
+        if not self.bm.can_allocate(seq, end, hits):
+            return seq  # stays unadmitted (no blocks): a later rule may free some
+        free_before = self.bm.num_free
+        self.bm.allocate(seq, end, hits)
+        fresh = self.bm.blocks_for(end) - len(hits)
+        taken_from_free = sum(1 for b in hits if self.bm.blocks[b].ref == 1)
+        assert self.bm.num_free == free_before - fresh - taken_from_free
+        self.hits += len(hits)
+        seq.num_computed = cached
+        self._compute(seq, end)
+        self.live.append(seq)
+        return seq
+
+    @rule(seq=seqs, new=st.lists(st.integers(0, 1), max_size=6), chunk=st.integers(1, 8))
+    def grow(self, seq, new, chunk):
+        """Finish (part of) the prefill, or append decoded tokens and compute them."""
+        if seq not in self.live:
+            return
+        if seq.num_computed == seq.num_tokens:
+            seq.token_ids.extend(new)
+        end = min(seq.num_tokens, seq.num_computed + chunk)
+        if end == seq.num_computed or not self.bm.can_allocate(seq, end):
+            return
+        self.bm.allocate(seq, end)
+        self._compute(seq, end)
+
+    @rule(seq=consumes(seqs))
+    def free(self, seq):
+        if seq in self.live:
+            self.bm.free_blocks(seq)
+            self.live.remove(seq)
+        assert seq.block_table == []
+
+    def _unshared(self):
+        return [s for s in self.live if all(self.bm.blocks[b].ref == 1 for b in s.block_table)]
+
+    @precondition(lambda self: self._unshared())
+    @rule(data=st.data())
+    def double_free_is_caught(self, data):
+        seq = data.draw(st.sampled_from(self._unshared()))
+        ghost = Sequence(-1, "ghost", 0, [0], SamplingParams(), 0, -1)
+        ghost.block_table = list(seq.block_table)
+        self.bm.free_blocks(seq)
+        self.live.remove(seq)
+        if ghost.block_table:
+            with pytest.raises(RuntimeError, match="freed twice"):
+                self.bm.free_blocks(ghost)
+
+    @rule()
+    def reset_prefix_cache(self):
+        self.bm.reset_prefix_cache()
+
+    @invariant()
+    def refcounts_consistent(self):
+        self.bm.check(self.live)
+        assert self.bm.num_free + len({b for s in self.live for b in s.block_table}) == self.bm.num_blocks
+
+    @invariant()
+    def every_sequence_reads_its_own_prefix(self):
+        for seq in self.live:
+            for pos in range(seq.num_computed):
+                held = self.slots.get((seq.block_table[pos // BS], pos % BS))
+                assert held == tuple(seq.token_ids[:pos + 1]), f"{seq} reads a wrong prefix at {pos}"
+
+    @invariant()
+    def registered_blocks_hold_their_ids(self):
+        for h, b in self.bm.registry.items():
+            block = self.bm.blocks[b]
+            for off, t in enumerate(block.ids):
+                assert self.slots[(b, off)][-1] == t
+
+    def teardown(self):
+        for seq in self.live:
+            self.bm.free_blocks(seq)
+        self.bm.check([])
+        assert self.bm.num_free == self.bm.num_blocks
+
+
+class CollidingAllocatorMachine(AllocatorMachine):
+    """A hash that collides all the time: confirmation alone must keep hits correct."""
+
+    @staticmethod
+    def hash_fn(parent, ids):
+        return sum(ids) % 3
+
+
+TestAllocator = AllocatorMachine.TestCase
+TestCollidingAllocator = CollidingAllocatorMachine.TestCase
+# Few blocks and a tiny alphabet make collisions, sharing and eviction frequent; more examples
+# than the profile's default, because these run in milliseconds.
+TestAllocator.settings = settings(TestAllocator.settings, max_examples=100)
+TestCollidingAllocator.settings = settings(TestCollidingAllocator.settings, max_examples=100)
+
+
+def _seq(i, tokens):
+    return Sequence(i, str(i), 0, tokens, SamplingParams(), 0, i)
+
+
+def test_prefix_hits_share_blocks_and_never_cover_the_last_token():
+    bm = BlockManager(10, 4)
+    a = _seq(0, list(range(10)))
+    bm.allocate(a, 10)
+    bm.register_full_blocks(a, 10)
+    b = _seq(1, list(range(9)) + [99])
+    hits = bm.match_prefix(b)
+    assert hits == a.block_table[:2]  # two full blocks; the partial third is never shared
+    c = _seq(2, list(range(8)))  # exactly two full blocks: the last token must be computed
+    assert bm.match_prefix(c) == a.block_table[:1]
+    bm.allocate(b, 10, hits)
+    assert [bm.blocks[x].ref for x in hits] == [2, 2]
+    bm.check([a, b])
+
+
+def test_freed_registered_blocks_are_reused_then_evicted_lru():
+    bm = BlockManager(4, 2)
+    a = _seq(0, [1, 2, 3, 4, 5])
+    bm.allocate(a, 5)
+    bm.register_full_blocks(a, 5)
+    blocks = list(a.block_table)
+    bm.free_blocks(a)
+    # The unregistered partial block goes first; the registered ones last-freed-last.
+    assert list(bm.free)[:2] == [blocks[2], 3]
+    again = _seq(1, [1, 2, 3, 4, 9])
+    assert bm.match_prefix(again) == blocks[:2]
+    # Allocating everything evicts: the tail block of a's prefix goes before its root.
+    hog = _seq(2, [7] * 6)
+    bm.allocate(hog, 6)
+    assert blocks[0] not in hog.block_table and blocks[1] in hog.block_table
+    assert bm.match_prefix(again) == blocks[:1]
+
+
+def test_a_colliding_hash_never_gives_a_false_hit():
+    # hash ignores the parent: [0, 0] after [1, 1] collides with [0, 0] at the start. The stored
+    # ids match too; only the parent confirmation tells them apart.
+    bm = BlockManager(10, 2, hash_fn=lambda parent, ids: sum(ids) % 3)
+    c = _seq(0, [1, 1, 0, 0, 1])
+    bm.allocate(c, 5)
+    bm.register_full_blocks(c, 5)
+    assert bm.match_prefix(_seq(1, [0, 0, 0])) == []
+    assert bm.match_prefix(_seq(2, [1, 1, 0, 0, 0])) == c.block_table[:2]
+    # Once the blocks are handed out for new data, nothing matches any more.
+    bm.free_blocks(c)
+    hog = _seq(3, [1] * 20)
+    bm.allocate(hog, 20)
+    assert bm.match_prefix(_seq(4, [1, 1, 0, 0, 0])) == []

@@ -1,0 +1,180 @@
+"""Hypothesis state machine for the scheduler, driven by a mock model that needs no tensors.
+
+The mock model's next token is a hash of the whole sequence so far, and its "KV cache" records,
+per slot, the prefix whose K/V the slot holds. Each step it first writes every scheduled token's
+slot, then checks that every chunk's context (the positions before it) reads back the right
+prefix, as a real forward step does. So preemption, chunking, prefix sharing (within a step too)
+and block reuse must all keep each sequence's context intact, and each finished sequence's
+tokens must equal the same mock model run on that prompt alone."""
+
+from __future__ import annotations
+
+import zlib
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from minivllm.runtime.block_manager import BlockManager
+from minivllm.runtime.sampling_params import SamplingParams
+from minivllm.runtime.scheduler import Scheduler, stop_by_token
+from minivllm.runtime.sequence import Sequence, Status
+
+BS = 4
+VOCAB = 5
+EOS = 4
+
+
+def mock_next_token(tokens) -> int:
+    return zlib.crc32(bytes(tokens)) % VOCAB
+
+
+def reference(prompt, params: SamplingParams, max_model_len: int, eos: tuple) -> list[int]:
+    """The sequence run alone, one token at a time, with the same stop rules."""
+    seq = Sequence(0, "ref", 0, prompt, params, 0, 0, eos_ids=eos)
+    while True:
+        seq.token_ids.append(mock_next_token(seq.token_ids))
+        if stop_by_token(seq, max_model_len) is not None:
+            return seq.output_ids
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(num_blocks=st.integers(4, 16), max_num_seqs=st.integers(1, 4),
+                max_tokens_per_step=st.integers(1, 12), caching=st.booleans())
+    def setup(self, num_blocks, max_num_seqs, max_tokens_per_step, caching):
+        self.bm = BlockManager(num_blocks, BS, enable_prefix_caching=caching)
+        self.max_model_len = 24
+        self.sched = Scheduler(self.bm, max_num_seqs=max_num_seqs,
+                               max_num_batched_tokens=max_tokens_per_step,
+                               max_model_len=self.max_model_len)
+        self.slots: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.all: list[Sequence] = []
+        self.steps = 0
+
+    @rule(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=14),
+          max_tokens=st.integers(1, 10), stop_eos=st.booleans(), n=st.integers(1, 2))
+    def add_request(self, prompt, max_tokens, stop_eos, n):
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=not stop_eos, n=n)
+        # The engine refuses what can never fit; the scheduler may assume it.
+        longest = min(len(prompt) + max_tokens, self.max_model_len) - 1
+        if self.bm.blocks_for(longest) > self.bm.num_blocks:
+            return
+        for i in range(n):
+            seq = Sequence(len(self.all), str(len(self.all)), i, prompt, params, 0, len(self.all),
+                           eos_ids=(EOS,))
+            self.all.append(seq)
+            self.sched.add(seq)
+
+    @precondition(lambda self: self.sched.has_unfinished())
+    @rule()
+    def step(self):
+        self._step()
+
+    @precondition(lambda self: self.sched.running or self.sched.waiting)
+    @rule(data=st.data())
+    def abort(self, data):
+        seq = data.draw(st.sampled_from(self.sched.sequences))
+        self.sched.finish(seq, "abort")
+
+    def _step(self):
+        out = self.sched.schedule()
+        self.steps += 1
+        assert out.chunks, "nothing scheduled while requests wait"
+        assert out.num_tokens <= self.sched.max_num_batched_tokens
+        assert len(out.chunks) <= self.sched.max_num_seqs
+        assert len({c.seq.seq_id for c in out.chunks}) == len(out.chunks)
+        for c in out.chunks:
+            assert c.seq.status is Status.RUNNING
+            assert len(c.seq.block_table) * BS >= c.start + c.num_tokens
+        # The mock forward: write every new token's slot, then read every chunk's context.
+        for c in out.chunks:
+            for pos in range(c.start, c.start + c.num_tokens):
+                self.slots[(c.seq.block_table[pos // BS], pos % BS)] = tuple(c.seq.token_ids[:pos + 1])
+        for c in out.chunks:
+            for pos in range(c.start):
+                got = self.slots.get((c.seq.block_table[pos // BS], pos % BS))
+                assert got == tuple(c.seq.token_ids[:pos + 1]), f"{c.seq} reads a wrong prefix at {pos}"
+        sampled = [mock_next_token(c.seq.token_ids) for c in out.sampled]
+        self.sched.update(out, sampled)
+
+    @invariant()
+    def budgets_and_blocks(self):
+        if not hasattr(self, "sched"):
+            return
+        assert len(self.sched.running) <= self.sched.max_num_seqs
+        self.bm.check(self.sched.sequences)
+        for seq in self.sched.waiting:
+            assert seq.block_table == [] and seq.num_computed == 0
+
+    def teardown(self):
+        if not hasattr(self, "sched"):
+            return
+        limit = self.steps + 2000
+        while self.sched.has_unfinished():
+            assert self.steps < limit, "requests never finish"
+            self._step()
+        self.bm.check([])
+        assert self.bm.num_free == self.bm.num_blocks
+        for seq in self.all:
+            assert seq.finished
+            if seq.finish_reason != "abort":
+                want = reference(seq.prompt_ids, seq.params, self.max_model_len, (EOS,))
+                assert seq.output_ids == want, (seq, seq.output_ids, want)
+
+
+TestScheduler = SchedulerMachine.TestCase
+TestScheduler.settings = settings(TestScheduler.settings, max_examples=60, stateful_step_count=40)
+
+
+def _seq(i, prompt, **kw):
+    return Sequence(i, str(i), 0, prompt, SamplingParams(ignore_eos=True, **kw), 0, i)
+
+
+def test_decodes_first_then_prefill_chunks_fill_the_budget():
+    bm = BlockManager(64, BS)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=6, max_model_len=100)
+    a, b = _seq(0, [1, 2, 3], max_tokens=5), _seq(1, list(range(20)), max_tokens=5)
+    sched.add(a)
+    out = sched.schedule()
+    assert [(c.seq, c.num_tokens) for c in out.chunks] == [(a, 3)]
+    sched.update(out, [0])
+    sched.add(b)
+    out = sched.schedule()
+    # a decodes (1 token), b's prefill takes the 5 left.
+    assert [(c.seq, c.start, c.num_tokens) for c in out.chunks] == [(a, 3, 1), (b, 0, 5)]
+    assert [c.seq for c in out.sampled] == [a]
+    sched.update(out, [0])
+    out = sched.schedule()
+    assert [(c.seq, c.start, c.num_tokens) for c in out.chunks] == [(a, 4, 1), (b, 5, 5)]
+
+
+def test_preemption_takes_the_newest_and_it_comes_back_first():
+    bm = BlockManager(4, BS)  # 16 slots
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=100)
+    seqs = [_seq(i, [i] * 4, max_tokens=8) for i in range(4)]
+    for s in seqs[:3]:
+        sched.add(s)
+    out = sched.schedule()  # the three prompts fill three blocks
+    sched.update(out, [0, 0, 0])
+    out = sched.schedule()  # each needs a second block and one is free: the newest must go
+    assert out.preempted == [seqs[2]]
+    assert [c.seq for c in out.chunks] == [seqs[0], seqs[1]]
+    assert seqs[2].num_computed == 0 and seqs[2].block_table == [] and seqs[2].output_ids == [0]
+    sched.update(out, [0, 0])
+    sched.add(seqs[3])
+    assert sched.waiting == [seqs[2], seqs[3]]
+    sched.finish(seqs[0], "abort")  # frees two blocks: the preempted one comes back first
+    out = sched.schedule()
+    assert [(c.seq, c.start, c.num_tokens) for c in out.chunks] == [(seqs[1], 5, 1), (seqs[2], 0, 5)]
+
+
+def test_same_step_admissions_share_the_prefix():
+    bm = BlockManager(16, BS)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=100)
+    prompt = list(range(10))
+    a, b = _seq(0, prompt, max_tokens=2), _seq(1, prompt + [7], max_tokens=2)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert [(c.start, c.num_tokens) for c in out.chunks] == [(0, 10), (8, 3)]
+    assert a.block_table[:2] == b.block_table[:2]
