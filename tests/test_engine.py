@@ -1,0 +1,355 @@
+"""The engine end to end on tiny checkpoints, against independent references: transformers'
+greedy decoding, minivllm.generate, and the engine itself under other batchings (prefix-cache
+hits, preemption, chunked prefill and batch composition must not change any output)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+import minivllm
+from minivllm import LLM, SamplingParams
+from minivllm.runtime.demo import ensure_demo_model
+
+from hf_tiny import make_hf_model, save_checkpoint
+
+MAX_TOKENS = 12
+LENGTHS = (1, 3, 7, 16, 17, 31, 40, 5)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    return make_hf_model(seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(hf_model, tmp_path_factory):
+    return save_checkpoint(hf_model, tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    return ensure_demo_model(str(tmp_path_factory.mktemp("demo") / "model"))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 101, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def hf_greedy(model, prompt, n):
+    """Greedy decoding by transformers, recomputing the whole sequence every step."""
+    ids, out, logprobs = list(prompt), [], []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            tok = int(logits.argmax())
+            out.append(tok)
+            logprobs.append(torch.log_softmax(logits, -1))
+            ids.append(tok)
+    return out, logprobs
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, prompts):
+    return [hf_greedy(hf_model, p, MAX_TOKENS)[0] for p in prompts]
+
+
+def cpu_reference(device):
+    """On CPU the reference attention (under TRITON_INTERPRET the default would be the Triton
+    interpreter, correct but slow; test_triton_backend_gives_identical_outputs runs it once)."""
+    return "reference" if device.type == "cpu" else None
+
+
+def make_llm(path, device, **kw):
+    kw.setdefault("num_kv_blocks", 64)
+    kw.setdefault("attention_backend", cpu_reference(device))
+    return LLM(path, device=device, **kw)
+
+
+def token_prompts(prompts):
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def run(llm, prompts, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate(token_prompts(prompts), params, use_tqdm=False)]
+
+
+def test_greedy_matches_generate_and_transformers(tiny_dir, device, prompts, reference):
+    params = minivllm.load(tiny_dir, device=device)
+    cache = minivllm.init_cache(params, num_blocks=64, block_size=16)
+    functional, _ = minivllm.generate(params, cache, prompts, max_new_tokens=MAX_TOKENS,
+                                      backend=cpu_reference(device))
+    assert functional == reference
+    llm = make_llm(tiny_dir, device)
+    outs = llm.generate(token_prompts(prompts), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert [o.prompt_token_ids for o in outs] == prompts
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+    assert llm.stats.generation_tokens == MAX_TOKENS * len(prompts)
+    assert llm.stats.prompt_tokens_computed == sum(LENGTHS)
+
+
+def test_prefix_cache_hit_same_outputs_fewer_prefill_tokens(tiny_dir, device, hf_model):
+    shared = list(range(3, 43))  # 40 tokens: two full blocks of 16 can be shared
+    prompts = [shared + [50 + i, 60 + i, 70 + i] for i in range(4)]
+    want = [hf_greedy(hf_model, p, MAX_TOKENS)[0] for p in prompts]
+
+    cold = make_llm(tiny_dir, device, enable_prefix_caching=False)
+    assert run(cold, prompts) == want
+    assert cold.stats.prompt_tokens_computed == 4 * 43
+
+    warm = make_llm(tiny_dir, device)
+    assert run(warm, prompts[:1]) == want[:1]
+    assert warm.stats.prompt_tokens_computed == 43
+    outs = warm.generate(token_prompts(prompts[1:]), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want[1:]
+    assert [o.num_cached_tokens for o in outs] == [32, 32, 32]
+    assert warm.stats.prompt_tokens_computed == 43 + 3 * (43 - 32)
+    assert warm.stats.prompt_tokens_cached == 3 * 32
+
+    # Admitted in the same step, two prompts with one prefix share it.
+    same = make_llm(tiny_dir, device)
+    assert run(same, prompts[:2]) == want[:2]
+    assert same.stats.prompt_tokens_computed == 43 + (43 - 32)
+
+    # A prompt entirely cached (32 tokens: two full blocks) still computes its last block.
+    again = make_llm(tiny_dir, device)
+    full = shared[:32]
+    first = run(again, [full])
+    computed = again.stats.prompt_tokens_computed
+    assert run(again, [full]) == first == [hf_greedy(hf_model, full, MAX_TOKENS)[0]]
+    assert again.stats.prompt_tokens_computed - computed == 16
+
+
+def test_preemption_gives_identical_outputs(tiny_dir, device, prompts, reference):
+    # 14 blocks of 4 tokens: the longest request alone needs 13, so the 8 must take turns.
+    small = make_llm(tiny_dir, device, num_kv_blocks=14, block_size=4)
+    assert run(small, prompts) == reference
+    assert small.stats.preemptions > 0
+    assert small.stats.tokens_recomputed > 0
+    # Seeded sampling continues the same random stream after a recompute.
+    sampled = SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_tokens=MAX_TOKENS, ignore_eos=True)
+    big = make_llm(tiny_dir, device, num_kv_blocks=200)
+    small = make_llm(tiny_dir, device, num_kv_blocks=14, block_size=4)
+    assert run(small, prompts, sampled) == run(big, prompts, sampled)
+    assert small.stats.preemptions > 0
+
+
+def test_chunked_prefill_gives_identical_outputs(tiny_dir, device, prompts, reference):
+    llm = make_llm(tiny_dir, device, max_num_batched_tokens=5)
+    steps = []
+    execute = llm.engine.runner.execute
+    llm.engine.runner.execute = lambda step: steps.append(step) or execute(step)
+    assert run(llm, prompts) == reference
+    assert max(sum(len(c.token_ids) for c in s.chunks) for s in steps) <= 5
+    # Some step decodes one sequence and prefills a chunk of another that is not done yet.
+    assert any(any(len(c.token_ids) == 1 and c.num_cached > 0 and c.want_logits for c in s.chunks)
+               and any(len(c.token_ids) > 1 and not c.want_logits for c in s.chunks) for s in steps)
+
+
+def test_triton_backend_gives_identical_outputs(tiny_dir, device, prompts, reference):
+    from minivllm.kernels import available_backends
+
+    if "triton" not in available_backends(device):
+        pytest.skip("no Triton on this device")
+    # Chunked prefill, prefix-cache hits and decode through the paged Triton kernels.
+    llm = LLM(tiny_dir, device=device, num_kv_blocks=32, block_size=8, max_num_batched_tokens=24,
+              attention_backend="triton")
+    shared = prompts[6][:20]
+    picked = [prompts[4], shared + [1, 2], shared + [3]]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    want = run(make_llm(tiny_dir, device), picked, params)
+    assert run(llm, picked, params) == want
+    assert llm.stats.prompt_tokens_cached == 16
+
+
+def test_seeded_sampling_is_independent_of_batch_composition(tiny_dir, device, prompts):
+    target = SamplingParams(temperature=1.0, top_k=40, seed=1234, max_tokens=MAX_TOKENS, ignore_eos=True)
+    others = [SamplingParams(temperature=0.0, max_tokens=3),
+              SamplingParams(temperature=0.7, presence_penalty=1.0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=1.3, top_p=0.5, min_p=0.1, max_tokens=7, ignore_eos=True),
+              SamplingParams(temperature=1.0, max_tokens=9, ignore_eos=True, logprobs=2)]
+    alone = run(make_llm(tiny_dir, device), [prompts[5]], target)[0]
+    llm = make_llm(tiny_dir, device, max_num_batched_tokens=24)
+    mixed = llm.generate(token_prompts(prompts[:4] + [prompts[5]]), others + [target], use_tqdm=False)
+    assert mixed[-1].outputs[0].token_ids == alone
+    reordered = make_llm(tiny_dir, device, max_num_seqs=2).generate(
+        token_prompts([prompts[5]] + prompts[:4]), [target] + others, use_tqdm=False)
+    assert reordered[0].outputs[0].token_ids == alone
+    # A different seed gives a different sample (otherwise the seed would not matter).
+    other_seed = SamplingParams(temperature=1.0, top_k=40, seed=99, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert run(make_llm(tiny_dir, device), [prompts[5]], other_seed)[0] != alone
+
+
+def test_unseeded_requests_follow_the_engine_seed(tiny_dir, device, prompts):
+    params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    a = run(make_llm(tiny_dir, device, seed=3), prompts[:3], params)
+    assert a == run(make_llm(tiny_dir, device, seed=3), prompts[:3], params)
+    assert a != run(make_llm(tiny_dir, device, seed=4), prompts[:3], params)
+
+
+def test_top_k_1_equals_greedy(tiny_dir, device, prompts, reference):
+    params = SamplingParams(temperature=1.5, top_k=1, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert run(make_llm(tiny_dir, device), prompts, params) == reference
+
+
+def test_n_completions(tiny_dir, device, prompts, reference):
+    llm = make_llm(tiny_dir, device)
+    outs = llm.generate(token_prompts(prompts[:2]), SamplingParams(n=3, temperature=0, max_tokens=MAX_TOKENS,
+                                                                    ignore_eos=True), use_tqdm=False)
+    for out, want in zip(outs, reference[:2]):
+        assert [c.index for c in out.outputs] == [0, 1, 2]
+        assert all(c.token_ids == want for c in out.outputs)
+    sampled = llm.generate(token_prompts(prompts[3:4]), SamplingParams(n=3, temperature=1.0, seed=0,
+                                                                        max_tokens=MAX_TOKENS), use_tqdm=False)
+    texts = [tuple(c.token_ids) for c in sampled[0].outputs]
+    assert len(set(texts)) == 3
+
+
+def test_logprobs_match_transformers(tiny_dir, device, hf_model, prompts):
+    llm = make_llm(tiny_dir, device)
+    out = llm.generate(token_prompts(prompts[2:3]), SamplingParams(temperature=0, max_tokens=6, logprobs=3,
+                                                                    ignore_eos=True), use_tqdm=False)[0]
+    c = out.outputs[0]
+    want_ids, want_lps = hf_greedy(hf_model, prompts[2], 6)
+    assert c.token_ids == want_ids
+    assert len(c.logprobs) == 6
+    total = 0.0
+    for tok, entry, ref in zip(c.token_ids, c.logprobs, want_lps):
+        top = ref.topk(3)
+        assert set(entry) == set(top.indices.tolist())  # greedy: the sampled token is the top one
+        for i, lp in entry.items():
+            assert lp.logprob == pytest.approx(ref[i].item(), abs=1e-4)
+            assert lp.rank == int((ref > ref[i]).sum()) + 1
+        assert entry[tok].rank == 1
+        total += entry[tok].logprob
+    assert c.cumulative_logprob == pytest.approx(total)
+
+
+def test_stop_on_eos_and_stop_token_ids(tiny_dir, device, hf_model, prompts, reference, tmp_path):
+    out_ref = reference[6]
+    eos = out_ref[4]
+    first = out_ref.index(eos)
+    eos_dir = str(tmp_path / "eos")
+    shutil.copytree(tiny_dir, eos_dir)
+    cfg_path = os.path.join(eos_dir, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["eos_token_id"] = eos
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    llm = make_llm(eos_dir, device)
+    stop = llm.generate(token_prompts([prompts[6]]), SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                        use_tqdm=False)[0].outputs[0]
+    assert stop.token_ids == out_ref[:first + 1]
+    assert (stop.finish_reason, stop.stop_reason) == ("stop", None)
+    ignored = run(llm, [prompts[6]])[0]
+    assert ignored == out_ref
+    # min_tokens masks EOS out: the output must differ from the reference where EOS was.
+    late = llm.generate(token_prompts([prompts[6]]), SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                                     min_tokens=first + 1),
+                        use_tqdm=False)[0].outputs[0]
+    assert late.token_ids[:first] == out_ref[:first] and late.token_ids[first] != eos
+    assert eos not in late.token_ids[:first + 1]
+
+    tiny = make_llm(tiny_dir, device)
+    by_id = tiny.generate(token_prompts([prompts[6]]), SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                                       stop_token_ids=[eos]),
+                          use_tqdm=False)[0].outputs[0]
+    assert by_id.token_ids == out_ref[:first + 1]
+    assert (by_id.finish_reason, by_id.stop_reason) == ("stop", eos)
+
+
+def test_stop_at_max_model_len(tiny_dir, device, prompts, reference):
+    llm = make_llm(tiny_dir, device, max_model_len=45)
+    out = llm.generate(token_prompts([prompts[6]]), GREEDY, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == reference[6][:45 - 40]
+    assert out.finish_reason == "length"
+
+
+def test_stop_strings_on_detokenized_text(demo_dir, device):
+    llm = make_llm(demo_dir, device, num_kv_blocks=32)
+    base = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    full = llm.generate("Hello, my name is", base, use_tqdm=False)[0].outputs[0]
+    tok = llm.get_tokenizer()
+    assert full.text == tok.decode(full.token_ids, skip_special_tokens=True)
+    assert len(full.text) > 20
+    stop = full.text[12:15]
+    at = full.text.index(stop)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop, "\x00never"])
+    cut = llm.generate("Hello, my name is", params, use_tqdm=False)[0].outputs[0]
+    assert cut.text == full.text[:at]
+    assert (cut.finish_reason, cut.stop_reason) == ("stop", stop)
+    assert cut.token_ids == full.token_ids[:len(cut.token_ids)] and len(cut.token_ids) < 40
+    # The stop string ends inside the text of the last token generated.
+    assert len(tok.decode(cut.token_ids)) >= at + len(stop) > len(tok.decode(cut.token_ids[:-1]))
+    kept = llm.generate("Hello, my name is", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                             stop=stop, include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == full.text[:at + len(stop)]
+
+    # Streaming gives the same text, never showing the stop string.
+    pieces = list(llm.stream(["Hello, my name is"], params))
+    assert "".join(c.text for d in pieces for c in d.outputs) == cut.text
+    assert sum(len(c.token_ids) for d in pieces for c in d.outputs) == len(cut.token_ids)
+    assert pieces[-1].finished and pieces[-1].outputs[-1].finish_reason == "stop"
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_stream_matches_generate_and_stopping_early_frees_the_cache(tiny_dir, device, prompts, reference):
+    llm = make_llm(tiny_dir, device)
+    got: dict[str, list[int]] = {}
+    for delta in llm.stream(token_prompts(prompts[:3]), GREEDY):
+        for c in delta.outputs:
+            got.setdefault(delta.request_id, []).extend(c.token_ids)
+    assert list(got.values()) == reference[:3]
+    free = llm.engine.block_manager.num_free
+    stream = llm.stream(token_prompts(prompts), GREEDY)
+    next(stream)
+    assert llm.engine.block_manager.num_free < free
+    stream.close()
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free == free
+    assert run(llm, prompts) == reference
+
+
+def test_chat_uses_the_chat_template(demo_dir, device):
+    llm = make_llm(demo_dir, device, num_kv_blocks=32)
+    messages = [{"role": "user", "content": "hi there"}]
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+    want = "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
+    assert out.prompt == want
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(want, add_special_tokens=False)
+    same = llm.generate({"prompt_token_ids": out.prompt_token_ids},
+                        SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+    assert same.outputs[0].token_ids == out.outputs[0].token_ids
+    two = llm.chat([messages, messages + [{"role": "assistant", "content": "x"}]], use_tqdm=False)
+    assert len(two) == 2
+
+
+def test_dtype_and_parallel_options(tiny_dir, device):
+    assert make_llm(tiny_dir, device, dtype=torch.bfloat16).engine.runner.params.dtype == torch.bfloat16
+    assert make_llm(tiny_dir, device, dtype="float16").engine.runner.cache.dtype == torch.float16
+    assert make_llm(tiny_dir, device, dtype="auto").engine.runner.params.dtype == torch.float32
+    with pytest.raises(ValueError, match="unknown dtype"):
+        make_llm(tiny_dir, device, dtype="float8")
+    with pytest.raises(ValueError, match="issue 6"):
+        make_llm(tiny_dir, device, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        make_llm(tiny_dir, device, max_model_len=100_000)
+
+
+def test_progress_bar_reports_throughput(tiny_dir, device, prompts, capsys):
+    llm = make_llm(tiny_dir, device)
+    llm.generate(token_prompts(prompts[:2]), GREEDY, use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "Processed prompts" in err and "toks/s" in err and "2/2" in err

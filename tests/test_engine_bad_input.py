@@ -1,0 +1,116 @@
+"""Bad input is a ValueError raised before anything is scheduled: the other requests of the same
+call never run, and the engine (queues, blocks, prefix cache, KV cache contents) is unchanged,
+so that the next call gives exactly what it would have given."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams
+
+from hf_tiny import make_hf_model, save_checkpoint
+
+GOOD = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_checkpoint(make_hf_model(seed=1), tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture
+def llm(tiny_dir, device):
+    return LLM(tiny_dir, device=device, num_kv_blocks=16, block_size=4, max_model_len=60,
+               attention_backend="reference" if device.type == "cpu" else None)
+
+
+def snapshot(llm):
+    e = llm.engine
+    bm = e.block_manager
+    return dict(free=list(bm.free), registry=dict(bm.registry), steps=e.stats.steps,
+                waiting=len(e.scheduler.waiting), running=len(e.scheduler.running),
+                requests=len(e.requests), k=[t.clone() for t in e.runner.cache.k])
+
+
+def assert_unchanged(llm, before):
+    after = snapshot(llm)
+    k_before, k_after = before.pop("k"), after.pop("k")
+    assert after == before
+    assert all(torch.equal(a, b) for a, b in zip(k_before, k_after))
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+BAD_PROMPTS = {
+    "empty ids": {"prompt_token_ids": []},
+    "empty string": "",
+    "id above vocab": {"prompt_token_ids": [1, 2, 101]},
+    "negative id": {"prompt_token_ids": [1, -1]},
+    "float id": {"prompt_token_ids": [1, 2.0]},
+    "longer than max_model_len": {"prompt_token_ids": [1] * 61},
+    "as long as max_model_len": {"prompt_token_ids": [1] * 60},
+    "string without tokenizer": "hello",
+    "a bare list": [1, 2, 3],
+    "dict without ids": {"text": "x"},
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_PROMPTS))
+def test_bad_prompt_is_refused_before_anything_runs(llm, name):
+    want = llm.generate({"prompt_token_ids": GOOD}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    before = snapshot(llm)
+    with pytest.raises(ValueError):
+        llm.generate([{"prompt_token_ids": GOOD}, BAD_PROMPTS[name]], GREEDY, use_tqdm=False)
+    assert_unchanged(llm, before)
+    assert llm.generate({"prompt_token_ids": GOOD}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
+
+
+BAD_PARAMS = [
+    dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_p=0.0), dict(top_p=1.5),
+    dict(top_k=-2), dict(top_k=1.5), dict(min_p=-0.1), dict(min_p=1.1), dict(max_tokens=0),
+    dict(max_tokens=-3), dict(n=0), dict(n=1.0), dict(logprobs=-1), dict(presence_penalty=2.5),
+    dict(frequency_penalty=-3), dict(repetition_penalty=0.0), dict(min_tokens=-1),
+    dict(min_tokens=9, max_tokens=8), dict(seed="1"), dict(stop=[""]), dict(stop=[1]),
+    dict(stop_token_ids=[-1]), dict(prompt_logprobs=1),
+]
+
+
+@pytest.mark.parametrize("kw", BAD_PARAMS, ids=[str(k) for k in BAD_PARAMS])
+def test_invalid_sampling_params_raise(kw):
+    with pytest.raises(ValueError, match="SamplingParams"):
+        SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("kw", [dict(logprobs=21), dict(stop="x"), dict(stop_token_ids=[101])],
+                         ids=["logprobs above max", "stop string without tokenizer", "stop id above vocab"])
+def test_params_the_engine_cannot_serve_are_refused(llm, kw):
+    before = snapshot(llm)
+    with pytest.raises(ValueError):
+        llm.generate([{"prompt_token_ids": GOOD}] * 2, [GREEDY, SamplingParams(**kw)], use_tqdm=False)
+    assert_unchanged(llm, before)
+
+
+def test_wrong_argument_shapes(llm):
+    with pytest.raises(ValueError, match="sampling params"):
+        llm.generate([{"prompt_token_ids": GOOD}] * 2, [GREEDY], use_tqdm=False)
+    with pytest.raises(ValueError):
+        llm.generate([], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="SamplingParams"):
+        llm.generate({"prompt_token_ids": GOOD}, {"temperature": 0}, use_tqdm=False)
+
+
+def test_a_request_that_can_never_fit_the_cache_is_refused(llm):
+    # 16 blocks of 4 = 64 slots; this one may grow to 10 + 58 - 1 tokens, capped by max_model_len
+    # 60 to 59 slots: it fits. With 8 blocks it would not.
+    assert llm.generate({"prompt_token_ids": GOOD[:10]}, SamplingParams(max_tokens=50), use_tqdm=False)
+    small = LLM(llm.config.model, device=llm.config.device, num_kv_blocks=8, block_size=4,
+                max_model_len=60, attention_backend=llm.config.attention_backend)
+    before = snapshot(small)
+    with pytest.raises(ValueError, match="never fit the KV cache"):
+        small.generate({"prompt_token_ids": GOOD[:10]}, SamplingParams(max_tokens=50), use_tqdm=False)
+    assert_unchanged(small, before)
+    # One that fits runs, even though it must wait for the others' blocks.
+    fits = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    outs = small.generate([{"prompt_token_ids": GOOD[:10]}] * 3, fits, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
