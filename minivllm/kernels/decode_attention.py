@@ -2,7 +2,7 @@
 
 GQA-aware: a program holds all GROUP query heads of one KV head, so each K/V row is read from
 memory once for the group. When batch x kv_heads programs cannot fill the GPU, the context is
-split into NUM_SPLITS ranges whose partial results (normalised output and log2-sum-exp) a second
+split into num_splits ranges whose partial results (normalised output and log2-sum-exp) a second
 kernel merges.
 
   q: [B, heads, head_dim], k/v: [B, kv_heads, head_dim]   this step's token (not read from cache)
@@ -24,14 +24,14 @@ from .paged import load_rows, page_rows
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr,
-                   out_ptr, part_out_ptr, part_lse_ptr, scale_log2,
+                   out_ptr, part_out_ptr, part_lse_ptr, scale_log2, num_splits,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                    stride_bt, stride_ot, stride_oh,
                    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -61,7 +61,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_pt
         [BLOCK_G, BLOCK_D], tl.float32)
 
     prefix = tl.load(ctx_ptr + b) - 1
-    per_split = tl.cdiv(tl.cdiv(prefix, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(prefix, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, prefix)
     bt_row = bt_ptr + b64 * stride_bt
@@ -84,26 +84,26 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_pt
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     o_mask = mask_g[:, None] & mask_d[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         tl.store(out_ptr + b64 * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
-        row = (b64 * (KV_HEADS * GROUP) + heads) * NUM_SPLITS + split  # [BLOCK_G]
+        row = (b64 * (KV_HEADS * GROUP) + heads) * num_splits + split  # [BLOCK_G]
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=o_mask)
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=mask_g)
 
 
-@triton.jit
-def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh,
-                         HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_splits,
+                         HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < NUM_SPLITS
-    base = (b * HEADS + h) * NUM_SPLITS
+    mask_s = offs_s < num_splits
+    base = (b * HEADS + h) * num_splits
     lse = tl.load(part_lse_ptr + base + offs_s, mask=mask_s, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))  # split 0 always holds the new token: the max is finite
     w = w / tl.sum(w, 0)
@@ -131,7 +131,7 @@ def decode_splits(batch_size: int, kv_heads: int, max_context: int, device: torc
 def decode_config(device: torch.device, dtype: torch.dtype, head_dim: int) -> dict:
     if interpreting() or device.type != "cuda":
         return dict(block_n=16, num_warps=1, num_stages=1)
-    if dtype == torch.float32:
+    if dtype == torch.float32:  # fp32 dot products run on FMA units: small tiles, no spills
         return dict(block_n=32, num_warps=4, num_stages=2)
     return dict(block_n=64, num_warps=4, num_stages=3)
 
@@ -150,6 +150,7 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cfg = decode_config(q.device, k_cache.dtype, head_dim) | dict(config or {})
     if num_splits is None:
         num_splits = decode_splits(b, kv_heads, block_tables.shape[1] * page, q.device)
+    assert 1 <= num_splits <= MAX_SPLITS, num_splits
     if out is None:
         out = torch.empty_like(q)
     if num_splits > 1:
@@ -160,16 +161,16 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     block_d = next_pow2(head_dim)
     _decode_kernel[(b, kv_heads, num_splits)](
         q, k, v, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
-        scale * LOG2E,
+        scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
         KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_G=max(16, next_pow2(group)),
-        BLOCK_D=block_d, PAGE=page, BLOCK_N=cfg["block_n"], NUM_SPLITS=num_splits,
+        BLOCK_D=block_d, PAGE=page, BLOCK_N=cfg["block_n"], SPLIT=num_splits > 1,
         PRECISION=dot_precision(k_cache.dtype), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     if num_splits > 1:
         _merge_splits_kernel[(b, heads)](
-            part_out, part_lse, out, out.stride(0), out.stride(1),
-            HEADS=heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d, num_warps=4)
+            part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
+            HEADS=heads, HEAD_DIM=head_dim, BLOCK_S=max(2, next_pow2(MAX_SPLITS)), BLOCK_D=block_d,
+            num_warps=4)
     return out

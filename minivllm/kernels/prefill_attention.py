@@ -43,7 +43,7 @@ def _online_softmax_step(acc, l_i, m_i, q, kt, vt, valid, scale_log2, MASKED: tl
     return acc, l_i, m_new
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr,
                     scale_log2, num_seqs,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -58,8 +58,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, cu_pt
     dt = k_cache_ptr.dtype.element_ty
 
     # The last sequence whose first tile index cu[b] // BLOCK_M + b is <= pid.
-    lo = 0
-    hi = num_seqs
+    lo = pid * 0  # int32 tensors from the start: loop-carried types must not change
+    hi = pid * 0 + num_seqs
     while hi - lo > 1:
         mid = (lo + hi) // 2
         go_right = tl.load(cu_ptr + mid) // BLOCK_M + mid <= pid
@@ -138,7 +138,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, cu_pt
 def prefill_config(device: torch.device, dtype: torch.dtype, head_dim: int) -> dict:
     if interpreting() or device.type != "cuda":
         return dict(block_m=16, block_n=16, num_warps=1, num_stages=1)
-    if dtype == torch.float32 or head_dim > 128:
+    if dtype == torch.float32:  # fp32 dot products run on FMA units: small tiles
+        return dict(block_m=32, block_n=16, num_warps=4, num_stages=2)
+    if head_dim > 128:
         return dict(block_m=64, block_n=32, num_warps=4, num_stages=2)
     return dict(block_m=128, block_n=64, num_warps=8, num_stages=3)
 
