@@ -44,7 +44,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @rule(target=seqs, tokens=TOKENS, chunk=st.integers(1, 14))
     def admit(self, tokens, chunk):
-        seq = Sequence(self.next_id, str(self.next_id), 0, tokens, SamplingParams(), 0, self.next_id)
+        seq = Sequence(self.next_id, str(self.next_id), 0, tokens, SamplingParams(), 0)
         self.next_id += 1
         hits = self.bm.match_prefix(seq)
         cached = len(hits) * BS
@@ -90,7 +90,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def double_free_is_caught(self, data):
         seq = data.draw(st.sampled_from(self._unshared()))
-        ghost = Sequence(-1, "ghost", 0, [0], SamplingParams(), 0, -1)
+        ghost = Sequence(-1, "ghost", 0, [0], SamplingParams(), 0)
         ghost.block_table = list(seq.block_table)
         self.bm.free_blocks(seq)
         self.live.remove(seq)
@@ -145,7 +145,7 @@ TestCollidingAllocator.settings = settings(TestCollidingAllocator.settings, max_
 
 
 def _seq(i, tokens):
-    return Sequence(i, str(i), 0, tokens, SamplingParams(), 0, i)
+    return Sequence(i, str(i), 0, tokens, SamplingParams(), 0)
 
 
 def test_prefix_hits_share_blocks_and_never_cover_the_last_token():

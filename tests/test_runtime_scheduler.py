@@ -31,7 +31,7 @@ def mock_next_token(tokens) -> int:
 
 def reference(prompt, params: SamplingParams, max_model_len: int, eos: tuple) -> list[int]:
     """The sequence run alone, one token at a time, with the same stop rules."""
-    seq = Sequence(0, "ref", 0, prompt, params, 0, 0, eos_ids=eos)
+    seq = Sequence(0, "ref", 0, prompt, params, 0, eos_ids=eos)
     while True:
         seq.token_ids.append(mock_next_token(seq.token_ids))
         if stop_by_token(seq, max_model_len) is not None:
@@ -60,7 +60,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if self.bm.blocks_for(longest) > self.bm.num_blocks:
             return
         for i in range(n):
-            seq = Sequence(len(self.all), str(len(self.all)), i, prompt, params, 0, len(self.all),
+            seq = Sequence(len(self.all), str(len(self.all)), i, prompt, params, 0,
                            eos_ids=(EOS,))
             self.all.append(seq)
             self.sched.add(seq)
@@ -127,7 +127,7 @@ TestScheduler.settings = settings(TestScheduler.settings, max_examples=60, state
 
 
 def _seq(i, prompt, **kw):
-    return Sequence(i, str(i), 0, prompt, SamplingParams(ignore_eos=True, **kw), 0, i)
+    return Sequence(i, str(i), 0, prompt, SamplingParams(ignore_eos=True, **kw), 0)
 
 
 def test_decodes_first_then_prefill_chunks_fill_the_budget():

@@ -79,7 +79,7 @@ class EngineConfig:
                              f"max_position_embeddings ({limit})")
         if max_num_batched_tokens is None:
             # CPU: the reference attention's memory grows with tokens x context, keep steps small.
-            max_num_batched_tokens = 8192 if device.type == "cuda" else 1024
+            max_num_batched_tokens = 8192 if device.type == "cuda" else 512
         return cls(model=model, model_config=model_config, dtype=dtype, device=device,
                    max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                    max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,

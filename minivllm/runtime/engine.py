@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import os
 import random
 from dataclasses import dataclass, field
@@ -128,9 +129,13 @@ class LLMEngine:
         ids = list(ids.tolist() if hasattr(ids, "tolist") else ids)
         if not ids:
             raise ValueError("the prompt is empty (no tokens)")
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise ValueError(f"prompt_token_ids holds {t!r}, not an int token id")
+        for k, t in enumerate(ids):
+            try:
+                if isinstance(t, bool):
+                    raise TypeError
+                ids[k] = t = operator.index(t)  # ints, and numpy / torch integer scalars
+            except TypeError:
+                raise ValueError(f"prompt_token_ids holds {t!r}, not an int token id") from None
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {self.vocab_size})")
         return text, ids
@@ -177,8 +182,7 @@ class LLMEngine:
         base = params.seed if params.seed is not None else self.rng.getrandbits(63)
         for i in range(params.n):
             seed = base if i == 0 else (base + i * _GOLDEN) & ((1 << 64) - 1)
-            seq = Sequence(self._next_seq_id, request_id, i, ids, params, seed,
-                           arrival=self._next_seq_id, eos_ids=self.eos_ids)
+            seq = Sequence(self._next_seq_id, request_id, i, ids, params, seed, eos_ids=self.eos_ids)
             self._next_seq_id += 1
             request.seqs.append(seq)
             self.scheduler.add(seq)
@@ -217,8 +221,9 @@ class LLMEngine:
         rows = [self._sampling_row(c.seq) for c in out.sampled]
         return StepInput(chunks, rows)
 
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; the outputs of the requests it touched (finished included)."""
+    def step(self, *, unfinished: bool = True) -> list[RequestOutput]:
+        """Run one scheduled step; the outputs of the requests it touched (finished included;
+        with unfinished=False only the finished ones, which saves building the others)."""
         out = self.scheduler.schedule()
         if out.empty:
             if self.scheduler.has_unfinished():
@@ -236,7 +241,8 @@ class LLMEngine:
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            outputs.append(self.make_output(request))
+            if unfinished or request.finished:
+                outputs.append(self.make_output(request))
             if request.finished:
                 del self.requests[request_id]
         return outputs

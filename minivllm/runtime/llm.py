@@ -178,8 +178,8 @@ class LLM:
         bar = _Progress(len(ids), self.engine.stats) if use_tqdm else None
         try:
             while pending:
-                for out in self.engine.step():
-                    if out.finished and out.request_id in pending:
+                for out in self.engine.step(unfinished=False):
+                    if out.request_id in pending:
                         pending.discard(out.request_id)
                         final[out.request_id] = out
                         if bar:

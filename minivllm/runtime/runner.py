@@ -114,8 +114,9 @@ class ModelRunner:
         return num
 
     def _cuda_kv_budget(self) -> int:
-        """Free memory * gpu_memory_utilization, less what a full-size step needs, measured by
-        running one (a warm-up forward of max_num_batched_tokens tokens and its sampling)."""
+        """Free memory * gpu_memory_utilization, less what the largest step needs, measured by
+        running one: a forward over max_num_batched_tokens tokens, then sampling max_num_seqs
+        rows with every stage on (the sort for top-k/top-p and the logprobs are the big ones)."""
         config = self.config
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
@@ -130,8 +131,13 @@ class ModelRunner:
             table = list(range(next_block, next_block + ceil_div(n, self.block_size)))
             next_block += len(table)
             chunks.append(SeqChunk([0] * n, 0, table))
-        rows = [SamplingRow(temperature=1.0, top_p=0.9, top_k=50)] * len(chunks)
-        self._run(scratch, StepInput(chunks, rows))
+        self._run(scratch, StepInput(chunks, []))
+        rows = [SamplingRow(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05,
+                            logprobs=config.max_logprobs)] * config.max_num_seqs
+        with torch.no_grad():
+            logits = torch.zeros(len(rows), self.vocab_size, device=self.device)
+            sample(logits, make_sampling_batch(rows, vocab_size=self.vocab_size, device=self.device))
+            del logits
         torch.cuda.synchronize(self.device)
         activations = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
         del scratch

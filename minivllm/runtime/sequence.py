@@ -21,14 +21,14 @@ class Status(enum.Enum):
 
 
 class Sequence:
+    # seq_id grows with arrival: the scheduler's "oldest first" and "newest preempted first".
     def __init__(self, seq_id: int, request_id: str, index: int, prompt_ids: list[int],
-                 params: SamplingParams, seed: int, arrival: int, eos_ids: tuple[int, ...] = ()):
+                 params: SamplingParams, seed: int, eos_ids: tuple[int, ...] = ()):
         self.seq_id = seq_id
         self.request_id = request_id
         self.index = index  # which of the request's n completions
         self.params = params
         self.seed = seed  # the sampler's counter key (the request's seed, or one drawn for it)
-        self.arrival = arrival  # admission order key: lower is older
         self.eos_ids = eos_ids
         self.prompt_len = len(prompt_ids)
         self.token_ids: list[int] = list(prompt_ids)
