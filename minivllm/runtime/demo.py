@@ -88,7 +88,15 @@ def build_demo_model(path: str, seed: int = 0) -> str:
             else:
                 p.normal_(0.0, 0.08)
         _prefer_printable(model, tokenizer, eos)
-    model.save_pretrained(path, safe_serialization=True)
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a one-second build needs no "Writing model shards" bar
+    try:
+        model.save_pretrained(path, safe_serialization=True)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(path)
     with open(os.path.join(path, "README.md"), "w") as f:
         f.write(NOTICE + "\n")
