@@ -22,7 +22,7 @@ import minivllm.kernels
 from minivllm.state import SHAPES, SeqChunk, make_batch
 
 
-def hf_model_for_shape(shape: str, dtype: torch.dtype, device, seed: int):
+def hf_model_for_shape(shape: str, dtype: torch.dtype, device, seed: int, init_std: float = 0.02):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     s = SHAPES[shape]
@@ -30,7 +30,8 @@ def hf_model_for_shape(shape: str, dtype: torch.dtype, device, seed: int):
                          intermediate_size=s["intermediate_size"], num_hidden_layers=s["num_layers"],
                          num_attention_heads=s["num_heads"], num_key_value_heads=s["num_kv_heads"],
                          head_dim=s["head_dim"], tie_word_embeddings=s["tie_word_embeddings"],
-                         rope_theta=1_000_000.0, max_position_embeddings=40960, rms_norm_eps=1e-6)
+                         rope_theta=1_000_000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                         initializer_range=init_std)
     torch.manual_seed(seed)
     with torch.device(device):
         model = Qwen3ForCausalLM(config).to(dtype).eval()
@@ -44,12 +45,15 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--backend", default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--init-std", type=float, default=0.02,
+                    help="std of the random weights (transformers' initializer_range; 0.02 by default, "
+                         "which gives nearly flat next-token distributions)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = minivllm.state.parse_dtype(args.dtype)
 
-    model = hf_model_for_shape(args.shape, dtype, device, args.seed)
+    model = hf_model_for_shape(args.shape, dtype, device, args.seed, args.init_std)
     with tempfile.TemporaryDirectory() as d:
         model.save_pretrained(d)
         params = minivllm.load(d, dtype=dtype, device=device)
@@ -88,7 +92,7 @@ def main():
     decode_agree = (torch.cat(decode_top) == ref_top).float().mean().item()
     top2 = ref.topk(2, dim=-1).values
     result = {
-        "shape": args.shape, "dtype": str(dtype), "positions": n, "backend": backend.name,
+        "shape": args.shape, "dtype": str(dtype), "init_std": args.init_std, "positions": n, "backend": backend.name,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "prefill_top1_agreement": prefill_agree, "decode_top1_agreement": decode_agree,
         "transformers_vs_fp32_top1_agreement": (ref_top == exact_top).float().mean().item(),
