@@ -31,7 +31,7 @@ import traceback
 import torch
 
 from minivllm.kernels.decode_attention import MAX_SPLITS, decode_config, decode_splits, paged_decode_attention
-from minivllm.kernels.flash_attn_backend import flash_attn_varlen
+from minivllm.kernels.flash_attn_backend import fa4_num_splits, flash_attn_varlen
 from minivllm.kernels.prefill_attention import prefill_config, varlen_prefill_attention
 from minivllm.kernels.store_kv import store_kvcache
 
@@ -47,8 +47,10 @@ COPY_BYTES = 2 * 2**30
 DECODE_CONFIGS = [  # (block_n, num_warps, num_stages)
     (64, 4, 3), (128, 4, 3), (32, 4, 4), (64, 8, 3), (64, 4, 4),
 ]
-PREFILL_CONFIGS = [  # (block_m, block_n, num_warps, num_stages)
-    (128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3),
+PREFILL_CONFIGS = [  # (block_m, block_n, num_warps, num_stages, pack GQA group into the tile)
+    (128, 64, 8, 3, True), (128, 64, 8, 3, False), (64, 64, 4, 3, False), (64, 64, 4, 3, True),
+    (64, 64, 4, 2, False), (64, 64, 4, 2, True), (64, 32, 4, 3, False), (64, 32, 4, 3, True),
+    (128, 128, 8, 2, True), (128, 64, 8, 2, True),
 ]
 
 
@@ -211,7 +213,9 @@ def prefill_problem(q_lens, prefix, page: int, seed: int):
 def decode_cases():
     """The headline case first (B=256, short contexts, page 16), so a tight budget keeps it."""
     cases = [(page, dist, b) for page in (16, 256) for dist in DECODE_DISTS for b in DECODE_BATCHES]
-    return sorted(cases, key=lambda c: (c[2] != DECODE_BATCHES[-1], c[1] != DECODE_DISTS[0], c[0]))
+    cases = sorted(cases, key=lambda c: (c[2] != DECODE_BATCHES[-1], c[1] != DECODE_DISTS[0], c[0]))
+    # flash-attn-4's TMA path wants a page of one key tile (128 at head_dim 128): its best case.
+    return cases + [(128, DECODE_DISTS[0], DECODE_BATCHES[-1])]
 
 
 def bench_decode(results, budget: Budget, fa):
@@ -224,7 +228,7 @@ def bench_decode(results, budget: Budget, fa):
         row = dict(section="decode", page=page, contexts=dist, batch=b, sets=pr["sets"],
                    bytes=pr["bytes"], triton={})
         default_splits = decode_splits(b, KV_HEADS, pr["max_context"], DEV)
-        default_cfg = decode_config(DEV, DT, HEAD_DIM)
+        default_cfg = decode_config(DEV, DT, HEAD_DIM, default_splits, pr["max_context"])
 
         def ours(cfg, splits):
             return [lambda p=p: paged_decode_attention(
@@ -233,7 +237,7 @@ def bench_decode(results, budget: Budget, fa):
 
         variants = [(dict(block_n=n, num_warps=w, num_stages=s), default_splits)
                     for n, w, s in DECODE_CONFIGS]
-        for waves in (1, 2, 8, 16):  # split counts around the default's
+        for waves in (2, 4, 8, 32):  # split counts around the default's
             sp = decode_splits(b, KV_HEADS, pr["max_context"], DEV, waves=waves)
             if sp != default_splits and (default_cfg, sp) not in variants:
                 variants.append((default_cfg, sp))
@@ -251,7 +255,8 @@ def bench_decode(results, budget: Budget, fa):
             try:
                 calls = [lambda p=p: fa(p["q"], pr["k_cache"], pr["v_cache"], cu_seqlens_q=pr["cu"],
                                         seqused_k=pr["ctx"], page_table=p["bt0"], max_seqlen_q=1,
-                                        softmax_scale=scale, causal=True, num_splits=0)
+                                        softmax_scale=scale, causal=True,
+                                        num_splits=fa4_num_splits(DEV))
                          for p in pr["problems"]]
                 row["fa4_us"], row["fa4_timing"] = time_calls(calls)
             except Exception as e:
@@ -308,9 +313,9 @@ def bench_prefill(results, budget: Budget, fa):
             row = dict(section="prefill", page=page, prefix=with_prefix, tokens=pr["tokens"],
                        seqs=len(q_lens), flops=pr["flops"], triton={}, others={})
             out = torch.empty_like(pr["q"])
-            for bm, bn, w, s in PREFILL_CONFIGS:
-                cfg = dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
-                key = f"m{bm}n{bn}w{w}s{s}"
+            for bm, bn, w, s, pack in PREFILL_CONFIGS:
+                cfg = dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s, pack=pack)
+                key = f"m{bm}n{bn}w{w}s{s}{'p' if pack else ''}"
                 try:
                     us, _ = time_calls([lambda: varlen_prefill_attention(
                         pr["q"], pr["k"], pr["v"], pr["k_cache"], pr["v_cache"], pr["cu"], pr["ctx"], pr["bt"],
@@ -319,7 +324,8 @@ def bench_prefill(results, budget: Budget, fa):
                 except Exception as e:
                     log(f"    triton {key}: {type(e).__name__}: {str(e)[:200]}")
             d = prefill_config(DEV, DT, HEAD_DIM)
-            row["triton_default_key"] = f"m{d['block_m']}n{d['block_n']}w{d['num_warps']}s{d['num_stages']}"
+            row["triton_default_key"] = (f"m{d['block_m']}n{d['block_n']}w{d['num_warps']}s{d['num_stages']}"
+                                         f"{'p' if d['pack'] else ''}")
             others = {}
             if fa is not None:
                 bt0 = pr["bt"].clamp(min=0)
@@ -334,7 +340,7 @@ def bench_prefill(results, budget: Budget, fa):
                                                  cu_seqlens_k=pr["cu_k"], max_seqlen_q=pr["max_q"],
                                                  max_seqlen_k=pr["max_k"], softmax_scale=scale, causal=True)
             if varlen_attn is not None:
-                if "window_size" in va_params:  # torch >= 2.12: GQA, causal by window, paged tables
+                if "enable_gqa" in va_params:  # torch >= 2.12: GQA, causal by window, paged tables
                     others["torch varlen dense"] = lambda: varlen_attn(
                         pr["q"], k_dense, v_dense, pr["cu"], pr["cu_k"], pr["max_q"], pr["max_k"],
                         scale=scale, window_size=(-1, 0), enable_gqa=True)
@@ -343,13 +349,13 @@ def bench_prefill(results, budget: Budget, fa):
                             pr["q"], pr["k_cache"], pr["v_cache"], pr["cu"], None, pr["max_q"], pr["max_k"],
                             scale=scale, window_size=(-1, 0), enable_gqa=True, seqused_k=pr["ctx"],
                             block_table=pr["bt"].clamp(min=0))
-                else:  # torch 2.11: is_causal, equal head counts: K/V expanded to 16 heads untimed
+                else:  # torch 2.11: no GQA, so K/V are expanded to 16 heads (untimed)
                     k_rep = k_dense.repeat_interleave(HEADS // KV_HEADS, dim=1)
                     v_rep = v_dense.repeat_interleave(HEADS // KV_HEADS, dim=1)
-                    kw = {"scale": scale} if "scale" in va_params else {}
+                    kw = dict(window_size=(-1, 0)) if "window_size" in va_params else dict(is_causal=True)
                     others["torch varlen dense (kv expanded)"] = lambda: varlen_attn(
                         pr["q"], k_rep, v_rep, pr["cu"], pr["cu_k"], pr["max_q"], pr["max_k"],
-                        is_causal=True, **kw)
+                        scale=scale, **kw)
             for name, fn in others.items():
                 if budget.left() < 10:
                     break
@@ -420,19 +426,26 @@ def summary(results, copy_tbs):
 
 
 def profile_calls() -> int:
-    """Decode B=256 U[512,2048] page 16 and prefill 35k tokens page 16 without prefix, default
-    configs, one launch each, so that `ncu -k regex:"_decode_kernel|_prefill_kernel" -c 2` gets both."""
+    """One launch each, in this order: our decode, flash-attn-4 decode (B=256, U[512,2048], page
+    16), our prefill, flash-attn-4 prefill (35k tokens, no prefix, page 16); default configs. For
+    `ncu -k regex:"_decode_kernel|_prefill_kernel|flash" -c 4`."""
     scale = HEAD_DIM ** -0.5
+    fa = flash_attn_varlen()
     pr = decode_problem(DECODE_BATCHES[-1], *DECODE_DISTS[0][1:], 16, seed=7)
     p = pr["problems"][0]
-    for _ in range(1):
-        paged_decode_attention(p["q"], p["k"], p["v"], pr["k_cache"], pr["v_cache"], p["bt"], pr["ctx"],
-                               scale, out=p["out"])
+    paged_decode_attention(p["q"], p["k"], p["v"], pr["k_cache"], pr["v_cache"], p["bt"], pr["ctx"],
+                           scale, out=p["out"])
+    if fa is not None:
+        fa(p["q"], pr["k_cache"], pr["v_cache"], cu_seqlens_q=pr["cu"], seqused_k=pr["ctx"],
+           page_table=p["bt0"], max_seqlen_q=1, softmax_scale=scale, causal=True,
+           num_splits=fa4_num_splits(DEV))
     q_lens, _ = prefill_lengths(PREFILL_TOKENS, seed=0)
     pf = prefill_problem(q_lens, [0] * len(q_lens), 16, seed=1)
-    for _ in range(1):
-        varlen_prefill_attention(pf["q"], pf["k"], pf["v"], pf["k_cache"], pf["v_cache"], pf["cu"], pf["ctx"],
-                                 pf["bt"], scale)
+    varlen_prefill_attention(pf["q"], pf["k"], pf["v"], pf["k_cache"], pf["v_cache"], pf["cu"], pf["ctx"],
+                             pf["bt"], scale)
+    if fa is not None:
+        fa(pf["q"], pf["k_cache"], pf["v_cache"], cu_seqlens_q=pf["cu"], seqused_k=pf["ctx"],
+           page_table=pf["bt"].clamp(min=0), max_seqlen_q=pf["max_q"], softmax_scale=scale, causal=True)
     torch.cuda.synchronize()
     return 0
 
@@ -445,7 +458,7 @@ def smoke_shapes():
     DECODE_BATCHES, DECODE_DISTS = (1, 3), (("U[5,40]", 5, 40),)
     PREFILL_TOKENS, Q_RANGE, PREFIX_RANGE, COPY_BYTES, L2_BYTES = 60, (5, 30), (3, 20), 2**20, 2**14
     DECODE_CONFIGS = [(16, 1, 1), (32, 1, 1)]
-    PREFILL_CONFIGS = [(16, 16, 1, 1), (32, 16, 1, 1)]
+    PREFILL_CONFIGS = [(16, 16, 1, 1, True), (32, 16, 1, 1, False)]
 
 
 def main() -> int:

@@ -57,14 +57,14 @@ def gpu_checks(seed: int, random_cases: int, dev: torch.device, shrink: int = 1)
                                      out=torch.full_like(p.q, float("nan")), num_splits=num_splits)
         report("decode", case, dtype, rel_error(out, ref), f"splits={num_splits}")
 
-    def prefill(case, dtype):
+    def prefill(case, dtype, config=None):
         case = small(case)
         p = make_problem(**case, dtype=dtype, device=dev)
         ref = reference_attention(p.q, p.k, p.v, *p.clean_cache(), p.batch, p.scale)
         out = varlen_prefill_attention(p.q, p.k, p.v, p.k_cache, p.v_cache, p.batch.cu_seqlens_q,
                                        p.batch.context_lens, p.batch.block_tables, p.scale,
-                                       out=torch.full_like(p.q, float("nan")))
-        report("prefill", case, dtype, rel_error(out, ref))
+                                       out=torch.full_like(p.q, float("nan")), config=config)
+        report("prefill", case, dtype, rel_error(out, ref), f"config={config}")
 
     def backend(be, case, dtype, poison=True):
         case = small(case)
@@ -109,6 +109,12 @@ def gpu_checks(seed: int, random_cases: int, dev: torch.device, shrink: int = 1)
         for splits in (1, 7):
             decode(dict(q_lens=[1] * 3, cached=[0, 9000, 300], page=16, kv_heads=8, group=2,
                         head_dim=128, seed=5), dtype, num_splits=splits)
+    for config in (dict(pack=False), dict(block_m=64, block_n=64, num_warps=4, num_stages=2),
+                   dict(block_m=64, block_n=32, num_warps=4, num_stages=3),
+                   dict(block_m=64, block_n=64, num_warps=4, num_stages=3, pack=False)):
+        for page in (16, 256):
+            prefill(dict(q_lens=[1, 100, 333, 130], cached=[0, 2000, 17, 255], page=page, kv_heads=8,
+                         group=2, head_dim=128, seed=11), torch.bfloat16, config)
     decodes(torch.float16, (16,), (1, 8))
     prefills(torch.float16, (256,))
     decodes(torch.float32, (256,), (2,))
@@ -187,17 +193,20 @@ def sass_report() -> int:
                       f"{build(_decode_kernel, d_types, consts, nw, ns)}", flush=True)
         p_types = ["*" + dt] * 5 + ["*i32"] * 3 + ["*" + dt, "fp32", "i32"] + ["i32"] * 9
         for page in (16, 256):
-            configs = ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 32, 4, 2))
+            configs = [(bm, bn, nw, ns, pack) for bm, bn, nw, ns in (
+                (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3),
+                (128, 64, 8, 2)) for pack in (1, 2)]
             if dt == "fp32":
-                configs = ((32, 32, 4, 1), (32, 16, 4, 2), (16, 16, 4, 1))
-            for bm, bn, nw, ns in configs:
+                configs = ((32, 16, 4, 2, 2),)
+            for bm, bn, nw, ns, pack in configs:
                 consts = dict(KV_HEADS=8, GROUP=2, HEAD_DIM=128, BLOCK_D=128, PAGE=page, BLOCK_M=bm,
-                              BLOCK_N=bn, PRECISION=prec)
+                              BLOCK_N=bn, PACK=pack, PRECISION=prec)
                 try:
                     r = build(_prefill_kernel, p_types, consts, nw, ns)
                 except Exception as e:  # e.g. more shared memory than the SM has
                     r = f"does not build: {type(e).__name__}"
-                print(f"prefill {dt} page={page:3d} m={bm} n={bn} warps={nw} stages={ns}: {r}", flush=True)
+                print(f"prefill {dt} page={page:3d} m={bm} n={bn} warps={nw} stages={ns} pack={pack}: {r}",
+                      flush=True)
     return 0
 
 

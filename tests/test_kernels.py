@@ -93,7 +93,8 @@ def test_decode_splits_fill_the_gpu_from_shapes():
     cpu = torch.device("cpu")  # 4 "SMs" under the interpreter
     assert decode_splits(256, 8, 2048, cpu) == 1
     assert decode_splits(1, 2, 100, cpu) == 1  # too short to split
-    assert decode_splits(1, 2, 4096, cpu) == 8
+    assert decode_splits(1, 2, 4096, cpu) == 16  # 16 programs per "SM" at most
+    assert decode_splits(4, 2, 4096, cpu, waves=4) == 2
     assert decode_splits(1, 1, 10**6, cpu, waves=1000) == 64  # capped
 
 
@@ -110,26 +111,30 @@ def prefill_cases(draw, max_batch=3, max_q=40, max_cached=70):
 
 
 @settings(max_examples=20)
-@given(case=prefill_cases())
-def test_varlen_prefill_matches_reference(device, case):
+@given(case=prefill_cases(), pack=st.booleans())
+def test_varlen_prefill_matches_reference(device, case, pack):
+    """pack: a program covers a whole GQA group (rows are (token, head) pairs) or one head."""
     p = make_problem(**case, device=device)
     ref = reference_attention(p.q, p.k, p.v, *p.clean_cache(), p.batch, p.scale)
     out = varlen_prefill_attention(p.q, p.k, p.v, p.k_cache, p.v_cache, p.batch.cu_seqlens_q,
                                    p.batch.context_lens, p.batch.block_tables, p.scale,
-                                   out=nan_like(p.q))
+                                   out=nan_like(p.q), config=dict(pack=pack))
     check(out, ref, case["dtype"])
 
 
-@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (32, 32)])
-def test_prefill_tiles_straddling_sequences(device, block_m, block_n):
+@pytest.mark.parametrize("block_m,block_n,group,pack", [
+    (16, 16, 2, False), (32, 16, 2, False), (32, 32, 2, True), (32, 16, 4, True), (16, 16, 8, True)])
+def test_prefill_tiles_straddling_sequences(device, block_m, block_n, group, pack):
     """Sequences that start mid-tile, lengths around tile multiples, a one-token row among them
-    (a decode row inside a mixed batch): every tile-to-sequence mapping path."""
+    (a decode row inside a mixed batch): every tile-to-sequence mapping path, including packed
+    tiles of fewer tokens than a key tile (16 rows / 8 heads = 2 tokens against 16 keys)."""
     p = make_problem([block_m - 1, 1, block_m + 1, 2 * block_m, 5], [0, 9, block_n, 3, 2 * block_n + 1],
-                     page=16, kv_heads=2, group=2, head_dim=16, device=device, seed=3)
+                     page=16, kv_heads=2, group=group, head_dim=16, device=device, seed=3)
     ref = reference_attention(p.q, p.k, p.v, *p.clean_cache(), p.batch, p.scale)
     out = varlen_prefill_attention(p.q, p.k, p.v, p.k_cache, p.v_cache, p.batch.cu_seqlens_q,
                                    p.batch.context_lens, p.batch.block_tables, p.scale,
-                                   out=nan_like(p.q), config=dict(block_m=block_m, block_n=block_n))
+                                   out=nan_like(p.q),
+                                   config=dict(block_m=block_m, block_n=block_n, pack=pack))
     check(out, ref, torch.float32)
 
 

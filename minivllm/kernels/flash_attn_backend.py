@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from ..state.batch import Batch
 from .store_kv import store_kvcache
 
@@ -20,6 +22,12 @@ def flash_attn_varlen():
     return flash_attn_varlen_func
 
 
+def fa4_num_splits(device) -> int:
+    """flash-attn-4 splits the KV length by its own heuristic (0), except on Hopper (sm_90), where
+    its forward asserts "SplitKV not supported on SM 9.0" (4.0.0b36): one split there."""
+    return 1 if torch.cuda.get_device_capability(device)[0] == 9 else 0
+
+
 class FlashAttnBackend:
     name = "flash_attn"
 
@@ -31,7 +39,7 @@ class FlashAttnBackend:
         out = fn(q, k_cache, v_cache, cu_seqlens_q=batch.cu_seqlens_q,
                  seqused_k=batch.context_lens, page_table=batch.block_tables.clamp(min=0),
                  max_seqlen_q=1 if batch.is_decode else None, softmax_scale=scale, causal=True,
-                 num_splits=0)
+                 num_splits=fa4_num_splits(q.device))
         return out[0] if isinstance(out, tuple) else out
 
     def __repr__(self):

@@ -9,9 +9,12 @@ so the result matches the reference even for rows whose cache write was skipped 
   q: [T, heads, head_dim], k/v: [T, kv_heads, head_dim], out: [T, heads, head_dim]
   k_cache/v_cache: [num_blocks, PAGE, kv_heads, head_dim], block_tables: [B, M] int32
 
-The grid is (T // BLOCK_M + B, heads): sequence b's query tiles start at program
-cu_seqlens_q[b] // BLOCK_M + b, an upper-bound layout that needs no host-side tile count; a program
-finds its sequence by binary search and programs past a sequence's last tile exit at once.
+GQA-aware: with packing, a program covers all query heads of one KV head (tile rows are
+(token, head) pairs), so each K/V tile is loaded once per group instead of once per head.
+
+The grid is (T // TOK + B, heads // PACK) for TOK tokens per tile: sequence b's tiles start at
+program cu_seqlens_q[b] // TOK + b, an upper-bound layout that needs no host-side tile count; a
+program finds its sequence by binary search and programs past a sequence's last tile exit at once.
 """
 
 from __future__ import annotations
@@ -29,17 +32,19 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _online_softmax_step(acc, l_i, m_i, q, kt, vt, valid, scale_log2, MASKED: tl.constexpr,
                          PRECISION: tl.constexpr):
-    """Fold one key tile into the running (acc, l, m) of a query tile; valid: [BLOCK_M, BLOCK_N]
-    (ignored unless MASKED). Rows that see no key yet keep m = -inf without producing NaN."""
-    s = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * scale_log2
+    """Fold one key tile into the running (acc, l, m) of a query tile; m is in scaled log2 units,
+    valid: [BLOCK_M, BLOCK_N] (ignored unless MASKED). Rows that see no key yet keep m = -inf
+    without producing NaN. The scale is applied inside exp2's argument (one FMA per score, not a
+    multiply and a subtract), and P @ V accumulates into the rescaled acc in the MMA itself."""
+    s = tl.dot(q, tl.trans(kt), input_precision=PRECISION)
     if MASKED:
         s = tl.where(valid, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
+    p = tl.exp2(s * scale_log2 - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
+    acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None], input_precision=PRECISION)
     return acc, l_i, m_new
 
 
@@ -50,38 +55,43 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, cu_pt
                     stride_bt, stride_ot, stride_oh,
                     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_N: tl.constexpr, PACK: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (pid, hp): PACK query heads hp * PACK ... of one KV head over TOK = BLOCK_M // PACK
+    tokens; tile row r is token r // PACK, head r % PACK, so each K/V tile serves PACK heads."""
     pid = tl.program_id(0)
-    h = tl.program_id(1)
-    kvh = h // GROUP
+    head0 = tl.program_id(1) * PACK
+    kvh = head0 // GROUP
+    TOK: tl.constexpr = BLOCK_M // PACK
     ROW: tl.constexpr = KV_HEADS * HEAD_DIM
     dt = k_cache_ptr.dtype.element_ty
 
-    # The last sequence whose first tile index cu[b] // BLOCK_M + b is <= pid.
+    # The last sequence whose first tile index cu[b] // TOK + b is <= pid.
     lo = pid * 0  # int32 tensors from the start: loop-carried types must not change
     hi = pid * 0 + num_seqs
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        go_right = tl.load(cu_ptr + mid) // BLOCK_M + mid <= pid
+        go_right = tl.load(cu_ptr + mid) // TOK + mid <= pid
         lo = tl.where(go_right, mid, lo)
         hi = tl.where(go_right, hi, mid)
     b = lo
     q_start = tl.load(cu_ptr + b)
     q_len = tl.load(cu_ptr + b + 1) - q_start
-    m0 = (pid - (q_start // BLOCK_M + b)) * BLOCK_M
+    m0 = (pid - (q_start // TOK + b)) * TOK  # first token of this tile
     if m0 >= q_len:
         return
     prefix = tl.load(ctx_ptr + b) - q_len
 
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_M)
+    tok = m0 + offs_r // PACK  # [BLOCK_M] token of each row
+    head = head0 + offs_r % PACK
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_m = offs_m < q_len
+    mask_m = tok < q_len
     mask_d = offs_d < HEAD_DIM
     D_MASKED: tl.constexpr = BLOCK_D != HEAD_DIM
-    rows_q = (q_start + offs_m).to(tl.int64)
-    q = load_rows(q_ptr + rows_q[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask_m,
-                  mask_d, True, D_MASKED).to(dt)
+    rows_q = (q_start + tok).to(tl.int64)
+    q = load_rows(q_ptr + rows_q[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                  mask_m, mask_d, True, D_MASKED).to(dt)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -105,11 +115,12 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, cu_pt
         acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, q, kt, vt, mask_n[None, :], scale_log2,
                                              True, PRECISION)
 
-    # 2. This step's tokens, causal. Key tiles wholly before this query tile need no mask
-    # (BLOCK_M is a multiple of BLOCK_N, so m0 is a tile boundary).
+    # 2. This step's tokens, causal. Key tiles that end at or before the tile's first token need
+    # no mask.
     k_base = k_ptr + q_start.to(tl.int64) * stride_kt + kvh * stride_kh
     v_base = v_ptr + q_start.to(tl.int64) * stride_vt + kvh * stride_vh
-    for n0 in range(0, m0, BLOCK_N):
+    unmasked_end = (m0 // BLOCK_N) * BLOCK_N
+    for n0 in range(0, unmasked_end, BLOCK_N):
         rows_k = (n0 + offs_n).to(tl.int64)
         kt = load_rows(k_base + rows_k[:, None] * stride_kt + offs_d[None, :], offs_n, mask_d, False,
                        D_MASKED)
@@ -117,8 +128,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, cu_pt
                        D_MASKED)
         acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, q, kt.to(dt), vt.to(dt),
                                              mask_m[:, None], scale_log2, False, PRECISION)
-    end = tl.minimum(q_len, m0 + BLOCK_M)
-    for n0 in range(m0, end, BLOCK_N):
+    end = tl.minimum(q_len, m0 + TOK)
+    for n0 in range(unmasked_end, end, BLOCK_N):
         cols = n0 + offs_n
         mask_n = cols < q_len
         rows_k = cols.to(tl.int64)
@@ -126,23 +137,28 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, cu_pt
                        D_MASKED)
         vt = load_rows(v_base + rows_k[:, None] * stride_vt + offs_d[None, :], mask_n, mask_d, True,
                        D_MASKED)
-        valid = (cols[None, :] <= offs_m[:, None]) & mask_n[None, :]
+        valid = (cols[None, :] <= tok[:, None]) & mask_n[None, :]
         acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, q, kt.to(dt), vt.to(dt), valid,
                                              scale_log2, True, PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + rows_q[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+    tl.store(out_ptr + rows_q[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
 def prefill_config(device: torch.device, dtype: torch.dtype, head_dim: int) -> dict:
     if interpreting() or device.type != "cuda":
-        return dict(block_m=16, block_n=16, num_warps=1, num_stages=1)
+        return dict(block_m=16, block_n=16, num_warps=1, num_stages=1, pack=True)
     if dtype == torch.float32:  # fp32 dot products run on FMA units: small tiles
-        return dict(block_m=32, block_n=16, num_warps=4, num_stages=2)
+        return dict(block_m=32, block_n=16, num_warps=4, num_stages=2, pack=True)
     if head_dim > 128:
-        return dict(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    return dict(block_m=128, block_n=64, num_warps=8, num_stages=3)
+        return dict(block_m=64, block_n=32, num_warps=4, num_stages=2, pack=True)
+    return dict(block_m=128, block_n=64, num_warps=8, num_stages=3, pack=True)
+
+
+def pack_heads(group: int, block_m: int, pack: bool) -> int:
+    """Query heads per program: the whole GQA group when packing is on and it divides the tile."""
+    return group if pack and group & (group - 1) == 0 and group <= block_m else 1
 
 
 def varlen_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -160,18 +176,20 @@ def varlen_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.stride(1) == 1
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
     cfg = prefill_config(q.device, k_cache.dtype, head_dim) | dict(config or {})
-    assert cfg["block_m"] % cfg["block_n"] == 0, cfg
+    pack = pack_heads(group, cfg["block_m"], cfg.get("pack", True))
     if out is None:
         out = torch.empty_like(q)
     if t == 0:
         return out
-    grid = (t // cfg["block_m"] + num_seqs, heads)
+    tokens_per_tile = cfg["block_m"] // pack
+    grid = (t // tokens_per_tile + num_seqs, heads // pack)
     _prefill_kernel[grid](
         q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
         scale * LOG2E, num_seqs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
         KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), PAGE=page,
-        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], PRECISION=dot_precision(k_cache.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], PACK=pack,
+        PRECISION=dot_precision(k_cache.dtype), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     return out
