@@ -30,9 +30,13 @@ def available_backends(device) -> list[str]:
 
         if flash_attn_varlen() is not None:
             names.append("flash_attn")
-    if triton_usable(device):
+    if device.type == "cuda":
         names.append("triton")
     names.append("reference")
+    # Under Triton's interpreter the kernels also run on the CPU (slowly): available when asked
+    # for, never the default there.
+    if device.type != "cuda" and triton_usable(device):
+        names.append("triton")
     return names
 
 
