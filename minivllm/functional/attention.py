@@ -58,9 +58,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def token_seq_ids(cu_seqlens_q: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """[T] index of the sequence each packed token belongs to."""
-    tokens = torch.arange(num_tokens, device=cu_seqlens_q.device, dtype=cu_seqlens_q.dtype)
-    return torch.searchsorted(cu_seqlens_q[1:].contiguous(), tokens, right=True)
+    """[T] index of the sequence each packed token belongs to: a running count of the sequence
+    starts at or before each token (the first start, 0, is not counted). A scatter and a cumsum
+    rather than searchsorted, whose compiled CUDA lowering indexed out of bounds (torch 2.11)."""
+    starts = torch.zeros(num_tokens, dtype=torch.int64, device=cu_seqlens_q.device)
+    starts.index_add_(0, cu_seqlens_q[1:-1].long(), torch.ones_like(cu_seqlens_q[1:-1], dtype=torch.int64))
+    return starts.cumsum(0)
 
 
 def gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

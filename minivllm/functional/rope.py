@@ -9,10 +9,12 @@ import torch
 from ..state.config import ModelConfig
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """[head_dim // 2] fp32 inverse frequencies, scaled as the config's rope_scaling says."""
+def rope_inv_freq(config: ModelConfig, device=None) -> torch.Tensor:
+    """[head_dim // 2] fp32 inverse frequencies, scaled as the config's rope_scaling says. Built
+    on `device` directly (no host-to-device copy, so it can run inside a CUDA graph capture)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
     scaling = config.rope_scaling_dict
     if scaling is None:
         return inv_freq
@@ -40,7 +42,7 @@ def rope_cos_sin_table(config: ModelConfig, max_positions: int, device=None
 
 def rope_cos_sin(config: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """positions: [T] -> cos, sin: [T, head_dim] fp32 (each frequency repeated for both halves)."""
-    inv_freq = rope_inv_freq(config).to(positions.device)
+    inv_freq = rope_inv_freq(config, positions.device)
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()

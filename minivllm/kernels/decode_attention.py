@@ -32,6 +32,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_pt
                    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    # Under torch.compile a Python-float argument can arrive as fp64; the loop-carried softmax
+    # state must stay fp32.
+    scale_log2 = tl.cast(scale_log2, tl.float32)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)

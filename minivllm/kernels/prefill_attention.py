@@ -58,6 +58,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, cu_pt
                     BLOCK_N: tl.constexpr, PACK: tl.constexpr, PRECISION: tl.constexpr):
     """Program (pid, hp): PACK query heads hp * PACK ... of one KV head over TOK = BLOCK_M // PACK
     tokens; tile row r is token r // PACK, head r % PACK, so each K/V tile serves PACK heads."""
+    scale_log2 = tl.cast(scale_log2, tl.float32)  # fp64 under torch.compile; the softmax state is fp32
     pid = tl.program_id(0)
     head0 = tl.program_id(1) * PACK
     kvh = head0 // GROUP

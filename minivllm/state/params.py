@@ -90,14 +90,17 @@ def random_params(config: ModelConfig, *, seed: int = 0, dtype: torch.dtype | st
     shard = shard or ShardSpec()
     shard.check(config)
     dtype = parse_dtype(dtype, config.dtype)
-    gen = torch.Generator().manual_seed(seed)
+    # Drawn on the target device (an 8B model's weights take minutes on a CPU): the same seed
+    # gives the same weights on the same kind of device, whatever the shard.
+    draw_device = torch.device(device) if device is not None else torch.device("cpu")
+    gen = torch.Generator(draw_device).manual_seed(seed)
     h, d, v = config.hidden_size, config.head_dim, config.vocab_size
 
     def normal(*shape):
-        return torch.randn(*shape, generator=gen) * std
+        return torch.randn(*shape, generator=gen, device=draw_device, dtype=torch.float32).mul_(std)
 
     def norm_weight(n):
-        return 1.0 + 0.1 * torch.randn(n, generator=gen)
+        return 1.0 + 0.1 * torch.randn(n, generator=gen, device=draw_device)
 
     def put(t):
         return t.to(dtype=dtype, device=device).contiguous()
@@ -108,7 +111,7 @@ def random_params(config: ModelConfig, *, seed: int = 0, dtype: torch.dtype | st
     v0, v1 = shard.vocab_range(config)
 
     def vocab_slice(w):  # w: [vocab, hidden] -> this rank's rows of the padded vocabulary
-        padded = torch.zeros(shard.padded_vocab(config), h)
+        padded = torch.zeros(shard.padded_vocab(config), h, device=draw_device)
         padded[:v] = w
         return padded[v0:v1]
 

@@ -1,0 +1,172 @@
+"""`minivllm bench`: the throughput workload of nano-vllm's bench.py, and a single-stream latency
+run, on a checkpoint or on random weights of a named shape.
+
+    minivllm bench --shape qwen3-0.6b                  # throughput, random weights
+    minivllm bench --model DIR --latency --json out.json
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from ..state.config import SHAPES
+from .workload import throughput_workload, traffic_floor_bytes
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, repeats: int = 10) -> float | None:
+    """Bytes read + written per second by a device-to-device copy (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / repeats
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / seconds
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _backend_name(llm) -> str:
+    runner = llm.engine.runner
+    backend = getattr(runner, "backend", None)
+    return getattr(backend, "name", None) or str(llm.config.attention_backend or "default")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
+                   max_output_len: int = 1024) -> dict:
+    from .sampling_params import SamplingParams
+
+    prompts, max_tokens = throughput_workload(num_seqs, max_input_len, max_output_len)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
+    # One warm-up request before timing, as nano-vllm's bench does.
+    llm.generate([{"prompt_token_ids": list(range(1, 9))}], SamplingParams(), use_tqdm=False)
+    device = llm.config.device
+    _sync(device)
+    t0 = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    floor = traffic_floor_bytes(llm.engine.model_config, [len(p) for p in prompts], max_tokens,
+                                dtype_bytes=torch.empty((), dtype=llm.config.dtype).element_size())
+    return {"workload": "throughput", "num_seqs": num_seqs, "prompt_tokens": sum(map(len, prompts)),
+            "output_tokens": output_tokens, "seconds": seconds,
+            "output_tok_per_s": output_tokens / seconds, "floor_bytes": floor["total_bytes"]}
+
+
+def run_latency(llm, *, prompt_len: int = 512, output_len: int = 256, repeats: int = 3) -> dict:
+    """Time to first token of a `prompt_len` prompt and single-stream decode tok/s (each repeat
+    uses a fresh random prompt, so that the prefix cache cannot serve it)."""
+    from .sampling_params import SamplingParams
+
+    rng = random.Random(1)
+    device = llm.config.device
+    vocab = min(10000, llm.engine.vocab_size)
+
+    def prompt():
+        return {"prompt_token_ids": [rng.randrange(vocab) for _ in range(prompt_len)]}
+
+    llm.generate([prompt()], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    ttfts, decode_rates = [], []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        llm.generate([prompt()], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+        _sync(device)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = llm.generate([prompt()], SamplingParams(max_tokens=output_len, temperature=0.0,
+                                                      ignore_eos=True), use_tqdm=False)
+        _sync(device)
+        total = time.perf_counter() - t0
+        n = len(out[0].outputs[0].token_ids)
+        ttfts.append(ttft)
+        decode_rates.append((n - 1) / max(total - ttft, 1e-9))
+    rate = statistics.median(decode_rates)
+    return {"workload": "latency", "prompt_tokens": prompt_len, "output_tokens": output_len,
+            "ttft_s": statistics.median(ttfts), "output_tok_per_s": rate,
+            "seconds": output_len / rate}
+
+
+def add_bench_args(p) -> None:
+    p.add_argument("--model", help="a local Hugging Face Qwen3 checkpoint directory")
+    p.add_argument("--shape", default=None, choices=sorted(SHAPES),
+                   help="random weights of this shape (default qwen3-0.6b when --model is not given)")
+    p.add_argument("--latency", action="store_true", help="single-stream decode and time to first token")
+    p.add_argument("--json", default=None, help="write the result to this JSON file")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--max-input-len", type=int, default=1024)
+    p.add_argument("--max-output-len", type=int, default=1024)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--device", default=None)
+
+
+def main(args) -> dict:
+    from .llm import LLM
+
+    if args.model and args.shape:
+        raise ValueError("give --model or --shape, not both")
+    model = args.model or f"random:{args.shape or 'qwen3-0.6b'}"
+    llm = LLM(model, dtype=args.dtype, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+              attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+              tensor_parallel_size=args.tensor_parallel_size, device=args.device)
+    device = llm.config.device
+    if args.latency:
+        result = run_latency(llm)
+    else:
+        result = run_throughput(llm, num_seqs=args.num_seqs, max_input_len=args.max_input_len,
+                                max_output_len=args.max_output_len)
+        bandwidth = copy_bandwidth(device)
+        if bandwidth:
+            floor_s = result["floor_bytes"] / bandwidth
+            result.update(copy_bandwidth_tb_s=bandwidth / 1e12, floor_seconds=floor_s,
+                          floor_fraction=floor_s / result["seconds"])
+    result.update(shape=args.shape or (None if args.model else "qwen3-0.6b"), model=args.model,
+                  device=_device_name(device), tensor_parallel_size=args.tensor_parallel_size,
+                  backend=_backend_name(llm), dtype=str(llm.config.dtype),
+                  cuda_graphs=getattr(llm.engine.runner, "graphs", None) is not None,
+                  date=datetime.date.today().isoformat())
+    line = (f"{result['workload']}: {result['output_tokens']} output tokens in "
+            f"{result['seconds']:.2f} s = {result['output_tok_per_s']:.0f} tok/s")
+    if "ttft_s" in result:
+        line += f", time to first token {result['ttft_s'] * 1e3:.1f} ms"
+    if "floor_fraction" in result:
+        line += (f" ({result['floor_fraction']:.0%} of the memory-traffic floor: "
+                 f"{result['floor_seconds']:.2f} s at {result['copy_bandwidth_tb_s']:.2f} TB/s)")
+    print(line, flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result

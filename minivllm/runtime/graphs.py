@@ -1,0 +1,126 @@
+"""Decode steps replayed from CUDA graphs, one graph per padded batch size.
+
+A decode step (one new token for each of B sequences) is shaped only by B and the block-table
+width, so it can be captured once per bucket of B and replayed with new data copied into static
+input buffers. The graphs share one memory pool and capture the (optionally compiled) pure
+`forward`; weights and the KV cache are captured at their addresses, which never change, since
+the cache is donated and written in place.
+
+Rows past the real batch are padding: slot -1 (nothing is written), context length 1 and a block
+table of zeros (block 0 exists, and the padding row's one key is its own new token), so they
+read valid memory, write none, and their logits are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..functional.model import forward
+from ..state.batch import Batch
+from ..state.cache import KVCache
+from ..state.params import Params
+
+log = logging.getLogger("minivllm")
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """Padded batch sizes: 1, 2, 4, 8, then every 16 up to max_num_seqs (which is always one)."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    sizes += list(range(16, max_num_seqs, 16))
+    sizes.append(max_num_seqs)
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    """Static input buffers and one captured decode graph per bucket.
+
+    fill(...) copies a step's host arrays into the buffers (non-blocking, from pinned memory);
+    replay(B) runs the bucket that holds B rows and returns logits [B, vocab] (a view of the
+    graph's static output: read it before the next replay)."""
+
+    def __init__(self, params: Params, cache: KVCache, backend, *, max_num_seqs: int,
+                 max_blocks_per_seq: int, compile_forward: bool = True):
+        self.params, self.cache, self.backend = params, cache, backend
+        self.device = params.device
+        self.buckets = decode_buckets(max_num_seqs)
+        n, m = self.buckets[-1], max_blocks_per_seq
+        dev = self.device
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self.context_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(n, m, dtype=torch.int32, device=dev)
+        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
+        # Host staging, pinned so that the copies to the device do not block the host.
+        pin = dev.type == "cuda"
+        self.host_i64 = torch.zeros(3, n, dtype=torch.int64, pin_memory=pin)  # ids, positions, slots
+        self.host_ctx = torch.ones(n, dtype=torch.int32, pin_memory=pin)
+        self.host_tables = torch.zeros(n, m, dtype=torch.int32, pin_memory=pin)
+        self.fn = torch.compile(forward, fullgraph=True) if compile_forward else forward
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def batch_view(self, bs: int) -> Batch:
+        return Batch(input_ids=self.input_ids[:bs], positions=self.positions[:bs],
+                     slot_mapping=self.slot_mapping[:bs], cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
+                     context_lens=self.context_lens[:bs], block_tables=self.block_tables[:bs],
+                     logits_indices=self.logits_indices[:bs])
+
+    def capture(self) -> None:
+        """Warm up (compiling) and capture every bucket, largest first so that the shared pool is
+        sized by it. The buffers hold padding rows throughout, so nothing is written to the cache."""
+        pool = None
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), torch.no_grad():
+            for bs in reversed(self.buckets):
+                batch = self.batch_view(bs)
+                for _ in range(2):
+                    self.fn(self.params, self.cache, batch, self.backend)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    logits, _ = self.fn(self.params, self.cache, batch, self.backend)
+                pool = graph.pool()
+                self.graphs[bs], self.outputs[bs] = graph, logits
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        log.info("minivllm: captured decode CUDA graphs for batch sizes %s", self.buckets)
+
+    def bucket(self, b: int) -> int | None:
+        for size in self.buckets:
+            if size >= b:
+                return size
+        return None
+
+    def fill(self, input_ids: list[int], positions: list[int], slots: list[int],
+             context_lens: list[int], block_tables: list[list[int]]) -> int:
+        """Copy one decode step (B rows) into the static buffers, padding to the bucket. Returns
+        the bucket size."""
+        b = len(input_ids)
+        bs = self.bucket(b)
+        hi = self.host_i64
+        hi[0, :b] = torch.tensor(input_ids)
+        hi[1, :b] = torch.tensor(positions)
+        hi[2, :b] = torch.tensor(slots)
+        hi[:2, b:bs] = 0
+        hi[2, b:bs] = -1
+        self.host_ctx[:b] = torch.tensor(context_lens, dtype=torch.int32)
+        self.host_ctx[b:bs] = 1
+        width = self.host_tables.shape[1]
+        self.host_tables[:bs].zero_()
+        for row, table in enumerate(block_tables):
+            self.host_tables[row, : len(table)] = torch.tensor(table[:width], dtype=torch.int32)
+        self.input_ids[:bs].copy_(hi[0, :bs], non_blocking=True)
+        self.positions[:bs].copy_(hi[1, :bs], non_blocking=True)
+        self.slot_mapping[:bs].copy_(hi[2, :bs], non_blocking=True)
+        self.context_lens[:bs].copy_(self.host_ctx[:bs], non_blocking=True)
+        self.block_tables[:bs].copy_(self.host_tables[:bs], non_blocking=True)
+        return bs
+
+    def replay(self, b: int) -> torch.Tensor:
+        bs = self.bucket(b)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:b]

@@ -1,0 +1,54 @@
+"""The static, padded decode batches that CUDA graphs replay: padding rows must change nothing
+(no cache write, real rows' logits unchanged). Checked here by running the padded batch eagerly,
+on every backend available (reference; triton under the interpreter)."""
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+import minivllm
+from minivllm.kernels import available_backends, select_backend
+from minivllm.runtime.graphs import DecodeGraphs, decode_buckets
+from minivllm.state import ModelConfig, SeqChunk, make_batch
+
+CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                     num_kv_heads=2, head_dim=8, dtype=torch.float32)
+
+
+def test_buckets_cover_every_batch_size():
+    for n in (1, 3, 8, 17, 256):
+        buckets = decode_buckets(n)
+        assert buckets[-1] == n and buckets == sorted(set(buckets))
+        assert all(any(b >= k for b in buckets) for k in range(1, n + 1))
+
+
+@pytest.mark.parametrize("backend_name", available_backends("cpu"))
+def test_padded_decode_equals_unpadded(backend_name):
+    backend = select_backend("cpu", backend_name)
+    params = minivllm.random_params(CONFIG, seed=0, std=0.2)
+    bs = 4
+    prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14]]
+    tables = [[0, 1], [2], [3, 4]]
+    caches = [minivllm.init_cache(params, num_blocks=8, block_size=bs) for _ in range(2)]
+    for i in range(2):
+        logits, caches[i] = minivllm.forward(params, caches[i], make_batch(
+            [SeqChunk(p, 0, t) for p, t in zip(prompts, tables)], block_size=bs), backend)
+    toks = logits.argmax(-1).tolist()
+    # Unpadded decode step.
+    expected, caches[0] = minivllm.forward(params, caches[0], make_batch(
+        [SeqChunk([t], len(p), tab) for t, p, tab in zip(toks, prompts, tables)], block_size=bs), backend)
+    # The same step through the static buffers, padded to the bucket of 4 rows.
+    graphs = DecodeGraphs(params, caches[1], backend, max_num_seqs=6, max_blocks_per_seq=3,
+                          compile_forward=False)
+    before = [t.clone() for t in pytree.tree_leaves(caches[1])]
+    padded = graphs.fill(toks, [len(p) for p in prompts],
+                         [tab[len(p) // bs] * bs + len(p) % bs for p, tab in zip(prompts, tables)],
+                         [len(p) + 1 for p in prompts], tables)
+    assert padded == 4
+    got, _ = minivllm.forward(params, caches[1], graphs.batch_view(padded), backend)
+    torch.testing.assert_close(got[:3], expected, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(got).all()
+    for a, b in zip(pytree.tree_leaves(caches[0]), pytree.tree_leaves(caches[1])):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)  # only the real rows were written
+    changed = sum(int((a != b).any(dim=(1, 2, 3)).sum()) for a, b in zip(pytree.tree_leaves(caches[1]), before))
+    assert changed > 0
