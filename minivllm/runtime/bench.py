@@ -64,16 +64,19 @@ def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
     llm.generate([{"prompt_token_ids": list(range(1, 9))}], SamplingParams(), use_tqdm=False)
     device = llm.config.device
     _sync(device)
+    steps0 = llm.stats.steps
     t0 = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     _sync(device)
     seconds = time.perf_counter() - t0
+    steps = llm.stats.steps - steps0
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     floor = traffic_floor_bytes(llm.engine.model_config, [len(p) for p in prompts], max_tokens,
                                 dtype_bytes=torch.empty((), dtype=llm.config.dtype).element_size())
     return {"workload": "throughput", "num_seqs": num_seqs, "prompt_tokens": sum(map(len, prompts)),
             "output_tokens": output_tokens, "seconds": seconds,
-            "output_tok_per_s": output_tokens / seconds, "floor_bytes": floor["total_bytes"]}
+            "output_tok_per_s": output_tokens / seconds, "floor_bytes": floor["total_bytes"],
+            "steps": steps, "ms_per_step": 1e3 * seconds / max(steps, 1)}
 
 
 def run_latency(llm, *, prompt_len: int = 512, output_len: int = 256, repeats: int = 3) -> dict:

@@ -13,8 +13,10 @@ read valid memory, write none, and their logits are dropped.
 
 from __future__ import annotations
 
+import itertools
 import logging
 
+import numpy as np
 import torch
 
 from ..functional.model import forward
@@ -98,24 +100,27 @@ class DecodeGraphs:
     def fill(self, input_ids: list[int], positions: list[int], slots: list[int],
              context_lens: list[int], block_tables: list[list[int]]) -> int:
         """Copy one decode step (B rows) into the static buffers, padding to the bucket. Returns
-        the bucket size."""
+        the bucket size. Host work is a few numpy calls, whatever B (no per-row tensor ops)."""
         b = len(input_ids)
         bs = self.bucket(b)
-        hi = self.host_i64
-        hi[0, :b] = torch.tensor(input_ids)
-        hi[1, :b] = torch.tensor(positions)
-        hi[2, :b] = torch.tensor(slots)
+        hi = self.host_i64.numpy()
+        hi[0, :b], hi[1, :b], hi[2, :b] = input_ids, positions, slots
         hi[:2, b:bs] = 0
         hi[2, b:bs] = -1
-        self.host_ctx[:b] = torch.tensor(context_lens, dtype=torch.int32)
-        self.host_ctx[b:bs] = 1
-        width = self.host_tables.shape[1]
-        self.host_tables[:bs].zero_()
-        for row, table in enumerate(block_tables):
-            self.host_tables[row, : len(table)] = torch.tensor(table[:width], dtype=torch.int32)
-        self.input_ids[:bs].copy_(hi[0, :bs], non_blocking=True)
-        self.positions[:bs].copy_(hi[1, :bs], non_blocking=True)
-        self.slot_mapping[:bs].copy_(hi[2, :bs], non_blocking=True)
+        ctx = self.host_ctx.numpy()
+        ctx[:b] = context_lens
+        ctx[b:bs] = 1
+        tables = self.host_tables.numpy()
+        tables[:bs] = 0
+        lengths = np.fromiter(map(len, block_tables), dtype=np.int64, count=b)
+        flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32,
+                           count=int(lengths.sum()))
+        rows = np.repeat(np.arange(b), lengths)
+        cols = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        tables[rows, cols] = flat
+        self.input_ids[:bs].copy_(self.host_i64[0, :bs], non_blocking=True)
+        self.positions[:bs].copy_(self.host_i64[1, :bs], non_blocking=True)
+        self.slot_mapping[:bs].copy_(self.host_i64[2, :bs], non_blocking=True)
         self.context_lens[:bs].copy_(self.host_ctx[:bs], non_blocking=True)
         self.block_tables[:bs].copy_(self.host_tables[:bs], non_blocking=True)
         return bs
