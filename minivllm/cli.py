@@ -34,7 +34,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--attention-backend", default=None)
     g.add_argument("--enforce-eager", action="store_true")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                   help="ranks to split the model over (default: torchrun's WORLD_SIZE, else 1)")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--engine-seed", type=int, default=0, help="seeds requests that set no --seed")
 
@@ -78,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _torchrun_rank() -> int | None:
+    from .runtime.distributed import torchrun_env
+
+    launch = torchrun_env()
+    return None if launch is None else launch.rank
+
+
 def _resolve_model(args) -> str:
     from .runtime.demo import NOTICE, ensure_demo_model
 
@@ -85,9 +93,10 @@ def _resolve_model(args) -> str:
         raise SystemExit("minivllm: give --model or --demo, not both")
     if args.model:
         return args.model
-    if not args.demo:
-        print("minivllm: no --model given, so running the built-in demo model.", file=sys.stderr)
-    print(NOTICE, file=sys.stderr)
+    if not _torchrun_rank():  # under torchrun, rank 0 alone speaks
+        if not args.demo:
+            print("minivllm: no --model given, so running the built-in demo model.", file=sys.stderr)
+        print(NOTICE, file=sys.stderr)
     return ensure_demo_model()
 
 
@@ -100,7 +109,8 @@ def _make_llm(args):
                   block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                   gpu_memory_utilization=args.gpu_memory_utilization,
                   attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-                  tensor_parallel_size=args.tensor_parallel_size, seed=args.engine_seed,
+                  tensor_parallel_size=args.tensor_parallel_size or _default_tp(),
+                  seed=args.engine_seed,
                   enable_prefix_caching=not args.no_prefix_caching,
                   max_num_batched_tokens=args.max_num_batched_tokens)
     # An interactive CLI serves few sequences: keep the default KV cache small.
@@ -108,6 +118,14 @@ def _make_llm(args):
     if demo and args.max_model_len is None:
         kwargs["max_model_len"] = 2048
     return LLM(model, **kwargs)
+
+
+def _default_tp() -> int:
+    """torchrun's WORLD_SIZE (every rank it started is one tensor-parallel rank), else 1."""
+    from .runtime.distributed import torchrun_env
+
+    launch = torchrun_env()
+    return launch.world_size if launch is not None else 1
 
 
 def _sampling_params(args, **extra):

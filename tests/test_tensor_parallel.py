@@ -1,5 +1,6 @@
 """Tensor parallelism of the functional core over torch.distributed (gloo on CPU): TP=2 prefill
-logits equal TP=1 within fp32 rounding, and greedy generation is identical."""
+logits equal TP=1 within fp32 rounding, greedy generation is identical, and the engine's runners
+agree on the KV cache size."""
 
 import torch
 import torch.multiprocessing as mp
@@ -32,3 +33,5 @@ def test_tp2_equals_tp1(tmp_path):
             torch.testing.assert_close(got["logits"], ref_logits, rtol=1e-5, atol=1e-5,
                                        msg=lambda m: f"{case} rank {rank}: {m}")
             assert got["tokens"] == ref_tokens, f"{case} rank {rank}"
+            # The engine's runner: rank 0 can hold 10 KV blocks, rank 1 20; both hold 10.
+            assert got["kv_blocks"] == 10, f"{case} rank {rank}"

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import minivllm
+from minivllm.runtime.distributed import exit_now
 from minivllm.state import SeqChunk, ShardSpec, make_batch
 
 PROMPTS = [[3, 17, 25, 4, 99, 60, 12, 8, 41], [7, 1, 55], [90, 34, 2, 2, 18, 76, 43, 21, 9, 10]]
@@ -34,6 +35,21 @@ def _run(path: str, rank: int, world_size: int):
     return logits, tokens
 
 
+def _kv_blocks(path: str, rank: int, world_size: int) -> int:
+    """The KV cache size of the engine's runner when each rank may hold a different number of
+    blocks (rank r: 10 * (r + 1) blocks' worth of memory): all must take the smallest."""
+    from minivllm.runtime.config import EngineConfig
+    from minivllm.runtime.runner import kv_block_bytes
+    from minivllm.runtime.worker import ShardRunner
+
+    shard = ShardSpec(rank=rank, world_size=world_size, group=dist.group.WORLD)
+    block = kv_block_bytes(minivllm.load(path, shard=shard), 16, torch.float32)
+    os.environ["MINIVLLM_CPU_KV_CACHE_SPACE"] = str(10 * (rank + 1) * block / (1 << 30))
+    config = EngineConfig.create(path, max_num_seqs=4, max_model_len=512, device="cpu",
+                                 attention_backend="reference")
+    return ShardRunner(config, shard=shard).num_blocks
+
+
 def _worker(rank: int, world_size: int, port: int, root: str, cases: list[str]):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -41,6 +57,8 @@ def _worker(rank: int, world_size: int, port: int, root: str, cases: list[str]):
         torch.set_num_threads(1)
         for case in cases:
             logits, tokens = _run(os.path.join(root, case), rank, world_size)
-            torch.save({"logits": logits, "tokens": tokens}, os.path.join(root, f"{case}.rank{rank}.pt"))
+            torch.save({"logits": logits, "tokens": tokens, "kv_blocks": _kv_blocks(
+                os.path.join(root, case), rank, world_size)}, os.path.join(root, f"{case}.rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+    exit_now(0)  # past the interpreter's finalization, where gloo threads can abort the process

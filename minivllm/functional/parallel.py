@@ -25,7 +25,9 @@ def all_gather_last(x: torch.Tensor, shard: ShardSpec) -> torch.Tensor:
     import torch.distributed._functional_collectives as fc
 
     group = shard.group if shard.group is not None else _default_group()
-    gathered = fc.all_gather_tensor(x.contiguous(), 0, group)  # [world * rows, n]
+    # all_gather_single is all_gather_tensor's new name (recent torch warns on the old one)
+    gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
+    gathered = gather(x.contiguous(), 0, group)  # [world * rows, n]
     parts = gathered.chunk(shard.world_size, dim=0)
     return torch.cat(parts, dim=-1)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..state.config import ModelConfig, parse_dtype
+from .distributed import check_tensor_parallel, torchrun_env
 
 
 def _positive(name: str, value, allow_none: bool = True):
@@ -57,9 +58,6 @@ class EngineConfig:
                             ("max_num_batched_tokens", max_num_batched_tokens)):
             _positive(name, value)
         _positive("tensor_parallel_size", tensor_parallel_size, allow_none=False)
-        if tensor_parallel_size > 1:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: tensor parallelism "
-                             f"lands with issue 6; use tensor_parallel_size=1 for now")
         if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
         if not isinstance(seed, int) or isinstance(seed, bool):
@@ -71,6 +69,9 @@ class EngineConfig:
                               ("cuda" if torch.cuda.is_available() else "cpu"))
         # "auto" keeps the checkpoint's dtype (float32 tiny test checkpoints stay float32).
         dtype = parse_dtype(dtype, model_config.dtype)
+        # Heads that do not split, more ranks than GPUs, a torchrun of another size: errors now,
+        # before any process starts.
+        check_tensor_parallel(model_config, tensor_parallel_size, device, torchrun_env())
         limit = model_config.max_position_embeddings
         if max_model_len is None:
             max_model_len = limit

@@ -21,6 +21,7 @@ from ..state.batch import SeqChunk
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import detokenize_incrementally, find_stop_string
+from .executor import make_executor
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .runner import ModelRunner, StepInput, StepResult
 from .sampling_params import SamplingParams
@@ -79,7 +80,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None, runner: ModelRunner | None = None):
         self.config = config
         self.tokenizer = tokenizer
-        self.runner = runner if runner is not None else ModelRunner(config)
+        # A ModelRunner, or at tensor_parallel_size > 1 an executor that drives one per rank
+        # (under torchrun, ranks > 0 serve rank 0 inside make_executor and then exit).
+        self.runner = runner if runner is not None else make_executor(config)
         self.model_config = self.runner.model_config
         self.vocab_size = self.model_config.vocab_size
         self.num_blocks = self.runner.num_blocks

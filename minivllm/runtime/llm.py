@@ -15,6 +15,7 @@ from typing import Iterator
 
 from .config import EngineConfig
 from .engine import EngineStats, LLMEngine
+from .executor import make_executor
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 
@@ -49,6 +50,10 @@ class LLM:
     or on CPU from a memory budget, MINIVLLM_CPU_KV_CACHE_SPACE GiB). enforce_eager: no CUDA
     graphs (issue 5). attention_backend: "reference", "triton", "flash_attn" or None (best for
     the device; MINIVLLM_ATTENTION_BACKEND). seed: draws the seeds of requests that set none.
+    tensor_parallel_size: split the model over this many processes (GPUs on CUDA, NCCL; gloo on
+    CPU): the LLM spawns the other ranks on this host, or, under torchrun, rank 0 runs the engine
+    and the other ranks serve it inside LLM(...) and then exit. Call shutdown() (or use the LLM
+    as a context manager) to stop them early; they also stop at exit.
     """
 
     def __init__(self, model, *, tokenizer=None, dtype="auto", max_model_len: int | None = None,
@@ -65,10 +70,13 @@ class LLM:
             enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
             attention_backend=attention_backend, seed=seed,
             enable_prefix_caching=enable_prefix_caching, max_logprobs=max_logprobs, device=device)
+        # First, so that under torchrun ranks > 0, which serve rank 0 in here and then exit,
+        # never load a tokenizer.
+        runner = make_executor(self.config)
         tok = None
         if not skip_tokenizer_init:
             tok = load_tokenizer(os.fspath(tokenizer or self.config.model), required=tokenizer is not None)
-        self.engine = LLMEngine(self.config, tok)
+        self.engine = LLMEngine(self.config, tok, runner=runner)
 
     # -- accessors -------------------------------------------------------------------------------
 
@@ -81,6 +89,19 @@ class LLM:
 
     def reset_prefix_cache(self) -> None:
         self.engine.block_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any; the LLM cannot generate afterwards. Also
+        done at exit and when the LLM is garbage collected."""
+        stop = getattr(self.engine.runner, "shutdown", None)
+        if stop is not None:
+            stop()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     # -- requests --------------------------------------------------------------------------------
 

@@ -1,0 +1,87 @@
+"""LLM(tensor_parallel_size=2) on CPU (gloo): it spawns its worker and gives the outputs of
+tensor_parallel_size=1 (greedy tokens and logprobs, seeded sampling, chunked prefill, streaming
+with an early stop), and stops its worker cleanly. One spawned engine serves every test here
+(starting it is most of the cost)."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams
+from minivllm.runtime.executor import TPExecutor
+
+from hf_tiny import make_hf_model, save_checkpoint
+
+# vocab 101 (odd: padded to 102 over two ranks), 4 heads, 2 KV heads; chunked prefill (16-token
+# steps) mixes prefill chunks with decodes.
+ENGINE = dict(num_kv_blocks=64, attention_backend="reference", max_num_batched_tokens=16,
+              device="cpu")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
+SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, ignore_eos=True, n=2, seed=7)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_checkpoint(make_hf_model(seed=5), tmp_path_factory.mktemp("tp") / "model")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    return [{"prompt_token_ids": torch.randint(0, 101, (n,), generator=g).tolist()}
+            for n in (1, 5, 23, 40)]
+
+
+def run(llm, prompts):
+    """What the engine produced: greedy tokens and logprobs, and seeded samples."""
+    greedy = llm.generate(prompts, GREEDY, use_tqdm=False)
+    sampled = llm.generate(prompts[:2], SAMPLED, use_tqdm=False)
+    return ([o.outputs[0].token_ids for o in greedy],
+            [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+             for o in greedy],
+            [[c.token_ids for c in o.outputs] for o in sampled])
+
+
+@pytest.fixture(scope="module")
+def tp1(tiny_dir, prompts):
+    with LLM(tiny_dir, **ENGINE) as llm:
+        return run(llm, prompts)
+
+
+@pytest.fixture(scope="module")
+def tp2(tiny_dir):
+    llm = LLM(tiny_dir, tensor_parallel_size=2, **ENGINE)
+    yield llm
+    llm.shutdown()
+
+
+def test_tp2_engine_equals_tp1(tp2, tp1, prompts):
+    assert isinstance(tp2.engine.runner, TPExecutor)
+    assert tp2.engine.num_blocks == 64
+    tokens, logprobs, sampled = run(tp2, prompts)
+    assert tokens == tp1[0]
+    torch.testing.assert_close(logprobs, tp1[1], rtol=0, atol=1e-4)
+    assert sampled == tp1[2]
+
+
+def test_tp2_stream_stopped_early_keeps_the_ranks_in_step(tp2, tp1, prompts):
+    """Closing a stream aborts its request between steps; the next requests still match."""
+    stream = tp2.stream(prompts[2:], GREEDY)
+    next(stream)
+    stream.close()
+    assert run(tp2, prompts)[0] == tp1[0]
+
+
+def test_tp2_shutdown_stops_the_worker_cleanly(tp2, prompts):
+    procs = tp2.engine.runner.workers.procs
+    assert [p.is_alive() for p in procs] == [True]
+    tp2.shutdown()
+    tp2.shutdown()  # idempotent
+    # Exit code 0: it left on rank 0's stop message, not by being terminated.
+    assert [p.exitcode for p in procs] == [0]
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("minivllm")]
+    with pytest.raises(RuntimeError, match="shut down"):
+        tp2.generate(prompts[:1], GREEDY, use_tqdm=False)

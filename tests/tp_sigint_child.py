@@ -1,0 +1,32 @@
+"""Child process of test_tp_lifecycle's Ctrl-C test: a TP=2 engine that prints its worker's pid,
+survives a Ctrl-C during generation (the step in flight finishes on both ranks, the request is
+dropped, the engine goes on), and exits on the next one. Imports no transformers."""
+
+import sys
+
+from minivllm import LLM, SamplingParams
+
+LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+SHORT = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+PROMPT = [{"prompt_token_ids": [1, 2, 3]}]
+
+
+def main(path: str) -> None:
+    llm = LLM(path, tensor_parallel_size=2, num_kv_blocks=64, attention_backend="reference",
+              device="cpu")
+    print("worker", llm.engine.runner.workers.procs[0].pid, flush=True)
+    try:
+        print("generating", flush=True)
+        llm.generate(PROMPT, LONG, use_tqdm=False)
+        print("finished uninterrupted", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    out = llm.generate(PROMPT, SHORT, use_tqdm=False)
+    print("after", *out[0].outputs[0].token_ids, flush=True)
+    print("generating", flush=True)
+    llm.generate(PROMPT, LONG, use_tqdm=False)  # the second Ctrl-C ends the process in here
+    print("finished uninterrupted", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
