@@ -1,6 +1,6 @@
 """Tensor parallelism of the functional core over torch.distributed (gloo on CPU): TP=2 prefill
-logits equal TP=1 within fp32 rounding, greedy generation is identical, and the engine's runners
-agree on the KV cache size."""
+logits equal TP=1 within fp32 rounding, greedy generation is identical, the engine's runners
+agree on the KV cache size, and its step messages arrive intact."""
 
 import torch
 import torch.multiprocessing as mp
@@ -25,6 +25,7 @@ def test_tp2_equals_tp1(tmp_path):
         refs[case] = _run(save_checkpoint(model, tmp_path / case), 0, 1)
     mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path), cases), nprocs=2, join=True,
                        start_method="spawn")
+    assert torch.load(tmp_path / "wire.rank1.pt") is True  # the engine's step messages
     for case in cases:
         ref_logits, ref_tokens = refs[case]
         for rank in range(2):

@@ -50,11 +50,28 @@ def _kv_blocks(path: str, rank: int, world_size: int) -> int:
     return ShardRunner(config, shard=shard).num_blocks
 
 
+def _steps_over_the_wire(rank: int) -> bool:
+    """The engine's StepInputs from rank 0, as received: a small one (one broadcast), one larger
+    than the step buffer (two), and the stop message."""
+    from minivllm.runtime.distributed import STEP_BUFFER_BYTES, Groups, broadcast_step, receive_step
+    from minivllm.runtime.runner import StepInput
+
+    groups = Groups(data=dist.group.WORLD, control=dist.group.WORLD,
+                    buffer=torch.empty(STEP_BUFFER_BYTES, dtype=torch.uint8))
+    sent = [StepInput([SeqChunk(list(range(n)), 0, [0, 1])], []) for n in (3, 100_000)] + [None]
+    if rank == 0:
+        for step in sent:
+            broadcast_step(step, groups)
+        return True
+    return [receive_step(groups) for _ in sent] == sent
+
+
 def _worker(rank: int, world_size: int, port: int, root: str, cases: list[str]):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         torch.set_num_threads(1)
+        torch.save(_steps_over_the_wire(rank), os.path.join(root, f"wire.rank{rank}.pt"))
         for case in cases:
             logits, tokens = _run(os.path.join(root, case), rank, world_size)
             torch.save({"logits": logits, "tokens": tokens, "kv_blocks": _kv_blocks(

@@ -4,20 +4,22 @@ each step.
 
 Two groups. The default group carries the forward's collectives (NCCL on CUDA, gloo on CPU)
 under a bounded timeout (MINIVLLM_DIST_TIMEOUT seconds, default 600). A gloo "control" group
-carries each step's StepInput from rank 0 (broadcast_object_list, pickled on the host, so the
-GPU stream is never involved); the workers wait on it between steps for as long as the user
-leaves the engine idle, so its timeout is unbounded. A dead peer still ends either wait at
-once: gloo sees the closed socket.
+carries each step's StepInput from rank 0, pickled on the host (the GPU stream is never
+involved); the workers wait on it between steps for as long as the user leaves the engine idle,
+so its timeout is unbounded. A dead peer still ends either wait at once: gloo sees the closed
+socket.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import sys
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -94,10 +96,16 @@ def rank_device(device: torch.device, rank_on_host: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank_on_host)
 
 
+# A step's pickled StepInput travels in one broadcast of this many bytes (a second one carries
+# the rest of a larger step): broadcast_object_list would take two (size, then data) each step.
+STEP_BUFFER_BYTES = 1 << 18
+
+
 @dataclass(frozen=True)
 class Groups:
     data: Any  # the default group: the forward's collectives
     control: Any  # gloo: step descriptions from rank 0
+    buffer: torch.Tensor  # [STEP_BUFFER_BYTES] uint8 on the CPU: a step's bytes on the wire
 
 
 def init_groups(rank: int, world_size: int, device: torch.device, store=None) -> Groups:
@@ -113,7 +121,8 @@ def init_groups(rank: int, world_size: int, device: torch.device, store=None) ->
     else:
         dist.init_process_group("gloo", **kwargs)
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    return Groups(data=dist.group.WORLD, control=control)
+    return Groups(data=dist.group.WORLD, control=control,
+                  buffer=torch.empty(STEP_BUFFER_BYTES, dtype=torch.uint8))
 
 
 def destroy_groups() -> None:
@@ -150,12 +159,27 @@ def min_max(n: int, device: torch.device) -> tuple[int, int]:
 
 
 def broadcast_step(step, groups: Groups) -> None:
-    """Rank 0: send a StepInput (or None: stop) to every rank."""
-    dist.broadcast_object_list([step], src=0, group=groups.control)
+    """Rank 0: send a StepInput (or None: stop) to every rank: [length: 8 bytes][pickle]."""
+    data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+    fit = min(len(data), STEP_BUFFER_BYTES - 8)
+    view = groups.buffer.numpy()
+    view[:8] = np.frombuffer(len(data).to_bytes(8, "little"), dtype=np.uint8)
+    view[8:8 + fit] = np.frombuffer(data, dtype=np.uint8, count=fit)
+    dist.broadcast(groups.buffer, src=0, group=groups.control)
+    if fit < len(data):
+        rest = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, offset=fit).copy())
+        dist.broadcast(rest, src=0, group=groups.control)
 
 
 def receive_step(groups: Groups):
     """Ranks > 0: the next StepInput from rank 0 (None: stop)."""
-    box = [None]
-    dist.broadcast_object_list(box, src=0, group=groups.control)
-    return box[0]
+    dist.broadcast(groups.buffer, src=0, group=groups.control)
+    view = groups.buffer.numpy()
+    size = int.from_bytes(view[:8].tobytes(), "little")
+    fit = min(size, STEP_BUFFER_BYTES - 8)
+    data = view[8:8 + fit].tobytes()
+    if fit < size:
+        rest = torch.empty(size - fit, dtype=torch.uint8)
+        dist.broadcast(rest, src=0, group=groups.control)
+        data += rest.numpy().tobytes()
+    return pickle.loads(data)
