@@ -3,6 +3,7 @@
     minivllm generate --model DIR --prompt "Hello, my name is" --max-tokens 32
     minivllm chat --model DIR
     minivllm generate --demo          # a built-in tiny model with random weights: no download
+    minivllm bench --shape qwen3-0.6b # nano-vllm's throughput workload (--latency: one stream)
 
 With neither --model nor --demo it runs the demo model, and says so.
 """
@@ -76,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(chat)
     _add_sampling_args(chat, max_tokens=256)
     chat.add_argument("--system", default=None, help="a system message")
+    from .runtime.bench import add_bench_args
+
+    bench = sub.add_parser("bench", help="throughput (nano-vllm's workload) or single-stream latency")
+    add_bench_args(bench)
     return parser
 
 
@@ -224,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "bench":
+            from .runtime.bench import main as bench_main
+
+            bench_main(args)
+            return 0
         return cmd_chat(args)
     except ValueError as e:
         print(f"minivllm: error: {e}", file=sys.stderr)

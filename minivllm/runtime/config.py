@@ -7,8 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..state.config import ModelConfig, parse_dtype
+from ..state.config import ModelConfig, config_for_shape, parse_dtype
 from .distributed import check_tensor_parallel, torchrun_env
+
+
+def is_random_model(model: str) -> bool:
+    """A model named "random:SHAPE" has random weights at a known shape (minivllm.state.SHAPES)."""
+    return model.startswith("random:")
 
 
 def _positive(name: str, value, allow_none: bool = True):
@@ -48,10 +53,14 @@ class EngineConfig:
                attention_backend=None, seed=0, enable_prefix_caching=True, max_logprobs=20,
                device=None) -> "EngineConfig":
         model = os.fspath(model)
-        if not os.path.isdir(model):
+        if is_random_model(model):
+            # "random:qwen3-0.6b": random weights at a real shape (benchmarks); no checkpoint.
+            model_config = config_for_shape(model.split(":", 1)[1])
+        elif not os.path.isdir(model):
             raise ValueError(f"model directory {model!r} does not exist (minivllm loads local "
                              f"Hugging Face checkpoints; try `minivllm generate --demo`)")
-        model_config = ModelConfig.from_json(model)
+        else:
+            model_config = ModelConfig.from_json(model)
         for name, value in (("max_num_seqs", max_num_seqs), ("block_size", block_size)):
             _positive(name, value, allow_none=False)
         for name, value in (("max_model_len", max_model_len), ("num_kv_blocks", num_kv_blocks),

@@ -13,7 +13,7 @@ import os
 import time
 from typing import Iterator
 
-from .config import EngineConfig
+from .config import EngineConfig, is_random_model
 from .engine import EngineStats, LLMEngine
 from .executor import make_executor
 from .outputs import CompletionOutput, RequestOutput
@@ -74,7 +74,7 @@ class LLM:
         # never load a tokenizer.
         runner = make_executor(self.config)
         tok = None
-        if not skip_tokenizer_init:
+        if not skip_tokenizer_init and not is_random_model(self.config.model):
             tok = load_tokenizer(os.fspath(tokenizer or self.config.model), required=tokenizer is not None)
         self.engine = LLMEngine(self.config, tok, runner=runner)
 

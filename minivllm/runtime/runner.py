@@ -23,9 +23,10 @@ from ..state.batch import SeqChunk, make_batch
 from ..state.cache import init_cache
 from ..state.config import ceil_div
 from ..state.load import load
-from ..state.params import Params
+from ..state.params import Params, random_params
 from ..state.shard import ShardSpec
-from .config import EngineConfig
+from .config import EngineConfig, is_random_model
+from .graphs import DecodeGraphs
 
 log = logging.getLogger("minivllm")
 
@@ -81,15 +82,25 @@ class ModelRunner:
                  params: Params | None = None):
         self.config = config
         self.block_size = config.block_size
+        if params is None and is_random_model(config.model):
+            params = random_params(config.model_config, seed=config.seed, dtype=config.dtype,
+                                   device=config.device, shard=shard)
         self.params = params if params is not None else load(
             config.model, dtype=config.dtype, device=config.device, shard=shard)
         self.model_config = self.params.config
         self.vocab_size = self.model_config.vocab_size
         self.device = self.params.device
         self.backend = select_backend(self.device, config.attention_backend)
-        self.enforce_eager = config.enforce_eager  # CUDA graphs / compile: issue 5
+        self.enforce_eager = config.enforce_eager
         self.num_blocks = self._num_blocks()
         self.cache = init_cache(self.params, num_blocks=self.num_blocks, block_size=self.block_size)
+        self.graphs = None
+        if self.device.type == "cuda" and not self.enforce_eager:
+            self.graphs = DecodeGraphs(
+                self.params, self.cache, self.backend, max_num_seqs=config.max_num_seqs,
+                max_blocks_per_seq=ceil_div(config.max_model_len, self.block_size),
+                compile_forward=os.environ.get("MINIVLLM_COMPILE", "1") != "0")
+            self.graphs.capture()
 
     # -- sizing the KV cache ---------------------------------------------------------------------
 
@@ -158,9 +169,34 @@ class ModelRunner:
                 out = sample(logits, sb)
         return out, cache
 
+    def _run_decode_graph(self, step: StepInput):
+        """A decode step (one new token for every sequence) replayed from its CUDA graph."""
+        bs = self.block_size
+        ids, positions, slots, ctx, tables = [], [], [], [], []
+        for c in step.chunks:
+            pos = c.num_cached
+            ids.append(c.token_ids[0])
+            positions.append(pos)
+            slots.append(c.block_table[pos // bs] * bs + pos % bs)
+            ctx.append(pos + 1)
+            tables.append(c.block_table)
+        self.graphs.fill(ids, positions, slots, ctx, tables)
+        logits = self.graphs.replay(len(ids))
+        sb = make_sampling_batch(step.rows, vocab_size=self.vocab_size, device=self.device)
+        return sample(logits, sb)
+
+    def _graph_step(self, step: StepInput) -> bool:
+        return (self.graphs is not None and len(step.chunks) == len(step.rows)
+                and self.graphs.bucket(len(step.chunks)) is not None
+                and all(len(c.token_ids) == 1 and c.want_logits for c in step.chunks))
+
     def execute(self, step: StepInput) -> StepResult:
         """Compute the step's tokens into the cache and sample one token per row."""
-        out, self.cache = self._run(self.cache, step)
+        if self._graph_step(step):
+            with torch.no_grad():
+                out = self._run_decode_graph(step)
+        else:
+            out, self.cache = self._run(self.cache, step)
         if out is None:
             return StepResult(token_ids=[])
         token_ids = out.token_ids.tolist()
