@@ -69,6 +69,16 @@ def test_killed_worker_makes_the_engine_raise_promptly(tiny_dir, when):
         llm.generate(prompt, GREEDY, use_tqdm=False)
 
 
+def test_an_error_at_start_up_is_rank_0s_own_and_stops_the_worker(tiny_dir, monkeypatch):
+    """Every rank fails alike (no memory for the KV cache): rank 0's ValueError, not a report
+    of the worker's death, and no process left behind."""
+    monkeypatch.setenv("MINIVLLM_CPU_KV_CACHE_SPACE", "1e-9")
+    with pytest.raises(ValueError, match="no memory left for the KV cache"):
+        LLM(tiny_dir, tensor_parallel_size=2, **{**ENGINE, "num_kv_blocks": None})
+    assert not minivllm_children()
+    assert not dist.is_initialized()
+
+
 def _lines(stream, out: queue.Queue) -> None:
     for line in stream:
         out.put(line.rstrip("\n"))

@@ -144,6 +144,15 @@ class SpawnedWorkers:
                     p.join()
 
 
+def _lost_peer(e: BaseException) -> bool:
+    """Whether `e` is a collective failing because a peer went away (gloo raises a plain
+    RuntimeError, NCCL a DistError) rather than rank 0's own error, which is reported as is
+    even when a worker died of the same cause (a bad checkpoint, no memory for the cache)."""
+    import torch.distributed as dist
+
+    return type(e) is RuntimeError or isinstance(e, dist.DistError)
+
+
 def _abort_collectives() -> None:
     try:
         from torch.distributed.distributed_c10d import _abort_process_group
@@ -229,10 +238,10 @@ class TPExecutor:
             workers.wait_ready(store, timeout.total_seconds())
             runner, groups = start_rank(config_for_rank(config, 0), 0, world, store)
         except BaseException as e:
-            found = workers.wait_dead(DEATH_GRACE_S)
+            found = workers.wait_dead(DEATH_GRACE_S) if _lost_peer(e) else None
             workers.stop(0.0)
             destroy_groups()
-            if found is not None and not isinstance(e, WorkerDiedError):
+            if found is not None:
                 raise WorkerDiedError(f"{found} while the engine was starting") from e
             raise
         return cls(runner, groups, workers, store)
@@ -257,7 +266,9 @@ class TPExecutor:
                 broadcast_step(step, self.groups)
                 result = self.runner.execute(step)
             except BaseException as e:
-                found = self.workers.wait_dead(DEATH_GRACE_S) if self.workers is not None else None
+                found = None
+                if self.workers is not None and _lost_peer(e):
+                    found = self.workers.wait_dead(DEATH_GRACE_S)
                 self._abandon(found or f"a step failed on rank 0 ({type(e).__name__}: {e})")
                 if found is not None:
                     raise WorkerDiedError(found) from e
