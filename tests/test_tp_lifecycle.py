@@ -127,6 +127,25 @@ def test_ctrl_c_keeps_the_ranks_in_step_and_exits_cleanly(tiny_dir):
     assert gone(worker)
 
 
+def test_worker_leaves_when_rank_0_is_killed(tiny_dir):
+    """SIGKILL gives rank 0 no chance to stop its worker: the worker leaves by itself."""
+    child = subprocess.Popen([sys.executable, os.path.join(TESTS, "tp_sigint_child.py"), tiny_dir],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=_lines, args=(child.stdout, lines), daemon=True).start()
+        worker = int(_expect(lines, "worker").split()[1])
+        _expect(lines, "generating")
+        time.sleep(0.5)
+    finally:
+        child.kill()
+        child.wait()
+    deadline = time.monotonic() + 10
+    while not gone(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone(worker)
+
+
 def test_torchrun_cli_equals_tp1(tmp_path, capsys, monkeypatch):
     """`torchrun --nproc-per-node 2 -m minivllm generate`: the tensor-parallel size defaults to
     WORLD_SIZE, rank 1 serves and exits 0, rank 0 prints what one process prints."""

@@ -124,11 +124,15 @@ class SpawnedWorkers:
                                    f"(MINIVLLM_DIST_TIMEOUT)")
             self._died.wait(0.02)
 
-    def stop(self, grace: float) -> None:
-        """Join every worker, within `grace` s, then terminate and, failing that, kill."""
+    def stop_watching(self) -> None:
+        """From now on a worker that exits is leaving, not dying."""
         if self._watcher.is_alive():
             self._wake_w.send(None)
             self._watcher.join()
+
+    def stop(self, grace: float) -> None:
+        """Join every worker, within `grace` s, then terminate and, failing that, kill."""
+        self.stop_watching()
         deadline = time.monotonic() + grace
         for p in self.procs:
             if p.pid is not None:
@@ -178,6 +182,8 @@ class _Closer:
             return
         self.done = True
         atexit.unregister(self)
+        if self.workers is not None:
+            self.workers.stop_watching()
         if self.in_step:
             try:
                 broadcast_step(None, self.groups)
