@@ -73,10 +73,7 @@ def main():
     bs = 16
     table = list(range(-(-n // bs)))
     cache = minivllm.init_cache(params, num_blocks=len(table), block_size=bs)
-    batch = make_batch([SeqChunk(ids, 0, table)], block_size=bs, device=device)
-    batch = minivllm.Batch(**{**{f: getattr(batch, f) for f in ("input_ids", "positions", "slot_mapping",
-                                                                 "cu_seqlens_q", "context_lens", "block_tables")},
-                              "logits_indices": torch.arange(n, device=device)})
+    batch = make_batch([SeqChunk(ids, 0, table)], block_size=bs, device=device, every_row=True)
     t0 = time.perf_counter()
     with torch.no_grad():
         prefill_logits, cache = minivllm.forward(params, cache, batch, backend)

@@ -63,10 +63,7 @@ def teacher_forced(params, ids: list[int], backend) -> tuple[torch.Tensor, torch
     device, n, bs = params.device, len(ids), 16
     table = list(range(-(-n // bs)))
     cache = minivllm.init_cache(params, num_blocks=len(table), block_size=bs)
-    batch = make_batch([SeqChunk(ids, 0, table)], block_size=bs, device=device)
-    fields = ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "context_lens", "block_tables")
-    batch = minivllm.Batch(**{f: getattr(batch, f) for f in fields},
-                           logits_indices=torch.arange(n, device=device))
+    batch = make_batch([SeqChunk(ids, 0, table)], block_size=bs, device=device, every_row=True)
     with torch.no_grad():
         prefill, _ = minivllm.forward(params, cache, batch, backend)
         cache = minivllm.init_cache(params, num_blocks=len(table), block_size=bs)

@@ -38,12 +38,6 @@ def pair(request, tmp_path_factory):
     return model, minivllm.load(path, device=DEVICE)
 
 
-def all_rows(batch):
-    return minivllm.Batch(**{**{f: getattr(batch, f) for f in ("input_ids", "positions", "slot_mapping",
-                                                                "cu_seqlens_q", "context_lens", "block_tables")},
-                             "logits_indices": torch.arange(batch.num_tokens)})
-
-
 def contiguous_tables(prompts, block_size, extra=0):
     tables, start = [], 0
     for p in prompts:
@@ -57,8 +51,8 @@ def test_prefill_logits_equal_transformers(pair):
     model, params = pair
     tables, n = contiguous_tables(PROMPTS, 4)
     cache = minivllm.init_cache(params, num_blocks=n, block_size=4)
-    batch = all_rows(make_batch([SeqChunk(p, 0, t) for p, t in zip(PROMPTS, tables)], block_size=4,
-                                device=DEVICE))
+    batch = make_batch([SeqChunk(p, 0, t) for p, t in zip(PROMPTS, tables)], block_size=4,
+                       device=DEVICE, every_row=True)
     logits, cache = minivllm.forward(params, cache, batch)
     logits = logits.cpu()
     with torch.no_grad():
@@ -190,8 +184,8 @@ def test_grad_of_prefill_loss_equals_transformers_autograd(pair):
     model, params = pair
     prompts = PROMPTS[:2]
     tables, n = contiguous_tables(prompts, 4)
-    batch = all_rows(make_batch([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)], block_size=4,
-                                device=DEVICE))
+    batch = make_batch([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)], block_size=4,
+                       device=DEVICE, every_row=True)
     targets = torch.tensor(sum((p[1:] + [p[0]] for p in prompts), []), device=DEVICE)
 
     def loss(p):

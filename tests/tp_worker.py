@@ -25,10 +25,7 @@ def _run(path: str, rank: int, world_size: int):
     params = minivllm.load(path, shard=shard)
     tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(PROMPTS))]
     cache = minivllm.init_cache(params, num_blocks=8 * len(PROMPTS), block_size=4)
-    batch = make_batch([SeqChunk(p, 0, t) for p, t in zip(PROMPTS, tables)], block_size=4)
-    batch = minivllm.Batch(**{**{f: getattr(batch, f) for f in ("input_ids", "positions", "slot_mapping",
-                                                                 "cu_seqlens_q", "context_lens", "block_tables")},
-                              "logits_indices": torch.arange(batch.num_tokens)})
+    batch = make_batch([SeqChunk(p, 0, t) for p, t in zip(PROMPTS, tables)], block_size=4, every_row=True)
     logits, _ = minivllm.forward(params, cache, batch)
     cache = minivllm.init_cache(params, num_blocks=64, block_size=4)
     tokens, _ = minivllm.generate(params, cache, PROMPTS, max_new_tokens=20)

@@ -60,8 +60,9 @@ class SeqChunk:
 
 
 def make_batch(chunks: Sequence[SeqChunk], *, block_size: int, device=None,
-               max_blocks: int | None = None) -> Batch:
-    """Pack sequence chunks into a Batch (built on the host, then moved to `device`)."""
+               max_blocks: int | None = None, every_row: bool = False) -> Batch:
+    """Pack sequence chunks into a Batch (built on the host, then moved to `device`).
+    every_row: logits for every token (teacher forcing, losses), not only each chunk's last."""
     if not chunks:
         raise ValueError("a batch needs at least one sequence")
     ids, positions, slots, cu, ctx, logit_rows = [], [], [], [0], [], []
@@ -83,7 +84,9 @@ def make_batch(chunks: Sequence[SeqChunk], *, block_size: int, device=None,
         ctx.append(total)
         if chunk.block_table:
             tables[b, : len(chunk.block_table)] = torch.tensor(list(chunk.block_table), dtype=torch.int32)
-        if chunk.want_logits:
+        if every_row:
+            logit_rows.extend(range(cu[-2], cu[-1]))
+        elif chunk.want_logits:
             logit_rows.append(cu[-1] - 1)
 
     def t(x, dtype):
