@@ -97,6 +97,11 @@ def test_seeded_sampling_is_reproducible(params):
                                  top_k=20, top_p=0.9, seed=seed)[0]
     assert run(1) == run(1)
     assert run(1) != run(2)
+    # prompt 0's stream does not depend on what it is batched with
+    cache = minivllm.init_cache(params, num_blocks=8, block_size=4)
+    alone = minivllm.generate(params, cache, [[1, 2, 3]], max_new_tokens=12, temperature=1.0,
+                              top_k=20, top_p=0.9, seed=1)[0]
+    assert alone[0] == run(1)[0]
 
 
 def test_eos_stops_a_prompt(params):

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from minivllm.functional.sampling import (SamplingRow, make_sampling_batch, sample, sample_tokens,
+from minivllm.functional.sampling import (SamplingRow, make_sampling_batch, sample,
                                           uniform_from_counter)
 
 V = 6
@@ -190,8 +190,3 @@ def test_logprobs_are_raw_log_softmax_with_rank_and_top_n():
         assert out.ranks[b].item() == int((ref[b] > ref[b, t]).sum()) + 1
 
 
-def test_sample_tokens_still_serves_generate():
-    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0]])
-    assert sample_tokens(logits).tolist() == [1, 0]
-    g = torch.Generator().manual_seed(0)
-    assert sample_tokens(logits, temperature=1.0, top_k=1, generator=g).tolist() == [1, 0]

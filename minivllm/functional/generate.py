@@ -13,7 +13,7 @@ from ..state.config import ceil_div
 from ..state.params import Params
 from .attention import AttentionBackend
 from .model import forward
-from .sampling import sample_tokens
+from .sampling import SamplingRow, make_sampling_batch, sample
 
 
 def _check_prompts(tokens, vocab_size: int) -> list[list[int]]:
@@ -45,8 +45,8 @@ def generate(params: Params, cache: KVCache, tokens: Sequence[Sequence[int]], *,
     batched without padding). Returns each prompt's new tokens (ending with the EOS token when one
     stopped it) and the cache, which is donated: use the returned one.
 
-    Greedy when temperature == 0, else sampled with top_k / top_p and a generator seeded by
-    `seed`. Prompt i uses cache blocks laid out one prompt after the other from block 0."""
+    Greedy when temperature == 0, else sampled with top_k / top_p; `seed` makes the draw
+    reproducible (prompt i uses its own stream, independent of the other prompts). Prompt i uses cache blocks laid out one prompt after the other from block 0."""
     from ..kernels import select_backend
 
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -77,10 +77,10 @@ def generate(params: Params, cache: KVCache, tokens: Sequence[Sequence[int]], *,
         raise ValueError(f"prompt + max_new_tokens exceeds max_position_embeddings "
                          f"({params.config.max_position_embeddings})")
 
-    generator = None
-    if temperature > 0:
-        generator = torch.Generator(device=params.device)
-        generator.manual_seed(seed if seed is not None else torch.seed())
+    # Each prompt draws from its own counter-based stream (seed, tokens generated so far), the
+    # sampler the engine uses: the same seed gives the same tokens whatever else is batched.
+    base_seed = seed if seed is not None else torch.seed()
+    seeds = [(base_seed + i * 0x9E3779B97F4A7C15) & ((1 << 64) - 1) for i in range(len(prompts))]
 
     device = params.device
     outputs: list[list[int]] = [[] for _ in prompts]
@@ -90,8 +90,10 @@ def generate(params: Params, cache: KVCache, tokens: Sequence[Sequence[int]], *,
         batch = make_batch(chunks, block_size=bs, device=device)
         with torch.no_grad():
             logits, cache = forward(params, cache, batch, backend)
-        next_tokens = sample_tokens(logits, temperature=float(temperature), top_k=top_k, top_p=top_p,
-                                    generator=generator).tolist()
+        rows = [SamplingRow(temperature=float(temperature), top_k=top_k or 0, top_p=top_p or 1.0,
+                            seed=seeds[i], step=len(outputs[i])) for i in active]
+        sb = make_sampling_batch(rows, vocab_size=params.config.vocab_size, device=device)
+        next_tokens = sample(logits, sb).token_ids.tolist()
         still = []
         for i, tok in zip(active, next_tokens):
             outputs[i].append(tok)
