@@ -161,12 +161,11 @@ class ModelRunner:
 
     def _run(self, cache, step: StepInput):
         batch = make_batch(step.chunks, block_size=self.block_size, device=self.device)
+        # Built before the forward is queued, for the same reason as in _run_decode_graph.
+        sb = make_sampling_batch(step.rows, vocab_size=self.vocab_size, device=self.device) if step.rows else None
         with torch.no_grad():
             logits, cache = forward(self.params, cache, batch, self.backend)
-            out = None
-            if step.rows:
-                sb = make_sampling_batch(step.rows, vocab_size=self.vocab_size, device=self.device)
-                out = sample(logits, sb)
+            out = sample(logits, sb) if sb is not None else None
         return out, cache
 
     def _run_decode_graph(self, step: StepInput):
@@ -180,9 +179,11 @@ class ModelRunner:
             slots.append(c.block_table[pos // bs] * bs + pos % bs)
             ctx.append(pos + 1)
             tables.append(c.block_table)
+        # The sampling batch's copies go first: queued behind the replay, copies from pageable
+        # memory would make the host wait for the whole forward before sampling could start.
+        sb = make_sampling_batch(step.rows, vocab_size=self.vocab_size, device=self.device)
         self.graphs.fill(ids, positions, slots, ctx, tables)
         logits = self.graphs.replay(len(ids))
-        sb = make_sampling_batch(step.rows, vocab_size=self.vocab_size, device=self.device)
         return sample(logits, sb)
 
     def _graph_step(self, step: StepInput) -> bool:
