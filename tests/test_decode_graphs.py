@@ -52,3 +52,21 @@ def test_padded_decode_equals_unpadded(backend_name):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)  # only the real rows were written
     changed = sum(int((a != b).any(dim=(1, 2, 3)).sum()) for a, b in zip(pytree.tree_leaves(caches[1]), before))
     assert changed > 0
+
+
+def test_compiled_forward_recompiles_a_bounded_number_of_times_over_the_buckets():
+    """One static compile for the first bucket, then dynamic shapes serve the rest: far under
+    torch.compile's limit of 8, past which a function silently runs eagerly."""
+    from torch._dynamo.testing import CompileCounter
+
+    params = minivllm.random_params(CONFIG, seed=0)
+    cache = minivllm.init_cache(params, num_blocks=64, block_size=4)
+    backend = select_backend("cpu", "reference")
+    graphs = DecodeGraphs(params, cache, backend, max_num_seqs=256, max_blocks_per_seq=8,
+                          compile_forward=False)
+    counter = CompileCounter()
+    compiled = torch.compile(minivllm.forward, backend=counter, fullgraph=True)
+    for bs in graphs.buckets:
+        compiled(params, cache, graphs.batch_view(bs), backend)
+    assert len(graphs.buckets) > 8
+    assert counter.frame_count <= 3
