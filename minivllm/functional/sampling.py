@@ -141,6 +141,13 @@ def _padded(rows: Sequence[Sequence[int]], pad: int, device) -> torch.Tensor:
     return out.to(device)
 
 
+def _to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
+    host = torch.tensor(values, dtype=dtype)
+    if device is not None and torch.device(device).type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 def make_sampling_batch(rows: Sequence[SamplingRow], *, vocab_size: int, device=None) -> SamplingBatch:
     """Pack per-row parameters into a SamplingBatch (built on the host, then moved to `device`)."""
     if not rows:
@@ -167,16 +174,26 @@ def make_sampling_batch(rows: Sequence[SamplingRow], *, vocab_size: int, device=
         banned_rows = t([b for b, _ in pairs], torch.int64)
         banned_ids = t([i for _, i in pairs], torch.int64)
     wanted = [r.logprobs for r in rows if r.logprobs is not None]
+    # Two host-to-device copies per step, not nine: the float parameters and the int ones each
+    # travel as one [fields, B] tensor (pinned and non-blocking on CUDA), then split into views.
+    floats = _to_device([[float(r.temperature) for r in rows], [float(r.top_p) for r in rows],
+                         [float(r.min_p) for r in rows], [float(r.presence_penalty) for r in rows],
+                         [float(r.frequency_penalty) for r in rows],
+                         [float(r.repetition_penalty) for r in rows]], torch.float32, device)
+    ints = _to_device([top_k, [_as_int64(r.seed) for r in rows], [r.step for r in rows]],
+                      torch.int64, device)
+    temperature, top_p, min_p, presence, frequency, repetition = floats.unbind(0)
+    top_k_t, seeds, steps = ints.unbind(0)
     return SamplingBatch(
-        temperature=t([float(r.temperature) for r in rows], torch.float32),
-        top_k=t(top_k, torch.int64),
-        top_p=t([float(r.top_p) for r in rows], torch.float32),
-        min_p=t([float(r.min_p) for r in rows], torch.float32),
-        presence_penalty=t([float(r.presence_penalty) for r in rows], torch.float32),
-        frequency_penalty=t([float(r.frequency_penalty) for r in rows], torch.float32),
-        repetition_penalty=t([float(r.repetition_penalty) for r in rows], torch.float32),
-        seeds=t([_as_int64(r.seed) for r in rows], torch.int64),
-        steps=t([r.step for r in rows], torch.int64),
+        temperature=temperature,
+        top_k=top_k_t,
+        top_p=top_p,
+        min_p=min_p,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        repetition_penalty=repetition,
+        seeds=seeds,
+        steps=steps,
         output_ids=output_ids,
         prompt_ids=prompt_ids,
         banned_rows=banned_rows,
