@@ -190,3 +190,24 @@ def test_logprobs_are_raw_log_softmax_with_rank_and_top_n():
         assert out.ranks[b].item() == int((ref[b] > ref[b, t]).sum()) + 1
 
 
+
+
+@pytest.mark.parametrize("vocab, chunk", [(1000, 256), (257, 16), (64, 64), (5, 8)])
+def test_two_level_inverse_cdf_equals_the_full_cdf(vocab, chunk):
+    """The chunked inverse CDF picks the same id as one float64 CDF over the whole vocabulary,
+    and never an id of probability zero (here about half of them, whole chunks included)."""
+    from minivllm.functional.sampling import sample_from_probs
+
+    gen = torch.Generator().manual_seed(vocab)
+    probs = torch.rand(64, vocab, generator=gen)
+    probs[torch.rand(64, vocab, generator=gen) < 0.5] = 0.0
+    probs[:, : min(vocab, 2 * chunk) // 2] = 0.0  # leading zero chunks
+    probs[:, -1] = 0.3  # every row has mass
+    u = torch.rand(64, generator=gen, dtype=torch.float64).clamp(1e-9, 1 - 1e-9)
+    u[0], u[1] = 1e-300, 1.0 - 1e-16  # the extremes
+    got = sample_from_probs(probs, u, chunk=chunk)
+    cdf = probs.double().cumsum(-1)
+    expected = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(-1).clamp(max=vocab - 1)
+    assert torch.all(probs.gather(1, got[:, None]) > 0)
+    assert (got == expected).float().mean() >= 62 / 64  # the extremes may round differently
+    assert torch.equal(got[2:], expected[2:])

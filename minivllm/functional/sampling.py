@@ -276,14 +276,31 @@ def truncated_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return probs
 
 
-def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor, chunk: int = 256) -> torch.Tensor:
     """Inverse-CDF sampling: probs [B, V] (unnormalised is fine), uniforms [B] in (0, 1)
     -> ids [B]: the first id whose float64 CDF reaches u * total. An id of probability 0 is never
-    chosen: the CDF does not rise there, and u * total > 0."""
-    cdf = probs.double().cumsum(dim=-1)  # [B, V]
-    target = (uniforms * cdf[:, -1]).unsqueeze(-1)  # [B, 1]
-    ids = torch.searchsorted(cdf, target).squeeze(-1)
-    return ids.clamp(max=probs.shape[-1] - 1)
+    chosen.
+
+    Two levels, so that no [B, V] float64 copy or long scan is made: the CDF over chunks of
+    `chunk` ids picks the chunk (sums accumulated in float64), then the CDF inside that one chunk
+    picks the id. Every step is per row, so a row's draw does not depend on the batch."""
+    b, v = probs.shape
+    n = -(-v // chunk)
+    padded = torch.nn.functional.pad(probs, (0, n * chunk - v)).view(b, n, chunk)
+    chunk_cdf = padded.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)  # [B, n]
+    target = uniforms * chunk_cdf[:, -1]  # [B], > 0
+    k = torch.searchsorted(chunk_cdf, target[:, None]).clamp(max=n - 1)  # [B, 1]
+    before = torch.where(k > 0, chunk_cdf.gather(1, (k - 1).clamp(min=0)), torch.zeros_like(target[:, None]))
+    seg = padded.gather(1, k[:, :, None].expand(b, 1, chunk)).squeeze(1)  # [B, chunk]
+    local_cdf = seg.double().cumsum(dim=-1)
+    # Rounding between the two levels may put the local target a hair outside (0, seg total]:
+    # keep it inside, then never land on a zero-probability id.
+    local = (target[:, None] - before).clamp(min=torch.finfo(torch.float64).tiny)
+    j = torch.searchsorted(local_cdf, local).clamp(max=chunk - 1)  # [B, 1]
+    cols = torch.arange(chunk, device=probs.device)[None, :]
+    last_nonzero = torch.where(seg > 0, cols, -1).amax(dim=-1, keepdim=True)
+    j = torch.minimum(j, last_nonzero)
+    return (k * chunk + j).squeeze(-1).clamp(max=v - 1)
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
