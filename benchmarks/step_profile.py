@@ -24,7 +24,7 @@ from minivllm.functional.model import forward
 from minivllm.functional.sampling import SamplingRow, make_sampling_batch, sample
 from minivllm.runtime.config import EngineConfig
 from minivllm.runtime.runner import ModelRunner, StepInput
-from minivllm.state.batch import SeqChunk, make_batch
+from minivllm.state.batch import SeqChunk, decode_rows, make_batch
 
 
 def cuda_time(fn, repeats=20) -> float:
@@ -70,12 +70,10 @@ def main():
     result["execute_ms"] = (time.perf_counter() - t0) / 20 * 1e3
 
     g = runner.graphs
-    ids = [c.token_ids[0] for c in chunks]
-    pos = [c.num_cached for c in chunks]
-    slots = [c.block_table[p // bs] * bs + p % bs for c, p in zip(chunks, pos)]
+    decode_arrays = decode_rows(chunks, bs)
     t0 = time.perf_counter()
     for _ in range(20):
-        g.fill(ids, pos, slots, [p + 1 for p in pos], [c.block_table for c in chunks])
+        g.fill(*decode_arrays)
     result["fill_host_ms"] = (time.perf_counter() - t0) / 20 * 1e3
     torch.cuda.synchronize()
     result["replay_ms"] = cuda_time(lambda: g.replay(b))

@@ -19,7 +19,7 @@ import torch
 from ..functional.model import forward
 from ..functional.sampling import SamplingRow, make_sampling_batch, sample
 from ..kernels import select_backend
-from ..state.batch import SeqChunk, make_batch
+from ..state.batch import SeqChunk, decode_rows, make_batch
 from ..state.cache import init_cache
 from ..state.config import ceil_div
 from ..state.load import load
@@ -170,20 +170,12 @@ class ModelRunner:
 
     def _run_decode_graph(self, step: StepInput):
         """A decode step (one new token for every sequence) replayed from its CUDA graph."""
-        bs = self.block_size
-        ids, positions, slots, ctx, tables = [], [], [], [], []
-        for c in step.chunks:
-            pos = c.num_cached
-            ids.append(c.token_ids[0])
-            positions.append(pos)
-            slots.append(c.block_table[pos // bs] * bs + pos % bs)
-            ctx.append(pos + 1)
-            tables.append(c.block_table)
+        rows = decode_rows(step.chunks, self.block_size)
         # The sampling batch's copies go first: queued behind the replay, copies from pageable
         # memory would make the host wait for the whole forward before sampling could start.
         sb = make_sampling_batch(step.rows, vocab_size=self.vocab_size, device=self.device)
-        self.graphs.fill(ids, positions, slots, ctx, tables)
-        logits = self.graphs.replay(len(ids))
+        self.graphs.fill(*rows)
+        logits = self.graphs.replay(len(step.chunks))
         return sample(logits, sb)
 
     def _graph_step(self, step: StepInput) -> bool:

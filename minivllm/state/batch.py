@@ -59,6 +59,20 @@ class SeqChunk:
     want_logits: bool = True
 
 
+def slot_of(block_table: Sequence[int], position: int, block_size: int) -> int:
+    """The cache slot of a sequence's token at `position`."""
+    return block_table[position // block_size] * block_size + position % block_size
+
+
+def decode_rows(chunks: Sequence[SeqChunk], block_size: int):
+    """A decode step's per-row host arrays (one new token per chunk): ids, positions, slots,
+    context lengths and block tables, as lists (what the CUDA-graph buffers are filled from)."""
+    ids = [c.token_ids[0] for c in chunks]
+    positions = [c.num_cached for c in chunks]
+    slots = [slot_of(c.block_table, p, block_size) for c, p in zip(chunks, positions)]
+    return ids, positions, slots, [p + 1 for p in positions], [c.block_table for c in chunks]
+
+
 def make_batch(chunks: Sequence[SeqChunk], *, block_size: int, device=None,
                max_blocks: int | None = None, every_row: bool = False) -> Batch:
     """Pack sequence chunks into a Batch (built on the host, then moved to `device`).
@@ -79,7 +93,7 @@ def make_batch(chunks: Sequence[SeqChunk], *, block_size: int, device=None,
         ids.extend(chunk.token_ids)
         for pos in range(chunk.num_cached, total):
             positions.append(pos)
-            slots.append(chunk.block_table[pos // block_size] * block_size + pos % block_size)
+            slots.append(slot_of(chunk.block_table, pos, block_size))
         cu.append(cu[-1] + n)
         ctx.append(total)
         if chunk.block_table:
