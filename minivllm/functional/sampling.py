@@ -116,6 +116,7 @@ class SamplingBatch:
     banned_rows: torch.Tensor | None = None
     banned_ids: torch.Tensor | None = None
     all_greedy: bool = static(default=False)
+    any_greedy: bool = static(default=True)
     do_top_k: bool = static(default=False)
     do_top_p: bool = static(default=False)
     do_min_p: bool = static(default=False)
@@ -199,6 +200,7 @@ def make_sampling_batch(rows: Sequence[SamplingRow], *, vocab_size: int, device=
         banned_rows=banned_rows,
         banned_ids=banned_ids,
         all_greedy=all(r.temperature == 0 for r in rows),
+        any_greedy=any(r.temperature == 0 for r in rows),
         do_top_k=any(k < vocab_size for k in top_k),
         do_top_p=any(r.top_p < 1 for r in rows),
         do_min_p=any(r.min_p > 0 for r in rows),
@@ -308,13 +310,13 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
     logits = logits.float()
     raw = logits
     logits = apply_penalties(logits, sb)
-    greedy = logits.argmax(dim=-1)
     if sb.all_greedy:
-        token_ids = greedy
+        token_ids = logits.argmax(dim=-1)
     else:
         probs = truncated_probs(logits, sb)
-        drawn = sample_from_probs(probs, uniform_from_counter(sb.seeds, sb.steps))
-        token_ids = torch.where(sb.temperature > 0, drawn, greedy)
+        token_ids = sample_from_probs(probs, uniform_from_counter(sb.seeds, sb.steps))
+        if sb.any_greedy:  # a mixed batch: greedy rows take the arg-max
+            token_ids = torch.where(sb.temperature > 0, token_ids, logits.argmax(dim=-1))
     if sb.num_logprobs < 0:
         return SampleOutput(token_ids=token_ids)
     logprobs = torch.log_softmax(raw, dim=-1)
