@@ -33,13 +33,6 @@ def rope_inv_freq(config: ModelConfig, device=None) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_cos_sin_table(config: ModelConfig, max_positions: int, device=None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [max_positions, head_dim] fp32, for position lookups (kernels index this)."""
-    positions = torch.arange(max_positions, device=device)
-    return rope_cos_sin(config, positions)
-
-
 def rope_cos_sin(config: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """positions: [T] -> cos, sin: [T, head_dim] fp32 (each frequency repeated for both halves)."""
     inv_freq = rope_inv_freq(config, positions.device)
