@@ -54,8 +54,28 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def traced_steps(engine, path: str, *, skip: int, active: int):
+    """Wrap engine.step so that steps skip..skip+active-1 are recorded by torch.profiler (CPU and
+    CUDA) into a Chrome trace at `path`. Returns the profiler (stop it after the run)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    prof = profile(activities=activities, schedule=schedule(wait=skip, warmup=2, active=active, repeat=1),
+                   on_trace_ready=lambda p: p.export_chrome_trace(path))
+    inner = engine.step
+
+    def step(**kw):
+        out = inner(**kw)
+        prof.step()
+        return out
+
+    engine.step = step
+    prof.start()
+    return prof
+
+
 def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
-                   max_output_len: int = 1024) -> dict:
+                   max_output_len: int = 1024, trace: str | None = None) -> dict:
     from .sampling_params import SamplingParams
 
     prompts, max_tokens = throughput_workload(num_seqs, max_input_len, max_output_len)
@@ -65,10 +85,13 @@ def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
     device = llm.config.device
     _sync(device)
     steps0 = llm.stats.steps
+    prof = traced_steps(llm.engine, trace, skip=400, active=8) if trace else None
     t0 = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     _sync(device)
     seconds = time.perf_counter() - t0
+    if prof is not None:
+        prof.stop()
     steps = llm.stats.steps - steps0
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     floor = traffic_floor_bytes(llm.engine.model_config, [len(p) for p in prompts], max_tokens,
@@ -132,6 +155,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--device", default=None)
+    p.add_argument("--trace", default=None,
+                   help="write a Chrome trace (torch.profiler) of decode steps 400-407 to this path "
+                        "(the timing then includes the profiler's overhead)")
 
 
 def main(args) -> dict:
@@ -140,17 +166,20 @@ def main(args) -> dict:
     if args.model and args.shape:
         raise ValueError("give --model or --shape, not both")
     model = args.model or f"random:{args.shape or 'qwen3-0.6b'}"
+    start = time.perf_counter()
     llm = LLM(model, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
               attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
               tensor_parallel_size=args.tensor_parallel_size, device=args.device)
     device = llm.config.device
+    startup_s = time.perf_counter() - start
+    print(f"engine started in {startup_s:.1f} s", flush=True)
     if args.latency:
         result = run_latency(llm)
     else:
         result = run_throughput(llm, num_seqs=args.num_seqs, max_input_len=args.max_input_len,
-                                max_output_len=args.max_output_len)
+                                max_output_len=args.max_output_len, trace=args.trace)
         bandwidth = copy_bandwidth(device)
         if bandwidth:
             floor_s = result["floor_bytes"] / bandwidth
@@ -160,6 +189,7 @@ def main(args) -> dict:
                   device=_device_name(device), tensor_parallel_size=args.tensor_parallel_size,
                   backend=_backend_name(llm), dtype=str(llm.config.dtype),
                   cuda_graphs=getattr(llm.engine.runner, "graphs", None) is not None,
+                  startup_s=startup_s,
                   date=datetime.date.today().isoformat())
     line = (f"{result['workload']}: {result['output_tokens']} output tokens in "
             f"{result['seconds']:.2f} s = {result['output_tok_per_s']:.0f} tok/s")

@@ -16,6 +16,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch.profiler import record_function
+
 from ..functional.sampling import SamplingRow
 from ..state.batch import SeqChunk
 from .block_manager import BlockManager
@@ -227,16 +229,21 @@ class LLMEngine:
     def step(self, *, unfinished: bool = True) -> list[RequestOutput]:
         """Run one scheduled step; the outputs of the requests it touched (finished included;
         with unfinished=False only the finished ones, which saves building the others)."""
-        out = self.scheduler.schedule()
+        # The named ranges show up in a torch.profiler trace (minivllm bench --trace).
+        with record_function("schedule"):
+            out = self.scheduler.schedule()
         if out.empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could not schedule anything")
             return []
         self._count(out)
-        result = self.runner.execute(self.step_input(out))
-        seqs = self.scheduler.update(out, result.token_ids)
-        self.stats.generation_tokens += len(seqs)
-        self._postprocess(seqs, result)
+        with record_function("step_input"):
+            step_input = self.step_input(out)
+        result = self.runner.execute(step_input)
+        with record_function("update"):
+            seqs = self.scheduler.update(out, result.token_ids)
+            self.stats.generation_tokens += len(seqs)
+            self._postprocess(seqs, result)
         touched = dict.fromkeys(c.seq.request_id for c in out.chunks)
         touched.update(dict.fromkeys(s.request_id for s in out.preempted))
         outputs = []

@@ -2,9 +2,17 @@
 
 A decode step (one new token for each of B sequences) is shaped only by B and the block-table
 width, so it can be captured once per bucket of B and replayed with new data copied into static
-input buffers. The graphs share one memory pool and capture the (optionally compiled) pure
-`forward`; weights and the KV cache are captured at their addresses, which never change, since
-the cache is donated and written in place.
+input buffers. The graphs share one memory pool and capture the pure `forward` with its decoder
+layer compiled; weights and the KV cache are captured at their addresses, which never change,
+since the cache is donated and written in place.
+
+What is compiled is one decoder layer, not the whole forward: the 28 layers of a Qwen3 model are
+the same function on same-shaped weights, so one small graph serves them all, and inside a CUDA
+graph the Python loop around it costs nothing. Compiling the whole forward gave the same fused
+kernels but took minutes on a fresh machine (a 28-layer graph, compiled twice: once static, once
+with a dynamic batch), which is why it is not done. The smallest bucket is 2, so that the
+compiled layer sees only batches of 2 or more and one dynamic-batch compile (after a first static
+one) serves every bucket; a single sequence is padded to 2 rows, which costs nothing measurable.
 
 Rows past the real batch are padding: slot -1 (nothing is written), context length 1 and a block
 table of zeros (block 0 exists, and the padding row's one key is its own new token), so they
@@ -13,12 +21,15 @@ read valid memory, write none, and their logits are dropped.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
+import time
 
 import numpy as np
 import torch
 
+from ..functional.layer import decoder_layer
 from ..functional.model import forward
 from ..state.batch import Batch
 from ..state.cache import KVCache
@@ -28,11 +39,23 @@ log = logging.getLogger("minivllm")
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
-    """Padded batch sizes: 1, 2, 4, 8, then every 16 up to max_num_seqs (which is always one)."""
-    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    """Padded batch sizes: 2, 4, 8, then every 16 up to max_num_seqs (which is always one)."""
+    sizes = [b for b in (2, 4, 8) if b < max_num_seqs]
     sizes += list(range(16, max_num_seqs, 16))
     sizes.append(max_num_seqs)
     return sorted(set(sizes))
+
+
+def compiled_forward(compile_backend="inductor"):
+    """forward with its decoder layer compiled (fullgraph: no graph breaks).
+
+    torch.compile caches per code object, so every engine in a process shares decoder_layer's
+    compiled graphs, and each new model config or attention backend adds a recompile. The limit
+    past which a fullgraph compile fails (8) is raised to allow for a process that builds many
+    engines (a test session); one engine compiles twice."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    layer = torch.compile(decoder_layer, fullgraph=True, backend=compile_backend)
+    return functools.partial(forward, layer=layer)
 
 
 class DecodeGraphs:
@@ -61,7 +84,7 @@ class DecodeGraphs:
         self.host_i64 = torch.zeros(3, n, dtype=torch.int64, pin_memory=pin)  # ids, positions, slots
         self.host_ctx = torch.ones(n, dtype=torch.int32, pin_memory=pin)
         self.host_tables = torch.zeros(n, m, dtype=torch.int32, pin_memory=pin)
-        self.fn = torch.compile(forward, fullgraph=True) if compile_forward else forward
+        self.fn = compiled_forward() if compile_forward else forward
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -75,6 +98,7 @@ class DecodeGraphs:
         """Warm up (compiling) and capture every bucket, largest first so that the shared pool is
         sized by it. The buffers hold padding rows throughout, so nothing is written to the cache."""
         pool = None
+        start = time.perf_counter()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.no_grad():
@@ -87,9 +111,12 @@ class DecodeGraphs:
                     logits, _ = self.fn(self.params, self.cache, batch, self.backend)
                 pool = graph.pool()
                 self.graphs[bs], self.outputs[bs] = graph, logits
+                if len(self.graphs) == 1:
+                    first = time.perf_counter() - start
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
-        log.info("minivllm: captured decode CUDA graphs for batch sizes %s", self.buckets)
+        log.info("minivllm: captured decode CUDA graphs for batch sizes %s in %.1f s (the first, "
+                 "compile included, %.1f s)", self.buckets, time.perf_counter() - start, first)
 
     def bucket(self, b: int) -> int | None:
         for size in self.buckets:

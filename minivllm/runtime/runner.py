@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from ..functional.model import forward
 from ..functional.sampling import SamplingRow, make_sampling_batch, sample
@@ -170,13 +171,16 @@ class ModelRunner:
 
     def _run_decode_graph(self, step: StepInput):
         """A decode step (one new token for every sequence) replayed from its CUDA graph."""
-        rows = decode_rows(step.chunks, self.block_size)
-        # The sampling batch's copies go first: queued behind the replay, copies from pageable
-        # memory would make the host wait for the whole forward before sampling could start.
-        sb = make_sampling_batch(step.rows, vocab_size=self.vocab_size, device=self.device)
-        self.graphs.fill(*rows)
-        logits = self.graphs.replay(len(step.chunks))
-        return sample(logits, sb)
+        with record_function("prepare_decode"):
+            rows = decode_rows(step.chunks, self.block_size)
+            # The sampling batch's copies go first: queued behind the replay, copies from pageable
+            # memory would make the host wait for the whole forward before sampling could start.
+            sb = make_sampling_batch(step.rows, vocab_size=self.vocab_size, device=self.device)
+            self.graphs.fill(*rows)
+        with record_function("replay"):
+            logits = self.graphs.replay(len(step.chunks))
+        with record_function("sample"):
+            return sample(logits, sb)
 
     def _graph_step(self, step: StepInput) -> bool:
         return (self.graphs is not None and len(step.chunks) == len(step.rows)
@@ -192,7 +196,8 @@ class ModelRunner:
             out, self.cache = self._run(self.cache, step)
         if out is None:
             return StepResult(token_ids=[])
-        token_ids = out.token_ids.tolist()
+        with record_function("read_tokens"):
+            token_ids = out.token_ids.tolist()
         if out.logprobs is None:
             return StepResult(token_ids=token_ids)
         lps, ranks = out.logprobs.tolist(), out.ranks.tolist()
