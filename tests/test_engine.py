@@ -149,8 +149,8 @@ def test_preemption_gives_identical_outputs(tiny_dir, device, prompts, reference
 def test_chunked_prefill_gives_identical_outputs(tiny_dir, device, prompts, reference):
     llm = make_llm(tiny_dir, device, max_num_batched_tokens=5)
     steps = []
-    execute = llm.engine.runner.execute
-    llm.engine.runner.execute = lambda step: steps.append(step) or execute(step)
+    launch = llm.engine.runner.launch
+    llm.engine.runner.launch = lambda step: steps.append(step) or launch(step)
     assert run(llm, prompts) == reference
     assert max(sum(len(c.token_ids) for c in s.chunks) for s in steps) <= 5
     # Some step decodes one sequence and prefills a chunk of another that is not done yet.
@@ -172,6 +172,39 @@ def test_triton_backend_gives_identical_outputs(tiny_dir, device, prompts, refer
     want = run(make_llm(tiny_dir, device), picked, params)
     assert run(llm, picked, params) == want
     assert llm.stats.prompt_tokens_cached == 16
+
+
+def test_async_scheduling_gives_identical_outputs(tiny_dir, device, prompts, reference):
+    """Scheduling a step before the previous one's tokens are read changes no output: a mixed
+    workload (stop tokens, n > 1, seeds, top-p, logprobs, penalties, a stop by max_model_len)
+    under preemption and chunked prefill, against synchronous steps."""
+    stop_tok = reference[1][3]
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[stop_tok]),
+              SamplingParams(temperature=1.0, seed=7, max_tokens=9, ignore_eos=True, n=2),
+              SamplingParams(temperature=0.8, top_p=0.8, seed=3, max_tokens=MAX_TOKENS, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=5, logprobs=2, ignore_eos=True),
+              SamplingParams(temperature=0.9, repetition_penalty=1.3, frequency_penalty=0.2, seed=1,
+                             max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=11, min_tokens=3, max_tokens=MAX_TOKENS)]
+
+    def outputs(**kw):
+        llm = make_llm(tiny_dir, device, num_kv_blocks=16, block_size=4, max_num_batched_tokens=12,
+                       max_model_len=48, **kw)
+        assert llm.engine.async_scheduling == kw["async_scheduling"]
+        outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
+        assert llm.engine.block_manager.num_free == llm.engine.num_blocks
+        return llm.stats, [[(c.token_ids, c.finish_reason, c.stop_reason,
+                             [{i: (round(l.logprob, 3), l.rank) for i, l in e.items()} for e in c.logprobs]
+                             if c.logprobs is not None else None) for c in o.outputs] for o in outs]
+
+    sync_stats, sync = outputs(async_scheduling=False)
+    async_stats, got = outputs(async_scheduling=True)
+    assert got == sync
+    assert sync[1][0][0][-1] == stop_tok and sync[1][0][1] == "stop"
+    assert sync[6][0][1] == "length" and len(prompts[6]) + len(sync[6][0][0]) == 48
+    assert async_stats.preemptions > 0 and async_stats.generation_tokens == sync_stats.generation_tokens
 
 
 def test_seeded_sampling_is_independent_of_batch_composition(tiny_dir, device, prompts):

@@ -5,7 +5,11 @@ per slot, the prefix whose K/V the slot holds. Each step it first writes every s
 slot, then checks that every chunk's context (the positions before it) reads back the right
 prefix, as a real forward step does. So preemption, chunking, prefix sharing (within a step too)
 and block reuse must all keep each sequence's context intact, and each finished sequence's
-tokens must equal the same mock model run on that prompt alone."""
+tokens must equal the same mock model run on that prompt alone.
+
+In asynchronous mode the machine drives the scheduler as the engine does with asynchronous
+scheduling: each step is scheduled and advanced before the previous step's tokens are resolved,
+and the mock forward reads a pending token's value from the previous step (as the device does)."""
 
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from minivllm.runtime.block_manager import BlockManager
 from minivllm.runtime.sampling_params import SamplingParams
 from minivllm.runtime.scheduler import Scheduler, stop_by_token
-from minivllm.runtime.sequence import Sequence, Status
+from minivllm.runtime.sequence import PENDING, Sequence, Status
 
 BS = 4
 VOCAB = 5
@@ -40,8 +44,9 @@ def reference(prompt, params: SamplingParams, max_model_len: int, eos: tuple) ->
 
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(4, 16), max_num_seqs=st.integers(1, 4),
-                max_tokens_per_step=st.integers(1, 12), caching=st.booleans())
-    def setup(self, num_blocks, max_num_seqs, max_tokens_per_step, caching):
+                max_tokens_per_step=st.integers(1, 12), caching=st.booleans(),
+                asynchronous=st.booleans())
+    def setup(self, num_blocks, max_num_seqs, max_tokens_per_step, caching, asynchronous):
         self.bm = BlockManager(num_blocks, BS, enable_prefix_caching=caching)
         self.max_model_len = 24
         self.sched = Scheduler(self.bm, max_num_seqs=max_num_seqs,
@@ -50,6 +55,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.slots: dict[tuple[int, int], tuple[int, ...]] = {}
         self.all: list[Sequence] = []
         self.steps = 0
+        self.asynchronous = asynchronous
+        self.in_flight = None  # (SchedulerOutput, sampled tokens) not yet resolved
 
     @rule(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=14),
           max_tokens=st.integers(1, 10), stop_eos=st.booleans(), n=st.integers(1, 2))
@@ -65,7 +72,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.all.append(seq)
             self.sched.add(seq)
 
-    @precondition(lambda self: self.sched.has_unfinished())
+    @precondition(lambda self: self.sched.has_unfinished() or self.in_flight)
     @rule()
     def step(self):
         self._step()
@@ -76,10 +83,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(self.sched.sequences))
         self.sched.finish(seq, "abort")
 
+    def _ids(self, seq) -> list[int]:
+        """seq's token ids with a pending one replaced by its value in the launched step."""
+        ids = list(seq.token_ids)
+        if seq.num_pending:
+            assert seq.num_pending == 1 and ids[-1] == PENDING
+            out, sampled = self.in_flight
+            ids[-1] = dict(zip((c.seq.seq_id for c in out.sampled), sampled))[seq.seq_id]
+        return ids
+
     def _step(self):
         out = self.sched.schedule()
         self.steps += 1
-        assert out.chunks, "nothing scheduled while requests wait"
+        assert out.chunks or self.in_flight, "nothing scheduled while requests wait"
         assert out.num_tokens <= self.sched.max_num_batched_tokens
         assert len(out.chunks) <= self.sched.max_num_seqs
         assert len({c.seq.seq_id for c in out.chunks}) == len(out.chunks)
@@ -87,15 +103,22 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert c.seq.status is Status.RUNNING
             assert len(c.seq.block_table) * BS >= c.start + c.num_tokens
         # The mock forward: write every new token's slot, then read every chunk's context.
+        ids = {c.seq.seq_id: self._ids(c.seq) for c in out.chunks}
         for c in out.chunks:
             for pos in range(c.start, c.start + c.num_tokens):
-                self.slots[(c.seq.block_table[pos // BS], pos % BS)] = tuple(c.seq.token_ids[:pos + 1])
+                self.slots[(c.seq.block_table[pos // BS], pos % BS)] = tuple(ids[c.seq.seq_id][:pos + 1])
         for c in out.chunks:
             for pos in range(c.start):
                 got = self.slots.get((c.seq.block_table[pos // BS], pos % BS))
-                assert got == tuple(c.seq.token_ids[:pos + 1]), f"{c.seq} reads a wrong prefix at {pos}"
-        sampled = [mock_next_token(c.seq.token_ids) for c in out.sampled]
-        self.sched.update(out, sampled)
+                assert got == tuple(ids[c.seq.seq_id][:pos + 1]), f"{c.seq} reads a wrong prefix at {pos}"
+        sampled = [mock_next_token(ids[c.seq.seq_id]) for c in out.sampled]
+        if not self.asynchronous:
+            self.sched.update(out, sampled)
+            return
+        self.sched.advance(out)
+        if self.in_flight is not None:
+            self.sched.resolve(*self.in_flight)
+        self.in_flight = (out, sampled) if out.chunks else None
 
     @invariant()
     def budgets_and_blocks(self):
@@ -110,7 +133,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not hasattr(self, "sched"):
             return
         limit = self.steps + 2000
-        while self.sched.has_unfinished():
+        while self.sched.has_unfinished() or self.in_flight:
             assert self.steps < limit, "requests never finish"
             self._step()
         self.bm.check([])

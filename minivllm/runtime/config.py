@@ -45,13 +45,14 @@ class EngineConfig:
     seed: int
     enable_prefix_caching: bool
     max_logprobs: int
+    async_scheduling: bool = True
 
     @classmethod
     def create(cls, model, *, dtype="auto", max_model_len=None, max_num_seqs=256,
                max_num_batched_tokens=None, block_size=16, gpu_memory_utilization=0.9,
                num_kv_blocks=None, enforce_eager=False, tensor_parallel_size=1,
                attention_backend=None, seed=0, enable_prefix_caching=True, max_logprobs=20,
-               device=None) -> "EngineConfig":
+               device=None, async_scheduling=True) -> "EngineConfig":
         model = os.fspath(model)
         if is_random_model(model):
             # "random:qwen3-0.6b": random weights at a real shape (benchmarks); no checkpoint.
@@ -96,4 +97,5 @@ class EngineConfig:
                    gpu_memory_utilization=float(gpu_memory_utilization), num_kv_blocks=num_kv_blocks,
                    enforce_eager=bool(enforce_eager), tensor_parallel_size=tensor_parallel_size,
                    attention_backend=attention_backend, seed=seed,
-                   enable_prefix_caching=bool(enable_prefix_caching), max_logprobs=max_logprobs)
+                   enable_prefix_caching=bool(enable_prefix_caching), max_logprobs=max_logprobs,
+                   async_scheduling=bool(async_scheduling))

@@ -13,15 +13,18 @@ from __future__ import annotations
 
 def detokenize_incrementally(tokenizer, ids: list[int], prefix_offset: int, read_offset: int, *,
                              skip_special_tokens: bool = True,
-                             spaces_between_special_tokens: bool = True) -> tuple[str, int, int]:
-    """-> (new text, new prefix_offset, new read_offset) after ids[read_offset:] were added."""
+                             spaces_between_special_tokens: bool = True,
+                             end: int | None = None) -> tuple[str, int, int]:
+    """-> (new text, new prefix_offset, new read_offset) after ids[read_offset:end] were added
+    (end: default all of ids; what follows it is not known yet)."""
+    end = len(ids) if end is None else end
     kwargs = dict(skip_special_tokens=skip_special_tokens)
     if not spaces_between_special_tokens:
         kwargs["spaces_between_special_tokens"] = False
     prefix_text = tokenizer.decode(ids[prefix_offset:read_offset], **kwargs)
-    text = tokenizer.decode(ids[prefix_offset:], **kwargs)
+    text = tokenizer.decode(ids[prefix_offset:end], **kwargs)
     if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
-        return text[len(prefix_text):], read_offset, len(ids)
+        return text[len(prefix_text):], read_offset, end
     return "", prefix_offset, read_offset
 
 

@@ -4,6 +4,14 @@ add_requests checks every request before any is queued (a bad one raises ValueEr
 the engine as it was); step() schedules, runs the model runner, records the sampled tokens,
 detokenizes incrementally and applies stop strings, and returns the outputs of the requests the
 step touched.
+
+With asynchronous scheduling (the default on one device), step() schedules and launches step N+1
+before it reads step N's tokens: the host's work for one step (scheduling, building the batch,
+detokenizing, stop checks) runs while the device computes the other, instead of the device
+waiting for it. A token still being sampled stands as PENDING in its sequence and is fed to the
+next step from the device (see Scheduler.advance / resolve). The outputs are the same as with
+synchronous steps; what changes is that a sequence an EOS or stop token ends computes one more
+token, which is dropped, and that step() returns a step's outputs one call later.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from .outputs import CompletionOutput, Logprob, RequestOutput
 from .runner import ModelRunner, StepInput, StepResult
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
-from .sequence import Sequence, Status
+from .sequence import PENDING, Sequence, Status
 
 log = logging.getLogger("minivllm")
 
@@ -97,6 +105,10 @@ class LLMEngine:
         self.rng = random.Random(config.seed)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
+        # Asynchronous scheduling needs a runner that can launch a step without waiting for it
+        # (a ModelRunner; the tensor-parallel executor runs steps synchronously).
+        self.async_scheduling = config.async_scheduling and hasattr(self.runner, "launch")
+        self.in_flight = None  # (SchedulerOutput, PendingStep) of the launched, unread step
         self._next_seq_id = 0
         self._next_request_id = 0
         capacity = self.num_blocks * config.block_size
@@ -201,6 +213,7 @@ class LLMEngine:
                 self.scheduler.finish(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
+        # A step still in flight then holds only finished sequences' extra tokens, to be dropped.
         return self.scheduler.has_unfinished()
 
     # -- one step --------------------------------------------------------------------------------
@@ -220,15 +233,28 @@ class LLMEngine:
             prompt_ids=seq.prompt_ids if p.repetition_penalty != 1 else (),
             banned_ids=banned, logprobs=p.logprobs)
 
-    def step_input(self, out: SchedulerOutput) -> StepInput:
+    def step_input(self, out: SchedulerOutput, prev: SchedulerOutput | None = None) -> StepInput:
+        """The runner's view of a scheduled step. prev: the launched step whose tokens are still
+        pending; a chunk ending in one of them has it fed back from the device."""
         chunks = [SeqChunk(c.token_ids, c.start, list(c.seq.block_table), c.want_logits)
                   for c in out.chunks]
         rows = [self._sampling_row(c.seq) for c in out.sampled]
-        return StepInput(chunks, rows)
+        fed_back = []
+        if prev is not None:
+            prev_row = {c.seq.seq_id: r for r, c in enumerate(prev.sampled)}
+            offset = 0
+            for c in out.chunks:
+                offset += c.num_tokens
+                if c.seq.num_pending and c.start + c.num_tokens == c.seq.num_tokens:
+                    fed_back.append((offset - 1, prev_row[c.seq.seq_id]))
+        return StepInput(chunks, rows, tuple(fed_back))
 
     def step(self, *, unfinished: bool = True) -> list[RequestOutput]:
         """Run one scheduled step; the outputs of the requests it touched (finished included;
-        with unfinished=False only the finished ones, which saves building the others)."""
+        with unfinished=False only the finished ones, which saves building the others). With
+        asynchronous scheduling these are the previous step's, read after this one is launched."""
+        if self.async_scheduling:
+            return self._step_async(unfinished)
         # The named ranges show up in a torch.profiler trace (minivllm bench --trace).
         with record_function("schedule"):
             out = self.scheduler.schedule()
@@ -242,6 +268,47 @@ class LLMEngine:
         result = self.runner.execute(step_input)
         with record_function("update"):
             seqs = self.scheduler.update(out, result.token_ids)
+        return self._finish_step(out, seqs, result, unfinished)
+
+    def _step_async(self, unfinished: bool) -> list[RequestOutput]:
+        prev = self.in_flight
+        if prev is not None and any(s.penalised for s in self.scheduler.running):
+            # Penalties count the generated ids on the host: read the pending ones first.
+            self.in_flight = None
+            return self._resolve(prev, unfinished)
+        with record_function("schedule"):
+            out = self.scheduler.schedule()
+        if not out.empty:
+            self._count(out)
+            with record_function("step_input"):
+                step_input = self.step_input(out, prev[0] if prev is not None else None)
+            pending = self.runner.launch(step_input)
+            self.scheduler.advance(out)
+            self.in_flight = (out, pending)
+        elif prev is None:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler could not schedule anything")
+            return []
+        else:
+            self.in_flight = None
+        return self._resolve(prev, unfinished) if prev is not None else []
+
+    def _resolve(self, launched, unfinished: bool) -> list[RequestOutput]:
+        out, pending = launched
+        result = pending.result()
+        with record_function("update"):
+            seqs = self.scheduler.resolve(out, result.token_ids)
+        if result.logprobs is not None and len(seqs) != len(result.logprobs):
+            keep = {s.seq_id for s in seqs}
+            result = StepResult(token_ids=[t for c, t in zip(out.sampled, result.token_ids)
+                                           if c.seq.seq_id in keep],
+                                logprobs=[lp for c, lp in zip(out.sampled, result.logprobs)
+                                          if c.seq.seq_id in keep])
+        return self._finish_step(out, seqs, result, unfinished)
+
+    def _finish_step(self, out: SchedulerOutput, seqs: list[Sequence], result: StepResult,
+                     unfinished: bool) -> list[RequestOutput]:
+        with record_function("postprocess"):
             self.stats.generation_tokens += len(seqs)
             self._postprocess(seqs, result)
         touched = dict.fromkeys(c.seq.request_id for c in out.chunks)
@@ -273,7 +340,7 @@ class LLMEngine:
     def _postprocess(self, seqs: list[Sequence], result: StepResult) -> None:
         for k, seq in enumerate(seqs):
             p = seq.params
-            tok = seq.token_ids[-1]
+            tok = seq.token_ids[seq.num_known - 1]
             if result.logprobs is not None and seq.logprobs is not None:
                 lp = result.logprobs[k]
                 seq.cumulative_logprob += lp.logprob
@@ -286,9 +353,9 @@ class LLMEngine:
             new_text, seq.prefix_offset, seq.read_offset = detokenize_incrementally(
                 self.tokenizer, seq.token_ids, seq.prefix_offset, seq.read_offset,
                 skip_special_tokens=p.skip_special_tokens,
-                spaces_between_special_tokens=p.spaces_between_special_tokens)
+                spaces_between_special_tokens=p.spaces_between_special_tokens, end=seq.num_known)
             seq.text += new_text
-            if not p.stop_strings or not new_text or seq.num_output < p.min_tokens:
+            if not p.stop_strings or not new_text or seq.num_known - seq.prompt_len < p.min_tokens:
                 continue
             hit = find_stop_string(seq.text, len(new_text), p.stop_strings)
             if hit is None:

@@ -79,11 +79,16 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, m, dtype=torch.int32, device=dev)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
-        # Host staging, pinned so that the copies to the device do not block the host.
+        # Host staging, pinned so that the copies to the device do not block the host. Two sets,
+        # used in turn: with asynchronous scheduling the host fills step N+1 while step N's
+        # copies may still be queued; an event per set says when its copies are done.
         pin = dev.type == "cuda"
-        self.host_i64 = torch.zeros(3, n, dtype=torch.int64, pin_memory=pin)  # ids, positions, slots
-        self.host_ctx = torch.ones(n, dtype=torch.int32, pin_memory=pin)
-        self.host_tables = torch.zeros(n, m, dtype=torch.int32, pin_memory=pin)
+        self.staging = [(torch.zeros(3, n, dtype=torch.int64, pin_memory=pin),  # ids, positions, slots
+                         torch.ones(n, dtype=torch.int32, pin_memory=pin),  # context lengths
+                         torch.zeros(n, m, dtype=torch.int32, pin_memory=pin))  # block tables
+                        for _ in range(2)]
+        self.staged = [None, None]  # the event after each set's last copies
+        self.turn = 0
         self.fn = compiled_forward() if compile_forward else forward
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -130,14 +135,18 @@ class DecodeGraphs:
         the bucket size. Host work is a few numpy calls, whatever B (no per-row tensor ops)."""
         b = len(input_ids)
         bs = self.bucket(b)
-        hi = self.host_i64.numpy()
+        self.turn ^= 1
+        host_i64, host_ctx, host_tables = self.staging[self.turn]
+        if self.staged[self.turn] is not None:
+            self.staged[self.turn].synchronize()
+        hi = host_i64.numpy()
         hi[0, :b], hi[1, :b], hi[2, :b] = input_ids, positions, slots
         hi[:2, b:bs] = 0
         hi[2, b:bs] = -1
-        ctx = self.host_ctx.numpy()
+        ctx = host_ctx.numpy()
         ctx[:b] = context_lens
         ctx[b:bs] = 1
-        tables = self.host_tables.numpy()
+        tables = host_tables.numpy()
         tables[:bs] = 0
         lengths = np.fromiter(map(len, block_tables), dtype=np.int64, count=b)
         flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32,
@@ -145,11 +154,14 @@ class DecodeGraphs:
         rows = np.repeat(np.arange(b), lengths)
         cols = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         tables[rows, cols] = flat
-        self.input_ids[:bs].copy_(self.host_i64[0, :bs], non_blocking=True)
-        self.positions[:bs].copy_(self.host_i64[1, :bs], non_blocking=True)
-        self.slot_mapping[:bs].copy_(self.host_i64[2, :bs], non_blocking=True)
-        self.context_lens[:bs].copy_(self.host_ctx[:bs], non_blocking=True)
-        self.block_tables[:bs].copy_(self.host_tables[:bs], non_blocking=True)
+        self.input_ids[:bs].copy_(host_i64[0, :bs], non_blocking=True)
+        self.positions[:bs].copy_(host_i64[1, :bs], non_blocking=True)
+        self.slot_mapping[:bs].copy_(host_i64[2, :bs], non_blocking=True)
+        self.context_lens[:bs].copy_(host_ctx[:bs], non_blocking=True)
+        self.block_tables[:bs].copy_(host_tables[:bs], non_blocking=True)
+        if self.device.type == "cuda":
+            self.staged[self.turn] = torch.cuda.Event()
+            self.staged[self.turn].record()
         return bs
 
     def replay(self, b: int) -> torch.Tensor:

@@ -53,7 +53,8 @@ class LLM:
     tensor_parallel_size: split the model over this many processes (GPUs on CUDA, NCCL; gloo on
     CPU): the LLM spawns the other ranks on this host, or, under torchrun, rank 0 runs the engine
     and the other ranks serve it inside LLM(...) and then exit. Call shutdown() (or use the LLM
-    as a context manager) to stop them early; they also stop at exit.
+    as a context manager) to stop them early; they also stop at exit. async_scheduling:
+    schedule each step while the previous one runs (tensor_parallel_size 1; same outputs).
     """
 
     def __init__(self, model, *, tokenizer=None, dtype="auto", max_model_len: int | None = None,
@@ -62,14 +63,15 @@ class LLM:
                  num_kv_blocks: int | None = None, enforce_eager: bool = False,
                  tensor_parallel_size: int = 1, attention_backend: str | None = None, seed: int = 0,
                  enable_prefix_caching: bool = True, max_logprobs: int = 20, device=None,
-                 skip_tokenizer_init: bool = False):
+                 skip_tokenizer_init: bool = False, async_scheduling: bool = True):
         self.config = EngineConfig.create(
             model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             gpu_memory_utilization=gpu_memory_utilization, num_kv_blocks=num_kv_blocks,
             enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
             attention_backend=attention_backend, seed=seed,
-            enable_prefix_caching=enable_prefix_caching, max_logprobs=max_logprobs, device=device)
+            enable_prefix_caching=enable_prefix_caching, max_logprobs=max_logprobs, device=device,
+            async_scheduling=async_scheduling)
         # First, so that under torchrun ranks > 0, which serve rank 0 in here and then exit,
         # never load a tokenizer.
         runner = make_executor(self.config)

@@ -18,7 +18,7 @@ import torch
 from torch.profiler import record_function
 
 from ..functional.model import forward
-from ..functional.sampling import SamplingRow, make_sampling_batch, sample
+from ..functional.sampling import SampleOutput, SamplingRow, make_sampling_batch, sample
 from ..kernels import select_backend
 from ..state.batch import SeqChunk, decode_rows, make_batch
 from ..state.cache import init_cache
@@ -37,10 +37,16 @@ GiB = 1 << 30
 @dataclass(frozen=True)
 class StepInput:
     """One forward step: the sequences' chunks (in batch order) and, for each chunk that wants
-    logits (in the same order), its sampling row."""
+    logits (in the same order), its sampling row.
+
+    fed_back: (i, r) pairs for tokens that the previous step is still sampling (asynchronous
+    scheduling): input token i of this step (its index in the chunks' concatenated token_ids,
+    where it stands as a placeholder) is row r of the previous step's sampled tokens, taken from
+    the device."""
 
     chunks: list[SeqChunk]
     rows: list[SamplingRow]
+    fed_back: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,44 @@ class TokenLogprobs:
 class StepResult:
     token_ids: list[int]  # one per sampling row
     logprobs: list[TokenLogprobs] | None = None  # per row, when any row asked for logprobs
+
+
+class PendingStep:
+    """A launched step: its sampled tokens (and logprobs) are on their way to the host, in pinned
+    memory, behind an event; result() waits for them. On CPU everything is already there."""
+
+    def __init__(self, rows: list[SamplingRow], out: SampleOutput | None, device: torch.device):
+        self.rows = rows
+        self.event = None
+        self.host = None
+        if out is None:
+            return
+        tensors = [out.token_ids] + ([] if out.logprobs is None else
+                                     [out.logprobs, out.ranks, out.top_ids, out.top_logprobs])
+        if device.type == "cuda":
+            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for h, t in zip(self.host, tensors):
+                h.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tensors
+
+    def result(self) -> StepResult:
+        if self.host is None:
+            return StepResult(token_ids=[])
+        with record_function("read_tokens"):
+            if self.event is not None:
+                self.event.synchronize()
+            token_ids = self.host[0].tolist()
+        if len(self.host) == 1:
+            return StepResult(token_ids=token_ids)
+        lps, ranks, top_ids, top_lps = (t.tolist() for t in self.host[1:])
+        logprobs = []
+        for row, lp, rank, ids, tops in zip(self.rows, lps, ranks, top_ids, top_lps):
+            n = row.logprobs or 0
+            logprobs.append(TokenLogprobs(lp, rank, ids[:n], tops[:n]))
+        return StepResult(token_ids=token_ids, logprobs=logprobs)
 
 
 def kv_block_bytes(params: Params, block_size: int, dtype: torch.dtype) -> int:
@@ -96,6 +140,7 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()
         self.cache = init_cache(self.params, num_blocks=self.num_blocks, block_size=self.block_size)
         self.graphs = None
+        self.last_tokens = None  # [rows] the last launched step's sampled ids, on the device
         if self.device.type == "cuda" and not self.enforce_eager:
             self.graphs = DecodeGraphs(
                 self.params, self.cache, self.backend, max_num_seqs=config.max_num_seqs,
@@ -160,10 +205,24 @@ class ModelRunner:
 
     # -- one step --------------------------------------------------------------------------------
 
+    def _feed_back(self, input_ids: torch.Tensor, step: StepInput) -> None:
+        """Write the previous step's sampled tokens into this step's input ids (device to device,
+        in stream order: no wait for the previous step)."""
+        if not step.fed_back:
+            return
+        if self.last_tokens is None:
+            raise ValueError("a step feeds back tokens but no step was launched before it")
+        pairs = torch.tensor(step.fed_back, dtype=torch.int64).T  # [2, n]: (input index, row)
+        if self.device.type == "cuda":
+            pairs = pairs.pin_memory()
+        pairs = pairs.to(self.device, non_blocking=True)
+        input_ids[pairs[0]] = self.last_tokens[pairs[1]]
+
     def _run(self, cache, step: StepInput):
         batch = make_batch(step.chunks, block_size=self.block_size, device=self.device)
         # Built before the forward is queued, for the same reason as in _run_decode_graph.
         sb = make_sampling_batch(step.rows, vocab_size=self.vocab_size, device=self.device) if step.rows else None
+        self._feed_back(batch.input_ids, step)
         with torch.no_grad():
             logits, cache = forward(self.params, cache, batch, self.backend)
             out = sample(logits, sb) if sb is not None else None
@@ -177,6 +236,7 @@ class ModelRunner:
             # memory would make the host wait for the whole forward before sampling could start.
             sb = make_sampling_batch(step.rows, vocab_size=self.vocab_size, device=self.device)
             self.graphs.fill(*rows)
+            self._feed_back(self.graphs.input_ids, step)
         with record_function("replay"):
             logits = self.graphs.replay(len(step.chunks))
         with record_function("sample"):
@@ -187,23 +247,16 @@ class ModelRunner:
                 and self.graphs.bucket(len(step.chunks)) is not None
                 and all(len(c.token_ids) == 1 and c.want_logits for c in step.chunks))
 
-    def execute(self, step: StepInput) -> StepResult:
-        """Compute the step's tokens into the cache and sample one token per row."""
+    def launch(self, step: StepInput) -> PendingStep:
+        """Queue the step's forward and sampling on the device and return without waiting."""
         if self._graph_step(step):
             with torch.no_grad():
                 out = self._run_decode_graph(step)
         else:
             out, self.cache = self._run(self.cache, step)
-        if out is None:
-            return StepResult(token_ids=[])
-        with record_function("read_tokens"):
-            token_ids = out.token_ids.tolist()
-        if out.logprobs is None:
-            return StepResult(token_ids=token_ids)
-        lps, ranks = out.logprobs.tolist(), out.ranks.tolist()
-        top_ids, top_lps = out.top_ids.tolist(), out.top_logprobs.tolist()
-        logprobs = []
-        for row, lp, rank, ids, tops in zip(step.rows, lps, ranks, top_ids, top_lps):
-            n = row.logprobs or 0
-            logprobs.append(TokenLogprobs(lp, rank, ids[:n], tops[:n]))
-        return StepResult(token_ids=token_ids, logprobs=logprobs)
+        self.last_tokens = out.token_ids if out is not None else None
+        return PendingStep(step.rows, out, self.device)
+
+    def execute(self, step: StepInput) -> StepResult:
+        """Compute the step's tokens into the cache and sample one token per row."""
+        return self.launch(step).result()

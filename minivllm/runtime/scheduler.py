@@ -12,6 +12,15 @@ When a sequence's table cannot grow, the newest running sequence not yet schedul
 preempted by recompute: its blocks are freed and it waits again at the front of the queue, with
 its generated tokens kept, to be prefilled again (through the prefix cache when its blocks
 survive). The scheduler needs no tensors: a mock model can drive it.
+
+A step is recorded either at once (`update(out, tokens)`), or in two halves for asynchronous
+scheduling: `advance(out)` right after the step is launched, which marks its tokens computed and
+appends a PENDING token to each sampled sequence, so that the next step can be scheduled while
+this one runs; then `resolve(out, tokens)` once its tokens are known. The next step feeds a
+pending token to the model from the device; the host never needs it to schedule. A sequence
+whose pending token is certain to end it (max_tokens, max_model_len) is not scheduled again; one
+that an EOS or stop token ends may run one step too many, whose token is dropped. Blocks are
+offered to the prefix cache only once every token in them is known.
 """
 
 from __future__ import annotations
@@ -20,21 +29,18 @@ import bisect
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
-from .sequence import Sequence, Status
+from .sequence import PENDING, Sequence, Status
 
 
 @dataclass(frozen=True)
 class ScheduledChunk:
     """seq computes token_ids[start : start + num_tokens] this step; `want_logits` when that
-    reaches its last token (then the step samples its next one)."""
+    reaches its last token (then the step samples its next one), fixed when scheduled."""
 
     seq: Sequence
     start: int
     num_tokens: int
-
-    @property
-    def want_logits(self) -> bool:
-        return self.start + self.num_tokens == self.seq.num_tokens
+    want_logits: bool
 
     @property
     def token_ids(self) -> list[int]:
@@ -60,18 +66,30 @@ class SchedulerOutput:
         return not self.chunks
 
 
-def stop_by_token(seq: Sequence, max_model_len: int) -> tuple[str, int | None] | None:
-    """(finish_reason, stop_reason) when seq's last token ends it, else None: EOS (unless
-    ignore_eos) or a stop id, once min_tokens are out; max_tokens; max_model_len."""
-    p, tok, n = seq.params, seq.token_ids[-1], seq.num_output
+def stop_by_token(seq: Sequence, max_model_len: int, at: int | None = None
+                  ) -> tuple[str, int | None] | None:
+    """(finish_reason, stop_reason) when seq's token at index `at` (default its last) ends it,
+    else None: EOS (unless ignore_eos) or a stop id, once min_tokens are out; max_tokens;
+    max_model_len."""
+    at = seq.num_tokens - 1 if at is None else at
+    p, tok, n = seq.params, seq.token_ids[at], at + 1 - seq.prompt_len
     if n >= p.min_tokens:
         if not p.ignore_eos and tok in seq.eos_ids:
             return "stop", None
         if tok in p.stop_ids:
             return "stop", tok
-    if p.max_tokens is not None and n >= p.max_tokens:
+    return stop_by_count(seq, max_model_len, at + 1)
+
+
+def stop_by_count(seq: Sequence, max_model_len: int, num_tokens: int | None = None
+                  ) -> tuple[str, None] | None:
+    """("length", None) when a sequence of `num_tokens` tokens (default all it has, pending
+    included) has reached max_tokens or max_model_len: known without the tokens' values."""
+    num_tokens = seq.num_tokens if num_tokens is None else num_tokens
+    p = seq.params
+    if p.max_tokens is not None and num_tokens - seq.prompt_len >= p.max_tokens:
         return "length", None
-    if seq.num_tokens >= max_model_len:
+    if num_tokens >= max_model_len:
         return "length", None
     return None
 
@@ -112,6 +130,9 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self.bm.free_blocks(seq)
+        if seq.num_pending:  # tokens a running step samples for a sequence that has ended
+            del seq.token_ids[-seq.num_pending:]
+            seq.num_pending = 0
         seq.status = Status.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
 
@@ -136,6 +157,8 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
+            if seq.num_pending and stop_by_count(seq, self.max_model_len):
+                continue  # its pending token is its last
             n = min(seq.num_uncomputed, budget)
             while not self.bm.can_allocate(seq, seq.num_computed + n):
                 victim = max((s for s in self.running if s.seq_id not in scheduled),
@@ -172,22 +195,44 @@ class Scheduler:
 
     def _schedule(self, out: SchedulerOutput, seq: Sequence, start: int, n: int) -> None:
         self.bm.allocate(seq, start + n)
-        self.bm.register_full_blocks(seq, start + n)
-        out.chunks.append(ScheduledChunk(seq, start, n))
+        # A block's hash covers its ids: a block holding a pending token waits for a later step.
+        self.bm.register_full_blocks(seq, min(start + n, seq.num_tokens - seq.num_pending))
+        out.chunks.append(ScheduledChunk(seq, start, n, start + n == seq.num_tokens))
 
-    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
-        """Record a finished step: the chunks' tokens are now computed, and each sampled chunk's
-        sequence gets its token (`sampled` in the order of out.sampled). Sequences that a token
-        ends are finished and their blocks freed. Returns the sequences that got a token."""
+    def advance(self, out: SchedulerOutput) -> None:
+        """The first half of recording a launched step: its tokens are computed, and each sampled
+        sequence holds a PENDING token until resolve()."""
+        for chunk in out.chunks:
+            chunk.seq.num_computed = chunk.start + chunk.num_tokens
+        for chunk in out.sampled:
+            chunk.seq.token_ids.append(PENDING)
+            chunk.seq.num_pending += 1
+
+    def resolve(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
+        """The second half: each sampled sequence's oldest pending token becomes `sampled`'s (in
+        the order of out.sampled), and sequences it ends are finished. Sequences that ended
+        meanwhile (a stop string, an abort) are skipped. Returns the sequences that got a token."""
         chunks = out.sampled
         if len(sampled) != len(chunks):
             raise ValueError(f"{len(sampled)} sampled tokens for {len(chunks)} sampled sequences")
-        for chunk in out.chunks:
-            chunk.seq.num_computed = chunk.start + chunk.num_tokens
+        got = []
         for chunk, tok in zip(chunks, sampled):
             seq = chunk.seq
-            seq.token_ids.append(int(tok))
-            stop = stop_by_token(seq, self.max_model_len)
+            if seq.finished:
+                continue
+            at = seq.num_tokens - seq.num_pending
+            seq.token_ids[at] = int(tok)
+            seq.num_pending -= 1
+            got.append(seq)
+            stop = stop_by_token(seq, self.max_model_len, at)
             if stop is not None:
                 self.finish(seq, *stop)
-        return [c.seq for c in chunks]
+        return got
+
+    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
+        """Record a finished step at once: advance() then resolve(). Returns the sequences that
+        got a token."""
+        if len(sampled) != len(out.sampled):
+            raise ValueError(f"{len(sampled)} sampled tokens for {len(out.sampled)} sampled sequences")
+        self.advance(out)
+        return self.resolve(out, sampled)

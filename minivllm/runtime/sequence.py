@@ -14,6 +14,11 @@ import enum
 from .sampling_params import SamplingParams
 
 
+# Stands in token_ids for a token that a launched step is still sampling (asynchronous scheduling:
+# the next step is scheduled before the previous one's tokens reach the host). Never a real id.
+PENDING = -1
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -33,6 +38,11 @@ class Sequence:
         self.prompt_len = len(prompt_ids)
         self.token_ids: list[int] = list(prompt_ids)
         self.num_computed = 0
+        self.num_pending = 0  # trailing PENDING entries of token_ids (tokens still being sampled)
+        # Penalties read the generated ids themselves, so a penalised sequence never runs with a
+        # pending token (the engine resolves the previous step before scheduling it).
+        self.penalised = (params.presence_penalty != 0 or params.frequency_penalty != 0
+                          or params.repetition_penalty != 1)
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chain hash of each full block of token_ids, as far as known
         self.num_registered_blocks = 0  # leading blocks of block_table already offered to the prefix cache
@@ -54,11 +64,19 @@ class Sequence:
 
     @property
     def num_output(self) -> int:
+        """Tokens generated, pending ones included (what the sampler's counter and the length
+        limits count)."""
         return len(self.token_ids) - self.prompt_len
 
     @property
+    def num_known(self) -> int:
+        """Tokens whose ids are known: all but the pending ones."""
+        return len(self.token_ids) - self.num_pending
+
+    @property
     def output_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len:]
+        """The generated ids known so far."""
+        return self.token_ids[self.prompt_len:self.num_known]
 
     @property
     def prompt_ids(self) -> list[int]:
