@@ -153,6 +153,8 @@ def add_bench_args(p) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--sync-scheduling", action="store_true",
+                   help="read each step's tokens before scheduling the next (no overlap)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--device", default=None)
     p.add_argument("--trace", default=None,
@@ -171,7 +173,8 @@ def main(args) -> dict:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
               attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-              tensor_parallel_size=args.tensor_parallel_size, device=args.device)
+              tensor_parallel_size=args.tensor_parallel_size, device=args.device,
+              async_scheduling=not args.sync_scheduling)
     device = llm.config.device
     startup_s = time.perf_counter() - start
     print(f"engine started in {startup_s:.1f} s", flush=True)
@@ -189,7 +192,7 @@ def main(args) -> dict:
                   device=_device_name(device), tensor_parallel_size=args.tensor_parallel_size,
                   backend=_backend_name(llm), dtype=str(llm.config.dtype),
                   cuda_graphs=getattr(llm.engine.runner, "graphs", None) is not None,
-                  startup_s=startup_s,
+                  startup_s=startup_s, async_scheduling=llm.engine.async_scheduling,
                   date=datetime.date.today().isoformat())
     line = (f"{result['workload']}: {result['output_tokens']} output tokens in "
             f"{result['seconds']:.2f} s = {result['output_tok_per_s']:.0f} tok/s")

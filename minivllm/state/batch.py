@@ -103,8 +103,13 @@ def make_batch(chunks: Sequence[SeqChunk], *, block_size: int, device=None,
         elif chunk.want_logits:
             logit_rows.append(cu[-1] - 1)
 
+    # Pinned and non-blocking on CUDA: a copy from pageable memory would make the host wait for
+    # the work already queued, which asynchronous scheduling relies on the host not doing.
+    pin = device is not None and torch.device(device).type == "cuda"
+
     def t(x, dtype):
-        return torch.tensor(x, dtype=dtype).to(device)
+        host = x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=dtype)
+        return host.pin_memory().to(device, non_blocking=True) if pin else host.to(device)
 
     return Batch(
         input_ids=t(ids, torch.int64),
@@ -112,6 +117,6 @@ def make_batch(chunks: Sequence[SeqChunk], *, block_size: int, device=None,
         slot_mapping=t(slots, torch.int64),
         cu_seqlens_q=t(cu, torch.int32),
         context_lens=t(ctx, torch.int32),
-        block_tables=tables.to(device),
+        block_tables=t(tables, torch.int32),
         logits_indices=t(logit_rows, torch.int64),
     )
