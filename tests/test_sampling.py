@@ -1,6 +1,7 @@
 """The batched sampler (minivllm.functional.sampling) against independent references: target
-distributions written out by hand and checked with a chi-square test, penalties computed row by
-row, logprobs from log_softmax, and per-row seeds that do not depend on the batch."""
+distributions written out by hand and checked with a chi-square test (on both paths, Gumbel-max
+and inverse CDF), penalties computed row by row, logprobs from log_softmax, and per-row seeds that
+do not depend on the batch."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import math
 import pytest
 import torch
 
-from minivllm.functional.sampling import (SamplingRow, make_sampling_batch, sample,
+from minivllm.functional import sampling
+from minivllm.functional.sampling import (SamplingRow, gumbel_argmax_reference, gumbel_from_bits,
+                                          make_sampling_batch, sample, sample_from_probs,
                                           uniform_from_counter)
 
 V = 6
@@ -57,11 +60,12 @@ def expected(logits: list[float], *, temperature=1.0, top_k=0, top_p=1.0, min_p=
     return [v / s for v in q]
 
 
-def draw(n: int, logits=LOGITS, **kw) -> list[int]:
-    """n draws: n rows of the same logits with seeds 0..n-1 (one draw per seed)."""
+def draw(n: int, logits=LOGITS, gumbel=True, **kw) -> list[int]:
+    """n draws: n rows of the same logits with seeds 0..n-1 (one draw per seed). gumbel=False
+    samples plain-temperature rows by inverse CDF too."""
     rows = [SamplingRow(seed=s, step=0, **kw) for s in range(n)]
     sb = make_sampling_batch(rows, vocab_size=logits.shape[-1])
-    ids = sample(logits.expand(n, -1).clone(), sb).token_ids
+    ids = sample(logits.expand(n, -1).clone(), sb, gumbel=gumbel).token_ids
     return torch.bincount(ids, minlength=logits.shape[-1]).tolist()
 
 
@@ -75,19 +79,34 @@ CASES = [
 ]
 
 
+# Plain-temperature rows take the Gumbel-max path by default and the inverse CDF with
+# gumbel=False; truncated rows always take the inverse CDF.
+PATHS = {"gumbel": True, "inverse_cdf": False}
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("kw", CASES, ids=[str(c) for c in CASES])
-def test_sampled_frequencies_match_target_distribution(kw):
-    counts = draw(20000, **kw)
+def test_sampled_frequencies_match_target_distribution(kw, path):
+    counts = draw(20000, gumbel=PATHS[path], **kw)
     target = expected(LOGITS.tolist(), **kw)
     assert chi_square_pvalue(counts, target) > 1e-3, (counts, target)
 
 
-def test_chi_square_test_has_power():
+@pytest.mark.parametrize("path", PATHS)
+def test_chi_square_test_has_power(path):
     # The same draws tested against a slightly wrong target must be rejected, or the test above
     # could not fail.
-    counts = draw(20000, temperature=1.0)
+    counts = draw(20000, temperature=1.0, gumbel=PATHS[path])
     wrong = expected(LOGITS.tolist(), temperature=1.1)
     assert chi_square_pvalue(counts, wrong) < 1e-6
+
+
+def test_gumbel_frequencies_on_a_flat_vocabulary():
+    # Many equal logits, where noise that ties (too few bits) would favour the lowest ids.
+    logits = torch.zeros(64)
+    logits[:8] = 1.0
+    counts = draw(40000, logits=logits, temperature=0.8)
+    assert chi_square_pvalue(counts, expected(logits.tolist(), temperature=0.8)) > 1e-3, counts
 
 
 def test_uniforms_are_uniform_and_counter_based():
@@ -211,3 +230,100 @@ def test_two_level_inverse_cdf_equals_the_full_cdf(vocab, chunk):
     assert torch.all(probs.gather(1, got[:, None]) > 0)
     assert (got == expected).float().mean() >= 62 / 64  # the extremes may round differently
     assert torch.equal(got[2:], expected[2:])
+
+
+def test_gumbel_noise_is_standard_gumbel_with_32_bit_resolution_where_it_wins():
+    bits = sampling.counter_bits(sampling.counter_key(torch.arange(20, dtype=torch.int64),
+                                                      torch.zeros(20, dtype=torch.int64)), 50000)
+    g = gumbel_from_bits(bits).double()
+    assert g.dtype == torch.float64 and bool(torch.isfinite(g).all())
+    assert abs(g.mean().item() - 0.5772156649) < 0.01  # Euler's constant
+    assert abs(g.var().item() - math.pi ** 2 / 6) < 0.03
+    # The largest noise (smallest hashes) wins the arg-max: there every hash gives its own value,
+    # strictly ordered, where a 24-bit uniform would lump the lowest 256 hashes together.
+    small = gumbel_from_bits(torch.arange(1 << 16, dtype=torch.int64))
+    assert bool((small[1:] < small[:-1]).all())
+    # Monotone across the whole range and the switch from the series to the log, finite at the ends.
+    sweep = gumbel_from_bits(torch.linspace(0, 2**32 - 1, 100001, dtype=torch.float64).long())
+    assert bool((sweep[1:] <= sweep[:-1]).all()) and bool(torch.isfinite(sweep).all())
+    edge = gumbel_from_bits(torch.tensor([2**28 - 1, 2**28, 2**32 - 1], dtype=torch.int64))
+    assert abs(edge[0] - edge[1]).item() < 1e-5 and math.isfinite(edge[2].item())
+
+
+def test_plain_rows_take_the_gumbel_path_and_gumbel_false_the_inverse_cdf():
+    torch.manual_seed(6)
+    logits = torch.randn(64, 100) * 2
+    rows = [SamplingRow(temperature=0.6, seed=i, step=i % 5) for i in range(64)]
+    sb = make_sampling_batch(rows, vocab_size=100)
+    t, seeds, steps = sb.temperature, sb.seeds, sb.steps
+    gumbel = gumbel_argmax_reference(logits, t, seeds, steps)
+    assert sample(logits, sb).token_ids.tolist() == gumbel.tolist()
+    old = sample_from_probs(torch.softmax(logits / 0.6, -1), uniform_from_counter(seeds, steps))
+    assert sample(logits, sb, gumbel=False).token_ids.tolist() == old.tolist()
+
+
+PLAIN = SamplingRow(temperature=0.6, seed=1234, step=17)
+OTHERS = [SamplingRow(temperature=0.0),
+          SamplingRow(temperature=0.9, top_p=0.7, seed=5, step=2),
+          SamplingRow(temperature=1.0, top_k=3, min_p=0.1, seed=6),
+          SamplingRow(temperature=0.6, seed=1234, step=18),
+          SamplingRow(temperature=1.5, presence_penalty=1.0, output_ids=(3, 4), seed=2)]
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["reference", "kernel"])
+def test_a_plain_row_gets_its_token_whatever_the_batch(kernel):
+    """The same seeded plain-temperature row, alone, with greedy rows, with top-p / top-k rows
+    (a batch that takes both paths), with penalised rows, in any position."""
+    vocab = 300
+    row_logits = torch.randn(vocab, generator=torch.Generator().manual_seed(8)) * 2
+    other_logits = torch.randn(len(OTHERS), vocab, generator=torch.Generator().manual_seed(9))
+    batches = [[], [0], [1], [0, 1], [2, 1, 0], [3, 4], list(range(len(OTHERS)))]
+    tokens = set()
+    for i, others in enumerate(batches):
+        at = i % (len(others) + 1)
+        rows = [OTHERS[k] for k in others]
+        logits = [other_logits[k] for k in others]
+        rows.insert(at, PLAIN)
+        logits.insert(at, row_logits)
+        sb = make_sampling_batch(rows, vocab_size=vocab)
+        tokens.add(sample(torch.stack(logits), sb, kernel=kernel).token_ids[at].item())
+    assert len(tokens) == 1, tokens
+
+
+def test_static_flags_route_the_paths(monkeypatch):
+    vocab = 50
+    logits = torch.randn(3, vocab)
+    plain = [SamplingRow(temperature=0.7, seed=1), SamplingRow(temperature=0.0, top_k=5),
+             SamplingRow(temperature=1.0, presence_penalty=0.5, output_ids=(1,))]
+    truncated = [SamplingRow(temperature=0.7, top_p=0.9), SamplingRow(temperature=0.0, top_k=5),
+                 SamplingRow(temperature=1.0, min_p=0.1)]
+    sb = make_sampling_batch(plain, vocab_size=vocab)
+    assert not sb.any_truncated and not sb.all_truncated  # a greedy row's top-k does not count
+    sbt = make_sampling_batch(truncated, vocab_size=vocab)
+    assert sbt.any_truncated and not sbt.all_truncated
+    assert make_sampling_batch(truncated[:1], vocab_size=vocab).all_truncated
+
+    def boom(*a, **k):
+        raise AssertionError("this path should not run")
+
+    # The common batch never sorts nor builds a CDF...
+    with monkeypatch.context() as m:
+        m.setattr(sampling, "truncated_probs", boom)
+        m.setattr(sampling, "sample_from_probs", boom)
+        sample(logits, sb)
+    # ... and a batch of truncated rows only (greedy aside) takes no Gumbel pass.
+    with monkeypatch.context() as m:
+        m.setattr(sampling, "_gumbel_pass", boom)
+        sample(logits[:1], make_sampling_batch(truncated[:1], vocab_size=vocab))
+        sample(logits, make_sampling_batch(plain, vocab_size=vocab), gumbel=False)
+
+
+def test_half_precision_logits_sample_as_their_fp32_values():
+    logits = (torch.randn(4, 64, generator=torch.Generator().manual_seed(10)) * 3).bfloat16()
+    rows = [SamplingRow(temperature=0.6, seed=1), SamplingRow(temperature=0.0),
+            SamplingRow(temperature=1.0, top_p=0.9, seed=2),
+            SamplingRow(temperature=0.8, seed=3, logprobs=2)]
+    sb = make_sampling_batch(rows, vocab_size=64)
+    half, full = sample(logits, sb), sample(logits.float(), sb)
+    assert half.token_ids.tolist() == full.token_ids.tolist()
+    torch.testing.assert_close(half.top_logprobs, full.top_logprobs)

@@ -4,13 +4,23 @@
 parameters (a `SamplingBatch` of [B] tensors): penalties, greedy or temperature, top-k, top-p,
 min-p, and the top-N logprobs. There is no per-row Python loop.
 
-Randomness is counter based: row b's uniform is a hash of (seeds[b], steps[b]), where `steps` is
-how many tokens that sequence has generated so far, and the token is read off the row's CDF at
-that uniform (inverse-CDF sampling). A row's token therefore depends only on its own logits, its
-own parameters, its seed and its step, never on which other rows share the batch: a seeded
-request gives the same output whatever it is batched with, and a sequence recomputed after
-preemption continues the same random stream. The CDF is accumulated in float64 so that rounding
-does not depend on the batch either.
+Randomness is counter based: a row's draws are hashes of (seeds[b], steps[b]), where `steps` is
+how many tokens that sequence has generated so far. A row's token therefore depends only on its
+own logits, its own parameters, its seed and its step, never on which other rows share the batch:
+a seeded request gives the same output whatever it is batched with, and a sequence recomputed
+after preemption continues the same random stream. Two paths, chosen per row:
+
+- Gumbel-max, for rows that sample with temperature alone (the common case) and for greedy rows:
+  token = argmax_v (logits[v] + T * g_v), g_v Gumbel noise hashed from (seed, step, v); T = 0
+  turns the noise off, an exact arg-max. That is one pass over the logits and no sort, softmax
+  or CDF: on CUDA one Triton kernel (minivllm.kernels.sample_kernel) reads the logits once, in
+  their dtype; elsewhere `gumbel_argmax_reference` does the same math in torch.
+- Inverse CDF, for rows with top-k, top-p or min-p, which need the sorted, truncated
+  distribution anyway: the token is read off the row's CDF (accumulated in float64, so that
+  rounding does not depend on the batch either) at a uniform hashed from (seed, step).
+
+A mixed batch runs both and picks per row; static flags of the SamplingBatch (read off host
+values) let a batch skip a path no row needs, so the common batch never sorts.
 
 Both `functional.generate` and the engine sample with `sample`.
 """
@@ -48,15 +58,54 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform_from_counter(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """seeds, steps: [B] int64 -> [B] float64 uniforms in (0, 1), a pure function of each row's
+def counter_key(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """seeds, steps: [B] int64 -> [B] int64 keys in [0, 2**32), a pure function of each row's
     (seed, step). Seeds may use all 64 bits (negative int64 included); steps the low 32."""
     lo, hi = seeds & _M32, (seeds >> 32) & _M32
     h = _hash32((steps & _M32) ^ 0x9E3779B9)
     h = _hash32(h ^ hi)
     h = _hash32(h ^ lo)
-    h = _hash32(h ^ 0x85EBCA6B)
-    return (h.double() + 0.5) * (2.0 ** -32)
+    return _hash32(h ^ 0x85EBCA6B)
+
+
+def uniform_from_counter(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """seeds, steps: [B] int64 -> [B] float64 uniforms in (0, 1): the inverse-CDF path's draw."""
+    return (counter_key(seeds, steps).double() + 0.5) * (2.0 ** -32)
+
+
+def counter_bits(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """keys: [B] (counter_key) -> [B, vocab] int64 hashes in [0, 2**32), one per (row, id): the
+    Gumbel path's draws. The id is spread by an odd multiplier before the xor so that two rows'
+    hash streams are not mere re-orderings of each other's."""
+    ids = _mul32(torch.arange(vocab, device=keys.device), 0x9E3779B9)
+    return _hash32(keys[:, None] ^ ids[None, :])
+
+
+def gumbel_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """[..] int64 hashes in [0, 2**32) -> fp32 standard Gumbel noise g = -log(E), E = -log(1 - s)
+    exponential for s = (bits + 1/2) / 2**32 uniform. The arg-max is decided by the largest g,
+    that is the smallest E: there E ~ s, and the series s + s^2/2 + ... keeps s's 32-bit
+    resolution where 1 - s in fp32 would round it to 24 bits (over a flat distribution of 1e5
+    ids the winner's E is ~1e-5, and steps of 6e-8 would bias near-ties by ~1%). The Triton
+    kernel does the same fp32 steps."""
+    s = bits.float() * 2.0 ** -32 + 2.0 ** -33
+    s = s.clamp(max=1.0 - 2.0 ** -24)  # bits near 2**32 round s up to 1.0
+    series = s * (1.0 + s * (0.5 + s * (0.3333333432674408 + s * (0.25 + s * (0.20000000298023224
+                                                                            + s * 0.1666666716337204)))))
+    e = torch.where(s < 0.0625, series, -torch.log(1.0 - s))
+    return -torch.log(e)
+
+
+def gumbel_argmax_reference(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                            steps: torch.Tensor) -> torch.Tensor:
+    """logits [B, V], temperature [B] (0: greedy), seeds / steps [B] -> ids [B]: argmax of
+    logits + T * g (a Gumbel-max draw from softmax(logits / T): scaling by T > 0 does not move
+    the arg-max, and saves a division), or of the logits for greedy rows. Ties: the lowest id.
+    The torch twin of kernels.sample_kernel.gumbel_argmax, used off CUDA."""
+    x = logits.float()
+    g = gumbel_from_bits(counter_bits(counter_key(seeds, steps), x.shape[-1]))  # [B, V]
+    t = temperature[:, None]
+    return torch.where(t > 0, x + t * g, x).argmax(dim=-1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -100,7 +149,9 @@ class SamplingBatch:
     prompt_ids         [B, P] int64 or None   prompt tokens, padded with vocab_size
     banned_rows, banned_ids [K] int64 or None  (row, id) pairs that can never be sampled
     Static flags say which stages any row needs, so that a batch skips what no row asks for
-    (they are read off the host values, never synchronised from the device)."""
+    (they are read off the host values, never synchronised from the device): all_greedy,
+    any_greedy; any_truncated, all_truncated (rows that sample with top-k, top-p or min-p);
+    do_top_k, do_top_p, do_min_p; num_logprobs."""
 
     temperature: torch.Tensor
     top_k: torch.Tensor
@@ -117,6 +168,10 @@ class SamplingBatch:
     banned_ids: torch.Tensor | None = None
     all_greedy: bool = static(default=False)
     any_greedy: bool = static(default=True)
+    # Rows sampled with top-k, top-p or min-p (temperature > 0) take the inverse-CDF path, the
+    # others the Gumbel-max one. The defaults (a SamplingBatch built by hand) run both.
+    any_truncated: bool = static(default=True)
+    all_truncated: bool = static(default=False)
     do_top_k: bool = static(default=False)
     do_top_p: bool = static(default=False)
     do_min_p: bool = static(default=False)
@@ -175,6 +230,8 @@ def make_sampling_batch(rows: Sequence[SamplingRow], *, vocab_size: int, device=
         banned_rows = t([b for b, _ in pairs], torch.int64)
         banned_ids = t([i for _, i in pairs], torch.int64)
     wanted = [r.logprobs for r in rows if r.logprobs is not None]
+    truncated = [r.temperature > 0 and (k < vocab_size or r.top_p < 1 or r.min_p > 0)
+                 for r, k in zip(rows, top_k)]
     # Two host-to-device copies per step, not nine: the float parameters and the int ones each
     # travel as one [fields, B] tensor (pinned and non-blocking on CUDA), then split into views.
     floats = _to_device([[float(r.temperature) for r in rows], [float(r.top_p) for r in rows],
@@ -201,6 +258,8 @@ def make_sampling_batch(rows: Sequence[SamplingRow], *, vocab_size: int, device=
         banned_ids=banned_ids,
         all_greedy=all(r.temperature == 0 for r in rows),
         any_greedy=any(r.temperature == 0 for r in rows),
+        any_truncated=any(truncated),
+        all_truncated=all(truncated),
         do_top_k=any(k < vocab_size for k in top_k),
         do_top_p=any(r.top_p < 1 for r in rows),
         do_min_p=any(r.min_p > 0 for r in rows),
@@ -305,21 +364,63 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor, chunk: int = 
     return (k * chunk + j).squeeze(-1).clamp(max=v - 1)
 
 
-def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
-    """logits: [B, V] -> one token per row under that row's parameters (see SamplingBatch)."""
-    logits = logits.float()
+def truncated_rows(sb: SamplingBatch, vocab: int) -> torch.Tensor:
+    """[B] bool: the rows that sample with top-k, top-p or min-p (the inverse-CDF path)."""
+    cut = (sb.top_k < vocab) | (sb.top_p < 1) | (sb.min_p > 0)
+    return cut & (sb.temperature > 0)
+
+
+def _gumbel_pass(logits: torch.Tensor, sb: SamplingBatch, kernel: bool) -> torch.Tensor:
+    """[B, V] -> [B]: the Gumbel-max draw of every row (the arg-max for greedy rows), by the
+    Triton kernel or by its torch reference (same hashes, same math)."""
+    if kernel:
+        from ..kernels.sample_kernel import gumbel_argmax as triton_gumbel_argmax
+
+        return triton_gumbel_argmax(logits, sb.temperature, sb.seeds, sb.steps)
+    return gumbel_argmax_reference(logits, sb.temperature, sb.seeds, sb.steps)
+
+
+def sample(logits: torch.Tensor, sb: SamplingBatch, *, gumbel: bool = True,
+           kernel: bool | None = None) -> SampleOutput:
+    """logits: [B, V] (fp32, or bf16 / fp16) -> one token per row under that row's parameters
+    (see SamplingBatch).
+
+    `kernel`: run the Gumbel-max / greedy pass as the Triton kernel (default: when the logits
+    are on CUDA; True also works on the CPU under TRITON_INTERPRET=1), else the torch reference.
+    `gumbel=False` samples every non-greedy row by inverse CDF, as the sampler did before the
+    Gumbel path (for benchmarks and tests). Which stages run is decided by sb's static flags and
+    these arguments only, never by tensor values: no host sync, fit for torch.compile and CUDA
+    graphs."""
     raw = logits
-    logits = apply_penalties(logits, sb)
+    vocab = logits.shape[-1]
+    if kernel is None:
+        kernel = logits.is_cuda
+    # Without penalties the logits are read as they are (the kernel converts on the fly).
+    penalised = sb.output_ids is not None or sb.banned_rows is not None
+    x = apply_penalties(logits.float(), sb) if penalised else logits
     if sb.all_greedy:
-        token_ids = logits.argmax(dim=-1)
+        token_ids = x.argmax(dim=-1)
     else:
-        probs = truncated_probs(logits, sb)
-        token_ids = sample_from_probs(probs, uniform_from_counter(sb.seeds, sb.steps))
-        if sb.any_greedy:  # a mixed batch: greedy rows take the arg-max
-            token_ids = torch.where(sb.temperature > 0, token_ids, logits.argmax(dim=-1))
+        inverse_cdf_all = sb.all_truncated or not gumbel
+        inverse_cdf_any = sb.any_truncated or not gumbel
+        # Greedy rows take the arg-max inside the Gumbel pass (their noise is off).
+        direct = None if inverse_cdf_all else _gumbel_pass(x, sb, kernel)
+        if inverse_cdf_any:
+            probs = truncated_probs(x.float(), sb)
+            drawn = sample_from_probs(probs, uniform_from_counter(sb.seeds, sb.steps))
+            if direct is not None:
+                # A mixed batch computes both and picks per row, so that a row's token does not
+                # depend on what the other rows ask for.
+                token_ids = torch.where(truncated_rows(sb, vocab), drawn, direct)
+            elif sb.any_greedy:
+                token_ids = torch.where(sb.temperature > 0, drawn, x.argmax(dim=-1))
+            else:
+                token_ids = drawn
+        else:
+            token_ids = direct
     if sb.num_logprobs < 0:
         return SampleOutput(token_ids=token_ids)
-    logprobs = torch.log_softmax(raw, dim=-1)
+    logprobs = torch.log_softmax(raw.float(), dim=-1)
     chosen = logprobs.gather(1, token_ids[:, None])  # [B, 1]
     ranks = (logprobs > chosen).sum(dim=-1) + 1
     n = min(sb.num_logprobs, logprobs.shape[-1])
