@@ -26,18 +26,33 @@ def deep_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_graphs_and_async_scheduling_equal_eager(deep_dir, dtype):
+    """fp32: identical tokens. bf16: the compiled layer rounds differently from eager (fused
+    norms), so a greedy choice between two logits within bf16 rounding may flip; every prompt
+    must then agree up to a position where eager's own top two were that close, and most
+    prompts must agree throughout."""
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(0, 257, (n,), generator=g).tolist()}
                for n in (1, 5, 17, 33, 64, 100, 3, 250, 9, 40, 77, 128, 2, 31, 60, 15, 200, 7)]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
 
     def run(**kw):
         llm = LLM(deep_dir, dtype=dtype, num_kv_blocks=256, max_num_seqs=32, **kw)
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        return llm, [o.outputs[0].token_ids for o in outs]
+        return llm, [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
     eager, want = run(enforce_eager=True, async_scheduling=False)
     assert eager.engine.runner.graphs is None
     fast, got = run()
     assert fast.engine.runner.graphs is not None and fast.engine.async_scheduling
-    assert got == want
+    if dtype == "float32":
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+        return
+    same = 0
+    for a, b in zip(got, want):
+        k = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        if k is None:
+            same += 1
+            continue
+        top2 = sorted((lp.logprob for lp in b.logprobs[k].values()), reverse=True)[:2]
+        assert a.token_ids[k] in b.logprobs[k], "the fast path picked a token outside eager's top 2"
+        assert top2[0] - top2[1] < 0.05, f"diverged at {k} where eager's margin is {top2[0] - top2[1]}"
+    assert same >= len(prompts) - 2

@@ -311,8 +311,11 @@ class LLMEngine:
         with record_function("postprocess"):
             self.stats.generation_tokens += len(seqs)
             self._postprocess(seqs, result)
-        touched = dict.fromkeys(c.seq.request_id for c in out.chunks)
-        touched.update(dict.fromkeys(s.request_id for s in out.preempted))
+        if unfinished:
+            touched = dict.fromkeys(c.seq.request_id for c in out.chunks)
+            touched.update(dict.fromkeys(s.request_id for s in out.preempted))
+        else:  # only requests that can have finished: those with a sequence finished this step
+            touched = dict.fromkeys(c.seq.request_id for c in out.sampled if c.seq.finished)
         outputs = []
         for request_id in touched:
             request = self.requests.get(request_id)
