@@ -278,6 +278,8 @@ def test_a_plain_row_gets_its_token_whatever_the_batch(kernel):
     row_logits = torch.randn(vocab, generator=torch.Generator().manual_seed(8)) * 2
     other_logits = torch.randn(len(OTHERS), vocab, generator=torch.Generator().manual_seed(9))
     batches = [[], [0], [1], [0, 1], [2, 1, 0], [3, 4], list(range(len(OTHERS)))]
+    # The kernel runs under the interpreter on CPU, for real on a GPU (which needs its tensors).
+    dev = "cuda" if kernel and torch.cuda.is_available() else "cpu"
     tokens = set()
     for i, others in enumerate(batches):
         at = i % (len(others) + 1)
@@ -285,8 +287,8 @@ def test_a_plain_row_gets_its_token_whatever_the_batch(kernel):
         logits = [other_logits[k] for k in others]
         rows.insert(at, PLAIN)
         logits.insert(at, row_logits)
-        sb = make_sampling_batch(rows, vocab_size=vocab)
-        tokens.add(sample(torch.stack(logits), sb, kernel=kernel).token_ids[at].item())
+        sb = make_sampling_batch(rows, vocab_size=vocab, device=dev)
+        tokens.add(sample(torch.stack(logits).to(dev), sb, kernel=kernel).token_ids[at].item())
     assert len(tokens) == 1, tokens
 
 

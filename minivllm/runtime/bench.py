@@ -74,8 +74,22 @@ def traced_steps(engine, path: str, *, skip: int, active: int):
     return prof
 
 
+def timed_steps(engine, log: list) -> None:
+    """Wrap engine.step to append (seconds, running sequences, waiting sequences) per call."""
+    inner = engine.step
+
+    def step(**kw):
+        t0 = time.perf_counter()
+        out = inner(**kw)
+        log.append((time.perf_counter() - t0, len(engine.scheduler.running), len(engine.scheduler.waiting)))
+        return out
+
+    engine.step = step
+
+
 def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
-                   max_output_len: int = 1024, trace: str | None = None) -> dict:
+                   max_output_len: int = 1024, trace: str | None = None,
+                   step_times: str | None = None) -> dict:
     from .sampling_params import SamplingParams
 
     prompts, max_tokens = throughput_workload(num_seqs, max_input_len, max_output_len)
@@ -86,12 +100,18 @@ def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
     _sync(device)
     steps0 = llm.stats.steps
     prof = traced_steps(llm.engine, trace, skip=400, active=8) if trace else None
+    log = []
+    if step_times:
+        timed_steps(llm.engine, log)
     t0 = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     _sync(device)
     seconds = time.perf_counter() - t0
     if prof is not None:
         prof.stop()
+    if step_times:
+        with open(step_times, "w") as f:
+            json.dump(log, f)
     steps = llm.stats.steps - steps0
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     floor = traffic_floor_bytes(llm.engine.model_config, [len(p) for p in prompts], max_tokens,
@@ -157,6 +177,8 @@ def add_bench_args(p) -> None:
                    help="read each step's tokens before scheduling the next (no overlap)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--device", default=None)
+    p.add_argument("--step-times", default=None,
+                   help="write each engine step's (seconds, running, waiting) to this JSON file")
     p.add_argument("--trace", default=None,
                    help="write a Chrome trace (torch.profiler) of decode steps 400-407 to this path "
                         "(the timing then includes the profiler's overhead)")
@@ -182,7 +204,8 @@ def main(args) -> dict:
         result = run_latency(llm)
     else:
         result = run_throughput(llm, num_seqs=args.num_seqs, max_input_len=args.max_input_len,
-                                max_output_len=args.max_output_len, trace=args.trace)
+                                max_output_len=args.max_output_len, trace=args.trace,
+                                step_times=args.step_times)
         bandwidth = copy_bandwidth(device)
         if bandwidth:
             floor_s = result["floor_bytes"] / bandwidth

@@ -28,6 +28,7 @@ from ..state.params import Params, random_params
 from ..state.shard import ShardSpec
 from .config import EngineConfig, is_random_model
 from .graphs import DecodeGraphs
+from .warmup import warm_up_kernels
 
 log = logging.getLogger("minivllm")
 
@@ -137,6 +138,8 @@ class ModelRunner:
         self.device = self.params.device
         self.backend = select_backend(self.device, config.attention_backend)
         self.enforce_eager = config.enforce_eager
+        warm_up_kernels(self.params, self.backend, block_size=self.block_size,
+                        max_num_seqs=config.max_num_seqs)
         self.num_blocks = self._num_blocks()
         self.cache = init_cache(self.params, num_blocks=self.num_blocks, block_size=self.block_size)
         self.graphs = None

@@ -1,0 +1,32 @@
+"""The start-up warm-up's choice of sampler batch sizes: one per tiling of the sampler kernel, and
+every tiling that a batch up to max_num_seqs can get is among them."""
+
+import torch
+
+import minivllm.kernels.sample_kernel as sample_kernel
+from minivllm.runtime.warmup import sampler_sizes
+
+
+def test_sampler_sizes_cover_every_tiling(monkeypatch):
+    monkeypatch.setattr(sample_kernel, "num_sms", lambda device: 132)  # an H200's
+    device = torch.device("cpu")
+    for vocab, max_rows, tilings in ((151936, 256, 4), (1000, 8, 1), (50, 1, 1)):
+        sizes = sampler_sizes(max_rows, vocab, device)
+        every = {sample_kernel.chunk_size(r, vocab, device) for r in range(1, max_rows + 1)}
+        assert sorted(sample_kernel.chunk_size(r, vocab, device) for r in sizes) == sorted(every)
+        assert len(sizes) == tilings and sizes[0] == 1 and all(1 <= r <= max_rows for r in sizes)
+
+
+def test_warm_up_runs_its_steps_and_leaves_the_model_alone():
+    import minivllm
+    from minivllm.kernels import select_backend
+    from minivllm.runtime.warmup import warm_up_kernels
+    from minivllm.state import ModelConfig
+
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    params = minivllm.random_params(config, seed=0)
+    before = [t.clone() for t in torch.utils._pytree.tree_leaves(params)]
+    warm_up_kernels(params, select_backend("cpu", "reference"), block_size=4, max_num_seqs=8,
+                    cuda_only=False)
+    assert all(torch.equal(a, b) for a, b in zip(before, torch.utils._pytree.tree_leaves(params)))
