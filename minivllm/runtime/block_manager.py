@@ -101,8 +101,11 @@ class BlockManager:
 
     def can_allocate(self, seq: Sequence, num_tokens: int, hits: Iterable[int] = ()) -> bool:
         """Whether seq's table can grow to hold `num_tokens` tokens (taking `hits` first)."""
+        need = self.blocks_for(num_tokens) - len(seq.block_table)
+        if not hits:  # a running sequence growing (every step, for each): nothing to count
+            return need <= len(self.free)
         hits = list(hits)
-        need = self.blocks_for(num_tokens) - len(seq.block_table) - len(hits)
+        need -= len(hits)
         # A hit on a free block takes it out of the free queue too.
         available = self.num_free - sum(1 for b in hits if self.blocks[b].ref == 0)
         return need <= available
@@ -112,6 +115,8 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_tokens: int, hits: Iterable[int] = ()) -> None:
         """Grow seq's table to hold `num_tokens` tokens: first the prefix-cache `hits` (only for
         an empty table), then fresh blocks. Call can_allocate first."""
+        if not hits and len(seq.block_table) * self.block_size >= num_tokens:
+            return  # the table holds them already: most decode steps
         hits = list(hits)
         if hits:
             if seq.block_table:
@@ -134,9 +139,10 @@ class BlockManager:
         """Register the blocks of seq that the first `num_tokens` tokens fill (called when those
         tokens are scheduled: a sequence admitted later in the same step can share them, since a
         forward step writes every token's K/V before any attention reads the cache)."""
-        if not self.enable_prefix_caching:
-            return
         bs = self.block_size
+        # Most steps fill no new block (a decode fills one every block_size steps).
+        if not self.enable_prefix_caching or num_tokens // bs <= seq.num_registered_blocks:
+            return
         full = min(num_tokens // bs, len(seq.block_table))
         for i in range(seq.num_registered_blocks, full):
             b = seq.block_table[i]
