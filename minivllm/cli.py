@@ -224,8 +224,10 @@ def cmd_chat(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=os.environ.get("MINIVLLM_LOG_LEVEL", "WARNING"),
-                        format="%(message)s")
+    # minivllm's own start-up report (backend, KV cache size, graph capture) at INFO, as vLLM
+    # does; other libraries' loggers stay at WARNING.
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("minivllm").setLevel(os.environ.get("MINIVLLM_LOG_LEVEL", "INFO"))
     try:
         if args.command == "generate":
             return cmd_generate(args)
