@@ -24,8 +24,6 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch.profiler import record_function
-
 from ..functional.sampling import SamplingRow
 from ..state.batch import SeqChunk
 from .block_manager import BlockManager
@@ -33,7 +31,7 @@ from .config import EngineConfig
 from .detokenizer import detokenize_incrementally, find_stop_string
 from .executor import make_executor
 from .outputs import CompletionOutput, Logprob, RequestOutput
-from .runner import ModelRunner, StepInput, StepResult
+from .runner import ModelRunner, StepInput, StepResult, trace_range
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import PENDING, Sequence, Status
@@ -256,17 +254,17 @@ class LLMEngine:
         if self.async_scheduling:
             return self._step_async(unfinished)
         # The named ranges show up in a torch.profiler trace (minivllm bench --trace).
-        with record_function("schedule"):
+        with trace_range("schedule"):
             out = self.scheduler.schedule()
         if out.empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could not schedule anything")
             return []
         self._count(out)
-        with record_function("step_input"):
+        with trace_range("step_input"):
             step_input = self.step_input(out)
         result = self.runner.execute(step_input)
-        with record_function("update"):
+        with trace_range("update"):
             seqs = self.scheduler.update(out, result.token_ids)
         return self._finish_step(out, seqs, result, unfinished)
 
@@ -276,11 +274,11 @@ class LLMEngine:
             # Penalties count the generated ids on the host: read the pending ones first.
             self.in_flight = None
             return self._resolve(prev, unfinished)
-        with record_function("schedule"):
+        with trace_range("schedule"):
             out = self.scheduler.schedule()
         if not out.empty:
             self._count(out)
-            with record_function("step_input"):
+            with trace_range("step_input"):
                 step_input = self.step_input(out, prev[0] if prev is not None else None)
             pending = self.runner.launch(step_input)
             self.scheduler.advance(out)
@@ -296,7 +294,7 @@ class LLMEngine:
     def _resolve(self, launched, unfinished: bool) -> list[RequestOutput]:
         out, pending = launched
         result = pending.result()
-        with record_function("update"):
+        with trace_range("update"):
             seqs = self.scheduler.resolve(out, result.token_ids)
         if result.logprobs is not None and len(seqs) != len(result.logprobs):
             keep = {s.seq_id for s in seqs}
@@ -308,7 +306,7 @@ class LLMEngine:
 
     def _finish_step(self, out: SchedulerOutput, seqs: list[Sequence], result: StepResult,
                      unfinished: bool) -> list[RequestOutput]:
-        with record_function("postprocess"):
+        with trace_range("postprocess"):
             self.stats.generation_tokens += len(seqs)
             self._postprocess(seqs, result)
         if unfinished:
