@@ -27,9 +27,11 @@ Both `functional.generate` and the engine sample with `sample`.
 
 from __future__ import annotations
 
+import operator
 from typing import Sequence
 
 import attrs
+import numpy as np
 import torch
 
 from ..state.pytree import pytree_class, static
@@ -197,72 +199,91 @@ def _padded(rows: Sequence[Sequence[int]], pad: int, device) -> torch.Tensor:
     return out.to(device)
 
 
-def _to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
-    host = torch.tensor(values, dtype=dtype)
+def _to_device(host: torch.Tensor, device) -> torch.Tensor:
     if device is not None and torch.device(device).type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
 
 
-def make_sampling_batch(rows: Sequence[SamplingRow], *, vocab_size: int, device=None) -> SamplingBatch:
-    """Pack per-row parameters into a SamplingBatch (built on the host, then moved to `device`)."""
+_FLOAT_FIELDS = operator.attrgetter("temperature", "top_p", "min_p", "presence_penalty",
+                                    "frequency_penalty", "repetition_penalty")
+
+
+def make_sampling_batch(rows: Sequence[SamplingRow], *, vocab_size: int, device=None,
+                        steps: Sequence[int] | None = None) -> SamplingBatch:
+    """Pack per-row parameters into a SamplingBatch (built on the host, then moved to `device`).
+    steps: each row's step, in place of the rows' own (a caller that keeps one row per sequence
+    across steps sends only this column)."""
     if not rows:
         raise ValueError("a sampling batch needs at least one row")
+    if steps is not None and len(steps) != len(rows):
+        raise ValueError(f"{len(steps)} steps for {len(rows)} rows")
 
     def t(values, dtype):
         return torch.tensor(values, dtype=dtype).to(device)
 
-    top_k = [r.top_k if 0 < r.top_k < vocab_size else vocab_size for r in rows]
-    penalised = [r.presence_penalty != 0 or r.frequency_penalty != 0 or r.repetition_penalty != 1
-                 for r in rows]
+    # The float parameters as one [B, 6] array, read per row in one C-level call. The flags are
+    # decided on the float64 (Python) values, the tensor holds their float32 rounding. Most come
+    # from each field's min and max over the rows: a few numpy calls whatever B.
+    b = len(rows)
+    f64 = np.array(list(map(_FLOAT_FIELDS, rows)), dtype=np.float64)
+    temperature, top_p, min_p = f64[:, 0], f64[:, 1], f64[:, 2]
+    lo, hi = f64.min(axis=0).tolist(), f64.max(axis=0).tolist()
+    top_k = np.fromiter([r.top_k for r in rows], dtype=np.int64, count=b)
+    top_k[(top_k <= 0) | (top_k >= vocab_size)] = vocab_size
+    do_top_k, do_top_p, do_min_p = int(top_k.min()) < vocab_size, lo[1] < 1, hi[2] > 0
     # Token lists cost a host-to-device copy each step: send them only when a row is penalised,
     # and only that row's (the others get an empty, all-padding row).
     output_ids = prompt_ids = None
-    if any(penalised):
-        output_ids = _padded([r.output_ids if p else () for r, p in zip(rows, penalised)],
+    if lo[3] != 0 or hi[3] != 0 or lo[4] != 0 or hi[4] != 0 or lo[5] != 1 or hi[5] != 1:
+        output_ids = _padded([r.output_ids if (r.presence_penalty != 0 or r.frequency_penalty != 0
+                                               or r.repetition_penalty != 1) else () for r in rows],
                              vocab_size, device)
-        if any(r.repetition_penalty != 1 for r in rows):
+        if lo[5] != 1 or hi[5] != 1:
             prompt_ids = _padded([r.prompt_ids if r.repetition_penalty != 1 else () for r in rows],
                                  vocab_size, device)
     banned_rows = banned_ids = None
-    pairs = [(b, i) for b, r in enumerate(rows) for i in r.banned_ids]
+    pairs = [(row, tok) for row, r in enumerate(rows) for tok in r.banned_ids]
     if pairs:
-        banned_rows = t([b for b, _ in pairs], torch.int64)
-        banned_ids = t([i for _, i in pairs], torch.int64)
+        banned_rows = t([row for row, _ in pairs], torch.int64)
+        banned_ids = t([tok for _, tok in pairs], torch.int64)
     wanted = [r.logprobs for r in rows if r.logprobs is not None]
-    truncated = [r.temperature > 0 and (k < vocab_size or r.top_p < 1 or r.min_p > 0)
-                 for r, k in zip(rows, top_k)]
+    num_greedy = np.count_nonzero(temperature == 0)
+    num_truncated = 0  # rows that sample (temperature > 0) with top-k, top-p or min-p
+    if do_top_k or do_top_p or do_min_p:
+        num_truncated = np.count_nonzero(
+            (temperature > 0) & ((top_k < vocab_size) | (top_p < 1) | (min_p > 0)))
     # Two host-to-device copies per step, not nine: the float parameters and the int ones each
     # travel as one [fields, B] tensor (pinned and non-blocking on CUDA), then split into views.
-    floats = _to_device([[float(r.temperature) for r in rows], [float(r.top_p) for r in rows],
-                         [float(r.min_p) for r in rows], [float(r.presence_penalty) for r in rows],
-                         [float(r.frequency_penalty) for r in rows],
-                         [float(r.repetition_penalty) for r in rows]], torch.float32, device)
-    ints = _to_device([top_k, [_as_int64(r.seed) for r in rows], [r.step for r in rows]],
-                      torch.int64, device)
-    temperature, top_p, min_p, presence, frequency, repetition = floats.unbind(0)
-    top_k_t, seeds, steps = ints.unbind(0)
+    floats = _to_device(torch.from_numpy(np.ascontiguousarray(f64.T, dtype=np.float32)), device)
+    ints = np.empty((3, b), dtype=np.int64)
+    ints[0] = top_k
+    ints[1] = [_as_int64(r.seed) for r in rows]
+    ints[2] = [r.step for r in rows] if steps is None else steps
+    ints = _to_device(torch.from_numpy(ints), device)
+    temperature_t, top_p_t, min_p_t, presence_t, frequency_t, repetition_t = floats.unbind(0)
+    top_k_t, seeds, steps_t = ints.unbind(0)
     return SamplingBatch(
-        temperature=temperature,
+        temperature=temperature_t,
         top_k=top_k_t,
-        top_p=top_p,
-        min_p=min_p,
-        presence_penalty=presence,
-        frequency_penalty=frequency,
-        repetition_penalty=repetition,
+        top_p=top_p_t,
+        min_p=min_p_t,
+        presence_penalty=presence_t,
+        frequency_penalty=frequency_t,
+        repetition_penalty=repetition_t,
         seeds=seeds,
-        steps=steps,
+        steps=steps_t,
         output_ids=output_ids,
         prompt_ids=prompt_ids,
         banned_rows=banned_rows,
         banned_ids=banned_ids,
-        all_greedy=all(r.temperature == 0 for r in rows),
-        any_greedy=any(r.temperature == 0 for r in rows),
-        any_truncated=any(truncated),
-        all_truncated=all(truncated),
-        do_top_k=any(k < vocab_size for k in top_k),
-        do_top_p=any(r.top_p < 1 for r in rows),
-        do_min_p=any(r.min_p > 0 for r in rows),
+        all_greedy=num_greedy == b,
+        any_greedy=num_greedy > 0,
+        any_truncated=num_truncated > 0,
+        all_truncated=num_truncated == b,
+        do_top_k=do_top_k,
+        do_top_p=do_top_p,
+        do_min_p=do_min_p,
         num_logprobs=max(wanted) if wanted else -1,
     )
 
