@@ -388,3 +388,27 @@ def test_progress_bar_reports_throughput(tiny_dir, device, prompts, capsys):
     llm.generate(token_prompts(prompts[:2]), GREEDY, use_tqdm=True)
     err = capsys.readouterr().err
     assert "Processed prompts" in err and "toks/s" in err and "2/2" in err
+
+
+def test_step_input_reuses_plain_rows_and_sends_steps(tiny_dir, device, prompts):
+    """A sequence's SamplingRow is built once it only changes by its step (past min_tokens, no
+    penalty) and reused; StepInput.steps carries each row's step, the tokens generated so far."""
+    llm = make_llm(tiny_dir, device)
+    engine = llm.engine
+    seen = []
+    launch = engine.runner.launch
+
+    def record(step):
+        seen.append(([(r, r.banned_ids) for r in step.rows], step.steps))
+        return launch(step)
+    engine.runner.launch = record
+    params = [SamplingParams(temperature=1.0, seed=3, min_tokens=3, stop_token_ids=[5], max_tokens=8),
+              SamplingParams(temperature=1.0, seed=4, presence_penalty=0.5, max_tokens=8)]
+    llm.generate(token_prompts(prompts[:2]), params, use_tqdm=False)
+    plain = [rows[0] for rows, _ in seen]
+    assert [steps[0] for _, steps in seen] == list(range(len(seen))) and len(seen) > 4
+    assert all(banned == (5,) for _, banned in plain[:3]) and all(b == () for _, b in plain[3:])
+    assert all(row is plain[3][0] for row, _ in plain[3:])  # built once, then reused
+    assert all(len({id(r) for r, _ in rows}) == len(rows) for rows, _ in seen)
+    penalised = [rows[1][0] for rows, _ in seen if len(rows) > 1]
+    assert len({id(r) for r in penalised}) == len(penalised)  # rebuilt each step (its output ids)

@@ -217,26 +217,41 @@ class LLMEngine:
     # -- one step --------------------------------------------------------------------------------
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        """seq's row for this step. Its `step` is 0: StepInput.steps carries every row's step, so
+        that a row that only the step would change (no penalty, no banned ids) is built once per
+        sequence and reused (building one costs more than the rest of a decode step's host work
+        for that sequence)."""
         p = seq.params
-        penalised = p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+        plain = not seq.penalised and seq.num_output >= p.min_tokens
+        if plain and seq.sampling_row is not None:
+            return seq.sampling_row
         banned = ()
         if seq.num_output < p.min_tokens:
             banned = tuple(i for i in (*(() if p.ignore_eos else seq.eos_ids), *p.stop_ids)
                            if i < self.vocab_size)
-        return SamplingRow(
+        row = SamplingRow(
             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
             presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-            repetition_penalty=p.repetition_penalty, seed=seq.seed, step=seq.num_output,
-            output_ids=seq.output_ids if penalised else (),
+            repetition_penalty=p.repetition_penalty, seed=seq.seed, step=0,
+            output_ids=seq.output_ids if seq.penalised else (),
             prompt_ids=seq.prompt_ids if p.repetition_penalty != 1 else (),
             banned_ids=banned, logprobs=p.logprobs)
+        if plain:
+            seq.sampling_row = row
+        return row
 
     def step_input(self, out: SchedulerOutput, prev: SchedulerOutput | None = None) -> StepInput:
         """The runner's view of a scheduled step. prev: the launched step whose tokens are still
-        pending; a chunk ending in one of them has it fed back from the device."""
-        chunks = [SeqChunk(c.token_ids, c.start, list(c.seq.block_table), c.want_logits)
+        pending; a chunk ending in one of them has it fed back from the device.
+
+        The chunks hold the sequences' live block tables, not copies: the runner consumes a
+        StepInput before launch() / execute() return (see StepInput), and tables change only
+        after that, when the next step is scheduled."""
+        chunks = [SeqChunk(c.token_ids, c.start, c.seq.block_table, c.want_logits)
                   for c in out.chunks]
-        rows = [self._sampling_row(c.seq) for c in out.sampled]
+        sampled = out.sampled
+        rows = [self._sampling_row(c.seq) for c in sampled]
+        steps = tuple([c.seq.num_output for c in sampled])
         fed_back = []
         if prev is not None:
             prev_row = {c.seq.seq_id: r for r, c in enumerate(prev.sampled)}
@@ -245,7 +260,7 @@ class LLMEngine:
                 offset += c.num_tokens
                 if c.seq.num_pending and c.start + c.num_tokens == c.seq.num_tokens:
                     fed_back.append((offset - 1, prev_row[c.seq.seq_id]))
-        return StepInput(chunks, rows, tuple(fed_back))
+        return StepInput(chunks, rows, tuple(fed_back), steps)
 
     def step(self, *, unfinished: bool = True) -> list[RequestOutput]:
         """Run one scheduled step; the outputs of the requests it touched (finished included;

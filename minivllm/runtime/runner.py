@@ -52,11 +52,19 @@ class StepInput:
     fed_back: (i, r) pairs for tokens that the previous step is still sampling (asynchronous
     scheduling): input token i of this step (its index in the chunks' concatenated token_ids,
     where it stands as a placeholder) is row r of the previous step's sampled tokens, taken from
-    the device."""
+    the device.
+
+    steps: each row's step (tokens its sequence has generated), in place of the rows' own when
+    given: the engine reuses a sequence's row from step to step and sends only this column.
+
+    A runner is done with a StepInput when launch() / execute() return (the tensor-parallel
+    executor pickles it before): the engine passes the sequences' live block tables, which
+    it changes only after that."""
 
     chunks: list[SeqChunk]
     rows: list[SamplingRow]
     fed_back: tuple[tuple[int, int], ...] = ()
+    steps: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -237,7 +245,8 @@ class ModelRunner:
     def _run(self, cache, step: StepInput):
         batch = make_batch(step.chunks, block_size=self.block_size, device=self.device)
         # Built before the forward is queued, for the same reason as in _run_decode_graph.
-        sb = make_sampling_batch(step.rows, vocab_size=self.vocab_size, device=self.device) if step.rows else None
+        sb = make_sampling_batch(step.rows, vocab_size=self.vocab_size, device=self.device,
+                                 steps=step.steps) if step.rows else None
         self._feed_back(batch.input_ids, step)
         with torch.no_grad():
             logits, cache = forward(self.params, cache, batch, self.backend)
@@ -250,7 +259,8 @@ class ModelRunner:
             rows = decode_rows(step.chunks, self.block_size)
             # The sampling batch's copies go first: queued behind the replay, copies from pageable
             # memory would make the host wait for the whole forward before sampling could start.
-            sb = make_sampling_batch(step.rows, vocab_size=self.vocab_size, device=self.device)
+            sb = make_sampling_batch(step.rows, vocab_size=self.vocab_size, device=self.device,
+                                 steps=step.steps)
             self.graphs.fill(*rows)
             self._feed_back(self.graphs.input_ids, step)
         with trace_range("replay"):

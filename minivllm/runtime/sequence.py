@@ -43,6 +43,8 @@ class Sequence:
         # pending token (the engine resolves the previous step before scheduling it).
         self.penalised = (params.presence_penalty != 0 or params.frequency_penalty != 0
                           or params.repetition_penalty != 1)
+        # The engine's SamplingRow for it, once only the step changes from step to step.
+        self.sampling_row = None
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chain hash of each full block of token_ids, as far as known
         self.num_registered_blocks = 0  # leading blocks of block_table already offered to the prefix cache
