@@ -104,7 +104,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         # Asynchronous scheduling needs a runner that can launch a step without waiting for it
-        # (a ModelRunner; the tensor-parallel executor runs steps synchronously).
+        # (a ModelRunner, and the tensor-parallel executor).
         self.async_scheduling = config.async_scheduling and hasattr(self.runner, "launch")
         self.in_flight = None  # (SchedulerOutput, PendingStep) of the launched, unread step
         self._next_seq_id = 0

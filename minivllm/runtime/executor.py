@@ -1,10 +1,12 @@
-"""Executors: what the engine calls to run one step (`execute(StepInput) -> StepResult`), and what
+"""Executors: what the engine calls to run one step (`execute(StepInput) -> StepResult`, or
+`launch(StepInput)` whose `.result()` is that StepResult, for asynchronous scheduling), and what
 it reads from the model (`model_config`, `num_blocks`).
 
 At tensor_parallel_size 1 the executor is a ModelRunner itself. Above 1 it is a TPExecutor in the
 engine's process, which is rank 0: it broadcasts each StepInput over torch.distributed, runs its
 own shard, and returns its own StepResult (the LM head gathers the logits to every rank, and
-every rank samples the same rows with the same seeds; rank 0's tokens are the ones used).
+every rank samples the same rows with the same seeds; rank 0's tokens are the ones used, and
+each rank feeds its own copy of them back to its next step).
 
 The other ranks are either spawned by the engine on this host (`TPExecutor.spawn`: daemon
 processes, watched by a thread, stopped at shutdown, garbage collection, exit, SIGTERM or after
@@ -39,6 +41,16 @@ DEATH_GRACE_S = 2.0
 
 class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker process died; the engine has stopped the others."""
+
+
+class TPPendingStep:
+    """Rank 0's launched step; result() waits for it under the executor's failure handling."""
+
+    def __init__(self, executor: "TPExecutor", pending):
+        self.executor, self.pending = executor, pending
+
+    def result(self) -> StepResult:
+        return self.executor._guarded(self.pending.result)
 
 
 def make_executor(config: EngineConfig):
@@ -262,15 +274,30 @@ class TPExecutor:
 
     def execute(self, step: StepInput) -> StepResult:
         """Run the step on every rank; rank 0's sampled tokens."""
+        return self.launch(step).result()
+
+    def launch(self, step: StepInput) -> "TPPendingStep":
+        """Send the step to every rank and queue rank 0's part, without waiting for it (the
+        engine's asynchronous scheduling). Every rank samples the same tokens from the same
+        gathered logits, so each can feed them back to its own next step."""
         if self._closer.reason is not None:
             raise RuntimeError(f"tensor-parallel engine is stopped: {self._closer.reason}")
         if self.workers is not None and (found := self.workers.failure):
             self._abandon(found)
             raise WorkerDiedError(found)
+
+        def send():
+            broadcast_step(step, self.groups)
+            return self.runner.launch(step)
+
+        return TPPendingStep(self, self._guarded(send))
+
+    def _guarded(self, fn):
+        """fn() with the engine's failure handling: a lost worker is a WorkerDiedError, any
+        failure stops the engine."""
         with deferred_sigint():
             try:
-                broadcast_step(step, self.groups)
-                result = self.runner.execute(step)
+                out = fn()
             except BaseException as e:
                 found = None
                 if self.workers is not None and _lost_peer(e):
@@ -283,7 +310,7 @@ class TPExecutor:
             if self.workers is not None and self.workers.failure is not None:
                 self._abandon(self.workers.failure)
                 raise WorkerDiedError(self.workers.failure)
-        return result
+        return out
 
     def _abandon(self, reason: str) -> None:
         self._closer.in_step = False

@@ -54,7 +54,7 @@ class LLM:
     CPU): the LLM spawns the other ranks on this host, or, under torchrun, rank 0 runs the engine
     and the other ranks serve it inside LLM(...) and then exit. Call shutdown() (or use the LLM
     as a context manager) to stop them early; they also stop at exit. async_scheduling:
-    schedule each step while the previous one runs (tensor_parallel_size 1; same outputs).
+    schedule each step while the previous one runs (same outputs).
     """
 
     def __init__(self, model, *, tokenizer=None, dtype="auto", max_model_len: int | None = None,

@@ -51,7 +51,9 @@ def serve(runner: ModelRunner, groups: Groups) -> None:
     rank 0 runs, so that all take the same path (eager or CUDA graph) through the same
     collectives; the sampled tokens are rank 0's to use."""
     while (step := receive_step(groups)) is not None:
-        runner.execute(step)
+        # Queued, not waited for: rank 0 paces the steps, and the collectives keep the ranks
+        # in step. This rank's sampled tokens stay on its device, fed back like rank 0's.
+        runner.launch(step)
 
 
 def config_for_rank(config: EngineConfig, rank_on_host: int) -> EngineConfig:
