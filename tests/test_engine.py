@@ -412,3 +412,19 @@ def test_step_input_reuses_plain_rows_and_sends_steps(tiny_dir, device, prompts)
     assert all(len({id(r) for r, _ in rows}) == len(rows) for rows, _ in seen)
     penalised = [rows[1][0] for rows, _ in seen if len(rows) > 1]
     assert len({id(r) for r in penalised}) == len(penalised)  # rebuilt each step (its output ids)
+
+
+def test_feed_back_writes_the_previous_steps_tokens(tiny_dir, device):
+    """The runner's device-side feed-back of pending tokens, both ways: the one-copy path (row k
+    to input k) and the general gather."""
+    from minivllm.runtime.runner import StepInput
+
+    runner = make_llm(tiny_dir, device).engine.runner
+    runner.last_tokens = torch.tensor([7, 8, 9], device=runner.device)
+    for pairs, want in ((((0, 0), (1, 1), (2, 2)), [7, 8, 9, -1]),
+                        (((0, 0), (1, 1)), [7, 8, -1, -1]),
+                        (((0, 2), (3, 0)), [9, -1, -1, 7]),
+                        (((1, 1), (2, 2)), [-1, 8, 9, -1])):
+        ids = torch.full((4,), -1, device=runner.device)
+        runner._feed_back(ids, StepInput([], [], pairs))
+        assert ids.tolist() == want, pairs

@@ -236,6 +236,11 @@ class ModelRunner:
             return
         if self.last_tokens is None:
             raise ValueError("a step feeds back tokens but no step was launched before it")
+        n = len(step.fed_back)
+        if step.fed_back[-1] == (n - 1, n - 1) and all(i == r for i, r in step.fed_back):
+            # Row k's token is input k (a decode step whose batch did not change): one copy.
+            input_ids[:n].copy_(self.last_tokens[:n])
+            return
         pairs = torch.tensor(step.fed_back, dtype=torch.int64).T  # [2, n]: (input index, row)
         if self.device.type == "cuda":
             pairs = pairs.pin_memory()
