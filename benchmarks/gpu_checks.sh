@@ -32,7 +32,8 @@ one)
   # 1. Where the throughput run's time goes, step by step (issue 5), and the single stream.
   step bench 100 python3 -m minivllm bench --shape qwen3-0.6b --json "$OUT/bench.json" \
     --step-times "$OUT/steps.json"
-  step latency 60 python3 -m minivllm bench --shape qwen3-0.6b --latency --json "$OUT/latency.json"
+  step latency 60 python3 -m minivllm bench --shape qwen3-0.6b --latency --json "$OUT/latency.json" \
+    --trace /tmp/latency_trace.json && gzip -c /tmp/latency_trace.json > "$OUT/latency_trace.json.gz"
   # 2. The suite on CUDA: fast paths against eager, the sampler kernel for real, the engine.
   step tests 300 python3 -m pytest -p no:cacheprovider -q -o addopts="" --tb=short \
     tests/test_gpu_graphs.py tests/test_sample_kernel.py tests/test_sampling.py tests/test_warmup.py \

@@ -122,9 +122,11 @@ def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
             "steps": steps, "ms_per_step": 1e3 * seconds / max(steps, 1)}
 
 
-def run_latency(llm, *, prompt_len: int = 512, output_len: int = 256, repeats: int = 3) -> dict:
+def run_latency(llm, *, prompt_len: int = 512, output_len: int = 256, repeats: int = 3,
+                trace: str | None = None) -> dict:
     """Time to first token of a `prompt_len` prompt and single-stream decode tok/s (each repeat
-    uses a fresh random prompt, so that the prefix cache cannot serve it)."""
+    uses a fresh random prompt, so that the prefix cache cannot serve it). trace: a Chrome trace
+    of 8 decode steps of the last repeat (the timing then includes the profiler's overhead)."""
     from .sampling_params import SamplingParams
 
     rng = random.Random(1)
@@ -135,6 +137,9 @@ def run_latency(llm, *, prompt_len: int = 512, output_len: int = 256, repeats: i
         return {"prompt_token_ids": [rng.randrange(vocab) for _ in range(prompt_len)]}
 
     llm.generate([prompt()], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    prof = None
+    if trace:  # steps 100-107 of the last repeat's decode (each repeat runs 1 + output_len steps)
+        prof = traced_steps(llm.engine, trace, skip=(repeats - 1) * (output_len + 1) + 101, active=8)
     ttfts, decode_rates = [], []
     for _ in range(repeats):
         _sync(device)
@@ -150,6 +155,8 @@ def run_latency(llm, *, prompt_len: int = 512, output_len: int = 256, repeats: i
         n = len(out[0].outputs[0].token_ids)
         ttfts.append(ttft)
         decode_rates.append((n - 1) / max(total - ttft, 1e-9))
+    if prof is not None:
+        prof.stop()
     rate = statistics.median(decode_rates)
     return {"workload": "latency", "prompt_tokens": prompt_len, "output_tokens": output_len,
             "ttft_s": statistics.median(ttfts), "output_tok_per_s": rate,
@@ -180,8 +187,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--step-times", default=None,
                    help="write each engine step's (seconds, running, waiting) to this JSON file")
     p.add_argument("--trace", default=None,
-                   help="write a Chrome trace (torch.profiler) of decode steps 400-407 to this path "
-                        "(the timing then includes the profiler's overhead)")
+                   help="write a Chrome trace (torch.profiler) of 8 decode steps to this path "
+                        "(steps 400-407; with --latency, steps 100-107 of the last stream); the "
+                        "timing then includes the profiler's overhead")
 
 
 def main(args) -> dict:
@@ -201,7 +209,7 @@ def main(args) -> dict:
     startup_s = time.perf_counter() - start
     print(f"engine started in {startup_s:.1f} s", flush=True)
     if args.latency:
-        result = run_latency(llm)
+        result = run_latency(llm, trace=args.trace)
     else:
         result = run_throughput(llm, num_seqs=args.num_seqs, max_input_len=args.max_input_len,
                                 max_output_len=args.max_output_len, trace=args.trace,
