@@ -190,19 +190,21 @@ def _as_int64(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
+def _to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """Pinned and non-blocking on CUDA: a copy from pageable memory would make the host wait for
+    the work already queued (asynchronous scheduling needs it not to)."""
+    if device is not None and torch.device(device).type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 def _padded(rows: Sequence[Sequence[int]], pad: int, device) -> torch.Tensor:
     width = max(1, max(len(r) for r in rows))
     out = torch.full((len(rows), width), pad, dtype=torch.int64)
     for b, r in enumerate(rows):
         if len(r):
             out[b, : len(r)] = torch.as_tensor(list(r), dtype=torch.int64)
-    return out.to(device)
-
-
-def _to_device(host: torch.Tensor, device) -> torch.Tensor:
-    if device is not None and torch.device(device).type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+    return _to_device(out, device)
 
 
 _FLOAT_FIELDS = operator.attrgetter("temperature", "top_p", "min_p", "presence_penalty",
@@ -220,7 +222,7 @@ def make_sampling_batch(rows: Sequence[SamplingRow], *, vocab_size: int, device=
         raise ValueError(f"{len(steps)} steps for {len(rows)} rows")
 
     def t(values, dtype):
-        return torch.tensor(values, dtype=dtype).to(device)
+        return _to_device(torch.tensor(values, dtype=dtype), device)
 
     # The float parameters as one [B, 6] array, read per row in one C-level call. The flags are
     # decided on the float64 (Python) values, the tensor holds their float32 rounding. Most come
@@ -329,7 +331,7 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         logits = logits - sb.presence_penalty[:, None] * (out_counts > 0).float()
     if sb.banned_rows is not None:
         logits = logits.index_put((sb.banned_rows, sb.banned_ids),
-                                  torch.tensor(float("-inf"), device=logits.device))
+                                  logits.new_full((), float("-inf")))
     return logits
 
 
