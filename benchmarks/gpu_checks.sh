@@ -32,6 +32,8 @@ one)
   # 1. Where the throughput run's time goes, step by step (issue 5), and the single stream.
   step bench 100 python3 -m minivllm bench --shape qwen3-0.6b --json "$OUT/bench.json" \
     --step-times "$OUT/steps.json" --trace /tmp/trace.json && gzip -c /tmp/trace.json > "$OUT/trace.json.gz"
+  MINIVLLM_COMPILE_PREFILL=1 step bench_compiled_prefill 100 python3 -m minivllm bench \
+    --shape qwen3-0.6b --json "$OUT/bench_compiled_prefill.json"
   step latency 60 python3 -m minivllm bench --shape qwen3-0.6b --latency --json "$OUT/latency.json" \
     --trace /tmp/latency_trace.json && gzip -c /tmp/latency_trace.json > "$OUT/latency_trace.json.gz"
   # 2. The suite on CUDA: fast paths against eager, the sampler kernel for real, the engine.

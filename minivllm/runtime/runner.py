@@ -155,6 +155,7 @@ class ModelRunner:
         self.device = self.params.device
         self.backend = select_backend(self.device, config.attention_backend)
         self.enforce_eager = config.enforce_eager
+        self.prefill_forward = forward  # see below
         warm_up_kernels(self.params, self.backend, block_size=self.block_size,
                         max_num_seqs=config.max_num_seqs)
         self.num_blocks = self._num_blocks()
@@ -167,6 +168,14 @@ class ModelRunner:
                 max_blocks_per_seq=ceil_div(config.max_model_len, self.block_size),
                 compile_forward=os.environ.get("MINIVLLM_COMPILE", "1") != "0")
             self.graphs.capture()
+        # Prefill and mixed steps run the eager forward; MINIVLLM_COMPILE_PREFILL=1 runs them
+        # through the compiled decoder layer too (compiled here, for a measurement of which is
+        # faster: issue 5).
+        if self.graphs is not None and self.graphs.fn is not forward and \
+                os.environ.get("MINIVLLM_COMPILE_PREFILL", "0") == "1":
+            self.prefill_forward = self.graphs.fn
+            warm_up_kernels(self.params, self.backend, block_size=self.block_size,
+                            max_num_seqs=config.max_num_seqs, forward_fn=self.prefill_forward)
 
     # -- sizing the KV cache ---------------------------------------------------------------------
 
@@ -254,7 +263,7 @@ class ModelRunner:
                                  steps=step.steps) if step.rows else None
         self._feed_back(batch.input_ids, step)
         with torch.no_grad():
-            logits, cache = forward(self.params, cache, batch, self.backend)
+            logits, cache = self.prefill_forward(self.params, cache, batch, self.backend)
             out = sample(logits, sb) if sb is not None else None
         return out, cache
 

@@ -37,10 +37,11 @@ def sampler_sizes(max_rows: int, vocab_size: int, device: torch.device) -> list[
 
 
 def warm_up_kernels(params: Params, backend, *, block_size: int, max_num_seqs: int,
-                    cuda_only: bool = True) -> None:
+                    cuda_only: bool = True, forward_fn=forward) -> None:
     """Run the sampler at each tiling, and prefill and decode steps over every class of sequence
     count and block-table width, on a scratch cache (by default on CUDA only: elsewhere nothing
-    is compiled; the tests run it on CPU)."""
+    is compiled; the tests run it on CPU). forward_fn: the forward the steps run (a compiled one
+    compiles its prefill variants here)."""
     device = params.device
     if cuda_only and device.type != "cuda":
         return
@@ -60,6 +61,6 @@ def warm_up_kernels(params: Params, backend, *, block_size: int, max_num_seqs: i
                 decode = [SeqChunk([0], tokens - 1, t) for t in tables]
                 for chunks in (prefill, decode):
                     batch = make_batch(chunks, block_size=block_size, device=device)
-                    forward(params, scratch, batch, backend)
+                    forward_fn(params, scratch, batch, backend)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
