@@ -37,7 +37,7 @@ one)
   step latency 60 python3 -m minivllm bench --shape qwen3-0.6b --latency --json "$OUT/latency.json" \
     --trace /tmp/latency_trace.json && gzip -c /tmp/latency_trace.json > "$OUT/latency_trace.json.gz"
   # 2. The suite on CUDA: fast paths against eager, the sampler kernel for real, the engine.
-  step tests 300 python3 -m pytest -p no:cacheprovider -q -o addopts="" --tb=short \
+  step tests 240 python3 -m pytest -p no:cacheprovider -q -o addopts="" --tb=short \
     tests/test_gpu_graphs.py tests/test_sample_kernel.py tests/test_sampling.py tests/test_warmup.py \
     tests/test_engine.py tests/test_engine_bad_input.py tests/test_decode_graphs.py tests/test_model.py
   ;;
