@@ -221,12 +221,9 @@ class ModelRunner:
         self._run(scratch, StepInput(chunks, []))
         rows = [SamplingRow(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05,
                             logprobs=config.max_logprobs)] * config.max_num_seqs
-        # Plain-temperature rows too: their one-pass kernel is then compiled before serving.
-        plain = [SamplingRow(temperature=1.0)] * config.max_num_seqs
         with torch.no_grad():
             logits = torch.zeros(len(rows), self.vocab_size, device=self.device)
-            for batch_rows in (rows, plain):
-                sample(logits, make_sampling_batch(batch_rows, vocab_size=self.vocab_size, device=self.device))
+            sample(logits, make_sampling_batch(rows, vocab_size=self.vocab_size, device=self.device))
             del logits
         torch.cuda.synchronize(self.device)
         activations = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
