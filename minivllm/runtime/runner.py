@@ -29,7 +29,7 @@ from ..state.params import Params, random_params
 from ..state.shard import ShardSpec
 from .config import EngineConfig, is_random_model
 from .graphs import DecodeGraphs
-from .warmup import warm_up_kernels
+from .warmup import warm_up_kernels, warm_up_steps
 
 log = logging.getLogger("minivllm")
 
@@ -174,8 +174,8 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fn is not forward and \
                 os.environ.get("MINIVLLM_COMPILE_PREFILL", "0") == "1":
             self.prefill_forward = self.graphs.fn
-            warm_up_kernels(self.params, self.backend, block_size=self.block_size,
-                            max_num_seqs=config.max_num_seqs, forward_fn=self.prefill_forward)
+            warm_up_steps(self.params, self.backend, block_size=self.block_size,
+                          forward_fn=self.prefill_forward)
 
     # -- sizing the KV cache ---------------------------------------------------------------------
 

@@ -37,11 +37,10 @@ def sampler_sizes(max_rows: int, vocab_size: int, device: torch.device) -> list[
 
 
 def warm_up_kernels(params: Params, backend, *, block_size: int, max_num_seqs: int,
-                    cuda_only: bool = True, forward_fn=forward) -> None:
+                    cuda_only: bool = True) -> None:
     """Run the sampler at each tiling, and prefill and decode steps over every class of sequence
     count and block-table width, on a scratch cache (by default on CUDA only: elsewhere nothing
-    is compiled; the tests run it on CPU). forward_fn: the forward the steps run (a compiled one
-    compiles its prefill variants here)."""
+    is compiled; the tests run it on CPU)."""
     device = params.device
     if cuda_only and device.type != "cuda":
         return
@@ -51,8 +50,16 @@ def warm_up_kernels(params: Params, backend, *, block_size: int, max_num_seqs: i
             logits = torch.zeros(rows, vocab, device=device)
             sample(logits, make_sampling_batch([SamplingRow(temperature=1.0)] * rows,
                                                vocab_size=vocab, device=device))
-        widest = max(_CLASSES)
-        scratch = init_cache(params, num_blocks=max(_CLASSES) * widest + 1, block_size=block_size)
+    warm_up_steps(params, backend, block_size=block_size)
+
+
+def warm_up_steps(params: Params, backend, *, block_size: int, forward_fn=forward) -> None:
+    """The prefill and decode steps of warm_up_kernels alone. forward_fn: the forward they run (a
+    compiled one compiles its prefill variants here)."""
+    device = params.device
+    widest = max(_CLASSES)
+    scratch = init_cache(params, num_blocks=widest * widest + 1, block_size=block_size)
+    with torch.no_grad():
         for num_seqs in _CLASSES:
             for width in _CLASSES:
                 tables = [list(range(s * width, (s + 1) * width)) for s in range(num_seqs)]
@@ -62,5 +69,5 @@ def warm_up_kernels(params: Params, backend, *, block_size: int, max_num_seqs: i
                 for chunks in (prefill, decode):
                     batch = make_batch(chunks, block_size=block_size, device=device)
                     forward_fn(params, scratch, batch, backend)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
