@@ -50,17 +50,22 @@ class ScheduledChunk(NamedTuple):
 
 @dataclass
 class SchedulerOutput:
+    """chunks: the step's chunks in batch order; sampled: those that get a sampled token (want
+    logits), in the order of the step's logits rows, kept as they are added (Scheduler._schedule)
+    since the engine reads them several times per step."""
+
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    sampled: list[ScheduledChunk] = field(default_factory=list)
+
+    def add(self, chunk: ScheduledChunk) -> None:
+        self.chunks.append(chunk)
+        if chunk.want_logits:
+            self.sampled.append(chunk)
 
     @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
-
-    @property
-    def sampled(self) -> list[ScheduledChunk]:
-        """The chunks that get a sampled token, in the order of the step's logits rows."""
-        return [c for c in self.chunks if c.want_logits]
 
     @property
     def empty(self) -> bool:
@@ -203,7 +208,7 @@ class Scheduler:
         self.bm.allocate(seq, start + n)
         # A block's hash covers its ids: a block holding a pending token waits for a later step.
         self.bm.register_full_blocks(seq, min(start + n, seq.num_tokens - seq.num_pending))
-        out.chunks.append(ScheduledChunk(seq, start, n, start + n == seq.num_tokens))
+        out.add(ScheduledChunk(seq, start, n, start + n == seq.num_tokens))
 
     def advance(self, out: SchedulerOutput) -> None:
         """The first half of recording a launched step: its tokens are computed, and each sampled
