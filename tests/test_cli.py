@@ -79,3 +79,31 @@ def test_python_dash_m_runs_the_cli():
                           capture_output=True, text=True, timeout=120,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 0 and "--demo" in done.stdout and "--max-tokens" in done.stdout
+
+
+def test_bench_runs_nano_vllms_workload_and_records_each_step(tmp_path):
+    """`minivllm bench` on a small cut of the workload: every sequence gets its drawn max_tokens
+    (ignore_eos), the JSON carries the fields the issue names, and --step-times writes one record
+    per engine step whose times add up to no more than the run."""
+    from hf_tiny import make_hf_model, save_checkpoint
+    from minivllm.runtime.workload import throughput_workload
+
+    # The workload's prompt ids go up to 10,000.
+    model = save_checkpoint(make_hf_model(vocab_size=10_001), tmp_path / "model")
+    result_path, steps_path = tmp_path / "r.json", tmp_path / "steps.json"
+    assert main(["bench", "--model", model, "--num-seqs", "4", "--max-input-len", "120",
+                 "--max-output-len", "110", "--max-model-len", "512", "--dtype", "float32",
+                 "--json", str(result_path), "--step-times", str(steps_path)]) == 0
+    result = json.loads(result_path.read_text())
+    prompts, max_tokens = throughput_workload(4, 120, 110)
+    assert result["workload"] == "throughput" and result["tensor_parallel_size"] == 1
+    assert result["output_tokens"] == sum(max_tokens)
+    assert result["prompt_tokens"] == sum(map(len, prompts))
+    for key in ("output_tok_per_s", "seconds", "device", "shape", "backend", "date"):
+        assert key in result
+    steps = json.loads(steps_path.read_text())
+    # Asynchronous scheduling: the last call launches nothing, it reads the last step's tokens.
+    assert len(steps) == result["steps"] + 1 and result["steps"] >= max(max_tokens)
+    assert sum(s["s"] for s in steps) <= result["seconds"]
+    assert {"running", "waiting", "gc_s", "triton_compiles", "frames"} <= set(steps[0])
+    assert steps[-1]["running"] == 0 and steps[-1]["waiting"] == 0

@@ -80,7 +80,7 @@ def test_compiled_forward_recompiles_a_bounded_number_of_times_over_the_buckets(
 
 
 def test_compiled_layer_serves_prefill_and_mixed_steps_too():
-    """MINIVLLM_COMPILE_PREFILL runs prefill and mixed steps through the same compiled layer:
+    """Prefill and mixed steps run through the same compiled layer as decode (the default):
     its logits equal the eager forward's on steps of several shapes."""
     from minivllm.runtime.graphs import compiled_forward
 

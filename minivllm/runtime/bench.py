@@ -75,13 +75,45 @@ def traced_steps(engine, path: str, *, skip: int, active: int):
 
 
 def timed_steps(engine, log: list) -> None:
-    """Wrap engine.step to append (seconds, running sequences, waiting sequences) per call."""
+    """Wrap engine.step to append one record per call: its seconds, running and waiting
+    sequences, and what paused it besides the GPU (cyclic-GC seconds, Triton JIT compiles,
+    dynamo frames compiled)."""
+    import gc
+
+    pauses = {"gc_s": 0.0, "triton_compiles": 0}
+    gc_start = []
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_start.append(time.perf_counter())
+        elif gc_start:
+            pauses["gc_s"] += time.perf_counter() - gc_start.pop()
+
+    gc.callbacks.append(on_gc)
+    try:
+        import triton
+
+        def on_compile(**kw):
+            pauses["triton_compiles"] += 1
+            return False
+
+        triton.knobs.runtime.jit_post_compile_hook = on_compile
+    except (ImportError, AttributeError):
+        pass
+    from torch._dynamo.utils import counters
+
     inner = engine.step
 
     def step(**kw):
+        before = dict(pauses, frames=counters["stats"]["unique_graphs"])
         t0 = time.perf_counter()
         out = inner(**kw)
-        log.append((time.perf_counter() - t0, len(engine.scheduler.running), len(engine.scheduler.waiting)))
+        seconds = time.perf_counter() - t0
+        log.append({"s": seconds, "running": len(engine.scheduler.running),
+                    "waiting": len(engine.scheduler.waiting),
+                    "gc_s": pauses["gc_s"] - before["gc_s"],
+                    "triton_compiles": pauses["triton_compiles"] - before["triton_compiles"],
+                    "frames": counters["stats"]["unique_graphs"] - before["frames"]})
         return out
 
     engine.step = step
@@ -185,7 +217,8 @@ def add_bench_args(p) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--device", default=None)
     p.add_argument("--step-times", default=None,
-                   help="write each engine step's (seconds, running, waiting) to this JSON file")
+                   help="write a record per engine step (seconds, running and waiting sequences, GC "
+                        "seconds, Triton compiles, dynamo frames) to this JSON file")
     p.add_argument("--trace", default=None,
                    help="write a Chrome trace (torch.profiler) of 8 decode steps to this path "
                         "(steps 400-407; with --latency, steps 100-107 of the last stream); the "

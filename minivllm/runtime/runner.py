@@ -11,6 +11,7 @@ issue 6 plugs into. CUDA graphs and torch.compile for decode (issue 5) belong in
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -168,14 +169,19 @@ class ModelRunner:
                 max_blocks_per_seq=ceil_div(config.max_model_len, self.block_size),
                 compile_forward=os.environ.get("MINIVLLM_COMPILE", "1") != "0")
             self.graphs.capture()
-        # Prefill and mixed steps run the eager forward; MINIVLLM_COMPILE_PREFILL=1 runs them
-        # through the compiled decoder layer too (compiled here, for a measurement of which is
-        # faster: issue 5).
+        # Prefill and mixed steps run through the same compiled decoder layer (its prefill
+        # variants compiled here): on the H200 the throughput benchmark ran 22,637 tok/s so
+        # against 16,911 with eager prefill (BENCHMARKS.md). MINIVLLM_COMPILE_PREFILL=0: eager.
         if self.graphs is not None and self.graphs.fn is not forward and \
-                os.environ.get("MINIVLLM_COMPILE_PREFILL", "0") == "1":
+                os.environ.get("MINIVLLM_COMPILE_PREFILL", "1") != "0":
             self.prefill_forward = self.graphs.fn
             warm_up_steps(self.params, self.backend, block_size=self.block_size,
                           forward_fn=self.prefill_forward)
+        # What start-up built (compiled graphs, their sympy expressions, captured graphs) lives
+        # as long as the process; frozen, the cyclic GC no longer rescans it in the pauses it
+        # takes mid-serving.
+        gc.collect()
+        gc.freeze()
 
     # -- sizing the KV cache ---------------------------------------------------------------------
 
