@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# The GPU checks the open issues still owe, in priority order, in two device calls of at most
+# The GPU checks the open issues still owe, in priority order, in device calls of at most
 # 10 minutes each (run from the repo root there; pytest/hypothesis wheels carried in .whl/):
 #   bash benchmarks/gpu_checks.sh one    # nvidia-h200: speed (issue 5) and the GPU test suite
-#   bash benchmarks/gpu_checks.sh two    # nvidia-h200-x2: tensor parallelism (issue 6)
-#   bash benchmarks/gpu_checks.sh three  # nvidia-h200-x2: the Qwen3-8B shape at TP=1 and TP=2
+#   bash benchmarks/gpu_checks.sh tp     # nvidia-h200-x2: tensor parallelism (issue 6), 0.6B and 8B
 # An engine start on a fresh machine takes 25-35 s (layer compile, kernel warm-up, 19 graph
 # captures); Triton's and inductor's caches make later starts in the same call faster. Logs go
 # to $OUT; keep the number of files there small (the device returns a limited count).
@@ -41,17 +40,16 @@ one)
     tests/test_gpu_graphs.py tests/test_sample_kernel.py tests/test_sampling.py tests/test_warmup.py \
     tests/test_engine.py tests/test_engine_bad_input.py tests/test_decode_graphs.py tests/test_model.py
   ;;
-two)
-  # 3. TP=2 against TP=1 (teacher-forced agreement and engine greedy), then the benches.
-  step tp_check 300 python3 benchmarks/tp_check.py --json "$OUT/tp_check.json"
-  step bench_tp2 120 python3 -m minivllm bench --shape qwen3-0.6b -tp 2 --json "$OUT/bench_tp2.json"
-  CUDA_VISIBLE_DEVICES=0 step bench_tp1 100 python3 -m minivllm bench --shape qwen3-0.6b \
+tp)
+  # 3. TP=2 against TP=1 (teacher-forced agreement and engine greedy), then the benches at the
+  #    0.6B and 8B shapes, TP=1 on GPU 0 and TP=2 on GPUs 0 and 1, in one call (<= 580 s).
+  step tp_check 200 python3 benchmarks/tp_check.py --json "$OUT/tp_check.json"
+  CUDA_VISIBLE_DEVICES=0 step bench_tp1 80 python3 -m minivllm bench --shape qwen3-0.6b \
     --json "$OUT/bench_tp1.json"
-  ;;
-three)
-  CUDA_VISIBLE_DEVICES=0 step bench_8b_tp1 240 python3 -m minivllm bench --shape qwen3-8b \
+  step bench_tp2 90 python3 -m minivllm bench --shape qwen3-0.6b -tp 2 --json "$OUT/bench_tp2.json"
+  CUDA_VISIBLE_DEVICES=0 step bench_8b_tp1 100 python3 -m minivllm bench --shape qwen3-8b \
     --json "$OUT/bench_8b_tp1.json"
-  step bench_8b_tp2 240 python3 -m minivllm bench --shape qwen3-8b -tp 2 --json "$OUT/bench_8b_tp2.json"
+  step bench_8b_tp2 110 python3 -m minivllm bench --shape qwen3-8b -tp 2 --json "$OUT/bench_8b_tp2.json"
   ;;
 esac
 cat "$LOGS"/*.log > "$OUT/logs.txt"
