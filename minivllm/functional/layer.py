@@ -8,11 +8,22 @@ from ..state.batch import Batch
 from ..state.config import ModelConfig
 from ..state.params import LayerParams
 from ..state.shard import ShardSpec
-from .activation import silu_and_mul
 from .attention import AttentionBackend
-from .linear import column_linear, qkv_linear, row_linear
+from .linear import column_linear, glu_row_linear, qkv_linear, row_linear
 from .norm import add_rms_norm, rms_norm
 from .rope import apply_rope
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, nq, d], k: [T, nkv, d] -> each head RMS-normed (q's heads by q_weight: [d], k's by
+    k_weight) and rotated. Taken as one [T, nq + nkv, d] tensor so that the compiled layer makes
+    it one kernel rather than one for q and one for k (a decode step of a few rows pays per
+    kernel, not per byte)."""
+    nq, nkv = q.shape[1], k.shape[1]
+    weight = torch.cat([q_weight.expand(nq, -1), k_weight.expand(nkv, -1)])  # [nq + nkv, d]
+    qk = apply_rope(rms_norm(torch.cat([q, k], dim=1), weight, eps), cos, sin)
+    return qk.split([nq, nkv], dim=1)
 
 
 def attention_block(lp: LayerParams, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -20,15 +31,14 @@ def attention_block(lp: LayerParams, x: torch.Tensor, cos: torch.Tensor, sin: to
                     config: ModelConfig, shard: ShardSpec, backend: AttentionBackend) -> torch.Tensor:
     """x: [T, hidden] (normed) -> [T, hidden]. Writes this step's K/V into k_cache/v_cache."""
     q, k, v = qkv_linear(x, lp.qkv, config, shard)
-    q = apply_rope(rms_norm(q, lp.q_norm, config.rms_norm_eps), cos, sin)
-    k = apply_rope(rms_norm(k, lp.k_norm, config.rms_norm_eps), cos, sin)
+    q, k = qk_norm_rope(q, k, lp.q_norm, lp.k_norm, cos, sin, config.rms_norm_eps)
     out = backend(q, k, v, k_cache, v_cache, batch, config.head_dim ** -0.5)
     return row_linear(out.reshape(out.shape[0], -1), lp.o_proj, shard)
 
 
 def mlp_block(lp: LayerParams, x: torch.Tensor, shard: ShardSpec) -> torch.Tensor:
     """x: [T, hidden] (normed) -> [T, hidden]."""
-    return row_linear(silu_and_mul(column_linear(x, lp.gate_up)), lp.down, shard)
+    return glu_row_linear(column_linear(x, lp.gate_up), lp.down, shard)
 
 
 def decoder_layer(lp: LayerParams, x: torch.Tensor, residual: torch.Tensor | None,

@@ -14,6 +14,7 @@ import contextlib
 import gc
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -141,25 +142,36 @@ def cpu_kv_budget_bytes() -> int:
     return min(4 * GiB, ram // 4)
 
 
+@contextlib.contextmanager
+def _logged_time(what: str):
+    """Log how long a start-up phase took (start-up time is part of what users wait for)."""
+    start = time.perf_counter()
+    yield
+    log.info("minivllm: %s took %.1f s", what, time.perf_counter() - start)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, *, shard: ShardSpec | None = None,
                  params: Params | None = None):
         self.config = config
         self.block_size = config.block_size
-        if params is None and is_random_model(config.model):
-            params = random_params(config.model_config, seed=config.seed, dtype=config.dtype,
-                                   device=config.device, shard=shard)
-        self.params = params if params is not None else load(
-            config.model, dtype=config.dtype, device=config.device, shard=shard)
+        with _logged_time("weights"):
+            if params is None and is_random_model(config.model):
+                params = random_params(config.model_config, seed=config.seed, dtype=config.dtype,
+                                       device=config.device, shard=shard)
+            self.params = params if params is not None else load(
+                config.model, dtype=config.dtype, device=config.device, shard=shard)
         self.model_config = self.params.config
         self.vocab_size = self.model_config.vocab_size
         self.device = self.params.device
         self.backend = select_backend(self.device, config.attention_backend)
         self.enforce_eager = config.enforce_eager
         self.prefill_forward = forward  # see below
-        warm_up_kernels(self.params, self.backend, block_size=self.block_size,
-                        max_num_seqs=config.max_num_seqs)
-        self.num_blocks = self._num_blocks()
+        with _logged_time("kernel warm-up"):
+            warm_up_kernels(self.params, self.backend, block_size=self.block_size,
+                            max_num_seqs=config.max_num_seqs)
+        with _logged_time("KV cache sizing"):
+            self.num_blocks = self._num_blocks()
         self.cache = init_cache(self.params, num_blocks=self.num_blocks, block_size=self.block_size)
         self.graphs = None
         self.last_tokens = None  # [rows] the last launched step's sampled ids, on the device
@@ -175,8 +187,9 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fn is not forward and \
                 os.environ.get("MINIVLLM_COMPILE_PREFILL", "1") != "0":
             self.prefill_forward = self.graphs.fn
-            warm_up_steps(self.params, self.backend, block_size=self.block_size,
-                          forward_fn=self.prefill_forward)
+            with _logged_time("compiled prefill warm-up"):
+                warm_up_steps(self.params, self.backend, block_size=self.block_size,
+                              forward_fn=self.prefill_forward)
         # What start-up built (compiled graphs, their sympy expressions, captured graphs) lives
         # as long as the process; frozen, the cyclic GC no longer rescans it in the pauses it
         # takes mid-serving.

@@ -1,0 +1,175 @@
+"""Decode-shaped linear layers on the GPU: F.linear (cuBLAS) against skinny_linear (Triton).
+
+    PYTHONPATH=. python benchmarks/bench_linear.py [--json PATH] [--models 0.6b,8b] [--tp 1,2]
+                                                   [--rows 1,2,4,8,16] [--sweep]
+
+x: [M, K] @ weight: [N, K].T in bf16 for M in --rows, over Qwen3-0.6B's and Qwen3-8B's layer
+shapes (qkv, o_proj, gate_up, down, lm_head) and their tensor-parallel-2 slices (column-parallel
+qkv/gate_up/lm_head halve N, row-parallel o_proj/down halve K). Each op is captured in a CUDA graph
+of CALLS calls and the graph replayed REPLAYS times; the median replay / CALLS is the time per call,
+launch overhead excluded as in the engine's decode graphs. The calls rotate over enough copies of
+the weight to exceed twice the L2, so weights come from HBM as they do in a model's forward.
+TB/s = weight bytes / time. Both results are checked against an fp32 matmul (bf16 tolerance).
+--sweep also times a few forced tile configs of skinny_linear at M = 2 and 16 (tuning aid).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from minivllm.kernels.skinny_gemm import skinny_config, skinny_linear
+
+SHAPES = {  # model: {layer: (N, K)}
+    "0.6b": {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024),
+             "down": (1024, 3072), "lm_head": (151936, 1024)},
+    "8b": {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096),
+           "down": (4096, 12288), "lm_head": (151936, 4096)},
+}
+ROW_PARALLEL = ("o_proj", "down")  # split on K under tensor parallelism; the others on N
+LAYER = ("qkv", "o_proj", "gate_up", "down")  # one decoder layer's GEMMs, summed in the summary
+CALLS, REPLAYS = 20, 10
+DT = torch.bfloat16
+TOL = 1e-2  # max |out - ref| / max |ref|: bf16 output rounding is 2^-9 relative
+SWEEP = [dict(block_n=bn, block_k=bk, num_stages=st)
+         for bn, bk, st in itertools.product((16, 32, 64), (128, 256), (3, 4))]
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def graph_us(fn, calls: int = CALLS, replays: int = REPLAYS) -> float:
+    """Median microseconds per call of fn(i), i = 0..calls-1, replayed from one CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up (Triton compiles) outside the capture
+        for i in range(calls):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fn(i)
+    g.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        e0.record()
+        g.replay()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1))
+    del g
+    return statistics.median(times) * 1e3 / calls
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def shapes(models, tps):
+    for model in models:
+        for tp in tps:
+            for layer, (n, k) in SHAPES[model].items():
+                if layer in ROW_PARALLEL:
+                    k //= tp
+                else:
+                    n //= tp
+                yield model, tp, layer, n, k
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--models", default="0.6b,8b")
+    ap.add_argument("--tp", default="1,2")
+    ap.add_argument("--rows", default="1,2,4,8,16")
+    ap.add_argument("--sweep", action="store_true", help="also time forced tile configs")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_linear.py needs a CUDA GPU (it times CUDA graphs)", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    l2 = getattr(props, "L2_cache_size", 50 * 2**20)
+    rows = [int(r) for r in args.rows.split(",")]
+    models, tps = args.models.split(","), [int(t) for t in args.tp.split(",")]
+    log(f"{props.name}, {props.multi_processor_count} SMs, L2 {l2 / 2**20:.0f} MB, {DT}, "
+        f"{CALLS} calls per graph, median of {REPLAYS} replays")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    results, failures = [], []
+    hdr = (f"{'model':>5} {'tp':>2} {'layer':>8} {'N':>6} {'K':>6} {'M':>3} | {'cuBLAS us':>9} "
+           f"{'TB/s':>5} | {'skinny us':>9} {'TB/s':>5} | {'speedup':>7} | config")
+    log(hdr)
+    log("-" * len(hdr))
+    for model, tp, layer, n, k in shapes(models, tps):
+        nbytes = n * k * DT.itemsize
+        copies = max(1, min(CALLS, math.ceil(2 * l2 / nbytes)))
+        ws = [torch.randn(n, k, device=dev, dtype=DT, generator=gen) * k**-0.5 for _ in range(copies)]
+        for m in rows:
+            x = torch.randn(m, k, device=dev, dtype=DT, generator=gen)
+            ref = x.float() @ ws[0].float().T
+            errs = {"cublas": rel_err(F.linear(x, ws[0]), ref), "skinny": rel_err(skinny_linear(x, ws[0]), ref)}
+            for name, e in errs.items():
+                if not e <= TOL:
+                    failures.append(f"{name} {model} tp{tp} {layer} M={m}: rel err {e:.3g}")
+            t_cublas = graph_us(lambda i: F.linear(x, ws[i % copies]))
+            t_skinny = graph_us(lambda i: skinny_linear(x, ws[i % copies]))
+            cfg = skinny_config(m, n, k, DT, dev)
+            row = dict(model=model, tp=tp, layer=layer, n=n, k=k, m=m, cublas_us=t_cublas,
+                       skinny_us=t_skinny, cublas_tbs=nbytes / t_cublas / 1e6,
+                       skinny_tbs=nbytes / t_skinny / 1e6, rel_err=errs, config=cfg)
+            if args.sweep and m in (2, 16):
+                row["sweep"] = []
+                for over in SWEEP:
+                    c = skinny_config(m, n, k, DT, dev, **over)
+                    us = graph_us(lambda i: skinny_linear(x, ws[i % copies], config=over))
+                    row["sweep"].append(dict(config=c, us=us, tbs=nbytes / us / 1e6))
+                best = min(row["sweep"], key=lambda r: r["us"])
+                row["sweep_best"] = best
+            results.append(row)
+            cstr = "bn{block_n} bk{block_k} s{split} w{num_warps} st{num_stages}".format(**cfg)
+            if "sweep_best" in row:
+                b = row["sweep_best"]
+                cstr += " | best {:.1f} us: bn{block_n} bk{block_k} s{split} st{num_stages}".format(
+                    b["us"], **b["config"])
+            log(f"{model:>5} {tp:>2} {layer:>8} {n:>6} {k:>6} {m:>3} | {t_cublas:>9.1f} "
+                f"{row['cublas_tbs']:>5.2f} | {t_skinny:>9.1f} {row['skinny_tbs']:>5.2f} | "
+                f"{t_cublas / t_skinny:>6.2f}x | {cstr}")
+        del ws
+        torch.cuda.empty_cache()
+
+    log("\nOne decoder layer's GEMMs (" + " + ".join(LAYER) + "), us: cuBLAS / skinny / best of each")
+    summary = []
+    for model, tp in itertools.product(models, tps):
+        for m in rows:
+            sel = [r for r in results if (r["model"], r["tp"], r["m"]) == (model, tp, m) and r["layer"] in LAYER]
+            if len(sel) != len(LAYER):
+                continue
+            c, s = sum(r["cublas_us"] for r in sel), sum(r["skinny_us"] for r in sel)
+            b = sum(min(r["cublas_us"], r["skinny_us"]) for r in sel)
+            summary.append(dict(model=model, tp=tp, m=m, cublas_us=c, skinny_us=s, best_us=b))
+            log(f"  {model:>5} tp{tp} M={m:>2}: {c:7.1f} / {s:7.1f} / {b:7.1f}")
+    for f in failures:
+        log("MISMATCH", f)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(dict(device=props.name, sms=props.multi_processor_count, dtype=str(DT), calls=CALLS,
+                           replays=REPLAYS, results=results, layer_summary=summary, failures=failures),
+                      fh, indent=1)
+        log(f"wrote {args.json}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Skinny GEMM for decode: out = x @ weight.T for a few rows (M <= 16), weight streamed once.
+
+  x: [M, K] (any row stride), weight: [N, K] row-major (nn.Linear layout), out: [M, N] (x.dtype)
+  glu=True: x: [M, 2K] (gate, then up), out = (silu(gate) * up) @ weight.T, the MLP's down
+  projection with its activation folded into the load of x (one launch fewer per layer).
+
+At decode the linear layers are weight-bandwidth bound: every byte of the weight is read once for a
+handful of rows. cuBLAS picks tiles for M <= 16 that read weights at 0.9-1.6 TB/s on the H200; here
+each program owns BLOCK_N rows of the weight (output columns) and streams them along K in
+coalesced [BLOCK_N, BLOCK_K] tiles, num_stages deep, so that enough bytes are in flight per SM to
+approach HBM bandwidth. When N alone cannot give ~2 programs per SM (o_proj, down: N = 1024), K is
+split too: each split writes an fp32 partial [SPLIT, M, N] and a second kernel sums the partials in
+a fixed order (deterministic, unlike atomics) and casts.
+
+Launch choices come from shapes, dtype and the SM count only (no autotune, no .item()), so a call
+traces under torch.compile(fullgraph=True) and replays under CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import dot_precision, interpreting, next_pow2, num_sms
+
+MAX_SKINNY_ROWS = 16
+M_PAD = 16  # tl.dot needs every dimension >= 16: rows of x past M are masked to zero
+WAVES = 2  # programs per SM wanted: one wave leaves SMs idle at the tail and few bytes in flight
+BLOCK_NS = (64, 32, 16)  # largest first; 16 is tl.dot's minimum
+SUM_BLOCK = 512
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split,
+                   stride_xm, stride_xk, stride_wn, stride_om,
+                   M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   EVEN_K: tl.constexpr, SPLIT: tl.constexpr, GLU: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    # Program (pid_n, pid_k): output columns [pid_n * BLOCK_N, +BLOCK_N) over K range
+    # [pid_k * k_per_split, +k_per_split). With SPLIT, out_ptr is the fp32 workspace [SPLIT, M, N].
+    # With GLU, x is [M, 2K]: x_ptrs walk the gate half, and the up half is K columns further on.
+    #
+    # Why tl.dot and not broadcast-multiply + tl.sum: the product is computed transposed,
+    # acc[BLOCK_N, M_PAD] = w[BLOCK_N, BLOCK_K] @ x[M_PAD, BLOCK_K]^T ("swap AB"), so the weight is
+    # the MMA's A operand. Loads feeding a dot are what Triton's software pipeliner turns into
+    # asynchronous copies into shared memory num_stages deep: the weight stream stays in flight
+    # without holding registers, which is the whole game for a bandwidth-bound kernel. A
+    # broadcast product would need [M, BLOCK_N, BLOCK_K] fp32 values in registers and CUDA-core
+    # FMAs: at M = 16 the 8B lm head is 20 GFLOP, ~0.3 ms of fp32 FMA on Hopper, as long as its
+    # 1.2 GB read; on tensor cores the padding of M to 16 costs nothing measurable.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, M_PAD)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    # Weight rows past N are clamped onto row N-1 (read, never stored) rather than masked, so
+    # that with EVEN_K the weight loads carry no mask at all.
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + (k_start + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :] * stride_xk
+    acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            x_mask = mask_m[:, None]
+        else:
+            mask_k = (k0 + offs_k) < k_end
+            w = tl.load(w_ptrs, mask=mask_k[None, :], other=0.0)
+            x_mask = mask_m[:, None] & mask_k[None, :]
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        if GLU:
+            # silu_and_mul on the tile: silu in fp32, times up, rounded once to x's dtype so the
+            # dot sees what silu_and_mul would have written (it rounds twice, silu then product;
+            # once here). Masked elements load 0 and stay 0 (silu(0) = 0), so padding is inert.
+            up = tl.load(x_ptrs + K * stride_xk, mask=x_mask, other=0.0).to(tl.float32)
+            g = x.to(tl.float32)
+            x = (g * tl.sigmoid(g) * up).to(x_ptr.dtype.element_ty)
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)  # [BLOCK_N, M_PAD]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K * stride_xk
+    mask = (offs_n < N)[:, None] & mask_m[None, :]
+    if SPLIT:
+        part = out_ptr + pid_k.to(tl.int64) * M * N  # workspace [SPLIT, M, N], contiguous
+        tl.store(part + offs_m[None, :] * N + offs_n[:, None], acc, mask=mask)
+    else:
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None],
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_splits_kernel(ws_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    # ws: [SPLIT, M, N] fp32 -> out: [M, N] (contiguous), summed in split order: deterministic.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def skinny_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
+                  **override) -> dict:
+    """Tiles, split and launch settings for x: [m, k] @ weight[n, k].T; keys block_n, block_k,
+    split, num_warps, num_stages, any of which `override` may fix (benchmarks sweep them).
+
+    - block_n: the largest of 64/32/16 that still gives WAVES programs per SM from N alone.
+      Small tiles cost only rereads of x ([M, BLOCK_K] a chunk, from L2; at M = 16 and
+      block_n = 16 as many bytes as the weight tile), far cheaper than split-K's round trip.
+    - block_k: 8-16 KB weight tiles (128 16-bit elements a row, 256 when block_n = 16; half as
+      many in fp32): >= 256 bytes per weight row per load keeps the reads coalesced, and 3 tiles
+      in flight per program (num_stages = 4; 48-80 KB of shared memory a program, so 2-4
+      resident per SM) keep ~50-100 KB in flight per SM, above HBM bandwidth x latency per SM
+      (~4.8 TB/s x ~1 us / 132 SMs = ~36 KB).
+    - split: when even block_n = 16 leaves fewer than WAVES programs per SM (N = 1024: 64 tiles
+      on 132 SMs), K is cut into round(WAVES * SMs / tiles) ranges of whole BLOCK_K chunks.
+      Round, not ceil: N = 4096 (256 tiles, 1.94 per SM) then runs unsplit; a guess that the
+      partials' round trip and second launch cost more than 3% fewer programs (unmeasured).
+    - glu: k is the weight's K (x has 2k columns); the choices stay as they are. The rereads of
+      x double (block_n = 16 at M = 16: twice the weight tile's bytes a chunk, from L2) and the
+      silu adds M_PAD * BLOCK_K exps a tile; a guess that both hide under the weight stream
+      (unmeasured: a larger block_n with more splits would cut the rereads if not).
+    - num_warps 4 (one warpgroup: block_n = 64 maps onto one wgmma of M = 64), num_stages 4 for
+      16-bit, 3 for fp32 (twice the bytes a stage).
+    """
+    if m > MAX_SKINNY_ROWS:
+        raise ValueError(f"skinny_linear takes at most {MAX_SKINNY_ROWS} rows, got {m}")
+    want = WAVES * num_sms(device)
+    block_n = override.get("block_n")
+    if not block_n:
+        block_n = BLOCK_NS[-1]
+        for b in reversed(BLOCK_NS):  # smallest to largest: keep the last that gives `want`
+            if triton.cdiv(n, b) >= want:
+                block_n = b
+    elsize = dtype.itemsize
+    bk = (256 if block_n == 16 else 128) * 2 // elsize
+    block_k = override.get("block_k") or min(bk, max(16, next_pow2(k)))
+    tiles = triton.cdiv(n, block_n)
+    chunks = triton.cdiv(k, block_k)
+    split = override.get("split") or max(1, min(chunks, (want + tiles // 2) // tiles))
+    # Whole chunks per split, and no empty split: recount after rounding the range up.
+    split = triton.cdiv(chunks, triton.cdiv(chunks, split))
+    on_gpu = device.type == "cuda" and not interpreting()
+    return dict(block_n=block_n, block_k=block_k, split=split,
+                num_warps=override.get("num_warps") or 4,
+                num_stages=override.get("num_stages") or (4 if on_gpu and elsize == 2 else 3))
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, glu: bool = False,
+                  config: dict | None = None) -> torch.Tensor:
+    """x: [M, K] @ weight: [N, K].T -> [M, N] in x.dtype, fp32 accumulation, 1 <= M <= 16.
+
+    glu=True: x is [M, 2K] (gate, then up; any strides) and the result is
+    silu_and_mul(x) @ weight.T, the activation computed per tile in fp32 and rounded once to
+    x.dtype before the dot (silu_and_mul rounds twice; results agree up to that rounding)."""
+    m, kx = x.shape
+    n, k = weight.shape
+    if not 1 <= m <= MAX_SKINNY_ROWS:
+        raise ValueError(f"skinny_linear takes 1..{MAX_SKINNY_ROWS} rows, got {m}")
+    assert kx == (2 * k if glu else k) and x.dtype == weight.dtype, (
+        glu, x.shape, x.dtype, weight.shape, weight.dtype)
+    assert weight.stride(1) == 1, "weight rows must be contiguous (nn.Linear layout)"
+    cfg = skinny_config(m, n, k, x.dtype, x.device, **(config or {}))
+    block_n, block_k, split = cfg["block_n"], cfg["block_k"], cfg["split"]
+    k_per_split = triton.cdiv(triton.cdiv(k, block_k), split) * block_k
+    out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    ws = torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 else out
+    _skinny_kernel[(triton.cdiv(n, block_n), split)](
+        x, weight, ws, m, n, k, k_per_split,
+        x.stride(0), x.stride(1), weight.stride(0), out.stride(0),
+        M_PAD=M_PAD, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        SPLIT=split > 1, GLU=glu, PRECISION=dot_precision(x.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if split > 1:
+        _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
+            ws, out, m * n, SPLIT=split, BLOCK=SUM_BLOCK, num_warps=4)
+    return out

@@ -1,0 +1,216 @@
+"""skinny_linear (x: [M, K] @ weight: [N, K].T for M <= 16) against an fp64 matmul.
+
+On CPU under TRITON_INTERPRET=1 (num_sms = 4, so small shapes take the split-K path too), fp32
+and fp16; bf16 is checked on the GPU (benchmarks/bench_linear.py). Elementwise bounds: fp32
+accumulation error is bounded by ACC_TOL * (|x| @ |w|.T), fp16 adds the output's own rounding.
+glu=True (x = [gate, up]) is checked against silu(gate) * up in fp64, the bound widened by one
+rounding of the activation to fp16 (the kernel rounds it once before the dot)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from minivllm.kernels.launch import triton_usable
+from minivllm.kernels.skinny_gemm import MAX_SKINNY_ROWS, skinny_config, skinny_linear
+
+ACC_TOL = 1e-5
+ROUNDING = {torch.float32: 0.0, torch.float16: 2.0**-11}  # half an ulp, relative
+ROWS = (1, 2, 3, 7, 16)
+# (N, K): ragged N and K; ragged N with whole K chunks; split-K with a ragged and a whole K.
+SHAPES = ((100, 70), (257, 128), (24, 600), (48, 1024))
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _needs_triton(device):
+    if not triton_usable(device):
+        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+
+
+def check(out, x, w, glu=False):
+    assert out.shape == (x.shape[0], w.shape[0]) and out.dtype == x.dtype
+    x64, w64 = x.double(), w.double()
+    act_rounding = 0.0
+    if glu:  # the activation, rounded once to x.dtype in the kernel: relative ROUNDING each
+        gate, up = x64.chunk(2, dim=-1)
+        x64, act_rounding = torch.nn.functional.silu(gate) * up, ROUNDING[x.dtype]
+    ref = x64 @ w64.T
+    bound = (ACC_TOL + act_rounding) * (x64.abs() @ w64.abs().T) + ROUNDING[x.dtype] * ref.abs()
+    err = (out.double() - ref).abs()
+    assert torch.isfinite(out).all()
+    worst = (err - bound).argmax()
+    assert (err <= bound).all(), f"error {err.flatten()[worst]:.3g} > bound {bound.flatten()[worst]:.3g}"
+
+
+def rand(*shape, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(device, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", ROWS)
+def test_matches_fp64(device, m, n, k, dtype):
+    x = rand(m, k, dtype=dtype, device=device, seed=m * 1000 + n)
+    w = rand(n, k, dtype=dtype, device=device, seed=k)
+    check(skinny_linear(x, w), x, w)
+
+
+def test_small_shapes_cover_the_paths(device):
+    """The shapes above must reach what they are meant to test, under the CPU heuristic."""
+    if device.type == "cuda":
+        pytest.skip("the split choices depend on the SM count")
+    cfg = {nk: skinny_config(2, *nk, torch.float32, device) for nk in SHAPES}
+    assert cfg[(100, 70)]["split"] == 1 and 70 % cfg[(100, 70)]["block_k"] != 0
+    assert cfg[(257, 128)]["split"] == 1 and 257 % cfg[(257, 128)]["block_n"] != 0
+    assert cfg[(24, 600)]["split"] > 1 and cfg[(48, 1024)]["split"] > 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k", [(100, 70), (24, 600)])
+def test_strided_rows(device, n, k, dtype):
+    """x as views: columns of a wider tensor (row stride > K), and every other row of one."""
+    wide = rand(16, k + 13, dtype=dtype, device=device, seed=1)
+    w = rand(n, k, dtype=dtype, device=device, seed=2)
+    for x in (wide[:5, 7:7 + k], wide[::2, :k]):
+        assert not x.is_contiguous()
+        check(skinny_linear(x, w), x, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", (1, 3, 16))
+def test_glu_matches_fp64(device, m, n, k, dtype):
+    """glu=True: x = [gate, up] of width 2K, silu(gate) * up folded into the load of x; SHAPES
+    cover ragged and whole K, unsplit and split-K (test_small_shapes_cover_the_paths)."""
+    x = rand(m, 2 * k, dtype=dtype, device=device, seed=m * 1000 + n + 7)
+    w = rand(n, k, dtype=dtype, device=device, seed=k + 7)
+    check(skinny_linear(x, w, glu=True), x, w, glu=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_glu_strided(device, dtype):
+    """glu=True on views: columns of a wider tensor (row stride > 2K), every other row, and a
+    transposed x (column stride != 1); split-K with a ragged K (24, 600) and unsplit (100, 70)."""
+    for n, k in ((24, 600), (100, 70)):
+        wide = rand(16, 2 * k + 13, dtype=dtype, device=device, seed=8)
+        w = rand(n, k, dtype=dtype, device=device, seed=9)
+        xt = rand(2 * k, 3, dtype=dtype, device=device, seed=10).T
+        for x in (wide[:5, 7:7 + 2 * k], wide[::2, :2 * k], xt):
+            assert not x.is_contiguous()
+            check(skinny_linear(x, w, glu=True), x, w, glu=True)
+
+
+def test_glu_width_checked(device):
+    with pytest.raises(AssertionError):
+        skinny_linear(torch.zeros(2, 32, device=device), torch.zeros(16, 32, device=device),
+                      glu=True)  # x must be [M, 2K]
+
+
+def test_config_override(device):
+    """Forced tiles and splits (what the benchmark sweeps) give the same result."""
+    x = rand(3, 300, dtype=torch.float32, device=device, seed=3)
+    w = rand(40, 300, dtype=torch.float32, device=device, seed=4)
+    for cfg in (dict(block_n=32, block_k=64, split=3), dict(block_n=64, split=1), dict(split=5)):
+        check(skinny_linear(x, w, config=cfg), x, w)
+
+
+def test_too_many_rows(device):
+    x = torch.zeros(MAX_SKINNY_ROWS + 1, 32, device=device)
+    with pytest.raises(ValueError):
+        skinny_linear(x, torch.zeros(16, 32, device=device))
+
+
+# Dynamo sees a Triton kernel only as a @triton.jit JITFunction on a machine where torch finds a
+# Triton device; under TRITON_INTERPRET=1 the kernels are InterpretedFunctions, opaque to it. So on
+# CPU a child process imports them without the interpreter, tells torch a Triton device exists,
+# traces with fullgraph=True (any graph break raises) and runs AOT autograd over the graph, as the
+# aot_eager backend does, then stops before running it (a JIT kernel cannot run without a GPU;
+# the interpreted kernels' numerics are the tests above). Without a GPU, Triton's mutation
+# analysis cannot lower the kernel and treats every argument as written (a logged warning).
+TRACE_SCRIPT = """
+import json, torch, torch.utils._triton
+torch.utils._triton.has_triton = lambda: True
+from torch._dynamo.backends.common import aot_autograd
+from minivllm.kernels.skinny_gemm import skinny_config, skinny_linear
+
+class Traced(Exception):
+    pass
+
+graphs = {}
+
+def keep(gm, example_inputs):
+    graphs["aot"] = gm
+    return gm
+
+def backend(gm, example_inputs):
+    graphs["dynamo"] = gm
+    aot_autograd(fw_compiler=keep)(gm, example_inputs)
+    raise Traced
+
+def layer(h, w):  # h: [M, >= K], sliced like a fused projection's output
+    return skinny_linear(h[:, : w.shape[1]] * 2, w) + 1
+
+h, w = torch.randn(2, 640), torch.randn(24, 600)
+assert skinny_config(2, 24, 600, torch.float32, h.device)["split"] > 1  # both kernels
+try:
+    torch.compile(layer, fullgraph=True, backend=backend)(h, w)
+except torch._dynamo.exc.BackendCompilerFailed as e:
+    assert isinstance(e.inner_exception, Traced), e
+count = lambda gm: sum("triton_kernel_wrapper" in str(n.target) for n in gm.graph.nodes)
+print(json.dumps({k: count(gm) for k, gm in graphs.items()}))
+"""
+
+
+def test_traces_without_graph_breaks(device):
+    """torch.compile(fullgraph=True) traces skinny_linear (split-K: both kernels) into one graph."""
+    if device.type == "cuda":  # the real thing: compile, run, compare
+        torch._dynamo.reset()
+        layer = torch.compile(lambda h, w: skinny_linear(h[:, :600] * 2, w) + 1,
+                              fullgraph=True, backend="aot_eager")
+        h = rand(2, 640, dtype=torch.float32, device=device, seed=5)
+        w = rand(24, 600, dtype=torch.float32, device=device, seed=6)
+        check(layer(h, w) - 1, h[:, :600] * 2, w)
+        return
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", TRACE_SCRIPT], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert counts == {"dynamo": 2, "aot": 2}, counts
+
+
+def test_decoder_wiring_equals_cublas_path(device, monkeypatch):
+    """The functional layers' skinny dispatch (every linear layer, the SiLU folded into down)
+    gives the forward's logits of the F.linear path. On the CPU the dispatch is forced on, since
+    it otherwise takes the skinny path on CUDA only."""
+    import minivllm
+    import minivllm.functional.linear as linear
+    from minivllm.kernels import select_backend
+    from minivllm.state import ModelConfig, SeqChunk, make_batch
+
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    params = minivllm.random_params(config, seed=0, std=0.2, device=device)
+    backend = select_backend(device, "reference")
+    batch = make_batch([SeqChunk([1, 2, 3], 0, [0]), SeqChunk([5], 0, [1])], block_size=4,
+                       device=device)
+    want, _ = minivllm.forward(params, minivllm.init_cache(params, num_blocks=2, block_size=4),
+                               batch, backend)
+    calls = []
+
+    def forced(x):
+        calls.append(x.shape)
+        return x.shape[0] <= MAX_SKINNY_ROWS
+
+    monkeypatch.setattr(linear, "_skinny", forced)
+    got, _ = minivllm.forward(params, minivllm.init_cache(params, num_blocks=2, block_size=4),
+                              batch, backend)
+    assert len(calls) == 4 * config.num_layers  # qkv, o_proj, gate_up, down (with the SiLU)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
