@@ -18,33 +18,27 @@ from .activation import silu_and_mul
 from .parallel import all_reduce
 
 
-# cuBLAS reads the weights of a decode GEMM of a few rows at 0.9-1.6 TB/s on the H200; the
-# Triton skinny GEMM streams them at close to the HBM's bandwidth (BENCHMARKS.md).
-# MINIVLLM_SKINNY_GEMM=0 keeps cuBLAS for every shape (for measuring one against the other).
+# A decode GEMM of a few rows is bound by its launch and ramp-up, not by its bytes: on the H200
+# (benchmarks/bench_linear.py, BENCHMARKS.md) every one of the 0.6B shape's GEMMs takes 5-13 us
+# whoever computes it. cuBLAS is slowest where N is small and K is split (o_proj: 8.4-13 us at
+# 1-4 rows; down: 7.7 us), and there the Triton skinny GEMM takes 5.6 and 6.6 us, with down's
+# SiLU-and-mul folded in (a kernel fewer); for qkv and gate_up cuBLAS is 5-15% faster. So the
+# row-parallel layers take the skinny GEMM, the column-parallel ones cuBLAS. Never under
+# autograd: the Triton kernels have no backward. MINIVLLM_SKINNY_GEMM=0: cuBLAS everywhere.
 _SKINNY = os.environ.get("MINIVLLM_SKINNY_GEMM", "1") != "0"
 
 
 def _skinny(x: torch.Tensor) -> bool:
-    if not (_SKINNY and x.is_cuda):
+    if not (_SKINNY and x.is_cuda) or torch.is_grad_enabled():
         return False
     from ..kernels.skinny_gemm import MAX_SKINNY_ROWS
 
     return x.shape[0] <= MAX_SKINNY_ROWS
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x: [T, in] @ weight[out, in].T -> [T, out]: the skinny Triton GEMM for a few rows on CUDA,
-    else F.linear (cuBLAS on CUDA)."""
-    if _skinny(x):
-        from ..kernels.skinny_gemm import skinny_linear
-
-        return skinny_linear(x, weight)
-    return F.linear(x, weight)
-
-
 def column_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x: [T, in] @ weight[out_local, in].T -> [T, out_local]."""
-    return matmul(x, weight)
+    return F.linear(x, weight)
 
 
 def merged_column_linear(x: torch.Tensor, weight: torch.Tensor, parts: int) -> tuple[torch.Tensor, ...]:
@@ -66,7 +60,11 @@ def qkv_linear(x: torch.Tensor, weight: torch.Tensor, config: ModelConfig, shard
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, shard: ShardSpec) -> torch.Tensor:
     """x: [T, in_local] @ weight[out, in_local].T, summed over ranks -> [T, out]."""
-    return all_reduce(matmul(x, weight), shard)
+    if _skinny(x):
+        from ..kernels.skinny_gemm import skinny_linear
+
+        return all_reduce(skinny_linear(x, weight), shard)
+    return all_reduce(F.linear(x, weight), shard)
 
 
 def glu_row_linear(x: torch.Tensor, weight: torch.Tensor, shard: ShardSpec) -> torch.Tensor:

@@ -125,7 +125,26 @@ def init_groups(rank: int, world_size: int, device: torch.device, store=None) ->
                   buffer=torch.empty(STEP_BUFFER_BYTES, dtype=torch.uint8))
 
 
-def destroy_groups() -> None:
+def abort_groups() -> None:
+    """Abort this process's NCCL communicators, so that a collective waiting on a dead peer
+    fails now rather than at the timeout (gloo sees the closed socket by itself)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "nccl":
+        return
+    try:
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        _abort_process_group()
+    except Exception:  # an experimental API: at worst a collective waits for its timeout
+        pass
+
+
+def destroy_groups(*, peers_ok: bool = True) -> None:
+    """Leave the process groups. NCCL's shutdown can wait for every rank to shut down too (torch
+    shuts backends down in a fixed order because ncclCommAbort once was collective), so all
+    ranks call this at the same time; peers_ok=False (a rank died, or may sit in a collective):
+    the communicators are aborted first, which waits for nobody."""
+    if not peers_ok:
+        abort_groups()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

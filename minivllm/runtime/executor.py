@@ -27,8 +27,8 @@ import weakref
 import torch
 
 from .config import EngineConfig
-from .distributed import (Groups, Launch, broadcast_step, collective_timeout, destroy_groups,
-                          torchrun_env)
+from .distributed import (Groups, Launch, abort_groups, broadcast_step, collective_timeout,
+                          destroy_groups, torchrun_env)
 from .runner import ModelRunner, StepInput, StepResult
 from .signals import deferred_sigint, exit_on_sigterm
 from .worker import config_for_rank, ready_key, spawned_worker, start_rank, torchrun_worker
@@ -116,7 +116,7 @@ class SpawnedWorkers:
                     self.failure = _describe_exit(rank, self.procs[rank - 1])
                     self._died.set()
                     if self.nccl:
-                        _abort_collectives()
+                        abort_groups()
 
     def wait_dead(self, timeout: float) -> str | None:
         """Wait up to `timeout` s for a worker to be seen dead; its description, or None."""
@@ -169,15 +169,6 @@ def _lost_peer(e: BaseException) -> bool:
     return type(e) is RuntimeError or isinstance(e, dist.DistError)
 
 
-def _abort_collectives() -> None:
-    try:
-        from torch.distributed.distributed_c10d import _abort_process_group
-
-        _abort_process_group()
-    except Exception:  # an experimental API: at worst rank 0 waits for the collective timeout
-        pass
-
-
 class _Closer:
     """Stops the group once: the stop message to the workers (when they are in step with rank 0),
     then their processes, then this process's groups. Holds no reference to the executor, so
@@ -201,9 +192,12 @@ class _Closer:
                 broadcast_step(None, self.groups)
             except Exception:
                 pass  # a worker is gone already; stop() below deals with the rest
+        # Before waiting for the workers to exit: they leave their groups as they stop, and
+        # NCCL's shutdown on either side can wait for the other's (seen on two H200s: rank 0
+        # waited in destroy_process_group after joining its workers, and never returned).
+        destroy_groups(peers_ok=self.in_step)
         if self.workers is not None:
             self.workers.stop(STOP_GRACE_S if self.in_step else 0.0)
-        destroy_groups()
         if self.reason is None:
             self.reason = "it has been shut down"
 
@@ -257,8 +251,8 @@ class TPExecutor:
             runner, groups = start_rank(config_for_rank(config, 0), 0, world, store)
         except BaseException as e:
             found = workers.wait_dead(DEATH_GRACE_S) if _lost_peer(e) else None
+            destroy_groups(peers_ok=False)
             workers.stop(0.0)
-            destroy_groups()
             if found is not None:
                 raise WorkerDiedError(f"{found} while the engine was starting") from e
             raise

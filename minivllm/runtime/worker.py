@@ -99,7 +99,7 @@ def spawned_worker(rank: int, world_size: int, port: int, config: EngineConfig,
             print(f"minivllm: tensor-parallel worker rank {rank} failed:\n{traceback.format_exc()}",
                   file=sys.stderr, flush=True)
     finally:
-        destroy_groups()
+        destroy_groups(peers_ok=code == 0)
     exit_now(code)
 
 
@@ -117,7 +117,7 @@ def torchrun_worker(config: EngineConfig, launch: Launch) -> NoReturn:
         print(f"minivllm: tensor-parallel rank {launch.rank} failed:\n{traceback.format_exc()}",
               file=sys.stderr, flush=True)
     finally:
-        destroy_groups()
+        destroy_groups(peers_ok=code == 0)
     exit_now(code)
 
 
