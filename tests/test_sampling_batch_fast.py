@@ -45,3 +45,21 @@ def test_steps_override_the_rows_steps():
     rows = [SamplingRow(temperature=0.5, seed=1, step=0)] * 3
     sb = make_sampling_batch(rows, vocab_size=10, steps=[4, 5, 6])
     assert sb.steps.tolist() == [4, 5, 6]
+
+
+def test_every_column_starts_16_byte_aligned_whatever_the_batch(device):
+    """Triton specialises a kernel on whether each pointer is 16-byte aligned: columns of an
+    odd-sized batch that started mid-alignment made the sampler compile new variants while
+    serving. Every tensor column must start aligned, for every B, and still hold its rows."""
+    for b in range(1, 10):
+        rows = [SamplingRow(temperature=0.5 + r, top_k=r + 1, seed=100 + r, step=r)
+                for r in range(b)]
+        sb = make_sampling_batch(rows, vocab_size=1000, device=device)
+        for name in ("temperature", "top_k", "top_p", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "seeds", "steps"):
+            column = getattr(sb, name)
+            assert column.shape == (b,) and column.data_ptr() % 16 == 0, (b, name)
+        assert sb.seeds.tolist() == [100 + r for r in range(b)]
+        assert sb.steps.tolist() == list(range(b))
+        assert sb.top_k.tolist() == [r + 1 for r in range(b)]
+        assert sb.temperature.tolist() == [0.5 + r for r in range(b)]

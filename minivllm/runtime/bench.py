@@ -81,6 +81,7 @@ def timed_steps(engine, log: list) -> None:
     import gc
 
     pauses = {"gc_s": 0.0, "triton_compiles": 0}
+    compiled: list[str] = []  # the kernels Triton compiled, in order
     gc_start = []
 
     def on_gc(phase, info):
@@ -95,6 +96,8 @@ def timed_steps(engine, log: list) -> None:
 
         def on_compile(**kw):
             pauses["triton_compiles"] += 1
+            fn = kw.get("fn")
+            compiled.append(str(getattr(fn, "name", None) or getattr(fn, "__name__", "?")))
             return False
 
         triton.knobs.runtime.jit_post_compile_hook = on_compile
@@ -109,10 +112,12 @@ def timed_steps(engine, log: list) -> None:
         t0 = time.perf_counter()
         out = inner(**kw)
         seconds = time.perf_counter() - t0
+        new_compiles = pauses["triton_compiles"] - before["triton_compiles"]
         log.append({"s": seconds, "running": len(engine.scheduler.running),
                     "waiting": len(engine.scheduler.waiting),
                     "gc_s": pauses["gc_s"] - before["gc_s"],
-                    "triton_compiles": pauses["triton_compiles"] - before["triton_compiles"],
+                    "triton_compiles": new_compiles,
+                    "triton_kernels": compiled[len(compiled) - new_compiles:],
                     "frames": counters["stats"]["unique_graphs"] - before["frames"]})
         return out
 
