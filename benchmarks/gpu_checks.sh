@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
-# The GPU checks the open issues still owe, in priority order, in device calls of at most
-# 10 minutes each (run from the repo root there; pytest/hypothesis wheels carried in .whl/):
-#   bash benchmarks/gpu_checks.sh one    # nvidia-h200: speed (issue 5) and the GPU test suite
-#   bash benchmarks/gpu_checks.sh tp     # nvidia-h200-x2: tensor parallelism (issue 6), 0.6B and 8B
-#   bash benchmarks/gpu_checks.sh all    # nvidia-h200-x2: the suite, speed and TP=2 in one call
-# An engine start on a fresh machine takes 25-35 s (layer compile, kernel warm-up, 19 graph
-# captures); Triton's and inductor's caches make later starts in the same call faster. Logs go
-# to $OUT; keep the number of files there small (the device returns a limited count).
+# The GPU checks the open issues still owe, in one device call each of at most 10 minutes (run
+# from the repo root there; pytest/hypothesis wheels carried in .whl/):
+#   bash benchmarks/gpu_checks.sh speed  # nvidia-h200: issue 5's figures and the GPU test suite
+#   bash benchmarks/gpu_checks.sh tp     # nvidia-h200-x2: tensor parallelism (issue 6)
+# Every step's output streams into $OUT/logs.txt (the suite's into $OUT/tests.txt) and its JSON
+# into $OUT/results.json, so a call cut short still returns what it did; a step past its limit
+# gets SIGABRT first, and PYTHONFAULTHANDLER=1 makes every Python process print its stacks.
 set -u
 OUT=${OUT:-/tmp/minivllm-gpu}
 mkdir -p "$OUT"
@@ -42,54 +41,32 @@ pathlib.Path(tmp).write_text(json.dumps(res, indent=1))
 os.replace(tmp, sys.argv[2])
 PY
 }
-case "${1:-one}" in
-one)
-  # 1. Where the throughput run's time goes, step by step (issue 5), and the single stream.
-  step bench 100 python3 -m minivllm bench --shape qwen3-0.6b --json "$OUT/bench.json" \
-    --step-times "$OUT/steps.json" --trace /tmp/trace.json && gzip -c /tmp/trace.json > "$OUT/trace.json.gz"
-  MINIVLLM_COMPILE_PREFILL=0 step bench_eager_prefill 100 python3 -m minivllm bench \
-    --shape qwen3-0.6b --json "$OUT/bench_eager_prefill.json"
-  step latency 60 python3 -m minivllm bench --shape qwen3-0.6b --latency --json "$OUT/latency.json" \
-    --trace /tmp/latency_trace.json && gzip -c /tmp/latency_trace.json > "$OUT/latency_trace.json.gz"
-  # 2. The suite on CUDA: fast paths against eager, the sampler kernel for real, the engine.
-  step tests 240 python3 -m pytest -p no:cacheprovider -q -o addopts="" --tb=short \
-    tests/test_gpu_graphs.py tests/test_sample_kernel.py tests/test_sampling.py tests/test_warmup.py \
-    tests/test_engine.py tests/test_engine_bad_input.py tests/test_decode_graphs.py tests/test_model.py
+case "${1:-speed}" in
+speed)
+  # nvidia-h200 (<= 590 s): issue 5's figures, then the GPU suite. Cold caches: an engine start
+  # takes ~40 s the first time in a call, ~17 s after. pytest -v names each test as it ends, so
+  # a suite cut short by its limit still says which failed.
+  step latency 100 python3 -m minivllm bench --shape qwen3-0.6b --latency --json "$RESULTS/latency.json"
+  MINIVLLM_SKINNY_GEMM=0 step latency_cublas 60 python3 -m minivllm bench --shape qwen3-0.6b \
+    --latency --json "$RESULTS/latency_cublas.json"
+  step bench 90 python3 -m minivllm bench --shape qwen3-0.6b --json "$RESULTS/bench.json" \
+    --step-times "$OUT/steps.json"
+  STEP_LOG=$OUT/tests.txt step tests 300 python3 -m pytest -p no:cacheprovider -v -o addopts="" \
+    --tb=short tests/test_skinny_gemm.py tests/test_gpu_graphs.py tests/test_model.py \
+    tests/test_sample_kernel.py tests/test_sampling_batch_fast.py tests/test_decode_graphs.py \
+    tests/test_engine.py
   ;;
 tp)
-  # 3. TP=2 against TP=1 (teacher-forced agreement and engine greedy), then the benches at the
-  #    0.6B and 8B shapes, TP=1 on GPU 0 and TP=2 on GPUs 0 and 1, in one call (<= 580 s).
-  step tp_check 200 python3 benchmarks/tp_check.py --json "$OUT/tp_check.json"
-  CUDA_VISIBLE_DEVICES=0 step bench_tp1 80 python3 -m minivllm bench --shape qwen3-0.6b \
-    --json "$OUT/bench_tp1.json"
-  step bench_tp2 90 python3 -m minivllm bench --shape qwen3-0.6b -tp 2 --json "$OUT/bench_tp2.json"
-  CUDA_VISIBLE_DEVICES=0 step bench_8b_tp1 100 python3 -m minivllm bench --shape qwen3-8b \
-    --json "$OUT/bench_8b_tp1.json"
-  step bench_8b_tp2 110 python3 -m minivllm bench --shape qwen3-8b -tp 2 --json "$OUT/bench_8b_tp2.json"
-  ;;
-all)
-  # Everything in one call on nvidia-h200-x2 (<= 590 s): the GPU suite on GPU 1 while GPU 0
-  # measures speed (issue 5), then tensor parallelism on both (issue 6). A hung collective
-  # raises after MINIVLLM_DIST_TIMEOUT s instead of the default 600.
-  export MINIVLLM_DIST_TIMEOUT=150
-  (CUDA_VISIBLE_DEVICES=1 STEP_LOG=$OUT/tests.txt step tests 250 python3 -m pytest -p no:cacheprovider \
-     -q -o addopts="" --tb=short tests/test_skinny_gemm.py tests/test_gpu_graphs.py \
-     tests/test_model.py tests/test_sample_kernel.py tests/test_decode_graphs.py tests/test_engine.py) &
-  export CUDA_VISIBLE_DEVICES=0
-  step linear 90 python3 benchmarks/bench_linear.py --sweep --json "$RESULTS/linear.json"
-  step latency 50 python3 -m minivllm bench --shape qwen3-0.6b --latency --json "$RESULTS/latency.json"
-  if ! grep -q "^latency:" "$LOGS/latency.log"; then  # keep the rest measurable without it
-    echo "skinny GEMM path failed: MINIVLLM_SKINNY_GEMM=0 from here" | tee -a "$OUT/logs.txt"
-    export MINIVLLM_SKINNY_GEMM=0
-  fi
-  MINIVLLM_SKINNY_GEMM=0 step latency_cublas 40 python3 -m minivllm bench --shape qwen3-0.6b \
-    --latency --json "$RESULTS/latency_cublas.json"
-  step bench 80 python3 -m minivllm bench --shape qwen3-0.6b --json "$RESULTS/bench.json" \
-    --step-times "$OUT/steps.json"
-  wait
-  unset CUDA_VISIBLE_DEVICES
-  step bench_tp2 140 python3 -m minivllm bench --shape qwen3-0.6b -tp 2 --json "$RESULTS/bench_tp2.json"
-  step tp_check 170 python3 benchmarks/tp_check.py --prompts 4 --max-tokens 32 \
+  # nvidia-h200-x2 (<= 590 s): issue 6. TP=2 against TP=1 (teacher-forced agreement, engine
+  # greedy), then the benches at TP=2 (TP=1 of both shapes ran in session 3's call 2).
+  step tp_check 240 python3 benchmarks/tp_check.py --prompts 4 --max-tokens 32 \
     --json "$RESULTS/tp_check.json"
+  step bench_tp2 130 python3 -m minivllm bench --shape qwen3-0.6b -tp 2 --json "$RESULTS/bench_tp2.json"
+  step bench_8b_tp2 180 python3 -m minivllm bench --shape qwen3-8b -tp 2 \
+    --json "$RESULTS/bench_8b_tp2.json"
+  ;;
+*)
+  echo "usage: $0 speed|tp" >&2
+  exit 2
   ;;
 esac
