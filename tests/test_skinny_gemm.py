@@ -82,6 +82,21 @@ def test_strided_rows(device, n, k, dtype):
         check(skinny_linear(x, w), x, w)
 
 
+@pytest.mark.parametrize("glu", [False, True])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_partials_sum_to_the_product(device, n, k, glu):
+    """partials=True: fp32 partial products [split, M, N], one per K range of the config's
+    split (1 when unsplit), which sum to what skinny_linear returns before its rounding."""
+    dtype = torch.float32
+    w = rand(n, k, dtype=dtype, device=device, seed=k)
+    x = rand(3, 2 * k if glu else k, dtype=dtype, device=device, seed=n)
+    parts = skinny_linear(x, w, glu=glu, partials=True)
+    split = skinny_config(3, n, k, dtype, x.device)["split"]
+    assert parts.shape == (split, 3, n) and parts.dtype == torch.float32
+    check(parts.sum(0), x, w, glu=glu)
+    torch.testing.assert_close(parts.sum(0), skinny_linear(x, w, glu=glu), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", (1, 3, 16))

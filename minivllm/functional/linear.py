@@ -61,9 +61,7 @@ def qkv_linear(x: torch.Tensor, weight: torch.Tensor, config: ModelConfig, shard
 def row_linear(x: torch.Tensor, weight: torch.Tensor, shard: ShardSpec) -> torch.Tensor:
     """x: [T, in_local] @ weight[out, in_local].T, summed over ranks -> [T, out]."""
     if _skinny(x):
-        from ..kernels.skinny_gemm import skinny_linear
-
-        return all_reduce(skinny_linear(x, weight), shard)
+        return all_reduce(_skinny_row(x, weight, glu=False), shard)
     return all_reduce(F.linear(x, weight), shard)
 
 
@@ -71,7 +69,13 @@ def glu_row_linear(x: torch.Tensor, weight: torch.Tensor, shard: ShardSpec) -> t
     """row_linear(silu(gate) * up, weight) for x: [T, 2 * in_local] = (gate | up). Where the
     skinny GEMM applies, the activation is computed as it loads x: one kernel, not two."""
     if _skinny(x):
-        from ..kernels.skinny_gemm import skinny_linear
-
-        return all_reduce(skinny_linear(x, weight, glu=True), shard)
+        return all_reduce(_skinny_row(x, weight, glu=True), shard)
     return row_linear(silu_and_mul(x), weight, shard)
+
+
+def _skinny_row(x: torch.Tensor, weight: torch.Tensor, *, glu: bool) -> torch.Tensor:
+    """The skinny GEMM's fp32 partial products, summed here as a torch op rather than by its
+    second kernel: the compiled layer fuses the sum into the add + RMSNorm after o_proj."""
+    from ..kernels.skinny_gemm import skinny_linear
+
+    return skinny_linear(x, weight, glu=glu, partials=True).sum(0).to(x.dtype)

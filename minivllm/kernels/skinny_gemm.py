@@ -150,12 +150,16 @@ def skinny_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devi
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, glu: bool = False,
-                  config: dict | None = None) -> torch.Tensor:
+                  partials: bool = False, config: dict | None = None) -> torch.Tensor:
     """x: [M, K] @ weight: [N, K].T -> [M, N] in x.dtype, fp32 accumulation, 1 <= M <= 16.
 
     glu=True: x is [M, 2K] (gate, then up; any strides) and the result is
     silu_and_mul(x) @ weight.T, the activation computed per tile in fp32 and rounded once to
-    x.dtype before the dot (silu_and_mul rounds twice; results agree up to that rounding)."""
+    x.dtype before the dot (silu_and_mul rounds twice; results agree up to that rounding).
+
+    partials=True: the fp32 partial products [split, M, N] (split >= 1), unsummed. The caller's
+    `.sum(0)` then replaces the second kernel, and under torch.compile it fuses into whatever
+    consumes the product (o_proj's into the add + RMSNorm after it: a launch fewer)."""
     m, kx = x.shape
     n, k = weight.shape
     if not 1 <= m <= MAX_SKINNY_ROWS:
@@ -166,14 +170,18 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, glu: bool = False,
     cfg = skinny_config(m, n, k, x.dtype, x.device, **(config or {}))
     block_n, block_k, split = cfg["block_n"], cfg["block_k"], cfg["split"]
     k_per_split = triton.cdiv(triton.cdiv(k, block_k), split) * block_k
-    out = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    ws = torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 else out
+    to_workspace = partials or split > 1
+    if to_workspace:
+        ws = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+    out = None if partials else torch.empty((m, n), device=x.device, dtype=x.dtype)
     _skinny_kernel[(triton.cdiv(n, block_n), split)](
-        x, weight, ws, m, n, k, k_per_split,
-        x.stride(0), x.stride(1), weight.stride(0), out.stride(0),
+        x, weight, ws if to_workspace else out, m, n, k, k_per_split,
+        x.stride(0), x.stride(1), weight.stride(0), n,
         M_PAD=M_PAD, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        SPLIT=split > 1, GLU=glu, PRECISION=dot_precision(x.dtype),
+        SPLIT=to_workspace, GLU=glu, PRECISION=dot_precision(x.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if partials:
+        return ws
     if split > 1:
         _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
             ws, out, m * n, SPLIT=split, BLOCK=SUM_BLOCK, num_warps=4)
