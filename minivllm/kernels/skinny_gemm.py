@@ -4,13 +4,18 @@
   glu=True: x: [M, 2K] (gate, then up), out = (silu(gate) * up) @ weight.T, the MLP's down
   projection with its activation folded into the load of x (one launch fewer per layer).
 
-At decode the linear layers are weight-bandwidth bound: every byte of the weight is read once for a
-handful of rows. cuBLAS picks tiles for M <= 16 that read weights at 0.9-1.6 TB/s on the H200; here
-each program owns BLOCK_N rows of the weight (output columns) and streams them along K in
-coalesced [BLOCK_N, BLOCK_K] tiles, num_stages deep, so that enough bytes are in flight per SM to
-approach HBM bandwidth. When N alone cannot give ~2 programs per SM (o_proj, down: N = 1024), K is
-split too: each split writes an fp32 partial [SPLIT, M, N] and a second kernel sums the partials in
-a fixed order (deterministic, unlike atomics) and casts.
+At decode every byte of a linear layer's weight is read once for a handful of rows. Each program
+owns BLOCK_N rows of the weight (output columns) and streams them along K in coalesced
+[BLOCK_N, BLOCK_K] tiles, num_stages deep. When N alone cannot give ~2 programs per SM (o_proj,
+down: N = 1024), K is split too: each split writes an fp32 partial [SPLIT, M, N] and a second
+kernel sums the partials in a fixed order (deterministic, unlike atomics) and casts, or the caller
+sums them (partials=True).
+
+Measured on the H200 (benchmarks/bench_linear.py, BENCHMARKS.md): at the 0.6B shape's sizes
+(4-13 MB) neither this kernel nor cuBLAS gets near the HBM bandwidth, each taking >= ~5 us of
+launch, ramp-up and tail; this kernel wins where cuBLAS splits K badly (o_proj at 1-4 rows: 5.6
+against 8.4-13 us; down: 6.6 against 7.7 us) and on the LM head (4.3 against 4.1 TB/s), and loses
+5-15% on qkv and gate_up. The engine calls it for o_proj and down only (functional/linear.py).
 
 Launch choices come from shapes, dtype and the SM count only (no autotune, no .item()), so a call
 traces under torch.compile(fullgraph=True) and replays under CUDA graphs.

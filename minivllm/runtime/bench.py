@@ -74,10 +74,10 @@ def traced_steps(engine, path: str, *, skip: int, active: int):
     return prof
 
 
-def timed_steps(engine, log: list) -> None:
+def timed_steps(engine, log: list):
     """Wrap engine.step to append one record per call: its seconds, running and waiting
-    sequences, and what paused it besides the GPU (cyclic-GC seconds, Triton JIT compiles,
-    dynamo frames compiled)."""
+    sequences, and what paused it besides the GPU (cyclic-GC seconds, the kernels Triton
+    compiled, dynamo frames compiled). Returns a function that removes the GC and Triton hooks."""
     import gc
 
     pauses = {"gc_s": 0.0, "triton_compiles": 0}
@@ -102,7 +102,7 @@ def timed_steps(engine, log: list) -> None:
 
         triton.knobs.runtime.jit_post_compile_hook = on_compile
     except (ImportError, AttributeError):
-        pass
+        triton = None
     from torch._dynamo.utils import counters
 
     inner = engine.step
@@ -123,6 +123,13 @@ def timed_steps(engine, log: list) -> None:
 
     engine.step = step
 
+    def remove_hooks():
+        gc.callbacks.remove(on_gc)
+        if triton is not None:
+            triton.knobs.runtime.jit_post_compile_hook = None
+
+    return remove_hooks
+
 
 def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
                    max_output_len: int = 1024, trace: str | None = None,
@@ -137,9 +144,9 @@ def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
     _sync(device)
     steps0 = llm.stats.steps
     prof = traced_steps(llm.engine, trace, skip=400, active=8) if trace else None
-    log = []
+    log, remove_hooks = [], None
     if step_times:
-        timed_steps(llm.engine, log)
+        remove_hooks = timed_steps(llm.engine, log)
     t0 = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     _sync(device)
@@ -147,6 +154,7 @@ def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
     if prof is not None:
         prof.stop()
     if step_times:
+        remove_hooks()
         with open(step_times, "w") as f:
             json.dump(log, f)
     steps = llm.stats.steps - steps0
