@@ -455,3 +455,26 @@ def test_decode_graph_path_gives_identical_outputs(tiny_dir, device, prompts, re
     runner.graphs = graphs
     assert run(llm, prompts[:7]) == reference[:7]  # 7 rows: padded to the bucket of 8
     assert any(b < bs for b, bs in replayed) and len(replayed) >= MAX_TOKENS - 1
+
+
+def test_released_graphs_leave_an_engine_that_runs_eagerly(tiny_dir, device, prompts, reference):
+    """release_graphs (what a tensor-parallel rank does before it leaves its process group)
+    drops the graphs, and the same engine then runs every step eagerly, with the same tokens."""
+    from minivllm.runtime.graphs import DecodeGraphs
+
+    llm = make_llm(tiny_dir, device, max_num_seqs=8)
+    runner = llm.engine.runner
+    graphs = DecodeGraphs(runner.params, runner.cache, runner.backend, max_num_seqs=8,
+                          max_blocks_per_seq=-(-llm.config.max_model_len // llm.config.block_size),
+                          compile_forward=False)
+    resets = []
+
+    class Captured:  # a stand-in: the CPU captures nothing
+        def reset(self):
+            resets.append(True)
+
+    graphs.graphs[2], graphs.outputs[2] = Captured(), torch.zeros(2, 1)
+    runner.graphs = graphs
+    runner.release_graphs()
+    assert resets == [True] and runner.graphs is None and not graphs.graphs and not graphs.outputs
+    assert run(llm, prompts[:3]) == reference[:3]

@@ -198,3 +198,36 @@ def test_invalid_configurations_fail_at_start_up(tiny_dir, tmp_path, monkeypatch
     finally:
         dist.destroy_process_group()
     assert not minivllm_children()
+
+
+@pytest.mark.parametrize("in_step", [True, False])
+def test_shutdown_releases_graphs_before_the_groups(monkeypatch, in_step):
+    """Rank 0's shutdown order, which NCCL needs (a live graph holding captured collectives makes
+    destroy_process_group hang; a rank's shutdown can wait for the others'): the stop message,
+    then the captured graphs, then the groups, and only then the wait for the workers. After a
+    failure: no message, and the groups aborted before anything waits on the device."""
+    import minivllm.runtime.executor as executor
+
+    calls = []
+
+    class Runner:
+        def release_graphs(self):
+            calls.append("release graphs")
+
+    class Workers:
+        def stop_watching(self):
+            pass
+
+        def stop(self, grace):
+            calls.append("join workers")
+
+    monkeypatch.setattr(executor, "broadcast_step", lambda step, groups: calls.append("stop message"))
+    monkeypatch.setattr(executor, "abort_groups", lambda: calls.append("abort groups"))
+    monkeypatch.setattr(executor, "destroy_groups", lambda **kw: calls.append("destroy groups"))
+    closer = executor._Closer(groups=None, workers=Workers(), runner=Runner())
+    closer.in_step = in_step
+    closer()
+    closer()  # once only
+    first = ["stop message"] if in_step else ["abort groups"]
+    assert calls == first + ["release graphs", "destroy groups", "join workers"]
+    assert closer.runner is None

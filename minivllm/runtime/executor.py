@@ -174,8 +174,9 @@ class _Closer:
     then their processes, then this process's groups. Holds no reference to the executor, so
     that it can run from the executor's finalizer."""
 
-    def __init__(self, groups: Groups, workers: SpawnedWorkers | None):
+    def __init__(self, groups: Groups, workers: SpawnedWorkers | None, runner: ModelRunner):
         self.groups, self.workers = groups, workers
+        self.runner: ModelRunner | None = runner  # rank 0's: its graphs go before its groups
         self.in_step = True  # False after a failure: the workers may sit in a collective
         self.reason: str | None = None  # why the executor stopped
         self.done = False
@@ -192,10 +193,21 @@ class _Closer:
                 broadcast_step(None, self.groups)
             except Exception:
                 pass  # a worker is gone already; stop() below deals with the rest
-        # Before waiting for the workers to exit: they leave their groups as they stop, and
-        # NCCL's shutdown on either side can wait for the other's (seen on two H200s: rank 0
-        # waited in destroy_process_group after joining its workers, and never returned).
-        destroy_groups(peers_ok=self.in_step)
+        # Seen on two H200s: rank 0 never returned from destroy_process_group. Two causes are
+        # known, both met here. A live CUDA graph that captured NCCL collectives makes the
+        # group's destruction hang (pytorch/pytorch#115388), so the graphs go first, on every
+        # rank; and NCCL's shutdown on one rank can wait for the others', so rank 0 leaves its
+        # groups while the workers leave theirs, before it waits for their processes. After a
+        # failure a collective may sit waiting on a dead peer: abort first, so that the
+        # synchronize in release_graphs returns.
+        if not self.in_step:
+            abort_groups()
+        try:
+            self.runner.release_graphs()
+        except Exception:  # a failed device: the groups must go regardless
+            pass
+        self.runner = None
+        destroy_groups()
         if self.workers is not None:
             self.workers.stop(STOP_GRACE_S if self.in_step else 0.0)
         if self.reason is None:
@@ -214,7 +226,7 @@ class TPExecutor:
         self.world_size = runner.params.shard.world_size
         self.model_config = runner.model_config
         self.num_blocks = runner.num_blocks
-        self._closer = _Closer(groups, workers)
+        self._closer = _Closer(groups, workers, runner)
         atexit.register(self._closer)
         self._finalizer = weakref.finalize(self, self._closer)
         self._finalizer.atexit = False  # atexit calls the closer itself

@@ -164,6 +164,17 @@ class DecodeGraphs:
             self.staged[self.turn].record()
         return bs
 
+    def release(self) -> None:
+        """Drop every captured graph. A graph that captured NCCL collectives holds on to the
+        communicator, and destroying the process group while such a graph lives never returns
+        (pytorch/pytorch#115388; seen here at TP=2 on two H200s), so every rank calls this first."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+
     def replay(self, b: int) -> torch.Tensor:
         bs = self.bucket(b)
         self.graphs[bs].replay()

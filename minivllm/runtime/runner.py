@@ -196,6 +196,13 @@ class ModelRunner:
         gc.collect()
         gc.freeze()
 
+    def release_graphs(self) -> None:
+        """Drop the decode CUDA graphs (the runner then runs every step eagerly): a
+        tensor-parallel rank must do so before it leaves its process group (DecodeGraphs.release)."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
     # -- sizing the KV cache ---------------------------------------------------------------------
 
     def _num_blocks(self) -> int:

@@ -54,6 +54,7 @@ def serve(runner: ModelRunner, groups: Groups) -> None:
         # Queued, not waited for: rank 0 paces the steps, and the collectives keep the ranks
         # in step. This rank's sampled tokens stay on its device, fed back like rank 0's.
         runner.launch(step)
+    runner.release_graphs()  # before the groups go (rank 0 does the same)
 
 
 def config_for_rank(config: EngineConfig, rank_on_host: int) -> EngineConfig:
