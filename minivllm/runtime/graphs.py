@@ -167,9 +167,9 @@ class DecodeGraphs:
     def release(self) -> None:
         """Drop every captured graph. A graph that captured NCCL collectives holds on to the
         communicator, and destroying the process group while such a graph lives never returns
-        (pytorch/pytorch#115388; seen here at TP=2 on two H200s), so every rank calls this first."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        (pytorch/pytorch#115388; seen here at TP=2 on two H200s), so every rank calls this first.
+        No synchronize: CUDA frees a graph that is still running when it completes, and a wait
+        here could hang on a collective whose peer is gone."""
         for graph in self.graphs.values():
             graph.reset()
         self.graphs.clear()

@@ -175,6 +175,18 @@ class ModelRunner:
         self.cache = init_cache(self.params, num_blocks=self.num_blocks, block_size=self.block_size)
         self.graphs = None
         self.last_tokens = None  # [rows] the last launched step's sampled ids, on the device
+        try:
+            self._compile_and_capture(config)
+        except BaseException:
+            self.release_graphs()  # as a failed start unwinds: see release_graphs
+            raise
+        # What start-up built (compiled graphs, their sympy expressions, captured graphs) lives
+        # as long as the process; frozen, the cyclic GC no longer rescans it in the pauses it
+        # takes mid-serving.
+        gc.collect()
+        gc.freeze()
+
+    def _compile_and_capture(self, config: EngineConfig) -> None:
         if self.device.type == "cuda" and not self.enforce_eager:
             self.graphs = DecodeGraphs(
                 self.params, self.cache, self.backend, max_num_seqs=config.max_num_seqs,
@@ -190,11 +202,6 @@ class ModelRunner:
             with _logged_time("compiled prefill warm-up"):
                 warm_up_steps(self.params, self.backend, block_size=self.block_size,
                               forward_fn=self.prefill_forward)
-        # What start-up built (compiled graphs, their sympy expressions, captured graphs) lives
-        # as long as the process; frozen, the cyclic GC no longer rescans it in the pauses it
-        # takes mid-serving.
-        gc.collect()
-        gc.freeze()
 
     def release_graphs(self) -> None:
         """Drop the decode CUDA graphs (the runner then runs every step eagerly): a
