@@ -31,7 +31,7 @@ from ..state.params import Params, random_params
 from ..state.shard import ShardSpec
 from .config import EngineConfig, is_random_model
 from .graphs import DecodeGraphs
-from .warmup import warm_up_kernels, warm_up_steps
+from .warmup import warm_up_kernels
 
 log = logging.getLogger("minivllm")
 
@@ -166,10 +166,7 @@ class ModelRunner:
         self.device = self.params.device
         self.backend = select_backend(self.device, config.attention_backend)
         self.enforce_eager = config.enforce_eager
-        self.prefill_forward = forward  # see below
-        with _logged_time("kernel warm-up"):
-            warm_up_kernels(self.params, self.backend, block_size=self.block_size,
-                            max_num_seqs=config.max_num_seqs)
+        self.prefill_forward = forward  # see _compile_and_capture
         with _logged_time("KV cache sizing"):
             self.num_blocks = self._num_blocks()
         self.cache = init_cache(self.params, num_blocks=self.num_blocks, block_size=self.block_size)
@@ -177,6 +174,9 @@ class ModelRunner:
         self.last_tokens = None  # [rows] the last launched step's sampled ids, on the device
         try:
             self._compile_and_capture(config)
+            with _logged_time("kernel warm-up"):
+                warm_up_kernels(self.params, self.backend, block_size=self.block_size,
+                                max_num_seqs=config.max_num_seqs, forward_fn=self.prefill_forward)
         except BaseException:
             self.release_graphs()  # as a failed start unwinds: see release_graphs
             raise
@@ -194,14 +194,12 @@ class ModelRunner:
                 compile_forward=os.environ.get("MINIVLLM_COMPILE", "1") != "0")
             self.graphs.capture()
         # Prefill and mixed steps run through the same compiled decoder layer (its prefill
-        # variants compiled here): on the H200 the throughput benchmark ran 22,637 tok/s so
-        # against 16,911 with eager prefill (BENCHMARKS.md). MINIVLLM_COMPILE_PREFILL=0: eager.
+        # variants are compiled by the warm-up): on the H200 the throughput benchmark ran 22,637
+        # tok/s so against 16,911 with eager prefill (BENCHMARKS.md). MINIVLLM_COMPILE_PREFILL=0:
+        # eager.
         if self.graphs is not None and self.graphs.fn is not forward and \
                 os.environ.get("MINIVLLM_COMPILE_PREFILL", "1") != "0":
             self.prefill_forward = self.graphs.fn
-            with _logged_time("compiled prefill warm-up"):
-                warm_up_steps(self.params, self.backend, block_size=self.block_size,
-                              forward_fn=self.prefill_forward)
 
     def release_graphs(self) -> None:
         """Drop the decode CUDA graphs (the runner then runs every step eagerly): a
@@ -304,7 +302,7 @@ class ModelRunner:
             # The sampling batch's copies go first: queued behind the replay, copies from pageable
             # memory would make the host wait for the whole forward before sampling could start.
             sb = make_sampling_batch(step.rows, vocab_size=self.vocab_size, device=self.device,
-                                 steps=step.steps)
+                                     steps=step.steps)
             self.graphs.fill(*rows)
             self._feed_back(self.graphs.input_ids, step)
         with trace_range("replay"):

@@ -1,12 +1,15 @@
 """Compiling, before serving, the Triton kernel variants that serving would otherwise compile.
 
-Triton compiles a kernel once per specialisation: per value of its constexpr arguments, and per
-class of its integer arguments (equal to 1, divisible by 16, neither). Some of those change with
+Triton compiles a kernel once per specialisation: per value of its constexpr arguments, per
+class of its integer arguments (equal to 1, divisible by 16, neither) and per pointer alignment
+(16 bytes or not: make_sampling_batch keeps its columns aligned for that). Some of those change with
 the batch: the sampler's vocabulary chunk follows the number of rows, and the attention kernels
 see the number of sequences and the block-table width. Each new variant costs a compile of about
 a second on the first step that needs it, in the middle of serving (the throughput benchmark's
 tail, where the batch shrinks, hit several). Running one small step of each class at start-up
-moves those compiles there. The steps write only into a scratch cache of their own.
+moves those compiles there, through the forward that serving's prefill and mixed steps take
+(decode steps replay graphs captured before). The steps write only into a scratch cache of their
+own.
 """
 
 from __future__ import annotations
@@ -37,29 +40,22 @@ def sampler_sizes(max_rows: int, vocab_size: int, device: torch.device) -> list[
 
 
 def warm_up_kernels(params: Params, backend, *, block_size: int, max_num_seqs: int,
-                    cuda_only: bool = True) -> None:
+                    forward_fn=forward, cuda_only: bool = True) -> None:
     """Run the sampler at each tiling, and prefill and decode steps over every class of sequence
-    count and block-table width, on a scratch cache (by default on CUDA only: elsewhere nothing
-    is compiled; the tests run it on CPU)."""
+    count and block-table width through forward_fn (the forward that serving's prefill and mixed
+    steps take: a compiled one compiles its variants here), on a scratch cache (by default on
+    CUDA only: elsewhere nothing is compiled; the tests run it on CPU)."""
     device = params.device
     if cuda_only and device.type != "cuda":
         return
     vocab = params.config.vocab_size
+    widest = max(_CLASSES)
+    scratch = init_cache(params, num_blocks=widest * widest + 1, block_size=block_size)
     with torch.no_grad():
         for rows in sampler_sizes(max_num_seqs, vocab, device):
             logits = torch.zeros(rows, vocab, device=device)
             sample(logits, make_sampling_batch([SamplingRow(temperature=1.0)] * rows,
                                                vocab_size=vocab, device=device))
-    warm_up_steps(params, backend, block_size=block_size)
-
-
-def warm_up_steps(params: Params, backend, *, block_size: int, forward_fn=forward) -> None:
-    """The prefill and decode steps of warm_up_kernels alone. forward_fn: the forward they run (a
-    compiled one compiles its prefill variants here)."""
-    device = params.device
-    widest = max(_CLASSES)
-    scratch = init_cache(params, num_blocks=widest * widest + 1, block_size=block_size)
-    with torch.no_grad():
         for num_seqs in _CLASSES:
             for width in _CLASSES:
                 tables = [list(range(s * width, (s + 1) * width)) for s in range(num_seqs)]
