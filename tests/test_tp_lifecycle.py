@@ -94,18 +94,29 @@ def _expect(lines: queue.Queue, prefix: str, timeout: float = 60.0) -> str:
             return line
 
 
+def _start_child(tiny_dir, **popen):
+    """tp_sigint_child.py running a TP=2 engine: (its process, its stdout lines, the worker's
+    pid), once it has started generating."""
+    child = subprocess.Popen([sys.executable, os.path.join(TESTS, "tp_sigint_child.py"), tiny_dir],
+                             stdout=subprocess.PIPE, text=True, **popen)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_lines, args=(child.stdout, lines), daemon=True).start()
+    try:
+        worker = int(_expect(lines, "worker").split()[1])
+        _expect(lines, "generating")
+    except BaseException:
+        child.kill()  # its worker follows (it watches its parent)
+        child.wait()
+        raise
+    return child, lines, worker
+
+
 def test_ctrl_c_keeps_the_ranks_in_step_and_exits_cleanly(tiny_dir):
     with LLM(tiny_dir, **ENGINE) as ref:
         want = ref.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY, use_tqdm=False)[0]
     # Its own session, like a terminal's foreground group: Ctrl-C reaches rank 0 and the worker.
-    child = subprocess.Popen([sys.executable, os.path.join(TESTS, "tp_sigint_child.py"), tiny_dir],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)
+    child, lines, worker = _start_child(tiny_dir, stderr=subprocess.PIPE, start_new_session=True)
     try:
-        lines: queue.Queue = queue.Queue()
-        threading.Thread(target=_lines, args=(child.stdout, lines), daemon=True).start()
-        worker = int(_expect(lines, "worker").split()[1])
-        _expect(lines, "generating")
         time.sleep(1.0)
         os.killpg(child.pid, signal.SIGINT)
         assert _expect(lines, "interrupted") == "interrupted"
@@ -129,13 +140,8 @@ def test_ctrl_c_keeps_the_ranks_in_step_and_exits_cleanly(tiny_dir):
 
 def test_worker_leaves_when_rank_0_is_killed(tiny_dir):
     """SIGKILL gives rank 0 no chance to stop its worker: the worker leaves by itself."""
-    child = subprocess.Popen([sys.executable, os.path.join(TESTS, "tp_sigint_child.py"), tiny_dir],
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    child, lines, worker = _start_child(tiny_dir, stderr=subprocess.DEVNULL)
     try:
-        lines: queue.Queue = queue.Queue()
-        threading.Thread(target=_lines, args=(child.stdout, lines), daemon=True).start()
-        worker = int(_expect(lines, "worker").split()[1])
-        _expect(lines, "generating")
         time.sleep(0.5)
     finally:
         child.kill()
