@@ -41,20 +41,31 @@ pathlib.Path(tmp).write_text(json.dumps(res, indent=1))
 os.replace(tmp, sys.argv[2])
 PY
 }
+# -v names each test as it ends and the plugin prints each failure at once: a suite cut short by
+# its limit still says which tests failed and why.
+PYTEST_ARGS="-p no:cacheprovider -p benchmarks.report_failures_now -v -o addopts= --tb=short"
 case "${1:-speed}" in
 speed)
   # nvidia-h200 (<= 590 s): issue 5's figures, then the GPU suite. Cold caches: an engine start
-  # takes ~40 s the first time in a call, ~17 s after. pytest -v names each test as it ends, so
-  # a suite cut short by its limit still says which failed.
+  # takes ~40 s the first time in a call, ~17 s after.
   step latency 100 python3 -m minivllm bench --shape qwen3-0.6b --latency --json "$RESULTS/latency.json"
   MINIVLLM_SKINNY_GEMM=0 step latency_cublas 60 python3 -m minivllm bench --shape qwen3-0.6b \
     --latency --json "$RESULTS/latency_cublas.json"
   step bench 90 python3 -m minivllm bench --shape qwen3-0.6b --json "$RESULTS/bench.json" \
     --step-times "$OUT/steps.json"
-  STEP_LOG=$OUT/tests.txt step tests 300 python3 -m pytest -p no:cacheprovider -v -o addopts="" \
-    --tb=short tests/test_skinny_gemm.py tests/test_gpu_graphs.py tests/test_model.py \
+  STEP_LOG=$OUT/tests.txt step tests 300 python3 -m pytest $PYTEST_ARGS \
+    tests/test_skinny_gemm.py tests/test_gpu_graphs.py tests/test_model.py \
     tests/test_sample_kernel.py tests/test_sampling_batch_fast.py tests/test_decode_graphs.py \
     tests/test_engine.py
+  ;;
+recheck)
+  # nvidia-h200-x2 (<= 330 s): tp_check after the fix for its compile crash, and the GPU tests
+  # that failed in session 4's first call, with their tracebacks.
+  step tp_check 240 python3 benchmarks/tp_check.py --prompts 4 --max-tokens 32 \
+    --json "$RESULTS/tp_check.json"
+  STEP_LOG=$OUT/tests.txt step tests 80 python3 -m pytest $PYTEST_ARGS \
+    "tests/test_skinny_gemm.py::test_partials_sum_to_the_product" \
+    "tests/test_gpu_graphs.py::test_graphs_and_async_scheduling_equal_eager"
   ;;
 tp)
   # nvidia-h200-x2 (<= 590 s): issue 6. TP=2 against TP=1 (teacher-forced agreement, engine

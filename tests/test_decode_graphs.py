@@ -96,3 +96,35 @@ def test_compiled_layer_serves_prefill_and_mixed_steps_too():
         want, _ = minivllm.forward(params, caches[0], batch, backend)
         got, _ = fn(params, caches[1], batch, backend)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_each_engine_compiles_its_weights_with_static_sizes():
+    """Two engines of different shapes in one process (a TP=2 engine after a TP=1 one): the
+    second's compiled layer must not inherit the first's size history, or dynamo compiles its
+    weights with symbolic sizes (slower code, and an Inductor crash on the H200). Each engine's
+    first compile is fully static and its second makes only the step's sizes dynamic."""
+    from minivllm.runtime.graphs import compiled_forward
+
+    wide = ModelConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_layers=2,
+                       num_heads=6, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    backend = select_backend("cpu", "reference")
+    for config in (CONFIG, wide):
+        symbolic = []  # per compile: the graph inputs with a symbolic size
+
+        def record(gm, example_inputs):
+            symbolic.append({n.target for n in gm.graph.nodes if n.op == "placeholder"
+                             and isinstance(v := n.meta.get("example_value"), torch.Tensor)
+                             and any(isinstance(d, torch.SymInt) for d in v.shape)})
+            return gm.forward
+
+        fn = compiled_forward(record)
+        params = minivllm.random_params(config, seed=0, std=0.2)
+        for chunks in ([SeqChunk([1, 2, 3], 0, [0])], [SeqChunk([1, 2, 3, 4, 5], 0, [0, 1])]):
+            cache = minivllm.init_cache(params, num_blocks=4, block_size=4)
+            batch = make_batch(chunks, block_size=4)
+            want, _ = minivllm.forward(params, minivllm.init_cache(params, num_blocks=4, block_size=4),
+                                       batch, backend)
+            got, _ = fn(params, cache, batch, backend)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert len(symbolic) == 2 and symbolic[0] == set(), symbolic
+        assert symbolic[1] and not any("lp" in name for name in symbolic[1]), symbolic[1]

@@ -28,14 +28,15 @@ def deep_dir(tmp_path_factory):
 def test_graphs_and_async_scheduling_equal_eager(deep_dir, dtype):
     """fp32: identical tokens. bf16: the compiled layer rounds differently from eager (fused
     norms, another GEMM tiling), and four layers of bf16 rounding move a logit of magnitude
-    16-32 by a few ulps of 0.125; a greedy choice between two logits that close may flip. Every
-    prompt must agree up to a position where eager's own top two were within 4 such ulps (a
-    broken path diverges at confident positions, in most prompts), and most prompts must agree
-    throughout."""
+    16-32 by a few ulps of 0.125; a greedy choice between logits that close may flip, to the
+    second or (as on the H200: 0.06 between eager's first two) the third. Every prompt must agree
+    up to a position where the fast path's token was, for eager, within 4 such ulps of its best
+    (a broken path diverges at confident positions, in most prompts), and most prompts must
+    agree throughout."""
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(0, 257, (n,), generator=g).tolist()}
                for n in (1, 5, 17, 33, 64, 100, 3, 250, 9, 40, 77, 128, 2, 31, 60, 15, 200, 7)]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
 
     def run(**kw):
         llm = LLM(deep_dir, dtype=dtype, num_kv_blocks=256, max_num_seqs=32, **kw)
@@ -54,7 +55,8 @@ def test_graphs_and_async_scheduling_equal_eager(deep_dir, dtype):
         if k is None:
             same += 1
             continue
-        top2 = sorted((lp.logprob for lp in b.logprobs[k].values()), reverse=True)[:2]
-        assert a.token_ids[k] in b.logprobs[k], "the fast path picked a token outside eager's top 2"
-        assert top2[0] - top2[1] < 0.5, f"diverged at {k} where eager's margin is {top2[0] - top2[1]}"
+        best = max(lp.logprob for lp in b.logprobs[k].values())
+        assert a.token_ids[k] in b.logprobs[k], "the fast path picked a token outside eager's top 5"
+        gap = best - b.logprobs[k][a.token_ids[k]].logprob
+        assert gap < 0.5, f"diverged at {k} to a token {gap} below eager's best"
     assert same >= len(prompts) - 2

@@ -94,7 +94,9 @@ def test_partials_sum_to_the_product(device, n, k, glu):
     split = skinny_config(3, n, k, dtype, x.device)["split"]
     assert parts.shape == (split, 3, n) and parts.dtype == torch.float32
     check(parts.sum(0), x, w, glu=glu)
-    torch.testing.assert_close(parts.sum(0), skinny_linear(x, w, glu=glu), rtol=1e-6, atol=1e-6)
+    # the kernel and torch's sum add the partials in different orders: a few fp32 ulps apart
+    # (2.9e-6 at K=1024 on the H200)
+    torch.testing.assert_close(parts.sum(0), skinny_linear(x, w, glu=glu), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

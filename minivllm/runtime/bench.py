@@ -160,7 +160,8 @@ def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
     steps = llm.stats.steps - steps0
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     floor = traffic_floor_bytes(llm.engine.model_config, [len(p) for p in prompts], max_tokens,
-                                dtype_bytes=torch.empty((), dtype=llm.config.dtype).element_size())
+                                dtype_bytes=torch.empty((), dtype=llm.config.dtype).element_size(),
+                                tensor_parallel_size=llm.config.tensor_parallel_size)
     return {"workload": "throughput", "num_seqs": num_seqs, "prompt_tokens": sum(map(len, prompts)),
             "output_tokens": output_tokens, "seconds": seconds,
             "output_tok_per_s": output_tokens / seconds, "floor_bytes": floor["total_bytes"],
@@ -277,7 +278,9 @@ def main(args) -> dict:
         line += f", time to first token {result['ttft_s'] * 1e3:.1f} ms"
     if "floor_fraction" in result:
         line += (f" ({result['floor_fraction']:.0%} of the memory-traffic floor: "
-                 f"{result['floor_seconds']:.2f} s at {result['copy_bandwidth_tb_s']:.2f} TB/s)")
+                 f"{result['floor_seconds']:.2f} s at {result['copy_bandwidth_tb_s']:.2f} TB/s"
+                 + (f" on each of {args.tensor_parallel_size} GPUs" if args.tensor_parallel_size > 1
+                    else "") + ")")
     print(line, flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -25,6 +25,7 @@ import functools
 import itertools
 import logging
 import time
+import types
 
 import numpy as np
 import torch
@@ -47,15 +48,30 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
 
 
 def compiled_forward(compile_backend="inductor"):
-    """forward with its decoder layer compiled (fullgraph: no graph breaks).
+    """forward with its decoder layer compiled (fullgraph: no graph breaks), for one engine.
 
-    torch.compile caches per code object, so every engine in a process shares decoder_layer's
-    compiled graphs, and each new model config or attention backend adds a recompile. The limit
-    past which a fullgraph compile fails (8) is raised to allow for a process that builds many
-    engines (a test session); one engine compiles twice."""
+    torch.compile keeps its compiled graphs and its record of which input sizes have varied per
+    code object. With one code object shared by every engine of a process, a second engine of
+    another shape (a TP=2 engine after a TP=1 one, a test session) saw its weight sizes "vary",
+    so dynamo compiled them as symbolic sizes: slower code, and on the H200 an Inductor crash
+    (KeyError in Scheduler.compute_ancestors, pytorch/pytorch#189271, when a Triton kernel's
+    output is reshaped by symbolic head counts). So each call compiles its own copy of the
+    layer (_own_copy): an engine's first compile is static, its second makes only the step's sizes dynamic."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    layer = torch.compile(decoder_layer, fullgraph=True, backend=compile_backend)
+    layer = torch.compile(_own_copy(decoder_layer), fullgraph=True, backend=compile_backend)
     return functools.partial(forward, layer=layer)
+
+
+_copies = itertools.count(1)
+
+
+def _own_copy(fn):
+    """fn under a name of its own: dynamo keys a function's size history by file, line and name
+    (torch._dynamo.pgo.CodeId), and its compiled graphs by code object; both are new here."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_copies)}")
+    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__doc__ = fn.__kwdefaults__, fn.__doc__
+    return copy
 
 
 class DecodeGraphs:

@@ -7,9 +7,12 @@ ids `randint(0, 10000)` with lengths `randint(100, 1024)` drawn first, then one
 
 from __future__ import annotations
 
+import math
 import random
 
 from ..state.config import ModelConfig
+from ..state.params import expected_shapes
+from ..state.shard import ShardSpec
 
 
 def throughput_workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024,
@@ -22,28 +25,35 @@ def throughput_workload(num_seqs: int = 256, max_input_len: int = 1024, max_outp
     return prompts, max_tokens
 
 
-def weight_bytes(config: ModelConfig, dtype_bytes: int = 2) -> int:
-    """Bytes of weights one decode step reads (the tied head reads the embedding once)."""
-    h, d, i, v = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
-    per_layer = (h * (config.num_heads + 2 * config.num_kv_heads) * d + config.num_heads * d * h
-                 + 3 * h * i + 2 * h + 2 * d)
-    head = v * h  # the LM head; a decode step gathers only a few embedding rows
-    return dtype_bytes * (config.num_layers * per_layer + head + h)
+def weight_bytes(config: ModelConfig, dtype_bytes: int = 2, shard: ShardSpec | None = None) -> int:
+    """Bytes of weights one decode step reads on one rank of `shard` (default: the whole model):
+    all but the embedding, of which a step gathers only a few rows (a tied head reads it as the
+    head)."""
+    shapes = expected_shapes(config, shard or ShardSpec())
+    layer = sum(math.prod(shape) for name, shape in shapes.items()
+                if name not in ("embed", "lm_head", "final_norm"))
+    return dtype_bytes * (config.num_layers * layer + math.prod(shapes["lm_head"])
+                          + math.prod(shapes["final_norm"]))
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int = 2) -> int:
-    return dtype_bytes * 2 * config.num_layers * config.num_kv_heads * config.head_dim
+def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int = 2, shard: ShardSpec | None = None) -> int:
+    """K and V of one position over all layers, as one rank of `shard` stores them."""
+    kv_heads = (shard or ShardSpec()).num_kv_heads(config)
+    return dtype_bytes * 2 * config.num_layers * kv_heads * config.head_dim
 
 
 def traffic_floor_bytes(config: ModelConfig, prompt_lens: list[int], max_tokens: list[int],
-                        dtype_bytes: int = 2) -> dict[str, float]:
-    """The bytes a perfect engine must move for the decode of this workload: every output token
-    reads its sequence's whole KV context once, and every decode step reads the weights once
-    (at least max(max_tokens) steps, since each sequence decodes one token a step)."""
-    per_token = kv_bytes_per_token(config, dtype_bytes)
+                        dtype_bytes: int = 2, tensor_parallel_size: int = 1) -> dict[str, float]:
+    """The bytes a perfect engine must move for the decode of this workload, per GPU: every
+    output token reads its sequence's whole KV context once, and every decode step reads the
+    weights once (at least max(max_tokens) steps, since each sequence decodes one token a step).
+    At tensor_parallel_size N every GPU reads its own shard, all at once: the floor is one
+    rank's bytes (rank 0's; KV heads past their count are replicated, norms always are)."""
+    shard = ShardSpec(rank=0, world_size=tensor_parallel_size)
+    per_token = kv_bytes_per_token(config, dtype_bytes, shard)
     kv = 0
     for p, n in zip(prompt_lens, max_tokens):
         # the j-th output token (j = 0 .. n-1) is computed over a context of p + j tokens
         kv += per_token * (n * p + n * (n - 1) // 2)
-    weights = weight_bytes(config, dtype_bytes) * max(max_tokens)
+    weights = weight_bytes(config, dtype_bytes, shard) * max(max_tokens)
     return {"kv_bytes": float(kv), "weight_bytes": float(weights), "total_bytes": float(kv + weights)}
