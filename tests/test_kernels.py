@@ -87,6 +87,26 @@ def test_paged_decode_matches_reference(device, case, num_splits):
     check(out, ref, case["dtype"])
 
 
+@given(case=decode_cases(), num_splits=st.sampled_from([None, 1, 3]), skip=st.booleans())
+def test_paged_decode_writes_the_new_kv_where_store_kvcache_would(device, case, num_splits, skip):
+    """slot_mapping given: the decode kernel also stores the new K/V (a store kernel fewer per
+    layer), bit-exactly as store_kvcache does, nothing else in the cache changes (poisoned slots
+    stay NaN), -1 rows write nothing, and the output is unchanged."""
+    p = make_problem(**case, device=device)
+    slots = p.batch.slot_mapping.clone()
+    if skip:
+        slots[0] = -1  # a padding row
+    k_want, v_want = p.k_cache.clone(), p.v_cache.clone()
+    store_kvcache(p.k, p.v, k_want, v_want, slots)
+    ref = reference_attention(p.q, p.k, p.v, *p.clean_cache(), p.batch, p.scale)
+    out = paged_decode_attention(p.q, p.k, p.v, p.k_cache, p.v_cache, p.batch.block_tables,
+                                 p.batch.context_lens, p.scale, out=nan_like(p.q),
+                                 num_splits=num_splits, slot_mapping=slots)
+    check(out, ref, case["dtype"])
+    torch.testing.assert_close(p.k_cache, k_want, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(p.v_cache, v_want, rtol=0, atol=0, equal_nan=True)
+
+
 def test_decode_splits_fill_the_gpu_from_shapes():
     cpu = torch.device("cpu")  # 4 "SMs" under the interpreter
     assert decode_splits(256, 8, 2048, cpu) == 1

@@ -204,9 +204,10 @@ def test_traces_without_graph_breaks(device):
 
 
 def test_decoder_wiring_equals_cublas_path(device, monkeypatch):
-    """The functional layers' skinny dispatch (every linear layer, the SiLU folded into down)
-    gives the forward's logits of the F.linear path. On the CPU the dispatch is forced on, since
-    it otherwise takes the skinny path on CUDA only."""
+    """The functional layers' skinny dispatch (the row-parallel layers, the SiLU folded into
+    down, down's partials handed unsummed to the next layer's add + RMSNorm and to the final
+    norm) gives the forward's logits of the F.linear path. On the CPU the dispatch is forced on,
+    since it otherwise takes the skinny path on CUDA only."""
     import minivllm
     import minivllm.functional.linear as linear
     from minivllm.kernels import select_backend
@@ -227,7 +228,14 @@ def test_decoder_wiring_equals_cublas_path(device, monkeypatch):
         return x.shape[0] <= MAX_SKINNY_ROWS
 
     monkeypatch.setattr(linear, "_skinny", forced)
+    inputs = []  # each layer's x: [T, hidden], or the previous layer's partials [split, T, hidden]
+
+    def layer(lp, x, *args, **kwargs):
+        inputs.append(x.shape)
+        return minivllm.functional.decoder_layer(lp, x, *args, **kwargs)
+
     got, _ = minivllm.forward(params, minivllm.init_cache(params, num_blocks=2, block_size=4),
-                              batch, backend)
+                              batch, backend, layer=layer)
     assert len(calls) == 2 * config.num_layers  # the row-parallel o_proj and down (with the SiLU)
+    assert len(inputs[0]) == 2 and all(len(shape) == 3 for shape in inputs[1:]), inputs
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

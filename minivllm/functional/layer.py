@@ -36,9 +36,11 @@ def attention_block(lp: LayerParams, x: torch.Tensor, cos: torch.Tensor, sin: to
     return row_linear(out.reshape(out.shape[0], -1), lp.o_proj, shard)
 
 
-def mlp_block(lp: LayerParams, x: torch.Tensor, shard: ShardSpec) -> torch.Tensor:
-    """x: [T, hidden] (normed) -> [T, hidden]."""
-    return glu_row_linear(column_linear(x, lp.gate_up), lp.down, shard)
+def mlp_block(lp: LayerParams, x: torch.Tensor, shard: ShardSpec, *, unsummed_ok: bool = False
+              ) -> torch.Tensor:
+    """x: [T, hidden] (normed) -> [T, hidden], or with unsummed_ok, where the skinny GEMM runs on
+    one rank, its fp32 partials [split, T, hidden] (see glu_row_linear)."""
+    return glu_row_linear(column_linear(x, lp.gate_up), lp.down, shard, unsummed_ok=unsummed_ok)
 
 
 def decoder_layer(lp: LayerParams, x: torch.Tensor, residual: torch.Tensor | None,
@@ -46,9 +48,13 @@ def decoder_layer(lp: LayerParams, x: torch.Tensor, residual: torch.Tensor | Non
                   batch: Batch, *, config: ModelConfig, shard: ShardSpec, backend: AttentionBackend
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pre-norm attention then MLP. x: the previous block's output, residual: the stream it adds
-    to (None for the first layer). Returns (this layer's MLP output, the residual stream)."""
+    to (None for the first layer). Returns (this layer's MLP output, the residual stream).
+
+    The MLP output may be down's unsummed fp32 split-K partials [split, T, hidden] (decode of a
+    few rows on one GPU): the next layer's add + RMSNorm, or the final norm, sums them in the
+    same kernel, a kernel fewer per layer. Either form is accepted as x."""
     h, residual = add_rms_norm(x, residual, lp.input_norm, config.rms_norm_eps)
     h = attention_block(lp, h, cos, sin, k_cache, v_cache, batch, config=config, shard=shard,
                         backend=backend)
     h, residual = add_rms_norm(h, residual, lp.post_norm, config.rms_norm_eps)
-    return mlp_block(lp, h, shard), residual
+    return mlp_block(lp, h, shard, unsummed_ok=True), residual

@@ -61,21 +61,34 @@ def qkv_linear(x: torch.Tensor, weight: torch.Tensor, config: ModelConfig, shard
 def row_linear(x: torch.Tensor, weight: torch.Tensor, shard: ShardSpec) -> torch.Tensor:
     """x: [T, in_local] @ weight[out, in_local].T, summed over ranks -> [T, out]."""
     if _skinny(x):
-        return all_reduce(_skinny_row(x, weight, glu=False), shard)
+        return all_reduce(sum_partials(_skinny_partials(x, weight, glu=False), x.dtype), shard)
     return all_reduce(F.linear(x, weight), shard)
 
 
-def glu_row_linear(x: torch.Tensor, weight: torch.Tensor, shard: ShardSpec) -> torch.Tensor:
+def glu_row_linear(x: torch.Tensor, weight: torch.Tensor, shard: ShardSpec, *,
+                   unsummed_ok: bool = False) -> torch.Tensor:
     """row_linear(silu(gate) * up, weight) for x: [T, 2 * in_local] = (gate | up). Where the
-    skinny GEMM applies, the activation is computed as it loads x: one kernel, not two."""
+    skinny GEMM applies, the activation is computed as it loads x: one kernel, not two.
+
+    unsummed_ok: on one rank, the skinny GEMM's fp32 split-K partials [split, T, out] may be
+    returned unsummed, for a consumer that sums them (add_rms_norm does, fused into its own
+    kernel by the compiled layer: the next layer's add + RMSNorm then costs no sum kernel)."""
     if _skinny(x):
-        return all_reduce(_skinny_row(x, weight, glu=True), shard)
+        if unsummed_ok and shard.world_size == 1:
+            return _skinny_partials(x, weight, glu=True)
+        return all_reduce(sum_partials(_skinny_partials(x, weight, glu=True), x.dtype), shard)
     return row_linear(silu_and_mul(x), weight, shard)
 
 
-def _skinny_row(x: torch.Tensor, weight: torch.Tensor, *, glu: bool) -> torch.Tensor:
-    """The skinny GEMM's fp32 partial products, summed here as a torch op rather than by its
-    second kernel: the compiled layer fuses the sum into the add + RMSNorm after o_proj."""
+def sum_partials(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[split, T, out] fp32 partial products -> [T, out] in dtype; [T, out] passes through."""
+    return x.sum(0).to(dtype) if x.dim() == 3 else x
+
+
+def _skinny_partials(x: torch.Tensor, weight: torch.Tensor, *, glu: bool) -> torch.Tensor:
+    """The skinny GEMM's fp32 partial products [split, T, out], for the caller to sum as a torch
+    op rather than by the kernel's second launch: the compiled layer fuses the sum into the add +
+    RMSNorm after it."""
     from ..kernels.skinny_gemm import skinny_linear
 
-    return skinny_linear(x, weight, glu=glu, partials=True).sum(0).to(x.dtype)
+    return skinny_linear(x, weight, glu=glu, partials=True)

@@ -10,6 +10,7 @@ from ..state.params import Params
 from .attention import REFERENCE, AttentionBackend
 from .embedding import embed, lm_head
 from .layer import decoder_layer
+from .linear import sum_partials
 from .norm import add_rms_norm
 from .rope import rope_cos_sin
 
@@ -27,6 +28,7 @@ def hidden_states(params: Params, cache: KVCache, batch: Batch, backend: Attenti
     for lp, k_cache, v_cache in zip(params.layers, cache.k, cache.v):
         x, residual = layer(lp, x, residual, cos, sin, k_cache, v_cache, batch,
                                     config=config, shard=shard, backend=backend)
+    x = sum_partials(x, residual.dtype)  # see decoder_layer
     if rows is not None:
         x, residual = x[rows], residual[rows]
     x, _ = add_rms_norm(x, residual, params.final_norm, config.rms_norm_eps)

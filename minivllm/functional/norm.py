@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .linear import sum_partials
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., hidden] -> [..., hidden]. Statistics in fp32; the weight multiplies in x's dtype
@@ -16,7 +18,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual): the pre-norm block's residual stream in one call.
-    residual None means x is the first block's input and becomes the residual as is."""
+    residual None means x is the first block's input and becomes the residual as is. x may also
+    be a row-parallel layer's fp32 split-K partials [split, T, hidden] (glu_row_linear's
+    unsummed_ok), summed here in residual's dtype."""
     if residual is not None:
-        x = x + residual
+        x = sum_partials(x, residual.dtype) + residual
     return rms_norm(x, weight, eps), x

@@ -25,13 +25,14 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, slot_ptr,
                    out_ptr, part_out_ptr, part_lse_ptr, scale_log2, num_splits,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                    stride_bt, stride_ot, stride_oh,
                    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, STORE: tl.constexpr,
+                   PRECISION: tl.constexpr):
     # Under torch.compile a Python-float argument can arrive as fp64; the loop-carried softmax
     # state must stay fp32.
     scale_log2 = tl.cast(scale_log2, tl.float32)
@@ -62,6 +63,15 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_pt
     l_i = tl.where(first, 1.0, 0.0) + tl.zeros([BLOCK_G], tl.float32)
     acc = tl.where(first, 1.0, 0.0) * v_new.to(dt).to(tl.float32)[None, :] + tl.zeros(
         [BLOCK_G, BLOCK_D], tl.float32)
+    if STORE:
+        # Split 0 also writes the new token's K/V into its cache slot (-1: a padding row, none),
+        # which saves the step a store kernel per layer. No program reads that slot: every
+        # program takes the new token from k/v and reads only the prefix from the cache.
+        slot = tl.load(slot_ptr + b)
+        if (split == 0) & (slot >= 0):
+            dst = slot.to(tl.int64) * ROW + kvh * HEAD_DIM + offs_d
+            tl.store(k_cache_ptr + dst, k_new.to(dt), mask=mask_d)
+            tl.store(v_cache_ptr + dst, v_new.to(dt), mask=mask_d)
 
     prefix = tl.load(ctx_ptr + b) - 1
     per_split = tl.cdiv(tl.cdiv(prefix, num_splits), BLOCK_N) * BLOCK_N
@@ -149,8 +159,11 @@ def decode_config(device: torch.device, dtype: torch.dtype, head_dim: int, split
 def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
-                           num_splits: int | None = None, config: dict | None = None) -> torch.Tensor:
-    """out: [B, heads, head_dim]; the new token's K/V come from k/v, the prefix from the cache."""
+                           num_splits: int | None = None, config: dict | None = None,
+                           slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
+    """out: [B, heads, head_dim]; the new token's K/V come from k/v, the prefix from the cache.
+    slot_mapping: [B] int64, if given the new K/V are also written to these cache slots (-1
+    skips a row), as store_kvcache would."""
     b, heads, head_dim = q.shape
     _, page, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -170,14 +183,17 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:
         part_out = part_lse = out  # unused
     block_d = next_pow2(head_dim)
+    store = slot_mapping is not None
+    assert not store or slot_mapping.shape == (b,), (slot_mapping.shape, b)
     _decode_kernel[(b, kv_heads, num_splits)](
-        q, k, v, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
+        q, k, v, k_cache, v_cache, block_tables, context_lens,
+        slot_mapping if store else context_lens, out, part_out, part_lse,
         scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
         KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_G=max(16, next_pow2(group)),
         BLOCK_D=block_d, PAGE=page, BLOCK_N=cfg["block_n"], SPLIT=num_splits > 1,
-        PRECISION=dot_precision(k_cache.dtype), num_warps=cfg["num_warps"],
+        STORE=store, PRECISION=dot_precision(k_cache.dtype), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     if num_splits > 1:
         _merge_splits_kernel[(b, heads)](

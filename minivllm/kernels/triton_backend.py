@@ -1,6 +1,6 @@
-"""The `triton` attention backend: store_kvcache, then paged decode attention when every sequence
-brings one token (T == B, static), else the varlen prefill kernel (prefix hits, chunked prefill and
-mixed batches alike)."""
+"""The `triton` attention backend: paged decode attention, which also writes the new K/V to the
+cache, when every sequence brings one token (T == B, static); else store_kvcache, then the varlen
+prefill kernel (prefix hits, chunked prefill and mixed batches alike)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ class TritonBackend:
     name = "triton"
 
     def __call__(self, q, k, v, k_cache, v_cache, batch: Batch, scale: float):
-        store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
-        if batch.is_decode:
+        if batch.is_decode:  # the decode kernel writes the new K/V itself
             return paged_decode_attention(q, k, v, k_cache, v_cache, batch.block_tables,
-                                          batch.context_lens, scale)
+                                          batch.context_lens, scale, slot_mapping=batch.slot_mapping)
+        store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
         return varlen_prefill_attention(q, k, v, k_cache, v_cache, batch.cu_seqlens_q,
                                         batch.context_lens, batch.block_tables, scale)
 
