@@ -107,6 +107,41 @@ def test_paged_decode_writes_the_new_kv_where_store_kvcache_would(device, case, 
     torch.testing.assert_close(p.v_cache, v_want, rtol=0, atol=0, equal_nan=True)
 
 
+@given(case=decode_cases(), num_splits=st.sampled_from([None, 1, 3]))
+def test_paged_decode_norms_and_rotates_q_and_k_as_the_layer_does(device, case, num_splits):
+    """norm_rope given: q and k arrive unnormed and unrotated, and the kernel gives the output and
+    the stored K of functional.layer.qk_norm_rope followed by the plain kernel."""
+    from minivllm.functional.layer import qk_norm_rope
+    from minivllm.functional.rope import rope_cos_sin
+    from minivllm.state import ModelConfig
+
+    if case["head_dim"] % 2:
+        case["head_dim"] += 1
+    p = make_problem(**case, device=device)
+    d, dtype = case["head_dim"], case["dtype"]
+    g = torch.Generator().manual_seed(case["seed"] + 1)
+    q_weight, k_weight = (1 + 0.3 * torch.randn(2, d, generator=g)).to(device, dtype)
+    config = ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
+                         num_heads=1, num_kv_heads=1, head_dim=d, rope_theta=1000.0)
+    cos, sin = rope_cos_sin(config, (p.batch.context_lens - 1).long())
+    eps = 1e-6
+    slots = p.batch.slot_mapping
+    k_want, v_want = p.k_cache.clone(), p.v_cache.clone()
+    q_in, k_in = 3 * p.q, 3 * p.k  # off unit scale, so that the norm matters
+    q, k = qk_norm_rope(q_in, k_in, q_weight, k_weight, cos, sin, eps)
+    want = paged_decode_attention(q, k, p.v, k_want, v_want, p.batch.block_tables,
+                                  p.batch.context_lens, p.scale, num_splits=num_splits,
+                                  slot_mapping=slots)
+    got = paged_decode_attention(q_in, k_in, p.v, p.k_cache, p.v_cache, p.batch.block_tables,
+                                 p.batch.context_lens, p.scale, out=nan_like(p.q),
+                                 num_splits=num_splits, slot_mapping=slots,
+                                 norm_rope=(q_weight, k_weight, cos, sin, eps))
+    check(got, want, dtype)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(p.k_cache, k_want, equal_nan=True, **tol)
+    torch.testing.assert_close(p.v_cache, v_want, rtol=0, atol=0, equal_nan=True)
+
+
 def test_decode_splits_fill_the_gpu_from_shapes():
     cpu = torch.device("cpu")  # 4 "SMs" under the interpreter
     assert decode_splits(256, 8, 2048, cpu) == 1

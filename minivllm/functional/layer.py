@@ -31,8 +31,13 @@ def attention_block(lp: LayerParams, x: torch.Tensor, cos: torch.Tensor, sin: to
                     config: ModelConfig, shard: ShardSpec, backend: AttentionBackend) -> torch.Tensor:
     """x: [T, hidden] (normed) -> [T, hidden]. Writes this step's K/V into k_cache/v_cache."""
     q, k, v = qkv_linear(x, lp.qkv, config, shard)
-    q, k = qk_norm_rope(q, k, lp.q_norm, lp.k_norm, cos, sin, config.rms_norm_eps)
-    out = backend(q, k, v, k_cache, v_cache, batch, config.head_dim ** -0.5)
+    norm_rope = (lp.q_norm, lp.k_norm, cos, sin, config.rms_norm_eps)
+    fused = getattr(backend, "decode_with_norm_rope", None)
+    if fused is not None and batch.is_decode:  # the backend norms and rotates q and k itself
+        out = fused(q, k, v, k_cache, v_cache, batch, config.head_dim ** -0.5, norm_rope)
+    else:
+        q, k = qk_norm_rope(q, k, *norm_rope)
+        out = backend(q, k, v, k_cache, v_cache, batch, config.head_dim ** -0.5)
     return row_linear(out.reshape(out.shape[0], -1), lp.o_proj, shard)
 
 

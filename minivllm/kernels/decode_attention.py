@@ -24,18 +24,36 @@ from .paged import load_rows, page_rows
 LOG2E = 1.4426950408889634
 
 
+@triton.jit
+def _norm_rope(x, x_partner, w, w_partner, cos, signed_sin, eps, HEAD_DIM: tl.constexpr):
+    """RMSNorm then rotate-half RoPE of rows x: [R, BLOCK_D], rounded to x's dtype wherever the
+    PyTorch reference (functional.layer.qk_norm_rope) rounds. x_partner / w_partner: x and the
+    norm weight at each lane's rotation partner; signed_sin: sin negated on the first half."""
+    dt = x.dtype
+    xf = x.to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(xf * xf, 1) / HEAD_DIM + eps)  # [R]: the partner lanes share it
+    n = (w.to(tl.float32) * (xf * r[:, None]).to(dt).to(tl.float32)).to(dt)
+    n_partner = (w_partner.to(tl.float32)
+                 * (x_partner.to(tl.float32) * r[:, None]).to(dt).to(tl.float32)).to(dt)
+    a = (n.to(tl.float32) * cos.to(dt).to(tl.float32)).to(dt)
+    b = (n_partner.to(tl.float32) * signed_sin.to(dt).to(tl.float32)).to(dt)
+    return (a.to(tl.float32) + b.to(tl.float32)).to(dt)
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, slot_ptr,
+                   qw_ptr, kw_ptr, cos_ptr, sin_ptr, eps,
                    out_ptr, part_out_ptr, part_lse_ptr, scale_log2, num_splits,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                   stride_bt, stride_ot, stride_oh,
+                   stride_bt, stride_rope, stride_ot, stride_oh,
                    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, STORE: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   NORM_ROPE: tl.constexpr, PRECISION: tl.constexpr):
     # Under torch.compile a Python-float argument can arrive as fp64; the loop-carried softmax
     # state must stay fp32.
     scale_log2 = tl.cast(scale_log2, tl.float32)
+    eps = tl.cast(eps, tl.float32)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -50,12 +68,35 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_pt
     D_MASKED: tl.constexpr = BLOCK_D != HEAD_DIM
     heads = kvh * GROUP + offs_g
     b64 = b.to(tl.int64)
-    q = tl.load(q_ptr + b64 * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(dt)
+    q_rows = q_ptr + b64 * stride_qt + heads[:, None] * stride_qh
+    q_mask = mask_g[:, None] & mask_d[None, :]
+    k_row = k_ptr + b64 * stride_kt + kvh * stride_kh
+    if NORM_ROPE:
+        # q and k arrive straight from the qkv GEMM: each head is RMS-normed and rotated here
+        # (a kernel fewer per layer). Rotate-half pairs lane d with d -/+ HEAD_DIM/2, so the
+        # partner lanes are loaded as a second, permuted copy.
+        half = HEAD_DIM // 2
+        partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
+        cos = tl.load(cos_ptr + b64 * stride_rope + offs_d, mask=mask_d, other=0.0)
+        sin = tl.load(sin_ptr + b64 * stride_rope + offs_d, mask=mask_d, other=0.0)
+        sin = tl.where(offs_d < half, -sin, sin)
+        q = _norm_rope(tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0),
+                       tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0),
+                       tl.load(qw_ptr + offs_d, mask=mask_d, other=0.0)[None, :],
+                       tl.load(qw_ptr + partner, mask=mask_d, other=0.0)[None, :],
+                       cos[None, :], sin[None, :], eps, HEAD_DIM).to(dt)
+        k_new = _norm_rope(tl.load(k_row + offs_d, mask=mask_d, other=0.0)[None, :],
+                           tl.load(k_row + partner, mask=mask_d, other=0.0)[None, :],
+                           tl.load(kw_ptr + offs_d, mask=mask_d, other=0.0)[None, :],
+                           tl.load(kw_ptr + partner, mask=mask_d, other=0.0)[None, :],
+                           cos[None, :], sin[None, :], eps, HEAD_DIM)
+        k_new = tl.reshape(k_new, [BLOCK_D])
+    else:
+        q = tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0).to(dt)
+        k_new = tl.load(k_row + offs_d, mask=mask_d, other=0.0)
 
     # The new token seeds split 0's running softmax; other splits start empty. Every split loads
     # it (one row) so that the seed needs no branch.
-    k_new = tl.load(k_ptr + b64 * stride_kt + kvh * stride_kh + offs_d, mask=mask_d, other=0.0)
     v_new = tl.load(v_ptr + b64 * stride_vt + kvh * stride_vh + offs_d, mask=mask_d, other=0.0)
     s_new = tl.sum(q.to(tl.float32) * k_new.to(dt).to(tl.float32)[None, :], 1) * scale_log2
     first = split == 0
@@ -160,10 +201,14 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
                            num_splits: int | None = None, config: dict | None = None,
-                           slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
+                           slot_mapping: torch.Tensor | None = None,
+                           norm_rope: tuple | None = None) -> torch.Tensor:
     """out: [B, heads, head_dim]; the new token's K/V come from k/v, the prefix from the cache.
     slot_mapping: [B] int64, if given the new K/V are also written to these cache slots (-1
-    skips a row), as store_kvcache would."""
+    skips a row), as store_kvcache would.
+    norm_rope: (q_weight [head_dim], k_weight [head_dim], cos [B, head_dim], sin, eps), if given
+    q and k are raw projections, RMS-normed per head and rotated here as
+    functional.layer.qk_norm_rope would (and k is stored so)."""
     b, heads, head_dim = q.shape
     _, page, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -185,15 +230,24 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     block_d = next_pow2(head_dim)
     store = slot_mapping is not None
     assert not store or slot_mapping.shape == (b,), (slot_mapping.shape, b)
+    if norm_rope is not None:
+        q_weight, k_weight, cos, sin, eps = norm_rope
+        assert head_dim % 2 == 0 and q_weight.shape == k_weight.shape == (head_dim,)
+        assert cos.shape == sin.shape == (b, head_dim) and cos.stride() == sin.stride()
+        assert cos.stride(1) == 1 and q_weight.is_contiguous() and k_weight.is_contiguous()
+    else:
+        q_weight = k_weight = cos = sin = q  # unused
+        eps = 0.0
     _decode_kernel[(b, kv_heads, num_splits)](
         q, k, v, k_cache, v_cache, block_tables, context_lens,
-        slot_mapping if store else context_lens, out, part_out, part_lse,
-        scale * LOG2E, num_splits,
+        slot_mapping if store else context_lens, q_weight, k_weight, cos, sin, eps,
+        out, part_out, part_lse, scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        block_tables.stride(0), cos.stride(0), out.stride(0), out.stride(1),
         KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_G=max(16, next_pow2(group)),
         BLOCK_D=block_d, PAGE=page, BLOCK_N=cfg["block_n"], SPLIT=num_splits > 1,
-        STORE=store, PRECISION=dot_precision(k_cache.dtype), num_warps=cfg["num_warps"],
+        STORE=store, NORM_ROPE=norm_rope is not None, PRECISION=dot_precision(k_cache.dtype),
+        num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     if num_splits > 1:
         _merge_splits_kernel[(b, heads)](

@@ -1,6 +1,7 @@
 """The `triton` attention backend: paged decode attention, which also writes the new K/V to the
-cache, when every sequence brings one token (T == B, static); else store_kvcache, then the varlen
-prefill kernel (prefix hits, chunked prefill and mixed batches alike)."""
+cache (and, through decode_with_norm_rope, norms and rotates q and k first), when every sequence
+brings one token (T == B, static); else store_kvcache, then the varlen prefill kernel (prefix
+hits, chunked prefill and mixed batches alike)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,14 @@ class TritonBackend:
         store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
         return varlen_prefill_attention(q, k, v, k_cache, v_cache, batch.cu_seqlens_q,
                                         batch.context_lens, batch.block_tables, scale)
+
+    def decode_with_norm_rope(self, q, k, v, k_cache, v_cache, batch: Batch, scale: float,
+                              norm_rope: tuple):
+        """A decode step from the raw q and k projections: the kernel RMS-norms and rotates them
+        (norm_rope = (q_weight, k_weight, cos, sin, eps)), which saves a kernel per layer."""
+        return paged_decode_attention(q, k, v, k_cache, v_cache, batch.block_tables,
+                                      batch.context_lens, scale, slot_mapping=batch.slot_mapping,
+                                      norm_rope=norm_rope)
 
     def __repr__(self):
         return "TritonBackend()"
