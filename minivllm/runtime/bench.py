@@ -132,7 +132,7 @@ def timed_steps(engine, log: list):
 
 
 def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
-                   max_output_len: int = 1024, trace: str | None = None,
+                   max_output_len: int = 1024, trace: str | None = None, trace_from: int = 400,
                    step_times: str | None = None) -> dict:
     from .sampling_params import SamplingParams
 
@@ -143,7 +143,7 @@ def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
     device = llm.config.device
     _sync(device)
     steps0 = llm.stats.steps
-    prof = traced_steps(llm.engine, trace, skip=400, active=8) if trace else None
+    prof = traced_steps(llm.engine, trace, skip=trace_from, active=8) if trace else None
     log, remove_hooks = [], None
     if step_times:
         remove_hooks = timed_steps(llm.engine, log)
@@ -235,8 +235,11 @@ def add_bench_args(p) -> None:
                         "seconds, Triton compiles, dynamo frames) to this JSON file")
     p.add_argument("--trace", default=None,
                    help="write a Chrome trace (torch.profiler) of 8 decode steps to this path "
-                        "(steps 400-407; with --latency, steps 100-107 of the last stream); the "
-                        "timing then includes the profiler's overhead")
+                        "(from step --trace-from; with --latency, steps 100-107 of the last "
+                        "stream); the timing then includes the profiler's overhead")
+    p.add_argument("--trace-from", type=int, default=400,
+                   help="the throughput run's first traced step (400: ~150 sequences running; "
+                        "900: ~40, the tail)")
 
 
 def main(args) -> dict:
@@ -260,6 +263,7 @@ def main(args) -> dict:
     else:
         result = run_throughput(llm, num_seqs=args.num_seqs, max_input_len=args.max_input_len,
                                 max_output_len=args.max_output_len, trace=args.trace,
+                                trace_from=args.trace_from,
                                 step_times=args.step_times)
         bandwidth = copy_bandwidth(device)
         if bandwidth:
