@@ -3,7 +3,7 @@
 # from the repo root there; pytest/hypothesis wheels carried in .whl/):
 #   bash benchmarks/gpu_checks.sh speed  # nvidia-h200: issue 5's figures and the GPU test suite
 #   bash benchmarks/gpu_checks.sh tp     # nvidia-h200-x2: tensor parallelism (issue 6)
-#   bash benchmarks/gpu_checks.sh recheck|final  # nvidia-h200-x2: session 4's follow-ups
+#   bash benchmarks/gpu_checks.sh recheck|verify|final  # nvidia-h200-x2: session 4's follow-ups
 # Every step's output streams into $OUT/logs.txt (the suite's into $OUT/tests.txt) and its JSON
 # into $OUT/results.json, so a call cut short still returns what it did; a step past its limit
 # gets SIGABRT first, and PYTHONFAULTHANDLER=1 makes every Python process print its stacks.
@@ -68,25 +68,30 @@ recheck)
     "tests/test_skinny_gemm.py::test_partials_sum_to_the_product" \
     "tests/test_gpu_graphs.py::test_graphs_and_async_scheduling_equal_eager"
   ;;
-final)
-  # nvidia-h200-x2 (<= 470 s): after session 4's kernel cuts. GPU 1 runs the GPU tests of what
-  # changed while GPU 0 measures (latency, throughput with step records, a trace of the tail's
-  # steps), then TP=2 runs the throughput workload on both.
-  (export CUDA_VISIBLE_DEVICES=1; STEP_LOG=$OUT/tests.txt step tests 300 python3 -m pytest \
-    $PYTEST_ARGS tests/test_kernels.py tests/test_gpu_graphs.py tests/test_decode_graphs.py \
-    tests/test_kernels_model.py "tests/test_skinny_gemm.py::test_decoder_wiring_equals_cublas_path" \
+verify|final)
+  # nvidia-h200-x2 (verify <= 220 s, final <= 470 s): after session 4's kernel cuts. GPU 1 runs
+  # the GPU tests of what changed while GPU 0 measures latency and throughput (with step
+  # records); final adds a trace of the throughput run's tail and the TP=2 throughput run.
+  (export CUDA_VISIBLE_DEVICES=1; STEP_LOG=$OUT/tests.txt step tests 200 python3 -m pytest \
+    $PYTEST_ARGS tests/test_kernels.py tests/test_gpu_graphs.py tests/test_kernels_model.py \
+    "tests/test_skinny_gemm.py::test_decoder_wiring_equals_cublas_path" \
     "tests/test_engine.py::test_triton_backend_gives_identical_outputs" \
-    "tests/test_engine.py::test_greedy_matches_generate_and_transformers") &
+    "tests/test_engine.py::test_greedy_matches_generate_and_transformers" \
+    tests/test_decode_graphs.py) &
   export CUDA_VISIBLE_DEVICES=0
   step latency 100 python3 -m minivllm bench --shape qwen3-0.6b --latency --json "$RESULTS/latency.json"
   step bench 70 python3 -m minivllm bench --shape qwen3-0.6b --json "$RESULTS/bench.json" \
     --step-times "$OUT/steps.json"
-  step bench_trace 80 python3 -m minivllm bench --shape qwen3-0.6b --trace "$OUT/trace_tail.json" \
-    --trace-from 900 --json "$RESULTS/bench_trace.json"
-  gzip -f "$OUT/trace_tail.json"
+  if [ "$1" = final ]; then
+    step bench_trace 80 python3 -m minivllm bench --shape qwen3-0.6b --trace "$OUT/trace_tail.json" \
+      --trace-from 900 --json "$RESULTS/bench_trace.json"
+    gzip -f "$OUT/trace_tail.json"
+  fi
   wait
-  export CUDA_VISIBLE_DEVICES=0,1
-  step bench_tp2 120 python3 -m minivllm bench --shape qwen3-0.6b -tp 2 --json "$RESULTS/bench_tp2.json"
+  if [ "$1" = final ]; then
+    export CUDA_VISIBLE_DEVICES=0,1
+    step bench_tp2 120 python3 -m minivllm bench --shape qwen3-0.6b -tp 2 --json "$RESULTS/bench_tp2.json"
+  fi
   ;;
 tp)
   # nvidia-h200-x2 (<= 590 s): issue 6. TP=2 against TP=1 (teacher-forced agreement, engine
