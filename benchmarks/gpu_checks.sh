@@ -3,7 +3,7 @@
 # from the repo root there; pytest/hypothesis wheels carried in .whl/):
 #   bash benchmarks/gpu_checks.sh speed  # nvidia-h200: issue 5's figures and the GPU test suite
 #   bash benchmarks/gpu_checks.sh tp     # nvidia-h200-x2: tensor parallelism (issue 6)
-#   bash benchmarks/gpu_checks.sh recheck|verify|final  # nvidia-h200-x2: session 4's follow-ups
+#   bash benchmarks/gpu_checks.sh recheck|verify|final|last  # nvidia-h200-x2: session 4's follow-ups
 # Every step's output streams into $OUT/logs.txt (the suite's into $OUT/tests.txt) and its JSON
 # into $OUT/results.json, so a call cut short still returns what it did; a step past its limit
 # gets SIGABRT first, and PYTHONFAULTHANDLER=1 makes every Python process print its stacks.
@@ -92,6 +92,21 @@ verify|final)
     export CUDA_VISIBLE_DEVICES=0,1
     step bench_tp2 120 python3 -m minivllm bench --shape qwen3-0.6b -tp 2 --json "$RESULTS/bench_tp2.json"
   fi
+  ;;
+last)
+  # nvidia-h200-x2 (<= 225 s): session 4's last call. GPU 1: the graph-vs-eager tests (fp32
+  # first: identical tokens), GPU 0: the single stream, then a trace of the throughput tail.
+  (export CUDA_VISIBLE_DEVICES=1; STEP_LOG=$OUT/tests.txt step tests 190 python3 -m pytest \
+    $PYTEST_ARGS "tests/test_gpu_graphs.py::test_graphs_and_async_scheduling_equal_eager[float32]" \
+    "tests/test_gpu_graphs.py::test_graphs_and_async_scheduling_equal_eager[bfloat16]" \
+    "tests/test_skinny_gemm.py::test_decoder_wiring_equals_cublas_path" \
+    "tests/test_engine.py::test_triton_backend_gives_identical_outputs") &
+  export CUDA_VISIBLE_DEVICES=0
+  step latency 120 python3 -m minivllm bench --shape qwen3-0.6b --latency --json "$RESULTS/latency.json"
+  step bench_trace 75 python3 -m minivllm bench --shape qwen3-0.6b --trace "$OUT/trace_tail.json" \
+    --trace-from 900 --json "$RESULTS/bench_trace.json"
+  gzip -f "$OUT/trace_tail.json"
+  wait
   ;;
 tp)
   # nvidia-h200-x2 (<= 590 s): issue 6. TP=2 against TP=1 (teacher-forced agreement, engine

@@ -27,12 +27,13 @@ def deep_dir(tmp_path_factory):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_graphs_and_async_scheduling_equal_eager(deep_dir, dtype):
     """fp32: identical tokens. bf16: the compiled layer rounds differently from eager (fused
-    norms, another GEMM tiling), and four layers of bf16 rounding move a logit of magnitude
-    16-32 by a few ulps of 0.125; a greedy choice between logits that close may flip, to the
-    second or (as on the H200: 0.06 between eager's first two) the third. Every prompt must agree
-    up to a position where the fast path's token was, for eager, within 4 such ulps of its best
-    (a broken path diverges at confident positions, in most prompts), and most prompts must
-    agree throughout."""
+    norms, another GEMM tiling, padded batches), and four layers of bf16 rounding move a logit
+    of magnitude 16-32 by a few ulps of 0.125; a greedy choice between logits that close may
+    flip, to the second or (as on the H200: 0.06 between eager's first two) the third, and on
+    this random model half the prompts meet such a near-tie within 24 tokens. So in bf16 every
+    position the two paths share must give the chosen token the same logprob within 4 such
+    ulps (a broken path is off by far more, at every position), and where they part, the fast
+    path's token must have been within 4 ulps of eager's best."""
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(0, 257, (n,), generator=g).tolist()}
                for n in (1, 5, 17, 33, 64, 100, 3, 250, 9, 40, 77, 128, 2, 31, 60, 15, 200, 7)]
@@ -49,14 +50,19 @@ def test_graphs_and_async_scheduling_equal_eager(deep_dir, dtype):
     if dtype == "float32":
         assert [c.token_ids for c in got] == [c.token_ids for c in want]
         return
-    same = 0
+    diverged = 0
     for a, b in zip(got, want):
-        k = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
-        if k is None:
-            same += 1
+        k = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
+                 len(a.token_ids))
+        for i in range(k):
+            tok = a.token_ids[i]
+            gap = abs(a.logprobs[i][tok].logprob - b.logprobs[i][tok].logprob)
+            assert gap < 0.5, f"token {i}: logprob {gap} away from eager's"
+        if k == len(a.token_ids):
             continue
+        diverged += 1
         best = max(lp.logprob for lp in b.logprobs[k].values())
         assert a.token_ids[k] in b.logprobs[k], "the fast path picked a token outside eager's top 5"
         gap = best - b.logprobs[k][a.token_ids[k]].logprob
         assert gap < 0.5, f"diverged at {k} to a token {gap} below eager's best"
-    assert same >= len(prompts) - 2
+    assert diverged < len(prompts), "no prompt agrees throughout"
