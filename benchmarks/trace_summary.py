@@ -1,0 +1,71 @@
+"""Where a traced step's GPU time goes: kernels grouped by name, per step, from the Chrome trace
+that `minivllm bench --trace F` writes (torch.profiler; .json or .json.gz).
+
+    python benchmarks/trace_summary.py trace.json.gz [--steps 8] [--top 25]
+
+Prints the GPU's busy time, the kernel count and the gaps between kernels per step, then each
+kernel group's launches and time per step. Inductor's kernels are grouped by kind
+(inductor_poi/per/red: pointwise, persistent reduction, reduction), since their names spell out
+the fused ops."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import re
+
+
+def load_kernels(path: str) -> list[dict]:
+    """The trace's GPU kernels, in start order."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+
+
+def kernel_group(name: str) -> str:
+    name = re.sub(r"triton_(poi|per|red)_fused_.*", r"inductor_\1", name)
+    name = re.sub(r"_\d+$", "", name)
+    return name[:70]
+
+
+def summarize(kernels: list[dict], steps: int) -> dict:
+    """Totals per step (times in us). Gaps are the idle time between consecutive kernels, those
+    under 50 us only (longer ones are the host between steps, not launch latency)."""
+    if not kernels:
+        raise ValueError("the trace holds no GPU kernels (was it taken on a GPU?)")
+    groups = collections.defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        g = groups[kernel_group(e["name"])]
+        g[0] += 1
+        g[1] += e["dur"]
+    gaps = [b["ts"] - (a["ts"] + a["dur"]) for a, b in zip(kernels, kernels[1:])]
+    gaps = [g for g in gaps if 0 <= g < 50]
+    return {
+        "kernels_per_step": len(kernels) / steps,
+        "busy_us_per_step": sum(e["dur"] for e in kernels) / steps,
+        "short_gaps_us_per_step": sum(gaps) / steps,
+        "groups": sorted(((name, n / steps, t / steps) for name, (n, t) in groups.items()),
+                         key=lambda g: -g[2]),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("trace")
+    ap.add_argument("--steps", type=int, default=8, help="steps the trace holds (bench traces 8)")
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    s = summarize(load_kernels(args.trace), args.steps)
+    print(f"per step: {s['kernels_per_step']:.0f} kernels, GPU busy {s['busy_us_per_step']:.0f} us, "
+          f"gaps under 50 us {s['short_gaps_us_per_step']:.0f} us")
+    print(f"{'launches':>9} {'us':>9} {'us each':>8}  kernel")
+    for name, n, t in s["groups"][: args.top]:
+        print(f"{n:9.1f} {t:9.1f} {t / n:8.2f}  {name}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""benchmarks/trace_summary.py on a synthetic trace: kernels grouped and counted per step, idle
+gaps between kernels counted only when short (launch latency, not the host between steps)."""
+
+import gzip
+import json
+
+import pytest
+
+from benchmarks.trace_summary import load_kernels, summarize
+
+
+def test_groups_per_step_and_short_gaps(tmp_path):
+    kernels = []
+    t = 0.0
+    for step in range(2):
+        for name, dur in (("triton_per_fused_add_rms_norm_0", 2.0), ("_decode_kernel", 10.0),
+                          ("triton_per_fused_mul_sum_3", 4.0)):
+            kernels.append({"cat": "kernel", "name": name, "ts": t, "dur": dur})
+            t += dur + 1.0  # 1 us between kernels
+        t += 500.0  # the host between steps: not a launch gap
+    events = list(reversed(kernels)) + [{"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 99}]
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    s = summarize(load_kernels(str(path)), steps=2)
+    assert s["kernels_per_step"] == 3 and s["busy_us_per_step"] == 16.0
+    assert s["short_gaps_us_per_step"] == 2.0  # 5 gaps: four of 1 us, the one of 501 us not counted
+    assert s["groups"][0] == ("_decode_kernel", 1.0, 10.0)
+    assert ("inductor_per", 2.0, 6.0) in s["groups"]
+
+
+def test_a_trace_without_kernels_is_a_clear_error(tmp_path):
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps({"traceEvents": [{"cat": "cpu_op", "name": "x", "ts": 0, "dur": 1}]}))
+    with pytest.raises(ValueError, match="no GPU kernels"):
+        summarize(load_kernels(str(path)), steps=1)
