@@ -47,17 +47,23 @@ PY
 PYTEST_ARGS="-p no:cacheprovider -p benchmarks.report_failures_now -v -o addopts= --tb=short"
 case "${1:-speed}" in
 speed)
-  # nvidia-h200 (<= 590 s): issue 5's figures, then the GPU suite. Cold caches: an engine start
-  # takes ~40 s the first time in a call, ~17 s after.
-  step latency 100 python3 -m minivllm bench --shape qwen3-0.6b --latency --json "$RESULTS/latency.json"
-  MINIVLLM_SKINNY_GEMM=0 step latency_cublas 60 python3 -m minivllm bench --shape qwen3-0.6b \
-    --latency --json "$RESULTS/latency_cublas.json"
-  step bench 90 python3 -m minivllm bench --shape qwen3-0.6b --json "$RESULTS/bench.json" \
+  # nvidia-h200 (<= 590 s): issue 5's figures, two traces of the throughput run (its middle and
+  # its tail, summarized by trace_summary.py), then the GPU tests of the decode path. Cold
+  # caches: an engine start takes ~70 s the first time in a call, ~30 s after.
+  step latency 110 python3 -m minivllm bench --shape qwen3-0.6b --latency --json "$RESULTS/latency.json"
+  step bench 70 python3 -m minivllm bench --shape qwen3-0.6b --json "$RESULTS/bench.json" \
     --step-times "$OUT/steps.json"
-  STEP_LOG=$OUT/tests.txt step tests 300 python3 -m pytest $PYTEST_ARGS \
-    tests/test_skinny_gemm.py tests/test_gpu_graphs.py tests/test_model.py \
-    tests/test_sample_kernel.py tests/test_sampling_batch_fast.py tests/test_decode_graphs.py \
-    tests/test_engine.py
+  for from in 400 900; do
+    step "trace_$from" 70 python3 -m minivllm bench --shape qwen3-0.6b --trace "$OUT/trace_$from.json" \
+      --trace-from "$from" --json "$RESULTS/bench_trace_$from.json"
+    python3 benchmarks/trace_summary.py "$OUT/trace_$from.json" --top 30 | tee -a "$OUT/logs.txt"
+    gzip -f "$OUT/trace_$from.json"
+  done
+  STEP_LOG=$OUT/tests.txt step tests 200 python3 -m pytest $PYTEST_ARGS \
+    "tests/test_gpu_graphs.py::test_graphs_and_async_scheduling_equal_eager[float32]" \
+    "tests/test_gpu_graphs.py::test_graphs_and_async_scheduling_equal_eager[bfloat16]" \
+    tests/test_kernels.py tests/test_kernels_model.py tests/test_decode_graphs.py \
+    tests/test_skinny_gemm.py "tests/test_engine.py::test_triton_backend_gives_identical_outputs"
   ;;
 recheck)
   # nvidia-h200-x2 (<= 330 s): tp_check after the fix for its compile crash, and the GPU tests
