@@ -27,9 +27,15 @@ def _run(path: str, rank: int, world_size: int):
     cache = minivllm.init_cache(params, num_blocks=8 * len(PROMPTS), block_size=4)
     batch = make_batch([SeqChunk(p, 0, t) for p, t in zip(PROMPTS, tables)], block_size=4, every_row=True)
     logits, _ = minivllm.forward(params, cache, batch)
+    # the forward the engine's graphs run: stem, layers and head each traced whole (fullgraph),
+    # collectives included
+    from minivllm.runtime.graphs import compiled_forward
+
+    cache = minivllm.init_cache(params, num_blocks=8 * len(PROMPTS), block_size=4)
+    compiled_logits, _ = compiled_forward("aot_eager")(params, cache, batch)
     cache = minivllm.init_cache(params, num_blocks=64, block_size=4)
     tokens, _ = minivllm.generate(params, cache, PROMPTS, max_new_tokens=20)
-    return logits, tokens
+    return logits, compiled_logits, tokens
 
 
 def _kv_blocks(path: str, rank: int, world_size: int) -> int:
@@ -70,8 +76,9 @@ def _worker(rank: int, world_size: int, port: int, root: str, cases: list[str]):
         torch.set_num_threads(1)
         torch.save(_steps_over_the_wire(rank), os.path.join(root, f"wire.rank{rank}.pt"))
         for case in cases:
-            logits, tokens = _run(os.path.join(root, case), rank, world_size)
-            torch.save({"logits": logits, "tokens": tokens, "kv_blocks": _kv_blocks(
+            logits, compiled_logits, tokens = _run(os.path.join(root, case), rank, world_size)
+            torch.save({"logits": logits, "compiled_logits": compiled_logits, "tokens": tokens,
+                        "kv_blocks": _kv_blocks(
                 os.path.join(root, case), rank, world_size)}, os.path.join(root, f"{case}.rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

@@ -1,4 +1,9 @@
-"""forward(params, cache, batch) -> (logits, cache): the whole Qwen3 model."""
+"""forward(params, cache, batch) -> (logits, cache): the whole Qwen3 model.
+
+A step is three pure functions: `stem` (embeddings, a zero residual, RoPE's cos and sin), the
+decoder layers, and `head` (the final norm and the LM head at the rows that need logits). A
+caller may run any of them compiled (runtime.graphs.compiled_forward does): each is one small
+graph, where one graph of the whole 28-layer forward took minutes to compile."""
 
 from __future__ import annotations
 
@@ -15,33 +20,59 @@ from .norm import add_rms_norm
 from .rope import rope_cos_sin
 
 
+def stem(params: Params, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x: [T, hidden] the tokens' embeddings, residual: zeros like x, cos, sin: [T, head_dim].
+
+    A zero residual rather than None: x + 0 is x exactly, and every layer then has one
+    signature, so a compiled layer is one graph for all of them."""
+    x = embed(batch.input_ids, params.embed, params.config, params.shard)
+    cos, sin = rope_cos_sin(params.config, batch.positions)
+    return x, torch.zeros_like(x), cos, sin
+
+
+def final_hidden(params: Params, x: torch.Tensor, residual: torch.Tensor,
+                 rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The last layer's output (either form, see decoder_layer) added to the residual stream and
+    normed, at `rows` (default all): [rows, hidden]."""
+    x = sum_partials(x, residual.dtype)
+    if rows is not None:
+        x, residual = x[rows], residual[rows]
+    x, _ = add_rms_norm(x, residual, params.final_norm, params.config.rms_norm_eps)
+    return x
+
+
+def head(params: Params, x: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """logits: [len(rows), vocab_size] fp32 from the last layer's output and residual stream."""
+    h = final_hidden(params, x, residual, rows)
+    return lm_head(h, params.head_weight, params.config, params.shard).float()
+
+
+def _layers(params: Params, cache: KVCache, batch: Batch, backend: AttentionBackend, x, residual,
+            cos, sin, layer) -> tuple[torch.Tensor, torch.Tensor]:
+    config, shard = params.config, params.shard
+    for lp, k_cache, v_cache in zip(params.layers, cache.k, cache.v):
+        x, residual = layer(lp, x, residual, cos, sin, k_cache, v_cache, batch,
+                            config=config, shard=shard, backend=backend)
+    return x, residual
+
+
 def hidden_states(params: Params, cache: KVCache, batch: Batch, backend: AttentionBackend = REFERENCE,
                   rows: torch.Tensor | None = None, *, layer=decoder_layer) -> torch.Tensor:
     """The final-normed hidden state of each token in `rows` (default all): [rows, hidden].
     Writes this step's K/V into `cache`. `layer` is decoder_layer or a compiled form of it."""
-    config, shard = params.config, params.shard
-    x = embed(batch.input_ids, params.embed, config, shard)
-    cos, sin = rope_cos_sin(config, batch.positions)
-    # A zero residual rather than None: x + 0 is x exactly, and every layer then has one
-    # signature, so a compiled layer is one graph for all of them.
-    residual = torch.zeros_like(x)
-    for lp, k_cache, v_cache in zip(params.layers, cache.k, cache.v):
-        x, residual = layer(lp, x, residual, cos, sin, k_cache, v_cache, batch,
-                                    config=config, shard=shard, backend=backend)
-    x = sum_partials(x, residual.dtype)  # see decoder_layer
-    if rows is not None:
-        x, residual = x[rows], residual[rows]
-    x, _ = add_rms_norm(x, residual, params.final_norm, config.rms_norm_eps)
-    return x
+    x, residual, cos, sin = stem(params, batch)
+    x, residual = _layers(params, cache, batch, backend, x, residual, cos, sin, layer)
+    return final_hidden(params, x, residual, rows)
 
 
 def forward(params: Params, cache: KVCache, batch: Batch, backend: AttentionBackend = REFERENCE,
-            *, layer=decoder_layer) -> tuple[torch.Tensor, KVCache]:
+            *, layer=decoder_layer, stem=stem, head=head) -> tuple[torch.Tensor, KVCache]:
     """logits: [len(batch.logits_indices), vocab_size] fp32, and the cache with this step's K/V.
 
     The cache is donated: its buffers are written in place and the returned cache is the one to
-    use from now on (see minivllm.state.cache). `layer` lets a caller run the layers compiled
-    (torch.compile(decoder_layer)): the function is unchanged, only how it is executed."""
-    x = hidden_states(params, cache, batch, backend, batch.logits_indices, layer=layer)
-    logits = lm_head(x, params.head_weight, params.config, params.shard)
-    return logits.float(), cache
+    use from now on (see minivllm.state.cache). `layer`, `stem` and `head` let a caller run the
+    parts compiled (torch.compile(decoder_layer), ...): the function is unchanged, only how it is
+    executed."""
+    x, residual, cos, sin = stem(params, batch)
+    x, residual = _layers(params, cache, batch, backend, x, residual, cos, sin, layer)
+    return head(params, x, residual, batch.logits_indices), cache

@@ -2,13 +2,13 @@
 
 A decode step (one new token for each of B sequences) is shaped only by B and the block-table
 width, so it can be captured once per bucket of B and replayed with new data copied into static
-input buffers. The graphs share one memory pool and capture the pure `forward` with its decoder
-layer compiled; weights and the KV cache are captured at their addresses, which never change,
+input buffers. The graphs share one memory pool and capture the pure `forward` with its parts
+compiled; weights and the KV cache are captured at their addresses, which never change,
 since the cache is donated and written in place.
 
-What is compiled is one decoder layer, not the whole forward: the 28 layers of a Qwen3 model are
-the same function on same-shaped weights, so one small graph serves them all, and inside a CUDA
-graph the Python loop around it costs nothing. Compiling the whole forward gave the same fused
+What is compiled is one decoder layer (and the stem and head around the layers), not the whole
+forward: the 28 layers of a Qwen3 model are the same function on same-shaped weights, so one small
+graph serves them all, and inside a CUDA graph the Python loop around it costs nothing. Compiling the whole forward gave the same fused
 kernels but took minutes on a fresh machine (a 28-layer graph, compiled twice: once static, once
 with a dynamic batch), which is why it is not done. The smallest bucket is 2, so that the
 compiled layer sees only batches of 2 or more and one dynamic-batch compile (after a first static
@@ -30,6 +30,7 @@ import types
 import numpy as np
 import torch
 
+from ..functional import model
 from ..functional.layer import decoder_layer
 from ..functional.model import forward
 from ..state.batch import Batch
@@ -48,18 +49,25 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
 
 
 def compiled_forward(compile_backend="inductor"):
-    """forward with its decoder layer compiled (fullgraph: no graph breaks), for one engine.
+    """forward with its three parts (stem, decoder layer, head) compiled, each fullgraph (no
+    graph breaks), for one engine. Compiling the stem and the head too turns their ~20 eager
+    kernels per step (embedding, RoPE tables, final add + norm, the logits' cast) into a few.
 
     torch.compile keeps its compiled graphs and its record of which input sizes have varied per
     code object. With one code object shared by every engine of a process, a second engine of
     another shape (a TP=2 engine after a TP=1 one, a test session) saw its weight sizes "vary",
     so dynamo compiled them as symbolic sizes: slower code, and on the H200 an Inductor crash
     (KeyError in Scheduler.compute_ancestors, pytorch/pytorch#189271, when a Triton kernel's
-    output is reshaped by symbolic head counts). So each call compiles its own copy of the
-    layer (_own_copy): an engine's first compile is static, its second makes only the step's sizes dynamic."""
+    output is reshaped by symbolic head counts). So each call compiles its own copies
+    (_own_copy): an engine's first compile is static, its second makes only the step's sizes
+    dynamic."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    layer = torch.compile(_own_copy(decoder_layer), fullgraph=True, backend=compile_backend)
-    return functools.partial(forward, layer=layer)
+
+    def compiled(fn):
+        return torch.compile(_own_copy(fn), fullgraph=True, backend=compile_backend)
+
+    return functools.partial(forward, layer=compiled(decoder_layer), stem=compiled(model.stem),
+                             head=compiled(model.head))
 
 
 _copies = itertools.count(1)
