@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import os
 import time
 import types
 
@@ -62,9 +63,12 @@ def compiled_forward(compile_backend="inductor"):
     (_own_copy): an engine's first compile is static, its second makes only the step's sizes
     dynamic."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    # MINIVLLM_COMPILE_MODE=max-autotune-no-cudagraphs lets Inductor time Triton GEMM templates
+    # against cuBLAS for each GEMM (start-up takes longer); unmeasured, for an A/B run.
+    mode = os.environ.get("MINIVLLM_COMPILE_MODE") or None if compile_backend == "inductor" else None
 
     def compiled(fn):
-        return torch.compile(_own_copy(fn), fullgraph=True, backend=compile_backend)
+        return torch.compile(_own_copy(fn), fullgraph=True, backend=compile_backend, mode=mode)
 
     return functools.partial(forward, layer=compiled(decoder_layer), stem=compiled(model.stem),
                              head=compiled(model.head))
