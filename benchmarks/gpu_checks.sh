@@ -53,6 +53,7 @@ speed)
   step latency 110 python3 -m minivllm bench --shape qwen3-0.6b --latency --json "$RESULTS/latency.json"
   step bench 70 python3 -m minivllm bench --shape qwen3-0.6b --json "$RESULTS/bench.json" \
     --step-times "$OUT/steps.json"
+  python3 benchmarks/step_floor.py "$OUT/steps.json" | tee -a "$OUT/logs.txt"
   for from in 400 900; do
     step "trace_$from" 70 python3 -m minivllm bench --shape qwen3-0.6b --trace "$OUT/trace_$from.json" \
       --trace-from "$from" --json "$RESULTS/bench_trace_$from.json"

@@ -1,0 +1,71 @@
+"""Each decode step of the throughput run against its own memory-traffic floor, from the step
+records `minivllm bench --step-times F` writes.
+
+    python benchmarks/step_floor.py steps.json [--shape qwen3-0.6b] [--tb-s 4.24]
+
+A step's floor is the KV of the sequences running then plus the weights, at the copy bandwidth.
+The KV is modelled from the workload: every sequence decodes one token a step from the first
+step with nothing waiting, until its max_tokens (preemption would break the model; the bench's
+KV cache is large enough that none happens). Prints, by batch size, the steps, their measured and
+floor seconds, and the time each step loses to everything but reading KV and weights."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from minivllm.runtime.workload import kv_bytes_per_token, throughput_workload, weight_bytes
+from minivllm.state.config import config_for_shape
+
+BANDS = ((151, 256), (61, 150), (17, 60), (1, 16))
+
+
+def step_floors(records: list[dict], prompt_lens: list[int], max_tokens: list[int],
+                kv_per_token: int, weights: int, bandwidth: float) -> list[tuple[int, float, float]]:
+    """(sequences running, measured s, floor s) for each decode step, i.e. each step from the
+    first with nothing waiting. At decode step j a sequence with n output tokens is running if
+    j + 1 < n (its first token came from prefill) and holds p + j tokens of KV."""
+    start = next((i for i, r in enumerate(records) if r["waiting"] == 0), None)
+    if start is None:
+        raise ValueError("no step without waiting sequences: is this a throughput run's record?")
+    out = []
+    for j, record in enumerate(records[start:]):
+        running = [(p, n) for p, n in zip(prompt_lens, max_tokens) if j + 1 < n]
+        kv = sum((p + j) * kv_per_token for p, _ in running)
+        out.append((len(running), record["s"], (kv + weights) / bandwidth))
+    return out
+
+
+def bands(floors: list[tuple[int, float, float]]) -> list[dict]:
+    rows = []
+    for low, high in BANDS:
+        steps = [(s, f) for n, s, f in floors if low <= n <= high]
+        if steps:
+            measured, floor = sum(s for s, _ in steps), sum(f for _, f in steps)
+            rows.append({"sequences": f"{high}-{low}", "steps": len(steps), "measured_s": measured,
+                         "floor_s": floor, "of_floor": floor / measured,
+                         "lost_ms_per_step": 1e3 * (measured - floor) / len(steps)})
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("steps")
+    ap.add_argument("--shape", default="qwen3-0.6b")
+    ap.add_argument("--tb-s", type=float, default=4.24, help="copy bandwidth, TB/s")
+    args = ap.parse_args()
+    with open(args.steps) as f:
+        records = json.load(f)
+    config = config_for_shape(args.shape)
+    prompts, max_tokens = throughput_workload()
+    floors = step_floors(records, [len(p) for p in prompts], max_tokens, kv_bytes_per_token(config),
+                         weight_bytes(config), args.tb_s * 1e12)
+    print(f"{'sequences':>10} {'steps':>6} {'measured s':>11} {'floor s':>8} {'of floor':>9} "
+          f"{'lost ms/step':>13}")
+    for r in bands(floors):
+        print(f"{r['sequences']:>10} {r['steps']:>6} {r['measured_s']:>11.3f} {r['floor_s']:>8.3f} "
+              f"{r['of_floor']:>9.0%} {r['lost_ms_per_step']:>13.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+"""benchmarks/step_floor.py: each decode step's floor from the workload model, against a count
+done by hand on a three-sequence workload."""
+
+import pytest
+
+from benchmarks.step_floor import bands, step_floors
+
+
+def test_floors_follow_the_running_sequences():
+    prompt_lens, max_tokens = [10, 20, 30], [2, 3, 5]
+    records = [{"s": 1.0, "waiting": 2}, {"s": 1.0, "waiting": 0}] + [{"s": 0.5, "waiting": 0}] * 4
+    floors = step_floors(records, prompt_lens, max_tokens, kv_per_token=1, weights=100, bandwidth=2.0)
+    # decode step j (from the first record with nothing waiting): running are the sequences with
+    # j + 1 < n, each holding p + j tokens of KV: 10+20+30, 21+31, 32, 33, none
+    assert floors == [(3, 1.0, 80.0), (2, 0.5, 76.0), (1, 0.5, 66.0), (1, 0.5, 66.5), (0, 0.5, 50.0)]
+    (band,) = bands(floors)  # the step with none running counts in no band
+    assert band["sequences"] == "16-1" and band["steps"] == 4
+    assert band["measured_s"] == 2.5 and band["floor_s"] == 288.5
+    assert band["lost_ms_per_step"] == pytest.approx(1e3 * (2.5 - 288.5) / 4)
+
+
+def test_a_record_that_never_stops_waiting_is_a_clear_error():
+    with pytest.raises(ValueError, match="waiting"):
+        step_floors([{"s": 1.0, "waiting": 3}], [5], [2], kv_per_token=1, weights=1, bandwidth=1.0)
