@@ -7,10 +7,11 @@ compiled; weights and the KV cache are captured at their addresses, which never 
 since the cache is donated and written in place.
 
 What is compiled is one decoder layer (and the stem and head around the layers), not the whole
-forward: the 28 layers of a Qwen3 model are the same function on same-shaped weights, so one small
-graph serves them all, and inside a CUDA graph the Python loop around it costs nothing. Compiling the whole forward gave the same fused
-kernels but took minutes on a fresh machine (a 28-layer graph, compiled twice: once static, once
-with a dynamic batch), which is why it is not done. The smallest bucket is 2, so that the
+forward: the 28 layers of a Qwen3 model are the same function on same-shaped weights, so one
+small graph serves them all, and inside a CUDA graph the Python loop around it costs nothing.
+Compiling the whole forward gave the same fused kernels but took minutes on a fresh machine (a
+28-layer graph, compiled twice: once static, once with a dynamic batch), which is why it is not
+done. The smallest bucket is 2, so that the
 compiled layer sees only batches of 2 or more and one dynamic-batch compile (after a first static
 one) serves every bucket; a single sequence is padded to 2 rows, which costs nothing measurable.
 
