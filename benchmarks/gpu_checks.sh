@@ -47,18 +47,21 @@ PY
 PYTEST_ARGS="-p no:cacheprovider -p benchmarks.report_failures_now -v -o addopts= --tb=short"
 case "${1:-speed}" in
 speed)
-  # nvidia-h200 (<= 590 s): issue 5's figures, two traces of the throughput run (its middle and
-  # its tail, summarized by trace_summary.py), then the GPU tests of the decode path. Cold
-  # caches: an engine start takes ~70 s the first time in a call, ~30 s after.
+  # nvidia-h200 (<= 590 s): issue 5's figures, traces of the single stream and of the
+  # throughput run's tail (summarized by trace_summary.py), then the GPU tests of the decode
+  # path. Cold caches: an engine start takes ~70 s the first time in a call, ~30 s after.
   step latency 110 python3 -m minivllm bench --shape qwen3-0.6b --latency --json "$RESULTS/latency.json"
   step bench 70 python3 -m minivllm bench --shape qwen3-0.6b --json "$RESULTS/bench.json" \
     --step-times "$OUT/steps.json"
   python3 benchmarks/step_floor.py "$OUT/steps.json" | tee -a "$OUT/logs.txt"
-  for from in 400 900; do
-    step "trace_$from" 70 python3 -m minivllm bench --shape qwen3-0.6b --trace "$OUT/trace_$from.json" \
-      --trace-from "$from" --json "$RESULTS/bench_trace_$from.json"
-    python3 benchmarks/trace_summary.py "$OUT/trace_$from.json" --top 30 | tee -a "$OUT/logs.txt"
-    gzip -f "$OUT/trace_$from.json"
+  # the single stream's trace (steps 100-107 at one sequence), then the throughput run's tail
+  step trace_latency 60 python3 -m minivllm bench --shape qwen3-0.6b --latency \
+    --trace "$OUT/trace_latency.json" --json "$RESULTS/latency_trace.json"
+  step trace_900 70 python3 -m minivllm bench --shape qwen3-0.6b --trace "$OUT/trace_900.json" \
+    --trace-from 900 --json "$RESULTS/bench_trace_900.json"
+  for name in latency 900; do
+    python3 benchmarks/trace_summary.py "$OUT/trace_$name.json" --top 40 | tee -a "$OUT/logs.txt"
+    gzip -f "$OUT/trace_$name.json"
   done
   STEP_LOG=$OUT/tests.txt step tests 200 python3 -m pytest $PYTEST_ARGS \
     "tests/test_gpu_graphs.py::test_graphs_and_async_scheduling_equal_eager[float32]" \
