@@ -69,6 +69,29 @@ speed)
     tests/test_kernels.py tests/test_kernels_model.py tests/test_decode_graphs.py \
     tests/test_skinny_gemm.py "tests/test_engine.py::test_triton_backend_gives_identical_outputs"
   ;;
+s5)
+  # nvidia-h200 (<= 560 s): session 5's changes (split decode merged in-kernel, skinny GEMM on 2
+  # warps) against the session's starting commit, unpacked at dbg/old (carried), in the same
+  # call: latency and throughput, alternating; then the GPU tests of what changed.
+  for run in new old; do
+    dir=.; [ $run = old ] && dir=dbg/old
+    (cd $dir && step "latency_$run" 130 python3 -m minivllm bench --shape qwen3-0.6b --latency \
+      --json "$RESULTS/latency_$run.json")
+  done
+  for run in new old; do
+    dir=.; [ $run = old ] && dir=dbg/old
+    (cd $dir && step "bench_$run" 70 python3 -m minivllm bench --shape qwen3-0.6b \
+      --json "$RESULTS/bench_$run.json" --step-times "$OUT/steps_$run.json")
+    python3 benchmarks/step_floor.py "$OUT/steps_$run.json" | tee -a "$OUT/logs.txt"
+  done
+  STEP_LOG=$OUT/tests.txt step tests 200 python3 -m pytest $PYTEST_ARGS \
+    tests/test_kernels.py::test_split_decode_merged_by_its_last_program_equals_the_merge_kernel \
+    "tests/test_gpu_graphs.py::test_graphs_and_async_scheduling_equal_eager[float32]" \
+    "tests/test_gpu_graphs.py::test_graphs_and_async_scheduling_equal_eager[bfloat16]" \
+    tests/test_skinny_gemm.py tests/test_decode_graphs.py \
+    "tests/test_engine.py::test_triton_backend_gives_identical_outputs" \
+    tests/test_kernels.py::test_paged_decode_matches_reference
+  ;;
 recheck)
   # nvidia-h200-x2 (<= 330 s): tp_check after the fix for its compile crash, and the GPU tests
   # that failed in session 4's first call, with their tracebacks.
