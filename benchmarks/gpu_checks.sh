@@ -3,6 +3,7 @@
 # from the repo root there; pytest/hypothesis wheels carried in .whl/):
 #   bash benchmarks/gpu_checks.sh speed  # nvidia-h200: issue 5's figures and the GPU test suite
 #   bash benchmarks/gpu_checks.sh tp     # nvidia-h200-x2: tensor parallelism (issue 6)
+#   bash benchmarks/gpu_checks.sh tp5    # nvidia-h200-x2: issue 6 after sessions 4-5 (not yet run)
 #   bash benchmarks/gpu_checks.sh recheck|verify|final|last  # nvidia-h200-x2: session 4's follow-ups
 # Every step's output streams into $OUT/logs.txt (the suite's into $OUT/tests.txt) and its JSON
 # into $OUT/results.json, so a call cut short still returns what it did; a step past its limit
@@ -69,28 +70,38 @@ speed)
     tests/test_kernels.py tests/test_kernels_model.py tests/test_decode_graphs.py \
     tests/test_skinny_gemm.py "tests/test_engine.py::test_triton_backend_gives_identical_outputs"
   ;;
-s5)
-  # nvidia-h200 (<= 560 s): session 5's changes (split decode merged in-kernel, skinny GEMM on 2
-  # warps) against the session's starting commit, unpacked at dbg/old (carried), in the same
-  # call: latency and throughput, alternating; then the GPU tests of what changed.
+tp5)
+  # nvidia-h200-x2 (<= 420 s): issue 6 after session 5's changes (and session 4's later ones):
+  # TP=2 against TP=1 (teacher-forced agreement, engine greedy), then the throughput bench at
+  # TP=2 and, on one of the two GPUs, at TP=1 in the same call.
+  step tp_check 240 python3 benchmarks/tp_check.py --prompts 4 --max-tokens 32 \
+    --json "$RESULTS/tp_check.json"
+  step bench_tp2 100 python3 -m minivllm bench --shape qwen3-0.6b -tp 2 --json "$RESULTS/bench_tp2.json"
+  CUDA_VISIBLE_DEVICES=0 step bench_tp1 70 python3 -m minivllm bench --shape qwen3-0.6b \
+    --json "$RESULTS/bench_tp1.json"
+  ;;
+s5b)
+  # nvidia-h200 (<= 420 s): s5 again after the in-kernel merge loads all splits at once; the
+  # skinny GEMM's warps A/B (MINIVLLM_SKINNY_WARPS), then the tests of the merge, then a trace.
+  step latency_new 130 python3 -m minivllm bench --shape qwen3-0.6b --latency \
+    --json "$RESULTS/latency_new.json"
+  MINIVLLM_SKINNY_WARPS=4 step latency_new_w4 60 python3 -m minivllm bench --shape qwen3-0.6b \
+    --latency --json "$RESULTS/latency_new_w4.json"
+  (cd dbg/old && step latency_old 60 python3 -m minivllm bench --shape qwen3-0.6b --latency \
+    --json "$RESULTS/latency_old.json")
   for run in new old; do
     dir=.; [ $run = old ] && dir=dbg/old
-    (cd $dir && step "latency_$run" 130 python3 -m minivllm bench --shape qwen3-0.6b --latency \
-      --json "$RESULTS/latency_$run.json")
-  done
-  for run in new old; do
-    dir=.; [ $run = old ] && dir=dbg/old
-    (cd $dir && step "bench_$run" 70 python3 -m minivllm bench --shape qwen3-0.6b \
+    (cd $dir && step "bench_$run" 60 python3 -m minivllm bench --shape qwen3-0.6b \
       --json "$RESULTS/bench_$run.json" --step-times "$OUT/steps_$run.json")
     python3 benchmarks/step_floor.py "$OUT/steps_$run.json" | tee -a "$OUT/logs.txt"
   done
-  STEP_LOG=$OUT/tests.txt step tests 200 python3 -m pytest $PYTEST_ARGS \
+  STEP_LOG=$OUT/tests.txt step tests 80 python3 -m pytest $PYTEST_ARGS \
     tests/test_kernels.py::test_split_decode_merged_by_its_last_program_equals_the_merge_kernel \
-    "tests/test_gpu_graphs.py::test_graphs_and_async_scheduling_equal_eager[float32]" \
-    "tests/test_gpu_graphs.py::test_graphs_and_async_scheduling_equal_eager[bfloat16]" \
-    tests/test_skinny_gemm.py tests/test_decode_graphs.py \
-    "tests/test_engine.py::test_triton_backend_gives_identical_outputs" \
-    tests/test_kernels.py::test_paged_decode_matches_reference
+    "tests/test_gpu_graphs.py::test_graphs_and_async_scheduling_equal_eager[float32]"
+  step trace_latency 45 python3 -m minivllm bench --shape qwen3-0.6b --latency \
+    --trace "$OUT/trace_latency.json" --json "$RESULTS/latency_trace.json"
+  python3 benchmarks/trace_summary.py "$OUT/trace_latency.json" --top 20 | tee -a "$OUT/logs.txt"
+  gzip -f "$OUT/trace_latency.json"
   ;;
 recheck)
   # nvidia-h200-x2 (<= 330 s): tp_check after the fix for its compile crash, and the GPU tests

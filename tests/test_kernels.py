@@ -87,27 +87,6 @@ def test_paged_decode_matches_reference(device, case, num_splits):
     check(out, ref, case["dtype"])
 
 
-@given(case=decode_cases(), num_splits=st.sampled_from([2, 3, 8]))
-def test_split_decode_merged_by_its_last_program_equals_the_merge_kernel(device, case, num_splits):
-    """split_counters given: the last program of each (sequence, KV head) to finish merges the
-    splits (no second kernel). Same output as the merge kernel's (within fp32 summation order),
-    both equal to the reference, and every counter is zero again afterwards, ready for the next
-    layer (including splits left empty by short contexts)."""
-    from minivllm.state.batch import split_counters
-
-    p = make_problem(**case, device=device)
-    args = (p.q, p.k, p.v, p.k_cache, p.v_cache, p.batch.block_tables, p.batch.context_lens, p.scale)
-    counters = split_counters(p.q.shape[0], device)
-    ref = reference_attention(p.q, p.k, p.v, *p.clean_cache(), p.batch, p.scale)
-    by_kernel = paged_decode_attention(*args, out=nan_like(p.q), num_splits=num_splits)
-    for _ in range(2):  # the counters must work again after the first call reset them
-        merged = paged_decode_attention(*args, out=nan_like(p.q), num_splits=num_splits,
-                                        split_counters=counters)
-        check(merged, ref, case["dtype"])
-        torch.testing.assert_close(merged.float(), by_kernel.float(), rtol=1e-5, atol=1e-6)
-        assert not counters.any(), counters
-
-
 @given(case=decode_cases(), num_splits=st.sampled_from([None, 1, 3]), skip=st.booleans())
 def test_paged_decode_writes_the_new_kv_where_store_kvcache_would(device, case, num_splits, skip):
     """slot_mapping given: the decode kernel also stores the new K/V (a store kernel fewer per

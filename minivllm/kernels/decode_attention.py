@@ -2,9 +2,8 @@
 
 GQA-aware: a program holds all GROUP query heads of one KV head, so each K/V row is read from
 memory once for the group. When batch x kv_heads programs cannot fill the GPU, the context is
-split into num_splits ranges whose partial results (normalised output and log2-sum-exp) are
-merged: by the last of a (sequence, KV head)'s programs to finish, which it learns from an atomic
-counter (split_counters, zero on entry and left zero), or without counters by a second kernel.
+split into num_splits ranges whose partial results (normalised output and log2-sum-exp) a second
+kernel merges.
 
   q: [B, heads, head_dim], k/v: [B, kv_heads, head_dim]   this step's token (not read from cache)
   k_cache/v_cache: [num_blocks, PAGE, kv_heads, head_dim], block_tables: [B, M] int32
@@ -44,13 +43,13 @@ def _norm_rope(x, x_partner, w, w_partner, cos, signed_sin, eps, HEAD_DIM: tl.co
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, slot_ptr,
                    qw_ptr, kw_ptr, cos_ptr, sin_ptr, eps,
-                   out_ptr, part_out_ptr, part_lse_ptr, cnt_ptr, scale_log2, num_splits,
+                   out_ptr, part_out_ptr, part_lse_ptr, scale_log2, num_splits,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                   stride_bt, stride_rope, stride_ot, stride_oh, stride_cnt,
+                   stride_bt, stride_rope, stride_ot, stride_oh,
                    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, STORE: tl.constexpr,
-                   NORM_ROPE: tl.constexpr, MERGE: tl.constexpr, PRECISION: tl.constexpr):
+                   NORM_ROPE: tl.constexpr, PRECISION: tl.constexpr):
     # Under torch.compile a Python-float argument can arrive as fp64; the loop-carried softmax
     # state must stay fp32.
     scale_log2 = tl.cast(scale_log2, tl.float32)
@@ -143,46 +142,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_pt
         tl.store(out_ptr + b64 * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
-        first_row = (b64 * (KV_HEADS * GROUP) + heads) * num_splits  # [BLOCK_G]: split 0's
-        row = first_row + split
+        row = (b64 * (KV_HEADS * GROUP) + heads) * num_splits + split  # [BLOCK_G]
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=o_mask)
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=mask_g)
-        if MERGE:
-            # Every thread's stores above precede the barrier, the barrier the counter's release;
-            # the program that takes the last ticket acquires them all, merges and resets.
-            tl.debug_barrier()
-            counter = cnt_ptr + b64 * stride_cnt + kvh
-            ticket = tl.atomic_add(counter, 1, sem="acq_rel")
-            if ticket == num_splits - 1:
-                tl.store(counter, 0)
-                merged = _merge_rows(part_out_ptr, part_lse_ptr, first_row, mask_g, offs_d, mask_d,
-                                     num_splits, BLOCK_G, BLOCK_D, HEAD_DIM)
-                tl.store(out_ptr + b64 * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                         merged.to(out_ptr.dtype.element_ty), mask=o_mask)
-
-
-@triton.jit
-def _merge_rows(part_out_ptr, part_lse_ptr, first_row, mask_g, offs_d, mask_d, num_splits,
-                BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The softmax-weighted sum over splits of rows first_row + s (s < num_splits) of the
-    partial outputs [.., HEAD_DIM] by their log2-sum-exps: [BLOCK_G, BLOCK_D] fp32. Loads bypass
-    L1 (.cg): the rows were written by other programs, on other SMs."""
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    for s in range(num_splits):
-        m = tl.maximum(m, tl.load(part_lse_ptr + first_row + s, mask=mask_g, other=0.0,
-                                  cache_modifier=".cg"))
-    m = tl.where(mask_g, m, 0.0)  # split 0 holds the new token: finite for every real head
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    wsum = tl.zeros([BLOCK_G], tl.float32)
-    for s in range(num_splits):
-        w = tl.exp2(tl.load(part_lse_ptr + first_row + s, mask=mask_g, other=float("-inf"),
-                            cache_modifier=".cg") - m)
-        o = tl.load(part_out_ptr + (first_row + s)[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=mask_g[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
-        acc += w[:, None] * o
-        wsum += w
-    return acc / tl.where(mask_g, wsum, 1.0)[:, None]
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -239,16 +202,13 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
                            num_splits: int | None = None, config: dict | None = None,
                            slot_mapping: torch.Tensor | None = None,
-                           norm_rope: tuple | None = None,
-                           split_counters: torch.Tensor | None = None) -> torch.Tensor:
+                           norm_rope: tuple | None = None) -> torch.Tensor:
     """out: [B, heads, head_dim]; the new token's K/V come from k/v, the prefix from the cache.
     slot_mapping: [B] int64, if given the new K/V are also written to these cache slots (-1
     skips a row), as store_kvcache would.
     norm_rope: (q_weight [head_dim], k_weight [head_dim], cos [B, head_dim], sin, eps), if given
     q and k are raw projections, RMS-normed per head and rotated here as
-    functional.layer.qk_norm_rope would (and k is stored so).
-    split_counters: int32 [B, C >= kv_heads], zero (and left zero): with them a split context is
-    merged by its last program, without them by a second kernel."""
+    functional.layer.qk_norm_rope would (and k is stored so)."""
     b, heads, head_dim = q.shape
     _, page, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -267,11 +227,6 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         part_lse = torch.empty((b, heads, num_splits), device=q.device, dtype=torch.float32)
     else:
         part_out = part_lse = out  # unused
-    merge_here = (num_splits > 1 and split_counters is not None
-                  and split_counters.shape[0] >= b and split_counters.shape[1] >= kv_heads)
-    if merge_here:
-        assert split_counters.dtype == torch.int32 and split_counters.stride(1) == 1
-    counters = split_counters if merge_here else context_lens  # unused without MERGE
     block_d = next_pow2(head_dim)
     store = slot_mapping is not None
     assert not store or slot_mapping.shape == (b,), (slot_mapping.shape, b)
@@ -286,16 +241,15 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _decode_kernel[(b, kv_heads, num_splits)](
         q, k, v, k_cache, v_cache, block_tables, context_lens,
         slot_mapping if store else context_lens, q_weight, k_weight, cos, sin, eps,
-        out, part_out, part_lse, counters, scale * LOG2E, num_splits,
+        out, part_out, part_lse, scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        block_tables.stride(0), cos.stride(0), out.stride(0), out.stride(1), counters.stride(0),
+        block_tables.stride(0), cos.stride(0), out.stride(0), out.stride(1),
         KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_G=max(16, next_pow2(group)),
         BLOCK_D=block_d, PAGE=page, BLOCK_N=cfg["block_n"], SPLIT=num_splits > 1,
-        STORE=store, NORM_ROPE=norm_rope is not None, MERGE=merge_here,
-        PRECISION=dot_precision(k_cache.dtype),
+        STORE=store, NORM_ROPE=norm_rope is not None, PRECISION=dot_precision(k_cache.dtype),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
-    if num_splits > 1 and not merge_here:
+    if num_splits > 1:
         _merge_splits_kernel[(b, heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
             HEADS=heads, HEAD_DIM=head_dim, BLOCK_S=max(2, next_pow2(MAX_SPLITS)), BLOCK_D=block_d,

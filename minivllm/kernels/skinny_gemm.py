@@ -28,7 +28,6 @@ import triton
 import triton.language as tl
 
 from .launch import dot_precision, interpreting, next_pow2, num_sms
-from .pdl import gdc_launch_dependents, gdc_wait, pdl_launch, pdl_prologue
 
 MAX_SKINNY_ROWS = 16
 M_PAD = 16  # tl.dot needs every dimension >= 16: rows of x past M are masked to zero
@@ -42,7 +41,7 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split,
                    stride_xm, stride_xk, stride_wn, stride_om,
                    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    EVEN_K: tl.constexpr, SPLIT: tl.constexpr, GLU: tl.constexpr,
-                   PRECISION: tl.constexpr, PDL: tl.constexpr = 0):
+                   PRECISION: tl.constexpr):
     # Program (pid_n, pid_k): output columns [pid_n * BLOCK_N, +BLOCK_N) over K range
     # [pid_k * k_per_split, +k_per_split). With SPLIT, out_ptr is the fp32 workspace [SPLIT, M, N].
     # With GLU, x is [M, 2K]: x_ptrs walk the gate half, and the up half is K columns further on.
@@ -68,8 +67,6 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split,
     k_end = tl.minimum(k_start + k_per_split, K)
     w_ptrs = w_ptr + rows[:, None] * stride_wn + (k_start + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :] * stride_xk
-    if PDL >= 1:
-        pdl_prologue(w_ptr, rows, stride_wn, k_start, k_end, BLOCK_K, PDL)
     acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
@@ -100,12 +97,8 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split,
 
 
 @triton.jit
-def _sum_splits_kernel(ws_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
-                       PDL: tl.constexpr = 0):
+def _sum_splits_kernel(ws_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     # ws: [SPLIT, M, N] fp32 -> out: [M, N] (contiguous), summed in split order: deterministic.
-    if PDL >= 1:
-        gdc_launch_dependents()
-        gdc_wait()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -135,10 +128,8 @@ def skinny_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devi
       x double (block_n = 16 at M = 16: twice the weight tile's bytes a chunk, from L2) and the
       silu adds M_PAD * BLOCK_K exps a tile; a guess that both hide under the weight stream
       (unmeasured: a larger block_n with more splits would cut the rereads if not).
-    - num_warps 2 for 16-bit on the GPU, num_stages 4 for 16-bit, 3 for fp32 (twice the bytes a
-      stage). A decoder layer's four GEMMs back to back in one CUDA graph (benchmarks/
-      pdl_chain.py, H200, 1 row) took 25.3 us with 2 warps against 29.7 with 4 and 35.3 with 1
-      (8 warps: 51); 3 stages matched 4, 2 lost (29.0).
+    - num_warps 4 (one warpgroup: block_n = 64 maps onto one wgmma of M = 64), num_stages 4 for
+      16-bit, 3 for fp32 (twice the bytes a stage).
     """
     if m > MAX_SKINNY_ROWS:
         raise ValueError(f"skinny_linear takes at most {MAX_SKINNY_ROWS} rows, got {m}")
@@ -159,12 +150,12 @@ def skinny_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devi
     split = triton.cdiv(chunks, triton.cdiv(chunks, split))
     on_gpu = device.type == "cuda" and not interpreting()
     return dict(block_n=block_n, block_k=block_k, split=split,
-                num_warps=override.get("num_warps") or (2 if on_gpu and elsize == 2 else 4),
+                num_warps=override.get("num_warps") or 4,
                 num_stages=override.get("num_stages") or (4 if on_gpu and elsize == 2 else 3))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, glu: bool = False,
-                  partials: bool = False, config: dict | None = None, pdl: int = 0) -> torch.Tensor:
+                  partials: bool = False, config: dict | None = None) -> torch.Tensor:
     """x: [M, K] @ weight: [N, K].T -> [M, N] in x.dtype, fp32 accumulation, 1 <= M <= 16.
 
     glu=True: x is [M, 2K] (gate, then up; any strides) and the result is
@@ -192,11 +183,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, glu: bool = False,
         x, weight, ws if to_workspace else out, m, n, k, k_per_split,
         x.stride(0), x.stride(1), weight.stride(0), n,
         M_PAD=M_PAD, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        SPLIT=to_workspace, GLU=glu, PRECISION=dot_precision(x.dtype), PDL=pdl,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(pdl))
+        SPLIT=to_workspace, GLU=glu, PRECISION=dot_precision(x.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if partials:
         return ws
     if split > 1:
         _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
-            ws, out, m * n, SPLIT=split, BLOCK=SUM_BLOCK, PDL=pdl, num_warps=4, **pdl_launch(pdl))
+            ws, out, m * n, SPLIT=split, BLOCK=SUM_BLOCK, num_warps=4)
     return out

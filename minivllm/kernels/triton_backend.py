@@ -17,8 +17,7 @@ class TritonBackend:
     def __call__(self, q, k, v, k_cache, v_cache, batch: Batch, scale: float):
         if batch.is_decode:  # the decode kernel writes the new K/V itself
             return paged_decode_attention(q, k, v, k_cache, v_cache, batch.block_tables,
-                                          batch.context_lens, scale, slot_mapping=batch.slot_mapping,
-                                          split_counters=batch.split_counters)
+                                          batch.context_lens, scale, slot_mapping=batch.slot_mapping)
         store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
         return varlen_prefill_attention(q, k, v, k_cache, v_cache, batch.cu_seqlens_q,
                                         batch.context_lens, batch.block_tables, scale)
@@ -29,7 +28,7 @@ class TritonBackend:
         (norm_rope = (q_weight, k_weight, cos, sin, eps)), which saves a kernel per layer."""
         return paged_decode_attention(q, k, v, k_cache, v_cache, batch.block_tables,
                                       batch.context_lens, scale, slot_mapping=batch.slot_mapping,
-                                      norm_rope=norm_rope, split_counters=batch.split_counters)
+                                      norm_rope=norm_rope)
 
     def __repr__(self):
         return "TritonBackend()"

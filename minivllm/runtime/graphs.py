@@ -35,7 +35,7 @@ import torch
 from ..functional import model
 from ..functional.layer import decoder_layer
 from ..functional.model import forward
-from ..state.batch import Batch, split_counters
+from ..state.batch import Batch
 from ..state.cache import KVCache
 from ..state.params import Params
 
@@ -108,7 +108,6 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, m, dtype=torch.int32, device=dev)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
-        self.split_counters = split_counters(n, dev)  # zero after every kernel that uses them
         # Host staging, pinned so that the copies to the device do not block the host. Two sets,
         # used in turn: with asynchronous scheduling the host fills step N+1 while step N's
         # copies may still be queued; an event per set says when its copies are done.
@@ -127,8 +126,7 @@ class DecodeGraphs:
         return Batch(input_ids=self.input_ids[:bs], positions=self.positions[:bs],
                      slot_mapping=self.slot_mapping[:bs], cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
                      context_lens=self.context_lens[:bs], block_tables=self.block_tables[:bs],
-                     logits_indices=self.logits_indices[:bs],
-                     split_counters=self.split_counters[:bs])
+                     logits_indices=self.logits_indices[:bs])
 
     def capture(self) -> None:
         """Warm up (compiling) and capture every bucket, largest first so that the shared pool is

@@ -8,17 +8,10 @@ T tokens from B sequences, packed without padding, sequence after sequence:
   context_lens   [B]      int32  tokens in the cache for the sequence once this step's are written
   block_tables   [B, M]   int32  the blocks holding each sequence's context (-1: unused)
   logits_indices [N]      int64  rows of T that get logits (in prefill, each sequence's last)
-  split_counters [B, C]   int32  zeros: scratch for split decode attention (see below)
 
 The new tokens of sequence b sit at positions context_lens[b] - q_len_b ... context_lens[b] - 1;
 the earlier ones (a cached prefix or earlier chunks) are read from the cache through block_tables.
 A decode step is the case q_len_b == 1 for every b, i.e. T == B, which is static (from shapes).
-
-split_counters: one counter per sequence and KV head (C = SPLIT_COUNTERS_PER_SEQ), zero before and
-after every kernel that uses them. Decode attention split over several programs per (sequence,
-KV head) counts arrivals there, and the last program to arrive merges the partial results and
-resets its counter (kernels.decode_attention): the step needs no merge kernel per layer. Scratch,
-not input: no result depends on it. A CUDA graph's batch keeps one buffer for all its replays.
 """
 
 from __future__ import annotations
@@ -30,7 +23,6 @@ import torch
 
 from .pytree import pytree_class
 
-SPLIT_COUNTERS_PER_SEQ = 16  # KV heads per rank it covers (Qwen3: 4 or 8); more fall back
 
 @pytree_class
 class Batch:
@@ -41,7 +33,6 @@ class Batch:
     context_lens: torch.Tensor
     block_tables: torch.Tensor
     logits_indices: torch.Tensor
-    split_counters: torch.Tensor
 
     @property
     def num_tokens(self) -> int:
@@ -128,10 +119,4 @@ def make_batch(chunks: Sequence[SeqChunk], *, block_size: int, device=None,
         context_lens=t(ctx, torch.int32),
         block_tables=t(tables, torch.int32),
         logits_indices=t(logit_rows, torch.int64),
-        split_counters=split_counters(len(chunks), device),
     )
-
-
-def split_counters(num_seqs: int, device=None) -> torch.Tensor:
-    """A batch's zeroed split_counters: [num_seqs, SPLIT_COUNTERS_PER_SEQ] int32."""
-    return torch.zeros((num_seqs, SPLIT_COUNTERS_PER_SEQ), dtype=torch.int32, device=device)
