@@ -4,7 +4,9 @@
 #   bash benchmarks/gpu_checks.sh speed  # nvidia-h200: issue 5's figures and the GPU test suite
 #   bash benchmarks/gpu_checks.sh tp     # nvidia-h200-x2: tensor parallelism (issue 6)
 #   bash benchmarks/gpu_checks.sh tp5    # nvidia-h200-x2: issue 6 after sessions 4-5 (not yet run)
+#   bash benchmarks/gpu_checks.sh fused  # nvidia-h200: MINIVLLM_FUSED_NORM on/off (not yet run)
 #   bash benchmarks/gpu_checks.sh recheck|verify|final|last  # nvidia-h200-x2: session 4's follow-ups
+# (session 5's A/B modes: s5 in commit bb7f952's copy of this file, s5b in a95279f's)
 # Every step's output streams into $OUT/logs.txt (the suite's into $OUT/tests.txt) and its JSON
 # into $OUT/results.json, so a call cut short still returns what it did; a step past its limit
 # gets SIGABRT first, and PYTHONFAULTHANDLER=1 makes every Python process print its stacks.
@@ -80,28 +82,24 @@ tp5)
   CUDA_VISIBLE_DEVICES=0 step bench_tp1 70 python3 -m minivllm bench --shape qwen3-0.6b \
     --json "$RESULTS/bench_tp1.json"
   ;;
-s5b)
-  # nvidia-h200 (<= 420 s): s5 again after the in-kernel merge loads all splits at once; the
-  # skinny GEMM's warps A/B (MINIVLLM_SKINNY_WARPS), then the tests of the merge, then a trace.
-  step latency_new 130 python3 -m minivllm bench --shape qwen3-0.6b --latency \
-    --json "$RESULTS/latency_new.json"
-  MINIVLLM_SKINNY_WARPS=4 step latency_new_w4 60 python3 -m minivllm bench --shape qwen3-0.6b \
-    --latency --json "$RESULTS/latency_new_w4.json"
-  (cd dbg/old && step latency_old 60 python3 -m minivllm bench --shape qwen3-0.6b --latency \
-    --json "$RESULTS/latency_old.json")
-  for run in new old; do
-    dir=.; [ $run = old ] && dir=dbg/old
-    (cd $dir && step "bench_$run" 60 python3 -m minivllm bench --shape qwen3-0.6b \
-      --json "$RESULTS/bench_$run.json" --step-times "$OUT/steps_$run.json")
-    python3 benchmarks/step_floor.py "$OUT/steps_$run.json" | tee -a "$OUT/logs.txt"
+fused)
+  # nvidia-h200 (<= 500 s): MINIVLLM_FUSED_NORM (add + RMSNorm inside qkv's and gate_up's GEMMs,
+  # SiLU-and-mul in gate_up's epilogue; written in session 5, never run on a GPU) on against off
+  # in the same call, alternating; then its GPU tests (bf16 included) and the graph-vs-eager
+  # test with it on.
+  for run in 1a 0a 1b 0b; do  # on, off, on, off
+    MINIVLLM_FUSED_NORM=${run:0:1} step "latency_fused$run" 110 python3 -m minivllm bench \
+      --shape qwen3-0.6b --latency --json "$RESULTS/latency_fused$run.json"
   done
-  STEP_LOG=$OUT/tests.txt step tests 80 python3 -m pytest $PYTEST_ARGS \
-    tests/test_kernels.py::test_split_decode_merged_by_its_last_program_equals_the_merge_kernel \
-    "tests/test_gpu_graphs.py::test_graphs_and_async_scheduling_equal_eager[float32]"
-  step trace_latency 45 python3 -m minivllm bench --shape qwen3-0.6b --latency \
-    --trace "$OUT/trace_latency.json" --json "$RESULTS/latency_trace.json"
-  python3 benchmarks/trace_summary.py "$OUT/trace_latency.json" --top 20 | tee -a "$OUT/logs.txt"
-  gzip -f "$OUT/trace_latency.json"
+  for fused in 1 0; do
+    MINIVLLM_FUSED_NORM=$fused step "bench_fused$fused" 60 python3 -m minivllm bench \
+      --shape qwen3-0.6b --json "$RESULTS/bench_fused$fused.json" --step-times "$OUT/steps_fused$fused.json"
+    python3 benchmarks/step_floor.py "$OUT/steps_fused$fused.json" | tee -a "$OUT/logs.txt"
+  done
+  MINIVLLM_FUSED_NORM=1 STEP_LOG=$OUT/tests.txt step tests 120 python3 -m pytest $PYTEST_ARGS \
+    tests/test_norm_gemm.py \
+    "tests/test_gpu_graphs.py::test_graphs_and_async_scheduling_equal_eager[float32]" \
+    "tests/test_gpu_graphs.py::test_graphs_and_async_scheduling_equal_eager[bfloat16]"
   ;;
 recheck)
   # nvidia-h200-x2 (<= 330 s): tp_check after the fix for its compile crash, and the GPU tests

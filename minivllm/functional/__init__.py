@@ -5,7 +5,7 @@ from .attention import REFERENCE, AttentionBackend, ReferenceBackend, reference_
 from .embedding import embed, lm_head
 from .generate import generate
 from .layer import attention_block, decoder_layer, mlp_block
-from .linear import column_linear, merged_column_linear, qkv_linear, row_linear
+from .linear import column_linear, merged_column_linear, qkv_linear, row_linear, split_qkv
 from .model import forward, hidden_states
 from .norm import add_rms_norm, rms_norm
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
@@ -14,7 +14,8 @@ from .sampling import SamplingBatch, SamplingRow, make_sampling_batch, sample
 __all__ = [
     "silu_and_mul", "REFERENCE", "AttentionBackend", "ReferenceBackend", "reference_attention",
     "write_kv", "embed", "lm_head", "generate", "attention_block", "decoder_layer", "mlp_block",
-    "column_linear", "merged_column_linear", "qkv_linear", "row_linear", "forward", "hidden_states",
+    "column_linear", "merged_column_linear", "qkv_linear", "split_qkv", "row_linear", "forward",
+    "hidden_states",
     "add_rms_norm", "rms_norm", "apply_rope", "rope_cos_sin", "rope_inv_freq",
     "sample", "SamplingBatch", "SamplingRow", "make_sampling_batch",
 ]

@@ -9,7 +9,7 @@ from ..state.config import ModelConfig
 from ..state.params import LayerParams
 from ..state.shard import ShardSpec
 from .attention import AttentionBackend
-from .linear import column_linear, glu_row_linear, qkv_linear, row_linear
+from .linear import column_linear, fused_norm_applies, glu_row_linear, row_linear, split_qkv
 from .norm import add_rms_norm, rms_norm
 from .rope import apply_rope
 
@@ -26,11 +26,13 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     return qk.split([nq, nkv], dim=1)
 
 
-def attention_block(lp: LayerParams, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def attention_block(lp: LayerParams, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Batch, *,
                     config: ModelConfig, shard: ShardSpec, backend: AttentionBackend) -> torch.Tensor:
-    """x: [T, hidden] (normed) -> [T, hidden]. Writes this step's K/V into k_cache/v_cache."""
-    q, k, v = qkv_linear(x, lp.qkv, config, shard)
+    """qkv: [T, (heads_local + 2 kv_heads_local) * head_dim], the normed rows' projection ->
+    [T, hidden], or on one rank at a few rows o_proj's unsummed fp32 partials [split, T, hidden]
+    (the add + RMSNorm after it sums them). Writes this step's K/V into k_cache/v_cache."""
+    q, k, v = split_qkv(qkv, config, shard)
     norm_rope = (lp.q_norm, lp.k_norm, cos, sin, config.rms_norm_eps)
     fused = getattr(backend, "decode_with_norm_rope", None)
     if fused is not None and batch.is_decode:  # the backend norms and rotates q and k itself
@@ -38,14 +40,32 @@ def attention_block(lp: LayerParams, x: torch.Tensor, cos: torch.Tensor, sin: to
     else:
         q, k = qk_norm_rope(q, k, *norm_rope)
         out = backend(q, k, v, k_cache, v_cache, batch, config.head_dim ** -0.5)
-    return row_linear(out.reshape(out.shape[0], -1), lp.o_proj, shard)
+    return row_linear(out.reshape(out.shape[0], -1), lp.o_proj, shard, unsummed_ok=True)
 
 
-def mlp_block(lp: LayerParams, x: torch.Tensor, shard: ShardSpec, *, unsummed_ok: bool = False
-              ) -> torch.Tensor:
-    """x: [T, hidden] (normed) -> [T, hidden], or with unsummed_ok, where the skinny GEMM runs on
-    one rank, its fp32 partials [split, T, hidden] (see glu_row_linear)."""
-    return glu_row_linear(column_linear(x, lp.gate_up), lp.down, shard, unsummed_ok=unsummed_ok)
+def norm_qkv(lp: LayerParams, x: torch.Tensor, residual: torch.Tensor | None, eps: float
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qkv projection of rms_norm(x + residual), x + residual): the attention block's entry."""
+    if fused_norm_applies(residual):  # one kernel (kernels/norm_gemm.py)
+        from ..kernels.norm_gemm import norm_gemm
+
+        return norm_gemm(x, residual, lp.input_norm, lp.qkv, eps)
+    h, residual = add_rms_norm(x, residual, lp.input_norm, eps)
+    return column_linear(h, lp.qkv), residual
+
+
+def mlp_block(lp: LayerParams, x: torch.Tensor, residual: torch.Tensor, shard: ShardSpec,
+              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The post-attention add + RMSNorm and the MLP: (down's output, x + residual). Down's output
+    is [T, hidden], or on one rank at a few rows its unsummed fp32 partials [split, T, hidden]
+    (see glu_row_linear), which the next layer's add + RMSNorm sums."""
+    if fused_norm_applies(residual):  # add + norm + gate_up + SiLU-and-mul in one kernel
+        from ..kernels.norm_gemm import norm_gemm
+
+        act, residual = norm_gemm(x, residual, lp.post_norm, lp.gate_up, eps, glu=True)
+        return row_linear(act, lp.down, shard, unsummed_ok=True), residual
+    h, residual = add_rms_norm(x, residual, lp.post_norm, eps)
+    return glu_row_linear(column_linear(h, lp.gate_up), lp.down, shard, unsummed_ok=True), residual
 
 
 def decoder_layer(lp: LayerParams, x: torch.Tensor, residual: torch.Tensor | None,
@@ -58,8 +78,8 @@ def decoder_layer(lp: LayerParams, x: torch.Tensor, residual: torch.Tensor | Non
     The MLP output may be down's unsummed fp32 split-K partials [split, T, hidden] (decode of a
     few rows on one GPU): the next layer's add + RMSNorm, or the final norm, sums them in the
     same kernel, a kernel fewer per layer. Either form is accepted as x."""
-    h, residual = add_rms_norm(x, residual, lp.input_norm, config.rms_norm_eps)
-    h = attention_block(lp, h, cos, sin, k_cache, v_cache, batch, config=config, shard=shard,
+    eps = config.rms_norm_eps
+    qkv, residual = norm_qkv(lp, x, residual, eps)
+    h = attention_block(lp, qkv, cos, sin, k_cache, v_cache, batch, config=config, shard=shard,
                         backend=backend)
-    h, residual = add_rms_norm(h, residual, lp.post_norm, config.rms_norm_eps)
-    return mlp_block(lp, h, shard, unsummed_ok=True), residual
+    return mlp_block(lp, h, residual, shard, eps)

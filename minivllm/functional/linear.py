@@ -26,6 +26,10 @@ from .parallel import all_reduce
 # row-parallel layers take the skinny GEMM, the column-parallel ones cuBLAS. Never under
 # autograd: the Triton kernels have no backward. MINIVLLM_SKINNY_GEMM=0: cuBLAS everywhere.
 _SKINNY = os.environ.get("MINIVLLM_SKINNY_GEMM", "1") != "0"
+# MINIVLLM_FUSED_NORM=1: where the skinny GEMM applies, the add + RMSNorm before qkv and before
+# gate_up run inside those GEMMs (kernels/norm_gemm.py), SiLU-and-mul in gate_up's epilogue.
+# Off by default until an engine A/B on the GPU says it pays (written in session 5, unmeasured).
+_FUSED_NORM = os.environ.get("MINIVLLM_FUSED_NORM", "0") == "1"
 
 
 def _skinny(x: torch.Tensor) -> bool:
@@ -34,6 +38,12 @@ def _skinny(x: torch.Tensor) -> bool:
     from ..kernels.skinny_gemm import MAX_SKINNY_ROWS
 
     return x.shape[0] <= MAX_SKINNY_ROWS
+
+
+def fused_norm_applies(residual: torch.Tensor | None) -> bool:
+    """The pre-norm blocks' add + RMSNorm run inside the next GEMM (MINIVLLM_FUSED_NORM=1, a
+    few rows on CUDA): residual: [T, hidden], the stream the norm adds x to."""
+    return _FUSED_NORM and residual is not None and _skinny(residual)
 
 
 def column_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -50,18 +60,28 @@ def qkv_linear(x: torch.Tensor, weight: torch.Tensor, config: ModelConfig, shard
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x: [T, hidden] -> q: [T, heads_local, head_dim], k, v: [T, kv_heads_local, head_dim].
     The merged weight holds this rank's q heads, then its k heads, then its v heads."""
+    return split_qkv(column_linear(x, weight), config, shard)
+
+
+def split_qkv(qkv: torch.Tensor, config: ModelConfig, shard: ShardSpec
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The merged projection [T, (heads_local + 2 kv_heads_local) * head_dim] -> q, k, v."""
     d = config.head_dim
     nq, nkv = shard.num_heads(config), shard.num_kv_heads(config)
-    qkv = column_linear(x, weight)
     q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
-    t = x.shape[0]
+    t = qkv.shape[0]
     return q.reshape(t, nq, d), k.reshape(t, nkv, d), v.reshape(t, nkv, d)
 
 
-def row_linear(x: torch.Tensor, weight: torch.Tensor, shard: ShardSpec) -> torch.Tensor:
-    """x: [T, in_local] @ weight[out, in_local].T, summed over ranks -> [T, out]."""
+def row_linear(x: torch.Tensor, weight: torch.Tensor, shard: ShardSpec, *,
+               unsummed_ok: bool = False) -> torch.Tensor:
+    """x: [T, in_local] @ weight[out, in_local].T, summed over ranks -> [T, out]. unsummed_ok:
+    as in glu_row_linear, the skinny GEMM's fp32 partials may come back unsummed (one rank)."""
     if _skinny(x):
-        return all_reduce(sum_partials(_skinny_partials(x, weight, glu=False), x.dtype), shard)
+        partials = _skinny_partials(x, weight, glu=False)
+        if unsummed_ok and shard.world_size == 1:
+            return partials
+        return all_reduce(sum_partials(partials, x.dtype), shard)
     return all_reduce(F.linear(x, weight), shard)
 
 
