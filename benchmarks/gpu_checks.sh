@@ -83,7 +83,7 @@ tp5)
     --json "$RESULTS/bench_tp1.json"
   ;;
 fused)
-  # nvidia-h200 (<= 500 s): MINIVLLM_FUSED_NORM (add + RMSNorm inside qkv's and gate_up's GEMMs,
+  # nvidia-h200 (<= 560 s): MINIVLLM_FUSED_NORM (add + RMSNorm inside qkv's and gate_up's GEMMs,
   # SiLU-and-mul in gate_up's epilogue; written in session 5, never run on a GPU) on against off
   # in the same call, alternating; then its GPU tests (bf16 included) and the graph-vs-eager
   # test with it on.
@@ -100,6 +100,11 @@ fused)
     tests/test_norm_gemm.py \
     "tests/test_gpu_graphs.py::test_graphs_and_async_scheduling_equal_eager[float32]" \
     "tests/test_gpu_graphs.py::test_graphs_and_async_scheduling_equal_eager[bfloat16]"
+  # prefill is ~0.5 s of the 5.5 s throughput run at ~3x its GEMMs' FLOP floor: what else runs?
+  step trace_prefill 60 python3 -m minivllm bench --shape qwen3-0.6b --trace "$OUT/trace_prefill.json" \
+    --trace-from 1 --json "$RESULTS/bench_trace_prefill.json"
+  python3 benchmarks/trace_summary.py "$OUT/trace_prefill.json" --top 25 | tee -a "$OUT/logs.txt"
+  gzip -f "$OUT/trace_prefill.json"
   ;;
 recheck)
   # nvidia-h200-x2 (<= 330 s): tp_check after the fix for its compile crash, and the GPU tests

@@ -6,12 +6,6 @@ on the GPU bf16 too.
 The new residual must equal add_rms_norm's exactly (up to the partials' fp32 summation order);
 the product agrees to the rounding of its 16-bit operands."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,8 +13,8 @@ import torch.nn.functional as F
 from minivllm.functional.norm import add_rms_norm
 from minivllm.kernels.launch import triton_usable
 from minivllm.kernels.norm_gemm import norm_gemm
+from triton_trace import kernel_launches_traced
 
-ROOT = Path(__file__).resolve().parents[1]
 EPS = 1e-6
 # max |out - ref| / max |ref|: fp32 accumulation; fp16 operands are rounded once more than the
 # reference rounds them (h * g before the dot), plus the output's own rounding.
@@ -89,76 +83,14 @@ def test_bad_shapes_are_value_errors(device):
                   r.half(), g.half(), w.half(), EPS)
 
 
-def test_decoder_wiring_with_fused_norm_equals_pytorch_path(device, monkeypatch):
-    """MINIVLLM_FUSED_NORM on (forced on the CPU, like the skinny dispatch): every layer's two
-    add + RMSNorms run inside qkv's and gate_up's GEMMs, SiLU-and-mul in gate_up's, and o_proj's
-    and down's partials go unsummed into them; the forward's logits equal the PyTorch path's."""
-    import minivllm
-    import minivllm.functional.linear as linear
-    import minivllm.kernels.norm_gemm as norm_gemm_module
-    from minivllm.kernels import select_backend
-    from minivllm.kernels.skinny_gemm import MAX_SKINNY_ROWS
-    from minivllm.state import ModelConfig, SeqChunk, make_batch
-
-    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
-                         num_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
-    params = minivllm.random_params(config, seed=0, std=0.2, device=device)
-    backend = select_backend(device, "reference")
-    batch = make_batch([SeqChunk([1, 2, 3], 0, [0]), SeqChunk([5], 0, [1])], block_size=4,
-                       device=device)
-    want, _ = minivllm.forward(params, minivllm.init_cache(params, num_blocks=2, block_size=4),
-                               batch, backend)
-    monkeypatch.setattr(linear, "_skinny", lambda x: x.shape[-2] <= MAX_SKINNY_ROWS)
-    monkeypatch.setattr(linear, "_FUSED_NORM", True)
-    calls = []
-    real = norm_gemm_module.norm_gemm
-
-    def counted(x, *args, **kwargs):
-        calls.append((tuple(x.shape), kwargs.get("glu", False)))
-        return real(x, *args, **kwargs)
-
-    monkeypatch.setattr(norm_gemm_module, "norm_gemm", counted)
-    got, _ = minivllm.forward(params, minivllm.init_cache(params, num_blocks=2, block_size=4),
-                              batch, backend)
-    # per layer: qkv (x plain in layer 0, else down's partials), gate_up (o_proj's partials)
-    assert [glu for _, glu in calls] == [False, True] * config.num_layers, calls
-    assert len(calls[0][0]) == 2 and all(len(shape) == 3 for shape, _ in calls[1:]), calls
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
-
-# As in test_skinny_gemm.py: on CPU, a child process without the interpreter traces the kernel
-# with fullgraph=True (a graph break raises) and runs AOT autograd over the graph.
-TRACE_SCRIPT = """
-import json, torch, torch.utils._triton
-torch.utils._triton.has_triton = lambda: True
-from torch._dynamo.backends.common import aot_autograd
+TRACE_BODY = """
 from minivllm.kernels.norm_gemm import norm_gemm
-
-class Traced(Exception):
-    pass
-
-graphs = {}
-
-def keep(gm, example_inputs):
-    graphs["aot"] = gm
-    return gm
-
-def backend(gm, example_inputs):
-    graphs["dynamo"] = gm
-    aot_autograd(fw_compiler=keep)(gm, example_inputs)
-    raise Traced
 
 def block(parts, residual, g, w):
     out, h = norm_gemm(parts, residual, g, w, 1e-6, glu=True)
     return out + 1, h
 
-args = torch.randn(3, 2, 64), torch.randn(2, 64), torch.ones(64), torch.randn(48, 64)
-try:
-    torch.compile(block, fullgraph=True, backend=backend)(*args)
-except torch._dynamo.exc.BackendCompilerFailed as e:
-    assert isinstance(e.inner_exception, Traced), e
-count = lambda gm: sum("triton_kernel_wrapper" in str(n.target) for n in gm.graph.nodes)
-print(json.dumps({k: count(gm) for k, gm in graphs.items()}))
+trace(block, torch.randn(3, 2, 64), torch.randn(2, 64), torch.ones(64), torch.randn(48, 64))
 """
 
 
@@ -176,10 +108,5 @@ def test_traces_without_graph_breaks(device):
         torch.testing.assert_close(h, h_ref)
         assert ((out.double() - ref).abs().max() / ref.abs().max()) <= TOL[torch.float32]
         return
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", TRACE_SCRIPT], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    counts = kernel_launches_traced(TRACE_BODY)  # on CPU: see tests/triton_trace.py
     assert counts == {"dynamo": 1, "aot": 1}, counts

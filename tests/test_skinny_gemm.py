@@ -6,24 +6,18 @@ accumulation error is bounded by ACC_TOL * (|x| @ |w|.T), fp16 adds the output's
 glu=True (x = [gate, up]) is checked against silu(gate) * up in fp64, the bound widened by one
 rounding of the activation to fp16 (the kernel rounds it once before the dot)."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from minivllm.kernels.launch import triton_usable
 from minivllm.kernels.skinny_gemm import MAX_SKINNY_ROWS, skinny_config, skinny_linear
+from triton_trace import kernel_launches_traced
 
 ACC_TOL = 1e-5
 ROUNDING = {torch.float32: 0.0, torch.float16: 2.0**-11}  # half an ulp, relative
 ROWS = (1, 2, 3, 7, 16)
 # (N, K): ragged N and K; ragged N with whole K chunks; split-K with a ragged and a whole K.
 SHAPES = ((100, 70), (257, 128), (24, 600), (48, 1024))
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -143,44 +137,15 @@ def test_too_many_rows(device):
         skinny_linear(x, torch.zeros(16, 32, device=device))
 
 
-# Dynamo sees a Triton kernel only as a @triton.jit JITFunction on a machine where torch finds a
-# Triton device; under TRITON_INTERPRET=1 the kernels are InterpretedFunctions, opaque to it. So on
-# CPU a child process imports them without the interpreter, tells torch a Triton device exists,
-# traces with fullgraph=True (any graph break raises) and runs AOT autograd over the graph, as the
-# aot_eager backend does, then stops before running it (a JIT kernel cannot run without a GPU;
-# the interpreted kernels' numerics are the tests above). Without a GPU, Triton's mutation
-# analysis cannot lower the kernel and treats every argument as written (a logged warning).
-TRACE_SCRIPT = """
-import json, torch, torch.utils._triton
-torch.utils._triton.has_triton = lambda: True
-from torch._dynamo.backends.common import aot_autograd
+TRACE_BODY = """
 from minivllm.kernels.skinny_gemm import skinny_config, skinny_linear
-
-class Traced(Exception):
-    pass
-
-graphs = {}
-
-def keep(gm, example_inputs):
-    graphs["aot"] = gm
-    return gm
-
-def backend(gm, example_inputs):
-    graphs["dynamo"] = gm
-    aot_autograd(fw_compiler=keep)(gm, example_inputs)
-    raise Traced
 
 def layer(h, w):  # h: [M, >= K], sliced like a fused projection's output
     return skinny_linear(h[:, : w.shape[1]] * 2, w) + 1
 
 h, w = torch.randn(2, 640), torch.randn(24, 600)
 assert skinny_config(2, 24, 600, torch.float32, h.device)["split"] > 1  # both kernels
-try:
-    torch.compile(layer, fullgraph=True, backend=backend)(h, w)
-except torch._dynamo.exc.BackendCompilerFailed as e:
-    assert isinstance(e.inner_exception, Traced), e
-count = lambda gm: sum("triton_kernel_wrapper" in str(n.target) for n in gm.graph.nodes)
-print(json.dumps({k: count(gm) for k, gm in graphs.items()}))
+trace(layer, h, w)
 """
 
 
@@ -194,22 +159,14 @@ def test_traces_without_graph_breaks(device):
         w = rand(24, 600, dtype=torch.float32, device=device, seed=6)
         check(layer(h, w) - 1, h[:, :600] * 2, w)
         return
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", TRACE_SCRIPT], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    counts = kernel_launches_traced(TRACE_BODY)  # on CPU: see tests/triton_trace.py
     assert counts == {"dynamo": 2, "aot": 2}, counts
 
 
-def test_decoder_wiring_equals_cublas_path(device, monkeypatch):
-    """The functional layers' skinny dispatch (the row-parallel layers, the SiLU folded into
-    down, down's partials handed unsummed to the next layer's add + RMSNorm and to the final
-    norm) gives the forward's logits of the F.linear path. On the CPU the dispatch is forced on,
-    since it otherwise takes the skinny path on CUDA only."""
+def tiny_model_case(device):
+    """A 2-layer fp32 model, a batch of 2 sequences (3 + 1 new tokens) and a function running the
+    forward on a fresh cache: (config, run(**forward_kwargs) -> logits)."""
     import minivllm
-    import minivllm.functional.linear as linear
     from minivllm.kernels import select_backend
     from minivllm.state import ModelConfig, SeqChunk, make_batch
 
@@ -219,8 +176,24 @@ def test_decoder_wiring_equals_cublas_path(device, monkeypatch):
     backend = select_backend(device, "reference")
     batch = make_batch([SeqChunk([1, 2, 3], 0, [0]), SeqChunk([5], 0, [1])], block_size=4,
                        device=device)
-    want, _ = minivllm.forward(params, minivllm.init_cache(params, num_blocks=2, block_size=4),
-                               batch, backend)
+
+    def run(**kwargs):
+        cache = minivllm.init_cache(params, num_blocks=2, block_size=4)
+        return minivllm.forward(params, cache, batch, backend, **kwargs)[0]
+
+    return config, run
+
+
+def test_decoder_wiring_equals_cublas_path(device, monkeypatch):
+    """The functional layers' skinny dispatch (the row-parallel layers, the SiLU folded into
+    down, o_proj's and down's partials handed unsummed to the add + RMSNorm after them and to the
+    final norm) gives the forward's logits of the F.linear path. On the CPU the dispatch is
+    forced on, since it otherwise takes the skinny path on CUDA only."""
+    import minivllm
+    import minivllm.functional.linear as linear
+
+    config, run = tiny_model_case(device)
+    want = run()
     calls = []
 
     def forced(x):
@@ -234,8 +207,34 @@ def test_decoder_wiring_equals_cublas_path(device, monkeypatch):
         inputs.append(x.shape)
         return minivllm.functional.decoder_layer(lp, x, *args, **kwargs)
 
-    got, _ = minivllm.forward(params, minivllm.init_cache(params, num_blocks=2, block_size=4),
-                              batch, backend, layer=layer)
+    got = run(layer=layer)
     assert len(calls) == 2 * config.num_layers  # the row-parallel o_proj and down (with the SiLU)
     assert len(inputs[0]) == 2 and all(len(shape) == 3 for shape in inputs[1:]), inputs
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_decoder_wiring_with_fused_norm_equals_pytorch_path(device, monkeypatch):
+    """MINIVLLM_FUSED_NORM on (forced on the CPU, like the skinny dispatch): every layer's two
+    add + RMSNorms run inside qkv's and gate_up's GEMMs (kernels/norm_gemm.py), SiLU-and-mul in
+    gate_up's, and o_proj's and down's partials go unsummed into them; the forward's logits
+    equal the PyTorch path's."""
+    import minivllm.functional.linear as linear
+    import minivllm.kernels.norm_gemm as norm_gemm_module
+
+    config, run = tiny_model_case(device)
+    want = run()
+    monkeypatch.setattr(linear, "_skinny", lambda x: x.shape[-2] <= MAX_SKINNY_ROWS)
+    monkeypatch.setattr(linear, "_FUSED_NORM", True)
+    calls = []
+    real = norm_gemm_module.norm_gemm
+
+    def counted(x, *args, **kwargs):
+        calls.append((tuple(x.shape), kwargs.get("glu", False)))
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(norm_gemm_module, "norm_gemm", counted)
+    got = run()
+    # per layer: qkv (x plain in layer 0, else down's partials), gate_up (o_proj's partials)
+    assert [glu for _, glu in calls] == [False, True] * config.num_layers, calls
+    assert len(calls[0][0]) == 2 and all(len(shape) == 3 for shape, _ in calls[1:]), calls
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
