@@ -6,6 +6,11 @@ on the GPU bf16 too.
 The new residual must equal add_rms_norm's exactly (up to the partials' fp32 summation order);
 the product agrees to the rounding of its 16-bit operands."""
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +18,7 @@ import torch.nn.functional as F
 from minivllm.functional.norm import add_rms_norm
 from minivllm.kernels.launch import triton_usable
 from minivllm.kernels.norm_gemm import norm_gemm
-from triton_trace import kernel_launches_traced
+from triton_trace import ROOT, kernel_launches_traced
 
 EPS = 1e-6
 # max |out - ref| / max |ref|: fp32 accumulation; fp16 operands are rounded once more than the
@@ -110,3 +115,56 @@ def test_traces_without_graph_breaks(device):
         return
     counts = kernel_launches_traced(TRACE_BODY)  # on CPU: see tests/triton_trace.py
     assert counts == {"dynamo": 1, "aot": 1}, counts
+
+
+SMEM_SCRIPT = """
+import json, torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import minivllm.kernels.launch as launch
+launch._cuda_sms = lambda index: 132  # an H200, for the tile choice
+from minivllm.kernels import norm_gemm as ng
+
+fn = ng._norm_gemm_kernel
+ALIGNED = {"stride_xs", "stride_xm", "stride_rm", "stride_wn", "stride_om", "stride_hm", "K", "N"}
+out = []
+# (parts, glu, N, K): Qwen3-0.6B's qkv and gate_up after o_proj's/down's 4 partials or plain x,
+# and Qwen3-8B's with 2 and 8 partials
+for parts, glu, n, k in [(4, False, 4096, 1024), (4, True, 3072, 1024), (0, False, 4096, 1024),
+                         (2, True, 12288, 4096), (8, True, 12288, 4096)]:
+    cfg = ng.norm_gemm_config(1, n, k, parts, glu, torch.bfloat16, torch.device("cuda", 0))
+    consts = dict(PARTS=parts, M_PAD=ng.M_PAD, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+                  EVEN_K=k % cfg["block_k"] == 0, GLU=glu, PRECISION="tf32")
+    ptrs = {"x_ptr": "*fp32" if parts else "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16",
+            "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16"}
+    sig = {a: "constexpr" if a in consts else ptrs.get(a, "fp32" if a == "eps" else "i32")
+           for a in fn.arg_names}
+    # 16-byte alignment, as a launch on the GPU specializes it: without it no load is staged
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+             if a in ptrs or a in ALIGNED}
+    kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+    model = (cfg["num_stages"] - 1) * ng.stage_bytes(parts, glu, cfg["block_n"], cfg["block_k"], 2)
+    out.append(dict(case=[parts, glu, n, k], shared=kernel.metadata.shared, model=model,
+                    staged=kernel.asm["ptx"].count("cp.async") > 0, config=cfg))
+print(json.dumps(out))
+"""
+
+
+def test_pipeline_buffers_fit_two_programs_per_sm():
+    """Triton stages every load of the K loop, x's fp32 partials at M_PAD rows included: at the
+    skinny GEMM's 4 stages of 256-wide chunks, gate_up after 4 partials would ask 272 KB of shared
+    memory, more than an SM has (227 KB), and fail to launch. Compiled ahead of time for sm_90
+    (no GPU needed; a process without TRITON_INTERPRET), every engine shape's kernel must stage
+    its loads (the weight stream pipelined) within SMEM_BUDGET, as stage_bytes models."""
+    from minivllm.kernels.norm_gemm import SMEM_BUDGET
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", SMEM_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for case in json.loads(proc.stdout.strip().splitlines()[-1]):
+        assert case["staged"], case  # (beyond the buffers: ~16 KB of layout conversions)
+        assert case["shared"] <= min(case["model"], SMEM_BUDGET) + 16384, case

@@ -103,6 +103,37 @@ def _norm_gemm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, res_out_ptr, M, N,
              out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+SMEM_BUDGET = 96 * 1024  # bytes of pipeline buffers a program: two programs fit an H200 SM
+
+
+def stage_bytes(parts: int, glu: bool, block_n: int, block_k: int, elsize: int) -> int:
+    """Shared memory one pipeline buffer takes (num_stages - 1 of them are allocated): Triton's
+    pipeliner stages every load of the loop, not only the weight's: x (or its fp32 partials) and
+    the residual [M_PAD, BLOCK_K], the norm weight [BLOCK_K], the weight tile(s)."""
+    x = parts * 4 if parts else elsize
+    return M_PAD * block_k * (x + elsize) + block_k * elsize + (2 if glu else 1) * block_n * block_k * elsize
+
+
+def norm_gemm_config(m: int, n: int, k: int, parts: int, glu: bool, dtype: torch.dtype,
+                     device: torch.device) -> dict:
+    """The skinny GEMM's tiles (skinny_config), never split along K (the norm needs whole rows),
+    with num_stages, then block_k, cut until the buffers fit SMEM_BUDGET: x's fp32 partials are
+    staged at M_PAD rows whatever M is, and 4 stages of 4 partials at 16 x 256 take 272 KB (above
+    an SM's 227 KB; an sm_90 compile in tests/test_norm_gemm.py checks the model)."""
+    cfg = skinny_config(m, n, k, dtype, device, split=1)
+    elsize = dtype.itemsize
+    while cfg["num_stages"] > 1 and (
+            (cfg["num_stages"] - 1) * stage_bytes(parts, glu, cfg["block_n"], cfg["block_k"], elsize)
+            > SMEM_BUDGET):
+        if cfg["num_stages"] > 2:
+            cfg["num_stages"] -= 1
+        elif cfg["block_k"] > 64:
+            cfg["block_k"] //= 2
+        else:
+            cfg["num_stages"] = 1
+    return cfg
+
+
 def norm_gemm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
               weight: torch.Tensor, eps: float, *, glu: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,8 +158,7 @@ def norm_gemm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor
                          f"do not fit K={k}{' (glu: 2N rows)' if glu else ''}")
     assert weight.stride(1) == 1 and x.stride(-1) == 1 and residual.stride(1) == 1
     assert norm_weight.is_contiguous() and weight.dtype == residual.dtype
-    # Tiles as the skinny GEMM picks them, but never split along K: the norm needs whole rows.
-    cfg = skinny_config(m, n, k, weight.dtype, weight.device, split=1)
+    cfg = norm_gemm_config(m, n, k, parts, glu, weight.dtype, weight.device)
     block_n, block_k = cfg["block_n"], cfg["block_k"]
     out = torch.empty((m, n), device=weight.device, dtype=residual.dtype)
     h = torch.empty_like(residual)
