@@ -76,8 +76,10 @@ def decoder_layer(lp: LayerParams, x: torch.Tensor, residual: torch.Tensor | Non
     to (None for the first layer). Returns (this layer's MLP output, the residual stream).
 
     The MLP output may be down's unsummed fp32 split-K partials [split, T, hidden] (decode of a
-    few rows on one GPU): the next layer's add + RMSNorm, or the final norm, sums them in the
-    same kernel, a kernel fewer per layer. Either form is accepted as x."""
+    few rows on one GPU): the next layer's add + RMSNorm, or the final norm, sums them. Either
+    form is accepted as x. (On the H200 the compiled layer still spends a kernel on that sum at
+    its entry, where Inductor does not fuse it into the norm as it does o_proj's within the
+    layer; MINIVLLM_FUSED_NORM sums both inside the next GEMM.)"""
     eps = config.rms_norm_eps
     qkv, residual = norm_qkv(lp, x, residual, eps)
     h = attention_block(lp, qkv, cos, sin, k_cache, v_cache, batch, config=config, shard=shard,

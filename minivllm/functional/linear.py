@@ -91,8 +91,9 @@ def glu_row_linear(x: torch.Tensor, weight: torch.Tensor, shard: ShardSpec, *,
     skinny GEMM applies, the activation is computed as it loads x: one kernel, not two.
 
     unsummed_ok: on one rank, the skinny GEMM's fp32 split-K partials [split, T, out] may be
-    returned unsummed, for a consumer that sums them (add_rms_norm does, fused into its own
-    kernel by the compiled layer: the next layer's add + RMSNorm then costs no sum kernel)."""
+    returned unsummed, for a consumer that sums them: add_rms_norm, where the compiled layer can
+    fuse the sum into its kernel (it does for o_proj's; down's reach the next layer's graph as
+    an input, and Inductor sums them in a kernel of their own), or kernels/norm_gemm.py."""
     if _skinny(x):
         if unsummed_ok and shard.world_size == 1:
             return _skinny_partials(x, weight, glu=True)
