@@ -7,7 +7,8 @@ A step's floor is the KV of the sequences running then plus the weights, at the 
 The KV is modelled from the workload: every sequence decodes one token a step from the first
 step with nothing waiting, until its max_tokens (preemption would break the model; the bench's
 KV cache is large enough that none happens). Prints, by batch size, the steps, their measured and
-floor seconds, and the time each step loses to everything but reading KV and weights."""
+floor seconds, and the time each step loses to everything but reading KV and weights; then the
+steps that computed prompt tokens (prefill and mixed), with their tokens a second."""
 
 from __future__ import annotations
 
@@ -48,6 +49,17 @@ def bands(floors: list[tuple[int, float, float]]) -> list[dict]:
     return rows
 
 
+def prefill_summary(records: list[dict]) -> dict | None:
+    """The steps that computed prompt tokens (prefill and mixed steps; records from before
+    session 5 lack the count: None): their number, seconds, prompt tokens and tokens a second."""
+    if not records or "prompt_tokens" not in records[0]:
+        return None
+    steps = [r for r in records if r["prompt_tokens"] > 0]
+    seconds, tokens = sum(r["s"] for r in steps), sum(r["prompt_tokens"] for r in steps)
+    return {"steps": len(steps), "seconds": seconds, "prompt_tokens": tokens,
+            "tok_per_s": tokens / seconds if seconds else 0.0}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("steps")
@@ -65,6 +77,10 @@ def main():
     for r in bands(floors):
         print(f"{r['sequences']:>10} {r['steps']:>6} {r['measured_s']:>11.3f} {r['floor_s']:>8.3f} "
               f"{r['of_floor']:>9.0%} {r['lost_ms_per_step']:>13.2f}")
+    prefill = prefill_summary(records)
+    if prefill:
+        print(f"steps with prompt tokens: {prefill['steps']}, {prefill['seconds']:.3f} s, "
+              f"{prefill['prompt_tokens']} tokens, {prefill['tok_per_s']:,.0f} tok/s")
 
 
 if __name__ == "__main__":

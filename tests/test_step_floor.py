@@ -3,7 +3,7 @@ done by hand on a three-sequence workload."""
 
 import pytest
 
-from benchmarks.step_floor import bands, step_floors
+from benchmarks.step_floor import bands, prefill_summary, step_floors
 
 
 def test_floors_follow_the_running_sequences():
@@ -22,3 +22,11 @@ def test_floors_follow_the_running_sequences():
 def test_a_record_that_never_stops_waiting_is_a_clear_error():
     with pytest.raises(ValueError, match="waiting"):
         step_floors([{"s": 1.0, "waiting": 3}], [5], [2], kv_per_token=1, weights=1, bandwidth=1.0)
+
+
+def test_prefill_summary_counts_the_steps_that_computed_prompt_tokens():
+    records = [{"s": 0.5, "prompt_tokens": 100}, {"s": 0.25, "prompt_tokens": 50},
+               {"s": 1.0, "prompt_tokens": 0}]
+    assert prefill_summary(records) == {"steps": 2, "seconds": 0.75, "prompt_tokens": 150,
+                                        "tok_per_s": 200.0}
+    assert prefill_summary([{"s": 1.0}]) is None  # a record from before the count existed

@@ -76,8 +76,10 @@ def traced_steps(engine, path: str, *, skip: int, active: int):
 
 def timed_steps(engine, log: list):
     """Wrap engine.step to append one record per call: its seconds, running and waiting
-    sequences, and what paused it besides the GPU (cyclic-GC seconds, the kernels Triton
-    compiled, dynamo frames compiled). Returns a function that removes the GC and Triton hooks."""
+    sequences, the prompt tokens it scheduled (prefill work: with asynchronous scheduling the
+    call launches that step and returns the previous one's tokens), and what paused it besides
+    the GPU (cyclic-GC seconds, the kernels Triton compiled, dynamo frames compiled). Returns a
+    function that removes the GC and Triton hooks."""
     import gc
 
     pauses = {"gc_s": 0.0, "triton_compiles": 0}
@@ -108,13 +110,15 @@ def timed_steps(engine, log: list):
     inner = engine.step
 
     def step(**kw):
-        before = dict(pauses, frames=counters["stats"]["unique_graphs"])
+        before = dict(pauses, frames=counters["stats"]["unique_graphs"],
+                      prompt_tokens=engine.stats.prompt_tokens_computed)
         t0 = time.perf_counter()
         out = inner(**kw)
         seconds = time.perf_counter() - t0
         new_compiles = pauses["triton_compiles"] - before["triton_compiles"]
         log.append({"s": seconds, "running": len(engine.scheduler.running),
                     "waiting": len(engine.scheduler.waiting),
+                    "prompt_tokens": engine.stats.prompt_tokens_computed - before["prompt_tokens"],
                     "gc_s": pauses["gc_s"] - before["gc_s"],
                     "triton_compiles": new_compiles,
                     "triton_kernels": compiled[len(compiled) - new_compiles:],
