@@ -2,11 +2,11 @@
 # The GPU checks the open issues still owe, in one device call each of at most 10 minutes (run
 # from the repo root there; pytest/hypothesis wheels carried in .whl/):
 #   bash benchmarks/gpu_checks.sh speed  # nvidia-h200: issue 5's figures and the GPU test suite
-#   bash benchmarks/gpu_checks.sh tp     # nvidia-h200-x2: tensor parallelism (issue 6)
-#   bash benchmarks/gpu_checks.sh tp5    # nvidia-h200-x2: issue 6 after sessions 4-5 (not yet run)
 #   bash benchmarks/gpu_checks.sh fused  # nvidia-h200: MINIVLLM_FUSED_NORM on/off (not yet run)
-#   bash benchmarks/gpu_checks.sh recheck|verify|final|last  # nvidia-h200-x2: session 4's follow-ups
-# (session 5's A/B modes: s5 in commit bb7f952's copy of this file, s5b in a95279f's)
+#   bash benchmarks/gpu_checks.sh tp     # nvidia-h200-x2: issue 6, TP=2 against TP=1, 0.6B shape
+#   bash benchmarks/gpu_checks.sh tp8b   # nvidia-h200-x2: the 8B shape at TP=2 and TP=1
+# Modes of earlier calls are in the commits BENCHMARKS.md names (session 4's recheck, verify,
+# final and last: in 04e96c7; session 5's s5: bb7f952, s5b: a95279f).
 # Every step's output streams into $OUT/logs.txt (the suite's into $OUT/tests.txt) and its JSON
 # into $OUT/results.json, so a call cut short still returns what it did; a step past its limit
 # gets SIGABRT first, and PYTHONFAULTHANDLER=1 makes every Python process print its stacks.
@@ -72,7 +72,7 @@ speed)
     tests/test_kernels.py tests/test_kernels_model.py tests/test_decode_graphs.py \
     tests/test_skinny_gemm.py "tests/test_engine.py::test_triton_backend_gives_identical_outputs"
   ;;
-tp5)
+tp)
   # nvidia-h200-x2 (<= 420 s): issue 6 after session 5's changes (and session 4's later ones):
   # TP=2 against TP=1 (teacher-forced agreement, engine greedy), then the throughput bench at
   # TP=2 and, on one of the two GPUs, at TP=1 in the same call.
@@ -106,66 +106,15 @@ fused)
   python3 benchmarks/trace_summary.py "$OUT/trace_prefill.json" --top 25 | tee -a "$OUT/logs.txt"
   gzip -f "$OUT/trace_prefill.json"
   ;;
-recheck)
-  # nvidia-h200-x2 (<= 330 s): tp_check after the fix for its compile crash, and the GPU tests
-  # that failed in session 4's first call, with their tracebacks.
-  step tp_check 240 python3 benchmarks/tp_check.py --prompts 4 --max-tokens 32 \
-    --json "$RESULTS/tp_check.json"
-  STEP_LOG=$OUT/tests.txt step tests 80 python3 -m pytest $PYTEST_ARGS \
-    "tests/test_skinny_gemm.py::test_partials_sum_to_the_product" \
-    "tests/test_gpu_graphs.py::test_graphs_and_async_scheduling_equal_eager"
-  ;;
-verify|final)
-  # nvidia-h200-x2 (verify <= 220 s, final <= 470 s): after session 4's kernel cuts. GPU 1 runs
-  # the GPU tests of what changed while GPU 0 measures latency and throughput (with step
-  # records); final adds a trace of the throughput run's tail and the TP=2 throughput run.
-  (export CUDA_VISIBLE_DEVICES=1; STEP_LOG=$OUT/tests.txt step tests 200 python3 -m pytest \
-    $PYTEST_ARGS tests/test_kernels.py tests/test_gpu_graphs.py tests/test_kernels_model.py \
-    "tests/test_skinny_gemm.py::test_decoder_wiring_equals_cublas_path" \
-    "tests/test_engine.py::test_triton_backend_gives_identical_outputs" \
-    "tests/test_engine.py::test_greedy_matches_generate_and_transformers" \
-    tests/test_decode_graphs.py) &
-  export CUDA_VISIBLE_DEVICES=0
-  step latency 100 python3 -m minivllm bench --shape qwen3-0.6b --latency --json "$RESULTS/latency.json"
-  step bench 70 python3 -m minivllm bench --shape qwen3-0.6b --json "$RESULTS/bench.json" \
-    --step-times "$OUT/steps.json"
-  if [ "$1" = final ]; then
-    step bench_trace 80 python3 -m minivllm bench --shape qwen3-0.6b --trace "$OUT/trace_tail.json" \
-      --trace-from 900 --json "$RESULTS/bench_trace.json"
-    gzip -f "$OUT/trace_tail.json"
-  fi
-  wait
-  if [ "$1" = final ]; then
-    export CUDA_VISIBLE_DEVICES=0,1
-    step bench_tp2 120 python3 -m minivllm bench --shape qwen3-0.6b -tp 2 --json "$RESULTS/bench_tp2.json"
-  fi
-  ;;
-last)
-  # nvidia-h200-x2 (<= 225 s): session 4's last call. GPU 1: the graph-vs-eager tests (fp32
-  # first: identical tokens), GPU 0: the single stream, then a trace of the throughput tail.
-  (export CUDA_VISIBLE_DEVICES=1; STEP_LOG=$OUT/tests.txt step tests 190 python3 -m pytest \
-    $PYTEST_ARGS "tests/test_gpu_graphs.py::test_graphs_and_async_scheduling_equal_eager[float32]" \
-    "tests/test_gpu_graphs.py::test_graphs_and_async_scheduling_equal_eager[bfloat16]" \
-    "tests/test_skinny_gemm.py::test_decoder_wiring_equals_cublas_path" \
-    "tests/test_engine.py::test_triton_backend_gives_identical_outputs") &
-  export CUDA_VISIBLE_DEVICES=0
-  step latency 120 python3 -m minivllm bench --shape qwen3-0.6b --latency --json "$RESULTS/latency.json"
-  step bench_trace 75 python3 -m minivllm bench --shape qwen3-0.6b --trace "$OUT/trace_tail.json" \
-    --trace-from 900 --json "$RESULTS/bench_trace.json"
-  gzip -f "$OUT/trace_tail.json"
-  wait
-  ;;
-tp)
-  # nvidia-h200-x2 (<= 590 s): issue 6. TP=2 against TP=1 (teacher-forced agreement, engine
-  # greedy), then the benches at TP=2 (TP=1 of both shapes ran in session 3's call 2).
-  step tp_check 240 python3 benchmarks/tp_check.py --prompts 4 --max-tokens 32 \
-    --json "$RESULTS/tp_check.json"
-  step bench_tp2 130 python3 -m minivllm bench --shape qwen3-0.6b -tp 2 --json "$RESULTS/bench_tp2.json"
+tp8b)
+  # nvidia-h200-x2 (<= 400 s): the Qwen3-8B shape at TP=2, and at TP=1 on one of the two GPUs.
   step bench_8b_tp2 180 python3 -m minivllm bench --shape qwen3-8b -tp 2 \
     --json "$RESULTS/bench_8b_tp2.json"
+  CUDA_VISIBLE_DEVICES=0 step bench_8b_tp1 150 python3 -m minivllm bench --shape qwen3-8b \
+    --json "$RESULTS/bench_8b_tp1.json"
   ;;
 *)
-  echo "usage: $0 speed|tp" >&2
+  echo "usage: $0 speed|fused|tp|tp8b" >&2
   exit 2
   ;;
 esac
