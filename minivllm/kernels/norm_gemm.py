@@ -23,7 +23,8 @@ as h * g before the dot rather than as r * h, then g * that: results agree to th
 rounding (one ulp of 16-bit inputs), not bit for bit.
 
 Cost: every program reloads its rows' x (and partials) from L2, [M, K] x (2 + 4 S) bytes, which
-at M = 16 and S = 4 is 0.3 MB a program (from L2). The engine takes this path where the skinny
+at M = 16 and S = 4 is 0.3 MB a program (from L2), and Triton stages those loads in shared memory
+beside the weight's (norm_gemm_config fits them). The engine takes this path where the skinny
 GEMM applies, up to 16 rows, and only with MINIVLLM_FUSED_NORM=1 (functional.linear.
 fused_norm_applies) until an engine A/B on the GPU says where it pays.
 """
