@@ -13,6 +13,9 @@ from hypothesis import settings  # noqa: E402
 
 settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True)
 settings.register_profile("dev", deadline=None, max_examples=25)
+# The GPU run (benchmarks/gpu_checks.sh): each new shape is a Triton compile of seconds, and the
+# suite shares a 10-minute device call with the benchmarks.
+settings.register_profile("gpu", deadline=None, max_examples=6, derandomize=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
