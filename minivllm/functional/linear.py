@@ -78,10 +78,7 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, shard: ShardSpec, *,
     """x: [T, in_local] @ weight[out, in_local].T, summed over ranks -> [T, out]. unsummed_ok:
     as in glu_row_linear, the skinny GEMM's fp32 partials may come back unsummed (one rank)."""
     if _skinny(x):
-        partials = _skinny_partials(x, weight, glu=False)
-        if unsummed_ok and shard.world_size == 1:
-            return partials
-        return all_reduce(sum_partials(partials, x.dtype), shard)
+        return _skinny_row_linear(x, weight, shard, glu=False, unsummed_ok=unsummed_ok)
     return all_reduce(F.linear(x, weight), shard)
 
 
@@ -95,15 +92,23 @@ def glu_row_linear(x: torch.Tensor, weight: torch.Tensor, shard: ShardSpec, *,
     fuse the sum into its kernel (it does for o_proj's; down's reach the next layer's graph as
     an input, and Inductor sums them in a kernel of their own), or kernels/norm_gemm.py."""
     if _skinny(x):
-        if unsummed_ok and shard.world_size == 1:
-            return _skinny_partials(x, weight, glu=True)
-        return all_reduce(sum_partials(_skinny_partials(x, weight, glu=True), x.dtype), shard)
+        return _skinny_row_linear(x, weight, shard, glu=True, unsummed_ok=unsummed_ok)
     return row_linear(silu_and_mul(x), weight, shard)
 
 
 def sum_partials(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[split, T, out] fp32 partial products -> [T, out] in dtype; [T, out] passes through."""
     return x.sum(0).to(dtype) if x.dim() == 3 else x
+
+
+def _skinny_row_linear(x: torch.Tensor, weight: torch.Tensor, shard: ShardSpec, *, glu: bool,
+                       unsummed_ok: bool) -> torch.Tensor:
+    """The skinny GEMM's row-parallel product: its partials unsummed where the caller allows
+    and one rank holds the whole sum, else summed and all-reduced."""
+    partials = _skinny_partials(x, weight, glu=glu)
+    if unsummed_ok and shard.world_size == 1:
+        return partials
+    return all_reduce(sum_partials(partials, x.dtype), shard)
 
 
 def _skinny_partials(x: torch.Tensor, weight: torch.Tensor, *, glu: bool) -> torch.Tensor:

@@ -225,25 +225,26 @@ def make_sampling_batch(rows: Sequence[SamplingRow], *, vocab_size: int, device=
         return _to_device(torch.tensor(values, dtype=dtype), device)
 
     # The float parameters as one [B, 6] array, read per row in one C-level call. The flags are
-    # decided on the float64 (Python) values, the tensor holds their float32 rounding. Most come
-    # from each field's min and max over the rows: a few numpy calls whatever B.
+    # decided on the float64 (Python) values, the tensor holds their float32 rounding; each is a
+    # few numpy calls whatever B.
     b = len(rows)
     f64 = np.array(list(map(_FLOAT_FIELDS, rows)), dtype=np.float64)
     temperature, top_p, min_p = f64[:, 0], f64[:, 1], f64[:, 2]
-    lo, hi = f64.min(axis=0).tolist(), f64.max(axis=0).tolist()
     top_k = np.fromiter([r.top_k for r in rows], dtype=np.int64, count=b)
     top_k[(top_k <= 0) | (top_k >= vocab_size)] = vocab_size
-    do_top_k, do_top_p, do_min_p = int(top_k.min()) < vocab_size, lo[1] < 1, hi[2] > 0
+    do_top_k = bool((top_k < vocab_size).any())
+    do_top_p, do_min_p = bool((top_p < 1).any()), bool((min_p > 0).any())
     # Token lists cost a host-to-device copy each step: send them only when a row is penalised,
     # and only that row's (the others get an empty, all-padding row).
+    repeated = f64[:, 5] != 1
+    penalised = (f64[:, 3] != 0) | (f64[:, 4] != 0) | repeated
     output_ids = prompt_ids = None
-    if lo[3] != 0 or hi[3] != 0 or lo[4] != 0 or hi[4] != 0 or lo[5] != 1 or hi[5] != 1:
-        output_ids = _padded([r.output_ids if (r.presence_penalty != 0 or r.frequency_penalty != 0
-                                               or r.repetition_penalty != 1) else () for r in rows],
+    if penalised.any():
+        output_ids = _padded([r.output_ids if p else () for r, p in zip(rows, penalised.tolist())],
                              vocab_size, device)
-        if lo[5] != 1 or hi[5] != 1:
-            prompt_ids = _padded([r.prompt_ids if r.repetition_penalty != 1 else () for r in rows],
-                                 vocab_size, device)
+        if repeated.any():
+            prompt_ids = _padded([r.prompt_ids if p else ()
+                                  for r, p in zip(rows, repeated.tolist())], vocab_size, device)
     banned_rows = banned_ids = None
     pairs = [(row, tok) for row, r in enumerate(rows) for tok in r.banned_ids]
     if pairs:

@@ -235,8 +235,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--device", default=None)
     p.add_argument("--step-times", default=None,
-                   help="write a record per engine step (seconds, running and waiting sequences, GC "
-                        "seconds, Triton compiles, dynamo frames) to this JSON file")
+                   help="write a record per engine step (seconds, running and waiting "
+                        "sequences, prompt tokens, GC seconds, Triton compiles, dynamo frames) to "
+                        "this JSON file")
     p.add_argument("--trace", default=None,
                    help="write a Chrome trace (torch.profiler) of 8 decode steps to this path "
                         "(from step --trace-from; with --latency, steps 100-107 of the last "

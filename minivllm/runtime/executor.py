@@ -198,8 +198,8 @@ class _Closer:
         # group's destruction hang (pytorch/pytorch#115388), so the graphs go first, on every
         # rank; and NCCL's shutdown on one rank can wait for the others', so rank 0 leaves its
         # groups while the workers leave theirs, before it waits for their processes. After a
-        # failure a collective may sit waiting on a dead peer: abort first, so that the
-        # synchronize in release_graphs returns.
+        # failure a collective may sit waiting on a dead peer: abort first, so that releasing
+        # the graphs and leaving the groups wait for nobody.
         if not self.in_step:
             abort_groups()
         try:

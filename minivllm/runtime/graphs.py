@@ -11,9 +11,9 @@ forward: the 28 layers of a Qwen3 model are the same function on same-shaped wei
 small graph serves them all, and inside a CUDA graph the Python loop around it costs nothing.
 Compiling the whole forward gave the same fused kernels but took minutes on a fresh machine (a
 28-layer graph, compiled twice: once static, once with a dynamic batch), which is why it is not
-done. The smallest bucket is 2, so that the
-compiled layer sees only batches of 2 or more and one dynamic-batch compile (after a first static
-one) serves every bucket; a single sequence is padded to 2 rows, which costs nothing measurable.
+done. The smallest bucket is 2, so that the compiled layer sees only batches of 2 or more and one
+dynamic-batch compile (after a first static one) serves every bucket; a single sequence is
+padded to 2 rows, which costs nothing measurable.
 
 Rows past the real batch are padding: slot -1 (nothing is written), context length 1 and a block
 table of zeros (block 0 exists, and the padding row's one key is its own new token), so they
@@ -66,7 +66,9 @@ def compiled_forward(compile_backend="inductor"):
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     # MINIVLLM_COMPILE_MODE=max-autotune-no-cudagraphs lets Inductor time Triton GEMM templates
     # against cuBLAS for each GEMM (start-up takes longer); unmeasured, for an A/B run.
-    mode = os.environ.get("MINIVLLM_COMPILE_MODE") or None if compile_backend == "inductor" else None
+    mode = None
+    if compile_backend == "inductor":
+        mode = os.environ.get("MINIVLLM_COMPILE_MODE") or None
 
     def compiled(fn):
         return torch.compile(_own_copy(fn), fullgraph=True, backend=compile_backend, mode=mode)
