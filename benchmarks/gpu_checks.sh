@@ -2,11 +2,10 @@
 # The GPU checks the open issues still owe, in one device call each of at most 10 minutes (run
 # from the repo root there; pytest/hypothesis wheels carried in .whl/):
 #   bash benchmarks/gpu_checks.sh speed  # nvidia-h200: issue 5's figures and the GPU test suite
-#   bash benchmarks/gpu_checks.sh fused  # nvidia-h200: MINIVLLM_FUSED_NORM on/off (not yet run)
 #   bash benchmarks/gpu_checks.sh tp     # nvidia-h200-x2: issue 6, TP=2 against TP=1, 0.6B shape
 #   bash benchmarks/gpu_checks.sh tp8b   # nvidia-h200-x2: the 8B shape at TP=2 and TP=1
 # Modes of earlier calls are in the commits BENCHMARKS.md names (session 4's recheck, verify,
-# final and last: in 04e96c7; session 5's s5: bb7f952, s5b: a95279f).
+# final and last: in 04e96c7; session 5's s5: bb7f952, s5b: a95279f; session 6's fused: 0cb7b0a).
 # Every step's output streams into $OUT/logs.txt (the suite's into $OUT/tests.txt) and its JSON
 # into $OUT/results.json, so a call cut short still returns what it did; a step past its limit
 # gets SIGABRT first, and PYTHONFAULTHANDLER=1 makes every Python process print its stacks.
@@ -82,30 +81,6 @@ tp)
   CUDA_VISIBLE_DEVICES=0 step bench_tp1 70 python3 -m minivllm bench --shape qwen3-0.6b \
     --json "$RESULTS/bench_tp1.json"
   ;;
-fused)
-  # nvidia-h200 (<= 560 s): MINIVLLM_FUSED_NORM (add + RMSNorm inside qkv's and gate_up's GEMMs,
-  # SiLU-and-mul in gate_up's epilogue; written in session 5, never run on a GPU) on against off
-  # in the same call, alternating; then its GPU tests (bf16 included) and the graph-vs-eager
-  # test with it on.
-  for run in 1a 0a 1b 0b; do  # on, off, on, off
-    MINIVLLM_FUSED_NORM=${run:0:1} step "latency_fused$run" 110 python3 -m minivllm bench \
-      --shape qwen3-0.6b --latency --json "$RESULTS/latency_fused$run.json"
-  done
-  for fused in 1 0; do
-    MINIVLLM_FUSED_NORM=$fused step "bench_fused$fused" 60 python3 -m minivllm bench \
-      --shape qwen3-0.6b --json "$RESULTS/bench_fused$fused.json" --step-times "$OUT/steps_fused$fused.json"
-    python3 benchmarks/step_floor.py "$OUT/steps_fused$fused.json" | tee -a "$OUT/logs.txt"
-  done
-  MINIVLLM_FUSED_NORM=1 STEP_LOG=$OUT/tests.txt step tests 120 python3 -m pytest $PYTEST_ARGS \
-    tests/test_norm_gemm.py \
-    "tests/test_gpu_graphs.py::test_graphs_and_async_scheduling_equal_eager[float32]" \
-    "tests/test_gpu_graphs.py::test_graphs_and_async_scheduling_equal_eager[bfloat16]"
-  # prefill is ~0.5 s of the 5.5 s throughput run at ~3x its GEMMs' FLOP floor: what else runs?
-  step trace_prefill 60 python3 -m minivllm bench --shape qwen3-0.6b --trace "$OUT/trace_prefill.json" \
-    --trace-from 1 --json "$RESULTS/bench_trace_prefill.json"
-  python3 benchmarks/trace_summary.py "$OUT/trace_prefill.json" --top 25 | tee -a "$OUT/logs.txt"
-  gzip -f "$OUT/trace_prefill.json"
-  ;;
 tp8b)
   # nvidia-h200-x2 (<= 400 s): the Qwen3-8B shape at TP=2, and at TP=1 on one of the two GPUs.
   step bench_8b_tp2 180 python3 -m minivllm bench --shape qwen3-8b -tp 2 \
@@ -114,7 +89,7 @@ tp8b)
     --json "$RESULTS/bench_8b_tp1.json"
   ;;
 *)
-  echo "usage: $0 speed|fused|tp|tp8b" >&2
+  echo "usage: $0 speed|tp|tp8b" >&2
   exit 2
   ;;
 esac

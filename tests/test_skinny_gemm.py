@@ -211,30 +211,3 @@ def test_decoder_wiring_equals_cublas_path(device, monkeypatch):
     assert len(calls) == 2 * config.num_layers  # the row-parallel o_proj and down (with the SiLU)
     assert len(inputs[0]) == 2 and all(len(shape) == 3 for shape in inputs[1:]), inputs
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
-
-def test_decoder_wiring_with_fused_norm_equals_pytorch_path(device, monkeypatch):
-    """MINIVLLM_FUSED_NORM on (forced on the CPU, like the skinny dispatch): every layer's two
-    add + RMSNorms run inside qkv's and gate_up's GEMMs (kernels/norm_gemm.py), SiLU-and-mul in
-    gate_up's, and o_proj's and down's partials go unsummed into them; the forward's logits
-    equal the PyTorch path's."""
-    import minivllm.functional.linear as linear
-    import minivllm.kernels.norm_gemm as norm_gemm_module
-
-    config, run = tiny_model_case(device)
-    want = run()
-    monkeypatch.setattr(linear, "_skinny", lambda x: x.shape[-2] <= MAX_SKINNY_ROWS)
-    monkeypatch.setattr(linear, "_FUSED_NORM", True)
-    calls = []
-    real = norm_gemm_module.norm_gemm
-
-    def counted(x, *args, **kwargs):
-        calls.append((tuple(x.shape), kwargs.get("glu", False)))
-        return real(x, *args, **kwargs)
-
-    monkeypatch.setattr(norm_gemm_module, "norm_gemm", counted)
-    got = run()
-    # per layer: qkv (x plain in layer 0, else down's partials), gate_up (o_proj's partials)
-    assert [glu for _, glu in calls] == [False, True] * config.num_layers, calls
-    assert len(calls[0][0]) == 2 and all(len(shape) == 3 for shape, _ in calls[1:]), calls
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

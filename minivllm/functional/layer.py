@@ -9,7 +9,7 @@ from ..state.config import ModelConfig
 from ..state.params import LayerParams
 from ..state.shard import ShardSpec
 from .attention import AttentionBackend
-from .linear import column_linear, fused_norm_applies, glu_row_linear, row_linear, split_qkv
+from .linear import column_linear, glu_row_linear, row_linear, split_qkv
 from .norm import add_rms_norm, rms_norm
 from .rope import apply_rope
 
@@ -46,10 +46,6 @@ def attention_block(lp: LayerParams, qkv: torch.Tensor, cos: torch.Tensor, sin: 
 def norm_qkv(lp: LayerParams, x: torch.Tensor, residual: torch.Tensor | None, eps: float
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """(qkv projection of rms_norm(x + residual), x + residual): the attention block's entry."""
-    if fused_norm_applies(residual):  # one kernel (kernels/norm_gemm.py)
-        from ..kernels.norm_gemm import norm_gemm
-
-        return norm_gemm(x, residual, lp.input_norm, lp.qkv, eps)
     h, residual = add_rms_norm(x, residual, lp.input_norm, eps)
     return column_linear(h, lp.qkv), residual
 
@@ -59,11 +55,6 @@ def mlp_block(lp: LayerParams, x: torch.Tensor, residual: torch.Tensor, shard: S
     """The post-attention add + RMSNorm and the MLP: (down's output, x + residual). Down's output
     is [T, hidden], or on one rank at a few rows its unsummed fp32 partials [split, T, hidden]
     (see glu_row_linear), which the next layer's add + RMSNorm sums."""
-    if fused_norm_applies(residual):  # add + norm + gate_up + SiLU-and-mul in one kernel
-        from ..kernels.norm_gemm import norm_gemm
-
-        act, residual = norm_gemm(x, residual, lp.post_norm, lp.gate_up, eps, glu=True)
-        return row_linear(act, lp.down, shard, unsummed_ok=True), residual
     h, residual = add_rms_norm(x, residual, lp.post_norm, eps)
     return glu_row_linear(column_linear(h, lp.gate_up), lp.down, shard, unsummed_ok=True), residual
 
@@ -79,7 +70,8 @@ def decoder_layer(lp: LayerParams, x: torch.Tensor, residual: torch.Tensor | Non
     few rows on one GPU): the next layer's add + RMSNorm, or the final norm, sums them. Either
     form is accepted as x. (On the H200 the compiled layer still spends a kernel on that sum at
     its entry, where Inductor does not fuse it into the norm as it does o_proj's within the
-    layer; MINIVLLM_FUSED_NORM sums both inside the next GEMM.)"""
+    layer. A kernel running the add + RMSNorm inside qkv's and gate_up's GEMMs was measured
+    slower, BENCHMARKS.md session 6.)"""
     eps = config.rms_norm_eps
     qkv, residual = norm_qkv(lp, x, residual, eps)
     h = attention_block(lp, qkv, cos, sin, k_cache, v_cache, batch, config=config, shard=shard,

@@ -21,15 +21,11 @@ from .parallel import all_reduce
 # A decode GEMM of a few rows is bound by its launch and ramp-up, not by its bytes: on the H200
 # (benchmarks/bench_linear.py, BENCHMARKS.md) every one of the 0.6B shape's GEMMs takes 5-13 us
 # whoever computes it. cuBLAS is slowest where N is small and K is split (o_proj: 8.4-13 us at
-# 1-4 rows; down: 7.7 us), and there the Triton skinny GEMM takes 5.6 and 6.6 us, with down's
-# SiLU-and-mul folded in (a kernel fewer); for qkv and gate_up cuBLAS is 5-15% faster. So the
+# 1-4 rows; down: 7.7 us), and there the Triton skinny GEMM takes 3.6 and 5 us (session 6), with
+# down's SiLU-and-mul folded in (a kernel fewer); for qkv and gate_up cuBLAS is 5-15% faster. So the
 # row-parallel layers take the skinny GEMM, the column-parallel ones cuBLAS. Never under
 # autograd: the Triton kernels have no backward. MINIVLLM_SKINNY_GEMM=0: cuBLAS everywhere.
 _SKINNY = os.environ.get("MINIVLLM_SKINNY_GEMM", "1") != "0"
-# MINIVLLM_FUSED_NORM=1: where the skinny GEMM applies, the add + RMSNorm before qkv and before
-# gate_up run inside those GEMMs (kernels/norm_gemm.py), SiLU-and-mul in gate_up's epilogue.
-# Off by default until an engine A/B on the GPU says it pays (written in session 5, unmeasured).
-_FUSED_NORM = os.environ.get("MINIVLLM_FUSED_NORM", "0") == "1"
 
 
 def _skinny(x: torch.Tensor) -> bool:
@@ -38,12 +34,6 @@ def _skinny(x: torch.Tensor) -> bool:
     from ..kernels.skinny_gemm import MAX_SKINNY_ROWS
 
     return x.shape[0] <= MAX_SKINNY_ROWS
-
-
-def fused_norm_applies(residual: torch.Tensor | None) -> bool:
-    """The pre-norm blocks' add + RMSNorm run inside the next GEMM (MINIVLLM_FUSED_NORM=1, a
-    few rows on CUDA): residual: [T, hidden], the stream the norm adds x to."""
-    return _FUSED_NORM and residual is not None and _skinny(residual)
 
 
 def column_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,10 @@ sums them (partials=True).
 Measured on the H200 (benchmarks/bench_linear.py, BENCHMARKS.md): at the 0.6B shape's sizes
 (4-13 MB) neither this kernel nor cuBLAS gets near the HBM bandwidth, each taking >= ~5 us of
 launch, ramp-up and tail; this kernel wins where cuBLAS splits K badly (o_proj at 1-4 rows: 5.6
-against 8.4-13 us; down: 6.6 against 7.7 us) and on the LM head (4.3 against 4.1 TB/s), and loses
-5-15% on qkv and gate_up. The engine calls it for o_proj and down only (functional/linear.py).
+against 8.4-13 us; down: 6.6 against 7.7 us, session 4; since session 6's 64 x 64 split tiles
+3.6 and 4.9-5.1 us with down's SiLU-and-mul) and on the LM head (4.3 against 4.1 TB/s), and
+loses 5-15% on qkv and gate_up. The engine calls it for o_proj and down only
+(functional/linear.py).
 
 Launch choices come from shapes, dtype and the SM count only (no autotune, no .item()), so a call
 traces under torch.compile(fullgraph=True) and replays under CUDA graphs.
@@ -113,10 +115,12 @@ def skinny_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devi
     split, num_warps, num_stages, any of which `override` may fix (benchmarks sweep them).
 
     - block_n: the largest of 64/32/16 that still gives WAVES programs per SM from N alone.
-      Where none does and K must be split (o_proj, down), 32 with 128-wide chunks: as many
+      Where none does and K must be split (o_proj, down), 64 with 64-wide chunks: as many
       programs and bytes a tile as 16 x 256, but x (gate and up with glu) is reread from L2 for
-      half as many weight bytes. On the H200 at 1-16 rows, alone in a CUDA graph: down 7.8
-      against 8.6-10.9 us, o_proj 3.8 against 4.3 (session 6).
+      a quarter of the weight bytes. On the H200 at 1-16 rows, alone in a CUDA graph
+      (benchmarks/sweep_split_gemm.py): down 4.9-5.1 us against 8.8-10.8 at 16 x 256 and
+      7.8-8.0 at 32 x 128, o_proj 3.6 against 4.3-4.4 and 3.8; single stream in the engine
+      877/866 against 789/787 tok/s at 16 x 256 (BENCHMARKS.md, session 6).
       Small tiles cost only rereads of x ([M, BLOCK_K] a chunk, from L2; at M = 16 and
       block_n = 16 as many bytes as the weight tile), far cheaper than split-K's round trip.
     - block_k: 8-16 KB weight tiles (128 16-bit elements a row, 256 when block_n = 16; half as
@@ -139,12 +143,14 @@ def skinny_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devi
         raise ValueError(f"skinny_linear takes at most {MAX_SKINNY_ROWS} rows, got {m}")
     want = WAVES * num_sms(device)
     block_n = override.get("block_n")
+    split_k = False  # K will be split (below): 64 x 64 tiles rather than 16 x 256
     if not block_n:
         block_n = next((b for b in BLOCK_NS if triton.cdiv(n, b) >= want), None)
-    if not block_n:  # K will be split (below): 32 x 128 tiles rather than 16 x 256
-        block_n = 32 if (want + triton.cdiv(n, 16) // 2) // triton.cdiv(n, 16) > 1 else 16
+    if not block_n:
+        split_k = (want + triton.cdiv(n, 16) // 2) // triton.cdiv(n, 16) > 1
+        block_n = 64 if split_k else 16
     elsize = dtype.itemsize
-    bk = (256 if block_n == 16 else 128) * 2 // elsize
+    bk = (64 if split_k else 256 if block_n == 16 else 128) * 2 // elsize
     block_k = override.get("block_k") or min(bk, max(16, next_pow2(k)))
     tiles = triton.cdiv(n, block_n)
     chunks = triton.cdiv(k, block_k)
