@@ -56,6 +56,8 @@ speed)
   step bench 70 python3 -m minivllm bench --shape qwen3-0.6b --json "$RESULTS/bench.json" \
     --step-times "$OUT/steps.json"
   python3 benchmarks/step_floor.py "$OUT/steps.json" | tee -a "$OUT/logs.txt"
+  # the skinny GEMM's tiles for all four decode GEMMs, qkv and gate_up beside cuBLAS
+  step sweep 90 python3 benchmarks/sweep_decode_gemm.py
   # the single stream's trace (steps 100-107 at one sequence), then the throughput run's tail
   step trace_latency 60 python3 -m minivllm bench --shape qwen3-0.6b --latency \
     --trace "$OUT/trace_latency.json" --json "$RESULTS/latency_trace.json"

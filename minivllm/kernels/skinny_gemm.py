@@ -118,7 +118,7 @@ def skinny_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devi
       Where none does and K must be split (o_proj, down), 64 with 64-wide chunks: as many
       programs and bytes a tile as 16 x 256, but x (gate and up with glu) is reread from L2 for
       a quarter of the weight bytes. On the H200 at 1-16 rows, alone in a CUDA graph
-      (benchmarks/sweep_split_gemm.py): down 4.9-5.1 us against 8.8-10.8 at 16 x 256 and
+      (benchmarks/sweep_decode_gemm.py): down 4.9-5.1 us against 8.8-10.8 at 16 x 256 and
       7.8-8.0 at 32 x 128, o_proj 3.6 against 4.3-4.4 and 3.8; single stream in the engine
       877/866 against 789/787 tok/s at 16 x 256 (BENCHMARKS.md, session 6).
       Small tiles cost only rereads of x ([M, BLOCK_K] a chunk, from L2; at M = 16 and
