@@ -21,10 +21,11 @@ from .parallel import all_reduce
 # A decode GEMM of a few rows is bound by its launch and ramp-up, not by its bytes: on the H200
 # (benchmarks/bench_linear.py, BENCHMARKS.md) every one of the 0.6B shape's GEMMs takes 5-13 us
 # whoever computes it. cuBLAS is slowest where N is small and K is split (o_proj: 8.4-13 us at
-# 1-4 rows; down: 7.7 us), and there the Triton skinny GEMM takes 3.6 and 5 us (session 6), with
-# down's SiLU-and-mul folded in (a kernel fewer); for qkv and gate_up cuBLAS is 5-15% faster. So the
-# row-parallel layers take the skinny GEMM, the column-parallel ones cuBLAS. Never under
-# autograd: the Triton kernels have no backward. MINIVLLM_SKINNY_GEMM=0: cuBLAS everywhere.
+# 1-4 rows; down: 7.7 us), and there the Triton skinny GEMM takes 3.6 and 5 us (session 6),
+# with down's SiLU-and-mul folded in (a kernel fewer); for qkv and gate_up cuBLAS was 5-15%
+# faster (session 4, at 16 x 256 tiles). So the row-parallel layers take the skinny GEMM, the
+# column-parallel ones cuBLAS. Never under autograd: the Triton kernels have no backward.
+# MINIVLLM_SKINNY_GEMM=0: cuBLAS everywhere.
 _SKINNY = os.environ.get("MINIVLLM_SKINNY_GEMM", "1") != "0"
 
 
