@@ -81,7 +81,7 @@ def glu_row_linear(x: torch.Tensor, weight: torch.Tensor, shard: ShardSpec, *,
     unsummed_ok: on one rank, the skinny GEMM's fp32 split-K partials [split, T, out] may be
     returned unsummed, for a consumer that sums them: add_rms_norm, where the compiled layer can
     fuse the sum into its kernel (it does for o_proj's; down's reach the next layer's graph as
-    an input, and Inductor sums them in a kernel of their own), or kernels/norm_gemm.py."""
+    an input, and Inductor sums them in a kernel of their own)."""
     if _skinny(x):
         return _skinny_row_linear(x, weight, shard, glu=True, unsummed_ok=unsummed_ok)
     return row_linear(silu_and_mul(x), weight, shard)
