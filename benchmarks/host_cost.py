@@ -5,7 +5,10 @@ captured): decode_rows, make_sampling_batch, fill, _feed_back, PendingStep all r
 replay (the forward) and sample are replaced by stand-ins returning tensors of the right shape.
 Prefill steps go through _run with a stubbed forward. Asynchronous scheduling, as on the GPU.
 
-usage: python benchmarks/host_cost.py [--prof B] [--steps N]
+--prefill: instead, the host time of each step while nano-vllm's 256 prompts (100-1024 tokens)
+are prefilled, 8192 tokens a step, the prefill forward stubbed too.
+
+usage: python benchmarks/host_cost.py [--prof B] [--steps N] [--prefill]
 """
 import argparse
 import cProfile
@@ -66,6 +69,25 @@ def make(model_dir, B):
     return eng
 
 
+def prefill_steps(model_dir, steps=20):
+    """Host ms of each of the first `steps` steps of the throughput workload's prefill phase."""
+    llm = LLM(model_dir, num_kv_blocks=256 * 130 + 16, block_size=16, max_num_seqs=256,
+              max_num_batched_tokens=8192, attention_backend="reference", max_model_len=4096)
+    stub(llm)
+    llm.engine.runner.prefill_forward = runner_mod.forward  # the stub, as for the graphs
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(VOCAB) for _ in range(rng.randint(100, 1024))]}
+               for _ in range(256)]
+    eng = llm.engine
+    eng.add_requests(prompts, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1000)] * 256)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        eng.step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
 def measure(eng, steps, reps=5):
     times = []
     for _ in range(reps):
@@ -81,7 +103,14 @@ def main():
     ap.add_argument("--prof", type=int, default=0, help="cProfile this batch size")
     ap.add_argument("--steps", type=int, default=0)
     ap.add_argument("--sort", default="tottime")
+    ap.add_argument("--prefill", action="store_true", help="time the prefill phase's steps")
     a = ap.parse_args()
+    if a.prefill:
+        d = save_checkpoint(make_hf_model(std=0.3, vocab_size=VOCAB, max_position_embeddings=4096),
+                            "/tmp/hc_model_4k")
+        t = prefill_steps(d, a.steps or 20)
+        print("host ms per step, prefill phase:", " ".join(f"{x:.1f}" for x in t))
+        return
     d = save_checkpoint(make_hf_model(std=0.3, vocab_size=VOCAB, max_position_embeddings=2048), "/tmp/hc_model")
     for B, steps in ((1, 200), (256, 30)):
         if a.prof and a.prof != B:

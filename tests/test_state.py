@@ -1,13 +1,16 @@
-"""state/: config parsing in both layouts, pytree round trips, compile without recompiles."""
+"""state/: config parsing in both layouts, pytree round trips, make_batch against a per-token
+reference, compile without recompiles."""
 
 import json
 
 import pytest
 import torch
 import torch.utils._pytree as pytree
+from hypothesis import given, strategies as st
 
 import minivllm
 from minivllm.state import KVCache, ModelConfig, ShardSpec, make_batch, SeqChunk
+from minivllm.state.batch import slot_of
 from hf_tiny import hf_config, make_hf_model, save_checkpoint
 
 SMALL = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
@@ -77,6 +80,56 @@ def test_cache_and_batch_round_trip():
     leaves, spec = pytree.tree_flatten(batch)
     assert len(leaves) == 7
     assert pytree.tree_unflatten(leaves, spec).slot_mapping.tolist() == [16, 17, 18]
+
+
+@given(st.data())
+def test_make_batch_matches_a_per_token_reference(data):
+    """make_batch's vectorized packing equals a token-by-token construction: each token's
+    position, its cache slot through the block table (slot_of), the offsets, context lengths,
+    padded block tables and the rows that get logits."""
+    block_size = data.draw(st.sampled_from([1, 4, 16]))
+    every_row = data.draw(st.booleans())
+    chunks, next_block = [], 0
+    for _ in range(data.draw(st.integers(1, 5))):
+        num_cached, n = data.draw(st.integers(0, 40)), data.draw(st.integers(1, 30))
+        blocks = -(-(num_cached + n) // block_size) + data.draw(st.integers(0, 2))
+        table = data.draw(st.permutations(range(next_block, next_block + blocks)))
+        next_block += blocks
+        ids = data.draw(st.lists(st.integers(0, 10**6), min_size=n, max_size=n))
+        chunks.append(SeqChunk(ids, num_cached, table, want_logits=data.draw(st.booleans())))
+    max_blocks = data.draw(st.none() | st.integers(0, 12))
+    batch = make_batch(chunks, block_size=block_size, max_blocks=max_blocks, every_row=every_row)
+
+    ids, positions, slots, cu, ctx, rows = [], [], [], [0], [], []
+    width = max(max_blocks or 0, *(len(c.block_table) for c in chunks))
+    for c in chunks:
+        for j, tok in enumerate(c.token_ids):
+            pos = c.num_cached + j
+            ids.append(tok)
+            positions.append(pos)
+            slots.append(slot_of(c.block_table, pos, block_size))
+            if every_row:
+                rows.append(len(ids) - 1)
+        cu.append(len(ids))
+        ctx.append(c.num_cached + len(c.token_ids))
+        if c.want_logits and not every_row:
+            rows.append(len(ids) - 1)
+    tables = [list(c.block_table) + [-1] * (width - len(c.block_table)) for c in chunks]
+    assert batch.input_ids.tolist() == ids and batch.positions.tolist() == positions
+    assert batch.slot_mapping.tolist() == slots and batch.cu_seqlens_q.tolist() == cu
+    assert batch.context_lens.tolist() == ctx and batch.block_tables.tolist() == tables
+    assert batch.logits_indices.tolist() == rows
+    assert [batch.input_ids.dtype, batch.slot_mapping.dtype, batch.cu_seqlens_q.dtype,
+            batch.block_tables.dtype] == [torch.int64, torch.int64, torch.int32, torch.int32]
+
+
+def test_make_batch_rejects_bad_chunks():
+    with pytest.raises(ValueError, match="at least one sequence"):
+        make_batch([], block_size=4)
+    with pytest.raises(ValueError, match="sequence 1 brings no new tokens"):
+        make_batch([SeqChunk([1], 0, [0]), SeqChunk([], 0, [1])], block_size=4)
+    with pytest.raises(ValueError, match="needs 5 slots but its block table holds 4"):
+        make_batch([SeqChunk([1, 2], 3, [0])], block_size=4)
 
 
 def test_shard_spec_ranges():
