@@ -115,27 +115,23 @@ def skinny_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devi
     split, num_warps, num_stages, any of which `override` may fix (benchmarks sweep them).
 
     - block_n: the largest of 64/32/16 that still gives WAVES programs per SM from N alone.
-      Where none does and K must be split (o_proj, down), 64 with 64-wide chunks: as many
-      programs and bytes a tile as 16 x 256, but x (gate and up with glu) is reread from L2 for
-      a quarter of the weight bytes. On the H200 at 1-16 rows, alone in a CUDA graph
-      (benchmarks/sweep_decode_gemm.py): down 4.9-5.1 us against 8.8-10.8 at 16 x 256 and
-      7.8-8.0 at 32 x 128, o_proj 3.6 against 4.3-4.4 and 3.8; single stream in the engine
-      877/866 against 789/787 tok/s at 16 x 256 (BENCHMARKS.md, session 6).
-      Small tiles cost only rereads of x ([M, BLOCK_K] a chunk, from L2; at M = 16 and
-      block_n = 16 as many bytes as the weight tile), far cheaper than split-K's round trip.
-    - block_k: 8-16 KB weight tiles (128 16-bit elements a row, 256 when block_n = 16; half as
-      many in fp32): >= 256 bytes per weight row per load keeps the reads coalesced, and 3 tiles
-      in flight per program (num_stages = 4; 48-80 KB of shared memory a program, so 2-4
-      resident per SM) keep ~50-100 KB in flight per SM, above HBM bandwidth x latency per SM
-      (~4.8 TB/s x ~1 us / 132 SMs = ~36 KB).
-    - split: when even block_n = 16 leaves fewer than WAVES programs per SM (N = 1024: 64 tiles
-      on 132 SMs), K is cut into round(WAVES * SMs / tiles) ranges of whole BLOCK_K chunks.
-      Round, not ceil: N = 4096 (256 tiles, 1.94 per SM) then runs unsplit; a guess that the
-      partials' round trip and second launch cost more than 3% fewer programs (unmeasured).
-    - glu: k is the weight's K (x has 2k columns); the choices stay as they are. The rereads of
-      x double (block_n = 16 at M = 16: twice the weight tile's bytes a chunk, from L2) and the
-      silu adds M_PAD * BLOCK_K exps a tile; a guess that both hide under the weight stream
-      (unmeasured: a larger block_n with more splits would cut the rereads if not).
+      Every program rereads x from L2 for each weight tile ([M_PAD, BLOCK_K]; gate and up with
+      glu), which is cheap against a split-K round trip while N gives enough programs.
+    - split: where even block_n = 16 leaves fewer than WAVES programs per SM (o_proj and down:
+      N = 1024), K is cut into round(WAVES * SMs / tiles) ranges of whole BLOCK_K chunks, and
+      the tiles become 64 x 64: as many bytes a tile and programs as 16 x 256, but x is reread
+      for a quarter of the weight bytes. On the H200 at 1-16 rows, alone in a CUDA graph
+      (benchmarks/sweep_decode_gemm.py): down (glu) 4.9-5.1 us against 8.8-10.8 at 16 x 256
+      and 7.8-8.0 at 32 x 128, o_proj 3.6 against 4.3-4.4 and 3.8; single stream in the engine
+      877/866 against 789/787 tok/s at 16 x 256 (BENCHMARKS.md, session 6). Round, not ceil:
+      N = 4096 (256 tiles at 16, 1.94 per SM) runs unsplit; a guess that the partials' round
+      trip and second launch cost more than 3% fewer programs (unmeasured).
+    - block_k: 8-16 KB weight tiles (128 16-bit elements a row, 256 when block_n = 16, 64 when
+      split; half as many in fp32): >= 128 bytes per weight row per load keeps the reads
+      coalesced, and 3 tiles in flight per program (num_stages = 4) keep ~50-100 KB in flight
+      per SM at 2-4 programs an SM, above HBM bandwidth x latency per SM (~4.8 TB/s x ~1 us /
+      132 SMs = ~36 KB).
+    - glu: k is the weight's K (x has 2k columns); the silu adds M_PAD * BLOCK_K exps a tile.
     - num_warps 4 (one warpgroup: block_n = 64 maps onto one wgmma of M = 64), num_stages 4 for
       16-bit, 3 for fp32 (twice the bytes a stage).
     """
