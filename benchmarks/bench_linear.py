@@ -73,6 +73,14 @@ def graph_us(fn, calls: int = CALLS, replays: int = REPLAYS) -> float:
     return statistics.median(times) * 1e3 / calls
 
 
+def weight_copies(n: int, k: int, l2: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """Copies of a random [n, k] weight (at most CALLS) that together exceed twice the L2, so
+    that calls rotating over them read from HBM, as a model's forward does."""
+    copies = max(1, min(CALLS, math.ceil(2 * l2 / (n * k * DT.itemsize))))
+    return [torch.randn(n, k, device=gen.device, dtype=DT, generator=gen) * k**-0.5
+            for _ in range(copies)]
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
@@ -114,8 +122,8 @@ def main() -> int:
     log("-" * len(hdr))
     for model, tp, layer, n, k in shapes(models, tps):
         nbytes = n * k * DT.itemsize
-        copies = max(1, min(CALLS, math.ceil(2 * l2 / nbytes)))
-        ws = [torch.randn(n, k, device=dev, dtype=DT, generator=gen) * k**-0.5 for _ in range(copies)]
+        ws = weight_copies(n, k, l2, gen)
+        copies = len(ws)
         for m in rows:
             x = torch.randn(m, k, device=dev, dtype=DT, generator=gen)
             ref = x.float() @ ws[0].float().T

@@ -14,13 +14,12 @@ this says which configs are worth one.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.bench_linear import graph_us
+from benchmarks.bench_linear import DT, graph_us, weight_copies
 from minivllm.kernels.skinny_gemm import skinny_config, skinny_linear
 
 LAYERS = {  # N, K, glu, engine form returns partials
@@ -40,15 +39,14 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("sweep_decode_gemm.py needs a CUDA GPU (it times CUDA graphs)", file=sys.stderr)
         return 2
-    dev, dt = torch.device("cuda"), torch.bfloat16
+    dev, dt = torch.device("cuda"), DT
     l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 50 * 2**20)
     gen = torch.Generator(device=dev).manual_seed(0)
     for m in (int(r) for r in args.rows.split(",")):
         for name in args.layers.split(","):
             n, k, glu, partials = LAYERS[name]
-            copies = max(1, min(20, math.ceil(2 * l2 / (n * k * dt.itemsize))))
-            ws = [torch.randn(n, k, device=dev, dtype=dt, generator=gen) * k**-0.5
-                  for _ in range(copies)]
+            ws = weight_copies(n, k, l2, gen)
+            copies = len(ws)
             x = torch.randn(m, 2 * k if glu else k, device=dev, dtype=dt, generator=gen)
             cells = []
             if not partials:

@@ -109,6 +109,11 @@ def _sum_splits_kernel(ws_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.const
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _splits_wanted(want: int, tiles: int) -> int:
+    """K ranges that bring `tiles` output tiles to `want` programs, rounded (see skinny_config)."""
+    return (want + tiles // 2) // tiles
+
+
 def skinny_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
                   **override) -> dict:
     """Tiles, split and launch settings for x: [m, k] @ weight[n, k].T; keys block_n, block_k,
@@ -142,15 +147,15 @@ def skinny_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devi
     split_k = False  # K will be split (below): 64 x 64 tiles rather than 16 x 256
     if not block_n:
         block_n = next((b for b in BLOCK_NS if triton.cdiv(n, b) >= want), None)
-    if not block_n:
-        split_k = (want + triton.cdiv(n, 16) // 2) // triton.cdiv(n, 16) > 1
-        block_n = 64 if split_k else 16
+        if block_n is None:
+            split_k = _splits_wanted(want, triton.cdiv(n, BLOCK_NS[-1])) > 1
+            block_n = 64 if split_k else BLOCK_NS[-1]
     elsize = dtype.itemsize
     bk = (64 if split_k else 256 if block_n == 16 else 128) * 2 // elsize
     block_k = override.get("block_k") or min(bk, max(16, next_pow2(k)))
     tiles = triton.cdiv(n, block_n)
     chunks = triton.cdiv(k, block_k)
-    split = override.get("split") or max(1, min(chunks, (want + tiles // 2) // tiles))
+    split = override.get("split") or max(1, min(chunks, _splits_wanted(want, tiles)))
     # Whole chunks per split, and no empty split: recount after rounding the range up.
     split = triton.cdiv(chunks, triton.cdiv(chunks, split))
     on_gpu = device.type == "cuda" and not interpreting()
