@@ -4,6 +4,9 @@
 #   bash benchmarks/gpu_checks.sh speed  # nvidia-h200: issue 5's figures and the GPU test suite
 #   bash benchmarks/gpu_checks.sh tp     # nvidia-h200-x2: issue 6, TP=2 against TP=1, 0.6B shape
 #   bash benchmarks/gpu_checks.sh tp8b   # nvidia-h200-x2: the 8B shape at TP=2 and TP=1
+#   OLD=dbg/old bash benchmarks/gpu_checks.sh ab  # nvidia-h200: this tree against OLD (another
+#       commit, unpacked there: git archive REV | tar -x -C dbg/old), alternating in one call
+#   bash benchmarks/gpu_checks.sh probes # nvidia-h200: the kernel sweeps and the head probe
 # Modes of earlier calls are in the commits BENCHMARKS.md names (session 4's recheck, verify,
 # final and last: in 04e96c7; session 5's s5: bb7f952, s5b: a95279f; session 6's fused: 0cb7b0a).
 # Every step's output streams into $OUT/logs.txt (the suite's into $OUT/tests.txt) and its JSON
@@ -90,8 +93,32 @@ tp8b)
   CUDA_VISIBLE_DEVICES=0 step bench_8b_tp1 150 python3 -m minivllm bench --shape qwen3-8b \
     --json "$RESULTS/bench_8b_tp1.json"
   ;;
+ab)
+  # nvidia-h200 (<= 450 s): single stream new, old, new, then throughput new, old (session 7's
+  # final A/B). The first engine start of a call compiles everything (~100 s).
+  if [ ! -d "${OLD:-}/minivllm" ]; then
+    echo "ab: set OLD to an unpacked tree to compare against (OLD=dbg/old)" >&2
+    exit 2
+  fi
+  OLD=$(cd "$OLD" && pwd) NEW=$PWD i=0
+  for run in latency:new latency:old latency:new throughput:new throughput:old; do
+    kind=${run%:*} side=${run#*:} i=$((i + 1))
+    flag=; [ "$kind" = latency ] && flag=--latency
+    tree=$NEW; [ "$side" = old ] && tree=$OLD
+    # PYTHONPATH's "." is the tree the run starts in: each side imports its own minivllm
+    (cd "$tree" && step "${i}_${kind}_$side" 170 python3 -m minivllm \
+      bench --shape qwen3-0.6b $flag --json "$RESULTS/${i}_${kind}_$side.json")
+  done
+  ;;
+probes)
+  # nvidia-h200 (<= 300 s): what the first LM-head GEMM at a new row count costs the host; the
+  # decode attention kernel at 256 sequences; the skinny GEMM's configs beside cuBLAS.
+  step head_first_call 60 python3 benchmarks/head_first_call.py --json "$RESULTS/head_first_call.json"
+  step sweep_attention 150 python3 benchmarks/sweep_decode_attention.py
+  step sweep_gemm 90 python3 benchmarks/sweep_decode_gemm.py
+  ;;
 *)
-  echo "usage: $0 speed|tp|tp8b" >&2
+  echo "usage: $0 speed|tp|tp8b|ab|probes" >&2
   exit 2
   ;;
 esac

@@ -184,11 +184,16 @@ def sass_report() -> int:
                 f"ldg16={n(r'LDG[.A-Z]*U16')} wgmma={n('HGMMA')} mma={n('HMMA')}")
 
     for dt, prec in (("bf16", "tf32"), ("fp32", "ieee")):
-        d_types = ["*" + dt] * 5 + ["*i32", "*i32", "*" + dt, "*fp32", "*fp32", "fp32"] + ["i32"] * 10
+        # q, k, v, the caches; block tables, context lens, slots; q/k norm weights, cos, sin, eps;
+        # out, the split partials, scale; num_splits and the 10 strides
+        d_types = (["*" + dt] * 5 + ["*i32", "*i32", "*i64"] + ["*" + dt] * 4 + ["fp32", "*" + dt]
+                   + ["*fp32", "*fp32", "fp32"] + ["i32"] * 11)
         for page in (16, 256):
             for bn, nw, ns in ((64, 4, 3), (128, 4, 3), (32, 4, 2), (64, 8, 3), (64, 4, 4), (32, 4, 4)):
+                # the engine's form: q/k norm + RoPE and the K/V store fused, one sequence per grid row
                 consts = dict(KV_HEADS=8, GROUP=2, HEAD_DIM=128, BLOCK_G=16, BLOCK_D=128, PAGE=page,
-                              BLOCK_N=bn, SPLIT=False, PRECISION=prec)
+                              BLOCK_N=bn, SPLIT=False, STORE=True, NORM_ROPE=True, PRECISION=prec,
+                              HEADS_FASTEST=True)
                 print(f"decode  {dt} page={page:3d} n={bn:3d} warps={nw} stages={ns}: "
                       f"{build(_decode_kernel, d_types, consts, nw, ns)}", flush=True)
         p_types = ["*" + dt] * 5 + ["*i32"] * 3 + ["*" + dt, "fp32", "i32"] + ["i32"] * 9

@@ -81,6 +81,12 @@ def main():
     if prefill:
         print(f"steps with prompt tokens: {prefill['steps']}, {prefill['seconds']:.3f} s, "
               f"{prefill['prompt_tokens']} tokens, {prefill['tok_per_s']:,.0f} tok/s")
+    for i, r in enumerate(records):  # the prefill phase, step by step
+        if r["waiting"] == 0 and r.get("prompt_tokens", 0) == 0:
+            break
+        print(f"  step {i:3}: {1e3 * r['s']:6.1f} ms, {r.get('prompt_tokens', '?'):>5} prompt "
+              f"tokens, {r['running']:3} running, {r['waiting']:3} waiting, cudaMalloc calls "
+              f"{r.get('device_allocs')}")
 
 
 if __name__ == "__main__":

@@ -87,11 +87,13 @@ def test_paged_decode_matches_reference(device, case, num_splits):
     check(out, ref, case["dtype"])
 
 
-@given(case=decode_cases(), num_splits=st.sampled_from([None, 1, 3]), skip=st.booleans())
-def test_paged_decode_writes_the_new_kv_where_store_kvcache_would(device, case, num_splits, skip):
+@given(case=decode_cases(), num_splits=st.sampled_from([None, 1, 3]), skip=st.booleans(),
+       heads_fastest=st.booleans())
+def test_paged_decode_writes_the_new_kv_where_store_kvcache_would(device, case, num_splits, skip,
+                                                                 heads_fastest):
     """slot_mapping given: the decode kernel also stores the new K/V (a store kernel fewer per
     layer), bit-exactly as store_kvcache does, nothing else in the cache changes (poisoned slots
-    stay NaN), -1 rows write nothing, and the output is unchanged."""
+    stay NaN), -1 rows write nothing, and the output is unchanged; in either grid order."""
     p = make_problem(**case, device=device)
     slots = p.batch.slot_mapping.clone()
     if skip:
@@ -101,7 +103,8 @@ def test_paged_decode_writes_the_new_kv_where_store_kvcache_would(device, case, 
     ref = reference_attention(p.q, p.k, p.v, *p.clean_cache(), p.batch, p.scale)
     out = paged_decode_attention(p.q, p.k, p.v, p.k_cache, p.v_cache, p.batch.block_tables,
                                  p.batch.context_lens, p.scale, out=nan_like(p.q),
-                                 num_splits=num_splits, slot_mapping=slots)
+                                 num_splits=num_splits, slot_mapping=slots,
+                                 config=dict(heads_fastest=heads_fastest))
     check(out, ref, case["dtype"])
     torch.testing.assert_close(p.k_cache, k_want, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(p.v_cache, v_want, rtol=0, atol=0, equal_nan=True)

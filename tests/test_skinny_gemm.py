@@ -211,3 +211,19 @@ def test_decoder_wiring_equals_cublas_path(device, monkeypatch):
     assert len(calls) == 2 * config.num_layers  # the row-parallel o_proj and down (with the SiLU)
     assert len(inputs[0]) == 2 and all(len(shape) == 3 for shape in inputs[1:]), inputs
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_sum_partials_compiled_equals_eager():
+    """sum_partials under torch.compile (additions in split order, so that Inductor fuses them
+    into the consumer) sums the skinny GEMM's 16 fp32 partials as the eager .sum(0) does, for a
+    dynamic row count, and passes a summed [T, out] through."""
+    from minivllm.functional.linear import sum_partials
+
+    compiled = torch.compile(sum_partials, fullgraph=True, dynamic=True)
+    gen = torch.Generator().manual_seed(0)
+    for rows in (3, 5):
+        x = torch.randn(16, rows, 40, generator=gen)
+        for dtype in (torch.float32, torch.bfloat16):
+            torch.testing.assert_close(compiled(x, dtype), x.sum(0).to(dtype), rtol=1e-6, atol=1e-6)
+    y = torch.randn(4, 40, generator=gen)
+    assert torch.equal(compiled(y, torch.float32), y)

@@ -30,3 +30,32 @@ def test_warm_up_runs_its_steps_and_leaves_the_model_alone():
     warm_up_kernels(params, select_backend("cpu", "reference"), block_size=4, max_num_seqs=8,
                     cuda_only=False)
     assert all(torch.equal(a, b) for a, b in zip(before, torch.utils._pytree.tree_leaves(params)))
+
+
+def test_warm_up_runs_the_forwards_head_at_every_row_count():
+    """The head of the forward it is given (as compiled_forward binds it) runs at every number
+    of logits rows from 1 to max_num_seqs (cuBLAS's first GEMM at a new row count is slow)."""
+    import functools
+
+    import minivllm
+    from minivllm.functional import model
+    from minivllm.kernels import select_backend
+    from minivllm.runtime.warmup import head_of, warm_up_kernels
+    from minivllm.state import ModelConfig
+
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    params = minivllm.random_params(config, seed=0)
+    rows_seen = []
+
+    def head(params, x, residual, rows):
+        logits = model.head(params, x, residual, rows)
+        assert logits.shape == (len(rows), config.vocab_size)
+        rows_seen.append(len(rows))
+        return logits
+
+    forward_fn = functools.partial(minivllm.forward, head=head)
+    assert head_of(forward_fn) is head and head_of(minivllm.forward) is model.head
+    warm_up_kernels(params, select_backend("cpu", "reference"), block_size=4, max_num_seqs=8,
+                    forward_fn=forward_fn, cuda_only=False)
+    assert set(range(1, 9)) <= set(rows_seen), rows_seen

@@ -68,10 +68,9 @@ def decoder_layer(lp: LayerParams, x: torch.Tensor, residual: torch.Tensor | Non
 
     The MLP output may be down's unsummed fp32 split-K partials [split, T, hidden] (decode of a
     few rows on one GPU): the next layer's add + RMSNorm, or the final norm, sums them. Either
-    form is accepted as x. (On the H200 the compiled layer still spends a kernel on that sum at
-    its entry, where Inductor does not fuse it into the norm as it does o_proj's within the
-    layer. A kernel running the add + RMSNorm inside qkv's and gate_up's GEMMs was measured
-    slower, BENCHMARKS.md session 6.)"""
+    form is accepted as x. (Compiled, the sum fuses into that add + RMSNorm's kernel, as o_proj's
+    does into the one after it: sum_partials writes it as additions. A kernel running the add +
+    RMSNorm inside qkv's and gate_up's GEMMs was measured slower, BENCHMARKS.md session 6.)"""
     eps = config.rms_norm_eps
     qkv, residual = norm_qkv(lp, x, residual, eps)
     h = attention_block(lp, qkv, cos, sin, k_cache, v_cache, batch, config=config, shard=shard,

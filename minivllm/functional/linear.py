@@ -7,6 +7,8 @@ columns, so each rank holds a partial sum that an all-reduce completes.
 
 from __future__ import annotations
 
+import functools
+import operator
 import os
 
 import torch
@@ -79,17 +81,27 @@ def glu_row_linear(x: torch.Tensor, weight: torch.Tensor, shard: ShardSpec, *,
     skinny GEMM applies, the activation is computed as it loads x: one kernel, not two.
 
     unsummed_ok: on one rank, the skinny GEMM's fp32 split-K partials [split, T, out] may be
-    returned unsummed, for a consumer that sums them: add_rms_norm, where the compiled layer can
-    fuse the sum into its kernel (it does for o_proj's; down's reach the next layer's graph as
-    an input, and Inductor sums them in a kernel of their own)."""
+    returned unsummed, for a consumer that sums them: add_rms_norm, into whose kernel the
+    compiled layer fuses the sum (see sum_partials), down's at the next layer's entry too."""
     if _skinny(x):
         return _skinny_row_linear(x, weight, shard, glu=True, unsummed_ok=unsummed_ok)
     return row_linear(silu_and_mul(x), weight, shard)
 
 
 def sum_partials(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[split, T, out] fp32 partial products -> [T, out] in dtype; [T, out] passes through."""
-    return x.sum(0).to(dtype) if x.dim() == 3 else x
+    """[split, T, out] fp32 partial products -> [T, out] in dtype; [T, out] passes through.
+
+    Under torch.compile the sum is written as split - 1 additions in split order: Inductor
+    unrolls a reduction only below 8 elements (config.unroll_reductions_threshold), and the
+    skinny GEMM's 16 splits otherwise cost a reduction kernel of their own ahead of the add +
+    RMSNorm that consumes them; as additions they are pointwise and fuse into it. On the H200 a
+    single-stream layer is then 8 kernels, and the stream ran 900 against 855/858 tok/s
+    (BENCHMARKS.md, session 7)."""
+    if x.dim() != 3:
+        return x
+    if torch.compiler.is_compiling():
+        return functools.reduce(operator.add, x.unbind(0)).to(dtype)
+    return x.sum(0).to(dtype)
 
 
 def _skinny_row_linear(x: torch.Tensor, weight: torch.Tensor, shard: ShardSpec, *, glu: bool,

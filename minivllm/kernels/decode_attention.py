@@ -49,13 +49,17 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_pt
                    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, STORE: tl.constexpr,
-                   NORM_ROPE: tl.constexpr, PRECISION: tl.constexpr):
+                   NORM_ROPE: tl.constexpr, PRECISION: tl.constexpr, HEADS_FASTEST: tl.constexpr):
     # Under torch.compile a Python-float argument can arrive as fp64; the loop-carried softmax
     # state must stay fp32.
     scale_log2 = tl.cast(scale_log2, tl.float32)
     eps = tl.cast(eps, tl.float32)
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEADS_FASTEST:  # grid (kv_heads, B, splits): a sequence's heads run side by side
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
     split = tl.program_id(2)
     ROW: tl.constexpr = KV_HEADS * HEAD_DIM
     dt = k_cache_ptr.dtype.element_ty
@@ -187,7 +191,13 @@ def decode_config(device: torch.device, dtype: torch.dtype, head_dim: int, split
                   max_context: int = 0) -> dict:
     """Tile config. 128-token tiles halve the loop trips and won on the H200 whenever a program
     reads a whole short context; with many splits of long contexts, 64-token tiles (39 KB of
-    shared memory against 74 KB) keep five programs resident per SM instead of three."""
+    shared memory against 74 KB) keep five programs resident per SM instead of three.
+
+    The grid runs a sequence's KV heads side by side (paged_decode_attention's heads_fastest,
+    the default): they read neighbouring 256-byte pieces of the same cache rows at the same
+    time. At 256 sequences (benchmarks/sweep_decode_attention.py, BENCHMARKS.md session 7) that
+    read K/V at 4.00 against 3.91 TB/s over the throughput run's step-100 contexts, 4.22 against
+    4.18 at step ~600."""
     if interpreting() or device.type != "cuda":
         return dict(block_n=16, num_warps=1, num_stages=1)
     if dtype == torch.float32:  # fp32 dot products run on FMA units: small tiles, no spills
@@ -208,7 +218,9 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     skips a row), as store_kvcache would.
     norm_rope: (q_weight [head_dim], k_weight [head_dim], cos [B, head_dim], sin, eps), if given
     q and k are raw projections, RMS-normed per head and rotated here as
-    functional.layer.qk_norm_rope would (and k is stored so)."""
+    functional.layer.qk_norm_rope would (and k is stored so).
+    config: overrides of decode_config's block_n, num_warps, num_stages and heads_fastest (grid
+    (kv_heads, B, splits) if true, the default, else (B, kv_heads, splits))."""
     b, heads, head_dim = q.shape
     _, page, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -238,7 +250,9 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:
         q_weight = k_weight = cos = sin = q  # unused
         eps = 0.0
-    _decode_kernel[(b, kv_heads, num_splits)](
+    heads_fastest = bool(cfg.get("heads_fastest", True))
+    grid = (kv_heads, b, num_splits) if heads_fastest else (b, kv_heads, num_splits)
+    _decode_kernel[grid](
         q, k, v, k_cache, v_cache, block_tables, context_lens,
         slot_mapping if store else context_lens, q_weight, k_weight, cos, sin, eps,
         out, part_out, part_lse, scale * LOG2E, num_splits,
@@ -247,7 +261,7 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_G=max(16, next_pow2(group)),
         BLOCK_D=block_d, PAGE=page, BLOCK_N=cfg["block_n"], SPLIT=num_splits > 1,
         STORE=store, NORM_ROPE=norm_rope is not None, PRECISION=dot_precision(k_cache.dtype),
-        num_warps=cfg["num_warps"],
+        HEADS_FASTEST=heads_fastest, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     if num_splits > 1:
         _merge_splits_kernel[(b, heads)](

@@ -78,7 +78,8 @@ def timed_steps(engine, log: list):
     """Wrap engine.step to append one record per call: its seconds, running and waiting
     sequences, the prompt tokens it scheduled (prefill work: with asynchronous scheduling the
     call launches that step and returns the previous one's tokens), and what paused it besides
-    the GPU (cyclic-GC seconds, the kernels Triton compiled, dynamo frames compiled). Returns a
+    the GPU (cyclic-GC seconds, the kernels Triton compiled, dynamo frames compiled, and on CUDA
+    in steps with sequences waiting the caching allocator's cudaMalloc calls; else None). Returns a
     function that removes the GC and Triton hooks."""
     import gc
 
@@ -108,13 +109,23 @@ def timed_steps(engine, log: list):
     from torch._dynamo.utils import counters
 
     inner = engine.step
+    device = getattr(engine.runner, "device", None)
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+
+    def device_allocs() -> int:  # the caching allocator's cudaMalloc calls so far
+        return torch.cuda.memory_stats(device)["num_device_alloc"]
 
     def step(**kw):
         before = dict(pauses, frames=counters["stats"]["unique_graphs"],
                       prompt_tokens=engine.stats.prompt_tokens_computed)
+        # prefill-phase steps only: reading the allocator's counters costs ~0.1 ms
+        count_allocs = on_cuda and len(engine.scheduler.waiting) > 0
+        allocs = device_allocs() if count_allocs else 0
         t0 = time.perf_counter()
         out = inner(**kw)
         seconds = time.perf_counter() - t0
+        if count_allocs:
+            before["device_allocs"] = device_allocs() - allocs
         new_compiles = pauses["triton_compiles"] - before["triton_compiles"]
         log.append({"s": seconds, "running": len(engine.scheduler.running),
                     "waiting": len(engine.scheduler.waiting),
@@ -122,7 +133,8 @@ def timed_steps(engine, log: list):
                     "gc_s": pauses["gc_s"] - before["gc_s"],
                     "triton_compiles": new_compiles,
                     "triton_kernels": compiled[len(compiled) - new_compiles:],
-                    "frames": counters["stats"]["unique_graphs"] - before["frames"]})
+                    "frames": counters["stats"]["unique_graphs"] - before["frames"],
+                    "device_allocs": before.get("device_allocs")})
         return out
 
     engine.step = step

@@ -10,17 +10,30 @@ tail, where the batch shrinks, hit several). Running one small step of each clas
 moves those compiles there, through the forward that serving's prefill and mixed steps take
 (decode steps replay graphs captured before). The steps write only into a scratch cache of their
 own.
+
+cuBLAS pays in the same way, on the host: the first LM-head GEMM at a new number of logits rows
+took ~4.5 ms on the H200 against ~0.1 ms after, for one row count in eight (9, 17, 25, ...;
+benchmarks/head_first_call.py, BENCHMARKS.md session 7), with no memory allocated: cuBLAS
+choosing and loading a kernel for a new shape. Prefill and mixed steps, which run the head
+outside any graph, meet a new row count in most steps of the prefill phase. So the head is run
+once at every row count a step can have (1..max_num_seqs).
 """
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
+from ..functional import model
 from ..functional.model import forward
 from ..functional.sampling import SamplingRow, make_sampling_batch, sample
 from ..state.batch import SeqChunk, make_batch
 from ..state.cache import init_cache
 from ..state.params import Params
+
+log = logging.getLogger("minivllm")
 
 # Sequences per step and blocks per block table: one of each integer class (1, 16, neither).
 _CLASSES = (1, 3, 16)
@@ -41,10 +54,11 @@ def sampler_sizes(max_rows: int, vocab_size: int, device: torch.device) -> list[
 
 def warm_up_kernels(params: Params, backend, *, block_size: int, max_num_seqs: int,
                     forward_fn=forward, cuda_only: bool = True) -> None:
-    """Run the sampler at each tiling, and prefill and decode steps over every class of sequence
+    """Run the sampler at each tiling, prefill and decode steps over every class of sequence
     count and block-table width through forward_fn (the forward that serving's prefill and mixed
-    steps take: a compiled one compiles its variants here), on a scratch cache (by default on
-    CUDA only: elsewhere nothing is compiled; the tests run it on CPU)."""
+    steps take: a compiled one compiles its variants here), on a scratch cache, and forward_fn's
+    head at every row count up to max_num_seqs (by default on CUDA only: elsewhere nothing is
+    compiled or loaded lazily; the tests run it on CPU)."""
     device = params.device
     if cuda_only and device.type != "cuda":
         return
@@ -65,5 +79,25 @@ def warm_up_kernels(params: Params, backend, *, block_size: int, max_num_seqs: i
                 for chunks in (prefill, decode):
                     batch = make_batch(chunks, block_size=block_size, device=device)
                     forward_fn(params, scratch, batch, backend)
+        warm_up_head(params, head_of(forward_fn), max_num_seqs)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def head_of(forward_fn):
+    """The head that forward_fn runs: a forward with its parts bound (functools.partial, as
+    runtime.graphs.compiled_forward builds it) or the plain model.head."""
+    return getattr(forward_fn, "keywords", {}).get("head", model.head)
+
+
+def warm_up_head(params: Params, head_fn, max_rows: int) -> None:
+    """Run head_fn at every number of logits rows from 1 to max_rows (see the module's
+    docstring), over hidden states of more rows than any of them, as a prefill step's are."""
+    start = time.perf_counter()
+    hidden = params.config.hidden_size
+    x = torch.zeros(max_rows + 1, hidden, device=params.device, dtype=params.dtype)
+    with torch.no_grad():
+        for rows in range(1, max_rows + 1):
+            head_fn(params, x, x, torch.arange(rows, device=params.device))
+    log.info("minivllm: LM head warm-up at 1..%d rows took %.1f s", max_rows,
+             time.perf_counter() - start)

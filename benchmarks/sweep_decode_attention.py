@@ -1,0 +1,77 @@
+"""The decode attention kernel at the throughput run's batch, in the form the engine calls it
+(H200 tuning aid).
+
+    PYTHONPATH=. python benchmarks/sweep_decode_attention.py [--batch 256] [--contexts 200-1124,700-1624]
+
+At 256 sequences the engine's decode kernel (q/k RMSNorm and RoPE, the new K/V stored, page 16)
+is ~80% of a step's GPU time (BENCHMARKS.md, session 7), and in the step-100 trace it read K/V at
+~3.5 TB/s, where bench_attention.py's B=256 case (contexts U[512, 2048], no norm or store) reads
+at the copy rate. This times the kernel over the contexts the throughput workload has at steps
+~100 and ~600 (prompts U[100, 1024] plus the tokens decoded so far) with and without the fused
+norm/RoPE/store, at a few tile configs and both grid orders (heads_fastest: a sequence's KV heads
+launched side by side, so they read neighbouring 256-byte pieces of the same cache rows
+together). Timed as bench_attention.py times (CUDA graphs over problems that exceed the L2);
+TB/s = K/V bytes read / time. Only an engine A/B decides a default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from benchmarks.bench_attention import (DEV, DT, HEAD_DIM, HEADS, KV_HEADS, copy_bandwidth,
+                                        decode_problem, time_calls)
+from minivllm.kernels.decode_attention import decode_config, decode_splits, paged_decode_attention
+
+CONFIGS = [{}, dict(heads_fastest=True), dict(block_n=64, num_warps=4, num_stages=3),
+           dict(block_n=64, num_warps=4, num_stages=3, heads_fastest=True),
+           dict(block_n=128, num_warps=8, num_stages=3), dict(block_n=128, num_warps=4, num_stages=2),
+           dict(block_n=128, num_warps=4, num_stages=4)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--contexts", default="200-1124,700-1624")
+    ap.add_argument("--page", type=int, default=16)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("sweep_decode_attention.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    print(f"copy bandwidth {copy_bandwidth():.2f} TB/s", flush=True)
+    b, scale = args.batch, HEAD_DIM ** -0.5
+    g = torch.Generator(device=DEV).manual_seed(0)
+    weights = [torch.randn(HEAD_DIM, generator=g, device=DEV, dtype=DT) for _ in range(2)]
+    cos = torch.randn(b, HEAD_DIM, generator=g, device=DEV, dtype=DT)
+    sin = torch.randn(b, HEAD_DIM, generator=g, device=DEV, dtype=DT)
+    for spec in args.contexts.split(","):
+        lo, hi = (int(x) for x in spec.split("-"))
+        pr = decode_problem(b, lo, hi, args.page, seed=lo)
+        splits = decode_splits(b, KV_HEADS, 4096, DEV)  # the engine's block tables: max_model_len 4096
+        # every new token's K/V goes to the cache's last slot (written, never read by this call)
+        slots = torch.full((b,), pr["k_cache"].shape[0] * args.page - 1, device=DEV)
+        cells = []
+        for fused in (True, False):
+            for over in CONFIGS:
+                cfg = decode_config(DEV, DT, HEAD_DIM, splits, 4096) | over
+                extra = dict(slot_mapping=slots,
+                             norm_rope=(weights[0], weights[1], cos, sin, 1e-6)) if fused else {}
+                calls = [lambda p=p: paged_decode_attention(
+                    p["q"], p["k"], p["v"], pr["k_cache"], pr["v_cache"], p["bt"], pr["ctx"],
+                    scale, out=p["out"], num_splits=splits, config=cfg, **extra)
+                    for p in pr["problems"]]
+                us, _ = time_calls(calls)
+                tag = ("engine form " if fused else "plain ") + "n{block_n}w{num_warps}s{num_stages}".format(
+                    **cfg) + (" heads-fastest" if cfg.get("heads_fastest") else "")
+                cells.append(f"{tag}: {us:.1f} us {pr['bytes'] / us / 1e6:.2f} TB/s")
+        print(f"B={b} contexts U[{lo},{hi}] page {args.page} splits {splits} ({HEADS} heads):\n  "
+              + "\n  ".join(cells), flush=True)
+        del pr
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
