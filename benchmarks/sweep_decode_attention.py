@@ -4,13 +4,13 @@
     PYTHONPATH=. python benchmarks/sweep_decode_attention.py [--batch 256] [--contexts 200-1124,700-1624]
 
 At 256 sequences the engine's decode kernel (q/k RMSNorm and RoPE, the new K/V stored, page 16)
-is ~80% of a step's GPU time (BENCHMARKS.md, session 7), and in the step-100 trace it read K/V at
-~3.5 TB/s, where bench_attention.py's B=256 case (contexts U[512, 2048], no norm or store) reads
-at the copy rate. This times the kernel over the contexts the throughput workload has at steps
-~100 and ~600 (prompts U[100, 1024] plus the tokens decoded so far) with and without the fused
-norm/RoPE/store, at a few tile configs and both grid orders (heads_fastest: a sequence's KV heads
-launched side by side, so they read neighbouring 256-byte pieces of the same cache rows
-together). Timed as bench_attention.py times (CUDA graphs over problems that exceed the L2);
+is ~80% of a step's GPU time (BENCHMARKS.md, session 7). bench_attention.py's B=256 case
+(contexts U[512, 2048], no norm or store) reads K/V at the copy rate; the engine's contexts are
+shorter at first, and its kernel does more. This times the kernel over the contexts the
+throughput workload has at steps ~100 and ~600 (prompts U[100, 1024] plus the tokens decoded so
+far) with and without the fused norm/RoPE/store, at a few tile configs and both grid orders
+(heads_fastest: a sequence's KV heads launched side by side, so they read neighbouring 256-byte
+pieces of the same cache rows together). Timed as bench_attention.py times (CUDA graphs over problems that exceed the L2);
 TB/s = K/V bytes read / time. Only an engine A/B decides a default.
 """
 

@@ -197,7 +197,7 @@ def decode_config(device: torch.device, dtype: torch.dtype, head_dim: int, split
     the default): they read neighbouring 256-byte pieces of the same cache rows at the same
     time. At 256 sequences (benchmarks/sweep_decode_attention.py, BENCHMARKS.md session 7) that
     read K/V at 4.00 against 3.91 TB/s over the throughput run's step-100 contexts, 4.22 against
-    4.18 at step ~600."""
+    4.18 at step ~600; in the engine it was measured only with that session's other changes."""
     if interpreting() or device.type != "cuda":
         return dict(block_n=16, num_warps=1, num_stages=1)
     if dtype == torch.float32:  # fp32 dot products run on FMA units: small tiles, no spills
