@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks.trace_summary import load_kernels, summarize
+from benchmarks.trace_summary import load_kernels, steps_in, summarize
 
 
 def test_groups_per_step_and_short_gaps(tmp_path):
@@ -34,3 +34,12 @@ def test_a_trace_without_kernels_is_a_clear_error(tmp_path):
     path.write_text(json.dumps({"traceEvents": [{"cat": "cpu_op", "name": "x", "ts": 0, "dur": 1}]}))
     with pytest.raises(ValueError, match="no GPU kernels"):
         summarize(load_kernels(str(path)), steps=1)
+
+
+def test_steps_are_counted_by_the_samplers_once_a_step_kernel():
+    """By the Gumbel pass's second kernel, or by torch's arg-max for all-greedy batches."""
+    greedy = "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps"
+    for marker in ("_final_argmax_kernel", greedy):
+        kernels = [{"name": n} for n in ["_decode_kernel", marker] * 9 + ["_decode_kernel"]]
+        assert steps_in(kernels) == 9
+    assert steps_in([{"name": "_decode_kernel"}, {"name": "at::native::reduce_kernel<Sum>"}]) is None
