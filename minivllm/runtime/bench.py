@@ -120,12 +120,12 @@ def timed_steps(engine, log: list):
                       prompt_tokens=engine.stats.prompt_tokens_computed)
         # prefill-phase steps only: reading the allocator's counters costs ~0.1 ms
         count_allocs = on_cuda and len(engine.scheduler.waiting) > 0
-        allocs = device_allocs() if count_allocs else 0
+        allocs = device_allocs() if count_allocs else None
         t0 = time.perf_counter()
         out = inner(**kw)
         seconds = time.perf_counter() - t0
-        if count_allocs:
-            before["device_allocs"] = device_allocs() - allocs
+        if allocs is not None:
+            allocs = device_allocs() - allocs
         new_compiles = pauses["triton_compiles"] - before["triton_compiles"]
         log.append({"s": seconds, "running": len(engine.scheduler.running),
                     "waiting": len(engine.scheduler.waiting),
@@ -134,7 +134,7 @@ def timed_steps(engine, log: list):
                     "triton_compiles": new_compiles,
                     "triton_kernels": compiled[len(compiled) - new_compiles:],
                     "frames": counters["stats"]["unique_graphs"] - before["frames"],
-                    "device_allocs": before.get("device_allocs")})
+                    "device_allocs": allocs})
         return out
 
     engine.step = step
