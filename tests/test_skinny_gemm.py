@@ -131,10 +131,23 @@ def test_config_override(device):
         check(skinny_linear(x, w, config=cfg), x, w)
 
 
-def test_too_many_rows(device):
-    x = torch.zeros(MAX_SKINNY_ROWS + 1, 32, device=device)
+def test_no_rows(device):
     with pytest.raises(ValueError):
-        skinny_linear(x, torch.zeros(16, 32, device=device))
+        skinny_linear(torch.zeros(0, 32, device=device), torch.zeros(16, 32, device=device))
+
+
+@pytest.mark.parametrize("glu", [False, True])
+@pytest.mark.parametrize("m,m_pad", [(17, None), (40, 16), (70, 32), (130, None)])
+def test_more_rows_in_m_tiles(device, m, m_pad, glu):
+    """Past MAX_SKINNY_ROWS the kernel tiles M (m_pad rows a program, ragged last tile), plain
+    and with the SiLU folded in, split-K (24, 600) and not (100, 70), partials included."""
+    assert m > MAX_SKINNY_ROWS
+    for n, k in ((24, 600), (100, 70)):
+        x = rand(m, 2 * k if glu else k, dtype=torch.float32, device=device, seed=m + n)
+        w = rand(n, k, dtype=torch.float32, device=device, seed=k)
+        cfg = dict(m_pad=m_pad) if m_pad else None
+        check(skinny_linear(x, w, glu=glu, config=cfg), x, w, glu=glu)
+        check(skinny_linear(x, w, glu=glu, partials=True, config=cfg).sum(0), x, w, glu=glu)
 
 
 TRACE_BODY = """

@@ -1,4 +1,6 @@
 """Skinny GEMM for decode: out = x @ weight.T for a few rows (M <= 16), weight streamed once.
+Any M runs, in tiles of up to MAX_M_PAD rows (what the engine does beyond 16 rows is cuBLAS's
+until a sweep and an engine A/B say otherwise: benchmarks/sweep_decode_gemm.py --rows 64,256).
 
   x: [M, K] (any row stride), weight: [N, K] row-major (nn.Linear layout), out: [M, N] (x.dtype)
   glu=True: x: [M, 2K] (gate, then up), out = (silu(gate) * up) @ weight.T, the MLP's down
@@ -31,8 +33,9 @@ import triton.language as tl
 
 from .launch import dot_precision, interpreting, next_pow2, num_sms
 
-MAX_SKINNY_ROWS = 16
-M_PAD = 16  # tl.dot needs every dimension >= 16: rows of x past M are masked to zero
+MAX_SKINNY_ROWS = 16  # the engine's dispatch (functional/linear.py); the kernel takes any M
+M_PAD = 16  # rows of x per program up to 16 rows; tl.dot needs every dimension >= 16
+MAX_M_PAD = 128  # rows per program beyond 16 rows: more M tiles above that
 WAVES = 2  # programs per SM wanted: one wave leaves SMs idle at the tail and few bytes in flight
 BLOCK_NS = (64, 32, 16)  # largest first; 16 is tl.dot's minimum
 SUM_BLOCK = 512
@@ -44,8 +47,9 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split,
                    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    EVEN_K: tl.constexpr, SPLIT: tl.constexpr, GLU: tl.constexpr,
                    PRECISION: tl.constexpr):
-    # Program (pid_n, pid_k): output columns [pid_n * BLOCK_N, +BLOCK_N) over K range
-    # [pid_k * k_per_split, +k_per_split). With SPLIT, out_ptr is the fp32 workspace [SPLIT, M, N].
+    # Program (pid_n, pid_k, pid_m): output columns [pid_n * BLOCK_N, +BLOCK_N) of rows
+    # [pid_m * M_PAD, +M_PAD) over K range [pid_k * k_per_split, +k_per_split). Rows past M are
+    # masked to zero. With SPLIT, out_ptr is the fp32 workspace [SPLIT, M, N].
     # With GLU, x is [M, 2K]: x_ptrs walk the gate half, and the up half is K columns further on.
     #
     # Why tl.dot and not broadcast-multiply + tl.sum: the product is computed transposed,
@@ -59,7 +63,7 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split,
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, M_PAD)
+    offs_m = tl.program_id(2) * M_PAD + tl.arange(0, M_PAD)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     # Weight rows past N are clamped onto row N-1 (read, never stored) rather than masked, so
@@ -117,7 +121,10 @@ def _splits_wanted(want: int, tiles: int) -> int:
 def skinny_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
                   **override) -> dict:
     """Tiles, split and launch settings for x: [m, k] @ weight[n, k].T; keys block_n, block_k,
-    split, num_warps, num_stages, any of which `override` may fix (benchmarks sweep them).
+    split, m_pad, num_warps, num_stages, any of which `override` may fix (benchmarks sweep them).
+
+    - m_pad: rows per program, 16 up to 16 rows, else the next power of two up to MAX_M_PAD;
+      the programs wanted below count the M tiles too.
 
     - block_n: the largest of 64/32/16 that still gives WAVES programs per SM from N alone.
       Every program rereads x from L2 for each weight tile ([M_PAD, BLOCK_K]; gate and up with
@@ -140,33 +147,36 @@ def skinny_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devi
     - num_warps 4 (one warpgroup: block_n = 64 maps onto one wgmma of M = 64), num_stages 4 for
       16-bit, 3 for fp32 (twice the bytes a stage).
     """
-    if m > MAX_SKINNY_ROWS:
-        raise ValueError(f"skinny_linear takes at most {MAX_SKINNY_ROWS} rows, got {m}")
+    if m < 1:
+        raise ValueError(f"skinny_linear takes at least one row, got {m}")
+    m_pad = override.get("m_pad") or (M_PAD if m <= M_PAD else min(MAX_M_PAD, next_pow2(m)))
+    m_tiles = triton.cdiv(m, m_pad)
     want = WAVES * num_sms(device)
     block_n = override.get("block_n")
     split_k = False  # K will be split (below): 64 x 64 tiles rather than 16 x 256
     if not block_n:
-        block_n = next((b for b in BLOCK_NS if triton.cdiv(n, b) >= want), None)
+        block_n = next((b for b in BLOCK_NS if triton.cdiv(n, b) * m_tiles >= want), None)
         if block_n is None:
-            split_k = _splits_wanted(want, triton.cdiv(n, BLOCK_NS[-1])) > 1
+            split_k = _splits_wanted(want, triton.cdiv(n, BLOCK_NS[-1]) * m_tiles) > 1
             block_n = 64 if split_k else BLOCK_NS[-1]
     elsize = dtype.itemsize
     bk = (64 if split_k else 256 if block_n == 16 else 128) * 2 // elsize
     block_k = override.get("block_k") or min(bk, max(16, next_pow2(k)))
-    tiles = triton.cdiv(n, block_n)
+    tiles = triton.cdiv(n, block_n) * m_tiles
     chunks = triton.cdiv(k, block_k)
     split = override.get("split") or max(1, min(chunks, _splits_wanted(want, tiles)))
     # Whole chunks per split, and no empty split: recount after rounding the range up.
     split = triton.cdiv(chunks, triton.cdiv(chunks, split))
     on_gpu = device.type == "cuda" and not interpreting()
-    return dict(block_n=block_n, block_k=block_k, split=split,
+    return dict(block_n=block_n, block_k=block_k, split=split, m_pad=m_pad,
                 num_warps=override.get("num_warps") or 4,
                 num_stages=override.get("num_stages") or (4 if on_gpu and elsize == 2 else 3))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, glu: bool = False,
                   partials: bool = False, config: dict | None = None) -> torch.Tensor:
-    """x: [M, K] @ weight: [N, K].T -> [M, N] in x.dtype, fp32 accumulation, 1 <= M <= 16.
+    """x: [M, K] @ weight: [N, K].T -> [M, N] in x.dtype, fp32 accumulation, M >= 1 (the engine
+    calls it at up to MAX_SKINNY_ROWS).
 
     glu=True: x is [M, 2K] (gate, then up; any strides) and the result is
     silu_and_mul(x) @ weight.T, the activation computed per tile in fp32 and rounded once to
@@ -177,8 +187,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, glu: bool = False,
     consumes the product (o_proj's into the add + RMSNorm after it: a launch fewer)."""
     m, kx = x.shape
     n, k = weight.shape
-    if not 1 <= m <= MAX_SKINNY_ROWS:
-        raise ValueError(f"skinny_linear takes 1..{MAX_SKINNY_ROWS} rows, got {m}")
+    if m < 1:
+        raise ValueError(f"skinny_linear takes at least one row, got {m}")
     assert kx == (2 * k if glu else k) and x.dtype == weight.dtype, (
         glu, x.shape, x.dtype, weight.shape, weight.dtype)
     assert weight.stride(1) == 1, "weight rows must be contiguous (nn.Linear layout)"
@@ -189,10 +199,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, glu: bool = False,
     if to_workspace:
         ws = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     out = None if partials else torch.empty((m, n), device=x.device, dtype=x.dtype)
-    _skinny_kernel[(triton.cdiv(n, block_n), split)](
+    _skinny_kernel[(triton.cdiv(n, block_n), split, triton.cdiv(m, cfg["m_pad"]))](
         x, weight, ws if to_workspace else out, m, n, k, k_per_split,
         x.stride(0), x.stride(1), weight.stride(0), n,
-        M_PAD=M_PAD, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        M_PAD=cfg["m_pad"], BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         SPLIT=to_workspace, GLU=glu, PRECISION=dot_precision(x.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if partials:
