@@ -1,6 +1,9 @@
 """Skinny GEMM for decode: out = x @ weight.T for a few rows (M <= 16), weight streamed once.
-Any M runs, in tiles of up to MAX_M_PAD rows (what the engine does beyond 16 rows is cuBLAS's
-until a sweep and an engine A/B say otherwise: benchmarks/sweep_decode_gemm.py --rows 64,256).
+Any M runs, in tiles of up to MAX_M_PAD rows, for benchmarks/sweep_decode_gemm.py --rows 32,256;
+the engine calls it at up to MAX_SKINNY_ROWS. Past 16 rows it beat cuBLAS for o_proj (3.8-5.9
+against 6.1-6.7 us at 32-256 rows) and for down up to 64 rows, but its fp32 partials cost the norm
+after it ~1 us more to read there, and each row range the dispatch tests is another compiled
+variant of the layer: ~0.5% of the throughput run, estimated (BENCHMARKS.md, session 8).
 
   x: [M, K] (any row stride), weight: [N, K] row-major (nn.Linear layout), out: [M, N] (x.dtype)
   glu=True: x: [M, 2K] (gate, then up), out = (silu(gate) * up) @ weight.T, the MLP's down

@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import os
 import time
 import types
 
@@ -64,14 +63,12 @@ def compiled_forward(compile_backend="inductor"):
     (_own_copy): an engine's first compile is static, its second makes only the step's sizes
     dynamic."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    # MINIVLLM_COMPILE_MODE=max-autotune-no-cudagraphs lets Inductor time Triton GEMM templates
-    # against cuBLAS for each GEMM (start-up takes longer); unmeasured, for an A/B run.
-    mode = None
-    if compile_backend == "inductor":
-        mode = os.environ.get("MINIVLLM_COMPILE_MODE") or None
+    # Inductor's default mode: max-autotune (timing Triton GEMM templates against cuBLAS) did not
+    # finish its start-up within 90 s on the H200, several templates asking for more shared
+    # memory than an SM has (BENCHMARKS.md, session 8).
 
     def compiled(fn):
-        return torch.compile(_own_copy(fn), fullgraph=True, backend=compile_backend, mode=mode)
+        return torch.compile(_own_copy(fn), fullgraph=True, backend=compile_backend)
 
     return functools.partial(forward, layer=compiled(decoder_layer), stem=compiled(model.stem),
                              head=compiled(model.head))
