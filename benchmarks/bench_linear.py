@@ -73,6 +73,15 @@ def graph_us(fn, calls: int = CALLS, replays: int = REPLAYS) -> float:
     return statistics.median(times) * 1e3 / calls
 
 
+def cuda_and_l2(script: str) -> tuple[torch.device, int] | None:
+    """The CUDA device and its L2 size in bytes; None (after saying so) without a GPU."""
+    if not torch.cuda.is_available():
+        print(f"{script} needs a CUDA GPU (it times CUDA graphs)", file=sys.stderr)
+        return None
+    dev = torch.device("cuda")
+    return dev, getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 50 * 2**20)
+
+
 def weight_copies(n: int, k: int, l2: int, gen: torch.Generator) -> list[torch.Tensor]:
     """Copies of a random [n, k] weight (at most CALLS) that together exceed twice the L2, so
     that calls rotating over them read from HBM, as a model's forward does."""
@@ -104,12 +113,10 @@ def main() -> int:
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--sweep", action="store_true", help="also time forced tile configs")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_linear.py needs a CUDA GPU (it times CUDA graphs)", file=sys.stderr)
+    if (gpu := cuda_and_l2("bench_linear.py")) is None:
         return 2
-    dev = torch.device("cuda")
+    dev, l2 = gpu
     props = torch.cuda.get_device_properties(dev)
-    l2 = getattr(props, "L2_cache_size", 50 * 2**20)
     rows = [int(r) for r in args.rows.split(",")]
     models, tps = args.models.split(","), [int(t) for t in args.tp.split(",")]
     log(f"{props.name}, {props.multi_processor_count} SMs, L2 {l2 / 2**20:.0f} MB, {DT}, "

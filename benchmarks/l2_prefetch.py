@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from benchmarks.bench_linear import DT, graph_us, weight_copies
+from benchmarks.bench_linear import DT, cuda_and_l2, graph_us, weight_copies
 from minivllm.functional.activation import silu_and_mul
 from minivllm.kernels.skinny_gemm import MAX_SKINNY_ROWS, skinny_linear
 
@@ -72,12 +72,9 @@ def main() -> int:
     ap.add_argument("--layers", default=",".join(LAYERS))
     ap.add_argument("--sleep-us", type=float, default=10.0)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("l2_prefetch.py needs a CUDA GPU", file=sys.stderr)
+    if (gpu := cuda_and_l2("l2_prefetch.py")) is None:
         return 2
-    dev = torch.device("cuda")
-    props = torch.cuda.get_device_properties(dev)
-    l2 = getattr(props, "L2_cache_size", 50 * 2**20)
+    dev, l2 = gpu
     # torch.cuda._sleep spins for a number of cycles: calibrate it against the clock once
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda._sleep(1000)
@@ -88,7 +85,7 @@ def main() -> int:
         torch.cuda._sleep(cycles)
 
     gen = torch.Generator(device=dev).manual_seed(0)
-    print(f"{props.name}, L2 {l2 / 2**20:.0f} MiB, sleep {args.sleep_us} us = {cycles} cycles; "
+    print(f"{torch.cuda.get_device_name(dev)}, L2 {l2 / 2**20:.0f} MiB, sleep {args.sleep_us} us = {cycles} cycles; "
           "us per GEMM in a CUDA graph of 20 steps, median of 10 replays", flush=True)
     for m in (int(r) for r in args.rows.split(",")):
         for name in args.layers.split(","):
