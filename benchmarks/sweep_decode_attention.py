@@ -2,6 +2,8 @@
 (H200 tuning aid).
 
     PYTHONPATH=. python benchmarks/sweep_decode_attention.py [--batch 256] [--contexts 200-1124,700-1624]
+    PYTHONPATH=. python benchmarks/sweep_decode_attention.py --batch 2 --contexts 512-768 --splits 16,32,64
+        # the single stream's step (one sequence padded to 2 rows; the latency run's contexts)
 
 At 256 sequences the engine's decode kernel (q/k RMSNorm and RoPE, the new K/V stored, page 16)
 is ~80% of a step's GPU time (BENCHMARKS.md, session 7). bench_attention.py's B=256 case
@@ -28,7 +30,12 @@ from minivllm.kernels.decode_attention import decode_config, decode_splits, page
 CONFIGS = [{}, dict(heads_fastest=True), dict(block_n=64, num_warps=4, num_stages=3),
            dict(block_n=64, num_warps=4, num_stages=3, heads_fastest=True),
            dict(block_n=128, num_warps=8, num_stages=3), dict(block_n=128, num_warps=4, num_stages=2),
-           dict(block_n=128, num_warps=4, num_stages=4)]
+           dict(block_n=128, num_warps=4, num_stages=4),
+           # short tiles: at a single stream's few sequences a split's range is rounded up to
+           # whole tiles, so 128-token tiles leave most of the 16 splits of a ~600-token context
+           # empty (5 of 16 work, one 64 KB tile each)
+           dict(block_n=64, num_warps=4, num_stages=2), dict(block_n=32, num_warps=4, num_stages=2),
+           dict(block_n=32, num_warps=2, num_stages=2), dict(block_n=16, num_warps=1, num_stages=2)]
 
 
 def main() -> int:
@@ -36,6 +43,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--contexts", default="200-1124,700-1624")
     ap.add_argument("--page", type=int, default=16)
+    ap.add_argument("--splits", default="", help="split counts to time, comma-separated "
+                    "(default: the engine's, from decode_splits)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("sweep_decode_attention.py needs a CUDA GPU", file=sys.stderr)
@@ -49,28 +58,34 @@ def main() -> int:
     for spec in args.contexts.split(","):
         lo, hi = (int(x) for x in spec.split("-"))
         pr = decode_problem(b, lo, hi, args.page, seed=lo)
-        splits = decode_splits(b, KV_HEADS, 4096, DEV)  # the engine's block tables: max_model_len 4096
+        engine_splits = decode_splits(b, KV_HEADS, 4096, DEV)  # the engine's block tables: max_model_len 4096
         # every new token's K/V goes to the cache's last slot (written, never read by this call)
         slots = torch.full((b,), pr["k_cache"].shape[0] * args.page - 1, device=DEV)
-        cells = []
-        for fused in (True, False):
-            for over in CONFIGS:
-                cfg = decode_config(DEV, DT, HEAD_DIM, splits, 4096) | over
-                extra = dict(slot_mapping=slots,
-                             norm_rope=(weights[0], weights[1], cos, sin, 1e-6)) if fused else {}
-                calls = [lambda p=p: paged_decode_attention(
-                    p["q"], p["k"], p["v"], pr["k_cache"], pr["v_cache"], p["bt"], pr["ctx"],
-                    scale, out=p["out"], num_splits=splits, config=cfg, **extra)
-                    for p in pr["problems"]]
-                us, _ = time_calls(calls)
-                tag = ("engine form " if fused else "plain ") + "n{block_n}w{num_warps}s{num_stages}".format(
-                    **cfg) + (" heads-fastest" if cfg.get("heads_fastest") else "")
-                cells.append(f"{tag}: {us:.1f} us {pr['bytes'] / us / 1e6:.2f} TB/s")
-        print(f"B={b} contexts U[{lo},{hi}] page {args.page} splits {splits} ({HEADS} heads):\n  "
-              + "\n  ".join(cells), flush=True)
+        for splits in [int(x) for x in args.splits.split(",")] if args.splits else [engine_splits]:
+            sweep_one(pr, b, lo, hi, args.page, splits, slots, weights, cos, sin, scale)
         del pr
         torch.cuda.empty_cache()
     return 0
+
+
+def sweep_one(pr, b, lo, hi, page, splits, slots, weights, cos, sin, scale):
+    """Every config at one split count over one set of problems; one printed block."""
+    cells = []
+    for fused in (True, False):
+        for over in CONFIGS:
+            cfg = decode_config(DEV, DT, HEAD_DIM, splits, 4096) | over
+            extra = dict(slot_mapping=slots,
+                         norm_rope=(weights[0], weights[1], cos, sin, 1e-6)) if fused else {}
+            calls = [lambda p=p: paged_decode_attention(
+                p["q"], p["k"], p["v"], pr["k_cache"], pr["v_cache"], p["bt"], pr["ctx"],
+                scale, out=p["out"], num_splits=splits, config=cfg, **extra)
+                for p in pr["problems"]]
+            us, _ = time_calls(calls)
+            tag = ("engine form " if fused else "plain ") + "n{block_n}w{num_warps}s{num_stages}".format(
+                **cfg) + (" heads-fastest" if cfg.get("heads_fastest") else "")
+            cells.append(f"{tag}: {us:.1f} us {pr['bytes'] / us / 1e6:.2f} TB/s")
+    print(f"B={b} contexts U[{lo},{hi}] page {page} splits {splits} ({HEADS} heads):\n  "
+          + "\n  ".join(cells), flush=True)
 
 
 if __name__ == "__main__":
