@@ -22,7 +22,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from benchmarks.bench_linear import DT, graph_us, weight_copies
+from benchmarks.bench_linear import DT, cuda_and_l2, graph_us, weight_copies
 from minivllm.functional.activation import silu_and_mul
 from minivllm.kernels.skinny_gemm import MAX_SKINNY_ROWS, skinny_config, skinny_linear
 
@@ -47,11 +47,9 @@ def main() -> int:
     ap.add_argument("--rows", default="1,16")
     ap.add_argument("--layers", default=",".join(LAYERS))
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("sweep_decode_gemm.py needs a CUDA GPU (it times CUDA graphs)", file=sys.stderr)
+    if (gpu := cuda_and_l2("sweep_decode_gemm.py")) is None:
         return 2
-    dev, dt = torch.device("cuda"), DT
-    l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 50 * 2**20)
+    (dev, l2), dt = gpu, DT
     gen = torch.Generator(device=dev).manual_seed(0)
     for m in (int(r) for r in args.rows.split(",")):
         for name in args.layers.split(","):
