@@ -73,7 +73,7 @@ def sweep_one(pr, b, lo, hi, page, splits, slots, weights, cos, sin, scale):
     cells = []
     for fused in (True, False):
         for over in CONFIGS:
-            cfg = decode_config(DEV, DT, HEAD_DIM, splits, 4096) | over
+            cfg = decode_config(DEV, DT, HEAD_DIM, splits, 4096, b) | over
             extra = dict(slot_mapping=slots,
                          norm_rope=(weights[0], weights[1], cos, sin, 1e-6)) if fused else {}
             calls = [lambda p=p: paged_decode_attention(

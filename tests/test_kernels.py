@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from minivllm.functional.attention import REFERENCE, reference_attention, write_kv
 from minivllm.kernels import BACKEND_NAMES, available_backends, select_backend
-from minivllm.kernels.decode_attention import decode_splits, paged_decode_attention
+from minivllm.kernels import decode_attention
+from minivllm.kernels.decode_attention import decode_config, decode_splits, paged_decode_attention
 from minivllm.kernels.launch import triton_usable
 from minivllm.kernels.prefill_attention import varlen_prefill_attention
 from minivllm.kernels.store_kv import store_kvcache
@@ -152,6 +153,18 @@ def test_decode_splits_fill_the_gpu_from_shapes():
     assert decode_splits(1, 2, 4096, cpu) == 16  # 16 programs per "SM" at most
     assert decode_splits(4, 2, 4096, cpu, waves=4) == 2
     assert decode_splits(1, 1, 10**6, cpu, waves=1000) == 64  # capped
+
+
+def test_decode_tiles_on_the_gpu(monkeypatch):
+    """The H200's tile choices (the rule only: this machine has no GPU to run them)."""
+    monkeypatch.setattr(decode_attention, "interpreting", lambda: False)
+    gpu, bf16 = torch.device("cuda"), torch.bfloat16
+    tile = lambda *a: decode_config(gpu, bf16, 128, *a)["block_n"]  # noqa: E731
+    assert tile(1, 4096, 1) == 128                   # one split reads a whole context
+    assert tile(16, 4096, 1) == tile(16, 4096, 2) == 64  # the single stream's few sequences
+    assert tile(16, 4096, 3) == tile(16, 4096) == 128
+    assert tile(4, 8192, 256) == 64                  # many splits of long contexts
+    assert decode_config(gpu, torch.float32, 128, 16, 4096, 1)["block_n"] == 32
 
 
 # --- prefill --------------------------------------------------------------------------------------

@@ -103,3 +103,34 @@ def test_sample_with_the_kernel_equals_sample_with_the_reference(device):
     without = sample(logits, sb, kernel=False).token_ids
     assert with_kernel.tolist() == without.tolist()
     assert with_kernel[4].item() % 2 == 1
+
+
+def test_fast_log_off_the_gpu_is_a_clear_error():
+    logits = torch.zeros(1, 10)
+    one = torch.ones(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="fast_log needs a CUDA GPU"):
+        gumbel_argmax(logits, torch.ones(1), one, one, fast_log=True)
+    with pytest.raises(ValueError, match="fast_log needs a CUDA GPU"):
+        gumbel_noise(one, one, 10, fast_log=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the approximate log is a PTX instruction")
+def test_fast_log_draws_the_reference_tokens_at_qwen3_vocab():
+    """The engine's default on the GPU: where the approximate logs pick another token than the
+    reference, the reference's two best candidates must be closer than the logs' error."""
+    b, v = 64, 151936
+    logits = (torch.randn(b, v, generator=torch.Generator().manual_seed(7)) * 3).cuda()
+    temps = torch.full((b,), 0.6, device="cuda")
+    seeds = torch.arange(b, dtype=torch.int64, device="cuda") * 7919
+    steps = torch.arange(b, dtype=torch.int64, device="cuda") % 5
+    want = gumbel_argmax_reference(logits, temps, seeds, steps)
+    assert gumbel_argmax(logits, temps, seeds, steps, fast_log=False).tolist() == want.tolist()
+    got = gumbel_argmax(logits, temps, seeds, steps, fast_log=True)
+    x = logits + temps[:, None] * gumbel_from_bits(counter_bits(counter_key(seeds, steps), v))
+    top2 = x.topk(2, dim=-1).values
+    differ = got != want
+    assert int(differ.sum()) <= 1
+    assert bool((top2[differ, 0] - top2[differ, 1] < 1e-4).all())
+    _, fast_noise = gumbel_noise(seeds[:4], steps[:4], v, fast_log=True)
+    _, noise = gumbel_noise(seeds[:4], steps[:4], v, fast_log=False)
+    torch.testing.assert_close(fast_noise, noise, rtol=1e-5, atol=1e-5)

@@ -175,6 +175,7 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
 MAX_SPLITS = 64
 WAVES = 16  # programs per SM wanted before splitting stops paying (measured on the H200)
+SHORT_TILE_BATCH = 2  # up to this many sequences, split contexts take 64-token tiles (decode_config)
 
 
 def decode_splits(batch_size: int, kv_heads: int, max_context: int, device: torch.device,
@@ -188,10 +189,16 @@ def decode_splits(batch_size: int, kv_heads: int, max_context: int, device: torc
 
 
 def decode_config(device: torch.device, dtype: torch.dtype, head_dim: int, splits: int = 1,
-                  max_context: int = 0) -> dict:
+                  max_context: int = 0, batch_size: int = 0) -> dict:
     """Tile config. 128-token tiles halve the loop trips and won on the H200 whenever a program
     reads a whole short context; with many splits of long contexts, 64-token tiles (39 KB of
     shared memory against 74 KB) keep five programs resident per SM instead of three.
+
+    At one or two sequences (the single stream) a split's range is rounded up to whole tiles, so
+    128-token tiles leave 11 of the 16 splits of a ~600-token context empty; 64-token tiles
+    spread it over 10. With the merge, 9.4 against 10.1 us at one sequence and 10.5 against
+    10.7 at two (sweep_decode_attention.py --batch 1 / 2 --contexts 512-768, BENCHMARKS.md
+    session 9); larger batches were not measured with them.
 
     The grid runs a sequence's KV heads side by side (paged_decode_attention's heads_fastest,
     the default): they read neighbouring 256-byte pieces of the same cache rows at the same
@@ -202,7 +209,7 @@ def decode_config(device: torch.device, dtype: torch.dtype, head_dim: int, split
         return dict(block_n=16, num_warps=1, num_stages=1)
     if dtype == torch.float32:  # fp32 dot products run on FMA units: small tiles, no spills
         return dict(block_n=32, num_warps=4, num_stages=2)
-    if splits == 1 or max_context <= 4096:
+    if splits == 1 or (max_context <= 4096 and not 0 < batch_size <= SHORT_TILE_BATCH):
         return dict(block_n=128, num_warps=4, num_stages=3)
     return dict(block_n=64, num_warps=4, num_stages=3)
 
@@ -230,7 +237,7 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     max_context = block_tables.shape[1] * page
     if num_splits is None:
         num_splits = decode_splits(b, kv_heads, max_context, q.device)
-    cfg = decode_config(q.device, k_cache.dtype, head_dim, num_splits, max_context) | dict(config or {})
+    cfg = decode_config(q.device, k_cache.dtype, head_dim, num_splits, max_context, b) | dict(config or {})
     assert 1 <= num_splits <= MAX_SPLITS, num_splits
     if out is None:
         out = torch.empty_like(q)

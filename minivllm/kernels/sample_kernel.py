@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import next_pow2, num_sms
+from .launch import interpreting, next_pow2, num_sms
 
 BLOCK = 1024       # ids per inner step of a program
 MAX_CHUNK = 8192   # ids per program, at most
@@ -58,7 +58,19 @@ def _counter_bits(key, v):
 
 
 @triton.jit
-def _gumbel(bits):
+def _log(x, FAST_LOG: tl.constexpr):
+    """Natural log. FAST_LOG: the GPU's lg2.approx (absolute error ~1e-7 in log2, a few
+    instructions) times ln 2, where tl.log is libdevice's accurate log (~50 instructions): two
+    logs an element made the sampler compute-bound at 256 rows (BENCHMARKS.md, session 7)."""
+    if FAST_LOG:
+        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1) * 0.6931471805599453
+    else:
+        return tl.log(x)
+
+
+@triton.jit
+def _gumbel(bits, FAST_LOG: tl.constexpr = False):
     """uint32 hashes -> fp32 Gumbel noise, as functional.sampling.gumbel_from_bits: g = -log(E)
     with E = -log(1 - s) exponential, s uniform. Near E = 0 (the large g that win the arg-max)
     E ~ s keeps s's full 32-bit relative precision through the series, where 1 - s in fp32
@@ -67,14 +79,14 @@ def _gumbel(bits):
     s = tl.minimum(s, 0.99999994)  # bits near 2^32 round s up to 1.0
     series = s * (1.0 + s * (0.5 + s * (0.3333333432674408 + s * (0.25 + s * (0.20000000298023224
                                                                             + s * 0.1666666716337204)))))
-    e = tl.where(s < 0.0625, series, -tl.log(1.0 - s))
-    return -tl.log(e)
+    e = tl.where(s < 0.0625, series, -_log(1.0 - s, FAST_LOG))
+    return -_log(e, FAST_LOG)
 
 
 @triton.jit
 def _partial_argmax_kernel(logits_ptr, temp_ptr, seeds_ptr, steps_ptr, val_ptr, idx_ptr,
                            V, stride_row, num_chunks,
-                           CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                           CHUNK: tl.constexpr, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     t = tl.load(temp_ptr + row)
@@ -90,7 +102,7 @@ def _partial_argmax_kernel(logits_ptr, temp_ptr, seeds_ptr, steps_ptr, val_ptr, 
         v = off + offs
         mask = v < V
         x = tl.load(base + v, mask=mask, other=float("-inf")).to(tl.float32)
-        g = _gumbel(_counter_bits(key, v))
+        g = _gumbel(_counter_bits(key, v), FAST_LOG)
         x = tl.where(t > 0, x + t * g, x)
         better = x > best
         best = tl.where(better, x, best)
@@ -124,42 +136,62 @@ def chunk_size(rows: int, vocab: int, device: torch.device, block: int = BLOCK) 
     return max(chunk, block)
 
 
+def fast_log_default(device: torch.device) -> bool:
+    """The approximate log (an inline PTX instruction) on a CUDA GPU; the interpreter runs no PTX."""
+    return device.type == "cuda" and not interpreting()
+
+
+def _check_fast_log(fast_log: bool | None, device: torch.device) -> bool:
+    if fast_log is None:
+        return fast_log_default(device)
+    if fast_log and not fast_log_default(device):
+        raise ValueError(f"fast_log needs a CUDA GPU (it is a PTX instruction); the logits are on {device}"
+                         + (" under TRITON_INTERPRET" if interpreting() else ""))
+    return bool(fast_log)
+
+
 def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-                  steps: torch.Tensor, *, block: int = BLOCK, chunk: int | None = None) -> torch.Tensor:
+                  steps: torch.Tensor, *, block: int = BLOCK, chunk: int | None = None,
+                  fast_log: bool | None = None) -> torch.Tensor:
     """logits [B, V], temperature [B] fp32 (0: greedy), seeds / steps [B] int64 -> ids [B] int64.
-    `block` / `chunk` (a multiple of block) override the tiling, for tests."""
+    `block` / `chunk` (a multiple of block) override the tiling, for tests; `fast_log` (default:
+    on a CUDA GPU) computes the noise's logs with the GPU's approximate log2."""
     b, v = logits.shape
     assert v < 2**31, "ids are int32 inside the kernel"
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     chunk = chunk or chunk_size(b, v, logits.device, block)
+    fast_log = _check_fast_log(fast_log, logits.device)
     assert chunk % block == 0, (chunk, block)
     n = triton.cdiv(v, chunk)
     vals = torch.empty(b, n, dtype=torch.float32, device=logits.device)
     ids = torch.empty(b, n, dtype=torch.int32, device=logits.device)
     out = torch.empty(b, dtype=torch.int64, device=logits.device)
     _partial_argmax_kernel[(b, n)](logits, temperature, seeds, steps, vals, ids, v, logits.stride(0), n,
-                                   CHUNK=chunk, BLOCK=block, num_warps=NUM_WARPS)
+                                   CHUNK=chunk, BLOCK=block, FAST_LOG=fast_log, num_warps=NUM_WARPS)
     _final_argmax_kernel[(b,)](vals, ids, out, n, BLOCK_S=next_pow2(n), num_warps=1)
     return out
 
 
 @triton.jit
-def _noise_kernel(seeds_ptr, steps_ptr, bits_ptr, noise_ptr, V, BLOCK: tl.constexpr):
+def _noise_kernel(seeds_ptr, steps_ptr, bits_ptr, noise_ptr, V, BLOCK: tl.constexpr,
+                  FAST_LOG: tl.constexpr):
     row = tl.program_id(0)
     key = _counter_key(tl.load(seeds_ptr + row), tl.load(steps_ptr + row))
     for off in range(0, V, BLOCK):
         v = off + tl.arange(0, BLOCK)
         bits = _counter_bits(key, v)
         tl.store(bits_ptr + row * V + v, bits.to(tl.int64), mask=v < V)
-        tl.store(noise_ptr + row * V + v, _gumbel(bits), mask=v < V)
+        tl.store(noise_ptr + row * V + v, _gumbel(bits, FAST_LOG), mask=v < V)
 
 
-def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int,
+                 fast_log: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's hashes [B, V] int64 (in [0, 2^32)) and noise [B, V] fp32, written out: only
-    for testing them against the torch reference."""
+    for testing them against the torch reference (`fast_log` as in gumbel_argmax)."""
     b = seeds.shape[0]
     bits = torch.empty(b, vocab, dtype=torch.int64, device=seeds.device)
     noise = torch.empty(b, vocab, dtype=torch.float32, device=seeds.device)
-    _noise_kernel[(b,)](seeds, steps, bits, noise, vocab, BLOCK=256)
+    fast_log = _check_fast_log(fast_log, seeds.device)
+    _noise_kernel[(b,)](seeds, steps, bits, noise, vocab, BLOCK=256, FAST_LOG=fast_log)
     return bits, noise
