@@ -110,3 +110,19 @@ def test_bench_runs_nano_vllms_workload_and_records_each_step(tmp_path):
     # every prompt token is computed once (no prefix hits: random prompts), in some step
     assert sum(s["prompt_tokens"] for s in steps) == result["prompt_tokens"]
     assert steps[-1]["running"] == 0 and steps[-1]["waiting"] == 0
+
+
+def test_bench_latency_runs_one_stream_with_one_decode_bucket(tmp_path):
+    """`minivllm bench --latency`: single-stream tok/s and time to first token; the engine is
+    started for 2 sequences (one decode bucket), unless --max-num-seqs says otherwise."""
+    from hf_tiny import make_hf_model, save_checkpoint
+
+    model = save_checkpoint(make_hf_model(max_position_embeddings=1024), tmp_path / "model")  # 512 + 256 tokens
+    result_path = tmp_path / "r.json"
+    assert main(["bench", "--model", model, "--latency", "--dtype", "float32", "--max-model-len", "1024",
+                 "--json", str(result_path)]) == 0
+    result = json.loads(result_path.read_text())
+    assert result["workload"] == "latency" and result["max_num_seqs"] == 2
+    assert result["output_tokens"] == 256 and result["prompt_tokens"] == 512
+    assert result["output_tok_per_s"] > 0 and result["ttft_s"] > 0
+    assert result["seconds"] == pytest.approx(256 / result["output_tok_per_s"])

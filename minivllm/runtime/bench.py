@@ -184,6 +184,9 @@ def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
             "steps": steps, "ms_per_step": 1e3 * seconds / max(steps, 1)}
 
 
+LATENCY_MAX_NUM_SEQS = 2  # the smallest decode bucket: one sequence runs padded to it either way
+
+
 def run_latency(llm, *, prompt_len: int = 512, output_len: int = 256, repeats: int = 3,
                 trace: str | None = None) -> dict:
     """Time to first token of a `prompt_len` prompt and single-stream decode tok/s (each repeat
@@ -236,7 +239,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--max-input-len", type=int, default=1024)
     p.add_argument("--max-output-len", type=int, default=1024)
     p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="default 256; with --latency 2, so that start-up captures one decode "
+                        "graph (the single stream's, padded to 2 rows) instead of 19")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -265,9 +270,10 @@ def main(args) -> dict:
     if args.model and args.shape:
         raise ValueError("give --model or --shape, not both")
     model = args.model or f"random:{args.shape or 'qwen3-0.6b'}"
+    max_num_seqs = args.max_num_seqs or (LATENCY_MAX_NUM_SEQS if args.latency else 256)
     start = time.perf_counter()
     llm = LLM(model, dtype=args.dtype, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_num_seqs=max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
               attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
               tensor_parallel_size=args.tensor_parallel_size, device=args.device,
@@ -287,7 +293,7 @@ def main(args) -> dict:
             floor_s = result["floor_bytes"] / bandwidth
             result.update(copy_bandwidth_tb_s=bandwidth / 1e12, floor_seconds=floor_s,
                           floor_fraction=floor_s / result["seconds"])
-    result.update(shape=args.shape or (None if args.model else "qwen3-0.6b"), model=args.model,
+    result.update(max_num_seqs=max_num_seqs, shape=args.shape or (None if args.model else "qwen3-0.6b"), model=args.model,
                   device=_device_name(device), tensor_parallel_size=args.tensor_parallel_size,
                   backend=_backend_name(llm), dtype=str(llm.config.dtype),
                   cuda_graphs=getattr(llm.engine.runner, "graphs", None) is not None,
