@@ -58,6 +58,14 @@ def test_generate_stream_and_sampling_flags(capsys):
     assert labels <= {"[0.0]", "[0.1]", "[1.0]", "[1.1]"} and len(labels) >= 2
 
 
+def test_generate_with_an_fp8_kv_cache(capsys):
+    assert main(["generate", "--demo", "--prompt", "Hello", "--max-tokens", "4", "--ignore-eos",
+                 "--kv-cache-dtype", "fp8"]) == 0
+    assert "[4 tokens, length]" in capsys.readouterr().out
+    assert main(["generate", "--demo", "--kv-cache-dtype", "int4"]) == 2
+    assert "unknown kv_cache_dtype 'int4'" in capsys.readouterr().err
+
+
 def test_chat_reads_turns_and_streams_replies(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n\n/reset\nhow are you\n/exit\nignored\n"))
     assert main(["chat", "--demo", "--max-tokens", "6", "--temperature", "0", "--system", "be brief"]) == 0

@@ -54,13 +54,19 @@ def _make(name: str):
     raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(BACKEND_NAMES)}")
 
 
-def select_backend(device, requested=None):
+def select_backend(device, requested=None, cache_dtype: torch.dtype | None = None):
     """The backend object for `device`. `requested`: a backend object (returned as is), a name,
-    or None (then MINIVLLM_ATTENTION_BACKEND, then the best available)."""
+    or None (then MINIVLLM_ATTENTION_BACKEND, then the best available). An fp8 `cache_dtype`
+    leaves out flash_attn, which reads a cache in the model's dtype only."""
     if requested is not None and not isinstance(requested, str):
         return requested
     name = requested or os.environ.get("MINIVLLM_ATTENTION_BACKEND") or None
     available = available_backends(device)
+    if cache_dtype is not None and cache_dtype.itemsize == 1:
+        if name == "flash_attn":
+            raise ValueError("attention backend 'flash_attn' reads a KV cache in the model's dtype; "
+                             "kv_cache_dtype fp8 needs 'triton' or 'reference'")
+        available = [n for n in available if n != "flash_attn"]
     if name is None:
         name = available[0]
     elif name not in BACKEND_NAMES:

@@ -62,7 +62,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_pt
         kvh = tl.program_id(1)
     split = tl.program_id(2)
     ROW: tl.constexpr = KV_HEADS * HEAD_DIM
-    dt = k_cache_ptr.dtype.element_ty
+    dt = q_ptr.dtype.element_ty  # the compute dtype; an fp8 cache is widened to it as loaded
+    cache_dt = k_cache_ptr.dtype.element_ty
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -115,8 +116,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_pt
         slot = tl.load(slot_ptr + b)
         if (split == 0) & (slot >= 0):
             dst = slot.to(tl.int64) * ROW + kvh * HEAD_DIM + offs_d
-            tl.store(k_cache_ptr + dst, k_new.to(dt), mask=mask_d)
-            tl.store(v_cache_ptr + dst, v_new.to(dt), mask=mask_d)
+            tl.store(k_cache_ptr + dst, k_new.to(cache_dt), mask=mask_d)
+            tl.store(v_cache_ptr + dst, v_new.to(cache_dt), mask=mask_d)
 
     prefix = tl.load(ctx_ptr + b) - 1
     per_split = tl.cdiv(tl.cdiv(prefix, num_splits), BLOCK_N) * BLOCK_N
@@ -127,14 +128,14 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_pt
     for n0 in range(start, end, BLOCK_N):
         mask_n = (n0 + offs_n) < end
         rows = page_rows(bt_row, n0, offs_n, mask_n, PAGE, BLOCK_N, ROW) + head_off
-        kt = load_rows(k_cache_ptr + rows[:, None] + offs_d[None, :], mask_n, mask_d, True, D_MASKED)
+        kt = load_rows(k_cache_ptr + rows[:, None] + offs_d[None, :], mask_n, mask_d, True, D_MASKED).to(dt)
         s = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the tile holds a valid position
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        vt = load_rows(v_cache_ptr + rows[:, None] + offs_d[None, :], mask_n, mask_d, True, D_MASKED)
+        vt = load_rows(v_cache_ptr + rows[:, None] + offs_d[None, :], mask_n, mask_d, True, D_MASKED).to(dt)
         acc = acc * alpha[:, None] + tl.dot(p.to(dt), vt, input_precision=PRECISION)
         m_i = m_new
 
@@ -237,7 +238,7 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     max_context = block_tables.shape[1] * page
     if num_splits is None:
         num_splits = decode_splits(b, kv_heads, max_context, q.device)
-    cfg = decode_config(q.device, k_cache.dtype, head_dim, num_splits, max_context, b) | dict(config or {})
+    cfg = decode_config(q.device, q.dtype, head_dim, num_splits, max_context, b) | dict(config or {})
     assert 1 <= num_splits <= MAX_SPLITS, num_splits
     if out is None:
         out = torch.empty_like(q)
@@ -267,7 +268,7 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         block_tables.stride(0), cos.stride(0), out.stride(0), out.stride(1),
         KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_G=max(16, next_pow2(group)),
         BLOCK_D=block_d, PAGE=page, BLOCK_N=cfg["block_n"], SPLIT=num_splits > 1,
-        STORE=store, NORM_ROPE=norm_rope is not None, PRECISION=dot_precision(k_cache.dtype),
+        STORE=store, NORM_ROPE=norm_rope is not None, PRECISION=dot_precision(q.dtype),
         HEADS_FASTEST=heads_fastest, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     if num_splits > 1:

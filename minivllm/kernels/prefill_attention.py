@@ -64,7 +64,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, cu_pt
     kvh = head0 // GROUP
     TOK: tl.constexpr = BLOCK_M // PACK
     ROW: tl.constexpr = KV_HEADS * HEAD_DIM
-    dt = k_cache_ptr.dtype.element_ty
+    dt = q_ptr.dtype.element_ty  # the compute dtype; an fp8 cache is widened to it as loaded
 
     # The last sequence whose first tile index cu[b] // TOK + b is <= pid.
     lo = pid * 0  # int32 tensors from the start: loop-carried types must not change
@@ -106,15 +106,15 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, cu_pt
         rows = page_rows(bt_row, n0, offs_n, offs_n < BLOCK_N, PAGE, BLOCK_N, ROW) + head_off
         kt = load_rows(k_cache_ptr + rows[:, None] + offs_d[None, :], offs_n, mask_d, False, D_MASKED)
         vt = load_rows(v_cache_ptr + rows[:, None] + offs_d[None, :], offs_n, mask_d, False, D_MASKED)
-        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, q, kt, vt, mask_m[:, None], scale_log2,
-                                             False, PRECISION)
+        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, q, kt.to(dt), vt.to(dt), mask_m[:, None],
+                                             scale_log2, False, PRECISION)
     if prefix_full < prefix:
         mask_n = (prefix_full + offs_n) < prefix
         rows = page_rows(bt_row, prefix_full, offs_n, mask_n, PAGE, BLOCK_N, ROW) + head_off
         kt = load_rows(k_cache_ptr + rows[:, None] + offs_d[None, :], mask_n, mask_d, True, D_MASKED)
         vt = load_rows(v_cache_ptr + rows[:, None] + offs_d[None, :], mask_n, mask_d, True, D_MASKED)
-        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, q, kt, vt, mask_n[None, :], scale_log2,
-                                             True, PRECISION)
+        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, q, kt.to(dt), vt.to(dt), mask_n[None, :],
+                                             scale_log2, True, PRECISION)
 
     # 2. This step's tokens, causal. Key tiles that end at or before the tile's first token need
     # no mask.
@@ -179,7 +179,7 @@ def varlen_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     assert heads == group * kv_heads and k.shape == (t, kv_heads, head_dim), (q.shape, k.shape)
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.stride(1) == 1
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
-    cfg = prefill_config(q.device, k_cache.dtype, head_dim) | dict(config or {})
+    cfg = prefill_config(q.device, q.dtype, head_dim) | dict(config or {})
     pack = pack_heads(group, cfg["block_m"], cfg.get("pack", True))
     if out is None:
         out = torch.empty_like(q)
@@ -194,6 +194,6 @@ def varlen_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         block_tables.stride(0), out.stride(0), out.stride(1),
         KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), PAGE=page,
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], PACK=pack,
-        PRECISION=dot_precision(k_cache.dtype), num_warps=cfg["num_warps"],
+        PRECISION=dot_precision(q.dtype), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     return out

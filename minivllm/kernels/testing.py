@@ -30,15 +30,16 @@ class Problem:
     def clean_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The caches with poison zeroed: what the reference (which multiplies masked rows by
         zero, and 0 * NaN = NaN) reads."""
-        return self.k_cache.nan_to_num(0.0), self.v_cache.nan_to_num(0.0)
+        return tuple(c.float().nan_to_num(0.0).to(c.dtype) for c in (self.k_cache, self.v_cache))
 
 
 def make_problem(q_lens: Sequence[int], cached: Sequence[int], *, page: int, kv_heads: int,
                  group: int, head_dim: int, dtype=torch.float32, device="cpu", seed: int = 0,
                  skip: Sequence[int] = (), extra_blocks: int = 2, table_pad: int = 1,
-                 poison: bool = True) -> Problem:
+                 poison: bool = True, cache_dtype=None) -> Problem:
     """`skip`: token rows whose slot_mapping is -1 (not written). The cache holds
-    sum(ceil(ctx / page)) + extra_blocks blocks; tables get `table_pad` extra -1 columns."""
+    sum(ceil(ctx / page)) + extra_blocks blocks; tables get `table_pad` extra -1 columns.
+    cache_dtype: the cache's (default dtype; fp8 for an fp8 cache)."""
     g = torch.Generator().manual_seed(seed)
     ctx = [c + n for c, n in zip(cached, q_lens)]
     need = [-(-c // page) for c in ctx]
@@ -70,6 +71,8 @@ def make_problem(q_lens: Sequence[int], cached: Sequence[int], *, page: int, kv_
         num_blocks, page, dtype=torch.bool, device=device)
     k_cache[bad] = float("nan")
     v_cache[bad] = float("nan")
+    if cache_dtype is not None:
+        k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     return Problem(q=rand(t, heads, head_dim), k=rand(t, kv_heads, head_dim),
                    v=rand(t, kv_heads, head_dim), k_cache=k_cache, v_cache=v_cache, batch=batch,
                    poison=bad, scale=head_dim ** -0.5)

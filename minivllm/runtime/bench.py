@@ -176,7 +176,8 @@ def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
     steps = llm.stats.steps - steps0
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     floor = traffic_floor_bytes(llm.engine.model_config, [len(p) for p in prompts], max_tokens,
-                                dtype_bytes=torch.empty((), dtype=llm.config.dtype).element_size(),
+                                dtype_bytes=llm.config.dtype.itemsize,
+                                kv_dtype_bytes=llm.config.cache_dtype.itemsize,
                                 tensor_parallel_size=llm.config.tensor_parallel_size)
     return {"workload": "throughput", "num_seqs": num_seqs, "prompt_tokens": sum(map(len, prompts)),
             "output_tokens": output_tokens, "seconds": seconds,
@@ -246,6 +247,8 @@ def add_bench_args(p) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--attention-backend", default=None)
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (the model's dtype) or fp8 (float8 e4m3; the floor counts its bytes)")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--sync-scheduling", action="store_true",
                    help="read each step's tokens before scheduling the next (no overlap)")
@@ -276,6 +279,7 @@ def main(args) -> dict:
               max_num_seqs=max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
               attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+              kv_cache_dtype=args.kv_cache_dtype,
               tensor_parallel_size=args.tensor_parallel_size, device=args.device,
               async_scheduling=not args.sync_scheduling)
     device = llm.config.device
@@ -293,7 +297,7 @@ def main(args) -> dict:
             floor_s = result["floor_bytes"] / bandwidth
             result.update(copy_bandwidth_tb_s=bandwidth / 1e12, floor_seconds=floor_s,
                           floor_fraction=floor_s / result["seconds"])
-    result.update(max_num_seqs=max_num_seqs, shape=args.shape or (None if args.model else "qwen3-0.6b"), model=args.model,
+    result.update(max_num_seqs=max_num_seqs, kv_cache_dtype=str(llm.config.cache_dtype), shape=args.shape or (None if args.model else "qwen3-0.6b"), model=args.model,
                   device=_device_name(device), tensor_parallel_size=args.tensor_parallel_size,
                   backend=_backend_name(llm), dtype=str(llm.config.dtype),
                   cuda_graphs=getattr(llm.engine.runner, "graphs", None) is not None,

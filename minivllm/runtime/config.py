@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..state.config import ModelConfig, config_for_shape, parse_dtype
+from ..state.config import ModelConfig, config_for_shape, parse_dtype, parse_kv_cache_dtype
 from .distributed import check_tensor_parallel, torchrun_env
 
 
@@ -46,13 +46,18 @@ class EngineConfig:
     enable_prefix_caching: bool
     max_logprobs: int
     async_scheduling: bool = True
+    kv_cache_dtype: torch.dtype | None = None  # None: dtype
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_cache_dtype or self.dtype
 
     @classmethod
     def create(cls, model, *, dtype="auto", max_model_len=None, max_num_seqs=256,
                max_num_batched_tokens=None, block_size=16, gpu_memory_utilization=0.9,
                num_kv_blocks=None, enforce_eager=False, tensor_parallel_size=1,
                attention_backend=None, seed=0, enable_prefix_caching=True, max_logprobs=20,
-               device=None, async_scheduling=True) -> "EngineConfig":
+               device=None, async_scheduling=True, kv_cache_dtype="auto") -> "EngineConfig":
         model = os.fspath(model)
         if is_random_model(model):
             # "random:qwen3-0.6b": random weights at a real shape (benchmarks); no checkpoint.
@@ -79,6 +84,10 @@ class EngineConfig:
                               ("cuda" if torch.cuda.is_available() else "cpu"))
         # "auto" keeps the checkpoint's dtype (float32 tiny test checkpoints stay float32).
         dtype = parse_dtype(dtype, model_config.dtype)
+        kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype, dtype)
+        if kv_cache_dtype not in (dtype, torch.float8_e4m3fn):
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype} with dtype {dtype}: the cache is in "
+                             f"the model's dtype ('auto') or in fp8")
         # Heads that do not split, more ranks than GPUs, a torchrun of another size: errors now,
         # before any process starts.
         check_tensor_parallel(model_config, tensor_parallel_size, device, torchrun_env())
@@ -98,4 +107,4 @@ class EngineConfig:
                    enforce_eager=bool(enforce_eager), tensor_parallel_size=tensor_parallel_size,
                    attention_backend=attention_backend, seed=seed,
                    enable_prefix_caching=bool(enable_prefix_caching), max_logprobs=max_logprobs,
-                   async_scheduling=bool(async_scheduling))
+                   async_scheduling=bool(async_scheduling), kv_cache_dtype=kv_cache_dtype)

@@ -164,18 +164,20 @@ class ModelRunner:
         self.model_config = self.params.config
         self.vocab_size = self.model_config.vocab_size
         self.device = self.params.device
-        self.backend = select_backend(self.device, config.attention_backend)
+        self.backend = select_backend(self.device, config.attention_backend, config.cache_dtype)
         self.enforce_eager = config.enforce_eager
         self.prefill_forward = forward  # see _compile_and_capture
         with _logged_time("KV cache sizing"):
             self.num_blocks = self._num_blocks()
-        self.cache = init_cache(self.params, num_blocks=self.num_blocks, block_size=self.block_size)
+        self.cache = init_cache(self.params, num_blocks=self.num_blocks, block_size=self.block_size,
+                                dtype=config.cache_dtype)
         self.graphs = None
         self.last_tokens = None  # [rows] the last launched step's sampled ids, on the device
         try:
             self._compile_and_capture(config)
             with _logged_time("kernel warm-up"):
                 warm_up_kernels(self.params, self.backend, block_size=self.block_size,
+                                cache_dtype=config.cache_dtype,
                                 max_num_seqs=config.max_num_seqs, forward_fn=self.prefill_forward)
         except BaseException:
             self.release_graphs()  # as a failed start unwinds: see release_graphs
@@ -214,7 +216,7 @@ class ModelRunner:
         config = self.config
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
-        per_block = kv_block_bytes(self.params, self.block_size, self.params.dtype)
+        per_block = kv_block_bytes(self.params, self.block_size, self.config.cache_dtype)
         if self.device.type == "cuda":
             budget = self._cuda_kv_budget()
         else:
@@ -243,7 +245,8 @@ class ModelRunner:
         per_seq = min(config.max_model_len, tokens)
         lengths = [per_seq] * (tokens // per_seq) + ([tokens % per_seq] if tokens % per_seq else [])
         blocks = sum(ceil_div(n, self.block_size) for n in lengths)
-        scratch = init_cache(self.params, num_blocks=blocks, block_size=self.block_size)
+        scratch = init_cache(self.params, num_blocks=blocks, block_size=self.block_size,
+                             dtype=config.cache_dtype)
         chunks, next_block = [], 0
         for n in lengths:
             table = list(range(next_block, next_block + ceil_div(n, self.block_size)))

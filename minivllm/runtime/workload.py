@@ -43,14 +43,16 @@ def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int = 2, shard: ShardSp
 
 
 def traffic_floor_bytes(config: ModelConfig, prompt_lens: list[int], max_tokens: list[int],
-                        dtype_bytes: int = 2, tensor_parallel_size: int = 1) -> dict[str, float]:
+                        dtype_bytes: int = 2, tensor_parallel_size: int = 1,
+                        kv_dtype_bytes: int | None = None) -> dict[str, float]:
     """The bytes a perfect engine must move for the decode of this workload, per GPU: every
     output token reads its sequence's whole KV context once, and every decode step reads the
     weights once (at least max(max_tokens) steps, since each sequence decodes one token a step).
     At tensor_parallel_size N every GPU reads its own shard, all at once: the floor is one
-    rank's bytes (rank 0's; KV heads past their count are replicated, norms always are)."""
+    rank's bytes (rank 0's; KV heads past their count are replicated, norms always are).
+    dtype_bytes: the weights' element size; kv_dtype_bytes: the cache's (default the same)."""
     shard = ShardSpec(rank=0, world_size=tensor_parallel_size)
-    per_token = kv_bytes_per_token(config, dtype_bytes, shard)
+    per_token = kv_bytes_per_token(config, kv_dtype_bytes or dtype_bytes, shard)
     kv = 0
     for p, n in zip(prompt_lens, max_tokens):
         # the j-th output token (j = 0 .. n-1) is computed over a context of p + j tokens

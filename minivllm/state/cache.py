@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import parse_dtype
+from .config import FP8_DTYPES, parse_kv_cache_dtype
 from .params import Params
 from .pytree import pytree_class
 
@@ -55,12 +55,13 @@ def cache_shape(params: Params, num_blocks: int, block_size: int) -> tuple[int, 
 
 def init_cache(params: Params, *, num_blocks: int, block_size: int = 16, dtype=None,
                device=None) -> KVCache:
-    """An empty (zeroed) paged cache fitting `params`: `num_blocks` blocks of `block_size` tokens."""
+    """An empty (zeroed) paged cache fitting `params`: `num_blocks` blocks of `block_size` tokens.
+    dtype: the params' (None, "auto"), another float dtype, or "fp8" (see parse_kv_cache_dtype)."""
     if not isinstance(num_blocks, int) or num_blocks < 1:
         raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-    dtype = parse_dtype(dtype, params.dtype)
+    dtype = parse_kv_cache_dtype(dtype, params.dtype)
     device = params.device if device is None else torch.device(device)
     shape = cache_shape(params, num_blocks, block_size)
     layers = params.config.num_layers
@@ -81,7 +82,8 @@ def check_cache_fits(params: Params, cache: KVCache) -> None:
             if tuple(t.shape) != expected:
                 raise ValueError(f"cache.{name}[{i}] has shape {tuple(t.shape)}, expected {expected} "
                                  f"(num_blocks, block_size, num_kv_heads, head_dim)")
-            if t.dtype != params.dtype:
-                raise ValueError(f"cache.{name}[{i}] dtype {t.dtype} differs from the params' {params.dtype}")
+            if t.dtype != params.dtype and t.dtype not in FP8_DTYPES:
+                raise ValueError(f"cache.{name}[{i}] dtype {t.dtype} differs from the params' {params.dtype} "
+                                 f"(a cache is in the params' dtype or in fp8)")
             if t.device != params.device:
                 raise ValueError(f"cache.{name}[{i}] is on {t.device}, the params on {params.device}")

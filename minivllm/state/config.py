@@ -23,6 +23,26 @@ _DTYPES = {
 }
 
 
+FP8_DTYPES = (torch.float8_e4m3fn,)
+_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def parse_kv_cache_dtype(kv_cache_dtype: Any, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype: "auto" / None is the model's; "fp8" / "fp8_e4m3" (as vLLM's
+    --kv-cache-dtype) stores keys and values as float8_e4m3fn, half of bf16's bytes, as they are
+    (no scale: e4m3 holds |x| <= 448 with 3 mantissa bits; attention widens them to the model's
+    dtype as it reads them). A model dtype (name or torch dtype) is taken as it is."""
+    if isinstance(kv_cache_dtype, str) and kv_cache_dtype.lower() in _KV_CACHE_DTYPES:
+        return _KV_CACHE_DTYPES[kv_cache_dtype.lower()]
+    if kv_cache_dtype in FP8_DTYPES:
+        return kv_cache_dtype
+    try:
+        return parse_dtype(kv_cache_dtype, model_dtype)
+    except ValueError:
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; use 'auto', 'fp8' (float8 "
+                         f"e4m3), 'float32', 'bfloat16' or 'float16'") from None
+
+
 def parse_dtype(dtype: Any, default: torch.dtype | None = None) -> torch.dtype:
     """A torch dtype from a torch dtype, a name ("bfloat16", "torch.float16") or "auto"/None."""
     if dtype is None or dtype == "auto":
