@@ -228,9 +228,9 @@ class ModelRunner:
             raise ValueError(f"no memory left for the KV cache (a block needs {per_block} bytes, "
                              f"the budget is {budget}); lower max_num_batched_tokens or raise "
                              f"gpu_memory_utilization")
-        log.info("minivllm KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB)", num,
-                 self.block_size, num * self.block_size,
-                 num * per_block / GiB)
+        log.info("minivllm KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s)", num,
+                 self.block_size, num * self.block_size, num * per_block / GiB,
+                 str(self.config.cache_dtype).removeprefix("torch."))
         return num
 
     def _cuda_kv_budget(self) -> int:
