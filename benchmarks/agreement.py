@@ -4,6 +4,8 @@ A transformers Qwen3ForCausalLM with random weights (its own initialiser) is sav
 and loaded by minivllm.load; both read the same random token sequence and, at each position, we
 compare the arg-max of the next-token logits. minivllm is run twice: one prefill over the whole
 sequence, and token by token through the decode path. Both models run in the given dtype on the GPU.
+With --kv-cache-dtype fp8 the cache is fp8: only the decode path reads it (the prefill's tokens are
+used as computed), so decode_top1_agreement is the figure that shows it.
 
     python benchmarks/agreement.py --shape qwen3-0.6b --positions 256 --dtype bfloat16
 """
@@ -44,6 +46,7 @@ def main():
     ap.add_argument("--positions", type=int, default=256)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--backend", default=None)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--init-std", type=float, default=0.02,
                     help="std of the random weights (transformers' initializer_range; 0.02 by default, "
@@ -57,7 +60,8 @@ def main():
     with tempfile.TemporaryDirectory() as d:
         model.save_pretrained(d)
         params = minivllm.load(d, dtype=dtype, device=device)
-    backend = minivllm.kernels.select_backend(device, args.backend)
+    cache_dtype = minivllm.state.parse_kv_cache_dtype(args.kv_cache_dtype, dtype)
+    backend = minivllm.kernels.select_backend(device, args.backend, cache_dtype)
 
     gen = torch.Generator().manual_seed(args.seed)
     n = args.positions
@@ -72,14 +76,14 @@ def main():
 
     bs = 16
     table = list(range(-(-n // bs)))
-    cache = minivllm.init_cache(params, num_blocks=len(table), block_size=bs)
+    cache = minivllm.init_cache(params, num_blocks=len(table), block_size=bs, dtype=cache_dtype)
     batch = make_batch([SeqChunk(ids, 0, table)], block_size=bs, device=device, every_row=True)
     t0 = time.perf_counter()
     with torch.no_grad():
         prefill_logits, cache = minivllm.forward(params, cache, batch, backend)
     prefill_agree = (prefill_logits.argmax(-1) == ref_top).float().mean().item()
 
-    cache = minivllm.init_cache(params, num_blocks=len(table), block_size=bs)
+    cache = minivllm.init_cache(params, num_blocks=len(table), block_size=bs, dtype=cache_dtype)
     decode_top = []
     with torch.no_grad():
         for pos, tok in enumerate(ids):
@@ -92,6 +96,7 @@ def main():
     confident = (exact2[:, 0] - exact2[:, 1]) > 0.125
     result = {
         "shape": args.shape, "dtype": str(dtype), "init_std": args.init_std, "positions": n, "backend": backend.name,
+        "kv_cache_dtype": str(cache_dtype),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "prefill_top1_agreement": prefill_agree, "decode_top1_agreement": decode_agree,
         "transformers_vs_fp32_top1_agreement": (ref_top == exact_top).float().mean().item(),
@@ -100,6 +105,7 @@ def main():
         # at |logit| ~ 2): where the arg-max is decided by the model, not by rounding.
         "confident_positions": int(confident.sum().item()),
         "prefill_top1_agreement_confident": (prefill_logits.argmax(-1) == ref_top)[confident].float().mean().item(),
+        "decode_top1_agreement_confident": (torch.cat(decode_top) == ref_top)[confident].float().mean().item(),
         "transformers_vs_fp32_top1_agreement_confident": (ref_top == exact_top)[confident].float().mean().item(),
         "max_abs_logit_diff_prefill": (prefill_logits - ref).abs().max().item(),
         "median_top2_margin_reference": (top2[:, 0] - top2[:, 1]).median().item(),

@@ -149,17 +149,18 @@ def block_tables_for(nblk: torch.Tensor, perm: torch.Tensor, offset: int) -> tor
     return torch.where(j[None, :] < nblk[:, None], perm[idx], -1).to(torch.int32).contiguous()
 
 
-def decode_problem(b: int, lo: int, hi: int, page: int, seed: int):
+def decode_problem(b: int, lo: int, hi: int, page: int, seed: int, cache_dtype=DT):
+    """cache_dtype: the KV cache's (DT, or torch.float8_e4m3fn for an fp8 cache)."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     ctx = torch.randint(lo, hi + 1, (b,), generator=g, device=DEV, dtype=torch.int32)
     nblk = (ctx + page - 1) // page
-    kv_bytes = int(ctx.sum()) * KV_HEADS * HEAD_DIM * 2 * 2
+    kv_bytes = int(ctx.sum()) * KV_HEADS * HEAD_DIM * 2 * cache_dtype.itemsize
     io_bytes = b * (2 * HEADS + 2 * KV_HEADS) * HEAD_DIM * 2
     sets = max(1, min(32, math.ceil(4 * L2_BYTES / kv_bytes)))
     per_set = int(nblk.sum())
     total = per_set * sets
-    k_cache = torch.randn(total, page, KV_HEADS, HEAD_DIM, generator=g, device=DEV, dtype=DT)
-    v_cache = torch.randn(total, page, KV_HEADS, HEAD_DIM, generator=g, device=DEV, dtype=DT)
+    k_cache = torch.randn(total, page, KV_HEADS, HEAD_DIM, generator=g, device=DEV, dtype=DT).to(cache_dtype)
+    v_cache = torch.randn(total, page, KV_HEADS, HEAD_DIM, generator=g, device=DEV, dtype=DT).to(cache_dtype)
     perm = torch.randperm(total, generator=g, device=DEV).to(torch.int32)
     problems = []
     for s in range(sets):
@@ -191,8 +192,8 @@ def prefill_problem(q_lens, prefix, page: int, seed: int):
     t = int(q_t.sum())
     nblk = (ctx + page - 1) // page
     total = int(nblk.sum())
-    k_cache = torch.randn(total, page, KV_HEADS, HEAD_DIM, generator=g, device=DEV, dtype=DT)
-    v_cache = torch.randn(total, page, KV_HEADS, HEAD_DIM, generator=g, device=DEV, dtype=DT)
+    k_cache = torch.randn(total, page, KV_HEADS, HEAD_DIM, generator=g, device=DEV, dtype=DT).to(cache_dtype)
+    v_cache = torch.randn(total, page, KV_HEADS, HEAD_DIM, generator=g, device=DEV, dtype=DT).to(cache_dtype)
     perm = torch.randperm(total, generator=g, device=DEV).to(torch.int32)
     bt = block_tables_for(nblk, perm, 0)
     cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32, device=DEV)

@@ -4,6 +4,7 @@
     PYTHONPATH=. python benchmarks/sweep_decode_attention.py [--batch 256] [--contexts 200-1124,700-1624]
     PYTHONPATH=. python benchmarks/sweep_decode_attention.py --batch 2 --contexts 512-768 --splits 16,32,64
         # the single stream's step (one sequence padded to 2 rows; the latency run's contexts)
+    PYTHONPATH=. python benchmarks/sweep_decode_attention.py --kv-cache-dtype fp8  # an fp8 cache
 
 At 256 sequences the engine's decode kernel (q/k RMSNorm and RoPE, the new K/V stored, page 16)
 is ~80% of a step's GPU time (BENCHMARKS.md, session 7). bench_attention.py's B=256 case
@@ -26,6 +27,7 @@ import torch
 from benchmarks.bench_attention import (DEV, DT, HEAD_DIM, HEADS, KV_HEADS, copy_bandwidth,
                                         decode_problem, time_calls)
 from minivllm.kernels.decode_attention import decode_config, decode_splits, paged_decode_attention
+from minivllm.state import parse_kv_cache_dtype
 
 CONFIGS = [{}, dict(heads_fastest=True), dict(block_n=64, num_warps=4, num_stages=3),
            dict(block_n=64, num_warps=4, num_stages=3, heads_fastest=True),
@@ -43,6 +45,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--contexts", default="200-1124,700-1624")
     ap.add_argument("--page", type=int, default=16)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (bf16) or fp8")
     ap.add_argument("--splits", default="", help="split counts to time, comma-separated "
                     "(default: the engine's, from decode_splits)")
     args = ap.parse_args()
@@ -57,7 +60,8 @@ def main() -> int:
     sin = torch.randn(b, HEAD_DIM, generator=g, device=DEV, dtype=DT)
     for spec in args.contexts.split(","):
         lo, hi = (int(x) for x in spec.split("-"))
-        pr = decode_problem(b, lo, hi, args.page, seed=lo)
+        pr = decode_problem(b, lo, hi, args.page, seed=lo,
+                            cache_dtype=parse_kv_cache_dtype(args.kv_cache_dtype, DT))
         engine_splits = decode_splits(b, KV_HEADS, 4096, DEV)  # the engine's block tables: max_model_len 4096
         # every new token's K/V goes to the cache's last slot (written, never read by this call)
         slots = torch.full((b,), pr["k_cache"].shape[0] * args.page - 1, device=DEV)
@@ -84,7 +88,8 @@ def sweep_one(pr, b, lo, hi, page, splits, slots, weights, cos, sin, scale):
             tag = ("engine form " if fused else "plain ") + "n{block_n}w{num_warps}s{num_stages}".format(
                 **cfg) + (" heads-fastest" if cfg.get("heads_fastest") else "")
             cells.append(f"{tag}: {us:.1f} us {pr['bytes'] / us / 1e6:.2f} TB/s")
-    print(f"B={b} contexts U[{lo},{hi}] page {page} splits {splits} ({HEADS} heads):\n  "
+    print(f"B={b} contexts U[{lo},{hi}] page {page} splits {splits} ({HEADS} heads, "
+          f"{str(pr['k_cache'].dtype).removeprefix('torch.')} cache):\n  "
           + "\n  ".join(cells), flush=True)
 
 

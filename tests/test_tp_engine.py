@@ -88,3 +88,23 @@ def test_tp2_shutdown_stops_the_worker_cleanly(tp2, prompts):
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("minivllm")]
     with pytest.raises(RuntimeError, match="shut down"):
         tp2.generate(prompts[:1], GREEDY, use_tqdm=False)
+
+
+def test_tp2_with_an_fp8_cache_equals_tp1(tiny_dir, prompts, tp1):
+    """kv_cache_dtype reaches the worker rank: each rank's shard of the fp8 cache gives the
+    greedy tokens and logprobs of one rank's whole fp8 cache (a rank on an fp32 cache would move
+    the logprobs by fp8's rounding, ~1e-2)."""
+    def tokens_and_logprobs(llm):
+        outs = [o.outputs[0] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        return [o.token_ids for o in outs], [[lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]
+                                             for o in outs]
+
+    with LLM(tiny_dir, kv_cache_dtype="fp8", async_scheduling=False, **ENGINE) as llm:
+        want = tokens_and_logprobs(llm)
+    with LLM(tiny_dir, tensor_parallel_size=2, kv_cache_dtype="fp8", **ENGINE) as llm:
+        got = tokens_and_logprobs(llm)
+    assert got[0] == want[0]
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-4)
+    # ... and fp8's rounding is visible in them, so that the comparison can fail
+    moved = max(abs(a - b) for row, ref in zip(want[1], tp1[1]) for a, b in zip(row, ref))
+    assert moved > 1e-3
