@@ -303,7 +303,8 @@ def main(args) -> dict:
                   cuda_graphs=getattr(llm.engine.runner, "graphs", None) is not None,
                   startup_s=startup_s, async_scheduling=llm.engine.async_scheduling,
                   date=datetime.date.today().isoformat())
-    line = (f"{result['workload']}: {result['output_tokens']} output tokens in "
+    workload = result["workload"] + (", fp8 KV cache" if llm.config.cache_dtype.itemsize == 1 else "")
+    line = (f"{workload}: {result['output_tokens']} output tokens in "
             f"{result['seconds']:.2f} s = {result['output_tok_per_s']:.0f} tok/s")
     if "ttft_s" in result:
         line += f", time to first token {result['ttft_s'] * 1e3:.1f} ms"
