@@ -187,6 +187,10 @@ def test_bad_kv_cache_dtypes_are_clear_errors(tiny_dir):
         LLM(tiny_dir, device="cpu", kv_cache_dtype="float16")
     with pytest.raises(ValueError, match="'flash_attn' reads a KV cache in the model's dtype"):
         LLM(tiny_dir, device="cpu", kv_cache_dtype="fp8", attention_backend="flash_attn")
+    with pytest.raises(TypeError, match="kv_cache_dtype must be a string or a torch.dtype, got int"):
+        LLM(tiny_dir, device="cpu", kv_cache_dtype=8)
+    with pytest.raises(ValueError, match="unknown kv_cache_dtype torch.float8_e5m2"):
+        parse_kv_cache_dtype(torch.float8_e5m2, torch.bfloat16)
     assert parse_kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert parse_kv_cache_dtype("FP8_E4M3", torch.bfloat16) == FP8
     params = minivllm.random_params(CONFIG, seed=0)

@@ -36,6 +36,9 @@ def parse_kv_cache_dtype(kv_cache_dtype: Any, model_dtype: torch.dtype) -> torch
         return _KV_CACHE_DTYPES[kv_cache_dtype.lower()]
     if kv_cache_dtype in FP8_DTYPES:
         return kv_cache_dtype
+    if not isinstance(kv_cache_dtype, (str, torch.dtype, type(None))):
+        raise TypeError(f"kv_cache_dtype must be a string or a torch.dtype, got "
+                        f"{type(kv_cache_dtype).__name__}")
     try:
         return parse_dtype(kv_cache_dtype, model_dtype)
     except ValueError:
