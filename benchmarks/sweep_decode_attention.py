@@ -75,8 +75,11 @@ def main() -> int:
 def sweep_one(pr, b, lo, hi, page, splits, slots, weights, cos, sin, scale):
     """Every config at one split count over one set of problems; one printed block."""
     cells = []
+    configs = CONFIGS
+    if pr["k_cache"].dtype.itemsize == 1:  # an fp8 cache: also with fp16 dots (one widening less)
+        configs = CONFIGS + [dict(c, f16_dots=True) for c in CONFIGS[:4]]
     for fused in (True, False):
-        for over in CONFIGS:
+        for over in configs:
             cfg = decode_config(DEV, DT, HEAD_DIM, splits, 4096, b) | over
             extra = dict(slot_mapping=slots,
                          norm_rope=(weights[0], weights[1], cos, sin, 1e-6)) if fused else {}
@@ -86,7 +89,8 @@ def sweep_one(pr, b, lo, hi, page, splits, slots, weights, cos, sin, scale):
                 for p in pr["problems"]]
             us, _ = time_calls(calls)
             tag = ("engine form " if fused else "plain ") + "n{block_n}w{num_warps}s{num_stages}".format(
-                **cfg) + (" heads-fastest" if cfg.get("heads_fastest") else "")
+                **cfg) + (" heads-fastest" if cfg.get("heads_fastest") else "") + (
+                " f16-dots" if cfg.get("f16_dots") else "")
             cells.append(f"{tag}: {us:.1f} us {pr['bytes'] / us / 1e6:.2f} TB/s")
     print(f"B={b} contexts U[{lo},{hi}] page {page} splits {splits} ({HEADS} heads, "
           f"{str(pr['k_cache'].dtype).removeprefix('torch.')} cache):\n  "

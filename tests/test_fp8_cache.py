@@ -87,6 +87,19 @@ def test_decode_reads_an_fp8_cache_as_the_reference_does(device, dtype, num_spli
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_with_fp16_dots_reads_an_fp8_cache_as_the_reference_does(device, dtype):
+    """config f16_dots (a sweep option): fp16 operands whatever q's dtype, fp32 accumulation."""
+    p = make_problem([1, 1, 1], [37, 5, 70], page=16, kv_heads=2, group=4, head_dim=32, dtype=dtype,
+                     device=device, seed=5, cache_dtype=FP8)
+    ref = reference_attention(p.q, p.k, p.v, *p.clean_cache(), p.batch, p.scale)
+    out = paged_decode_attention(p.q, p.k, p.v, p.k_cache, p.v_cache, p.batch.block_tables,
+                                 p.batch.context_lens, p.scale, out=torch.full_like(p.q, float("nan")),
+                                 num_splits=3, config=dict(f16_dots=True))
+    assert rel_error(out, ref) <= TOL[torch.float16]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_prefill_reads_an_fp8_prefix_as_the_reference_does(device, dtype):
     p = make_problem([9, 17, 4], [0, 21, 40], page=16, kv_heads=2, group=2, head_dim=16, dtype=dtype,
                      device=device, seed=3, cache_dtype=FP8)

@@ -49,7 +49,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_pt
                    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, STORE: tl.constexpr,
-                   NORM_ROPE: tl.constexpr, PRECISION: tl.constexpr, HEADS_FASTEST: tl.constexpr):
+                   NORM_ROPE: tl.constexpr, PRECISION: tl.constexpr, HEADS_FASTEST: tl.constexpr,
+                   F16_DOTS: tl.constexpr = False):
     # Under torch.compile a Python-float argument can arrive as fp64; the loop-carried softmax
     # state must stay fp32.
     scale_log2 = tl.cast(scale_log2, tl.float32)
@@ -63,6 +64,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_pt
     split = tl.program_id(2)
     ROW: tl.constexpr = KV_HEADS * HEAD_DIM
     dt = q_ptr.dtype.element_ty  # the compute dtype; an fp8 cache is widened to it as loaded
+    if F16_DOTS:  # e4m3 widens to fp16 in one instruction, to bf16 in two
+        dt = tl.float16
     cache_dt = k_cache_ptr.dtype.element_ty
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -228,7 +231,10 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q and k are raw projections, RMS-normed per head and rotated here as
     functional.layer.qk_norm_rope would (and k is stored so).
     config: overrides of decode_config's block_n, num_warps, num_stages and heads_fastest (grid
-    (kv_heads, B, splits) if true, the default, else (B, kv_heads, splits))."""
+    (kv_heads, B, splits) if true, the default, else (B, kv_heads, splits)); f16_dots (default
+    false, for benchmarks/sweep_decode_attention.py): the dots in fp16 whatever q's dtype, which
+    for an fp8 cache saves the kernel a conversion of every loaded element (its sm_90 PTX: 128
+    scalar cvt.bf16.f16 a 64-token tile); exact for e4m3 values, q and p rounded to fp16."""
     b, heads, head_dim = q.shape
     _, page, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -259,6 +265,7 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q_weight = k_weight = cos = sin = q  # unused
         eps = 0.0
     heads_fastest = bool(cfg.get("heads_fastest", True))
+    f16_dots = bool(cfg.get("f16_dots", False))
     grid = (kv_heads, b, num_splits) if heads_fastest else (b, kv_heads, num_splits)
     _decode_kernel[grid](
         q, k, v, k_cache, v_cache, block_tables, context_lens,
@@ -268,8 +275,9 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         block_tables.stride(0), cos.stride(0), out.stride(0), out.stride(1),
         KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_G=max(16, next_pow2(group)),
         BLOCK_D=block_d, PAGE=page, BLOCK_N=cfg["block_n"], SPLIT=num_splits > 1,
-        STORE=store, NORM_ROPE=norm_rope is not None, PRECISION=dot_precision(q.dtype),
-        HEADS_FASTEST=heads_fastest, num_warps=cfg["num_warps"],
+        STORE=store, NORM_ROPE=norm_rope is not None,
+        PRECISION=dot_precision(torch.float16 if f16_dots else q.dtype),
+        HEADS_FASTEST=heads_fastest, F16_DOTS=f16_dots, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     if num_splits > 1:
         _merge_splits_kernel[(b, heads)](
