@@ -74,28 +74,16 @@ def test_store_kvcache_writes_the_bytes_write_kv_writes(device, dtype):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_reads_an_fp8_cache_as_the_reference_does(device, dtype, num_splits):
+@pytest.mark.parametrize("num_splits, f16_dots", [(1, False), (3, False), (3, True)])
+def test_decode_reads_an_fp8_cache_as_the_reference_does(device, dtype, num_splits, f16_dots):
+    """f16_dots (a config for the sweep): fp16 operands whatever q's dtype, fp32 accumulation."""
     p = make_problem([1, 1, 1], [37, 5, 70], page=16, kv_heads=2, group=4, head_dim=32, dtype=dtype,
                      device=device, seed=2, cache_dtype=FP8)
     ref = reference_attention(p.q, p.k, p.v, *p.clean_cache(), p.batch, p.scale)
     out = paged_decode_attention(p.q, p.k, p.v, p.k_cache, p.v_cache, p.batch.block_tables,
                                  p.batch.context_lens, p.scale, out=torch.full_like(p.q, float("nan")),
-                                 num_splits=num_splits)
-    assert rel_error(out, ref) <= TOL[dtype]
-
-
-@needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_decode_with_fp16_dots_reads_an_fp8_cache_as_the_reference_does(device, dtype):
-    """config f16_dots (a sweep option): fp16 operands whatever q's dtype, fp32 accumulation."""
-    p = make_problem([1, 1, 1], [37, 5, 70], page=16, kv_heads=2, group=4, head_dim=32, dtype=dtype,
-                     device=device, seed=5, cache_dtype=FP8)
-    ref = reference_attention(p.q, p.k, p.v, *p.clean_cache(), p.batch, p.scale)
-    out = paged_decode_attention(p.q, p.k, p.v, p.k_cache, p.v_cache, p.batch.block_tables,
-                                 p.batch.context_lens, p.scale, out=torch.full_like(p.q, float("nan")),
-                                 num_splits=3, config=dict(f16_dots=True))
-    assert rel_error(out, ref) <= TOL[torch.float16]
+                                 num_splits=num_splits, config=dict(f16_dots=f16_dots))
+    assert rel_error(out, ref) <= TOL[torch.float16 if f16_dots else dtype]
 
 
 @needs_triton
