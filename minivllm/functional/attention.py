@@ -57,11 +57,14 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     slots = torch.where(valid, slot_mapping, fallback_slot)
     for new, cache in ((k, k_cache), (v, v_cache)):
         flat = cache.view(num_slots, *cache.shape[2:])
-        if cache.dtype in FP8_DTYPES:  # saturate as the GPU's conversion does (torch's gives NaN)
-            new = new.clamp(-FP8_MAX, FP8_MAX)
-        new = new.detach().to(cache.dtype)
-        if cache.dtype in FP8_DTYPES:  # index_copy_ has no fp8 kernel (CPU): copy the bytes
-            flat, new = flat.view(torch.uint8), new.view(torch.uint8)
+        new = new.detach()
+        if cache.dtype in FP8_DTYPES:
+            # saturate as the GPU's conversion does (torch's gives NaN); index_copy_ has no fp8
+            # kernel (CPU): copy the bytes
+            new = new.clamp(-FP8_MAX, FP8_MAX).to(cache.dtype).view(torch.uint8)
+            flat = flat.view(torch.uint8)
+        else:
+            new = new.to(cache.dtype)
         fallback_value = torch.where(any_valid[:, None, None], new.index_select(0, first), flat[:1])
         values = torch.where(valid[:, None, None], new, fallback_value)
         flat.index_copy_(0, slots, values)

@@ -14,6 +14,7 @@ import os
 import torch
 
 from ..functional.attention import REFERENCE
+from ..state.config import FP8_DTYPES
 from .launch import triton_usable
 
 log = logging.getLogger("minivllm")
@@ -62,7 +63,7 @@ def select_backend(device, requested=None, cache_dtype: torch.dtype | None = Non
         return requested
     name = requested or os.environ.get("MINIVLLM_ATTENTION_BACKEND") or None
     available = available_backends(device)
-    if cache_dtype is not None and cache_dtype.itemsize == 1:
+    if cache_dtype in FP8_DTYPES:
         if name == "flash_attn":
             raise ValueError("attention backend 'flash_attn' reads a KV cache in the model's dtype; "
                              "kv_cache_dtype fp8 needs 'triton' or 'reference'")

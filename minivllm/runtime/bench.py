@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from ..state.config import SHAPES
+from ..state.config import FP8_DTYPES, SHAPES
 from .workload import throughput_workload, traffic_floor_bytes
 
 
@@ -297,13 +297,14 @@ def main(args) -> dict:
             floor_s = result["floor_bytes"] / bandwidth
             result.update(copy_bandwidth_tb_s=bandwidth / 1e12, floor_seconds=floor_s,
                           floor_fraction=floor_s / result["seconds"])
-    result.update(max_num_seqs=max_num_seqs, kv_cache_dtype=str(llm.config.cache_dtype), shape=args.shape or (None if args.model else "qwen3-0.6b"), model=args.model,
+    result.update(shape=args.shape or (None if args.model else "qwen3-0.6b"), model=args.model,
+                  max_num_seqs=max_num_seqs, kv_cache_dtype=str(llm.config.cache_dtype),
                   device=_device_name(device), tensor_parallel_size=args.tensor_parallel_size,
                   backend=_backend_name(llm), dtype=str(llm.config.dtype),
                   cuda_graphs=getattr(llm.engine.runner, "graphs", None) is not None,
                   startup_s=startup_s, async_scheduling=llm.engine.async_scheduling,
                   date=datetime.date.today().isoformat())
-    workload = result["workload"] + (", fp8 KV cache" if llm.config.cache_dtype.itemsize == 1 else "")
+    workload = result["workload"] + (", fp8 KV cache" if llm.config.cache_dtype in FP8_DTYPES else "")
     line = (f"{workload}: {result['output_tokens']} output tokens in "
             f"{result['seconds']:.2f} s = {result['output_tok_per_s']:.0f} tok/s")
     if "ttft_s" in result:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..state.config import ModelConfig, config_for_shape, parse_dtype, parse_kv_cache_dtype
+from ..state.config import FP8_DTYPES, ModelConfig, config_for_shape, parse_dtype, parse_kv_cache_dtype
 from .distributed import check_tensor_parallel, torchrun_env
 
 
@@ -85,7 +85,7 @@ class EngineConfig:
         # "auto" keeps the checkpoint's dtype (float32 tiny test checkpoints stay float32).
         dtype = parse_dtype(dtype, model_config.dtype)
         kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype, dtype)
-        if kv_cache_dtype not in (dtype, torch.float8_e4m3fn):
+        if kv_cache_dtype != dtype and kv_cache_dtype not in FP8_DTYPES:
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype} with dtype {dtype}: the cache is in "
                              f"the model's dtype ('auto') or in fp8")
         # Heads that do not split, more ranks than GPUs, a torchrun of another size: errors now,
