@@ -50,7 +50,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_pt
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, STORE: tl.constexpr,
                    NORM_ROPE: tl.constexpr, PRECISION: tl.constexpr, HEADS_FASTEST: tl.constexpr,
-                   F16_DOTS: tl.constexpr = False):
+                   F16_DOTS: tl.constexpr, FP8_CACHE: tl.constexpr):
     # Under torch.compile a Python-float argument can arrive as fp64; the loop-carried softmax
     # state must stay fp32.
     scale_log2 = tl.cast(scale_log2, tl.float32)
@@ -138,7 +138,16 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_pt
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        vt = load_rows(v_cache_ptr + rows[:, None] + offs_d[None, :], mask_n, mask_d, True, D_MASKED).to(dt)
+        vt = load_rows(v_cache_ptr + rows[:, None] + offs_d[None, :], mask_n, mask_d, True, D_MASKED)
+        if FP8_CACHE:
+            # V is the dot's k-major operand: its rows must be transposed through shared memory.
+            # Left alone, Triton moves the widening after that transpose, which for 1-byte
+            # elements is 128 byte-wide shared loads a tile (and stalls); a select on a tensor
+            # operand keeps the widening here, so the transpose moves 16-bit values with
+            # ldmatrix.trans as a 16-bit cache does (the sm_90 PTX, BENCHMARKS.md session 10).
+            vt = tl.where(mask_n[:, None], vt.to(dt), 0.0)
+        else:
+            vt = vt.to(dt)
         acc = acc * alpha[:, None] + tl.dot(p.to(dt), vt, input_precision=PRECISION)
         m_i = m_new
 
@@ -231,10 +240,10 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q and k are raw projections, RMS-normed per head and rotated here as
     functional.layer.qk_norm_rope would (and k is stored so).
     config: overrides of decode_config's block_n, num_warps, num_stages and heads_fastest (grid
-    (kv_heads, B, splits) if true, the default, else (B, kv_heads, splits)); f16_dots (default
-    false, for benchmarks/sweep_decode_attention.py): the dots in fp16 whatever q's dtype, which
-    for an fp8 cache saves the kernel a conversion of every loaded element (its sm_90 PTX: 128
-    scalar cvt.bf16.f16 a 64-token tile); exact for e4m3 values, q and p rounded to fp16."""
+    (kv_heads, B, splits) if true, the default, else (B, kv_heads, splits)); f16_dots: the dots
+    in fp16 whatever q's dtype. The default for an fp8 cache under a 16-bit q: e4m3 widens to
+    fp16 in one instruction and to bf16 in two more (sm_90 PTX: 128 scalar cvt.bf16.f16 a
+    64-token tile); exact for e4m3 values, q and p rounded to fp16 (10 mantissa bits, bf16 has 7)."""
     b, heads, head_dim = q.shape
     _, page, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -265,7 +274,8 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q_weight = k_weight = cos = sin = q  # unused
         eps = 0.0
     heads_fastest = bool(cfg.get("heads_fastest", True))
-    f16_dots = bool(cfg.get("f16_dots", False))
+    fp8_cache = k_cache.element_size() == 1
+    f16_dots = bool(cfg.get("f16_dots", fp8_cache and q.element_size() == 2))
     grid = (kv_heads, b, num_splits) if heads_fastest else (b, kv_heads, num_splits)
     _decode_kernel[grid](
         q, k, v, k_cache, v_cache, block_tables, context_lens,
@@ -277,7 +287,7 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         BLOCK_D=block_d, PAGE=page, BLOCK_N=cfg["block_n"], SPLIT=num_splits > 1,
         STORE=store, NORM_ROPE=norm_rope is not None,
         PRECISION=dot_precision(torch.float16 if f16_dots else q.dtype),
-        HEADS_FASTEST=heads_fastest, F16_DOTS=f16_dots, num_warps=cfg["num_warps"],
+        HEADS_FASTEST=heads_fastest, F16_DOTS=f16_dots, FP8_CACHE=fp8_cache, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     if num_splits > 1:
         _merge_splits_kernel[(b, heads)](
