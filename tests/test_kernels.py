@@ -162,7 +162,9 @@ def test_decode_tiles_on_the_gpu(monkeypatch):
     tile = lambda *a: decode_config(gpu, bf16, 128, *a)["block_n"]  # noqa: E731
     assert tile(1, 4096, 1) == 128                   # one split reads a whole context
     assert tile(16, 4096, 1) == tile(16, 4096, 2) == 64  # the single stream's few sequences
-    assert tile(16, 4096, 3) == tile(16, 4096) == 128
+    assert tile(16, 4096, 3) == tile(16, 4096, 64) == 64  # a few dozen sequences
+    assert decode_config(gpu, bf16, 128, 16, 4096, 64)["num_stages"] == 2
+    assert tile(16, 4096, 65) == tile(16, 4096) == 128
     assert tile(4, 8192, 256) == 64                  # many splits of long contexts
     assert decode_config(gpu, torch.float32, 128, 16, 4096, 1)["block_n"] == 32
 

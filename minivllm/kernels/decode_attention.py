@@ -189,6 +189,7 @@ MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallel
 MAX_SPLITS = 64
 WAVES = 16  # programs per SM wanted before splitting stops paying (measured on the H200)
 SHORT_TILE_BATCH = 2  # up to this many sequences, split contexts take 64-token tiles (decode_config)
+MID_TILE_BATCH = 64  # up to this many, 64-token tiles in two stages (decode_config)
 
 
 def decode_splits(batch_size: int, kv_heads: int, max_context: int, device: torch.device,
@@ -211,7 +212,9 @@ def decode_config(device: torch.device, dtype: torch.dtype, head_dim: int, split
     128-token tiles leave 11 of the 16 splits of a ~600-token context empty; 64-token tiles
     spread it over 10. With the merge, 9.4 against 10.1 us at one sequence and 10.5 against
     10.7 at two (sweep_decode_attention.py --batch 1 / 2 --contexts 512-768, BENCHMARKS.md
-    session 9); larger batches were not measured with them.
+    session 9). From 3 to 64 sequences (split contexts up to 4096 tokens), 64-token tiles in two
+    stages: at contexts U[400, 1400] 38.7 against 45.5 us at 24 sequences, 58.6 against 63.1 at
+    48, 73.4 against 75.4 at 64; level at 96 and 128 (BENCHMARKS.md session 10).
 
     The grid runs a sequence's KV heads side by side (paged_decode_attention's heads_fastest,
     the default): they read neighbouring 256-byte pieces of the same cache rows at the same
@@ -222,6 +225,8 @@ def decode_config(device: torch.device, dtype: torch.dtype, head_dim: int, split
         return dict(block_n=16, num_warps=1, num_stages=1)
     if dtype == torch.float32:  # fp32 dot products run on FMA units: small tiles, no spills
         return dict(block_n=32, num_warps=4, num_stages=2)
+    if splits > 1 and max_context <= 4096 and SHORT_TILE_BATCH < batch_size <= MID_TILE_BATCH:
+        return dict(block_n=64, num_warps=4, num_stages=2)
     if splits == 1 or (max_context <= 4096 and not 0 < batch_size <= SHORT_TILE_BATCH):
         return dict(block_n=128, num_warps=4, num_stages=3)
     return dict(block_n=64, num_warps=4, num_stages=3)
