@@ -138,7 +138,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_pt
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        vt = load_rows(v_cache_ptr + rows[:, None] + offs_d[None, :], mask_n, mask_d, True, D_MASKED)
+        vt = load_rows(v_cache_ptr + rows[:, None] + offs_d[None, :], mask_n, mask_d, True,
+                       D_MASKED)
         if FP8_CACHE:
             # V is the dot's k-major operand: its rows must be transposed through shared memory.
             # Left alone, Triton moves the widening after that transpose, which for 1-byte
@@ -292,8 +293,8 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         BLOCK_D=block_d, PAGE=page, BLOCK_N=cfg["block_n"], SPLIT=num_splits > 1,
         STORE=store, NORM_ROPE=norm_rope is not None,
         PRECISION=dot_precision(torch.float16 if f16_dots else q.dtype),
-        HEADS_FASTEST=heads_fastest, F16_DOTS=f16_dots, FP8_CACHE=fp8_cache, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        HEADS_FASTEST=heads_fastest, F16_DOTS=f16_dots, FP8_CACHE=fp8_cache,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if num_splits > 1:
         _merge_splits_kernel[(b, heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
