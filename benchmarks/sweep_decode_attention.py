@@ -28,6 +28,7 @@ from benchmarks.bench_attention import (DEV, DT, HEAD_DIM, HEADS, KV_HEADS, copy
                                         decode_problem, time_calls)
 from minivllm.kernels.decode_attention import decode_config, decode_splits, paged_decode_attention
 from minivllm.state import parse_kv_cache_dtype
+from minivllm.state.config import FP8_DTYPES
 
 CONFIGS = [{}, dict(heads_fastest=True), dict(block_n=64, num_warps=4, num_stages=3),
            dict(block_n=64, num_warps=4, num_stages=3, heads_fastest=True),
@@ -76,7 +77,7 @@ def sweep_one(pr, b, lo, hi, page, splits, slots, weights, cos, sin, scale):
     """Every config at one split count over one set of problems; one printed block."""
     cells = []
     configs = CONFIGS
-    if pr["k_cache"].dtype.itemsize == 1:  # an fp8 cache: its default fp16 dots, and bf16 ones
+    if pr["k_cache"].dtype in FP8_DTYPES:  # an fp8 cache: its default fp16 dots, and bf16 ones
         configs = CONFIGS + [dict(c, f16_dots=False) for c in CONFIGS[:2]]
     for fused in (True, False):
         for over in configs:

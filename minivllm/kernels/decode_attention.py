@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..state.config import FP8_DTYPES
 from .launch import dot_precision, interpreting, next_pow2, num_sms
 from .paged import load_rows, page_rows
 
@@ -280,7 +281,7 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q_weight = k_weight = cos = sin = q  # unused
         eps = 0.0
     heads_fastest = bool(cfg.get("heads_fastest", True))
-    fp8_cache = k_cache.element_size() == 1
+    fp8_cache = k_cache.dtype in FP8_DTYPES
     f16_dots = bool(cfg.get("f16_dots", fp8_cache and q.element_size() == 2))
     grid = (kv_heads, b, num_splits) if heads_fastest else (b, kv_heads, num_splits)
     _decode_kernel[grid](
