@@ -76,17 +76,26 @@ def test_store_kvcache_writes_the_bytes_write_kv_writes(device, dtype):
     assert torch.equal(bytes_of(k_out), bytes_of(k_ref)) and torch.equal(bytes_of(v_out), bytes_of(v_ref))
 
 
+GPU_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX: GPU only")
+
+
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_splits, f16_dots", [(1, False), (3, False), (3, True)])
-def test_decode_reads_an_fp8_cache_as_the_reference_does(device, dtype, num_splits, f16_dots):
-    """f16_dots (a config for the sweep): fp16 operands whatever q's dtype, fp32 accumulation."""
+@pytest.mark.parametrize("num_splits, f16_dots, ptx_widen", [
+    (1, False, None), (3, False, None), (3, True, None), (3, True, 0),
+    pytest.param(3, True, 1, marks=GPU_ONLY), pytest.param(1, True, 2, marks=GPU_ONLY)])
+def test_decode_reads_an_fp8_cache_as_the_reference_does(device, dtype, num_splits, f16_dots,
+                                                         ptx_widen):
+    """f16_dots (a config for the sweep): fp16 operands whatever q's dtype, fp32 accumulation.
+    ptx_widen: 0 Triton's cast, 1 / 2 inline PTX for V / K and V (None: the default, 2 on the
+    GPU with fp16 dots). Contexts end inside a tile, so masked rows are read too."""
     p = make_problem([1, 1, 1], [37, 5, 70], page=16, kv_heads=2, group=4, head_dim=32, dtype=dtype,
                      device=device, seed=2, cache_dtype=FP8)
     ref = reference_attention(p.q, p.k, p.v, *p.clean_cache(), p.batch, p.scale)
+    config = dict(f16_dots=f16_dots) | ({} if ptx_widen is None else dict(ptx_widen=ptx_widen))
     out = paged_decode_attention(p.q, p.k, p.v, p.k_cache, p.v_cache, p.batch.block_tables,
                                  p.batch.context_lens, p.scale, out=torch.full_like(p.q, float("nan")),
-                                 num_splits=num_splits, config=dict(f16_dots=f16_dots))
+                                 num_splits=num_splits, config=config)
     assert rel_error(out, ref) <= max(TOL[dtype], TOL[torch.float16] if f16_dots else 0)
 
 

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ..state.config import FP8_DTYPES
-from .launch import dot_precision, interpreting, next_pow2, num_sms
+from .launch import cuda_capability, dot_precision, interpreting, next_pow2, num_sms
 from .paged import load_rows, page_rows
 
 LOG2E = 1.4426950408889634
@@ -41,6 +41,21 @@ def _norm_rope(x, x_partner, w, w_partner, cos, signed_sin, eps, HEAD_DIM: tl.co
     return (a.to(tl.float32) + b.to(tl.float32)).to(dt)
 
 
+@triton.jit
+def _e4m3_to_f16(x):
+    """x: an e4m3 tile widened to fp16 by inline PTX, 4 values (two cvt.f16x2.e4m3x2) a
+    register. Not pure on purpose: Triton may not move it, so the widening stays where the tile
+    is loaded and every layout conversion after it (the smem transpose V's dot needs) moves
+    16-bit values with ldmatrix; Triton's own cast there was moved after the transpose or, held
+    by a select, cost 1,275 SASS instructions a 128-token tile against 749 with V widened here
+    (BENCHMARKS.md, session 11). The price: torch.compile cannot analyse an impure asm, so it
+    takes every argument of a kernel using it as written. sm_89+."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+        "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, slot_ptr,
                    qw_ptr, kw_ptr, cos_ptr, sin_ptr, eps,
@@ -51,7 +66,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_pt
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, STORE: tl.constexpr,
                    NORM_ROPE: tl.constexpr, PRECISION: tl.constexpr, HEADS_FASTEST: tl.constexpr,
-                   F16_DOTS: tl.constexpr, FP8_CACHE: tl.constexpr):
+                   F16_DOTS: tl.constexpr, FP8_CACHE: tl.constexpr, PTX_WIDEN: tl.constexpr):
     # Under torch.compile a Python-float argument can arrive as fp64; the loop-carried softmax
     # state must stay fp32.
     scale_log2 = tl.cast(scale_log2, tl.float32)
@@ -132,7 +147,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_pt
     for n0 in range(start, end, BLOCK_N):
         mask_n = (n0 + offs_n) < end
         rows = page_rows(bt_row, n0, offs_n, mask_n, PAGE, BLOCK_N, ROW) + head_off
-        kt = load_rows(k_cache_ptr + rows[:, None] + offs_d[None, :], mask_n, mask_d, True, D_MASKED).to(dt)
+        kt = load_rows(k_cache_ptr + rows[:, None] + offs_d[None, :], mask_n, mask_d, True, D_MASKED)
+        kt = _e4m3_to_f16(kt) if PTX_WIDEN == 2 else kt.to(dt)
         s = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the tile holds a valid position
@@ -141,7 +157,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_pt
         l_i = l_i * alpha + tl.sum(p, 1)
         vt = load_rows(v_cache_ptr + rows[:, None] + offs_d[None, :], mask_n, mask_d, True,
                        D_MASKED)
-        if FP8_CACHE:
+        if PTX_WIDEN >= 1:  # masked rows loaded as zeros, and p is 0 there
+            vt = _e4m3_to_f16(vt)
+        elif FP8_CACHE:
             # V is the dot's k-major operand: its rows must be transposed through shared memory.
             # Left alone, Triton moves the widening after that transpose, which for 1-byte
             # elements is 128 byte-wide shared loads a tile (and stalls); a select on a tensor
@@ -250,7 +268,11 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (kv_heads, B, splits) if true, the default, else (B, kv_heads, splits)); f16_dots: the dots
     in fp16 whatever q's dtype. The default for an fp8 cache under a 16-bit q: e4m3 widens to
     fp16 in one instruction and to bf16 in two more (sm_90 PTX: 128 scalar cvt.bf16.f16 a
-    64-token tile); exact for e4m3 values, q and p rounded to fp16 (10 mantissa bits, bf16 has 7)."""
+    64-token tile); exact for e4m3 values, q and p rounded to fp16 (10 mantissa bits, bf16 has 7).
+    ptx_widen: with fp16 dots over an fp8 cache, how the cache's tiles are widened: 0 Triton's
+    cast, 1 V by inline PTX (_e4m3_to_f16; the default on sm_89+ past SHORT_TILE_BATCH rows,
+    the interpreter runs no PTX), 2 K and V by it (slower: K then takes a trip through shared
+    memory)."""
     b, heads, head_dim = q.shape
     _, page, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -283,6 +305,13 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     heads_fastest = bool(cfg.get("heads_fastest", True))
     fp8_cache = k_cache.dtype in FP8_DTYPES
     f16_dots = bool(cfg.get("f16_dots", fp8_cache and q.element_size() == 2))
+    # Not at the single stream's 1-2 rows: there the kernel gains nothing measurable (10.0
+    # against 10.2 us) and the engine loses ~7% (856 against 926 tok/s, BENCHMARKS.md session
+    # 11), since torch.compile cannot analyse an impure asm and takes every argument of the
+    # kernel as written.
+    ptx_widen = int(cfg.get("ptx_widen", 1 if fp8_cache and f16_dots and b > SHORT_TILE_BATCH
+                                and cuda_capability(q.device) >= (8, 9) else 0))
+    assert ptx_widen == 0 or (fp8_cache and f16_dots), "ptx_widen widens e4m3 to fp16 dots"
     grid = (kv_heads, b, num_splits) if heads_fastest else (b, kv_heads, num_splits)
     _decode_kernel[grid](
         q, k, v, k_cache, v_cache, block_tables, context_lens,
@@ -294,7 +323,7 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         BLOCK_D=block_d, PAGE=page, BLOCK_N=cfg["block_n"], SPLIT=num_splits > 1,
         STORE=store, NORM_ROPE=norm_rope is not None,
         PRECISION=dot_precision(torch.float16 if f16_dots else q.dtype),
-        HEADS_FASTEST=heads_fastest, F16_DOTS=f16_dots, FP8_CACHE=fp8_cache,
+        HEADS_FASTEST=heads_fastest, F16_DOTS=f16_dots, FP8_CACHE=fp8_cache, PTX_WIDEN=ptx_widen,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if num_splits > 1:
         _merge_splits_kernel[(b, heads)](

@@ -27,6 +27,18 @@ def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) of a CUDA device; (0, 0) for any other, the interpreter's included."""
+    if device.type != "cuda" or interpreting():
+        return (0, 0)
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors to fill; under the interpreter a small number, so that tests on
     tiny shapes still take the split-KV paths."""
