@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from minivllm.functional.attention import REFERENCE, reference_attention, write_kv
 from minivllm.kernels import BACKEND_NAMES, available_backends, select_backend
-from minivllm.kernels import decode_attention
+from minivllm.kernels import launch
 from minivllm.kernels.decode_attention import decode_config, decode_splits, paged_decode_attention
 from minivllm.kernels.launch import triton_usable
 from minivllm.kernels.prefill_attention import varlen_prefill_attention
@@ -157,7 +157,7 @@ def test_decode_splits_fill_the_gpu_from_shapes():
 
 def test_decode_tiles_on_the_gpu(monkeypatch):
     """The H200's tile choices (the rule only: this machine has no GPU to run them)."""
-    monkeypatch.setattr(decode_attention, "interpreting", lambda: False)
+    monkeypatch.setattr(launch, "interpreting", lambda: False)  # runs_ptx(cuda) then holds
     gpu, bf16 = torch.device("cuda"), torch.bfloat16
     tile = lambda *a: decode_config(gpu, bf16, 128, *a)["block_n"]  # noqa: E731
     assert tile(1, 4096, 1) == 128                   # one split reads a whole context

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ..state.config import FP8_DTYPES
-from .launch import cuda_capability, dot_precision, interpreting, next_pow2, num_sms
+from .launch import cuda_capability, dot_precision, next_pow2, num_sms, runs_ptx
 from .paged import load_rows, page_rows
 
 LOG2E = 1.4426950408889634
@@ -241,7 +241,7 @@ def decode_config(device: torch.device, dtype: torch.dtype, head_dim: int, split
     time. At 256 sequences (benchmarks/sweep_decode_attention.py, BENCHMARKS.md session 7) that
     read K/V at 4.00 against 3.91 TB/s over the throughput run's step-100 contexts, 4.22 against
     4.18 at step ~600; in the engine it was measured only with that session's other changes."""
-    if interpreting() or device.type != "cuda":
+    if not runs_ptx(device):
         return dict(block_n=16, num_warps=1, num_stages=1)
     if dtype == torch.float32:  # fp32 dot products run on FMA units: small tiles, no spills
         return dict(block_n=32, num_warps=4, num_stages=2)

@@ -16,6 +16,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def runs_ptx(device: torch.device) -> bool:
+    """Kernels on `device` compile to the GPU's code (PTX): a CUDA device, not the interpreter.
+    What only the GPU runs (inline PTX, tile configs tuned on it) is chosen by this."""
+    return device.type == "cuda" and not interpreting()
+
+
 def triton_usable(device) -> bool:
     """Triton kernels can run on tensors of `device`: CUDA, or any device under the interpreter."""
     device = torch.device(device)
@@ -34,7 +40,7 @@ def _cuda_capability(index: int) -> tuple[int, int]:
 
 def cuda_capability(device: torch.device) -> tuple[int, int]:
     """(major, minor) of a CUDA device; (0, 0) for any other, the interpreter's included."""
-    if device.type != "cuda" or interpreting():
+    if not runs_ptx(device):
         return (0, 0)
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
 

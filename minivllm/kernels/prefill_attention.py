@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import dot_precision, interpreting, next_pow2
+from .launch import dot_precision, next_pow2, runs_ptx
 from .paged import load_rows, page_rows
 
 LOG2E = 1.4426950408889634
@@ -148,7 +148,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, cu_pt
 
 
 def prefill_config(device: torch.device, dtype: torch.dtype, head_dim: int) -> dict:
-    if interpreting() or device.type != "cuda":
+    if not runs_ptx(device):
         return dict(block_m=16, block_n=16, num_warps=1, num_stages=1, pack=True)
     if dtype == torch.float32:  # fp32 dot products run on FMA units: small tiles
         return dict(block_m=32, block_n=16, num_warps=4, num_stages=2, pack=True)

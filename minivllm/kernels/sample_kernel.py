@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import interpreting, next_pow2, num_sms
+from .launch import interpreting, next_pow2, num_sms, runs_ptx
 
 BLOCK = 1024       # ids per inner step of a program
 MAX_CHUNK = 8192   # ids per program, at most
@@ -138,7 +138,7 @@ def chunk_size(rows: int, vocab: int, device: torch.device, block: int = BLOCK) 
 
 def fast_log_default(device: torch.device) -> bool:
     """The approximate log (an inline PTX instruction) on a CUDA GPU; the interpreter runs no PTX."""
-    return device.type == "cuda" and not interpreting()
+    return runs_ptx(device)
 
 
 def _check_fast_log(fast_log: bool | None, device: torch.device) -> bool:
