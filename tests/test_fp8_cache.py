@@ -211,3 +211,34 @@ def test_bad_kv_cache_dtypes_are_clear_errors(tiny_dir):
     params = minivllm.random_params(CONFIG, seed=0)
     with pytest.raises(ValueError, match="unknown kv_cache_dtype"):
         minivllm.init_cache(params, num_blocks=2, dtype="fp8_e5m2")
+
+
+@needs_triton
+@pytest.mark.parametrize("ptx_widen", [0, pytest.param(1, marks=GPU_ONLY)])
+def test_the_opaque_launch_compiles_and_writes_what_the_direct_one_does(device, ptx_widen):
+    """The kernel launched through its custom op (the default with ptx_widen, whose impure asm
+    torch.compile cannot analyse): compiled without graph breaks, it writes the same output and
+    cache bytes as the direct launch run eagerly, split or not (on the GPU: Dynamo cannot trace
+    the interpreter's launch of the merge kernel, see tests/triton_trace.py)."""
+    dtype = torch.float16
+    for num_splits in (1, 3) if device.type == "cuda" else (1,):
+        p = make_problem([1, 1, 1], [37, 5, 70], page=16, kv_heads=2, group=4, head_dim=32,
+                         dtype=dtype, device=device, seed=3, cache_dtype=FP8)
+        slots = p.batch.slot_mapping
+        caches = [(p.k_cache.clone(), p.v_cache.clone()) for _ in range(2)]
+
+        def run(k_cache, v_cache, opaque):
+            return paged_decode_attention(
+                p.q, p.k, p.v, k_cache, v_cache, p.batch.block_tables, p.batch.context_lens,
+                p.scale, num_splits=num_splits, slot_mapping=slots,
+                config=dict(f16_dots=True, ptx_widen=ptx_widen, opaque=opaque))
+
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda kc, vc: run(kc, vc, True), fullgraph=True,
+                                 backend="inductor" if device.type == "cuda" else "aot_eager")
+        want = run(*caches[0], False)
+        got = compiled(*caches[1])
+        assert torch.equal(got, want)
+        for a, b in zip(caches[0], caches[1]):
+            assert torch.equal(bytes_of(a), bytes_of(b))
+        assert not torch.equal(bytes_of(caches[1][0]), bytes_of(p.k_cache))  # the store happened

@@ -252,6 +252,43 @@ def decode_config(device: torch.device, dtype: torch.dtype, head_dim: int, split
     return dict(block_n=64, num_warps=4, num_stages=3)
 
 
+def _launch_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                   slots: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, eps: float, out: torch.Tensor,
+                   part_out: torch.Tensor, part_lse: torch.Tensor, scale_log2: float,
+                   num_splits: int, block_n: int, num_warps: int, num_stages: int, store: bool,
+                   norm_rope: bool, heads_fastest: bool, f16_dots: bool, ptx_widen: int) -> None:
+    """_decode_kernel on paged_decode_attention's checked arguments (it writes k_cache and
+    v_cache at slots if store, and out or, split, part_out and part_lse)."""
+    b, heads, head_dim = q.shape
+    _, page, kv_heads, _ = k_cache.shape
+    group = heads // kv_heads
+    fp8_cache = k_cache.dtype in FP8_DTYPES
+    grid = (kv_heads, b, num_splits) if heads_fastest else (b, kv_heads, num_splits)
+    _decode_kernel[grid](
+        q, k, v, k_cache, v_cache, block_tables, context_lens, slots, q_weight, k_weight, cos, sin,
+        eps, out, part_out, part_lse, scale_log2, num_splits,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        block_tables.stride(0), cos.stride(0), out.stride(0), out.stride(1),
+        KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_G=max(16, next_pow2(group)),
+        BLOCK_D=next_pow2(head_dim), PAGE=page, BLOCK_N=block_n, SPLIT=num_splits > 1,
+        STORE=store, NORM_ROPE=norm_rope,
+        PRECISION=dot_precision(torch.float16 if f16_dots else q.dtype),
+        HEADS_FASTEST=heads_fastest, F16_DOTS=f16_dots, FP8_CACHE=fp8_cache, PTX_WIDEN=ptx_widen,
+        num_warps=num_warps, num_stages=num_stages)
+
+
+_launch_decode_opaque = torch.library.custom_op(
+    "minivllm::decode_attention_launch", _launch_decode,
+    mutates_args=("k_cache", "v_cache", "out", "part_out", "part_lse"))
+
+
+@_launch_decode_opaque.register_fake
+def _(*args) -> None:
+    return None
+
+
 def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
@@ -270,9 +307,10 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     fp16 in one instruction and to bf16 in two more (sm_90 PTX: 128 scalar cvt.bf16.f16 a
     64-token tile); exact for e4m3 values, q and p rounded to fp16 (10 mantissa bits, bf16 has 7).
     ptx_widen: with fp16 dots over an fp8 cache, how the cache's tiles are widened: 0 Triton's
-    cast, 1 V by inline PTX (_e4m3_to_f16; the default on sm_89+ past SHORT_TILE_BATCH rows,
-    the interpreter runs no PTX), 2 K and V by it (slower: K then takes a trip through shared
-    memory)."""
+    cast, 1 V by inline PTX (_e4m3_to_f16; the default on sm_89+, the interpreter runs no PTX),
+    2 K and V by it (slower: K then takes a trip through shared memory). opaque: launch the
+    kernel through the custom op minivllm::decode_attention_launch, which declares what it
+    writes (default: when ptx_widen is not 0)."""
     b, heads, head_dim = q.shape
     _, page, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -305,26 +343,20 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     heads_fastest = bool(cfg.get("heads_fastest", True))
     fp8_cache = k_cache.dtype in FP8_DTYPES
     f16_dots = bool(cfg.get("f16_dots", fp8_cache and q.element_size() == 2))
-    # Not at the single stream's 1-2 rows: there the kernel gains nothing measurable (10.0
-    # against 10.2 us) and the engine loses ~7% (856 against 926 tok/s, BENCHMARKS.md session
-    # 11), since torch.compile cannot analyse an impure asm and takes every argument of the
-    # kernel as written.
-    ptx_widen = int(cfg.get("ptx_widen", 1 if fp8_cache and f16_dots and b > SHORT_TILE_BATCH
+    ptx_widen = int(cfg.get("ptx_widen", 1 if fp8_cache and f16_dots
                                 and cuda_capability(q.device) >= (8, 9) else 0))
     assert ptx_widen == 0 or (fp8_cache and f16_dots), "ptx_widen widens e4m3 to fp16 dots"
-    grid = (kv_heads, b, num_splits) if heads_fastest else (b, kv_heads, num_splits)
-    _decode_kernel[grid](
+    # The impure asm of ptx_widen defeats torch.compile's analysis of what the kernel writes (it
+    # then takes every argument as written): launched through a custom op, what it writes is
+    # declared instead.
+    opaque = bool(cfg.get("opaque", ptx_widen > 0))
+    if opaque and num_splits == 1:  # a custom op's written arguments may not alias each other
+        part_out, part_lse = q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32)
+    (_launch_decode_opaque if opaque else _launch_decode)(
         q, k, v, k_cache, v_cache, block_tables, context_lens,
-        slot_mapping if store else context_lens, q_weight, k_weight, cos, sin, eps,
-        out, part_out, part_lse, scale * LOG2E, num_splits,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        block_tables.stride(0), cos.stride(0), out.stride(0), out.stride(1),
-        KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_G=max(16, next_pow2(group)),
-        BLOCK_D=block_d, PAGE=page, BLOCK_N=cfg["block_n"], SPLIT=num_splits > 1,
-        STORE=store, NORM_ROPE=norm_rope is not None,
-        PRECISION=dot_precision(torch.float16 if f16_dots else q.dtype),
-        HEADS_FASTEST=heads_fastest, F16_DOTS=f16_dots, FP8_CACHE=fp8_cache, PTX_WIDEN=ptx_widen,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        slot_mapping if store else context_lens, q_weight, k_weight, cos, sin, float(eps),
+        out, part_out, part_lse, scale * LOG2E, num_splits, cfg["block_n"], cfg["num_warps"],
+        cfg["num_stages"], store, norm_rope is not None, heads_fastest, f16_dots, ptx_widen)
     if num_splits > 1:
         _merge_splits_kernel[(b, heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
