@@ -76,10 +76,10 @@ def main() -> int:
 def sweep_one(pr, b, lo, hi, page, splits, slots, weights, cos, sin, scale):
     """Every config at one split count over one set of problems; one printed block."""
     cells = []
-    configs = CONFIGS
+    configs = CONFIGS + [dict(c, peel=False) for c in CONFIGS[:1] + CONFIGS[7:8]]  # masks on every tile
     if pr["k_cache"].dtype in FP8_DTYPES:  # an fp8 cache: its default fp16 dots, bf16 ones,
         # and the other ways of widening its tiles (ptx_widen: 0 Triton's cast, 1 PTX for V only)
-        configs = CONFIGS + [dict(c, f16_dots=False) for c in CONFIGS[:2]] + [
+        configs = configs + [dict(c, f16_dots=False) for c in CONFIGS[:2]] + [
             dict(c, ptx_widen=w) for c in CONFIGS[:1] + CONFIGS[2:3] + CONFIGS[7:8] for w in (0, 1)]
     for fused in (True, False):
         for over in configs:
@@ -94,7 +94,8 @@ def sweep_one(pr, b, lo, hi, page, splits, slots, weights, cos, sin, scale):
             tag = ("engine form " if fused else "plain ") + "n{block_n}w{num_warps}s{num_stages}".format(
                 **cfg) + (" heads-fastest" if cfg.get("heads_fastest") else "") + (
                 " bf16-dots" if cfg.get("f16_dots") is False else "") + (
-                f" ptx-widen {cfg['ptx_widen']}" if "ptx_widen" in cfg else "")
+                f" ptx-widen {cfg['ptx_widen']}" if "ptx_widen" in cfg else "") + (
+                " no-peel" if cfg.get("peel") is False else "")
             cells.append(f"{tag}: {us:.1f} us {pr['bytes'] / us / 1e6:.2f} TB/s")
     print(f"B={b} contexts U[{lo},{hi}] page {page} splits {splits} ({HEADS} heads, "
           f"{str(pr['k_cache'].dtype).removeprefix('torch.')} cache):\n  "

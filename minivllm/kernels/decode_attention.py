@@ -56,6 +56,41 @@ def _e4m3_to_f16(x):
         "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
 
 
+@triton.jit
+def _decode_tile(q, acc, m_i, l_i, n0, end, offs_n, offs_d, mask_d, bt_row, head_off, k_cache_ptr,
+                 v_cache_ptr, scale_log2, dt: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 ROW: tl.constexpr, D_MASKED: tl.constexpr, PRECISION: tl.constexpr,
+                 PTX_WIDEN: tl.constexpr, FP8_CACHE: tl.constexpr, MASKED: tl.constexpr):
+    """One BLOCK_N-token tile of the online softmax: (acc, m_i, l_i) updated. MASKED: the tile
+    may run past `end` (its rows there are loaded as zeros and their scores set to -inf)."""
+    mask_n = (n0 + offs_n) < end
+    rows = page_rows(bt_row, n0, offs_n, mask_n, PAGE, BLOCK_N, ROW) + head_off
+    kt = load_rows(k_cache_ptr + rows[:, None] + offs_d[None, :], mask_n, mask_d, MASKED, D_MASKED)
+    kt = _e4m3_to_f16(kt) if PTX_WIDEN == 2 else kt.to(dt)
+    s = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
+    if MASKED:
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the tile holds a valid position
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    vt = load_rows(v_cache_ptr + rows[:, None] + offs_d[None, :], mask_n, mask_d, MASKED,
+                   D_MASKED)
+    if PTX_WIDEN >= 1:  # masked rows loaded as zeros, and p is 0 there
+        vt = _e4m3_to_f16(vt)
+    elif FP8_CACHE:
+        # V is the dot's k-major operand: its rows must be transposed through shared memory.
+        # Left alone, Triton moves the widening after that transpose, which for 1-byte
+        # elements is 128 byte-wide shared loads a tile (and stalls); a select on a tensor
+        # operand keeps the widening here, so the transpose moves 16-bit values with
+        # ldmatrix.trans as a 16-bit cache does (the sm_90 PTX, BENCHMARKS.md session 10).
+        vt = tl.where(mask_n[:, None], vt.to(dt), 0.0)
+    else:
+        vt = vt.to(dt)
+    acc = acc * alpha[:, None] + tl.dot(p.to(dt), vt, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, slot_ptr,
                    qw_ptr, kw_ptr, cos_ptr, sin_ptr, eps,
@@ -66,7 +101,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_pt
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, STORE: tl.constexpr,
                    NORM_ROPE: tl.constexpr, PRECISION: tl.constexpr, HEADS_FASTEST: tl.constexpr,
-                   F16_DOTS: tl.constexpr, FP8_CACHE: tl.constexpr, PTX_WIDEN: tl.constexpr):
+                   F16_DOTS: tl.constexpr, FP8_CACHE: tl.constexpr, PTX_WIDEN: tl.constexpr, PEEL: tl.constexpr):
     # Under torch.compile a Python-float argument can arrive as fp64; the loop-carried softmax
     # state must stay fp32.
     scale_log2 = tl.cast(scale_log2, tl.float32)
@@ -144,32 +179,20 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_pt
     end = tl.minimum(start + per_split, prefix)
     bt_row = bt_ptr + b64 * stride_bt
     head_off = kvh * HEAD_DIM
-    for n0 in range(start, end, BLOCK_N):
-        mask_n = (n0 + offs_n) < end
-        rows = page_rows(bt_row, n0, offs_n, mask_n, PAGE, BLOCK_N, ROW) + head_off
-        kt = load_rows(k_cache_ptr + rows[:, None] + offs_d[None, :], mask_n, mask_d, True, D_MASKED)
-        kt = _e4m3_to_f16(kt) if PTX_WIDEN == 2 else kt.to(dt)
-        s = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the tile holds a valid position
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        vt = load_rows(v_cache_ptr + rows[:, None] + offs_d[None, :], mask_n, mask_d, True,
-                       D_MASKED)
-        if PTX_WIDEN >= 1:  # masked rows loaded as zeros, and p is 0 there
-            vt = _e4m3_to_f16(vt)
-        elif FP8_CACHE:
-            # V is the dot's k-major operand: its rows must be transposed through shared memory.
-            # Left alone, Triton moves the widening after that transpose, which for 1-byte
-            # elements is 128 byte-wide shared loads a tile (and stalls); a select on a tensor
-            # operand keeps the widening here, so the transpose moves 16-bit values with
-            # ldmatrix.trans as a 16-bit cache does (the sm_90 PTX, BENCHMARKS.md session 10).
-            vt = tl.where(mask_n[:, None], vt.to(dt), 0.0)
-        else:
-            vt = vt.to(dt)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dt), vt, input_precision=PRECISION)
-        m_i = m_new
+    # Whole tiles first, without masks (at 128-token tiles ~140 fewer SASS instructions a tile
+    # of an fp8 cache, ~200 of bf16: no predicated loads, no -inf select), then the last,
+    # partial tile with them.
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(start, full_end if PEEL else start, BLOCK_N):
+        acc, m_i, l_i = _decode_tile(
+            q, acc, m_i, l_i, n0, end, offs_n, offs_d, mask_d, bt_row, head_off, k_cache_ptr,
+            v_cache_ptr, scale_log2, dt, PAGE, BLOCK_N, ROW, D_MASKED, PRECISION, PTX_WIDEN,
+            FP8_CACHE, False)
+    for n0 in range(full_end if PEEL else start, end, BLOCK_N):
+        acc, m_i, l_i = _decode_tile(
+            q, acc, m_i, l_i, n0, end, offs_n, offs_d, mask_d, bt_row, head_off, k_cache_ptr,
+            v_cache_ptr, scale_log2, dt, PAGE, BLOCK_N, ROW, D_MASKED, PRECISION, PTX_WIDEN,
+            FP8_CACHE, True)
 
     # An empty split (short context) has l = 0: it writes zeros and lse = -inf, weight 0 later.
     nonempty = l_i > 0
@@ -258,7 +281,8 @@ def _launch_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
                    cos: torch.Tensor, sin: torch.Tensor, eps: float, out: torch.Tensor,
                    part_out: torch.Tensor, part_lse: torch.Tensor, scale_log2: float,
                    num_splits: int, block_n: int, num_warps: int, num_stages: int, store: bool,
-                   norm_rope: bool, heads_fastest: bool, f16_dots: bool, ptx_widen: int) -> None:
+                   norm_rope: bool, heads_fastest: bool, f16_dots: bool, ptx_widen: int,
+                   peel: bool) -> None:
     """_decode_kernel on paged_decode_attention's checked arguments (it writes k_cache and
     v_cache at slots if store, and out or, split, part_out and part_lse)."""
     b, heads, head_dim = q.shape
@@ -276,7 +300,7 @@ def _launch_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
         STORE=store, NORM_ROPE=norm_rope,
         PRECISION=dot_precision(torch.float16 if f16_dots else q.dtype),
         HEADS_FASTEST=heads_fastest, F16_DOTS=f16_dots, FP8_CACHE=fp8_cache, PTX_WIDEN=ptx_widen,
-        num_warps=num_warps, num_stages=num_stages)
+        PEEL=peel, num_warps=num_warps, num_stages=num_stages)
 
 
 _launch_decode_opaque = torch.library.custom_op(
@@ -310,7 +334,8 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cast, 1 V by inline PTX (_e4m3_to_f16; the default on sm_89+, the interpreter runs no PTX),
     2 K and V by it (slower: K then takes a trip through shared memory). opaque: launch the
     kernel through the custom op minivllm::decode_attention_launch, which declares what it
-    writes (default: when ptx_widen is not 0)."""
+    writes (default: when ptx_widen is not 0). peel: whole tiles in a loop without masks, the
+    partial one after (default: 16-bit caches past SHORT_TILE_BATCH rows)."""
     b, heads, head_dim = q.shape
     _, page, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -350,13 +375,18 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # then takes every argument as written): launched through a custom op, what it writes is
     # declared instead.
     opaque = bool(cfg.get("opaque", ptx_widen > 0))
+    # Peeling measured +0.8% engine throughput at 256 rows over a bf16 cache, -1% at the single
+    # stream (1-2 rows, short split tiles), and a slower kernel over an fp8 one (BENCHMARKS.md
+    # session 12).
+    peel = bool(cfg.get("peel", not fp8_cache and b > SHORT_TILE_BATCH))
     if opaque and num_splits == 1:  # a custom op's written arguments may not alias each other
         part_out, part_lse = q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32)
     (_launch_decode_opaque if opaque else _launch_decode)(
         q, k, v, k_cache, v_cache, block_tables, context_lens,
         slot_mapping if store else context_lens, q_weight, k_weight, cos, sin, float(eps),
         out, part_out, part_lse, scale * LOG2E, num_splits, cfg["block_n"], cfg["num_warps"],
-        cfg["num_stages"], store, norm_rope is not None, heads_fastest, f16_dots, ptx_widen)
+        cfg["num_stages"], store, norm_rope is not None, heads_fastest, f16_dots, ptx_widen,
+        peel)
     if num_splits > 1:
         _merge_splits_kernel[(b, heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
