@@ -101,7 +101,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_pt
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, STORE: tl.constexpr,
                    NORM_ROPE: tl.constexpr, PRECISION: tl.constexpr, HEADS_FASTEST: tl.constexpr,
-                   F16_DOTS: tl.constexpr, FP8_CACHE: tl.constexpr, PTX_WIDEN: tl.constexpr, PEEL: tl.constexpr):
+                   F16_DOTS: tl.constexpr, FP8_CACHE: tl.constexpr, PTX_WIDEN: tl.constexpr,
+                   PEEL: tl.constexpr):
     # Under torch.compile a Python-float argument can arrive as fp64; the loop-carried softmax
     # state must stay fp32.
     scale_log2 = tl.cast(scale_log2, tl.float32)
