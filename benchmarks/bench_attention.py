@@ -185,7 +185,7 @@ def prefill_lengths(target: int, seed: int):
     return q_lens, prefix
 
 
-def prefill_problem(q_lens, prefix, page: int, seed: int):
+def prefill_problem(q_lens, prefix, page: int, seed: int, cache_dtype=DT):
     g = torch.Generator(device=DEV).manual_seed(seed)
     q_t = torch.tensor(q_lens, dtype=torch.int32, device=DEV)
     ctx = q_t + torch.tensor(prefix, dtype=torch.int32, device=DEV)
