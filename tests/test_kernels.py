@@ -80,8 +80,8 @@ def decode_cases(draw, max_batch=4, max_ctx=600):
 
 @given(case=decode_cases(), num_splits=st.sampled_from([None, 1, 2, 3, 8]), peel=st.booleans())
 def test_paged_decode_matches_reference(device, case, num_splits, peel):
-    """peel: whole tiles in an unmasked loop, then the partial one (the default), or every
-    tile masked."""
+    """peel: whole tiles in an unmasked loop, then the partial one (the default for 16-bit
+    caches past two rows), or every tile masked."""
     p = make_problem(**case, device=device)
     ref = reference_attention(p.q, p.k, p.v, *p.clean_cache(), p.batch, p.scale)
     out = paged_decode_attention(p.q, p.k, p.v, p.k_cache, p.v_cache, p.batch.block_tables,
