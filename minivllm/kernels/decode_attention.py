@@ -353,8 +353,8 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if num_splits > 1:
         part_out = torch.empty((b, heads, num_splits, head_dim), device=q.device, dtype=torch.float32)
         part_lse = torch.empty((b, heads, num_splits), device=q.device, dtype=torch.float32)
-    else:
-        part_out = part_lse = out  # unused
+    else:  # unused; empty, as a custom op's written arguments may not alias out
+        part_out, part_lse = q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32)
     block_d = next_pow2(head_dim)
     store = slot_mapping is not None
     assert not store or slot_mapping.shape == (b,), (slot_mapping.shape, b)
@@ -380,8 +380,6 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # stream (1-2 rows, short split tiles), and a slower kernel over an fp8 one (BENCHMARKS.md
     # session 12).
     peel = bool(cfg.get("peel", not fp8_cache and b > SHORT_TILE_BATCH))
-    if opaque and num_splits == 1:  # a custom op's written arguments may not alias each other
-        part_out, part_lse = q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32)
     (_launch_decode_opaque if opaque else _launch_decode)(
         q, k, v, k_cache, v_cache, block_tables, context_lens,
         slot_mapping if store else context_lens, q_weight, k_weight, cos, sin, float(eps),
