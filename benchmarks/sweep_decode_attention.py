@@ -5,6 +5,9 @@
     PYTHONPATH=. python benchmarks/sweep_decode_attention.py --batch 2 --contexts 512-768 --splits 16,32,64
         # the single stream's step (one sequence padded to 2 rows; the latency run's contexts)
     PYTHONPATH=. python benchmarks/sweep_decode_attention.py --kv-cache-dtype fp8  # an fp8 cache
+    ncu --clock-control none -k regex:_decode_kernel -s 1 -c 1 --section WarpStateStats ... \
+        python benchmarks/sweep_decode_attention.py --profile --contexts 200-1124 [--kv-cache-dtype fp8]
+        # the engine's default call twice (the first compiles), for a profiler to take the second
 
 At 256 sequences the engine's decode kernel (q/k RMSNorm and RoPE, the new K/V stored, page 16)
 is ~80% of a step's GPU time (BENCHMARKS.md, session 7). bench_attention.py's B=256 case
@@ -49,6 +52,8 @@ def main() -> int:
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto (bf16) or fp8")
     ap.add_argument("--splits", default="", help="split counts to time, comma-separated "
                     "(default: the engine's, from decode_splits)")
+    ap.add_argument("--profile", action="store_true",
+                    help="no timing: the engine-form default twice per context range, for ncu")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("sweep_decode_attention.py needs a CUDA GPU", file=sys.stderr)
@@ -67,10 +72,25 @@ def main() -> int:
         # every new token's K/V goes to the cache's last slot (written, never read by this call)
         slots = torch.full((b,), pr["k_cache"].shape[0] * args.page - 1, device=DEV)
         for splits in [int(x) for x in args.splits.split(",")] if args.splits else [engine_splits]:
+            if args.profile:
+                profile_one(pr, b, splits, slots, weights, cos, sin, scale)
+                continue
             sweep_one(pr, b, lo, hi, args.page, splits, slots, weights, cos, sin, scale)
         del pr
         torch.cuda.empty_cache()
     return 0
+
+
+def profile_one(pr, b, splits, slots, weights, cos, sin, scale):
+    """The engine's call (default config, fused norm/RoPE/store) on the first problem, twice."""
+    p = pr["problems"][0]
+    for _ in range(2):
+        paged_decode_attention(p["q"], p["k"], p["v"], pr["k_cache"], pr["v_cache"], p["bt"],
+                               pr["ctx"], scale, out=p["out"], num_splits=splits,
+                               slot_mapping=slots, norm_rope=(weights[0], weights[1], cos, sin, 1e-6))
+    torch.cuda.synchronize()
+    print(f"profiled B={b} splits {splits} {pr['k_cache'].dtype}: {pr['bytes'] / 1e6:.0f} MB read a call "
+          f"({len(pr['problems'])} problems)", flush=True)
 
 
 def sweep_one(pr, b, lo, hi, page, splits, slots, weights, cos, sin, scale):
