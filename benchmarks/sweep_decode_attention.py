@@ -81,6 +81,17 @@ def main() -> int:
     return 0
 
 
+# An fp8 cache: deeper prefetch. Triton pipelines the block-table load a stage ahead of the K/V
+# loads, so up to num_stages 4 a program holds one tile ahead in shared memory (at 128-token tiles
+# 32 KB, 74 KB a program with the scratch V's transpose takes: three programs, ~96 KB of K/V in
+# flight an SM, where the bf16 kernel has ~192 KB and reads at ~2x the rate). Offline sm_90: n128
+# s5 two tiles ahead, 108 KB (two programs); n64 s5 two, 56 KB (four); n64 s7 three, 72 KB (three).
+FP8_PREFETCH_CONFIGS = [dict(block_n=128, num_warps=4, num_stages=5),
+                        dict(block_n=128, num_warps=4, num_stages=2),
+                        dict(block_n=64, num_warps=4, num_stages=5),
+                        dict(block_n=64, num_warps=4, num_stages=7)]
+
+
 def profile_one(pr, b, splits, slots, weights, cos, sin, scale):
     """The engine's call (default config, fused norm/RoPE/store) on the first problem, twice."""
     p = pr["problems"][0]
@@ -100,7 +111,8 @@ def sweep_one(pr, b, lo, hi, page, splits, slots, weights, cos, sin, scale):
     if pr["k_cache"].dtype in FP8_DTYPES:  # an fp8 cache: its default fp16 dots, bf16 ones,
         # and the other ways of widening its tiles (ptx_widen: 0 Triton's cast, 1 PTX for V only)
         configs = configs + [dict(c, f16_dots=False) for c in CONFIGS[:2]] + [
-            dict(c, ptx_widen=w) for c in CONFIGS[:1] + CONFIGS[2:3] + CONFIGS[7:8] for w in (0, 1)]
+            dict(c, ptx_widen=w) for c in CONFIGS[:1] + CONFIGS[2:3] + CONFIGS[7:8] for w in (0, 1)
+        ] + FP8_PREFETCH_CONFIGS
     for fused in (True, False):
         for over in configs:
             cfg = decode_config(DEV, DT, HEAD_DIM, splits, 4096, b) | over
