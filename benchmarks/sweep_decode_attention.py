@@ -83,13 +83,15 @@ def main() -> int:
 
 # An fp8 cache: deeper prefetch. Triton pipelines the block-table load a stage ahead of the K/V
 # loads, so up to num_stages 4 a program holds one tile ahead in shared memory (at 128-token tiles
-# 32 KB, 74 KB a program with the scratch V's transpose takes: three programs, ~96 KB of K/V in
+# 32 KB, 72.5 KB a program with the scratch V's transpose takes: three programs, ~96 KB of K/V in
 # flight an SM, where the bf16 kernel has ~192 KB and reads at ~2x the rate). Offline sm_90: n128
-# s5 two tiles ahead, 108 KB (two programs); n64 s5 two, 56 KB (four); n64 s7 three, 72 KB (three).
+# s5 two tiles ahead, 105 KB (two programs); n64 s5 two, 54.5 KB (four); n64 s7 three, 71 KB
+# (three); n32 s7 three, 37 KB (five). benchmarks/compile_decode_kernel.py prints these.
 FP8_PREFETCH_CONFIGS = [dict(block_n=128, num_warps=4, num_stages=5),
                         dict(block_n=128, num_warps=4, num_stages=2),
                         dict(block_n=64, num_warps=4, num_stages=5),
-                        dict(block_n=64, num_warps=4, num_stages=7)]
+                        dict(block_n=64, num_warps=4, num_stages=7),
+                        dict(block_n=32, num_warps=4, num_stages=7)]
 
 
 def profile_one(pr, b, splits, slots, weights, cos, sin, scale):
