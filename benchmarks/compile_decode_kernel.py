@@ -65,6 +65,7 @@ def sass_loop(sass: str) -> list[str]:
 
 def compile_one(cache: str, block_n: int, stages: int, warps: int, maxnreg: int, page: int,
                 arch: int, workdir: str) -> dict:
+    """One config compiled for sm_<arch>: the compiler's resources and the tile loop's SASS mix."""
     sig, consts = signature_and_constants(cache, block_n, page)
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(_decode_kernel.arg_names)
              if sig[a].startswith("*")}
