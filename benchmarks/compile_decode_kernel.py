@@ -26,6 +26,8 @@ from triton.compiler import ASTSource
 
 from minivllm.kernels.decode_attention import _decode_kernel
 
+TRITON_BIN = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")  # ptxas, cuobjdump
+
 # H100/H200 (sm_90): per SM
 SMEM_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_PROGRAM = 1024
@@ -72,26 +74,25 @@ def compile_one(cache: str, block_n: int, stages: int, warps: int, maxnreg: int,
     options = dict(num_warps=warps, num_stages=stages) | ({"maxnreg": maxnreg} if maxnreg else {})
     kernel = triton.compile(ASTSource(_decode_kernel, sig, consts, attrs),
                             target=GPUTarget("cuda", arch, 32), options=options)
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
     ptx, obj = os.path.join(workdir, "k.ptx"), os.path.join(workdir, "k.o")
     with open(ptx, "w") as f:
         f.write(kernel.asm["ptx"])
     suffix = "a" if arch >= 90 else ""
-    ptxas = subprocess.run([f"{bin_dir}/ptxas", "-v", "--gpu-name", f"sm_{arch}{suffix}", ptx, "-o", obj],
+    ptxas = subprocess.run([f"{TRITON_BIN}/ptxas", "-v", "--gpu-name", f"sm_{arch}{suffix}", ptx, "-o", obj],
                            capture_output=True, text=True, check=True).stderr
     regs = int(re.search(r"Used (\d+) registers", ptxas).group(1))
     spill = re.search(r"(\d+) bytes spill stores", ptxas)
-    sass = subprocess.run([f"{bin_dir}/cuobjdump", "-sass", obj], capture_output=True, text=True,
+    sass = subprocess.run([f"{TRITON_BIN}/cuobjdump", "-sass", obj], capture_output=True, text=True,
                           check=True).stdout
     loop = sass_loop(sass)
     mix = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in loop)
-    buffers = re.findall(r"ttg\.local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x\d+x(\w+)", kernel.asm["ttgir"])
+    buffers = re.findall(r"ttg\.local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x\d+x", kernel.asm["ttgir"])
     shared = kernel.metadata.shared
     regs_per_program = -(-regs // 8) * 8 * 32 * warps  # allocated 8 a thread at a time
     programs = min(SMEM_PER_SM // (shared + SMEM_RESERVED_PER_PROGRAM), REGISTERS_PER_SM // regs_per_program,
                    MAX_PROGRAMS_PER_SM)
     return dict(shared=shared, registers=regs, spill_bytes=int(spill.group(1)) if spill else 0,
-                prefetched_tiles=max((int(n) for n, _ in buffers), default=0), programs_per_sm=programs,
+                prefetched_tiles=max((int(n) for n in buffers), default=0), programs_per_sm=programs,
                 loop_instructions=len(loop), mix=mix)
 
 

@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import triton
 
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
+from benchmarks.compile_decode_kernel import TRITON_BIN as BIN
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

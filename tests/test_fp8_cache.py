@@ -88,8 +88,7 @@ def test_decode_reads_an_fp8_cache_as_the_reference_does(device, dtype, num_spli
                                                          ptx_widen):
     """f16_dots (a config for the sweep): fp16 operands whatever q's dtype, fp32 accumulation.
     ptx_widen: 0 Triton's cast, 1 / 2 inline PTX for V / K and V (None: the default, 1 on the
-    GPU with fp16 dots). Contexts end inside a tile, so masked rows are
-    read too."""
+    GPU with fp16 dots). Contexts end inside a tile, so masked rows are read too."""
     p = make_problem([1, 1, 1], [37, 5, 70], page=16, kv_heads=2, group=4, head_dim=32, dtype=dtype,
                      device=device, seed=2, cache_dtype=FP8)
     ref = reference_attention(p.q, p.k, p.v, *p.clean_cache(), p.batch, p.scale)
