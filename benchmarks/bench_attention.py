@@ -149,10 +149,15 @@ def block_tables_for(nblk: torch.Tensor, perm: torch.Tensor, offset: int) -> tor
     return torch.where(j[None, :] < nblk[:, None], perm[idx], -1).to(torch.int32).contiguous()
 
 
-def decode_problem(b: int, lo: int, hi: int, page: int, seed: int, cache_dtype=DT):
-    """cache_dtype: the KV cache's (DT, or torch.float8_e4m3fn for an fp8 cache)."""
+def decode_problem(b: int, lo: int, hi: int, page: int, seed: int, cache_dtype=DT,
+                   longest_first: bool = False):
+    """cache_dtype: the KV cache's (DT, or torch.float8_e4m3fn for an fp8 cache). longest_first:
+    the rows sorted by context, longest first (the same contexts, in the order the scheduler
+    puts its decodes)."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     ctx = torch.randint(lo, hi + 1, (b,), generator=g, device=DEV, dtype=torch.int32)
+    if longest_first:
+        ctx = ctx.sort(descending=True).values
     nblk = (ctx + page - 1) // page
     kv_bytes = int(ctx.sum()) * KV_HEADS * HEAD_DIM * 2 * cache_dtype.itemsize
     io_bytes = b * (2 * HEADS + 2 * KV_HEADS) * HEAD_DIM * 2

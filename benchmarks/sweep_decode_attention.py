@@ -52,6 +52,10 @@ def main() -> int:
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto (bf16) or fp8")
     ap.add_argument("--splits", default="", help="split counts to time, comma-separated "
                     "(default: the engine's, from decode_splits)")
+    ap.add_argument("--order", choices=("given", "longest-first", "both"), default="given",
+                    help="the batch's rows in random context order, sorted longest first, or both")
+    ap.add_argument("--default-only", action="store_true",
+                    help="only the engine's default config (engine form and plain)")
     ap.add_argument("--profile", action="store_true",
                     help="no timing: the engine-form default twice per context range, for ncu")
     args = ap.parse_args()
@@ -64,10 +68,13 @@ def main() -> int:
     weights = [torch.randn(HEAD_DIM, generator=g, device=DEV, dtype=DT) for _ in range(2)]
     cos = torch.randn(b, HEAD_DIM, generator=g, device=DEV, dtype=DT)
     sin = torch.randn(b, HEAD_DIM, generator=g, device=DEV, dtype=DT)
-    for spec in args.contexts.split(","):
+    orders = ["given", "longest-first"] if args.order == "both" else [args.order]
+    for spec, order in [(s, o) for s in args.contexts.split(",") for o in orders]:
         lo, hi = (int(x) for x in spec.split("-"))
         pr = decode_problem(b, lo, hi, args.page, seed=lo,
-                            cache_dtype=parse_kv_cache_dtype(args.kv_cache_dtype, DT))
+                            cache_dtype=parse_kv_cache_dtype(args.kv_cache_dtype, DT),
+                            longest_first=order == "longest-first")
+        pr["order"] = order
         engine_splits = decode_splits(b, KV_HEADS, 4096, DEV)  # the engine's block tables: max_model_len 4096
         # every new token's K/V goes to the cache's last slot (written, never read by this call)
         slots = torch.full((b,), pr["k_cache"].shape[0] * args.page - 1, device=DEV)
@@ -75,7 +82,8 @@ def main() -> int:
             if args.profile:
                 profile_one(pr, b, splits, slots, weights, cos, sin, scale)
                 continue
-            sweep_one(pr, b, lo, hi, args.page, splits, slots, weights, cos, sin, scale)
+            sweep_one(pr, b, lo, hi, args.page, splits, slots, weights, cos, sin, scale,
+                      args.default_only)
         del pr
         torch.cuda.empty_cache()
     return 0
@@ -105,8 +113,9 @@ def profile_one(pr, b, splits, slots, weights, cos, sin, scale):
           f"({len(pr['problems'])} problems)", flush=True)
 
 
-def sweep_one(pr, b, lo, hi, page, splits, slots, weights, cos, sin, scale):
-    """Every config at one split count over one set of problems; one printed block."""
+def sweep_one(pr, b, lo, hi, page, splits, slots, weights, cos, sin, scale, default_only=False):
+    """Every config (or the default only) at one split count over one set of problems; one
+    printed block."""
     cells = []
     configs = CONFIGS + [dict(c, peel=False) for c in CONFIGS[:1] + CONFIGS[7:8]]  # masks on every tile
     if pr["k_cache"].dtype in FP8_DTYPES:  # an fp8 cache: its default fp16 dots, bf16 ones,
@@ -114,6 +123,8 @@ def sweep_one(pr, b, lo, hi, page, splits, slots, weights, cos, sin, scale):
         configs = configs + [dict(c, f16_dots=False) for c in CONFIGS[:2]] + [
             dict(c, ptx_widen=w) for c in CONFIGS[:1] + CONFIGS[2:3] + CONFIGS[7:8] for w in (0, 1)
         ] + FP8_PREFETCH_CONFIGS
+    if default_only:
+        configs = [{}]
     for fused in (True, False):
         for over in configs:
             cfg = decode_config(DEV, DT, HEAD_DIM, splits, 4096, b) | over
@@ -130,8 +141,8 @@ def sweep_one(pr, b, lo, hi, page, splits, slots, weights, cos, sin, scale):
                 f" ptx-widen {cfg['ptx_widen']}" if "ptx_widen" in cfg else "") + (
                 " no-peel" if cfg.get("peel") is False else "")
             cells.append(f"{tag}: {us:.1f} us {pr['bytes'] / us / 1e6:.2f} TB/s")
-    print(f"B={b} contexts U[{lo},{hi}] page {page} splits {splits} ({HEADS} heads, "
-          f"{str(pr['k_cache'].dtype).removeprefix('torch.')} cache):\n  "
+    print(f"B={b} contexts U[{lo},{hi}] ({pr['order']} order) page {page} splits {splits} "
+          f"({HEADS} heads, {str(pr['k_cache'].dtype).removeprefix('torch.')} cache):\n  "
           + "\n  ".join(cells), flush=True)
 
 

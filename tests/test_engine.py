@@ -405,12 +405,14 @@ def test_step_input_reuses_plain_rows_and_sends_steps(tiny_dir, device, prompts)
     params = [SamplingParams(temperature=1.0, seed=3, min_tokens=3, stop_token_ids=[5], max_tokens=8),
               SamplingParams(temperature=1.0, seed=4, presence_penalty=0.5, max_tokens=8)]
     llm.generate(token_prompts(prompts[:2]), params, use_tqdm=False)
-    plain = [rows[0] for rows, _ in seen]
-    assert [steps[0] for _, steps in seen] == list(range(len(seen))) and len(seen) > 4
+    # rows are in the scheduler's order (longest context first): find each sequence's by its seed
+    at = [[r.seed for r, _ in rows].index(3) for rows, _ in seen]
+    plain = [rows[i] for (rows, _), i in zip(seen, at)]
+    assert [steps[i] for (_, steps), i in zip(seen, at)] == list(range(len(seen))) and len(seen) > 4
     assert all(banned == (5,) for _, banned in plain[:3]) and all(b == () for _, b in plain[3:])
     assert all(row is plain[3][0] for row, _ in plain[3:])  # built once, then reused
     assert all(len({id(r) for r, _ in rows}) == len(rows) for rows, _ in seen)
-    penalised = [rows[1][0] for rows, _ in seen if len(rows) > 1]
+    penalised = [r for rows, _ in seen for r, _ in rows if r.seed == 4]
     assert len({id(r) for r in penalised}) == len(penalised)  # rebuilt each step (its output ids)
 
 

@@ -102,6 +102,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         for c in out.chunks:
             assert c.seq.status is Status.RUNNING
             assert len(c.seq.block_table) * BS >= c.start + c.num_tokens
+        # The step opens with its decodes, longest context first (ties: oldest first).
+        lead = []
+        for c in out.chunks:
+            if c.start != len(c.seq.token_ids) - 1:
+                break
+            lead.append((-len(c.seq.token_ids), c.seq.seq_id))
+        assert lead == sorted(lead), lead
         # The mock forward: write every new token's slot, then read every chunk's context.
         ids = {c.seq.seq_id: self._ids(c.seq) for c in out.chunks}
         for c in out.chunks:
@@ -169,6 +176,26 @@ def test_decodes_first_then_prefill_chunks_fill_the_budget():
     sched.update(out, [0])
     out = sched.schedule()
     assert [(c.seq, c.start, c.num_tokens) for c in out.chunks] == [(a, 4, 1), (b, 5, 5)]
+
+
+def test_decodes_run_longest_context_first():
+    """The decode kernel starts its programs in batch order: the longest contexts go first (ties
+    oldest first); prefill chunks follow, oldest first."""
+    bm = BlockManager(64, BS)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=100)
+    seqs = [_seq(i, [i] * n, max_tokens=20) for i, n in enumerate((3, 9, 5, 9))]
+    for s in seqs:
+        sched.add(s)
+    out = sched.schedule()
+    assert [c.seq for c in out.chunks] == seqs  # admitted oldest first
+    sched.update(out, [0] * 4)
+    late = _seq(4, [4] * 30, max_tokens=20)
+    sched.add(late)
+    out = sched.schedule()
+    assert [(c.seq.seq_id, c.num_tokens) for c in out.chunks] == [(1, 1), (3, 1), (2, 1), (0, 1), (4, 30)]
+    sched.update(out, [0] * 5)
+    out = sched.schedule()
+    assert [c.seq.seq_id for c in out.chunks] == [4, 1, 3, 2, 0]
 
 
 def test_preemption_takes_the_newest_and_it_comes_back_first():

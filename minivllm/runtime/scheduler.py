@@ -2,9 +2,9 @@
 
 Continuous batching under two budgets, `max_num_batched_tokens` per step and `max_num_seqs`
 running sequences. Each step:
-  1. running sequences, decodes first, then unfinished prefills (chunked), oldest first within
-     each: a sequence gets min(its uncomputed tokens, the budget left), so a long prompt is
-     prefilled over several steps, in the same steps as other sequences' decodes;
+  1. running sequences, decodes first (longest context first), then unfinished prefills
+     (chunked, oldest first): a sequence gets min(its uncomputed tokens, the budget left), so a
+     long prompt is prefilled over several steps, in the same steps as other sequences' decodes;
   2. if nothing was preempted, waiting sequences are admitted oldest first while the budgets and
      the free blocks allow, taking what the prefix cache holds for them and scheduling the rest
      (or a first chunk of it).
@@ -100,9 +100,15 @@ def stop_by_count(seq: Sequence, max_model_len: int, num_tokens: int | None = No
     return None
 
 
-def _decodes_first(seq: Sequence) -> tuple[bool, int]:
-    """Sort key of the running sequences (attributes read directly: it runs for each, each step)."""
-    return len(seq.token_ids) - seq.num_computed > 1, seq.seq_id
+def _decodes_first(seq: Sequence) -> tuple[bool, int, int]:
+    """Sort key of the running sequences: decodes, longest context first, then prefills, oldest
+    first. The decode attention kernel runs its programs roughly in batch order, so the longest
+    start first and the short ones fill the tail of the launch. (Attributes read directly: it
+    runs for each sequence, each step.)"""
+    n = len(seq.token_ids)
+    if n - seq.num_computed > 1:
+        return True, 0, seq.seq_id
+    return False, -n, seq.seq_id
 
 
 class Scheduler:
