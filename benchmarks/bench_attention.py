@@ -234,7 +234,8 @@ def bench_decode(results, budget: Budget, fa):
         row = dict(section="decode", page=page, contexts=dist, batch=b, sets=pr["sets"],
                    bytes=pr["bytes"], triton={})
         default_splits = decode_splits(b, KV_HEADS, pr["max_context"], DEV)
-        default_cfg = decode_config(DEV, DT, HEAD_DIM, default_splits, pr["max_context"], b)
+        default_cfg = decode_config(DEV, DT, HEAD_DIM, default_splits, pr["max_context"], b,
+                                  pr["k_cache"].dtype)
 
         def ours(cfg, splits):
             return [lambda p=p: paged_decode_attention(

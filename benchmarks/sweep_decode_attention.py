@@ -5,6 +5,8 @@
     PYTHONPATH=. python benchmarks/sweep_decode_attention.py --batch 2 --contexts 512-768 --splits 16,32,64
         # the single stream's step (one sequence padded to 2 rows; the latency run's contexts)
     PYTHONPATH=. python benchmarks/sweep_decode_attention.py --kv-cache-dtype fp8  # an fp8 cache
+    PYTHONPATH=. python benchmarks/sweep_decode_attention.py --order both --default-only
+        # the default config with the rows in random order and sorted longest context first
     ncu --clock-control none -k regex:_decode_kernel -s 1 -c 1 --section WarpStateStats ... \
         python benchmarks/sweep_decode_attention.py --profile --contexts 200-1124 [--kv-cache-dtype fp8]
         # the engine's default call twice (the first compiles), for a profiler to take the second
@@ -16,8 +18,11 @@ shorter at first, and its kernel does more. This times the kernel over the conte
 throughput workload has at steps ~100 and ~600 (prompts U[100, 1024] plus the tokens decoded so
 far) with and without the fused norm/RoPE/store, at a few tile configs and both grid orders
 (heads_fastest: a sequence's KV heads launched side by side, so they read neighbouring 256-byte
-pieces of the same cache rows together). Timed as bench_attention.py times (CUDA graphs over problems that exceed the L2);
-TB/s = K/V bytes read / time. Only an engine A/B decides a default.
+pieces of the same cache rows together). The rows are in the engine's order: random for a
+16-bit cache, longest context first for an fp8 one (the scheduler's order there; a launch's
+programs start roughly in row order, so it decides what fills the tail). Timed as
+bench_attention.py times (CUDA graphs over problems that exceed the L2); TB/s = K/V bytes read /
+time. Only an engine A/B decides a default.
 """
 
 from __future__ import annotations
@@ -52,8 +57,10 @@ def main() -> int:
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto (bf16) or fp8")
     ap.add_argument("--splits", default="", help="split counts to time, comma-separated "
                     "(default: the engine's, from decode_splits)")
-    ap.add_argument("--order", choices=("given", "longest-first", "both"), default="given",
-                    help="the batch's rows in random context order, sorted longest first, or both")
+    ap.add_argument("--order", choices=("engine", "given", "longest-first", "both"), default="engine",
+                    help="the batch's rows in random context order (given), sorted longest first, "
+                    "or both; engine (default): as the engine orders them, longest first for an "
+                    "fp8 cache, else given")
     ap.add_argument("--default-only", action="store_true",
                     help="only the engine's default config (engine form and plain)")
     ap.add_argument("--profile", action="store_true",
@@ -68,11 +75,13 @@ def main() -> int:
     weights = [torch.randn(HEAD_DIM, generator=g, device=DEV, dtype=DT) for _ in range(2)]
     cos = torch.randn(b, HEAD_DIM, generator=g, device=DEV, dtype=DT)
     sin = torch.randn(b, HEAD_DIM, generator=g, device=DEV, dtype=DT)
-    orders = ["given", "longest-first"] if args.order == "both" else [args.order]
+    cache_dtype = parse_kv_cache_dtype(args.kv_cache_dtype, DT)
+    orders = {"both": ["given", "longest-first"],
+              "engine": ["longest-first" if cache_dtype in FP8_DTYPES else "given"]}.get(
+        args.order, [args.order])
     for spec, order in [(s, o) for s in args.contexts.split(",") for o in orders]:
         lo, hi = (int(x) for x in spec.split("-"))
-        pr = decode_problem(b, lo, hi, args.page, seed=lo,
-                            cache_dtype=parse_kv_cache_dtype(args.kv_cache_dtype, DT),
+        pr = decode_problem(b, lo, hi, args.page, seed=lo, cache_dtype=cache_dtype,
                             longest_first=order == "longest-first")
         pr["order"] = order
         engine_splits = decode_splits(b, KV_HEADS, 4096, DEV)  # the engine's block tables: max_model_len 4096
@@ -89,13 +98,13 @@ def main() -> int:
     return 0
 
 
-# An fp8 cache: deeper prefetch. Triton pipelines the block-table load a stage ahead of the K/V
-# loads, so up to num_stages 4 a program holds one tile ahead in shared memory (at 128-token tiles
-# 32 KB, 72.5 KB a program with the scratch V's transpose takes: three programs, ~96 KB of K/V in
-# flight an SM, where the bf16 kernel has ~192 KB and reads at ~2x the rate). Offline sm_90: n128
-# s5 two tiles ahead, 105 KB (two programs); n64 s5 two, 54.5 KB (four); n64 s7 three, 71 KB
-# (three); n32 s7 three, 37 KB (five). benchmarks/compile_decode_kernel.py prints these.
-FP8_PREFETCH_CONFIGS = [dict(block_n=128, num_warps=4, num_stages=5),  # (n128 s2 is in CONFIGS)
+# An fp8 cache: deeper prefetch (session 13's hypothesis, refuted in session 14). Triton
+# pipelines the block-table load a stage ahead of the K/V loads, so up to num_stages 4 a program
+# holds one tile ahead; offline sm_90 (benchmarks/compile_decode_kernel.py): n128 s5 two tiles
+# ahead, 105 KB (two programs an SM); n64 s5 two, 54.5 KB (four); n64 s7 three, 71 KB (three);
+# n32 s7 three, 37 KB (five). None beat n128 s3 in random order, the default before session 14.
+FP8_PREFETCH_CONFIGS = [dict(block_n=128, num_warps=4, num_stages=3),  # the default before
+                        dict(block_n=128, num_warps=4, num_stages=5),  # (n128 s2 is in CONFIGS)
                         dict(block_n=64, num_warps=4, num_stages=5),
                         dict(block_n=64, num_warps=4, num_stages=7),
                         dict(block_n=32, num_warps=4, num_stages=7)]
@@ -127,7 +136,7 @@ def sweep_one(pr, b, lo, hi, page, splits, slots, weights, cos, sin, scale, defa
         configs = [{}]
     for fused in (True, False):
         for over in configs:
-            cfg = decode_config(DEV, DT, HEAD_DIM, splits, 4096, b) | over
+            cfg = decode_config(DEV, DT, HEAD_DIM, splits, 4096, b, pr["k_cache"].dtype) | over
             extra = dict(slot_mapping=slots,
                          norm_rope=(weights[0], weights[1], cos, sin, 1e-6)) if fused else {}
             calls = [lambda p=p: paged_decode_attention(

@@ -167,9 +167,10 @@ def tiny_dir(tmp_path_factory):
 
 
 def test_engine_option_memory_and_outputs(tiny_dir, device, monkeypatch):
-    """kv_cache_dtype="fp8" holds 4x an fp32 model's tokens in the same memory; the triton and
-    reference backends give the same greedy tokens on it (chunked prefill and prefix hits
-    included); and they stay near the fp32 cache's."""
+    """kv_cache_dtype="fp8" holds 4x an fp32 model's tokens in the same memory and schedules
+    decodes longest context first; the triton and reference backends give the same greedy
+    tokens on it (chunked prefill and prefix hits included); and they stay near the fp32
+    cache's."""
     if device.type == "cuda":
         pytest.skip("sizes the cache from the CPU budget")
     monkeypatch.setenv("MINIVLLM_CPU_KV_CACHE_SPACE", "0.002")  # under the cap of max_num_seqs full sequences
@@ -178,6 +179,8 @@ def test_engine_option_memory_and_outputs(tiny_dir, device, monkeypatch):
     fp8 = LLM(tiny_dir, kv_cache_dtype="fp8", **kw)
     assert fp8.engine.runner.cache.dtype == FP8 and base.engine.runner.cache.dtype == torch.float32
     assert fp8.engine.runner.num_blocks // 4 == base.engine.runner.num_blocks  # budget // block bytes
+    # its latency-bound decode kernel measured faster with the longest contexts first
+    assert fp8.engine.scheduler.longest_decodes_first and not base.engine.scheduler.longest_decodes_first
     prompts = [[5, 9, 2, 44, 7] * 5 + [3], [5, 9, 2, 44, 7] * 5 + [8, 1], [11, 12, 13]]
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from minivllm.functional.attention import REFERENCE, reference_attention, write_kv
 from minivllm.kernels import BACKEND_NAMES, available_backends, select_backend
 from minivllm.kernels import launch
-from minivllm.kernels.decode_attention import decode_config, decode_splits, paged_decode_attention
+from minivllm.kernels.decode_attention import (FP8_UNSPLIT_TILES, decode_config, decode_splits,
+                                               paged_decode_attention)
 from minivllm.kernels.launch import triton_usable
 from minivllm.kernels.prefill_attention import varlen_prefill_attention
 from minivllm.kernels.store_kv import store_kvcache
@@ -169,6 +170,10 @@ def test_decode_tiles_on_the_gpu(monkeypatch):
     assert tile(16, 4096, 65) == tile(16, 4096) == 128
     assert tile(4, 8192, 256) == 64                  # many splits of long contexts
     assert decode_config(gpu, torch.float32, 128, 16, 4096, 1)["block_n"] == 32
+    fp8 = torch.float8_e4m3fn  # unsplit over an fp8 cache: its own tiles; split, as bf16
+    assert decode_config(gpu, bf16, 128, 1, 4096, 256, fp8) == FP8_UNSPLIT_TILES
+    assert decode_config(gpu, bf16, 128, 1, 4096, 256, bf16)["block_n"] == 128
+    assert decode_config(gpu, bf16, 128, 16, 4096, 2, fp8) == decode_config(gpu, bf16, 128, 16, 4096, 2)
 
 
 # --- prefill --------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import zlib
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -45,13 +46,15 @@ def reference(prompt, params: SamplingParams, max_model_len: int, eos: tuple) ->
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(4, 16), max_num_seqs=st.integers(1, 4),
                 max_tokens_per_step=st.integers(1, 12), caching=st.booleans(),
-                asynchronous=st.booleans())
-    def setup(self, num_blocks, max_num_seqs, max_tokens_per_step, caching, asynchronous):
+                asynchronous=st.booleans(), longest_first=st.booleans())
+    def setup(self, num_blocks, max_num_seqs, max_tokens_per_step, caching, asynchronous,
+              longest_first):
         self.bm = BlockManager(num_blocks, BS, enable_prefix_caching=caching)
         self.max_model_len = 24
         self.sched = Scheduler(self.bm, max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=max_tokens_per_step,
-                               max_model_len=self.max_model_len)
+                               max_model_len=self.max_model_len, longest_decodes_first=longest_first)
+        self.longest_first = longest_first
         self.slots: dict[tuple[int, int], tuple[int, ...]] = {}
         self.all: list[Sequence] = []
         self.steps = 0
@@ -102,12 +105,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         for c in out.chunks:
             assert c.seq.status is Status.RUNNING
             assert len(c.seq.block_table) * BS >= c.start + c.num_tokens
-        # The step opens with its decodes, longest context first (ties: oldest first).
+        # The step opens with its decodes, oldest first or longest context first (ties: oldest).
         lead = []
         for c in out.chunks:
             if c.start != len(c.seq.token_ids) - 1:
                 break
-            lead.append((-len(c.seq.token_ids), c.seq.seq_id))
+            lead.append((-len(c.seq.token_ids) if self.longest_first else 0, c.seq.seq_id))
         assert lead == sorted(lead), lead
         # The mock forward: write every new token's slot, then read every chunk's context.
         ids = {c.seq.seq_id: self._ids(c.seq) for c in out.chunks}
@@ -178,24 +181,26 @@ def test_decodes_first_then_prefill_chunks_fill_the_budget():
     assert [(c.seq, c.start, c.num_tokens) for c in out.chunks] == [(a, 4, 1), (b, 5, 5)]
 
 
-def test_decodes_run_longest_context_first():
-    """The decode kernel starts its programs in batch order: the longest contexts go first (ties
-    oldest first); prefill chunks follow, oldest first."""
+@pytest.mark.parametrize("longest_first", [False, True])
+def test_decode_order(longest_first):
+    """Decodes first, oldest first or (longest_decodes_first) longest context first with ties
+    oldest first; prefill chunks follow, oldest first."""
     bm = BlockManager(64, BS)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=100)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=100,
+                      longest_decodes_first=longest_first)
     seqs = [_seq(i, [i] * n, max_tokens=20) for i, n in enumerate((3, 9, 5, 9))]
     for s in seqs:
         sched.add(s)
     out = sched.schedule()
     assert [c.seq for c in out.chunks] == seqs  # admitted oldest first
     sched.update(out, [0] * 4)
-    late = _seq(4, [4] * 30, max_tokens=20)
-    sched.add(late)
+    sched.add(_seq(4, [4] * 30, max_tokens=20))
     out = sched.schedule()
-    assert [(c.seq.seq_id, c.num_tokens) for c in out.chunks] == [(1, 1), (3, 1), (2, 1), (0, 1), (4, 30)]
+    decodes = [1, 3, 2, 0] if longest_first else [0, 1, 2, 3]
+    assert [(c.seq.seq_id, c.num_tokens) for c in out.chunks] == [(i, 1) for i in decodes] + [(4, 30)]
     sched.update(out, [0] * 5)
     out = sched.schedule()
-    assert [c.seq.seq_id for c in out.chunks] == [4, 1, 3, 2, 0]
+    assert [c.seq.seq_id for c in out.chunks] == ([4] + decodes if longest_first else decodes + [4])
 
 
 def test_preemption_takes_the_newest_and_it_comes_back_first():

@@ -246,8 +246,14 @@ def decode_splits(batch_size: int, kv_heads: int, max_context: int, device: torc
     return max(1, min(want, max_context // MIN_SPLIT_TOKENS, MAX_SPLITS))
 
 
+# An fp8 cache's unsplit tiles (the throughput run's 256 rows), for rows in the engine's order
+# for an fp8 cache (longest context first): see decode_config.
+FP8_UNSPLIT_TILES = dict(block_n=32, num_warps=2, num_stages=2)
+
+
 def decode_config(device: torch.device, dtype: torch.dtype, head_dim: int, splits: int = 1,
-                  max_context: int = 0, batch_size: int = 0) -> dict:
+                  max_context: int = 0, batch_size: int = 0, cache_dtype: torch.dtype | None = None
+                  ) -> dict:
     """Tile config. 128-token tiles halve the loop trips and won on the H200 whenever a program
     reads a whole short context; with many splits of long contexts, 64-token tiles (39 KB of
     shared memory against 74 KB) keep five programs resident per SM instead of three.
@@ -264,11 +270,20 @@ def decode_config(device: torch.device, dtype: torch.dtype, head_dim: int, split
     the default): they read neighbouring 256-byte pieces of the same cache rows at the same
     time. At 256 sequences (benchmarks/sweep_decode_attention.py, BENCHMARKS.md session 7) that
     read K/V at 4.00 against 3.91 TB/s over the throughput run's step-100 contexts, 4.22 against
-    4.18 at step ~600; in the engine it was measured only with that session's other changes."""
+    4.18 at step ~600; in the engine it was measured only with that session's other changes.
+
+    An fp8 cache (cache_dtype) unsplit: FP8_UNSPLIT_TILES, small programs (32-token tiles, two
+    warps). Its kernel is latency-bound (~8 cycles a warp per instruction, ~35% of issue slots
+    used), so a launch's tail counts; the engine schedules an fp8 cache's decodes longest
+    context first, and in that order these tiles took 116.6 against 131.2 µs (U[200, 1124]) and
+    198.5 against 215.5 (U[700, 1624]); in random order they were slower (156.1 against 141.2;
+    BENCHMARKS.md session 14)."""
     if not runs_ptx(device):
         return dict(block_n=16, num_warps=1, num_stages=1)
     if dtype == torch.float32:  # fp32 dot products run on FMA units: small tiles, no spills
         return dict(block_n=32, num_warps=4, num_stages=2)
+    if splits == 1 and cache_dtype in FP8_DTYPES and dtype != torch.float32:
+        return dict(FP8_UNSPLIT_TILES)
     if splits > 1 and max_context <= 4096 and SHORT_TILE_BATCH < batch_size <= MID_TILE_BATCH:
         return dict(block_n=64, num_warps=4, num_stages=2)
     if splits == 1 or (max_context <= 4096 and not 0 < batch_size <= SHORT_TILE_BATCH):
@@ -346,7 +361,8 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     max_context = block_tables.shape[1] * page
     if num_splits is None:
         num_splits = decode_splits(b, kv_heads, max_context, q.device)
-    cfg = decode_config(q.device, q.dtype, head_dim, num_splits, max_context, b) | dict(config or {})
+    cfg = decode_config(q.device, q.dtype, head_dim, num_splits, max_context, b,
+                        k_cache.dtype) | dict(config or {})
     assert 1 <= num_splits <= MAX_SPLITS, num_splits
     if out is None:
         out = torch.empty_like(q)

@@ -26,6 +26,7 @@ from typing import Any
 
 from ..functional.sampling import SamplingRow
 from ..state.batch import SeqChunk
+from ..state.config import FP8_DTYPES
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import detokenize_incrementally, find_stop_string
@@ -96,9 +97,12 @@ class LLMEngine:
         self.num_blocks = self.runner.num_blocks
         self.block_manager = BlockManager(self.num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
+        # An fp8 cache's decode kernel is latency-bound, so its launch's tail counts: +3.7% with
+        # the longest contexts first; a 16-bit cache's reads at the copy rate: -0.3% (session 14).
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                   max_model_len=config.max_model_len)
+                                   max_model_len=config.max_model_len,
+                                   longest_decodes_first=config.cache_dtype in FP8_DTYPES)
         self.eos_ids = read_eos_ids(config.model, self.model_config, tokenizer)
         self.rng = random.Random(config.seed)
         self.requests: dict[str, Request] = {}

@@ -2,9 +2,10 @@
 
 Continuous batching under two budgets, `max_num_batched_tokens` per step and `max_num_seqs`
 running sequences. Each step:
-  1. running sequences, decodes first (longest context first), then unfinished prefills
-     (chunked, oldest first): a sequence gets min(its uncomputed tokens, the budget left), so a
-     long prompt is prefilled over several steps, in the same steps as other sequences' decodes;
+  1. running sequences, decodes first, then unfinished prefills (chunked), oldest first within
+     each (decodes longest context first under `longest_decodes_first`): a sequence gets
+     min(its uncomputed tokens, the budget left), so a long prompt is prefilled over several
+     steps, in the same steps as other sequences' decodes;
   2. if nothing was preempted, waiting sequences are admitted oldest first while the budgets and
      the free blocks allow, taking what the prefix cache holds for them and scheduling the rest
      (or a first chunk of it).
@@ -100,11 +101,15 @@ def stop_by_count(seq: Sequence, max_model_len: int, num_tokens: int | None = No
     return None
 
 
-def _decodes_first(seq: Sequence) -> tuple[bool, int, int]:
+def _decodes_first(seq: Sequence) -> tuple[bool, int]:
+    """Sort key of the running sequences: decodes, then prefills, oldest first within each.
+    (Attributes read directly: it runs for each sequence, each step.)"""
+    return len(seq.token_ids) - seq.num_computed > 1, seq.seq_id
+
+
+def _longest_decodes_first(seq: Sequence) -> tuple[bool, int, int]:
     """Sort key of the running sequences: decodes, longest context first, then prefills, oldest
-    first. The decode attention kernel runs its programs roughly in batch order, so the longest
-    start first and the short ones fill the tail of the launch. (Attributes read directly: it
-    runs for each sequence, each step.)"""
+    first (ties oldest first)."""
     n = len(seq.token_ids)
     if n - seq.num_computed > 1:
         return True, 0, seq.seq_id
@@ -112,11 +117,18 @@ def _decodes_first(seq: Sequence) -> tuple[bool, int, int]:
 
 
 class Scheduler:
+    """longest_decodes_first: a step's decodes in order of context length, longest first. A
+    decode attention kernel that starts its programs in batch order then runs the longest first
+    and fills its launch's tail with the short ones: the engine asks for it where that measured
+    faster (an fp8 cache, BENCHMARKS.md session 14)."""
+
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int):
+                 max_model_len: int, longest_decodes_first: bool = False):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.bm = block_manager
+        self.longest_decodes_first = longest_decodes_first
+        self.order = _longest_decodes_first if longest_decodes_first else _decodes_first
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -169,7 +181,7 @@ class Scheduler:
         scheduled: set[int] = set()
 
         # 1. Running sequences: decodes first, then chunks of unfinished prefills.
-        for seq in sorted(self.running, key=_decodes_first):
+        for seq in sorted(self.running, key=self.order):
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
