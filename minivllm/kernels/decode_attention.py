@@ -282,7 +282,7 @@ def decode_config(device: torch.device, dtype: torch.dtype, head_dim: int, split
         return dict(block_n=16, num_warps=1, num_stages=1)
     if dtype == torch.float32:  # fp32 dot products run on FMA units: small tiles, no spills
         return dict(block_n=32, num_warps=4, num_stages=2)
-    if splits == 1 and cache_dtype in FP8_DTYPES and dtype != torch.float32:
+    if splits == 1 and cache_dtype in FP8_DTYPES:
         return dict(FP8_UNSPLIT_TILES)
     if splits > 1 and max_context <= 4096 and SHORT_TILE_BATCH < batch_size <= MID_TILE_BATCH:
         return dict(block_n=64, num_warps=4, num_stages=2)
