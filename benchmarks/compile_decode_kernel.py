@@ -96,17 +96,28 @@ def compile_one(cache: str, block_n: int, stages: int, warps: int, maxnreg: int,
                 loop_instructions=len(loop), mix=mix)
 
 
+def parse_configs(text: str) -> list[list[int]]:
+    """"128:3,64:5:2" -> [[128, 3], [64, 5, 2]]: BLOCK_N:NUM_STAGES[:NUM_WARPS[:MAXNREG]] each."""
+    configs = []
+    for spec in text.split(","):
+        parts = spec.split(":")
+        if not 2 <= len(parts) <= 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(
+                f"config {spec!r}: want BLOCK_N:NUM_STAGES[:NUM_WARPS[:MAXNREG]], positive integers")
+        configs.append([int(p) for p in parts])
+    return configs
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cache", choices=("fp8", "bf16"), default="fp8")
-    ap.add_argument("--configs", default="128:3,128:5,64:3,64:5,64:7")
+    ap.add_argument("--configs", type=parse_configs, default="128:3,128:5,64:3,64:5,64:7,32:2:2")
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for sm_90")
     args = ap.parse_args()
     tile_bytes = 2 * 128 * (1 if args.cache == "fp8" else 2)  # K and V, a token
     with tempfile.TemporaryDirectory() as workdir:
-        for spec in args.configs.split(","):
-            parts = [int(x) for x in spec.split(":")]
+        for parts in args.configs:
             block_n, stages = parts[:2]
             warps = parts[2] if len(parts) > 2 else 4
             maxnreg = parts[3] if len(parts) > 3 else 0

@@ -2,6 +2,7 @@
 allocated (BENCHMARKS.md session 13's figures come from it). A subprocess: the tool compiles for
 a GPU, which conftest's TRITON_INTERPRET=1 would turn into interpreted functions."""
 
+import argparse
 import os
 import re
 import shutil
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.compile_decode_kernel import TRITON_BIN as BIN
+from benchmarks.compile_decode_kernel import parse_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,3 +34,10 @@ def test_more_stages_prefetch_more_tiles_in_more_shared_memory():
     assert five["shared"] - three["shared"] >= 16  # KB: one more 64-token K and V tile of fp8
     assert three["hmma"] == five["hmma"] == 32  # both dots of a 64-token tile, whatever the stages
     assert 1 <= five["programs"] <= three["programs"]
+
+
+def test_configs_parse_and_bad_ones_are_clear_errors():
+    assert parse_configs("128:3,64:5:2,32:2:2:96") == [[128, 3], [64, 5, 2], [32, 2, 2, 96]]
+    for bad in ("n128w4s3", "128", "128:0", "128:3:4:96:1", "128:-3"):
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(bad))):
+            parse_configs(bad)
