@@ -235,7 +235,7 @@ def bench_decode(results, budget: Budget, fa):
                    bytes=pr["bytes"], triton={})
         default_splits = decode_splits(b, KV_HEADS, pr["max_context"], DEV)
         default_cfg = decode_config(DEV, DT, HEAD_DIM, default_splits, pr["max_context"], b,
-                                  pr["k_cache"].dtype)
+                                    pr["k_cache"].dtype)
 
         def ours(cfg, splits):
             return [lambda p=p: paged_decode_attention(

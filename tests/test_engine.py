@@ -405,7 +405,7 @@ def test_step_input_reuses_plain_rows_and_sends_steps(tiny_dir, device, prompts)
     params = [SamplingParams(temperature=1.0, seed=3, min_tokens=3, stop_token_ids=[5], max_tokens=8),
               SamplingParams(temperature=1.0, seed=4, presence_penalty=0.5, max_tokens=8)]
     llm.generate(token_prompts(prompts[:2]), params, use_tqdm=False)
-    # rows are in the scheduler's order (longest context first): find each sequence's by its seed
+    # rows come in the scheduler's order: find each sequence's row by its seed
     at = [[r.seed for r, _ in rows].index(3) for rows, _ in seen]
     plain = [rows[i] for (rows, _), i in zip(seen, at)]
     assert [steps[i] for (_, steps), i in zip(seen, at)] == list(range(len(seen))) and len(seen) > 4

@@ -128,7 +128,7 @@ class Scheduler:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.bm = block_manager
         self.longest_decodes_first = longest_decodes_first
-        self.order = _longest_decodes_first if longest_decodes_first else _decodes_first
+        self._sort_key = _longest_decodes_first if longest_decodes_first else _decodes_first
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -181,7 +181,7 @@ class Scheduler:
         scheduled: set[int] = set()
 
         # 1. Running sequences: decodes first, then chunks of unfinished prefills.
-        for seq in sorted(self.running, key=self.order):
+        for seq in sorted(self.running, key=self._sort_key):
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
