@@ -2,9 +2,10 @@
 shared memory, registers, spills, the K/V buffers Triton's pipeliner allocates, programs an SM,
 and the instruction mix of the main loop. Runs on a CPU (Triton's bundled ptxas and cuobjdump).
 
-    python benchmarks/compile_decode_kernel.py [--cache fp8|bf16] [--configs 128:3,128:5,64:5]
+    python benchmarks/compile_decode_kernel.py [--cache fp8|bf16] [--configs n128w4s3,n64w4s5,n32w2s2]
 
-Each config is BLOCK_N:NUM_STAGES[:NUM_WARPS[:MAXNREG]], in the engine's form at the 0.6B shape
+Each config is n<BLOCK_N>w<WARPS>s<STAGES>[r<MAXNREG>] (as the sweeps print them; until session
+14 it was written BLOCK_N:NUM_STAGES[:NUM_WARPS[:MAXNREG]]), in the engine's form at the 0.6B shape
 (16 heads, 8 KV heads, head_dim 128, page 16, fused q/k norm + RoPE and store, one split; fp8:
 fp16 dots and V widened by PTX, as paged_decode_attention defaults on sm_89+). What it prints
 is the compiler's, not a measurement: only the GPU says which config is faster.
@@ -96,31 +97,32 @@ def compile_one(cache: str, block_n: int, stages: int, warps: int, maxnreg: int,
                 loop_instructions=len(loop), mix=mix)
 
 
-def parse_configs(text: str) -> list[list[int]]:
-    """"128:3,64:5:2" -> [[128, 3], [64, 5, 2]]: BLOCK_N:NUM_STAGES[:NUM_WARPS[:MAXNREG]] each."""
+def parse_configs(text: str) -> list[dict]:
+    """"n32w2s3,n128w4s3r128" -> tile configs: block_n, num_warps, num_stages and, after r, a
+    register cap (maxnreg). The notation the sweeps print."""
     configs = []
     for spec in text.split(","):
-        parts = spec.split(":")
-        if not 2 <= len(parts) <= 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        m = re.fullmatch(r"n([1-9]\d*)w([1-9]\d*)s([1-9]\d*)(?:r([1-9]\d*))?", spec)
+        if m is None:
             raise argparse.ArgumentTypeError(
-                f"config {spec!r}: want BLOCK_N:NUM_STAGES[:NUM_WARPS[:MAXNREG]], positive integers")
-        configs.append([int(p) for p in parts])
+                f"config {spec!r}: want n<BLOCK_N>w<WARPS>s<STAGES>[r<MAXNREG>], e.g. n128w4s3")
+        configs.append(dict(block_n=int(m[1]), num_warps=int(m[2]), num_stages=int(m[3]))
+                       | ({"maxnreg": int(m[4])} if m[4] else {}))
     return configs
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cache", choices=("fp8", "bf16"), default="fp8")
-    ap.add_argument("--configs", type=parse_configs, default="128:3,128:5,64:3,64:5,64:7,32:2:2")
+    ap.add_argument("--configs", type=parse_configs,
+                    default="n128w4s3,n128w4s5,n64w4s3,n64w4s5,n64w4s7,n32w2s2")
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for sm_90")
     args = ap.parse_args()
     tile_bytes = 2 * 128 * (1 if args.cache == "fp8" else 2)  # K and V, a token
     with tempfile.TemporaryDirectory() as workdir:
-        for parts in args.configs:
-            block_n, stages = parts[:2]
-            warps = parts[2] if len(parts) > 2 else 4
-            maxnreg = parts[3] if len(parts) > 3 else 0
+        for c in args.configs:
+            block_n, stages, warps, maxnreg = c["block_n"], c["num_stages"], c["num_warps"], c.get("maxnreg", 0)
             r = compile_one(args.cache, block_n, stages, warps, maxnreg, args.page, args.arch, workdir)
             in_flight = r["programs_per_sm"] * r["prefetched_tiles"] * block_n * tile_bytes
             print(f"{args.cache} n{block_n}w{warps}s{stages}{f' maxnreg {maxnreg}' if maxnreg else ''}: "

@@ -34,6 +34,7 @@ import torch
 
 from benchmarks.bench_attention import (DEV, DT, HEAD_DIM, HEADS, KV_HEADS, copy_bandwidth,
                                         decode_problem, time_calls)
+from benchmarks.compile_decode_kernel import parse_configs
 from minivllm.kernels.decode_attention import decode_config, decode_splits, paged_decode_attention
 from minivllm.state import parse_kv_cache_dtype
 from minivllm.state.config import FP8_DTYPES
@@ -63,9 +64,14 @@ def main() -> int:
                     "fp8 cache, else given")
     ap.add_argument("--default-only", action="store_true",
                     help="only the engine's default config (engine form and plain)")
+    ap.add_argument("--configs", type=parse_configs, default=None,
+                    help="the default and these tile configs only, e.g. n32w2s3,n64w2s2 (BLOCK_N, "
+                    "warps, stages)")
     ap.add_argument("--profile", action="store_true",
                     help="no timing: the engine-form default twice per context range, for ncu")
     args = ap.parse_args()
+    if any("maxnreg" in c for c in args.configs or []):
+        ap.error("--configs: a register cap (r<MAXNREG>) is for compile_decode_kernel.py only")
     if not torch.cuda.is_available():
         print("sweep_decode_attention.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -76,6 +82,7 @@ def main() -> int:
     cos = torch.randn(b, HEAD_DIM, generator=g, device=DEV, dtype=DT)
     sin = torch.randn(b, HEAD_DIM, generator=g, device=DEV, dtype=DT)
     cache_dtype = parse_kv_cache_dtype(args.kv_cache_dtype, DT)
+    only = [{}] + (args.configs or []) if args.default_only or args.configs else None
     orders = {"both": ["given", "longest-first"],
               "engine": ["longest-first" if cache_dtype in FP8_DTYPES else "given"]}.get(
         args.order, [args.order])
@@ -91,8 +98,7 @@ def main() -> int:
             if args.profile:
                 profile_one(pr, b, splits, slots, weights, cos, sin, scale)
                 continue
-            sweep_one(pr, b, lo, hi, args.page, splits, slots, weights, cos, sin, scale,
-                      args.default_only)
+            sweep_one(pr, b, lo, hi, args.page, splits, slots, weights, cos, sin, scale, only)
         del pr
         torch.cuda.empty_cache()
     return 0
@@ -122,9 +128,9 @@ def profile_one(pr, b, splits, slots, weights, cos, sin, scale):
           f"({len(pr['problems'])} problems)", flush=True)
 
 
-def sweep_one(pr, b, lo, hi, page, splits, slots, weights, cos, sin, scale, default_only=False):
-    """Every config (or the default only) at one split count over one set of problems; one
-    printed block."""
+def sweep_one(pr, b, lo, hi, page, splits, slots, weights, cos, sin, scale, only=None):
+    """Every config (or only those given; {} is the default) at one split count over one set of
+    problems; one printed block."""
     cells = []
     configs = CONFIGS + [dict(c, peel=False) for c in CONFIGS[:1] + CONFIGS[7:8]]  # masks on every tile
     if pr["k_cache"].dtype in FP8_DTYPES:  # an fp8 cache: its default fp16 dots, bf16 ones,
@@ -132,8 +138,8 @@ def sweep_one(pr, b, lo, hi, page, splits, slots, weights, cos, sin, scale, defa
         configs = configs + [dict(c, f16_dots=False) for c in CONFIGS[:2]] + [
             dict(c, ptx_widen=w) for c in CONFIGS[:1] + CONFIGS[2:3] + CONFIGS[7:8] for w in (0, 1)
         ] + FP8_PREFETCH_CONFIGS
-    if default_only:
-        configs = [{}]
+    if only is not None:
+        configs = only
     for fused in (True, False):
         for over in configs:
             cfg = decode_config(DEV, DT, HEAD_DIM, splits, 4096, b, pr["k_cache"].dtype) | over

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_more_stages_prefetch_more_tiles_in_more_shared_memory():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks/compile_decode_kernel.py"),
-                          "--cache", "fp8", "--configs", "64:3,64:5"], env=env, cwd=ROOT,
+                          "--cache", "fp8", "--configs", "n64w4s3,n64w4s5"], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=300, check=True).stdout
     rows = [dict(shared=float(m[0]), tiles=int(m[1]), programs=int(m[2]), hmma=int(m[3]))
             for m in re.findall(r"([\d.]+) KB shared.*? (\d+) tile\(s\) prefetched, (\d+) programs an SM"
@@ -37,7 +37,12 @@ def test_more_stages_prefetch_more_tiles_in_more_shared_memory():
 
 
 def test_configs_parse_and_bad_ones_are_clear_errors():
-    assert parse_configs("128:3,64:5:2,32:2:2:96") == [[128, 3], [64, 5, 2], [32, 2, 2, 96]]
-    for bad in ("n128w4s3", "128", "128:0", "128:3:4:96:1", "128:-3"):
+    """The notation both compile_decode_kernel.py and sweep_decode_attention.py take."""
+    assert parse_configs("n128w4s3,n32w2s2r96") == [
+        dict(block_n=128, num_warps=4, num_stages=3),
+        dict(block_n=32, num_warps=2, num_stages=2, maxnreg=96)]
+    for bad in ("128:3", "n128w4", "n128w0s3", "n128w4s3r", "N128W4S3"):
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(bad))):
             parse_configs(bad)
+    with pytest.raises(argparse.ArgumentTypeError, match="config ''"):
+        parse_configs("n128w4s3,")
