@@ -122,7 +122,8 @@ def main() -> int:
     tile_bytes = 2 * 128 * (1 if args.cache == "fp8" else 2)  # K and V, a token
     with tempfile.TemporaryDirectory() as workdir:
         for c in args.configs:
-            block_n, stages, warps, maxnreg = c["block_n"], c["num_stages"], c["num_warps"], c.get("maxnreg", 0)
+            block_n, stages, warps = c["block_n"], c["num_stages"], c["num_warps"]
+            maxnreg = c.get("maxnreg", 0)
             r = compile_one(args.cache, block_n, stages, warps, maxnreg, args.page, args.arch, workdir)
             in_flight = r["programs_per_sm"] * r["prefetched_tiles"] * block_n * tile_bytes
             print(f"{args.cache} n{block_n}w{warps}s{stages}{f' maxnreg {maxnreg}' if maxnreg else ''}: "

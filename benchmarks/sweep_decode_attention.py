@@ -140,9 +140,13 @@ def sweep_one(pr, b, lo, hi, page, splits, slots, weights, cos, sin, scale, only
         ] + FP8_PREFETCH_CONFIGS
     if only is not None:
         configs = only
+    default = decode_config(DEV, DT, HEAD_DIM, splits, 4096, b, pr["k_cache"].dtype)
+    resolved = []  # each config once: an fp8 cache's default n32w2s2 is also a row of CONFIGS
+    for c in (default | over for over in configs):
+        if c not in resolved:
+            resolved.append(c)
     for fused in (True, False):
-        for over in configs:
-            cfg = decode_config(DEV, DT, HEAD_DIM, splits, 4096, b, pr["k_cache"].dtype) | over
+        for cfg in resolved:
             extra = dict(slot_mapping=slots,
                          norm_rope=(weights[0], weights[1], cos, sin, 1e-6)) if fused else {}
             calls = [lambda p=p: paged_decode_attention(
