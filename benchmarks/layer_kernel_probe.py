@@ -12,8 +12,9 @@ them pays the ramp-up once. What that costs, at one row, Qwen3-0.6B's shapes:
    persistent launch with a barrier after each (and without, to price the barriers), against
    the same four as F.linear (cuBLAS) in a CUDA graph. Two forms: BLOCK_N-row tiles dealt
    round-robin (_layer_gemvs_kernel), and one row block a program whose next phase's first
-   weight chunk is loaded before the barrier that precedes it (_layer_prefetch_kernel): a
-   layer's weights never depend on the previous phase, only its input vector does. Weights
+   weight chunk (or whole row block) is loaded before the barrier that precedes it
+   (_layer_prefetch_kernel): a layer's weights never depend on the previous phase, only its
+   input vector does. Weights
    rotate over copies that exceed the L2, as in bench_linear.py. Each GEMV is checked against
    an fp32 matmul.
 
@@ -99,13 +100,15 @@ def _layer_gemvs_kernel(counter_ptr, w0, x0, y0, w1, x1, y1, w2, x2, y2, w3, x3,
 @triton.jit
 def _rows_load(w_ptr, k0, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BN: tl.constexpr,
                BLOCK_K: tl.constexpr):
-    """This program's R rows of W (one tile, BN >= R), columns [k0, k0 + BLOCK_K) (K a multiple
-    of BLOCK_K)."""
+    """This program's R rows of W (one tile, BN >= R), columns [k0, k0 + BLOCK_K), masked past K
+    (BLOCK_K is a power of two; a whole 3,072-column row is one 4,096-wide load)."""
     offs = tl.arange(0, BN)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
     rows = tl.program_id(0) * R + offs
-    mask = (offs < R) & (rows < N)
-    return tl.load(w_ptr + rows[:, None].to(tl.int64) * K + k0 + tl.arange(0, BLOCK_K)[None, :],
-                   mask=mask[:, None], other=0.0)
+    mask = ((offs < R) & (rows < N))[:, None]
+    if K % BLOCK_K != 0:
+        mask = mask & (offs_k < K)[None, :]
+    return tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs_k[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
@@ -113,10 +116,12 @@ def _rows_gemv(w_first, w_ptr, x_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr, R
                BN: tl.constexpr, BLOCK_K: tl.constexpr):
     """y[rows] = W[rows] @ x for this program's rows, the first BLOCK_K columns already loaded."""
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.sum(w_first.to(tl.float32) * tl.load(x_ptr + offs_k).to(tl.float32)[None, :], 1)
+    x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0)
+    acc = tl.sum(w_first.to(tl.float32) * x.to(tl.float32)[None, :], 1)
     for k0 in tl.static_range(BLOCK_K, K, BLOCK_K):
         w = _rows_load(w_ptr, k0, N, K, R, BN, BLOCK_K)
-        acc += tl.sum(w.to(tl.float32) * tl.load(x_ptr + k0 + offs_k).to(tl.float32)[None, :], 1)
+        x = tl.load(x_ptr + k0 + offs_k, mask=k0 + offs_k < K, other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
     offs = tl.arange(0, BN)
     rows = tl.program_id(0) * R + offs
     tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=(offs < R) & (rows < N))
@@ -128,22 +133,24 @@ def _layer_prefetch_kernel(counter_ptr, w0, x0, y0, w1, x1, y1, w2, x2, y2, w3, 
                            N1: tl.constexpr, K1: tl.constexpr, R1: tl.constexpr, BN1: tl.constexpr,
                            N2: tl.constexpr, K2: tl.constexpr, R2: tl.constexpr, BN2: tl.constexpr,
                            N3: tl.constexpr, K3: tl.constexpr, R3: tl.constexpr, BN3: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
-    """One row block of each GEMV a program; the next phase's first weight chunk is loaded
-    before the barrier that precedes it (weights never depend on the previous phase)."""
+                           BK0: tl.constexpr, BK1: tl.constexpr, BK2: tl.constexpr,
+                           BK3: tl.constexpr):
+    """One row block of each GEMV a program; the next phase's first BKj weight columns are
+    loaded before the barrier that precedes it (weights never depend on the previous phase).
+    BKj >= Kj: the whole row block is requested a phase ahead."""
     programs = tl.num_programs(0)
     base = tl.atomic_add(counter_ptr, 0) // programs * programs
-    w = _rows_load(w0, 0, N0, K0, R0, BN0, BLOCK_K)
-    _rows_gemv(w, w0, x0, y0, N0, K0, R0, BN0, BLOCK_K)
-    w = _rows_load(w1, 0, N1, K1, R1, BN1, BLOCK_K)
+    w = _rows_load(w0, 0, N0, K0, R0, BN0, BK0)
+    _rows_gemv(w, w0, x0, y0, N0, K0, R0, BN0, BK0)
+    w = _rows_load(w1, 0, N1, K1, R1, BN1, BK1)
     _grid_barrier(counter_ptr, base + programs)
-    _rows_gemv(w, w1, x1, y1, N1, K1, R1, BN1, BLOCK_K)
-    w = _rows_load(w2, 0, N2, K2, R2, BN2, BLOCK_K)
+    _rows_gemv(w, w1, x1, y1, N1, K1, R1, BN1, BK1)
+    w = _rows_load(w2, 0, N2, K2, R2, BN2, BK2)
     _grid_barrier(counter_ptr, base + 2 * programs)
-    _rows_gemv(w, w2, x2, y2, N2, K2, R2, BN2, BLOCK_K)
-    w = _rows_load(w3, 0, N3, K3, R3, BN3, BLOCK_K)
+    _rows_gemv(w, w2, x2, y2, N2, K2, R2, BN2, BK2)
+    w = _rows_load(w3, 0, N3, K3, R3, BN3, BK3)
     _grid_barrier(counter_ptr, base + 3 * programs)
-    _rows_gemv(w, w3, x3, y3, N3, K3, R3, BN3, BLOCK_K)
+    _rows_gemv(w, w3, x3, y3, N3, K3, R3, BN3, BK3)
     _grid_barrier(counter_ptr, base + 4 * programs)
 
 
@@ -215,12 +222,15 @@ def main() -> int:
     blocks = {}  # one block of ceil(N / programs) rows a program, a power-of-two tile holding it
     for j, (n, _) in enumerate(LAYER.values()):
         blocks |= {f"R{j}": -(-n // sms), f"BN{j}": triton.next_power_of_2(-(-n // sms))}
-    for block_k, warps in ((256, 8), (512, 8), (1024, 8), (1024, 16)):
+    whole = {f"BK{j}": triton.next_power_of_2(k) for j, (_, k) in enumerate(LAYER.values())}
+    for block_k, warps in ((256, 8), (1024, 8), ("whole", 8), ("whole", 16)):
+        chunks = whole if block_k == "whole" else {f"BK{j}": block_k for j in range(len(LAYER))}
         us = graph_us(lambda i: _layer_prefetch_kernel[(sms,)](
-            counter, *layer_args(weights, xs, ys, i), **shapes, **blocks, BLOCK_K=block_k,
+            counter, *layer_args(weights, xs, ys, i), **shapes, **blocks, **chunks,
             num_warps=warps))
         report("persistent, one row block a program, next weights loaded before each barrier, "
-               f"BLOCK_K {block_k}, {warps} warps", us, max_error(weights, xs, ys))
+               f"{'whole rows' if block_k == 'whole' else f'BLOCK_K {block_k}'}, {warps} warps",
+               us, max_error(weights, xs, ys))
     return 0
 
 

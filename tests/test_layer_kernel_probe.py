@@ -43,15 +43,16 @@ def _one_phase(w_ptr, x_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr, R: tl.cons
     _rows_gemv(first, w_ptr, x_ptr, y_ptr, N, K, R, BN, BLOCK_K)
 
 
-@pytest.mark.parametrize("n,k,programs", [(64, 32, 5), (30, 64, 4), (100, 48, 7), (8, 16, 8)])
-def test_row_blocks_cover_every_row_once(device, n, k, programs):
+@pytest.mark.parametrize("n,k,programs,block_k", [(64, 32, 5, 16), (30, 64, 4, 16),
+                                                 (100, 48, 7, 16), (8, 16, 8, 16), (20, 48, 3, 64)])
+def test_row_blocks_cover_every_row_once(device, n, k, programs, block_k):
     """One block of ceil(n / programs) rows a program, masked past n (the last programs may get
-    fewer rows or none)."""
+    fewer rows or none); columns in BLOCK_K chunks, or one chunk wider than the row (masked)."""
     g = torch.Generator().manual_seed(n)
     w, x = torch.randn(n, k, generator=g).to(device), torch.randn(k, generator=g).to(device)
     y = torch.full((n,), float("nan"), device=device)
     rows = -(-n // programs)
-    _one_phase[(programs,)](w, x, y, n, k, rows, triton.next_power_of_2(rows), 16)
+    _one_phase[(programs,)](w, x, y, n, k, rows, triton.next_power_of_2(rows), block_k)
     torch.testing.assert_close(y, w @ x, rtol=1e-4, atol=1e-4)
 
 
