@@ -14,9 +14,8 @@ them pays the ramp-up once. What that costs, at one row, Qwen3-0.6B's shapes:
    round-robin (_layer_gemvs_kernel), and one row block a program whose next phase's first
    weight chunk (or whole row block) is loaded before the barrier that precedes it
    (_layer_prefetch_kernel): a layer's weights never depend on the previous phase, only its
-   input vector does. Weights
-   rotate over copies that exceed the L2, as in bench_linear.py. Each GEMV is checked against
-   an fp32 matmul.
+   input vector does. Weights rotate over copies that exceed the L2, as in bench_linear.py.
+   Each GEMV is checked against an fp32 matmul.
 
 GPU only: Triton's CPU interpreter runs programs one after another, so a spin barrier would never
 return there. A measurement, not the engine: the phases' inputs are fixed vectors, not each
