@@ -98,7 +98,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
         # An fp8 cache's decode kernel is latency-bound, so its launch's tail counts: +3.7% with
-        # the longest contexts first; a 16-bit cache's reads at the copy rate: -0.3% (session 14).
+        # the longest contexts first; a 16-bit cache's kernel reads at the copy rate: -0.3% there
+        # (session 14).
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=config.max_model_len,
