@@ -1,0 +1,78 @@
+"""kernels/decode_layer.py's persistent decoder layer at the single stream's step, timed.
+
+    PYTHONPATH=. python benchmarks/decode_layer_probe.py [--rows 1] [--context 600]
+
+Qwen3-0.6B's layer shape, random bf16 weights, a bf16 cache with `--context` tokens a row, page
+16. The persistent layer (one launch, grid barriers) against functional.decoder_layer on the
+triton backend (eager kernels: not the engine's compiled layer, whose single-stream layer the
+traces put at ~36 us), each in a CUDA graph of 20 layers over weight copies that exceed the L2.
+Outputs are compared with each other first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+import minivllm
+from benchmarks.bench_linear import cuda_and_l2, graph_us
+from minivllm.functional.rope import rope_cos_sin
+from minivllm.kernels import select_backend
+from minivllm.kernels.decode_layer import decode_layer
+from minivllm.state import SeqChunk, make_batch
+from minivllm.state.shard import ShardSpec
+from minivllm.state.config import config_for_shape
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--context", type=int, default=600)
+    args = ap.parse_args()
+    if (gpu := cuda_and_l2("decode_layer_probe.py")) is None:
+        return 2
+    dev, l2 = gpu
+    layer_bytes = 31_457_280  # qkv, o_proj, gate_up, down of the 0.6B shape in bf16
+    config = config_for_shape("qwen3-0.6b", num_layers=max(2, -(-2 * l2 // layer_bytes)))
+    layers = minivllm.random_params(config, seed=0, device=dev).layers
+    page = 16
+    blocks = -(-args.context // page)
+    chunks = [SeqChunk([7], args.context - 1, list(range(r * blocks, (r + 1) * blocks)))
+              for r in range(args.rows)]
+    batch = make_batch(chunks, block_size=page, device=dev)
+    shape = (args.rows * blocks + 1, page, config.num_kv_heads, config.head_dim)
+    k_cache = torch.randn(shape, device=dev, dtype=config.dtype)
+    v_cache = torch.randn(shape, device=dev, dtype=config.dtype)
+    x = torch.randn(args.rows, config.hidden_size, device=dev, dtype=config.dtype)
+    res = torch.randn_like(x)
+    cos, sin = rope_cos_sin(config, batch.positions)
+    backend = select_backend(dev, "triton")
+
+    def functional(i):
+        return minivllm.functional.decoder_layer(
+            layers[i % len(layers)], x, res, cos, sin, k_cache, v_cache, batch, config=config,
+            shard=ShardSpec(), backend=backend)
+
+    def persistent(i):
+        return decode_layer(layers[i % len(layers)], x, res, cos, sin, k_cache, v_cache, batch,
+                            config=config)
+
+    want, got = functional(0), persistent(0)
+    for name, a, b in (("output", got[0], want[0]), ("residual", got[1], want[1])):
+        err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        print(f"{name}: relative difference {err:.2e}", flush=True)
+    print(f"functional layer, eager kernels: {graph_us(functional):.2f} us a layer "
+          f"({args.rows} row(s), context {args.context})", flush=True)
+    for block_k, warps in ((256, 8), (1024, 8), (256, 4), (1024, 4)):
+        us = graph_us(lambda i: decode_layer(
+            layers[i % len(layers)], x, res, cos, sin, k_cache, v_cache, batch, config=config,
+            block_k=block_k, num_warps=warps))
+        print(f"persistent layer, one launch, {block_k}-column loads, {warps} warps: {us:.2f} us "
+              f"a layer ({args.rows} row(s), context {args.context})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""kernels/decode_layer.py: one decoder layer at a decode step of 1-2 rows as one persistent
+kernel, against functional.decoder_layer on the reference backend (its output, its residual
+stream and the K/V it writes). On the CPU the interpreter runs it one launch per phase (a spin
+barrier cannot run there); a GPU runs it as one launch with grid barriers as well."""
+
+import pytest
+import torch
+
+import minivllm
+from minivllm.functional.rope import rope_cos_sin
+from minivllm.kernels import select_backend
+from minivllm.kernels.decode_layer import MAX_ROWS, decode_layer
+from minivllm.kernels.launch import runs_ptx, triton_usable
+from minivllm.state import ModelConfig, SeqChunk, make_batch
+from minivllm.state.shard import ShardSpec
+
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+@pytest.fixture(autouse=True)
+def _needs_triton(device):
+    if not triton_usable(device):
+        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+
+
+def layer_case(device, dtype, contexts, first_layer, seed=0, page=4):
+    config = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=1,
+                         num_heads=4, num_kv_heads=2, head_dim=16, dtype=dtype)
+    params = minivllm.random_params(config, seed=seed, std=0.2, device=device)
+    g = torch.Generator().manual_seed(seed)
+    blocks = [-(-c // page) for c in contexts]
+    order = torch.randperm(sum(blocks) + 2, generator=g).tolist()
+    chunks, at = [], 0
+    for c, nb in zip(contexts, blocks):
+        chunks.append(SeqChunk([7], c - 1, order[at:at + nb]))
+        at += nb
+    batch = make_batch(chunks, block_size=page, device=device)
+    cache_shape = (sum(blocks) + 2, page, config.num_kv_heads, config.head_dim)
+    k_cache = torch.randn(cache_shape, generator=g).to(device, dtype)
+    v_cache = torch.randn(cache_shape, generator=g).to(device, dtype)
+    m = len(contexts)
+    x = (torch.randn(m, config.hidden_size, generator=g)).to(device, dtype)
+    residual = None if first_layer else torch.randn(m, config.hidden_size, generator=g).to(
+        device, dtype)
+    cos, sin = rope_cos_sin(config, batch.positions)
+    return config, params.layers[0], x, residual, cos, sin, k_cache, v_cache, batch
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("contexts,first_layer", [([9], False), ([1], True), ([13, 30], False),
+                                                  ([30, 2], True)])
+def test_decode_layer_matches_the_functional_layer(device, dtype, contexts, first_layer):
+    config, lp, x, residual, cos, sin, k_cache, v_cache, batch = layer_case(
+        device, dtype, contexts, first_layer)
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    want_out, want_res = minivllm.functional.decoder_layer(
+        lp, x, residual, cos, sin, k_want, v_want, batch, config=config, shard=ShardSpec(),
+        backend=select_backend(device, "reference"))
+    runs = [True] + ([False] if runs_ptx(device) else [])  # phase by phase; one launch on a GPU
+    for phase_by_phase in runs:
+        k_got, v_got = k_cache.clone(), v_cache.clone()
+        out, res = decode_layer(lp, x, residual, cos, sin, k_got, v_got, batch, config=config,
+                                phase_by_phase=phase_by_phase)
+        assert rel(res, want_res) <= TOL[dtype] / 10
+        assert rel(out, want_out) <= TOL[dtype], rel(out, want_out)
+        slots = batch.slot_mapping.long()
+        flat = lambda c: c.reshape(-1, *c.shape[2:])  # noqa: E731
+        for got, want in ((k_got, k_want), (v_got, v_want)):  # qkv's sums run in another order
+            torch.testing.assert_close(flat(got)[slots], flat(want)[slots], rtol=TOL[dtype],
+                                       atol=TOL[dtype])
+        keep = torch.ones(flat(k_got).shape[0], dtype=torch.bool, device=device)
+        keep[slots] = False
+        assert torch.equal(flat(k_got)[keep], flat(k_cache)[keep])  # nothing else written
+
+
+def test_decode_layer_refuses_what_it_does_not_run(device):
+    config, lp, x, residual, cos, sin, k_cache, v_cache, batch = layer_case(
+        device, torch.float32, [5] * (MAX_ROWS + 1), False)
+    with pytest.raises(ValueError, match="at most"):
+        decode_layer(lp, x, residual, cos, sin, k_cache, v_cache, batch, config=config)
