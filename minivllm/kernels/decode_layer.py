@@ -293,3 +293,19 @@ def decode_layer(lp: LayerParams, x: torch.Tensor, residual: torch.Tensor | None
     for phase in range(PHASES) if phase_by_phase else (-1,):
         _decode_layer_kernel[(programs,)](*args, **consts, PHASE=phase, num_warps=num_warps)
     return out, res2
+
+
+def persistent_decoder_layer(lp: LayerParams, x: torch.Tensor, residual: torch.Tensor | None,
+                             cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, batch: Batch, *, config: ModelConfig, shard,
+                             backend) -> tuple[torch.Tensor, torch.Tensor]:
+    """functional.decoder_layer's signature: decode_layer for a decode batch of at most MAX_ROWS
+    rows on one rank, decoder_layer itself for anything else (prefill, larger batches)."""
+    from ..functional.layer import decoder_layer
+    from ..functional.linear import sum_partials
+
+    if batch.is_decode and batch.num_seqs <= MAX_ROWS and shard.world_size == 1:
+        x = sum_partials(x, x.dtype if residual is None else residual.dtype)
+        return decode_layer(lp, x, residual, cos, sin, k_cache, v_cache, batch, config=config)
+    return decoder_layer(lp, x, residual, cos, sin, k_cache, v_cache, batch, config=config,
+                         shard=shard, backend=backend)

@@ -94,7 +94,8 @@ class DecodeGraphs:
     graph's static output: read it before the next replay)."""
 
     def __init__(self, params: Params, cache: KVCache, backend, *, max_num_seqs: int,
-                 max_blocks_per_seq: int, compile_forward: bool = True):
+                 max_blocks_per_seq: int, compile_forward: bool = True,
+                 persistent_decode: bool = False):
         self.params, self.cache, self.backend = params, cache, backend
         self.device = params.device
         self.buckets = decode_buckets(max_num_seqs)
@@ -118,6 +119,12 @@ class DecodeGraphs:
         self.staged = [None, None]  # the event after each set's last copies
         self.turn = 0
         self.fn = compiled_forward() if compile_forward else forward
+        # Buckets of at most MAX_ROWS rows: each layer one persistent kernel (decode_layer.py).
+        self.small_fn = self.fn
+        if persistent_decode:
+            from ..kernels.decode_layer import persistent_decoder_layer
+
+            self.small_fn = functools.partial(self.fn, layer=persistent_decoder_layer)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -137,11 +144,12 @@ class DecodeGraphs:
         with torch.cuda.stream(stream), torch.no_grad():
             for bs in reversed(self.buckets):
                 batch = self.batch_view(bs)
+                fn = self.small_fn if bs <= self._small_rows() else self.fn
                 for _ in range(2):
-                    self.fn(self.params, self.cache, batch, self.backend)
+                    fn(self.params, self.cache, batch, self.backend)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    logits, _ = self.fn(self.params, self.cache, batch, self.backend)
+                    logits, _ = fn(self.params, self.cache, batch, self.backend)
                 pool = graph.pool()
                 self.graphs[bs], self.outputs[bs] = graph, logits
                 if len(self.graphs) == 1:
@@ -150,6 +158,12 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         log.info("minivllm: captured decode CUDA graphs for batch sizes %s in %.1f s (the first, "
                  "compile included, %.1f s)", self.buckets, time.perf_counter() - start, first)
+
+    @staticmethod
+    def _small_rows() -> int:
+        from ..kernels.decode_layer import MAX_ROWS
+
+        return MAX_ROWS
 
     def bucket(self, b: int) -> int | None:
         for size in self.buckets:
