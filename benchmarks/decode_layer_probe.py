@@ -5,8 +5,9 @@
 Qwen3-0.6B's layer shape, random bf16 weights, a bf16 cache with `--context` tokens a row, page
 16. The persistent layer (one launch, grid barriers) against functional.decoder_layer on the
 triton backend (eager kernels: not the engine's compiled layer, whose single-stream layer the
-traces put at ~36 us), each in a CUDA graph of 20 layers over weight copies that exceed the L2.
-Outputs are compared with each other first.
+traces put at ~36 us), each in a CUDA graph of 20 layers over weight copies that exceed the L2;
+then every layer of the model (as many as exceed the L2) in one launch, per layer. Outputs are
+compared with each other first.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import minivllm
 from benchmarks.bench_linear import cuda_and_l2, graph_us
 from minivllm.functional.rope import rope_cos_sin
 from minivllm.kernels import select_backend
-from minivllm.kernels.decode_layer import decode_layer
+from minivllm.kernels.decode_layer import decode_layer, decode_stack, layer_table
 from minivllm.state import SeqChunk, make_batch
 from minivllm.state.shard import ShardSpec
 from minivllm.state.config import config_for_shape
@@ -71,6 +72,14 @@ def main() -> int:
             block_k=block_k, num_warps=warps))
         print(f"persistent layer, one launch, {block_k}-column loads, {warps} warps: {us:.2f} us "
               f"a layer ({args.rows} row(s), context {args.context})", flush=True)
+    # every layer in one launch (each layer's K/V into the same cache: timing only)
+    table = layer_table(layers, [k_cache] * len(layers), [v_cache] * len(layers))
+    for warps in (8, 16):
+        us = graph_us(lambda i: decode_stack(table, x, res, cos, sin, k_cache, batch,
+                                             config=config, dtype=config.dtype, num_warps=warps))
+        print(f"persistent stack of {len(layers)} layers, one launch, {warps} warps: "
+              f"{us / len(layers):.2f} us a layer ({args.rows} row(s), context {args.context})",
+              flush=True)
     return 0
 
 

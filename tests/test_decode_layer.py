@@ -51,9 +51,11 @@ def rel(a, b):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("contexts,first_layer", [([9], False), ([1], True), ([13, 30], False),
-                                                  ([30, 2], True)])
-def test_decode_layer_matches_the_functional_layer(device, dtype, contexts, first_layer):
+@pytest.mark.parametrize("contexts,first_layer,block_k", [
+    ([9], False, 1024), ([1], True, 16), ([13, 30], False, 32), ([30, 2], True, 1024)])
+def test_decode_layer_matches_the_functional_layer(device, dtype, contexts, first_layer, block_k):
+    """block_k: GEMV columns a load; 16 and 32 split every GEMV of this shape into chunks, the
+    first of which the single launch loads before the barrier ahead of its phase."""
     config, lp, x, residual, cos, sin, k_cache, v_cache, batch = layer_case(
         device, dtype, contexts, first_layer)
     k_want, v_want = k_cache.clone(), v_cache.clone()
@@ -64,7 +66,7 @@ def test_decode_layer_matches_the_functional_layer(device, dtype, contexts, firs
     for phase_by_phase in runs:
         k_got, v_got = k_cache.clone(), v_cache.clone()
         out, res = decode_layer(lp, x, residual, cos, sin, k_got, v_got, batch, config=config,
-                                phase_by_phase=phase_by_phase)
+                                phase_by_phase=phase_by_phase, block_k=block_k)
         assert rel(res, want_res) <= TOL[dtype] / 10
         assert rel(out, want_out) <= TOL[dtype], rel(out, want_out)
         slots = batch.slot_mapping.long()
@@ -82,3 +84,38 @@ def test_decode_layer_refuses_what_it_does_not_run(device):
         device, torch.float32, [5] * (MAX_ROWS + 1), False)
     with pytest.raises(ValueError, match="at most"):
         decode_layer(lp, x, residual, cos, sin, k_cache, v_cache, batch, config=config)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("contexts", [[6], [11, 3]])
+def test_persistent_layers_give_the_forward_logits(device, dtype, contexts):
+    """forward(..., layers=persistent_layers): every layer of a 3-layer model through
+    decode_stack (one launch on a GPU; ping-pong buffers between layers), the logits and the
+    cache the functional layers give. The cache's earlier tokens come from a prefill."""
+    import functools
+
+    from minivllm.kernels.decode_layer import layer_table, persistent_layers
+
+    config = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=3,
+                         num_heads=4, num_kv_heads=2, head_dim=16, dtype=dtype)
+    params = minivllm.random_params(config, seed=1, std=0.2, device=device)
+    backend = select_backend(device, "reference")
+    page, g = 4, torch.Generator().manual_seed(2)
+    tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(contexts))]
+    prompts = [torch.randint(0, 64, (c - 1,), generator=g).tolist() for c in contexts]
+    caches = []
+    for _ in range(2):
+        cache = minivllm.init_cache(params, num_blocks=8 * len(contexts), block_size=page)
+        prefill = make_batch([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)],
+                             block_size=page, device=device)
+        _, cache = minivllm.forward(params, cache, prefill, backend)
+        caches.append(cache)
+    step = make_batch([SeqChunk([5], c - 1, t) for c, t in zip(contexts, tables)],
+                      block_size=page, device=device)
+    want, _ = minivllm.forward(params, caches[0], step, backend)
+    layers = functools.partial(persistent_layers,
+                               table=layer_table(params.layers, caches[1].k, caches[1].v))
+    got, _ = minivllm.forward(params, caches[1], step, backend, layers=layers)
+    assert rel(got, want) <= TOL[dtype]
+    for a, b in zip(caches[1].k + caches[1].v, caches[0].k + caches[0].v):
+        torch.testing.assert_close(a, b, rtol=TOL[dtype], atol=TOL[dtype])

@@ -47,7 +47,7 @@ class EngineConfig:
     max_logprobs: int
     async_scheduling: bool = True
     kv_cache_dtype: torch.dtype | None = None  # None: dtype
-    persistent_decode: bool = False  # decode steps of 1-2 rows: one persistent kernel a layer
+    persistent_decode: bool = False  # decode steps of 1-2 rows: every layer in one persistent kernel
 
     @property
     def cache_dtype(self) -> torch.dtype:

@@ -119,12 +119,14 @@ class DecodeGraphs:
         self.staged = [None, None]  # the event after each set's last copies
         self.turn = 0
         self.fn = compiled_forward() if compile_forward else forward
-        # Buckets of at most MAX_ROWS rows: each layer one persistent kernel (decode_layer.py).
+        # Buckets of at most MAX_ROWS rows: every layer in one persistent kernel (decode_layer.py).
         self.small_fn = self.fn
         if persistent_decode:
-            from ..kernels.decode_layer import persistent_decoder_layer
+            from ..kernels.decode_layer import layer_table, persistent_layers
 
-            self.small_fn = functools.partial(self.fn, layer=persistent_decoder_layer)
+            table = layer_table(params.layers, cache.k, cache.v)
+            self.small_fn = functools.partial(
+                self.fn, layers=functools.partial(persistent_layers, table=table))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 

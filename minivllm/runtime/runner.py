@@ -208,10 +208,11 @@ class ModelRunner:
         # under the interpreter) take the persistent layer too.
         self.small_decode_forward, self.small_decode_rows = None, 0
         if config.persistent_decode:
-            from ..kernels.decode_layer import MAX_ROWS, persistent_decoder_layer
+            from ..kernels.decode_layer import MAX_ROWS, layer_table, persistent_layers
 
-            self.small_decode_forward = functools.partial(self.prefill_forward,
-                                                          layer=persistent_decoder_layer)
+            table = layer_table(self.params.layers, self.cache.k, self.cache.v)
+            self.small_decode_forward = functools.partial(
+                self.prefill_forward, layers=functools.partial(persistent_layers, table=table))
             self.small_decode_rows = MAX_ROWS
 
     def release_graphs(self) -> None:
