@@ -13,6 +13,7 @@ from minivllm.kernels.decode_layer import MAX_ROWS, decode_layer
 from minivllm.kernels.launch import runs_ptx, triton_usable
 from minivllm.state import ModelConfig, SeqChunk, make_batch
 from minivllm.state.shard import ShardSpec
+from test_fp8_cache import exact_fp8_rounding_in_the_interpreter  # noqa: F401 (autouse fixture)
 
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
@@ -119,3 +120,23 @@ def test_persistent_layers_give_the_forward_logits(device, dtype, contexts):
     assert rel(got, want) <= TOL[dtype]
     for a, b in zip(caches[1].k + caches[1].v, caches[0].k + caches[0].v):
         torch.testing.assert_close(a, b, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_layer_over_an_fp8_cache(device, dtype):
+    """An fp8 (e4m3) cache: the layer reads the cached tokens widened and stores the new one
+    rounded to e4m3, as the functional layer over the same cache does."""
+    config, lp, x, residual, cos, sin, k_cache, v_cache, batch = layer_case(
+        device, dtype, [13, 30], False)
+    k8, v8 = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+    k_want, v_want = k8.clone(), v8.clone()
+    want_out, want_res = minivllm.functional.decoder_layer(
+        lp, x, residual, cos, sin, k_want, v_want, batch, config=config, shard=ShardSpec(),
+        backend=select_backend(device, "reference"))
+    k_got, v_got = k8.clone(), v8.clone()
+    out, res = decode_layer(lp, x, residual, cos, sin, k_got, v_got, batch, config=config)
+    assert rel(out, want_out) <= 2e-2 and rel(res, want_res) <= 2e-3
+    slots = batch.slot_mapping.long()
+    for got, want in ((k_got, k_want), (v_got, v_want)):  # e4m3: 3 mantissa bits
+        got, want = got.reshape(-1, *got.shape[2:])[slots], want.reshape(-1, *want.shape[2:])[slots]
+        torch.testing.assert_close(got.float(), want.float(), rtol=0.07, atol=1e-2)

@@ -13,7 +13,9 @@ Compiling the whole forward gave the same fused kernels but took minutes on a fr
 28-layer graph, compiled twice: once static, once with a dynamic batch), which is why it is not
 done. The smallest bucket is 2, so that the compiled layer sees only batches of 2 or more and one
 dynamic-batch compile (after a first static one) serves every bucket; a single sequence is
-padded to 2 rows, which costs nothing measurable.
+padded to 2 rows, which costs nothing measurable. With persistent_decode the buckets of 1 and 2
+rows run every layer as one persistent kernel (kernels/decode_layer.py) instead, whose work grows
+with each row, padding included, so there a single sequence has a bucket of its own.
 
 Rows past the real batch are padding: slot -1 (nothing is written), context length 1 and a block
 table of zeros (block 0 exists, and the padding row's one key is its own new token), so they
@@ -41,9 +43,13 @@ from ..state.params import Params
 log = logging.getLogger("minivllm")
 
 
-def decode_buckets(max_num_seqs: int) -> list[int]:
-    """Padded batch sizes: 2, 4, 8, then every 16 up to max_num_seqs (which is always one)."""
-    sizes = [b for b in (2, 4, 8) if b < max_num_seqs]
+def decode_buckets(max_num_seqs: int, single: bool = False) -> list[int]:
+    """Padded batch sizes: 2, 4, 8, then every 16 up to max_num_seqs (which is always one).
+    single: 1 too (the persistent decode layers, whose work grows with every row, padding
+    included: 42.7 against 31.3 us a layer at 2 rows and 1 on the H200, BENCHMARKS.md session
+    15; the compiled layer, which the bucket of 1 row would make compile once more, is not
+    used there)."""
+    sizes = [b for b in ((1,) if single else ()) + (2, 4, 8) if b < max_num_seqs]
     sizes += list(range(16, max_num_seqs, 16))
     sizes.append(max_num_seqs)
     return sorted(set(sizes))
@@ -98,7 +104,7 @@ class DecodeGraphs:
                  persistent_decode: bool = False):
         self.params, self.cache, self.backend = params, cache, backend
         self.device = params.device
-        self.buckets = decode_buckets(max_num_seqs)
+        self.buckets = decode_buckets(max_num_seqs, single=persistent_decode)
         n, m = self.buckets[-1], max_blocks_per_seq
         dev = self.device
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
