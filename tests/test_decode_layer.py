@@ -9,7 +9,7 @@ import torch
 import minivllm
 from minivllm.functional.rope import rope_cos_sin
 from minivllm.kernels import select_backend
-from minivllm.kernels.decode_layer import MAX_ROWS, decode_layer
+from minivllm.kernels.decode_layer import MAX_ROWS, decode_layer, decode_stack
 from minivllm.kernels.launch import runs_ptx, triton_usable
 from minivllm.state import ModelConfig, SeqChunk, make_batch
 from minivllm.state.shard import ShardSpec
@@ -63,11 +63,15 @@ def test_decode_layer_matches_the_functional_layer(device, dtype, contexts, firs
     want_out, want_res = minivllm.functional.decoder_layer(
         lp, x, residual, cos, sin, k_want, v_want, batch, config=config, shard=ShardSpec(),
         backend=select_backend(device, "reference"))
-    runs = [True] + ([False] if runs_ptx(device) else [])  # phase by phase; one launch on a GPU
-    for phase_by_phase in runs:
+    # Phase by phase; one launch (on the CPU with one program, whose barriers the interpreter
+    # can pass: the single launch's code path, barriers and prefetches included).
+    runs = [dict(phase_by_phase=True), dict(phase_by_phase=False, programs=1)]
+    if runs_ptx(device):
+        runs.append(dict(phase_by_phase=False))
+    for run in runs:
         k_got, v_got = k_cache.clone(), v_cache.clone()
         out, res = decode_layer(lp, x, residual, cos, sin, k_got, v_got, batch, config=config,
-                                phase_by_phase=phase_by_phase, block_k=block_k)
+                                block_k=block_k, **run)
         assert rel(res, want_res) <= TOL[dtype] / 10
         assert rel(out, want_out) <= TOL[dtype], rel(out, want_out)
         slots = batch.slot_mapping.long()
@@ -105,7 +109,7 @@ def test_persistent_layers_give_the_forward_logits(device, dtype, contexts):
     tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(contexts))]
     prompts = [torch.randint(0, 64, (c - 1,), generator=g).tolist() for c in contexts]
     caches = []
-    for _ in range(2):
+    for _ in range(3):
         cache = minivllm.init_cache(params, num_blocks=8 * len(contexts), block_size=page)
         prefill = make_batch([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)],
                              block_size=page, device=device)
@@ -120,6 +124,15 @@ def test_persistent_layers_give_the_forward_logits(device, dtype, contexts):
     assert rel(got, want) <= TOL[dtype]
     for a, b in zip(caches[1].k + caches[1].v, caches[0].k + caches[0].v):
         torch.testing.assert_close(a, b, rtol=TOL[dtype], atol=TOL[dtype])
+    # Every layer in one launch of one program (the CPU can pass its barriers): the same.
+    x, residual, cos, sin = minivllm.functional.model.stem(params, step)
+    table = layer_table(params.layers, caches[2].k, caches[2].v)
+    out, res = decode_stack(table, x, residual, cos, sin, caches[2].k[0], step, config=config,
+                            dtype=dtype, programs=1, phase_by_phase=False)
+    hidden = minivllm.functional.model.final_hidden(params, out, res)
+    got = minivllm.functional.embedding.lm_head(hidden, params.head_weight, config,
+                                                params.shard).float()
+    assert rel(got, want) <= TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
