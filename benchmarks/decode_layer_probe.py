@@ -74,10 +74,12 @@ def main() -> int:
               f"a layer ({args.rows} row(s), context {args.context})", flush=True)
     # every layer in one launch (each layer's K/V into the same cache: timing only)
     table = layer_table(layers, [k_cache] * len(layers), [v_cache] * len(layers))
-    for warps in (8, 16):
+    for warps, prefetch in ((8, True), (8, False), (16, True)):
         us = graph_us(lambda i: decode_stack(table, x, res, cos, sin, k_cache, batch,
-                                             config=config, dtype=config.dtype, num_warps=warps))
-        print(f"persistent stack of {len(layers)} layers, one launch, {warps} warps: "
+                                             config=config, dtype=config.dtype, num_warps=warps,
+                                             prefetch_next=prefetch))
+        print(f"persistent stack of {len(layers)} layers, one launch, {warps} warps, next "
+              f"layer's qkv {'prefetched' if prefetch else 'not prefetched'}: "
               f"{us / len(layers):.2f} us a layer ({args.rows} row(s), context {args.context})",
               flush=True)
     return 0

@@ -168,7 +168,7 @@ def _silu_mul(g, u, dt: tl.constexpr):
 
 @triton.jit
 def _layer_phases(
-        pid, programs, base, counter_ptr, x_ptr, res_ptr, res1_ptr, res2_ptr, qkv_ptr,
+        pid, programs, base, w_qkv_first, next_qkv_ptr, counter_ptr, x_ptr, res_ptr, res1_ptr, res2_ptr, qkv_ptr,
         part_out_ptr, part_lse_ptr, attn_ptr, y_ptr, act_ptr, out_ptr,
         in_norm_ptr, w_qkv_ptr, q_norm_ptr, k_norm_ptr, w_o_ptr, post_norm_ptr, w_gu_ptr,
         w_down_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, slot_ptr, cos_ptr, sin_ptr,
@@ -181,9 +181,12 @@ def _layer_phases(
         R_I: tl.constexpr, BN_I: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, HAS_RES: tl.constexpr,
         PRECISION: tl.constexpr, F16_DOTS: tl.constexpr, FP8_CACHE: tl.constexpr,
-        PTX_WIDEN: tl.constexpr, PHASE: tl.constexpr):
+        PTX_WIDEN: tl.constexpr, PREFETCH_NEXT: tl.constexpr, PHASE: tl.constexpr):
     """One layer, as program pid of `programs`. PHASE -1: every phase, the k-th grid barrier
-    after it waiting for base + k * programs arrivals; 0-5: that phase only. R_*: rows (or
+    after it waiting for base + k * programs arrivals; 0-5: that phase only. PREFETCH_NEXT (with
+    PHASE -1): w_qkv_first is this layer's first qkv weight chunk, loaded by the caller, and the
+    next layer's (at next_qkv_ptr) is loaded before the last barrier and returned; otherwise a
+    zero tile is returned. R_*: rows (or
     columns) a program of qkv's output, the hidden size, the intermediate size; BN_*: those
     padded to a power of two. BLOCK_*: the hidden size, head_dim, the query heads of a KV head
     (at least 16, for tl.dot) and the splits, padded to powers of two."""
@@ -200,7 +203,10 @@ def _layer_phases(
         rms1 = rms0
         if M > 1:
             rms1 = _row_rms(x_ptr + H, res_ptr + H, H, eps, BLOCK_H, HAS_RES)
-        w = _weight_chunk(w_qkv_ptr, pid * R_QKV, 0, R_QKV, QKV, H, BN_QKV, BK_H)
+        if PREFETCH_NEXT and (PHASE == -1):
+            w = w_qkv_first
+        else:
+            w = _weight_chunk(w_qkv_ptr, pid * R_QKV, 0, R_QKV, QKV, H, BN_QKV, BK_H)
         acc0, acc1 = _gemv(w, w_qkv_ptr, pid * R_QKV, R_QKV, QKV, H, x_ptr, res_ptr, in_norm_ptr,
                            rms0, rms1, M, BN_QKV, BK_H, True, HAS_RES)
         _store_row_block(qkv_ptr, pid * R_QKV, R_QKV, QKV, acc0, acc1, M, BN_QKV)
@@ -267,8 +273,12 @@ def _layer_phases(
         acc0, acc1 = _gemv(w, w_down_ptr, pid * R_H, R_H, H, INTER, act_ptr, act_ptr, act_ptr,
                            1.0, 1.0, M, BN_H, BK_I, False, False)
         _store_row_block(out_ptr, pid * R_H, R_H, H, acc0, acc1, M, BN_H)
+    w_next = tl.zeros([BN_QKV, BK_H], w_qkv_ptr.dtype.element_ty)
     if PHASE == -1:
+        if PREFETCH_NEXT:
+            w_next = _weight_chunk(next_qkv_ptr, pid * R_QKV, 0, R_QKV, QKV, H, BN_QKV, BK_H)
         _grid_barrier(counter_ptr, base + 6 * programs)
+    return w_next
 
 
 @triton.jit
@@ -284,10 +294,12 @@ def _decode_stack_kernel(
         R_I: tl.constexpr, BN_I: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
         PRECISION: tl.constexpr, F16_DOTS: tl.constexpr, FP8_CACHE: tl.constexpr,
-        PTX_WIDEN: tl.constexpr, PHASE: tl.constexpr):
+        PTX_WIDEN: tl.constexpr, PREFETCH_NEXT: tl.constexpr, PHASE: tl.constexpr):
     """Layers [first_layer, first_layer + num_layers) in one launch. table_ptr: [layers,
     TABLE_COLUMNS] int64 addresses (layer_table). Layer l reads slot (l + 1) % 2 of outs / res2s
-    ([2, M, H] each: its input and the residual stream) and writes slot l % 2."""
+    ([2, M, H] each: its input and the residual stream) and writes slot l % 2. PREFETCH_NEXT:
+    each layer's first qkv weight chunk is loaded before the barrier that ends the layer before
+    it (see _layer_phases)."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     base = 0
@@ -295,12 +307,20 @@ def _decode_stack_kernel(
         base = tl.atomic_add(counter_ptr, 0) // programs * programs  # see _grid_barrier
     w_ty = outs_ptr.dtype  # the weights are in the activations' dtype
     c_ty = k_cache0_ptr.dtype
+    QKV: tl.constexpr = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    last = first_layer + num_layers - 1
+    w_first = tl.zeros([BN_QKV, BK_H], w_ty.element_ty)
+    if PREFETCH_NEXT and (PHASE == -1):
+        w_first = _weight_chunk(_table_ptr(table_ptr + first_layer * TABLE_COLUMNS, 1, w_ty),
+                                pid * R_QKV, 0, R_QKV, QKV, H, BN_QKV, BK_H)
     for layer in range(first_layer, first_layer + num_layers):
         row = table_ptr + layer * TABLE_COLUMNS
+        next_row = table_ptr + tl.minimum(layer + 1, last) * TABLE_COLUMNS
         read = ((layer + 1) % 2) * (M * H)
         write = (layer % 2) * (M * H)
-        _layer_phases(
-            pid, programs, base + (layer - first_layer) * LAYER_PHASES * programs, counter_ptr,
+        w_first = _layer_phases(
+            pid, programs, base + (layer - first_layer) * LAYER_PHASES * programs, w_first,
+            _table_ptr(next_row, 1, w_ty), counter_ptr,
             outs_ptr + read, res2s_ptr + read, res1_ptr, res2s_ptr + write, qkv_ptr,
             part_out_ptr, part_lse_ptr, attn_ptr, y_ptr, act_ptr, outs_ptr + write,
             _table_ptr(row, 0, w_ty), _table_ptr(row, 1, w_ty), _table_ptr(row, 2, w_ty),
@@ -309,7 +329,8 @@ def _decode_stack_kernel(
             _table_ptr(row, 9, c_ty), bt_ptr, ctx_ptr, slot_ptr, cos_ptr, sin_ptr, eps,
             scale_log2, stride_bt, stride_rope, M, H, INTER, HEADS, KV_HEADS, HEAD_DIM, SPLITS,
             PAGE, BLOCK_N, BK_H, BK_ATT, BK_I, R_QKV, BN_QKV, R_H, BN_H, R_I, BN_I, BLOCK_H,
-            BLOCK_D, BLOCK_G, BLOCK_S, True, PRECISION, F16_DOTS, FP8_CACHE, PTX_WIDEN, PHASE)
+            BLOCK_D, BLOCK_G, BLOCK_S, True, PRECISION, F16_DOTS, FP8_CACHE, PTX_WIDEN,
+            PREFETCH_NEXT, PHASE)
 
 
 @triton.jit
@@ -343,14 +364,15 @@ def layer_table(layers: Sequence[LayerParams], k_caches: Sequence[torch.Tensor],
 def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, k_cache0: torch.Tensor, batch: Batch, *, config: ModelConfig,
                  dtype: torch.dtype, programs: int | None = None,
-                 phase_by_phase: bool | None = None, num_warps: int = 8, block_k: int = BLOCK_K
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 phase_by_phase: bool | None = None, num_warps: int = 8, block_k: int = BLOCK_K,
+                 prefetch_next: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder layers of `table` (layer_table) for a decode batch of M <= MAX_ROWS rows on
     one GPU, as one persistent launch (phase_by_phase: one launch per layer and phase; the
     default under the CPU interpreter). x, residual: [M, hidden] (the stem's, or a layer's
     output and residual stream). Returns the last layer's (down's output, residual stream),
     [M, hidden] each, and writes this step's K/V into each layer's cache, as the
-    functional layers do. k_cache0: any layer's K cache (its shape and dtype)."""
+    functional layers do. k_cache0: any layer's K cache (its shape and dtype). prefetch_next:
+    each layer's first qkv weight chunk loaded during the layer before it (single launch)."""
     m, hidden = x.shape
     if not batch.is_decode or m > MAX_ROWS or m != batch.context_lens.shape[0]:
         raise ValueError(f"the persistent decode layers take a decode batch of at most "
@@ -389,7 +411,8 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
         BLOCK_D=next_pow2(d), BLOCK_G=max(16, next_pow2(heads // kv_heads)),
         BLOCK_S=max(2, next_pow2(splits)),
         PRECISION=dot_precision(torch.float16 if f16_dots else dt), F16_DOTS=f16_dots,
-        FP8_CACHE=fp8, PTX_WIDEN=int(fp8 and f16_dots and cuda_capability(dev) >= (8, 9)))
+        FP8_CACHE=fp8, PTX_WIDEN=int(fp8 and f16_dots and cuda_capability(dev) >= (8, 9)),
+        PREFETCH_NEXT=prefetch_next)
     args = (counter, outs, res2s, res1, qkv, part_out, part_lse, attn, y, act, k_cache0,
             batch.block_tables, batch.context_lens, batch.slot_mapping, cos, sin,
             float(config.rms_norm_eps), d ** -0.5 * LOG2E, batch.block_tables.stride(0),
