@@ -23,10 +23,11 @@ row and a 600-token context, against ~36 for the engine's compiled layer in its 
 stack kernel and the weight prefetch are not yet measured on a GPU. Values are rounded to the
 activation dtype wherever functional.layer.decoder_layer rounds them.
 
-On the CPU, Triton's interpreter runs programs one after another, so a spin barrier could never
-return: there the kernel is launched once per layer and phase (the same phase code; the launch
-boundary is the barrier). On a GPU the whole grid must be resident at once: one program an SM, nothing else
-running beside it.
+On the CPU, Triton's interpreter runs programs one after another, so a spin barrier among several
+programs could never return: there the kernel is launched once per layer and phase (the same
+phase code; the launch boundary is the barrier), or as one launch of one program, whose barriers
+pass (the tests run both). On a GPU the whole grid must be resident at once: one program an SM,
+nothing else running beside it.
 """
 
 from __future__ import annotations
@@ -168,8 +169,8 @@ def _silu_mul(g, u, dt: tl.constexpr):
 
 @triton.jit
 def _layer_phases(
-        pid, programs, base, w_qkv_first, next_qkv_ptr, counter_ptr, x_ptr, res_ptr, res1_ptr, res2_ptr, qkv_ptr,
-        part_out_ptr, part_lse_ptr, attn_ptr, y_ptr, act_ptr, out_ptr,
+        pid, programs, base, w_qkv_first, next_qkv_ptr, counter_ptr, x_ptr, res_ptr, res1_ptr,
+        res2_ptr, qkv_ptr, part_out_ptr, part_lse_ptr, attn_ptr, y_ptr, act_ptr, out_ptr,
         in_norm_ptr, w_qkv_ptr, q_norm_ptr, k_norm_ptr, w_o_ptr, post_norm_ptr, w_gu_ptr,
         w_down_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, slot_ptr, cos_ptr, sin_ptr,
         eps, scale_log2, stride_bt, stride_rope,
