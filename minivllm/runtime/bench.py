@@ -251,7 +251,7 @@ def add_bench_args(p) -> None:
                    help="auto (the model's dtype) or fp8 (float8 e4m3; the floor counts its bytes)")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--persistent-decode", action="store_true",
-                   help="decode steps of 1-2 sequences: one persistent kernel a layer")
+                   help="decode steps of 1-2 sequences: every layer in one persistent kernel")
     p.add_argument("--sync-scheduling", action="store_true",
                    help="read each step's tokens before scheduling the next (no overlap)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)

@@ -58,7 +58,7 @@ class LLM:
     model's dtype) or "fp8" (float8 e4m3, half the cache's bytes and twice its tokens; the
     triton or reference attention backend; keys and values are stored unscaled, so outputs
     differ from "auto" by fp8's rounding of the cached tokens). persistent_decode: decode steps
-    of 1-2 sequences run each decoder layer as one persistent Triton kernel (one GPU; work in
+    of 1-2 sequences run every decoder layer in one persistent Triton kernel (one GPU; work in
     progress, kernels/decode_layer.py).
     """
 
