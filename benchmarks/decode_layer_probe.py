@@ -66,10 +66,12 @@ def main() -> int:
         print(f"{name}: relative difference {err:.2e}", flush=True)
     print(f"functional layer, eager kernels: {graph_us(functional):.2f} us a layer "
           f"({args.rows} row(s), context {args.context})", flush=True)
+    # tables built before capture (a graph cannot copy them from the host)
+    tables = [layer_table([lp], [k_cache], [v_cache]) for lp in layers]
     for block_k, warps in ((256, 8), (1024, 8), (256, 4), (1024, 4)):
-        us = graph_us(lambda i: decode_layer(
-            layers[i % len(layers)], x, res, cos, sin, k_cache, v_cache, batch, config=config,
-            block_k=block_k, num_warps=warps))
+        us = graph_us(lambda i: decode_stack(
+            tables[i % len(layers)], x, res, cos, sin, k_cache, batch, config=config,
+            dtype=config.dtype, block_k=block_k, num_warps=warps))
         print(f"persistent layer, one launch, {block_k}-column loads, {warps} warps: {us:.2f} us "
               f"a layer ({args.rows} row(s), context {args.context})", flush=True)
     # every layer in one launch (each layer's K/V into the same cache: timing only)

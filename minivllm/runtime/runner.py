@@ -168,6 +168,7 @@ class ModelRunner:
         self.backend = select_backend(self.device, config.attention_backend, config.cache_dtype)
         self.enforce_eager = config.enforce_eager
         self.prefill_forward = forward  # see _compile_and_capture
+        self.small_decode_forward, self.small_decode_rows = None, 0  # ditto (persistent_decode)
         with _logged_time("KV cache sizing"):
             self.num_blocks = self._num_blocks()
         self.cache = init_cache(self.params, num_blocks=self.num_blocks, block_size=self.block_size,
@@ -206,7 +207,6 @@ class ModelRunner:
             self.prefill_forward = self.graphs.fn
         # Eager decode steps of at most MAX_ROWS rows (no CUDA graphs: enforce_eager, a CPU
         # under the interpreter) take the persistent layer too.
-        self.small_decode_forward, self.small_decode_rows = None, 0
         if config.persistent_decode:
             from ..kernels.decode_layer import MAX_ROWS, layer_table, persistent_layers
 
