@@ -37,8 +37,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (the model's dtype) or fp8 (float8 e4m3: twice the cached tokens)")
     g.add_argument("--enforce-eager", action="store_true")
-    g.add_argument("--persistent-decode", action="store_true",
-                   help="decode steps of 1-2 sequences: every layer in one persistent kernel (one GPU)")
+    g.add_argument("--persistent-decode", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode steps of 1-2 sequences: every layer in one persistent kernel "
+                        "(default: on for one CUDA GPU with the triton attention backend)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="ranks to split the model over (default: torchrun's WORLD_SIZE, else 1)")
     g.add_argument("--no-prefix-caching", action="store_true")

@@ -124,8 +124,9 @@ def test_persistent_layers_give_the_forward_logits(device, dtype, contexts):
                                table=layer_table(params.layers, caches[1].k, caches[1].v))
     got, _ = minivllm.forward(params, caches[1], step, backend, layers=layers)
     assert rel(got, want) <= TOL[dtype]
+    # Each layer's K/V (a later layer's from inputs that already differ by rounding: a norm)
     for a, b in zip(caches[1].k + caches[1].v, caches[0].k + caches[0].v):
-        torch.testing.assert_close(a, b, rtol=TOL[dtype], atol=TOL[dtype])
+        assert rel(a, b) <= TOL[dtype]
     # Every layer in one launch of one program (the CPU can pass its barriers): the same.
     x, residual, cos, sin = minivllm.functional.model.stem(params, step)
     table = layer_table(params.layers, caches[2].k, caches[2].v)

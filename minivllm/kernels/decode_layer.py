@@ -421,9 +421,12 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
     layers = table.shape[0]
     launches = ([(layer, 1, phase) for layer in range(layers) for phase in range(PHASES)]
                 if phase_by_phase else [(0, layers, -1)])
+    # A cooperative launch: the driver refuses a grid that cannot be resident at once (an error
+    # instead of a barrier that never returns).
+    cooperative = {} if phase_by_phase or not runs_ptx(dev) else dict(launch_cooperative_grid=True)
     for first, count, phase in launches:
         _decode_stack_kernel[(programs,)](table, first, count, *args, **consts, PHASE=phase,
-                                          num_warps=num_warps)
+                                          num_warps=num_warps, **cooperative)
     last = (layers - 1) % 2
     return outs[last], res2s[last]
 

@@ -7,6 +7,7 @@ run, on a checkpoint or on random weights of a named shape.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import random
@@ -250,8 +251,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (the model's dtype) or fp8 (float8 e4m3; the floor counts its bytes)")
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--persistent-decode", action="store_true",
-                   help="decode steps of 1-2 sequences: every layer in one persistent kernel")
+    p.add_argument("--persistent-decode", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode steps of 1-2 sequences: every layer in one persistent kernel "
+                        "(default: on for one CUDA GPU with the triton attention backend)")
     p.add_argument("--sync-scheduling", action="store_true",
                    help="read each step's tokens before scheduling the next (no overlap)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)

@@ -59,7 +59,7 @@ class EngineConfig:
                num_kv_blocks=None, enforce_eager=False, tensor_parallel_size=1,
                attention_backend=None, seed=0, enable_prefix_caching=True, max_logprobs=20,
                device=None, async_scheduling=True, kv_cache_dtype="auto",
-               persistent_decode=False) -> "EngineConfig":
+               persistent_decode=None) -> "EngineConfig":
         model = os.fspath(model)
         if is_random_model(model):
             # "random:qwen3-0.6b": random weights at a real shape (benchmarks); no checkpoint.
@@ -99,8 +99,11 @@ class EngineConfig:
         elif max_model_len > limit:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                              f"max_position_embeddings ({limit})")
+        from ..kernels.launch import triton_usable
+        if persistent_decode is None:
+            persistent_decode = persistent_decode_default(
+                device, tensor_parallel_size, attention_backend, triton_usable(device))
         if persistent_decode:
-            from ..kernels.launch import triton_usable
             if tensor_parallel_size != 1:
                 raise ValueError("persistent_decode runs on one GPU (tensor_parallel_size 1), got "
                                  f"tensor_parallel_size={tensor_parallel_size}")
@@ -119,3 +122,12 @@ class EngineConfig:
                    enable_prefix_caching=bool(enable_prefix_caching), max_logprobs=max_logprobs,
                    async_scheduling=bool(async_scheduling), kv_cache_dtype=kv_cache_dtype,
                    persistent_decode=bool(persistent_decode))
+
+
+def persistent_decode_default(device: torch.device, tensor_parallel_size: int,
+                              attention_backend: str | None, triton_usable: bool) -> bool:
+    """persistent_decode when not given: on where it runs (one CUDA GPU with Triton) and no other
+    attention backend than Triton's was asked for (its attention is Triton's decode kernel). The
+    single stream decodes 19% faster with it (BENCHMARKS.md, session 16)."""
+    return (device.type == "cuda" and tensor_parallel_size == 1 and
+            attention_backend in (None, "triton") and triton_usable)
