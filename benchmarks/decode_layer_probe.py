@@ -84,7 +84,41 @@ def main() -> int:
               f"layer's qkv {'prefetched' if prefetch else 'not prefetched'}: "
               f"{us / len(layers):.2f} us a layer ({args.rows} row(s), context {args.context})",
               flush=True)
+    print_phase_times(lambda i: decode_stack(
+        tables[i % len(layers)], x, res, cos, sin, k_cache, batch, config=config,
+        dtype=config.dtype, phase_by_phase=True), len(layers), args)
     return 0
+
+
+def print_phase_times(fn, calls: int, args, reps: int = 5) -> None:
+    """Each phase of the layer as a launch of its own (phase_by_phase), its kernel time from the
+    profiler, by phase: where the single launch's time goes, ramp-up of each phase's first
+    weight loads included (the single launch requests those before the barrier ahead)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from minivllm.kernels.decode_layer import PHASES
+
+    for i in range(calls):  # compiled outside the profile
+        fn(i)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(reps * calls):
+            fn(i)
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if "_decode_stack_kernel" in e.name and
+                      e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    if len(kernels) != reps * calls * PHASES:
+        print(f"phase times: expected {reps * calls * PHASES} kernels, the profile has "
+              f"{len(kernels)}", flush=True)
+        return
+    names = ("norm + qkv", "attention", "merge", "o_proj", "norm + gate/up", "down")
+    per_phase = [sorted(k.time_range.elapsed_us() for k in kernels[p::PHASES])
+                 for p in range(PHASES)]
+    medians = [t[len(t) // 2] for t in per_phase]
+    print(f"phases one launch each, profiler kernel time, median us ({args.rows} row(s), context "
+          f"{args.context}): " + ", ".join(f"{n} {m:.2f}" for n, m in zip(names, medians)) +
+          f"; sum {sum(medians):.2f}", flush=True)
 
 
 if __name__ == "__main__":
