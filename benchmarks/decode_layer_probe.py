@@ -1,6 +1,7 @@
 """kernels/decode_layer.py's persistent decoder layer at the single stream's step, timed.
 
     PYTHONPATH=. python benchmarks/decode_layer_probe.py [--rows 1] [--context 600]
+        [--stack-only --block-k 1024,4096]
 
 Qwen3-0.6B's layer shape, random bf16 weights, a bf16 cache with `--context` tokens a row, page
 16. The persistent layer (one launch, grid barriers) against functional.decoder_layer on the
@@ -21,7 +22,7 @@ import minivllm
 from benchmarks.bench_linear import cuda_and_l2, graph_us
 from minivllm.functional.rope import rope_cos_sin
 from minivllm.kernels import select_backend
-from minivllm.kernels.decode_layer import decode_layer, decode_stack, layer_table
+from minivllm.kernels.decode_layer import decode_stack, layer_table
 from minivllm.state import SeqChunk, make_batch
 from minivllm.state.shard import ShardSpec
 from minivllm.state.config import config_for_shape
@@ -31,6 +32,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--context", type=int, default=600)
+    ap.add_argument("--stack-only", action="store_true",
+                    help="only the whole stack, at each --block-k (8 warps)")
+    ap.add_argument("--block-k", default="1024",
+                    help="GEMV columns a load for the stack's runs, comma-separated")
     args = ap.parse_args()
     if (gpu := cuda_and_l2("decode_layer_probe.py")) is None:
         return 2
@@ -56,18 +61,27 @@ def main() -> int:
             layers[i % len(layers)], x, res, cos, sin, k_cache, v_cache, batch, config=config,
             shard=ShardSpec(), backend=backend)
 
-    def persistent(i):
-        return decode_layer(layers[i % len(layers)], x, res, cos, sin, k_cache, v_cache, batch,
-                            config=config)
-
-    want, got = functional(0), persistent(0)
-    for name, a, b in (("output", got[0], want[0]), ("residual", got[1], want[1])):
-        err = ((a.float() - b.float()).norm() / b.float().norm()).item()
-        print(f"{name}: relative difference {err:.2e}", flush=True)
+    want = functional(0)
+    tables = [layer_table([lp], [k_cache], [v_cache]) for lp in layers]
+    block_ks = [int(b) for b in args.block_k.split(",")]
+    for block_k in block_ks:
+        got = decode_stack(tables[0], x, res, cos, sin, k_cache, batch, config=config,
+                           dtype=config.dtype, block_k=block_k)
+        for name, a, b in (("output", got[0], want[0]), ("residual", got[1], want[1])):
+            err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+            print(f"{block_k}-column loads, {name}: relative difference {err:.2e}", flush=True)
+    table = layer_table(layers, [k_cache] * len(layers), [v_cache] * len(layers))
+    if args.stack_only:
+        for block_k in block_ks:
+            us = graph_us(lambda i: decode_stack(table, x, res, cos, sin, k_cache, batch,
+                                                 config=config, dtype=config.dtype,
+                                                 block_k=block_k))
+            print(f"persistent stack of {len(layers)} layers, one launch, {block_k}-column "
+                  f"loads: {us / len(layers):.2f} us a layer ({args.rows} row(s), context "
+                  f"{args.context})", flush=True)
+        return 0
     print(f"functional layer, eager kernels: {graph_us(functional):.2f} us a layer "
           f"({args.rows} row(s), context {args.context})", flush=True)
-    # tables built before capture (a graph cannot copy them from the host)
-    tables = [layer_table([lp], [k_cache], [v_cache]) for lp in layers]
     for block_k, warps in ((256, 8), (1024, 8), (256, 4), (1024, 4)):
         us = graph_us(lambda i: decode_stack(
             tables[i % len(layers)], x, res, cos, sin, k_cache, batch, config=config,
@@ -75,7 +89,6 @@ def main() -> int:
         print(f"persistent layer, one launch, {block_k}-column loads, {warps} warps: {us:.2f} us "
               f"a layer ({args.rows} row(s), context {args.context})", flush=True)
     # every layer in one launch (each layer's K/V into the same cache: timing only)
-    table = layer_table(layers, [k_cache] * len(layers), [v_cache] * len(layers))
     for warps, prefetch in ((8, True), (8, False), (16, True)):
         us = graph_us(lambda i: decode_stack(table, x, res, cos, sin, k_cache, batch,
                                              config=config, dtype=config.dtype, num_warps=warps,
