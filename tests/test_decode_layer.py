@@ -127,15 +127,19 @@ def test_persistent_layers_give_the_forward_logits(device, dtype, contexts):
     # Each layer's K/V (a later layer's from inputs that already differ by rounding: a norm)
     for a, b in zip(caches[1].k + caches[1].v, caches[0].k + caches[0].v):
         assert rel(a, b) <= TOL[dtype]
-    # Every layer in one launch of one program (the CPU can pass its barriers): the same.
+    # Every layer in one launch of one program (the CPU can pass its barriers): the same, with
+    # and without each layer's first qkv chunk loaded during the layer before. (The second run
+    # stores the same K/V again.)
     x, residual, cos, sin = minivllm.functional.model.stem(params, step)
     table = layer_table(params.layers, caches[2].k, caches[2].v)
-    out, res = decode_stack(table, x, residual, cos, sin, caches[2].k[0], step, config=config,
-                            dtype=dtype, programs=1, phase_by_phase=False)
-    hidden = minivllm.functional.model.final_hidden(params, out, res)
-    got = minivllm.functional.embedding.lm_head(hidden, params.head_weight, config,
-                                                params.shard).float()
-    assert rel(got, want) <= TOL[dtype]
+    for prefetch_next in (False, True):
+        out, res = decode_stack(table, x, residual, cos, sin, caches[2].k[0], step,
+                                config=config, dtype=dtype, programs=1, phase_by_phase=False,
+                                prefetch_next=prefetch_next)
+        hidden = minivllm.functional.model.final_hidden(params, out, res)
+        got = minivllm.functional.embedding.lm_head(hidden, params.head_weight, config,
+                                                    params.shard).float()
+        assert rel(got, want) <= TOL[dtype], prefetch_next
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -1,5 +1,5 @@
-"""Qwen3's decoder layers at a decode step of 1-2 rows as one persistent kernel (work in
-progress, branch layer-kernel; the engine runs it under persistent_decode=True).
+"""Qwen3's decoder layers at a decode step of 1-2 rows as one persistent kernel (the engine's
+decode steps of 1-2 sequences on one GPU, persistent_decode; on by default there).
 
 The single stream runs a layer as 8 kernels of 2-6 us of launch, ramp-up and tail each for at
 most 13 MB (~36 us a layer on the H200, BENCHMARKS.md sessions 7-8). Here one program an SM stays
@@ -15,19 +15,21 @@ layer_table):
   4  y + residual, its RMSNorm, gate and up for this program's intermediate columns, SiLU * up
   5  this program's down rows
 
-Session 15's probe (benchmarks/layer_kernel_probe.py) measured a grid barrier at ~1 us, and the
-layer's four GEMVs in one such launch at 17.5 us against ~22 for the engine's four kernels and
-their gaps. This kernel, one layer a launch, before it loaded each GEMV's first weight chunk
-ahead of the barrier before it (benchmarks/decode_layer_probe.py, H200): 31.3 us a layer at one
-row and a 600-token context, against ~36 for the engine's compiled layer in its traces. The
-stack kernel and the weight prefetch are not yet measured on a GPU. Values are rounded to the
-activation dtype wherever functional.layer.decoder_layer rounds them.
+Each GEMV's first weight chunk is loaded before the barrier ahead of its phase. On the H200
+(BENCHMARKS.md session 16, benchmarks/decode_layer_probe.py) the stack runs 29.4-29.7 us a layer
+at one row and a 600-token context, and the engine's single stream 1,075-1,081 tok/s (with
+prefetch_next, then on) against 905-910 without it. The phases launched one by one take, by
+the profiler: qkv 5.1, attention 5.6, merge 2.8, o_proj 3.5, gate/up 6.9, down 4.6 us; the GEMVs
+stream at 1.2-1.8 TB/s, well under the copy rate (each SM holds one load of at most 64 KB in
+flight). Loading the next layer's first qkv chunk during the layer before (prefetch_next)
+measured 0.3 us a layer slower in both runs (30.0 / 29.7, 29.7 / 29.4): off by default.
+Values are rounded to the activation dtype wherever functional.layer.decoder_layer rounds them.
 
 On the CPU, Triton's interpreter runs programs one after another, so a spin barrier among several
 programs could never return: there the kernel is launched once per layer and phase (the same
 phase code; the launch boundary is the barrier), or as one launch of one program, whose barriers
-pass (the tests run both). On a GPU the whole grid must be resident at once: one program an SM,
-nothing else running beside it.
+pass (the tests run both). On a GPU the whole grid must be resident at once (one program an SM):
+it is a cooperative launch, which the driver refuses rather than start a grid that cannot be.
 """
 
 from __future__ import annotations
@@ -366,14 +368,15 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
                  sin: torch.Tensor, k_cache0: torch.Tensor, batch: Batch, *, config: ModelConfig,
                  dtype: torch.dtype, programs: int | None = None,
                  phase_by_phase: bool | None = None, num_warps: int = 8, block_k: int = BLOCK_K,
-                 prefetch_next: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                 prefetch_next: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder layers of `table` (layer_table) for a decode batch of M <= MAX_ROWS rows on
     one GPU, as one persistent launch (phase_by_phase: one launch per layer and phase; the
     default under the CPU interpreter). x, residual: [M, hidden] (the stem's, or a layer's
     output and residual stream). Returns the last layer's (down's output, residual stream),
     [M, hidden] each, and writes this step's K/V into each layer's cache, as the
     functional layers do. k_cache0: any layer's K cache (its shape and dtype). prefetch_next:
-    each layer's first qkv weight chunk loaded during the layer before it (single launch)."""
+    each layer's first qkv weight chunk loaded during the layer before it (single launch; off:
+    it measured 0.3 us a layer slower, twice, BENCHMARKS.md session 16)."""
     m, hidden = x.shape
     if not batch.is_decode or m > MAX_ROWS or m != batch.context_lens.shape[0]:
         raise ValueError(f"the persistent decode layers take a decode batch of at most "

@@ -242,8 +242,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--max-output-len", type=int, default=1024)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="default 256; with --latency 2, so that start-up captures one decode "
-                        "graph (the single stream's, padded to 2 rows) instead of 19")
+                   help="default 256; with --latency 2, so that start-up captures the decode "
+                        "graphs of 1 and 2 rows (without persistent decode: one, padded to 2) "
+                        "instead of 20")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
