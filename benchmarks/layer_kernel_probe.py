@@ -31,20 +31,9 @@ import triton
 import triton.language as tl
 
 from benchmarks.bench_linear import CALLS, DT, cuda_and_l2, graph_us, rel_err, weight_copies
+from minivllm.kernels.decode_layer import _grid_barrier
 
 LAYER = {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
-
-
-@triton.jit
-def _grid_barrier(counter_ptr, target):
-    """Every program of the grid arrives before any leaves (all programs must be resident).
-    The counter only grows: barrier k of a launch waits for base + k * programs arrivals."""
-    tl.debug_barrier()  # this program's threads are done with the phase
-    tl.atomic_add(counter_ptr, 1, sem="release")
-    seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
-    while seen < target:
-        seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
-    tl.debug_barrier()
 
 
 @triton.jit

@@ -37,6 +37,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (the model's dtype) or fp8 (float8 e4m3: twice the cached tokens)")
     g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--persistent-decode", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode steps of 1-2 sequences: every layer in one persistent kernel "
+                        "(default: on for one CUDA GPU with the triton attention backend)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="ranks to split the model over (default: torchrun's WORLD_SIZE, else 1)")
     g.add_argument("--no-prefix-caching", action="store_true")
@@ -116,7 +119,7 @@ def _make_llm(args):
                   block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                   gpu_memory_utilization=args.gpu_memory_utilization,
                   attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-                  kv_cache_dtype=args.kv_cache_dtype,
+                  kv_cache_dtype=args.kv_cache_dtype, persistent_decode=args.persistent_decode,
                   tensor_parallel_size=args.tensor_parallel_size or _default_tp(),
                   seed=args.engine_seed,
                   enable_prefix_caching=not args.no_prefix_caching,

@@ -15,11 +15,13 @@ CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_la
                      num_kv_heads=2, head_dim=8, dtype=torch.float32)
 
 
-def test_buckets_cover_every_batch_size():
+@pytest.mark.parametrize("single", [False, True])
+def test_buckets_cover_every_batch_size(single):
     for n in (1, 3, 8, 17, 256):
-        buckets = decode_buckets(n)
+        buckets = decode_buckets(n, single=single)
         assert buckets[-1] == n and buckets == sorted(set(buckets))
         assert all(any(b >= k for b in buckets) for k in range(1, n + 1))
+        assert (buckets[0] == 1) == (single or n == 1)
 
 
 @pytest.mark.parametrize("backend_name", available_backends("cpu"))

@@ -174,6 +174,47 @@ def test_triton_backend_gives_identical_outputs(tiny_dir, device, prompts, refer
     assert llm.stats.prompt_tokens_cached == 16
 
 
+def test_persistent_decode_gives_identical_outputs(tiny_dir, device, prompts, reference):
+    """persistent_decode: decode steps of 1-2 sequences run each layer as one persistent kernel
+    (kernels/decode_layer.py; phase by phase under the CPU interpreter). Greedy outputs equal
+    the default engine's, for one and two sequences and for three (whose steps of three rows
+    take the usual layer until one finishes)."""
+    from minivllm.kernels import available_backends
+
+    if "triton" not in available_backends(device):
+        pytest.skip("no Triton on this device")
+    llm = LLM(tiny_dir, device=device, num_kv_blocks=32, block_size=8, attention_backend="triton",
+              persistent_decode=True)
+    base = make_llm(tiny_dir, device, persistent_decode=False)
+    for picked, params in (([prompts[4]], GREEDY),
+                           ([prompts[1], prompts[5]], GREEDY),
+                           (prompts[:3], [SamplingParams(temperature=0.0, max_tokens=n,
+                                                         ignore_eos=True) for n in (3, 6, 9)])):
+        assert run(llm, picked, params) == run(base, picked, params)
+
+
+def test_persistent_decode_is_refused_where_it_cannot_run(tiny_dir):
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(tiny_dir, device="cpu", tensor_parallel_size=2, persistent_decode=True)
+
+
+def test_persistent_decode_is_on_by_default_only_where_it_runs(tiny_dir):
+    from minivllm.kernels.launch import triton_usable
+    from minivllm.runtime.config import EngineConfig, persistent_decode_default
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert persistent_decode_default(cuda, 1, None, True)
+    assert persistent_decode_default(cuda, 1, "triton", True)
+    assert not persistent_decode_default(cuda, 2, None, True)  # one rank only
+    assert not persistent_decode_default(cuda, 1, "reference", True)  # another backend asked for
+    assert not persistent_decode_default(cuda, 1, None, False)  # no Triton
+    assert not persistent_decode_default(cpu, 1, None, True)  # the interpreter: slow, explicit
+    assert not EngineConfig.create(tiny_dir, device="cpu").persistent_decode
+    if triton_usable(cpu):  # under the interpreter (this suite on a CPU-only machine)
+        assert EngineConfig.create(tiny_dir, device="cpu", attention_backend="triton",
+                                   persistent_decode=True).persistent_decode
+
+
 def test_async_scheduling_gives_identical_outputs(tiny_dir, device, prompts, reference):
     """Scheduling a step before the previous one's tokens are read changes no output: a mixed
     workload (stop tokens, n > 1, seeds, top-p, logprobs, penalties, a stop by max_model_len)

@@ -66,13 +66,19 @@ def hidden_states(params: Params, cache: KVCache, batch: Batch, backend: Attenti
 
 
 def forward(params: Params, cache: KVCache, batch: Batch, backend: AttentionBackend = REFERENCE,
-            *, layer=decoder_layer, stem=stem, head=head) -> tuple[torch.Tensor, KVCache]:
+            *, layer=decoder_layer, stem=stem, head=head, layers=None
+            ) -> tuple[torch.Tensor, KVCache]:
     """logits: [len(batch.logits_indices), vocab_size] fp32, and the cache with this step's K/V.
 
     The cache is donated: its buffers are written in place and the returned cache is the one to
     use from now on (see minivllm.state.cache). `layer`, `stem` and `head` let a caller run the
     parts compiled (torch.compile(decoder_layer), ...): the function is unchanged, only how it is
-    executed."""
+    executed. `layers`, if given, runs the whole layer stack instead of a loop over `layer`:
+    layers(params, cache, batch, backend, x, residual, cos, sin) -> (x, residual), e.g. one
+    persistent kernel for every layer (kernels.decode_layer.persistent_layers)."""
     x, residual, cos, sin = stem(params, batch)
-    x, residual = _layers(params, cache, batch, backend, x, residual, cos, sin, layer)
+    if layers is not None:
+        x, residual = layers(params, cache, batch, backend, x, residual, cos, sin)
+    else:
+        x, residual = _layers(params, cache, batch, backend, x, residual, cos, sin, layer)
     return head(params, x, residual, batch.logits_indices), cache

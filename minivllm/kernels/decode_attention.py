@@ -91,29 +91,23 @@ def _decode_tile(q, acc, m_i, l_i, n0, end, offs_n, offs_d, mask_d, bt_row, head
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, slot_ptr,
-                   qw_ptr, kw_ptr, cos_ptr, sin_ptr, eps,
-                   out_ptr, part_out_ptr, part_lse_ptr, scale_log2, num_splits,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                   stride_bt, stride_rope, stride_ot, stride_oh,
-                   KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, STORE: tl.constexpr,
-                   NORM_ROPE: tl.constexpr, PRECISION: tl.constexpr, HEADS_FASTEST: tl.constexpr,
-                   F16_DOTS: tl.constexpr, FP8_CACHE: tl.constexpr, PTX_WIDEN: tl.constexpr,
-                   PEEL: tl.constexpr):
+@triton.jit
+def _decode_unit(b, kvh, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr,
+                 slot_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, eps,
+                 out_ptr, part_out_ptr, part_lse_ptr, scale_log2, num_splits,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                 stride_bt, stride_rope, stride_ot, stride_oh,
+                 KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, STORE: tl.constexpr,
+                 NORM_ROPE: tl.constexpr, PRECISION: tl.constexpr, F16_DOTS: tl.constexpr,
+                 FP8_CACHE: tl.constexpr, PTX_WIDEN: tl.constexpr, PEEL: tl.constexpr):
+    """One program's work of _decode_kernel: sequence b's KV head kvh, context split `split`.
+    A function of its own so that a kernel that keeps its programs resident can run it too."""
     # Under torch.compile a Python-float argument can arrive as fp64; the loop-carried softmax
     # state must stay fp32.
     scale_log2 = tl.cast(scale_log2, tl.float32)
     eps = tl.cast(eps, tl.float32)
-    if HEADS_FASTEST:  # grid (kv_heads, B, splits): a sequence's heads run side by side
-        kvh = tl.program_id(0)
-        b = tl.program_id(1)
-    else:
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
-    split = tl.program_id(2)
     ROW: tl.constexpr = KV_HEADS * HEAD_DIM
     dt = q_ptr.dtype.element_ty  # the compute dtype; an fp8 cache is widened to it as loaded
     if F16_DOTS:  # e4m3 widens to fp16 in one instruction, to bf16 in two
@@ -127,7 +121,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_pt
     mask_d = offs_d < HEAD_DIM
     D_MASKED: tl.constexpr = BLOCK_D != HEAD_DIM
     heads = kvh * GROUP + offs_g
-    b64 = b.to(tl.int64)
+    b64 = tl.cast(b, tl.int64)
     q_rows = q_ptr + b64 * stride_qt + heads[:, None] * stride_qh
     q_mask = mask_g[:, None] & mask_d[None, :]
     k_row = k_ptr + b64 * stride_kt + kvh * stride_kh
@@ -210,11 +204,38 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_pt
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_splits,
-                         HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, slot_ptr,
+                   qw_ptr, kw_ptr, cos_ptr, sin_ptr, eps,
+                   out_ptr, part_out_ptr, part_lse_ptr, scale_log2, num_splits,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                   stride_bt, stride_rope, stride_ot, stride_oh,
+                   KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, STORE: tl.constexpr,
+                   NORM_ROPE: tl.constexpr, PRECISION: tl.constexpr, HEADS_FASTEST: tl.constexpr,
+                   F16_DOTS: tl.constexpr, FP8_CACHE: tl.constexpr, PTX_WIDEN: tl.constexpr,
+                   PEEL: tl.constexpr):
+    if HEADS_FASTEST:  # grid (kv_heads, B, splits): a sequence's heads run side by side
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    _decode_unit(b, kvh, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr,
+                 slot_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, eps, out_ptr, part_out_ptr,
+                 part_lse_ptr, scale_log2, num_splits, stride_qt, stride_qh, stride_kt, stride_kh,
+                 stride_vt, stride_vh, stride_bt, stride_rope, stride_ot, stride_oh, KV_HEADS,
+                 GROUP, HEAD_DIM, BLOCK_G, BLOCK_D, PAGE, BLOCK_N, SPLIT, STORE, NORM_ROPE,
+                 PRECISION, F16_DOTS, FP8_CACHE, PTX_WIDEN, PEEL)
+
+
+@triton.jit
+def _merge_unit(b, h, part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_splits,
+                HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """Row b's head h: its splits' partial outputs weighted by their log2-sum-exps."""
+    b = tl.cast(b, tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     mask_s = offs_s < num_splits
@@ -227,6 +248,14 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_
     out = tl.sum(w[:, None] * o, 0)
     tl.store(out_ptr + b * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_splits,
+                         HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    _merge_unit(tl.program_id(0), tl.program_id(1), part_out_ptr, part_lse_ptr, out_ptr,
+                stride_ot, stride_oh, num_splits, HEADS, HEAD_DIM, BLOCK_S, BLOCK_D)
 
 
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds

@@ -7,6 +7,7 @@ run, on a checkpoint or on random weights of a named shape.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import random
@@ -241,8 +242,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--max-output-len", type=int, default=1024)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="default 256; with --latency 2, so that start-up captures one decode "
-                        "graph (the single stream's, padded to 2 rows) instead of 19")
+                   help="default 256; with --latency 2, so that start-up captures the decode "
+                        "graphs of 1 and 2 rows (without persistent decode: one, padded to 2) "
+                        "instead of 20")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -250,6 +252,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (the model's dtype) or fp8 (float8 e4m3; the floor counts its bytes)")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--persistent-decode", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode steps of 1-2 sequences: every layer in one persistent kernel "
+                        "(default: on for one CUDA GPU with the triton attention backend)")
     p.add_argument("--sync-scheduling", action="store_true",
                    help="read each step's tokens before scheduling the next (no overlap)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -281,7 +286,7 @@ def main(args) -> dict:
               attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
               kv_cache_dtype=args.kv_cache_dtype,
               tensor_parallel_size=args.tensor_parallel_size, device=args.device,
-              async_scheduling=not args.sync_scheduling)
+              async_scheduling=not args.sync_scheduling, persistent_decode=args.persistent_decode)
     device = llm.config.device
     startup_s = time.perf_counter() - start
     print(f"engine started in {startup_s:.1f} s", flush=True)
@@ -303,6 +308,7 @@ def main(args) -> dict:
                   backend=_backend_name(llm), dtype=str(llm.config.dtype),
                   cuda_graphs=getattr(llm.engine.runner, "graphs", None) is not None,
                   startup_s=startup_s, async_scheduling=llm.engine.async_scheduling,
+                  persistent_decode=llm.config.persistent_decode,
                   date=datetime.date.today().isoformat())
     workload = result["workload"] + (", fp8 KV cache" if llm.config.cache_dtype in FP8_DTYPES else "")
     line = (f"{workload}: {result['output_tokens']} output tokens in "

@@ -47,6 +47,7 @@ class EngineConfig:
     max_logprobs: int
     async_scheduling: bool = True
     kv_cache_dtype: torch.dtype | None = None  # None: dtype
+    persistent_decode: bool = False  # decode steps of 1-2 rows: every layer in one persistent kernel
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -57,7 +58,8 @@ class EngineConfig:
                max_num_batched_tokens=None, block_size=16, gpu_memory_utilization=0.9,
                num_kv_blocks=None, enforce_eager=False, tensor_parallel_size=1,
                attention_backend=None, seed=0, enable_prefix_caching=True, max_logprobs=20,
-               device=None, async_scheduling=True, kv_cache_dtype="auto") -> "EngineConfig":
+               device=None, async_scheduling=True, kv_cache_dtype="auto",
+               persistent_decode=None) -> "EngineConfig":
         model = os.fspath(model)
         if is_random_model(model):
             # "random:qwen3-0.6b": random weights at a real shape (benchmarks); no checkpoint.
@@ -97,6 +99,17 @@ class EngineConfig:
         elif max_model_len > limit:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                              f"max_position_embeddings ({limit})")
+        from ..kernels.launch import triton_usable
+        if persistent_decode is None:
+            persistent_decode = persistent_decode_default(
+                device, tensor_parallel_size, attention_backend, triton_usable(device))
+        if persistent_decode:
+            if tensor_parallel_size != 1:
+                raise ValueError("persistent_decode runs on one GPU (tensor_parallel_size 1), got "
+                                 f"tensor_parallel_size={tensor_parallel_size}")
+            if not triton_usable(device):
+                raise ValueError(f"persistent_decode is a Triton kernel: it needs a CUDA device "
+                                 f"(or TRITON_INTERPRET=1 on a CPU), got {device}")
         if max_num_batched_tokens is None:
             # CPU: the reference attention's memory grows with tokens x context, keep steps small.
             max_num_batched_tokens = 8192 if device.type == "cuda" else 512
@@ -107,4 +120,14 @@ class EngineConfig:
                    enforce_eager=bool(enforce_eager), tensor_parallel_size=tensor_parallel_size,
                    attention_backend=attention_backend, seed=seed,
                    enable_prefix_caching=bool(enable_prefix_caching), max_logprobs=max_logprobs,
-                   async_scheduling=bool(async_scheduling), kv_cache_dtype=kv_cache_dtype)
+                   async_scheduling=bool(async_scheduling), kv_cache_dtype=kv_cache_dtype,
+                   persistent_decode=bool(persistent_decode))
+
+
+def persistent_decode_default(device: torch.device, tensor_parallel_size: int,
+                              attention_backend: str | None, triton_usable: bool) -> bool:
+    """persistent_decode when not given: on where it runs (one CUDA GPU with Triton) and no other
+    attention backend than Triton's was asked for (its attention is Triton's decode kernel). The
+    single stream decodes 19% faster with it (BENCHMARKS.md, session 16)."""
+    return (device.type == "cuda" and tensor_parallel_size == 1 and
+            attention_backend in (None, "triton") and triton_usable)

@@ -13,7 +13,9 @@ Compiling the whole forward gave the same fused kernels but took minutes on a fr
 28-layer graph, compiled twice: once static, once with a dynamic batch), which is why it is not
 done. The smallest bucket is 2, so that the compiled layer sees only batches of 2 or more and one
 dynamic-batch compile (after a first static one) serves every bucket; a single sequence is
-padded to 2 rows, which costs nothing measurable.
+padded to 2 rows, which costs nothing measurable. With persistent_decode the buckets of 1 and 2
+rows run every layer as one persistent kernel (kernels/decode_layer.py) instead, whose work grows
+with each row, padding included, so there a single sequence has a bucket of its own.
 
 Rows past the real batch are padding: slot -1 (nothing is written), context length 1 and a block
 table of zeros (block 0 exists, and the padding row's one key is its own new token), so they
@@ -41,9 +43,13 @@ from ..state.params import Params
 log = logging.getLogger("minivllm")
 
 
-def decode_buckets(max_num_seqs: int) -> list[int]:
-    """Padded batch sizes: 2, 4, 8, then every 16 up to max_num_seqs (which is always one)."""
-    sizes = [b for b in (2, 4, 8) if b < max_num_seqs]
+def decode_buckets(max_num_seqs: int, single: bool = False) -> list[int]:
+    """Padded batch sizes: 2, 4, 8, then every 16 up to max_num_seqs (which is always one).
+    single: 1 too (the persistent decode layers, whose work grows with every row, padding
+    included: 42.7 against 31.3 us a layer at 2 rows and 1 on the H200, BENCHMARKS.md session
+    15; the compiled layer, which the bucket of 1 row would make compile once more, is not
+    used there)."""
+    sizes = [b for b in ((1,) if single else ()) + (2, 4, 8) if b < max_num_seqs]
     sizes += list(range(16, max_num_seqs, 16))
     sizes.append(max_num_seqs)
     return sorted(set(sizes))
@@ -94,10 +100,11 @@ class DecodeGraphs:
     graph's static output: read it before the next replay)."""
 
     def __init__(self, params: Params, cache: KVCache, backend, *, max_num_seqs: int,
-                 max_blocks_per_seq: int, compile_forward: bool = True):
+                 max_blocks_per_seq: int, compile_forward: bool = True,
+                 persistent_decode: bool = False):
         self.params, self.cache, self.backend = params, cache, backend
         self.device = params.device
-        self.buckets = decode_buckets(max_num_seqs)
+        self.buckets = decode_buckets(max_num_seqs, single=persistent_decode)
         n, m = self.buckets[-1], max_blocks_per_seq
         dev = self.device
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
@@ -118,6 +125,14 @@ class DecodeGraphs:
         self.staged = [None, None]  # the event after each set's last copies
         self.turn = 0
         self.fn = compiled_forward() if compile_forward else forward
+        # Buckets of at most MAX_ROWS rows: every layer in one persistent kernel (decode_layer.py).
+        self.small_fn = self.fn
+        if persistent_decode:
+            from ..kernels.decode_layer import layer_table, persistent_layers
+
+            table = layer_table(params.layers, cache.k, cache.v)
+            self.small_fn = functools.partial(
+                self.fn, layers=functools.partial(persistent_layers, table=table))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -137,11 +152,12 @@ class DecodeGraphs:
         with torch.cuda.stream(stream), torch.no_grad():
             for bs in reversed(self.buckets):
                 batch = self.batch_view(bs)
+                fn = self.small_fn if bs <= self._small_rows() else self.fn
                 for _ in range(2):
-                    self.fn(self.params, self.cache, batch, self.backend)
+                    fn(self.params, self.cache, batch, self.backend)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    logits, _ = self.fn(self.params, self.cache, batch, self.backend)
+                    logits, _ = fn(self.params, self.cache, batch, self.backend)
                 pool = graph.pool()
                 self.graphs[bs], self.outputs[bs] = graph, logits
                 if len(self.graphs) == 1:
@@ -150,6 +166,12 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         log.info("minivllm: captured decode CUDA graphs for batch sizes %s in %.1f s (the first, "
                  "compile included, %.1f s)", self.buckets, time.perf_counter() - start, first)
+
+    @staticmethod
+    def _small_rows() -> int:
+        from ..kernels.decode_layer import MAX_ROWS
+
+        return MAX_ROWS
 
     def bucket(self, b: int) -> int | None:
         for size in self.buckets:

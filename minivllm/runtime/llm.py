@@ -57,7 +57,10 @@ class LLM:
     schedule each step while the previous one runs (same outputs). kv_cache_dtype: "auto" (the
     model's dtype) or "fp8" (float8 e4m3, half the cache's bytes and twice its tokens; the
     triton or reference attention backend; keys and values are stored unscaled, so outputs
-    differ from "auto" by fp8's rounding of the cached tokens).
+    differ from "auto" by fp8's rounding of the cached tokens). persistent_decode: decode steps
+    of 1-2 sequences run every decoder layer in one persistent Triton kernel
+    (kernels/decode_layer.py; one GPU); None: on for one CUDA GPU unless another
+    attention_backend than "triton" is asked for.
     """
 
     def __init__(self, model, *, tokenizer=None, dtype="auto", max_model_len: int | None = None,
@@ -67,7 +70,7 @@ class LLM:
                  tensor_parallel_size: int = 1, attention_backend: str | None = None, seed: int = 0,
                  enable_prefix_caching: bool = True, max_logprobs: int = 20, device=None,
                  skip_tokenizer_init: bool = False, async_scheduling: bool = True,
-                 kv_cache_dtype="auto"):
+                 kv_cache_dtype="auto", persistent_decode: bool | None = None):
         self.config = EngineConfig.create(
             model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
@@ -75,7 +78,8 @@ class LLM:
             enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
             attention_backend=attention_backend, seed=seed,
             enable_prefix_caching=enable_prefix_caching, max_logprobs=max_logprobs, device=device,
-            async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype)
+            async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype,
+            persistent_decode=persistent_decode)
         # First, so that under torchrun ranks > 0, which serve rank 0 in here and then exit,
         # never load a tokenizer.
         runner = make_executor(self.config)

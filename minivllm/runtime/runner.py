@@ -11,6 +11,7 @@ issue 6 plugs into. CUDA graphs and torch.compile for decode (issue 5) belong in
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -167,6 +168,7 @@ class ModelRunner:
         self.backend = select_backend(self.device, config.attention_backend, config.cache_dtype)
         self.enforce_eager = config.enforce_eager
         self.prefill_forward = forward  # see _compile_and_capture
+        self.small_decode_forward, self.small_decode_rows = None, 0  # ditto (persistent_decode)
         with _logged_time("KV cache sizing"):
             self.num_blocks = self._num_blocks()
         self.cache = init_cache(self.params, num_blocks=self.num_blocks, block_size=self.block_size,
@@ -193,7 +195,8 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self.params, self.cache, self.backend, max_num_seqs=config.max_num_seqs,
                 max_blocks_per_seq=ceil_div(config.max_model_len, self.block_size),
-                compile_forward=os.environ.get("MINIVLLM_COMPILE", "1") != "0")
+                compile_forward=os.environ.get("MINIVLLM_COMPILE", "1") != "0",
+                persistent_decode=config.persistent_decode)
             self.graphs.capture()
         # Prefill and mixed steps run through the same compiled decoder layer (its prefill
         # variants are compiled by the warm-up): on the H200 the throughput benchmark ran 22,637
@@ -202,6 +205,15 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fn is not forward and \
                 os.environ.get("MINIVLLM_COMPILE_PREFILL", "1") != "0":
             self.prefill_forward = self.graphs.fn
+        # Eager decode steps of at most MAX_ROWS rows (no CUDA graphs: enforce_eager, a CPU
+        # under the interpreter) take the persistent layer too.
+        if config.persistent_decode:
+            from ..kernels.decode_layer import MAX_ROWS, layer_table, persistent_layers
+
+            table = layer_table(self.params.layers, self.cache.k, self.cache.v)
+            self.small_decode_forward = functools.partial(
+                self.prefill_forward, layers=functools.partial(persistent_layers, table=table))
+            self.small_decode_rows = MAX_ROWS
 
     def release_graphs(self) -> None:
         """Drop the decode CUDA graphs (the runner then runs every step eagerly): a
@@ -293,8 +305,12 @@ class ModelRunner:
         sb = make_sampling_batch(step.rows, vocab_size=self.vocab_size, device=self.device,
                                  steps=step.steps) if step.rows else None
         self._feed_back(batch.input_ids, step)
+        fn = self.prefill_forward
+        if self.small_decode_forward is not None and batch.is_decode and \
+                batch.num_seqs <= self.small_decode_rows:
+            fn = self.small_decode_forward
         with torch.no_grad():
-            logits, cache = self.prefill_forward(self.params, cache, batch, self.backend)
+            logits, cache = fn(self.params, cache, batch, self.backend)
             out = sample(logits, sb) if sb is not None else None
         return out, cache
 

@@ -1,0 +1,138 @@
+"""kernels/decode_layer.py's persistent decoder layer at the single stream's step, timed.
+
+    PYTHONPATH=. python benchmarks/decode_layer_probe.py [--rows 1] [--context 600]
+        [--stack-only --block-k 1024,4096]
+
+Qwen3-0.6B's layer shape, random bf16 weights, a bf16 cache with `--context` tokens a row, page
+16. The persistent layer (one launch, grid barriers) against functional.decoder_layer on the
+triton backend (eager kernels: not the engine's compiled layer, whose single-stream layer the
+traces put at ~36 us), each in a CUDA graph of 20 layers over weight copies that exceed the L2;
+then every layer of the model (as many as exceed the L2) in one launch, per layer. Outputs are
+compared with each other first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+import minivllm
+from benchmarks.bench_linear import cuda_and_l2, graph_us
+from minivllm.functional.rope import rope_cos_sin
+from minivllm.kernels import select_backend
+from minivllm.kernels.decode_layer import decode_stack, layer_table
+from minivllm.state import SeqChunk, make_batch
+from minivllm.state.shard import ShardSpec
+from minivllm.state.config import config_for_shape
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--context", type=int, default=600)
+    ap.add_argument("--stack-only", action="store_true",
+                    help="only the whole stack, at each --block-k (8 warps)")
+    ap.add_argument("--block-k", default="1024",
+                    help="GEMV columns a load for the stack's runs, comma-separated")
+    args = ap.parse_args()
+    if (gpu := cuda_and_l2("decode_layer_probe.py")) is None:
+        return 2
+    dev, l2 = gpu
+    layer_bytes = 31_457_280  # qkv, o_proj, gate_up, down of the 0.6B shape in bf16
+    config = config_for_shape("qwen3-0.6b", num_layers=max(2, -(-2 * l2 // layer_bytes)))
+    layers = minivllm.random_params(config, seed=0, device=dev).layers
+    page = 16
+    blocks = -(-args.context // page)
+    chunks = [SeqChunk([7], args.context - 1, list(range(r * blocks, (r + 1) * blocks)))
+              for r in range(args.rows)]
+    batch = make_batch(chunks, block_size=page, device=dev)
+    shape = (args.rows * blocks + 1, page, config.num_kv_heads, config.head_dim)
+    k_cache = torch.randn(shape, device=dev, dtype=config.dtype)
+    v_cache = torch.randn(shape, device=dev, dtype=config.dtype)
+    x = torch.randn(args.rows, config.hidden_size, device=dev, dtype=config.dtype)
+    res = torch.randn_like(x)
+    cos, sin = rope_cos_sin(config, batch.positions)
+    backend = select_backend(dev, "triton")
+
+    def functional(i):
+        return minivllm.functional.decoder_layer(
+            layers[i % len(layers)], x, res, cos, sin, k_cache, v_cache, batch, config=config,
+            shard=ShardSpec(), backend=backend)
+
+    want = functional(0)
+    tables = [layer_table([lp], [k_cache], [v_cache]) for lp in layers]
+    block_ks = [int(b) for b in args.block_k.split(",")]
+    for block_k in block_ks:
+        got = decode_stack(tables[0], x, res, cos, sin, k_cache, batch, config=config,
+                           dtype=config.dtype, block_k=block_k)
+        for name, a, b in (("output", got[0], want[0]), ("residual", got[1], want[1])):
+            err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+            print(f"{block_k}-column loads, {name}: relative difference {err:.2e}", flush=True)
+    table = layer_table(layers, [k_cache] * len(layers), [v_cache] * len(layers))
+    if args.stack_only:
+        for block_k in block_ks:
+            us = graph_us(lambda i: decode_stack(table, x, res, cos, sin, k_cache, batch,
+                                                 config=config, dtype=config.dtype,
+                                                 block_k=block_k))
+            print(f"persistent stack of {len(layers)} layers, one launch, {block_k}-column "
+                  f"loads: {us / len(layers):.2f} us a layer ({args.rows} row(s), context "
+                  f"{args.context})", flush=True)
+        return 0
+    print(f"functional layer, eager kernels: {graph_us(functional):.2f} us a layer "
+          f"({args.rows} row(s), context {args.context})", flush=True)
+    for block_k, warps in ((256, 8), (1024, 8), (256, 4), (1024, 4)):
+        us = graph_us(lambda i: decode_stack(
+            tables[i % len(layers)], x, res, cos, sin, k_cache, batch, config=config,
+            dtype=config.dtype, block_k=block_k, num_warps=warps))
+        print(f"persistent layer, one launch, {block_k}-column loads, {warps} warps: {us:.2f} us "
+              f"a layer ({args.rows} row(s), context {args.context})", flush=True)
+    # every layer in one launch (each layer's K/V into the same cache: timing only)
+    for warps, prefetch in ((8, True), (8, False), (16, True)):
+        us = graph_us(lambda i: decode_stack(table, x, res, cos, sin, k_cache, batch,
+                                             config=config, dtype=config.dtype, num_warps=warps,
+                                             prefetch_next=prefetch))
+        print(f"persistent stack of {len(layers)} layers, one launch, {warps} warps, next "
+              f"layer's qkv {'prefetched' if prefetch else 'not prefetched'}: "
+              f"{us / len(layers):.2f} us a layer ({args.rows} row(s), context {args.context})",
+              flush=True)
+    print_phase_times(lambda i: decode_stack(
+        tables[i % len(layers)], x, res, cos, sin, k_cache, batch, config=config,
+        dtype=config.dtype, phase_by_phase=True), len(layers), args)
+    return 0
+
+
+def print_phase_times(fn, calls: int, args, reps: int = 5) -> None:
+    """Each phase of the layer as a launch of its own (phase_by_phase), its kernel time from the
+    profiler, by phase: where the single launch's time goes, ramp-up of each phase's first
+    weight loads included (the single launch requests those before the barrier ahead)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from minivllm.kernels.decode_layer import PHASES
+
+    for i in range(calls):  # compiled outside the profile
+        fn(i)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(reps * calls):
+            fn(i)
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if "_decode_stack_kernel" in e.name and
+                      e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    if len(kernels) != reps * calls * PHASES:
+        print(f"phase times: expected {reps * calls * PHASES} kernels, the profile has "
+              f"{len(kernels)}", flush=True)
+        return
+    names = ("norm + qkv", "attention", "merge", "o_proj", "norm + gate/up", "down")
+    per_phase = [sorted(k.time_range.elapsed_us() for k in kernels[p::PHASES])
+                 for p in range(PHASES)]
+    medians = [t[len(t) // 2] for t in per_phase]
+    print(f"phases one launch each, profiler kernel time, median us ({args.rows} row(s), context "
+          f"{args.context}): " + ", ".join(f"{n} {m:.2f}" for n, m in zip(names, medians)) +
+          f"; sum {sum(medians):.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""kernels/decode_layer.py: one decoder layer at a decode step of 1-2 rows as one persistent
+kernel, against functional.decoder_layer on the reference backend (its output, its residual
+stream and the K/V it writes). On the CPU the interpreter runs it one launch per phase (a spin
+barrier cannot run there); a GPU runs it as one launch with grid barriers as well."""
+
+import pytest
+import torch
+
+import minivllm
+from minivllm.functional.rope import rope_cos_sin
+from minivllm.kernels import select_backend
+from minivllm.kernels.decode_layer import MAX_ROWS, decode_layer, decode_stack
+from minivllm.kernels.launch import runs_ptx, triton_usable
+from minivllm.state import ModelConfig, SeqChunk, make_batch
+from minivllm.state.shard import ShardSpec
+from test_fp8_cache import exact_fp8_rounding_in_the_interpreter  # noqa: F401 (autouse fixture)
+
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+@pytest.fixture(autouse=True)
+def _needs_triton(device):
+    if not triton_usable(device):
+        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+
+
+def layer_case(device, dtype, contexts, first_layer, seed=0, page=4):
+    config = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=1,
+                         num_heads=4, num_kv_heads=2, head_dim=16, dtype=dtype)
+    params = minivllm.random_params(config, seed=seed, std=0.2, device=device)
+    g = torch.Generator().manual_seed(seed)
+    blocks = [-(-c // page) for c in contexts]
+    order = torch.randperm(sum(blocks) + 2, generator=g).tolist()
+    chunks, at = [], 0
+    for c, nb in zip(contexts, blocks):
+        chunks.append(SeqChunk([7], c - 1, order[at:at + nb]))
+        at += nb
+    batch = make_batch(chunks, block_size=page, device=device)
+    cache_shape = (sum(blocks) + 2, page, config.num_kv_heads, config.head_dim)
+    k_cache = torch.randn(cache_shape, generator=g).to(device, dtype)
+    v_cache = torch.randn(cache_shape, generator=g).to(device, dtype)
+    m = len(contexts)
+    x = (torch.randn(m, config.hidden_size, generator=g)).to(device, dtype)
+    residual = None if first_layer else torch.randn(m, config.hidden_size, generator=g).to(
+        device, dtype)
+    cos, sin = rope_cos_sin(config, batch.positions)
+    return config, params.layers[0], x, residual, cos, sin, k_cache, v_cache, batch
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("contexts,first_layer,block_k", [
+    ([9], False, 1024), ([1], True, 16), ([13, 30], False, 32), ([30, 2], True, 1024)])
+def test_decode_layer_matches_the_functional_layer(device, dtype, contexts, first_layer, block_k):
+    """block_k: GEMV columns a load; 16 and 32 split every GEMV of this shape into chunks, the
+    first of which the single launch loads before the barrier ahead of its phase."""
+    config, lp, x, residual, cos, sin, k_cache, v_cache, batch = layer_case(
+        device, dtype, contexts, first_layer)
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    want_out, want_res = minivllm.functional.decoder_layer(
+        lp, x, residual, cos, sin, k_want, v_want, batch, config=config, shard=ShardSpec(),
+        backend=select_backend(device, "reference"))
+    # Phase by phase; one launch (on the CPU with one program, whose barriers the interpreter
+    # can pass: the single launch's code path, barriers and prefetches included).
+    runs = [dict(phase_by_phase=True), dict(phase_by_phase=False, programs=1)]
+    if runs_ptx(device):
+        runs.append(dict(phase_by_phase=False))
+    for run in runs:
+        k_got, v_got = k_cache.clone(), v_cache.clone()
+        out, res = decode_layer(lp, x, residual, cos, sin, k_got, v_got, batch, config=config,
+                                block_k=block_k, **run)
+        # The residual stream is x plus o_proj's output: within about one rounding of dtype
+        # (fp16 on the H200: 6.6e-4, the reference's cuBLAS reductions included).
+        assert rel(res, want_res) <= TOL[dtype] / 4, (run, rel(res, want_res))
+        assert rel(out, want_out) <= TOL[dtype], rel(out, want_out)
+        slots = batch.slot_mapping.long()
+        flat = lambda c: c.reshape(-1, *c.shape[2:])  # noqa: E731
+        for got, want in ((k_got, k_want), (v_got, v_want)):  # qkv's sums run in another order
+            torch.testing.assert_close(flat(got)[slots], flat(want)[slots], rtol=TOL[dtype],
+                                       atol=TOL[dtype])
+        keep = torch.ones(flat(k_got).shape[0], dtype=torch.bool, device=device)
+        keep[slots] = False
+        assert torch.equal(flat(k_got)[keep], flat(k_cache)[keep])  # nothing else written
+
+
+def test_decode_layer_refuses_what_it_does_not_run(device):
+    config, lp, x, residual, cos, sin, k_cache, v_cache, batch = layer_case(
+        device, torch.float32, [5] * (MAX_ROWS + 1), False)
+    with pytest.raises(ValueError, match="at most"):
+        decode_layer(lp, x, residual, cos, sin, k_cache, v_cache, batch, config=config)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("contexts", [[6], [11, 3]])
+def test_persistent_layers_give_the_forward_logits(device, dtype, contexts):
+    """forward(..., layers=persistent_layers): every layer of a 3-layer model through
+    decode_stack (one launch on a GPU; ping-pong buffers between layers), the logits and the
+    cache the functional layers give. The cache's earlier tokens come from a prefill."""
+    import functools
+
+    from minivllm.kernels.decode_layer import layer_table, persistent_layers
+
+    config = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=3,
+                         num_heads=4, num_kv_heads=2, head_dim=16, dtype=dtype)
+    params = minivllm.random_params(config, seed=1, std=0.2, device=device)
+    backend = select_backend(device, "reference")
+    page, g = 4, torch.Generator().manual_seed(2)
+    tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(contexts))]
+    prompts = [torch.randint(0, 64, (c - 1,), generator=g).tolist() for c in contexts]
+    caches = []
+    for _ in range(3):
+        cache = minivllm.init_cache(params, num_blocks=8 * len(contexts), block_size=page)
+        prefill = make_batch([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)],
+                             block_size=page, device=device)
+        _, cache = minivllm.forward(params, cache, prefill, backend)
+        caches.append(cache)
+    step = make_batch([SeqChunk([5], c - 1, t) for c, t in zip(contexts, tables)],
+                      block_size=page, device=device)
+    want, _ = minivllm.forward(params, caches[0], step, backend)
+    layers = functools.partial(persistent_layers,
+                               table=layer_table(params.layers, caches[1].k, caches[1].v))
+    got, _ = minivllm.forward(params, caches[1], step, backend, layers=layers)
+    assert rel(got, want) <= TOL[dtype]
+    # Each layer's K/V (a later layer's from inputs that already differ by rounding: a norm)
+    for a, b in zip(caches[1].k + caches[1].v, caches[0].k + caches[0].v):
+        assert rel(a, b) <= TOL[dtype]
+    # Every layer in one launch of one program (the CPU can pass its barriers): the same, with
+    # and without each layer's first qkv chunk loaded during the layer before. (The second run
+    # stores the same K/V again.)
+    x, residual, cos, sin = minivllm.functional.model.stem(params, step)
+    table = layer_table(params.layers, caches[2].k, caches[2].v)
+    for prefetch_next in (False, True):
+        out, res = decode_stack(table, x, residual, cos, sin, caches[2].k[0], step,
+                                config=config, dtype=dtype, programs=1, phase_by_phase=False,
+                                prefetch_next=prefetch_next)
+        hidden = minivllm.functional.model.final_hidden(params, out, res)
+        got = minivllm.functional.embedding.lm_head(hidden, params.head_weight, config,
+                                                    params.shard).float()
+        assert rel(got, want) <= TOL[dtype], prefetch_next
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_layer_over_an_fp8_cache(device, dtype):
+    """An fp8 (e4m3) cache: the layer reads the cached tokens widened and stores the new one
+    rounded to e4m3, as the functional layer over the same cache does."""
+    config, lp, x, residual, cos, sin, k_cache, v_cache, batch = layer_case(
+        device, dtype, [13, 30], False)
+    k8, v8 = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+    k_want, v_want = k8.clone(), v8.clone()
+    want_out, want_res = minivllm.functional.decoder_layer(
+        lp, x, residual, cos, sin, k_want, v_want, batch, config=config, shard=ShardSpec(),
+        backend=select_backend(device, "reference"))
+    k_got, v_got = k8.clone(), v8.clone()
+    out, res = decode_layer(lp, x, residual, cos, sin, k_got, v_got, batch, config=config)
+    assert rel(out, want_out) <= 2e-2 and rel(res, want_res) <= 2e-3
+    slots = batch.slot_mapping.long()
+    for got, want in ((k_got, k_want), (v_got, v_want)):  # e4m3: 3 mantissa bits
+        got, want = got.reshape(-1, *got.shape[2:])[slots], want.reshape(-1, *want.shape[2:])[slots]
+        torch.testing.assert_close(got.float(), want.float(), rtol=0.07, atol=1e-2)
