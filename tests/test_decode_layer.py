@@ -24,9 +24,16 @@ def _needs_triton(device):
         pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
 
 
-def layer_case(device, dtype, contexts, first_layer, seed=0, page=4):
-    config = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=1,
-                         num_heads=4, num_kv_heads=2, head_dim=16, dtype=dtype)
+# Qwen3-0.6B/1.7B's proportions (2 query heads a KV head), and 4B/8B's (4 a KV head, with 4B's
+# hidden size not a power of two and the attention width unequal to it).
+SHAPES = {"gqa2": dict(hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2,
+                       head_dim=16),
+          "gqa4": dict(hidden_size=80, intermediate_size=112, num_heads=8, num_kv_heads=2,
+                       head_dim=16)}
+
+
+def layer_case(device, dtype, contexts, first_layer, seed=0, page=4, shape="gqa2"):
+    config = ModelConfig(vocab_size=64, num_layers=1, dtype=dtype, **SHAPES[shape])
     params = minivllm.random_params(config, seed=seed, std=0.2, device=device)
     g = torch.Generator().manual_seed(seed)
     blocks = [-(-c // page) for c in contexts]
@@ -52,13 +59,15 @@ def rel(a, b):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("contexts,first_layer,block_k", [
-    ([9], False, 1024), ([1], True, 16), ([13, 30], False, 32), ([30, 2], True, 1024)])
-def test_decode_layer_matches_the_functional_layer(device, dtype, contexts, first_layer, block_k):
+@pytest.mark.parametrize("contexts,first_layer,block_k,shape", [
+    ([9], False, 1024, "gqa2"), ([1], True, 16, "gqa2"), ([13, 30], False, 32, "gqa2"),
+    ([30, 2], True, 1024, "gqa2"), ([21, 5], False, 32, "gqa4")])
+def test_decode_layer_matches_the_functional_layer(device, dtype, contexts, first_layer, block_k,
+                                                   shape):
     """block_k: GEMV columns a load; 16 and 32 split every GEMV of this shape into chunks, the
     first of which the single launch loads before the barrier ahead of its phase."""
     config, lp, x, residual, cos, sin, k_cache, v_cache, batch = layer_case(
-        device, dtype, contexts, first_layer)
+        device, dtype, contexts, first_layer, shape=shape)
     k_want, v_want = k_cache.clone(), v_cache.clone()
     want_out, want_res = minivllm.functional.decoder_layer(
         lp, x, residual, cos, sin, k_want, v_want, batch, config=config, shard=ShardSpec(),
