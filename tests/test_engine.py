@@ -210,6 +210,8 @@ def test_persistent_decode_is_on_by_default_only_where_it_runs(tiny_dir):
     assert not persistent_decode_default(cuda, 1, None, False)  # no Triton
     assert not persistent_decode_default(cpu, 1, None, True)  # the interpreter: slow, explicit
     assert not EngineConfig.create(tiny_dir, device="cpu").persistent_decode
+    with pytest.raises(TypeError, match="persistent_decode must be"):
+        EngineConfig.create(tiny_dir, device="cpu", persistent_decode="no")
     if triton_usable(cpu):  # under the interpreter (this suite on a CPU-only machine)
         assert EngineConfig.create(tiny_dir, device="cpu", attention_backend="triton",
                                    persistent_decode=True).persistent_decode

@@ -100,6 +100,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                              f"max_position_embeddings ({limit})")
         from ..kernels.launch import triton_usable
+        if persistent_decode is not None and not isinstance(persistent_decode, bool):
+            raise TypeError(f"persistent_decode must be True, False or None (the default for the "
+                            f"device), got {persistent_decode!r}")
         if persistent_decode is None:
             persistent_decode = persistent_decode_default(
                 device, tensor_parallel_size, attention_backend, triton_usable(device))
