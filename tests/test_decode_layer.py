@@ -105,12 +105,10 @@ def test_decode_layer_refuses_what_it_does_not_run(device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("contexts", [[6], [11, 3]])
 def test_persistent_layers_give_the_forward_logits(device, dtype, contexts):
-    """forward(..., layers=persistent_layers): every layer of a 3-layer model through
-    decode_stack (one launch on a GPU; ping-pong buffers between layers), the logits and the
-    cache the functional layers give. The cache's earlier tokens come from a prefill."""
-    import functools
-
-    from minivllm.kernels.decode_layer import layer_table, persistent_layers
+    """with_persistent_layers(forward, ...): every layer of a 3-layer model through decode_stack
+    (one launch on a GPU; ping-pong buffers between layers), the logits and the cache the
+    functional layers give. The cache's earlier tokens come from a prefill."""
+    from minivllm.kernels.decode_layer import layer_table, with_persistent_layers
 
     config = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=3,
                          num_heads=4, num_kv_heads=2, head_dim=16, dtype=dtype)
@@ -129,9 +127,8 @@ def test_persistent_layers_give_the_forward_logits(device, dtype, contexts):
     step = make_batch([SeqChunk([5], c - 1, t) for c, t in zip(contexts, tables)],
                       block_size=page, device=device)
     want, _ = minivllm.forward(params, caches[0], step, backend)
-    layers = functools.partial(persistent_layers,
-                               table=layer_table(params.layers, caches[1].k, caches[1].v))
-    got, _ = minivllm.forward(params, caches[1], step, backend, layers=layers)
+    got, _ = with_persistent_layers(minivllm.forward, params, caches[1])(
+        params, caches[1], step, backend)
     assert rel(got, want) <= TOL[dtype]
     # Each layer's K/V (a later layer's from inputs that already differ by rounding: a norm)
     for a, b in zip(caches[1].k + caches[1].v, caches[0].k + caches[0].v):

@@ -34,6 +34,7 @@ it is a cooperative launch, which the driver refuses rather than start a grid th
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -189,9 +190,8 @@ def _layer_phases(
     after it waiting for base + k * programs arrivals; 0-5: that phase only. PREFETCH_NEXT (with
     PHASE -1): w_qkv_first is this layer's first qkv weight chunk, loaded by the caller, and the
     next layer's (at next_qkv_ptr) is loaded before the last barrier and returned; otherwise a
-    zero tile is returned. R_*: rows (or
-    columns) a program of qkv's output, the hidden size, the intermediate size; BN_*: those
-    padded to a power of two. BLOCK_*: the hidden size, head_dim, the query heads of a KV head
+    zero tile is returned. R_*: rows (or columns) a program of qkv's output, the hidden size,
+    the intermediate size; BN_*: those padded to a power of two. BLOCK_*: the hidden size, head_dim, the query heads of a KV head
     (at least 16, for tl.dot) and the splits, padded to powers of two."""
     eps = tl.cast(eps, tl.float32)
     scale_log2 = tl.cast(scale_log2, tl.float32)
@@ -349,18 +349,17 @@ def layer_table(layers: Sequence[LayerParams], k_caches: Sequence[torch.Tensor],
     addresses, which the stack kernel loads as pointers. Built once (it is a host-to-device
     copy, which a CUDA graph capture may not hold); valid while those tensors live where they
     are, as an engine's weights and donated cache do."""
-    rows = [[t.data_ptr() for t in (lp.input_norm, lp.qkv, lp.q_norm, lp.k_norm, lp.o_proj,
-                                     lp.post_norm, lp.gate_up, lp.down, k, v)]
-            for lp, k, v in zip(layers, k_caches, v_caches, strict=True)]
     device = layers[0].qkv.device
-    for lp, k, v in zip(layers, k_caches, v_caches):
-        for t in (lp.input_norm, lp.qkv, lp.q_norm, lp.k_norm, lp.o_proj, lp.post_norm,
-                  lp.gate_up, lp.down, k, v):
-            # The kernel takes every address as 16-byte aligned (vector loads); the CPU
-            # interpreter does not care (a checkpoint mapped from disk may be unaligned there).
-            if not t.is_contiguous() or (runs_ptx(device) and t.data_ptr() % 16):
-                raise ValueError("layer_table needs contiguous (and on a GPU 16-byte aligned) "
-                                 "weights and caches")
+    rows = []
+    for lp, k, v in zip(layers, k_caches, v_caches, strict=True):
+        row = (lp.input_norm, lp.qkv, lp.q_norm, lp.k_norm, lp.o_proj, lp.post_norm, lp.gate_up,
+               lp.down, k, v)
+        # The kernel takes every address as 16-byte aligned (vector loads); the CPU interpreter
+        # does not care (a checkpoint mapped from disk may be unaligned there).
+        if any(not t.is_contiguous() or (runs_ptx(device) and t.data_ptr() % 16) for t in row):
+            raise ValueError("layer_table needs contiguous (and on a GPU 16-byte aligned) "
+                             "weights and caches")
+        rows.append([t.data_ptr() for t in row])
     return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
@@ -445,6 +444,13 @@ def decode_layer(lp: LayerParams, x: torch.Tensor, residual: torch.Tensor | None
         residual = torch.zeros_like(x)
     return decode_stack(table, x, residual, cos, sin, k_cache, batch, config=config,
                         dtype=x.dtype, **kwargs)
+
+
+def with_persistent_layers(forward_fn, params: Params, cache: KVCache):
+    """forward_fn (functional.model.forward or a compiled one) with its layer stack run by
+    persistent_layers over params' and cache's layer_table, built here once."""
+    table = layer_table(params.layers, cache.k, cache.v)
+    return functools.partial(forward_fn, layers=functools.partial(persistent_layers, table=table))
 
 
 def persistent_layers(params: Params, cache: KVCache, batch: Batch, backend, x: torch.Tensor,

@@ -126,13 +126,11 @@ class DecodeGraphs:
         self.turn = 0
         self.fn = compiled_forward() if compile_forward else forward
         # Buckets of at most MAX_ROWS rows: every layer in one persistent kernel (decode_layer.py).
-        self.small_fn = self.fn
+        self.small_fn, self.small_rows = self.fn, 0
         if persistent_decode:
-            from ..kernels.decode_layer import layer_table, persistent_layers
+            from ..kernels.decode_layer import MAX_ROWS, with_persistent_layers
 
-            table = layer_table(params.layers, cache.k, cache.v)
-            self.small_fn = functools.partial(
-                self.fn, layers=functools.partial(persistent_layers, table=table))
+            self.small_fn, self.small_rows = with_persistent_layers(self.fn, params, cache), MAX_ROWS
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -152,7 +150,7 @@ class DecodeGraphs:
         with torch.cuda.stream(stream), torch.no_grad():
             for bs in reversed(self.buckets):
                 batch = self.batch_view(bs)
-                fn = self.small_fn if bs <= self._small_rows() else self.fn
+                fn = self.small_fn if bs <= self.small_rows else self.fn
                 for _ in range(2):
                     fn(self.params, self.cache, batch, self.backend)
                 graph = torch.cuda.CUDAGraph()
@@ -166,12 +164,6 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         log.info("minivllm: captured decode CUDA graphs for batch sizes %s in %.1f s (the first, "
                  "compile included, %.1f s)", self.buckets, time.perf_counter() - start, first)
-
-    @staticmethod
-    def _small_rows() -> int:
-        from ..kernels.decode_layer import MAX_ROWS
-
-        return MAX_ROWS
 
     def bucket(self, b: int) -> int | None:
         for size in self.buckets:

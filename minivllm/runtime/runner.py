@@ -11,7 +11,6 @@ issue 6 plugs into. CUDA graphs and torch.compile for decode (issue 5) belong in
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import logging
 import os
@@ -208,11 +207,10 @@ class ModelRunner:
         # Eager decode steps of at most MAX_ROWS rows (no CUDA graphs: enforce_eager, a CPU
         # under the interpreter) take the persistent layer too.
         if config.persistent_decode:
-            from ..kernels.decode_layer import MAX_ROWS, layer_table, persistent_layers
+            from ..kernels.decode_layer import MAX_ROWS, with_persistent_layers
 
-            table = layer_table(self.params.layers, self.cache.k, self.cache.v)
-            self.small_decode_forward = functools.partial(
-                self.prefill_forward, layers=functools.partial(persistent_layers, table=table))
+            self.small_decode_forward = with_persistent_layers(self.prefill_forward, self.params,
+                                                               self.cache)
             self.small_decode_rows = MAX_ROWS
 
     def release_graphs(self) -> None:
