@@ -21,8 +21,9 @@ at one row and a 600-token context, and the engine's single stream 1,075-1,081 t
 prefetch_next, then on) against 905-910 without it. The phases launched one by one take, by
 the profiler: qkv 5.1, attention 5.6, merge 2.8, o_proj 3.5, gate/up 6.9, down 4.6 us; the GEMVs
 stream at 1.2-1.8 TB/s, well under the copy rate (each SM holds one load of its row block,
-64-96 KB, in flight, and down and o_proj take theirs in 16 KB chunks one after another). Loading the next layer's first qkv chunk during the layer before (prefetch_next)
-measured 0.3 us a layer slower in both runs (30.0 / 29.7, 29.7 / 29.4): off by default.
+64-96 KB, in flight, and down and o_proj take theirs in 16 KB chunks one after another).
+Loading the next layer's first qkv chunk during the layer before (prefetch_next) measured 0.3 us
+a layer slower in both runs (30.0 / 29.7, 29.7 / 29.4): off by default.
 Values are rounded to the activation dtype wherever functional.layer.decoder_layer rounds them.
 
 On the CPU, Triton's interpreter runs programs one after another, so a spin barrier among several
@@ -191,8 +192,9 @@ def _layer_phases(
     PHASE -1): w_qkv_first is this layer's first qkv weight chunk, loaded by the caller, and the
     next layer's (at next_qkv_ptr) is loaded before the last barrier and returned; otherwise a
     zero tile is returned. R_*: rows (or columns) a program of qkv's output, the hidden size,
-    the intermediate size; BN_*: those padded to a power of two. BLOCK_*: the hidden size, head_dim, the query heads of a KV head
-    (at least 16, for tl.dot) and the splits, padded to powers of two."""
+    the intermediate size; BN_*: those padded to a power of two. BLOCK_*: the hidden size,
+    head_dim, the query heads of a KV head (at least 16, for tl.dot) and the splits, padded to
+    powers of two."""
     eps = tl.cast(eps, tl.float32)
     scale_log2 = tl.cast(scale_log2, tl.float32)
     dt = x_ptr.dtype.element_ty
