@@ -15,15 +15,19 @@ layer_table):
   4  y + residual, its RMSNorm, gate and up for this program's intermediate columns, SiLU * up
   5  this program's down rows
 
-Each GEMV's first weight chunk is loaded before the barrier ahead of its phase. On the H200
-(BENCHMARKS.md session 16, benchmarks/decode_layer_probe.py) the stack runs 29.4-29.7 us a layer
-at one row and a 600-token context, and the engine's single stream 1,075-1,081 tok/s (with
-prefetch_next, then on) against 905-910 without it. The phases launched one by one take, by
-the profiler: qkv 5.1, attention 5.6, merge 2.8, o_proj 3.5, gate/up 6.9, down 4.6 us; the GEMVs
-stream at 1.2-1.8 TB/s, well under the copy rate (each SM holds one load of its row block,
-64-96 KB, in flight, and down and o_proj take theirs in 16 KB chunks one after another).
+Each GEMV's first weight chunk is loaded before the barrier ahead of its phase; at the 0.6B
+shape every GEMV's row block is one chunk (chunk_columns). On the H200 (BENCHMARKS.md sessions
+16-17, benchmarks/decode_layer_probe.py) the stack runs 28.4-28.5 us a layer at one row and a
+600-token context (29.5 with 1024-column chunks), and the engine's single stream 1,107-1,142
+tok/s against 905-910 with the compiled layers (session 16). The phases launched one by one
+take, by the profiler (session 16, 1024-column chunks): qkv 5.1, attention 5.6, merge 2.8,
+o_proj 3.5, gate/up 6.9, down 4.6 us; the GEMVs stream at 1.2-1.8 TB/s, under the copy rate.
 Loading the next layer's first qkv chunk during the layer before (prefetch_next) measured 0.3 us
-a layer slower in both runs (30.0 / 29.7, 29.7 / 29.4): off by default.
+a layer slower in both runs (30.0 / 29.7, 29.7 / 29.4): off by default. Measured slower too and
+left out (session 17, branch l2-stack): bulk L2 prefetches of the later phases' weights as
+attention starts (+5.4 us a layer), the last split merging its heads in place of the merge phase
+(+2.1), and barriers that poll with acquire loads or per-program flags (1.50 and 1.38 us a
+barrier against the atomic counter's 1.07).
 Values are rounded to the activation dtype wherever functional.layer.decoder_layer rounds them.
 
 On the CPU, Triton's interpreter runs programs one after another, so a spin barrier among several
@@ -57,7 +61,7 @@ TABLE_COLUMNS = tl.constexpr(10)  # layer_table: 8 weights, then the K and V cac
 BLOCK_K = 1024  # GEMV columns a load, at least (fewer only where a weight has fewer)
 # A load may widen past BLOCK_K while it holds at most this many weights (64 KB of bf16, 64
 # registers a thread at 8 warps): at Qwen3-0.6B's shape o_proj (8 rows x 2048) and down
-# (8 x 4096) then take their row block in one load, 28.2 against 29.5 us a layer
+# (8 x 4096) then take their row block in one load, 28.4-28.5 against 29.5 us a layer
 # (BENCHMARKS.md session 17); qkv and gate/up (32 rows x 1024) already did.
 CHUNK_WEIGHTS = 32768
 SPLIT_TOKENS = 64  # attention: tokens a split, about (the single stream's contexts are ~600)
