@@ -1,7 +1,7 @@
 """kernels/decode_layer.py's persistent decoder layer at the single stream's step, timed.
 
     PYTHONPATH=. python benchmarks/decode_layer_probe.py [--rows 1] [--context 600]
-        [--stack-only --block-k 1024,4096]
+        [--stack-only --block-k auto,1024,4096]
 
 Qwen3-0.6B's layer shape, random bf16 weights, a bf16 cache with `--context` tokens a row, page
 16. The persistent layer (one launch, grid barriers) against functional.decoder_layer on the
@@ -34,8 +34,9 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=600)
     ap.add_argument("--stack-only", action="store_true",
                     help="only the whole stack, at each --block-k (8 warps)")
-    ap.add_argument("--block-k", default="1024",
-                    help="GEMV columns a load for the stack's runs, comma-separated")
+    ap.add_argument("--block-k", default="auto",
+                    help="GEMV columns a load for the stack's runs, comma-separated; auto: "
+                         "decode_stack's own choice (chunk_columns)")
     args = ap.parse_args()
     if (gpu := cuda_and_l2("decode_layer_probe.py")) is None:
         return 2
@@ -63,22 +64,23 @@ def main() -> int:
 
     want = functional(0)
     tables = [layer_table([lp], [k_cache], [v_cache]) for lp in layers]
-    block_ks = [int(b) for b in args.block_k.split(",")]
+    block_ks = [None if b == "auto" else int(b) for b in args.block_k.split(",")]
     for block_k in block_ks:
         got = decode_stack(tables[0], x, res, cos, sin, k_cache, batch, config=config,
                            dtype=config.dtype, block_k=block_k)
         for name, a, b in (("output", got[0], want[0]), ("residual", got[1], want[1])):
             err = ((a.float() - b.float()).norm() / b.float().norm()).item()
-            print(f"{block_k}-column loads, {name}: relative difference {err:.2e}", flush=True)
+            print(f"{block_k or 'auto'}-column loads, {name}: relative difference {err:.2e}",
+                  flush=True)
     table = layer_table(layers, [k_cache] * len(layers), [v_cache] * len(layers))
     if args.stack_only:
         for block_k in block_ks:
             us = graph_us(lambda i: decode_stack(table, x, res, cos, sin, k_cache, batch,
                                                  config=config, dtype=config.dtype,
                                                  block_k=block_k))
-            print(f"persistent stack of {len(layers)} layers, one launch, {block_k}-column "
-                  f"loads: {us / len(layers):.2f} us a layer ({args.rows} row(s), context "
-                  f"{args.context})", flush=True)
+            print(f"persistent stack of {len(layers)} layers, one launch, "
+                  f"{block_k or 'auto'}-column loads: {us / len(layers):.2f} us a layer "
+                  f"({args.rows} row(s), context {args.context})", flush=True)
         return 0
     print(f"functional layer, eager kernels: {graph_us(functional):.2f} us a layer "
           f"({args.rows} row(s), context {args.context})", flush=True)

@@ -5,11 +5,13 @@ barrier cannot run there); a GPU runs it as one launch with grid barriers as wel
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
 import minivllm
 from minivllm.functional.rope import rope_cos_sin
 from minivllm.kernels import select_backend
-from minivllm.kernels.decode_layer import MAX_ROWS, decode_layer, decode_stack
+from minivllm.kernels.decode_layer import (BLOCK_K, CHUNK_WEIGHTS, MAX_ROWS, chunk_columns,
+                                           decode_layer, decode_stack)
 from minivllm.kernels.launch import runs_ptx, triton_usable
 from minivllm.state import ModelConfig, SeqChunk, make_batch
 from minivllm.state.shard import ShardSpec
@@ -58,14 +60,27 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+@given(rows_log2=st.integers(0, 9), k=st.integers(1, 20000))
+def test_chunk_columns_widen_loads_within_the_register_budget(rows_log2, k):
+    block_rows = 2 ** rows_log2
+    got = chunk_columns(block_rows, k)
+    padded = 1 << (k - 1).bit_length()
+    assert got & (got - 1) == 0 and got <= padded  # a power of two, never past the padded row
+    assert got >= min(BLOCK_K, padded)  # never narrower than the measured baseline
+    if got > BLOCK_K:  # widened: within the budget, and as wide as the budget or the row allows
+        assert block_rows * got <= CHUNK_WEIGHTS
+        assert got == padded or block_rows * got * 2 > CHUNK_WEIGHTS
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("contexts,first_layer,block_k,shape", [
     ([9], False, 1024, "gqa2"), ([1], True, 16, "gqa2"), ([13, 30], False, 32, "gqa2"),
-    ([30, 2], True, 1024, "gqa2"), ([21, 5], False, 32, "gqa4")])
+    ([30, 2], True, None, "gqa2"), ([21, 5], False, 32, "gqa4")])
 def test_decode_layer_matches_the_functional_layer(device, dtype, contexts, first_layer, block_k,
                                                    shape):
     """block_k: GEMV columns a load; 16 and 32 split every GEMV of this shape into chunks, the
-    first of which the single launch loads before the barrier ahead of its phase."""
+    first of which the single launch loads before the barrier ahead of its phase (None:
+    chunk_columns' choice, whole rows at this shape)."""
     config, lp, x, residual, cos, sin, k_cache, v_cache, batch = layer_case(
         device, dtype, contexts, first_layer, shape=shape)
     k_want, v_want = k_cache.clone(), v_cache.clone()

@@ -15,15 +15,19 @@ layer_table):
   4  y + residual, its RMSNorm, gate and up for this program's intermediate columns, SiLU * up
   5  this program's down rows
 
-Each GEMV's first weight chunk is loaded before the barrier ahead of its phase. On the H200
-(BENCHMARKS.md session 16, benchmarks/decode_layer_probe.py) the stack runs 29.4-29.7 us a layer
-at one row and a 600-token context, and the engine's single stream 1,075-1,081 tok/s (with
-prefetch_next, then on) against 905-910 without it. The phases launched one by one take, by
-the profiler: qkv 5.1, attention 5.6, merge 2.8, o_proj 3.5, gate/up 6.9, down 4.6 us; the GEMVs
-stream at 1.2-1.8 TB/s, well under the copy rate (each SM holds one load of its row block,
-64-96 KB, in flight, and down and o_proj take theirs in 16 KB chunks one after another).
+Each GEMV's first weight chunk is loaded before the barrier ahead of its phase; at the 0.6B
+shape every GEMV's row block is one chunk (chunk_columns). On the H200 (BENCHMARKS.md sessions
+16-17, benchmarks/decode_layer_probe.py) the stack runs 28.4-28.5 us a layer at one row and a
+600-token context (29.5 with 1024-column chunks), and the engine's single stream 1,107-1,142
+tok/s against 905-910 with the compiled layers (session 16). The phases launched one by one
+take, by the profiler (session 16, 1024-column chunks): qkv 5.1, attention 5.6, merge 2.8,
+o_proj 3.5, gate/up 6.9, down 4.6 us; the GEMVs stream at 1.2-1.8 TB/s, under the copy rate.
 Loading the next layer's first qkv chunk during the layer before (prefetch_next) measured 0.3 us
-a layer slower in both runs (30.0 / 29.7, 29.7 / 29.4): off by default.
+a layer slower in both runs (30.0 / 29.7, 29.7 / 29.4): off by default. Measured slower too and
+left out (session 17, branch l2-stack): bulk L2 prefetches of the later phases' weights as
+attention starts (+5.4 us a layer), the last split merging its heads in place of the merge phase
+(+2.1), and barriers that poll with acquire loads or per-program flags (1.50 and 1.38 us a
+barrier against the atomic counter's 1.07).
 Values are rounded to the activation dtype wherever functional.layer.decoder_layer rounds them.
 
 On the CPU, Triton's interpreter runs programs one after another, so a spin barrier among several
@@ -54,7 +58,12 @@ MAX_ROWS = 2  # the single stream's decode bucket
 PHASES = 6
 LAYER_PHASES = tl.constexpr(PHASES)  # the same, for the kernels
 TABLE_COLUMNS = tl.constexpr(10)  # layer_table: 8 weights, then the K and V caches
-BLOCK_K = 1024  # GEMV columns a load (at most)
+BLOCK_K = 1024  # GEMV columns a load, at least (fewer only where a weight has fewer)
+# A load may widen past BLOCK_K while it holds at most this many weights (64 KB of bf16, 64
+# registers a thread at 8 warps): at Qwen3-0.6B's shape o_proj (8 rows x 2048) and down
+# (8 x 4096) then take their row block in one load, 28.4-28.5 against 29.5 us a layer
+# (BENCHMARKS.md session 17); qkv and gate/up (32 rows x 1024) already did.
+CHUNK_WEIGHTS = 32768
 SPLIT_TOKENS = 64  # attention: tokens a split, about (the single stream's contexts are ~600)
 
 
@@ -365,17 +374,26 @@ def layer_table(layers: Sequence[LayerParams], k_caches: Sequence[torch.Tensor],
     return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
+def chunk_columns(block_rows: int, k: int) -> int:
+    """Columns of a GEMV's weight load for a program's block of block_rows (a power of two)
+    rows of a [*, k] weight: BLOCK_K, or wider while the load holds at most CHUNK_WEIGHTS
+    weights, never wider than the padded row."""
+    return min(next_pow2(k), max(BLOCK_K, CHUNK_WEIGHTS // block_rows))
+
+
 def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, k_cache0: torch.Tensor, batch: Batch, *, config: ModelConfig,
                  dtype: torch.dtype, programs: int | None = None,
-                 phase_by_phase: bool | None = None, num_warps: int = 8, block_k: int = BLOCK_K,
-                 prefetch_next: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 phase_by_phase: bool | None = None, num_warps: int = 8,
+                 block_k: int | None = None, prefetch_next: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder layers of `table` (layer_table) for a decode batch of M <= MAX_ROWS rows on
     one GPU, as one persistent launch (phase_by_phase: one launch per layer and phase; the
     default under the CPU interpreter). x, residual: [M, hidden] (the stem's, or a layer's
     output and residual stream). Returns the last layer's (down's output, residual stream),
     [M, hidden] each, and writes this step's K/V into each layer's cache, as the
-    functional layers do. k_cache0: any layer's K cache (its shape and dtype). prefetch_next:
+    functional layers do. k_cache0: any layer's K cache (its shape and dtype). block_k: GEMV
+    columns a load (None: chunk_columns' rule, each GEMV its own). prefetch_next:
     each layer's first qkv weight chunk loaded during the layer before it (single launch; off:
     it measured 0.3 us a layer slower, twice, BENCHMARKS.md session 16)."""
     m, hidden = x.shape
@@ -408,11 +426,19 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
     rows = dict(R_QKV=-(-qkv_size // programs), R_H=-(-hidden // programs),
                 R_I=-(-inter // programs))
     rows |= {f"BN_{k[2:]}": next_pow2(v) for k, v in list(rows.items())}
+    if block_k is None:  # qkv and gate/up share the hidden-wide chunk
+        columns = dict(BK_H=min(chunk_columns(rows["BN_QKV"], hidden),
+                                chunk_columns(rows["BN_I"], hidden)),
+                       BK_ATT=chunk_columns(rows["BN_H"], heads * d),
+                       BK_I=chunk_columns(rows["BN_H"], inter))
+    else:
+        columns = dict(BK_H=min(block_k, next_pow2(hidden)),
+                       BK_ATT=min(block_k, next_pow2(heads * d)),
+                       BK_I=min(block_k, next_pow2(inter)))
     consts = dict(
         M=m, H=hidden, INTER=inter, HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=d, SPLITS=splits,
         PAGE=k_cache0.shape[1], BLOCK_N=64 if runs_ptx(dev) else 16,
-        BK_H=min(block_k, next_pow2(hidden)), BK_ATT=min(block_k, next_pow2(heads * d)),
-        BK_I=min(block_k, next_pow2(inter)), **rows, BLOCK_H=next_pow2(hidden),
+        **columns, **rows, BLOCK_H=next_pow2(hidden),
         BLOCK_D=next_pow2(d), BLOCK_G=max(16, next_pow2(heads // kv_heads)),
         BLOCK_S=max(2, next_pow2(splits)),
         PRECISION=dot_precision(torch.float16 if f16_dots else dt), F16_DOTS=f16_dots,
