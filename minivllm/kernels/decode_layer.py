@@ -22,6 +22,10 @@ shape every GEMV's row block is one chunk (chunk_columns). On the H200 (BENCHMAR
 tok/s against 905-910 with the compiled layers (session 16). The phases launched one by one
 take, by the profiler (session 16, 1024-column chunks): qkv 5.1, attention 5.6, merge 2.8,
 o_proj 3.5, gate/up 6.9, down 4.6 us; the GEMVs stream at 1.2-1.8 TB/s, under the copy rate.
+Inside the single launch (session 17, decode_stack's timeline: %globaltimer at every barrier)
+a layer's 27.7 us span as: qkv 5.3, attention 5.3, merge 3.7 (16 programs merge, the slowest
+2.9 us), o_proj 5.7 (the phase also issues gate/up's weight loads, 96 KB a program),
+gate/up 5.9, down 1.8; each barrier 0.6-0.9 us from the last arrival to the median departure.
 Loading the next layer's first qkv chunk during the layer before (prefetch_next) measured 0.3 us
 a layer slower in both runs (30.0 / 29.7, 29.7 / 29.4): off by default. Measured slower too and
 left out (session 17, branch l2-stack): bulk L2 prefetches of the later phases' weights as
