@@ -1,7 +1,7 @@
 """kernels/decode_layer.py's persistent decoder layer at the single stream's step, timed.
 
     PYTHONPATH=. python benchmarks/decode_layer_probe.py [--rows 1] [--context 600]
-        [--stack-only --block-k auto,1024,4096]
+        [--stack-only --block-k auto,1024,4096] [--timeline]
 
 Qwen3-0.6B's layer shape, random bf16 weights, a bf16 cache with `--context` tokens a row, page
 16. The persistent layer (one launch, grid barriers) against functional.decoder_layer on the
@@ -22,7 +22,7 @@ import minivllm
 from benchmarks.bench_linear import cuda_and_l2, graph_us
 from minivllm.functional.rope import rope_cos_sin
 from minivllm.kernels import select_backend
-from minivllm.kernels.decode_layer import decode_stack, layer_table
+from minivllm.kernels.decode_layer import PHASES, decode_stack, layer_table
 from minivllm.state import SeqChunk, make_batch
 from minivllm.state.shard import ShardSpec
 from minivllm.state.config import config_for_shape
@@ -37,6 +37,9 @@ def main() -> int:
     ap.add_argument("--block-k", default="auto",
                     help="GEMV columns a load for the stack's runs, comma-separated; auto: "
                          "decode_stack's own choice (chunk_columns)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="only the whole stack's in-kernel timeline: where a layer's time goes, "
+                         "phase by phase, from %%globaltimer stamps at each grid barrier")
     args = ap.parse_args()
     if (gpu := cuda_and_l2("decode_layer_probe.py")) is None:
         return 2
@@ -73,6 +76,22 @@ def main() -> int:
             print(f"{block_k or 'auto'}-column loads, {name}: relative difference {err:.2e}",
                   flush=True)
     table = layer_table(layers, [k_cache] * len(layers), [v_cache] * len(layers))
+    if args.timeline:
+        programs = torch.cuda.get_device_properties(dev).multi_processor_count
+        stamps = torch.zeros(1 + len(layers) * 2 * PHASES, programs, dtype=torch.int64,
+                             device=dev)
+        for _ in range(3):  # compiled, then the last of two timed runs
+            decode_stack(table, x, res, cos, sin, k_cache, batch, config=config,
+                         dtype=config.dtype, programs=programs, timeline=stamps)
+        torch.cuda.synchronize()
+        untimed = graph_us(lambda i: decode_stack(table, x, res, cos, sin, k_cache, batch,
+                                                  config=config, dtype=config.dtype))
+        print(f"timeline of the stack, {len(layers)} layers, {programs} programs, "
+              f"{args.rows} row(s), context {args.context}, auto-column loads (untimed, in a "
+              f"CUDA graph: {untimed / len(layers):.2f} us a layer):", flush=True)
+        for line in timeline_report(stamps.cpu()):
+            print(line, flush=True)
+        return 0
     if args.stack_only:
         for block_k in block_ks:
             us = graph_us(lambda i: decode_stack(table, x, res, cos, sin, k_cache, batch,
@@ -105,13 +124,49 @@ def main() -> int:
     return 0
 
 
+PHASE_NAMES = ("norm + qkv", "attention", "merge", "o_proj", "norm + gate/up", "down")
+
+
+def timeline_phases(stamps: torch.Tensor) -> dict[str, tuple[float, float, float]]:
+    """decode_stack's timeline ([1 + layers * 2 * PHASES, programs] ns: start, then each
+    barrier's arrivals and departures) by phase, averaged over the layers after the first
+    (whose qkv phase holds the launch's ramp-up), in us: (span: the previous barrier's departure
+    to its own, median program; work: departure to arrival, median program; work of the slowest
+    program). The span less the slowest work is the barrier: from the last arrival to the
+    median departure."""
+    phases = len(PHASE_NAMES)
+    layers = (stamps.shape[0] - 1) // (2 * phases)
+    arrive = stamps[1::2].reshape(layers, phases, -1).double()
+    leave = stamps[2::2].reshape(layers, phases, -1).double()
+    before = torch.cat([stamps[:1].double(), leave.reshape(layers * phases, -1)[:-1]]
+                       ).reshape(layers, phases, -1)  # each phase's start, program by program
+    span = (leave - before).median(dim=2).values / 1e3  # [layers, phases]
+    work = (arrive - before) / 1e3
+    keep = slice(1, None) if layers > 1 else slice(None)
+    per_layer = (span, work.median(dim=2).values, work.max(dim=2).values)
+    return {name: tuple(t[keep, p].mean().item() for t in per_layer)
+            for p, name in enumerate(PHASE_NAMES)}
+
+
+def timeline_report(stamps: torch.Tensor) -> list[str]:
+    """timeline_phases as lines, then a layer's span and the clock's smallest step seen."""
+    lines = [f"  {'phase':<16}{'span':>8}{'work, median':>14}{'work, slowest':>15}"
+             f"{'barrier':>9}  (us)"]
+    phases = timeline_phases(stamps)
+    for name, (span, mid, slowest) in phases.items():
+        lines.append(f"  {name:<16}{span:>8.2f}{mid:>14.2f}{slowest:>15.2f}{span - slowest:>9.2f}")
+    steps = stamps.flatten().unique().diff()
+    step = steps[steps > 0].min().item() if (steps > 0).any() else 0
+    lines.append(f"  a layer: {sum(p[0] for p in phases.values()):.2f} us; the clock's "
+                 f"smallest step seen: {step} ns")
+    return lines
+
+
 def print_phase_times(fn, calls: int, args, reps: int = 5) -> None:
     """Each phase of the layer as a launch of its own (phase_by_phase), its kernel time from the
     profiler, by phase: where the single launch's time goes, ramp-up of each phase's first
     weight loads included (the single launch requests those before the barrier ahead)."""
     from torch.profiler import ProfilerActivity, profile
-
-    from minivllm.kernels.decode_layer import PHASES
 
     for i in range(calls):  # compiled outside the profile
         fn(i)
@@ -127,7 +182,7 @@ def print_phase_times(fn, calls: int, args, reps: int = 5) -> None:
         print(f"phase times: expected {reps * calls * PHASES} kernels, the profile has "
               f"{len(kernels)}", flush=True)
         return
-    names = ("norm + qkv", "attention", "merge", "o_proj", "norm + gate/up", "down")
+    names = PHASE_NAMES
     per_phase = [sorted(k.time_range.elapsed_us() for k in kernels[p::PHASES])
                  for p in range(PHASES)]
     medians = [t[len(t) // 2] for t in per_phase]

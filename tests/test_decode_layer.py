@@ -10,8 +10,9 @@ from hypothesis import given, strategies as st
 import minivllm
 from minivllm.functional.rope import rope_cos_sin
 from minivllm.kernels import select_backend
-from minivllm.kernels.decode_layer import (BLOCK_K, CHUNK_WEIGHTS, MAX_ROWS, chunk_columns,
-                                           decode_layer, decode_stack)
+from minivllm.kernels.decode_layer import (BLOCK_K, CHUNK_WEIGHTS, MAX_ROWS, PHASES,
+                                           chunk_columns, decode_layer, decode_stack, layer_table,
+                                           with_persistent_layers)
 from minivllm.kernels.launch import runs_ptx, triton_usable
 from minivllm.state import ModelConfig, SeqChunk, make_batch
 from minivllm.state.shard import ShardSpec
@@ -117,14 +118,38 @@ def test_decode_layer_refuses_what_it_does_not_run(device):
         decode_layer(lp, x, residual, cos, sin, k_cache, v_cache, batch, config=config)
 
 
+def test_stack_timeline_records_each_barrier_or_is_refused(device):
+    """The probe's timeline: refused where there is no single GPU launch; on a GPU each
+    program's stamps run forward, nobody leaves a barrier before everyone has arrived, and the
+    outputs are the untimed run's, bit for bit."""
+    config, lp, x, residual, cos, sin, k_cache, v_cache, batch = layer_case(
+        device, torch.float16, [9, 4], False)
+    layers = 2
+    table = layer_table([lp] * layers, [k_cache] * layers, [v_cache] * layers)
+    run = dict(config=config, dtype=x.dtype, programs=4)
+    timeline = torch.zeros(1 + layers * 2 * PHASES, 4, dtype=torch.int64, device=device)
+    if not runs_ptx(device):
+        with pytest.raises(ValueError, match="single launch on a CUDA GPU"):
+            decode_stack(table, x, residual, cos, sin, k_cache, batch, timeline=timeline, **run)
+        return
+    with pytest.raises(ValueError, match="timeline must be int64"):
+        decode_stack(table, x, residual, cos, sin, k_cache, batch, timeline=timeline[1:], **run)
+    want = decode_stack(table, x, residual, cos, sin, k_cache.clone(), batch, **run)
+    got = decode_stack(table, x, residual, cos, sin, k_cache.clone(), batch, timeline=timeline,
+                       **run)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    stamps = timeline.cpu()
+    assert (stamps > 0).all() and (stamps.diff(dim=0) >= 0).all()
+    arrivals, departures = stamps[1::2], stamps[2::2]
+    assert (departures.min(dim=1).values >= arrivals.max(dim=1).values).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("contexts", [[6], [11, 3]])
 def test_persistent_layers_give_the_forward_logits(device, dtype, contexts):
     """with_persistent_layers(forward, ...): every layer of a 3-layer model through decode_stack
     (one launch on a GPU; ping-pong buffers between layers), the logits and the cache the
     functional layers give. The cache's earlier tokens come from a prefill."""
-    from minivllm.kernels.decode_layer import layer_table, with_persistent_layers
-
     config = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=3,
                          num_heads=4, num_kv_heads=2, head_dim=16, dtype=dtype)
     params = minivllm.random_params(config, seed=1, std=0.2, device=device)

@@ -22,6 +22,10 @@ shape every GEMV's row block is one chunk (chunk_columns). On the H200 (BENCHMAR
 tok/s against 905-910 with the compiled layers (session 16). The phases launched one by one
 take, by the profiler (session 16, 1024-column chunks): qkv 5.1, attention 5.6, merge 2.8,
 o_proj 3.5, gate/up 6.9, down 4.6 us; the GEMVs stream at 1.2-1.8 TB/s, under the copy rate.
+Inside the single launch (session 17, decode_stack's timeline: %globaltimer at every barrier)
+a layer's 27.7 us span as: qkv 5.3, attention 5.3, merge 3.7 (16 programs merge, the slowest
+2.9 us), o_proj 5.7 (the phase also issues gate/up's weight loads, 96 KB a program),
+gate/up 5.9, down 1.8; each barrier 0.6-0.9 us from the last arrival to the median departure.
 Loading the next layer's first qkv chunk during the layer before (prefetch_next) measured 0.3 us
 a layer slower in both runs (30.0 / 29.7, 29.7 / 29.4): off by default. Measured slower too and
 left out (session 17, branch l2-stack): bulk L2 prefetches of the later phases' weights as
@@ -68,15 +72,29 @@ SPLIT_TOKENS = 64  # attention: tokens a split, about (the single stream's conte
 
 
 @triton.jit
-def _grid_barrier(counter_ptr, target):
+def _globaltimer():
+    """The GPU's nanosecond clock, common to every SM (PTX %globaltimer; not in the interpreter)."""
+    # one input, unused: older Tritons need an argument to shape the result by
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [tl.program_id(0)],
+                                     dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _grid_barrier(counter_ptr, target, stamp_ptr, programs, TIMELINE: tl.constexpr):
     """Every program of the grid arrives before any leaves (all programs must be resident).
-    The counter only grows: barrier k of a launch waits for base + k * programs arrivals."""
+    The counter only grows: barrier k of a launch waits for base + k * programs arrivals.
+    TIMELINE: the time this program arrived (its threads done with the phase) stored at
+    stamp_ptr, the time it left at stamp_ptr + programs."""
     tl.debug_barrier()  # this program's threads are done with the phase
+    if TIMELINE:
+        tl.store(stamp_ptr, _globaltimer())
     tl.atomic_add(counter_ptr, 1, sem="release")
     seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
     while seen < target:
         seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
     tl.debug_barrier()
+    if TIMELINE:
+        tl.store(stamp_ptr + programs, _globaltimer())
 
 
 @triton.jit
@@ -182,7 +200,8 @@ def _silu_mul(g, u, dt: tl.constexpr):
 
 @triton.jit
 def _layer_phases(
-        pid, programs, base, w_qkv_first, next_qkv_ptr, counter_ptr, x_ptr, res_ptr, res1_ptr,
+        pid, programs, base, w_qkv_first, next_qkv_ptr, counter_ptr, stamp_ptr, x_ptr, res_ptr,
+        res1_ptr,
         res2_ptr, qkv_ptr, part_out_ptr, part_lse_ptr, attn_ptr, y_ptr, act_ptr, out_ptr,
         in_norm_ptr, w_qkv_ptr, q_norm_ptr, k_norm_ptr, w_o_ptr, post_norm_ptr, w_gu_ptr,
         w_down_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, slot_ptr, cos_ptr, sin_ptr,
@@ -195,15 +214,18 @@ def _layer_phases(
         R_I: tl.constexpr, BN_I: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, HAS_RES: tl.constexpr,
         PRECISION: tl.constexpr, F16_DOTS: tl.constexpr, FP8_CACHE: tl.constexpr,
-        PTX_WIDEN: tl.constexpr, PREFETCH_NEXT: tl.constexpr, PHASE: tl.constexpr):
+        PTX_WIDEN: tl.constexpr, PREFETCH_NEXT: tl.constexpr, TIMELINE: tl.constexpr,
+        PHASE: tl.constexpr):
     """One layer, as program pid of `programs`. PHASE -1: every phase, the k-th grid barrier
     after it waiting for base + k * programs arrivals; 0-5: that phase only. PREFETCH_NEXT (with
     PHASE -1): w_qkv_first is this layer's first qkv weight chunk, loaded by the caller, and the
     next layer's (at next_qkv_ptr) is loaded before the last barrier and returned; otherwise a
-    zero tile is returned. R_*: rows (or columns) a program of qkv's output, the hidden size,
-    the intermediate size; BN_*: those padded to a power of two. BLOCK_*: the hidden size,
-    head_dim, the query heads of a KV head (at least 16, for tl.dot) and the splits, padded to
-    powers of two."""
+    zero tile is returned. TIMELINE (PHASE -1): the k-th barrier's (k = 0..5) arrival and
+    departure times stored at stamp_ptr + 2k * programs and + (2k + 1) * programs (decode_stack's
+    timeline). R_*: rows (or columns) a program of qkv's output, the hidden size, the
+    intermediate size; BN_*: those padded to a power of two. BLOCK_*: the hidden size, head_dim,
+    the query heads of a KV head (at least 16, for tl.dot) and the splits, padded to powers of
+    two."""
     eps = tl.cast(eps, tl.float32)
     scale_log2 = tl.cast(scale_log2, tl.float32)
     dt = x_ptr.dtype.element_ty
@@ -225,7 +247,7 @@ def _layer_phases(
                            rms0, rms1, M, BN_QKV, BK_H, True, HAS_RES)
         _store_row_block(qkv_ptr, pid * R_QKV, R_QKV, QKV, acc0, acc1, M, BN_QKV)
     if PHASE == -1:
-        _grid_barrier(counter_ptr, base + programs)
+        _grid_barrier(counter_ptr, base + programs, stamp_ptr, programs, TIMELINE)
 
     if (PHASE == -1) or (PHASE == 1):  # attention, split partials
         for unit in range(pid, M * KV_HEADS * SPLITS, programs):
@@ -240,7 +262,8 @@ def _layer_phases(
                          BLOCK_G, BLOCK_D, PAGE, BLOCK_N, True, True, True, PRECISION, F16_DOTS,
                          FP8_CACHE, PTX_WIDEN, False)
     if PHASE == -1:
-        _grid_barrier(counter_ptr, base + 2 * programs)
+        _grid_barrier(counter_ptr, base + 2 * programs, stamp_ptr + 2 * programs, programs,
+                      TIMELINE)
 
     if (PHASE == -1) or (PHASE == 2):  # the splits merged
         for unit in range(pid, M * HEADS, programs):
@@ -248,7 +271,8 @@ def _layer_phases(
                         HEAD_DIM, SPLITS, HEADS, HEAD_DIM, BLOCK_S, BLOCK_D)
     if PHASE == -1:
         w = _weight_chunk(w_o_ptr, pid * R_H, 0, R_H, H, ATT, BN_H, BK_ATT)
-        _grid_barrier(counter_ptr, base + 3 * programs)
+        _grid_barrier(counter_ptr, base + 3 * programs, stamp_ptr + 4 * programs, programs,
+                      TIMELINE)
 
     if (PHASE == -1) or (PHASE == 3):  # o_proj
         if PHASE == 3:
@@ -260,7 +284,8 @@ def _layer_phases(
     if PHASE == -1:
         w = _weight_chunk(w_gu_ptr, pid * R_I, 0, R_I, INTER, H, BN_I, BK_H)
         w_up = _weight_chunk(w_up_ptr, pid * R_I, 0, R_I, INTER, H, BN_I, BK_H)
-        _grid_barrier(counter_ptr, base + 4 * programs)
+        _grid_barrier(counter_ptr, base + 4 * programs, stamp_ptr + 6 * programs, programs,
+                      TIMELINE)
 
     if (PHASE == -1) or (PHASE == 4):  # the residual stream again, its norm, gate * up
         if PHASE == 4:
@@ -279,7 +304,8 @@ def _layer_phases(
                          _silu_mul(g1, u1, dt), M, BN_I)
     if PHASE == -1:
         w = _weight_chunk(w_down_ptr, pid * R_H, 0, R_H, H, INTER, BN_H, BK_I)
-        _grid_barrier(counter_ptr, base + 5 * programs)
+        _grid_barrier(counter_ptr, base + 5 * programs, stamp_ptr + 8 * programs, programs,
+                      TIMELINE)
 
     if (PHASE == -1) or (PHASE == 5):  # down
         if PHASE == 5:
@@ -291,14 +317,16 @@ def _layer_phases(
     if PHASE == -1:
         if PREFETCH_NEXT:
             w_next = _weight_chunk(next_qkv_ptr, pid * R_QKV, 0, R_QKV, QKV, H, BN_QKV, BK_H)
-        _grid_barrier(counter_ptr, base + 6 * programs)
+        _grid_barrier(counter_ptr, base + 6 * programs, stamp_ptr + 10 * programs, programs,
+                      TIMELINE)
     return w_next
 
 
 @triton.jit
 def _decode_stack_kernel(
-        table_ptr, first_layer, num_layers, counter_ptr, outs_ptr, res2s_ptr, res1_ptr, qkv_ptr,
-        part_out_ptr, part_lse_ptr, attn_ptr, y_ptr, act_ptr, k_cache0_ptr, bt_ptr, ctx_ptr,
+        table_ptr, first_layer, num_layers, counter_ptr, timeline_ptr, outs_ptr, res2s_ptr,
+        res1_ptr, qkv_ptr, part_out_ptr, part_lse_ptr, attn_ptr, y_ptr, act_ptr, k_cache0_ptr,
+        bt_ptr, ctx_ptr,
         slot_ptr, cos_ptr, sin_ptr, eps, scale_log2, stride_bt, stride_rope,
         M: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, HEADS: tl.constexpr,
         KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
@@ -308,14 +336,19 @@ def _decode_stack_kernel(
         R_I: tl.constexpr, BN_I: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
         PRECISION: tl.constexpr, F16_DOTS: tl.constexpr, FP8_CACHE: tl.constexpr,
-        PTX_WIDEN: tl.constexpr, PREFETCH_NEXT: tl.constexpr, PHASE: tl.constexpr):
+        PTX_WIDEN: tl.constexpr, PREFETCH_NEXT: tl.constexpr, TIMELINE: tl.constexpr,
+        PHASE: tl.constexpr):
     """Layers [first_layer, first_layer + num_layers) in one launch. table_ptr: [layers,
     TABLE_COLUMNS] int64 addresses (layer_table). Layer l reads slot (l + 1) % 2 of outs / res2s
     ([2, M, H] each: its input and the residual stream) and writes slot l % 2. PREFETCH_NEXT:
     each layer's first qkv weight chunk is loaded before the barrier that ends the layer before
-    it (see _layer_phases)."""
+    it (see _layer_phases). TIMELINE (PHASE -1): timeline_ptr, [1 + num_layers * 2 * PHASES,
+    programs] int64, gets each program's start time, then each barrier's arrival and departure
+    times (decode_stack's timeline)."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    if TIMELINE:
+        tl.store(timeline_ptr + pid, _globaltimer())
     base = 0
     if PHASE == -1:
         base = tl.atomic_add(counter_ptr, 0) // programs * programs  # see _grid_barrier
@@ -335,6 +368,7 @@ def _decode_stack_kernel(
         w_first = _layer_phases(
             pid, programs, base + (layer - first_layer) * LAYER_PHASES * programs, w_first,
             _table_ptr(next_row, 1, w_ty), counter_ptr,
+            timeline_ptr + (1 + (layer - first_layer) * 2 * LAYER_PHASES) * programs + pid,
             outs_ptr + read, res2s_ptr + read, res1_ptr, res2s_ptr + write, qkv_ptr,
             part_out_ptr, part_lse_ptr, attn_ptr, y_ptr, act_ptr, outs_ptr + write,
             _table_ptr(row, 0, w_ty), _table_ptr(row, 1, w_ty), _table_ptr(row, 2, w_ty),
@@ -344,7 +378,7 @@ def _decode_stack_kernel(
             scale_log2, stride_bt, stride_rope, M, H, INTER, HEADS, KV_HEADS, HEAD_DIM, SPLITS,
             PAGE, BLOCK_N, BK_H, BK_ATT, BK_I, R_QKV, BN_QKV, R_H, BN_H, R_I, BN_I, BLOCK_H,
             BLOCK_D, BLOCK_G, BLOCK_S, True, PRECISION, F16_DOTS, FP8_CACHE, PTX_WIDEN,
-            PREFETCH_NEXT, PHASE)
+            PREFETCH_NEXT, TIMELINE, PHASE)
 
 
 @triton.jit
@@ -385,8 +419,8 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
                  sin: torch.Tensor, k_cache0: torch.Tensor, batch: Batch, *, config: ModelConfig,
                  dtype: torch.dtype, programs: int | None = None,
                  phase_by_phase: bool | None = None, num_warps: int = 8,
-                 block_k: int | None = None, prefetch_next: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 block_k: int | None = None, prefetch_next: bool = False,
+                 timeline: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder layers of `table` (layer_table) for a decode batch of M <= MAX_ROWS rows on
     one GPU, as one persistent launch (phase_by_phase: one launch per layer and phase; the
     default under the CPU interpreter). x, residual: [M, hidden] (the stem's, or a layer's
@@ -395,7 +429,10 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
     functional layers do. k_cache0: any layer's K cache (its shape and dtype). block_k: GEMV
     columns a load (None: chunk_columns' rule, each GEMV its own). prefetch_next:
     each layer's first qkv weight chunk loaded during the layer before it (single launch; off:
-    it measured 0.3 us a layer slower, twice, BENCHMARKS.md session 16)."""
+    it measured 0.3 us a layer slower, twice, BENCHMARKS.md session 16). timeline: for the
+    probe, [1 + layers * 2 * PHASES, programs] int64 on the GPU (single launch only): row 0 gets
+    each program's start time (ns, %globaltimer), row 1 + 2 * (layer * PHASES + k) the time it
+    arrived at the barrier after phase k of that layer, the row after it when it left."""
     m, hidden = x.shape
     if not batch.is_decode or m > MAX_ROWS or m != batch.context_lens.shape[0]:
         raise ValueError(f"the persistent decode layers take a decode batch of at most "
@@ -410,6 +447,14 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
     programs = programs or num_sms(dev)
     if phase_by_phase is None:
         phase_by_phase = not runs_ptx(dev)
+    if timeline is not None:
+        want = (1 + table.shape[0] * 2 * PHASES, programs)
+        if phase_by_phase or not runs_ptx(dev):
+            raise ValueError("a timeline needs the single launch on a CUDA GPU (%globaltimer)")
+        if tuple(timeline.shape) != want or timeline.dtype != torch.int64 or \
+                timeline.device != dev:
+            raise ValueError(f"timeline must be int64 {list(want)} on {dev}, got "
+                             f"{timeline.dtype} {list(timeline.shape)} on {timeline.device}")
     max_context = batch.block_tables.shape[1] * k_cache0.shape[1]
     splits = max(1, min(MAX_SPLITS, -(-max_context // SPLIT_TOKENS), programs // (m * kv_heads)))
     empty = lambda *shape, dtype=dt: torch.empty(*shape, device=dev, dtype=dtype)  # noqa: E731
@@ -443,8 +488,9 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
         BLOCK_S=max(2, next_pow2(splits)),
         PRECISION=dot_precision(torch.float16 if f16_dots else dt), F16_DOTS=f16_dots,
         FP8_CACHE=fp8, PTX_WIDEN=int(fp8 and f16_dots and cuda_capability(dev) >= (8, 9)),
-        PREFETCH_NEXT=prefetch_next)
-    args = (counter, outs, res2s, res1, qkv, part_out, part_lse, attn, y, act, k_cache0,
+        PREFETCH_NEXT=prefetch_next, TIMELINE=timeline is not None)
+    args = (counter, counter if timeline is None else timeline, outs, res2s, res1, qkv,
+            part_out, part_lse, attn, y, act, k_cache0,
             batch.block_tables, batch.context_lens, batch.slot_mapping, cos, sin,
             float(config.rms_norm_eps), d ** -0.5 * LOG2E, batch.block_tables.stride(0),
             cos.stride(0))
