@@ -60,3 +60,14 @@ def test_tiles_give_every_program_work_when_they_can():
     assert block_n_for(4096, 132) == 16  # 256 tiles: 4096 / 32 = 128 would leave 4 SMs idle
     assert block_n_for(1024, 132) == 4
     assert block_n_for(64, 5) == 8
+
+
+def test_the_barrier_kernel_counts_each_programs_arrivals(device):
+    """The probe's barrier kernel through decode_layer's grid barrier: one program (which the
+    interpreter's one-after-another programs can pass) arrives once a round."""
+    from benchmarks.layer_kernel_probe import _barriers_kernel
+
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    _barriers_kernel[(1,)](counter, 3)
+    _barriers_kernel[(1,)](counter, 2)  # a later launch starts from the count it finds
+    assert counter.item() == 5

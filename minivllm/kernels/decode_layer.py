@@ -80,7 +80,13 @@ def _globaltimer():
 
 
 @triton.jit
-def _grid_barrier(counter_ptr, target, stamp_ptr, programs, TIMELINE: tl.constexpr):
+def _grid_barrier(counter_ptr, target):
+    """_timed_grid_barrier without its timeline."""
+    _timed_grid_barrier(counter_ptr, target, counter_ptr, 0, False)
+
+
+@triton.jit
+def _timed_grid_barrier(counter_ptr, target, stamp_ptr, programs, TIMELINE: tl.constexpr):
     """Every program of the grid arrives before any leaves (all programs must be resident).
     The counter only grows: barrier k of a launch waits for base + k * programs arrivals.
     TIMELINE: the time this program arrived (its threads done with the phase) stored at
@@ -247,7 +253,7 @@ def _layer_phases(
                            rms0, rms1, M, BN_QKV, BK_H, True, HAS_RES)
         _store_row_block(qkv_ptr, pid * R_QKV, R_QKV, QKV, acc0, acc1, M, BN_QKV)
     if PHASE == -1:
-        _grid_barrier(counter_ptr, base + programs, stamp_ptr, programs, TIMELINE)
+        _timed_grid_barrier(counter_ptr, base + programs, stamp_ptr, programs, TIMELINE)
 
     if (PHASE == -1) or (PHASE == 1):  # attention, split partials
         for unit in range(pid, M * KV_HEADS * SPLITS, programs):
@@ -262,8 +268,8 @@ def _layer_phases(
                          BLOCK_G, BLOCK_D, PAGE, BLOCK_N, True, True, True, PRECISION, F16_DOTS,
                          FP8_CACHE, PTX_WIDEN, False)
     if PHASE == -1:
-        _grid_barrier(counter_ptr, base + 2 * programs, stamp_ptr + 2 * programs, programs,
-                      TIMELINE)
+        _timed_grid_barrier(counter_ptr, base + 2 * programs, stamp_ptr + 2 * programs,
+                            programs, TIMELINE)
 
     if (PHASE == -1) or (PHASE == 2):  # the splits merged
         for unit in range(pid, M * HEADS, programs):
@@ -271,8 +277,8 @@ def _layer_phases(
                         HEAD_DIM, SPLITS, HEADS, HEAD_DIM, BLOCK_S, BLOCK_D)
     if PHASE == -1:
         w = _weight_chunk(w_o_ptr, pid * R_H, 0, R_H, H, ATT, BN_H, BK_ATT)
-        _grid_barrier(counter_ptr, base + 3 * programs, stamp_ptr + 4 * programs, programs,
-                      TIMELINE)
+        _timed_grid_barrier(counter_ptr, base + 3 * programs, stamp_ptr + 4 * programs,
+                            programs, TIMELINE)
 
     if (PHASE == -1) or (PHASE == 3):  # o_proj
         if PHASE == 3:
@@ -284,8 +290,8 @@ def _layer_phases(
     if PHASE == -1:
         w = _weight_chunk(w_gu_ptr, pid * R_I, 0, R_I, INTER, H, BN_I, BK_H)
         w_up = _weight_chunk(w_up_ptr, pid * R_I, 0, R_I, INTER, H, BN_I, BK_H)
-        _grid_barrier(counter_ptr, base + 4 * programs, stamp_ptr + 6 * programs, programs,
-                      TIMELINE)
+        _timed_grid_barrier(counter_ptr, base + 4 * programs, stamp_ptr + 6 * programs,
+                            programs, TIMELINE)
 
     if (PHASE == -1) or (PHASE == 4):  # the residual stream again, its norm, gate * up
         if PHASE == 4:
@@ -304,8 +310,8 @@ def _layer_phases(
                          _silu_mul(g1, u1, dt), M, BN_I)
     if PHASE == -1:
         w = _weight_chunk(w_down_ptr, pid * R_H, 0, R_H, H, INTER, BN_H, BK_I)
-        _grid_barrier(counter_ptr, base + 5 * programs, stamp_ptr + 8 * programs, programs,
-                      TIMELINE)
+        _timed_grid_barrier(counter_ptr, base + 5 * programs, stamp_ptr + 8 * programs,
+                            programs, TIMELINE)
 
     if (PHASE == -1) or (PHASE == 5):  # down
         if PHASE == 5:
@@ -317,8 +323,8 @@ def _layer_phases(
     if PHASE == -1:
         if PREFETCH_NEXT:
             w_next = _weight_chunk(next_qkv_ptr, pid * R_QKV, 0, R_QKV, QKV, H, BN_QKV, BK_H)
-        _grid_barrier(counter_ptr, base + 6 * programs, stamp_ptr + 10 * programs, programs,
-                      TIMELINE)
+        _timed_grid_barrier(counter_ptr, base + 6 * programs, stamp_ptr + 10 * programs,
+                            programs, TIMELINE)
     return w_next
 
 
