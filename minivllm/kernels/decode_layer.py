@@ -207,8 +207,7 @@ def _silu_mul(g, u, dt: tl.constexpr):
 @triton.jit
 def _layer_phases(
         pid, programs, base, w_qkv_first, next_qkv_ptr, counter_ptr, stamp_ptr, x_ptr, res_ptr,
-        res1_ptr,
-        res2_ptr, qkv_ptr, part_out_ptr, part_lse_ptr, attn_ptr, y_ptr, act_ptr, out_ptr,
+        res1_ptr, res2_ptr, qkv_ptr, part_out_ptr, part_lse_ptr, attn_ptr, y_ptr, act_ptr, out_ptr,
         in_norm_ptr, w_qkv_ptr, q_norm_ptr, k_norm_ptr, w_o_ptr, post_norm_ptr, w_gu_ptr,
         w_down_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, slot_ptr, cos_ptr, sin_ptr,
         eps, scale_log2, stride_bt, stride_rope,
@@ -332,8 +331,7 @@ def _layer_phases(
 def _decode_stack_kernel(
         table_ptr, first_layer, num_layers, counter_ptr, timeline_ptr, outs_ptr, res2s_ptr,
         res1_ptr, qkv_ptr, part_out_ptr, part_lse_ptr, attn_ptr, y_ptr, act_ptr, k_cache0_ptr,
-        bt_ptr, ctx_ptr,
-        slot_ptr, cos_ptr, sin_ptr, eps, scale_log2, stride_bt, stride_rope,
+        bt_ptr, ctx_ptr, slot_ptr, cos_ptr, sin_ptr, eps, scale_log2, stride_bt, stride_rope,
         M: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, HEADS: tl.constexpr,
         KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BK_H: tl.constexpr, BK_ATT: tl.constexpr,
