@@ -185,6 +185,16 @@ def _store_row_block(y_ptr, row0, R: tl.constexpr, N: tl.constexpr, acc0, acc1,
 
 
 @triton.jit
+def _project_rows(w_first, w_ptr, x_ptr, y_ptr, row0, R: tl.constexpr, N: tl.constexpr,
+                  K: tl.constexpr, M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Rows [row0, row0 + R) of y = x @ W.T, no norm on x (o_proj, down): _gemv, then
+    _store_row_block. w_first: W's first BK columns of those rows, already loaded."""
+    acc0, acc1 = _gemv(w_first, w_ptr, row0, R, N, K, x_ptr, x_ptr, x_ptr, 1.0, 1.0, M, BN, BK,
+                       False, False)
+    _store_row_block(y_ptr, row0, R, N, acc0, acc1, M, BN)
+
+
+@triton.jit
 def _store_sum(out_ptr, x_ptr, res_ptr, col0, R: tl.constexpr, H: tl.constexpr,
                M: tl.constexpr, BR: tl.constexpr, HAS_RES: tl.constexpr):
     """Columns [col0, col0 + R) of x + residual: the residual stream after this add."""
@@ -282,9 +292,7 @@ def _layer_phases(
     if (PHASE == -1) or (PHASE == 3):  # o_proj
         if PHASE == 3:
             w = _weight_chunk(w_o_ptr, pid * R_H, 0, R_H, H, ATT, BN_H, BK_ATT)
-        acc0, acc1 = _gemv(w, w_o_ptr, pid * R_H, R_H, H, ATT, attn_ptr, attn_ptr, attn_ptr, 1.0,
-                           1.0, M, BN_H, BK_ATT, False, False)
-        _store_row_block(y_ptr, pid * R_H, R_H, H, acc0, acc1, M, BN_H)
+        _project_rows(w, w_o_ptr, attn_ptr, y_ptr, pid * R_H, R_H, H, ATT, M, BN_H, BK_ATT)
     w_up_ptr = w_gu_ptr + INTER * H
     if PHASE == -1:
         w = _weight_chunk(w_gu_ptr, pid * R_I, 0, R_I, INTER, H, BN_I, BK_H)
@@ -315,9 +323,7 @@ def _layer_phases(
     if (PHASE == -1) or (PHASE == 5):  # down
         if PHASE == 5:
             w = _weight_chunk(w_down_ptr, pid * R_H, 0, R_H, H, INTER, BN_H, BK_I)
-        acc0, acc1 = _gemv(w, w_down_ptr, pid * R_H, R_H, H, INTER, act_ptr, act_ptr, act_ptr,
-                           1.0, 1.0, M, BN_H, BK_I, False, False)
-        _store_row_block(out_ptr, pid * R_H, R_H, H, acc0, acc1, M, BN_H)
+        _project_rows(w, w_down_ptr, act_ptr, out_ptr, pid * R_H, R_H, H, INTER, M, BN_H, BK_I)
     w_next = tl.zeros([BN_QKV, BK_H], w_qkv_ptr.dtype.element_ty)
     if PHASE == -1:
         if PREFETCH_NEXT:
