@@ -90,9 +90,11 @@ def test_decode_layer_matches_the_functional_layer(device, dtype, contexts, firs
         backend=select_backend(device, "reference"))
     # Phase by phase; one launch (on the CPU with one program, whose barriers the interpreter
     # can pass: the single launch's code path, barriers and prefetches included).
-    runs = [dict(phase_by_phase=True), dict(phase_by_phase=False, programs=1)]
+    runs = [dict(phase_by_phase=True), dict(phase_by_phase=False, programs=1),
+            dict(phase_by_phase=False, programs=1, gate_up_early=True, down_early=True)]
     if runs_ptx(device):
-        runs.append(dict(phase_by_phase=False))
+        runs += [dict(phase_by_phase=False),
+                 dict(phase_by_phase=False, gate_up_early=True, down_early=True)]
     for run in runs:
         k_got, v_got = k_cache.clone(), v_cache.clone()
         out, res = decode_layer(lp, x, residual, cos, sin, k_got, v_got, batch, config=config,
@@ -174,18 +176,19 @@ def test_persistent_layers_give_the_forward_logits(device, dtype, contexts):
     for a, b in zip(caches[1].k + caches[1].v, caches[0].k + caches[0].v):
         assert rel(a, b) <= TOL[dtype]
     # Every layer in one launch of one program (the CPU can pass its barriers): the same, with
-    # and without each layer's first qkv chunk loaded during the layer before. (The second run
-    # stores the same K/V again.)
+    # each phase's weights loaded where decode_stack's flags put them. (Later runs store the
+    # same K/V again.)
     x, residual, cos, sin = minivllm.functional.model.stem(params, step)
     table = layer_table(params.layers, caches[2].k, caches[2].v)
-    for prefetch_next in (False, True):
+    for loads in ({}, dict(prefetch_next=True), dict(gate_up_early=True), dict(down_early=True),
+                  dict(prefetch_next=True, gate_up_early=True, down_early=True)):
         out, res = decode_stack(table, x, residual, cos, sin, caches[2].k[0], step,
                                 config=config, dtype=dtype, programs=1, phase_by_phase=False,
-                                prefetch_next=prefetch_next)
+                                **loads)
         hidden = minivllm.functional.model.final_hidden(params, out, res)
         got = minivllm.functional.embedding.lm_head(hidden, params.head_weight, config,
                                                     params.shard).float()
-        assert rel(got, want) <= TOL[dtype], prefetch_next
+        assert rel(got, want) <= TOL[dtype], loads
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -80,27 +80,38 @@ def _globaltimer():
 
 
 @triton.jit
-def _grid_barrier(counter_ptr, target):
-    """_timed_grid_barrier without its timeline."""
-    _timed_grid_barrier(counter_ptr, target, counter_ptr, 0, False)
-
-
-@triton.jit
-def _timed_grid_barrier(counter_ptr, target, stamp_ptr, programs, TIMELINE: tl.constexpr):
-    """Every program of the grid arrives before any leaves (all programs must be resident).
-    The counter only grows: barrier k of a launch waits for base + k * programs arrivals.
-    TIMELINE: the time this program arrived (its threads done with the phase) stored at
-    stamp_ptr, the time it left at stamp_ptr + programs."""
-    tl.debug_barrier()  # this program's threads are done with the phase
+def _grid_arrive(counter_ptr, stamp_ptr, TIMELINE: tl.constexpr):
+    """This program's arrival at a grid barrier (its threads done with the phase; the counter
+    only grows). TIMELINE: the time stored at stamp_ptr."""
+    tl.debug_barrier()
     if TIMELINE:
         tl.store(stamp_ptr, _globaltimer())
     tl.atomic_add(counter_ptr, 1, sem="release")
+
+
+@triton.jit
+def _grid_wait(counter_ptr, target, stamp_ptr, programs, TIMELINE: tl.constexpr):
+    """Until target arrivals (barrier k of a launch: base + k * programs; every program must be
+    resident). TIMELINE: the time it left stored at stamp_ptr + programs."""
     seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
     while seen < target:
         seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
     tl.debug_barrier()
     if TIMELINE:
         tl.store(stamp_ptr + programs, _globaltimer())
+
+
+@triton.jit
+def _grid_barrier(counter_ptr, target):
+    """Every program of the grid arrives before any leaves."""
+    _grid_arrive(counter_ptr, counter_ptr, False)
+    _grid_wait(counter_ptr, target, counter_ptr, 0, False)
+
+
+@triton.jit
+def _arrive_if(ARRIVE: tl.constexpr, counter_ptr, stamp_ptr, TIMELINE: tl.constexpr):
+    if ARRIVE:
+        _grid_arrive(counter_ptr, stamp_ptr, TIMELINE)
 
 
 @triton.jit
@@ -229,7 +240,8 @@ def _layer_phases(
         R_I: tl.constexpr, BN_I: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, HAS_RES: tl.constexpr,
         PRECISION: tl.constexpr, F16_DOTS: tl.constexpr, FP8_CACHE: tl.constexpr,
-        PTX_WIDEN: tl.constexpr, PREFETCH_NEXT: tl.constexpr, TIMELINE: tl.constexpr,
+        PTX_WIDEN: tl.constexpr, PREFETCH_NEXT: tl.constexpr, GATE_UP_EARLY: tl.constexpr,
+        DOWN_EARLY: tl.constexpr, ARRIVE_FIRST: tl.constexpr, TIMELINE: tl.constexpr,
         PHASE: tl.constexpr):
     """One layer, as program pid of `programs`. PHASE -1: every phase, the k-th grid barrier
     after it waiting for base + k * programs arrivals; 0-5: that phase only. PREFETCH_NEXT (with
@@ -262,7 +274,8 @@ def _layer_phases(
                            rms0, rms1, M, BN_QKV, BK_H, True, HAS_RES)
         _store_row_block(qkv_ptr, pid * R_QKV, R_QKV, QKV, acc0, acc1, M, BN_QKV)
     if PHASE == -1:
-        _timed_grid_barrier(counter_ptr, base + programs, stamp_ptr, programs, TIMELINE)
+        _grid_arrive(counter_ptr, stamp_ptr, TIMELINE)
+        _grid_wait(counter_ptr, base + programs, stamp_ptr, programs, TIMELINE)
 
     if (PHASE == -1) or (PHASE == 1):  # attention, split partials
         for unit in range(pid, M * KV_HEADS * SPLITS, programs):
@@ -277,28 +290,41 @@ def _layer_phases(
                          BLOCK_G, BLOCK_D, PAGE, BLOCK_N, True, True, True, PRECISION, F16_DOTS,
                          FP8_CACHE, PTX_WIDEN, False)
     if PHASE == -1:
-        _timed_grid_barrier(counter_ptr, base + 2 * programs, stamp_ptr + 2 * programs,
-                            programs, TIMELINE)
+        _grid_arrive(counter_ptr, stamp_ptr + 2 * programs, TIMELINE)
+        _grid_wait(counter_ptr, base + 2 * programs, stamp_ptr + 2 * programs, programs,
+                   TIMELINE)
 
     if (PHASE == -1) or (PHASE == 2):  # the splits merged
         for unit in range(pid, M * HEADS, programs):
             _merge_unit(unit // HEADS, unit % HEADS, part_out_ptr, part_lse_ptr, attn_ptr, ATT,
                         HEAD_DIM, SPLITS, HEADS, HEAD_DIM, BLOCK_S, BLOCK_D)
+    w_up_ptr = w_gu_ptr + INTER * H
     if PHASE == -1:
+        _arrive_if(ARRIVE_FIRST, counter_ptr, stamp_ptr + 4 * programs, TIMELINE)
         w = _weight_chunk(w_o_ptr, pid * R_H, 0, R_H, H, ATT, BN_H, BK_ATT)
-        _timed_grid_barrier(counter_ptr, base + 3 * programs, stamp_ptr + 4 * programs,
-                            programs, TIMELINE)
+        if GATE_UP_EARLY:  # the DRAM and all but the merging programs are idle here
+            w_gate = _weight_chunk(w_gu_ptr, pid * R_I, 0, R_I, INTER, H, BN_I, BK_H)
+            w_up = _weight_chunk(w_up_ptr, pid * R_I, 0, R_I, INTER, H, BN_I, BK_H)
+        _arrive_if(not ARRIVE_FIRST, counter_ptr, stamp_ptr + 4 * programs, TIMELINE)
+        _grid_wait(counter_ptr, base + 3 * programs, stamp_ptr + 4 * programs, programs,
+                   TIMELINE)
 
     if (PHASE == -1) or (PHASE == 3):  # o_proj
         if PHASE == 3:
             w = _weight_chunk(w_o_ptr, pid * R_H, 0, R_H, H, ATT, BN_H, BK_ATT)
         _project_rows(w, w_o_ptr, attn_ptr, y_ptr, pid * R_H, R_H, H, ATT, M, BN_H, BK_ATT)
-    w_up_ptr = w_gu_ptr + INTER * H
     if PHASE == -1:
-        w = _weight_chunk(w_gu_ptr, pid * R_I, 0, R_I, INTER, H, BN_I, BK_H)
-        w_up = _weight_chunk(w_up_ptr, pid * R_I, 0, R_I, INTER, H, BN_I, BK_H)
-        _timed_grid_barrier(counter_ptr, base + 4 * programs, stamp_ptr + 6 * programs,
-                            programs, TIMELINE)
+        _arrive_if(ARRIVE_FIRST, counter_ptr, stamp_ptr + 6 * programs, TIMELINE)
+        if GATE_UP_EARLY:
+            w = w_gate
+        else:
+            w = _weight_chunk(w_gu_ptr, pid * R_I, 0, R_I, INTER, H, BN_I, BK_H)
+            w_up = _weight_chunk(w_up_ptr, pid * R_I, 0, R_I, INTER, H, BN_I, BK_H)
+        if DOWN_EARLY:
+            w_down = _weight_chunk(w_down_ptr, pid * R_H, 0, R_H, H, INTER, BN_H, BK_I)
+        _arrive_if(not ARRIVE_FIRST, counter_ptr, stamp_ptr + 6 * programs, TIMELINE)
+        _grid_wait(counter_ptr, base + 4 * programs, stamp_ptr + 6 * programs, programs,
+                   TIMELINE)
 
     if (PHASE == -1) or (PHASE == 4):  # the residual stream again, its norm, gate * up
         if PHASE == 4:
@@ -316,9 +342,14 @@ def _layer_phases(
         _store_row_block(act_ptr, pid * R_I, R_I, INTER, _silu_mul(g0, u0, dt),
                          _silu_mul(g1, u1, dt), M, BN_I)
     if PHASE == -1:
-        w = _weight_chunk(w_down_ptr, pid * R_H, 0, R_H, H, INTER, BN_H, BK_I)
-        _timed_grid_barrier(counter_ptr, base + 5 * programs, stamp_ptr + 8 * programs,
-                            programs, TIMELINE)
+        _arrive_if(ARRIVE_FIRST, counter_ptr, stamp_ptr + 8 * programs, TIMELINE)
+        if DOWN_EARLY:
+            w = w_down
+        else:
+            w = _weight_chunk(w_down_ptr, pid * R_H, 0, R_H, H, INTER, BN_H, BK_I)
+        _arrive_if(not ARRIVE_FIRST, counter_ptr, stamp_ptr + 8 * programs, TIMELINE)
+        _grid_wait(counter_ptr, base + 5 * programs, stamp_ptr + 8 * programs, programs,
+                   TIMELINE)
 
     if (PHASE == -1) or (PHASE == 5):  # down
         if PHASE == 5:
@@ -326,10 +357,12 @@ def _layer_phases(
         _project_rows(w, w_down_ptr, act_ptr, out_ptr, pid * R_H, R_H, H, INTER, M, BN_H, BK_I)
     w_next = tl.zeros([BN_QKV, BK_H], w_qkv_ptr.dtype.element_ty)
     if PHASE == -1:
+        _arrive_if(ARRIVE_FIRST, counter_ptr, stamp_ptr + 10 * programs, TIMELINE)
         if PREFETCH_NEXT:
             w_next = _weight_chunk(next_qkv_ptr, pid * R_QKV, 0, R_QKV, QKV, H, BN_QKV, BK_H)
-        _timed_grid_barrier(counter_ptr, base + 6 * programs, stamp_ptr + 10 * programs,
-                            programs, TIMELINE)
+        _arrive_if(not ARRIVE_FIRST, counter_ptr, stamp_ptr + 10 * programs, TIMELINE)
+        _grid_wait(counter_ptr, base + 6 * programs, stamp_ptr + 10 * programs, programs,
+                   TIMELINE)
     return w_next
 
 
@@ -346,7 +379,8 @@ def _decode_stack_kernel(
         R_I: tl.constexpr, BN_I: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
         PRECISION: tl.constexpr, F16_DOTS: tl.constexpr, FP8_CACHE: tl.constexpr,
-        PTX_WIDEN: tl.constexpr, PREFETCH_NEXT: tl.constexpr, TIMELINE: tl.constexpr,
+        PTX_WIDEN: tl.constexpr, PREFETCH_NEXT: tl.constexpr, GATE_UP_EARLY: tl.constexpr,
+        DOWN_EARLY: tl.constexpr, ARRIVE_FIRST: tl.constexpr, TIMELINE: tl.constexpr,
         PHASE: tl.constexpr):
     """Layers [first_layer, first_layer + num_layers) in one launch. table_ptr: [layers,
     TABLE_COLUMNS] int64 addresses (layer_table). Layer l reads slot (l + 1) % 2 of outs / res2s
@@ -361,7 +395,7 @@ def _decode_stack_kernel(
         tl.store(timeline_ptr + pid, _globaltimer())
     base = 0
     if PHASE == -1:
-        base = tl.atomic_add(counter_ptr, 0) // programs * programs  # see _grid_barrier
+        base = tl.atomic_add(counter_ptr, 0) // programs * programs  # see _grid_wait
     w_ty = outs_ptr.dtype  # the weights are in the activations' dtype
     c_ty = k_cache0_ptr.dtype
     QKV: tl.constexpr = (HEADS + 2 * KV_HEADS) * HEAD_DIM
@@ -388,7 +422,7 @@ def _decode_stack_kernel(
             scale_log2, stride_bt, stride_rope, M, H, INTER, HEADS, KV_HEADS, HEAD_DIM, SPLITS,
             PAGE, BLOCK_N, BK_H, BK_ATT, BK_I, R_QKV, BN_QKV, R_H, BN_H, R_I, BN_I, BLOCK_H,
             BLOCK_D, BLOCK_G, BLOCK_S, True, PRECISION, F16_DOTS, FP8_CACHE, PTX_WIDEN,
-            PREFETCH_NEXT, TIMELINE, PHASE)
+            PREFETCH_NEXT, GATE_UP_EARLY, DOWN_EARLY, ARRIVE_FIRST, TIMELINE, PHASE)
 
 
 @triton.jit
@@ -430,7 +464,9 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
                  dtype: torch.dtype, programs: int | None = None,
                  phase_by_phase: bool | None = None, num_warps: int = 8,
                  block_k: int | None = None, prefetch_next: bool = False,
-                 timeline: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 gate_up_early: bool = False, down_early: bool = False,
+                 arrive_first: bool = False, timeline: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder layers of `table` (layer_table) for a decode batch of M <= MAX_ROWS rows on
     one GPU, as one persistent launch (phase_by_phase: one launch per layer and phase; the
     default under the CPU interpreter). x, residual: [M, hidden] (the stem's, or a layer's
@@ -439,7 +475,13 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
     functional layers do. k_cache0: any layer's K cache (its shape and dtype). block_k: GEMV
     columns a load (None: chunk_columns' rule, each GEMV its own). prefetch_next:
     each layer's first qkv weight chunk loaded during the layer before it (single launch; off:
-    it measured 0.3 us a layer slower, twice, BENCHMARKS.md session 16). timeline: for the
+    it measured 0.3 us a layer slower, twice, BENCHMARKS.md session 16). gate_up_early (single
+    launch): gate/up's weights are loaded during the merge phase, where the DRAM and all but
+    the merging programs are idle, instead of during o_proj's; down_early: down's during
+    o_proj's instead of gate/up's (more registers held across a phase). arrive_first: each
+    program arrives at a grid barrier before it issues the next phase's weight loads, and
+    waits after (the loads' issue overlaps the barrier instead of delaying the arrival; the
+    weights never depend on the other programs' writes). timeline: for the
     probe, [1 + layers * 2 * PHASES, programs] int64 on the GPU (single launch only): row 0 gets
     each program's start time (ns, %globaltimer), row 1 + 2 * (layer * PHASES + k) the time it
     arrived at the barrier after phase k of that layer, the row after it when it left."""
@@ -498,7 +540,8 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
         BLOCK_S=max(2, next_pow2(splits)),
         PRECISION=dot_precision(torch.float16 if f16_dots else dt), F16_DOTS=f16_dots,
         FP8_CACHE=fp8, PTX_WIDEN=int(fp8 and f16_dots and cuda_capability(dev) >= (8, 9)),
-        PREFETCH_NEXT=prefetch_next, TIMELINE=timeline is not None)
+        PREFETCH_NEXT=prefetch_next, GATE_UP_EARLY=gate_up_early, DOWN_EARLY=down_early,
+        ARRIVE_FIRST=arrive_first, TIMELINE=timeline is not None)
     args = (counter, counter if timeline is None else timeline, outs, res2s, res1, qkv,
             part_out, part_lse, attn, y, act, k_cache0,
             batch.block_tables, batch.context_lens, batch.slot_mapping, cos, sin,
