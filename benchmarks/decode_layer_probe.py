@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/decode_layer_probe.py [--rows 1] [--context 600]
         [--stack-only --block-k auto,1024,4096] [--timeline]
-        [--loads default,gate_up_early,down_early,both,prefetch_next]
+        [--loads default,gate_up_early,arrive_first,arrive_first+gate_up_early]
 
 Qwen3-0.6B's layer shape, random bf16 weights, a bf16 cache with `--context` tokens a row, page
 16. The persistent layer (one launch, grid barriers) against functional.decoder_layer on the
@@ -126,9 +126,12 @@ def main() -> int:
 
 
 LOADS = {"default": {}, "gate_up_early": dict(gate_up_early=True),
-         "down_early": dict(down_early=True), "both": dict(gate_up_early=True, down_early=True),
-         "prefetch_next": dict(prefetch_next=True),
-         "all": dict(gate_up_early=True, down_early=True, prefetch_next=True)}
+         "down_early": dict(down_early=True), "prefetch_next": dict(prefetch_next=True),
+         "arrive_first": dict(arrive_first=True),
+         "arrive_first+gate_up_early": dict(arrive_first=True, gate_up_early=True),
+         "arrive_first+prefetch_next": dict(arrive_first=True, prefetch_next=True),
+         "arrive_first+gate_up_early+prefetch_next": dict(arrive_first=True, gate_up_early=True,
+                                                          prefetch_next=True)}
 PHASE_NAMES = ("norm + qkv", "attention", "merge", "o_proj", "norm + gate/up", "down")
 
 

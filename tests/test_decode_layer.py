@@ -91,10 +91,12 @@ def test_decode_layer_matches_the_functional_layer(device, dtype, contexts, firs
     # Phase by phase; one launch (on the CPU with one program, whose barriers the interpreter
     # can pass: the single launch's code path, barriers and prefetches included).
     runs = [dict(phase_by_phase=True), dict(phase_by_phase=False, programs=1),
-            dict(phase_by_phase=False, programs=1, gate_up_early=True, down_early=True)]
+            dict(phase_by_phase=False, programs=1, gate_up_early=True, down_early=True,
+                 arrive_first=True)]
     if runs_ptx(device):
         runs += [dict(phase_by_phase=False),
-                 dict(phase_by_phase=False, gate_up_early=True, down_early=True)]
+                 dict(phase_by_phase=False, gate_up_early=True, down_early=True,
+                      arrive_first=True)]
     for run in runs:
         k_got, v_got = k_cache.clone(), v_cache.clone()
         out, res = decode_layer(lp, x, residual, cos, sin, k_got, v_got, batch, config=config,
@@ -181,7 +183,8 @@ def test_persistent_layers_give_the_forward_logits(device, dtype, contexts):
     x, residual, cos, sin = minivllm.functional.model.stem(params, step)
     table = layer_table(params.layers, caches[2].k, caches[2].v)
     for loads in ({}, dict(prefetch_next=True), dict(gate_up_early=True), dict(down_early=True),
-                  dict(prefetch_next=True, gate_up_early=True, down_early=True)):
+                  dict(arrive_first=True),
+                  dict(prefetch_next=True, gate_up_early=True, down_early=True, arrive_first=True)):
         out, res = decode_stack(table, x, residual, cos, sin, caches[2].k[0], step,
                                 config=config, dtype=dtype, programs=1, phase_by_phase=False,
                                 **loads)
