@@ -131,7 +131,10 @@ LOADS = {"default": {}, "gate_up_early": dict(gate_up_early=True),
          "arrive_first+gate_up_early": dict(arrive_first=True, gate_up_early=True),
          "arrive_first+prefetch_next": dict(arrive_first=True, prefetch_next=True),
          "arrive_first+gate_up_early+prefetch_next": dict(arrive_first=True, gate_up_early=True,
-                                                          prefetch_next=True)}
+                                                          prefetch_next=True),
+         "kv_prefetch": dict(kv_prefetch=True),
+         "all": dict(arrive_first=True, gate_up_early=True, prefetch_next=True,
+                     kv_prefetch=True)}
 PHASE_NAMES = ("norm + qkv", "attention", "merge", "o_proj", "norm + gate/up", "down")
 
 

@@ -13,7 +13,7 @@ from minivllm.kernels import select_backend
 from minivllm.kernels.decode_layer import (BLOCK_K, CHUNK_WEIGHTS, MAX_ROWS, PHASES,
                                            chunk_columns, decode_layer, decode_stack, layer_table,
                                            with_persistent_layers)
-from minivllm.kernels.launch import runs_ptx, triton_usable
+from minivllm.kernels.launch import cuda_capability, runs_ptx, triton_usable
 from minivllm.state import ModelConfig, SeqChunk, make_batch
 from minivllm.state.shard import ShardSpec
 from test_fp8_cache import exact_fp8_rounding_in_the_interpreter  # noqa: F401 (autouse fixture)
@@ -146,6 +146,29 @@ def test_stack_timeline_records_each_barrier_or_is_refused(device):
     assert (stamps > 0).all() and (stamps.diff(dim=0) >= 0).all()
     arrivals, departures = stamps[1::2], stamps[2::2]
     assert (departures.min(dim=1).values >= arrivals.max(dim=1).values).all()
+
+
+def test_kv_prefetch_changes_no_value_or_is_refused(device):
+    """kv_prefetch only asks for cache lines: on an sm_90+ GPU the outputs and caches are the
+    run without it, bit for bit, with the other loads' flags too; elsewhere it is refused."""
+    config, lp, x, residual, cos, sin, k_cache, v_cache, batch = layer_case(
+        device, torch.float16, [70, 9], False)
+    table = layer_table([lp] * 3, [k_cache] * 3, [v_cache] * 3)
+    run = dict(config=config, dtype=x.dtype)
+    if not runs_ptx(device) or cuda_capability(device) < (9, 0):
+        with pytest.raises(ValueError, match="kv_prefetch needs"):
+            decode_stack(table, x, residual, cos, sin, k_cache, batch, kv_prefetch=True, **run)
+        return
+    k_want, k_got = k_cache.clone(), k_cache.clone()
+    table_want = layer_table([lp] * 3, [k_want] * 3, [v_cache] * 3)
+    table_got = layer_table([lp] * 3, [k_got] * 3, [v_cache] * 3)
+    want = decode_stack(table_want, x, residual, cos, sin, k_want, batch, **run)
+    for loads in (dict(kv_prefetch=True),
+                  dict(kv_prefetch=True, arrive_first=True, gate_up_early=True,
+                       prefetch_next=True)):
+        got = decode_stack(table_got, x, residual, cos, sin, k_got, batch, **loads, **run)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), loads
+        assert torch.equal(k_got, k_want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
