@@ -116,12 +116,11 @@ def _arrive_if(ARRIVE: tl.constexpr, counter_ptr, stamp_ptr, TIMELINE: tl.conste
 
 
 @triton.jit
-def _prefetch_unit_kv_l2(b, kvh, split, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, stride_bt,
-                         num_splits, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Ask for the cached K and V rows that attention unit (b, kvh, split) will read (its first
-    KV_PIECES tokens; the range _decode_unit computes) to be brought into L2: one bulk prefetch
-    (cp.async.bulk.prefetch.L2, sm_90) of a token's head row a thread, no registers held."""
+def _unit_cache_rows(b, kvh, split, bt_ptr, ctx_ptr, stride_bt, num_splits,
+                     KV_HEADS: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The cache rows ([slots * KV_HEADS, head_dim] view) of KV head kvh that attention unit
+    (b, kvh, split) reads, its first KV_PIECES tokens, and which of the KV_PIECES are live: the
+    split's token range as _decode_unit computes it, through the block table."""
     prefix = tl.load(ctx_ptr + b) - 1
     per_split = tl.cdiv(tl.cdiv(prefix, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
@@ -129,7 +128,18 @@ def _prefetch_unit_kv_l2(b, kvh, split, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_pt
     tok = start + tl.arange(0, KV_PIECES)
     live = tok < end
     page = tl.load(bt_ptr + tl.cast(b, tl.int64) * stride_bt + tok // PAGE, mask=live, other=0)
-    row = (page.to(tl.int64) * PAGE + tok % PAGE) * KV_HEADS + kvh
+    return (page.to(tl.int64) * PAGE + tok % PAGE) * KV_HEADS + kvh, live
+
+
+@triton.jit
+def _prefetch_unit_kv_l2(b, kvh, split, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, stride_bt,
+                         num_splits, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Ask for the cached K and V rows that attention unit (b, kvh, split) will read (its first
+    KV_PIECES tokens; the range _decode_unit computes) to be brought into L2: one bulk prefetch
+    (cp.async.bulk.prefetch.L2, sm_90) of a token's head row a thread, no registers held."""
+    row, live = _unit_cache_rows(b, kvh, split, bt_ptr, ctx_ptr, stride_bt, num_splits,
+                                 KV_HEADS, PAGE, BLOCK_N)
     size = tl.where(live, HEAD_DIM * k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8,
                     0).to(tl.int32)
     for which in tl.static_range(2):
