@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/decode_layer_probe.py [--rows 1] [--context 600]
         [--stack-only --block-k auto,1024,4096] [--timeline]
-        [--loads default,gate_up_early,arrive_first,arrive_first+gate_up_early]
+        [--loads off,default,gate_up_early,arrive_first+gate_up_early]
 
 Qwen3-0.6B's layer shape, random bf16 weights, a bf16 cache with `--context` tokens a row, page
 16. The persistent layer (one launch, grid barriers) against functional.decoder_layer on the
@@ -23,7 +23,7 @@ import minivllm
 from benchmarks.bench_linear import cuda_and_l2, graph_us
 from minivllm.functional.rope import rope_cos_sin
 from minivllm.kernels import select_backend
-from minivllm.kernels.decode_layer import PHASES, decode_stack, layer_table
+from minivllm.kernels.decode_layer import LOADS_OFF, PHASES, decode_stack, layer_table
 from minivllm.state import SeqChunk, make_batch
 from minivllm.state.shard import ShardSpec
 from minivllm.state.config import config_for_shape
@@ -125,16 +125,14 @@ def main() -> int:
     return 0
 
 
-LOADS = {"default": {}, "gate_up_early": dict(gate_up_early=True),
-         "down_early": dict(down_early=True), "prefetch_next": dict(prefetch_next=True),
-         "arrive_first": dict(arrive_first=True),
-         "arrive_first+gate_up_early": dict(arrive_first=True, gate_up_early=True),
-         "arrive_first+prefetch_next": dict(arrive_first=True, prefetch_next=True),
-         "arrive_first+gate_up_early+prefetch_next": dict(arrive_first=True, gate_up_early=True,
-                                                          prefetch_next=True),
-         "kv_prefetch": dict(kv_prefetch=True),
-         "all": dict(arrive_first=True, gate_up_early=True, prefetch_next=True,
-                     kv_prefetch=True)}
+# decode_stack's load placements by name: "off", "default", or flags joined by "+" (each on,
+# the others off)
+LOADS = {"off": LOADS_OFF, "default": {}} | {
+    "+".join(flags): LOADS_OFF | dict.fromkeys(flags, True) for flags in (
+        ("gate_up_early",), ("down_early",), ("prefetch_next",), ("arrive_first",),
+        ("kv_prefetch",), ("arrive_first", "gate_up_early"), ("arrive_first", "prefetch_next"),
+        ("arrive_first", "gate_up_early", "prefetch_next"),
+        ("arrive_first", "gate_up_early", "prefetch_next", "kv_prefetch"))}
 PHASE_NAMES = ("norm + qkv", "attention", "merge", "o_proj", "norm + gate/up", "down")
 
 

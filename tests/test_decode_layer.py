@@ -12,8 +12,8 @@ from hypothesis import given, strategies as st
 import minivllm
 from minivllm.functional.rope import rope_cos_sin
 from minivllm.kernels import select_backend
-from minivllm.kernels.decode_layer import (BLOCK_K, CHUNK_WEIGHTS, KV_PIECES, MAX_ROWS, PHASES,
-                                           _unit_cache_rows, chunk_columns, decode_layer,
+from minivllm.kernels.decode_layer import (BLOCK_K, CHUNK_WEIGHTS, KV_PIECES, LOADS_OFF, MAX_ROWS,
+                                           PHASES, _unit_cache_rows, chunk_columns, decode_layer,
                                            decode_stack, layer_table, with_persistent_layers)
 from minivllm.kernels.launch import cuda_capability, runs_ptx, triton_usable
 from minivllm.state import ModelConfig, SeqChunk, make_batch
@@ -93,12 +93,11 @@ def test_decode_layer_matches_the_functional_layer(device, dtype, contexts, firs
     # Phase by phase; one launch (on the CPU with one program, whose barriers the interpreter
     # can pass: the single launch's code path, barriers and prefetches included).
     runs = [dict(phase_by_phase=True), dict(phase_by_phase=False, programs=1),
-            dict(phase_by_phase=False, programs=1, gate_up_early=True, down_early=True,
-                 arrive_first=True)]
+            dict(phase_by_phase=False, programs=1, **LOADS_OFF),
+            dict(phase_by_phase=False, programs=1, down_early=True)]
     if runs_ptx(device):
-        runs += [dict(phase_by_phase=False),
-                 dict(phase_by_phase=False, gate_up_early=True, down_early=True,
-                      arrive_first=True)]
+        runs += [dict(phase_by_phase=False), dict(phase_by_phase=False, **LOADS_OFF),
+                 dict(phase_by_phase=False, down_early=True)]
     for run in runs:
         k_got, v_got = k_cache.clone(), v_cache.clone()
         out, res = decode_layer(lp, x, residual, cos, sin, k_got, v_got, batch, config=config,
@@ -211,20 +210,16 @@ def test_kv_prefetch_changes_no_value_or_is_refused(device):
     table_want = layer_table([lp] * 3, [k_want] * 3, [v_cache] * 3)
     table_got = layer_table([lp] * 3, [k_got] * 3, [v_cache] * 3)
     want = decode_stack(table_want, x, residual, cos, sin, k_want, batch, **run)
-    for loads in (dict(kv_prefetch=True),
-                  dict(kv_prefetch=True, arrive_first=True, gate_up_early=True,
-                       prefetch_next=True)):
+    for loads in (dict(kv_prefetch=True), LOADS_OFF | dict(kv_prefetch=True)):
         got = decode_stack(table_got, x, residual, cos, sin, k_got, batch, **loads, **run)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), loads
         assert torch.equal(k_got, k_want)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("contexts", [[6], [11, 3]])
-def test_persistent_layers_give_the_forward_logits(device, dtype, contexts):
-    """with_persistent_layers(forward, ...): every layer of a 3-layer model through decode_stack
-    (one launch on a GPU; ping-pong buffers between layers), the logits and the cache the
-    functional layers give. The cache's earlier tokens come from a prefill."""
+def three_layer_case(device, dtype, contexts, copies):
+    """A 3-layer model, `copies` caches each holding the same prefill of every sequence but its
+    last token, the decode step of those last tokens, and the step's logits from the functional
+    forward over a further copy."""
     config = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=3,
                          num_heads=4, num_kv_heads=2, head_dim=16, dtype=dtype)
     params = minivllm.random_params(config, seed=1, std=0.2, device=device)
@@ -233,7 +228,7 @@ def test_persistent_layers_give_the_forward_logits(device, dtype, contexts):
     tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(contexts))]
     prompts = [torch.randint(0, 64, (c - 1,), generator=g).tolist() for c in contexts]
     caches = []
-    for _ in range(3):
+    for _ in range(copies + 1):
         cache = minivllm.init_cache(params, num_blocks=8 * len(contexts), block_size=page)
         prefill = make_batch([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)],
                              block_size=page, device=device)
@@ -242,27 +237,44 @@ def test_persistent_layers_give_the_forward_logits(device, dtype, contexts):
     step = make_batch([SeqChunk([5], c - 1, t) for c, t in zip(contexts, tables)],
                       block_size=page, device=device)
     want, _ = minivllm.forward(params, caches[0], step, backend)
-    got, _ = with_persistent_layers(minivllm.forward, params, caches[1])(
-        params, caches[1], step, backend)
+    return config, params, backend, caches[1:], step, want, caches[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("contexts", [[6], [11, 3]])
+def test_persistent_layers_give_the_forward_logits(device, dtype, contexts):
+    """with_persistent_layers(forward, ...): every layer of a 3-layer model through decode_stack
+    (one launch on a GPU; ping-pong buffers between layers), the logits and the cache the
+    functional layers give. The cache's earlier tokens come from a prefill."""
+    config, params, backend, (cache,), step, want, cache_want = three_layer_case(
+        device, dtype, contexts, 1)
+    got, _ = with_persistent_layers(minivllm.forward, params, cache)(params, cache, step, backend)
     assert rel(got, want) <= TOL[dtype]
     # Each layer's K/V (a later layer's from inputs that already differ by rounding: a norm)
-    for a, b in zip(caches[1].k + caches[1].v, caches[0].k + caches[0].v):
+    for a, b in zip(cache.k + cache.v, cache_want.k + cache_want.v):
         assert rel(a, b) <= TOL[dtype]
-    # Every layer in one launch of one program (the CPU can pass its barriers): the same, with
-    # each phase's weights loaded where decode_stack's flags put them. (Later runs store the
-    # same K/V again.)
+
+
+LOADS = {"off": LOADS_OFF, "default": {}} | {
+    flag: LOADS_OFF | {flag: True} for flag in LOADS_OFF if flag != "kv_prefetch"} | {
+    "default+down_early": dict(down_early=True)}
+
+
+@pytest.mark.parametrize("loads", LOADS.values(), ids=LOADS.keys())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_every_weight_load_placement_gives_the_forward_logits(device, dtype, loads):
+    """Every layer in one launch of one program (the CPU can pass its barriers), with each
+    phase's weights loaded where decode_stack's flags put them: the functional forward's
+    logits."""
+    config, params, _, (cache,), step, want, _ = three_layer_case(device, dtype, [11, 3], 1)
     x, residual, cos, sin = minivllm.functional.model.stem(params, step)
-    table = layer_table(params.layers, caches[2].k, caches[2].v)
-    for loads in ({}, dict(prefetch_next=True), dict(gate_up_early=True), dict(down_early=True),
-                  dict(arrive_first=True),
-                  dict(prefetch_next=True, gate_up_early=True, down_early=True, arrive_first=True)):
-        out, res = decode_stack(table, x, residual, cos, sin, caches[2].k[0], step,
-                                config=config, dtype=dtype, programs=1, phase_by_phase=False,
-                                **loads)
-        hidden = minivllm.functional.model.final_hidden(params, out, res)
-        got = minivllm.functional.embedding.lm_head(hidden, params.head_weight, config,
-                                                    params.shard).float()
-        assert rel(got, want) <= TOL[dtype], loads
+    table = layer_table(params.layers, cache.k, cache.v)
+    out, res = decode_stack(table, x, residual, cos, sin, cache.k[0], step, config=config,
+                            dtype=dtype, programs=1, phase_by_phase=False, **loads)
+    hidden = minivllm.functional.model.final_hidden(params, out, res)
+    got = minivllm.functional.embedding.lm_head(hidden, params.head_weight, config,
+                                                params.shard).float()
+    assert rel(got, want) <= TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

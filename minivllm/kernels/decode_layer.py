@@ -70,6 +70,9 @@ BLOCK_K = 1024  # GEMV columns a load, at least (fewer only where a weight has f
 CHUNK_WEIGHTS = 32768
 SPLIT_TOKENS = 64  # attention: tokens a split, about (the single stream's contexts are ~600)
 KV_PIECES = tl.constexpr(256)  # kv_prefetch: a unit's first tokens asked for (one a thread)
+# decode_stack's weight-load placement flags, every one off (its defaults turn three on)
+LOADS_OFF = dict(prefetch_next=False, gate_up_early=False, down_early=False, arrive_first=False,
+                 kv_prefetch=False)
 
 
 @triton.jit
@@ -521,9 +524,9 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
                  sin: torch.Tensor, k_cache0: torch.Tensor, batch: Batch, *, config: ModelConfig,
                  dtype: torch.dtype, programs: int | None = None,
                  phase_by_phase: bool | None = None, num_warps: int = 8,
-                 block_k: int | None = None, prefetch_next: bool = False,
-                 gate_up_early: bool = False, down_early: bool = False,
-                 arrive_first: bool = False, kv_prefetch: bool = False,
+                 block_k: int | None = None, prefetch_next: bool = True,
+                 gate_up_early: bool = True, down_early: bool = False,
+                 arrive_first: bool = True, kv_prefetch: bool = False,
                  timeline: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder layers of `table` (layer_table) for a decode batch of M <= MAX_ROWS rows on
     one GPU, as one persistent launch (phase_by_phase: one launch per layer and phase; the
@@ -531,19 +534,21 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
     output and residual stream). Returns the last layer's (down's output, residual stream),
     [M, hidden] each, and writes this step's K/V into each layer's cache, as the
     functional layers do. k_cache0: any layer's K cache (its shape and dtype). block_k: GEMV
-    columns a load (None: chunk_columns' rule, each GEMV its own). prefetch_next:
-    each layer's first qkv weight chunk loaded during the layer before it (single launch; off:
-    it measured 0.3 us a layer slower, twice, BENCHMARKS.md session 16). gate_up_early (single
-    launch): gate/up's weights are loaded during the merge phase, where the DRAM and all but
-    the merging programs are idle, instead of during o_proj's; down_early: down's during
-    o_proj's instead of gate/up's (more registers held across a phase). arrive_first: each
-    program arrives at a grid barrier before it issues the next phase's weight loads, and
-    waits after (the loads' issue overlaps the barrier instead of delaying the arrival; the
-    weights never depend on the other programs' writes). kv_prefetch (single launch, sm_90+):
-    the cache rows each program's attention units will read are asked into L2 (bulk
-    prefetches) as the layer before ends, where the DRAM idles. timeline: for the
-    probe, [1 + layers * 2 * PHASES, programs] int64 on the GPU (single launch only): row 0 gets
-    each program's start time (ns, %globaltimer), row 1 + 2 * (layer * PHASES + k) the time it
+    columns a load (None: chunk_columns' rule, each GEMV its own). The load placements
+    (single launch; the defaults measured fastest together, 25.4 against 28.2 us a layer at 1
+    row and 33.1 against 38.0 at 2, BENCHMARKS.md session 18): prefetch_next: each layer's
+    first qkv weight chunk loaded during the layer before it. gate_up_early: gate/up's weights
+    are loaded during the merge phase, where the DRAM and all but the merging programs are
+    idle, instead of during o_proj's; down_early (off): down's during o_proj's instead of
+    gate/up's (more registers held across a phase). arrive_first: each program arrives at a
+    grid barrier before it issues the next phase's weight loads, and waits after (the loads'
+    issue overlaps the barrier instead of delaying the arrival; the weights never depend on the
+    other programs' writes). kv_prefetch (off; sm_90+): the cache rows each program's attention
+    units will read are asked into L2 (bulk prefetches) as the layer before ends, where the DRAM
+    idles; it measured slower (30.6 against 28.2 us a layer, session 18): attention did not
+    shorten and the prefetching phase lengthened. timeline: for the probe,
+    [1 + layers * 2 * PHASES, programs] int64 on the GPU (single launch only): row 0 gets each
+    program's start time (ns, %globaltimer), row 1 + 2 * (layer * PHASES + k) the time it
     arrived at the barrier after phase k of that layer, the row after it when it left."""
     m, hidden = x.shape
     if not batch.is_decode or m > MAX_ROWS or m != batch.context_lens.shape[0]:
