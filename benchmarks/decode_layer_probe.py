@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/decode_layer_probe.py [--rows 1] [--context 600]
         [--stack-only --block-k auto,1024,4096] [--timeline]
+        [--loads off,default,gate_up_early,arrive_first+gate_up_early]
 
 Qwen3-0.6B's layer shape, random bf16 weights, a bf16 cache with `--context` tokens a row, page
 16. The persistent layer (one launch, grid barriers) against functional.decoder_layer on the
@@ -22,7 +23,7 @@ import minivllm
 from benchmarks.bench_linear import cuda_and_l2, graph_us
 from minivllm.functional.rope import rope_cos_sin
 from minivllm.kernels import select_backend
-from minivllm.kernels.decode_layer import PHASES, decode_stack, layer_table
+from minivllm.kernels.decode_layer import LOADS_OFF, PHASES, decode_stack, layer_table
 from minivllm.state import SeqChunk, make_batch
 from minivllm.state.shard import ShardSpec
 from minivllm.state.config import config_for_shape
@@ -33,13 +34,17 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--context", type=int, default=600)
     ap.add_argument("--stack-only", action="store_true",
-                    help="only the whole stack, at each --block-k (8 warps)")
+                    help="only the whole stack, at each --block-k and --loads (8 warps)")
     ap.add_argument("--block-k", default="auto",
                     help="GEMV columns a load for the stack's runs, comma-separated; auto: "
                          "decode_stack's own choice (chunk_columns)")
+    ap.add_argument("--loads", default="default",
+                    help="where the stack's runs load each phase's weights, comma-separated: "
+                         + ", ".join(LOADS) + " (decode_stack's flags)")
     ap.add_argument("--timeline", action="store_true",
-                    help="only the whole stack's in-kernel timeline: where a layer's time goes, "
-                         "phase by phase, from %%globaltimer stamps at each grid barrier")
+                    help="as --stack-only, each run followed by its in-kernel timeline: where a "
+                         "layer's time goes, phase by phase, from %%globaltimer stamps at each "
+                         "grid barrier")
     args = ap.parse_args()
     if (gpu := cuda_and_l2("decode_layer_probe.py")) is None:
         return 2
@@ -68,38 +73,34 @@ def main() -> int:
     want = functional(0)
     tables = [layer_table([lp], [k_cache], [v_cache]) for lp in layers]
     block_ks = [None if b == "auto" else int(b) for b in args.block_k.split(",")]
-    for block_k in block_ks:
+    runs = [(block_k, loads) for block_k in block_ks for loads in args.loads.split(",")]
+    for block_k, loads in runs:
         got = decode_stack(tables[0], x, res, cos, sin, k_cache, batch, config=config,
-                           dtype=config.dtype, block_k=block_k)
+                           dtype=config.dtype, block_k=block_k, **LOADS[loads])
         for name, a, b in (("output", got[0], want[0]), ("residual", got[1], want[1])):
             err = ((a.float() - b.float()).norm() / b.float().norm()).item()
-            print(f"{block_k or 'auto'}-column loads, {name}: relative difference {err:.2e}",
-                  flush=True)
+            print(f"{block_k or 'auto'}-column loads, {loads}, {name}: relative difference "
+                  f"{err:.2e}", flush=True)
     table = layer_table(layers, [k_cache] * len(layers), [v_cache] * len(layers))
-    if args.timeline:
+    if args.timeline or args.stack_only:
         programs = torch.cuda.get_device_properties(dev).multi_processor_count
-        stamps = torch.zeros(1 + len(layers) * 2 * PHASES, programs, dtype=torch.int64,
-                             device=dev)
-        for _ in range(3):  # compiled, then the last of two timed runs
-            decode_stack(table, x, res, cos, sin, k_cache, batch, config=config,
-                         dtype=config.dtype, programs=programs, timeline=stamps)
-        torch.cuda.synchronize()
-        untimed = graph_us(lambda i: decode_stack(table, x, res, cos, sin, k_cache, batch,
-                                                  config=config, dtype=config.dtype))
-        print(f"timeline of the stack, {len(layers)} layers, {programs} programs, "
-              f"{args.rows} row(s), context {args.context}, auto-column loads (untimed, in a "
-              f"CUDA graph: {untimed / len(layers):.2f} us a layer):", flush=True)
-        for line in timeline_report(stamps.cpu()):
-            print(line, flush=True)
-        return 0
-    if args.stack_only:
-        for block_k in block_ks:
-            us = graph_us(lambda i: decode_stack(table, x, res, cos, sin, k_cache, batch,
-                                                 config=config, dtype=config.dtype,
-                                                 block_k=block_k))
-            print(f"persistent stack of {len(layers)} layers, one launch, "
-                  f"{block_k or 'auto'}-column loads: {us / len(layers):.2f} us a layer "
-                  f"({args.rows} row(s), context {args.context})", flush=True)
+        for block_k, loads in runs:
+            def stack(i, timeline=None):
+                return decode_stack(table, x, res, cos, sin, k_cache, batch, config=config,
+                                    dtype=config.dtype, programs=programs, block_k=block_k,
+                                    timeline=timeline, **LOADS[loads])
+            us = graph_us(stack) / len(layers)
+            print(f"persistent stack of {len(layers)} layers, one launch, {block_k or 'auto'}"
+                  f"-column loads, {loads}: {us:.2f} us a layer ({args.rows} row(s), context "
+                  f"{args.context})", flush=True)
+            if args.timeline:
+                stamps = torch.zeros(1 + len(layers) * 2 * PHASES, programs, dtype=torch.int64,
+                                     device=dev)
+                for _ in range(2):  # the second run's stamps
+                    stack(0, stamps)
+                torch.cuda.synchronize()
+                for line in timeline_report(stamps.cpu()):
+                    print(line, flush=True)
         return 0
     print(f"functional layer, eager kernels: {graph_us(functional):.2f} us a layer "
           f"({args.rows} row(s), context {args.context})", flush=True)
@@ -124,6 +125,14 @@ def main() -> int:
     return 0
 
 
+# decode_stack's load placements by name: "off", "default", or flags joined by "+" (each on,
+# the others off)
+LOADS = {"off": LOADS_OFF, "default": {}} | {
+    "+".join(flags): LOADS_OFF | dict.fromkeys(flags, True) for flags in (
+        ("gate_up_early",), ("down_early",), ("prefetch_next",), ("arrive_first",),
+        ("kv_prefetch",), ("arrive_first", "gate_up_early"), ("arrive_first", "prefetch_next"),
+        ("arrive_first", "gate_up_early", "prefetch_next"),
+        ("arrive_first", "gate_up_early", "prefetch_next", "kv_prefetch"))}
 PHASE_NAMES = ("norm + qkv", "attention", "merge", "o_proj", "norm + gate/up", "down")
 
 

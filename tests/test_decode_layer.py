@@ -5,15 +5,17 @@ barrier cannot run there); a GPU runs it as one launch with grid barriers as wel
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import given, strategies as st
 
 import minivllm
 from minivllm.functional.rope import rope_cos_sin
 from minivllm.kernels import select_backend
-from minivllm.kernels.decode_layer import (BLOCK_K, CHUNK_WEIGHTS, MAX_ROWS, PHASES,
-                                           chunk_columns, decode_layer, decode_stack, layer_table,
-                                           with_persistent_layers)
-from minivllm.kernels.launch import runs_ptx, triton_usable
+from minivllm.kernels.decode_layer import (BLOCK_K, CHUNK_WEIGHTS, KV_PIECES, LOADS_OFF, MAX_ROWS,
+                                           PHASES, _unit_cache_rows, chunk_columns, decode_layer,
+                                           decode_stack, layer_table, with_persistent_layers)
+from minivllm.kernels.launch import cuda_capability, runs_ptx, triton_usable
 from minivllm.state import ModelConfig, SeqChunk, make_batch
 from minivllm.state.shard import ShardSpec
 from test_fp8_cache import exact_fp8_rounding_in_the_interpreter  # noqa: F401 (autouse fixture)
@@ -90,9 +92,12 @@ def test_decode_layer_matches_the_functional_layer(device, dtype, contexts, firs
         backend=select_backend(device, "reference"))
     # Phase by phase; one launch (on the CPU with one program, whose barriers the interpreter
     # can pass: the single launch's code path, barriers and prefetches included).
-    runs = [dict(phase_by_phase=True), dict(phase_by_phase=False, programs=1)]
+    runs = [dict(phase_by_phase=True), dict(phase_by_phase=False, programs=1),
+            dict(phase_by_phase=False, programs=1, **LOADS_OFF),
+            dict(phase_by_phase=False, programs=1, down_early=True)]
     if runs_ptx(device):
-        runs.append(dict(phase_by_phase=False))
+        runs += [dict(phase_by_phase=False), dict(phase_by_phase=False, **LOADS_OFF),
+                 dict(phase_by_phase=False, down_early=True)]
     for run in runs:
         k_got, v_got = k_cache.clone(), v_cache.clone()
         out, res = decode_layer(lp, x, residual, cos, sin, k_got, v_got, batch, config=config,
@@ -144,12 +149,77 @@ def test_stack_timeline_records_each_barrier_or_is_refused(device):
     assert (departures.min(dim=1).values >= arrivals.max(dim=1).values).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("contexts", [[6], [11, 3]])
-def test_persistent_layers_give_the_forward_logits(device, dtype, contexts):
-    """with_persistent_layers(forward, ...): every layer of a 3-layer model through decode_stack
-    (one launch on a GPU; ping-pong buffers between layers), the logits and the cache the
-    functional layers give. The cache's earlier tokens come from a prefill."""
+@triton.jit
+def _unit_rows_kernel(out_ptr, bt_ptr, ctx_ptr, stride_bt, num_splits, KV_HEADS: tl.constexpr,
+                      PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    unit = tl.program_id(0)  # (row, KV head, split), as the stack deals them
+    splits_kv = num_splits * KV_HEADS
+    rows, live = _unit_cache_rows(unit // splits_kv, (unit // num_splits) % KV_HEADS,
+                                  unit % num_splits, bt_ptr, ctx_ptr, stride_bt, num_splits,
+                                  KV_HEADS, PAGE, BLOCK_N)
+    offs = tl.arange(0, KV_PIECES)
+    tl.store(out_ptr + unit * KV_PIECES + offs, tl.where(live, rows, -1))
+
+
+@given(contexts=st.lists(st.integers(1, 200), min_size=1, max_size=2),
+       splits=st.integers(1, 12), page=st.sampled_from([4, 16]),
+       block_n=st.sampled_from([16, 64]))
+def test_kv_prefetch_asks_for_each_cached_row_of_its_units_once(device, contexts, splits, page,
+                                                                block_n):
+    """The rows kv_prefetch asks for: over a (row, KV head)'s splits, every cached token's row
+    of that head exactly once, the new token's none, each split a run of consecutive tokens
+    (slots from make_batch's own block-table arithmetic, an independent account; a split here
+    is at most KV_PIECES tokens, all of which it asks for)."""
+    kv_heads = 2
+    tables, at = [], 0
+    for c in contexts:
+        n = -(-c // page)
+        tables.append(list(range(at + n - 1, at - 1, -1)))  # pages out of order
+        at += n
+    step = make_batch([SeqChunk([5], c - 1, t) for c, t in zip(contexts, tables)],
+                      block_size=page, device=device)
+    units = len(contexts) * kv_heads * splits
+    out = torch.full((units, int(KV_PIECES)), -2, dtype=torch.int64, device=device)
+    _unit_rows_kernel[(units,)](out, step.block_tables, step.context_lens,
+                                step.block_tables.stride(0), splits, kv_heads, page, block_n)
+    got = out.cpu().reshape(len(contexts), kv_heads, splits, -1)
+    for b, (c, table) in enumerate(zip(contexts, tables)):
+        cached = make_batch([SeqChunk(list(range(c - 1)), 0, table)], block_size=page,
+                            device="cpu").slot_mapping.tolist() if c > 1 else []
+        for kvh in range(kv_heads):
+            rows = got[b, kvh]
+            live = rows[rows >= 0].tolist()
+            assert sorted(live) == sorted(s * kv_heads + kvh for s in cached)
+            for split_rows in rows:
+                run = [cached.index((r - kvh) // kv_heads) for r in split_rows.tolist() if r >= 0]
+                assert run == list(range(run[0], run[0] + len(run))) if run else True
+
+
+def test_kv_prefetch_changes_no_value_or_is_refused(device):
+    """kv_prefetch only asks for cache lines: on an sm_90+ GPU the outputs and caches are the
+    run without it, bit for bit, with the other loads' flags too; elsewhere it is refused."""
+    config, lp, x, residual, cos, sin, k_cache, v_cache, batch = layer_case(
+        device, torch.float16, [70, 9], False)
+    table = layer_table([lp] * 3, [k_cache] * 3, [v_cache] * 3)
+    run = dict(config=config, dtype=x.dtype)
+    if not runs_ptx(device) or cuda_capability(device) < (9, 0):
+        with pytest.raises(ValueError, match="kv_prefetch needs"):
+            decode_stack(table, x, residual, cos, sin, k_cache, batch, kv_prefetch=True, **run)
+        return
+    k_want, k_got = k_cache.clone(), k_cache.clone()
+    table_want = layer_table([lp] * 3, [k_want] * 3, [v_cache] * 3)
+    table_got = layer_table([lp] * 3, [k_got] * 3, [v_cache] * 3)
+    want = decode_stack(table_want, x, residual, cos, sin, k_want, batch, **run)
+    for loads in (dict(kv_prefetch=True), LOADS_OFF | dict(kv_prefetch=True)):
+        got = decode_stack(table_got, x, residual, cos, sin, k_got, batch, **loads, **run)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), loads
+        assert torch.equal(k_got, k_want)
+
+
+def three_layer_case(device, dtype, contexts, copies):
+    """A 3-layer model, `copies` caches each holding the same prefill of every sequence but its
+    last token, the decode step of those last tokens, and the step's logits from the functional
+    forward over a further copy."""
     config = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=3,
                          num_heads=4, num_kv_heads=2, head_dim=16, dtype=dtype)
     params = minivllm.random_params(config, seed=1, std=0.2, device=device)
@@ -158,7 +228,7 @@ def test_persistent_layers_give_the_forward_logits(device, dtype, contexts):
     tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(contexts))]
     prompts = [torch.randint(0, 64, (c - 1,), generator=g).tolist() for c in contexts]
     caches = []
-    for _ in range(3):
+    for _ in range(copies + 1):
         cache = minivllm.init_cache(params, num_blocks=8 * len(contexts), block_size=page)
         prefill = make_batch([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)],
                              block_size=page, device=device)
@@ -167,25 +237,44 @@ def test_persistent_layers_give_the_forward_logits(device, dtype, contexts):
     step = make_batch([SeqChunk([5], c - 1, t) for c, t in zip(contexts, tables)],
                       block_size=page, device=device)
     want, _ = minivllm.forward(params, caches[0], step, backend)
-    got, _ = with_persistent_layers(minivllm.forward, params, caches[1])(
-        params, caches[1], step, backend)
+    return config, params, backend, caches[1:], step, want, caches[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("contexts", [[6], [11, 3]])
+def test_persistent_layers_give_the_forward_logits(device, dtype, contexts):
+    """with_persistent_layers(forward, ...): every layer of a 3-layer model through decode_stack
+    (one launch on a GPU; ping-pong buffers between layers), the logits and the cache the
+    functional layers give. The cache's earlier tokens come from a prefill."""
+    config, params, backend, (cache,), step, want, cache_want = three_layer_case(
+        device, dtype, contexts, 1)
+    got, _ = with_persistent_layers(minivllm.forward, params, cache)(params, cache, step, backend)
     assert rel(got, want) <= TOL[dtype]
     # Each layer's K/V (a later layer's from inputs that already differ by rounding: a norm)
-    for a, b in zip(caches[1].k + caches[1].v, caches[0].k + caches[0].v):
+    for a, b in zip(cache.k + cache.v, cache_want.k + cache_want.v):
         assert rel(a, b) <= TOL[dtype]
-    # Every layer in one launch of one program (the CPU can pass its barriers): the same, with
-    # and without each layer's first qkv chunk loaded during the layer before. (The second run
-    # stores the same K/V again.)
+
+
+LOADS = {"off": LOADS_OFF, "default": {}} | {
+    flag: LOADS_OFF | {flag: True} for flag in LOADS_OFF if flag != "kv_prefetch"} | {
+    "default+down_early": dict(down_early=True)}
+
+
+@pytest.mark.parametrize("loads", LOADS.values(), ids=LOADS.keys())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_every_weight_load_placement_gives_the_forward_logits(device, dtype, loads):
+    """Every layer in one launch of one program (the CPU can pass its barriers), with each
+    phase's weights loaded where decode_stack's flags put them: the functional forward's
+    logits."""
+    config, params, _, (cache,), step, want, _ = three_layer_case(device, dtype, [11, 3], 1)
     x, residual, cos, sin = minivllm.functional.model.stem(params, step)
-    table = layer_table(params.layers, caches[2].k, caches[2].v)
-    for prefetch_next in (False, True):
-        out, res = decode_stack(table, x, residual, cos, sin, caches[2].k[0], step,
-                                config=config, dtype=dtype, programs=1, phase_by_phase=False,
-                                prefetch_next=prefetch_next)
-        hidden = minivllm.functional.model.final_hidden(params, out, res)
-        got = minivllm.functional.embedding.lm_head(hidden, params.head_weight, config,
-                                                    params.shard).float()
-        assert rel(got, want) <= TOL[dtype], prefetch_next
+    table = layer_table(params.layers, cache.k, cache.v)
+    out, res = decode_stack(table, x, residual, cos, sin, cache.k[0], step, config=config,
+                            dtype=dtype, programs=1, phase_by_phase=False, **loads)
+    hidden = minivllm.functional.model.final_hidden(params, out, res)
+    got = minivllm.functional.embedding.lm_head(hidden, params.head_weight, config,
+                                                params.shard).float()
+    assert rel(got, want) <= TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -69,6 +69,10 @@ BLOCK_K = 1024  # GEMV columns a load, at least (fewer only where a weight has f
 # (BENCHMARKS.md session 17); qkv and gate/up (32 rows x 1024) already did.
 CHUNK_WEIGHTS = 32768
 SPLIT_TOKENS = 64  # attention: tokens a split, about (the single stream's contexts are ~600)
+KV_PIECES = tl.constexpr(256)  # kv_prefetch: a unit's first tokens asked for (one a thread)
+# decode_stack's weight-load placement flags, every one off (its defaults turn three on)
+LOADS_OFF = dict(prefetch_next=False, gate_up_early=False, down_early=False, arrive_first=False,
+                 kv_prefetch=False)
 
 
 @triton.jit
@@ -80,27 +84,85 @@ def _globaltimer():
 
 
 @triton.jit
-def _grid_barrier(counter_ptr, target):
-    """_timed_grid_barrier without its timeline."""
-    _timed_grid_barrier(counter_ptr, target, counter_ptr, 0, False)
-
-
-@triton.jit
-def _timed_grid_barrier(counter_ptr, target, stamp_ptr, programs, TIMELINE: tl.constexpr):
-    """Every program of the grid arrives before any leaves (all programs must be resident).
-    The counter only grows: barrier k of a launch waits for base + k * programs arrivals.
-    TIMELINE: the time this program arrived (its threads done with the phase) stored at
-    stamp_ptr, the time it left at stamp_ptr + programs."""
-    tl.debug_barrier()  # this program's threads are done with the phase
+def _grid_arrive(counter_ptr, stamp_ptr, TIMELINE: tl.constexpr):
+    """This program's arrival at a grid barrier (its threads done with the phase; the counter
+    only grows). TIMELINE: the time stored at stamp_ptr."""
+    tl.debug_barrier()
     if TIMELINE:
         tl.store(stamp_ptr, _globaltimer())
     tl.atomic_add(counter_ptr, 1, sem="release")
+
+
+@triton.jit
+def _grid_wait(counter_ptr, target, stamp_ptr, programs, TIMELINE: tl.constexpr):
+    """Until target arrivals (barrier k of a launch: base + k * programs; every program must be
+    resident). TIMELINE: the time it left stored at stamp_ptr + programs."""
     seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
     while seen < target:
         seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
     tl.debug_barrier()
     if TIMELINE:
         tl.store(stamp_ptr + programs, _globaltimer())
+
+
+@triton.jit
+def _grid_barrier(counter_ptr, target):
+    """Every program of the grid arrives before any leaves."""
+    _grid_arrive(counter_ptr, counter_ptr, False)
+    _grid_wait(counter_ptr, target, counter_ptr, 0, False)
+
+
+@triton.jit
+def _arrive_if(ARRIVE: tl.constexpr, counter_ptr, stamp_ptr, TIMELINE: tl.constexpr):
+    if ARRIVE:
+        _grid_arrive(counter_ptr, stamp_ptr, TIMELINE)
+
+
+@triton.jit
+def _unit_cache_rows(b, kvh, split, bt_ptr, ctx_ptr, stride_bt, num_splits,
+                     KV_HEADS: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The cache rows ([slots * KV_HEADS, head_dim] view) of KV head kvh that attention unit
+    (b, kvh, split) reads, its first KV_PIECES tokens, and which of the KV_PIECES are live: the
+    split's token range as _decode_unit computes it, through the block table."""
+    prefix = tl.load(ctx_ptr + b) - 1
+    per_split = tl.cdiv(tl.cdiv(prefix, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, prefix)
+    tok = start + tl.arange(0, KV_PIECES)
+    live = tok < end
+    page = tl.load(bt_ptr + tl.cast(b, tl.int64) * stride_bt + tok // PAGE, mask=live, other=0)
+    return (page.to(tl.int64) * PAGE + tok % PAGE) * KV_HEADS + kvh, live
+
+
+@triton.jit
+def _prefetch_unit_kv_l2(b, kvh, split, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, stride_bt,
+                         num_splits, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Ask for the cached K and V rows that attention unit (b, kvh, split) will read (its first
+    KV_PIECES tokens; the range _decode_unit computes) to be brought into L2: one bulk prefetch
+    (cp.async.bulk.prefetch.L2, sm_90) of a token's head row a thread, no registers held."""
+    row, live = _unit_cache_rows(b, kvh, split, bt_ptr, ctx_ptr, stride_bt, num_splits,
+                                 KV_HEADS, PAGE, BLOCK_N)
+    size = tl.where(live, HEAD_DIM * k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8,
+                    0).to(tl.int32)
+    for which in tl.static_range(2):
+        cache_ptr = k_cache_ptr if which == 0 else v_cache_ptr
+        addr = (cache_ptr + row * HEAD_DIM).to(tl.pointer_type(tl.int8))
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
+            "mov.u32 $0, 0; }", "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_kv_l2(pid, programs, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, stride_bt,
+                    M: tl.constexpr, KV_HEADS: tl.constexpr, SPLITS: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """_prefetch_unit_kv_l2 for each attention unit program pid will run (its share of the
+    round robin over (row, KV head, split))."""
+    for unit in range(pid, M * KV_HEADS * SPLITS, programs):
+        _prefetch_unit_kv_l2(unit // (SPLITS * KV_HEADS), (unit // SPLITS) % KV_HEADS,
+                             unit % SPLITS, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr,
+                             stride_bt, SPLITS, KV_HEADS, HEAD_DIM, PAGE, BLOCK_N)
 
 
 @triton.jit
@@ -216,8 +278,9 @@ def _silu_mul(g, u, dt: tl.constexpr):
 
 @triton.jit
 def _layer_phases(
-        pid, programs, base, w_qkv_first, next_qkv_ptr, counter_ptr, stamp_ptr, x_ptr, res_ptr,
-        res1_ptr, res2_ptr, qkv_ptr, part_out_ptr, part_lse_ptr, attn_ptr, y_ptr, act_ptr, out_ptr,
+        pid, programs, base, w_qkv_first, next_qkv_ptr, next_k_cache_ptr, next_v_cache_ptr,
+        counter_ptr, stamp_ptr, x_ptr, res_ptr, res1_ptr, res2_ptr, qkv_ptr, part_out_ptr,
+        part_lse_ptr, attn_ptr, y_ptr, act_ptr, out_ptr,
         in_norm_ptr, w_qkv_ptr, q_norm_ptr, k_norm_ptr, w_o_ptr, post_norm_ptr, w_gu_ptr,
         w_down_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, slot_ptr, cos_ptr, sin_ptr,
         eps, scale_log2, stride_bt, stride_rope,
@@ -229,8 +292,9 @@ def _layer_phases(
         R_I: tl.constexpr, BN_I: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, HAS_RES: tl.constexpr,
         PRECISION: tl.constexpr, F16_DOTS: tl.constexpr, FP8_CACHE: tl.constexpr,
-        PTX_WIDEN: tl.constexpr, PREFETCH_NEXT: tl.constexpr, TIMELINE: tl.constexpr,
-        PHASE: tl.constexpr):
+        PTX_WIDEN: tl.constexpr, PREFETCH_NEXT: tl.constexpr, GATE_UP_EARLY: tl.constexpr,
+        DOWN_EARLY: tl.constexpr, ARRIVE_FIRST: tl.constexpr, KV_PREFETCH: tl.constexpr,
+        TIMELINE: tl.constexpr, PHASE: tl.constexpr):
     """One layer, as program pid of `programs`. PHASE -1: every phase, the k-th grid barrier
     after it waiting for base + k * programs arrivals; 0-5: that phase only. PREFETCH_NEXT (with
     PHASE -1): w_qkv_first is this layer's first qkv weight chunk, loaded by the caller, and the
@@ -262,7 +326,8 @@ def _layer_phases(
                            rms0, rms1, M, BN_QKV, BK_H, True, HAS_RES)
         _store_row_block(qkv_ptr, pid * R_QKV, R_QKV, QKV, acc0, acc1, M, BN_QKV)
     if PHASE == -1:
-        _timed_grid_barrier(counter_ptr, base + programs, stamp_ptr, programs, TIMELINE)
+        _grid_arrive(counter_ptr, stamp_ptr, TIMELINE)
+        _grid_wait(counter_ptr, base + programs, stamp_ptr, programs, TIMELINE)
 
     if (PHASE == -1) or (PHASE == 1):  # attention, split partials
         for unit in range(pid, M * KV_HEADS * SPLITS, programs):
@@ -277,28 +342,41 @@ def _layer_phases(
                          BLOCK_G, BLOCK_D, PAGE, BLOCK_N, True, True, True, PRECISION, F16_DOTS,
                          FP8_CACHE, PTX_WIDEN, False)
     if PHASE == -1:
-        _timed_grid_barrier(counter_ptr, base + 2 * programs, stamp_ptr + 2 * programs,
-                            programs, TIMELINE)
+        _grid_arrive(counter_ptr, stamp_ptr + 2 * programs, TIMELINE)
+        _grid_wait(counter_ptr, base + 2 * programs, stamp_ptr + 2 * programs, programs,
+                   TIMELINE)
 
     if (PHASE == -1) or (PHASE == 2):  # the splits merged
         for unit in range(pid, M * HEADS, programs):
             _merge_unit(unit // HEADS, unit % HEADS, part_out_ptr, part_lse_ptr, attn_ptr, ATT,
                         HEAD_DIM, SPLITS, HEADS, HEAD_DIM, BLOCK_S, BLOCK_D)
+    w_up_ptr = w_gu_ptr + INTER * H
     if PHASE == -1:
+        _arrive_if(ARRIVE_FIRST, counter_ptr, stamp_ptr + 4 * programs, TIMELINE)
         w = _weight_chunk(w_o_ptr, pid * R_H, 0, R_H, H, ATT, BN_H, BK_ATT)
-        _timed_grid_barrier(counter_ptr, base + 3 * programs, stamp_ptr + 4 * programs,
-                            programs, TIMELINE)
+        if GATE_UP_EARLY:  # the DRAM and all but the merging programs are idle here
+            w_gate = _weight_chunk(w_gu_ptr, pid * R_I, 0, R_I, INTER, H, BN_I, BK_H)
+            w_up = _weight_chunk(w_up_ptr, pid * R_I, 0, R_I, INTER, H, BN_I, BK_H)
+        _arrive_if(not ARRIVE_FIRST, counter_ptr, stamp_ptr + 4 * programs, TIMELINE)
+        _grid_wait(counter_ptr, base + 3 * programs, stamp_ptr + 4 * programs, programs,
+                   TIMELINE)
 
     if (PHASE == -1) or (PHASE == 3):  # o_proj
         if PHASE == 3:
             w = _weight_chunk(w_o_ptr, pid * R_H, 0, R_H, H, ATT, BN_H, BK_ATT)
         _project_rows(w, w_o_ptr, attn_ptr, y_ptr, pid * R_H, R_H, H, ATT, M, BN_H, BK_ATT)
-    w_up_ptr = w_gu_ptr + INTER * H
     if PHASE == -1:
-        w = _weight_chunk(w_gu_ptr, pid * R_I, 0, R_I, INTER, H, BN_I, BK_H)
-        w_up = _weight_chunk(w_up_ptr, pid * R_I, 0, R_I, INTER, H, BN_I, BK_H)
-        _timed_grid_barrier(counter_ptr, base + 4 * programs, stamp_ptr + 6 * programs,
-                            programs, TIMELINE)
+        _arrive_if(ARRIVE_FIRST, counter_ptr, stamp_ptr + 6 * programs, TIMELINE)
+        if GATE_UP_EARLY:
+            w = w_gate
+        else:
+            w = _weight_chunk(w_gu_ptr, pid * R_I, 0, R_I, INTER, H, BN_I, BK_H)
+            w_up = _weight_chunk(w_up_ptr, pid * R_I, 0, R_I, INTER, H, BN_I, BK_H)
+        if DOWN_EARLY:
+            w_down = _weight_chunk(w_down_ptr, pid * R_H, 0, R_H, H, INTER, BN_H, BK_I)
+        _arrive_if(not ARRIVE_FIRST, counter_ptr, stamp_ptr + 6 * programs, TIMELINE)
+        _grid_wait(counter_ptr, base + 4 * programs, stamp_ptr + 6 * programs, programs,
+                   TIMELINE)
 
     if (PHASE == -1) or (PHASE == 4):  # the residual stream again, its norm, gate * up
         if PHASE == 4:
@@ -316,9 +394,14 @@ def _layer_phases(
         _store_row_block(act_ptr, pid * R_I, R_I, INTER, _silu_mul(g0, u0, dt),
                          _silu_mul(g1, u1, dt), M, BN_I)
     if PHASE == -1:
-        w = _weight_chunk(w_down_ptr, pid * R_H, 0, R_H, H, INTER, BN_H, BK_I)
-        _timed_grid_barrier(counter_ptr, base + 5 * programs, stamp_ptr + 8 * programs,
-                            programs, TIMELINE)
+        _arrive_if(ARRIVE_FIRST, counter_ptr, stamp_ptr + 8 * programs, TIMELINE)
+        if DOWN_EARLY:
+            w = w_down
+        else:
+            w = _weight_chunk(w_down_ptr, pid * R_H, 0, R_H, H, INTER, BN_H, BK_I)
+        _arrive_if(not ARRIVE_FIRST, counter_ptr, stamp_ptr + 8 * programs, TIMELINE)
+        _grid_wait(counter_ptr, base + 5 * programs, stamp_ptr + 8 * programs, programs,
+                   TIMELINE)
 
     if (PHASE == -1) or (PHASE == 5):  # down
         if PHASE == 5:
@@ -326,10 +409,15 @@ def _layer_phases(
         _project_rows(w, w_down_ptr, act_ptr, out_ptr, pid * R_H, R_H, H, INTER, M, BN_H, BK_I)
     w_next = tl.zeros([BN_QKV, BK_H], w_qkv_ptr.dtype.element_ty)
     if PHASE == -1:
+        _arrive_if(ARRIVE_FIRST, counter_ptr, stamp_ptr + 10 * programs, TIMELINE)
         if PREFETCH_NEXT:
             w_next = _weight_chunk(next_qkv_ptr, pid * R_QKV, 0, R_QKV, QKV, H, BN_QKV, BK_H)
-        _timed_grid_barrier(counter_ptr, base + 6 * programs, stamp_ptr + 10 * programs,
-                            programs, TIMELINE)
+        if KV_PREFETCH:  # the next layer's cache rows into L2 while the DRAM idles
+            _prefetch_kv_l2(pid, programs, next_k_cache_ptr, next_v_cache_ptr, bt_ptr, ctx_ptr,
+                            stride_bt, M, KV_HEADS, SPLITS, HEAD_DIM, PAGE, BLOCK_N)
+        _arrive_if(not ARRIVE_FIRST, counter_ptr, stamp_ptr + 10 * programs, TIMELINE)
+        _grid_wait(counter_ptr, base + 6 * programs, stamp_ptr + 10 * programs, programs,
+                   TIMELINE)
     return w_next
 
 
@@ -346,8 +434,9 @@ def _decode_stack_kernel(
         R_I: tl.constexpr, BN_I: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
         PRECISION: tl.constexpr, F16_DOTS: tl.constexpr, FP8_CACHE: tl.constexpr,
-        PTX_WIDEN: tl.constexpr, PREFETCH_NEXT: tl.constexpr, TIMELINE: tl.constexpr,
-        PHASE: tl.constexpr):
+        PTX_WIDEN: tl.constexpr, PREFETCH_NEXT: tl.constexpr, GATE_UP_EARLY: tl.constexpr,
+        DOWN_EARLY: tl.constexpr, ARRIVE_FIRST: tl.constexpr, KV_PREFETCH: tl.constexpr,
+        TIMELINE: tl.constexpr, PHASE: tl.constexpr):
     """Layers [first_layer, first_layer + num_layers) in one launch. table_ptr: [layers,
     TABLE_COLUMNS] int64 addresses (layer_table). Layer l reads slot (l + 1) % 2 of outs / res2s
     ([2, M, H] each: its input and the residual stream) and writes slot l % 2. PREFETCH_NEXT:
@@ -361,7 +450,7 @@ def _decode_stack_kernel(
         tl.store(timeline_ptr + pid, _globaltimer())
     base = 0
     if PHASE == -1:
-        base = tl.atomic_add(counter_ptr, 0) // programs * programs  # see _grid_barrier
+        base = tl.atomic_add(counter_ptr, 0) // programs * programs  # see _grid_wait
     w_ty = outs_ptr.dtype  # the weights are in the activations' dtype
     c_ty = k_cache0_ptr.dtype
     QKV: tl.constexpr = (HEADS + 2 * KV_HEADS) * HEAD_DIM
@@ -370,6 +459,11 @@ def _decode_stack_kernel(
     if PREFETCH_NEXT and (PHASE == -1):
         w_first = _weight_chunk(_table_ptr(table_ptr + first_layer * TABLE_COLUMNS, 1, w_ty),
                                 pid * R_QKV, 0, R_QKV, QKV, H, BN_QKV, BK_H)
+    if KV_PREFETCH and (PHASE == -1):  # each later layer's: during the layer before
+        first_row = table_ptr + first_layer * TABLE_COLUMNS
+        _prefetch_kv_l2(pid, programs, _table_ptr(first_row, 8, c_ty),
+                        _table_ptr(first_row, 9, c_ty), bt_ptr, ctx_ptr, stride_bt, M, KV_HEADS,
+                        SPLITS, HEAD_DIM, PAGE, BLOCK_N)
     for layer in range(first_layer, first_layer + num_layers):
         row = table_ptr + layer * TABLE_COLUMNS
         next_row = table_ptr + tl.minimum(layer + 1, last) * TABLE_COLUMNS
@@ -377,7 +471,8 @@ def _decode_stack_kernel(
         write = (layer % 2) * (M * H)
         w_first = _layer_phases(
             pid, programs, base + (layer - first_layer) * LAYER_PHASES * programs, w_first,
-            _table_ptr(next_row, 1, w_ty), counter_ptr,
+            _table_ptr(next_row, 1, w_ty), _table_ptr(next_row, 8, c_ty),
+            _table_ptr(next_row, 9, c_ty), counter_ptr,
             timeline_ptr + (1 + (layer - first_layer) * 2 * LAYER_PHASES) * programs + pid,
             outs_ptr + read, res2s_ptr + read, res1_ptr, res2s_ptr + write, qkv_ptr,
             part_out_ptr, part_lse_ptr, attn_ptr, y_ptr, act_ptr, outs_ptr + write,
@@ -388,7 +483,7 @@ def _decode_stack_kernel(
             scale_log2, stride_bt, stride_rope, M, H, INTER, HEADS, KV_HEADS, HEAD_DIM, SPLITS,
             PAGE, BLOCK_N, BK_H, BK_ATT, BK_I, R_QKV, BN_QKV, R_H, BN_H, R_I, BN_I, BLOCK_H,
             BLOCK_D, BLOCK_G, BLOCK_S, True, PRECISION, F16_DOTS, FP8_CACHE, PTX_WIDEN,
-            PREFETCH_NEXT, TIMELINE, PHASE)
+            PREFETCH_NEXT, GATE_UP_EARLY, DOWN_EARLY, ARRIVE_FIRST, KV_PREFETCH, TIMELINE, PHASE)
 
 
 @triton.jit
@@ -429,7 +524,9 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
                  sin: torch.Tensor, k_cache0: torch.Tensor, batch: Batch, *, config: ModelConfig,
                  dtype: torch.dtype, programs: int | None = None,
                  phase_by_phase: bool | None = None, num_warps: int = 8,
-                 block_k: int | None = None, prefetch_next: bool = False,
+                 block_k: int | None = None, prefetch_next: bool = True,
+                 gate_up_early: bool = True, down_early: bool = False,
+                 arrive_first: bool = True, kv_prefetch: bool = False,
                  timeline: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder layers of `table` (layer_table) for a decode batch of M <= MAX_ROWS rows on
     one GPU, as one persistent launch (phase_by_phase: one launch per layer and phase; the
@@ -437,11 +534,21 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
     output and residual stream). Returns the last layer's (down's output, residual stream),
     [M, hidden] each, and writes this step's K/V into each layer's cache, as the
     functional layers do. k_cache0: any layer's K cache (its shape and dtype). block_k: GEMV
-    columns a load (None: chunk_columns' rule, each GEMV its own). prefetch_next:
-    each layer's first qkv weight chunk loaded during the layer before it (single launch; off:
-    it measured 0.3 us a layer slower, twice, BENCHMARKS.md session 16). timeline: for the
-    probe, [1 + layers * 2 * PHASES, programs] int64 on the GPU (single launch only): row 0 gets
-    each program's start time (ns, %globaltimer), row 1 + 2 * (layer * PHASES + k) the time it
+    columns a load (None: chunk_columns' rule, each GEMV its own). The load placements
+    (single launch; the defaults measured fastest together, 25.4 against 28.2 us a layer at 1
+    row and 33.1 against 38.0 at 2, BENCHMARKS.md session 18): prefetch_next: each layer's
+    first qkv weight chunk loaded during the layer before it. gate_up_early: gate/up's weights
+    are loaded during the merge phase, where the DRAM and all but the merging programs are
+    idle, instead of during o_proj's; down_early (off): down's during o_proj's instead of
+    gate/up's (more registers held across a phase). arrive_first: each program arrives at a
+    grid barrier before it issues the next phase's weight loads, and waits after (the loads'
+    issue overlaps the barrier instead of delaying the arrival; the weights never depend on the
+    other programs' writes). kv_prefetch (off; sm_90+): the cache rows each program's attention
+    units will read are asked into L2 (bulk prefetches) as the layer before ends, where the DRAM
+    idles; it measured slower (30.6 against 28.2 us a layer, session 18): attention did not
+    shorten and the prefetching phase lengthened. timeline: for the probe,
+    [1 + layers * 2 * PHASES, programs] int64 on the GPU (single launch only): row 0 gets each
+    program's start time (ns, %globaltimer), row 1 + 2 * (layer * PHASES + k) the time it
     arrived at the barrier after phase k of that layer, the row after it when it left."""
     m, hidden = x.shape
     if not batch.is_decode or m > MAX_ROWS or m != batch.context_lens.shape[0]:
@@ -457,6 +564,9 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
     programs = programs or num_sms(dev)
     if phase_by_phase is None:
         phase_by_phase = not runs_ptx(dev)
+    if kv_prefetch and (phase_by_phase or not runs_ptx(dev) or cuda_capability(dev) < (9, 0)):
+        raise ValueError(f"kv_prefetch needs the single launch on a CUDA GPU of compute "
+                         f"capability 9.0 or later (cp.async.bulk.prefetch.L2), got {dev}")
     if timeline is not None:
         want = (1 + table.shape[0] * 2 * PHASES, programs)
         if phase_by_phase or not runs_ptx(dev):
@@ -498,7 +608,8 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
         BLOCK_S=max(2, next_pow2(splits)),
         PRECISION=dot_precision(torch.float16 if f16_dots else dt), F16_DOTS=f16_dots,
         FP8_CACHE=fp8, PTX_WIDEN=int(fp8 and f16_dots and cuda_capability(dev) >= (8, 9)),
-        PREFETCH_NEXT=prefetch_next, TIMELINE=timeline is not None)
+        PREFETCH_NEXT=prefetch_next, GATE_UP_EARLY=gate_up_early, DOWN_EARLY=down_early,
+        ARRIVE_FIRST=arrive_first, KV_PREFETCH=kv_prefetch, TIMELINE=timeline is not None)
     args = (counter, counter if timeline is None else timeline, outs, res2s, res1, qkv,
             part_out, part_lse, attn, y, act, k_cache0,
             batch.block_tables, batch.context_lens, batch.slot_mapping, cos, sin,
