@@ -125,14 +125,12 @@ def main() -> int:
     return 0
 
 
-# decode_stack's load placements by name: "off", "default", or flags joined by "+" (each on,
-# the others off)
-LOADS = {"off": LOADS_OFF, "default": {}} | {
+# decode_stack's load placements by name: "off", "default", "default+<flag>" (the defaults and
+# that flag), or flags joined by "+" (each on, the others off)
+LOADS = {"off": LOADS_OFF, "default": {}, "default+down_early": dict(down_early=True)} | {
     "+".join(flags): LOADS_OFF | dict.fromkeys(flags, True) for flags in (
         ("gate_up_early",), ("down_early",), ("prefetch_next",), ("arrive_first",),
-        ("kv_prefetch",), ("arrive_first", "gate_up_early"), ("arrive_first", "prefetch_next"),
-        ("arrive_first", "gate_up_early", "prefetch_next"),
-        ("arrive_first", "gate_up_early", "prefetch_next", "kv_prefetch"))}
+        ("arrive_first", "gate_up_early"), ("arrive_first", "prefetch_next"))}
 PHASE_NAMES = ("norm + qkv", "attention", "merge", "o_proj", "norm + gate/up", "down")
 
 

@@ -5,17 +5,15 @@ barrier cannot run there); a GPU runs it as one launch with grid barriers as wel
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 from hypothesis import given, strategies as st
 
 import minivllm
 from minivllm.functional.rope import rope_cos_sin
 from minivllm.kernels import select_backend
-from minivllm.kernels.decode_layer import (BLOCK_K, CHUNK_WEIGHTS, KV_PIECES, LOADS_OFF, MAX_ROWS,
-                                           PHASES, _unit_cache_rows, chunk_columns, decode_layer,
+from minivllm.kernels.decode_layer import (BLOCK_K, CHUNK_WEIGHTS, LOADS_OFF, MAX_ROWS,
+                                           PHASES, chunk_columns, decode_layer,
                                            decode_stack, layer_table, with_persistent_layers)
-from minivllm.kernels.launch import cuda_capability, runs_ptx, triton_usable
+from minivllm.kernels.launch import runs_ptx, triton_usable
 from minivllm.state import ModelConfig, SeqChunk, make_batch
 from minivllm.state.shard import ShardSpec
 from test_fp8_cache import exact_fp8_rounding_in_the_interpreter  # noqa: F401 (autouse fixture)
@@ -149,73 +147,6 @@ def test_stack_timeline_records_each_barrier_or_is_refused(device):
     assert (departures.min(dim=1).values >= arrivals.max(dim=1).values).all()
 
 
-@triton.jit
-def _unit_rows_kernel(out_ptr, bt_ptr, ctx_ptr, stride_bt, num_splits, KV_HEADS: tl.constexpr,
-                      PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
-    unit = tl.program_id(0)  # (row, KV head, split), as the stack deals them
-    splits_kv = num_splits * KV_HEADS
-    rows, live = _unit_cache_rows(unit // splits_kv, (unit // num_splits) % KV_HEADS,
-                                  unit % num_splits, bt_ptr, ctx_ptr, stride_bt, num_splits,
-                                  KV_HEADS, PAGE, BLOCK_N)
-    offs = tl.arange(0, KV_PIECES)
-    tl.store(out_ptr + unit * KV_PIECES + offs, tl.where(live, rows, -1))
-
-
-@given(contexts=st.lists(st.integers(1, 200), min_size=1, max_size=2),
-       splits=st.integers(1, 12), page=st.sampled_from([4, 16]),
-       block_n=st.sampled_from([16, 64]))
-def test_kv_prefetch_asks_for_each_cached_row_of_its_units_once(device, contexts, splits, page,
-                                                                block_n):
-    """The rows kv_prefetch asks for: over a (row, KV head)'s splits, every cached token's row
-    of that head exactly once, the new token's none, each split a run of consecutive tokens
-    (slots from make_batch's own block-table arithmetic, an independent account; a split here
-    is at most KV_PIECES tokens, all of which it asks for)."""
-    kv_heads = 2
-    tables, at = [], 0
-    for c in contexts:
-        n = -(-c // page)
-        tables.append(list(range(at + n - 1, at - 1, -1)))  # pages out of order
-        at += n
-    step = make_batch([SeqChunk([5], c - 1, t) for c, t in zip(contexts, tables)],
-                      block_size=page, device=device)
-    units = len(contexts) * kv_heads * splits
-    out = torch.full((units, int(KV_PIECES)), -2, dtype=torch.int64, device=device)
-    _unit_rows_kernel[(units,)](out, step.block_tables, step.context_lens,
-                                step.block_tables.stride(0), splits, kv_heads, page, block_n)
-    got = out.cpu().reshape(len(contexts), kv_heads, splits, -1)
-    for b, (c, table) in enumerate(zip(contexts, tables)):
-        cached = make_batch([SeqChunk(list(range(c - 1)), 0, table)], block_size=page,
-                            device="cpu").slot_mapping.tolist() if c > 1 else []
-        for kvh in range(kv_heads):
-            rows = got[b, kvh]
-            live = rows[rows >= 0].tolist()
-            assert sorted(live) == sorted(s * kv_heads + kvh for s in cached)
-            for split_rows in rows:
-                run = [cached.index((r - kvh) // kv_heads) for r in split_rows.tolist() if r >= 0]
-                assert run == list(range(run[0], run[0] + len(run))) if run else True
-
-
-def test_kv_prefetch_changes_no_value_or_is_refused(device):
-    """kv_prefetch only asks for cache lines: on an sm_90+ GPU the outputs and caches are the
-    run without it, bit for bit, with the other loads' flags too; elsewhere it is refused."""
-    config, lp, x, residual, cos, sin, k_cache, v_cache, batch = layer_case(
-        device, torch.float16, [70, 9], False)
-    table = layer_table([lp] * 3, [k_cache] * 3, [v_cache] * 3)
-    run = dict(config=config, dtype=x.dtype)
-    if not runs_ptx(device) or cuda_capability(device) < (9, 0):
-        with pytest.raises(ValueError, match="kv_prefetch needs"):
-            decode_stack(table, x, residual, cos, sin, k_cache, batch, kv_prefetch=True, **run)
-        return
-    k_want, k_got = k_cache.clone(), k_cache.clone()
-    table_want = layer_table([lp] * 3, [k_want] * 3, [v_cache] * 3)
-    table_got = layer_table([lp] * 3, [k_got] * 3, [v_cache] * 3)
-    want = decode_stack(table_want, x, residual, cos, sin, k_want, batch, **run)
-    for loads in (dict(kv_prefetch=True), LOADS_OFF | dict(kv_prefetch=True)):
-        got = decode_stack(table_got, x, residual, cos, sin, k_got, batch, **loads, **run)
-        assert all(torch.equal(a, b) for a, b in zip(got, want)), loads
-        assert torch.equal(k_got, k_want)
-
-
 def three_layer_case(device, dtype, contexts, copies):
     """A 3-layer model, `copies` caches each holding the same prefill of every sequence but its
     last token, the decode step of those last tokens, and the step's logits from the functional
@@ -256,7 +187,7 @@ def test_persistent_layers_give_the_forward_logits(device, dtype, contexts):
 
 
 LOADS = {"off": LOADS_OFF, "default": {}} | {
-    flag: LOADS_OFF | {flag: True} for flag in LOADS_OFF if flag != "kv_prefetch"} | {
+    flag: LOADS_OFF | {flag: True} for flag in LOADS_OFF} | {
     "default+down_early": dict(down_early=True)}
 
 

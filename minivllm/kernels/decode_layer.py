@@ -69,10 +69,8 @@ BLOCK_K = 1024  # GEMV columns a load, at least (fewer only where a weight has f
 # (BENCHMARKS.md session 17); qkv and gate/up (32 rows x 1024) already did.
 CHUNK_WEIGHTS = 32768
 SPLIT_TOKENS = 64  # attention: tokens a split, about (the single stream's contexts are ~600)
-KV_PIECES = tl.constexpr(256)  # kv_prefetch: a unit's first tokens asked for (one a thread)
 # decode_stack's weight-load placement flags, every one off (its defaults turn three on)
-LOADS_OFF = dict(prefetch_next=False, gate_up_early=False, down_early=False, arrive_first=False,
-                 kv_prefetch=False)
+LOADS_OFF = dict(prefetch_next=False, gate_up_early=False, down_early=False, arrive_first=False)
 
 
 @triton.jit
@@ -116,53 +114,6 @@ def _grid_barrier(counter_ptr, target):
 def _arrive_if(ARRIVE: tl.constexpr, counter_ptr, stamp_ptr, TIMELINE: tl.constexpr):
     if ARRIVE:
         _grid_arrive(counter_ptr, stamp_ptr, TIMELINE)
-
-
-@triton.jit
-def _unit_cache_rows(b, kvh, split, bt_ptr, ctx_ptr, stride_bt, num_splits,
-                     KV_HEADS: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The cache rows ([slots * KV_HEADS, head_dim] view) of KV head kvh that attention unit
-    (b, kvh, split) reads, its first KV_PIECES tokens, and which of the KV_PIECES are live: the
-    split's token range as _decode_unit computes it, through the block table."""
-    prefix = tl.load(ctx_ptr + b) - 1
-    per_split = tl.cdiv(tl.cdiv(prefix, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, prefix)
-    tok = start + tl.arange(0, KV_PIECES)
-    live = tok < end
-    page = tl.load(bt_ptr + tl.cast(b, tl.int64) * stride_bt + tok // PAGE, mask=live, other=0)
-    return (page.to(tl.int64) * PAGE + tok % PAGE) * KV_HEADS + kvh, live
-
-
-@triton.jit
-def _prefetch_unit_kv_l2(b, kvh, split, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, stride_bt,
-                         num_splits, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Ask for the cached K and V rows that attention unit (b, kvh, split) will read (its first
-    KV_PIECES tokens; the range _decode_unit computes) to be brought into L2: one bulk prefetch
-    (cp.async.bulk.prefetch.L2, sm_90) of a token's head row a thread, no registers held."""
-    row, live = _unit_cache_rows(b, kvh, split, bt_ptr, ctx_ptr, stride_bt, num_splits,
-                                 KV_HEADS, PAGE, BLOCK_N)
-    size = tl.where(live, HEAD_DIM * k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8,
-                    0).to(tl.int32)
-    for which in tl.static_range(2):
-        cache_ptr = k_cache_ptr if which == 0 else v_cache_ptr
-        addr = (cache_ptr + row * HEAD_DIM).to(tl.pointer_type(tl.int8))
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
-            "mov.u32 $0, 0; }", "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_kv_l2(pid, programs, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, stride_bt,
-                    M: tl.constexpr, KV_HEADS: tl.constexpr, SPLITS: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """_prefetch_unit_kv_l2 for each attention unit program pid will run (its share of the
-    round robin over (row, KV head, split))."""
-    for unit in range(pid, M * KV_HEADS * SPLITS, programs):
-        _prefetch_unit_kv_l2(unit // (SPLITS * KV_HEADS), (unit // SPLITS) % KV_HEADS,
-                             unit % SPLITS, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr,
-                             stride_bt, SPLITS, KV_HEADS, HEAD_DIM, PAGE, BLOCK_N)
 
 
 @triton.jit
@@ -278,9 +229,8 @@ def _silu_mul(g, u, dt: tl.constexpr):
 
 @triton.jit
 def _layer_phases(
-        pid, programs, base, w_qkv_first, next_qkv_ptr, next_k_cache_ptr, next_v_cache_ptr,
-        counter_ptr, stamp_ptr, x_ptr, res_ptr, res1_ptr, res2_ptr, qkv_ptr, part_out_ptr,
-        part_lse_ptr, attn_ptr, y_ptr, act_ptr, out_ptr,
+        pid, programs, base, w_qkv_first, next_qkv_ptr, counter_ptr, stamp_ptr, x_ptr, res_ptr,
+        res1_ptr, res2_ptr, qkv_ptr, part_out_ptr, part_lse_ptr, attn_ptr, y_ptr, act_ptr, out_ptr,
         in_norm_ptr, w_qkv_ptr, q_norm_ptr, k_norm_ptr, w_o_ptr, post_norm_ptr, w_gu_ptr,
         w_down_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, slot_ptr, cos_ptr, sin_ptr,
         eps, scale_log2, stride_bt, stride_rope,
@@ -293,8 +243,7 @@ def _layer_phases(
         BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, HAS_RES: tl.constexpr,
         PRECISION: tl.constexpr, F16_DOTS: tl.constexpr, FP8_CACHE: tl.constexpr,
         PTX_WIDEN: tl.constexpr, PREFETCH_NEXT: tl.constexpr, GATE_UP_EARLY: tl.constexpr,
-        DOWN_EARLY: tl.constexpr, ARRIVE_FIRST: tl.constexpr, KV_PREFETCH: tl.constexpr,
-        TIMELINE: tl.constexpr, PHASE: tl.constexpr):
+        DOWN_EARLY: tl.constexpr, ARRIVE_FIRST: tl.constexpr, TIMELINE: tl.constexpr, PHASE: tl.constexpr):
     """One layer, as program pid of `programs`. PHASE -1: every phase, the k-th grid barrier
     after it waiting for base + k * programs arrivals; 0-5: that phase only. PREFETCH_NEXT (with
     PHASE -1): w_qkv_first is this layer's first qkv weight chunk, loaded by the caller, and the
@@ -412,9 +361,6 @@ def _layer_phases(
         _arrive_if(ARRIVE_FIRST, counter_ptr, stamp_ptr + 10 * programs, TIMELINE)
         if PREFETCH_NEXT:
             w_next = _weight_chunk(next_qkv_ptr, pid * R_QKV, 0, R_QKV, QKV, H, BN_QKV, BK_H)
-        if KV_PREFETCH:  # the next layer's cache rows into L2 while the DRAM idles
-            _prefetch_kv_l2(pid, programs, next_k_cache_ptr, next_v_cache_ptr, bt_ptr, ctx_ptr,
-                            stride_bt, M, KV_HEADS, SPLITS, HEAD_DIM, PAGE, BLOCK_N)
         _arrive_if(not ARRIVE_FIRST, counter_ptr, stamp_ptr + 10 * programs, TIMELINE)
         _grid_wait(counter_ptr, base + 6 * programs, stamp_ptr + 10 * programs, programs,
                    TIMELINE)
@@ -435,8 +381,7 @@ def _decode_stack_kernel(
         BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
         PRECISION: tl.constexpr, F16_DOTS: tl.constexpr, FP8_CACHE: tl.constexpr,
         PTX_WIDEN: tl.constexpr, PREFETCH_NEXT: tl.constexpr, GATE_UP_EARLY: tl.constexpr,
-        DOWN_EARLY: tl.constexpr, ARRIVE_FIRST: tl.constexpr, KV_PREFETCH: tl.constexpr,
-        TIMELINE: tl.constexpr, PHASE: tl.constexpr):
+        DOWN_EARLY: tl.constexpr, ARRIVE_FIRST: tl.constexpr, TIMELINE: tl.constexpr, PHASE: tl.constexpr):
     """Layers [first_layer, first_layer + num_layers) in one launch. table_ptr: [layers,
     TABLE_COLUMNS] int64 addresses (layer_table). Layer l reads slot (l + 1) % 2 of outs / res2s
     ([2, M, H] each: its input and the residual stream) and writes slot l % 2. PREFETCH_NEXT:
@@ -459,11 +404,6 @@ def _decode_stack_kernel(
     if PREFETCH_NEXT and (PHASE == -1):
         w_first = _weight_chunk(_table_ptr(table_ptr + first_layer * TABLE_COLUMNS, 1, w_ty),
                                 pid * R_QKV, 0, R_QKV, QKV, H, BN_QKV, BK_H)
-    if KV_PREFETCH and (PHASE == -1):  # each later layer's: during the layer before
-        first_row = table_ptr + first_layer * TABLE_COLUMNS
-        _prefetch_kv_l2(pid, programs, _table_ptr(first_row, 8, c_ty),
-                        _table_ptr(first_row, 9, c_ty), bt_ptr, ctx_ptr, stride_bt, M, KV_HEADS,
-                        SPLITS, HEAD_DIM, PAGE, BLOCK_N)
     for layer in range(first_layer, first_layer + num_layers):
         row = table_ptr + layer * TABLE_COLUMNS
         next_row = table_ptr + tl.minimum(layer + 1, last) * TABLE_COLUMNS
@@ -471,8 +411,7 @@ def _decode_stack_kernel(
         write = (layer % 2) * (M * H)
         w_first = _layer_phases(
             pid, programs, base + (layer - first_layer) * LAYER_PHASES * programs, w_first,
-            _table_ptr(next_row, 1, w_ty), _table_ptr(next_row, 8, c_ty),
-            _table_ptr(next_row, 9, c_ty), counter_ptr,
+            _table_ptr(next_row, 1, w_ty), counter_ptr,
             timeline_ptr + (1 + (layer - first_layer) * 2 * LAYER_PHASES) * programs + pid,
             outs_ptr + read, res2s_ptr + read, res1_ptr, res2s_ptr + write, qkv_ptr,
             part_out_ptr, part_lse_ptr, attn_ptr, y_ptr, act_ptr, outs_ptr + write,
@@ -483,7 +422,7 @@ def _decode_stack_kernel(
             scale_log2, stride_bt, stride_rope, M, H, INTER, HEADS, KV_HEADS, HEAD_DIM, SPLITS,
             PAGE, BLOCK_N, BK_H, BK_ATT, BK_I, R_QKV, BN_QKV, R_H, BN_H, R_I, BN_I, BLOCK_H,
             BLOCK_D, BLOCK_G, BLOCK_S, True, PRECISION, F16_DOTS, FP8_CACHE, PTX_WIDEN,
-            PREFETCH_NEXT, GATE_UP_EARLY, DOWN_EARLY, ARRIVE_FIRST, KV_PREFETCH, TIMELINE, PHASE)
+            PREFETCH_NEXT, GATE_UP_EARLY, DOWN_EARLY, ARRIVE_FIRST, TIMELINE, PHASE)
 
 
 @triton.jit
@@ -526,8 +465,7 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
                  phase_by_phase: bool | None = None, num_warps: int = 8,
                  block_k: int | None = None, prefetch_next: bool = True,
                  gate_up_early: bool = True, down_early: bool = False,
-                 arrive_first: bool = True, kv_prefetch: bool = False,
-                 timeline: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 arrive_first: bool = True, timeline: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder layers of `table` (layer_table) for a decode batch of M <= MAX_ROWS rows on
     one GPU, as one persistent launch (phase_by_phase: one launch per layer and phase; the
     default under the CPU interpreter). x, residual: [M, hidden] (the stem's, or a layer's
@@ -543,10 +481,8 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
     gate/up's (more registers held across a phase). arrive_first: each program arrives at a
     grid barrier before it issues the next phase's weight loads, and waits after (the loads'
     issue overlaps the barrier instead of delaying the arrival; the weights never depend on the
-    other programs' writes). kv_prefetch (off; sm_90+): the cache rows each program's attention
-    units will read are asked into L2 (bulk prefetches) as the layer before ends, where the DRAM
-    idles; it measured slower (30.6 against 28.2 us a layer, session 18): attention did not
-    shorten and the prefetching phase lengthened. timeline: for the probe,
+    other programs' writes). (Asking for the next layer's cache rows into L2 as a layer ends
+    measured slower, 30.6 against 28.2 us a layer, session 18; branch early-loads.) timeline: for the probe,
     [1 + layers * 2 * PHASES, programs] int64 on the GPU (single launch only): row 0 gets each
     program's start time (ns, %globaltimer), row 1 + 2 * (layer * PHASES + k) the time it
     arrived at the barrier after phase k of that layer, the row after it when it left."""
@@ -564,9 +500,6 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
     programs = programs or num_sms(dev)
     if phase_by_phase is None:
         phase_by_phase = not runs_ptx(dev)
-    if kv_prefetch and (phase_by_phase or not runs_ptx(dev) or cuda_capability(dev) < (9, 0)):
-        raise ValueError(f"kv_prefetch needs the single launch on a CUDA GPU of compute "
-                         f"capability 9.0 or later (cp.async.bulk.prefetch.L2), got {dev}")
     if timeline is not None:
         want = (1 + table.shape[0] * 2 * PHASES, programs)
         if phase_by_phase or not runs_ptx(dev):
@@ -609,7 +542,7 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
         PRECISION=dot_precision(torch.float16 if f16_dots else dt), F16_DOTS=f16_dots,
         FP8_CACHE=fp8, PTX_WIDEN=int(fp8 and f16_dots and cuda_capability(dev) >= (8, 9)),
         PREFETCH_NEXT=prefetch_next, GATE_UP_EARLY=gate_up_early, DOWN_EARLY=down_early,
-        ARRIVE_FIRST=arrive_first, KV_PREFETCH=kv_prefetch, TIMELINE=timeline is not None)
+        ARRIVE_FIRST=arrive_first, TIMELINE=timeline is not None)
     args = (counter, counter if timeline is None else timeline, outs, res2s, res1, qkv,
             part_out, part_lse, attn, y, act, k_cache0,
             batch.block_tables, batch.context_lens, batch.slot_mapping, cos, sin,
