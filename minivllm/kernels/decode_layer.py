@@ -243,7 +243,8 @@ def _layer_phases(
         BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, HAS_RES: tl.constexpr,
         PRECISION: tl.constexpr, F16_DOTS: tl.constexpr, FP8_CACHE: tl.constexpr,
         PTX_WIDEN: tl.constexpr, PREFETCH_NEXT: tl.constexpr, GATE_UP_EARLY: tl.constexpr,
-        DOWN_EARLY: tl.constexpr, ARRIVE_FIRST: tl.constexpr, TIMELINE: tl.constexpr, PHASE: tl.constexpr):
+        DOWN_EARLY: tl.constexpr, ARRIVE_FIRST: tl.constexpr, TIMELINE: tl.constexpr,
+        PHASE: tl.constexpr):
     """One layer, as program pid of `programs`. PHASE -1: every phase, the k-th grid barrier
     after it waiting for base + k * programs arrivals; 0-5: that phase only. PREFETCH_NEXT (with
     PHASE -1): w_qkv_first is this layer's first qkv weight chunk, loaded by the caller, and the
@@ -381,7 +382,8 @@ def _decode_stack_kernel(
         BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
         PRECISION: tl.constexpr, F16_DOTS: tl.constexpr, FP8_CACHE: tl.constexpr,
         PTX_WIDEN: tl.constexpr, PREFETCH_NEXT: tl.constexpr, GATE_UP_EARLY: tl.constexpr,
-        DOWN_EARLY: tl.constexpr, ARRIVE_FIRST: tl.constexpr, TIMELINE: tl.constexpr, PHASE: tl.constexpr):
+        DOWN_EARLY: tl.constexpr, ARRIVE_FIRST: tl.constexpr, TIMELINE: tl.constexpr,
+        PHASE: tl.constexpr):
     """Layers [first_layer, first_layer + num_layers) in one launch. table_ptr: [layers,
     TABLE_COLUMNS] int64 addresses (layer_table). Layer l reads slot (l + 1) % 2 of outs / res2s
     ([2, M, H] each: its input and the residual stream) and writes slot l % 2. PREFETCH_NEXT:
@@ -465,7 +467,8 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
                  phase_by_phase: bool | None = None, num_warps: int = 8,
                  block_k: int | None = None, prefetch_next: bool = True,
                  gate_up_early: bool = True, down_early: bool = False,
-                 arrive_first: bool = True, timeline: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 arrive_first: bool = True, timeline: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder layers of `table` (layer_table) for a decode batch of M <= MAX_ROWS rows on
     one GPU, as one persistent launch (phase_by_phase: one launch per layer and phase; the
     default under the CPU interpreter). x, residual: [M, hidden] (the stem's, or a layer's
@@ -482,10 +485,11 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
     grid barrier before it issues the next phase's weight loads, and waits after (the loads'
     issue overlaps the barrier instead of delaying the arrival; the weights never depend on the
     other programs' writes). (Asking for the next layer's cache rows into L2 as a layer ends
-    measured slower, 30.6 against 28.2 us a layer, session 18; branch early-loads.) timeline: for the probe,
-    [1 + layers * 2 * PHASES, programs] int64 on the GPU (single launch only): row 0 gets each
-    program's start time (ns, %globaltimer), row 1 + 2 * (layer * PHASES + k) the time it
-    arrived at the barrier after phase k of that layer, the row after it when it left."""
+    measured slower, 30.6 against 28.2 us a layer, session 18; branch early-loads.) timeline:
+    for the probe, [1 + layers * 2 * PHASES, programs] int64 on the GPU (single launch only):
+    row 0 gets each program's start time (ns, %globaltimer), row 1 + 2 * (layer * PHASES + k)
+    the time it arrived at the barrier after phase k of that layer, the row after it when it
+    left."""
     m, hidden = x.shape
     if not batch.is_decode or m > MAX_ROWS or m != batch.context_lens.shape[0]:
         raise ValueError(f"the persistent decode layers take a decode batch of at most "
