@@ -15,23 +15,23 @@ layer_table):
   4  y + residual, its RMSNorm, gate and up for this program's intermediate columns, SiLU * up
   5  this program's down rows
 
-Each GEMV's first weight chunk is loaded before the barrier ahead of its phase; at the 0.6B
-shape every GEMV's row block is one chunk (chunk_columns). On the H200 (BENCHMARKS.md sessions
-16-17, benchmarks/decode_layer_probe.py) the stack runs 28.4-28.5 us a layer at one row and a
-600-token context (29.5 with 1024-column chunks), and the engine's single stream 1,107-1,142
-tok/s against 905-910 with the compiled layers (session 16). The phases launched one by one
-take, by the profiler (session 16, 1024-column chunks): qkv 5.1, attention 5.6, merge 2.8,
-o_proj 3.5, gate/up 6.9, down 4.6 us; the GEMVs stream at 1.2-1.8 TB/s, under the copy rate.
-Inside the single launch (session 17, decode_stack's timeline: %globaltimer at every barrier)
-a layer's 27.7 us span as: qkv 5.3, attention 5.3, merge 3.7 (16 programs merge, the slowest
-2.9 us), o_proj 5.7 (the phase also issues gate/up's weight loads, 96 KB a program),
-gate/up 5.9, down 1.8; each barrier 0.6-0.9 us from the last arrival to the median departure.
-Loading the next layer's first qkv chunk during the layer before (prefetch_next) measured 0.3 us
-a layer slower in both runs (30.0 / 29.7, 29.7 / 29.4): off by default. Measured slower too and
-left out (session 17, branch l2-stack): bulk L2 prefetches of the later phases' weights as
-attention starts (+5.4 us a layer), the last split merging its heads in place of the merge phase
-(+2.1), and barriers that poll with acquire loads or per-program flags (1.50 and 1.38 us a
-barrier against the atomic counter's 1.07).
+Each GEMV's weights are loaded before the barrier ahead of its phase, after the program arrives
+there (arrive_first), so that the loads' issue overlaps the wait; gate/up's already during the
+merge, where the DRAM idles (gate_up_early), and the next layer's qkv during down
+(prefetch_next). At the 0.6B shape every GEMV's row block is one load (chunk_columns). On the
+H200 (BENCHMARKS.md sessions 16-18, benchmarks/decode_layer_probe.py) the stack runs 25.2-25.4
+us a layer at one row and a 600-token context (28.0-28.2 with the three placements off), 33.0 at
+two rows (38.0), and the engine's single stream 1,195-1,216 tok/s against 905-910 with the
+compiled layers. Inside the single launch (decode_stack's timeline: %globaltimer at every
+barrier) a layer's 24.5 us span as: qkv 3.1, attention 5.4, merge 5.2 (16 programs merge, the
+slowest 3.5 us), o_proj 2.2, gate/up 5.6, down 3.0. From the last arrival to the median
+departure a barrier takes 0.7 us, or 1.0-2.0 where the programs issue loads after arriving (the
+departure follows the issue: gate/up's 12.6 MB after the merge, the next qkv's 8.4 MB after
+down).
+Measured slower and left out: L2 prefetches of the later phases' weights (+5.4 us a layer) or
+of the next layer's cache rows (+2.4), the last split merging its heads in place of the merge
+phase (+2.1), and barriers that poll with acquire loads or per-program flags (1.50 and 1.38 us
+a barrier against the atomic counter's 1.07); sessions 17-18.
 Values are rounded to the activation dtype wherever functional.layer.decoder_layer rounds them.
 
 On the CPU, Triton's interpreter runs programs one after another, so a spin barrier among several
