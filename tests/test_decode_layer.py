@@ -147,10 +147,11 @@ def test_stack_timeline_records_each_barrier_or_is_refused(device):
     assert (departures.min(dim=1).values >= arrivals.max(dim=1).values).all()
 
 
-def three_layer_case(device, dtype, contexts, copies):
-    """A 3-layer model, `copies` caches each holding the same prefill of every sequence but its
-    last token, the decode step of those last tokens, and the step's logits from the functional
-    forward over a further copy."""
+def three_layer_case(device, dtype, contexts):
+    """A 3-layer model, two caches each holding the same prefill of every sequence but its last
+    token, and the decode step of those last tokens. The functional forward runs the step over
+    the first cache. Returns (config, params, backend, the second cache, step, its logits, the
+    first cache as the step left it)."""
     config = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=3,
                          num_heads=4, num_kv_heads=2, head_dim=16, dtype=dtype)
     params = minivllm.random_params(config, seed=1, std=0.2, device=device)
@@ -159,7 +160,7 @@ def three_layer_case(device, dtype, contexts, copies):
     tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(contexts))]
     prompts = [torch.randint(0, 64, (c - 1,), generator=g).tolist() for c in contexts]
     caches = []
-    for _ in range(copies + 1):
+    for _ in range(2):
         cache = minivllm.init_cache(params, num_blocks=8 * len(contexts), block_size=page)
         prefill = make_batch([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)],
                              block_size=page, device=device)
@@ -168,7 +169,7 @@ def three_layer_case(device, dtype, contexts, copies):
     step = make_batch([SeqChunk([5], c - 1, t) for c, t in zip(contexts, tables)],
                       block_size=page, device=device)
     want, _ = minivllm.forward(params, caches[0], step, backend)
-    return config, params, backend, caches[1:], step, want, caches[0]
+    return config, params, backend, caches[1], step, want, caches[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -177,8 +178,8 @@ def test_persistent_layers_give_the_forward_logits(device, dtype, contexts):
     """with_persistent_layers(forward, ...): every layer of a 3-layer model through decode_stack
     (one launch on a GPU; ping-pong buffers between layers), the logits and the cache the
     functional layers give. The cache's earlier tokens come from a prefill."""
-    config, params, backend, (cache,), step, want, cache_want = three_layer_case(
-        device, dtype, contexts, 1)
+    config, params, backend, cache, step, want, cache_want = three_layer_case(
+        device, dtype, contexts)
     got, _ = with_persistent_layers(minivllm.forward, params, cache)(params, cache, step, backend)
     assert rel(got, want) <= TOL[dtype]
     # Each layer's K/V (a later layer's from inputs that already differ by rounding: a norm)
@@ -197,7 +198,7 @@ def test_every_weight_load_placement_gives_the_forward_logits(device, dtype, loa
     """Every layer in one launch of one program (the CPU can pass its barriers), with each
     phase's weights loaded where decode_stack's flags put them: the functional forward's
     logits."""
-    config, params, _, (cache,), step, want, _ = three_layer_case(device, dtype, [11, 3], 1)
+    config, params, _, cache, step, want, _ = three_layer_case(device, dtype, [11, 3])
     x, residual, cos, sin = minivllm.functional.model.stem(params, step)
     table = layer_table(params.layers, cache.k, cache.v)
     out, res = decode_stack(table, x, residual, cos, sin, cache.k[0], step, config=config,

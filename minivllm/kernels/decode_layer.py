@@ -228,6 +228,14 @@ def _silu_mul(g, u, dt: tl.constexpr):
 
 
 @triton.jit
+def _gate_up_rows(w_gate_ptr, w_up_ptr, pid, H: tl.constexpr, INTER: tl.constexpr,
+                  R_I: tl.constexpr, BN_I: tl.constexpr, BK_H: tl.constexpr):
+    """Program pid's first gate and up weight chunks (its R_I intermediate rows of each)."""
+    return (_weight_chunk(w_gate_ptr, pid * R_I, 0, R_I, INTER, H, BN_I, BK_H),
+            _weight_chunk(w_up_ptr, pid * R_I, 0, R_I, INTER, H, BN_I, BK_H))
+
+
+@triton.jit
 def _layer_phases(
         pid, programs, base, w_qkv_first, next_qkv_ptr, counter_ptr, stamp_ptr, x_ptr, res_ptr,
         res1_ptr, res2_ptr, qkv_ptr, part_out_ptr, part_lse_ptr, attn_ptr, y_ptr, act_ptr, out_ptr,
@@ -305,8 +313,7 @@ def _layer_phases(
         _arrive_if(ARRIVE_FIRST, counter_ptr, stamp_ptr + 4 * programs, TIMELINE)
         w = _weight_chunk(w_o_ptr, pid * R_H, 0, R_H, H, ATT, BN_H, BK_ATT)
         if GATE_UP_EARLY:  # the DRAM and all but the merging programs are idle here
-            w_gate = _weight_chunk(w_gu_ptr, pid * R_I, 0, R_I, INTER, H, BN_I, BK_H)
-            w_up = _weight_chunk(w_up_ptr, pid * R_I, 0, R_I, INTER, H, BN_I, BK_H)
+            w_gate, w_up = _gate_up_rows(w_gu_ptr, w_up_ptr, pid, H, INTER, R_I, BN_I, BK_H)
         _arrive_if(not ARRIVE_FIRST, counter_ptr, stamp_ptr + 4 * programs, TIMELINE)
         _grid_wait(counter_ptr, base + 3 * programs, stamp_ptr + 4 * programs, programs,
                    TIMELINE)
@@ -320,8 +327,7 @@ def _layer_phases(
         if GATE_UP_EARLY:
             w = w_gate
         else:
-            w = _weight_chunk(w_gu_ptr, pid * R_I, 0, R_I, INTER, H, BN_I, BK_H)
-            w_up = _weight_chunk(w_up_ptr, pid * R_I, 0, R_I, INTER, H, BN_I, BK_H)
+            w, w_up = _gate_up_rows(w_gu_ptr, w_up_ptr, pid, H, INTER, R_I, BN_I, BK_H)
         if DOWN_EARLY:
             w_down = _weight_chunk(w_down_ptr, pid * R_H, 0, R_H, H, INTER, BN_H, BK_I)
         _arrive_if(not ARRIVE_FIRST, counter_ptr, stamp_ptr + 6 * programs, TIMELINE)
@@ -330,8 +336,7 @@ def _layer_phases(
 
     if (PHASE == -1) or (PHASE == 4):  # the residual stream again, its norm, gate * up
         if PHASE == 4:
-            w = _weight_chunk(w_gu_ptr, pid * R_I, 0, R_I, INTER, H, BN_I, BK_H)
-            w_up = _weight_chunk(w_up_ptr, pid * R_I, 0, R_I, INTER, H, BN_I, BK_H)
+            w, w_up = _gate_up_rows(w_gu_ptr, w_up_ptr, pid, H, INTER, R_I, BN_I, BK_H)
         _store_sum(res2_ptr, y_ptr, res1_ptr, pid * R_H, R_H, H, M, BN_H, True)
         rms0 = _row_rms(y_ptr, res1_ptr, H, eps, BLOCK_H, True)
         rms1 = rms0
