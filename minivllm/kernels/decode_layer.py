@@ -507,7 +507,7 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
                  phase_by_phase: bool | None = None, num_warps: int = 8,
                  block_k: int | None = None, prefetch_next: bool = True,
                  gate_up_early: bool = True, down_early: bool = False,
-                 arrive_first: bool = True, kv_early: bool = False,
+                 arrive_first: bool = True, kv_early: bool | None = None,
                  timeline: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder layers of `table` (layer_table) for a decode batch of M <= MAX_ROWS rows on
     one GPU, as one persistent launch (phase_by_phase: one launch per layer and phase; the
@@ -525,10 +525,11 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
     grid barrier before it issues the next phase's weight loads, and waits after (the loads'
     issue overlaps the barrier instead of delaying the arrival; the weights never depend on the
     other programs' writes). (Asking for the next layer's cache rows into L2 as a layer ends
-    measured slower, 30.6 against 28.2 us a layer, session 18; branch early-loads.) kv_early:
-    each program loads the first tile of its first attention unit's cached K/V into registers
-    after it arrives at the barrier before attention, so that attention's cache reads wait on
-    neither the q/k/v loads, nor the new token's store, nor the DRAM. timeline: for the probe,
+    measured slower, 30.6 against 28.2 us a layer, session 18; branch early-loads.) kv_early
+    (None: at 1 row; at 2 it spills and measured 8% slower, session 18): each program loads the
+    first tile of its first attention unit's cached K/V into registers after it arrives at the
+    barrier before attention, so that attention's cache reads wait on neither the q/k/v loads,
+    nor the new token's store, nor the DRAM. timeline: for the probe,
     [1 + layers * 2 * PHASES, programs] int64 on the GPU (single launch only): row 0 gets each
     program's start time (ns, %globaltimer), row 1 + 2 * (layer * PHASES + k) the time it
     arrived at the barrier after phase k of that layer, the row after it when it left."""
@@ -546,6 +547,8 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
     programs = programs or num_sms(dev)
     if phase_by_phase is None:
         phase_by_phase = not runs_ptx(dev)
+    if kv_early is None:
+        kv_early = m == 1
     if timeline is not None:
         want = (1 + table.shape[0] * 2 * PHASES, programs)
         if phase_by_phase or not runs_ptx(dev):
