@@ -125,9 +125,9 @@ def main() -> int:
     return 0
 
 
-# decode_stack's load placements by name: "off", "default", "default+<flag>" (the defaults and
-# that flag), or flags joined by "+" (each on, the others off)
-LOADS = {"off": LOADS_OFF, "default": {}} | {
+# decode_stack's load placements by name: "off", "default", "default+<flag>" / "default-<flag>"
+# (the defaults with that flag on / off), or flags joined by "+" (each on, the others off)
+LOADS = {"off": LOADS_OFF, "default": {}, "default-kv_early": dict(kv_early=False)} | {
     f"default+{flag}": {flag: True} for flag in ("down_early", "kv_early")} | {
     "+".join(flags): LOADS_OFF | dict.fromkeys(flags, True) for flags in (
         ("gate_up_early",), ("down_early",), ("prefetch_next",), ("arrive_first",),
