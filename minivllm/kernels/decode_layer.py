@@ -410,9 +410,10 @@ def _layer_phases(
 
 @triton.jit
 def _decode_stack_kernel(
-        table_ptr, first_layer, num_layers, counter_ptr, timeline_ptr, outs_ptr, res2s_ptr,
-        res1_ptr, qkv_ptr, part_out_ptr, part_lse_ptr, attn_ptr, y_ptr, act_ptr, k_cache0_ptr,
-        bt_ptr, ctx_ptr, slot_ptr, cos_ptr, sin_ptr, eps, scale_log2, stride_bt, stride_rope,
+        table_ptr, first_layer, num_layers, counter_ptr, timeline_ptr, x_ptr, residual_ptr,
+        outs_ptr, res2s_ptr, res1_ptr, qkv_ptr, part_out_ptr, part_lse_ptr, attn_ptr, y_ptr,
+        act_ptr, k_cache0_ptr, bt_ptr, ctx_ptr, slot_ptr, cos_ptr, sin_ptr, eps, scale_log2,
+        stride_bt, stride_rope,
         M: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, HEADS: tl.constexpr,
         KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BK_H: tl.constexpr, BK_ATT: tl.constexpr,
@@ -425,8 +426,9 @@ def _decode_stack_kernel(
         DOWN_EARLY: tl.constexpr, ARRIVE_FIRST: tl.constexpr, KV_EARLY: tl.constexpr,
         TIMELINE: tl.constexpr, PHASE: tl.constexpr):
     """Layers [first_layer, first_layer + num_layers) in one launch. table_ptr: [layers,
-    TABLE_COLUMNS] int64 addresses (layer_table). Layer l reads slot (l + 1) % 2 of outs / res2s
-    ([2, M, H] each: its input and the residual stream) and writes slot l % 2. PREFETCH_NEXT:
+    TABLE_COLUMNS] int64 addresses (layer_table). Layer 0 reads x and residual ([M, H] each);
+    a later layer l reads slot (l + 1) % 2 of outs / res2s ([2, M, H] each: its input and the
+    residual stream); layer l writes slot l % 2. PREFETCH_NEXT:
     each layer's first qkv weight chunk is loaded before the barrier that ends the layer before
     it (see _layer_phases). TIMELINE (PHASE -1): timeline_ptr, [1 + num_layers * 2 * PHASES,
     programs] int64, gets each program's start time, then each barrier's arrival and departure
@@ -451,11 +453,14 @@ def _decode_stack_kernel(
         next_row = table_ptr + tl.minimum(layer + 1, last) * TABLE_COLUMNS
         read = ((layer + 1) % 2) * (M * H)
         write = (layer % 2) * (M * H)
+        # layer 0 reads the stack's inputs where they are (no copy into slot 1 before the launch)
+        x_in = tl.where(layer == 0, x_ptr, outs_ptr + read)
+        residual_in = tl.where(layer == 0, residual_ptr, res2s_ptr + read)
         w_first = _layer_phases(
             pid, programs, base + (layer - first_layer) * LAYER_PHASES * programs, w_first,
             _table_ptr(next_row, 1, w_ty), counter_ptr,
             timeline_ptr + (1 + (layer - first_layer) * 2 * LAYER_PHASES) * programs + pid,
-            outs_ptr + read, res2s_ptr + read, res1_ptr, res2s_ptr + write, qkv_ptr,
+            x_in, residual_in, res1_ptr, res2s_ptr + write, qkv_ptr,
             part_out_ptr, part_lse_ptr, attn_ptr, y_ptr, act_ptr, outs_ptr + write,
             _table_ptr(row, 0, w_ty), _table_ptr(row, 1, w_ty), _table_ptr(row, 2, w_ty),
             _table_ptr(row, 3, w_ty), _table_ptr(row, 4, w_ty), _table_ptr(row, 5, w_ty),
@@ -508,6 +513,7 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
                  block_k: int | None = None, prefetch_next: bool = True,
                  gate_up_early: bool = True, down_early: bool = False,
                  arrive_first: bool = True, kv_early: bool | None = None,
+                 counter: torch.Tensor | None = None,
                  timeline: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder layers of `table` (layer_table) for a decode batch of M <= MAX_ROWS rows on
     one GPU, as one persistent launch (phase_by_phase: one launch per layer and phase; the
@@ -529,10 +535,13 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
     (None: at 1 row; at 2 it spills and measured 8% slower, session 18): each program loads the
     first tile of its first attention unit's cached K/V into registers after it arrives at the
     barrier before attention, so that attention's cache reads wait on neither the q/k/v loads,
-    nor the new token's store, nor the DRAM. timeline: for the probe,
-    [1 + layers * 2 * PHASES, programs] int64 on the GPU (single launch only): row 0 gets each
-    program's start time (ns, %globaltimer), row 1 + 2 * (layer * PHASES + k) the time it
-    arrived at the barrier after phase k of that layer, the row after it when it left."""
+    nor the new token's store, nor the DRAM. counter: the grid barriers' int64 [1] arrival
+    counter, which only grows and which launches of this many programs may share
+    (with_persistent_layers keeps one, so that a step zeroes none); None: a new one. timeline:
+    for the probe, [1 + layers * 2 * PHASES, programs] int64 on the GPU (single launch only):
+    row 0 gets each program's start time (ns, %globaltimer), row 1 + 2 * (layer * PHASES + k)
+    the time it arrived at the barrier after phase k of that layer, the row after it when it
+    left."""
     m, hidden = x.shape
     if not batch.is_decode or m > MAX_ROWS or m != batch.context_lens.shape[0]:
         raise ValueError(f"the persistent decode layers take a decode batch of at most "
@@ -540,6 +549,14 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
     if hidden != config.hidden_size or residual.shape != x.shape:
         raise ValueError(f"x and residual must be [rows, {config.hidden_size}], got "
                          f"{tuple(x.shape)} and {tuple(residual.shape)}")
+    if x.dtype != dtype or residual.dtype != dtype or not x.is_contiguous() or \
+            not residual.is_contiguous():
+        raise ValueError(f"x and residual must be contiguous {dtype}, got {x.dtype} and "
+                         f"{residual.dtype}")
+    if counter is not None and (counter.shape != (1,) or counter.dtype != torch.int64 or
+                                counter.device != x.device):
+        raise ValueError(f"counter must be int64 [1] on {x.device}, got {counter.dtype} "
+                         f"{list(counter.shape)} on {counter.device}")
     dev, dt = x.device, dtype
     d, heads, kv_heads, inter = config.head_dim, config.num_heads, config.num_kv_heads, \
         config.intermediate_size
@@ -561,13 +578,12 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
     splits = max(1, min(MAX_SPLITS, -(-max_context // SPLIT_TOKENS), programs // (m * kv_heads)))
     empty = lambda *shape, dtype=dt: torch.empty(*shape, device=dev, dtype=dtype)  # noqa: E731
     outs, res2s = empty(2, m, hidden), empty(2, m, hidden)
-    outs[1].copy_(x)  # layer 0 reads slot 1
-    res2s[1].copy_(residual)
     res1, y = empty(m, hidden), empty(m, hidden)
     qkv, attn, act = empty(m, qkv_size), empty(m, heads * d), empty(m, inter)
     part_out = empty(m, heads, splits, d, dtype=torch.float32)
     part_lse = empty(m, heads, splits, dtype=torch.float32)
-    counter = torch.zeros(1, device=dev, dtype=torch.int32)
+    if counter is None:
+        counter = torch.zeros(1, device=dev, dtype=torch.int64)
     fp8 = k_cache0.dtype in FP8_DTYPES
     f16_dots = fp8 and dt.itemsize == 2
     rows = dict(R_QKV=-(-qkv_size // programs), R_H=-(-hidden // programs),
@@ -592,8 +608,8 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
         FP8_CACHE=fp8, PTX_WIDEN=int(fp8 and f16_dots and cuda_capability(dev) >= (8, 9)),
         PREFETCH_NEXT=prefetch_next, GATE_UP_EARLY=gate_up_early, DOWN_EARLY=down_early,
         ARRIVE_FIRST=arrive_first, KV_EARLY=kv_early, TIMELINE=timeline is not None)
-    args = (counter, counter if timeline is None else timeline, outs, res2s, res1, qkv,
-            part_out, part_lse, attn, y, act, k_cache0,
+    args = (counter, counter if timeline is None else timeline, x, residual, outs, res2s, res1,
+            qkv, part_out, part_lse, attn, y, act, k_cache0,
             batch.block_tables, batch.context_lens, batch.slot_mapping, cos, sin,
             float(config.rms_norm_eps), d ** -0.5 * LOG2E, batch.block_tables.stride(0),
             cos.stride(0))
@@ -627,18 +643,21 @@ def with_persistent_layers(forward_fn, params: Params, cache: KVCache):
     """forward_fn (functional.model.forward or a compiled one) with its layer stack run by
     persistent_layers over params' and cache's layer_table, built here once."""
     table = layer_table(params.layers, cache.k, cache.v)
-    return functools.partial(forward_fn, layers=functools.partial(persistent_layers, table=table))
+    counter = torch.zeros(1, device=table.device, dtype=torch.int64)
+    return functools.partial(forward_fn, layers=functools.partial(
+        persistent_layers, table=table, counter=counter))
 
 
 def persistent_layers(params: Params, cache: KVCache, batch: Batch, backend, x: torch.Tensor,
                       residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-                      table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                      table: torch.Tensor, counter: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """functional.model's layer stack: decode_stack over `table` (layer_table of params and
-    cache) for a decode batch of at most MAX_ROWS rows on one rank, the functional layers for
-    anything else (prefill, larger batches)."""
+    cache; counter: decode_stack's) for a decode batch of at most MAX_ROWS rows on one rank,
+    the functional layers for anything else (prefill, larger batches)."""
     from ..functional.model import _layers
 
     if batch.is_decode and batch.num_seqs <= MAX_ROWS and params.shard.world_size == 1:
         return decode_stack(table, x, residual, cos, sin, cache.k[0], batch,
-                            config=params.config, dtype=params.dtype)
+                            config=params.config, dtype=params.dtype, counter=counter)
     return _layers(params, cache, batch, backend, x, residual, cos, sin, decoder_layer)
