@@ -125,12 +125,13 @@ def main() -> int:
     return 0
 
 
-# decode_stack's load placements by name: "off", "default", "default+<flag>" (the defaults and
-# that flag), or flags joined by "+" (each on, the others off)
-LOADS = {"off": LOADS_OFF, "default": {}, "default+down_early": dict(down_early=True)} | {
+# decode_stack's load placements by name: "off", "default", "default+<flag>" / "default-<flag>"
+# (the defaults with that flag on / off), or flags joined by "+" (each on, the others off)
+LOADS = {"off": LOADS_OFF, "default": {}, "default-kv_early": dict(kv_early=False)} | {
+    f"default+{flag}": {flag: True} for flag in ("down_early", "kv_early")} | {
     "+".join(flags): LOADS_OFF | dict.fromkeys(flags, True) for flags in (
         ("gate_up_early",), ("down_early",), ("prefetch_next",), ("arrive_first",),
-        ("arrive_first", "gate_up_early"), ("arrive_first", "prefetch_next"))}
+        ("kv_early",), ("arrive_first", "gate_up_early"), ("arrive_first", "prefetch_next"))}
 PHASE_NAMES = ("norm + qkv", "attention", "merge", "o_proj", "norm + gate/up", "down")
 
 

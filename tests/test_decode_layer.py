@@ -13,7 +13,7 @@ from minivllm.kernels import select_backend
 from minivllm.kernels.decode_layer import (BLOCK_K, CHUNK_WEIGHTS, LOADS_OFF, MAX_ROWS,
                                            PHASES, chunk_columns, decode_layer,
                                            decode_stack, layer_table, with_persistent_layers)
-from minivllm.kernels.launch import runs_ptx, triton_usable
+from minivllm.kernels.launch import num_sms, runs_ptx, triton_usable
 from minivllm.state import ModelConfig, SeqChunk, make_batch
 from minivllm.state.shard import ShardSpec
 from test_fp8_cache import exact_fp8_rounding_in_the_interpreter  # noqa: F401 (autouse fixture)
@@ -92,10 +92,12 @@ def test_decode_layer_matches_the_functional_layer(device, dtype, contexts, firs
     # can pass: the single launch's code path, barriers and prefetches included).
     runs = [dict(phase_by_phase=True), dict(phase_by_phase=False, programs=1),
             dict(phase_by_phase=False, programs=1, **LOADS_OFF),
-            dict(phase_by_phase=False, programs=1, down_early=True)]
+            dict(phase_by_phase=False, programs=1, down_early=True),
+            dict(phase_by_phase=False, programs=1, kv_early=True)]
     if runs_ptx(device):
         runs += [dict(phase_by_phase=False), dict(phase_by_phase=False, **LOADS_OFF),
-                 dict(phase_by_phase=False, down_early=True)]
+                 dict(phase_by_phase=False, down_early=True),
+                 dict(phase_by_phase=False, kv_early=True)]
     for run in runs:
         k_got, v_got = k_cache.clone(), v_cache.clone()
         out, res = decode_layer(lp, x, residual, cos, sin, k_got, v_got, batch, config=config,
@@ -119,6 +121,37 @@ def test_decode_layer_refuses_what_it_does_not_run(device):
         device, torch.float32, [5] * (MAX_ROWS + 1), False)
     with pytest.raises(ValueError, match="at most"):
         decode_layer(lp, x, residual, cos, sin, k_cache, v_cache, batch, config=config)
+    config, lp, x, residual, cos, sin, k_cache, v_cache, batch = layer_case(
+        device, torch.float32, [5, 9], False)
+    table = layer_table([lp], [k_cache], [v_cache])
+    run = dict(config=config, dtype=torch.float32)
+    for bad_x, bad_res in ((x.half(), residual), (x, residual.t().contiguous().t())):
+        with pytest.raises(ValueError, match="contiguous"):
+            decode_stack(table, bad_x, bad_res, cos, sin, k_cache, batch, **run)
+    for counter in (torch.zeros(1, dtype=torch.int32, device=device),
+                    torch.zeros(2, dtype=torch.int64, device=device)):
+        with pytest.raises(ValueError, match="counter must be"):
+            decode_stack(table, x, residual, cos, sin, k_cache, batch, counter=counter, **run)
+
+
+def test_stack_reads_its_inputs_in_place_and_shares_a_counter(device):
+    """Launches that share one barrier counter (with_persistent_layers keeps one) give the
+    outputs of launches with a fresh counter each, and each adds one arrival a program a phase
+    of each layer; the stack only reads x and residual (layer 0 takes them where they are)."""
+    config, lp, x, residual, cos, sin, k_cache, v_cache, batch = layer_case(
+        device, torch.float32, [5, 9], False)
+    table = layer_table([lp] * 3, [k_cache] * 3, [v_cache] * 3)
+    programs = 1 if not runs_ptx(device) else None
+    run = dict(config=config, dtype=torch.float32, programs=programs, phase_by_phase=False)
+    x0, residual0 = x.clone(), residual.clone()
+    want = decode_stack(table, x, residual, cos, sin, k_cache.clone(), batch, **run)
+    counter = torch.zeros(1, dtype=torch.int64, device=device)
+    for launch in range(1, 4):
+        got = decode_stack(table, x, residual, cos, sin, k_cache.clone(), batch, counter=counter,
+                           **run)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert counter.item() == launch * 3 * PHASES * (programs or num_sms(device))
+    assert torch.equal(x, x0) and torch.equal(residual, residual0)
 
 
 def test_stack_timeline_records_each_barrier_or_is_refused(device):
@@ -189,7 +222,7 @@ def test_persistent_layers_give_the_forward_logits(device, dtype, contexts):
 
 LOADS = {"off": LOADS_OFF, "default": {}} | {
     flag: LOADS_OFF | {flag: True} for flag in LOADS_OFF} | {
-    "default+down_early": dict(down_early=True)}
+    "default+down_early": dict(down_early=True), "default+kv_early": dict(kv_early=True)}
 
 
 @pytest.mark.parametrize("loads", LOADS.values(), ids=LOADS.keys())

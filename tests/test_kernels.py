@@ -7,14 +7,16 @@ padding is -1) and what it must write (the output buffer starts as NaN)."""
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import given
 from hypothesis import strategies as st
 
 from minivllm.functional.attention import REFERENCE, reference_attention, write_kv
 from minivllm.kernels import BACKEND_NAMES, available_backends, select_backend
 from minivllm.kernels import launch
-from minivllm.kernels.decode_attention import (FP8_UNSPLIT_TILES, decode_config, decode_splits,
-                                               paged_decode_attention)
+from minivllm.kernels.decode_attention import (FP8_UNSPLIT_TILES, _split_range, decode_config,
+                                               decode_splits, paged_decode_attention)
 from minivllm.kernels.launch import triton_usable
 from minivllm.kernels.prefill_attention import varlen_prefill_attention
 from minivllm.kernels.store_kv import store_kvcache
@@ -89,6 +91,29 @@ def test_paged_decode_matches_reference(device, case, num_splits, peel):
                                  p.batch.context_lens, p.scale, out=nan_like(p.q),
                                  num_splits=num_splits, config=dict(peel=peel))
     check(out, ref, case["dtype"])
+
+
+@triton.jit
+def _split_ranges_kernel(out_ptr, ctx_ptr, num_splits, BLOCK_N: tl.constexpr):
+    b, split = tl.program_id(0), tl.program_id(1)
+    start, end = _split_range(b, split, ctx_ptr, num_splits, BLOCK_N)
+    tl.store(out_ptr + (b * num_splits + split) * 2, start)
+    tl.store(out_ptr + (b * num_splits + split) * 2 + 1, end)
+
+
+@given(contexts=st.lists(st.integers(1, 700), min_size=1, max_size=3),
+       num_splits=st.integers(1, 16), block_n=st.sampled_from([16, 64]))
+def test_decode_splits_cover_each_cached_token_once(device, contexts, num_splits, block_n):
+    """_split_range, which the split kernel and the persistent layers' early tile loads both
+    use: a sequence's splits, in order, cover its cached prefix (the context less the new token)
+    exactly once, each starting on a tile boundary."""
+    ctx = torch.tensor(contexts, dtype=torch.int32, device=device)
+    out = torch.full((len(contexts), num_splits, 2), -7, dtype=torch.int32, device=device)
+    _split_ranges_kernel[(len(contexts), num_splits)](out, ctx, num_splits, block_n)
+    for c, ranges in zip(contexts, out.cpu().tolist()):
+        covered = [t for start, end in ranges for t in range(start, end)]
+        assert covered == list(range(c - 1)), (c, ranges)
+        assert all(start % block_n == 0 for start, end in ranges if end > start)
 
 
 @given(case=decode_cases(), num_splits=st.sampled_from([None, 1, 3]), skip=st.booleans(),

@@ -57,23 +57,18 @@ def _e4m3_to_f16(x):
 
 
 @triton.jit
-def _decode_tile(q, acc, m_i, l_i, n0, end, offs_n, offs_d, mask_d, bt_row, head_off, k_cache_ptr,
-                 v_cache_ptr, scale_log2, dt: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 ROW: tl.constexpr, D_MASKED: tl.constexpr, PRECISION: tl.constexpr,
-                 PTX_WIDEN: tl.constexpr, FP8_CACHE: tl.constexpr, MASKED: tl.constexpr):
-    """One BLOCK_N-token tile of the online softmax: (acc, m_i, l_i) updated. MASKED: the tile
-    may run past `end` (its rows there are loaded as zeros and their scores set to -inf)."""
-    mask_n = (n0 + offs_n) < end
-    rows = page_rows(bt_row, n0, offs_n, mask_n, PAGE, BLOCK_N, ROW) + head_off
+def _tile_k(rows, mask_n, offs_d, mask_d, k_cache_ptr, dt: tl.constexpr, D_MASKED: tl.constexpr,
+            PTX_WIDEN: tl.constexpr, MASKED: tl.constexpr):
+    """A tile's K rows [BLOCK_N, BLOCK_D] (rows: their cache offsets, page_rows' plus the head's;
+    MASKED: zeros where mask_n is off), widened to dt."""
     kt = load_rows(k_cache_ptr + rows[:, None] + offs_d[None, :], mask_n, mask_d, MASKED, D_MASKED)
-    kt = _e4m3_to_f16(kt) if PTX_WIDEN == 2 else kt.to(dt)
-    s = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
-    if MASKED:
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the tile holds a valid position
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    return _e4m3_to_f16(kt) if PTX_WIDEN == 2 else kt.to(dt)
+
+
+@triton.jit
+def _tile_v(rows, mask_n, offs_d, mask_d, v_cache_ptr, dt: tl.constexpr, D_MASKED: tl.constexpr,
+            PTX_WIDEN: tl.constexpr, FP8_CACHE: tl.constexpr, MASKED: tl.constexpr):
+    """The same tile's V rows, widened to dt in the form V's dot wants."""
     vt = load_rows(v_cache_ptr + rows[:, None] + offs_d[None, :], mask_n, mask_d, MASKED,
                    D_MASKED)
     if PTX_WIDEN >= 1:  # masked rows loaded as zeros, and p is 0 there
@@ -87,8 +82,69 @@ def _decode_tile(q, acc, m_i, l_i, n0, end, offs_n, offs_d, mask_d, bt_row, head
         vt = tl.where(mask_n[:, None], vt.to(dt), 0.0)
     else:
         vt = vt.to(dt)
+    return vt
+
+
+@triton.jit
+def _decode_tile(q, acc, m_i, l_i, n0, end, offs_n, offs_d, mask_d, bt_row, head_off, k_cache_ptr,
+                 v_cache_ptr, scale_log2, dt: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 ROW: tl.constexpr, D_MASKED: tl.constexpr, PRECISION: tl.constexpr,
+                 PTX_WIDEN: tl.constexpr, FP8_CACHE: tl.constexpr, MASKED: tl.constexpr,
+                 kt_loaded, vt_loaded, LOADED: tl.constexpr):
+    """One BLOCK_N-token tile of the online softmax: (acc, m_i, l_i) updated. MASKED: the tile
+    may run past `end` (its rows there are loaded as zeros and their scores set to -inf).
+    LOADED: its K and V rows are kt_loaded and vt_loaded (_tile_k's and _tile_v's, MASKED),
+    loaded earlier by the caller; otherwise they are loaded here."""
+    mask_n = (n0 + offs_n) < end
+    if LOADED:
+        kt = kt_loaded
+    else:
+        rows = page_rows(bt_row, n0, offs_n, mask_n, PAGE, BLOCK_N, ROW) + head_off
+        kt = _tile_k(rows, mask_n, offs_d, mask_d, k_cache_ptr, dt, D_MASKED, PTX_WIDEN, MASKED)
+    s = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
+    if MASKED:
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the tile holds a valid position
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if LOADED:
+        vt = vt_loaded
+    else:
+        vt = _tile_v(rows, mask_n, offs_d, mask_d, v_cache_ptr, dt, D_MASKED, PTX_WIDEN, FP8_CACHE,
+                     MASKED)
     acc = acc * alpha[:, None] + tl.dot(p.to(dt), vt, input_precision=PRECISION)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _split_range(b, split, ctx_ptr, num_splits, BLOCK_N: tl.constexpr):
+    """Tokens [start, end) of sequence b's cached prefix that context split `split` attends to
+    (whole BLOCK_N tiles a split; a split past the prefix is empty)."""
+    prefix = tl.load(ctx_ptr + b) - 1
+    per_split = tl.cdiv(tl.cdiv(prefix, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    return start, tl.minimum(start + per_split, prefix)
+
+
+@triton.jit
+def _first_tile(b, kvh, split, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, stride_bt, num_splits,
+                dt: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                PTX_WIDEN: tl.constexpr, FP8_CACHE: tl.constexpr):
+    """The K and V rows of unit (b, kvh, split)'s first tile as _decode_unit's EARLY_TILE takes
+    them (MASKED: zeros past the split's end; all zeros for an empty split)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    start, end = _split_range(b, split, ctx_ptr, num_splits, BLOCK_N)
+    mask_n = (start + offs_n) < end
+    rows = page_rows(bt_ptr + tl.cast(b, tl.int64) * stride_bt, start, offs_n, mask_n, PAGE,
+                     BLOCK_N, KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM
+    D_MASKED: tl.constexpr = BLOCK_D != HEAD_DIM
+    return (_tile_k(rows, mask_n, offs_d, mask_d, k_cache_ptr, dt, D_MASKED, PTX_WIDEN, True),
+            _tile_v(rows, mask_n, offs_d, mask_d, v_cache_ptr, dt, D_MASKED, PTX_WIDEN, FP8_CACHE,
+                    True))
 
 
 @triton.jit
@@ -101,9 +157,12 @@ def _decode_unit(b, kvh, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, b
                  BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
                  BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, STORE: tl.constexpr,
                  NORM_ROPE: tl.constexpr, PRECISION: tl.constexpr, F16_DOTS: tl.constexpr,
-                 FP8_CACHE: tl.constexpr, PTX_WIDEN: tl.constexpr, PEEL: tl.constexpr):
+                 FP8_CACHE: tl.constexpr, PTX_WIDEN: tl.constexpr, PEEL: tl.constexpr,
+                 kt0, vt0, EARLY_TILE: tl.constexpr):
     """One program's work of _decode_kernel: sequence b's KV head kvh, context split `split`.
-    A function of its own so that a kernel that keeps its programs resident can run it too."""
+    A function of its own so that a kernel that keeps its programs resident can run it too.
+    EARLY_TILE: the split's first tile is kt0, vt0 (_first_tile's), loaded by the caller before
+    the q/k/v this reads were written (the prefix's rows never depend on them)."""
     # Under torch.compile a Python-float argument can arrive as fp64; the loop-carried softmax
     # state must stay fp32.
     scale_log2 = tl.cast(scale_log2, tl.float32)
@@ -168,12 +227,16 @@ def _decode_unit(b, kvh, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, b
             tl.store(k_cache_ptr + dst, k_new.to(cache_dt), mask=mask_d)
             tl.store(v_cache_ptr + dst, v_new.to(cache_dt), mask=mask_d)
 
-    prefix = tl.load(ctx_ptr + b) - 1
-    per_split = tl.cdiv(tl.cdiv(prefix, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, prefix)
+    start, end = _split_range(b, split, ctx_ptr, num_splits, BLOCK_N)
     bt_row = bt_ptr + b64 * stride_bt
     head_off = kvh * HEAD_DIM
+    if EARLY_TILE:
+        if start < end:
+            acc, m_i, l_i = _decode_tile(
+                q, acc, m_i, l_i, start, end, offs_n, offs_d, mask_d, bt_row, head_off,
+                k_cache_ptr, v_cache_ptr, scale_log2, dt, PAGE, BLOCK_N, ROW, D_MASKED,
+                PRECISION, PTX_WIDEN, FP8_CACHE, True, kt0, vt0, True)
+        start += BLOCK_N
     # Whole tiles first, without masks (at 128-token tiles ~140 fewer SASS instructions a tile
     # of an fp8 cache, ~200 of bf16: no predicated loads, no -inf select), then the last,
     # partial tile with them.
@@ -182,12 +245,12 @@ def _decode_unit(b, kvh, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, b
         acc, m_i, l_i = _decode_tile(
             q, acc, m_i, l_i, n0, end, offs_n, offs_d, mask_d, bt_row, head_off, k_cache_ptr,
             v_cache_ptr, scale_log2, dt, PAGE, BLOCK_N, ROW, D_MASKED, PRECISION, PTX_WIDEN,
-            FP8_CACHE, False)
+            FP8_CACHE, False, 0, 0, False)
     for n0 in range(full_end if PEEL else start, end, BLOCK_N):
         acc, m_i, l_i = _decode_tile(
             q, acc, m_i, l_i, n0, end, offs_n, offs_d, mask_d, bt_row, head_off, k_cache_ptr,
             v_cache_ptr, scale_log2, dt, PAGE, BLOCK_N, ROW, D_MASKED, PRECISION, PTX_WIDEN,
-            FP8_CACHE, True)
+            FP8_CACHE, True, 0, 0, False)
 
     # An empty split (short context) has l = 0: it writes zeros and lse = -inf, weight 0 later.
     nonempty = l_i > 0
@@ -227,7 +290,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_pt
                  part_lse_ptr, scale_log2, num_splits, stride_qt, stride_qh, stride_kt, stride_kh,
                  stride_vt, stride_vh, stride_bt, stride_rope, stride_ot, stride_oh, KV_HEADS,
                  GROUP, HEAD_DIM, BLOCK_G, BLOCK_D, PAGE, BLOCK_N, SPLIT, STORE, NORM_ROPE,
-                 PRECISION, F16_DOTS, FP8_CACHE, PTX_WIDEN, PEEL)
+                 PRECISION, F16_DOTS, FP8_CACHE, PTX_WIDEN, PEEL, 0, 0, False)
 
 
 @triton.jit

@@ -55,7 +55,7 @@ from ..state.batch import Batch
 from ..state.cache import KVCache
 from ..state.config import FP8_DTYPES, ModelConfig
 from ..state.params import LayerParams, Params
-from .decode_attention import LOG2E, MAX_SPLITS, _decode_unit, _merge_unit
+from .decode_attention import LOG2E, MAX_SPLITS, _decode_unit, _first_tile, _merge_unit
 from .launch import cuda_capability, dot_precision, next_pow2, num_sms, runs_ptx
 
 MAX_ROWS = 2  # the single stream's decode bucket
@@ -70,7 +70,8 @@ BLOCK_K = 1024  # GEMV columns a load, at least (fewer only where a weight has f
 CHUNK_WEIGHTS = 32768
 SPLIT_TOKENS = 64  # attention: tokens a split, about (the single stream's contexts are ~600)
 # decode_stack's weight-load placement flags, every one off (its defaults turn three on)
-LOADS_OFF = dict(prefetch_next=False, gate_up_early=False, down_early=False, arrive_first=False)
+LOADS_OFF = dict(prefetch_next=False, gate_up_early=False, down_early=False, arrive_first=False,
+                 kv_early=False)
 
 
 @triton.jit
@@ -236,6 +237,35 @@ def _gate_up_rows(w_gate_ptr, w_up_ptr, pid, H: tl.constexpr, INTER: tl.constexp
 
 
 @triton.jit
+def _unit_coords(unit, KV_HEADS: tl.constexpr, SPLITS: tl.constexpr):
+    """Attention unit `unit`'s (row, KV head, split): the splits of a KV head side by side."""
+    return unit // (SPLITS * KV_HEADS), (unit // SPLITS) % KV_HEADS, unit % SPLITS
+
+
+@triton.jit
+def _attention_unit(unit, qkv_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, slot_ptr,
+                    q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, eps, attn_ptr, part_out_ptr,
+                    part_lse_ptr, scale_log2, stride_bt, stride_rope, HEADS: tl.constexpr,
+                    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_G: tl.constexpr, PRECISION: tl.constexpr, F16_DOTS: tl.constexpr,
+                    FP8_CACHE: tl.constexpr, PTX_WIDEN: tl.constexpr, kt0, vt0,
+                    EARLY_TILE: tl.constexpr):
+    """decode_attention's _decode_unit for attention unit `unit` over the [M, QKV] qkv rows
+    (q/k normed and rotated, the new K/V stored, the split's partials written)."""
+    QKV: tl.constexpr = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    ATT: tl.constexpr = HEADS * HEAD_DIM
+    b, kvh, split = _unit_coords(unit, KV_HEADS, SPLITS)
+    _decode_unit(b, kvh, split, qkv_ptr, qkv_ptr + ATT, qkv_ptr + ATT + KV_HEADS * HEAD_DIM,
+                 k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, slot_ptr, q_norm_ptr, k_norm_ptr,
+                 cos_ptr, sin_ptr, eps, attn_ptr, part_out_ptr, part_lse_ptr, scale_log2, SPLITS,
+                 QKV, HEAD_DIM, QKV, HEAD_DIM, QKV, HEAD_DIM, stride_bt, stride_rope, ATT,
+                 HEAD_DIM, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM, BLOCK_G, BLOCK_D, PAGE, BLOCK_N,
+                 True, True, True, PRECISION, F16_DOTS, FP8_CACHE, PTX_WIDEN, False, kt0, vt0,
+                 EARLY_TILE)
+
+
+@triton.jit
 def _layer_phases(
         pid, programs, base, w_qkv_first, next_qkv_ptr, counter_ptr, stamp_ptr, x_ptr, res_ptr,
         res1_ptr, res2_ptr, qkv_ptr, part_out_ptr, part_lse_ptr, attn_ptr, y_ptr, act_ptr, out_ptr,
@@ -251,8 +281,8 @@ def _layer_phases(
         BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, HAS_RES: tl.constexpr,
         PRECISION: tl.constexpr, F16_DOTS: tl.constexpr, FP8_CACHE: tl.constexpr,
         PTX_WIDEN: tl.constexpr, PREFETCH_NEXT: tl.constexpr, GATE_UP_EARLY: tl.constexpr,
-        DOWN_EARLY: tl.constexpr, ARRIVE_FIRST: tl.constexpr, TIMELINE: tl.constexpr,
-        PHASE: tl.constexpr):
+        DOWN_EARLY: tl.constexpr, ARRIVE_FIRST: tl.constexpr, KV_EARLY: tl.constexpr,
+        TIMELINE: tl.constexpr, PHASE: tl.constexpr):
     """One layer, as program pid of `programs`. PHASE -1: every phase, the k-th grid barrier
     after it waiting for base + k * programs arrivals; 0-5: that phase only. PREFETCH_NEXT (with
     PHASE -1): w_qkv_first is this layer's first qkv weight chunk, loaded by the caller, and the
@@ -268,7 +298,6 @@ def _layer_phases(
     dt = x_ptr.dtype.element_ty
     QKV: tl.constexpr = (HEADS + 2 * KV_HEADS) * HEAD_DIM
     ATT: tl.constexpr = HEADS * HEAD_DIM
-    GROUP: tl.constexpr = HEADS // KV_HEADS
 
     if (PHASE == -1) or (PHASE == 0):  # the residual stream, its norm, qkv
         _store_sum(res1_ptr, x_ptr, res_ptr, pid * R_H, R_H, H, M, BN_H, HAS_RES)
@@ -283,22 +312,33 @@ def _layer_phases(
         acc0, acc1 = _gemv(w, w_qkv_ptr, pid * R_QKV, R_QKV, QKV, H, x_ptr, res_ptr, in_norm_ptr,
                            rms0, rms1, M, BN_QKV, BK_H, True, HAS_RES)
         _store_row_block(qkv_ptr, pid * R_QKV, R_QKV, QKV, acc0, acc1, M, BN_QKV)
+    UNITS: tl.constexpr = M * KV_HEADS * SPLITS
     if PHASE == -1:
         _grid_arrive(counter_ptr, stamp_ptr, TIMELINE)
+        if KV_EARLY:  # the prefix's rows never depend on this layer's qkv
+            b, kvh, split = _unit_coords(tl.minimum(pid, UNITS - 1), KV_HEADS, SPLITS)
+            kt0, vt0 = _first_tile(b, kvh, split, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr,
+                                   stride_bt, SPLITS, tl.float16 if F16_DOTS else dt, KV_HEADS,
+                                   HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, PTX_WIDEN, FP8_CACHE)
         _grid_wait(counter_ptr, base + programs, stamp_ptr, programs, TIMELINE)
 
     if (PHASE == -1) or (PHASE == 1):  # attention, split partials
-        for unit in range(pid, M * KV_HEADS * SPLITS, programs):
-            split = unit % SPLITS
-            kvh = (unit // SPLITS) % KV_HEADS
-            b = unit // (SPLITS * KV_HEADS)
-            _decode_unit(b, kvh, split, qkv_ptr, qkv_ptr + ATT, qkv_ptr + ATT + KV_HEADS * HEAD_DIM,
-                         k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, slot_ptr, q_norm_ptr,
-                         k_norm_ptr, cos_ptr, sin_ptr, eps, attn_ptr, part_out_ptr, part_lse_ptr,
-                         scale_log2, SPLITS, QKV, HEAD_DIM, QKV, HEAD_DIM, QKV, HEAD_DIM,
-                         stride_bt, stride_rope, ATT, HEAD_DIM, KV_HEADS, GROUP, HEAD_DIM,
-                         BLOCK_G, BLOCK_D, PAGE, BLOCK_N, True, True, True, PRECISION, F16_DOTS,
-                         FP8_CACHE, PTX_WIDEN, False)
+        first = pid
+        if KV_EARLY and (PHASE == -1):
+            if pid < UNITS:
+                _attention_unit(pid, qkv_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr,
+                                slot_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, eps,
+                                attn_ptr, part_out_ptr, part_lse_ptr, scale_log2, stride_bt,
+                                stride_rope, HEADS, KV_HEADS, HEAD_DIM, SPLITS, PAGE, BLOCK_N,
+                                BLOCK_D, BLOCK_G, PRECISION, F16_DOTS, FP8_CACHE, PTX_WIDEN,
+                                kt0, vt0, True)
+            first += programs
+        for unit in range(first, UNITS, programs):
+            _attention_unit(unit, qkv_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, slot_ptr,
+                            q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, eps, attn_ptr,
+                            part_out_ptr, part_lse_ptr, scale_log2, stride_bt, stride_rope,
+                            HEADS, KV_HEADS, HEAD_DIM, SPLITS, PAGE, BLOCK_N, BLOCK_D, BLOCK_G,
+                            PRECISION, F16_DOTS, FP8_CACHE, PTX_WIDEN, 0, 0, False)
     if PHASE == -1:
         _grid_arrive(counter_ptr, stamp_ptr + 2 * programs, TIMELINE)
         _grid_wait(counter_ptr, base + 2 * programs, stamp_ptr + 2 * programs, programs,
@@ -375,9 +415,10 @@ def _layer_phases(
 
 @triton.jit
 def _decode_stack_kernel(
-        table_ptr, first_layer, num_layers, counter_ptr, timeline_ptr, outs_ptr, res2s_ptr,
-        res1_ptr, qkv_ptr, part_out_ptr, part_lse_ptr, attn_ptr, y_ptr, act_ptr, k_cache0_ptr,
-        bt_ptr, ctx_ptr, slot_ptr, cos_ptr, sin_ptr, eps, scale_log2, stride_bt, stride_rope,
+        table_ptr, first_layer, num_layers, counter_ptr, timeline_ptr, x_ptr, residual_ptr,
+        outs_ptr, res2s_ptr, res1_ptr, qkv_ptr, part_out_ptr, part_lse_ptr, attn_ptr, y_ptr,
+        act_ptr, k_cache0_ptr, bt_ptr, ctx_ptr, slot_ptr, cos_ptr, sin_ptr, eps, scale_log2,
+        stride_bt, stride_rope,
         M: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, HEADS: tl.constexpr,
         KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BK_H: tl.constexpr, BK_ATT: tl.constexpr,
@@ -387,11 +428,12 @@ def _decode_stack_kernel(
         BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
         PRECISION: tl.constexpr, F16_DOTS: tl.constexpr, FP8_CACHE: tl.constexpr,
         PTX_WIDEN: tl.constexpr, PREFETCH_NEXT: tl.constexpr, GATE_UP_EARLY: tl.constexpr,
-        DOWN_EARLY: tl.constexpr, ARRIVE_FIRST: tl.constexpr, TIMELINE: tl.constexpr,
-        PHASE: tl.constexpr):
+        DOWN_EARLY: tl.constexpr, ARRIVE_FIRST: tl.constexpr, KV_EARLY: tl.constexpr,
+        TIMELINE: tl.constexpr, PHASE: tl.constexpr):
     """Layers [first_layer, first_layer + num_layers) in one launch. table_ptr: [layers,
-    TABLE_COLUMNS] int64 addresses (layer_table). Layer l reads slot (l + 1) % 2 of outs / res2s
-    ([2, M, H] each: its input and the residual stream) and writes slot l % 2. PREFETCH_NEXT:
+    TABLE_COLUMNS] int64 addresses (layer_table). Layer 0 reads x and residual ([M, H] each);
+    a later layer l reads slot (l + 1) % 2 of outs / res2s ([2, M, H] each: its input and the
+    residual stream); layer l writes slot l % 2. PREFETCH_NEXT:
     each layer's first qkv weight chunk is loaded before the barrier that ends the layer before
     it (see _layer_phases). TIMELINE (PHASE -1): timeline_ptr, [1 + num_layers * 2 * PHASES,
     programs] int64, gets each program's start time, then each barrier's arrival and departure
@@ -416,11 +458,14 @@ def _decode_stack_kernel(
         next_row = table_ptr + tl.minimum(layer + 1, last) * TABLE_COLUMNS
         read = ((layer + 1) % 2) * (M * H)
         write = (layer % 2) * (M * H)
+        # layer 0 reads the stack's inputs where they are (no copy into slot 1 before the launch)
+        x_in = tl.where(layer == 0, x_ptr, outs_ptr + read)
+        residual_in = tl.where(layer == 0, residual_ptr, res2s_ptr + read)
         w_first = _layer_phases(
             pid, programs, base + (layer - first_layer) * LAYER_PHASES * programs, w_first,
             _table_ptr(next_row, 1, w_ty), counter_ptr,
             timeline_ptr + (1 + (layer - first_layer) * 2 * LAYER_PHASES) * programs + pid,
-            outs_ptr + read, res2s_ptr + read, res1_ptr, res2s_ptr + write, qkv_ptr,
+            x_in, residual_in, res1_ptr, res2s_ptr + write, qkv_ptr,
             part_out_ptr, part_lse_ptr, attn_ptr, y_ptr, act_ptr, outs_ptr + write,
             _table_ptr(row, 0, w_ty), _table_ptr(row, 1, w_ty), _table_ptr(row, 2, w_ty),
             _table_ptr(row, 3, w_ty), _table_ptr(row, 4, w_ty), _table_ptr(row, 5, w_ty),
@@ -429,7 +474,7 @@ def _decode_stack_kernel(
             scale_log2, stride_bt, stride_rope, M, H, INTER, HEADS, KV_HEADS, HEAD_DIM, SPLITS,
             PAGE, BLOCK_N, BK_H, BK_ATT, BK_I, R_QKV, BN_QKV, R_H, BN_H, R_I, BN_I, BLOCK_H,
             BLOCK_D, BLOCK_G, BLOCK_S, True, PRECISION, F16_DOTS, FP8_CACHE, PTX_WIDEN,
-            PREFETCH_NEXT, GATE_UP_EARLY, DOWN_EARLY, ARRIVE_FIRST, TIMELINE, PHASE)
+            PREFETCH_NEXT, GATE_UP_EARLY, DOWN_EARLY, ARRIVE_FIRST, KV_EARLY, TIMELINE, PHASE)
 
 
 @triton.jit
@@ -472,8 +517,9 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
                  phase_by_phase: bool | None = None, num_warps: int = 8,
                  block_k: int | None = None, prefetch_next: bool = True,
                  gate_up_early: bool = True, down_early: bool = False,
-                 arrive_first: bool = True, timeline: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 arrive_first: bool = True, kv_early: bool | None = None,
+                 counter: torch.Tensor | None = None,
+                 timeline: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder layers of `table` (layer_table) for a decode batch of M <= MAX_ROWS rows on
     one GPU, as one persistent launch (phase_by_phase: one launch per layer and phase; the
     default under the CPU interpreter). x, residual: [M, hidden] (the stem's, or a layer's
@@ -490,7 +536,13 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
     grid barrier before it issues the next phase's weight loads, and waits after (the loads'
     issue overlaps the barrier instead of delaying the arrival; the weights never depend on the
     other programs' writes). (Asking for the next layer's cache rows into L2 as a layer ends
-    measured slower, 30.6 against 28.2 us a layer, session 18; branch early-loads.) timeline:
+    measured slower, 30.6 against 28.2 us a layer, session 18; branch early-loads.) kv_early
+    (None: at 1 row; at 2 it spills and measured 8% slower, session 18): each program loads the
+    first tile of its first attention unit's cached K/V into registers after it arrives at the
+    barrier before attention, so that attention's cache reads wait on neither the q/k/v loads,
+    nor the new token's store, nor the DRAM. counter: the grid barriers' int64 [1] arrival
+    counter, which only grows and which launches of this many programs may share
+    (with_persistent_layers keeps one, so that a step zeroes none); None: a new one. timeline:
     for the probe, [1 + layers * 2 * PHASES, programs] int64 on the GPU (single launch only):
     row 0 gets each program's start time (ns, %globaltimer), row 1 + 2 * (layer * PHASES + k)
     the time it arrived at the barrier after phase k of that layer, the row after it when it
@@ -502,6 +554,14 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
     if hidden != config.hidden_size or residual.shape != x.shape:
         raise ValueError(f"x and residual must be [rows, {config.hidden_size}], got "
                          f"{tuple(x.shape)} and {tuple(residual.shape)}")
+    if x.dtype != dtype or residual.dtype != dtype or not x.is_contiguous() or \
+            not residual.is_contiguous():
+        raise ValueError(f"x and residual must be contiguous {dtype}, got {x.dtype} and "
+                         f"{residual.dtype}")
+    if counter is not None and (counter.shape != (1,) or counter.dtype != torch.int64 or
+                                counter.device != x.device):
+        raise ValueError(f"counter must be int64 [1] on {x.device}, got {counter.dtype} "
+                         f"{list(counter.shape)} on {counter.device}")
     dev, dt = x.device, dtype
     d, heads, kv_heads, inter = config.head_dim, config.num_heads, config.num_kv_heads, \
         config.intermediate_size
@@ -509,6 +569,8 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
     programs = programs or num_sms(dev)
     if phase_by_phase is None:
         phase_by_phase = not runs_ptx(dev)
+    if kv_early is None:
+        kv_early = m == 1
     if timeline is not None:
         want = (1 + table.shape[0] * 2 * PHASES, programs)
         if phase_by_phase or not runs_ptx(dev):
@@ -521,13 +583,12 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
     splits = max(1, min(MAX_SPLITS, -(-max_context // SPLIT_TOKENS), programs // (m * kv_heads)))
     empty = lambda *shape, dtype=dt: torch.empty(*shape, device=dev, dtype=dtype)  # noqa: E731
     outs, res2s = empty(2, m, hidden), empty(2, m, hidden)
-    outs[1].copy_(x)  # layer 0 reads slot 1
-    res2s[1].copy_(residual)
     res1, y = empty(m, hidden), empty(m, hidden)
     qkv, attn, act = empty(m, qkv_size), empty(m, heads * d), empty(m, inter)
     part_out = empty(m, heads, splits, d, dtype=torch.float32)
     part_lse = empty(m, heads, splits, dtype=torch.float32)
-    counter = torch.zeros(1, device=dev, dtype=torch.int32)
+    if counter is None:
+        counter = torch.zeros(1, device=dev, dtype=torch.int64)
     fp8 = k_cache0.dtype in FP8_DTYPES
     f16_dots = fp8 and dt.itemsize == 2
     rows = dict(R_QKV=-(-qkv_size // programs), R_H=-(-hidden // programs),
@@ -551,9 +612,9 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
         PRECISION=dot_precision(torch.float16 if f16_dots else dt), F16_DOTS=f16_dots,
         FP8_CACHE=fp8, PTX_WIDEN=int(fp8 and f16_dots and cuda_capability(dev) >= (8, 9)),
         PREFETCH_NEXT=prefetch_next, GATE_UP_EARLY=gate_up_early, DOWN_EARLY=down_early,
-        ARRIVE_FIRST=arrive_first, TIMELINE=timeline is not None)
-    args = (counter, counter if timeline is None else timeline, outs, res2s, res1, qkv,
-            part_out, part_lse, attn, y, act, k_cache0,
+        ARRIVE_FIRST=arrive_first, KV_EARLY=kv_early, TIMELINE=timeline is not None)
+    args = (counter, counter if timeline is None else timeline, x, residual, outs, res2s, res1,
+            qkv, part_out, part_lse, attn, y, act, k_cache0,
             batch.block_tables, batch.context_lens, batch.slot_mapping, cos, sin,
             float(config.rms_norm_eps), d ** -0.5 * LOG2E, batch.block_tables.stride(0),
             cos.stride(0))
@@ -587,18 +648,21 @@ def with_persistent_layers(forward_fn, params: Params, cache: KVCache):
     """forward_fn (functional.model.forward or a compiled one) with its layer stack run by
     persistent_layers over params' and cache's layer_table, built here once."""
     table = layer_table(params.layers, cache.k, cache.v)
-    return functools.partial(forward_fn, layers=functools.partial(persistent_layers, table=table))
+    counter = torch.zeros(1, device=table.device, dtype=torch.int64)
+    return functools.partial(forward_fn, layers=functools.partial(
+        persistent_layers, table=table, counter=counter))
 
 
 def persistent_layers(params: Params, cache: KVCache, batch: Batch, backend, x: torch.Tensor,
                       residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-                      table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                      table: torch.Tensor, counter: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """functional.model's layer stack: decode_stack over `table` (layer_table of params and
-    cache) for a decode batch of at most MAX_ROWS rows on one rank, the functional layers for
-    anything else (prefill, larger batches)."""
+    cache; counter: decode_stack's) for a decode batch of at most MAX_ROWS rows on one rank,
+    the functional layers for anything else (prefill, larger batches)."""
     from ..functional.model import _layers
 
     if batch.is_decode and batch.num_seqs <= MAX_ROWS and params.shard.world_size == 1:
         return decode_stack(table, x, residual, cos, sin, cache.k[0], batch,
-                            config=params.config, dtype=params.dtype)
+                            config=params.config, dtype=params.dtype, counter=counter)
     return _layers(params, cache, batch, backend, x, residual, cos, sin, decoder_layer)
