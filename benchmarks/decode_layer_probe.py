@@ -127,10 +127,10 @@ def main() -> int:
 
 # decode_stack's load placements by name: "off", "default", "default+<flag>" / "default-<flag>"
 # (the defaults with that flag on / off), or flags joined by "+" (each on, the others off)
-LOADS = {"off": LOADS_OFF, "default": {}, "default-kv_early": dict(kv_early=False)} | {
-    f"default+{flag}": {flag: True} for flag in ("down_early", "kv_early")} | {
+LOADS = {"off": LOADS_OFF, "default": {}, "default-kv_early": dict(kv_early=False),
+         "default+kv_early": dict(kv_early=True)} | {
     "+".join(flags): LOADS_OFF | dict.fromkeys(flags, True) for flags in (
-        ("gate_up_early",), ("down_early",), ("prefetch_next",), ("arrive_first",),
+        ("gate_up_early",), ("prefetch_next",), ("arrive_first",),
         ("kv_early",), ("arrive_first", "gate_up_early"), ("arrive_first", "prefetch_next"))}
 PHASE_NAMES = ("norm + qkv", "attention", "merge", "o_proj", "norm + gate/up", "down")
 

@@ -4,6 +4,8 @@ on every backend available (reference; triton under the interpreter)."""
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.utils._pytree as pytree
 
 import minivllm
@@ -54,6 +56,35 @@ def test_padded_decode_equals_unpadded(backend_name):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)  # only the real rows were written
     changed = sum(int((a != b).any(dim=(1, 2, 3)).sum()) for a, b in zip(pytree.tree_leaves(caches[1]), before))
     assert changed > 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 4), st.data())
+def test_fill_puts_each_step_in_its_bucket_views(max_num_seqs, width, data):
+    """One packed copy per step: after each fill (the two stagings in turn, batch sizes going
+    up and down), the bucket's views hold that step's rows, then padding rows (id and position
+    0, slot -1, context length 1, a zero block table), whatever earlier steps left."""
+    params = minivllm.random_params(CONFIG, seed=0, std=0.2)
+    cache = minivllm.init_cache(params, num_blocks=8, block_size=4)
+    graphs = DecodeGraphs(params, cache, None, max_num_seqs=max_num_seqs, max_blocks_per_seq=width,
+                          compile_forward=False)
+    ints = st.integers(0, 2 ** 40)
+    for _ in range(data.draw(st.integers(1, 4))):
+        b = data.draw(st.integers(1, max_num_seqs))
+        ids, pos, slots = (data.draw(st.lists(ints, min_size=b, max_size=b)) for _ in range(3))
+        ctx = data.draw(st.lists(st.integers(1, 2 ** 30), min_size=b, max_size=b))
+        tables = [data.draw(st.lists(st.integers(0, 2 ** 30), min_size=1, max_size=width))
+                  for _ in range(b)]
+        bs = graphs.fill(ids, pos, slots, ctx, tables)
+        assert bs == graphs.bucket(b)
+        view = graphs.batch_view(bs)
+        pad = bs - b
+        assert view.input_ids.tolist() == ids + [0] * pad
+        assert view.positions.tolist() == pos + [0] * pad
+        assert view.slot_mapping.tolist() == slots + [-1] * pad
+        assert view.context_lens.tolist() == ctx + [1] * pad
+        assert view.block_tables.tolist() == [t + [0] * (width - len(t)) for t in tables] + \
+            [[0] * width] * pad
 
 
 def test_compiled_forward_recompiles_a_bounded_number_of_times_over_the_buckets():

@@ -92,11 +92,9 @@ def test_decode_layer_matches_the_functional_layer(device, dtype, contexts, firs
     # can pass: the single launch's code path, barriers and prefetches included).
     runs = [dict(phase_by_phase=True), dict(phase_by_phase=False, programs=1),
             dict(phase_by_phase=False, programs=1, **LOADS_OFF),
-            dict(phase_by_phase=False, programs=1, down_early=True),
             dict(phase_by_phase=False, programs=1, kv_early=True)]
     if runs_ptx(device):
         runs += [dict(phase_by_phase=False), dict(phase_by_phase=False, **LOADS_OFF),
-                 dict(phase_by_phase=False, down_early=True),
                  dict(phase_by_phase=False, kv_early=True)]
     for run in runs:
         k_got, v_got = k_cache.clone(), v_cache.clone()
@@ -222,7 +220,7 @@ def test_persistent_layers_give_the_forward_logits(device, dtype, contexts):
 
 LOADS = {"off": LOADS_OFF, "default": {}} | {
     flag: LOADS_OFF | {flag: True} for flag in LOADS_OFF} | {
-    "default+down_early": dict(down_early=True), "default+kv_early": dict(kv_early=True)}
+    "default+kv_early": dict(kv_early=True)}
 
 
 @pytest.mark.parametrize("loads", LOADS.values(), ids=LOADS.keys())

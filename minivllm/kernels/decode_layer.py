@@ -70,8 +70,7 @@ BLOCK_K = 1024  # GEMV columns a load, at least (fewer only where a weight has f
 CHUNK_WEIGHTS = 32768
 SPLIT_TOKENS = 64  # attention: tokens a split, about (the single stream's contexts are ~600)
 # decode_stack's weight-load placement flags, every one off (its defaults turn three on)
-LOADS_OFF = dict(prefetch_next=False, gate_up_early=False, down_early=False, arrive_first=False,
-                 kv_early=False)
+LOADS_OFF = dict(prefetch_next=False, gate_up_early=False, arrive_first=False, kv_early=False)
 
 
 @triton.jit
@@ -281,7 +280,7 @@ def _layer_phases(
         BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, HAS_RES: tl.constexpr,
         PRECISION: tl.constexpr, F16_DOTS: tl.constexpr, FP8_CACHE: tl.constexpr,
         PTX_WIDEN: tl.constexpr, PREFETCH_NEXT: tl.constexpr, GATE_UP_EARLY: tl.constexpr,
-        DOWN_EARLY: tl.constexpr, ARRIVE_FIRST: tl.constexpr, KV_EARLY: tl.constexpr,
+        ARRIVE_FIRST: tl.constexpr, KV_EARLY: tl.constexpr,
         TIMELINE: tl.constexpr, PHASE: tl.constexpr):
     """One layer, as program pid of `programs`. PHASE -1: every phase, the k-th grid barrier
     after it waiting for base + k * programs arrivals; 0-5: that phase only. PREFETCH_NEXT (with
@@ -368,8 +367,6 @@ def _layer_phases(
             w = w_gate
         else:
             w, w_up = _gate_up_rows(w_gu_ptr, w_up_ptr, pid, H, INTER, R_I, BN_I, BK_H)
-        if DOWN_EARLY:
-            w_down = _weight_chunk(w_down_ptr, pid * R_H, 0, R_H, H, INTER, BN_H, BK_I)
         _arrive_if(not ARRIVE_FIRST, counter_ptr, stamp_ptr + 6 * programs, TIMELINE)
         _grid_wait(counter_ptr, base + 4 * programs, stamp_ptr + 6 * programs, programs,
                    TIMELINE)
@@ -390,10 +387,7 @@ def _layer_phases(
                          _silu_mul(g1, u1, dt), M, BN_I)
     if PHASE == -1:
         _arrive_if(ARRIVE_FIRST, counter_ptr, stamp_ptr + 8 * programs, TIMELINE)
-        if DOWN_EARLY:
-            w = w_down
-        else:
-            w = _weight_chunk(w_down_ptr, pid * R_H, 0, R_H, H, INTER, BN_H, BK_I)
+        w = _weight_chunk(w_down_ptr, pid * R_H, 0, R_H, H, INTER, BN_H, BK_I)
         _arrive_if(not ARRIVE_FIRST, counter_ptr, stamp_ptr + 8 * programs, TIMELINE)
         _grid_wait(counter_ptr, base + 5 * programs, stamp_ptr + 8 * programs, programs,
                    TIMELINE)
@@ -428,7 +422,7 @@ def _decode_stack_kernel(
         BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
         PRECISION: tl.constexpr, F16_DOTS: tl.constexpr, FP8_CACHE: tl.constexpr,
         PTX_WIDEN: tl.constexpr, PREFETCH_NEXT: tl.constexpr, GATE_UP_EARLY: tl.constexpr,
-        DOWN_EARLY: tl.constexpr, ARRIVE_FIRST: tl.constexpr, KV_EARLY: tl.constexpr,
+        ARRIVE_FIRST: tl.constexpr, KV_EARLY: tl.constexpr,
         TIMELINE: tl.constexpr, PHASE: tl.constexpr):
     """Layers [first_layer, first_layer + num_layers) in one launch. table_ptr: [layers,
     TABLE_COLUMNS] int64 addresses (layer_table). Layer 0 reads x and residual ([M, H] each);
@@ -474,7 +468,7 @@ def _decode_stack_kernel(
             scale_log2, stride_bt, stride_rope, M, H, INTER, HEADS, KV_HEADS, HEAD_DIM, SPLITS,
             PAGE, BLOCK_N, BK_H, BK_ATT, BK_I, R_QKV, BN_QKV, R_H, BN_H, R_I, BN_I, BLOCK_H,
             BLOCK_D, BLOCK_G, BLOCK_S, True, PRECISION, F16_DOTS, FP8_CACHE, PTX_WIDEN,
-            PREFETCH_NEXT, GATE_UP_EARLY, DOWN_EARLY, ARRIVE_FIRST, KV_EARLY, TIMELINE, PHASE)
+            PREFETCH_NEXT, GATE_UP_EARLY, ARRIVE_FIRST, KV_EARLY, TIMELINE, PHASE)
 
 
 @triton.jit
@@ -516,8 +510,7 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
                  dtype: torch.dtype, programs: int | None = None,
                  phase_by_phase: bool | None = None, num_warps: int = 8,
                  block_k: int | None = None, prefetch_next: bool = True,
-                 gate_up_early: bool = True, down_early: bool = False,
-                 arrive_first: bool = True, kv_early: bool | None = None,
+                 gate_up_early: bool = True, arrive_first: bool = True, kv_early: bool | None = None,
                  counter: torch.Tensor | None = None,
                  timeline: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder layers of `table` (layer_table) for a decode batch of M <= MAX_ROWS rows on
@@ -531,8 +524,8 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
     row and 33.1 against 38.0 at 2, BENCHMARKS.md session 18): prefetch_next: each layer's
     first qkv weight chunk loaded during the layer before it. gate_up_early: gate/up's weights
     are loaded during the merge phase, where the DRAM and all but the merging programs are
-    idle, instead of during o_proj's; down_early (off): down's during o_proj's instead of
-    gate/up's (more registers held across a phase). arrive_first: each program arrives at a
+    idle, instead of during o_proj's. (Down's during o_proj's instead of gate/up's measured
+    slower, 30.8 against 24.4 us a layer, session 19.) arrive_first: each program arrives at a
     grid barrier before it issues the next phase's weight loads, and waits after (the loads'
     issue overlaps the barrier instead of delaying the arrival; the weights never depend on the
     other programs' writes). (Asking for the next layer's cache rows into L2 as a layer ends
@@ -611,7 +604,7 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
         BLOCK_S=max(2, next_pow2(splits)),
         PRECISION=dot_precision(torch.float16 if f16_dots else dt), F16_DOTS=f16_dots,
         FP8_CACHE=fp8, PTX_WIDEN=int(fp8 and f16_dots and cuda_capability(dev) >= (8, 9)),
-        PREFETCH_NEXT=prefetch_next, GATE_UP_EARLY=gate_up_early, DOWN_EARLY=down_early,
+        PREFETCH_NEXT=prefetch_next, GATE_UP_EARLY=gate_up_early,
         ARRIVE_FIRST=arrive_first, KV_EARLY=kv_early, TIMELINE=timeline is not None)
     args = (counter, counter if timeline is None else timeline, x, residual, outs, res2s, res1,
             qkv, part_out, part_lse, attn, y, act, k_cache0,
