@@ -18,11 +18,14 @@ layer_table):
 Each GEMV's weights are loaded before the barrier ahead of its phase, after the program arrives
 there (arrive_first), so that the loads' issue overlaps the wait; gate/up's already during the
 merge, where the DRAM idles (gate_up_early), and the next layer's qkv during down
-(prefetch_next). At the 0.6B shape every GEMV's row block is one load (chunk_columns). On the
-H200 (BENCHMARKS.md sessions 16-18, benchmarks/decode_layer_probe.py) the stack runs 25.2-25.4
-us a layer at one row and a 600-token context (28.0-28.2 with the three placements off), 33.0 at
-two rows (38.0), and the engine's single stream 1,195-1,216 tok/s against 905-910 with the
-compiled layers. Inside the single launch (decode_stack's timeline: %globaltimer at every
+(prefetch_next); at one row each program also loads its first attention tile's cached K/V
+between the barrier's arrival and departure (kv_early). At the 0.6B shape every GEMV's row
+block is one load (chunk_columns). Layer 0 reads the stem's x and residual where they are, and
+the barrier counter only grows, so a step copies and zeroes nothing before the launch. On the
+H200 (BENCHMARKS.md sessions 16-19, benchmarks/decode_layer_probe.py) the stack runs 24.4-24.5
+us a layer at one row and a 600-token context (25.2 without kv_early, 28.0-28.2 with every
+placement off), 33.0 at two rows (38.0), and the engine's single stream 1,240-1,254 tok/s
+against 905-910 with the compiled layers. Inside the single launch (decode_stack's timeline: %globaltimer at every
 barrier) a layer's 24.5 us span as: qkv 3.1, attention 5.4, merge 5.2 (16 programs merge, the
 slowest 3.5 us), o_proj 2.2, gate/up 5.6, down 3.0. From the last arrival to the median
 departure a barrier takes 0.7 us, or 1.0-2.0 where the programs issue loads after arriving (the
@@ -30,8 +33,11 @@ departure follows the issue: gate/up's 12.6 MB after the merge, the next qkv's 8
 down).
 Measured slower and left out: L2 prefetches of the later phases' weights (+5.4 us a layer) or
 of the next layer's cache rows (+2.4), the last split merging its heads in place of the merge
-phase (+2.1), and barriers that poll with acquire loads or per-program flags (1.50 and 1.38 us
-a barrier against the atomic counter's 1.07); sessions 17-18.
+phase (+2.1), barriers that poll with acquire loads or per-program flags (1.50 and 1.38 us a
+barrier against the atomic counter's 1.07), down's weights loaded during o_proj (+6.4), o_proj's
+and gate/up's at the barrier before the merge (+0.7), and o_proj run in the merge phase by head
+with one barrier a layer fewer (+1.8); sessions 17-19 (the last two on branches s19-both and
+merge-by-head).
 Values are rounded to the activation dtype wherever functional.layer.decoder_layer rounds them.
 
 On the CPU, Triton's interpreter runs programs one after another, so a spin barrier among several
@@ -530,10 +536,10 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
     issue overlaps the barrier instead of delaying the arrival; the weights never depend on the
     other programs' writes). (Asking for the next layer's cache rows into L2 as a layer ends
     measured slower, 30.6 against 28.2 us a layer, session 18; branch early-loads.) kv_early
-    (None: at 1 row; at 2 it spills and measured 8% slower, session 18): each program loads the
-    first tile of its first attention unit's cached K/V into registers after it arrives at the
-    barrier before attention, so that attention's cache reads wait on neither the q/k/v loads,
-    nor the new token's store, nor the DRAM. counter: the grid barriers' int64 [1] arrival
+    (None: at 1 row, 24.4 against 25.2 us a layer, session 19; at 2 it spills and measured 8%
+    slower, session 18): each program loads the first tile of its first attention unit's cached
+    K/V into registers after it arrives at the barrier before attention, so that attention's
+    cache reads wait on neither the q/k/v loads, nor the new token's store, nor the DRAM. counter: the grid barriers' int64 [1] arrival
     counter, which only grows and which launches of this many programs may share
     (with_persistent_layers keeps one, so that a step zeroes none); None: a new one. timeline:
     for the probe, [1 + layers * 2 * PHASES, programs] int64 on the GPU (single launch only):
