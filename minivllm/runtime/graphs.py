@@ -128,6 +128,9 @@ class DecodeGraphs:
         pin = dev.type == "cuda"
         self.staging = [torch.zeros(packed.shape, dtype=torch.uint8, pin_memory=pin)
                         for _ in range(2)]
+        # Their fields as numpy arrays, made once: a step's fill is then numpy work only.
+        self.staging_fields = [tuple(t.numpy() for t in self._views(host, n, m))
+                               for host in self.staging]
         self.staged = [None, None]  # the event after each staging's copy
         self.turn = 0
         self.fn = compiled_forward() if compile_forward else forward
@@ -183,12 +186,11 @@ class DecodeGraphs:
         the bucket size. Host work is a few numpy calls, whatever B (no per-row tensor ops)."""
         b = len(input_ids)
         bs = self.bucket(b)
-        n, m = self.block_tables.shape
+        m = self.block_tables.shape[1]
         self.turn ^= 1
-        staging = self.staging[self.turn]
         if self.staged[self.turn] is not None:
             self.staged[self.turn].synchronize()
-        ids, pos, slot_rows, ctx, tables = (t.numpy() for t in self._views(staging, n, m))
+        ids, pos, slot_rows, ctx, tables = self.staging_fields[self.turn]
         ids[:b], pos[:b], slot_rows[:b], ctx[:b] = input_ids, positions, slots, context_lens
         ids[b:bs] = pos[b:bs] = 0
         slot_rows[b:bs] = -1
@@ -202,7 +204,7 @@ class DecodeGraphs:
         tables[rows, cols] = flat
         # Rows past bs are stale but no graph of bucket bs reads them.
         end = self.tables_at + 4 * bs * m
-        self.packed[:end].copy_(staging[:end], non_blocking=True)
+        self.packed[:end].copy_(self.staging[self.turn][:end], non_blocking=True)
         if self.device.type == "cuda":
             self.staged[self.turn] = torch.cuda.Event()
             self.staged[self.turn].record()
