@@ -134,3 +134,41 @@ def test_bench_latency_runs_one_stream_with_one_decode_bucket(tmp_path):
     assert result["output_tokens"] == 256 and result["prompt_tokens"] == 512
     assert result["output_tok_per_s"] > 0 and result["ttft_s"] > 0
     assert result["seconds"] == pytest.approx(256 / result["output_tok_per_s"])
+    assert result["host_us_per_step"] > 0 and result["wait_us_per_step"] >= 0
+
+
+def test_host_and_wait_splits_each_step_into_host_work_and_the_wait():
+    """bench's host_and_wait: each engine.step call's seconds, and the part of them spent in the
+    launched steps' result() (the wait for the device); unwrapping restores both methods."""
+    import time
+
+    from minivllm.runtime.bench import host_and_wait
+
+    class Pending:
+        def result(self):
+            time.sleep(0.02)
+            return "tokens"
+
+    class Runner:
+        def launch(self, step_input):
+            return Pending()
+
+    class Engine:
+        def __init__(self):
+            self.runner = Runner()
+
+        def step(self):
+            pending = self.runner.launch(None)  # launch, then host work, then read
+            time.sleep(0.01)
+            assert pending.result() == "tokens"
+            return "outputs"
+
+    engine = Engine()
+    log = []
+    unwrap = host_and_wait(engine, log)
+    assert engine.step() == "outputs" and engine.step() == "outputs"
+    unwrap()
+    engine.step()
+    assert len(log) == 2
+    for seconds, waited in log:
+        assert 0.02 <= waited < seconds and seconds - waited >= 0.01

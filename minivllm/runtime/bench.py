@@ -148,6 +148,43 @@ def timed_steps(engine, log: list):
     return remove_hooks
 
 
+def host_and_wait(engine, log: list):
+    """Wrap engine.step to append, for each call, (its seconds, the seconds of it spent waiting
+    for the device's sampled tokens): the rest is the host's own work for a step, which with
+    asynchronous scheduling overlaps the device's. Returns a function that unwraps."""
+    runner = engine.runner
+    inner_step, inner_launch = engine.step, runner.launch
+    waited = [0.0]
+
+    def launch(step_input):
+        pending = inner_launch(step_input)
+        inner_result = pending.result
+
+        def result():
+            t0 = time.perf_counter()
+            try:
+                return inner_result()
+            finally:
+                waited[0] += time.perf_counter() - t0
+
+        pending.result = result
+        return pending
+
+    def step(**kw):
+        waited[0] = 0.0
+        t0 = time.perf_counter()
+        out = inner_step(**kw)
+        log.append((time.perf_counter() - t0, waited[0]))
+        return out
+
+    engine.step, runner.launch = step, launch
+
+    def unwrap():
+        engine.step, runner.launch = inner_step, inner_launch
+
+    return unwrap
+
+
 def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
                    max_output_len: int = 1024, trace: str | None = None, trace_from: int = 400,
                    step_times: str | None = None) -> dict:
@@ -225,9 +262,21 @@ def run_latency(llm, *, prompt_len: int = 512, output_len: int = 256, repeats: i
     if prof is not None:
         prof.stop()
     rate = statistics.median(decode_rates)
+    # One more stream, untimed, with each step split into the host's work and its wait for the
+    # device (the medians over the decode steps, in us): whether the host or the GPU bounds it.
+    log: list = []
+    unwrap = host_and_wait(llm.engine, log)
+    try:
+        llm.generate([prompt()], SamplingParams(max_tokens=output_len, temperature=0.0,
+                                                ignore_eos=True), use_tqdm=False)
+    finally:
+        unwrap()
+    decode = log[2:] or log
     return {"workload": "latency", "prompt_tokens": prompt_len, "output_tokens": output_len,
             "ttft_s": statistics.median(ttfts), "output_tok_per_s": rate,
-            "seconds": output_len / rate}
+            "seconds": output_len / rate,
+            "host_us_per_step": 1e6 * statistics.median(s - w for s, w in decode),
+            "wait_us_per_step": 1e6 * statistics.median(w for _, w in decode)}
 
 
 def add_bench_args(p) -> None:
@@ -314,7 +363,9 @@ def main(args) -> dict:
     line = (f"{workload}: {result['output_tokens']} output tokens in "
             f"{result['seconds']:.2f} s = {result['output_tok_per_s']:.0f} tok/s")
     if "ttft_s" in result:
-        line += f", time to first token {result['ttft_s'] * 1e3:.1f} ms"
+        line += (f", time to first token {result['ttft_s'] * 1e3:.1f} ms; a decode step: host "
+                 f"{result['host_us_per_step']:.0f} us, waiting for the device "
+                 f"{result['wait_us_per_step']:.0f} us (medians)")
     if "floor_fraction" in result:
         line += (f" ({result['floor_fraction']:.0%} of the memory-traffic floor: "
                  f"{result['floor_seconds']:.2f} s at {result['copy_bandwidth_tb_s']:.2f} TB/s"
