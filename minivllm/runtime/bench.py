@@ -241,6 +241,17 @@ def run_latency(llm, *, prompt_len: int = 512, output_len: int = 256, repeats: i
         return {"prompt_token_ids": [rng.randrange(vocab) for _ in range(prompt_len)]}
 
     llm.generate([prompt()], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    # One stream, untimed (and before the profiler counts steps), with each step split into the
+    # host's work and its wait for the device (medians over the decode steps, in us): whether
+    # the host or the GPU bounds the single stream.
+    log: list = []
+    unwrap = host_and_wait(llm.engine, log)
+    try:
+        llm.generate([prompt()], SamplingParams(max_tokens=output_len, temperature=0.0,
+                                                ignore_eos=True), use_tqdm=False)
+    finally:
+        unwrap()
+    decode = log[2:] or log
     prof = None
     if trace:  # steps 100-107 of the last repeat's decode (each repeat runs 1 + output_len steps)
         prof = traced_steps(llm.engine, trace, skip=(repeats - 1) * (output_len + 1) + 101, active=8)
@@ -262,16 +273,6 @@ def run_latency(llm, *, prompt_len: int = 512, output_len: int = 256, repeats: i
     if prof is not None:
         prof.stop()
     rate = statistics.median(decode_rates)
-    # One more stream, untimed, with each step split into the host's work and its wait for the
-    # device (the medians over the decode steps, in us): whether the host or the GPU bounds it.
-    log: list = []
-    unwrap = host_and_wait(llm.engine, log)
-    try:
-        llm.generate([prompt()], SamplingParams(max_tokens=output_len, temperature=0.0,
-                                                ignore_eos=True), use_tqdm=False)
-    finally:
-        unwrap()
-    decode = log[2:] or log
     return {"workload": "latency", "prompt_tokens": prompt_len, "output_tokens": output_len,
             "ttft_s": statistics.median(ttfts), "output_tok_per_s": rate,
             "seconds": output_len / rate,
