@@ -190,13 +190,12 @@ def print_phase_times(fn, calls: int, args, reps: int = 5) -> None:
         print(f"phase times: expected {reps * calls * PHASES} kernels, the profile has "
               f"{len(kernels)}", flush=True)
         return
-    names = PHASE_NAMES
     per_phase = [sorted(k.time_range.elapsed_us() for k in kernels[p::PHASES])
                  for p in range(PHASES)]
     medians = [t[len(t) // 2] for t in per_phase]
+    each = ", ".join(f"{n} {m:.2f}" for n, m in zip(PHASE_NAMES, medians))
     print(f"phases one launch each, profiler kernel time, median us ({args.rows} row(s), context "
-          f"{args.context}): " + ", ".join(f"{n} {m:.2f}" for n, m in zip(names, medians)) +
-          f"; sum {sum(medians):.2f}", flush=True)
+          f"{args.context}): {each}; sum {sum(medians):.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -25,12 +25,12 @@ the barrier counter only grows, so a step copies and zeroes nothing before the l
 H200 (BENCHMARKS.md sessions 16-19, benchmarks/decode_layer_probe.py) the stack runs 24.4-24.5
 us a layer at one row and a 600-token context (25.2 without kv_early, 28.0-28.2 with every
 placement off), 33.0 at two rows (38.0), and the engine's single stream 1,240-1,254 tok/s
-against 905-910 with the compiled layers. Inside the single launch (decode_stack's timeline: %globaltimer at every
-barrier) a layer's 24.5 us span as: qkv 3.1, attention 5.4, merge 5.2 (16 programs merge, the
-slowest 3.5 us), o_proj 2.2, gate/up 5.6, down 3.0. From the last arrival to the median
-departure a barrier takes 0.7 us, or 1.0-2.0 where the programs issue loads after arriving (the
-departure follows the issue: gate/up's 12.6 MB after the merge, the next qkv's 8.4 MB after
-down).
+against 905-910 with the compiled layers. Inside the single launch (decode_stack's timeline:
+%globaltimer at every barrier) a layer's 24.5 us span as: qkv 3.1, attention 5.4, merge 5.2
+(16 programs merge, the slowest 3.5 us), o_proj 2.2, gate/up 5.6, down 3.0. From the last
+arrival to the median departure a barrier takes 0.7 us, or 1.0-2.0 where the programs issue
+loads after arriving (the departure follows the issue: gate/up's 12.6 MB after the merge, the
+next qkv's 8.4 MB after down).
 Measured slower and left out: L2 prefetches of the later phases' weights (+5.4 us a layer) or
 of the next layer's cache rows (+2.4), the last split merging its heads in place of the merge
 phase (+2.1), barriers that poll with acquire loads or per-program flags (1.50 and 1.38 us a
@@ -516,7 +516,8 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
                  dtype: torch.dtype, programs: int | None = None,
                  phase_by_phase: bool | None = None, num_warps: int = 8,
                  block_k: int | None = None, prefetch_next: bool = True,
-                 gate_up_early: bool = True, arrive_first: bool = True, kv_early: bool | None = None,
+                 gate_up_early: bool = True, arrive_first: bool = True,
+                 kv_early: bool | None = None,
                  counter: torch.Tensor | None = None,
                  timeline: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder layers of `table` (layer_table) for a decode batch of M <= MAX_ROWS rows on
@@ -539,9 +540,10 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
     (None: at 1 row, 24.4 against 25.2 us a layer, session 19; at 2 it spills and measured 8%
     slower, session 18): each program loads the first tile of its first attention unit's cached
     K/V into registers after it arrives at the barrier before attention, so that attention's
-    cache reads wait on neither the q/k/v loads, nor the new token's store, nor the DRAM. counter: the grid barriers' int64 [1] arrival
-    counter, which only grows and which launches of this many programs may share
-    (with_persistent_layers keeps one, so that a step zeroes none); None: a new one. timeline:
+    cache reads wait on neither the q/k/v loads, nor the new token's store, nor the DRAM.
+    counter: the grid barriers' int64 [1] arrival counter, which only grows and which launches
+    of this many programs may share (with_persistent_layers keeps one, so that a step zeroes
+    none); None: a new one. timeline:
     for the probe, [1 + layers * 2 * PHASES, programs] int64 on the GPU (single launch only):
     row 0 gets each program's start time (ns, %globaltimer), row 1 + 2 * (layer * PHASES + k)
     the time it arrived at the barrier after phase k of that layer, the row after it when it
