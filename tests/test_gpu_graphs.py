@@ -66,3 +66,29 @@ def test_graphs_and_async_scheduling_equal_eager(deep_dir, dtype):
         gap = best - b.logprobs[k][a.token_ids[k]].logprob
         assert gap < 0.5, f"diverged at {k} to a token {gap} below eager's best"
     assert diverged < len(prompts), "no prompt agrees throughout"
+
+
+def test_plain_greedy_streams_take_the_graphs_pick(deep_dir):
+    """One and two plain-greedy sequences (the persistent buckets, whose graphs pick the
+    arg-max themselves): the same tokens as the eager engine in fp32, from the graphs' pick."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [{"prompt_token_ids": torch.randint(0, 257, (n,), generator=g).tolist()}
+               for n in (9, 70)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    eager = LLM(deep_dir, dtype="float32", num_kv_blocks=256, max_num_seqs=8, enforce_eager=True)
+    fast = LLM(deep_dir, dtype="float32", num_kv_blocks=256, max_num_seqs=8)
+    graphs = fast.engine.runner.graphs
+    assert graphs is not None and graphs.greedy_rows == 2
+    picked, inner = [], graphs.picks_greedy
+
+    def spy(b):
+        picked.append((b, inner(b)))
+        return picked[-1][1]
+
+    graphs.picks_greedy = spy
+    for batch in (prompts[:1], prompts):
+        want = [o.outputs[0].token_ids for o in eager.generate(batch, params, use_tqdm=False)]
+        picked.clear()
+        got = [o.outputs[0].token_ids for o in fast.generate(batch, params, use_tqdm=False)]
+        assert got == want
+        assert picked.count((len(batch), True)) >= 20, picked

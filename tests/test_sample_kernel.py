@@ -10,7 +10,7 @@ import torch
 
 from minivllm.functional.sampling import (SamplingRow, counter_bits, counter_key, gumbel_argmax_reference,
                                           gumbel_from_bits, make_sampling_batch, sample)
-from minivllm.kernels.sample_kernel import chunk_size, gumbel_argmax, gumbel_noise
+from minivllm.kernels.sample_kernel import chunk_size, greedy_argmax, gumbel_argmax, gumbel_noise
 
 SEEDS = [0, 1, 7, 2**63 - 1, -(2**63), -1, 123456789012345, 42]
 STEPS = [0, 3, 2**31, 1, 2**32 - 1, 9, 0, 100]
@@ -67,6 +67,34 @@ def test_greedy_ties_go_to_the_first_max_across_lanes_and_chunks(device, tiling)
     block, chunk = tiling
     got = gumbel_argmax(logits, temps, seeds, seeds, block=block, chunk=chunk)
     assert got.tolist() == logits.argmax(-1).tolist() == [5, 64, got[2].item(), 0, 650, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tiling", [(64, 64), (64, 256), (1024, None)])
+def test_greedy_argmax_equals_torch_argmax_with_ties(device, dtype, tiling):
+    """The noiseless variant (no per-row parameters), on random rows and on the tie rows above."""
+    v = 700
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(9, v, generator=gen) * 3
+    logits[0, [5, 300, 699]] = 40.0          # three maxima in different chunks
+    logits[1, [600, 64, 128]] = 40.0         # the same lane of different blocks
+    logits[2] = torch.round(torch.randn(v, generator=gen))  # many ties
+    logits[3] = float("-inf")                # all banned: id 0
+    logits[4, :] = float("-inf")
+    logits[4, [650, 699]] = -1.0             # only the last chunk has finite values
+    logits[5] = 1.0                           # all equal: id 0
+    logits = logits.to(dtype).to(device)
+    block, chunk = tiling
+    want = logits.float().argmax(-1)
+    assert greedy_argmax(logits, block=block, chunk=chunk).tolist() == want.tolist()
+    out = torch.full((9,), -7, dtype=torch.int64, device=device)
+    copy = torch.full((9,), -7, dtype=torch.int64, device=device)
+    assert greedy_argmax(logits[:, :650], out=out, copy_to=copy, block=block, chunk=chunk) is out
+    assert out.tolist() == copy.tolist() == logits[:, :650].float().argmax(-1).tolist()  # strided
+    with pytest.raises(ValueError, match="out must be a contiguous int64"):
+        greedy_argmax(logits, out=out[:3])
+    with pytest.raises(ValueError, match="copy_to must be a contiguous int64"):
+        greedy_argmax(logits, copy_to=copy.to(torch.int32))
 
 
 def test_strided_logits_and_banned_ids(device):

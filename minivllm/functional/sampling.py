@@ -138,6 +138,13 @@ class SamplingRow:
     logprobs: int | None = None
 
 
+def plain_greedy(row: SamplingRow) -> bool:
+    """Whether sample() gives this row the plain arg-max of its logits: greedy, with no
+    penalty, no banned id and no logprobs (top-k, top-p and min-p do not touch a greedy row)."""
+    return (row.temperature == 0 and row.presence_penalty == 0 and row.frequency_penalty == 0
+            and row.repetition_penalty == 1 and not row.banned_ids and row.logprobs is None)
+
+
 @pytree_class
 class SamplingBatch:
     """Per-row sampling parameters for B rows of logits, as device tensors.

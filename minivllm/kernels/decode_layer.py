@@ -24,8 +24,9 @@ block is one load (chunk_columns). Layer 0 reads the stem's x and residual where
 the barrier counter only grows, so a step copies and zeroes nothing before the launch. On the
 H200 (BENCHMARKS.md sessions 16-19, benchmarks/decode_layer_probe.py) the stack runs 24.4-24.5
 us a layer at one row and a 600-token context (25.2 without kv_early, 28.0-28.2 with every
-placement off), 33.0 at two rows (38.0), and the engine's single stream 1,240-1,254 tok/s
-against 905-910 with the compiled layers. Inside the single launch (decode_stack's timeline:
+placement off), 33.0 at two rows (38.0), and the engine's single stream 1,278-1,297 tok/s
+(session 20, with decode_stem's stem and the graph's greedy pick) against 905-910 with the
+compiled layers. Inside the single launch (decode_stack's timeline:
 %globaltimer at every barrier) a layer's 24.5 us span as: qkv 3.1, attention 5.4, merge 5.2
 (16 programs merge, the slowest 3.5 us), o_proj 2.2, gate/up 5.6, down 3.0. From the last
 arrival to the median departure a barrier takes 0.7 us, or 1.0-2.0 where the programs issue
@@ -647,10 +648,15 @@ def decode_layer(lp: LayerParams, x: torch.Tensor, residual: torch.Tensor | None
 
 def with_persistent_layers(forward_fn, params: Params, cache: KVCache):
     """forward_fn (functional.model.forward or a compiled one) with its layer stack run by
-    persistent_layers over params' and cache's layer_table, built here once."""
+    persistent_layers over params' and cache's layer_table, built here once, and its stem by
+    one kernel at decode steps (kernels.decode_stem, in place of four)."""
+    from ..functional.model import stem as functional_stem
+    from .decode_stem import stem_for
+
     table = layer_table(params.layers, cache.k, cache.v)
     counter = torch.zeros(1, device=table.device, dtype=torch.int64)
-    return functools.partial(forward_fn, layers=functools.partial(
+    stem = stem_for(params, getattr(forward_fn, "keywords", {}).get("stem", functional_stem))
+    return functools.partial(forward_fn, stem=stem, layers=functools.partial(
         persistent_layers, table=table, counter=counter))
 
 

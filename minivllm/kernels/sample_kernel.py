@@ -86,11 +86,14 @@ def _gumbel(bits, FAST_LOG: tl.constexpr = False):
 @triton.jit
 def _partial_argmax_kernel(logits_ptr, temp_ptr, seeds_ptr, steps_ptr, val_ptr, idx_ptr,
                            V, stride_row, num_chunks,
-                           CHUNK: tl.constexpr, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr):
+                           CHUNK: tl.constexpr, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr,
+                           GREEDY: tl.constexpr = False):
+    """GREEDY: every row's plain arg-max; temp_ptr, seeds_ptr and steps_ptr are not read."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    t = tl.load(temp_ptr + row)
-    key = _counter_key(tl.load(seeds_ptr + row), tl.load(steps_ptr + row))
+    if not GREEDY:
+        t = tl.load(temp_ptr + row)
+        key = _counter_key(tl.load(seeds_ptr + row), tl.load(steps_ptr + row))
     base = logits_ptr + row.to(tl.int64) * stride_row
     start = chunk * CHUNK
     offs = tl.arange(0, BLOCK)
@@ -102,8 +105,9 @@ def _partial_argmax_kernel(logits_ptr, temp_ptr, seeds_ptr, steps_ptr, val_ptr, 
         v = off + offs
         mask = v < V
         x = tl.load(base + v, mask=mask, other=float("-inf")).to(tl.float32)
-        g = _gumbel(_counter_bits(key, v), FAST_LOG)
-        x = tl.where(t > 0, x + t * g, x)
+        if not GREEDY:
+            g = _gumbel(_counter_bits(key, v), FAST_LOG)
+            x = tl.where(t > 0, x + t * g, x)
         better = x > best
         best = tl.where(better, x, best)
         best_id = tl.where(better, v, best_id)
@@ -115,7 +119,9 @@ def _partial_argmax_kernel(logits_ptr, temp_ptr, seeds_ptr, steps_ptr, val_ptr, 
 
 
 @triton.jit
-def _final_argmax_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, BLOCK_S: tl.constexpr):
+def _final_argmax_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, BLOCK_S: tl.constexpr,
+                         out2_ptr=None, HAS_OUT2: tl.constexpr = False):
+    """HAS_OUT2: the ids are stored at out2_ptr too."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_S)
     mask = offs < num_chunks
@@ -125,6 +131,8 @@ def _final_argmax_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, BLOCK_S: tl.cons
     # Chunks are in id order and each holds its own first max: the lowest id among the maxima.
     first = tl.min(tl.where((vals == m) & mask, ids, 2147483647), axis=0)
     tl.store(out_ptr + row, first.to(tl.int64))
+    if HAS_OUT2:
+        tl.store(out2_ptr + row, first.to(tl.int64))
 
 
 def chunk_size(rows: int, vocab: int, device: torch.device, block: int = BLOCK) -> int:
@@ -170,6 +178,39 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     _partial_argmax_kernel[(b, n)](logits, temperature, seeds, steps, vals, ids, v, logits.stride(0), n,
                                    CHUNK=chunk, BLOCK=block, FAST_LOG=fast_log, num_warps=NUM_WARPS)
     _final_argmax_kernel[(b,)](vals, ids, out, n, BLOCK_S=next_pow2(n), num_warps=1)
+    return out
+
+
+def greedy_argmax(logits: torch.Tensor, *, out: torch.Tensor | None = None,
+                  copy_to: torch.Tensor | None = None, block: int = BLOCK,
+                  chunk: int | None = None) -> torch.Tensor:
+    """logits [B, V] -> each row's arg-max, ids [B] int64 (into `out` when given, and into
+    `copy_to` too, a second [B] int64 destination: a decode graph's next input ids): the
+    kernels above without the noise, so no per-row parameters. Ties go to the lowest id, as
+    torch.argmax; unlike it, a NaN never wins (rows of the model's logits hold none). In a CUDA
+    graph it took 4.0 us at one row of Qwen3's vocabulary, against torch.argmax's 8.4
+    (benchmarks/greedy_pick_probe.py, BENCHMARKS.md session 19)."""
+    b, v = logits.shape
+    assert v < 2**31, "ids are int32 inside the kernel"
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    chunk = chunk or chunk_size(b, v, logits.device, block)
+    assert chunk % block == 0, (chunk, block)
+    n = triton.cdiv(v, chunk)
+    vals = torch.empty(b, n, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(b, n, dtype=torch.int32, device=logits.device)
+    if out is None:
+        out = torch.empty(b, dtype=torch.int64, device=logits.device)
+    for name, t in (("out", out), ("copy_to", copy_to)):
+        if t is not None and (t.shape != (b,) or t.dtype != torch.int64 or
+                              t.device != logits.device or t.stride(0) != 1):
+            raise ValueError(f"{name} must be a contiguous int64 [{b}] on {logits.device}, got "
+                             f"{t.dtype} {list(t.shape)} on {t.device}")
+    _partial_argmax_kernel[(b, n)](logits, logits, logits, logits, vals, ids, v, logits.stride(0),
+                                   n, CHUNK=chunk, BLOCK=block, FAST_LOG=False, GREEDY=True,
+                                   num_warps=NUM_WARPS)
+    _final_argmax_kernel[(b,)](vals, ids, out, n, BLOCK_S=next_pow2(n), out2_ptr=copy_to,
+                               HAS_OUT2=copy_to is not None, num_warps=1)
     return out
 
 

@@ -112,6 +112,7 @@ class DecodeGraphs:
         # up to 4 rows (n4), ids, positions and slots int64 [n] at bytes 0, 8 n4 and 16 n4,
         # context lengths int32 [n] at 24 n4, block tables int32 [n, m] at 28 n4.
         self.tables_at = 28 * (n + -n % 4)
+        self.ids_end = 8 * (n + -n % 4)
         packed = torch.zeros(self.tables_at + 4 * n * m, dtype=torch.uint8, device=dev)
         self.input_ids, self.positions, self.slot_mapping, self.context_lens, \
             self.block_tables = self._views(packed, n, m)
@@ -139,6 +140,16 @@ class DecodeGraphs:
             from ..kernels.decode_layer import MAX_ROWS, with_persistent_layers
 
             self.small_fn, self.small_rows = with_persistent_layers(self.fn, params, cache), MAX_ROWS
+        # The persistent buckets' graphs also pick each row's arg-max into this static buffer
+        # (sample_kernel.greedy_argmax, 4 us at one row against an eager torch.argmax's 8 and
+        # its launch), which a step whose rows are all plain greedy takes as its tokens: it
+        # then builds no sampling batch and launches nothing after the replay. The pick is
+        # also written into the input ids, where a next step that feeds every row's token back
+        # to the same row finds it (fill(keep_ids=True) then leaves them be: no copy from the
+        # previous step's tokens). Rows of one rank only (a tensor-parallel rank's logits are
+        # gathered elsewhere).
+        self.greedy_rows = self.small_rows if params.shard.world_size == 1 else 0
+        self.greedy_tokens = torch.zeros(n, dtype=torch.int64, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -157,13 +168,11 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.no_grad():
             for bs in reversed(self.buckets):
-                batch = self.batch_view(bs)
-                fn = self.small_fn if bs <= self.small_rows else self.fn
                 for _ in range(2):
-                    fn(self.params, self.cache, batch, self.backend)
+                    self._decode(bs)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    logits, _ = fn(self.params, self.cache, batch, self.backend)
+                    logits = self._decode(bs)
                 pool = graph.pool()
                 self.graphs[bs], self.outputs[bs] = graph, logits
                 if len(self.graphs) == 1:
@@ -173,6 +182,22 @@ class DecodeGraphs:
         log.info("minivllm: captured decode CUDA graphs for batch sizes %s in %.1f s (the first, "
                  "compile included, %.1f s)", self.buckets, time.perf_counter() - start, first)
 
+    def _decode(self, bs: int) -> torch.Tensor:
+        """What bucket bs's graph runs: the forward (and, when the bucket picks greedy tokens,
+        the pick into greedy_tokens). Returns the logits [bs, vocab]."""
+        fn = self.small_fn if bs <= self.small_rows else self.fn
+        logits, _ = fn(self.params, self.cache, self.batch_view(bs), self.backend)
+        if bs <= self.greedy_rows:
+            from ..kernels.sample_kernel import greedy_argmax
+
+            greedy_argmax(logits, out=self.greedy_tokens[:bs], copy_to=self.input_ids[:bs])
+        return logits
+
+    def picks_greedy(self, b: int) -> bool:
+        """Whether the graph that runs b rows also leaves their arg-max in greedy_tokens[:b]."""
+        bs = self.bucket(b)
+        return bs is not None and bs <= self.greedy_rows
+
     def bucket(self, b: int) -> int | None:
         for size in self.buckets:
             if size >= b:
@@ -180,9 +205,12 @@ class DecodeGraphs:
         return None
 
     def fill(self, input_ids: list[int], positions: list[int], slots: list[int],
-             context_lens: list[int], block_tables: list[list[int]]) -> int:
+             context_lens: list[int], block_tables: list[list[int]], *,
+             keep_ids: bool = False) -> int:
         """Copy one decode step (B rows) into the static buffers, padding to the bucket. Returns
-        the bucket size. Host work is numpy only (no tensor ops but the one copy)."""
+        the bucket size. Host work is numpy only (no tensor ops but the one copy). keep_ids:
+        leave the device's input ids as they are (the last replay's greedy pick put them
+        there) and copy the other fields only."""
         b = len(input_ids)
         bs = self.bucket(b)
         m = self.block_tables.shape[1]
@@ -201,8 +229,8 @@ class DecodeGraphs:
         for row, table in enumerate(block_tables):
             tables[row, :len(table)] = table
         # Rows past bs are stale but no graph of bucket bs reads them.
-        end = self.tables_at + 4 * bs * m
-        self.packed[:end].copy_(self.staging[self.turn][:end], non_blocking=True)
+        start, end = (self.ids_end if keep_ids else 0), self.tables_at + 4 * bs * m
+        self.packed[start:end].copy_(self.staging[self.turn][start:end], non_blocking=True)
         if self.device.type == "cuda":
             self.staged[self.turn] = torch.cuda.Event()
             self.staged[self.turn].record()

@@ -21,7 +21,8 @@ import torch
 from torch.profiler import record_function
 
 from ..functional.model import forward
-from ..functional.sampling import SampleOutput, SamplingRow, make_sampling_batch, sample
+from ..functional.sampling import (SampleOutput, SamplingRow, make_sampling_batch, plain_greedy,
+                                  sample)
 from ..kernels import select_backend
 from ..state.batch import SeqChunk, decode_rows, make_batch
 from ..state.cache import init_cache
@@ -87,7 +88,7 @@ class StepResult:
 
 class PendingStep:
     """A launched step: its sampled tokens (and logprobs) are on their way to the host, in pinned
-    memory, behind an event; result() waits for them. On CPU everything is already there."""
+    memory, behind an event; result() waits for them. On CPU they are copied at once."""
 
     def __init__(self, rows: list[SamplingRow], out: SampleOutput | None, device: torch.device):
         self.rows = rows
@@ -104,7 +105,9 @@ class PendingStep:
             self.event = torch.cuda.Event()
             self.event.record()
         else:
-            self.host = tensors
+            # Copies: the tokens may be a view of a graph's static buffer, which the next step
+            # rewrites before this one is read.
+            self.host = [t.clone() for t in tensors]
 
     def result(self) -> StepResult:
         if self.host is None:
@@ -174,6 +177,7 @@ class ModelRunner:
                                 dtype=config.cache_dtype)
         self.graphs = None
         self.last_tokens = None  # [rows] the last launched step's sampled ids, on the device
+        self.ids_in_graph = False  # whether the graphs' input ids hold last_tokens already
         try:
             self._compile_and_capture(config)
             with _logged_time("kernel warm-up"):
@@ -312,18 +316,33 @@ class ModelRunner:
             out = sample(logits, sb) if sb is not None else None
         return out, cache
 
-    def _run_decode_graph(self, step: StepInput):
-        """A decode step (one new token for every sequence) replayed from its CUDA graph."""
+    def _run_decode_graph(self, step: StepInput, ids_in_graph: bool = False):
+        """A decode step (one new token for every sequence) replayed from its CUDA graph.
+        ids_in_graph: the last launched step took its graph's greedy pick, which is then in the
+        graphs' input ids already."""
+        b = len(step.chunks)
+        # All rows plain greedy, in a graph that picks their arg-max itself: no sampling batch,
+        # nothing launched after the replay (the tokens are a view of the graph's static buffer,
+        # read in stream order before the next replay rewrites it).
+        greedy = self.graphs.picks_greedy(b) and all(map(plain_greedy, step.rows))
         with trace_range("prepare_decode"):
             rows = decode_rows(step.chunks, self.block_size)
             # The sampling batch's copies go first: queued behind the replay, copies from pageable
             # memory would make the host wait for the whole forward before sampling could start.
-            sb = make_sampling_batch(step.rows, vocab_size=self.vocab_size, device=self.device,
-                                     steps=step.steps)
-            self.graphs.fill(*rows)
-            self._feed_back(self.graphs.input_ids, step)
+            sb = None if greedy else make_sampling_batch(
+                step.rows, vocab_size=self.vocab_size, device=self.device, steps=step.steps)
+            # After a step that took the graph's pick, the pick is in the input ids already:
+            # when every row's token comes back to its own row, they need no copy.
+            keep_ids = ids_in_graph and len(step.fed_back) == b and \
+                all(i == r for i, r in step.fed_back)
+            self.graphs.fill(*rows, keep_ids=keep_ids)
+            if not keep_ids:
+                self._feed_back(self.graphs.input_ids, step)
         with trace_range("replay"):
-            logits = self.graphs.replay(len(step.chunks))
+            logits = self.graphs.replay(b)
+        if greedy:
+            self.ids_in_graph = True
+            return SampleOutput(token_ids=self.graphs.greedy_tokens[:b])
         with trace_range("sample"):
             return sample(logits, sb)
 
@@ -334,9 +353,10 @@ class ModelRunner:
 
     def launch(self, step: StepInput) -> PendingStep:
         """Queue the step's forward and sampling on the device and return without waiting."""
+        ids_in_graph, self.ids_in_graph = self.ids_in_graph, False
         if self._graph_step(step):
             with torch.no_grad():
-                out = self._run_decode_graph(step)
+                out = self._run_decode_graph(step, ids_in_graph)
         else:
             out, self.cache = self._run(self.cache, step)
         self.last_tokens = out.token_ids if out is not None else None

@@ -1,0 +1,123 @@
+"""A decode step whose rows are all plain greedy takes the arg-max that the decode graph picks
+itself (DecodeGraphs.greedy_tokens) and builds no sampling batch; any other step samples as
+before. On CPU there are no CUDA graphs, so the graphs here replay their function eagerly
+(DecodeGraphs._decode, which is what capture records); tests/test_gpu_graphs.py has the captured
+graphs. The oracle is transformers' greedy decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import minivllm.runtime.runner as runner_module
+from minivllm import LLM, SamplingParams
+from minivllm.functional.sampling import SamplingRow, plain_greedy
+from minivllm.runtime.graphs import DecodeGraphs
+
+from hf_tiny import make_hf_model, save_checkpoint
+
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    return make_hf_model(seed=0, std=0.3)  # margins well above rounding, as in test_engine
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(hf_model, tmp_path_factory):
+    return save_checkpoint(hf_model, tmp_path_factory.mktemp("greedy") / "model")
+
+
+def hf_greedy(model, prompt, n):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].float().argmax()))
+    return ids[len(prompt):]
+
+
+def eager_graphs(llm, greedy_rows: int, monkeypatch) -> dict:
+    """Give llm's runner DecodeGraphs whose replay runs the captured function eagerly; count the
+    replays and the sampling batches built."""
+    runner = llm.engine.runner
+    graphs = DecodeGraphs(runner.params, runner.cache, runner.backend, max_num_seqs=4,
+                          max_blocks_per_seq=8, compile_forward=False)
+    graphs.greedy_rows = greedy_rows
+    counts = {"replays": 0, "sampling_batches": 0}
+
+    def replay(b):
+        counts["replays"] += 1
+        return graphs._decode(graphs.bucket(b))[:b]
+
+    graphs.replay = replay
+    runner.graphs = graphs
+    make = runner_module.make_sampling_batch
+
+    def counting_make(*args, **kw):
+        counts["sampling_batches"] += 1
+        return make(*args, **kw)
+
+    monkeypatch.setattr(runner_module, "make_sampling_batch", counting_make)
+    return counts
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_plain_greedy_steps_take_the_graphs_pick(tiny_dir, hf_model, monkeypatch, async_scheduling):
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 101, (n,), generator=g).tolist() for n in (5, 17, 3)]
+    want = [hf_greedy(hf_model, p, MAX_TOKENS) for p in prompts]
+    llm = LLM(tiny_dir, dtype="float32", num_kv_blocks=64, block_size=4, max_num_seqs=4,
+              async_scheduling=async_scheduling)
+    counts = eager_graphs(llm, greedy_rows=2, monkeypatch=monkeypatch)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    # One and two sequences: every decode step is a graph step of a bucket that picks.
+    for batch in ([prompts[0]], prompts[:2]):
+        counts.update(replays=0, sampling_batches=0)
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want[:len(batch)]
+        assert counts["replays"] >= MAX_TOKENS - 1
+        # Only the prefill steps built a sampling batch (one or two of them, not one a step).
+        assert counts["sampling_batches"] <= len(batch)
+
+    # Three sequences: bucket 4 does not pick, so every step samples.
+    counts.update(replays=0, sampling_batches=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert counts["sampling_batches"] >= MAX_TOKENS
+
+    # Greedy with logprobs is not plain: it samples, and its logprobs are there.
+    counts.update(replays=0, sampling_batches=0)
+    out = llm.generate([{"prompt_token_ids": prompts[1]}],
+                       SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                      logprobs=2), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == want[1] and len(out.logprobs) == MAX_TOKENS
+    assert counts["sampling_batches"] >= MAX_TOKENS
+
+
+def test_a_sampled_row_beside_a_greedy_one_keeps_its_own_draws(tiny_dir, monkeypatch):
+    """A step that mixes a plain-greedy row with a sampled one samples both (seeded: the draw is
+    the one the engine without graphs makes)."""
+    prompt = list(range(3, 12))
+    both = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+            SamplingParams(temperature=1.0, seed=5, max_tokens=MAX_TOKENS, ignore_eos=True)]
+    plain = LLM(tiny_dir, dtype="float32", num_kv_blocks=64, block_size=4, max_num_seqs=4)
+    want = [o.outputs[0].token_ids for o in plain.generate(
+        [{"prompt_token_ids": prompt}] * 2, both, use_tqdm=False)]
+    llm = LLM(tiny_dir, dtype="float32", num_kv_blocks=64, block_size=4, max_num_seqs=4)
+    counts = eager_graphs(llm, greedy_rows=2, monkeypatch=monkeypatch)
+    got = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": prompt}] * 2, both, use_tqdm=False)]
+    assert got == want and counts["replays"] >= MAX_TOKENS - 1
+    assert counts["sampling_batches"] >= MAX_TOKENS
+
+
+def test_plain_greedy_rule():
+    assert plain_greedy(SamplingRow(temperature=0.0))
+    assert plain_greedy(SamplingRow(temperature=0.0, top_k=5, top_p=0.5, min_p=0.1, seed=3))
+    for row in (SamplingRow(temperature=0.7), SamplingRow(temperature=0.0, presence_penalty=0.5),
+                SamplingRow(temperature=0.0, frequency_penalty=-0.1),
+                SamplingRow(temperature=0.0, repetition_penalty=1.2),
+                SamplingRow(temperature=0.0, banned_ids=(2,)), SamplingRow(temperature=0.0, logprobs=0)):
+        assert not plain_greedy(row), row
