@@ -37,13 +37,15 @@ def hf_greedy(model, prompt, n):
     return ids[len(prompt):]
 
 
-def eager_graphs(llm, greedy_rows: int, monkeypatch) -> dict:
+def eager_graphs(llm, greedy_rows: int, monkeypatch, head_picks: bool = True) -> dict:
     """Give llm's runner DecodeGraphs whose replay runs the captured function eagerly; count the
-    replays and the sampling batches built."""
+    replays and the sampling batches built. head_picks: the pick's first half in the head's
+    kernel (kernels.decode_head), else after the logits (sample_kernel.greedy_argmax)."""
     runner = llm.engine.runner
     graphs = DecodeGraphs(runner.params, runner.cache, runner.backend, max_num_seqs=4,
                           max_blocks_per_seq=8, compile_forward=False)
-    graphs.greedy_rows = greedy_rows
+    assert graphs.head_picks  # hidden 64 in fp32 fits the head kernel
+    graphs.greedy_rows, graphs.head_picks = greedy_rows, head_picks
     counts = {"replays": 0, "sampling_batches": 0}
 
     def replay(b):
@@ -62,14 +64,16 @@ def eager_graphs(llm, greedy_rows: int, monkeypatch) -> dict:
     return counts
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_plain_greedy_steps_take_the_graphs_pick(tiny_dir, hf_model, monkeypatch, async_scheduling):
+@pytest.mark.parametrize("async_scheduling, head_picks", [(True, True), (False, True),
+                                                           (True, False)])
+def test_plain_greedy_steps_take_the_graphs_pick(tiny_dir, hf_model, monkeypatch, async_scheduling,
+                                                 head_picks):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 101, (n,), generator=g).tolist() for n in (5, 17, 3)]
     want = [hf_greedy(hf_model, p, MAX_TOKENS) for p in prompts]
     llm = LLM(tiny_dir, dtype="float32", num_kv_blocks=64, block_size=4, max_num_seqs=4,
               async_scheduling=async_scheduling)
-    counts = eager_graphs(llm, greedy_rows=2, monkeypatch=monkeypatch)
+    counts = eager_graphs(llm, greedy_rows=2, monkeypatch=monkeypatch, head_picks=head_picks)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
     # One and two sequences: every decode step is a graph step of a bucket that picks.

@@ -75,7 +75,9 @@ def forward(params: Params, cache: KVCache, batch: Batch, backend: AttentionBack
     parts compiled (torch.compile(decoder_layer), ...): the function is unchanged, only how it is
     executed. `layers`, if given, runs the whole layer stack instead of a loop over `layer`:
     layers(params, cache, batch, backend, x, residual, cos, sin) -> (x, residual), e.g. one
-    persistent kernel for every layer (kernels.decode_layer.persistent_layers)."""
+    persistent kernel for every layer (kernels.decode_layer.persistent_layers). What `head`
+    returns is what comes back in the logits' place (kernels.decode_head.picking_head: the
+    logits and the tiles' maxima of a greedy pick)."""
     x, residual, cos, sin = stem(params, batch)
     if layers is not None:
         x, residual = layers(params, cache, batch, backend, x, residual, cos, sin)

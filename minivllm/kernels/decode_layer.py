@@ -24,9 +24,9 @@ block is one load (chunk_columns). Layer 0 reads the stem's x and residual where
 the barrier counter only grows, so a step copies and zeroes nothing before the launch. On the
 H200 (BENCHMARKS.md sessions 16-19, benchmarks/decode_layer_probe.py) the stack runs 24.4-24.5
 us a layer at one row and a 600-token context (25.2 without kv_early, 28.0-28.2 with every
-placement off), 33.0 at two rows (38.0), and the engine's single stream 1,278-1,297 tok/s
-(session 20, with decode_stem's stem and the graph's greedy pick) against 905-910 with the
-compiled layers. Inside the single launch (decode_stack's timeline:
+placement off), 33.0 at two rows (38.0), and the engine's single stream 1,278-1,299 tok/s
+(session 20, between decode_stem's stem and decode_head's head, with the graph's greedy pick)
+against 905-910 with the compiled layers. Inside the single launch (decode_stack's timeline:
 %globaltimer at every barrier) a layer's 24.5 us span as: qkv 3.1, attention 5.4, merge 5.2
 (16 programs merge, the slowest 3.5 us), o_proj 2.2, gate/up 5.6, down 3.0. From the last
 arrival to the median departure a barrier takes 0.7 us, or 1.0-2.0 where the programs issue

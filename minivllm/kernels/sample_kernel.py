@@ -181,6 +181,14 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     return out
 
 
+def _check_outs(b: int, device: torch.device, out, copy_to) -> None:
+    for name, t in (("out", out), ("copy_to", copy_to)):
+        if t is not None and (t.shape != (b,) or t.dtype != torch.int64 or t.device != device
+                              or t.stride(0) != 1):
+            raise ValueError(f"{name} must be a contiguous int64 [{b}] on {device}, got "
+                             f"{t.dtype} {list(t.shape)} on {t.device}")
+
+
 def greedy_argmax(logits: torch.Tensor, *, out: torch.Tensor | None = None,
                   copy_to: torch.Tensor | None = None, block: int = BLOCK,
                   chunk: int | None = None) -> torch.Tensor:
@@ -192,6 +200,7 @@ def greedy_argmax(logits: torch.Tensor, *, out: torch.Tensor | None = None,
     (benchmarks/greedy_pick_probe.py, BENCHMARKS.md session 19)."""
     b, v = logits.shape
     assert v < 2**31, "ids are int32 inside the kernel"
+    _check_outs(b, logits.device, out, copy_to)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     chunk = chunk or chunk_size(b, v, logits.device, block)
@@ -199,18 +208,26 @@ def greedy_argmax(logits: torch.Tensor, *, out: torch.Tensor | None = None,
     n = triton.cdiv(v, chunk)
     vals = torch.empty(b, n, dtype=torch.float32, device=logits.device)
     ids = torch.empty(b, n, dtype=torch.int32, device=logits.device)
-    if out is None:
-        out = torch.empty(b, dtype=torch.int64, device=logits.device)
-    for name, t in (("out", out), ("copy_to", copy_to)):
-        if t is not None and (t.shape != (b,) or t.dtype != torch.int64 or
-                              t.device != logits.device or t.stride(0) != 1):
-            raise ValueError(f"{name} must be a contiguous int64 [{b}] on {logits.device}, got "
-                             f"{t.dtype} {list(t.shape)} on {t.device}")
     _partial_argmax_kernel[(b, n)](logits, logits, logits, logits, vals, ids, v, logits.stride(0),
                                    n, CHUNK=chunk, BLOCK=block, FAST_LOG=False, GREEDY=True,
                                    num_warps=NUM_WARPS)
-    _final_argmax_kernel[(b,)](vals, ids, out, n, BLOCK_S=next_pow2(n), out2_ptr=copy_to,
-                               HAS_OUT2=copy_to is not None, num_warps=1)
+    return argmax_of_tiles(vals, ids, out=out, copy_to=copy_to)
+
+
+def argmax_of_tiles(tile_max: torch.Tensor, tile_argmax: torch.Tensor, *,
+                    out: torch.Tensor | None = None, copy_to: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """tile_max [B, n] fp32, tile_argmax [B, n] int32: each vocabulary tile's max and the first
+    id of it, tiles in id order -> each row's first id of its max, [B] int64 (into `out` and
+    `copy_to` as in greedy_argmax). The second half of greedy_argmax, and of a pick whose first
+    half another kernel did (kernels.decode_head)."""
+    b, n = tile_max.shape
+    _check_outs(b, tile_max.device, out, copy_to)
+    if out is None:
+        out = torch.empty(b, dtype=torch.int64, device=tile_max.device)
+    block = next_pow2(n)
+    _final_argmax_kernel[(b,)](tile_max, tile_argmax, out, n, BLOCK_S=block, out2_ptr=copy_to,
+                               HAS_OUT2=copy_to is not None, num_warps=1 if block <= 256 else 4)
     return out
 
 

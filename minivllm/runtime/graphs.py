@@ -149,6 +149,12 @@ class DecodeGraphs:
         # previous step's tokens). Rows of one rank only (a tensor-parallel rank's logits are
         # gathered elsewhere).
         self.greedy_rows = self.small_rows if params.shard.world_size == 1 else 0
+        # Where it takes the model (kernels.decode_head.head_fits), the head is one kernel that
+        # also does the pick's first half: the final norm, the LM head, the logits' cast and
+        # the pick's partial arg-max in one launch instead of four.
+        from ..kernels.decode_head import head_fits
+
+        self.head_picks = head_fits(params)
         self.greedy_tokens = torch.zeros(n, dtype=torch.int64, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -185,12 +191,20 @@ class DecodeGraphs:
     def _decode(self, bs: int) -> torch.Tensor:
         """What bucket bs's graph runs: the forward (and, when the bucket picks greedy tokens,
         the pick into greedy_tokens). Returns the logits [bs, vocab]."""
-        fn = self.small_fn if bs <= self.small_rows else self.fn
-        logits, _ = fn(self.params, self.cache, self.batch_view(bs), self.backend)
-        if bs <= self.greedy_rows:
-            from ..kernels.sample_kernel import greedy_argmax
+        from ..kernels.decode_head import picking_head
+        from ..kernels.sample_kernel import argmax_of_tiles, greedy_argmax
 
-            greedy_argmax(logits, out=self.greedy_tokens[:bs], copy_to=self.input_ids[:bs])
+        fn = self.small_fn if bs <= self.small_rows else self.fn
+        batch = self.batch_view(bs)
+        picks = dict(out=self.greedy_tokens[:bs], copy_to=self.input_ids[:bs])
+        if bs <= self.greedy_rows and self.head_picks:
+            (logits, tile_max, tile_argmax), _ = fn(self.params, self.cache, batch, self.backend,
+                                                    head=picking_head)
+            argmax_of_tiles(tile_max, tile_argmax, **picks)
+            return logits
+        logits, _ = fn(self.params, self.cache, batch, self.backend)
+        if bs <= self.greedy_rows:
+            greedy_argmax(logits, **picks)
         return logits
 
     def picks_greedy(self, b: int) -> bool:

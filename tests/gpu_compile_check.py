@@ -1,0 +1,73 @@
+"""Compile this session's GPU-only kernel variants for sm_90 (H100/H200) without a GPU, and
+report each one's registers and spills (ptxas -v). Run as a script, without TRITON_INTERPRET:
+the interpreter runs what the compiler refuses (a loop-carried variable whose type changes, say).
+tests/test_gpu_compile.py runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from minivllm.kernels.decode_head import _decode_head_kernel
+from minivllm.kernels.decode_stem import _decode_stem_kernel
+from minivllm.kernels.sample_kernel import _final_argmax_kernel, _partial_argmax_kernel
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
+
+# (name, kernel, argument types, constexprs, num_warps, num_stages), as the engine launches them
+# at the Qwen3-0.6B shape in bf16.
+CASES = [
+    *[(f"decode_head M={m}", _decode_head_kernel,
+       dict(x_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", w_ptr="*bf16", logits_ptr="*fp32",
+            max_ptr="*fp32", arg_ptr="*i32", N="i32", eps="fp32"),
+       dict(M=m, K=1024, M_PAD=16, BLOCK_N=64, BLOCK_K=128, BLOCK_H=1024, PRECISION="tf32"), 4, 4)
+      for m in (1, 2)],
+    ("decode_stem", _decode_stem_kernel,
+     dict(ids_ptr="*i64", pos_ptr="*i64", embed_ptr="*bf16", inv_freq_ptr="*fp32", x_ptr="*bf16",
+          res_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", hidden="i32"),
+     dict(HALF=64, BLOCK_H=1024), 4, 3),
+    ("greedy partial arg-max", _partial_argmax_kernel,
+     dict(logits_ptr="*fp32", temp_ptr="*fp32", seeds_ptr="*fp32", steps_ptr="*fp32",
+          val_ptr="*fp32", idx_ptr="*i32", V="i32", stride_row="i32", num_chunks="i32"),
+     dict(CHUNK=1024, BLOCK=1024, FAST_LOG=False, GREEDY=True), 4, 3),
+    *[(f"arg-max of {n} tiles, second output {out2}", _final_argmax_kernel,
+       dict(val_ptr="*fp32", idx_ptr="*i32", out_ptr="*i64", num_chunks="i32",
+            out2_ptr="*i64" if out2 else "constexpr"),
+       dict(BLOCK_S=n, HAS_OUT2=out2) | ({} if out2 else dict(out2_ptr=None)), w, 3)
+      for n, out2, w in ((256, False, 1), (4096, True, 4))],
+]
+
+
+def main() -> int:
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, kernel, types, consts, warps, stages in CASES:
+            sig = {a: "constexpr" if a in consts else types[a] for a in kernel.arg_names}
+            attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)
+                     if sig[a].startswith("*")}
+            compiled = triton.compile(ASTSource(kernel, sig, consts, attrs),
+                                      target=GPUTarget("cuda", 90, 32),
+                                      options=dict(num_warps=warps, num_stages=stages))
+            ptx = os.path.join(tmp, "k.ptx")
+            with open(ptx, "w") as f:
+                f.write(compiled.asm["ptx"])
+            log = subprocess.run([f"{BIN}/ptxas", "-v", "--gpu-name", "sm_90a", ptx, "-o",
+                                  os.path.join(tmp, "k.o")], capture_output=True, text=True,
+                                 check=True).stderr
+            spills = re.search(r"(\d+) bytes spill stores", log)
+            results.append(dict(name=name, registers=int(re.search(r"Used (\d+) registers", log)[1]),
+                                spill_bytes=int(spills[1]) if spills else 0))
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
