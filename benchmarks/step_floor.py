@@ -7,8 +7,10 @@ A step's floor is the KV of the sequences running then plus the weights, at the 
 The KV is modelled from the workload: every sequence decodes one token a step from the first
 step with nothing waiting, until its max_tokens (preemption would break the model; the bench's
 KV cache is large enough that none happens). Prints, by batch size, the steps, their measured and
-floor seconds, and the time each step loses to everything but reading KV and weights; then the
-steps that computed prompt tokens (prefill and mixed), with their tokens a second."""
+floor seconds, the time each step loses to everything but reading KV and weights, and (records
+since session 20) the share of the steps' time spent waiting for the device's tokens: near 0,
+the host bounds those steps; then the steps that computed prompt tokens (prefill and mixed),
+with their tokens a second."""
 
 from __future__ import annotations
 
@@ -33,19 +35,23 @@ def step_floors(records: list[dict], prompt_lens: list[int], max_tokens: list[in
     for j, record in enumerate(records[start:]):
         running = [(p, n) for p, n in zip(prompt_lens, max_tokens) if j + 1 < n]
         kv = sum((p + j) * kv_per_token for p, _ in running)
-        out.append((len(running), record["s"], (kv + weights) / bandwidth))
+        out.append((len(running), record["s"], (kv + weights) / bandwidth, record.get("wait_s")))
     return out
 
 
-def bands(floors: list[tuple[int, float, float]]) -> list[dict]:
+def bands(floors: list[tuple]) -> list[dict]:
+    """Per band of running sequences: steps, measured and floor seconds, and the share of the
+    measured time spent waiting for the device (None when the records do not say)."""
     rows = []
     for low, high in BANDS:
-        steps = [(s, f) for n, s, f in floors if low <= n <= high]
+        steps = [(s, f, w) for n, s, f, *w in floors if low <= n <= high]
         if steps:
-            measured, floor = sum(s for s, _ in steps), sum(f for _, f in steps)
+            measured, floor = sum(s for s, _, _ in steps), sum(f for _, f, _ in steps)
+            waits = [w[0] for _, _, w in steps if w and w[0] is not None]
             rows.append({"sequences": f"{high}-{low}", "steps": len(steps), "measured_s": measured,
                          "floor_s": floor, "of_floor": floor / measured,
-                         "lost_ms_per_step": 1e3 * (measured - floor) / len(steps)})
+                         "lost_ms_per_step": 1e3 * (measured - floor) / len(steps),
+                         "waiting": sum(waits) / measured if len(waits) == len(steps) else None})
     return rows
 
 
@@ -73,10 +79,11 @@ def main():
     floors = step_floors(records, [len(p) for p in prompts], max_tokens, kv_bytes_per_token(config),
                          weight_bytes(config), args.tb_s * 1e12)
     print(f"{'sequences':>10} {'steps':>6} {'measured s':>11} {'floor s':>8} {'of floor':>9} "
-          f"{'lost ms/step':>13}")
+          f"{'lost ms/step':>13} {'waiting':>8}")
     for r in bands(floors):
+        waiting = "?" if r["waiting"] is None else f"{r['waiting']:.0%}"
         print(f"{r['sequences']:>10} {r['steps']:>6} {r['measured_s']:>11.3f} {r['floor_s']:>8.3f} "
-              f"{r['of_floor']:>9.0%} {r['lost_ms_per_step']:>13.2f}")
+              f"{r['of_floor']:>9.0%} {r['lost_ms_per_step']:>13.2f} {waiting:>8}")
     prefill = prefill_summary(records)
     if prefill:
         print(f"steps with prompt tokens: {prefill['steps']}, {prefill['seconds']:.3f} s, "

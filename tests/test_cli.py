@@ -114,7 +114,8 @@ def test_bench_runs_nano_vllms_workload_and_records_each_step(tmp_path):
     assert len(steps) == result["steps"] + 1 and result["steps"] >= max(max_tokens)
     assert sum(s["s"] for s in steps) <= result["seconds"]
     assert {"running", "waiting", "prompt_tokens", "gc_s", "triton_compiles",
-            "frames"} <= set(steps[0])
+            "frames", "wait_s"} <= set(steps[0])
+    assert all(0 <= s["wait_s"] <= s["s"] for s in steps)
     # every prompt token is computed once (no prefix hits: random prompts), in some step
     assert sum(s["prompt_tokens"] for s in steps) == result["prompt_tokens"]
     assert steps[-1]["running"] == 0 and steps[-1]["waiting"] == 0

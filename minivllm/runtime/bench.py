@@ -198,8 +198,12 @@ def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
     _sync(device)
     steps0 = llm.stats.steps
     prof = traced_steps(llm.engine, trace, skip=trace_from, active=8) if trace else None
-    log, remove_hooks = [], None
+    log, waits, remove_hooks, unwrap = [], [], None, None
     if step_times:
+        # Each record also gets the seconds its step spent waiting for the device's tokens
+        # (wait_s; the rest of s is the host's own work): where a band of steps barely waits,
+        # the host bounds it.
+        unwrap = host_and_wait(llm.engine, waits)
         remove_hooks = timed_steps(llm.engine, log)
     t0 = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -209,6 +213,9 @@ def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
         prof.stop()
     if step_times:
         remove_hooks()
+        unwrap()
+        for record, (_, wait) in zip(log, waits, strict=True):
+            record["wait_s"] = wait
         with open(step_times, "w") as f:
             json.dump(log, f)
     steps = llm.stats.steps - steps0
@@ -310,9 +317,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--device", default=None)
     p.add_argument("--step-times", default=None,
-                   help="write a record per engine step (seconds, running and waiting "
-                        "sequences, prompt tokens, GC seconds, Triton compiles, dynamo frames) to "
-                        "this JSON file")
+                   help="write a record per engine step (seconds and those spent waiting for "
+                        "the device, running and waiting sequences, prompt tokens, GC seconds, "
+                        "Triton compiles, dynamo frames) to this JSON file")
     p.add_argument("--trace", default=None,
                    help="write a Chrome trace (torch.profiler) of 8 decode steps to this path "
                         "(from step --trace-from; with --latency, steps 100-107 of the last "
