@@ -66,14 +66,14 @@ def sass_loop(sass: str) -> list[str]:
     return best
 
 
-def compile_one(cache: str, block_n: int, stages: int, warps: int, maxnreg: int, page: int,
-                arch: int, workdir: str) -> dict:
-    """One config compiled for sm_<arch>: the compiler's resources and the tile loop's SASS mix."""
-    sig, consts = signature_and_constants(cache, block_n, page)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(_decode_kernel.arg_names)
+def compile_for(kernel_fn, sig: dict, consts: dict, options: dict, arch: int, workdir: str
+                ) -> tuple:
+    """kernel_fn (a @triton.jit function) compiled for sm_<arch> as a launch would (pointers
+    16-byte aligned), and assembled by ptxas: (the compiled kernel, its object file's path,
+    its registers a thread, its spilled bytes)."""
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel_fn.arg_names)
              if sig[a].startswith("*")}
-    options = dict(num_warps=warps, num_stages=stages) | ({"maxnreg": maxnreg} if maxnreg else {})
-    kernel = triton.compile(ASTSource(_decode_kernel, sig, consts, attrs),
+    kernel = triton.compile(ASTSource(kernel_fn, sig, consts, attrs),
                             target=GPUTarget("cuda", arch, 32), options=options)
     ptx, obj = os.path.join(workdir, "k.ptx"), os.path.join(workdir, "k.o")
     with open(ptx, "w") as f:
@@ -81,8 +81,18 @@ def compile_one(cache: str, block_n: int, stages: int, warps: int, maxnreg: int,
     suffix = "a" if arch >= 90 else ""
     ptxas = subprocess.run([f"{TRITON_BIN}/ptxas", "-v", "--gpu-name", f"sm_{arch}{suffix}", ptx, "-o", obj],
                            capture_output=True, text=True, check=True).stderr
-    regs = int(re.search(r"Used (\d+) registers", ptxas).group(1))
     spill = re.search(r"(\d+) bytes spill stores", ptxas)
+    return (kernel, obj, int(re.search(r"Used (\d+) registers", ptxas).group(1)),
+            int(spill.group(1)) if spill else 0)
+
+
+def compile_one(cache: str, block_n: int, stages: int, warps: int, maxnreg: int, page: int,
+                arch: int, workdir: str) -> dict:
+    """One config compiled for sm_<arch>: the compiler's resources and the tile loop's SASS mix."""
+    sig, consts = signature_and_constants(cache, block_n, page)
+    options = dict(num_warps=warps, num_stages=stages) | ({"maxnreg": maxnreg} if maxnreg else {})
+    kernel, obj, regs, spill_bytes = compile_for(_decode_kernel, sig, consts, options, arch,
+                                                 workdir)
     sass = subprocess.run([f"{TRITON_BIN}/cuobjdump", "-sass", obj], capture_output=True, text=True,
                           check=True).stdout
     loop = sass_loop(sass)
@@ -92,7 +102,7 @@ def compile_one(cache: str, block_n: int, stages: int, warps: int, maxnreg: int,
     regs_per_program = -(-regs // 8) * 8 * 32 * warps  # allocated 8 a thread at a time
     programs = min(SMEM_PER_SM // (shared + SMEM_RESERVED_PER_PROGRAM), REGISTERS_PER_SM // regs_per_program,
                    MAX_PROGRAMS_PER_SM)
-    return dict(shared=shared, registers=regs, spill_bytes=int(spill.group(1)) if spill else 0,
+    return dict(shared=shared, registers=regs, spill_bytes=spill_bytes,
                 prefetched_tiles=max((int(n) for n in buffers), default=0), programs_per_sm=programs,
                 loop_instructions=len(loop), mix=mix)
 

@@ -24,10 +24,11 @@ BANDS = ((151, 256), (61, 150), (17, 60), (1, 16))
 
 
 def step_floors(records: list[dict], prompt_lens: list[int], max_tokens: list[int],
-                kv_per_token: int, weights: int, bandwidth: float) -> list[tuple[int, float, float]]:
-    """(sequences running, measured s, floor s) for each decode step, i.e. each step from the
-    first with nothing waiting. At decode step j a sequence with n output tokens is running if
-    j + 1 < n (its first token came from prefill) and holds p + j tokens of KV."""
+                kv_per_token: int, weights: int, bandwidth: float) -> list[tuple]:
+    """(sequences running, measured s, floor s, s waiting for the device or None) for each
+    decode step, i.e. each step from the first with nothing waiting. At decode step j a
+    sequence with n output tokens is running if j + 1 < n (its first token came from prefill)
+    and holds p + j tokens of KV."""
     start = next((i for i, r in enumerate(records) if r["waiting"] == 0), None)
     if start is None:
         raise ValueError("no step without waiting sequences: is this a throughput run's record?")
@@ -44,10 +45,10 @@ def bands(floors: list[tuple]) -> list[dict]:
     measured time spent waiting for the device (None when the records do not say)."""
     rows = []
     for low, high in BANDS:
-        steps = [(s, f, w) for n, s, f, *w in floors if low <= n <= high]
+        steps = [(s, f, w) for n, s, f, w in floors if low <= n <= high]
         if steps:
             measured, floor = sum(s for s, _, _ in steps), sum(f for _, f, _ in steps)
-            waits = [w[0] for _, _, w in steps if w and w[0] is not None]
+            waits = [w for _, _, w in steps if w is not None]
             rows.append({"sequences": f"{high}-{low}", "steps": len(steps), "measured_s": measured,
                          "floor_s": floor, "of_floor": floor / measured,
                          "lost_ms_per_step": 1e3 * (measured - floor) / len(steps),

@@ -6,21 +6,14 @@ tests/test_gpu_compile.py runs it."""
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
 import sys
 import tempfile
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
+from benchmarks.compile_decode_kernel import compile_for
 from minivllm.kernels.decode_head import _decode_head_kernel
 from minivllm.kernels.decode_stem import _decode_stem_kernel
 from minivllm.kernels.sample_kernel import _final_argmax_kernel, _partial_argmax_kernel
 
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
 
 # (name, kernel, argument types, constexprs, num_warps, num_stages), as the engine launches them
 # at the Qwen3-0.6B shape in bf16.
@@ -51,20 +44,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, kernel, types, consts, warps, stages in CASES:
             sig = {a: "constexpr" if a in consts else types[a] for a in kernel.arg_names}
-            attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)
-                     if sig[a].startswith("*")}
-            compiled = triton.compile(ASTSource(kernel, sig, consts, attrs),
-                                      target=GPUTarget("cuda", 90, 32),
-                                      options=dict(num_warps=warps, num_stages=stages))
-            ptx = os.path.join(tmp, "k.ptx")
-            with open(ptx, "w") as f:
-                f.write(compiled.asm["ptx"])
-            log = subprocess.run([f"{BIN}/ptxas", "-v", "--gpu-name", "sm_90a", ptx, "-o",
-                                  os.path.join(tmp, "k.o")], capture_output=True, text=True,
-                                 check=True).stderr
-            spills = re.search(r"(\d+) bytes spill stores", log)
-            results.append(dict(name=name, registers=int(re.search(r"Used (\d+) registers", log)[1]),
-                                spill_bytes=int(spills[1]) if spills else 0))
+            _, _, registers, spill_bytes = compile_for(
+                kernel, sig, consts, dict(num_warps=warps, num_stages=stages), 90, tmp)
+            results.append(dict(name=name, registers=registers, spill_bytes=spill_bytes))
     print(json.dumps(results))
     return 0
 

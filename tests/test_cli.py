@@ -136,6 +136,8 @@ def test_bench_latency_runs_one_stream_with_one_decode_bucket(tmp_path):
     assert result["output_tok_per_s"] > 0 and result["ttft_s"] > 0
     assert result["seconds"] == pytest.approx(256 / result["output_tok_per_s"])
     assert result["host_us_per_step"] > 0 and result["wait_us_per_step"] >= 0
+    for key in ("host_us_p10_50_90", "wait_us_p10_50_90"):
+        assert len(result[key]) == 3 and result[key] == sorted(result[key]) and result[key][0] >= 0
 
 
 def test_host_and_wait_splits_each_step_into_host_work_and_the_wait():

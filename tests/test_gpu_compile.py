@@ -11,13 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
-import triton
+
+from benchmarks.compile_decode_kernel import TRITON_BIN
 
 ROOT = Path(__file__).resolve().parents[1]
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
 
 
-@pytest.mark.skipif(not shutil.which(PTXAS), reason="this Triton has no bundled ptxas")
+@pytest.mark.skipif(not shutil.which("ptxas", path=TRITON_BIN),
+                    reason="this Triton has no bundled ptxas")
 def test_the_decode_kernels_compile_for_sm90_without_spills():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
     run = subprocess.run([sys.executable, str(ROOT / "tests/gpu_compile_check.py")], env=env,

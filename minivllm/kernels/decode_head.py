@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ..functional.linear import sum_partials
+from .decode_layer import _row_rms
 from .launch import dot_precision, next_pow2, runs_ptx
 
 BLOCK_N = 64  # head rows a program: 2,374 programs at Qwen3's vocabulary
@@ -39,14 +40,11 @@ def _decode_head_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, logits_ptr, max_ptr, arg_
     dtype = x_ptr.dtype.element_ty
     offs_m = tl.arange(0, M_PAD)
     mask_m = offs_m < M
-    # Each row's 1 / RMS of x + residual (the sum rounded to the activation dtype first).
-    offs_h = tl.arange(0, BLOCK_H)
+    # Each row's 1 / RMS of x + residual, as the persistent layers compute it.
     rms = tl.zeros([M_PAD], dtype=tl.float32)
     for m in tl.static_range(M):
-        row = (tl.load(x_ptr + m * K + offs_h, mask=offs_h < K, other=0.0).to(tl.float32) +
-               tl.load(res_ptr + m * K + offs_h, mask=offs_h < K, other=0.0).to(tl.float32))
-        row = row.to(dtype).to(tl.float32)
-        rms = tl.where(offs_m == m, 1.0 / tl.sqrt(tl.sum(row * row, 0) / K + eps), rms)
+        rms = tl.where(offs_m == m, _row_rms(x_ptr + m * K, res_ptr + m * K, K, eps, BLOCK_H, True),
+                       rms)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     # Weight rows past N are clamped onto row N - 1 (read, never stored): no mask on the loads.
@@ -89,7 +87,7 @@ def decode_head(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tens
         raise ValueError(f"head weight [>= {vocab_size}, {k}] and norm weight [{k}] in {dtype} "
                          f"expected, got {tuple(head_weight.shape)} {head_weight.dtype} and "
                          f"{tuple(norm_weight.shape)}")
-    block_k = 128 * 2 // dtype.itemsize  # 8 KB weight tiles, as the skinny GEMM's
+    block_k = _block_k(dtype)
     if k % block_k or not (x.is_contiguous() and residual.is_contiguous() and
                            head_weight.is_contiguous()):
         raise ValueError(f"decode_head needs contiguous inputs and hidden a multiple of {block_k}")
@@ -106,10 +104,14 @@ def decode_head(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tens
     return logits, tile_max, tile_argmax
 
 
+def _block_k(dtype: torch.dtype) -> int:
+    """Hidden columns a weight tile: 8 KB tiles of 64 rows, as the skinny GEMM's."""
+    return 256 // dtype.itemsize
+
+
 def head_fits(params) -> bool:
     """Whether decode_head takes this model's head (one rank; hidden a multiple of its tiles)."""
-    hidden, dtype = params.config.hidden_size, params.dtype
-    return params.shard.world_size == 1 and hidden % (256 // dtype.itemsize) == 0
+    return params.shard.world_size == 1 and params.config.hidden_size % _block_k(params.dtype) == 0
 
 
 def picking_head(params, x: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor):

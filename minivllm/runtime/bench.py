@@ -280,11 +280,18 @@ def run_latency(llm, *, prompt_len: int = 512, output_len: int = 256, repeats: i
     if prof is not None:
         prof.stop()
     rate = statistics.median(decode_rates)
+    host, wait = [1e6 * (s - w) for s, w in decode], [1e6 * w for _, w in decode]
     return {"workload": "latency", "prompt_tokens": prompt_len, "output_tokens": output_len,
             "ttft_s": statistics.median(ttfts), "output_tok_per_s": rate,
             "seconds": output_len / rate,
-            "host_us_per_step": 1e6 * statistics.median(s - w for s, w in decode),
-            "wait_us_per_step": 1e6 * statistics.median(w for _, w in decode)}
+            "host_us_per_step": statistics.median(host),
+            "wait_us_per_step": statistics.median(wait),
+            "host_us_p10_50_90": _percentiles(host), "wait_us_p10_50_90": _percentiles(wait)}
+
+
+def _percentiles(values: list[float], ps=(0.1, 0.5, 0.9)) -> list[float]:
+    values = sorted(values)
+    return [values[int(p * (len(values) - 1))] for p in ps]
 
 
 def add_bench_args(p) -> None:

@@ -111,8 +111,8 @@ class DecodeGraphs:
         # Each field starts 16-byte aligned (Triton and Inductor specialise on it): n rounded
         # up to 4 rows (n4), ids, positions and slots int64 [n] at bytes 0, 8 n4 and 16 n4,
         # context lengths int32 [n] at 24 n4, block tables int32 [n, m] at 28 n4.
-        self.tables_at = 28 * (n + -n % 4)
-        self.ids_end = 8 * (n + -n % 4)
+        n4 = n + -n % 4
+        self.ids_end, self.tables_at = 8 * n4, 28 * n4
         packed = torch.zeros(self.tables_at + 4 * n * m, dtype=torch.uint8, device=dev)
         self.input_ids, self.positions, self.slot_mapping, self.context_lens, \
             self.block_tables = self._views(packed, n, m)
