@@ -31,6 +31,7 @@ import time
 import types
 
 import torch
+import torch.fx.experimental._config
 
 from ..functional import model
 from ..functional.layer import decoder_layer
@@ -79,6 +80,59 @@ def compiled_forward(compile_backend="inductor"):
                              head=compiled(model.head))
 
 
+def start_up_form(fn):
+    """fn (a compiled_forward) for start-up's calls (capture, warm-up): each compiled part marks
+    the step's sizes (tokens, sequences, block-table width, logits rows) dynamic before it runs,
+    and compiles them size-obliviously (torch.fx.experimental._config.backed_size_oblivious), so
+    that its first compile is already the dynamic one and a size of 1 does not specialise it.
+    Without it each part compiles static first, then dynamic, then once more for each size that
+    a step first meets at 1 (one sequence, one block-table column, one logits row): 13 graphs
+    in the warm-up's steps on the CPU (Inductor) where this form compiles 4, and 17 against 6
+    over the buckets' captures and the warm-up (tests/test_decode_graphs.py). Serving calls fn
+    itself: the graphs compiled here serve it, and marking costs ~30 us a tensor on the host."""
+    if not isinstance(fn, functools.partial):  # the eager forward: nothing is compiled
+        return fn
+    parts = fn.keywords
+
+    def stem(params, batch):
+        _mark_batch(batch)
+        with _size_oblivious():
+            return parts["stem"](params, batch)
+
+    def layer(lp, x, residual, cos, sin, k_cache, v_cache, batch, **kwargs):
+        # x: [T, hidden], or down's unsummed partials [split, T, hidden]
+        _mark(x, x.dim() - 2)
+        for t in (residual, cos, sin):
+            _mark(t, 0)
+        _mark_batch(batch)
+        with _size_oblivious():
+            return parts["layer"](lp, x, residual, cos, sin, k_cache, v_cache, batch, **kwargs)
+
+    def head(params, x, residual, rows):
+        _mark(x, x.dim() - 2)
+        _mark(residual, 0)
+        _mark(rows, 0)
+        with _size_oblivious():
+            return parts["head"](params, x, residual, rows)
+
+    return functools.partial(forward, layer=layer, stem=stem, head=head)
+
+
+def _mark(t: torch.Tensor, dim: int) -> None:
+    torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
+def _mark_batch(batch: Batch) -> None:
+    for t in (batch.input_ids, batch.positions, batch.slot_mapping, batch.cu_seqlens_q,
+              batch.context_lens, batch.block_tables, batch.logits_indices):
+        _mark(t, 0)
+    _mark(batch.block_tables, 1)
+
+
+def _size_oblivious():
+    return torch.fx.experimental._config.patch(backed_size_oblivious=True)
+
+
 _copies = itertools.count(1)
 
 
@@ -100,7 +154,7 @@ class DecodeGraphs:
 
     def __init__(self, params: Params, cache: KVCache, backend, *, max_num_seqs: int,
                  max_blocks_per_seq: int, compile_forward: bool = True,
-                 persistent_decode: bool = False):
+                 persistent_decode: bool = False, dynamic_start: bool = False):
         self.params, self.cache, self.backend = params, cache, backend
         self.device = params.device
         self.buckets = decode_buckets(max_num_seqs, single=persistent_decode)
@@ -134,12 +188,15 @@ class DecodeGraphs:
         self.staged = [None, None]  # the event after each staging's copy
         self.turn = 0
         self.fn = compiled_forward() if compile_forward else forward
+        # What capture runs (see start_up_form): the same compiled parts.
+        self.capture_fn = start_up_form(self.fn) if dynamic_start else self.fn
         # Buckets of at most MAX_ROWS rows: every layer in one persistent kernel (decode_layer.py).
-        self.small_fn, self.small_rows = self.fn, 0
+        self.small_fn, self.small_rows = self.capture_fn, 0
         if persistent_decode:
             from ..kernels.decode_layer import MAX_ROWS, with_persistent_layers
 
-            self.small_fn, self.small_rows = with_persistent_layers(self.fn, params, cache), MAX_ROWS
+            self.small_fn = with_persistent_layers(self.capture_fn, params, cache)
+            self.small_rows = MAX_ROWS
         # The persistent buckets' graphs also pick each row's arg-max into this static buffer
         # (sample_kernel.greedy_argmax, 4 us at one row against an eager torch.argmax's 8 and
         # its launch), which a step whose rows are all plain greedy takes as its tokens: it
@@ -194,7 +251,7 @@ class DecodeGraphs:
         from ..kernels.decode_head import picking_head
         from ..kernels.sample_kernel import argmax_of_tiles, greedy_argmax
 
-        fn = self.small_fn if bs <= self.small_rows else self.fn
+        fn = self.small_fn if bs <= self.small_rows else self.capture_fn
         batch = self.batch_view(bs)
         picks = dict(out=self.greedy_tokens[:bs], copy_to=self.input_ids[:bs])
         if bs <= self.greedy_rows and self.head_picks:

@@ -96,9 +96,12 @@ def warm_up_head(params: Params, head_fn, max_rows: int) -> None:
     docstring), over hidden states of more rows than any of them, as a prefill step's are."""
     start = time.perf_counter()
     hidden = params.config.hidden_size
-    x = torch.zeros(max_rows + 1, hidden, device=params.device, dtype=params.dtype)
+    # Two tensors, as serving passes: one for both would make dynamo guard on their aliasing
+    # and compile the head once more, for a call serving never makes.
+    x, residual = (torch.zeros(max_rows + 1, hidden, device=params.device, dtype=params.dtype)
+                   for _ in range(2))
     with torch.no_grad():
         for rows in range(1, max_rows + 1):
-            head_fn(params, x, x, torch.arange(rows, device=params.device))
+            head_fn(params, x, residual, torch.arange(rows, device=params.device))
     log.info("minivllm: LM head warm-up at 1..%d rows took %.1f s", max_rows,
              time.perf_counter() - start)
