@@ -126,9 +126,11 @@ ab)
   done
   ;;
 probes)
-  # nvidia-h200 (<= 300 s): what the first LM-head GEMM at a new row count costs the host; the
-  # decode attention kernel at 256 sequences; the skinny GEMM's configs beside cuBLAS.
+  # nvidia-h200 (<= 360 s): what the first LM-head GEMM at a new row count costs the host; the
+  # decode head's program counts beside cuBLAS's GEMV; the decode attention kernel at 256
+  # sequences; the skinny GEMM's configs beside cuBLAS.
   step head_first_call 60 python3 benchmarks/head_first_call.py --json "$RESULTS/head_first_call.json"
+  step sweep_head 60 python3 benchmarks/sweep_decode_head.py
   step sweep_attention 150 python3 benchmarks/sweep_decode_attention.py
   step sweep_gemm 90 python3 benchmarks/sweep_decode_gemm.py
   ;;

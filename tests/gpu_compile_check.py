@@ -18,11 +18,12 @@ from minivllm.kernels.sample_kernel import _final_argmax_kernel, _partial_argmax
 # (name, kernel, argument types, constexprs, num_warps, num_stages), as the engine launches them
 # at the Qwen3-0.6B shape in bf16.
 CASES = [
-    *[(f"decode_head M={m}", _decode_head_kernel,
+    *[(f"decode_head M={m}{' tile loop' if loop else ''}", _decode_head_kernel,
        dict(x_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", w_ptr="*bf16", logits_ptr="*fp32",
-            max_ptr="*fp32", arg_ptr="*i32", N="i32", eps="fp32"),
-       dict(M=m, K=1024, M_PAD=16, BLOCK_N=64, BLOCK_K=128, BLOCK_H=1024, PRECISION="tf32"), 4, 4)
-      for m in (1, 2)],
+            max_ptr="*fp32", arg_ptr="*i32", N="i32", tiles="i32", eps="fp32"),
+       dict(M=m, K=1024, M_PAD=16, BLOCK_N=64, BLOCK_K=128, BLOCK_H=1024, PRECISION="tf32",
+            TILE_LOOP=loop), 4, 4)
+      for m in (1, 2) for loop in (False, True)],
     ("decode_stem", _decode_stem_kernel,
      dict(ids_ptr="*i64", pos_ptr="*i64", embed_ptr="*bf16", inv_freq_ptr="*fp32", x_ptr="*bf16",
           res_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", hidden="i32"),

@@ -24,8 +24,10 @@ def _dtypes(device):
     return [torch.float32, torch.float16] + ([torch.bfloat16] if device.type == "cuda" else [])
 
 
-@pytest.mark.parametrize("m", [1, 2, 5])
-def test_decode_head_equals_the_functional_head(device, m):
+@pytest.mark.parametrize("m,programs", [(1, None), (2, None), (5, None), (1, 2), (2, 4)])
+def test_decode_head_equals_the_functional_head(device, m, programs):
+    """programs: the default (one a tile), or fewer programs than the 5 tiles, each taking
+    every programs-th tile (unevenly: 3 and 2 tiles, or 2, 1, 1, 1)."""
     for dtype in _dtypes(device):
         params = minivllm.random_params(CONFIG, seed=m, dtype=dtype, device=device, std=0.5)
         g = torch.Generator().manual_seed(m)
@@ -34,7 +36,7 @@ def test_decode_head_equals_the_functional_head(device, m):
         want = head(params, x, residual, torch.arange(m, device=device))
         logits, tile_max, tile_argmax = decode_head(
             x, residual, params.final_norm, params.head_weight,
-            vocab_size=CONFIG.vocab_size, eps=CONFIG.rms_norm_eps)
+            vocab_size=CONFIG.vocab_size, eps=CONFIG.rms_norm_eps, programs=programs)
         assert logits.dtype == torch.float32 and logits.shape == want.shape
         scale = want.abs().max()
         assert (logits - want).abs().max() <= TOL[dtype] * scale, dtype
@@ -74,6 +76,9 @@ def test_bad_inputs_are_clear_errors(device):
                     params.head_weight, **kw)
     with pytest.raises(ValueError, match="head weight"):
         decode_head(x, x, params.final_norm, params.head_weight[:, :128], **kw)
+    for programs in (0, 6):  # 5 tiles
+        with pytest.raises(ValueError, match="1-5 programs"):
+            decode_head(x, x, params.final_norm, params.head_weight, programs=programs, **kw)
     with pytest.raises(ValueError, match="contiguous int64"):
         argmax_of_tiles(torch.zeros(2, 3, device=device), torch.zeros(2, 3, dtype=torch.int32,
                                                                        device=device),

@@ -25,6 +25,6 @@ def test_the_decode_kernels_compile_for_sm90_without_spills():
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(results) == 6
+    assert len(results) == 8
     for r in results:
         assert 0 < r["registers"] <= 255 and r["spill_bytes"] == 0, r

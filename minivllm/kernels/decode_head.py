@@ -31,21 +31,35 @@ MAX_ROWS = M_PAD
 
 
 @triton.jit
-def _decode_head_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, logits_ptr, max_ptr, arg_ptr, N, eps,
-                        M: tl.constexpr, K: tl.constexpr, M_PAD: tl.constexpr,
+def _decode_head_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, logits_ptr, max_ptr, arg_ptr, N, tiles,
+                        eps, M: tl.constexpr, K: tl.constexpr, M_PAD: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-                        PRECISION: tl.constexpr):
-    pid = tl.program_id(0)
-    tiles = tl.num_programs(0)
-    dtype = x_ptr.dtype.element_ty
+                        PRECISION: tl.constexpr, TILE_LOOP: tl.constexpr):
     offs_m = tl.arange(0, M_PAD)
-    mask_m = offs_m < M
-    # Each row's 1 / RMS of x + residual, as the persistent layers compute it.
+    # Each row's 1 / RMS of x + residual, as the persistent layers compute it: once a program,
+    # whichever number of tiles it then takes.
     rms = tl.zeros([M_PAD], dtype=tl.float32)
     for m in tl.static_range(M):
         rms = tl.where(offs_m == m, _row_rms(x_ptr + m * K, res_ptr + m * K, K, eps, BLOCK_H, True),
                        rms)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if TILE_LOOP:  # fewer programs than tiles, each taking every num_programs-th tile
+        for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
+            _head_tile(x_ptr, res_ptr, nw_ptr, w_ptr, logits_ptr, max_ptr, arg_ptr, N, tiles,
+                       tile, rms, M, K, M_PAD, BLOCK_N, BLOCK_K, PRECISION)
+    else:
+        _head_tile(x_ptr, res_ptr, nw_ptr, w_ptr, logits_ptr, max_ptr, arg_ptr, N, tiles,
+                   tl.program_id(0), rms, M, K, M_PAD, BLOCK_N, BLOCK_K, PRECISION)
+
+
+@triton.jit
+def _head_tile(x_ptr, res_ptr, nw_ptr, w_ptr, logits_ptr, max_ptr, arg_ptr, N, tiles, tile, rms,
+               M: tl.constexpr, K: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """One vocabulary tile: its logits and its (max, first id) for each row."""
+    dtype = x_ptr.dtype.element_ty
+    offs_m = tl.arange(0, M_PAD)
+    mask_m = offs_m < M
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     # Weight rows past N are clamped onto row N - 1 (read, never stored): no mask on the loads.
     w_ptrs = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * K + offs_k[None, :]
@@ -67,15 +81,19 @@ def _decode_head_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, logits_ptr, max_ptr, arg_
     cand = tl.where(mask_n[:, None], logits, float("-inf"))
     best = tl.max(cand, axis=0)  # [M_PAD]
     first = tl.min(tl.where(cand == best[None, :], offs_n[:, None], 2147483647), axis=0)
-    tl.store(max_ptr + offs_m * tiles + pid, best, mask=mask_m)
-    tl.store(arg_ptr + offs_m * tiles + pid, first, mask=mask_m)
+    tl.store(max_ptr + offs_m * tiles + tile, best, mask=mask_m)
+    tl.store(arg_ptr + offs_m * tiles + tile, first, mask=mask_m)
 
 
 def decode_head(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                head_weight: torch.Tensor, *, vocab_size: int, eps: float
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                head_weight: torch.Tensor, *, vocab_size: int, eps: float,
+                programs: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logits, tile_max, tile_argmax) of the module docstring, in one launch. tile_argmax's
-    entries are vocabulary ids; kernels.sample_kernel.argmax_of_tiles finishes the pick."""
+    entries are vocabulary ids; kernels.sample_kernel.argmax_of_tiles finishes the pick.
+    programs: how many programs share the tiles (default one a tile; fewer compute each row's
+    RMS fewer times, the prologue before a program's weights stream: 84 us against cuBLAS
+    GEMV's 73 for the same bytes on the H200, BENCHMARKS.md session 21;
+    benchmarks/sweep_decode_head.py times it)."""
     x = sum_partials(x, residual.dtype)
     m, k = x.shape
     dtype = x.dtype
@@ -92,14 +110,18 @@ def decode_head(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tens
                            head_weight.is_contiguous()):
         raise ValueError(f"decode_head needs contiguous inputs and hidden a multiple of {block_k}")
     tiles = triton.cdiv(vocab_size, BLOCK_N)
+    programs = tiles if programs is None else programs
+    if not 1 <= programs <= tiles:
+        raise ValueError(f"decode_head runs 1-{tiles} programs here, got {programs}")
     logits = torch.empty(m, vocab_size, dtype=torch.float32, device=x.device)
     tile_max = torch.empty(m, tiles, dtype=torch.float32, device=x.device)
     tile_argmax = torch.empty(m, tiles, dtype=torch.int32, device=x.device)
     on_gpu = runs_ptx(x.device)
-    _decode_head_kernel[(tiles,)](
-        x, residual, norm_weight, head_weight, logits, tile_max, tile_argmax, vocab_size,
+    _decode_head_kernel[(programs,)](
+        x, residual, norm_weight, head_weight, logits, tile_max, tile_argmax, vocab_size, tiles,
         float(eps), M=m, K=k, M_PAD=M_PAD, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
-        BLOCK_H=next_pow2(k), PRECISION=dot_precision(dtype), num_warps=4,
+        BLOCK_H=next_pow2(k), PRECISION=dot_precision(dtype), TILE_LOOP=programs < tiles,
+        num_warps=4,
         num_stages=4 if on_gpu and dtype.itemsize == 2 else 3)
     return logits, tile_max, tile_argmax
 
