@@ -1,5 +1,5 @@
 """How many graphs start-up's kernel warm-up compiles, and how long it takes, static-first
-(serving's form) against runtime.graphs.start_up_form (MINIVLLM_DYNAMIC_START=1).
+(serving's form) against runtime.compiled.start_up_form (MINIVLLM_DYNAMIC_START=1).
 
 Runs warm_up_kernels through compiled_forward() on a tiny random model, on the CPU by default
 (Inductor's C++ backend: counts carry over to the GPU, seconds do not), with Inductor's caches
@@ -30,7 +30,7 @@ def main() -> None:
 
     import minivllm
     from minivllm.kernels import select_backend
-    from minivllm.runtime.graphs import compiled_forward, start_up_form
+    from minivllm.runtime.compiled import compiled_forward, start_up_form
     from minivllm.runtime.warmup import warm_up_kernels
     from minivllm.state import ModelConfig
 

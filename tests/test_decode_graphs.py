@@ -95,7 +95,7 @@ def test_compiled_forward_recompiles_a_bounded_number_of_times_over_the_buckets(
     2 of the head."""
     from torch._dynamo.testing import CompileCounter
 
-    from minivllm.runtime.graphs import compiled_forward
+    from minivllm.runtime.compiled import compiled_forward
 
     torch._dynamo.reset()
     params = minivllm.random_params(CONFIG, seed=0)
@@ -125,7 +125,7 @@ def test_start_up_form_compiles_each_part_once_for_every_step_serving_takes():
     without a compile."""
     from torch._dynamo.testing import CompileCounter
 
-    from minivllm.runtime.graphs import compiled_forward, start_up_form
+    from minivllm.runtime.compiled import compiled_forward, start_up_form
     from minivllm.runtime.warmup import _CLASSES, head_of
 
     torch._dynamo.reset()
@@ -179,7 +179,7 @@ def test_start_up_form_compiles_each_part_once_for_every_step_serving_takes():
 def test_compiled_layer_serves_prefill_and_mixed_steps_too():
     """Prefill and mixed steps run through the same compiled layer as decode (the default):
     its logits equal the eager forward's on steps of several shapes."""
-    from minivllm.runtime.graphs import compiled_forward
+    from minivllm.runtime.compiled import compiled_forward
 
     torch._dynamo.reset()
     params = minivllm.random_params(CONFIG, seed=0, std=0.2)
@@ -201,7 +201,7 @@ def test_each_engine_compiles_its_weights_with_static_sizes():
     weights with symbolic sizes (slower code, and an Inductor crash on the H200). Each engine's
     first compile of each part is fully static and its second makes only the step's sizes
     dynamic."""
-    from minivllm.runtime.graphs import compiled_forward
+    from minivllm.runtime.compiled import compiled_forward
 
     wide = ModelConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_layers=2,
                        num_heads=6, num_kv_heads=2, head_dim=8, dtype=torch.float32)

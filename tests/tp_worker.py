@@ -29,7 +29,7 @@ def _run(path: str, rank: int, world_size: int):
     logits, _ = minivllm.forward(params, cache, batch)
     # the forward the engine's graphs run: stem, layers and head each traced whole (fullgraph),
     # collectives included
-    from minivllm.runtime.graphs import compiled_forward
+    from minivllm.runtime.compiled import compiled_forward
 
     cache = minivllm.init_cache(params, num_blocks=8 * len(PROMPTS), block_size=4)
     compiled_logits, _ = compiled_forward("aot_eager")(params, cache, batch)

@@ -2,7 +2,7 @@
 
 A step is three pure functions: `stem` (embeddings, a zero residual, RoPE's cos and sin), the
 decoder layers, and `head` (the final norm and the LM head at the rows that need logits). A
-caller may run any of them compiled (runtime.graphs.compiled_forward does): each is one small
+caller may run any of them compiled (runtime.compiled.compiled_forward does): each is one small
 graph, where one graph of the whole 28-layer forward took minutes to compile."""
 
 from __future__ import annotations

@@ -6,12 +6,8 @@ input buffers. The graphs share one memory pool and capture the pure `forward` w
 compiled; weights and the KV cache are captured at their addresses, which never change,
 since the cache is donated and written in place.
 
-What is compiled is one decoder layer (and the stem and head around the layers), not the whole
-forward: the 28 layers of a Qwen3 model are the same function on same-shaped weights, so one
-small graph serves them all, and inside a CUDA graph the Python loop around it costs nothing.
-Compiling the whole forward gave the same fused kernels but took minutes on a fresh machine (a
-28-layer graph, compiled twice: once static, once with a dynamic batch), which is why it is not
-done. The smallest bucket is 2, so that the compiled layer sees only batches of 2 or more and one
+The forward's parts are compiled by runtime.compiled (one decoder layer, the stem and the head).
+The smallest bucket is 2, so that the compiled layer sees only batches of 2 or more and one
 dynamic-batch compile (after a first static one) serves every bucket; a single sequence is
 padded to 2 rows, which costs nothing measurable. With persistent_decode the buckets of 1 and 2
 rows run every layer as one persistent kernel (kernels/decode_layer.py) instead, whose work grows
@@ -24,21 +20,16 @@ read valid memory, write none, and their logits are dropped.
 
 from __future__ import annotations
 
-import functools
-import itertools
 import logging
 import time
-import types
 
 import torch
-import torch.fx.experimental._config
 
-from ..functional import model
-from ..functional.layer import decoder_layer
 from ..functional.model import forward
 from ..state.batch import Batch
 from ..state.cache import KVCache
 from ..state.params import Params
+from .compiled import compiled_forward, start_up_form
 
 log = logging.getLogger("minivllm")
 
@@ -53,96 +44,6 @@ def decode_buckets(max_num_seqs: int, single: bool = False) -> list[int]:
     sizes += list(range(16, max_num_seqs, 16))
     sizes.append(max_num_seqs)
     return sorted(set(sizes))
-
-
-def compiled_forward(compile_backend="inductor"):
-    """forward with its three parts (stem, decoder layer, head) compiled, each fullgraph (no
-    graph breaks), for one engine. Compiling the stem and the head too turns their ~20 eager
-    kernels per step (embedding, RoPE tables, final add + norm, the logits' cast) into a few.
-
-    torch.compile keeps its compiled graphs and its record of which input sizes have varied per
-    code object. With one code object shared by every engine of a process, a second engine of
-    another shape (a TP=2 engine after a TP=1 one, a test session) saw its weight sizes "vary",
-    so dynamo compiled them as symbolic sizes: slower code, and on the H200 an Inductor crash
-    (KeyError in Scheduler.compute_ancestors, pytorch/pytorch#189271, when a Triton kernel's
-    output is reshaped by symbolic head counts). So each call compiles its own copies
-    (_own_copy): an engine's first compile is static, its second makes only the step's sizes
-    dynamic."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    # Inductor's default mode: max-autotune (timing Triton GEMM templates against cuBLAS) did not
-    # finish its start-up within 90 s on the H200, several templates asking for more shared
-    # memory than an SM has (BENCHMARKS.md, session 8).
-
-    def compiled(fn):
-        return torch.compile(_own_copy(fn), fullgraph=True, backend=compile_backend)
-
-    return functools.partial(forward, layer=compiled(decoder_layer), stem=compiled(model.stem),
-                             head=compiled(model.head))
-
-
-def start_up_form(fn):
-    """fn (a compiled_forward) for start-up's calls (capture, warm-up): each compiled part marks
-    the step's sizes (tokens, sequences, block-table width, logits rows) dynamic before it runs,
-    and compiles them size-obliviously (torch.fx.experimental._config.backed_size_oblivious), so
-    that its first compile is already the dynamic one and a size of 1 does not specialise it.
-    Without it each part compiles static first, then dynamic, then once more for each size that
-    a step first meets at 1 (one sequence, one block-table column, one logits row): 13 graphs
-    in the warm-up's steps on the CPU (Inductor) where this form compiles 4, and 17 against 6
-    over the buckets' captures and the warm-up (tests/test_decode_graphs.py). Serving calls fn
-    itself: the graphs compiled here serve it, and marking costs ~30 us a tensor on the host."""
-    if not isinstance(fn, functools.partial):  # the eager forward: nothing is compiled
-        return fn
-    parts = fn.keywords
-
-    def stem(params, batch):
-        _mark_batch(batch)
-        with _size_oblivious():
-            return parts["stem"](params, batch)
-
-    def layer(lp, x, residual, cos, sin, k_cache, v_cache, batch, **kwargs):
-        # x: [T, hidden], or down's unsummed partials [split, T, hidden]
-        _mark(x, x.dim() - 2)
-        for t in (residual, cos, sin):
-            _mark(t, 0)
-        _mark_batch(batch)
-        with _size_oblivious():
-            return parts["layer"](lp, x, residual, cos, sin, k_cache, v_cache, batch, **kwargs)
-
-    def head(params, x, residual, rows):
-        _mark(x, x.dim() - 2)
-        _mark(residual, 0)
-        _mark(rows, 0)
-        with _size_oblivious():
-            return parts["head"](params, x, residual, rows)
-
-    return functools.partial(forward, layer=layer, stem=stem, head=head)
-
-
-def _mark(t: torch.Tensor, dim: int) -> None:
-    torch._dynamo.maybe_mark_dynamic(t, dim)
-
-
-def _mark_batch(batch: Batch) -> None:
-    for t in (batch.input_ids, batch.positions, batch.slot_mapping, batch.cu_seqlens_q,
-              batch.context_lens, batch.block_tables, batch.logits_indices):
-        _mark(t, 0)
-    _mark(batch.block_tables, 1)
-
-
-def _size_oblivious():
-    return torch.fx.experimental._config.patch(backed_size_oblivious=True)
-
-
-_copies = itertools.count(1)
-
-
-def _own_copy(fn):
-    """fn under a name of its own: dynamo keys a function's size history by file, line and name
-    (torch._dynamo.pgo.CodeId), and its compiled graphs by code object; both are new here."""
-    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_copies)}")
-    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-    copy.__kwdefaults__, copy.__doc__ = fn.__kwdefaults__, fn.__doc__
-    return copy
 
 
 class DecodeGraphs:

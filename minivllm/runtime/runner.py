@@ -31,7 +31,8 @@ from ..state.load import load
 from ..state.params import Params, random_params
 from ..state.shard import ShardSpec
 from .config import EngineConfig, is_random_model
-from .graphs import DecodeGraphs, start_up_form
+from .compiled import start_up_form
+from .graphs import DecodeGraphs
 from .warmup import warm_up_kernels
 
 log = logging.getLogger("minivllm")
@@ -177,7 +178,7 @@ class ModelRunner:
                                 dtype=config.cache_dtype)
         self.graphs = None
         # MINIVLLM_DYNAMIC_START=1: start-up compiles each part with the step's sizes dynamic
-        # from its first compile (graphs.start_up_form; 4 graphs against 13 in the warm-up on
+        # from its first compile (compiled.start_up_form; 4 graphs against 13 in the warm-up on
         # the CPU). Off by default until the H200 has timed it against the static-first way.
         self.dynamic_start = os.environ.get("MINIVLLM_DYNAMIC_START", "0") == "1"
         self.last_tokens = None  # [rows] the last launched step's sampled ids, on the device

@@ -87,7 +87,7 @@ def warm_up_kernels(params: Params, backend, *, block_size: int, max_num_seqs: i
 
 def head_of(forward_fn):
     """The head that forward_fn runs: a forward with its parts bound (functools.partial, as
-    runtime.graphs.compiled_forward builds it) or the plain model.head."""
+    runtime.compiled.compiled_forward builds it) or the plain model.head."""
     return getattr(forward_fn, "keywords", {}).get("head", model.head)
 
 

@@ -1,0 +1,115 @@
+"""The pure forward under torch.compile: its three parts (stem, decoder layer, head) compiled
+one by one, for the CUDA graphs' decode steps and for prefill and mixed steps, and the form
+start-up calls them in.
+
+What is compiled is one decoder layer (and the stem and head around the layers), not the whole
+forward: the 28 layers of a Qwen3 model are the same function on same-shaped weights, so one
+small graph serves them all, and inside a CUDA graph the Python loop around it costs nothing.
+Compiling the whole forward gave the same fused kernels but took minutes on a fresh machine (a
+28-layer graph, compiled twice: once static, once with a dynamic batch), which is why it is not
+done.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import types
+
+import torch
+import torch.fx.experimental._config
+
+from ..functional import model
+from ..functional.layer import decoder_layer
+from ..functional.model import forward
+from ..state.batch import Batch
+
+
+def compiled_forward(compile_backend="inductor"):
+    """forward with its three parts (stem, decoder layer, head) compiled, each fullgraph (no
+    graph breaks), for one engine. Compiling the stem and the head too turns their ~20 eager
+    kernels per step (embedding, RoPE tables, final add + norm, the logits' cast) into a few.
+
+    torch.compile keeps its compiled graphs and its record of which input sizes have varied per
+    code object. With one code object shared by every engine of a process, a second engine of
+    another shape (a TP=2 engine after a TP=1 one, a test session) saw its weight sizes "vary",
+    so dynamo compiled them as symbolic sizes: slower code, and on the H200 an Inductor crash
+    (KeyError in Scheduler.compute_ancestors, pytorch/pytorch#189271, when a Triton kernel's
+    output is reshaped by symbolic head counts). So each call compiles its own copies
+    (_own_copy): an engine's first compile is static, its second makes only the step's sizes
+    dynamic."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    # Inductor's default mode: max-autotune (timing Triton GEMM templates against cuBLAS) did not
+    # finish its start-up within 90 s on the H200, several templates asking for more shared
+    # memory than an SM has (BENCHMARKS.md, session 8).
+
+    def compiled(fn):
+        return torch.compile(_own_copy(fn), fullgraph=True, backend=compile_backend)
+
+    return functools.partial(forward, layer=compiled(decoder_layer), stem=compiled(model.stem),
+                             head=compiled(model.head))
+
+
+def start_up_form(fn):
+    """fn (a compiled_forward) for start-up's calls (capture, warm-up): each compiled part marks
+    the step's sizes (tokens, sequences, block-table width, logits rows) dynamic before it runs,
+    and compiles them size-obliviously (torch.fx.experimental._config.backed_size_oblivious), so
+    that its first compile is already the dynamic one and a size of 1 does not specialise it.
+    Without it each part compiles static first, then dynamic, then once more for each size that
+    a step first meets at 1 (one sequence, one block-table column, one logits row): 13 graphs
+    in the warm-up's steps on the CPU (Inductor) where this form compiles 4, and 17 against 6
+    over the buckets' captures and the warm-up (tests/test_decode_graphs.py). Serving calls fn
+    itself: the graphs compiled here serve it, and marking costs ~30 us a tensor on the host."""
+    if not isinstance(fn, functools.partial):  # the eager forward: nothing is compiled
+        return fn
+    parts = fn.keywords
+
+    def stem(params, batch):
+        _mark_batch(batch)
+        with _size_oblivious():
+            return parts["stem"](params, batch)
+
+    def layer(lp, x, residual, cos, sin, k_cache, v_cache, batch, **kwargs):
+        # x: [T, hidden], or down's unsummed partials [split, T, hidden]
+        _mark(x, x.dim() - 2)
+        for t in (residual, cos, sin):
+            _mark(t, 0)
+        _mark_batch(batch)
+        with _size_oblivious():
+            return parts["layer"](lp, x, residual, cos, sin, k_cache, v_cache, batch, **kwargs)
+
+    def head(params, x, residual, rows):
+        _mark(x, x.dim() - 2)
+        _mark(residual, 0)
+        _mark(rows, 0)
+        with _size_oblivious():
+            return parts["head"](params, x, residual, rows)
+
+    return functools.partial(forward, layer=layer, stem=stem, head=head)
+
+
+def _mark(t: torch.Tensor, dim: int) -> None:
+    torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
+def _mark_batch(batch: Batch) -> None:
+    for t in (batch.input_ids, batch.positions, batch.slot_mapping, batch.cu_seqlens_q,
+              batch.context_lens, batch.block_tables, batch.logits_indices):
+        _mark(t, 0)
+    _mark(batch.block_tables, 1)
+
+
+def _size_oblivious():
+    return torch.fx.experimental._config.patch(backed_size_oblivious=True)
+
+
+_copies = itertools.count(1)
+
+
+def _own_copy(fn):
+    """fn under a name of its own: dynamo keys a function's size history by file, line and name
+    (torch._dynamo.pgo.CodeId), and its compiled graphs by code object; both are new here."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_copies)}")
+    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__doc__ = fn.__kwdefaults__, fn.__doc__
+    return copy
