@@ -77,7 +77,7 @@ speed)
   ;;
 startup)
   # nvidia-h200 (<= 570 s): start-up compiling each part dynamic from its first compile
-  # (MINIVLLM_DYNAMIC_START=1, runtime.graphs.start_up_form) against the static-first way,
+  # (MINIVLLM_DYNAMIC_START=1, runtime.compiled.start_up_form) against the static-first way,
   # alternating: engine start-up (the JSON's startup_s) and throughput. The first run of a call
   # pays the cold caches both ways share (the Triton kernels of our own).
   i=0
