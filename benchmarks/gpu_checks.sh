@@ -70,6 +70,7 @@ speed)
   STEP_LOG=$OUT/tests.txt step tests 170 python3 -m pytest $PYTEST_ARGS \
     "tests/test_gpu_graphs.py::test_graphs_and_async_scheduling_equal_eager[bfloat16]" \
     tests/test_gpu_graphs.py::test_plain_greedy_streams_take_the_graphs_pick \
+    tests/test_gpu_graphs.py::test_dynamic_start_equals_eager_and_compiles_less \
     tests/test_decode_head.py tests/test_decode_stem.py tests/test_sample_kernel.py \
     tests/test_kernels.py tests/test_kernels_model.py tests/test_skinny_gemm.py \
     "tests/test_gpu_graphs.py::test_graphs_and_async_scheduling_equal_eager[float32]" \
