@@ -85,7 +85,7 @@ def start_up_form(fn):
         with _size_oblivious():
             return parts["head"](params, x, residual, rows)
 
-    return functools.partial(forward, layer=layer, stem=stem, head=head)
+    return functools.partial(fn.func, *fn.args, **(parts | dict(layer=layer, stem=stem, head=head)))
 
 
 def _mark(t: torch.Tensor, dim: int) -> None:
