@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_checks.sh tp8b   # nvidia-h200-x2: the 8B shape at TP=2 and TP=1
 #   OLD=dbg/old bash benchmarks/gpu_checks.sh ab  # nvidia-h200: this tree against OLD (another
 #       commit, unpacked there: git archive REV | tar -x -C dbg/old), alternating in one call
+#   TP=2 OLD=dbg/old bash benchmarks/gpu_checks.sh ab  # nvidia-h200-x2: the same at TP=2
 #   bash benchmarks/gpu_checks.sh probes # nvidia-h200: the kernel sweeps and the head probe
 # Modes of earlier calls are in the commits BENCHMARKS.md names (session 4's recheck, verify,
 # final and last: in 04e96c7; session 5's s5: bb7f952, s5b: a95279f; session 6's fused: 0cb7b0a).
@@ -111,17 +112,22 @@ tp8b)
   ;;
 ab)
   # nvidia-h200 (<= 450 s): single stream new, old, new, then throughput new, old (session 7's
-  # final A/B). The first engine start of a call compiles everything (~100 s).
+  # final A/B). The first engine start of a call compiles everything (~100 s). TP=2 (on
+  # nvidia-h200-x2): throughput only, new, old, new, old, at tensor-parallel size 2 (TP=2 ran
+  # 22,234 tok/s in session 21 against 23,945 in session 6's run).
   if [ ! -d "${OLD:-}/minivllm" ]; then
     echo "ab: set OLD to an unpacked tree to compare against (OLD=dbg/old)" >&2
     exit 2
   fi
   OLD=$(cd "$OLD" && pwd) NEW=$PWD i=0
-  for run in latency:new latency:old latency:new throughput:new throughput:old; do
+  runs="latency:new latency:old latency:new throughput:new throughput:old"
+  [ "${TP:-1}" = 2 ] && runs="throughput:new throughput:old throughput:new throughput:old"
+  for run in $runs; do
     kind=${run%:*} side=${run#*:} i=$((i + 1))
     flag=; [ "$kind" = latency ] && flag=--latency
     tree=$NEW; [ "$side" = old ] && tree=$OLD
     # PYTHONPATH's "." is the tree the run starts in: each side imports its own minivllm
+    [ "$kind" = throughput ] && flag="-tp ${TP:-1}"
     (cd "$tree" && step "${i}_${kind}_$side" 170 python3 -m minivllm \
       bench --shape qwen3-0.6b $flag --json "$RESULTS/${i}_${kind}_$side.json")
   done
