@@ -18,6 +18,7 @@ import types
 
 import torch
 import torch.fx.experimental._config
+from torch._dynamo import maybe_mark_dynamic as _mark
 
 from ..functional import model
 from ..functional.layer import decoder_layer
@@ -65,6 +66,7 @@ def start_up_form(fn):
     parts = fn.keywords
 
     def stem(params, batch):
+        # The marks stay on the batch's tensors, which every layer of the step then reads.
         _mark_batch(batch)
         with _size_oblivious():
             return parts["stem"](params, batch)
@@ -74,7 +76,6 @@ def start_up_form(fn):
         _mark(x, x.dim() - 2)
         for t in (residual, cos, sin):
             _mark(t, 0)
-        _mark_batch(batch)
         with _size_oblivious():
             return parts["layer"](lp, x, residual, cos, sin, k_cache, v_cache, batch, **kwargs)
 
@@ -86,10 +87,6 @@ def start_up_form(fn):
             return parts["head"](params, x, residual, rows)
 
     return functools.partial(fn.func, *fn.args, **(parts | dict(layer=layer, stem=stem, head=head)))
-
-
-def _mark(t: torch.Tensor, dim: int) -> None:
-    torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
 def _mark_batch(batch: Batch) -> None:

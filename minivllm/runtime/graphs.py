@@ -8,10 +8,11 @@ since the cache is donated and written in place.
 
 The forward's parts are compiled by runtime.compiled (one decoder layer, the stem and the head).
 The smallest bucket is 2, so that the compiled layer sees only batches of 2 or more and one
-dynamic-batch compile (after a first static one) serves every bucket; a single sequence is
-padded to 2 rows, which costs nothing measurable. With persistent_decode the buckets of 1 and 2
-rows run every layer as one persistent kernel (kernels/decode_layer.py) instead, whose work grows
-with each row, padding included, so there a single sequence has a bucket of its own.
+dynamic-batch compile (after a first static one, or at once under compiled.start_up_form)
+serves every bucket; a single sequence is padded to 2 rows, which costs nothing measurable.
+With persistent_decode the buckets of 1 and 2 rows run every layer as one persistent kernel
+(kernels/decode_layer.py) instead, whose work grows with each row, padding included, so there a
+single sequence has a bucket of its own.
 
 Rows past the real batch are padding: slot -1 (nothing is written), context length 1 and a block
 table of zeros (block 0 exists, and the padding row's one key is its own new token), so they
