@@ -2,7 +2,6 @@
 # The GPU checks the open issues still owe, in one device call each of at most 10 minutes (run
 # from the repo root there; pytest/hypothesis wheels carried in .whl/):
 #   bash benchmarks/gpu_checks.sh speed  # nvidia-h200: issue 5's figures and the GPU test suite
-#   bash benchmarks/gpu_checks.sh startup  # nvidia-h200: MINIVLLM_DYNAMIC_START=1 against 0
 #   bash benchmarks/gpu_checks.sh tp     # nvidia-h200-x2: issue 6, TP=2 against TP=1, 0.6B shape
 #   bash benchmarks/gpu_checks.sh tp_engine  # nvidia-h200-x2: the same through the engines
 #   bash benchmarks/gpu_checks.sh tp8b   # nvidia-h200-x2: the 8B shape at TP=2 and TP=1
@@ -11,7 +10,8 @@
 #   TP=2 OLD=dbg/old bash benchmarks/gpu_checks.sh ab  # nvidia-h200-x2: the same at TP=2
 #   bash benchmarks/gpu_checks.sh probes # nvidia-h200: the kernel sweeps and the head probe
 # Modes of earlier calls are in the commits BENCHMARKS.md names (session 4's recheck, verify,
-# final and last: in 04e96c7; session 5's s5: bb7f952, s5b: a95279f; session 6's fused: 0cb7b0a).
+# final and last: in 04e96c7; session 5's s5: bb7f952, s5b: a95279f; session 6's fused: 0cb7b0a;
+# sessions 21-22's startup, MINIVLLM_DYNAMIC_START=1 against 0: e2c4259).
 # Every step's output streams into $OUT/logs.txt (the suite's into $OUT/tests.txt) and its JSON
 # into $OUT/results.json, so a call cut short still returns what it did; a step past its limit
 # gets SIGABRT first, and PYTHONFAULTHANDLER=1 makes every Python process print its stacks.
@@ -71,23 +71,10 @@ speed)
   STEP_LOG=$OUT/tests.txt step tests 170 python3 -m pytest $PYTEST_ARGS \
     "tests/test_gpu_graphs.py::test_graphs_and_async_scheduling_equal_eager[bfloat16]" \
     tests/test_gpu_graphs.py::test_plain_greedy_streams_take_the_graphs_pick \
-    tests/test_gpu_graphs.py::test_dynamic_start_equals_eager_and_compiles_less \
     tests/test_decode_head.py tests/test_decode_stem.py tests/test_sample_kernel.py \
     tests/test_kernels.py tests/test_kernels_model.py tests/test_skinny_gemm.py \
     "tests/test_gpu_graphs.py::test_graphs_and_async_scheduling_equal_eager[float32]" \
     tests/test_decode_graphs.py "tests/test_engine.py::test_triton_backend_gives_identical_outputs"
-  ;;
-startup)
-  # nvidia-h200 (<= 570 s): start-up compiling each part dynamic from its first compile
-  # (MINIVLLM_DYNAMIC_START=1, runtime.compiled.start_up_form) against the static-first way,
-  # alternating: engine start-up (the JSON's startup_s) and throughput. The first run of a call
-  # pays the cold caches both ways share (the Triton kernels of our own).
-  i=0
-  for dyn in 1 0 1 0; do
-    i=$((i + 1)) limit=120; [ $i = 1 ] && limit=200
-    MINIVLLM_DYNAMIC_START=$dyn step "${i}_bench_dynamic_start_$dyn" $limit python3 -m minivllm \
-      bench --shape qwen3-0.6b --json "$RESULTS/${i}_bench_dynamic_start_$dyn.json"
-  done
   ;;
 tp)
   # nvidia-h200-x2 (<= 480 s): issue 6: TP=2 against TP=1 (teacher-forced agreement), then the
@@ -142,7 +129,7 @@ probes)
   step sweep_gemm 90 python3 benchmarks/sweep_decode_gemm.py
   ;;
 *)
-  echo "usage: $0 speed|startup|tp|tp_engine|tp8b|ab|probes" >&2
+  echo "usage: $0 speed|tp|tp_engine|tp8b|ab|probes" >&2
   exit 2
   ;;
 esac

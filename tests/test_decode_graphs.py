@@ -113,69 +113,6 @@ def test_compiled_forward_recompiles_a_bounded_number_of_times_over_the_buckets(
     assert counter.frame_count <= 7
 
 
-def test_start_up_form_compiles_each_part_once_for_every_step_serving_takes():
-    """start_up_form (MINIVLLM_DYNAMIC_START=1): over what start-up runs (the decode buckets,
-    largest first, then the warm-up's steps of 1, 3 and 16 sequences and table widths, then
-    the head at every row count) the parts compile 6 times in all, against 17 the
-    static-first way: the head once; the stem and the layer once more when the warm-up's
-    batches (each field at its own storage offset, 0 for the first) follow the buckets' views
-    of one packed buffer; the layer again for one-token steps (a [1, n] activation's strides
-    guard its size). Every call equals the eager forward. Then the serving form (the compiled
-    parts called without marks) runs steps of sizes start-up never used on those graphs,
-    without a compile."""
-    from torch._dynamo.testing import CompileCounter
-
-    from minivllm.runtime.compiled import compiled_forward, start_up_form
-    from minivllm.runtime.warmup import _CLASSES, head_of
-
-    torch._dynamo.reset()
-    params = minivllm.random_params(CONFIG, seed=0, std=0.2)
-    backend = select_backend("cpu", "reference")
-    cache = minivllm.init_cache(params, num_blocks=300, block_size=4)
-    graphs = DecodeGraphs(params, cache, backend, max_num_seqs=32, max_blocks_per_seq=8,
-                          compile_forward=False)
-
-    def counted(dynamic_start):
-        counter = CompileCounter()
-        fn = compiled_forward(counter)
-        return counter, fn, (start_up_form(fn) if dynamic_start else fn)
-
-    def check(fn, batch):
-        expected, _ = minivllm.forward(params, cache, batch, backend)
-        got, _ = fn(params, cache, batch, backend)
-        torch.testing.assert_close(got, expected)
-
-    def start_up(start_fn):
-        for bs in reversed(graphs.buckets):
-            check(start_fn, graphs.batch_view(bs))
-        for seqs in _CLASSES:
-            for width in _CLASSES:
-                tables = [list(range(s * width, (s + 1) * width)) for s in range(seqs)]
-                check(start_fn, make_batch([SeqChunk([3] * width * 4, 0, t) for t in tables],
-                                           block_size=4))
-                check(start_fn, make_batch([SeqChunk([3], width * 4 - 1, t) for t in tables],
-                                           block_size=4))
-        x, residual = torch.randn(2, 33, CONFIG.hidden_size).unbind(0)
-        for rows in range(1, 33):
-            torch.testing.assert_close(head_of(start_fn)(params, x, residual, torch.arange(rows)),
-                                       minivllm.functional.model.head(params, x, residual,
-                                                                      torch.arange(rows)))
-
-    counter, fn, start_fn = counted(dynamic_start=True)
-    start_up(start_fn)
-    assert counter.frame_count == 6
-    for chunks in ([SeqChunk([5, 6, 7, 8, 9], 0, [0, 1])],
-                   [SeqChunk([1], 6, [0, 1, 2, 3, 4]), SeqChunk([2] * 9, 0, [5, 6, 7])],
-                   [SeqChunk([4] * 20, 3, list(range(8, 14)))]):
-        check(fn, make_batch(chunks, block_size=4))
-    assert counter.frame_count == 6
-
-    torch._dynamo.reset()
-    counter, _, start_fn = counted(dynamic_start=False)
-    start_up(start_fn)
-    assert counter.frame_count > 8
-
-
 def test_compiled_layer_serves_prefill_and_mixed_steps_too():
     """Prefill and mixed steps run through the same compiled layer as decode (the default):
     its logits equal the eager forward's on steps of several shapes."""

@@ -93,27 +93,3 @@ def test_plain_greedy_streams_take_the_graphs_pick(deep_dir):
         assert got == want
         assert picked.count((len(batch), True)) >= 20, picked
 
-
-def test_dynamic_start_equals_eager_and_compiles_less(deep_dir, monkeypatch):
-    """MINIVLLM_DYNAMIC_START=1 (runtime.compiled.start_up_form): the engine's start-up compiles
-    each part with the step's sizes dynamic from its first compile. Serving then runs on those
-    graphs: the same fp32 greedy tokens as the eager engine, over batches of 1-18 prompts of
-    varied lengths (prefill, mixed and decode steps of many sizes), and start-up compiles at
-    most 8 graphs (6 on the CPU's reference backend, tests/test_decode_graphs.py)."""
-    from torch._dynamo.utils import counters
-
-    g = torch.Generator().manual_seed(2)
-    prompts = [{"prompt_token_ids": torch.randint(0, 257, (n,), generator=g).tolist()}
-               for n in (1, 5, 17, 33, 64, 100, 3, 250, 9, 40, 77, 128, 2, 31, 60, 15, 200, 7)]
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    eager = LLM(deep_dir, dtype="float32", num_kv_blocks=256, max_num_seqs=32, enforce_eager=True)
-    monkeypatch.setenv("MINIVLLM_DYNAMIC_START", "1")
-    before = counters["stats"]["unique_graphs"]
-    fast = LLM(deep_dir, dtype="float32", num_kv_blocks=256, max_num_seqs=32)
-    compiled_at_start = counters["stats"]["unique_graphs"] - before
-    assert fast.engine.runner.dynamic_start and fast.engine.runner.graphs is not None
-    assert compiled_at_start <= 8, compiled_at_start
-    for batch in (prompts[:1], prompts[:5], prompts):
-        want = [o.outputs[0].token_ids for o in eager.generate(batch, params, use_tqdm=False)]
-        got = [o.outputs[0].token_ids for o in fast.generate(batch, params, use_tqdm=False)]
-        assert got == want

@@ -1,6 +1,5 @@
 """The pure forward under torch.compile: its three parts (stem, decoder layer, head) compiled
-one by one, for the CUDA graphs' decode steps and for prefill and mixed steps, and the form
-start-up calls them in.
+one by one, for the CUDA graphs' decode steps and for prefill and mixed steps.
 
 What is compiled is one decoder layer (and the stem and head around the layers), not the whole
 forward: the 28 layers of a Qwen3 model are the same function on same-shaped weights, so one
@@ -17,13 +16,10 @@ import itertools
 import types
 
 import torch
-import torch.fx.experimental._config
-from torch._dynamo import maybe_mark_dynamic as _mark
 
 from ..functional import model
 from ..functional.layer import decoder_layer
 from ..functional.model import forward
-from ..state.batch import Batch
 
 
 def compiled_forward(compile_backend="inductor"):
@@ -49,55 +45,6 @@ def compiled_forward(compile_backend="inductor"):
 
     return functools.partial(forward, layer=compiled(decoder_layer), stem=compiled(model.stem),
                              head=compiled(model.head))
-
-
-def start_up_form(fn):
-    """fn (a compiled_forward) for start-up's calls (capture, warm-up): each compiled part marks
-    the step's sizes (tokens, sequences, block-table width, logits rows) dynamic before it runs,
-    and compiles them size-obliviously (torch.fx.experimental._config.backed_size_oblivious), so
-    that its first compile is already the dynamic one and a size of 1 does not specialise it.
-    Without it each part compiles static first, then dynamic, then once more for each size that
-    a step first meets at 1 (one sequence, one block-table column, one logits row): 13 graphs
-    in the warm-up's steps on the CPU (Inductor) where this form compiles 4, and 17 against 6
-    over the buckets' captures and the warm-up (tests/test_decode_graphs.py). Serving calls fn
-    itself: the graphs compiled here serve it, and marking costs ~30 us a tensor on the host."""
-    if not isinstance(fn, functools.partial):  # the eager forward: nothing is compiled
-        return fn
-    parts = fn.keywords
-
-    def stem(params, batch):
-        # The marks stay on the batch's tensors, which every layer of the step then reads.
-        _mark_batch(batch)
-        with _size_oblivious():
-            return parts["stem"](params, batch)
-
-    def layer(lp, x, residual, cos, sin, k_cache, v_cache, batch, **kwargs):
-        # x: [T, hidden], or down's unsummed partials [split, T, hidden]
-        _mark(x, x.dim() - 2)
-        for t in (residual, cos, sin):
-            _mark(t, 0)
-        with _size_oblivious():
-            return parts["layer"](lp, x, residual, cos, sin, k_cache, v_cache, batch, **kwargs)
-
-    def head(params, x, residual, rows):
-        _mark(x, x.dim() - 2)
-        _mark(residual, 0)
-        _mark(rows, 0)
-        with _size_oblivious():
-            return parts["head"](params, x, residual, rows)
-
-    return functools.partial(fn.func, *fn.args, **(parts | dict(layer=layer, stem=stem, head=head)))
-
-
-def _mark_batch(batch: Batch) -> None:
-    for t in (batch.input_ids, batch.positions, batch.slot_mapping, batch.cu_seqlens_q,
-              batch.context_lens, batch.block_tables, batch.logits_indices):
-        _mark(t, 0)
-    _mark(batch.block_tables, 1)
-
-
-def _size_oblivious():
-    return torch.fx.experimental._config.patch(backed_size_oblivious=True)
 
 
 _copies = itertools.count(1)

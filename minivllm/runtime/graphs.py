@@ -8,11 +8,10 @@ since the cache is donated and written in place.
 
 The forward's parts are compiled by runtime.compiled (one decoder layer, the stem and the head).
 The smallest bucket is 2, so that the compiled layer sees only batches of 2 or more and one
-dynamic-batch compile (after a first static one, or at once under compiled.start_up_form)
-serves every bucket; a single sequence is padded to 2 rows, which costs nothing measurable.
-With persistent_decode the buckets of 1 and 2 rows run every layer as one persistent kernel
-(kernels/decode_layer.py) instead, whose work grows with each row, padding included, so there a
-single sequence has a bucket of its own.
+dynamic-batch compile (after a first static one) serves every bucket; a single sequence is
+padded to 2 rows, which costs nothing measurable. With persistent_decode the buckets of 1 and 2
+rows run every layer as one persistent kernel (kernels/decode_layer.py) instead, whose work grows
+with each row, padding included, so there a single sequence has a bucket of its own.
 
 Rows past the real batch are padding: slot -1 (nothing is written), context length 1 and a block
 table of zeros (block 0 exists, and the padding row's one key is its own new token), so they
@@ -30,7 +29,7 @@ from ..functional.model import forward
 from ..state.batch import Batch
 from ..state.cache import KVCache
 from ..state.params import Params
-from .compiled import compiled_forward, start_up_form
+from .compiled import compiled_forward
 
 log = logging.getLogger("minivllm")
 
@@ -56,7 +55,7 @@ class DecodeGraphs:
 
     def __init__(self, params: Params, cache: KVCache, backend, *, max_num_seqs: int,
                  max_blocks_per_seq: int, compile_forward: bool = True,
-                 persistent_decode: bool = False, dynamic_start: bool = False):
+                 persistent_decode: bool = False):
         self.params, self.cache, self.backend = params, cache, backend
         self.device = params.device
         self.buckets = decode_buckets(max_num_seqs, single=persistent_decode)
@@ -90,14 +89,12 @@ class DecodeGraphs:
         self.staged = [None, None]  # the event after each staging's copy
         self.turn = 0
         self.fn = compiled_forward() if compile_forward else forward
-        # What capture runs (see start_up_form): the same compiled parts.
-        self.capture_fn = start_up_form(self.fn) if dynamic_start else self.fn
         # Buckets of at most MAX_ROWS rows: every layer in one persistent kernel (decode_layer.py).
-        self.small_fn, self.small_rows = self.capture_fn, 0
+        self.small_fn, self.small_rows = self.fn, 0
         if persistent_decode:
             from ..kernels.decode_layer import MAX_ROWS, with_persistent_layers
 
-            self.small_fn = with_persistent_layers(self.capture_fn, params, cache)
+            self.small_fn = with_persistent_layers(self.fn, params, cache)
             self.small_rows = MAX_ROWS
         # The persistent buckets' graphs also pick each row's arg-max into this static buffer
         # (sample_kernel.greedy_argmax, 4 us at one row against an eager torch.argmax's 8 and
@@ -153,7 +150,7 @@ class DecodeGraphs:
         from ..kernels.decode_head import picking_head
         from ..kernels.sample_kernel import argmax_of_tiles, greedy_argmax
 
-        fn = self.small_fn if bs <= self.small_rows else self.capture_fn
+        fn = self.small_fn if bs <= self.small_rows else self.fn
         batch = self.batch_view(bs)
         picks = dict(out=self.greedy_tokens[:bs], copy_to=self.input_ids[:bs])
         if bs <= self.greedy_rows and self.head_picks:

@@ -31,7 +31,6 @@ from ..state.load import load
 from ..state.params import Params, random_params
 from ..state.shard import ShardSpec
 from .config import EngineConfig, is_random_model
-from .compiled import start_up_form
 from .graphs import DecodeGraphs
 from .warmup import warm_up_kernels
 
@@ -177,20 +176,14 @@ class ModelRunner:
         self.cache = init_cache(self.params, num_blocks=self.num_blocks, block_size=self.block_size,
                                 dtype=config.cache_dtype)
         self.graphs = None
-        # MINIVLLM_DYNAMIC_START=1: start-up compiles each part with the step's sizes dynamic
-        # from its first compile (compiled.start_up_form; 4 graphs against 13 in the warm-up on
-        # the CPU). Off by default until the H200 has timed it against the static-first way.
-        self.dynamic_start = os.environ.get("MINIVLLM_DYNAMIC_START", "0") == "1"
         self.last_tokens = None  # [rows] the last launched step's sampled ids, on the device
         self.ids_in_graph = False  # whether the graphs' input ids hold last_tokens already
         try:
             self._compile_and_capture(config)
             with _logged_time("kernel warm-up"):
-                warm_up_fn = start_up_form(self.prefill_forward) if self.dynamic_start \
-                    else self.prefill_forward
                 warm_up_kernels(self.params, self.backend, block_size=self.block_size,
                                 cache_dtype=config.cache_dtype,
-                                max_num_seqs=config.max_num_seqs, forward_fn=warm_up_fn)
+                                max_num_seqs=config.max_num_seqs, forward_fn=self.prefill_forward)
         except BaseException:
             self.release_graphs()  # as a failed start unwinds: see release_graphs
             raise
@@ -206,7 +199,7 @@ class ModelRunner:
                 self.params, self.cache, self.backend, max_num_seqs=config.max_num_seqs,
                 max_blocks_per_seq=ceil_div(config.max_model_len, self.block_size),
                 compile_forward=os.environ.get("MINIVLLM_COMPILE", "1") != "0",
-                persistent_decode=config.persistent_decode, dynamic_start=self.dynamic_start)
+                persistent_decode=config.persistent_decode)
             self.graphs.capture()
         # Prefill and mixed steps run through the same compiled decoder layer (its prefill
         # variants are compiled by the warm-up): on the H200 the throughput benchmark ran 22,637
