@@ -7,10 +7,14 @@ norm kernel, cuBLAS's GEMV and a cast, and the pick two more kernels after them.
   partials [S, M, hidden]), norm_weight: [hidden], head_weight: [>= vocab, hidden]
   -> logits [M, vocab] fp32, tile_max [M, tiles] fp32, tile_argmax [M, tiles] int32
 
-Each program streams BLOCK_N rows of the head's weight as the skinny GEMM does (the weight is
-tl.dot's A operand, so the pipeliner keeps its tiles in flight in shared memory; skinny_gemm.py),
-and norms its x chunk on the fly from each row's 1 / RMS, which it computes itself from the
-whole row (2-4 KB from L2), as the persistent decode layers do. Values are rounded to the
+A program streams tiles of BLOCK_N rows of the head's weight as the skinny GEMM does (the weight
+is tl.dot's A operand, so the pipeliner keeps its tiles in flight in shared memory;
+skinny_gemm.py), and norms its x chunk on the fly from each row's 1 / RMS, which it computes itself from the
+whole row (2-4 KB from L2), as the persistent decode layers do. Two programs an SM share the
+tiles, each taking every 264th (at 132 SMs), so that each row's RMS is computed 264 times, not
+once a tile (2,374 times): 81.3 / 82.5 us at 1 / 2 rows against 84.0 / 87.6 with a program a
+tile, cuBLAS's GEMV of the same weight without the norm 74.7 / 75.4 (H200, BENCHMARKS.md
+session 22; one and three programs an SM were 15-20% slower). Values are rounded to the
 activation dtype where functional.model.head rounds them (the add, the norm, the weight's
 product, the logits), so the logits differ from it only by the GEMV's order of summation.
 """
@@ -23,9 +27,10 @@ import triton.language as tl
 
 from ..functional.linear import sum_partials
 from .decode_layer import _row_rms
-from .launch import dot_precision, next_pow2, runs_ptx
+from .launch import dot_precision, next_pow2, num_sms, runs_ptx
 
-BLOCK_N = 64  # head rows a program: 2,374 programs at Qwen3's vocabulary
+BLOCK_N = 64  # head rows a tile: 2,374 tiles at Qwen3's vocabulary
+PROGRAMS_PER_SM = 2
 M_PAD = 16  # tl.dot's minimum; rows past M load as zeros
 MAX_ROWS = M_PAD
 
@@ -90,10 +95,8 @@ def decode_head(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tens
                 programs: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logits, tile_max, tile_argmax) of the module docstring, in one launch. tile_argmax's
     entries are vocabulary ids; kernels.sample_kernel.argmax_of_tiles finishes the pick.
-    programs: how many programs share the tiles (default one a tile; fewer compute each row's
-    RMS fewer times, the prologue before a program's weights stream: 84 us against cuBLAS
-    GEMV's 73 for the same bytes on the H200, BENCHMARKS.md session 21;
-    benchmarks/sweep_decode_head.py times it)."""
+    programs: how many programs share the tiles (default PROGRAMS_PER_SM an SM, at most one a
+    tile; see the module docstring; benchmarks/sweep_decode_head.py times the counts)."""
     x = sum_partials(x, residual.dtype)
     m, k = x.shape
     dtype = x.dtype
@@ -110,7 +113,8 @@ def decode_head(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tens
                            head_weight.is_contiguous()):
         raise ValueError(f"decode_head needs contiguous inputs and hidden a multiple of {block_k}")
     tiles = triton.cdiv(vocab_size, BLOCK_N)
-    programs = tiles if programs is None else programs
+    if programs is None:
+        programs = min(PROGRAMS_PER_SM * num_sms(x.device), tiles)
     if not 1 <= programs <= tiles:
         raise ValueError(f"decode_head runs 1-{tiles} programs here, got {programs}")
     logits = torch.empty(m, vocab_size, dtype=torch.float32, device=x.device)
