@@ -7,16 +7,16 @@ norm kernel, cuBLAS's GEMV and a cast, and the pick two more kernels after them.
   partials [S, M, hidden]), norm_weight: [hidden], head_weight: [>= vocab, hidden]
   -> logits [M, vocab] fp32, tile_max [M, tiles] fp32, tile_argmax [M, tiles] int32
 
-A program streams tiles of BLOCK_N rows of the head's weight as the skinny GEMM does (the weight
-is tl.dot's A operand, so the pipeliner keeps its tiles in flight in shared memory;
-skinny_gemm.py), and norms its x chunk on the fly from each row's 1 / RMS, which it computes itself from the
-whole row (2-4 KB from L2), as the persistent decode layers do. Two programs an SM share the
-tiles, each taking every 264th (at 132 SMs), so that each row's RMS is computed 264 times, not
-once a tile (2,374 times): 81.3 / 82.5 us at 1 / 2 rows against 84.0 / 87.6 with a program a
-tile, cuBLAS's GEMV of the same weight without the norm 74.7 / 75.4 (H200, BENCHMARKS.md
-session 22; one and three programs an SM were 15-20% slower). Values are rounded to the
-activation dtype where functional.model.head rounds them (the add, the norm, the weight's
-product, the logits), so the logits differ from it only by the GEMV's order of summation.
+A program streams tiles of BLOCK_N rows of the head's weight as the skinny GEMM does (the weight is
+tl.dot's A operand, so the pipeliner keeps its tiles in flight in shared memory; skinny_gemm.py),
+and norms its x chunk on the fly from each row's 1 / RMS, which it computes itself from the whole
+row (2-4 KB from L2), as the persistent decode layers do. Two programs an SM share the tiles, each
+taking every 264th (at 132 SMs), so that each row's RMS is computed 264 times, not once a tile
+(2,374 times): 81.3 / 82.5 us at 1 / 2 rows against 84.0 / 87.6 with a program a tile, cuBLAS's
+GEMV of the same weight without the norm 74.7 / 75.4 (H200, BENCHMARKS.md session 22; one and three
+programs an SM were 15-20% slower). Values are rounded to the activation dtype where
+functional.model.head rounds them (the add, the norm, the weight's product, the logits), so the
+logits differ from it only by the GEMV's order of summation.
 """
 
 from __future__ import annotations
