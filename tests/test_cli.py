@@ -175,3 +175,31 @@ def test_host_and_wait_splits_each_step_into_host_work_and_the_wait():
     assert len(log) == 2
     for seconds, waited in log:
         assert 0.02 <= waited < seconds and seconds - waited >= 0.01
+
+
+@pytest.mark.parametrize("flag,value", [("--num-seqs", "0"), ("--max-input-len", "64"),
+                                        ("--max-output-len", "99")])
+def test_bench_rejects_a_workload_it_cannot_draw_before_starting_an_engine(flag, value, capsys,
+                                                                          monkeypatch):
+    """nano-vllm's workload draws lengths from randint(100, max): a smaller bound (or no
+    sequences) is a clear error naming the argument, before any engine starts."""
+    import minivllm.runtime.llm as llm
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine started")
+
+    monkeypatch.setattr(llm, "LLM", no_engine)
+    assert main(["bench", "--model", "unused", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert flag.lstrip("-").replace("-", "_") in err and value in err
+
+
+def test_bench_names_a_vocabulary_too_small_for_the_workloads_ids(tmp_path, capsys):
+    """The workload's prompt ids go up to 10,000: a smaller model is told so, before the run."""
+    from hf_tiny import make_hf_model, save_checkpoint
+
+    model = save_checkpoint(make_hf_model(vocab_size=600), tmp_path / "model")
+    assert main(["bench", "--model", model, "--num-seqs", "2", "--max-input-len", "100",
+                 "--max-output-len", "100", "--max-model-len", "512", "--dtype", "float32"]) == 2
+    err = capsys.readouterr().err
+    assert "10000" in err and "600" in err

@@ -17,7 +17,8 @@ import time
 import torch
 
 from ..state.config import FP8_DTYPES, SHAPES
-from .workload import throughput_workload, traffic_floor_bytes
+from .workload import (MAX_PROMPT_ID, check_throughput_workload, throughput_workload,
+                       traffic_floor_bytes)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, repeats: int = 10) -> float | None:
@@ -191,6 +192,9 @@ def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
     from .sampling_params import SamplingParams
 
     prompts, max_tokens = throughput_workload(num_seqs, max_input_len, max_output_len)
+    if llm.engine.vocab_size <= MAX_PROMPT_ID:
+        raise ValueError(f"the throughput workload's prompt ids go up to {MAX_PROMPT_ID} (as "
+                         f"nano-vllm's do); this model's vocabulary has {llm.engine.vocab_size}")
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
     # One warm-up request before timing, as nano-vllm's bench does.
     llm.generate([{"prompt_token_ids": list(range(1, 9))}], SamplingParams(), use_tqdm=False)
@@ -242,7 +246,7 @@ def run_latency(llm, *, prompt_len: int = 512, output_len: int = 256, repeats: i
 
     rng = random.Random(1)
     device = llm.config.device
-    vocab = min(10000, llm.engine.vocab_size)
+    vocab = min(MAX_PROMPT_ID, llm.engine.vocab_size)
 
     def prompt():
         return {"prompt_token_ids": [rng.randrange(vocab) for _ in range(prompt_len)]}
@@ -341,6 +345,8 @@ def main(args) -> dict:
 
     if args.model and args.shape:
         raise ValueError("give --model or --shape, not both")
+    if not args.latency:  # before the engine starts, which takes a while
+        check_throughput_workload(args.num_seqs, args.max_input_len, args.max_output_len)
     model = args.model or f"random:{args.shape or 'qwen3-0.6b'}"
     max_num_seqs = args.max_num_seqs or (LATENCY_MAX_NUM_SEQS if args.latency else 256)
     start = time.perf_counter()

@@ -15,13 +15,30 @@ from ..state.params import expected_shapes
 from ..state.shard import ShardSpec
 
 
+MIN_LEN = 100  # nano-vllm's least prompt and output length
+MAX_PROMPT_ID = 10000  # nano-vllm's prompt ids: randint(0, MAX_PROMPT_ID)
+
+
+def check_throughput_workload(num_seqs: int, max_input_len: int, max_output_len: int) -> None:
+    """ValueError, naming the argument, where throughput_workload could not draw the workload
+    (bench calls it before starting an engine)."""
+    if num_seqs < 1:
+        raise ValueError(f"the throughput workload needs at least one sequence, got num_seqs "
+                         f"{num_seqs}")
+    for name, value in (("max_input_len", max_input_len), ("max_output_len", max_output_len)):
+        if value < MIN_LEN:
+            raise ValueError(f"{name} must be at least {MIN_LEN} (the workload draws lengths "
+                             f"from randint({MIN_LEN}, {name}), as nano-vllm's does), got {value}")
+
+
 def throughput_workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024,
                         seed: int = 0) -> tuple[list[list[int]], list[int]]:
     """(prompt token ids, max_tokens per sequence), drawn in nano-vllm's order."""
+    check_throughput_workload(num_seqs, max_input_len, max_output_len)
     rng = random.Random(seed)
-    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, max_input_len))]
+    prompts = [[rng.randint(0, MAX_PROMPT_ID) for _ in range(rng.randint(MIN_LEN, max_input_len))]
                for _ in range(num_seqs)]
-    max_tokens = [rng.randint(100, max_output_len) for _ in range(num_seqs)]
+    max_tokens = [rng.randint(MIN_LEN, max_output_len) for _ in range(num_seqs)]
     return prompts, max_tokens
 
 
