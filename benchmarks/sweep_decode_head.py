@@ -27,7 +27,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1,2")
     ap.add_argument("--programs", default="132,264,396,528,792,1188,2374",
-                    help="program counts to time beside the default (one a tile)")
+                    help="program counts to time beside the default (two an SM)")
     args = ap.parse_args()
     if (gpu := cuda_and_l2("sweep_decode_head.py")) is None:
         return 2

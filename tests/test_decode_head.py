@@ -26,8 +26,9 @@ def _dtypes(device):
 
 @pytest.mark.parametrize("m,programs", [(1, None), (2, None), (5, None), (1, 2), (2, 4)])
 def test_decode_head_equals_the_functional_head(device, m, programs):
-    """programs: the default (one a tile), or fewer programs than the 5 tiles, each taking
-    every programs-th tile (unevenly: 3 and 2 tiles, or 2, 1, 1, 1)."""
+    """programs: the default (two an SM, at most one a tile: one a tile for these 5 tiles), or
+    fewer programs than the tiles, each taking every programs-th tile (unevenly: 3 and 2 tiles,
+    or 2, 1, 1, 1)."""
     for dtype in _dtypes(device):
         params = minivllm.random_params(CONFIG, seed=m, dtype=dtype, device=device, std=0.5)
         g = torch.Generator().manual_seed(m)
