@@ -92,4 +92,3 @@ def test_plain_greedy_streams_take_the_graphs_pick(deep_dir):
         got = [o.outputs[0].token_ids for o in fast.generate(batch, params, use_tqdm=False)]
         assert got == want
         assert picked.count((len(batch), True)) >= 20, picked
-
