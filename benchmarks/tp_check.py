@@ -13,6 +13,9 @@ positions are those whose fp32 top-2 margin exceeds 0.125 (8 bf16 ulps at |logit
     python benchmarks/tp_check.py --json benchmarks/results/tp_check.json
     python benchmarks/tp_check.py --device cpu --dtype float32 --layers 2 --vocab-size 1024 \\
         --positions 32 --prompts 2 --max-tokens 8    # a smoke test on CPU (gloo)
+
+With --checkpoint DIR (written by benchmarks/synthetic_lm.py) the model is one trained on a
+synthetic language, and the teacher-forced sequence and the prompts are drawn from it.
 """
 
 from __future__ import annotations
@@ -24,34 +27,33 @@ import socket
 import tempfile
 import time
 
+import sys
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import minivllm
-import minivllm.kernels
-from minivllm.runtime.distributed import exit_now
-from minivllm.state import SHAPES, SeqChunk, ShardSpec, make_batch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import minivllm  # noqa: E402
+import minivllm.kernels  # noqa: E402
+from benchmarks.synthetic_lm import LANGUAGE_FILE, MarkovLanguage, qwen3_config, sample  # noqa: E402
+from minivllm.runtime.distributed import exit_now  # noqa: E402
+from minivllm.state import SHAPES, SeqChunk, ShardSpec, make_batch  # noqa: E402
 
 
 def write_checkpoint(path: str, args) -> str:
     """A random-weight Qwen3 checkpoint of the requested shape, written by transformers."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
     s = dict(SHAPES[args.shape])
     if args.layers:
         s["num_layers"] = args.layers
     if args.vocab_size:
         s["vocab_size"] = args.vocab_size
-    config = Qwen3Config(vocab_size=s["vocab_size"], hidden_size=s["hidden_size"],
-                         intermediate_size=s["intermediate_size"], num_hidden_layers=s["num_layers"],
-                         num_attention_heads=s["num_heads"], num_key_value_heads=s["num_kv_heads"],
-                         head_dim=s["head_dim"], tie_word_embeddings=s["tie_word_embeddings"],
-                         rope_theta=1_000_000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
-                         initializer_range=args.init_std, eos_token_id=None, bos_token_id=None)
     torch.manual_seed(args.seed)
     with torch.device(args.device if args.device != "cpu" else "cpu"):
-        model = Qwen3ForCausalLM(config)
+        model = Qwen3ForCausalLM(qwen3_config(s, args.init_std))
     model.to(minivllm.state.parse_dtype(args.dtype)).save_pretrained(path)
     del model
     return path
@@ -141,6 +143,8 @@ def main():
     ap.add_argument("--device", default="cuda", help="cuda (NCCL, GPUs 0 and 1) or cpu (gloo)")
     ap.add_argument("--backend", default=None, help="attention backend (default: the device's best)")
     ap.add_argument("--init-std", type=float, default=0.02, help="std of the random weights")
+    ap.add_argument("--checkpoint", default=None,
+                    help="a Qwen3 checkpoint (e.g. written by synthetic_lm.py) instead of random weights")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--positions", type=int, default=512, help="teacher-forced sequence length")
     ap.add_argument("--prompts", type=int, default=8, help="greedy prompts through the engine")
@@ -159,11 +163,22 @@ def main():
               "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_checkpoint(os.path.join(tmp, "model"), args)
+        path = args.checkpoint or write_checkpoint(os.path.join(tmp, "model"), args)
+        result["checkpoint"] = "trained" if args.checkpoint else "random"
+        if args.checkpoint:  # the shape is the checkpoint's, not --shape's
+            result.update(shape=None, layers=None, vocab_size=None, init_std=None)
         result["checkpoint_seconds"] = time.perf_counter() - t0
         gen = torch.Generator().manual_seed(args.seed)
         config = minivllm.ModelConfig.from_json(path)
-        ids = torch.randint(0, config.vocab_size, (args.positions,), generator=gen).tolist()
+        language_file = os.path.join(path, LANGUAGE_FILE)
+        lang = MarkovLanguage.load(language_file) if os.path.exists(language_file) else None
+
+        def draw(n: int, g: torch.Generator) -> list[int]:
+            if lang is not None:
+                return sample(lang, 1, n, g)[0].tolist()
+            return torch.randint(0, config.vocab_size, (n,), generator=g).tolist()
+
+        ids = draw(args.positions, gen)
 
         # TP=1, in the checkpoint's dtype and in fp32 (the noise floor), in this process.
         t = time.perf_counter()
@@ -196,8 +211,7 @@ def main():
 
         if not args.skip_engine:
             g = torch.Generator().manual_seed(args.seed + 1)
-            prompts = [torch.randint(0, config.vocab_size, (int(n),), generator=g).tolist()
-                       for n in torch.randint(16, 129, (args.prompts,), generator=g)]
+            prompts = [draw(int(n), g) for n in torch.randint(16, 129, (args.prompts,), generator=g)]
             one, one_s = engine_greedy(path, 1, prompts, args)
             two, two_s = engine_greedy(path, 2, prompts, args)
             prefix = [common_prefix(a, b) for a, b in zip(one, two)]
