@@ -5,6 +5,10 @@
 #   bash benchmarks/gpu_checks.sh tp     # nvidia-h200-x2: issue 6, TP=2 against TP=1, 0.6B shape
 #   bash benchmarks/gpu_checks.sh tp_engine  # nvidia-h200-x2: the same through the engines
 #   bash benchmarks/gpu_checks.sh tp8b   # nvidia-h200-x2: the 8B shape at TP=2 and TP=1
+#   bash benchmarks/gpu_checks.sh agreement  # nvidia-h200: agreement with transformers on a
+#       checkpoint trained here (benchmarks/synthetic_lm.py), bf16 and fp8 cache, engine greedy
+#   bash benchmarks/gpu_checks.sh tp_trained  # nvidia-h200-x2: TP=2 against TP=1 on such a
+#       trained checkpoint, teacher-forced and through the engines
 #   OLD=dbg/old bash benchmarks/gpu_checks.sh ab  # nvidia-h200: this tree against OLD (another
 #       commit, unpacked there: git archive REV | tar -x -C dbg/old), alternating in one call
 #   TP=2 OLD=dbg/old bash benchmarks/gpu_checks.sh ab  # nvidia-h200-x2: the same at TP=2
@@ -90,6 +94,25 @@ tp_engine)
   step tp_check_engine 560 python3 benchmarks/tp_check.py --prompts 4 --max-tokens 32 \
     --json "$RESULTS/tp_check_engine.json"
   ;;
+agreement)
+  # nvidia-h200 (<= 560 s): session 23's calls 2-3. Training takes ~95 s; an engine's first start
+  # on a fresh machine ~100 s; the fp8 run (no engine) shares the GPU with the bf16 one.
+  step train 140 python3 benchmarks/synthetic_lm.py --shape qwen3-0.6b --out /tmp/trained
+  step agreement_fp8 120 python3 benchmarks/agreement.py --checkpoint /tmp/trained --positions 512 \
+    --kv-cache-dtype fp8 --json "$RESULTS/agreement_trained_fp8.json" &
+  step agreement 240 python3 benchmarks/agreement.py --checkpoint /tmp/trained --positions 512 \
+    --engine-prompts 8 --json "$RESULTS/agreement_trained.json"
+  wait
+  ;;
+tp_trained)
+  # nvidia-h200-x2 (<= 580 s): issue 6's TP=2 check on a trained checkpoint (on random weights
+  # it cannot agree above bf16's noise floor, ~95-97%): teacher-forced, then through the engines.
+  step train 140 python3 benchmarks/synthetic_lm.py --shape qwen3-0.6b --out /tmp/trained
+  step tp_check_trained 150 python3 benchmarks/tp_check.py --checkpoint /tmp/trained --skip-engine \
+    --json "$RESULTS/tp_check_trained.json"
+  step tp_check_trained_engine 290 python3 benchmarks/tp_check.py --checkpoint /tmp/trained \
+    --prompts 4 --max-tokens 32 --json "$RESULTS/tp_check_trained_engine.json"
+  ;;
 tp8b)
   # nvidia-h200-x2 (<= 400 s): the Qwen3-8B shape at TP=2, and at TP=1 on one of the two GPUs.
   step bench_8b_tp2 180 python3 -m minivllm bench --shape qwen3-8b -tp 2 \
@@ -129,7 +152,7 @@ probes)
   step sweep_gemm 90 python3 benchmarks/sweep_decode_gemm.py
   ;;
 *)
-  echo "usage: $0 speed|tp|tp_engine|tp8b|ab|probes" >&2
+  echo "usage: $0 speed|tp|tp_engine|tp8b|agreement|tp_trained|ab|probes" >&2
   exit 2
   ;;
 esac
