@@ -47,8 +47,9 @@ def random_checkpoint(path: str, shape: str, seed: int, init_std: float, dtype, 
     return path
 
 
-def teacher_forced(params, ids: list[int], backend, cache_dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """minivllm's logits [n, vocab] at every position: one prefill, and n single-token decodes."""
+def teacher_forced(params, ids: list[int], backend, cache_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """minivllm's logits [n, vocab] (fp32) at every position: one prefill, and n single-token
+    decodes (the only path that reads the cache, in cache_dtype; None: the weights' dtype)."""
     n, bs = len(ids), 16
     table = list(range(-(-n // bs)))
     cache = minivllm.init_cache(params, num_blocks=len(table), block_size=bs, dtype=cache_dtype)
@@ -77,14 +78,20 @@ def engine_against_transformers(path: str, model, prompts: list[list[int]], max_
              max_num_seqs=max(8, len(prompts)),  # few graphs to capture: this is about tokens
              kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.backend) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                    ignore_eos=True), use_tqdm=False)
-    ours = [o.outputs[0].token_ids for o in outs]
-    same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(ours, ref)]
+                            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                            use_tqdm=False)
+    same = [common_prefix(o.outputs[0].token_ids, r) for o, r in zip(outs, ref)]
     return {"prompts": len(prompts), "max_tokens": max_tokens,
             "identical_sequences": sum(s == max_tokens for s in same) / len(prompts),
             "common_prefix_fraction": sum(same) / (max_tokens * len(prompts)),
             "first_divergence": [s if s < max_tokens else None for s in same]}
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def main():
@@ -147,7 +154,8 @@ def main():
         result = {
             "shape": args.shape if args.checkpoint is None else
             {k: getattr(params.config, k) for k in ("vocab_size", "hidden_size", "num_layers", "num_heads")},
-            "checkpoint": "random" if args.checkpoint is None else "trained (synthetic_lm.py)",
+            "checkpoint": args.checkpoint or "random",
+            "language": lang is not None,  # the positions come from synthetic_lm.py's language
             "dtype": str(dtype), "positions": n, "backend": backend.name,
             "kv_cache_dtype": str(cache_dtype),
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

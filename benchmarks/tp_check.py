@@ -24,10 +24,9 @@ import argparse
 import json
 import os
 import socket
+import sys
 import tempfile
 import time
-
-import sys
 
 import torch
 import torch.distributed as dist
@@ -37,9 +36,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import minivllm  # noqa: E402
 import minivllm.kernels  # noqa: E402
+from benchmarks.agreement import common_prefix, teacher_forced  # noqa: E402
 from benchmarks.synthetic_lm import LANGUAGE_FILE, MarkovLanguage, qwen3_config, sample  # noqa: E402
 from minivllm.runtime.distributed import exit_now  # noqa: E402
-from minivllm.state import SHAPES, SeqChunk, ShardSpec, make_batch  # noqa: E402
+from minivllm.state import SHAPES, ShardSpec  # noqa: E402
 
 
 def write_checkpoint(path: str, args) -> str:
@@ -59,24 +59,6 @@ def write_checkpoint(path: str, args) -> str:
     return path
 
 
-def teacher_forced(params, ids: list[int], backend) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits [n, vocab] (fp32, on the CPU) at every position: from one prefill, and from n
-    single-token decode steps."""
-    device, n, bs = params.device, len(ids), 16
-    table = list(range(-(-n // bs)))
-    cache = minivllm.init_cache(params, num_blocks=len(table), block_size=bs)
-    batch = make_batch([SeqChunk(ids, 0, table)], block_size=bs, device=device, every_row=True)
-    with torch.no_grad():
-        prefill, _ = minivllm.forward(params, cache, batch, backend)
-        cache = minivllm.init_cache(params, num_blocks=len(table), block_size=bs)
-        decode = []
-        for pos, tok in enumerate(ids):
-            step = make_batch([SeqChunk([tok], pos, table)], block_size=bs, device=device)
-            logits, cache = minivllm.forward(params, cache, step, backend)
-            decode.append(logits)
-    return prefill.float().cpu(), torch.cat(decode).float().cpu()
-
-
 def _rank_main(rank: int, world: int, port: int, path: str, ids: list[int], args, out: str):
     """One rank of the TP=2 teacher-forced run; rank 0 saves its logits to `out`."""
     cuda = args.device != "cpu"
@@ -93,7 +75,7 @@ def _rank_main(rank: int, world: int, port: int, path: str, ids: list[int], args
         backend = minivllm.kernels.select_backend(device, args.backend)
         prefill, decode = teacher_forced(params, ids, backend)
         if rank == 0:
-            torch.save({"prefill": prefill, "decode": decode, "backend": backend.name}, out)
+            torch.save({"prefill": prefill.cpu(), "decode": decode.cpu(), "backend": backend.name}, out)
     finally:
         dist.destroy_process_group()
     exit_now(0)
@@ -125,13 +107,6 @@ def engine_greedy(path: str, tp: int, prompts: list[list[int]], args) -> tuple[l
                             use_tqdm=False)
         seconds = time.perf_counter() - start
     return [o.outputs[0].token_ids for o in outs], seconds
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def main():
@@ -184,10 +159,10 @@ def main():
         t = time.perf_counter()
         backend = minivllm.kernels.select_backend(device, args.backend)
         params = minivllm.load(path, dtype=dtype, device=device)
-        ref_prefill, ref_decode = teacher_forced(params, ids, backend)
+        ref_prefill, ref_decode = (t.cpu() for t in teacher_forced(params, ids, backend))
         del params
-        exact, _ = teacher_forced(minivllm.load(path, dtype=torch.float32, device=device),
-                                  ids[: args.positions], backend)
+        exact, _ = teacher_forced(minivllm.load(path, dtype=torch.float32, device=device), ids, backend)
+        exact = exact.cpu()
         if device.type == "cuda":
             torch.cuda.empty_cache()
         top2 = exact.topk(2, dim=-1).values

@@ -95,7 +95,7 @@ def test_agreement_script_on_the_trained_checkpoint_agrees_everywhere_in_fp32(tr
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout[out.stdout.rindex("\n{") + 1:])  # the last report
-    assert result["checkpoint"] == "trained (synthetic_lm.py)" and result["positions"] == 32
+    assert result["checkpoint"] == path and result["language"] and result["positions"] == 32
     for key in ("prefill_top1_agreement", "decode_top1_agreement", "transformers_vs_fp32_top1_agreement"):
         assert result[key] == 1.0, key
     assert result["max_abs_logit_diff_prefill"] < 1e-4 and result["max_abs_logit_diff_decode"] < 1e-4
