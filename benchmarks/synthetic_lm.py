@@ -2,7 +2,8 @@
 
 Random weights (transformers' init, std 0.02) give nearly flat next-token distributions: the
 top-2 margin of most positions is within bf16's rounding of the logits, so even transformers in
-bf16 picks another arg-max than its own fp32 on ~2-3% of positions (BENCHMARKS.md, issue 2).
+bf16 picks another arg-max than its own fp32 on 2-5% of positions (BENCHMARKS.md: issue 2, and
+session 23 under "Engine speed").
 No trained Qwen3 checkpoint can be downloaded here, so this trains one: a transformers
 Qwen3ForCausalLM of the requested shape learns a synthetic language for a few hundred steps,
 after which its predictions are decided by what it learned, as a trained model's are.
@@ -63,7 +64,7 @@ def make_language(vocab_size: int, states: int, seed: int, probs: tuple[float, .
     if not 2 <= states <= vocab_size:
         raise ValueError(f"states must be in [2, vocab_size={vocab_size}], got {states}")
     if not len(probs) <= states or abs(sum(probs) - 1) > 1e-9 or min(probs) <= 0:
-        raise ValueError(f"probs must be positive, sum to 1 and number at most states: {probs}")
+        raise ValueError(f"probs must be positive, sum to 1 and be at most `states` many: {probs}")
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randperm(vocab_size, generator=g)[:states]
     if not 1 <= classes <= states:
