@@ -127,6 +127,11 @@ def test_ctrl_c_keeps_the_ranks_in_step_and_exits_cleanly(tiny_dir):
         os.killpg(child.pid, signal.SIGINT)
         child.wait(timeout=30)
         err = child.stderr.read()
+    except AssertionError as e:  # with what the child said on its way out
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        raise AssertionError(f"{e}\nthe child's stderr:\n{child.stderr.read()[-4000:]}") from e
     finally:
         if child.poll() is None:
             os.killpg(child.pid, signal.SIGKILL)

@@ -38,6 +38,9 @@ def deferred_sigint():
         pending.append(frame)
 
     signal.signal(signal.SIGINT, hold)
+    # Held means unfelt: a system call the SIGINT lands in (gloo's socket reads in a collective)
+    # restarts instead of failing with EINTR, which the library may report as a failed step.
+    signal.siginterrupt(signal.SIGINT, False)
     try:
         yield
     finally:
