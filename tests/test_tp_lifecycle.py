@@ -87,18 +87,21 @@ def _lines(stream, out: queue.Queue) -> None:
 
 def _expect(lines: queue.Queue, prefix: str, timeout: float = 60.0) -> str:
     deadline = time.monotonic() + timeout
+    skipped = []
     while True:
         line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-        assert line is not None, f"the child exited before printing {prefix!r}"
+        assert line is not None, f"the child exited before printing {prefix!r}; it printed {skipped}"
         if line.startswith(prefix):
             return line
+        skipped.append(line)
 
 
 def _start_child(tiny_dir, **popen):
     """tp_sigint_child.py running a TP=2 engine: (its process, its stdout lines, the worker's
     pid), once it has started generating."""
     child = subprocess.Popen([sys.executable, os.path.join(TESTS, "tp_sigint_child.py"), tiny_dir],
-                             stdout=subprocess.PIPE, text=True, **popen)
+                             stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONFAULTHANDLER": "1"}, **popen)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_lines, args=(child.stdout, lines), daemon=True).start()
     try:
@@ -131,7 +134,8 @@ def test_ctrl_c_keeps_the_ranks_in_step_and_exits_cleanly(tiny_dir):
         if child.poll() is None:
             os.killpg(child.pid, signal.SIGKILL)
         child.wait()
-        raise AssertionError(f"{e}\nthe child's stderr:\n{child.stderr.read()[-4000:]}") from e
+        raise AssertionError(f"{e}\nthe child's exit code {child.returncode}, its stderr:\n"
+                             f"{child.stderr.read()[-4000:]}") from e
     finally:
         if child.poll() is None:
             os.killpg(child.pid, signal.SIGKILL)
