@@ -1,6 +1,7 @@
 """runtime.signals.deferred_sigint: a Ctrl-C during a step is held until the step ends. Each
-check runs in a fresh interpreter: the signal mask and SIGINT handler a test process holds
-depend on what ran in it before."""
+check runs in a fresh interpreter that handles SIGINT as a terminal's foreground process does:
+a test process started in the background of a non-interactive shell ignores SIGINT, and passes
+that on."""
 
 import subprocess
 import sys
@@ -10,6 +11,7 @@ HELD_READ = """
 import ctypes, os, signal, threading
 from minivllm.runtime.signals import deferred_sigint
 
+signal.signal(signal.SIGINT, signal.default_int_handler)
 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 libc = ctypes.CDLL(None, use_errno=True)
 r, w = os.pipe()
@@ -32,6 +34,7 @@ SECOND = """
 import os, signal
 from minivllm.runtime.signals import deferred_sigint
 
+signal.signal(signal.SIGINT, signal.default_int_handler)
 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 try:
     with deferred_sigint():

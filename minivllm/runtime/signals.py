@@ -38,8 +38,8 @@ def deferred_sigint():
         pending.append(frame)
 
     signal.signal(signal.SIGINT, hold)
-    # Held means unfelt: a system call the SIGINT lands in (gloo's socket reads in a collective)
-    # restarts instead of failing with EINTR, which the library may report as a failed step.
+    # Held means unfelt: a blocking system call the SIGINT lands in restarts instead of failing
+    # with EINTR, which the C code of a step (a collective's library) could report as an error.
     signal.siginterrupt(signal.SIGINT, False)
     try:
         yield
