@@ -37,13 +37,14 @@ from benchmarks.synthetic_lm import (LANGUAGE_FILE, MarkovLanguage, most_likely_
 from minivllm.state import SHAPES, SeqChunk, make_batch  # noqa: E402
 
 
-def random_checkpoint(path: str, shape: str, seed: int, init_std: float, dtype, device) -> str:
-    """A transformers Qwen3ForCausalLM of `shape` with its own random initialisation, saved."""
+def random_checkpoint(path: str, shape: dict, seed: int, init_std: float, dtype, device) -> str:
+    """A transformers Qwen3ForCausalLM of `shape` (a SHAPES entry) with its own random
+    initialisation, saved in `dtype`."""
     from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     with torch.device(device):
-        Qwen3ForCausalLM(qwen3_config(SHAPES[shape], init_std)).to(dtype).save_pretrained(path)
+        Qwen3ForCausalLM(qwen3_config(shape, init_std)).to(dtype).save_pretrained(path)
     return path
 
 
@@ -119,7 +120,8 @@ def main():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = minivllm.state.parse_dtype(args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
-        path = args.checkpoint or random_checkpoint(tmp, args.shape, args.seed, args.init_std, dtype, device)
+        path = args.checkpoint or random_checkpoint(tmp, SHAPES[args.shape], args.seed,
+                                                    args.init_std, dtype, device)
         model = Qwen3ForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
         params = minivllm.load(path, dtype=dtype, device=device)
         cache_dtype = minivllm.state.parse_kv_cache_dtype(args.kv_cache_dtype, dtype)

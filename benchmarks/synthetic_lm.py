@@ -137,6 +137,13 @@ def train(model, lang: MarkovLanguage, *, steps: int, batch: int, length: int, l
     return losses
 
 
+def shape_of(name: str, layers: int | None = None, vocab_size: int | None = None) -> dict:
+    """SHAPES[name], with its layer count or vocabulary overridden where given."""
+    shape = dict(SHAPES[name])
+    shape.update({k: v for k, v in (("num_layers", layers), ("vocab_size", vocab_size)) if v})
+    return shape
+
+
 def qwen3_config(shape: dict, init_std: float = 0.02):
     from transformers import Qwen3Config
 
@@ -191,8 +198,7 @@ def main():
     args = ap.parse_args()
     from minivllm.state import parse_dtype
 
-    shape = dict(SHAPES[args.shape])
-    shape.update({k: v for k, v in (("num_layers", args.layers), ("vocab_size", args.vocab_size)) if v})
+    shape = shape_of(args.shape, args.layers, args.vocab_size)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     result = write_trained_checkpoint(args.out, shape, states=args.states, classes=args.classes,
                                       steps=args.steps, batch=args.batch, length=args.length, lr=args.lr,

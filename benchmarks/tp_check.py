@@ -36,27 +36,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import minivllm  # noqa: E402
 import minivllm.kernels  # noqa: E402
-from benchmarks.agreement import common_prefix, teacher_forced  # noqa: E402
-from benchmarks.synthetic_lm import LANGUAGE_FILE, MarkovLanguage, qwen3_config, sample  # noqa: E402
+from benchmarks.agreement import common_prefix, random_checkpoint, teacher_forced  # noqa: E402
+from benchmarks.synthetic_lm import LANGUAGE_FILE, MarkovLanguage, sample, shape_of  # noqa: E402
 from minivllm.runtime.distributed import exit_now  # noqa: E402
 from minivllm.state import SHAPES, ShardSpec  # noqa: E402
-
-
-def write_checkpoint(path: str, args) -> str:
-    """A random-weight Qwen3 checkpoint of the requested shape, written by transformers."""
-    from transformers import Qwen3ForCausalLM
-
-    s = dict(SHAPES[args.shape])
-    if args.layers:
-        s["num_layers"] = args.layers
-    if args.vocab_size:
-        s["vocab_size"] = args.vocab_size
-    torch.manual_seed(args.seed)
-    with torch.device(args.device if args.device != "cpu" else "cpu"):
-        model = Qwen3ForCausalLM(qwen3_config(s, args.init_std))
-    model.to(minivllm.state.parse_dtype(args.dtype)).save_pretrained(path)
-    del model
-    return path
 
 
 def _rank_main(rank: int, world: int, port: int, path: str, ids: list[int], args, out: str):
@@ -138,7 +121,9 @@ def main():
               "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        path = args.checkpoint or write_checkpoint(os.path.join(tmp, "model"), args)
+        path = args.checkpoint or random_checkpoint(
+            os.path.join(tmp, "model"), shape_of(args.shape, args.layers, args.vocab_size),
+            args.seed, args.init_std, dtype, device)
         result["checkpoint"] = "trained" if args.checkpoint else "random"
         if args.checkpoint:  # the shape is the checkpoint's, not --shape's
             result.update(shape=None, layers=None, vocab_size=None, init_std=None)
