@@ -91,7 +91,8 @@ def main() -> int:
         pr = decode_problem(b, lo, hi, args.page, seed=lo, cache_dtype=cache_dtype,
                             longest_first=order == "longest-first")
         pr["order"] = order
-        engine_splits = decode_splits(b, KV_HEADS, 4096, DEV)  # the engine's block tables: max_model_len 4096
+        # the engine's block tables: max_model_len 4096
+        engine_splits = decode_splits(b, KV_HEADS, 4096, DEV, cache_dtype=cache_dtype)
         # every new token's K/V goes to the cache's last slot (written, never read by this call)
         slots = torch.full((b,), pr["k_cache"].shape[0] * args.page - 1, device=DEV)
         for splits in [int(x) for x in args.splits.split(",")] if args.splits else [engine_splits]:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from minivllm.functional.attention import REFERENCE, reference_attention, write_kv
 from minivllm.kernels import BACKEND_NAMES, available_backends, select_backend
-from minivllm.kernels import launch
+from minivllm.kernels import decode_attention, launch
 from minivllm.kernels.decode_attention import (FP8_UNSPLIT_TILES, _split_range, decode_config,
                                                decode_splits, paged_decode_attention)
 from minivllm.kernels.launch import triton_usable
@@ -181,6 +181,24 @@ def test_decode_splits_fill_the_gpu_from_shapes():
     assert decode_splits(1, 2, 4096, cpu) == 16  # 16 programs per "SM" at most
     assert decode_splits(4, 2, 4096, cpu, waves=4) == 2
     assert decode_splits(1, 1, 10**6, cpu, waves=1000) == 64  # capped
+
+
+def test_decode_splits_on_the_gpu(monkeypatch):
+    """The H200's split rule (the rule only): over a 16-bit cache at contexts up to 4096, about
+    4 programs an SM, and none from about two; longer contexts, an fp8 cache and an explicit
+    `waves` keep that many waves."""
+    monkeypatch.setattr(launch, "interpreting", lambda: False)  # runs_ptx(cuda) then holds
+    monkeypatch.setattr(decode_attention, "num_sms", lambda device: 132)
+    gpu, fp8 = torch.device("cuda"), torch.float8_e4m3fn
+    splits = lambda b, context=4096, **kw: decode_splits(b, 8, context, gpu, **kw)  # noqa: E731
+    assert [splits(b) for b in (1, 2, 4, 8, 12, 16, 20, 24, 31)] == [16, 16, 16, 8, 5, 4, 3, 2, 2]
+    assert [splits(b) for b in (32, 48, 96, 128, 256)] == [1, 1, 1, 1, 1]
+    assert splits(32, cache_dtype=torch.bfloat16) == 1
+    assert [splits(b, cache_dtype=fp8) for b in (8, 32, 48, 96, 128)] == [16, 8, 5, 2, 2]
+    assert [splits(b, 8192) for b in (8, 32, 128)] == [32, 8, 2]
+    assert splits(32, waves=16) == 8
+    assert decode_splits(64, 4, 4096, gpu) == 1  # a tensor-parallel rank's 4 KV heads
+    assert decode_splits(48, 4, 4096, gpu) == 2
 
 
 def test_decode_tiles_on_the_gpu(monkeypatch):

@@ -323,18 +323,43 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_
 
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
 MAX_SPLITS = 64
-WAVES = 16  # programs per SM wanted before splitting stops paying (measured on the H200)
+WAVES = 16  # programs per SM wanted before splitting stops paying (H200; see SHORT_CONTEXT_WAVES)
 SHORT_TILE_BATCH = 2  # up to this many sequences, split contexts take 64-token tiles (decode_config)
 MID_TILE_BATCH = 64  # up to this many, 64-token tiles in two stages (decode_config)
 
 
+# A 16-bit cache at contexts up to 4096 on the GPU (the throughput run's; on the H200,
+# sweep_decode_attention.py at contexts U[400, 1400] and U[900, 1824], BENCHMARKS.md session 24):
+# - from about two programs an SM unsplit (B x KV heads >= 1.9 x SMs: 32 sequences x 8 KV heads
+#   on 132 SMs): at 32 / 48 / 96 / 128 sequences 41.7 / 54.2 / 94.3 / 92.4 us against 45.5 /
+#   60.8 / 101.3 / 106.5 at 7 / 5 / 2 / 2 splits (16 waves give 8 / 5 / 2 / 2; at 128, U[200,
+#   1124]). A split adds the merge kernel, fp32 partials, and q's norm and RoPE once more per
+#   program;
+# - below that, about 4 programs an SM, not 16: at 8 / 16 / 20 sequences 19.2 / 27.6 / 32.2 us
+#   against 22.5 / 33.8 / 38.6 at 16 / 16 / 13 splits; 1-4 sequences keep their 16.
+# Longer contexts, an fp8 cache (unsplit, it lost at 32-96 sequences) and the interpreter (tests
+# that must take the split paths) keep 16 waves.
+SHORT_CONTEXT = 4096
+SHORT_CONTEXT_WAVES = 4
+UNSPLIT_PROGRAMS_PER_SM = 1.9
+
+
 def decode_splits(batch_size: int, kv_heads: int, max_context: int, device: torch.device,
-                  waves: int = WAVES) -> int:
+                  waves: int | None = None, cache_dtype: torch.dtype | None = None) -> int:
     """How many ranges to split each context into: up to `waves` programs per SM, none shorter
     than MIN_SPLIT_TOKENS. From shapes only (max_context = block_tables.shape[1] * page). Rounded
-    down: at B=256 x 8 KV heads a second split cost 4% on short contexts (BENCHMARKS.md)."""
+    down: at B=256 x 8 KV heads a second split cost 4% on short contexts (BENCHMARKS.md).
+    waves=None: WAVES, or for a 16-bit cache of short contexts on the GPU SHORT_CONTEXT_WAVES
+    and no split from UNSPLIT_PROGRAMS_PER_SM (above)."""
     programs = batch_size * kv_heads
-    want = waves * num_sms(device) // programs
+    sms = num_sms(device)
+    if waves is None:
+        short = (runs_ptx(device) and cache_dtype not in FP8_DTYPES
+                 and max_context <= SHORT_CONTEXT)
+        if short and programs >= UNSPLIT_PROGRAMS_PER_SM * sms:
+            return 1
+        waves = SHORT_CONTEXT_WAVES if short else WAVES
+    want = waves * sms // programs
     return max(1, min(want, max_context // MIN_SPLIT_TOKENS, MAX_SPLITS))
 
 
@@ -356,7 +381,9 @@ def decode_config(device: torch.device, dtype: torch.dtype, head_dim: int, split
     10.7 at two (sweep_decode_attention.py --batch 1 / 2 --contexts 512-768, BENCHMARKS.md
     session 9). From 3 to 64 sequences (split contexts up to 4096 tokens), 64-token tiles in two
     stages: at contexts U[400, 1400] 38.7 against 45.5 us at 24 sequences, 58.6 against 63.1 at
-    48, 73.4 against 75.4 at 64; level at 96 and 128 (BENCHMARKS.md session 10).
+    48, 73.4 against 75.4 at 64; level at 96 and 128 (BENCHMARKS.md session 10). Since session
+    24 a 16-bit cache's launch of 32 or more sequences on the H200 is unsplit (decode_splits),
+    so it takes 128-token tiles: faster than any split count with 64-token ones.
 
     The grid runs a sequence's KV heads side by side (paged_decode_attention's heads_fastest,
     the default): they read neighbouring 256-byte pieces of the same cache rows at the same
@@ -452,7 +479,7 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
     max_context = block_tables.shape[1] * page
     if num_splits is None:
-        num_splits = decode_splits(b, kv_heads, max_context, q.device)
+        num_splits = decode_splits(b, kv_heads, max_context, q.device, cache_dtype=k_cache.dtype)
     cfg = decode_config(q.device, q.dtype, head_dim, num_splits, max_context, b,
                         k_cache.dtype) | dict(config or {})
     assert 1 <= num_splits <= MAX_SPLITS, num_splits

@@ -1,0 +1,135 @@
+"""How fast the GPU's memory can be read, not copied: the ceiling a KV-reading kernel works under.
+
+    PYTHONPATH=. python benchmarks/read_bandwidth.py [--gib 4] [--json PATH]
+
+The throughput floor in BENCHMARKS.md divides the workload's bytes by the device-to-device copy
+rate (~4.25 TB/s on the H200, bytes read + written). Decode attention only reads; if reads alone
+go faster than a copy, the floor is pessimistic and the attention kernel (~4.0 TB/s in the
+engine's form at 256 sequences) has room the copy rate does not show. Timed here, each in a CUDA
+graph over a buffer far larger than the L2, median of replays:
+
+  copy      torch's device-to-device copy (bytes read + written), the floor's ceiling (eager)
+  sum       torch.sum of a bf16 buffer to one fp32 value (a read with a tiny write)
+  stream    a Triton kernel that reads 16-byte vectors with P programs, each striding over
+            the buffer and keeping a running sum (P x warps swept)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _stream_read_kernel(src, out, n_tiles, BLOCK: tl.constexpr):
+    """Program p sums tiles p, p + P, p + 2P, ... of src (BLOCK elements each) into out[p]."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    offsets = tl.arange(0, BLOCK)
+    for tile in range(pid, n_tiles, programs):
+        acc += tl.load(src + tl.cast(tile, tl.int64) * BLOCK + offsets).to(tl.float32)
+    tl.store(out + pid, tl.sum(acc, axis=0))
+
+
+def stream_read(src: torch.Tensor, out: torch.Tensor, block: int, warps: int, stages: int) -> None:
+    n_tiles = src.numel() // block
+    _stream_read_kernel[(out.numel(),)](src, out, n_tiles, BLOCK=block, num_warps=warps,
+                                        num_stages=stages)
+
+
+def graph_seconds(fn, calls: int = 5, replays: int = 7) -> float:
+    """Median seconds per call of fn() replayed from a CUDA graph of `calls` calls."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        e0.record()
+        g.replay()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) / 1e3 / calls)
+    return statistics.median(times)
+
+
+def eager_seconds(fn, calls: int = 5, replays: int = 7) -> float:
+    """Median seconds per call of fn(), `calls` calls launched eagerly between two events."""
+    fn()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        e0.record()
+        for _ in range(calls):
+            fn()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) / 1e3 / calls)
+    return statistics.median(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gib", type=float, default=4.0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("read_bandwidth.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    n = int(args.gib * 2**30) // 2 // 65536 * 65536
+    src = torch.randn(n, device=dev, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    nbytes = src.numel() * src.element_size()
+    results = {}
+
+    def report(name, seconds, moved):
+        results[name] = dict(seconds=seconds, tb_per_s=moved / seconds / 1e12)
+        print(f"{name}: {moved / seconds / 1e12:.3f} TB/s ({seconds * 1e3:.3f} ms)", flush=True)
+
+    # the copy outside a graph, as bench_attention.copy_bandwidth times it: captured, torch's
+    # device-to-device copy became a memcpy node that ran at ~2.7 TB/s on the H200
+    report("copy (read + write)", eager_seconds(lambda: dst.copy_(src)), 2 * nbytes)
+    report("torch.sum (read)", graph_seconds(lambda: torch.sum(src, dtype=torch.float32)), nbytes)
+    want = src.float().sum().item()
+    for waves in (1, 2, 4, 8, 16):
+        for warps, block, stages in ((4, 2048, 1), (4, 4096, 1), (8, 4096, 1), (8, 8192, 1),
+                                     (4, 4096, 3), (8, 8192, 3)):
+            out = torch.zeros(waves * sms, device=dev, dtype=torch.float32)
+            seconds = graph_seconds(lambda: stream_read(src, out, block, warps, stages))
+            got = out.sum().item()
+            if abs(got - want) > 1e-3 * abs(want) + 1.0:
+                print(f"stream read wrong: {got} against {want}", file=sys.stderr)
+                return 1
+            report(f"stream read, {waves * sms} programs, {warps} warps, {block} elements a "
+                   f"load, {stages} stages", seconds, nbytes)
+    best = max((v["tb_per_s"], k) for k, v in results.items() if k.startswith("stream"))
+    print(f"best read: {best[0]:.3f} TB/s ({best[1]}); copy "
+          f"{results['copy (read + write)']['tb_per_s']:.3f} TB/s", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(dev), gib=args.gib, results=results),
+                      f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
