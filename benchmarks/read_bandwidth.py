@@ -10,8 +10,9 @@ graph over a buffer far larger than the L2, median of replays:
 
   copy      torch's device-to-device copy (bytes read + written), the floor's ceiling (eager)
   sum       torch.sum of a bf16 buffer to one fp32 value (a read with a tiny write)
-  stream    a Triton kernel that reads 16-byte vectors with P programs, each striding over
-            the buffer and keeping a running sum (P x warps swept)
+  stream    kernels.memory_read's kernel, which only reads: P programs, each striding over the
+            buffer in tiles and keeping a running sum (P, warps and tiles swept); `minivllm
+            bench` times the fastest launch found here for its floor at the read rate
 """
 
 from __future__ import annotations
@@ -22,26 +23,8 @@ import statistics
 import sys
 
 import torch
-import triton
-import triton.language as tl
 
-
-@triton.jit
-def _stream_read_kernel(src, out, n_tiles, BLOCK: tl.constexpr):
-    """Program p sums tiles p, p + P, p + 2P, ... of src (BLOCK elements each) into out[p]."""
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    offsets = tl.arange(0, BLOCK)
-    for tile in range(pid, n_tiles, programs):
-        acc += tl.load(src + tl.cast(tile, tl.int64) * BLOCK + offsets).to(tl.float32)
-    tl.store(out + pid, tl.sum(acc, axis=0))
-
-
-def stream_read(src: torch.Tensor, out: torch.Tensor, block: int, warps: int, stages: int) -> None:
-    n_tiles = src.numel() // block
-    _stream_read_kernel[(out.numel(),)](src, out, n_tiles, BLOCK=block, num_warps=warps,
-                                        num_stages=stages)
+from minivllm.kernels.memory_read import stream_read
 
 
 def graph_seconds(fn, calls: int = 5, replays: int = 7) -> float:
