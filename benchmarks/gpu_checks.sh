@@ -13,6 +13,8 @@
 #       commit, unpacked there: git archive REV | tar -x -C dbg/old), alternating in one call
 #   TP=2 OLD=dbg/old bash benchmarks/gpu_checks.sh ab  # nvidia-h200-x2: the same at TP=2
 #   bash benchmarks/gpu_checks.sh probes # nvidia-h200: the kernel sweeps and the head probe
+#   bash benchmarks/gpu_checks.sh attention_tail  # nvidia-h200: decode attention's loss to the
+#       read rate at 256 sequences, tail against fixed cost
 # Modes of earlier calls are in the commits BENCHMARKS.md names (session 4's recheck, verify,
 # final and last: in 04e96c7; session 5's s5: bb7f952, s5b: a95279f; session 6's fused: 0cb7b0a;
 # session 21's startup, MINIVLLM_DYNAMIC_START=1 against 0, run in session 22's call 1: e2c4259).
@@ -142,6 +144,18 @@ ab)
       bench --shape qwen3-0.6b $flag --json "$RESULTS/${i}_${kind}_$side.json")
   done
   ;;
+attention_tail)
+  # nvidia-h200 (<= 300 s): where decode attention at 256 sequences loses to the read rate
+  # (4.06 TB/s at contexts U[200, 1124], 4.28 at U[700, 1624], 4.66 for a plain read; session
+  # 24). A fit of those two gives ~14 us a launch that does not scale with the contexts: equal
+  # contexts separate the launch's tail (programs of unequal length ending unevenly) from each
+  # program's fixed cost, and longest-first order tests the tail once more.
+  step read_bandwidth 60 python3 benchmarks/read_bandwidth.py
+  step sweep_equal_contexts 120 python3 benchmarks/sweep_decode_attention.py --default-only \
+    --contexts 662-662,1162-1162,200-1124,700-1624,8000-8000 --order both
+  step sweep_equal_contexts_128 90 python3 benchmarks/sweep_decode_attention.py --batch 128 \
+    --default-only --contexts 662-662,200-1124 --order both
+  ;;
 probes)
   # nvidia-h200 (<= 360 s): what the first LM-head GEMM at a new row count costs the host; the
   # decode head's program counts beside cuBLAS's GEMV; the decode attention kernel at 256
@@ -152,7 +166,7 @@ probes)
   step sweep_gemm 90 python3 benchmarks/sweep_decode_gemm.py
   ;;
 *)
-  echo "usage: $0 speed|tp|tp_engine|tp8b|agreement|tp_trained|ab|probes" >&2
+  echo "usage: $0 speed|tp|tp_engine|tp8b|agreement|tp_trained|ab|probes|attention_tail" >&2
   exit 2
   ;;
 esac
