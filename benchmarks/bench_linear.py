@@ -59,18 +59,24 @@ def graph_us(fn, calls: int = CALLS, replays: int = REPLAYS) -> float:
     with torch.cuda.graph(g):
         for i in range(calls):
             fn(i)
-    g.replay()
+    us = replay_us(g, replays)
+    del g
+    return us / calls
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, replays: int = REPLAYS) -> float:
+    """Median microseconds of one replay of a captured graph (after one untimed replay)."""
+    graph.replay()
     torch.cuda.synchronize()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(replays):
         e0.record()
-        g.replay()
+        graph.replay()
         e1.record()
         e1.synchronize()
         times.append(e0.elapsed_time(e1))
-    del g
-    return statistics.median(times) * 1e3 / calls
+    return statistics.median(times) * 1e3
 
 
 def cuda_and_l2(script: str) -> tuple[torch.device, int] | None:

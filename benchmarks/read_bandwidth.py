@@ -24,32 +24,8 @@ import sys
 
 import torch
 
+from benchmarks.bench_linear import graph_us
 from minivllm.kernels.memory_read import stream_read
-
-
-def graph_seconds(fn, calls: int = 5, replays: int = 7) -> float:
-    """Median seconds per call of fn() replayed from a CUDA graph of `calls` calls."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) / 1e3 / calls)
-    return statistics.median(times)
 
 
 def eager_seconds(fn, calls: int = 5, replays: int = 7) -> float:
@@ -91,13 +67,14 @@ def main() -> int:
     # the copy outside a graph, as bench_attention.copy_bandwidth times it: captured, torch's
     # device-to-device copy became a memcpy node that ran at ~2.7 TB/s on the H200
     report("copy (read + write)", eager_seconds(lambda: dst.copy_(src)), 2 * nbytes)
-    report("torch.sum (read)", graph_seconds(lambda: torch.sum(src, dtype=torch.float32)), nbytes)
+    total = graph_us(lambda i: torch.sum(src, dtype=torch.float32), 5, 7) / 1e6
+    report("torch.sum (read)", total, nbytes)
     want = src.float().sum().item()
     for waves in (1, 2, 4, 8, 16):
         for warps, block, stages in ((4, 2048, 1), (4, 4096, 1), (8, 4096, 1), (8, 8192, 1),
                                      (4, 4096, 3), (8, 8192, 3)):
             out = torch.zeros(waves * sms, device=dev, dtype=torch.float32)
-            seconds = graph_seconds(lambda: stream_read(src, out, block, warps, stages))
+            seconds = graph_us(lambda i: stream_read(src, out, block, warps, stages), 5, 7) / 1e6
             got = out.sum().item()
             if abs(got - want) > 1e-3 * abs(want) + 1.0:
                 print(f"stream read wrong: {got} against {want}", file=sys.stderr)

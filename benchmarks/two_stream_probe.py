@@ -38,12 +38,12 @@ import argparse
 import contextlib
 import json
 import random
-import statistics
 import sys
 
 import torch
 
 import minivllm
+from benchmarks.bench_linear import replay_us
 from minivllm.functional.layer import mlp_block, norm_qkv
 from minivllm.functional.linear import row_linear, split_qkv
 from minivllm.functional.model import _layers, stem
@@ -129,20 +129,6 @@ def split_stack(params, cache, parts, pre, post, backend, streams, alternate: bo
     for s in used:
         main.wait_stream(s)
     return state
-
-
-def replay_us(graph, replays: int = 10) -> float:
-    graph.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        e0.record()
-        graph.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1))
-    return statistics.median(times) * 1e3
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -35,7 +35,8 @@ def stream_read(src: torch.Tensor, out: torch.Tensor, block: int = READ_BLOCK,
     """out[p] = the sum of program p's tiles of src (1-D, a multiple of `block` elements): all of
     src is read once, by out.numel() programs. The sum is there so that no load is dead code."""
     if src.dim() != 1 or src.numel() % block:
-        raise ValueError(f"src must be 1-D with a multiple of {block} elements, got {tuple(src.shape)}")
+        raise ValueError(f"src must be 1-D with a multiple of {block} elements, "
+                         f"got {tuple(src.shape)}")
     _stream_read_kernel[(out.numel(),)](src, out, src.numel() // block, BLOCK=block,
                                         num_warps=warps, num_stages=stages)
 
