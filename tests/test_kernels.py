@@ -185,8 +185,8 @@ def test_decode_splits_fill_the_gpu_from_shapes():
 
 def test_decode_splits_on_the_gpu(monkeypatch):
     """The H200's split rule (the rule only): over a 16-bit cache at contexts up to 4096, about
-    4 programs an SM, and none from about two; longer contexts, an fp8 cache and an explicit
-    `waves` keep that many waves."""
+    4 programs an SM, and none from about two; longer contexts and an fp8 or fp32 cache keep 16
+    waves, and an explicit `waves` is used as given."""
     monkeypatch.setattr(launch, "interpreting", lambda: False)  # runs_ptx(cuda) then holds
     monkeypatch.setattr(decode_attention, "num_sms", lambda device: 132)
     gpu, fp8 = torch.device("cuda"), torch.float8_e4m3fn
@@ -194,7 +194,9 @@ def test_decode_splits_on_the_gpu(monkeypatch):
     assert [splits(b) for b in (1, 2, 4, 8, 12, 16, 20, 24, 31)] == [16, 16, 16, 8, 5, 4, 3, 2, 2]
     assert [splits(b) for b in (32, 48, 96, 128, 256)] == [1, 1, 1, 1, 1]
     assert splits(32, cache_dtype=torch.bfloat16) == 1
-    assert [splits(b, cache_dtype=fp8) for b in (8, 32, 48, 96, 128)] == [16, 8, 5, 2, 2]
+    assert splits(32, cache_dtype=torch.float16) == 1
+    for other in (fp8, torch.float32):
+        assert [splits(b, cache_dtype=other) for b in (8, 32, 48, 96, 128)] == [16, 8, 5, 2, 2]
     assert [splits(b, 8192) for b in (8, 32, 128)] == [32, 8, 2]
     assert splits(32, waves=16) == 8
     assert decode_splits(64, 4, 4096, gpu) == 1  # a tensor-parallel rank's 4 KV heads

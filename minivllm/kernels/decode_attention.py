@@ -337,8 +337,8 @@ MID_TILE_BATCH = 64  # up to this many, 64-token tiles in two stages (decode_con
 #   program;
 # - below that, about 4 programs an SM, not 16: at 8 / 16 / 20 sequences 19.2 / 27.6 / 32.2 us
 #   against 22.5 / 33.8 / 38.6 at 16 / 16 / 13 splits; 1-4 sequences keep their 16.
-# Longer contexts, an fp8 cache (unsplit, it lost at 32-96 sequences) and the interpreter (tests
-# that must take the split paths) keep 16 waves.
+# Longer contexts, an fp8 cache (unsplit, it lost at 32-96 sequences), an fp32 one (not
+# measured) and the interpreter (tests that must take the split paths) keep 16 waves.
 SHORT_CONTEXT = 4096
 SHORT_CONTEXT_WAVES = 4
 UNSPLIT_PROGRAMS_PER_SM = 1.9
@@ -349,13 +349,13 @@ def decode_splits(batch_size: int, kv_heads: int, max_context: int, device: torc
     """How many ranges to split each context into: up to `waves` programs per SM, none shorter
     than MIN_SPLIT_TOKENS. From shapes only (max_context = block_tables.shape[1] * page). Rounded
     down: at B=256 x 8 KV heads a second split cost 4% on short contexts (BENCHMARKS.md).
-    waves=None: WAVES, or for a 16-bit cache of short contexts on the GPU SHORT_CONTEXT_WAVES
-    and no split from UNSPLIT_PROGRAMS_PER_SM (above)."""
+    waves=None: WAVES, or for a 16-bit cache (cache_dtype None: taken as one) of short contexts
+    on the GPU SHORT_CONTEXT_WAVES and no split from UNSPLIT_PROGRAMS_PER_SM (above)."""
     programs = batch_size * kv_heads
     sms = num_sms(device)
     if waves is None:
-        short = (runs_ptx(device) and cache_dtype not in FP8_DTYPES
-                 and max_context <= SHORT_CONTEXT)
+        short = (runs_ptx(device) and max_context <= SHORT_CONTEXT
+                 and (cache_dtype is None or cache_dtype.itemsize == 2))
         if short and programs >= UNSPLIT_PROGRAMS_PER_SM * sms:
             return 1
         waves = SHORT_CONTEXT_WAVES if short else WAVES
