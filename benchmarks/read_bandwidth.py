@@ -8,7 +8,8 @@ go faster than a copy, the floor is pessimistic and the attention kernel (~4.0 T
 engine's form at 256 sequences) has room the copy rate does not show. Timed here, each in a CUDA
 graph over a buffer far larger than the L2, median of replays:
 
-  copy      torch's device-to-device copy (bytes read + written), the floor's ceiling (eager)
+  copy      torch's device-to-device copy (bytes read + written), the floor's ceiling (eager,
+            runtime.bench.copy_bandwidth)
   sum       torch.sum of a bf16 buffer to one fp32 value (a read with a tiny write)
   stream    kernels.memory_read's kernel, which only reads: P programs, each striding over the
             buffer in tiles and keeping a running sum (P, warps and tiles swept); `minivllm
@@ -19,29 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
 
-from benchmarks.bench_linear import graph_us
+from benchmarks.bench_linear import cuda_and_l2, graph_us
 from minivllm.kernels.memory_read import stream_read
-
-
-def eager_seconds(fn, calls: int = 5, replays: int = 7) -> float:
-    """Median seconds per call of fn(), `calls` calls launched eagerly between two events."""
-    fn()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        e0.record()
-        for _ in range(calls):
-            fn()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) / 1e3 / calls)
-    return statistics.median(times)
+from minivllm.runtime.bench import copy_bandwidth
 
 
 def main() -> int:
@@ -49,14 +34,12 @@ def main() -> int:
     ap.add_argument("--gib", type=float, default=4.0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("read_bandwidth.py needs a CUDA GPU", file=sys.stderr)
+    if (gpu := cuda_and_l2("read_bandwidth.py")) is None:
         return 2
-    dev = torch.device("cuda")
+    dev = gpu[0]
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     n = int(args.gib * 2**30) // 2 // 65536 * 65536
     src = torch.randn(n, device=dev, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
     nbytes = src.numel() * src.element_size()
     results = {}
 
@@ -64,9 +47,9 @@ def main() -> int:
         results[name] = dict(seconds=seconds, tb_per_s=moved / seconds / 1e12)
         print(f"{name}: {moved / seconds / 1e12:.3f} TB/s ({seconds * 1e3:.3f} ms)", flush=True)
 
-    # the copy outside a graph, as bench_attention.copy_bandwidth times it: captured, torch's
-    # device-to-device copy became a memcpy node that ran at ~2.7 TB/s on the H200
-    report("copy (read + write)", eager_seconds(lambda: dst.copy_(src)), 2 * nbytes)
+    # the copy as `bench` times it, outside a graph: captured, torch's device-to-device copy
+    # became a memcpy node that ran at ~2.7 TB/s on the H200
+    report("copy (read + write)", 2 * nbytes / copy_bandwidth(dev, nbytes), 2 * nbytes)
     total = graph_us(lambda i: torch.sum(src, dtype=torch.float32), 5, 7) / 1e6
     report("torch.sum (read)", total, nbytes)
     want = src.float().sum().item()

@@ -45,7 +45,7 @@ import torch
 import minivllm
 from benchmarks.bench_linear import replay_us
 from minivllm.functional.layer import mlp_block, norm_qkv
-from minivllm.functional.linear import row_linear, split_qkv
+from minivllm.functional.linear import row_linear, split_qkv, sum_partials
 from minivllm.functional.model import _layers, stem
 from minivllm.kernels import select_backend
 from minivllm.runtime.compiled import _own_copy, compiled_forward
@@ -104,7 +104,7 @@ def split_stack(params, cache, parts, pre, post, backend, streams, alternate: bo
     def on(stream):
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
-    for i, (lp, kc, vc) in enumerate(zip(params.layers, cache.k, cache.v)):
+    for lp, kc, vc in zip(params.layers, cache.k, cache.v):
         for p, (batch, _, _, cos, sin) in enumerate(parts):
             gemm, attn = streams[p] or (None, None)
             with on(gemm):
@@ -164,11 +164,6 @@ def probe(params, backend, seqs: int, contexts: tuple[int, int], modes, page: in
     post = torch.compile(_own_copy(after_attention), fullgraph=True)
     cuda = dev.type == "cuda"
 
-    def streams(priorities):
-        if not cuda:
-            return None, None
-        return tuple(torch.cuda.Stream(dev, priority=p) for p in priorities)
-
     def run(mode, keep):
         if mode == "one":
             return _layers(params, cache, batch, backend, x0, res0, cos, sin, layer)
@@ -178,11 +173,13 @@ def probe(params, backend, seqs: int, contexts: tuple[int, int], modes, page: in
         if mode == "halves":
             got = split_stack(params, cache, halves, pre, post, backend, [None, None], False, keep)
         elif mode in ("free", "pingpong"):
-            pairs = [(s, s) for s in (streams([0]) + streams([0]))] if cuda else [None, None]
+            pairs = ([(s, s) for s in (torch.cuda.Stream(dev), torch.cuda.Stream(dev))] if cuda
+                     else [None, None])
             got = split_stack(params, cache, halves, pre, post, backend, pairs,
                               mode == "pingpong", keep)
         else:  # pingpong-prio: GEMM pieces high priority (-1), attentions low (0)
-            pairs = [streams([-1, 0]) for _ in range(2)] if cuda else [None, None]
+            pairs = ([(torch.cuda.Stream(dev, priority=-1), torch.cuda.Stream(dev, priority=0))
+                      for _ in range(2)] if cuda else [None, None])
             got = split_stack(params, cache, halves, pre, post, backend, pairs, True, keep)
         return tuple(torch.cat([got[0][j], got[1][j]]) for j in range(2))
 
@@ -196,7 +193,7 @@ def probe(params, backend, seqs: int, contexts: tuple[int, int], modes, page: in
                 out = run(mode, keep)
             if cuda:
                 torch.cuda.synchronize()
-            x = sum_if_partials(out[0], config.dtype)
+            x = sum_partials(out[0], config.dtype)
             if reference is None:
                 reference = (x, out[1])
             entry = dict(x_rel_diff=rel_diff(x, reference[0]),
@@ -219,10 +216,6 @@ def probe(params, backend, seqs: int, contexts: tuple[int, int], modes, page: in
         for mode, entry in result["modes"].items():
             print(f"  {mode}: {entry['us_per_step'] / base:.3f} of one's time", flush=True)
     return result
-
-
-def sum_if_partials(x: torch.Tensor, dtype) -> torch.Tensor:
-    return x.float().sum(0).to(dtype) if x.dim() == 3 else x
 
 
 def main() -> int:

@@ -4,7 +4,8 @@ element once (its per-program sums add up to the buffer's), under the interprete
 import pytest
 import torch
 
-from minivllm.kernels.memory_read import read_bandwidth, stream_read
+from minivllm.kernels.memory_read import stream_read
+from minivllm.runtime.bench import copy_bandwidth, read_bandwidth
 
 
 @pytest.mark.parametrize("programs", [1, 3, 8])
@@ -25,5 +26,6 @@ def test_stream_read_rejects_a_partial_tile():
         stream_read(torch.zeros(300, dtype=torch.bfloat16), torch.zeros(2), block=256)
 
 
-def test_read_bandwidth_is_for_cuda_only():
+def test_bandwidths_are_for_cuda_only():
     assert read_bandwidth(torch.device("cpu")) is None
+    assert copy_bandwidth(torch.device("cpu")) is None

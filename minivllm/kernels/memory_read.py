@@ -3,7 +3,8 @@
 `minivllm bench` divides the workload's bytes by a device-to-device copy's rate (bytes read +
 written) for its memory-traffic floor. Decode attention only reads, and on the H200 a read runs
 ~10% faster than a copy: 4.66 against 4.24 TB/s (benchmarks/read_bandwidth.py, BENCHMARKS.md
-session 24), so the floor at the read rate is the tighter one."""
+session 24). So bench also times this kernel (runtime.bench.read_bandwidth) for the floor at the
+read rate, the tighter one."""
 
 from __future__ import annotations
 
@@ -40,24 +41,3 @@ def stream_read(src: torch.Tensor, out: torch.Tensor, block: int = READ_BLOCK,
     _stream_read_kernel[(out.numel(),)](src, out, src.numel() // block, BLOCK=block,
                                         num_warps=warps, num_stages=stages)
 
-
-def read_bandwidth(device: torch.device, nbytes: int = 2 << 30, repeats: int = 10) -> float | None:
-    """Bytes read per second by stream_read over `nbytes` of bf16 (None off CUDA)."""
-    if device.type != "cuda":
-        return None
-    n = nbytes // 2 // READ_BLOCK * READ_BLOCK
-    src = torch.empty(n, dtype=torch.bfloat16, device=device)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    out = torch.empty(READ_PROGRAMS_PER_SM * sms, dtype=torch.float32, device=device)
-    stream_read(src, out)
-    torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        stream_read(src, out)
-    end.record()
-    end.synchronize()
-    seconds = start.elapsed_time(end) / 1e3 / repeats
-    del src, out
-    torch.cuda.empty_cache()
-    return n * 2 / seconds

@@ -16,10 +16,23 @@ import time
 
 import torch
 
-from ..kernels.memory_read import read_bandwidth
+from ..kernels.memory_read import READ_BLOCK, READ_PROGRAMS_PER_SM, stream_read
 from ..state.config import FP8_DTYPES, SHAPES
 from .workload import (MAX_PROMPT_ID, check_throughput_workload, throughput_workload,
                        traffic_floor_bytes)
+
+
+def _seconds_per_call(fn, device: torch.device, repeats: int) -> float:
+    """Mean seconds of fn() over `repeats` calls launched back to back (after one untimed)."""
+    fn()
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeats
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, repeats: int = 10) -> float | None:
@@ -28,18 +41,25 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, repeats: int = 1
         return None
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    seconds = start.elapsed_time(end) / 1e3 / repeats
+    seconds = _seconds_per_call(lambda: dst.copy_(src), device, repeats)
     del src, dst
     torch.cuda.empty_cache()
     return 2 * nbytes / seconds
+
+
+def read_bandwidth(device: torch.device, nbytes: int = 2 << 30, repeats: int = 10) -> float | None:
+    """Bytes read per second by kernels.memory_read's read-only kernel over `nbytes` of bf16
+    (None off CUDA). The workload's traffic is reads, so this is the tighter floor's rate."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(nbytes // 2 // READ_BLOCK * READ_BLOCK, dtype=torch.bfloat16, device=device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    out = torch.empty(READ_PROGRAMS_PER_SM * sms, dtype=torch.float32, device=device)
+    seconds = _seconds_per_call(lambda: stream_read(src, out), device, repeats)
+    nbytes = src.numel() * src.element_size()
+    del src, out
+    torch.cuda.empty_cache()
+    return nbytes / seconds
 
 
 def _device_name(device: torch.device) -> str:
@@ -373,7 +393,6 @@ def main(args) -> dict:
             floor_s = result["floor_bytes"] / bandwidth
             result.update(copy_bandwidth_tb_s=bandwidth / 1e12, floor_seconds=floor_s,
                           floor_fraction=floor_s / result["seconds"])
-        # The tighter floor: the workload's traffic is reads, and a read runs faster than a copy
         read = read_bandwidth(device)
         if read:
             floor_s = result["floor_bytes"] / read
