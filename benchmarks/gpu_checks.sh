@@ -15,6 +15,8 @@
 #   bash benchmarks/gpu_checks.sh probes # nvidia-h200: the kernel sweeps and the head probe
 #   bash benchmarks/gpu_checks.sh attention_tail  # nvidia-h200: decode attention's loss to the
 #       read rate at 256 sequences, tail against fixed cost
+#   bash benchmarks/gpu_checks.sh head_cast  # nvidia-h200: the logits' fp32 cast's cost, then
+#       attention_tail and one throughput run
 # Modes of earlier calls are in the commits BENCHMARKS.md names (session 4's recheck, verify,
 # final and last: in 04e96c7; session 5's s5: bb7f952, s5b: a95279f; session 6's fused: 0cb7b0a;
 # session 21's startup, MINIVLLM_DYNAMIC_START=1 against 0, run in session 22's call 1: e2c4259).
@@ -134,6 +136,7 @@ ab)
   OLD=$(cd "$OLD" && pwd) NEW=$PWD i=0
   runs="latency:new latency:old latency:new throughput:new throughput:old"
   [ "${TP:-1}" = 2 ] && runs="throughput:new throughput:old throughput:new throughput:old"
+  runs=${RUNS:-$runs}  # RUNS="throughput:new throughput:old ...": an order of one's own
   for run in $runs; do
     kind=${run%:*} side=${run#*:} i=$((i + 1))
     flag=; [ "$kind" = latency ] && flag=--latency
@@ -156,6 +159,13 @@ attention_tail)
   step sweep_equal_contexts_128 90 python3 benchmarks/sweep_decode_attention.py --batch 128 \
     --default-only --contexts 662-662,200-1124 --order both
   ;;
+head_cast)
+  # nvidia-h200 (<= 540 s): session 25's first call: the head and sampler with and without the
+  # logits' fp32 cast, attention_tail's steps, and one throughput run (bench's read-rate floor).
+  step head_cast_probe 90 python3 benchmarks/head_cast_probe.py
+  "$0" attention_tail
+  step bench 170 python3 -m minivllm bench --shape qwen3-0.6b --json "$RESULTS/bench.json"
+  ;;
 probes)
   # nvidia-h200 (<= 360 s): what the first LM-head GEMM at a new row count costs the host; the
   # decode head's program counts beside cuBLAS's GEMV; the decode attention kernel at 256
@@ -166,7 +176,7 @@ probes)
   step sweep_gemm 90 python3 benchmarks/sweep_decode_gemm.py
   ;;
 *)
-  echo "usage: $0 speed|tp|tp_engine|tp8b|agreement|tp_trained|ab|probes|attention_tail" >&2
+  echo "usage: $0 speed|tp|tp_engine|tp8b|agreement|tp_trained|ab|probes|attention_tail|head_cast" >&2
   exit 2
   ;;
 esac

@@ -59,3 +59,27 @@ def test_warm_up_runs_the_forwards_head_at_every_row_count():
     warm_up_kernels(params, select_backend("cpu", "reference"), block_size=4, max_num_seqs=8,
                     forward_fn=forward_fn, cuda_only=False)
     assert set(range(1, 9)) <= set(rows_seen), rows_seen
+
+
+def test_warm_up_samples_logits_in_every_dtype_serving_gives_the_sampler(monkeypatch):
+    """The compiled forward's head returns the activation dtype and the eager one fp32; the
+    sampler kernel is compiled per logits dtype, so the warm-up must sample both."""
+    import minivllm
+    import minivllm.runtime.warmup as warmup
+    from minivllm.kernels import select_backend
+    from minivllm.state import ModelConfig
+
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+    params = minivllm.random_params(config, seed=0)
+    seen = []
+    real_sample = warmup.sample
+
+    def sample(logits, sb):
+        seen.append(logits.dtype)
+        return real_sample(logits, sb)
+
+    monkeypatch.setattr(warmup, "sample", sample)
+    warmup.warm_up_kernels(params, select_backend("cpu", "reference"), block_size=4,
+                           max_num_seqs=8, cuda_only=False)
+    assert set(seen) == {torch.float32, torch.bfloat16}, seen

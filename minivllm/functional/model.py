@@ -41,10 +41,19 @@ def final_hidden(params: Params, x: torch.Tensor, residual: torch.Tensor,
     return x
 
 
-def head(params: Params, x: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """logits: [len(rows), vocab_size] fp32 from the last layer's output and residual stream."""
+def logits_head(params: Params, x: torch.Tensor, residual: torch.Tensor,
+                rows: torch.Tensor) -> torch.Tensor:
+    """logits: [len(rows), vocab_size] in the activation dtype, from the last layer's output and
+    residual stream. What the engine's compiled forward returns (runtime.compiled): the sampler
+    reads bf16 logits as they are and widens them exactly, so a cast to fp32 would only add a
+    pass over them."""
     h = final_hidden(params, x, residual, rows)
-    return lm_head(h, params.head_weight, params.config, params.shard).float()
+    return lm_head(h, params.head_weight, params.config, params.shard)
+
+
+def head(params: Params, x: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """logits: [len(rows), vocab_size] fp32 (logits_head's, widened)."""
+    return logits_head(params, x, residual, rows).float()
 
 
 def _layers(params: Params, cache: KVCache, batch: Batch, backend: AttentionBackend, x, residual,

@@ -54,7 +54,7 @@ def sampler_sizes(max_rows: int, vocab_size: int, device: torch.device) -> list[
 
 def warm_up_kernels(params: Params, backend, *, block_size: int, max_num_seqs: int,
                     forward_fn=forward, cuda_only: bool = True, cache_dtype=None) -> None:
-    """Run the sampler at each tiling, prefill and decode steps over every class of sequence
+    """Run the sampler at each tiling and logits dtype, prefill and decode steps over every class of sequence
     count and block-table width through forward_fn (the forward that serving's prefill and mixed
     steps take: a compiled one compiles its variants here), on a scratch cache, and forward_fn's
     head at every row count up to max_num_seqs (by default on CUDA only: elsewhere nothing is
@@ -67,10 +67,15 @@ def warm_up_kernels(params: Params, backend, *, block_size: int, max_num_seqs: i
     widest = max(_CLASSES)
     scratch = init_cache(params, num_blocks=widest * widest + 1, block_size=block_size, dtype=cache_dtype)
     with torch.no_grad():
-        for rows in sampler_sizes(max_num_seqs, vocab, device):
-            logits = torch.zeros(rows, vocab, device=device)
-            sample(logits, make_sampling_batch([SamplingRow(temperature=1.0)] * rows,
-                                               vocab_size=vocab, device=device))
+        # Logits in each dtype serving samples: fp32 from model.head, the activation dtype from
+        # the compiled forward's model.logits_head. The kernel is compiled per dtype; unwarmed,
+        # bf16's three variants compiled inside the first throughput run on a fresh H200, which
+        # ran 5.78 s against 5.2 after (BENCHMARKS.md session 25).
+        for dtype in dict.fromkeys((torch.float32, params.dtype)):
+            for rows in sampler_sizes(max_num_seqs, vocab, device):
+                logits = torch.zeros(rows, vocab, device=device, dtype=dtype)
+                sample(logits, make_sampling_batch([SamplingRow(temperature=1.0)] * rows,
+                                                   vocab_size=vocab, device=device))
         for num_seqs in _CLASSES:
             for width in _CLASSES:
                 tables = [list(range(s * width, (s + 1) * width)) for s in range(num_seqs)]
