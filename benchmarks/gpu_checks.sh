@@ -17,6 +17,8 @@
 #       read rate at 256 sequences, tail against fixed cost
 #   bash benchmarks/gpu_checks.sh head_cast  # nvidia-h200: the logits' fp32 cast's cost, then
 #       attention_tail and one throughput run
+#   OLD=dbg/old bash benchmarks/gpu_checks.sh norm_rope  # nvidia-h200: the prefill norm + RoPE
+#       + store kernel against the torch form, then throughput against OLD (cc86811)
 # Modes of earlier calls are in the commits BENCHMARKS.md names (session 4's recheck, verify,
 # final and last: in 04e96c7; session 5's s5: bb7f952, s5b: a95279f; session 6's fused: 0cb7b0a;
 # session 21's startup, MINIVLLM_DYNAMIC_START=1 against 0, run in session 22's call 1: e2c4259).
@@ -80,6 +82,7 @@ speed)
     "tests/test_gpu_graphs.py::test_graphs_and_async_scheduling_equal_eager[bfloat16]" \
     tests/test_gpu_graphs.py::test_plain_greedy_streams_take_the_graphs_pick \
     tests/test_decode_head.py tests/test_decode_stem.py tests/test_sample_kernel.py \
+    tests/test_norm_rope_store.py \
     tests/test_kernels.py tests/test_kernels_model.py tests/test_skinny_gemm.py \
     "tests/test_gpu_graphs.py::test_graphs_and_async_scheduling_equal_eager[float32]" \
     tests/test_decode_graphs.py "tests/test_engine.py::test_triton_backend_gives_identical_outputs"
@@ -166,6 +169,14 @@ head_cast)
   "$0" attention_tail
   step bench 170 python3 -m minivllm bench --shape qwen3-0.6b --json "$RESULTS/bench.json"
   ;;
+norm_rope)
+  # nvidia-h200 (<= 540 s): session 25's prefill kernel (kernels/norm_rope_store.py, not yet
+  # measured): against the compiled torch form and store it replaced, then throughput against
+  # OLD (the tree before it: git archive cc86811), alternating.
+  step norm_rope_probe 90 python3 benchmarks/norm_rope_probe.py
+  RUNS=${RUNS:-"throughput:new throughput:old throughput:new throughput:old throughput:new throughput:old"} \
+    "$0" ab
+  ;;
 probes)
   # nvidia-h200 (<= 360 s): what the first LM-head GEMM at a new row count costs the host; the
   # decode head's program counts beside cuBLAS's GEMV; the decode attention kernel at 256
@@ -176,7 +187,7 @@ probes)
   step sweep_gemm 90 python3 benchmarks/sweep_decode_gemm.py
   ;;
 *)
-  echo "usage: $0 speed|tp|tp_engine|tp8b|agreement|tp_trained|ab|probes|attention_tail|head_cast" >&2
+  echo "usage: $0 speed|tp|tp_engine|tp8b|agreement|tp_trained|ab|probes|attention_tail|head_cast|norm_rope" >&2
   exit 2
   ;;
 esac

@@ -14,8 +14,9 @@ that first writes k/v into the cache slots named by batch.slot_mapping (-1: skip
 then computes causal attention of each sequence's new tokens over its whole context: the prefix
 already in the cache (read through its block table) followed by the new tokens themselves.
 A backend may also offer `decode_with_norm_rope(q, k, v, k_cache, v_cache, batch, scale,
-norm_rope)` for decode steps, taking q and k before their per-head RMSNorm and RoPE
-(norm_rope = (q_weight, k_weight, cos, sin, eps), as functional.layer.qk_norm_rope takes them).
+norm_rope)` for decode steps and `prefill_with_norm_rope(...)` (the same arguments) for the
+others, taking q and k before their per-head RMSNorm and RoPE (norm_rope = (q_weight, k_weight,
+cos, sin, eps), as functional.layer.qk_norm_rope takes them).
 Backends are objects with a `name`, chosen once (see minivllm.kernels.select_backend) and passed
 to `forward` as static arguments.
 """
