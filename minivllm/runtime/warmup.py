@@ -54,12 +54,12 @@ def sampler_sizes(max_rows: int, vocab_size: int, device: torch.device) -> list[
 
 def warm_up_kernels(params: Params, backend, *, block_size: int, max_num_seqs: int,
                     forward_fn=forward, cuda_only: bool = True, cache_dtype=None) -> None:
-    """Run the sampler at each tiling and logits dtype, prefill and decode steps over every class of sequence
-    count and block-table width through forward_fn (the forward that serving's prefill and mixed
-    steps take: a compiled one compiles its variants here), on a scratch cache, and forward_fn's
-    head at every row count up to max_num_seqs (by default on CUDA only: elsewhere nothing is
-    compiled or loaded lazily; the tests run it on CPU). cache_dtype: serving's (None: the
-    params'), so that the kernels compiled here are the ones serving runs."""
+    """Run the sampler at each tiling and logits dtype, prefill and decode steps over every class
+    of sequence count and block-table width through forward_fn (the forward that serving's
+    prefill and mixed steps take: a compiled one compiles its variants here), on a scratch
+    cache, and forward_fn's head at every row count up to max_num_seqs (by default on CUDA
+    only: elsewhere nothing is compiled or loaded lazily; the tests run it on CPU). cache_dtype:
+    serving's (None: the params'), so that the kernels compiled here are the ones serving runs."""
     device = params.device
     if cuda_only and device.type != "cuda":
         return
