@@ -34,8 +34,8 @@ def attention_block(lp: LayerParams, qkv: torch.Tensor, cos: torch.Tensor, sin: 
     (the add + RMSNorm after it sums them). Writes this step's K/V into k_cache/v_cache."""
     q, k, v = split_qkv(qkv, config, shard)
     norm_rope = (lp.q_norm, lp.k_norm, cos, sin, config.rms_norm_eps)
-    fused = getattr(backend, "decode_with_norm_rope" if batch.is_decode else "prefill_with_norm_rope",
-                    None)
+    step = "decode" if batch.is_decode else "prefill"
+    fused = getattr(backend, f"{step}_with_norm_rope", None)
     if fused is not None:  # the backend norms and rotates q and k itself
         out = fused(q, k, v, k_cache, v_cache, batch, config.head_dim ** -0.5, norm_rope)
     else:

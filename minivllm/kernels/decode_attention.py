@@ -42,6 +42,30 @@ def _norm_rope(x, x_partner, w, w_partner, cos, signed_sin, eps, HEAD_DIM: tl.co
 
 
 @triton.jit
+def _rope_lanes(cos_ptr, sin_ptr, offs_d, mask_d, HEAD_DIM: tl.constexpr):
+    """One token's RoPE lanes (cos_ptr / sin_ptr: its row of the tables): each lane's rotate-half
+    partner (d -/+ HEAD_DIM/2), cos, and sin negated on the first half, for _load_norm_rope."""
+    half = HEAD_DIM // 2
+    partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
+    cos = tl.load(cos_ptr + offs_d, mask=mask_d, other=0.0)
+    sin = tl.load(sin_ptr + offs_d, mask=mask_d, other=0.0)
+    return partner, cos, tl.where(offs_d < half, -sin, sin)
+
+
+@triton.jit
+def _load_norm_rope(rows, mask, w_ptr, offs_d, partner, mask_d, cos, signed_sin, eps,
+                    HEAD_DIM: tl.constexpr):
+    """The rows at `rows` (each row's start, [R, 1] or a scalar for one row) loaded under `mask`
+    ([R, BLOCK_D]), then RMS-normed by w_ptr's weight and rotated (_norm_rope): [R, BLOCK_D].
+    The partner lanes are loaded as a second, permuted copy."""
+    return _norm_rope(tl.load(rows + offs_d[None, :], mask=mask, other=0.0),
+                      tl.load(rows + partner[None, :], mask=mask, other=0.0),
+                      tl.load(w_ptr + offs_d, mask=mask_d, other=0.0)[None, :],
+                      tl.load(w_ptr + partner, mask=mask_d, other=0.0)[None, :],
+                      cos[None, :], signed_sin[None, :], eps, HEAD_DIM)
+
+
+@triton.jit
 def _e4m3_to_f16(x):
     """x: an e4m3 tile widened to fp16 by inline PTX, 4 values (two cvt.f16x2.e4m3x2) a
     register. Not pure on purpose: Triton may not move it, so the widening stays where the tile
@@ -186,23 +210,13 @@ def _decode_unit(b, kvh, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, b
     k_row = k_ptr + b64 * stride_kt + kvh * stride_kh
     if NORM_ROPE:
         # q and k arrive straight from the qkv GEMM: each head is RMS-normed and rotated here
-        # (a kernel fewer per layer). Rotate-half pairs lane d with d -/+ HEAD_DIM/2, so the
-        # partner lanes are loaded as a second, permuted copy.
-        half = HEAD_DIM // 2
-        partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
-        cos = tl.load(cos_ptr + b64 * stride_rope + offs_d, mask=mask_d, other=0.0)
-        sin = tl.load(sin_ptr + b64 * stride_rope + offs_d, mask=mask_d, other=0.0)
-        sin = tl.where(offs_d < half, -sin, sin)
-        q = _norm_rope(tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0),
-                       tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0),
-                       tl.load(qw_ptr + offs_d, mask=mask_d, other=0.0)[None, :],
-                       tl.load(qw_ptr + partner, mask=mask_d, other=0.0)[None, :],
-                       cos[None, :], sin[None, :], eps, HEAD_DIM).to(dt)
-        k_new = _norm_rope(tl.load(k_row + offs_d, mask=mask_d, other=0.0)[None, :],
-                           tl.load(k_row + partner, mask=mask_d, other=0.0)[None, :],
-                           tl.load(kw_ptr + offs_d, mask=mask_d, other=0.0)[None, :],
-                           tl.load(kw_ptr + partner, mask=mask_d, other=0.0)[None, :],
-                           cos[None, :], sin[None, :], eps, HEAD_DIM)
+        # (a kernel fewer per layer).
+        partner, cos, sin = _rope_lanes(cos_ptr + b64 * stride_rope, sin_ptr + b64 * stride_rope,
+                                        offs_d, mask_d, HEAD_DIM)
+        q = _load_norm_rope(q_rows, q_mask, qw_ptr, offs_d, partner, mask_d, cos, sin, eps,
+                            HEAD_DIM).to(dt)
+        k_new = _load_norm_rope(k_row, mask_d[None, :], kw_ptr, offs_d, partner, mask_d, cos,
+                                sin, eps, HEAD_DIM)
         k_new = tl.reshape(k_new, [BLOCK_D])
     else:
         q = tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0).to(dt)

@@ -10,7 +10,8 @@ Compiled, the torch form was two Inductor kernels of 120 and 50 us a layer at a 
 ~8,100 tokens on the H200, and the store 18 more (BENCHMARKS.md session 25), where the bytes
 moved (~150 MB) take ~35 us at the read rate; its norm took one (token, head) row of 256 bytes
 a program, ~194,000 programs. Here a program takes one token's heads, all of them, and rounds
-where the torch form rounds (decode_attention's _norm_rope, which the decode kernel also uses).
+where the torch form rounds (decode_attention's _load_norm_rope, which the decode kernel also
+uses).
 Not yet timed on a GPU: benchmarks/norm_rope_probe.py is the check.
 """
 
@@ -20,24 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import _norm_rope
+from .decode_attention import _load_norm_rope, _rope_lanes
 from .launch import next_pow2
-
-
-@triton.jit
-def _heads_norm_rope(ptr, stride_h, w_ptr, offs_d, partner, mask_d, cos, sin, eps,
-                     HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """One token's HEADS rows at ptr (a head every stride_h), normed and rotated: [BLOCK_H,
-    BLOCK_D] in ptr's dtype, and the rows' mask."""
-    offs_h = tl.arange(0, BLOCK_H)
-    mask = (offs_h < HEADS)[:, None] & mask_d[None, :]
-    rows = ptr + offs_h[:, None] * stride_h
-    x = _norm_rope(tl.load(rows + offs_d[None, :], mask=mask, other=0.0),
-                   tl.load(rows + partner[None, :], mask=mask, other=0.0),
-                   tl.load(w_ptr + offs_d, mask=mask_d, other=0.0)[None, :],
-                   tl.load(w_ptr + partner, mask=mask_d, other=0.0)[None, :],
-                   cos[None, :], sin[None, :], eps, HEAD_DIM)
-    return x, mask
 
 
 @triton.jit
@@ -51,21 +36,18 @@ def _norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_pt
     eps = tl.cast(eps, tl.float32)  # under torch.compile a Python float can arrive as fp64
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    # Rotate-half pairs lane d with d -/+ HEAD_DIM/2: the partner lanes load as a second copy.
-    half = HEAD_DIM // 2
-    partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
-    cos = tl.load(cos_ptr + t * stride_rope + offs_d, mask=mask_d, other=0.0)
-    sin = tl.load(sin_ptr + t * stride_rope + offs_d, mask=mask_d, other=0.0)
-    sin = tl.where(offs_d < half, -sin, sin)
-
-    q, q_mask = _heads_norm_rope(q_ptr + t * stride_qt, stride_qh, qw_ptr, offs_d, partner,
-                                 mask_d, cos, sin, eps, HEADS, BLOCK_H, HEAD_DIM)
+    partner, cos, sin = _rope_lanes(cos_ptr + t * stride_rope, sin_ptr + t * stride_rope,
+                                    offs_d, mask_d, HEAD_DIM)
     offs_h = tl.arange(0, BLOCK_H)
+    q_mask = (offs_h < HEADS)[:, None] & mask_d[None, :]
+    q = _load_norm_rope(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh, q_mask, qw_ptr,
+                        offs_d, partner, mask_d, cos, sin, eps, HEAD_DIM)
     tl.store(q_out_ptr + (t * HEADS + offs_h[:, None]) * HEAD_DIM + offs_d[None, :], q,
              mask=q_mask)
-    k, kv_mask = _heads_norm_rope(k_ptr + t * stride_kt, stride_kh, kw_ptr, offs_d, partner,
-                                  mask_d, cos, sin, eps, KV_HEADS, BLOCK_KV, HEAD_DIM)
     offs_kv = tl.arange(0, BLOCK_KV)
+    kv_mask = (offs_kv < KV_HEADS)[:, None] & mask_d[None, :]
+    k = _load_norm_rope(k_ptr + t * stride_kt + offs_kv[:, None] * stride_kh, kv_mask, kw_ptr,
+                        offs_d, partner, mask_d, cos, sin, eps, HEAD_DIM)
     row = offs_kv[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(k_out_ptr + t * (KV_HEADS * HEAD_DIM) + row, k, mask=kv_mask)
     slot = tl.load(slot_ptr + t)
