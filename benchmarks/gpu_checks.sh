@@ -18,7 +18,8 @@
 #   bash benchmarks/gpu_checks.sh head_cast  # nvidia-h200: the logits' fp32 cast's cost, then
 #       attention_tail and one throughput run
 #   OLD=dbg/old bash benchmarks/gpu_checks.sh norm_rope  # nvidia-h200: the prefill norm + RoPE
-#       + store kernel against the torch form, then throughput against OLD (cc86811)
+#       + store kernel against the torch form, then throughput against OLD (cc86811; session 26:
+#       kept, +0.5-2%)
 # Modes of earlier calls are in the commits BENCHMARKS.md names (session 4's recheck, verify,
 # final and last: in 04e96c7; session 5's s5: bb7f952, s5b: a95279f; session 6's fused: 0cb7b0a;
 # session 21's startup, MINIVLLM_DYNAMIC_START=1 against 0, run in session 22's call 1: e2c4259).
@@ -170,9 +171,9 @@ head_cast)
   step bench 170 python3 -m minivllm bench --shape qwen3-0.6b --json "$RESULTS/bench.json"
   ;;
 norm_rope)
-  # nvidia-h200 (<= 540 s): session 25's prefill kernel (kernels/norm_rope_store.py, not yet
-  # measured): against the compiled torch form and store it replaced, then throughput against
-  # OLD (the tree before it: git archive cc86811), alternating.
+  # nvidia-h200 (<= 540 s): session 25's prefill kernel (kernels/norm_rope_store.py) against
+  # the compiled torch form and store it replaced, then throughput against OLD (the tree before
+  # it: git archive cc86811), alternating. Session 26's call 1: 532 s on a fresh machine.
   step norm_rope_probe 90 python3 benchmarks/norm_rope_probe.py
   RUNS=${RUNS:-"throughput:new throughput:old throughput:new throughput:old throughput:new throughput:old"} \
     "$0" ab

@@ -4,8 +4,11 @@ at a prefill step's token counts, Qwen3-0.6B's heads (H200 check).
 
     PYTHONPATH=. python benchmarks/norm_rope_probe.py [--tokens 8192,2048,512]
 
-Both read q, k, v as views of one qkv projection, as the layer does, and must agree (q and k to
-rounding, v's cache rows exactly).
+Both read q, k, v as views of one qkv projection, as the layer does. Agreement is counted in
+bf16 units in the last place (ulps) against the eager torch form (whose roundings the kernel
+copies) and against the compiled one (Inductor keeps some intermediates in fp32); the cache's
+V rows must be equal and its K rows the kernel's k (exit 1 where they are not). Session 26: 77% of
+q and k equal the eager form's, 19% one ulp apart; the compiled form matches eager in 53%.
 """
 
 from __future__ import annotations
@@ -23,6 +26,19 @@ from minivllm.kernels.store_kv import store_kvcache
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 8, 128, 16
 
 
+def ulps(ref: torch.Tensor, x: torch.Tensor) -> str:
+    """How far x is from ref in ref's units in the last place (at |ref| >= 1/64: the rows are
+    O(1), and near 0 a cancellation's ulp says nothing): the largest, and the share of elements
+    0, 1 and more than 1 apart."""
+    ulp = torch.finfo(ref.dtype).eps * torch.exp2(torch.floor(torch.log2(
+        ref.float().abs().clamp_min(1 / 64))))
+    apart = ((x.float() - ref.float()).abs() / ulp).round()
+    share = [f"{(c * 100):.3f}%" for c in ((apart == 0).float().mean().item(),
+                                            (apart == 1).float().mean().item(),
+                                            (apart > 1).float().mean().item())]
+    return f"max {apart.max().item():.0f} ulp, 0/1/>1 ulp apart: {'/'.join(share)}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="8192,2048,512")
@@ -33,6 +49,7 @@ def main() -> int:
     dev, _ = found
     dt = torch.bfloat16
     torch_form = torch.compile(qk_norm_rope, fullgraph=True)
+    wrong = 0
     for t in map(int, args.tokens.split(",")):
         gen = torch.Generator(dev).manual_seed(t)
         qkv = torch.randn(t, HEADS + 2 * KV_HEADS, HEAD_DIM, device=dev, dtype=dt, generator=gen)
@@ -57,12 +74,15 @@ def main() -> int:
             before = graph_us(torch_step, calls=4, replays=20)
             after = graph_us(kernel_step, calls=4, replays=20)
             (q1, k1), (q2, k2) = torch_step(0), kernel_step(0)
-        same = (torch.allclose(q1.float(), q2.float(), rtol=1e-2, atol=1e-2)
-                and torch.allclose(k1.float(), k2.float(), rtol=1e-2, atol=1e-2)
-                and torch.equal(caches[1], caches[3]))
+            q0, k0 = qk_norm_rope(q, k, *norm_rope)
+        stored = torch.equal(caches[1], caches[3]) and torch.equal(
+            caches[2].view(-1, KV_HEADS, HEAD_DIM)[slots], k2)
         print(f"tokens {t:5}: compiled torch form + store {before:7.1f} us, norm_rope_store "
-              f"{after:7.1f} us ({before / after:.2f}x); agree: {same}")
-    return 0
+              f"{after:7.1f} us ({before / after:.2f}x); cache rows right: {stored}")
+        wrong += not stored
+        for name, (qr, kr) in (("eager", (q0, k0)), ("compiled", (q1, k1))):
+            print(f"   against the {name} torch form: q {ulps(qr, q2)}; k {ulps(kr, k2)}")
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

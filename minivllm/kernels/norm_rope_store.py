@@ -7,12 +7,13 @@ paged cache, as one kernel: what functional.layer.qk_norm_rope then store_kvcach
   -> q_out [T, heads, head_dim], k_out [T, kv_heads, head_dim] (normed and rotated, contiguous)
 
 Compiled, the torch form was two Inductor kernels of 120 and 50 us a layer at a prefill step's
-~8,100 tokens on the H200, and the store 18 more (BENCHMARKS.md session 25), where the bytes
-moved (~150 MB) take ~35 us at the read rate; its norm took one (token, head) row of 256 bytes
-a program, ~194,000 programs. Here a program takes one token's heads, all of them, and rounds
-where the torch form rounds (decode_attention's _load_norm_rope, which the decode kernel also
-uses).
-Not yet timed on a GPU: benchmarks/norm_rope_probe.py is the check.
+~8,100 tokens on the H200, and the store 18 more (BENCHMARKS.md session 25); its norm took one
+(token, head) row of 256 bytes a program, ~194,000 programs. Here a program takes one token's
+heads, all of them, and rounds where the eager torch form rounds (decode_attention's
+_load_norm_rope, which the decode kernel also uses). At 8,192 tokens it took 44.6 us against
+the compiled form and store's 109 (benchmarks/norm_rope_probe.py, session 26); in bf16 77% of
+its values equal the eager form's and 19% are one ulp off, where the compiled form, which the
+engine took before, matches eager in 53% (Inductor keeps some intermediates in fp32).
 """
 
 from __future__ import annotations
