@@ -2,6 +2,7 @@
 # The GPU checks the open issues still owe, in one device call each of at most 10 minutes (run
 # from the repo root there; pytest/hypothesis wheels carried in .whl/):
 #   bash benchmarks/gpu_checks.sh speed  # nvidia-h200: issue 5's figures and the GPU test suite
+#   bash benchmarks/gpu_checks.sh figures  # nvidia-h200: issue 5's two figures only
 #   bash benchmarks/gpu_checks.sh tp     # nvidia-h200-x2: issue 6, TP=2 against TP=1, 0.6B shape
 #   bash benchmarks/gpu_checks.sh tp_engine  # nvidia-h200-x2: the same through the engines
 #   bash benchmarks/gpu_checks.sh tp8b   # nvidia-h200-x2: the 8B shape at TP=2 and TP=1
@@ -178,6 +179,17 @@ norm_rope)
   RUNS=${RUNS:-"throughput:new throughput:old throughput:new throughput:old throughput:new throughput:old"} \
     "$0" ab
   ;;
+figures)
+  # nvidia-h200 (<= 330 s on a fresh machine): issue 5's two figures for main as it is, without
+  # the test suite: the single stream, the throughput run with its steps split by step_floor.py,
+  # and the throughput run again without --step-times (session 26's call 4: 307 s).
+  step latency 200 python3 -m minivllm bench --shape qwen3-0.6b --latency --json "$RESULTS/latency.json"
+  step bench 170 python3 -m minivllm bench --shape qwen3-0.6b --json "$RESULTS/bench.json" \
+    --step-times "$OUT/steps.json"
+  python3 benchmarks/step_floor.py "$OUT/steps.json" | tee -a "$OUT/logs.txt"
+  gzip -f "$OUT/steps.json"
+  step bench_again 100 python3 -m minivllm bench --shape qwen3-0.6b --json "$RESULTS/bench_again.json"
+  ;;
 probes)
   # nvidia-h200 (<= 360 s): what the first LM-head GEMM at a new row count costs the host; the
   # decode head's program counts beside cuBLAS's GEMV; the decode attention kernel at 256
@@ -188,7 +200,7 @@ probes)
   step sweep_gemm 90 python3 benchmarks/sweep_decode_gemm.py
   ;;
 *)
-  echo "usage: $0 speed|tp|tp_engine|tp8b|agreement|tp_trained|ab|probes|attention_tail|head_cast|norm_rope" >&2
+  echo "usage: $0 speed|figures|tp|tp_engine|tp8b|agreement|tp_trained|ab|probes|attention_tail|head_cast|norm_rope" >&2
   exit 2
   ;;
 esac
