@@ -12,8 +12,8 @@ Compiled, the torch form was two Inductor kernels of 120 and 50 us a layer at a 
 heads, all of them, and rounds where the eager torch form rounds (decode_attention's
 _load_norm_rope, which the decode kernel also uses). At 8,192 tokens it took 44.6 us against
 the compiled form and store's 109 (benchmarks/norm_rope_probe.py, session 26); in bf16 77% of
-its values equal the eager form's and 19% are one ulp off, where the compiled form, which the
-engine took before, matches eager in 53% (Inductor keeps some intermediates in fp32).
+its values equal the eager form's and 19% are one ulp off; 53% equal those of the compiled form
+the engine took before (Inductor keeps some intermediates in fp32).
 """
 
 from __future__ import annotations
