@@ -3,11 +3,19 @@ form it replaces: functional.layer.qk_norm_rope, then store_kvcache; and the tri
 prefill_with_norm_rope against qk_norm_rope followed by the reference backend. On CPU under
 TRITON_INTERPRET=1 (conftest), in fp32 and fp16."""
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from benchmarks.compile_decode_kernel import TRITON_BIN
 from minivllm.functional.attention import REFERENCE
 from minivllm.functional.layer import qk_norm_rope
 from minivllm.functional.rope import rope_cos_sin
@@ -20,6 +28,7 @@ from minivllm.state import ModelConfig
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3)}
 DTYPES = st.sampled_from([torch.float32, torch.float16])
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -125,3 +134,47 @@ def test_the_compiled_layer_traces_the_prefill_kernels_whole(device):
     from triton_trace import kernel_launches_traced
 
     assert kernel_launches_traced(TRACE_BODY) == {"dynamo": 2, "aot": 2}
+
+
+PTX_BODY = """
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from benchmarks.compile_decode_kernel import signature_and_constants
+from minivllm.kernels.decode_attention import _decode_kernel
+from minivllm.kernels.norm_rope_store import _norm_rope_store_kernel
+
+def ptx(fn, sig, consts):
+    src = ASTSource(fn=fn, signature=sig | dict.fromkeys(consts, "constexpr"), constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
+
+# the engine's launches at the 0.6B shape: bf16 q/k/v and cache, fp32 cos/sin
+store_types = ["*bf16"] * 5 + ["*fp32", "*fp32", "*i64"] + ["*bf16"] * 4 + ["fp32"] + ["i32"] * 7
+store_consts = dict(HEADS=16, KV_HEADS=8, HEAD_DIM=128, BLOCK_H=16, BLOCK_KV=8, BLOCK_D=128)
+names = [a for a in _norm_rope_store_kernel.arg_names if a not in store_consts]
+decode_sig, decode_consts = signature_and_constants("bf16", 128, 16)
+decode_sig = {a: t for a, t in decode_sig.items() if t != "constexpr"} | dict(cos_ptr="*fp32", sin_ptr="*fp32")
+texts = {"norm_rope_store": ptx(_norm_rope_store_kernel, dict(zip(names, store_types)), store_consts),
+         "decode": ptx(_decode_kernel, decode_sig, decode_consts)}
+print(json.dumps({k: {op: len(re.findall(re.escape(op) + r"\\s", t)) for op in ("fma.rn.bf16", "add.bf16")}
+                  for k, t in texts.items()}))
+"""
+
+
+@pytest.mark.skipif(not shutil.which("ptxas", path=TRITON_BIN),
+                    reason="this Triton has no bundled ptxas")
+def test_the_rotation_rounds_each_product_before_the_sum_in_the_gpu_code():
+    """Compiled for sm_90 (a child process without the interpreter; no GPU needed), neither kernel
+    that norms and rotates q/k fuses a product of the rotation into its sum: LLVM had made the
+    products 16-bit multiplies and one an fma.rn.bf16 with the add, one rounding fewer than
+    functional.rope.apply_rope (a fifth of the values an ulp off on the H200, session 26)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", PTX_BODY], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    for kernel, ops in counts.items():
+        assert ops["fma.rn.bf16"] == 0, (kernel, ops)
+        assert ops["add.bf16"] > 0, (kernel, ops)  # the sum of the two rounded products

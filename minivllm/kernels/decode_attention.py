@@ -36,8 +36,13 @@ def _norm_rope(x, x_partner, w, w_partner, cos, signed_sin, eps, HEAD_DIM: tl.co
     n = (w.to(tl.float32) * (xf * r[:, None]).to(dt).to(tl.float32)).to(dt)
     n_partner = (w_partner.to(tl.float32)
                  * (x_partner.to(tl.float32) * r[:, None]).to(dt).to(tl.float32)).to(dt)
-    a = (n.to(tl.float32) * cos.to(dt).to(tl.float32)).to(dt)
-    b = (n_partner.to(tl.float32) * signed_sin.to(dt).to(tl.float32)).to(dt)
+    # Each product rounded before the sum, as the reference rounds x * cos and rotated * sin. As
+    # plain products of 16-bit values LLVM made them 16-bit multiplies and fused one into the
+    # sum's add (fma.rn.bf16: one rounding fewer; session 26's probe found a fifth of the values
+    # an ulp off the eager form). An fma with a zero addend is a product it may not fuse (-0 + 0
+    # is +0); tests/test_norm_rope_store.py checks the sm_90 code.
+    a = tl.fma(n.to(tl.float32), cos.to(dt).to(tl.float32), 0.0).to(dt)
+    b = tl.fma(n_partner.to(tl.float32), signed_sin.to(dt).to(tl.float32), 0.0).to(dt)
     return (a.to(tl.float32) + b.to(tl.float32)).to(dt)
 
 

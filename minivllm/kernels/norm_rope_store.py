@@ -11,8 +11,10 @@ Compiled, the torch form was two Inductor kernels of 120 and 50 us a layer at a 
 (token, head) row of 256 bytes a program, ~194,000 programs. Here a program takes one token's
 heads, all of them, and rounds where the eager torch form rounds (decode_attention's
 _load_norm_rope, which the decode kernel also uses). At 8,192 tokens it took 44.6 us against
-the compiled form and store's 109 (benchmarks/norm_rope_probe.py, session 26); in bf16 77% of
-its values equal the eager form's and 19% are one ulp off; 53% equal those of the compiled form
+the compiled form and store's 109 (benchmarks/norm_rope_probe.py, session 26). There, in bf16,
+77% of its values equaled the eager form's and 19% were one ulp off: LLVM had fused one of the
+rotation's products into its sum, which _norm_rope now prevents (not yet re-measured on a GPU;
+tests/test_norm_rope_store.py checks the sm_90 code). 53% equaled the compiled form's, the one
 the engine took before (Inductor keeps some intermediates in fp32).
 """
 
