@@ -193,7 +193,8 @@ def sass_report() -> int:
                 # the engine's form: q/k norm + RoPE and the K/V store fused, one sequence per grid row
                 consts = dict(KV_HEADS=8, GROUP=2, HEAD_DIM=128, BLOCK_G=16, BLOCK_D=128, PAGE=page,
                               BLOCK_N=bn, SPLIT=False, STORE=True, NORM_ROPE=True, PRECISION=prec,
-                              HEADS_FASTEST=True)
+                              HEADS_FASTEST=True, F16_DOTS=False, FP8_CACHE=False, PTX_WIDEN=0,
+                              PEEL=True)
                 print(f"decode  {dt} page={page:3d} n={bn:3d} warps={nw} stages={ns}: "
                       f"{build(_decode_kernel, d_types, consts, nw, ns)}", flush=True)
         p_types = ["*" + dt] * 5 + ["*i32"] * 3 + ["*" + dt, "fp32", "i32"] + ["i32"] * 9
