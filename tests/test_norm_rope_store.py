@@ -1,7 +1,8 @@
 """kernels.norm_rope_store (a prefill step's q/k norm and RoPE with the K/V store) against the torch
 form it replaces: functional.layer.qk_norm_rope, then store_kvcache; and the triton backend's
 prefill_with_norm_rope against qk_norm_rope followed by the reference backend. On CPU under
-TRITON_INTERPRET=1 (conftest), in fp32 and fp16."""
+TRITON_INTERPRET=1 (conftest), in fp32 and fp16; and the sm_90 code of the kernels that share its
+norm and rotation, compiled without a GPU, for where the reference rounds in bf16."""
 
 import json
 import os
@@ -137,7 +138,7 @@ def test_the_compiled_layer_traces_the_prefill_kernels_whole(device):
 
 
 PTX_BODY = """
-import json, re, sys
+import json, re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
