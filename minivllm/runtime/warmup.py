@@ -71,11 +71,11 @@ def warm_up_kernels(params: Params, backend, *, block_size: int, max_num_seqs: i
         # the compiled forward's model.logits_head. The kernel is compiled per dtype; unwarmed,
         # bf16's three variants compiled inside the first throughput run on a fresh H200, which
         # ran 5.78 s against 5.2 after (BENCHMARKS.md session 25).
-        for dtype in dict.fromkeys((torch.float32, params.dtype)):
-            for rows in sampler_sizes(max_num_seqs, vocab, device):
-                logits = torch.zeros(rows, vocab, device=device, dtype=dtype)
-                sample(logits, make_sampling_batch([SamplingRow(temperature=1.0)] * rows,
-                                                   vocab_size=vocab, device=device))
+        for rows in sampler_sizes(max_num_seqs, vocab, device):
+            sb = make_sampling_batch([SamplingRow(temperature=1.0)] * rows, vocab_size=vocab,
+                                     device=device)
+            for dtype in dict.fromkeys((torch.float32, params.dtype)):
+                sample(torch.zeros(rows, vocab, device=device, dtype=dtype), sb)
         for num_seqs in _CLASSES:
             for width in _CLASSES:
                 tables = [list(range(s * width, (s + 1) * width)) for s in range(num_seqs)]
