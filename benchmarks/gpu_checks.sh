@@ -3,6 +3,8 @@
 # from the repo root there; pytest/hypothesis wheels carried in .whl/):
 #   bash benchmarks/gpu_checks.sh speed  # nvidia-h200: issue 5's figures and the GPU test suite
 #   bash benchmarks/gpu_checks.sh figures  # nvidia-h200: issue 5's two figures only
+#   bash benchmarks/gpu_checks.sh rounding  # nvidia-h200: session 26's rounding fix in _norm_rope
+#       (norm_rope_probe, the kernels' GPU tests), then figures
 #   bash benchmarks/gpu_checks.sh tp     # nvidia-h200-x2: issue 6, TP=2 against TP=1, 0.6B shape
 #   bash benchmarks/gpu_checks.sh tp_engine  # nvidia-h200-x2: the same through the engines
 #   bash benchmarks/gpu_checks.sh tp8b   # nvidia-h200-x2: the 8B shape at TP=2 and TP=1
@@ -189,6 +191,15 @@ figures)
   python3 benchmarks/step_floor.py "$OUT/steps.json" | tee -a "$OUT/logs.txt"
   gzip -f "$OUT/steps.json"
   step bench_again 100 python3 -m minivllm bench --shape qwen3-0.6b --json "$RESULTS/bench_again.json"
+  ;;
+rounding)
+  # nvidia-h200 (<= 570 s): session 26's fix (each RoPE product rounded before the sum, as
+  # apply_rope does): the probe's share of values equal to the eager form (77% before), the
+  # tests of every kernel that shares _norm_rope, then main's two figures.
+  step norm_rope_probe 90 python3 benchmarks/norm_rope_probe.py
+  STEP_LOG=$OUT/tests.txt step tests 150 python3 -m pytest $PYTEST_ARGS tests/test_norm_rope_store.py \
+    tests/test_decode_layer.py tests/test_kernels.py
+  "$0" figures
   ;;
 probes)
   # nvidia-h200 (<= 360 s): what the first LM-head GEMM at a new row count costs the host; the
