@@ -3,6 +3,8 @@
 # from the repo root there; pytest/hypothesis wheels carried in .whl/):
 #   bash benchmarks/gpu_checks.sh speed  # nvidia-h200: issue 5's figures and the GPU test suite
 #   bash benchmarks/gpu_checks.sh figures  # nvidia-h200: issue 5's two figures only
+#   bash benchmarks/gpu_checks.sh prefill_graph  # nvidia-h200: MINIVLLM_PREFILL_GRAPH=1 (steps with
+#       prompt tokens from one CUDA graph): its GPU test, then throughput on/off alternating
 #   bash benchmarks/gpu_checks.sh rounding  # nvidia-h200: session 26's rounding fix in _norm_rope
 #       (norm_rope_probe, the kernels' GPU tests), then figures
 #   bash benchmarks/gpu_checks.sh tp     # nvidia-h200-x2: issue 6, TP=2 against TP=1, 0.6B shape
@@ -200,6 +202,23 @@ rounding)
   STEP_LOG=$OUT/tests.txt step tests 150 python3 -m pytest $PYTEST_ARGS tests/test_norm_rope_store.py \
     tests/test_decode_layer.py tests/test_kernels.py
   "$0" figures
+  ;;
+prefill_graph)
+  # nvidia-h200 (see below): session 27 found the steps with prompt tokens host-bound (they never
+  # wait for the device); runtime/prefill_graph.py replays them from one CUDA graph. Its tests,
+  # then the throughput run with it on and off, alternating, each with its steps timed
+  # (step_floor.py: the steps with prompt tokens and how long they waited for the device). All of
+  # it is ~650 s on a fresh machine, past one call: TESTS=0 skips the tests, RUNS="3_on 4_off"
+  # (names N_on / N_off) picks the runs.
+  [ "${TESTS:-1}" = 0 ] || STEP_LOG=$OUT/tests.txt step tests 150 python3 -m pytest $PYTEST_ARGS \
+    tests/test_prefill_graph.py "tests/test_gpu_graphs.py::test_prefill_graph_steps_equal_eager"
+  for run in ${RUNS:-1_on 2_off 3_on 4_off}; do
+    flag=0; [ "${run#*_}" = on ] && flag=1
+    MINIVLLM_PREFILL_GRAPH=$flag step "bench_$run" 170 python3 -m minivllm bench --shape qwen3-0.6b \
+      --json "$RESULTS/bench_$run.json" --step-times "$OUT/steps_$run.json"
+    python3 benchmarks/step_floor.py "$OUT/steps_$run.json" | tee -a "$OUT/logs.txt"
+    gzip -f "$OUT/steps_$run.json"
+  done
   ;;
 probes)
   # nvidia-h200 (<= 360 s): what the first LM-head GEMM at a new row count costs the host; the

@@ -10,11 +10,13 @@ KV cache is large enough that none happens). Prints, by batch size, the steps, t
 floor seconds, the time each step loses to everything but reading KV and weights, and (records
 since session 20) the share of the steps' time spent waiting for the device's tokens: near 0,
 the host bounds those steps; then the steps that computed prompt tokens (prefill and mixed),
-with their tokens a second."""
+with their tokens a second and the time they waited for the device (session 27: ~0 since
+norm_rope_store, i.e. the host's launching bounds them). A .gz file is read as gzip."""
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 
 from minivllm.runtime.workload import kv_bytes_per_token, throughput_workload, weight_bytes
@@ -58,13 +60,15 @@ def bands(floors: list[tuple]) -> list[dict]:
 
 def prefill_summary(records: list[dict]) -> dict | None:
     """The steps that computed prompt tokens (prefill and mixed steps; records from before
-    session 5 lack the count: None): their number, seconds, prompt tokens and tokens a second."""
+    session 5 lack the count: None): their number, seconds, prompt tokens, tokens a second, and
+    seconds spent waiting for the device (None where the records lack it, before session 20)."""
     if not records or "prompt_tokens" not in records[0]:
         return None
     steps = [r for r in records if r["prompt_tokens"] > 0]
     seconds, tokens = sum(r["s"] for r in steps), sum(r["prompt_tokens"] for r in steps)
+    waited = sum(r["wait_s"] for r in steps) if all("wait_s" in r for r in steps) else None
     return {"steps": len(steps), "seconds": seconds, "prompt_tokens": tokens,
-            "tok_per_s": tokens / seconds if seconds else 0.0}
+            "tok_per_s": tokens / seconds if seconds else 0.0, "wait_s": waited}
 
 
 def main():
@@ -73,7 +77,7 @@ def main():
     ap.add_argument("--shape", default="qwen3-0.6b")
     ap.add_argument("--tb-s", type=float, default=4.24, help="copy bandwidth, TB/s")
     args = ap.parse_args()
-    with open(args.steps) as f:
+    with (gzip.open if args.steps.endswith(".gz") else open)(args.steps, "rt") as f:
         records = json.load(f)
     config = config_for_shape(args.shape)
     prompts, max_tokens = throughput_workload()
@@ -88,13 +92,16 @@ def main():
     prefill = prefill_summary(records)
     if prefill:
         print(f"steps with prompt tokens: {prefill['steps']}, {prefill['seconds']:.3f} s, "
-              f"{prefill['prompt_tokens']} tokens, {prefill['tok_per_s']:,.0f} tok/s")
+              f"{prefill['prompt_tokens']} tokens, {prefill['tok_per_s']:,.0f} tok/s"
+              + ("" if prefill["wait_s"] is None else
+                 f", {prefill['wait_s']:.3f} s of it waiting for the device"))
     for i, r in enumerate(records):  # the prefill phase, step by step
         if r["waiting"] == 0 and r.get("prompt_tokens", 0) == 0:
             break
         print(f"  step {i:3}: {1e3 * r['s']:6.1f} ms, {r.get('prompt_tokens', '?'):>5} prompt "
               f"tokens, {r['running']:3} running, {r['waiting']:3} waiting, cudaMalloc calls "
-              f"{r.get('device_allocs')}")
+              f"{r.get('device_allocs')}"
+              + (f", waited {1e3 * r['wait_s']:.2f} ms" if "wait_s" in r else ""))
 
 
 if __name__ == "__main__":

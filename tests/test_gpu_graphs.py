@@ -92,3 +92,28 @@ def test_plain_greedy_streams_take_the_graphs_pick(deep_dir):
         got = [o.outputs[0].token_ids for o in fast.generate(batch, params, use_tqdm=False)]
         assert got == want
         assert picked.count((len(batch), True)) >= 20, picked
+
+
+def test_prefill_graph_steps_equal_eager(deep_dir, monkeypatch):
+    """MINIVLLM_PREFILL_GRAPH=1: steps with prompt tokens of at least half of
+    max_num_batched_tokens replay the prefill graph (padded sequences and tokens); in fp32 the
+    tokens equal the eager engine's, with chunked prompts, a prefix-cache hit and decode rows
+    in the graph's steps."""
+    g = torch.Generator().manual_seed(2)
+    shared = torch.randint(0, 257, (48,), generator=g).tolist()
+    prompts = [{"prompt_token_ids": torch.randint(0, 257, (n,), generator=g).tolist()}
+               for n in (300, 5, 90, 140, 33, 64, 200, 17)]
+    prompts += [{"prompt_token_ids": shared + [1, 2, 3]}, {"prompt_token_ids": shared + [4]}]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    kw = dict(dtype="float32", num_kv_blocks=512, max_num_seqs=16, max_num_batched_tokens=128)
+    eager = LLM(deep_dir, enforce_eager=True, **kw)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setenv("MINIVLLM_PREFILL_GRAPH", "1")
+    fast = LLM(deep_dir, **kw)
+    graph = fast.engine.runner.prefill_graph
+    assert graph is not None and graph.num_tokens == 128
+    replays, inner = [], graph.replay
+    graph.replay = lambda n: replays.append(n) or inner(n)
+    got = [o.outputs[0].token_ids for o in fast.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert len(replays) >= 5, replays

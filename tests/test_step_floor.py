@@ -38,5 +38,7 @@ def test_prefill_summary_counts_the_steps_that_computed_prompt_tokens():
     records = [{"s": 0.5, "prompt_tokens": 100}, {"s": 0.25, "prompt_tokens": 50},
                {"s": 1.0, "prompt_tokens": 0}]
     assert prefill_summary(records) == {"steps": 2, "seconds": 0.75, "prompt_tokens": 150,
-                                        "tok_per_s": 200.0}
+                                        "tok_per_s": 200.0, "wait_s": None}
+    waited = [dict(r, wait_s=w) for r, w in zip(records, (0.125, 0.0625, 0.5))]
+    assert prefill_summary(waited)["wait_s"] == 0.1875  # the steps with prompt tokens only
     assert prefill_summary([{"s": 1.0}]) is None  # a record from before the count existed

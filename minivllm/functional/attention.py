@@ -74,10 +74,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def token_seq_ids(cu_seqlens_q: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """[T] index of the sequence each packed token belongs to: a running count of the sequence
     starts at or before each token (the first start, 0, is not counted). A scatter and a cumsum
-    rather than searchsorted, whose compiled CUDA lowering indexed out of bounds (torch 2.11)."""
-    starts = torch.zeros(num_tokens, dtype=torch.int64, device=cu_seqlens_q.device)
+    rather than searchsorted, whose compiled CUDA lowering indexed out of bounds (torch 2.11).
+    Sequences without tokens may end the batch (runtime/prefill_graph.py pads with them): their
+    starts, at T, land in one spare slot."""
+    starts = torch.zeros(num_tokens + 1, dtype=torch.int64, device=cu_seqlens_q.device)
     starts.index_add_(0, cu_seqlens_q[1:-1].long(), torch.ones_like(cu_seqlens_q[1:-1], dtype=torch.int64))
-    return starts.cumsum(0)
+    return starts[:num_tokens].cumsum(0)
 
 
 def gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

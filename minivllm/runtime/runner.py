@@ -32,6 +32,7 @@ from ..state.params import Params, random_params
 from ..state.shard import ShardSpec
 from .config import EngineConfig, is_random_model
 from .graphs import DecodeGraphs
+from .prefill_graph import PrefillGraph
 from .warmup import warm_up_kernels
 
 log = logging.getLogger("minivllm")
@@ -176,6 +177,7 @@ class ModelRunner:
         self.cache = init_cache(self.params, num_blocks=self.num_blocks, block_size=self.block_size,
                                 dtype=config.cache_dtype)
         self.graphs = None
+        self.prefill_graph = None  # MINIVLLM_PREFILL_GRAPH=1 (see _capture_prefill_graph)
         self.last_tokens = None  # [rows] the last launched step's sampled ids, on the device
         self.ids_in_graph = False  # whether the graphs' input ids hold last_tokens already
         try:
@@ -184,6 +186,7 @@ class ModelRunner:
                 warm_up_kernels(self.params, self.backend, block_size=self.block_size,
                                 cache_dtype=config.cache_dtype,
                                 max_num_seqs=config.max_num_seqs, forward_fn=self.prefill_forward)
+            self._capture_prefill_graph(config)
         except BaseException:
             self.release_graphs()  # as a failed start unwinds: see release_graphs
             raise
@@ -217,12 +220,30 @@ class ModelRunner:
                                                                self.cache)
             self.small_decode_rows = MAX_ROWS
 
+    def _capture_prefill_graph(self, config: EngineConfig) -> None:
+        """With MINIVLLM_PREFILL_GRAPH=1, steps with prompt tokens of at least half of
+        max_num_batched_tokens replay one CUDA graph (runtime/prefill_graph.py): one GPU, the
+        triton backend, with the decode graphs (not under enforce_eager)."""
+        if os.environ.get("MINIVLLM_PREFILL_GRAPH", "0") != "1" or self.graphs is None or \
+                self.backend.name != "triton" or self.params.shard.world_size != 1 or \
+                config.max_num_batched_tokens <= config.max_num_seqs:
+            return
+        self.prefill_graph = PrefillGraph(
+            self.params, self.cache, self.backend, self.prefill_forward,
+            num_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+            max_blocks_per_seq=ceil_div(config.max_model_len, self.block_size),
+            block_size=self.block_size)
+        self.prefill_graph.capture()
+
     def release_graphs(self) -> None:
-        """Drop the decode CUDA graphs (the runner then runs every step eagerly): a
-        tensor-parallel rank must do so before it leaves its process group (DecodeGraphs.release)."""
+        """Drop the CUDA graphs (the runner then runs every step eagerly): a tensor-parallel
+        rank must do so before it leaves its process group (DecodeGraphs.release)."""
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
+        if self.prefill_graph is not None:
+            self.prefill_graph.release()
+            self.prefill_graph = None
 
     # -- sizing the KV cache ---------------------------------------------------------------------
 
@@ -346,6 +367,18 @@ class ModelRunner:
         with trace_range("sample"):
             return sample(logits, sb)
 
+    def _run_prefill_graph(self, step: StepInput):
+        """A step with prompt tokens replayed from the prefill graph, padded to its shape."""
+        with trace_range("prepare_prefill"):
+            # Before the replay, as in _run_decode_graph: the sampling batch's copies.
+            sb = make_sampling_batch(step.rows, vocab_size=self.vocab_size, device=self.device,
+                                     steps=step.steps) if step.rows else None
+            n = self.prefill_graph.fill(step.chunks)
+            self._feed_back(self.prefill_graph.batch.input_ids, step)
+        with trace_range("replay"):
+            logits = self.prefill_graph.replay(n)
+        return sample(logits, sb) if sb is not None else None
+
     def _graph_step(self, step: StepInput) -> bool:
         return (self.graphs is not None and len(step.chunks) == len(step.rows)
                 and self.graphs.bucket(len(step.chunks)) is not None
@@ -357,6 +390,9 @@ class ModelRunner:
         if self._graph_step(step):
             with torch.no_grad():
                 out = self._run_decode_graph(step, ids_in_graph)
+        elif self.prefill_graph is not None and self.prefill_graph.fits(step.chunks):
+            with torch.no_grad():
+                out = self._run_prefill_graph(step)
         else:
             out, self.cache = self._run(self.cache, step)
         self.last_tokens = out.token_ids if out is not None else None

@@ -75,10 +75,11 @@ def decode_rows(chunks: Sequence[SeqChunk], block_size: int):
     return ids, positions, slots, [p + 1 for p in positions], [c.block_table for c in chunks]
 
 
-def make_batch(chunks: Sequence[SeqChunk], *, block_size: int, device=None,
-               max_blocks: int | None = None, every_row: bool = False) -> Batch:
-    """Pack sequence chunks into a Batch (built on the host, then moved to `device`).
-    every_row: logits for every token (teacher forcing, losses), not only each chunk's last.
+def batch_arrays(chunks: Sequence[SeqChunk], *, block_size: int, max_blocks: int | None = None,
+                 every_row: bool = False) -> dict[str, np.ndarray]:
+    """Batch's fields as host arrays (make_batch's, before they become tensors), by field name,
+    in the fields' dtypes. every_row: logits for every token (teacher forcing, losses), not only
+    each chunk's last.
 
     Per-token fields are computed with numpy, not a Python loop over tokens: a prefill step of
     ~8,000 tokens is on the host's critical path while the GPU waits (~2 ms per step in Python,
@@ -111,21 +112,23 @@ def make_batch(chunks: Sequence[SeqChunk], *, block_size: int, device=None,
         logit_rows = np.arange(cu[-1])
     else:
         logit_rows = (cu[1:] - 1)[[c.want_logits for c in chunks]]
+    return dict(input_ids=ids, positions=positions, slot_mapping=slots,
+                cu_seqlens_q=cu.astype(np.int32), context_lens=(cached + lens).astype(np.int32),
+                block_tables=tables, logits_indices=logit_rows.astype(np.int64))
 
+
+def make_batch(chunks: Sequence[SeqChunk], *, block_size: int, device=None,
+               max_blocks: int | None = None, every_row: bool = False) -> Batch:
+    """Pack sequence chunks into a Batch (built on the host, then moved to `device`).
+    every_row: logits for every token (teacher forcing, losses), not only each chunk's last."""
+    arrays = batch_arrays(chunks, block_size=block_size, max_blocks=max_blocks,
+                          every_row=every_row)
     # Pinned and non-blocking on CUDA: a copy from pageable memory would make the host wait for
     # the work already queued, which asynchronous scheduling relies on the host not doing.
     pin = device is not None and torch.device(device).type == "cuda"
 
-    def t(x: np.ndarray, dtype):
-        host = torch.from_numpy(np.ascontiguousarray(x)).to(dtype)
+    def t(x: np.ndarray):
+        host = torch.from_numpy(np.ascontiguousarray(x))
         return host.pin_memory().to(device, non_blocking=True) if pin else host.to(device)
 
-    return Batch(
-        input_ids=t(ids, torch.int64),
-        positions=t(positions, torch.int64),
-        slot_mapping=t(slots, torch.int64),
-        cu_seqlens_q=t(cu, torch.int32),
-        context_lens=t(cached + lens, torch.int32),
-        block_tables=t(tables, torch.int32),
-        logits_indices=t(logit_rows, torch.int64),
-    )
+    return Batch(**{name: t(x) for name, x in arrays.items()})

@@ -1,0 +1,161 @@
+"""Prefill and mixed steps replayed from one CUDA graph (MINIVLLM_PREFILL_GRAPH=1: off until it is
+measured on the GPU).
+
+A step with prompt tokens runs the compiled forward region by region (the stem, 28 layers, the
+head: ~320 kernels at the 0.6B shape), and the host's Python between those launches became the
+longer side once norm_rope_store shortened the GPU's part: in the throughput run the steps with
+prompt tokens never waited for the device (0.03-0.08 ms a step against 4-7 ms before that
+kernel; BENCHMARKS.md session 27), so each took what the host took to launch it, 15-30 ms. A
+graph launches them all at the cost of one copy and one replay.
+
+The graph is captured for one shape: T tokens (max_num_batched_tokens, which the scheduler fills
+in every step while prompts wait) and S sequences (max_num_seqs). A smaller step is padded:
+  - sequences past the real ones bring no tokens (their cu_seqlens entries repeat the last, and
+    the prefill kernel's programs for them exit at once); context length 0, block table 0;
+  - tokens past the real ones belong to no sequence: slot -1 (nothing is written to the cache),
+    id 0, position 0. Attention leaves their rows unwritten, and every other op of the layer is
+    row by row, so what they hold reaches no real row; their logits are not asked for.
+  - logits rows past the real ones read row 0 and are dropped.
+Padding tokens cost GPU time like real ones, so only steps of at least half of T take the graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..state.batch import Batch, SeqChunk, batch_arrays
+
+log = logging.getLogger("minivllm")
+
+ALIGN = 16  # bytes: each field starts aligned (Triton and Inductor specialise on it)
+
+
+def batch_layout(num_tokens: int, num_seqs: int, max_blocks: int) -> dict[str, tuple]:
+    """Batch's fields at a static shape: name -> (dtype, shape)."""
+    t, s = num_tokens, num_seqs
+    return dict(input_ids=(torch.int64, (t,)), positions=(torch.int64, (t,)),
+                slot_mapping=(torch.int64, (t,)), cu_seqlens_q=(torch.int32, (s + 1,)),
+                context_lens=(torch.int32, (s,)), block_tables=(torch.int32, (s, max_blocks)),
+                logits_indices=(torch.int64, (s,)))
+
+
+def packed_views(buffer: torch.Tensor, layout: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """Each field of `layout` as a view of the uint8 `buffer`, one after another, each aligned."""
+    views, at = {}, 0
+    for name, (dtype, shape) in layout.items():
+        size = int(np.prod(shape)) * dtype.itemsize
+        views[name] = buffer[at: at + size].view(dtype).view(shape)
+        at += size + -size % ALIGN
+    return views
+
+
+def packed_bytes(layout: dict[str, tuple]) -> int:
+    sizes = [int(np.prod(shape)) * dtype.itemsize for dtype, shape in layout.values()]
+    return sum(size + -size % ALIGN for size in sizes)
+
+
+class PrefillGraph:
+    """Static input buffers (one packed device buffer, two pinned host stagings used in turn) and
+    the graph of one padded step. fits(chunks) says whether a step can take it, fill(chunks)
+    copies the step in, replay(n) runs it and returns its first n logits rows (a view of the
+    graph's output: read it before the next replay)."""
+
+    def __init__(self, params, cache, backend, forward_fn, *, num_tokens: int, max_num_seqs: int,
+                 max_blocks_per_seq: int, block_size: int):
+        if num_tokens <= max_num_seqs:
+            # Batch.is_decode reads T == B off the shapes: a padded step must not look like one.
+            raise ValueError(f"a prefill graph needs more tokens than sequences, got "
+                             f"{num_tokens} tokens for {max_num_seqs} sequences")
+        self.params, self.cache, self.backend, self.fn = params, cache, backend, forward_fn
+        self.num_tokens, self.num_seqs = num_tokens, max_num_seqs
+        self.max_blocks, self.block_size = max_blocks_per_seq, block_size
+        self.device = params.device
+        self.layout = batch_layout(num_tokens, max_num_seqs, max_blocks_per_seq)
+        size = packed_bytes(self.layout)
+        self.packed = torch.zeros(size, dtype=torch.uint8, device=self.device)
+        self.batch = Batch(**packed_views(self.packed, self.layout))
+        pin = self.device.type == "cuda"
+        self.staging = [torch.zeros(size, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self.staging_fields = [{k: v.numpy() for k, v in packed_views(host, self.layout).items()}
+                               for host in self.staging]
+        self.staged = [None, None]  # the event after each staging's copy
+        self.turn = 0
+        self.graph = None
+        self.logits = None
+
+    def fits(self, chunks: Sequence[SeqChunk]) -> bool:
+        tokens = sum(len(c.token_ids) for c in chunks)
+        return (0 < len(chunks) <= self.num_seqs and self.num_tokens // 2 <= tokens <= self.num_tokens
+                and all(len(c.block_table) <= self.max_blocks for c in chunks))
+
+    def fill(self, chunks: Sequence[SeqChunk]) -> int:
+        """Copy one step into the static buffers, padded (see the module's docstring). Returns
+        how many logits rows are real. No chunks: padding only (what capture runs)."""
+        if chunks and not self.fits(chunks):
+            raise ValueError(f"a step of {len(chunks)} sequences and "
+                             f"{sum(len(c.token_ids) for c in chunks)} tokens does not fit the "
+                             f"prefill graph ({self.num_seqs} sequences, "
+                             f"{self.num_tokens // 2}-{self.num_tokens} tokens)")
+        self.turn ^= 1
+        if self.staged[self.turn] is not None:
+            self.staged[self.turn].synchronize()
+        host = self.staging_fields[self.turn]
+        if chunks:
+            real = batch_arrays(chunks, block_size=self.block_size, max_blocks=self.max_blocks)
+        else:
+            real = dict(input_ids=[], positions=[], slot_mapping=[], cu_seqlens_q=[0],
+                        context_lens=[], block_tables=np.zeros((0, self.max_blocks), np.int32),
+                        logits_indices=[])
+        t, b, n = len(real["input_ids"]), len(real["context_lens"]), len(real["logits_indices"])
+        for name in ("input_ids", "positions", "slot_mapping"):
+            host[name][:t] = real[name]
+        host["input_ids"][t:] = host["positions"][t:] = 0
+        host["slot_mapping"][t:] = -1
+        host["cu_seqlens_q"][: b + 1] = real["cu_seqlens_q"]
+        host["cu_seqlens_q"][b + 1:] = t
+        host["context_lens"][:b] = real["context_lens"]
+        host["context_lens"][b:] = 0
+        # batch_arrays marks unused table entries -1; the kernels read only entries that hold
+        # context, but 0 (a block that exists) keeps any stray read in bounds.
+        host["block_tables"][:b] = np.maximum(real["block_tables"], 0)
+        host["block_tables"][b:] = 0
+        host["logits_indices"][:n] = real["logits_indices"]
+        host["logits_indices"][n:] = 0
+        self.packed.copy_(self.staging[self.turn], non_blocking=True)
+        if self.device.type == "cuda":
+            self.staged[self.turn] = torch.cuda.Event()
+            self.staged[self.turn].record()
+        return n
+
+    def capture(self, pool=None) -> None:
+        """Warm up (compiling what the shape needs) and capture, with the buffers holding
+        padding only, so that nothing is written to the cache."""
+        start = time.perf_counter()
+        self.fill([])
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), torch.no_grad():
+            for _ in range(2):
+                self.fn(self.params, self.cache, self.batch, self.backend)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self.logits, _ = self.fn(self.params, self.cache, self.batch, self.backend)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        self.graph = graph
+        log.info("minivllm: captured the prefill CUDA graph (%d tokens, %d sequences) in %.1f s",
+                 self.num_tokens, self.num_seqs, time.perf_counter() - start)
+
+    def replay(self, n: int) -> torch.Tensor:
+        self.graph.replay()
+        return self.logits[:n]
+
+    def release(self) -> None:
+        if self.graph is not None:
+            self.graph.reset()
+        self.graph = self.logits = None

@@ -1,0 +1,173 @@
+"""The static, padded prefill step that runtime/prefill_graph.py replays from a CUDA graph: the
+padding (sequences without tokens, tokens without a sequence, logits rows past the real ones)
+must change nothing: the real rows' logits and every cache slot equal the unpadded step's. Run
+eagerly here, on every backend available (the runner gives the graph to triton's only; here
+under the interpreter), and through an engine whose runner takes the padded buffers for its
+full steps; the graph's capture and replay are checked on the GPU (tests/test_gpu_graphs.py)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import minivllm
+from minivllm import LLM, SamplingParams
+from minivllm.kernels import available_backends, select_backend
+from minivllm.runtime.prefill_graph import PrefillGraph, batch_layout, packed_bytes, packed_views
+from minivllm.state import ModelConfig, SeqChunk, make_batch
+
+from hf_tiny import make_hf_model, save_checkpoint
+
+CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                     num_kv_heads=2, head_dim=8, dtype=torch.float32)
+PAGE = 4
+
+
+@st.composite
+def steps(draw, max_seqs: int, max_tokens: int):
+    """A step's chunks: prompts, prompt chunks after a cached prefix, and decode rows, on
+    disjoint blocks; some chunks want no logits (a chunk of a prompt that goes on)."""
+    chunks, next_block, tokens = [], 0, 0
+    for _ in range(draw(st.integers(1, max_seqs))):
+        new = draw(st.integers(1, max(1, min(9, max_tokens - tokens))))
+        if tokens + new > max_tokens:
+            break
+        cached = draw(st.sampled_from([0, 0, 3, 8]))
+        blocks = -(-(cached + new) // PAGE) + draw(st.integers(0, 1))
+        table = list(range(next_block, next_block + blocks))
+        next_block += blocks
+        ids = draw(st.lists(st.integers(0, CONFIG.vocab_size - 1), min_size=new, max_size=new))
+        chunks.append(SeqChunk(ids, cached, table, want_logits=draw(st.booleans()) or new == 1))
+        tokens += new
+    return chunks, next_block
+
+
+@pytest.mark.parametrize("backend_name", available_backends("cpu"))
+@settings(max_examples=12, deadline=None)
+@given(data=st.data())
+def test_padded_prefill_equals_unpadded(backend_name, data):
+    backend = select_backend("cpu", backend_name)
+    params = minivllm.random_params(CONFIG, seed=0, std=0.2)
+    max_seqs, max_blocks = 5, 6
+    chunks, blocks_used = data.draw(steps(max_seqs, 36))
+    tokens = sum(len(c.token_ids) for c in chunks)
+    num_tokens = data.draw(st.integers(max(tokens, max_seqs + 1), 2 * tokens + max_seqs + 1))
+    graph = PrefillGraph(params, None, backend, minivllm.forward, num_tokens=num_tokens,
+                         max_num_seqs=max_seqs, max_blocks_per_seq=max_blocks, block_size=PAGE)
+    if tokens < num_tokens // 2:
+        assert not graph.fits(chunks)
+        return
+    assert graph.fits(chunks)
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 16)))
+    cache = minivllm.init_cache(params, num_blocks=blocks_used + 2, block_size=PAGE)
+    cache = minivllm.KVCache(k=tuple(torch.randn(c.shape, generator=g) for c in cache.k),
+                             v=tuple(torch.randn(c.shape, generator=g) for c in cache.v))
+    caches = [minivllm.KVCache(k=tuple(c.clone() for c in cache.k),
+                               v=tuple(c.clone() for c in cache.v)) for _ in range(2)]
+    # A step filled before, of other sizes: what it leaves in the buffers must not matter.
+    other, _ = data.draw(steps(max_seqs, num_tokens))
+    if graph.fits(other):
+        graph.fill(other)
+    want, caches[0] = minivllm.forward(params, caches[0], make_batch(chunks, block_size=PAGE),
+                                       backend)
+    n = graph.fill(chunks)
+    assert n == len(want) == sum(c.want_logits for c in chunks)
+    got, caches[1] = minivllm.forward(params, caches[1], graph.batch, backend)
+    assert got.shape[0] == max_seqs
+    torch.testing.assert_close(got[:n], want, rtol=1e-5, atol=1e-5)
+    # The real tokens' slots hold the same K/V (within the GEMMs' rounding, which varies with
+    # the row count); every other slot is as it was: the padding wrote nothing.
+    written = torch.zeros(cache.k[0].shape[:2], dtype=torch.bool).view(-1)
+    written[make_batch(chunks, block_size=PAGE).slot_mapping] = True
+    for a, b, before in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v,
+                            cache.k + cache.v):
+        a, b, before = (x.reshape(-1, *x.shape[2:]) for x in (a, b, before))
+        torch.testing.assert_close(b[written], a[written], rtol=1e-5, atol=1e-5)
+        assert torch.equal(b[~written], before[~written])
+
+
+def test_fill_pads_every_field_and_rejects_what_does_not_fit():
+    params = minivllm.random_params(CONFIG, seed=0)
+    graph = PrefillGraph(params, None, None, None, num_tokens=12, max_num_seqs=3,
+                         max_blocks_per_seq=2, block_size=PAGE)
+    chunks = [SeqChunk([5, 6, 7], 2, [4, 1]), SeqChunk([9], 6, [0, 3], want_logits=True),
+              SeqChunk([1, 2], 0, [2], want_logits=False)]
+    assert graph.fill(chunks) == 2
+    b = graph.batch
+    assert b.input_ids.tolist() == [5, 6, 7, 9, 1, 2] + [0] * 6
+    assert b.positions.tolist() == [2, 3, 4, 6, 0, 1] + [0] * 6
+    assert b.slot_mapping.tolist() == [18, 19, 4, 14, 8, 9] + [-1] * 6
+    assert b.cu_seqlens_q.tolist() == [0, 3, 4, 6]
+    assert b.context_lens.tolist() == [5, 7, 2]
+    assert b.block_tables.tolist() == [[4, 1], [0, 3], [2, 0]]
+    assert b.logits_indices.tolist() == [2, 3, 0]
+    assert graph.fill(chunks[:1] + [SeqChunk([3, 3, 3], 0, [2])]) == 2
+    assert b.cu_seqlens_q.tolist() == [0, 3, 6, 6] and b.context_lens.tolist() == [5, 3, 0]
+    assert b.block_tables.tolist() == [[4, 1], [2, 0], [0, 0]]
+    assert b.slot_mapping.tolist() == [18, 19, 4, 8, 9, 10] + [-1] * 6
+    assert b.logits_indices.tolist() == [2, 5, 0]
+    assert graph.fill([]) == 0 and b.cu_seqlens_q.tolist() == [0, 0, 0, 0]
+    assert b.slot_mapping.tolist() == [-1] * 12
+    for bad in ([SeqChunk([1] * 5, 0, [0, 1])],  # under half of the tokens
+                [SeqChunk([1] * 13, 0, [0, 1, 2, 3])],  # more tokens than the graph
+                [SeqChunk([1] * 2, 0, [0])] * 4,  # more sequences
+                [SeqChunk([1] * 6, 0, [0, 1, 2])]):  # a wider block table
+        assert not graph.fits(bad)
+        with pytest.raises(ValueError, match="does not fit the prefill graph"):
+            graph.fill(bad)
+    with pytest.raises(ValueError, match="more tokens than sequences"):
+        PrefillGraph(params, None, None, None, num_tokens=4, max_num_seqs=4,
+                     max_blocks_per_seq=2, block_size=PAGE)
+
+
+@given(st.integers(1, 40), st.integers(1, 9), st.integers(1, 7))
+def test_packed_fields_are_aligned_and_disjoint(tokens, seqs, width):
+    layout = batch_layout(tokens, seqs, width)
+    buffer = torch.zeros(packed_bytes(layout), dtype=torch.uint8)
+    views = packed_views(buffer, layout)
+    spans = []
+    for name, view in views.items():
+        dtype, shape = layout[name]
+        assert view.dtype == dtype and tuple(view.shape) == shape
+        start = view.data_ptr() - buffer.data_ptr()
+        assert start % 16 == 0
+        spans.append((start, start + view.numel() * view.element_size()))
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    assert spans[-1][1] <= buffer.numel()
+
+
+def test_an_engine_whose_full_steps_take_the_padded_buffers_gives_the_same_tokens(tmp_path):
+    """The runner's prefill-graph path (fill, feed-back of pending tokens into the buffers, the
+    real logits rows, sampling) with the graph's replay stood in for by the eager forward over
+    its buffers (the CPU has no graphs): greedy tokens equal a plain engine's, with chunked
+    prompts, prefix-cache hits and decode rows in the padded steps."""
+    ckpt = save_checkpoint(make_hf_model(seed=3, std=0.3), tmp_path / "model")
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(0, 101, (12,), generator=g).tolist()
+    prompts = [{"prompt_token_ids": torch.randint(0, 101, (n,), generator=g).tolist()}
+               for n in (50, 3, 21, 9, 30)]
+    prompts += [{"prompt_token_ids": shared + [1, 2]}, {"prompt_token_ids": shared + [5]}]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    kw = dict(dtype="float32", num_kv_blocks=128, max_num_seqs=4, max_num_batched_tokens=24,
+              block_size=4)
+    want = [o.outputs[0].token_ids for o in LLM(ckpt, **kw).generate(prompts, params,
+                                                                      use_tqdm=False)]
+    llm = LLM(ckpt, **kw)
+    runner = llm.engine.runner
+    graph = PrefillGraph(runner.params, runner.cache, runner.backend, runner.prefill_forward,
+                         num_tokens=24, max_num_seqs=4, max_blocks_per_seq=-(-llm.config.max_model_len // 4),
+                         block_size=4)
+    replays = []
+
+    def replay(n):  # what the captured graph would run
+        replays.append(n)
+        logits, runner.cache = minivllm.forward(runner.params, runner.cache, graph.batch,
+                                                runner.backend)
+        return logits[:n]
+
+    graph.replay = replay
+    runner.prefill_graph = graph
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert len(replays) >= 3, replays
