@@ -208,12 +208,18 @@ prefill_graph)
   # wait for the device); runtime/prefill_graph.py replays them from one CUDA graph. Its tests,
   # then the throughput run with it on and off, alternating, each with its steps timed
   # (step_floor.py: the steps with prompt tokens and how long they waited for the device). All of
-  # it is ~650 s on a fresh machine, past one call: TESTS=0 skips the tests, RUNS="3_on 4_off"
-  # (names N_on / N_off) picks the runs.
+  # it is ~650 s on a fresh machine, past one call: TESTS=0 skips the tests, RUNS picks the runs
+  # (names N_on / N_off: throughput; N_latency_on / N_latency_off: the single stream, whose
+  # 512-token prompt takes the 512-token graph).
   [ "${TESTS:-1}" = 0 ] || STEP_LOG=$OUT/tests.txt step tests 150 python3 -m pytest $PYTEST_ARGS \
     tests/test_prefill_graph.py "tests/test_gpu_graphs.py::test_prefill_graph_steps_equal_eager"
   for run in ${RUNS:-1_on 2_off 3_on 4_off}; do
-    flag=0; [ "${run#*_}" = on ] && flag=1
+    flag=0; [ "${run##*_}" = on ] && flag=1
+    if [ "${run#*_latency}" != "$run" ]; then
+      MINIVLLM_PREFILL_GRAPH=$flag step "bench_$run" 170 python3 -m minivllm bench \
+        --shape qwen3-0.6b --latency --json "$RESULTS/bench_$run.json"
+      continue
+    fi
     MINIVLLM_PREFILL_GRAPH=$flag step "bench_$run" 170 python3 -m minivllm bench --shape qwen3-0.6b \
       --json "$RESULTS/bench_$run.json" --step-times "$OUT/steps_$run.json"
     python3 benchmarks/step_floor.py "$OUT/steps_$run.json" | tee -a "$OUT/logs.txt"

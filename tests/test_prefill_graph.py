@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 import minivllm
 from minivllm import LLM, SamplingParams
 from minivllm.kernels import available_backends, select_backend
-from minivllm.runtime.prefill_graph import PrefillGraph, batch_layout, packed_bytes, packed_views
+from minivllm.runtime.prefill_graph import (PrefillGraph, batch_layout, packed_bytes, packed_views,
+                                            prefill_graph_sizes)
 from minivllm.state import ModelConfig, SeqChunk, make_batch
 
 from hf_tiny import make_hf_model, save_checkpoint
@@ -148,26 +149,42 @@ def test_an_engine_whose_full_steps_take_the_padded_buffers_gives_the_same_token
     prompts = [{"prompt_token_ids": torch.randint(0, 101, (n,), generator=g).tolist()}
                for n in (50, 3, 21, 9, 30)]
     prompts += [{"prompt_token_ids": shared + [1, 2]}, {"prompt_token_ids": shared + [5]}]
+    lone = [{"prompt_token_ids": torch.randint(0, 101, (9,), generator=g).tolist()}]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     kw = dict(dtype="float32", num_kv_blocks=128, max_num_seqs=4, max_num_batched_tokens=24,
               block_size=4)
-    want = [o.outputs[0].token_ids for o in LLM(ckpt, **kw).generate(prompts, params,
-                                                                      use_tqdm=False)]
+    plain = LLM(ckpt, **kw)
+    want = [[o.outputs[0].token_ids for o in plain.generate(batch, params, use_tqdm=False)]
+            for batch in (prompts, lone)]
     llm = LLM(ckpt, **kw)
     runner = llm.engine.runner
-    graph = PrefillGraph(runner.params, runner.cache, runner.backend, runner.prefill_forward,
-                         num_tokens=24, max_num_seqs=4, max_blocks_per_seq=-(-llm.config.max_model_len // 4),
-                         block_size=4)
     replays = []
 
-    def replay(n):  # what the captured graph would run
-        replays.append(n)
-        logits, runner.cache = minivllm.forward(runner.params, runner.cache, graph.batch,
-                                                runner.backend)
-        return logits[:n]
+    def stand_in(tokens):
+        graph = PrefillGraph(runner.params, runner.cache, runner.backend, runner.prefill_forward,
+                             num_tokens=tokens, max_num_seqs=4,
+                             max_blocks_per_seq=-(-llm.config.max_model_len // 4), block_size=4)
 
-    graph.replay = replay
-    runner.prefill_graph = graph
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        def replay(n):  # what the captured graph would run
+            replays.append((tokens, n))
+            logits, runner.cache = minivllm.forward(runner.params, runner.cache, graph.batch,
+                                                    runner.backend)
+            return logits[:n]
+
+        graph.replay = replay
+        return graph
+
+    runner.prefill_graphs = [stand_in(24), stand_in(12)]  # as the runner keeps them: largest first
+    got = [[o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+           for batch in (prompts, lone)]
     assert got == want
-    assert len(replays) >= 3, replays
+    # Steps of 12-24 tokens took the larger graph, of 6-11 (the lone prompt's) the smaller: the
+    # smallest that fits.
+    assert {t for t, _ in replays} == {12, 24} and (12, 1) in replays, replays
+
+
+@pytest.mark.parametrize("tokens,seqs,sizes", [
+    (8192, 256, [8192, 4096, 2048, 1024, 512]), (8192, 1024, [8192, 4096, 2048]),
+    (1000, 16, [1000]), (1024, 16, [1024, 512]), (300, 16, [300]), (256, 256, []), (128, 16, [128])])
+def test_prefill_graph_sizes_halve_down_to_512_tokens_above_the_sequences(tokens, seqs, sizes):
+    assert prefill_graph_sizes(tokens, seqs) == sizes

@@ -408,7 +408,7 @@ def main(args) -> dict:
                   device=_device_name(device), tensor_parallel_size=args.tensor_parallel_size,
                   backend=_backend_name(llm), dtype=str(llm.config.dtype),
                   cuda_graphs=getattr(llm.engine.runner, "graphs", None) is not None,
-                  prefill_graph=getattr(llm.engine.runner, "prefill_graph", None) is not None,
+                  prefill_graphs=[g.num_tokens for g in getattr(llm.engine.runner, "prefill_graphs", [])],
                   startup_s=startup_s, async_scheduling=llm.engine.async_scheduling,
                   persistent_decode=llm.config.persistent_decode,
                   date=datetime.date.today().isoformat())

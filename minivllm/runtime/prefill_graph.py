@@ -8,8 +8,10 @@ prompt tokens never waited for the device (0.03-0.08 ms a step against 4-7 ms be
 kernel; BENCHMARKS.md session 27), so each took what the host took to launch it, 15-30 ms. A
 graph launches them all at the cost of one copy and one replay.
 
-The graph is captured for one shape: T tokens (max_num_batched_tokens, which the scheduler fills
-in every step while prompts wait) and S sequences (max_num_seqs). A smaller step is padded:
+A graph is captured for one shape: T tokens and S sequences (max_num_seqs). The runner keeps one
+for T = max_num_batched_tokens (which the scheduler fills in every step while prompts wait) and
+for each halving of it down to 512 tokens (prefill_graph_sizes), so that a lone prompt (time to
+first token) takes one too; the graphs share one memory pool. A smaller step is padded:
   - sequences past the real ones bring no tokens (their cu_seqlens entries repeat the last, and
     the prefill kernel's programs for them exit at once); context length 0, block table 0;
   - tokens past the real ones belong to no sequence: slot -1 (nothing is written to the cache),
@@ -33,6 +35,20 @@ from ..state.batch import Batch, SeqChunk, batch_arrays
 log = logging.getLogger("minivllm")
 
 ALIGN = 16  # bytes: each field starts aligned (Triton and Inductor specialise on it)
+
+
+SMALLEST_GRAPH = 512  # tokens: below it a step's launches are few enough not to matter
+
+
+def prefill_graph_sizes(max_num_batched_tokens: int, max_num_seqs: int) -> list[int]:
+    """The token counts of the prefill graphs, largest first: max_num_batched_tokens and each
+    halving of it down to SMALLEST_GRAPH, each above max_num_seqs (Batch.is_decode reads T == B
+    off the shapes: a padded step must not look like a decode step)."""
+    sizes, t = [], max_num_batched_tokens
+    while t > max_num_seqs and (not sizes or t >= SMALLEST_GRAPH):
+        sizes.append(t)
+        t //= 2
+    return sizes
 
 
 def batch_layout(num_tokens: int, num_seqs: int, max_blocks: int) -> dict[str, tuple]:
@@ -132,9 +148,10 @@ class PrefillGraph:
             self.staged[self.turn].record()
         return n
 
-    def capture(self, pool=None) -> None:
+    def capture(self, pool=None):
         """Warm up (compiling what the shape needs) and capture, with the buffers holding
-        padding only, so that nothing is written to the cache."""
+        padding only, so that nothing is written to the cache. pool: a graph memory pool to share
+        (the graphs replay one at a time); returns this graph's."""
         start = time.perf_counter()
         self.fill([])
         stream = torch.cuda.Stream(self.device)
@@ -148,8 +165,9 @@ class PrefillGraph:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         self.graph = graph
-        log.info("minivllm: captured the prefill CUDA graph (%d tokens, %d sequences) in %.1f s",
+        log.info("minivllm: captured the prefill CUDA graph of %d tokens, %d sequences in %.1f s",
                  self.num_tokens, self.num_seqs, time.perf_counter() - start)
+        return graph.pool()
 
     def replay(self, n: int) -> torch.Tensor:
         self.graph.replay()

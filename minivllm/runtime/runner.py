@@ -32,7 +32,7 @@ from ..state.params import Params, random_params
 from ..state.shard import ShardSpec
 from .config import EngineConfig, is_random_model
 from .graphs import DecodeGraphs
-from .prefill_graph import PrefillGraph
+from .prefill_graph import PrefillGraph, prefill_graph_sizes
 from .warmup import warm_up_kernels
 
 log = logging.getLogger("minivllm")
@@ -177,7 +177,7 @@ class ModelRunner:
         self.cache = init_cache(self.params, num_blocks=self.num_blocks, block_size=self.block_size,
                                 dtype=config.cache_dtype)
         self.graphs = None
-        self.prefill_graph = None  # MINIVLLM_PREFILL_GRAPH=1 (see _capture_prefill_graph)
+        self.prefill_graphs = []  # MINIVLLM_PREFILL_GRAPH=1, largest first (_capture_prefill_graphs)
         self.last_tokens = None  # [rows] the last launched step's sampled ids, on the device
         self.ids_in_graph = False  # whether the graphs' input ids hold last_tokens already
         try:
@@ -186,7 +186,7 @@ class ModelRunner:
                 warm_up_kernels(self.params, self.backend, block_size=self.block_size,
                                 cache_dtype=config.cache_dtype,
                                 max_num_seqs=config.max_num_seqs, forward_fn=self.prefill_forward)
-            self._capture_prefill_graph(config)
+            self._capture_prefill_graphs(config)
         except BaseException:
             self.release_graphs()  # as a failed start unwinds: see release_graphs
             raise
@@ -220,20 +220,26 @@ class ModelRunner:
                                                                self.cache)
             self.small_decode_rows = MAX_ROWS
 
-    def _capture_prefill_graph(self, config: EngineConfig) -> None:
-        """With MINIVLLM_PREFILL_GRAPH=1, steps with prompt tokens of at least half of
-        max_num_batched_tokens replay one CUDA graph (runtime/prefill_graph.py): one GPU, the
-        triton backend, with the decode graphs (not under enforce_eager)."""
-        if os.environ.get("MINIVLLM_PREFILL_GRAPH", "0") != "1" or self.graphs is None or \
-                self.backend.name != "triton" or self.params.shard.world_size != 1 or \
-                config.max_num_batched_tokens <= config.max_num_seqs:
+    def _capture_prefill_graphs(self, config: EngineConfig) -> None:
+        """With MINIVLLM_PREFILL_GRAPH=1, steps with prompt tokens replay the smallest CUDA graph
+        of prefill_graph_sizes whose shape they fill at least half (runtime/prefill_graph.py):
+        one GPU, the triton backend, with the decode graphs (not under enforce_eager)."""
+        if os.environ.get("MINIVLLM_PREFILL_GRAPH", "0") != "1":
             return
-        self.prefill_graph = PrefillGraph(
-            self.params, self.cache, self.backend, self.prefill_forward,
-            num_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-            max_blocks_per_seq=ceil_div(config.max_model_len, self.block_size),
-            block_size=self.block_size)
-        self.prefill_graph.capture()
+        if self.graphs is None or getattr(self.backend, "name", None) != "triton" or \
+                self.params.shard.world_size != 1 or \
+                config.max_num_batched_tokens <= config.max_num_seqs:
+            log.warning("minivllm: MINIVLLM_PREFILL_GRAPH=1 needs one CUDA GPU with decode graphs, "
+                        "the triton backend and more batched tokens than sequences: not used")
+            return
+        pool = None
+        for tokens in prefill_graph_sizes(config.max_num_batched_tokens, config.max_num_seqs):
+            graph = PrefillGraph(self.params, self.cache, self.backend, self.prefill_forward,
+                                 num_tokens=tokens, max_num_seqs=config.max_num_seqs,
+                                 max_blocks_per_seq=ceil_div(config.max_model_len, self.block_size),
+                                 block_size=self.block_size)
+            pool = graph.capture(pool)
+            self.prefill_graphs.append(graph)
 
     def release_graphs(self) -> None:
         """Drop the CUDA graphs (the runner then runs every step eagerly): a tensor-parallel
@@ -241,9 +247,9 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
-        if self.prefill_graph is not None:
-            self.prefill_graph.release()
-            self.prefill_graph = None
+        for graph in self.prefill_graphs:
+            graph.release()
+        self.prefill_graphs = []
 
     # -- sizing the KV cache ---------------------------------------------------------------------
 
@@ -367,16 +373,23 @@ class ModelRunner:
         with trace_range("sample"):
             return sample(logits, sb)
 
-    def _run_prefill_graph(self, step: StepInput):
-        """A step with prompt tokens replayed from the prefill graph, padded to its shape."""
+    def _prefill_graph_for(self, step: StepInput) -> PrefillGraph | None:
+        """The smallest prefill graph the step fits (None: run it through the compiled forward)."""
+        for graph in reversed(self.prefill_graphs):
+            if graph.fits(step.chunks):
+                return graph
+        return None
+
+    def _run_prefill_graph(self, graph: PrefillGraph, step: StepInput):
+        """A step with prompt tokens replayed from a prefill graph, padded to its shape."""
         with trace_range("prepare_prefill"):
             # Before the replay, as in _run_decode_graph: the sampling batch's copies.
             sb = make_sampling_batch(step.rows, vocab_size=self.vocab_size, device=self.device,
                                      steps=step.steps) if step.rows else None
-            n = self.prefill_graph.fill(step.chunks)
-            self._feed_back(self.prefill_graph.batch.input_ids, step)
+            n = graph.fill(step.chunks)
+            self._feed_back(graph.batch.input_ids, step)
         with trace_range("replay"):
-            logits = self.prefill_graph.replay(n)
+            logits = graph.replay(n)
         return sample(logits, sb) if sb is not None else None
 
     def _graph_step(self, step: StepInput) -> bool:
@@ -390,9 +403,9 @@ class ModelRunner:
         if self._graph_step(step):
             with torch.no_grad():
                 out = self._run_decode_graph(step, ids_in_graph)
-        elif self.prefill_graph is not None and self.prefill_graph.fits(step.chunks):
+        elif (graph := self._prefill_graph_for(step)) is not None:
             with torch.no_grad():
-                out = self._run_prefill_graph(step)
+                out = self._run_prefill_graph(graph, step)
         else:
             out, self.cache = self._run(self.cache, step)
         self.last_tokens = out.token_ids if out is not None else None
