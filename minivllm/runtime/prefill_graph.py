@@ -1,4 +1,4 @@
-"""Prefill and mixed steps replayed from one CUDA graph (MINIVLLM_PREFILL_GRAPH=1: off until it is
+"""Prefill and mixed steps replayed from CUDA graphs (MINIVLLM_PREFILL_GRAPH=1: off until they are
 measured on the GPU).
 
 A step with prompt tokens runs the compiled forward region by region (the stem, 28 layers, the
@@ -35,8 +35,6 @@ from ..state.batch import Batch, SeqChunk, batch_arrays
 log = logging.getLogger("minivllm")
 
 ALIGN = 16  # bytes: each field starts aligned (Triton and Inductor specialise on it)
-
-
 SMALLEST_GRAPH = 512  # tokens: below it a step's launches are few enough not to matter
 
 
