@@ -63,7 +63,8 @@ def test_padded_decode_equals_unpadded(backend_name):
 def test_fill_puts_each_step_in_its_bucket_views(max_num_seqs, width, data):
     """One packed copy per step: after each fill (the two stagings in turn, batch sizes going
     up and down), the bucket's views hold that step's rows, then padding rows (id and position
-    0, slot -1, context length 1, a zero block table), whatever earlier steps left."""
+    0, slot -1, context length 1, a zero block table), whatever earlier steps left; with
+    keep_ids, every field but the ids."""
     params = minivllm.random_params(CONFIG, seed=0, std=0.2)
     cache = minivllm.init_cache(params, num_blocks=8, block_size=4)
     graphs = DecodeGraphs(params, cache, None, max_num_seqs=max_num_seqs, max_blocks_per_seq=width,
@@ -75,11 +76,14 @@ def test_fill_puts_each_step_in_its_bucket_views(max_num_seqs, width, data):
         ctx = data.draw(st.lists(st.integers(1, 2 ** 30), min_size=b, max_size=b))
         tables = [data.draw(st.lists(st.integers(0, 2 ** 30), min_size=1, max_size=width))
                   for _ in range(b)]
-        bs = graphs.fill(ids, pos, slots, ctx, tables)
+        keep_ids = data.draw(st.booleans())
+        before = graphs.input_ids.tolist()
+        bs = graphs.fill(ids, pos, slots, ctx, tables, keep_ids=keep_ids)
         assert bs == graphs.bucket(b)
         view = graphs.batch_view(bs)
         pad = bs - b
-        assert view.input_ids.tolist() == ids + [0] * pad
+        # keep_ids: the device's ids stay as they were (the graph's greedy pick put them there)
+        assert view.input_ids.tolist() == (before[:bs] if keep_ids else ids + [0] * pad)
         assert view.positions.tolist() == pos + [0] * pad
         assert view.slot_mapping.tolist() == slots + [-1] * pad
         assert view.context_lens.tolist() == ctx + [1] * pad

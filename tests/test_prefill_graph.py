@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 import minivllm
 from minivllm import LLM, SamplingParams
 from minivllm.kernels import available_backends, select_backend
-from minivllm.runtime.prefill_graph import (PrefillGraph, batch_layout, packed_bytes, packed_views,
-                                            prefill_graph_sizes)
+from minivllm.runtime.prefill_graph import PrefillGraph, prefill_graph_sizes
+from minivllm.runtime.step_inputs import batch_layout, packed_offsets, packed_views
 from minivllm.state import ModelConfig, SeqChunk, make_batch
 
 from hf_tiny import make_hf_model, save_checkpoint
@@ -124,7 +124,7 @@ def test_fill_pads_every_field_and_rejects_what_does_not_fit():
 @given(st.integers(1, 40), st.integers(1, 9), st.integers(1, 7))
 def test_packed_fields_are_aligned_and_disjoint(tokens, seqs, width):
     layout = batch_layout(tokens, seqs, width)
-    buffer = torch.zeros(packed_bytes(layout), dtype=torch.uint8)
+    buffer = torch.zeros(packed_offsets(layout)[1], dtype=torch.uint8)
     views = packed_views(buffer, layout)
     spans = []
     for name, view in views.items():

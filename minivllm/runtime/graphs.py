@@ -30,8 +30,13 @@ from ..state.batch import Batch
 from ..state.cache import KVCache
 from ..state.params import Params
 from .compiled import compiled_forward
+from .step_inputs import StepInputs, batch_layout
 
 log = logging.getLogger("minivllm")
+
+# The fields a decode step fills, in their packed order (ids first: a step that keeps the ids
+# copies from positions on; block tables last: it copies only its bucket's rows of them).
+STEP_FIELDS = ("input_ids", "positions", "slot_mapping", "context_lens", "block_tables")
 
 
 def decode_buckets(max_num_seqs: int, single: bool = False) -> list[int]:
@@ -61,33 +66,16 @@ class DecodeGraphs:
         self.buckets = decode_buckets(max_num_seqs, single=persistent_decode)
         n, m = self.buckets[-1], max_blocks_per_seq
         dev = self.device
-        # Every per-step input in one buffer, so that a step's host data goes over in one copy
-        # (five copies and their launch gaps cost ~5 us of the single stream's ~800 us step).
-        # Each field starts 16-byte aligned (Triton and Inductor specialise on it): n rounded
-        # up to 4 rows (n4), ids, positions and slots int64 [n] at bytes 0, 8 n4 and 16 n4,
-        # context lengths int32 [n] at 24 n4, block tables int32 [n, m] at 28 n4.
-        n4 = n + -n % 4
-        self.ids_end, self.tables_at = 8 * n4, 28 * n4
-        packed = torch.zeros(self.tables_at + 4 * n * m, dtype=torch.uint8, device=dev)
+        # The per-step inputs (runtime/step_inputs.py); cu_seqlens_q and logits_indices never
+        # change.
+        layout = batch_layout(n, n, m)
+        self.inputs = StepInputs({k: layout[k] for k in STEP_FIELDS}, dev)
         self.input_ids, self.positions, self.slot_mapping, self.context_lens, \
-            self.block_tables = self._views(packed, n, m)
+            self.block_tables = (self.inputs.views[k] for k in STEP_FIELDS)
         self.slot_mapping.fill_(-1)
         self.context_lens.fill_(1)
-        self.packed = packed
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
-        # Host staging of the same layout, pinned so that the copy to the device does not block
-        # the host. Two, used in turn: with asynchronous scheduling the host fills step N+1
-        # while step N's copy may still be queued; an event per staging says when its copy is
-        # done.
-        pin = dev.type == "cuda"
-        self.staging = [torch.zeros(packed.shape, dtype=torch.uint8, pin_memory=pin)
-                        for _ in range(2)]
-        # Their fields as numpy arrays, made once: a step's fill is then numpy work only.
-        self.staging_fields = [tuple(t.numpy() for t in self._views(host, n, m))
-                               for host in self.staging]
-        self.staged = [None, None]  # the event after each staging's copy
-        self.turn = 0
         self.fn = compiled_forward() if compile_forward else forward
         # Buckets of at most MAX_ROWS rows: every layer in one persistent kernel (decode_layer.py).
         self.small_fn, self.small_rows = self.fn, 0
@@ -184,10 +172,8 @@ class DecodeGraphs:
         b = len(input_ids)
         bs = self.bucket(b)
         m = self.block_tables.shape[1]
-        self.turn ^= 1
-        if self.staged[self.turn] is not None:
-            self.staged[self.turn].synchronize()
-        ids, pos, slot_rows, ctx, tables = self.staging_fields[self.turn]
+        host = self.inputs.next_host()
+        ids, pos, slot_rows, ctx, tables = (host[k] for k in STEP_FIELDS)
         ids[:b], pos[:b], slot_rows[:b], ctx[:b] = input_ids, positions, slots, context_lens
         ids[b:bs] = pos[b:bs] = 0
         slot_rows[b:bs] = -1
@@ -199,22 +185,10 @@ class DecodeGraphs:
         for row, table in enumerate(block_tables):
             tables[row, :len(table)] = table
         # Rows past bs are stale but no graph of bucket bs reads them.
-        start, end = (self.ids_end if keep_ids else 0), self.tables_at + 4 * bs * m
-        self.packed[start:end].copy_(self.staging[self.turn][start:end], non_blocking=True)
-        if self.device.type == "cuda":
-            self.staged[self.turn] = torch.cuda.Event()
-            self.staged[self.turn].record()
+        offsets = self.inputs.offsets
+        start = offsets["positions"] if keep_ids else 0
+        self.inputs.send(start, offsets["block_tables"] + tables.itemsize * bs * m)
         return bs
-
-    @staticmethod
-    def _views(buffer: torch.Tensor, n: int, m: int) -> tuple[torch.Tensor, ...]:
-        """The per-step inputs in `buffer` (uint8, the packed layout): input ids, positions,
-        slots ([n] int64 each), context lengths ([n] int32), block tables ([n, m] int32)."""
-        n4 = n + -n % 4
-        i64 = buffer[: 24 * n4].view(torch.int64)
-        ctx = buffer[24 * n4: 24 * n4 + 4 * n].view(torch.int32)
-        tables = buffer[28 * n4: 28 * n4 + 4 * n * m].view(torch.int32).view(n, m)
-        return i64[:n], i64[n4: n4 + n], i64[2 * n4: 2 * n4 + n], ctx, tables
 
     def release(self) -> None:
         """Drop every captured graph. A graph that captured NCCL collectives holds on to the

@@ -31,10 +31,10 @@ import numpy as np
 import torch
 
 from ..state.batch import Batch, SeqChunk, batch_arrays
+from .step_inputs import StepInputs, batch_layout
 
 log = logging.getLogger("minivllm")
 
-ALIGN = 16  # bytes: each field starts aligned (Triton and Inductor specialise on it)
 SMALLEST_GRAPH = 512  # tokens: below it a step's launches are few enough not to matter
 
 
@@ -49,33 +49,8 @@ def prefill_graph_sizes(max_num_batched_tokens: int, max_num_seqs: int) -> list[
     return sizes
 
 
-def batch_layout(num_tokens: int, num_seqs: int, max_blocks: int) -> dict[str, tuple]:
-    """Batch's fields at a static shape: name -> (dtype, shape)."""
-    t, s = num_tokens, num_seqs
-    return dict(input_ids=(torch.int64, (t,)), positions=(torch.int64, (t,)),
-                slot_mapping=(torch.int64, (t,)), cu_seqlens_q=(torch.int32, (s + 1,)),
-                context_lens=(torch.int32, (s,)), block_tables=(torch.int32, (s, max_blocks)),
-                logits_indices=(torch.int64, (s,)))
-
-
-def packed_views(buffer: torch.Tensor, layout: dict[str, tuple]) -> dict[str, torch.Tensor]:
-    """Each field of `layout` as a view of the uint8 `buffer`, one after another, each aligned."""
-    views, at = {}, 0
-    for name, (dtype, shape) in layout.items():
-        size = int(np.prod(shape)) * dtype.itemsize
-        views[name] = buffer[at: at + size].view(dtype).view(shape)
-        at += size + -size % ALIGN
-    return views
-
-
-def packed_bytes(layout: dict[str, tuple]) -> int:
-    sizes = [int(np.prod(shape)) * dtype.itemsize for dtype, shape in layout.values()]
-    return sum(size + -size % ALIGN for size in sizes)
-
-
 class PrefillGraph:
-    """Static input buffers (one packed device buffer, two pinned host stagings used in turn) and
-    the graph of one padded step. fits(chunks) says whether a step can take it, fill(chunks)
+    """Static input buffers (runtime/step_inputs.py) and the graph of one padded step. fits(chunks) says whether a step can take it, fill(chunks)
     copies the step in, replay(n) runs it and returns its first n logits rows (a view of the
     graph's output: read it before the next replay)."""
 
@@ -89,16 +64,9 @@ class PrefillGraph:
         self.num_tokens, self.num_seqs = num_tokens, max_num_seqs
         self.max_blocks, self.block_size = max_blocks_per_seq, block_size
         self.device = params.device
-        self.layout = batch_layout(num_tokens, max_num_seqs, max_blocks_per_seq)
-        size = packed_bytes(self.layout)
-        self.packed = torch.zeros(size, dtype=torch.uint8, device=self.device)
-        self.batch = Batch(**packed_views(self.packed, self.layout))
-        pin = self.device.type == "cuda"
-        self.staging = [torch.zeros(size, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
-        self.staging_fields = [{k: v.numpy() for k, v in packed_views(host, self.layout).items()}
-                               for host in self.staging]
-        self.staged = [None, None]  # the event after each staging's copy
-        self.turn = 0
+        self.inputs = StepInputs(batch_layout(num_tokens, max_num_seqs, max_blocks_per_seq),
+                                 self.device)
+        self.batch = Batch(**self.inputs.views)
         self.graph = None
         self.logits = None
 
@@ -115,10 +83,7 @@ class PrefillGraph:
                              f"{sum(len(c.token_ids) for c in chunks)} tokens does not fit the "
                              f"prefill graph ({self.num_seqs} sequences, "
                              f"{self.num_tokens // 2}-{self.num_tokens} tokens)")
-        self.turn ^= 1
-        if self.staged[self.turn] is not None:
-            self.staged[self.turn].synchronize()
-        host = self.staging_fields[self.turn]
+        host = self.inputs.next_host()
         if chunks:
             real = batch_arrays(chunks, block_size=self.block_size, max_blocks=self.max_blocks)
         else:
@@ -140,10 +105,7 @@ class PrefillGraph:
         host["block_tables"][b:] = 0
         host["logits_indices"][:n] = real["logits_indices"]
         host["logits_indices"][n:] = 0
-        self.packed.copy_(self.staging[self.turn], non_blocking=True)
-        if self.device.type == "cuda":
-            self.staged[self.turn] = torch.cuda.Event()
-            self.staged[self.turn].record()
+        self.inputs.send()
         return n
 
     def capture(self, pool=None):
