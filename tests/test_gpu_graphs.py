@@ -95,10 +95,10 @@ def test_plain_greedy_streams_take_the_graphs_pick(deep_dir):
 
 
 def test_prefill_graph_steps_equal_eager(deep_dir, monkeypatch):
-    """MINIVLLM_PREFILL_GRAPH=1: steps with prompt tokens of at least half of
-    max_num_batched_tokens replay a prefill graph (padded sequences and tokens); in fp32 the
-    tokens equal the eager engine's, with chunked prompts, a prefix-cache hit and decode rows
-    in the graph's steps."""
+    """By default steps with prompt tokens of at least half of max_num_batched_tokens replay a
+    prefill graph (padded sequences and tokens); in fp32 the tokens equal the eager engine's,
+    with chunked prompts, a prefix-cache hit and decode rows in the graph's steps.
+    MINIVLLM_PREFILL_GRAPH=0 captures none."""
     g = torch.Generator().manual_seed(2)
     shared = torch.randint(0, 257, (48,), generator=g).tolist()
     prompts = [{"prompt_token_ids": torch.randint(0, 257, (n,), generator=g).tolist()}
@@ -108,7 +108,9 @@ def test_prefill_graph_steps_equal_eager(deep_dir, monkeypatch):
     kw = dict(dtype="float32", num_kv_blocks=512, max_num_seqs=16, max_num_batched_tokens=128)
     eager = LLM(deep_dir, enforce_eager=True, **kw)
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
-    monkeypatch.setenv("MINIVLLM_PREFILL_GRAPH", "1")
+    monkeypatch.setenv("MINIVLLM_PREFILL_GRAPH", "0")
+    assert LLM(deep_dir, **kw).engine.runner.prefill_graphs == []
+    monkeypatch.delenv("MINIVLLM_PREFILL_GRAPH")
     fast = LLM(deep_dir, **kw)
     (graph,) = fast.engine.runner.prefill_graphs  # 64 tokens would be under the smallest size
     assert graph.num_tokens == 128

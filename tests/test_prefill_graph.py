@@ -188,3 +188,41 @@ def test_an_engine_whose_full_steps_take_the_padded_buffers_gives_the_same_token
     (1000, 16, [1000]), (1024, 16, [1024, 512]), (300, 16, [300]), (256, 256, []), (128, 16, [128])])
 def test_prefill_graph_sizes_halve_down_to_512_tokens_above_the_sequences(tokens, seqs, sizes):
     assert prefill_graph_sizes(tokens, seqs) == sizes
+
+
+@pytest.mark.parametrize("flag", [None, "0", "1"])
+@pytest.mark.parametrize("setting,applies", [
+    ({}, True), ({"device": torch.device("cpu")}, False), ({"enforce_eager": True}, False),
+    ({"backend": "reference"}, False), ({"world_size": 2}, False), ({"tokens": 256}, False)])
+def test_prefill_graphs_are_on_by_default_where_they_apply(setting, applies, flag, monkeypatch,
+                                                           caplog):
+    """The rule the runner applies before it sizes the KV cache (runner._wants_prefill_graphs):
+    one CUDA GPU, the triton backend, not under enforce_eager, more batched tokens than
+    sequences; MINIVLLM_PREFILL_GRAPH=0 turns them off, and =1 where they cannot apply warns."""
+    from types import SimpleNamespace
+
+    from minivllm.runtime.runner import ModelRunner
+
+    s = {"device": torch.device("cuda", 0), "enforce_eager": False, "backend": "triton",
+         "world_size": 1, "tokens": 8192} | setting
+    runner = SimpleNamespace(device=s["device"], enforce_eager=s["enforce_eager"],
+                             backend=SimpleNamespace(name=s["backend"]),
+                             params=SimpleNamespace(shard=SimpleNamespace(world_size=s["world_size"])))
+    config = SimpleNamespace(max_num_batched_tokens=s["tokens"], max_num_seqs=256)
+    if flag is None:
+        monkeypatch.delenv("MINIVLLM_PREFILL_GRAPH", raising=False)
+    else:
+        monkeypatch.setenv("MINIVLLM_PREFILL_GRAPH", flag)
+    with caplog.at_level("WARNING", logger="minivllm"):
+        got = ModelRunner._wants_prefill_graphs(runner, config)
+    assert got == (applies and flag != "0")
+    assert ("MINIVLLM_PREFILL_GRAPH=1 needs" in caplog.text) == (not applies and flag == "1")
+
+
+def test_the_kv_budget_sets_sampling_beside_the_graphs_pool():
+    from minivllm.runtime.runner import kv_budget_bytes
+
+    kw = dict(total=1000, utilization=0.9, in_use=100, forward_peak=300, sampling_peak=200)
+    assert kv_budget_bytes(**kw, graphs_hold_forward=False) == 900 - 100 - 300
+    assert kv_budget_bytes(**kw, graphs_hold_forward=True) == 900 - 100 - 500
+    assert kv_budget_bytes(**(kw | {"sampling_peak": 400}), graphs_hold_forward=False) == 400

@@ -1,5 +1,7 @@
-"""Prefill and mixed steps replayed from CUDA graphs (MINIVLLM_PREFILL_GRAPH=1: off until they are
-measured on the GPU).
+"""Prefill and mixed steps replayed from CUDA graphs (on by default where the runner can use them;
+MINIVLLM_PREFILL_GRAPH=0: off). On the H200 (session 28) the throughput run's 18 steps with
+prompt tokens took 0.336 s so against 0.36-0.54 s launched region by region, and time to first
+token fell to 3-4 ms from 14-21.
 
 A step with prompt tokens runs the compiled forward region by region (the stem, 28 layers, the
 head: ~320 kernels at the 0.6B shape), and the host's Python between those launches became the

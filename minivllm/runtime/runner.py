@@ -154,6 +154,17 @@ def _logged_time(what: str):
     log.info("minivllm: %s took %.1f s", what, time.perf_counter() - start)
 
 
+def kv_budget_bytes(total: int, utilization: float, in_use: int, forward_peak: int,
+                    sampling_peak: int, *, graphs_hold_forward: bool) -> int:
+    """What the KV cache may take: total * utilization, less what is in use and what the
+    largest step needs. Without prefill graphs the forward's activations are freed before
+    sampling allocates, so the larger of the two peaks is enough; with them the graphs' pool
+    keeps the forward's for good, and sampling's comes on top."""
+    activations = forward_peak + sampling_peak if graphs_hold_forward else \
+        max(forward_peak, sampling_peak)
+    return int(total * utilization - in_use - activations)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, *, shard: ShardSpec | None = None,
                  params: Params | None = None):
@@ -172,12 +183,13 @@ class ModelRunner:
         self.enforce_eager = config.enforce_eager
         self.prefill_forward = forward  # see _compile_and_capture
         self.small_decode_forward, self.small_decode_rows = None, 0  # ditto (persistent_decode)
+        self.use_prefill_graphs = self._wants_prefill_graphs(config)
         with _logged_time("KV cache sizing"):
             self.num_blocks = self._num_blocks()
         self.cache = init_cache(self.params, num_blocks=self.num_blocks, block_size=self.block_size,
                                 dtype=config.cache_dtype)
         self.graphs = None
-        self.prefill_graphs = []  # MINIVLLM_PREFILL_GRAPH=1, largest first (_capture_prefill_graphs)
+        self.prefill_graphs = []  # largest first (_capture_prefill_graphs)
         self.last_tokens = None  # [rows] the last launched step's sampled ids, on the device
         self.ids_in_graph = False  # whether the graphs' input ids hold last_tokens already
         try:
@@ -220,17 +232,27 @@ class ModelRunner:
                                                                self.cache)
             self.small_decode_rows = MAX_ROWS
 
-    def _capture_prefill_graphs(self, config: EngineConfig) -> None:
-        """With MINIVLLM_PREFILL_GRAPH=1, steps with prompt tokens replay the smallest CUDA graph
-        of prefill_graph_sizes whose shape they fill at least half (runtime/prefill_graph.py):
-        one GPU, the triton backend, with the decode graphs (not under enforce_eager)."""
-        if os.environ.get("MINIVLLM_PREFILL_GRAPH", "0") != "1":
-            return
-        if self.graphs is None or getattr(self.backend, "name", None) != "triton" or \
-                self.params.shard.world_size != 1 or \
-                config.max_num_batched_tokens <= config.max_num_seqs:
+    def _wants_prefill_graphs(self, config: EngineConfig) -> bool:
+        """Whether steps with prompt tokens replay CUDA graphs (runtime/prefill_graph.py): by
+        default wherever they can (one CUDA GPU, the triton backend, not under enforce_eager),
+        MINIVLLM_PREFILL_GRAPH=0 never. Session 28 measured them on the H200: time to first token
+        3-4 ms against 14-21, throughput +3% on average (BENCHMARKS.md)."""
+        flag = os.environ.get("MINIVLLM_PREFILL_GRAPH")
+        if flag == "0":
+            return False
+        applies = self.device.type == "cuda" and not self.enforce_eager and \
+            getattr(self.backend, "name", None) == "triton" and \
+            self.params.shard.world_size == 1 and \
+            config.max_num_batched_tokens > config.max_num_seqs
+        if not applies and flag == "1":
             log.warning("minivllm: MINIVLLM_PREFILL_GRAPH=1 needs one CUDA GPU with decode graphs, "
                         "the triton backend and more batched tokens than sequences: not used")
+        return applies
+
+    def _capture_prefill_graphs(self, config: EngineConfig) -> None:
+        """Steps with prompt tokens replay the smallest CUDA graph of prefill_graph_sizes whose
+        shape they fill at least half (_wants_prefill_graphs says where)."""
+        if not self.use_prefill_graphs or self.graphs is None:
             return
         pool = None
         for tokens in prefill_graph_sizes(config.max_num_batched_tokens, config.max_num_seqs):
@@ -277,7 +299,9 @@ class ModelRunner:
     def _cuda_kv_budget(self) -> int:
         """Free memory * gpu_memory_utilization, less what the largest step needs, measured by
         running one: a forward over max_num_batched_tokens tokens, then sampling max_num_seqs
-        rows with every stage on (the sort for top-k/top-p and the logprobs are the big ones)."""
+        rows with every stage on (the sort for top-k/top-p and the logprobs are the big ones).
+        With prefill graphs the forward's share is held for good by their pool while sampling
+        allocates beside it, so both are set aside rather than the larger."""
         config = self.config
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
@@ -294,6 +318,10 @@ class ModelRunner:
             next_block += len(table)
             chunks.append(SeqChunk([0] * n, 0, table))
         self._run(scratch, StepInput(chunks, []))
+        torch.cuda.synchronize(self.device)
+        forward_peak = torch.cuda.max_memory_allocated(self.device) - \
+            torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
         rows = [SamplingRow(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05,
                             logprobs=config.max_logprobs)] * config.max_num_seqs
         with torch.no_grad():
@@ -301,12 +329,14 @@ class ModelRunner:
             sample(logits, make_sampling_batch(rows, vocab_size=self.vocab_size, device=self.device))
             del logits
         torch.cuda.synchronize(self.device)
-        activations = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+        sampling_peak = torch.cuda.max_memory_allocated(self.device) - \
+            torch.cuda.memory_allocated(self.device)
         del scratch
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         in_use = total - free  # weights, the CUDA context, other processes
-        return int(total * config.gpu_memory_utilization - in_use - activations)
+        return kv_budget_bytes(total, config.gpu_memory_utilization, in_use, forward_peak,
+                               sampling_peak, graphs_hold_forward=self.use_prefill_graphs)
 
     # -- one step --------------------------------------------------------------------------------
 
