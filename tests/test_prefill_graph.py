@@ -66,8 +66,10 @@ def test_padded_prefill_equals_unpadded(backend_name, cache_dtype, data):
                                 dtype=cache_dtype)
     cache = minivllm.KVCache(k=tuple(torch.randn(c.shape, generator=g).to(c.dtype) for c in cache.k),
                              v=tuple(torch.randn(c.shape, generator=g).to(c.dtype) for c in cache.v))
-    # fp8's rounding of a K/V value can land on either side when the GEMMs' rounding varies
+    # fp8's rounding of a K/V value can land on either side when the GEMMs' rounding varies:
+    # up to one e4m3 step (3 mantissa bits) in the cache, a little in the logits
     tol = 1e-5 if cache_dtype is None else 0.07
+    kv_tol = dict(rtol=1e-5, atol=1e-5) if cache_dtype is None else dict(rtol=0.125, atol=2 ** -6)
     caches = [minivllm.KVCache(k=tuple(c.clone() for c in cache.k),
                                v=tuple(c.clone() for c in cache.v)) for _ in range(2)]
     # A step filled before, of other sizes: what it leaves in the buffers must not matter.
@@ -88,7 +90,7 @@ def test_padded_prefill_equals_unpadded(backend_name, cache_dtype, data):
     for a, b, before in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v,
                             cache.k + cache.v):
         a, b, before = (x.reshape(-1, *x.shape[2:]) for x in (a, b, before))
-        torch.testing.assert_close(b[written].float(), a[written].float(), rtol=tol, atol=tol)
+        torch.testing.assert_close(b[written].float(), a[written].float(), **kv_tol)
         assert torch.equal(b[~written].view(torch.uint8), before[~written].view(torch.uint8))
 
 
