@@ -39,6 +39,18 @@ log = logging.getLogger("minivllm")
 STEP_FIELDS = ("input_ids", "positions", "slot_mapping", "context_lens", "block_tables")
 
 
+def warm_up_and_capture(run, stream: torch.cuda.Stream, pool=None):
+    """Run `run` twice (compiling what it needs, outside the graph), then capture it on `stream`
+    (a side stream, as CUDA graphs need) into a graph sharing `pool`. Returns the graph and what
+    the captured call returned (its static output)."""
+    for _ in range(2):
+        run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        out = run()
+    return graph, out
+
+
 def decode_buckets(max_num_seqs: int, single: bool = False) -> list[int]:
     """Padded batch sizes: 2, 4, 8, then every 16 up to max_num_seqs (which is always one).
     single: 1 too (the persistent decode layers, whose work grows with every row, padding
@@ -118,11 +130,7 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.no_grad():
             for bs in reversed(self.buckets):
-                for _ in range(2):
-                    self._decode(bs)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    logits = self._decode(bs)
+                graph, logits = warm_up_and_capture(lambda: self._decode(bs), stream, pool)
                 pool = graph.pool()
                 self.graphs[bs], self.outputs[bs] = graph, logits
                 if len(self.graphs) == 1:

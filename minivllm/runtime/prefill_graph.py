@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ..state.batch import Batch, SeqChunk, batch_arrays
+from .graphs import warm_up_and_capture
 from .step_inputs import StepInputs, batch_layout
 
 log = logging.getLogger("minivllm")
@@ -52,9 +53,10 @@ def prefill_graph_sizes(max_num_batched_tokens: int, max_num_seqs: int) -> list[
 
 
 class PrefillGraph:
-    """Static input buffers (runtime/step_inputs.py) and the graph of one padded step. fits(chunks) says whether a step can take it, fill(chunks)
-    copies the step in, replay(n) runs it and returns its first n logits rows (a view of the
-    graph's output: read it before the next replay)."""
+    """Static input buffers (runtime/step_inputs.py) and the graph of one padded step.
+    fits(chunks) says whether a step can take it, fill(chunks) copies the step in, replay(n) runs
+    it and returns its first n logits rows (a view of the graph's output: read it before the next
+    replay)."""
 
     def __init__(self, params, cache, backend, forward_fn, *, num_tokens: int, max_num_seqs: int,
                  max_blocks_per_seq: int, block_size: int):
@@ -119,11 +121,8 @@ class PrefillGraph:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.no_grad():
-            for _ in range(2):
-                self.fn(self.params, self.cache, self.batch, self.backend)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.logits, _ = self.fn(self.params, self.cache, self.batch, self.backend)
+            graph, (self.logits, _) = warm_up_and_capture(
+                lambda: self.fn(self.params, self.cache, self.batch, self.backend), stream, pool)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         self.graph = graph
