@@ -9,7 +9,9 @@
 #   bash benchmarks/gpu_checks.sh prefill_default  # nvidia-h200: the engine-level GPU tests with
 #       the prefill graphs on by default
 #   bash benchmarks/gpu_checks.sh kv_budget  # nvidia-h200: an engine sized from free memory at
-#       utilization 0.3 stays under it, prefill graphs on and off; then fp8 cache throughput
+#       utilization 0.3 stays under it, prefill graphs on and off (session 29's call 3 also ran
+#       the throughput run with an fp8 cache: in 9968491)
+#   bash benchmarks/gpu_checks.sh graph_tests  # nvidia-h200: test_gpu_graphs.py alone
 #   bash benchmarks/gpu_checks.sh rounding  # nvidia-h200: session 26's rounding fix in _norm_rope
 #       (norm_rope_probe, the kernels' GPU tests), then figures
 #   bash benchmarks/gpu_checks.sh tp     # nvidia-h200-x2: issue 6, TP=2 against TP=1, 0.6B shape
@@ -247,15 +249,20 @@ prefill_default)
     tests/test_engine.py
   ;;
 kv_budget)
-  # nvidia-h200 (<= 450 s on a fresh machine): session 29: the KV budget with the prefill graphs
-  # (kv_budget_bytes sets aside the forward's and sampling's peaks side by side) where it binds,
-  # at utilization 0.3: the device's peak under the limit with the graphs on, then off; then the
-  # throughput run with an fp8 cache and the graphs (sessions 14-15 measured fp8 before them).
+  # nvidia-h200 (<= 450 s on a fresh machine): the KV budget where it binds (utilization 0.3):
+  # the device's peak under the limit with the prefill graphs on, then off. Session 29 found
+  # both over by 0.56 / 0.95 GiB at 9968491; it then emptied the allocator's cache after the
+  # warm-up, let the graphs' logits share their pools (graphs.unowned) and set aside the
+  # decode graphs' pool (the runner logs the budget's parts and memory after each phase).
   step kv_budget_on 250 python3 benchmarks/kv_budget_check.py --json "$RESULTS/kv_budget_on.json"
   MINIVLLM_PREFILL_GRAPH=0 step kv_budget_off 120 python3 benchmarks/kv_budget_check.py \
     --json "$RESULTS/kv_budget_off.json"
-  step bench_fp8 200 python3 -m minivllm bench --shape qwen3-0.6b --kv-cache-dtype fp8 \
-    --json "$RESULTS/bench_fp8.json"
+  ;;
+graph_tests)
+  # nvidia-h200 (<= 420 s): test_gpu_graphs.py: the graphs against the eager engine, and (session
+  # 29) the graphs' logits sharing their pool: buckets in turn equal eager, and the decode pool
+  # holds one bucket's logits at a real vocabulary, not all 20 buckets'.
+  STEP_LOG=$OUT/tests.txt step tests 400 python3 -m pytest $PYTEST_ARGS tests/test_gpu_graphs.py
   ;;
 probes)
   # nvidia-h200 (<= 360 s): what the first LM-head GEMM at a new row count costs the host; the
@@ -267,7 +274,7 @@ probes)
   step sweep_gemm 90 python3 benchmarks/sweep_decode_gemm.py
   ;;
 *)
-  echo "usage: $0 speed|figures|prefill_graph|prefill_default|kv_budget|tp|tp_engine|tp8b|agreement|tp_trained|ab|probes|attention_tail|head_cast|norm_rope" >&2
+  echo "usage: $0 speed|figures|prefill_graph|prefill_default|kv_budget|graph_tests|tp|tp_engine|tp8b|agreement|tp_trained|ab|probes|attention_tail|head_cast|norm_rope" >&2
   exit 2
   ;;
 esac

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 
 import torch
@@ -31,6 +32,8 @@ def main() -> int:
     p.add_argument("--shape", default="qwen3-0.6b")
     p.add_argument("--json")
     args = p.parse_args()
+    logging.basicConfig(format="%(message)s")  # the runner's start-up lines: the budget's parts
+    logging.getLogger("minivllm").setLevel(logging.INFO)
     device = torch.device("cuda")
     free0, total = torch.cuda.mem_get_info(device)
     llm = LLM(f"random:{args.shape}", gpu_memory_utilization=args.utilization, max_num_seqs=256)
@@ -46,7 +49,9 @@ def main() -> int:
     out = {
         "utilization": args.utilization, "total_gib": total / GiB, "limit_gib": limit / GiB,
         "used_before_engine_gib": (total - free0) / GiB, "peak_gib": peak / GiB,
-        "peak_fraction": peak / total, "headroom_gib": (limit - peak) / GiB,
+        "peak_fraction": peak / total, "used_after_run_gib": (total - free) / GiB,
+        "reserved_after_run_gib": torch.cuda.memory_reserved(device) / GiB,
+        "max_reserved_gib": torch.cuda.max_memory_reserved(device) / GiB, "headroom_gib": (limit - peak) / GiB,
         "num_kv_blocks": runner.num_blocks, "prefill_graphs": runner.use_prefill_graphs,
         "prefill_graph_env": os.environ.get("MINIVLLM_PREFILL_GRAPH"),
         "output_tok_per_s": result["output_tok_per_s"], "seconds": result["seconds"],
@@ -54,7 +59,7 @@ def main() -> int:
     }
     print(f"kv budget: utilization {args.utilization}: peak {peak / GiB:.2f} GiB of "
           f"{limit / GiB:.2f} GiB allowed ({total / GiB:.2f} total; headroom "
-          f"{(limit - peak) / GiB:.2f} GiB), {out['num_kv_blocks']} KV blocks, prefill graphs "
+          f"{(limit - peak) / GiB:.2f} GiB; {(total - free) / GiB:.2f} GiB in use after the run), {out['num_kv_blocks']} KV blocks, prefill graphs "
           f"{out['prefill_graphs']}, {result['output_tok_per_s']:.0f} tok/s", flush=True)
     if args.json:
         with open(args.json, "w") as f:

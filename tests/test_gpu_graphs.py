@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import minivllm
 from minivllm import LLM, SamplingParams
 
 from hf_tiny import make_hf_model, save_checkpoint
@@ -119,3 +120,54 @@ def test_prefill_graph_steps_equal_eager(deep_dir, monkeypatch):
     got = [o.outputs[0].token_ids for o in fast.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert len(replays) >= 5, replays
+
+
+def test_buckets_that_share_their_logits_memory_equal_eager(deep_dir):
+    """Each graph's logits go back to the graphs' pool (graphs.unowned), so a bucket's replay
+    may write where another bucket's logits were. Sequences that stop one by one take the batch
+    down through every bucket, with a prefill graph's steps between; in fp32 the tokens equal
+    the eager engine's."""
+    g = torch.Generator().manual_seed(3)
+    lengths = (40, 7, 120, 19, 66, 3, 90, 28, 51, 12, 75, 33, 9, 101, 24, 58, 16, 44)
+    prompts = [{"prompt_token_ids": torch.randint(0, 257, (n,), generator=g).tolist()}
+               for n in lengths]
+    params = [SamplingParams(temperature=0.0, max_tokens=2 + 3 * i, ignore_eos=True)
+              for i in range(len(prompts))]
+    kw = dict(dtype="float32", num_kv_blocks=256, max_num_seqs=32, max_num_batched_tokens=512)
+    eager = LLM(deep_dir, enforce_eager=True, **kw)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    fast = LLM(deep_dir, **kw)
+    graphs = fast.engine.runner.graphs
+    replayed, inner = set(), graphs.replay
+    graphs.replay = lambda b: replayed.add(graphs.bucket(b)) or inner(b)
+    got = [o.outputs[0].token_ids for o in fast.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert replayed >= {2, 4, 8, 16, 32}, replayed
+
+
+def test_decode_graphs_pool_holds_one_buckets_logits_not_all():
+    """At a real vocabulary (151,936) and 256 sequences the buckets' fp32 logits together are
+    2,190 rows (1.24 GiB); kept each in its own memory they made the pool that large. Shared,
+    the pool holds about the largest bucket's forward: its logits and their bf16 source."""
+    from minivllm.kernels import select_backend
+    from minivllm.runtime.graphs import DecodeGraphs, decode_buckets
+    from minivllm.state import ModelConfig, random_params
+
+    config = ModelConfig(vocab_size=151936, hidden_size=64, intermediate_size=128, num_layers=1,
+                         num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)
+    device = torch.device("cuda")
+    params = random_params(config, device=device)
+    cache = minivllm.init_cache(params, num_blocks=64, block_size=16)
+    backend = select_backend(device, "triton", torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    graphs = DecodeGraphs(params, cache, backend, max_num_seqs=256, max_blocks_per_seq=4,
+                          compile_forward=False)
+    graphs.capture()
+    torch.cuda.empty_cache()  # the warm-up runs' blocks, outside the pool
+    pool = torch.cuda.memory_reserved() - before
+    one_bucket = 256 * config.vocab_size * 4
+    all_buckets = sum(decode_buckets(256)) * config.vocab_size * 4
+    assert pool < 2.5 * one_bucket < all_buckets / 3, (pool, one_bucket, all_buckets)
+    graphs.release()

@@ -224,12 +224,3 @@ def test_prefill_graphs_are_on_by_default_where_they_apply(setting, applies, fla
         got = ModelRunner._wants_prefill_graphs(runner, config)
     assert got == (applies and flag != "0")
     assert ("MINIVLLM_PREFILL_GRAPH=1 needs" in caplog.text) == (not applies and flag == "1")
-
-
-def test_the_kv_budget_sets_sampling_beside_the_graphs_pool():
-    from minivllm.runtime.runner import kv_budget_bytes
-
-    kw = dict(total=1000, utilization=0.9, in_use=100, forward_peak=300, sampling_peak=200)
-    assert kv_budget_bytes(**kw, graphs_hold_forward=False) == 900 - 100 - 300
-    assert kv_budget_bytes(**kw, graphs_hold_forward=True) == 900 - 100 - 500
-    assert kv_budget_bytes(**(kw | {"sampling_peak": 400}), graphs_hold_forward=False) == 400

@@ -25,7 +25,7 @@ from ..functional.sampling import (SampleOutput, SamplingRow, make_sampling_batc
                                   sample)
 from ..kernels import select_backend
 from ..state.batch import SeqChunk, decode_rows, make_batch
-from ..state.cache import init_cache
+from ..state.cache import KVCache, init_cache
 from ..state.config import ceil_div
 from ..state.load import load
 from ..state.params import Params, random_params
@@ -154,15 +154,55 @@ def _logged_time(what: str):
     log.info("minivllm: %s took %.1f s", what, time.perf_counter() - start)
 
 
+def _device_bytes_in_use(device: torch.device) -> int:
+    """Everything on the device, this process's or not (0 off CUDA)."""
+    if device.type != "cuda":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
 def kv_budget_bytes(total: int, utilization: float, in_use: int, forward_peak: int,
-                    sampling_peak: int, *, graphs_hold_forward: bool) -> int:
+                    sampling_peak: int, decode_graphs_peak: int = 0, *,
+                    graphs_hold_forward: bool) -> int:
     """What the KV cache may take: total * utilization, less what is in use and what the
     largest step needs. Without prefill graphs the forward's activations are freed before
     sampling allocates, so the larger of the two peaks is enough; with them the graphs' pool
-    keeps the forward's for good, and sampling's comes on top."""
+    keeps the forward's for good, and sampling's comes on top. decode_graphs_peak: what the
+    decode graphs' pool keeps for good (a decode step's peak at max_num_seqs rows; 0 without
+    decode graphs)."""
     activations = forward_peak + sampling_peak if graphs_hold_forward else \
         max(forward_peak, sampling_peak)
-    return int(total * utilization - in_use - activations)
+    return int(total * utilization - in_use - activations - decode_graphs_peak)
+
+
+def startup_memory_report(marks: list[tuple[str, int]], total: int,
+                          utilization: float) -> tuple[str, bool]:
+    """The start-up log line on device memory, and whether start-up left more in use than
+    gpu_memory_utilization allows. marks: (phase, bytes in use on the device after it), in
+    order, the last after start-up. What start-up builds after the KV cache (graph pools,
+    compiled kernels' code, library workspaces) is estimated when the cache is sized, not
+    measured; this says when the estimate fell short, and by how much."""
+    limit, used = utilization * total, marks[-1][1]
+    phases = ", ".join(f"{name} {bytes_ / GiB:.2f}" for name, bytes_ in marks)
+    message = (f"minivllm: device memory in use after start-up: {used / GiB:.2f} GiB of "
+               f"{total / GiB:.2f} (gpu_memory_utilization {utilization} allows "
+               f"{limit / GiB:.2f}); GiB in use after each phase: {phases}")
+    if used <= limit:
+        return message, False
+    return (f"{message}. That is {(used - limit) / GiB:.2f} GiB over; gpu_memory_utilization "
+            f"{utilization - (used - limit) / total:.3f} would keep this engine within "
+            f"{utilization} of the device"), True
+
+
+def profile_lengths(tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:
+    """The sequence lengths of the step that sizes the KV cache: `tokens` spread as evenly as
+    can be over as many sequences as a step may hold, so that it asks for as many logits rows
+    as the largest real step can (a prefill graph always computes max_num_seqs of them)."""
+    n = min(max_num_seqs, tokens)
+    if tokens > n * max_model_len:
+        raise ValueError(f"{tokens} tokens do not fit {n} sequences of at most {max_model_len}")
+    return [tokens // n + (i < tokens % n) for i in range(n)]
 
 
 class ModelRunner:
@@ -192,13 +232,23 @@ class ModelRunner:
         self.prefill_graphs = []  # largest first (_capture_prefill_graphs)
         self.last_tokens = None  # [rows] the last launched step's sampled ids, on the device
         self.ids_in_graph = False  # whether the graphs' input ids hold last_tokens already
+        marks = [("KV cache", _device_bytes_in_use(self.device))]
         try:
             self._compile_and_capture(config)
+            marks.append(("decode graphs", _device_bytes_in_use(self.device)))
             with _logged_time("kernel warm-up"):
                 warm_up_kernels(self.params, self.backend, block_size=self.block_size,
                                 cache_dtype=config.cache_dtype,
                                 max_num_seqs=config.max_num_seqs, forward_fn=self.prefill_forward)
+            marks.append(("kernel warm-up", _device_bytes_in_use(self.device)))
+            if self.device.type == "cuda":
+                # The warm-up's freed blocks, kept by the caching allocator, are not the KV
+                # budget's to hold (0.34 GiB of the device's peak at utilization 0.3 on the H200,
+                # session 29).
+                torch.cuda.empty_cache()
+                marks.append(("empty_cache", _device_bytes_in_use(self.device)))
             self._capture_prefill_graphs(config)
+            marks.append(("prefill graphs", _device_bytes_in_use(self.device)))
         except BaseException:
             self.release_graphs()  # as a failed start unwinds: see release_graphs
             raise
@@ -207,6 +257,11 @@ class ModelRunner:
         # takes mid-serving.
         gc.collect()
         gc.freeze()
+        if self.device.type == "cuda":
+            message, over = startup_memory_report(marks, torch.cuda.mem_get_info(self.device)[1],
+                                                  config.gpu_memory_utilization)
+            # A cache of num_kv_blocks given by the user is theirs to fit.
+            (log.warning if over and config.num_kv_blocks is None else log.info)(message)
 
     def _compile_and_capture(self, config: EngineConfig) -> None:
         if self.device.type == "cuda" and not self.enforce_eager:
@@ -298,17 +353,18 @@ class ModelRunner:
 
     def _cuda_kv_budget(self) -> int:
         """Free memory * gpu_memory_utilization, less what the largest step needs, measured by
-        running one: a forward over max_num_batched_tokens tokens, then sampling max_num_seqs
-        rows with every stage on (the sort for top-k/top-p and the logprobs are the big ones).
-        With prefill graphs the forward's share is held for good by their pool while sampling
-        allocates beside it, so both are set aside rather than the larger."""
+        running one: a forward over max_num_batched_tokens tokens in max_num_seqs sequences,
+        then sampling max_num_seqs rows with every stage on (the sort for top-k/top-p and the
+        logprobs are the big ones). With prefill graphs the forward's share is held for good by
+        their pool while sampling allocates beside it, so both are set aside rather than the
+        larger. The decode graphs' pool, held for good too, is set aside as a decode step's
+        peak at max_num_seqs rows."""
         config = self.config
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         tokens = min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
-        per_seq = min(config.max_model_len, tokens)
-        lengths = [per_seq] * (tokens // per_seq) + ([tokens % per_seq] if tokens % per_seq else [])
+        lengths = profile_lengths(tokens, config.max_num_seqs, config.max_model_len)
         blocks = sum(ceil_div(n, self.block_size) for n in lengths)
         scratch = init_cache(self.params, num_blocks=blocks, block_size=self.block_size,
                              dtype=config.cache_dtype)
@@ -317,10 +373,13 @@ class ModelRunner:
             table = list(range(next_block, next_block + ceil_div(n, self.block_size)))
             next_block += len(table)
             chunks.append(SeqChunk([0] * n, 0, table))
-        self._run(scratch, StepInput(chunks, []))
-        torch.cuda.synchronize(self.device)
-        forward_peak = torch.cuda.max_memory_allocated(self.device) - \
-            torch.cuda.memory_allocated(self.device)
+        forward_peak = self._step_peak(scratch, StepInput(chunks, []))
+        # The decode graphs' pool keeps about a decode step's peak at the largest bucket for good
+        # (their logits share it: graphs.unowned).
+        decode_graphs_peak = 0
+        if not self.enforce_eager:
+            rows = [SeqChunk([0], 0, [0])] * config.max_num_seqs  # scratch's block 0 for all
+            decode_graphs_peak = self._step_peak(scratch, StepInput(rows, []))
         torch.cuda.reset_peak_memory_stats(self.device)
         rows = [SamplingRow(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05,
                             logprobs=config.max_logprobs)] * config.max_num_seqs
@@ -335,8 +394,21 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         in_use = total - free  # weights, the CUDA context, other processes
+        log.info("minivllm: KV budget: %.2f GiB in use, forward peak %.2f GiB, sampling peak "
+                 "%.2f GiB, decode graphs %.2f GiB", in_use / GiB, forward_peak / GiB,
+                 sampling_peak / GiB, decode_graphs_peak / GiB)
         return kv_budget_bytes(total, config.gpu_memory_utilization, in_use, forward_peak,
-                               sampling_peak, graphs_hold_forward=self.use_prefill_graphs)
+                               sampling_peak, decode_graphs_peak,
+                               graphs_hold_forward=self.use_prefill_graphs)
+
+    def _step_peak(self, scratch: KVCache, step: StepInput) -> int:
+        """The bytes a step allocates at its peak beyond what was allocated before it."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self._run(scratch, step)
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - before
 
     # -- one step --------------------------------------------------------------------------------
 

@@ -1,0 +1,68 @@
+"""How the runner sizes the KV cache from device memory (runtime/runner.py): the budget's
+arithmetic, the profiling step's shape, the start-up report that says when the budget's
+estimate fell short, and graphs.unowned, which lets the CUDA graphs' logits share their pool.
+Pure functions, checked on the CPU; the sizing itself runs on a GPU only
+(benchmarks/kv_budget_check.py, tests/test_gpu_graphs.py)."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from minivllm.runtime.graphs import unowned
+from minivllm.runtime.runner import (GiB, kv_budget_bytes, profile_lengths,
+                                     startup_memory_report)
+
+
+def test_the_kv_budget_sets_aside_what_the_graphs_pools_keep():
+    kw = dict(total=1000, utilization=0.9, in_use=100, forward_peak=300, sampling_peak=200)
+    # Eager prefill: its activations are freed before sampling allocates.
+    assert kv_budget_bytes(**kw, graphs_hold_forward=False) == 900 - 100 - 300
+    assert kv_budget_bytes(**(kw | {"sampling_peak": 400}), graphs_hold_forward=False) == 400
+    # Prefill graphs: their pool keeps the forward's, and sampling's comes beside it.
+    assert kv_budget_bytes(**kw, graphs_hold_forward=True) == 900 - 100 - 500
+    # The decode graphs' pool is kept beside either.
+    assert kv_budget_bytes(**kw, decode_graphs_peak=50, graphs_hold_forward=False) == 450
+    assert kv_budget_bytes(**kw, decode_graphs_peak=50, graphs_hold_forward=True) == 250
+
+
+@given(st.integers(1, 5000), st.integers(1, 300), st.integers(1, 4096))
+def test_the_profiling_step_spreads_its_tokens_over_as_many_sequences_as_a_step_holds(
+        tokens, max_num_seqs, max_model_len):
+    if tokens > max_num_seqs * max_model_len:
+        with pytest.raises(ValueError, match="do not fit"):
+            profile_lengths(tokens, max_num_seqs, max_model_len)
+        return
+    lengths = profile_lengths(tokens, max_num_seqs, max_model_len)
+    assert sum(lengths) == tokens
+    assert len(lengths) == min(max_num_seqs, tokens)  # one logits row per sequence
+    assert 1 <= min(lengths) and max(lengths) - min(lengths) <= 1
+    assert max(lengths) <= max_model_len
+
+
+def test_the_start_up_report_warns_when_start_up_went_past_the_limit():
+    total = 100 * GiB
+    marks = [("KV cache", 20 * GiB), ("decode graphs", 25 * GiB), ("prefill graphs", 29 * GiB)]
+    message, over = startup_memory_report(marks, total, 0.3)
+    assert not over
+    assert "29.00 GiB of 100.00" in message and "allows 30.00" in message
+    assert "KV cache 20.00, decode graphs 25.00, prefill graphs 29.00" in message
+    marks.append(("prefill graphs", 31.5 * GiB))
+    message, over = startup_memory_report(marks, total, 0.3)
+    assert over
+    # Set to what it names, the KV cache would be 1.5 GiB smaller: 30 GiB in use, the limit.
+    assert "1.50 GiB over; gpu_memory_utilization 0.285 would keep" in message
+
+
+def test_unowned_reads_the_tensors_memory_without_keeping_it():
+    base = torch.arange(24.0)
+    t = base.view(4, 6)[1:, ::2]  # an offset and strides of its own
+    use_count = torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    alias = unowned(t)
+    assert torch._C._storage_Use_Count(t.untyped_storage()._cdata) == use_count
+    assert alias.data_ptr() == t.data_ptr()
+    assert (alias.shape, alias.stride(), alias.storage_offset(), alias.dtype) == \
+        (t.shape, t.stride(), t.storage_offset(), t.dtype)
+    assert torch.equal(alias, t)
+    base.mul_(-1)  # writes through to the alias: the same memory
+    assert torch.equal(alias, t)
