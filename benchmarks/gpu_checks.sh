@@ -11,7 +11,8 @@
 #   bash benchmarks/gpu_checks.sh kv_budget  # nvidia-h200: an engine sized from free memory at
 #       utilization 0.3 stays under it, prefill graphs on and off (session 29's call 3 also ran
 #       the throughput run with an fp8 cache: in 9968491)
-#   bash benchmarks/gpu_checks.sh graph_tests  # nvidia-h200: test_gpu_graphs.py alone
+#   bash benchmarks/gpu_checks.sh fp8_ab  # nvidia-h200: throughput, bf16 and fp8 cache alternating
+#   bash benchmarks/gpu_checks.sh graph_tests  # nvidia-h200: test_gpu_memory.py, test_gpu_graphs.py
 #   bash benchmarks/gpu_checks.sh rounding  # nvidia-h200: session 26's rounding fix in _norm_rope
 #       (norm_rope_probe, the kernels' GPU tests), then figures
 #   bash benchmarks/gpu_checks.sh tp     # nvidia-h200-x2: issue 6, TP=2 against TP=1, 0.6B shape
@@ -258,11 +259,23 @@ kv_budget)
   MINIVLLM_PREFILL_GRAPH=0 step kv_budget_off 120 python3 benchmarks/kv_budget_check.py \
     --json "$RESULTS/kv_budget_off.json"
   ;;
+fp8_ab)
+  # nvidia-h200 (~170 s for the first run on a fresh machine, ~60 s each after): the throughput
+  # run with a bf16 and an fp8 KV cache, alternating (session 29's one fp8 run, 28,807 tok/s on a
+  # fresh machine, had no bf16 run beside it; sessions 14-15 measured 29,800-30,800).
+  for run in ${RUNS:-1_bf16 2_fp8 3_bf16 4_fp8}; do
+    dtype=auto; [ "${run##*_}" = fp8 ] && dtype=fp8
+    step "bench_$run" 250 python3 -m minivllm bench --shape qwen3-0.6b --kv-cache-dtype $dtype \
+      --json "$RESULTS/bench_$run.json"
+  done
+  ;;
 graph_tests)
-  # nvidia-h200 (<= 420 s): test_gpu_graphs.py: the graphs against the eager engine, and (session
-  # 29) the graphs' logits sharing their pool: buckets in turn equal eager, and the decode pool
-  # holds one bucket's logits at a real vocabulary, not all 20 buckets'.
-  STEP_LOG=$OUT/tests.txt step tests 400 python3 -m pytest $PYTEST_ARGS tests/test_gpu_graphs.py
+  # nvidia-h200 (<= 420 s): session 29's memory tests: an engine sized from free memory stays
+  # within gpu_memory_utilization (test_gpu_memory.py); then test_gpu_graphs.py: the graphs
+  # against the eager engine, with (session 29) the graphs' logits sharing their pool: buckets
+  # in turn equal eager, and the decode pool holds one bucket's logits at a real vocabulary.
+  STEP_LOG=$OUT/tests.txt step tests 400 python3 -m pytest $PYTEST_ARGS tests/test_gpu_memory.py \
+    tests/test_gpu_graphs.py
   ;;
 probes)
   # nvidia-h200 (<= 360 s): what the first LM-head GEMM at a new row count costs the host; the
@@ -274,7 +287,7 @@ probes)
   step sweep_gemm 90 python3 benchmarks/sweep_decode_gemm.py
   ;;
 *)
-  echo "usage: $0 speed|figures|prefill_graph|prefill_default|kv_budget|graph_tests|tp|tp_engine|tp8b|agreement|tp_trained|ab|probes|attention_tail|head_cast|norm_rope" >&2
+  echo "usage: $0 speed|figures|prefill_graph|prefill_default|kv_budget|fp8_ab|graph_tests|tp|tp_engine|tp8b|agreement|tp_trained|ab|probes|attention_tail|head_cast|norm_rope" >&2
   exit 2
   ;;
 esac
