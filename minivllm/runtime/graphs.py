@@ -140,7 +140,7 @@ class DecodeGraphs:
         sized by it. The buffers hold padding rows throughout, so nothing is written to the cache."""
         pool = None
         start = time.perf_counter()
-        stream = torch.cuda.Stream(self.device)
+        stream = torch.cuda.Stream(self.device)  # one for all buckets: PrefillGraph.capture
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.no_grad():
             for bs in reversed(self.buckets):

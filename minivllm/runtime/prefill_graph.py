@@ -113,13 +113,16 @@ class PrefillGraph:
         self.inputs.send()
         return n
 
-    def capture(self, pool=None):
+    def capture(self, pool=None, stream: torch.cuda.Stream | None = None):
         """Warm up (compiling what the shape needs) and capture, with the buffers holding
         padding only, so that nothing is written to the cache. pool: a graph memory pool to share
-        (the graphs replay one at a time); returns this graph's."""
+        (the graphs replay one at a time); returns this graph's. stream: the side stream to
+        capture on, the same for every graph of the pool: the caching allocator hands a freed
+        block only to the stream it was used on, so on a stream of its own a capture finds none
+        of the pool's free memory (each prefill graph had its own until session 29)."""
         start = time.perf_counter()
         self.fill([])
-        stream = torch.cuda.Stream(self.device)
+        stream = stream or torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.no_grad():
             graph, (logits, _) = warm_up_and_capture(

@@ -309,13 +309,14 @@ class ModelRunner:
         shape they fill at least half (_wants_prefill_graphs says where)."""
         if not self.use_prefill_graphs or self.graphs is None:
             return
-        pool = None
+        # One stream for the pool's captures (PrefillGraph.capture says why).
+        pool, stream = None, torch.cuda.Stream(self.device)
         for tokens in prefill_graph_sizes(config.max_num_batched_tokens, config.max_num_seqs):
             graph = PrefillGraph(self.params, self.cache, self.backend, self.prefill_forward,
                                  num_tokens=tokens, max_num_seqs=config.max_num_seqs,
                                  max_blocks_per_seq=ceil_div(config.max_model_len, self.block_size),
                                  block_size=self.block_size)
-            pool = graph.capture(pool)
+            pool = graph.capture(pool, stream)
             self.prefill_graphs.append(graph)
 
     def release_graphs(self) -> None:
