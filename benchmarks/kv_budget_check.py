@@ -7,8 +7,8 @@ never meets the memory budget. At a low utilization the budget binds: the cache 
 left after the largest step's peaks (runner.kv_budget_bytes), then the decode and prefill graphs
 are captured and the nano-vllm workload runs through every graph. With the prefill graphs on,
 their pool holds the forward's activations for good and the budget sets aside the forward's and
-sampling's peaks side by side; this checks that the device's peak use stays under
-utilization * total, and prints how much of the budget's reserve the run used.
+sampling's peaks side by side, and the decode graphs' pool beside them; this checks that the
+device's peak use stays under utilization * total, and prints the headroom left.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def main() -> int:
         "used_before_engine_gib": (total - free0) / GiB, "peak_gib": peak / GiB,
         "peak_fraction": peak / total, "used_after_run_gib": (total - free) / GiB,
         "reserved_after_run_gib": torch.cuda.memory_reserved(device) / GiB,
-        "max_reserved_gib": torch.cuda.max_memory_reserved(device) / GiB, "headroom_gib": (limit - peak) / GiB,
+        "max_reserved_gib": torch.cuda.max_memory_reserved(device) / GiB,
+        "headroom_gib": (limit - peak) / GiB,
         "num_kv_blocks": runner.num_blocks, "prefill_graphs": runner.use_prefill_graphs,
         "prefill_graph_env": os.environ.get("MINIVLLM_PREFILL_GRAPH"),
         "output_tok_per_s": result["output_tok_per_s"], "seconds": result["seconds"],
@@ -59,8 +60,9 @@ def main() -> int:
     }
     print(f"kv budget: utilization {args.utilization}: peak {peak / GiB:.2f} GiB of "
           f"{limit / GiB:.2f} GiB allowed ({total / GiB:.2f} total; headroom "
-          f"{(limit - peak) / GiB:.2f} GiB; {(total - free) / GiB:.2f} GiB in use after the run), {out['num_kv_blocks']} KV blocks, prefill graphs "
-          f"{out['prefill_graphs']}, {result['output_tok_per_s']:.0f} tok/s", flush=True)
+          f"{(limit - peak) / GiB:.2f} GiB; {(total - free) / GiB:.2f} GiB in use after the "
+          f"run), {out['num_kv_blocks']} KV blocks, prefill graphs {out['prefill_graphs']}, "
+          f"{result['output_tok_per_s']:.0f} tok/s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -124,9 +124,9 @@ def test_prefill_graph_steps_equal_eager(deep_dir, monkeypatch):
 
 def test_buckets_that_share_their_logits_memory_equal_eager(deep_dir):
     """Each graph's logits go back to the graphs' pool (graphs.unowned), so a bucket's replay
-    may write where another bucket's logits were. Sequences that stop one by one take the batch
-    down through every bucket, with a prefill graph's steps between; in fp32 the tokens equal
-    the eager engine's."""
+    may write where another bucket's logits were. After the prompts' steps (a prefill graph's),
+    sequences that stop one by one take the batch down through every bucket; in fp32 the tokens
+    equal the eager engine's."""
     g = torch.Generator().manual_seed(3)
     lengths = (40, 7, 120, 19, 66, 3, 90, 28, 51, 12, 75, 33, 9, 101, 24, 58, 16, 44)
     prompts = [{"prompt_token_ids": torch.randint(0, 257, (n,), generator=g).tolist()}
