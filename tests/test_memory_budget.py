@@ -66,3 +66,9 @@ def test_unowned_reads_the_tensors_memory_without_keeping_it():
     assert torch.equal(alias, t)
     base.mul_(-1)  # writes through to the alias: the same memory
     assert torch.equal(alias, t)
+
+
+def test_unowned_without_torchs_private_constructor_keeps_the_tensor(monkeypatch):
+    monkeypatch.delattr(torch._C, "_construct_storage_from_data_pointer")
+    t = torch.arange(6.0)
+    assert unowned(t) is t

@@ -58,9 +58,12 @@ def unowned(t: torch.Tensor) -> torch.Tensor:
     replay's output is read (in stream order) before the next replay, so any graph of the pool
     may write its output or scratch where another's output was. Held strongly, every decode
     bucket's fp32 logits stayed allocated side by side: 2,190 rows of 151,936 at the 0.6B shape
-    with 256 sequences, 1.24 GiB, against one bucket's 0.15 GiB."""
-    storage = torch._C._construct_storage_from_data_pointer(
-        t.untyped_storage().data_ptr(), t.device, t.untyped_storage().nbytes())
+    with 256 sequences, 1.24 GiB, against one bucket's 0.15 GiB. A torch without the private
+    constructor gets t itself: the same results, with each graph's output kept apart."""
+    construct = getattr(torch._C, "_construct_storage_from_data_pointer", None)
+    if construct is None:
+        return t
+    storage = construct(t.untyped_storage().data_ptr(), t.device, t.untyped_storage().nbytes())
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(
         storage, t.storage_offset(), t.size(), t.stride())
 
