@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from minivllm.runtime.bench import run_throughput
+from minivllm.runtime.bench import device_peak_bytes, run_throughput
 from minivllm.runtime.llm import LLM
 
 GiB = 1 << 30
@@ -41,10 +41,7 @@ def main() -> int:
     result = run_throughput(llm)
     torch.cuda.synchronize(device)
     free, _ = torch.cuda.mem_get_info(device)
-    # What the caching allocator does not hold (the CUDA context, cuBLAS workspaces, graph
-    # executables) is used - reserved now; it does not shrink, so it adds to the reserved peak.
-    outside_torch = (total - free) - torch.cuda.memory_reserved(device)
-    peak = outside_torch + torch.cuda.max_memory_reserved(device)
+    peak = device_peak_bytes(device)
     limit = args.utilization * total
     out = {
         "utilization": args.utilization, "total_gib": total / GiB, "limit_gib": limit / GiB,

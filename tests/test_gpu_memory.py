@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
+from minivllm.runtime.bench import device_peak_bytes
 from minivllm.runtime.runner import GiB
 
 from hf_tiny import make_hf_model, save_checkpoint
@@ -44,10 +45,6 @@ def test_an_engine_sized_from_free_memory_stays_within_gpu_memory_utilization(tm
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
     torch.cuda.synchronize()
-    free_after, _ = torch.cuda.mem_get_info()
-    # What the caching allocator does not hold (the CUDA context, loaded kernels, graph
-    # executables) is in use now and was at the peak; the allocator's own peak is on top.
-    outside = (total - free_after) - torch.cuda.memory_reserved()
-    peak = outside + torch.cuda.max_memory_reserved()
+    peak = device_peak_bytes(torch.device("cuda"))
     limit = utilization * total
     assert peak <= limit, f"{(peak - limit) / GiB:.2f} GiB over gpu_memory_utilization"

@@ -67,6 +67,15 @@ def read_bandwidth(device: torch.device, nbytes: int = 2 << 30, repeats: int = 1
     return nbytes / seconds
 
 
+def device_peak_bytes(device: torch.device) -> int:
+    """This device's peak use since torch.cuda.reset_peak_memory_stats: what the caching
+    allocator does not hold (the CUDA context, loaded kernels, graph executables; it does not
+    shrink, so it was there at the peak too) plus the allocator's own peak reserved."""
+    free, total = torch.cuda.mem_get_info(device)
+    outside = (total - free) - torch.cuda.memory_reserved(device)
+    return outside + torch.cuda.max_memory_reserved(device)
+
+
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 

@@ -25,7 +25,7 @@ from ..functional.sampling import (SampleOutput, SamplingRow, make_sampling_batc
                                   sample)
 from ..kernels import select_backend
 from ..state.batch import SeqChunk, decode_rows, make_batch
-from ..state.cache import KVCache, init_cache
+from ..state.cache import init_cache
 from ..state.config import ceil_div
 from ..state.load import load
 from ..state.params import Params, random_params
@@ -363,7 +363,6 @@ class ModelRunner:
         config = self.config
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
         tokens = min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
         lengths = profile_lengths(tokens, config.max_num_seqs, config.max_model_len)
         blocks = sum(ceil_div(n, self.block_size) for n in lengths)
@@ -374,23 +373,19 @@ class ModelRunner:
             table = list(range(next_block, next_block + ceil_div(n, self.block_size)))
             next_block += len(table)
             chunks.append(SeqChunk([0] * n, 0, table))
-        forward_peak = self._step_peak(scratch, StepInput(chunks, []))
+        forward_peak = self._peak_bytes(lambda: self._run(scratch, StepInput(chunks, [])))
         # The decode graphs' pool keeps about a decode step's peak at the largest bucket for good
         # (their logits share it: graphs.unowned).
         decode_graphs_peak = 0
         if not self.enforce_eager:
             rows = [SeqChunk([0], 0, [0])] * config.max_num_seqs  # scratch's block 0 for all
-            decode_graphs_peak = self._step_peak(scratch, StepInput(rows, []))
-        torch.cuda.reset_peak_memory_stats(self.device)
+            decode_graphs_peak = self._peak_bytes(lambda: self._run(scratch, StepInput(rows, [])))
         rows = [SamplingRow(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05,
                             logprobs=config.max_logprobs)] * config.max_num_seqs
         with torch.no_grad():
-            logits = torch.zeros(len(rows), self.vocab_size, device=self.device)
-            sample(logits, make_sampling_batch(rows, vocab_size=self.vocab_size, device=self.device))
-            del logits
-        torch.cuda.synchronize(self.device)
-        sampling_peak = torch.cuda.max_memory_allocated(self.device) - \
-            torch.cuda.memory_allocated(self.device)
+            sampling_peak = self._peak_bytes(lambda: sample(
+                torch.zeros(len(rows), self.vocab_size, device=self.device),
+                make_sampling_batch(rows, vocab_size=self.vocab_size, device=self.device)))
         del scratch
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
@@ -402,12 +397,12 @@ class ModelRunner:
                                sampling_peak, decode_graphs_peak,
                                graphs_hold_forward=self.use_prefill_graphs)
 
-    def _step_peak(self, scratch: KVCache, step: StepInput) -> int:
-        """The bytes a step allocates at its peak beyond what was allocated before it."""
+    def _peak_bytes(self, run) -> int:
+        """The bytes `run()` allocates at its peak beyond what was allocated before it."""
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        self._run(scratch, step)
+        run()
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device) - before
 
