@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minivllm.runtime.graphs import unowned
-from minivllm.runtime.runner import (GiB, kv_budget_bytes, profile_lengths,
-                                     startup_memory_report)
+from minivllm.runtime.runner import (GiB, allocator_pools, allocator_report, kv_budget_bytes,
+                                     profile_lengths, startup_memory_report)
 
 
 def test_the_kv_budget_sets_aside_what_the_graphs_pools_keep():
@@ -72,3 +72,16 @@ def test_unowned_without_torchs_private_constructor_keeps_the_tensor(monkeypatch
     monkeypatch.delattr(torch._C, "_construct_storage_from_data_pointer")
     t = torch.arange(6.0)
     assert unowned(t) is t
+
+
+def test_allocator_pools_sum_the_snapshots_segments_by_pool():
+    segments = [{"total_size": 2 * GiB, "segment_pool_id": (0, 0)},
+                {"total_size": GiB, "segment_pool_id": (1, 3)},
+                {"total_size": GiB // 2, "segment_pool_id": (1, 3)},
+                {"total_size": GiB // 4, "segment_pool_id": (1, 4)},
+                {"total_size": GiB // 4}]  # a torch whose snapshot names no pool: the default
+    pools = allocator_pools(segments)
+    assert pools == {"default": 2.25 * GiB, "pool 1.3": 1.5 * GiB, "pool 1.4": 0.25 * GiB}
+    line = allocator_report(pools, in_use=5 * GiB, reserved=4 * GiB)
+    assert "default 2.250, pool 1.3 1.500, pool 1.4 0.250" in line
+    assert "outside the allocator 1.000" in line

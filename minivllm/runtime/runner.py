@@ -195,6 +195,26 @@ def startup_memory_report(marks: list[tuple[str, int]], total: int,
             f"{utilization} of the device"), True
 
 
+def allocator_pools(segments: list[dict]) -> dict[str, int]:
+    """Bytes the caching allocator reserves, by pool, from torch.cuda.memory_snapshot()'s
+    segments: "default" and one "pool a.b" per CUDA graph pool (the graphs' pools are held for
+    good, so their sizes are what the KV budget must have set aside for them)."""
+    pools: dict[str, int] = {}
+    for segment in segments:
+        pool_id = tuple(segment.get("segment_pool_id") or (0, 0))
+        name = "default" if pool_id == (0, 0) else "pool " + ".".join(map(str, pool_id))
+        pools[name] = pools.get(name, 0) + segment["total_size"]
+    return pools
+
+
+def allocator_report(pools: dict[str, int], in_use: int, reserved: int) -> str:
+    """One log line: the allocator's pools and what the device holds outside the allocator
+    (CUDA context, loaded kernels, graph executables, local memory)."""
+    parts = ", ".join(f"{name} {bytes_ / GiB:.3f}" for name, bytes_ in pools.items())
+    return (f"minivllm: device memory by owner (GiB): allocator pools {parts}; outside the "
+            f"allocator {(in_use - reserved) / GiB:.3f}")
+
+
 def profile_lengths(tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:
     """The sequence lengths of the step that sizes the KV cache: `tokens` spread as evenly as
     can be over as many sequences as a step may hold, so that it asks for as many logits rows
@@ -232,23 +252,39 @@ class ModelRunner:
         self.prefill_graphs = []  # largest first (_capture_prefill_graphs)
         self.last_tokens = None  # [rows] the last launched step's sampled ids, on the device
         self.ids_in_graph = False  # whether the graphs' input ids hold last_tokens already
-        marks = [("KV cache", _device_bytes_in_use(self.device))]
+        marks, outside = [], []  # per phase: device bytes in use; of them, outside the allocator
+
+        def mark(phase: str) -> None:
+            marks.append((phase, _device_bytes_in_use(self.device)))
+            if self.device.type == "cuda":
+                outside.append((phase, marks[-1][1] - torch.cuda.memory_reserved(self.device)))
+
+        mark("KV cache")
         try:
             self._compile_and_capture(config)
-            marks.append(("decode graphs", _device_bytes_in_use(self.device)))
+            mark("decode graphs")
             with _logged_time("kernel warm-up"):
                 warm_up_kernels(self.params, self.backend, block_size=self.block_size,
                                 cache_dtype=config.cache_dtype,
                                 max_num_seqs=config.max_num_seqs, forward_fn=self.prefill_forward)
-            marks.append(("kernel warm-up", _device_bytes_in_use(self.device)))
+            mark("kernel warm-up")
             if self.device.type == "cuda":
                 # The warm-up's freed blocks, kept by the caching allocator, are not the KV
                 # budget's to hold (0.34 GiB of the device's peak at utilization 0.3 on the H200,
                 # session 29).
                 torch.cuda.empty_cache()
-                marks.append(("empty_cache", _device_bytes_in_use(self.device)))
+                mark("empty_cache")
             self._capture_prefill_graphs(config)
-            marks.append(("prefill graphs", _device_bytes_in_use(self.device)))
+            mark("prefill graphs")
+            if self.device.type == "cuda" and config.num_kv_blocks is None:
+                # Leave the allocator's cache holding blocks for the largest sampling, which the
+                # budget set aside: serving's smaller samplings split them. Emptied, the cache
+                # grew block by block as steps sampled more rows, past the budget (0.25 GiB
+                # over on the H200 at 256 rows of 151,936, session 30).
+                for dtype in self._sampled_dtypes():
+                    self._heaviest_sampling(dtype)
+                torch.cuda.synchronize(self.device)
+                mark("sampling blocks")
         except BaseException:
             self.release_graphs()  # as a failed start unwinds: see release_graphs
             raise
@@ -262,6 +298,11 @@ class ModelRunner:
                                                   config.gpu_memory_utilization)
             # A cache of num_kv_blocks given by the user is theirs to fit.
             (log.warning if over and config.num_kv_blocks is None else log.info)(message)
+            log.info(allocator_report(allocator_pools(torch.cuda.memory_snapshot()),
+                                      _device_bytes_in_use(self.device),
+                                      torch.cuda.memory_reserved(self.device)))
+            log.info("minivllm: GiB outside the allocator after each phase: %s",
+                     ", ".join(f"{name} {b / GiB:.3f}" for name, b in outside))
 
     def _compile_and_capture(self, config: EngineConfig) -> None:
         if self.device.type == "cuda" and not self.enforce_eager:
@@ -355,10 +396,10 @@ class ModelRunner:
     def _cuda_kv_budget(self) -> int:
         """Free memory * gpu_memory_utilization, less what the largest step needs, measured by
         running one: a forward over max_num_batched_tokens tokens in max_num_seqs sequences,
-        then sampling max_num_seqs rows with every stage on (the sort for top-k/top-p and the
-        logprobs are the big ones). With prefill graphs the forward's share is held for good by
-        their pool while sampling allocates beside it, so both are set aside rather than the
-        larger. The decode graphs' pool, held for good too, is set aside as a decode step's
+        then sampling max_num_seqs rows with every stage on, from logits in each dtype serving
+        samples (the sort for top-k/top-p and the logprobs are the big ones). With prefill
+        graphs the forward's share is held for good by their pool while sampling allocates
+        beside it, so both are set aside rather than the larger. The decode graphs' pool, held for good too, is set aside as a decode step's
         peak at max_num_seqs rows."""
         config = self.config
         torch.cuda.synchronize(self.device)
@@ -380,22 +421,37 @@ class ModelRunner:
         if not self.enforce_eager:
             rows = [SeqChunk([0], 0, [0])] * config.max_num_seqs  # scratch's block 0 for all
             decode_graphs_peak = self._peak_bytes(lambda: self._run(scratch, StepInput(rows, [])))
-        rows = [SamplingRow(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05,
-                            logprobs=config.max_logprobs)] * config.max_num_seqs
-        with torch.no_grad():
-            sampling_peak = self._peak_bytes(lambda: sample(
-                torch.zeros(len(rows), self.vocab_size, device=self.device),
-                make_sampling_batch(rows, vocab_size=self.vocab_size, device=self.device)))
+        sampling_peak = max(self._peak_bytes(lambda: self._heaviest_sampling(dtype))
+                            for dtype in self._sampled_dtypes())
         del scratch
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         in_use = total - free  # weights, the CUDA context, other processes
-        log.info("minivllm: KV budget: %.2f GiB in use, forward peak %.2f GiB, sampling peak "
-                 "%.2f GiB, decode graphs %.2f GiB", in_use / GiB, forward_peak / GiB,
+        log.info("minivllm: KV budget: %.2f GiB in use (%.3f outside the allocator), forward "
+                 "peak %.2f GiB, sampling peak %.2f GiB, decode graphs %.2f GiB", in_use / GiB,
+                 (in_use - torch.cuda.memory_reserved(self.device)) / GiB, forward_peak / GiB,
                  sampling_peak / GiB, decode_graphs_peak / GiB)
         return kv_budget_bytes(total, config.gpu_memory_utilization, in_use, forward_peak,
                                sampling_peak, decode_graphs_peak,
                                graphs_hold_forward=self.use_prefill_graphs)
+
+    def _sampled_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The logits dtypes serving samples: fp32 from model.head, the activation dtype from the
+        compiled forward's head. Sampling copies the latter to fp32 for the truncation and for
+        the logprobs, so its peak is the larger (1.52 GiB against 1.45 at 256 rows of 151,936
+        on the H200, session 30)."""
+        return tuple(dict.fromkeys((torch.float32, self.params.dtype)))
+
+    def _heaviest_sampling(self, dtype: torch.dtype) -> None:
+        """Sample max_num_seqs rows of `dtype` logits with every stage on: the penalties, the
+        sort for top-k / top-p, min-p and the largest logprobs."""
+        rows = [SamplingRow(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05,
+                            presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
+                            output_ids=(1,), prompt_ids=(2,), banned_ids=(3,),
+                            logprobs=self.config.max_logprobs)] * self.config.max_num_seqs
+        with torch.no_grad():
+            sample(torch.zeros(len(rows), self.vocab_size, device=self.device, dtype=dtype),
+                   make_sampling_batch(rows, vocab_size=self.vocab_size, device=self.device))
 
     def _peak_bytes(self, run) -> int:
         """The bytes `run()` allocates at its peak beyond what was allocated before it."""
