@@ -399,8 +399,8 @@ class ModelRunner:
         then sampling max_num_seqs rows with every stage on, from logits in each dtype serving
         samples (the sort for top-k/top-p and the logprobs are the big ones). With prefill
         graphs the forward's share is held for good by their pool while sampling allocates
-        beside it, so both are set aside rather than the larger. The decode graphs' pool, held for good too, is set aside as a decode step's
-        peak at max_num_seqs rows."""
+        beside it, so both are set aside rather than the larger. The decode graphs' pool, held
+        for good too, is set aside as a decode step's peak at max_num_seqs rows."""
         config = self.config
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
@@ -447,7 +447,7 @@ class ModelRunner:
         sort for top-k / top-p, min-p and the largest logprobs."""
         rows = [SamplingRow(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05,
                             presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
-                            output_ids=(1,), prompt_ids=(2,), banned_ids=(3,),
+                            output_ids=(0,), prompt_ids=(0,), banned_ids=(0,),
                             logprobs=self.config.max_logprobs)] * self.config.max_num_seqs
         with torch.no_grad():
             sample(torch.zeros(len(rows), self.vocab_size, device=self.device, dtype=dtype),
