@@ -85,3 +85,28 @@ def test_allocator_pools_sum_the_snapshots_segments_by_pool():
     line = allocator_report(pools, in_use=5 * GiB, reserved=4 * GiB)
     assert "default 2.250, pool 1.3 1.500, pool 1.4 0.250" in line
     assert "outside the allocator 1.000" in line
+
+
+def test_the_budgets_sampling_turns_every_stage_on(tmp_path, monkeypatch):
+    """The sampling the KV budget profiles (and start-up leaves the blocks of) is the heaviest
+    serving can run: every row penalised, banned ids, top-k, top-p and min-p, max_logprobs; a
+    stage left out would be memory serving takes and the budget never set aside."""
+    from hf_tiny import make_hf_model, save_checkpoint
+
+    from minivllm import LLM
+    from minivllm.runtime import runner as runner_mod
+
+    path = save_checkpoint(make_hf_model(seed=2), tmp_path / "model")
+    llm = LLM(path, dtype="float32", num_kv_blocks=32, max_num_seqs=6, max_model_len=128,
+              max_logprobs=7)
+    batches, make = [], runner_mod.make_sampling_batch
+    monkeypatch.setattr(runner_mod, "make_sampling_batch",
+                        lambda *a, **k: batches.append(make(*a, **k)) or batches[-1])
+    out = llm.engine.runner._heaviest_sampling(torch.float32)
+    (sb,) = batches
+    assert sb.temperature.shape == (6,) and out.token_ids.shape == (6,)
+    assert sb.output_ids is not None and sb.prompt_ids is not None and sb.banned_rows is not None
+    assert bool((sb.presence_penalty != 0).all() and (sb.frequency_penalty != 0).all()
+                and (sb.repetition_penalty != 1).all())
+    assert sb.do_top_k and sb.do_top_p and sb.do_min_p and sb.all_truncated
+    assert out.top_logprobs.shape == (6, 7)

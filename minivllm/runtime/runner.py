@@ -442,7 +442,7 @@ class ModelRunner:
         on the H200, session 30)."""
         return tuple(dict.fromkeys((torch.float32, self.params.dtype)))
 
-    def _heaviest_sampling(self, dtype: torch.dtype) -> None:
+    def _heaviest_sampling(self, dtype: torch.dtype) -> SampleOutput:
         """Sample max_num_seqs rows of `dtype` logits with every stage on: the penalties, the
         sort for top-k / top-p, min-p and the largest logprobs."""
         rows = [SamplingRow(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05,
@@ -450,8 +450,9 @@ class ModelRunner:
                             output_ids=(0,), prompt_ids=(0,), banned_ids=(0,),
                             logprobs=self.config.max_logprobs)] * self.config.max_num_seqs
         with torch.no_grad():
-            sample(torch.zeros(len(rows), self.vocab_size, device=self.device, dtype=dtype),
-                   make_sampling_batch(rows, vocab_size=self.vocab_size, device=self.device))
+            return sample(torch.zeros(len(rows), self.vocab_size, device=self.device, dtype=dtype),
+                          make_sampling_batch(rows, vocab_size=self.vocab_size,
+                                              device=self.device))
 
     def _peak_bytes(self, run) -> int:
         """The bytes `run()` allocates at its peak beyond what was allocated before it."""
