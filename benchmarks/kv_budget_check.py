@@ -22,7 +22,7 @@ import torch
 
 from minivllm.runtime.bench import device_peak_bytes, run_throughput
 from minivllm.runtime.llm import LLM
-from minivllm.runtime.runner import allocator_pools, allocator_report
+from minivllm.runtime.runner import memory_owners
 
 GiB = 1 << 30
 
@@ -61,8 +61,7 @@ def main() -> int:
           f"{(limit - peak) / GiB:.2f} GiB; {(total - free) / GiB:.2f} GiB in use after the "
           f"run), {out['num_kv_blocks']} KV blocks, prefill graphs {out['prefill_graphs']}, "
           f"{result['output_tok_per_s']:.0f} tok/s", flush=True)
-    print(allocator_report(allocator_pools(torch.cuda.memory_snapshot()), total - free,
-                           torch.cuda.memory_reserved(device)), flush=True)
+    print(memory_owners(device), flush=True)
     print(f"allocator peaks (GiB): reserved {out['max_reserved_gib']:.3f}, allocated "
           f"{torch.cuda.max_memory_allocated(device) / GiB:.3f}", flush=True)
     if args.json:

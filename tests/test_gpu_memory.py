@@ -9,7 +9,7 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.runtime.bench import device_peak_bytes
-from minivllm.runtime.runner import GiB, allocator_pools, allocator_report
+from minivllm.runtime.runner import GiB, memory_owners
 
 from hf_tiny import make_hf_model, save_checkpoint
 
@@ -49,7 +49,5 @@ def test_an_engine_sized_from_free_memory_stays_within_gpu_memory_utilization(tm
     torch.cuda.synchronize()
     peak = device_peak_bytes(torch.device("cuda"))
     limit = utilization * total
-    free, _ = torch.cuda.mem_get_info()
-    owners = allocator_report(allocator_pools(torch.cuda.memory_snapshot()), total - free,
-                              torch.cuda.memory_reserved())
+    owners = memory_owners(torch.device("cuda"))
     assert peak <= limit, f"{(peak - limit) / GiB:.2f} GiB over gpu_memory_utilization ({owners})"

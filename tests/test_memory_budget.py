@@ -82,7 +82,7 @@ def test_allocator_pools_sum_the_snapshots_segments_by_pool():
                 {"total_size": GiB // 4}]  # a torch whose snapshot names no pool: the default
     pools = allocator_pools(segments)
     assert pools == {"default": 2.25 * GiB, "pool 1.3": 1.5 * GiB, "pool 1.4": 0.25 * GiB}
-    line = allocator_report(pools, in_use=5 * GiB, reserved=4 * GiB)
+    line = allocator_report(pools, outside=GiB)
     assert "default 2.250, pool 1.3 1.500, pool 1.4 0.250" in line
     assert "outside the allocator 1.000" in line
 

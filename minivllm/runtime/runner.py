@@ -162,6 +162,12 @@ def _device_bytes_in_use(device: torch.device) -> int:
     return total - free
 
 
+def bytes_outside_allocator(device: torch.device) -> int:
+    """What the device holds beyond torch's caching allocator (CUDA only): the CUDA context,
+    loaded kernels, graph executables, local memory, other processes."""
+    return _device_bytes_in_use(device) - torch.cuda.memory_reserved(device)
+
+
 def kv_budget_bytes(total: int, utilization: float, in_use: int, forward_peak: int,
                     sampling_peak: int, decode_graphs_peak: int = 0, *,
                     graphs_hold_forward: bool) -> int:
@@ -207,12 +213,18 @@ def allocator_pools(segments: list[dict]) -> dict[str, int]:
     return pools
 
 
-def allocator_report(pools: dict[str, int], in_use: int, reserved: int) -> str:
-    """One log line: the allocator's pools and what the device holds outside the allocator
-    (CUDA context, loaded kernels, graph executables, local memory)."""
+def allocator_report(pools: dict[str, int], outside: int) -> str:
+    """One log line: the allocator's pools (allocator_pools) and the bytes the device holds
+    outside the allocator (bytes_outside_allocator)."""
     parts = ", ".join(f"{name} {bytes_ / GiB:.3f}" for name, bytes_ in pools.items())
     return (f"minivllm: device memory by owner (GiB): allocator pools {parts}; outside the "
-            f"allocator {(in_use - reserved) / GiB:.3f}")
+            f"allocator {outside / GiB:.3f}")
+
+
+def memory_owners(device: torch.device) -> str:
+    """allocator_report for a CUDA device as it is now."""
+    return allocator_report(allocator_pools(torch.cuda.memory_snapshot(device)),
+                            bytes_outside_allocator(device))
 
 
 def profile_lengths(tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:
@@ -257,7 +269,7 @@ class ModelRunner:
         def mark(phase: str) -> None:
             marks.append((phase, _device_bytes_in_use(self.device)))
             if self.device.type == "cuda":
-                outside.append((phase, marks[-1][1] - torch.cuda.memory_reserved(self.device)))
+                outside.append((phase, bytes_outside_allocator(self.device)))
 
         mark("KV cache")
         try:
@@ -298,9 +310,7 @@ class ModelRunner:
                                                   config.gpu_memory_utilization)
             # A cache of num_kv_blocks given by the user is theirs to fit.
             (log.warning if over and config.num_kv_blocks is None else log.info)(message)
-            log.info(allocator_report(allocator_pools(torch.cuda.memory_snapshot()),
-                                      _device_bytes_in_use(self.device),
-                                      torch.cuda.memory_reserved(self.device)))
+            log.info(memory_owners(self.device))
             log.info("minivllm: GiB outside the allocator after each phase: %s",
                      ", ".join(f"{name} {b / GiB:.3f}" for name, b in outside))
 
@@ -429,7 +439,7 @@ class ModelRunner:
         in_use = total - free  # weights, the CUDA context, other processes
         log.info("minivllm: KV budget: %.2f GiB in use (%.3f outside the allocator), forward "
                  "peak %.2f GiB, sampling peak %.2f GiB, decode graphs %.2f GiB", in_use / GiB,
-                 (in_use - torch.cuda.memory_reserved(self.device)) / GiB, forward_peak / GiB,
+                 bytes_outside_allocator(self.device) / GiB, forward_peak / GiB,
                  sampling_peak / GiB, decode_graphs_peak / GiB)
         return kv_budget_bytes(total, config.gpu_memory_utilization, in_use, forward_peak,
                                sampling_peak, decode_graphs_peak,
