@@ -87,6 +87,34 @@ def test_allocator_pools_sum_the_snapshots_segments_by_pool():
     assert "outside the allocator 1.000" in line
 
 
+def test_allocator_pools_count_only_the_devices_segments():
+    segments = [{"total_size": GiB, "device": 0}, {"total_size": 2 * GiB, "device": 1},
+                {"total_size": GiB, "device": 1, "segment_pool_id": (1, 2)}]
+    assert allocator_pools(segments, 1) == {"default": 2 * GiB, "pool 1.2": GiB}
+    assert allocator_pools(segments, 0) == {"default": GiB}
+
+
+def test_memory_owners_calls_the_snapshot_as_torch_declares_it(monkeypatch):
+    """torch.cuda.memory_snapshot's first parameter is a graph pool's id: passed a device, it
+    raised on the H200 (session 31) and failed every engine's start-up."""
+    import inspect
+
+    from minivllm.runtime import runner as runner_mod
+
+    signature = inspect.signature(torch.cuda.memory_snapshot)
+
+    def snapshot(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        pool = bound.arguments.get("mempool_id")
+        assert pool is None or isinstance(pool, tuple), f"mempool_id={pool!r}"
+        return [{"total_size": GiB, "device": 1}, {"total_size": 3 * GiB, "device": 0}]
+
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", snapshot)
+    monkeypatch.setattr(runner_mod, "bytes_outside_allocator", lambda device: GiB // 2)
+    line = runner_mod.memory_owners(torch.device("cuda", 1))
+    assert "allocator pools default 1.000; outside the allocator 0.500" in line
+
+
 def test_the_budgets_sampling_turns_every_stage_on(tmp_path, monkeypatch):
     """The sampling the KV budget profiles (and start-up leaves the blocks of) is the heaviest
     serving can run: every row penalised, banned ids, top-k, top-p and min-p, max_logprobs; a

@@ -201,12 +201,15 @@ def startup_memory_report(marks: list[tuple[str, int]], total: int,
             f"{utilization} of the device"), True
 
 
-def allocator_pools(segments: list[dict]) -> dict[str, int]:
+def allocator_pools(segments: list[dict], device_index: int | None = None) -> dict[str, int]:
     """Bytes the caching allocator reserves, by pool, from torch.cuda.memory_snapshot()'s
-    segments: "default" and one "pool a.b" per CUDA graph pool (the graphs' pools are held for
-    good, so their sizes are what the KV budget must have set aside for them)."""
+    segments (those of device_index, when given; the snapshot covers every device): "default"
+    and one "pool a.b" per CUDA graph pool (the graphs' pools are held for good, so their sizes
+    are what the KV budget must have set aside for them)."""
     pools: dict[str, int] = {}
     for segment in segments:
+        if device_index is not None and segment.get("device", device_index) != device_index:
+            continue
         pool_id = tuple(segment.get("segment_pool_id") or (0, 0))
         name = "default" if pool_id == (0, 0) else "pool " + ".".join(map(str, pool_id))
         pools[name] = pools.get(name, 0) + segment["total_size"]
@@ -223,7 +226,10 @@ def allocator_report(pools: dict[str, int], outside: int) -> str:
 
 def memory_owners(device: torch.device) -> str:
     """allocator_report for a CUDA device as it is now."""
-    return allocator_report(allocator_pools(torch.cuda.memory_snapshot(device)),
+    # memory_snapshot's first parameter is a graph pool's id, not a device: it reports every
+    # device, so the device's segments are picked here.
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return allocator_report(allocator_pools(torch.cuda.memory_snapshot(), index),
                             bytes_outside_allocator(device))
 
 
@@ -292,9 +298,10 @@ class ModelRunner:
                 # Leave the allocator's cache holding blocks for the largest sampling, which the
                 # budget set aside: serving's smaller samplings split them. Emptied, the cache
                 # grew block by block as steps sampled more rows, past the budget (0.25 GiB
-                # over on the H200 at 256 rows of 151,936, session 30).
-                for dtype in self._sampled_dtypes():
-                    self._heaviest_sampling(dtype)
+                # over on the H200 at 256 rows of 151,936, session 30). From an emptied cache,
+                # as the budget measured what they reserve.
+                torch.cuda.empty_cache()
+                self._sampling_blocks()
                 torch.cuda.synchronize(self.device)
                 mark("sampling blocks")
         except BaseException:
@@ -433,16 +440,22 @@ class ModelRunner:
             decode_graphs_peak = self._peak_bytes(lambda: self._run(scratch, StepInput(rows, [])))
         sampling_peak = max(self._peak_bytes(lambda: self._heaviest_sampling(dtype))
                             for dtype in self._sampled_dtypes())
+        # Start-up leaves the blocks of every dtype's heaviest sampling in the allocator's cache,
+        # and they reserve more than sampling's allocated peak (1.97 GiB against 1.59 at 256
+        # rows of 151,936 on the H200, session 31): a freed block too small for a later request
+        # stays, and the allocator cuts a new one beside it.
+        sampling_blocks = self._reserved_growth(self._sampling_blocks)
         del scratch
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         in_use = total - free  # weights, the CUDA context, other processes
         log.info("minivllm: KV budget: %.2f GiB in use (%.3f outside the allocator), forward "
-                 "peak %.2f GiB, sampling peak %.2f GiB, decode graphs %.2f GiB", in_use / GiB,
-                 bytes_outside_allocator(self.device) / GiB, forward_peak / GiB,
-                 sampling_peak / GiB, decode_graphs_peak / GiB)
+                 "peak %.2f GiB, sampling %.2f GiB reserved (allocated peak %.2f), decode graphs "
+                 "%.2f GiB", in_use / GiB, bytes_outside_allocator(self.device) / GiB,
+                 forward_peak / GiB, sampling_blocks / GiB, sampling_peak / GiB,
+                 decode_graphs_peak / GiB)
         return kv_budget_bytes(total, config.gpu_memory_utilization, in_use, forward_peak,
-                               sampling_peak, decode_graphs_peak,
+                               max(sampling_peak, sampling_blocks), decode_graphs_peak,
                                graphs_hold_forward=self.use_prefill_graphs)
 
     def _sampled_dtypes(self) -> tuple[torch.dtype, ...]:
@@ -451,6 +464,12 @@ class ModelRunner:
         the logprobs, so its peak is the larger (1.52 GiB against 1.45 at 256 rows of 151,936
         on the H200, session 30)."""
         return tuple(dict.fromkeys((torch.float32, self.params.dtype)))
+
+    def _sampling_blocks(self) -> None:
+        """The heaviest sampling from logits of each dtype serving samples, in turn: the blocks
+        start-up leaves in the allocator's cache for serving's samplings to split."""
+        for dtype in self._sampled_dtypes():
+            self._heaviest_sampling(dtype)
 
     def _heaviest_sampling(self, dtype: torch.dtype) -> SampleOutput:
         """Sample max_num_seqs rows of `dtype` logits with every stage on: the penalties, the
@@ -463,6 +482,15 @@ class ModelRunner:
             return sample(torch.zeros(len(rows), self.vocab_size, device=self.device, dtype=dtype),
                           make_sampling_batch(rows, vocab_size=self.vocab_size,
                                               device=self.device))
+
+    def _reserved_growth(self, run) -> int:
+        """The bytes the caching allocator reserves anew for `run()`, from an emptied cache."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved(self.device)
+        run()
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.memory_reserved(self.device) - before
 
     def _peak_bytes(self, run) -> int:
         """The bytes `run()` allocates at its peak beyond what was allocated before it."""
