@@ -287,6 +287,7 @@ memory)
   # before start-up left the heaviest sampling's blocks in the allocator's cache.
   # Session 31's call 1 found 62f4490's start-up failing on memory_snapshot(device) and the
   # sampling blocks reserving 1.97 GiB against the 1.59 set aside.
+  step sampling_blocks 60 python3 benchmarks/sampling_blocks_probe.py
   STEP_LOG=$OUT/tests.txt step memory_test 240 python3 -m pytest $PYTEST_ARGS -o log_cli=true \
     --log-cli-level=INFO tests/test_gpu_memory.py
   step kv_budget_on 180 python3 benchmarks/kv_budget_check.py --json "$RESULTS/kv_budget_on.json"
