@@ -288,10 +288,10 @@ memory)
   # Session 31's call 1 found 62f4490's start-up failing on memory_snapshot(device) and the
   # sampling blocks reserving 1.97 GiB against the 1.59 set aside.
   step sampling_blocks 60 python3 benchmarks/sampling_blocks_probe.py
-  STEP_LOG=$OUT/tests.txt step memory_test 240 python3 -m pytest $PYTEST_ARGS -o log_cli=true \
+  STEP_LOG=$OUT/tests.txt step memory_test 230 python3 -m pytest $PYTEST_ARGS -o log_cli=true \
     --log-cli-level=INFO tests/test_gpu_memory.py
   step kv_budget_on 180 python3 benchmarks/kv_budget_check.py --json "$RESULTS/kv_budget_on.json"
-  MINIVLLM_PREFILL_GRAPH=0 step kv_budget_off 150 python3 benchmarks/kv_budget_check.py \
+  MINIVLLM_PREFILL_GRAPH=0 step kv_budget_off 110 python3 benchmarks/kv_budget_check.py \
     --json "$RESULTS/kv_budget_off.json"
   ;;
 probes)
