@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minivllm.runtime.graphs import unowned
-from minivllm.runtime.runner import (GiB, allocator_pools, allocator_report, kv_budget_bytes,
-                                     profile_lengths, startup_memory_report)
+from minivllm.runtime.runner import (GiB, allocator_pools, allocator_report, kv_blocks_within,
+                                     kv_budget_bytes, profile_lengths, startup_memory_report)
 
 
 def test_the_kv_budget_sets_aside_what_the_graphs_pools_keep():
@@ -85,6 +85,25 @@ def test_allocator_pools_sum_the_snapshots_segments_by_pool():
     line = allocator_report(pools, outside=GiB)
     assert "default 2.250, pool 1.3 1.500, pool 1.4 0.250" in line
     assert "outside the allocator 1.000" in line
+
+
+@given(st.integers(1, 5), st.integers(1, 300), st.integers(1, 1000), st.integers(0, 200_000))
+def test_kv_blocks_within_is_the_most_that_fit_once_each_tensor_is_rounded_up(
+        layers, per_tensor_block, granule, budget):
+    """Against counting blocks one by one: each of the cache's tensors reserves its bytes
+    rounded up to the allocator's granule."""
+    tensors = 2 * layers
+
+    def reserved(n):
+        return tensors * -(-n * per_tensor_block // granule) * granule
+
+    n = kv_blocks_within(budget, per_tensor_block * tensors, tensors, granule)
+    assert reserved(n) <= budget < reserved(n + 1)
+
+
+def test_kv_blocks_of_the_06b_shape_fill_whole_segments():
+    # the 0.6B shape's bf16 blocks (32 KiB a tensor) in 2 MiB segments: a multiple of 64 blocks
+    assert kv_blocks_within(37 * GiB + 5 * 2**20, 56 * 32 * 1024, 56, 2 << 20) % 64 == 0
 
 
 def test_allocator_pools_count_only_the_devices_segments():

@@ -134,6 +134,23 @@ def kv_block_bytes(params: Params, block_size: int, dtype: torch.dtype) -> int:
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
+# torch's CUDA caching allocator reserves a large tensor as a segment of a multiple of 2 MiB.
+CUDA_SEGMENT_GRANULE = 2 << 20
+# What capturing the decode graphs loads beside the allocator (graph executables, the compiled
+# forward's kernels): 0.084-0.088 GiB at the 0.6B shape and at the tests' tiny one on the H200
+# (session 31), set aside with the decode graphs' pool.
+CAPTURE_CODE_BYTES = 128 << 20
+
+
+def kv_blocks_within(budget: int, per_block: int, tensors: int, granule: int = 1) -> int:
+    """The most KV blocks that fit `budget` bytes when the cache is `tensors` equal tensors (K
+    and V of each layer), each block taking per_block // tensors of each, and each tensor's
+    bytes are rounded up to `granule`. Unrounded, the 0.6B shape's 56 tensors went 0.08-0.10 GiB
+    past the budget on the H200 (session 31)."""
+    per_tensor = budget // tensors // granule * granule
+    return per_tensor // (per_block // tensors)
+
+
 def cpu_kv_budget_bytes() -> int:
     """MINIVLLM_CPU_KV_CACHE_SPACE GiB when set, else 4 GiB capped at a quarter of the RAM."""
     env = os.environ.get("MINIVLLM_CPU_KV_CACHE_SPACE")
@@ -400,7 +417,9 @@ class ModelRunner:
             budget = cpu_kv_budget_bytes()
         # Enough for every sequence at full length, within the memory budget.
         wanted = config.max_num_seqs * ceil_div(config.max_model_len, self.block_size)
-        num = min(wanted, budget // per_block)
+        granule = CUDA_SEGMENT_GRANULE if self.device.type == "cuda" else 1
+        num = min(wanted, kv_blocks_within(budget, per_block, 2 * self.params.config.num_layers,
+                                           granule))
         if num < 1:
             raise ValueError(f"no memory left for the KV cache (a block needs {per_block} bytes, "
                              f"the budget is {budget}); lower max_num_batched_tokens or raise "
@@ -438,6 +457,7 @@ class ModelRunner:
         if not self.enforce_eager:
             rows = [SeqChunk([0], 0, [0])] * config.max_num_seqs  # scratch's block 0 for all
             decode_graphs_peak = self._peak_bytes(lambda: self._run(scratch, StepInput(rows, [])))
+            decode_graphs_peak += CAPTURE_CODE_BYTES
         sampling_peak = max(self._peak_bytes(lambda: self._heaviest_sampling(dtype))
                             for dtype in self._sampled_dtypes())
         # Start-up leaves the blocks of every dtype's heaviest sampling in the allocator's cache,
