@@ -421,9 +421,10 @@ class ModelRunner:
         num = min(wanted, kv_blocks_within(budget, per_block, 2 * self.params.config.num_layers,
                                            granule))
         if num < 1:
-            raise ValueError(f"no memory left for the KV cache (a block needs {per_block} bytes, "
-                             f"the budget is {budget}); lower max_num_batched_tokens or raise "
-                             f"gpu_memory_utilization")
+            rounding = f", each of its tensors rounded up to {granule} bytes" if granule > 1 else ""
+            raise ValueError(f"no memory left for the KV cache (a block needs {per_block} bytes"
+                             f"{rounding}; the budget is {budget}); lower "
+                             f"max_num_batched_tokens or raise gpu_memory_utilization")
         log.info("minivllm KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s)", num,
                  self.block_size, num * self.block_size, num * per_block / GiB,
                  str(self.config.cache_dtype).removeprefix("torch."))
