@@ -71,6 +71,13 @@ def cpu_reference(device):
 def make_llm(path, device, **kw):
     kw.setdefault("num_kv_blocks", 64)
     kw.setdefault("attention_backend", cpu_reference(device))
+    if device.type == "cuda":
+        # Start-up captures a graph per decode bucket and prefill size: at the defaults (20
+        # buckets, five prefill graphs from 8,192 tokens) an engine took ~150 s to start on a
+        # fresh H200 machine, and this module never finished inside one device call. The tests
+        # run at most a few dozen sequences of a few dozen tokens.
+        kw.setdefault("max_num_seqs", 16)
+        kw.setdefault("max_num_batched_tokens", 512)
     return LLM(path, device=device, **kw)
 
 
@@ -164,8 +171,8 @@ def test_triton_backend_gives_identical_outputs(tiny_dir, device, prompts, refer
     if "triton" not in available_backends(device):
         pytest.skip("no Triton on this device")
     # Chunked prefill, prefix-cache hits and decode through the paged Triton kernels.
-    llm = LLM(tiny_dir, device=device, num_kv_blocks=32, block_size=8, max_num_batched_tokens=24,
-              attention_backend="triton")
+    llm = make_llm(tiny_dir, device, num_kv_blocks=32, block_size=8, max_num_batched_tokens=24,
+                   attention_backend="triton")
     shared = prompts[6][:20]
     picked = [prompts[4], shared + [1, 2], shared + [3]]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -183,8 +190,8 @@ def test_persistent_decode_gives_identical_outputs(tiny_dir, device, prompts, re
 
     if "triton" not in available_backends(device):
         pytest.skip("no Triton on this device")
-    llm = LLM(tiny_dir, device=device, num_kv_blocks=32, block_size=8, attention_backend="triton",
-              persistent_decode=True)
+    llm = make_llm(tiny_dir, device, num_kv_blocks=32, block_size=8, attention_backend="triton",
+                   persistent_decode=True)
     base = make_llm(tiny_dir, device, persistent_decode=False)
     for picked, params in (([prompts[4]], GREEDY),
                            ([prompts[1], prompts[5]], GREEDY),
