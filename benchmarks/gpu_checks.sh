@@ -13,6 +13,7 @@
 #       the throughput run with an fp8 cache: in 9968491)
 #   bash benchmarks/gpu_checks.sh fp8_ab  # nvidia-h200: throughput, bf16 and fp8 cache alternating
 #   bash benchmarks/gpu_checks.sh graph_tests  # nvidia-h200: test_gpu_memory.py, test_gpu_graphs.py
+#   bash benchmarks/gpu_checks.sh engine_tests  # nvidia-h200: test_engine.py on the GPU
 #   bash benchmarks/gpu_checks.sh memory  # nvidia-h200: test_gpu_memory.py with the runner's
 #       memory lines, then kv_budget_check.py with the prefill graphs on and off
 #   bash benchmarks/gpu_checks.sh rounding  # nvidia-h200: session 26's rounding fix in _norm_rope
@@ -250,6 +251,12 @@ prefill_default)
   # test_gpu_graphs.py and was still compiling test_engine.py's first engine at 400 s.
   STEP_LOG=$OUT/tests.txt step tests 400 python3 -m pytest $PYTEST_ARGS tests/test_gpu_graphs.py \
     tests/test_engine.py
+  ;;
+engine_tests)
+  # nvidia-h200 (<= 580 s): test_engine.py alone, its engines started small on CUDA since
+  # session 31 (16 sequences, 512 batched tokens); at the defaults its first engine was still
+  # compiling at 400 s on a fresh machine (sessions 28-29).
+  STEP_LOG=$OUT/tests.txt step tests 580 python3 -m pytest $PYTEST_ARGS tests/test_engine.py
   ;;
 kv_budget)
   # nvidia-h200 (<= 450 s on a fresh machine): the KV budget where it binds (utilization 0.3):
