@@ -1,6 +1,6 @@
 """On CUDA only: an engine whose KV cache is sized from free memory stays within
 gpu_memory_utilization, CUDA graphs, warm-up and the heaviest sampling included. Skipped without
-a GPU (the CPU's budget is a fixed share of RAM: runner.cpu_kv_budget_bytes)."""
+a GPU (the CPU's budget is a fixed share of RAM: memory.cpu_kv_budget_bytes)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.runtime.bench import device_peak_bytes
-from minivllm.runtime.runner import GiB, memory_owners
+from minivllm.runtime.memory import GiB, memory_owners
 
 from hf_tiny import make_hf_model, save_checkpoint
 

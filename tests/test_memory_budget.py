@@ -1,8 +1,8 @@
-"""How the runner sizes the KV cache from device memory (runtime/runner.py): the budget's
-arithmetic, the profiling step's shape, the start-up report that says when the budget's
-estimate fell short, and graphs.unowned, which lets the CUDA graphs' logits share their pool.
-Pure functions, checked on the CPU; the sizing itself runs on a GPU only
-(benchmarks/kv_budget_check.py, tests/test_gpu_graphs.py)."""
+"""How the runner sizes the KV cache from device memory (runtime/memory.py; the measuring in
+runtime/runner.py): the budget's arithmetic, the profiling step's shape, the start-up report
+that says when the budget's estimate fell short, and graphs.unowned, which lets the CUDA
+graphs' logits share their pool. Pure functions, checked on the CPU; the sizing itself runs on
+a GPU only (benchmarks/kv_budget_check.py, tests/test_gpu_graphs.py)."""
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minivllm.runtime.graphs import unowned
-from minivllm.runtime.runner import (GiB, allocator_pools, allocator_report, kv_blocks_within,
+from minivllm.runtime.memory import (GiB, allocator_pools, allocator_report, kv_blocks_within,
                                      kv_budget_bytes, profile_lengths, startup_memory_report)
 
 
@@ -118,7 +118,7 @@ def test_memory_owners_calls_the_snapshot_as_torch_declares_it(monkeypatch):
     raised on the H200 (session 31) and failed every engine's start-up."""
     import inspect
 
-    from minivllm.runtime import runner as runner_mod
+    from minivllm.runtime import memory
 
     signature = inspect.signature(torch.cuda.memory_snapshot)
 
@@ -129,8 +129,8 @@ def test_memory_owners_calls_the_snapshot_as_torch_declares_it(monkeypatch):
         return [{"total_size": GiB, "device": 1}, {"total_size": 3 * GiB, "device": 0}]
 
     monkeypatch.setattr(torch.cuda, "memory_snapshot", snapshot)
-    monkeypatch.setattr(runner_mod, "bytes_outside_allocator", lambda device: GiB // 2)
-    line = runner_mod.memory_owners(torch.device("cuda", 1))
+    monkeypatch.setattr(memory, "bytes_outside_allocator", lambda device: GiB // 2)
+    line = memory.memory_owners(torch.device("cuda", 1))
     assert "allocator pools default 1.000; outside the allocator 0.500" in line
 
 

@@ -42,7 +42,7 @@ def _kv_blocks(path: str, rank: int, world_size: int) -> int:
     """The KV cache size of the engine's runner when each rank may hold a different number of
     blocks (rank r: 10 * (r + 1) blocks' worth of memory): all must take the smallest."""
     from minivllm.runtime.config import EngineConfig
-    from minivllm.runtime.runner import kv_block_bytes
+    from minivllm.runtime.memory import kv_block_bytes
     from minivllm.runtime.worker import ShardRunner
 
     shard = ShardSpec(rank=rank, world_size=world_size, group=dist.group.WORLD)

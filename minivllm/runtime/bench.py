@@ -71,7 +71,7 @@ def device_peak_bytes(device: torch.device) -> int:
     """This device's peak use since torch.cuda.reset_peak_memory_stats: what the caching
     allocator does not hold (the CUDA context, loaded kernels, graph executables; it does not
     shrink, so it was there at the peak too) plus the allocator's own peak reserved."""
-    from .runner import bytes_outside_allocator  # here: the CLI imports bench to build its parser
+    from .memory import bytes_outside_allocator  # here: the CLI imports bench to build its parser
 
     return bytes_outside_allocator(device) + torch.cuda.max_memory_reserved(device)
 
