@@ -329,48 +329,61 @@ def token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """logits: [B, V] fp32 -> penalised logits, as vLLM applies them: the repetition penalty
-    divides positive (multiplies negative) logits of ids seen in the prompt or the output; then
-    the frequency penalty subtracts per output occurrence and the presence penalty once per id
-    present in the output. Banned ids go to -inf."""
-    vocab = logits.shape[-1]
+    """logits: [B, V] -> penalised logits, a new fp32 tensor, as vLLM applies them: the
+    repetition penalty divides positive (multiplies negative) logits of ids seen in the prompt
+    or the output; then the frequency penalty subtracts per output occurrence and the presence
+    penalty once per id present in the output. Banned ids go to -inf. Worked in place on one
+    copy: each [B, V] temporary is ~150 MB at 256 rows of a 151,936-id vocabulary, and the KV
+    budget sets the sampling's peak aside."""
+    x = logits.to(torch.float32, copy=True)
+    vocab = x.shape[-1]
     if sb.output_ids is not None:
         out_counts = token_counts(sb.output_ids, vocab)  # [B, V]
-        seen = out_counts > 0
-        if sb.prompt_ids is not None:
-            seen = seen | (token_counts(sb.prompt_ids, vocab) > 0)
+        in_output = out_counts > 0
+        seen = in_output if sb.prompt_ids is None else \
+            in_output | (token_counts(sb.prompt_ids, vocab) > 0)
         rep = sb.repetition_penalty[:, None]
-        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-        logits = logits - sb.frequency_penalty[:, None] * out_counts
-        logits = logits - sb.presence_penalty[:, None] * (out_counts > 0).float()
+        positive = x > 0
+        # x / rep where seen and positive, x * rep where seen and not: the out-of-place form's
+        # rounding (dividing or multiplying by 1 elsewhere is exact).
+        x.div_(torch.where(seen & positive, rep, 1.0))
+        x.mul_(torch.where(seen & ~positive, rep, 1.0))
+        del seen, positive
+        x.sub_(sb.frequency_penalty[:, None] * out_counts)
+        x.sub_(sb.presence_penalty[:, None] * in_output.float())
     if sb.banned_rows is not None:
-        logits = logits.index_put((sb.banned_rows, sb.banned_ids),
-                                  logits.new_full((), float("-inf")))
-    return logits
+        x.index_put_((sb.banned_rows, sb.banned_ids), x.new_full((), float("-inf")))
+    return x
 
 
 def truncated_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """Penalised logits [B, V] -> probabilities [B, V] after temperature, top-k, top-p and min-p
-    (a truncated row is renormalised only implicitly: sample() reads its CDF up to its total)."""
+    (a truncated row is renormalised only implicitly: sample() reads its CDF up to its total).
+    In place where a tensor is its own, for the peak's sake (apply_penalties says why)."""
     temp = torch.where(sb.temperature > 0, sb.temperature, torch.ones_like(sb.temperature))
     x = logits / temp[:, None]
     if sb.do_top_k or sb.do_top_p:
         vocab = x.shape[-1]
         # Stable sort: equal logits keep their id order, so truncation is deterministic.
         sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
+        del x  # its successor is allocated once top-p's temporaries are gone
         if sb.do_top_k:
-            rank = torch.arange(vocab, device=x.device)[None, :]
-            sorted_x = sorted_x.masked_fill(rank >= sb.top_k[:, None], float("-inf"))
+            rank = torch.arange(vocab, device=sorted_x.device)[None, :]
+            sorted_x.masked_fill_(rank >= sb.top_k[:, None], float("-inf"))
         if sb.do_top_p:
             p = torch.softmax(sorted_x, dim=-1)
             # Drop an id when the mass strictly before it already reaches top_p (the top one stays).
-            drop = (p.cumsum(dim=-1) - p) >= sb.top_p[:, None]
-            sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        x = torch.empty_like(x).scatter_(-1, order, sorted_x)
+            before = p.cumsum(dim=-1).sub_(p)
+            del p
+            sorted_x.masked_fill_(before >= sb.top_p[:, None], float("-inf"))
+            del before
+        x = torch.empty_like(sorted_x).scatter_(-1, order, sorted_x)
+        del sorted_x, order
     probs = torch.softmax(x, dim=-1)
+    del x
     if sb.do_min_p:
         floor = sb.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-        probs = probs.masked_fill(probs < floor, 0.0)
+        probs.masked_fill_(probs < floor, 0.0)
     return probs
 
 
@@ -417,6 +430,32 @@ def _gumbel_pass(logits: torch.Tensor, sb: SamplingBatch, kernel: bool) -> torch
     return gumbel_argmax_reference(logits, sb.temperature, sb.seeds, sb.steps)
 
 
+def _sample_ids(logits: torch.Tensor, sb: SamplingBatch, gumbel: bool, kernel: bool
+                ) -> torch.Tensor:
+    """[B, V] -> [B]: sample()'s tokens."""
+    vocab = logits.shape[-1]
+    # Without penalties the logits are read as they are (the kernel converts on the fly).
+    penalised = sb.output_ids is not None or sb.banned_rows is not None
+    x = apply_penalties(logits, sb) if penalised else logits
+    if sb.all_greedy:
+        return x.argmax(dim=-1)
+    inverse_cdf_all = sb.all_truncated or not gumbel
+    inverse_cdf_any = sb.any_truncated or not gumbel
+    # Greedy rows take the arg-max inside the Gumbel pass (their noise is off).
+    direct = None if inverse_cdf_all else _gumbel_pass(x, sb, kernel)
+    if not inverse_cdf_any:
+        return direct
+    drawn = sample_from_probs(truncated_probs(x.float(), sb),
+                              uniform_from_counter(sb.seeds, sb.steps))
+    if direct is not None:
+        # A mixed batch computes both and picks per row, so that a row's token does not depend
+        # on what the other rows ask for.
+        return torch.where(truncated_rows(sb, vocab), drawn, direct)
+    if sb.any_greedy:
+        return torch.where(sb.temperature > 0, drawn, x.argmax(dim=-1))
+    return drawn
+
+
 def sample(logits: torch.Tensor, sb: SamplingBatch, *, gumbel: bool = True,
            kernel: bool | None = None) -> SampleOutput:
     """logits: [B, V] (fp32, or bf16 / fp16) -> one token per row under that row's parameters
@@ -428,36 +467,12 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, *, gumbel: bool = True,
     Gumbel path (for benchmarks and tests). Which stages run is decided by sb's static flags and
     these arguments only, never by tensor values: no host sync, fit for torch.compile and CUDA
     graphs."""
-    raw = logits
-    vocab = logits.shape[-1]
     if kernel is None:
         kernel = logits.is_cuda
-    # Without penalties the logits are read as they are (the kernel converts on the fly).
-    penalised = sb.output_ids is not None or sb.banned_rows is not None
-    x = apply_penalties(logits.float(), sb) if penalised else logits
-    if sb.all_greedy:
-        token_ids = x.argmax(dim=-1)
-    else:
-        inverse_cdf_all = sb.all_truncated or not gumbel
-        inverse_cdf_any = sb.any_truncated or not gumbel
-        # Greedy rows take the arg-max inside the Gumbel pass (their noise is off).
-        direct = None if inverse_cdf_all else _gumbel_pass(x, sb, kernel)
-        if inverse_cdf_any:
-            probs = truncated_probs(x.float(), sb)
-            drawn = sample_from_probs(probs, uniform_from_counter(sb.seeds, sb.steps))
-            if direct is not None:
-                # A mixed batch computes both and picks per row, so that a row's token does not
-                # depend on what the other rows ask for.
-                token_ids = torch.where(truncated_rows(sb, vocab), drawn, direct)
-            elif sb.any_greedy:
-                token_ids = torch.where(sb.temperature > 0, drawn, x.argmax(dim=-1))
-            else:
-                token_ids = drawn
-        else:
-            token_ids = direct
+    token_ids = _sample_ids(logits, sb, gumbel, kernel)  # its [B, V] temporaries freed by now
     if sb.num_logprobs < 0:
         return SampleOutput(token_ids=token_ids)
-    logprobs = torch.log_softmax(raw.float(), dim=-1)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, token_ids[:, None])  # [B, 1]
     ranks = (logprobs > chosen).sum(dim=-1) + 1
     n = min(sb.num_logprobs, logprobs.shape[-1])
