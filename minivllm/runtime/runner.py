@@ -32,15 +32,14 @@ from ..state.params import Params, random_params
 from ..state.shard import ShardSpec
 from .config import EngineConfig, is_random_model
 from .graphs import DecodeGraphs
-from .prefill_graph import PrefillGraph, prefill_graph_sizes
 from .memory import (CAPTURE_CODE_BYTES, CUDA_SEGMENT_GRANULE, GiB, bytes_outside_allocator,
                      cpu_kv_budget_bytes, device_bytes_in_use, kv_block_bytes,
                      kv_blocks_within, kv_budget_bytes, memory_owners, profile_lengths,
                      startup_memory_report)
+from .prefill_graph import PrefillGraph, prefill_graph_sizes
 from .warmup import warm_up_kernels
 
 log = logging.getLogger("minivllm")
-
 
 
 def trace_range(name: str):
