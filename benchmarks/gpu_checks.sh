@@ -294,7 +294,9 @@ memory)
   # before start-up left the heaviest sampling's blocks in the allocator's cache.
   # Session 31's call 1 found 62f4490's start-up failing on memory_snapshot(device) and the
   # sampling blocks reserving 1.97 GiB against the 1.59 set aside; call 2 the cache 0.08-0.10 GiB
-  # past its bytes (2 MiB segments) and the decode graphs loading 0.086 GiB of code.
+  # past its bytes (2 MiB segments) and the decode graphs loading 0.086 GiB of code; all three
+  # within the limit at b07b437. Since d4a6695 the sampler works in place (~6 [B, V] fp32
+  # temporaries against 8.6 counted on the CPU): the probe's figures measure it on the GPU.
   step sampling_blocks 60 python3 benchmarks/sampling_blocks_probe.py
   STEP_LOG=$OUT/tests.txt step memory_test 230 python3 -m pytest $PYTEST_ARGS -o log_cli=true \
     --log-cli-level=INFO tests/test_gpu_memory.py
