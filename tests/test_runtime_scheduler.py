@@ -96,19 +96,26 @@ class SchedulerMachine(RuleBasedStateMachine):
         return ids
 
     def _step(self):
+        was_running = {s.seq_id for s in self.sched.running}
         out = self.sched.schedule()
         self.steps += 1
         assert out.chunks or self.in_flight, "nothing scheduled while requests wait"
+        assert out.num_tokens == sum(c.num_tokens for c in out.chunks)
         assert out.num_tokens <= self.sched.max_num_batched_tokens
+        # What the engine's statistics read: every chunk with a prompt token or a recomputed one.
+        assert out.prefills == [c for c in out.chunks if c.start < c.seq.prompt_len
+                                or c.num_tokens > 1]
         assert len(out.chunks) <= self.sched.max_num_seqs
         assert len({c.seq.seq_id for c in out.chunks}) == len(out.chunks)
         for c in out.chunks:
             assert c.seq.status is Status.RUNNING
             assert len(c.seq.block_table) * BS >= c.start + c.num_tokens
         # The step opens with its decodes, oldest first or longest context first (ties: oldest).
+        # A sequence admitted this step comes after them, even when the prefix cache leaves it one
+        # token to compute.
         lead = []
         for c in out.chunks:
-            if c.start != len(c.seq.token_ids) - 1:
+            if c.start != len(c.seq.token_ids) - 1 or c.seq.seq_id not in was_running:
                 break
             lead.append((-len(c.seq.token_ids) if self.longest_first else 0, c.seq.seq_id))
         assert lead == sorted(lead), lead

@@ -352,7 +352,7 @@ class LLMEngine:
         s.prompt_tokens_cached = self.scheduler.num_prompt_tokens_cached
         s.max_step_tokens = max(s.max_step_tokens, out.num_tokens)
         s.max_step_seqs = max(s.max_step_seqs, len(out.chunks))
-        for c in out.chunks:
+        for c in out.prefills:  # a decode adds to neither count
             end = c.start + c.num_tokens
             s.prompt_tokens_computed += max(0, min(end, c.seq.prompt_len) - c.start)
             # Generated positions before the step's last token were computed before a preemption.

@@ -52,21 +52,24 @@ class ScheduledChunk(NamedTuple):
 @dataclass
 class SchedulerOutput:
     """chunks: the step's chunks in batch order; sampled: those that get a sampled token (want
-    logits), in the order of the step's logits rows, kept as they are added (Scheduler._schedule)
-    since the engine reads them several times per step."""
+    logits), in the order of the step's logits rows; prefills: those that compute prompt tokens
+    or more than one token (a decode computes one generated token: the statistics that count
+    prompt and recomputed tokens skip it); num_tokens: the chunks' tokens. All kept as chunks
+    are added (Scheduler._schedule), since the engine reads them every step."""
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     sampled: list[ScheduledChunk] = field(default_factory=list)
+    prefills: list[ScheduledChunk] = field(default_factory=list)
+    num_tokens: int = 0
 
     def add(self, chunk: ScheduledChunk) -> None:
         self.chunks.append(chunk)
+        self.num_tokens += chunk.num_tokens
         if chunk.want_logits:
             self.sampled.append(chunk)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        if chunk.num_tokens > 1 or chunk.start < chunk.seq.prompt_len:
+            self.prefills.append(chunk)
 
     @property
     def empty(self) -> bool:
