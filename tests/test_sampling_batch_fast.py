@@ -1,10 +1,14 @@
-"""make_sampling_batch reads its flags off numpy reductions: they must equal the per-row rules."""
+"""make_sampling_batch reads its flags off numpy reductions: they must equal the per-row rules;
+with_steps and the runner's reuse of the last batch must equal a batch made afresh."""
 
 import random
 
+import attrs
+import pytest
 import torch
 
-from minivllm.functional.sampling import SamplingRow, make_sampling_batch
+from minivllm.functional.sampling import SamplingRow, make_sampling_batch, with_steps
+from minivllm.runtime.runner import StepInput
 
 
 def _row(rng: random.Random) -> SamplingRow:
@@ -63,3 +67,58 @@ def test_every_column_starts_16_byte_aligned_whatever_the_batch(device):
         assert sb.steps.tolist() == list(range(b))
         assert sb.top_k.tolist() == [r + 1 for r in range(b)]
         assert sb.temperature.tolist() == [0.5 + r for r in range(b)]
+
+
+def _batches_equal(a, b) -> bool:
+    for name in attrs.fields_dict(type(a)):
+        x, y = getattr(a, name), getattr(b, name)
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if x is None or y is None or not torch.equal(x, y):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def test_with_steps_equals_a_batch_made_at_those_steps():
+    rng = random.Random(1)
+    for _ in range(100):
+        rows = [_row(rng) for _ in range(rng.randint(1, 9))]
+        steps = [rng.randrange(1000) for _ in rows]
+        old = make_sampling_batch(rows, vocab_size=50, steps=[0] * len(rows))
+        new = with_steps(old, steps)
+        assert _batches_equal(new, make_sampling_batch(rows, vocab_size=50, steps=steps))
+        assert new.steps.data_ptr() % 16 == 0
+        assert old.steps.tolist() == [0] * len(rows)  # the old batch is left as it was
+    with pytest.raises(ValueError, match="2 steps for 3 rows"):
+        with_steps(make_sampling_batch(rows[:1] * 3, vocab_size=50), [1, 2])
+
+
+def test_the_runner_sends_only_steps_when_a_step_samples_the_very_same_rows(monkeypatch):
+    """ModelRunner._sampling_batch: the same row objects in the same order reuse the last batch
+    (with_steps); a new row, another order or a row count that differs builds a new one."""
+    from types import SimpleNamespace
+
+    from minivllm.runtime import runner as runner_mod
+
+    built = []
+
+    def make(rows, **kw):
+        built.append(len(rows))
+        return make_sampling_batch(rows, **kw)
+
+    monkeypatch.setattr(runner_mod, "make_sampling_batch", make)
+    runner = SimpleNamespace(last_sampling=None, vocab_size=50, device=torch.device("cpu"))
+    batch_for = runner_mod.ModelRunner._sampling_batch.__get__(runner)
+    a, b, c = (SamplingRow(temperature=0.5, seed=s) for s in (1, 2, 3))
+    cases = [([a, b], [0, 0], True), ([a, b], [1, 1], False), ([a, b], [2, 3], False),
+             ([b, a], [3, 2], True), ([b, a, c], [4, 3, 0], True), ([b, a, c], [5, 4, 1], False),
+             ([b, a, SamplingRow(temperature=0.5, seed=3)], [6, 5, 2], True), ([b], [7], True)]
+    for rows, steps, builds in cases:
+        n = len(built)
+        sb = batch_for(StepInput([], list(rows), (), tuple(steps)))
+        assert (len(built) > n) == builds, (rows, steps)
+        assert _batches_equal(sb, make_sampling_batch(rows, vocab_size=50, steps=steps))
+    n = len(built)
+    batch_for(StepInput([], [b], (), None))  # no steps column: the rows' own, always built
+    assert len(built) == n + 1

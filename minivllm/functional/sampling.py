@@ -304,6 +304,18 @@ def make_sampling_batch(rows: Sequence[SamplingRow], *, vocab_size: int, device=
     )
 
 
+def with_steps(sb: SamplingBatch, steps: Sequence[int], device=None) -> SamplingBatch:
+    """sb for the same rows at other steps: only the steps column is sent (make_sampling_batch
+    costs ~0.3 ms at 256 rows on the host; a decode step that samples the same rows as the last
+    one needs only this). sb's other tensors are shared, never written."""
+    if len(steps) != sb.steps.shape[0]:
+        raise ValueError(f"{len(steps)} steps for {sb.steps.shape[0]} rows")
+    b = len(steps)
+    column = np.zeros(b + (-b % 4), dtype=np.int64)  # padded as in make_sampling_batch
+    column[:b] = steps
+    return attrs.evolve(sb, steps=_to_device(torch.from_numpy(column), device)[:b])
+
+
 # ----------------------------------------------------------------------------------------------
 # The sampler.
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import operator
 import os
 import time
 from dataclasses import dataclass
@@ -21,8 +22,8 @@ import torch
 from torch.profiler import record_function
 
 from ..functional.model import forward
-from ..functional.sampling import (SampleOutput, SamplingRow, make_sampling_batch, plain_greedy,
-                                  sample)
+from ..functional.sampling import (SampleOutput, SamplingBatch, SamplingRow, make_sampling_batch,
+                                  plain_greedy, sample, with_steps)
 from ..kernels import select_backend
 from ..state.batch import SeqChunk, decode_rows, make_batch
 from ..state.cache import init_cache
@@ -153,6 +154,7 @@ class ModelRunner:
         self.device = self.params.device
         self.backend = select_backend(self.device, config.attention_backend, config.cache_dtype)
         self.enforce_eager = config.enforce_eager
+        self.last_sampling = None  # (rows, SamplingBatch) of the last step that sampled
         self.prefill_forward = forward  # see _compile_and_capture
         self.small_decode_forward, self.small_decode_rows = None, 0  # ditto (persistent_decode)
         self.use_prefill_graphs = self._wants_prefill_graphs(config)
@@ -422,8 +424,7 @@ class ModelRunner:
     def _run(self, cache, step: StepInput):
         batch = make_batch(step.chunks, block_size=self.block_size, device=self.device)
         # Built before the forward is queued, for the same reason as in _run_decode_graph.
-        sb = make_sampling_batch(step.rows, vocab_size=self.vocab_size, device=self.device,
-                                 steps=step.steps) if step.rows else None
+        sb = self._sampling_batch(step) if step.rows else None
         self._feed_back(batch.input_ids, step)
         fn = self.prefill_forward
         if self.small_decode_forward is not None and batch.is_decode and \
@@ -447,8 +448,7 @@ class ModelRunner:
             rows = decode_rows(step.chunks, self.block_size)
             # The sampling batch's copies go first: queued behind the replay, copies from pageable
             # memory would make the host wait for the whole forward before sampling could start.
-            sb = None if greedy else make_sampling_batch(
-                step.rows, vocab_size=self.vocab_size, device=self.device, steps=step.steps)
+            sb = None if greedy else self._sampling_batch(step)
             # After a step that took the graph's pick, the pick is in the input ids already:
             # when every row's token comes back to its own row, they need no copy.
             keep_ids = ids_in_graph and len(step.fed_back) == b and \
@@ -464,6 +464,20 @@ class ModelRunner:
         with trace_range("sample"):
             return sample(logits, sb)
 
+    def _sampling_batch(self, step: StepInput) -> SamplingBatch:
+        """The step's sampling batch. When its rows are the very objects of the last batch's, in
+        order (the engine reuses a sequence's row while only its step changes: most decode steps
+        of a steady batch), that batch with its steps sent anew (with_steps)."""
+        rows, last = step.rows, self.last_sampling
+        if step.steps is not None and last is not None and len(last[0]) == len(rows) and \
+                all(map(operator.is_, last[0], rows)):
+            sb = with_steps(last[1], step.steps, self.device)
+        else:
+            sb = make_sampling_batch(rows, vocab_size=self.vocab_size, device=self.device,
+                                     steps=step.steps)
+        self.last_sampling = (rows, sb)
+        return sb
+
     def _prefill_graph_for(self, step: StepInput) -> PrefillGraph | None:
         """The smallest prefill graph the step fits (None: run it through the compiled forward)."""
         for graph in reversed(self.prefill_graphs):
@@ -475,8 +489,7 @@ class ModelRunner:
         """A step with prompt tokens replayed from a prefill graph, padded to its shape."""
         with trace_range("prepare_prefill"):
             # Before the replay, as in _run_decode_graph: the sampling batch's copies.
-            sb = make_sampling_batch(step.rows, vocab_size=self.vocab_size, device=self.device,
-                                     steps=step.steps) if step.rows else None
+            sb = self._sampling_batch(step) if step.rows else None
             n = graph.fill(step.chunks)
             self._feed_back(graph.batch.input_ids, step)
         with trace_range("replay"):
