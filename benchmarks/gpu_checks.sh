@@ -272,10 +272,14 @@ fp8_ab)
   # nvidia-h200 (~170 s for the first run on a fresh machine, ~60 s each after): the throughput
   # run with a bf16 and an fp8 KV cache, alternating (session 29's one fp8 run, 28,807 tok/s on a
   # fresh machine, had no bf16 run beside it; sessions 14-15 measured 29,800-30,800).
+  # Every run records its steps: step_floor.py splits them into host work and waiting (session
+  # 31: the fp8 run at 41% of its floor is likely bound by the host at large batches).
   for run in ${RUNS:-1_bf16 2_fp8 3_bf16 4_fp8}; do
-    dtype=auto; [ "${run##*_}" = fp8 ] && dtype=fp8
+    dtype=auto kv_bytes=2; [ "${run##*_}" = fp8 ] && dtype=fp8 kv_bytes=1
     step "bench_$run" 250 python3 -m minivllm bench --shape qwen3-0.6b --kv-cache-dtype $dtype \
-      --json "$RESULTS/bench_$run.json"
+      --json "$RESULTS/bench_$run.json" --step-times "$OUT/steps_$run.json"
+    python3 benchmarks/step_floor.py "$OUT/steps_$run.json" --kv-bytes $kv_bytes | \
+      tee -a "$OUT/logs.txt"
   done
   ;;
 graph_tests)

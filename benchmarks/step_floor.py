@@ -76,12 +76,15 @@ def main():
     ap.add_argument("steps")
     ap.add_argument("--shape", default="qwen3-0.6b")
     ap.add_argument("--tb-s", type=float, default=4.24, help="copy bandwidth, TB/s")
+    ap.add_argument("--kv-bytes", type=int, default=2, help="bytes a cached K or V element takes "
+                    "(2: bf16, 1: fp8)")
     args = ap.parse_args()
     with (gzip.open if args.steps.endswith(".gz") else open)(args.steps, "rt") as f:
         records = json.load(f)
     config = config_for_shape(args.shape)
     prompts, max_tokens = throughput_workload()
-    floors = step_floors(records, [len(p) for p in prompts], max_tokens, kv_bytes_per_token(config),
+    floors = step_floors(records, [len(p) for p in prompts], max_tokens,
+                         kv_bytes_per_token(config, args.kv_bytes),
                          weight_bytes(config), args.tb_s * 1e12)
     print(f"{'sequences':>10} {'steps':>6} {'measured s':>11} {'floor s':>8} {'of floor':>9} "
           f"{'lost ms/step':>13} {'waiting':>8}")
