@@ -39,7 +39,7 @@ def hf_greedy(model, prompt, n):
 
 def eager_graphs(llm, greedy_rows: int, monkeypatch, head_picks: bool = True) -> dict:
     """Give llm's runner DecodeGraphs whose replay runs the captured function eagerly; count the
-    replays and the sampling batches built. head_picks: the pick's first half in the head's
+    replays and the sampling batches made. head_picks: the pick's first half in the head's
     kernel (kernels.decode_head), else after the logits (sample_kernel.greedy_argmax)."""
     runner = llm.engine.runner
     graphs = DecodeGraphs(runner.params, runner.cache, runner.backend, max_num_seqs=4,
@@ -54,14 +54,17 @@ def eager_graphs(llm, greedy_rows: int, monkeypatch, head_picks: bool = True) ->
 
     graphs.replay = replay
     runner.graphs = graphs
-    make = runner_module.make_sampling_batch
+    # A step's sampling batch is built afresh, or the last one's with new steps (with_steps).
+    for name in ("make_sampling_batch", "with_steps"):
+        monkeypatch.setattr(runner_module, name, counting(getattr(runner_module, name), counts))
+    return counts
 
+
+def counting(make, counts: dict):
     def counting_make(*args, **kw):
         counts["sampling_batches"] += 1
         return make(*args, **kw)
-
-    monkeypatch.setattr(runner_module, "make_sampling_batch", counting_make)
-    return counts
+    return counting_make
 
 
 @pytest.mark.parametrize("async_scheduling, head_picks", [(True, True), (False, True),
