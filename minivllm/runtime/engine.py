@@ -252,19 +252,22 @@ class LLMEngine:
         The chunks hold the sequences' live block tables, not copies: the runner consumes a
         StepInput before launch() / execute() return (see StepInput), and tables change only
         after that, when the next step is scheduled."""
-        chunks = [SeqChunk(c.token_ids, c.start, c.seq.block_table, c.want_logits)
-                  for c in out.chunks]
-        sampled = out.sampled
-        rows = [self._sampling_row(c.seq) for c in sampled]
-        steps = tuple([c.seq.num_output for c in sampled])
+        # Runs for each sequence each step: chunks unpacked, properties read as what they compute.
+        chunks = [SeqChunk(seq.token_ids[start:start + n], start, seq.block_table, want)
+                  for seq, start, n, want in out.chunks]
+        sampled = [c.seq for c in out.sampled]
+        # A sequence's kept row is reusable for good: only plain rows are kept (_sampling_row).
+        rows = [row if (row := seq.sampling_row) is not None else self._sampling_row(seq)
+                for seq in sampled]
+        steps = tuple([len(seq.token_ids) - seq.prompt_len for seq in sampled])  # num_output
         fed_back = []
         if prev is not None:
-            prev_row = {c.seq.seq_id: r for r, c in enumerate(prev.sampled)}
+            prev_row = {c.seq: r for r, c in enumerate(prev.sampled)}
             offset = 0
-            for c in out.chunks:
-                offset += c.num_tokens
-                if c.seq.num_pending and c.start + c.num_tokens == c.seq.num_tokens:
-                    fed_back.append((offset - 1, prev_row[c.seq.seq_id]))
+            for seq, start, n, _ in out.chunks:
+                offset += n
+                if seq.num_pending and start + n == len(seq.token_ids):
+                    fed_back.append((offset - 1, prev_row[seq]))
         return StepInput(chunks, rows, tuple(fed_back), steps)
 
     def step(self, *, unfinished: bool = True) -> list[RequestOutput]:

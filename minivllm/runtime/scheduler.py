@@ -183,16 +183,19 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
 
-        # 1. Running sequences: decodes first, then chunks of unfinished prefills.
+        # 1. Running sequences: decodes first, then chunks of unfinished prefills. (This loop runs
+        # for each sequence each step: what it calls is looked up once.)
+        running, max_model_len, can_allocate = Status.RUNNING, self.max_model_len, \
+            self.bm.can_allocate
         for seq in sorted(self.running, key=self._sort_key):
             if budget == 0:
                 break
-            if seq.status is not Status.RUNNING:  # preempted earlier in this loop
+            if seq.status is not running:  # preempted earlier in this loop
                 continue
-            if seq.num_pending and stop_by_count(seq, self.max_model_len):
+            if seq.num_pending and stop_by_count(seq, max_model_len):
                 continue  # its pending token is its last
-            n = min(seq.num_uncomputed, budget)
-            while not self.bm.can_allocate(seq, seq.num_computed + n):
+            n = min(len(seq.token_ids) - seq.num_computed, budget)  # num_uncomputed
+            while not can_allocate(seq, seq.num_computed + n):
                 victim = max((s for s in self.running if s.seq_id not in scheduled),
                              key=lambda s: s.seq_id)
                 self._preempt(victim)
@@ -226,10 +229,11 @@ class Scheduler:
         return out
 
     def _schedule(self, out: SchedulerOutput, seq: Sequence, start: int, n: int) -> None:
-        self.bm.allocate(seq, start + n)
+        end, num_tokens = start + n, len(seq.token_ids)
+        self.bm.allocate(seq, end)
         # A block's hash covers its ids: a block holding a pending token waits for a later step.
-        self.bm.register_full_blocks(seq, min(start + n, seq.num_tokens - seq.num_pending))
-        out.add(ScheduledChunk(seq, start, n, start + n == seq.num_tokens))
+        self.bm.register_full_blocks(seq, min(end, num_tokens - seq.num_pending))
+        out.add(ScheduledChunk(seq, start, n, end == num_tokens))
 
     def advance(self, out: SchedulerOutput) -> None:
         """The first half of recording a launched step: its tokens are computed, and each sampled
