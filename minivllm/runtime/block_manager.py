@@ -101,6 +101,8 @@ class BlockManager:
 
     def can_allocate(self, seq: Sequence, num_tokens: int, hits: Iterable[int] = ()) -> bool:
         """Whether seq's table can grow to hold `num_tokens` tokens (taking `hits` first)."""
+        if len(seq.block_table) * self.block_size >= num_tokens:
+            return True  # it holds them already: most decode steps
         need = self.blocks_for(num_tokens) - len(seq.block_table)
         if not hits:  # a running sequence growing (every step, for each): nothing to count
             return need <= len(self.free)
