@@ -22,9 +22,7 @@ import torch
 
 from minivllm.runtime.bench import device_peak_bytes, run_throughput
 from minivllm.runtime.llm import LLM
-from minivllm.runtime.memory import memory_owners
-
-GiB = 1 << 30
+from minivllm.runtime.memory import GiB, memory_owners
 
 
 def main() -> int:

@@ -13,15 +13,14 @@ import itertools
 
 import torch
 
-from minivllm.functional.sampling import SamplingRow, make_sampling_batch, sample
+from minivllm.functional.sampling import make_sampling_batch, sample
+from minivllm.runtime.runner import heaviest_row
 
 GiB = 1 << 30
 
 
 def heaviest(rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> None:
-    row = SamplingRow(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, presence_penalty=0.5,
-                      frequency_penalty=0.5, repetition_penalty=1.1, output_ids=(0,),
-                      prompt_ids=(0,), banned_ids=(0,), logprobs=20)
+    row = heaviest_row(max_logprobs=20)  # the engine's default max_logprobs
     with torch.no_grad():
         sample(torch.zeros(rows, vocab, device=device, dtype=dtype),
                make_sampling_batch([row] * rows, vocab_size=vocab, device=device))

@@ -218,6 +218,12 @@ _FLOAT_FIELDS = operator.attrgetter("temperature", "top_p", "min_p", "presence_p
                                     "frequency_penalty", "repetition_penalty")
 
 
+def _aligned_width(b: int) -> int:
+    """B padded to a multiple of 4 entries: each [B] column of a SamplingBatch then starts 16-byte
+    aligned (make_sampling_batch says why)."""
+    return b + (-b % 4)
+
+
 def make_sampling_batch(rows: Sequence[SamplingRow], *, vocab_size: int, device=None,
                         steps: Sequence[int] | None = None) -> SamplingBatch:
     """Pack per-row parameters into a SamplingBatch (built on the host, then moved to `device`).
@@ -268,7 +274,7 @@ def make_sampling_batch(rows: Sequence[SamplingRow], *, vocab_size: int, device=
     # Each field's row is padded to a multiple of 4 entries, so that every view starts 16-byte
     # aligned whatever B: Triton compiles a kernel variant per pointer alignment, and an odd B
     # made the sampler compile one mid-serving (0.2-0.7 s each, 4 times in the H200 benchmark).
-    width = b + (-b % 4)
+    width = _aligned_width(b)
     floats = np.zeros((6, width), dtype=np.float32)
     floats[:, :b] = f64.T
     floats = _to_device(torch.from_numpy(floats), device)[:, :b]
@@ -311,7 +317,7 @@ def with_steps(sb: SamplingBatch, steps: Sequence[int], device=None) -> Sampling
     if len(steps) != sb.steps.shape[0]:
         raise ValueError(f"{len(steps)} steps for {sb.steps.shape[0]} rows")
     b = len(steps)
-    column = np.zeros(b + (-b % 4), dtype=np.int64)  # padded as in make_sampling_batch
+    column = np.zeros(_aligned_width(b), dtype=np.int64)
     column[:b] = steps
     return attrs.evolve(sb, steps=_to_device(torch.from_numpy(column), device)[:b])
 

@@ -138,6 +138,15 @@ def _logged_time(what: str):
     log.info("minivllm: %s took %.1f s", what, time.perf_counter() - start)
 
 
+def heaviest_row(max_logprobs: int) -> SamplingRow:
+    """The heaviest sampling row serving can ask for, every stage on: the penalties (with their
+    [rows, vocab] counts), banned ids, the sort for top-k / top-p, min-p and the most logprobs.
+    The KV budget sets aside what max_num_seqs of them take."""
+    return SamplingRow(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, presence_penalty=0.5,
+                       frequency_penalty=0.5, repetition_penalty=1.1, output_ids=(0,),
+                       prompt_ids=(0,), banned_ids=(0,), logprobs=max_logprobs)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, *, shard: ShardSpec | None = None,
                  params: Params | None = None):
@@ -338,13 +347,11 @@ class ModelRunner:
             rows = [SeqChunk([0], 0, [0])] * config.max_num_seqs  # scratch's block 0 for all
             decode_graphs_peak = self._peak_bytes(lambda: self._run(scratch, StepInput(rows, [])))
             decode_graphs_peak += CAPTURE_CODE_BYTES
-        sampling_peak = max(self._peak_bytes(lambda: self._heaviest_sampling(dtype))
-                            for dtype in self._sampled_dtypes())
         # Start-up leaves the blocks of every dtype's heaviest sampling in the allocator's cache,
         # and they reserve more than sampling's allocated peak (1.97 GiB against 1.59 at 256
         # rows of 151,936 on the H200, session 31): a freed block too small for a later request
         # stays, and the allocator cuts a new one beside it.
-        sampling_blocks = self._reserved_growth(self._sampling_blocks)
+        sampling_peak, sampling_blocks = self._sampling_footprint()
         del scratch
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
@@ -360,9 +367,9 @@ class ModelRunner:
 
     def _sampled_dtypes(self) -> tuple[torch.dtype, ...]:
         """The logits dtypes serving samples: fp32 from model.head, the activation dtype from the
-        compiled forward's head. Sampling copies the latter to fp32 for the truncation and for
-        the logprobs, so its peak is the larger (1.52 GiB against 1.45 at 256 rows of 151,936
-        on the H200, session 30)."""
+        compiled forward's head. Each leaves blocks of other sizes in the allocator's cache, and
+        fp32 first reserves the least (1.97 GiB against 2.05 with bf16 first, at 256 rows of
+        151,936 on the H200: benchmarks/sampling_blocks_probe.py, session 31)."""
         return tuple(dict.fromkeys((torch.float32, self.params.dtype)))
 
     def _sampling_blocks(self) -> None:
@@ -372,25 +379,25 @@ class ModelRunner:
             self._heaviest_sampling(dtype)
 
     def _heaviest_sampling(self, dtype: torch.dtype) -> SampleOutput:
-        """Sample max_num_seqs rows of `dtype` logits with every stage on: the penalties, the
-        sort for top-k / top-p, min-p and the largest logprobs."""
-        rows = [SamplingRow(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05,
-                            presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
-                            output_ids=(0,), prompt_ids=(0,), banned_ids=(0,),
-                            logprobs=self.config.max_logprobs)] * self.config.max_num_seqs
+        """Sample max_num_seqs rows of `dtype` logits with every stage on (heaviest_row)."""
+        rows = [heaviest_row(self.config.max_logprobs)] * self.config.max_num_seqs
         with torch.no_grad():
             return sample(torch.zeros(len(rows), self.vocab_size, device=self.device, dtype=dtype),
                           make_sampling_batch(rows, vocab_size=self.vocab_size,
                                               device=self.device))
 
-    def _reserved_growth(self, run) -> int:
-        """The bytes the caching allocator reserves anew for `run()`, from an emptied cache."""
+    def _sampling_footprint(self) -> tuple[int, int]:
+        """_sampling_blocks from an emptied cache, as start-up runs it: (bytes allocated at its
+        peak, bytes the caching allocator reserved anew)."""
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
-        before = torch.cuda.memory_reserved(self.device)
-        run()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        allocated = torch.cuda.memory_allocated(self.device)
+        reserved = torch.cuda.memory_reserved(self.device)
+        self._sampling_blocks()
         torch.cuda.synchronize(self.device)
-        return torch.cuda.memory_reserved(self.device) - before
+        return (torch.cuda.max_memory_allocated(self.device) - allocated,
+                torch.cuda.memory_reserved(self.device) - reserved)
 
     def _peak_bytes(self, run) -> int:
         """The bytes `run()` allocates at its peak beyond what was allocated before it."""
