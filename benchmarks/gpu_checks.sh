@@ -12,6 +12,8 @@
 #       utilization 0.3 stays under it, prefill graphs on and off (session 29's call 3 also ran
 #       the throughput run with an fp8 cache: in 9968491)
 #   bash benchmarks/gpu_checks.sh fp8_ab  # nvidia-h200: throughput, bf16 and fp8 cache alternating
+#   OLD=dbg/old bash benchmarks/gpu_checks.sh host_ab  # nvidia-h200: throughput against OLD
+#       (6d90a5a: before session 31's host cuts), bf16, steps timed; an fp8 run; test_engine.py
 #   bash benchmarks/gpu_checks.sh graph_tests  # nvidia-h200: test_gpu_memory.py, test_gpu_graphs.py
 #   bash benchmarks/gpu_checks.sh engine_tests  # nvidia-h200: test_engine.py on the GPU
 #   bash benchmarks/gpu_checks.sh memory  # nvidia-h200: test_gpu_memory.py with the runner's
@@ -255,7 +257,8 @@ prefill_default)
 engine_tests)
   # nvidia-h200 (<= 580 s): test_engine.py alone, its engines started small on CUDA since
   # session 31 (16 sequences, 512 batched tokens); at the defaults its first engine was still
-  # compiling at 400 s on a fresh machine (sessions 28-29).
+  # compiling at 400 s on a fresh machine (sessions 28-29); small, its first 8 tests took the
+  # 580 s (session 32), after which its engines run eagerly on CUDA but the first test's.
   STEP_LOG=$OUT/tests.txt step tests 580 python3 -m pytest $PYTEST_ARGS tests/test_engine.py
   ;;
 kv_budget)
@@ -281,6 +284,31 @@ fp8_ab)
     python3 benchmarks/step_floor.py "$OUT/steps_$run.json" --kv-bytes $kv_bytes | \
       tee -a "$OUT/logs.txt"
   done
+  ;;
+host_ab)
+  # nvidia-h200 (<= 590 s on a fresh machine): session 31's host cuts (b3a39c9 .. 1daf157:
+  # host_cost.py ~30% fewer ms a step at 256 rows on the CPU machine) against OLD (their parent
+  # 6d90a5a, unpacked: git archive 6d90a5a | tar -x -C dbg/old), bf16, alternating, every run's
+  # steps split into host work and waiting by step_floor.py; one fp8 run of this tree between
+  # them; then test_engine.py (eager engines on CUDA since session 32) for the time left.
+  if [ ! -d "${OLD:-}/minivllm" ]; then
+    echo "host_ab: set OLD to an unpacked tree to compare against (OLD=dbg/old)" >&2
+    exit 2
+  fi
+  OLD=$(cd "$OLD" && pwd) NEW=$PWD
+  for run in ${RUNS:-1_new_bf16 2_old_bf16 3_new_fp8 4_new_bf16 5_old_bf16}; do
+    side=${run#*_}; side=${side%_*} dtype=auto kv_bytes=2
+    [ "${run##*_}" = fp8 ] && dtype=fp8 kv_bytes=1
+    tree=$NEW; [ "$side" = old ] && tree=$OLD
+    (cd "$tree" && step "bench_$run" 200 python3 -m minivllm bench --shape qwen3-0.6b \
+      --kv-cache-dtype $dtype --json "$RESULTS/bench_$run.json" --step-times "$OUT/steps_$run.json")
+    python3 benchmarks/step_floor.py "$OUT/steps_$run.json" --kv-bytes $kv_bytes | \
+      tee -a "$OUT/logs.txt"
+    gzip -f "$OUT/steps_$run.json"
+  done
+  left=$(( ${BUDGET_S:-585} - SECONDS ))
+  [ $left -gt 30 ] && STEP_LOG=$OUT/tests.txt step tests $left python3 -m pytest $PYTEST_ARGS \
+    tests/test_engine.py
   ;;
 graph_tests)
   # nvidia-h200 (<= 420 s): session 29's memory tests: an engine sized from free memory stays
