@@ -12,6 +12,8 @@
 #       utilization 0.3 stays under it, prefill graphs on and off (session 29's call 3 also ran
 #       the throughput run with an fp8 cache: in 9968491)
 #   bash benchmarks/gpu_checks.sh fp8_ab  # nvidia-h200: throughput, bf16 and fp8 cache alternating
+#   bash benchmarks/gpu_checks.sh profile  # nvidia-h200: traced decode steps (bf16 and fp8 cache,
+#       ~256 and ~100 sequences), each summarized by kernel
 #   OLD=dbg/old bash benchmarks/gpu_checks.sh host_ab  # nvidia-h200: throughput against OLD
 #       (6d90a5a: before session 31's host cuts), bf16, steps timed; an fp8 run; test_engine.py
 #   bash benchmarks/gpu_checks.sh graph_tests  # nvidia-h200: test_gpu_memory.py, test_gpu_graphs.py
@@ -309,6 +311,20 @@ host_ab)
   left=$(( ${BUDGET_S:-585} - SECONDS ))
   [ $left -gt 30 ] && STEP_LOG=$OUT/tests.txt step tests $left python3 -m pytest $PYTEST_ARGS \
     tests/test_engine.py
+  ;;
+profile)
+  # nvidia-h200 (<= 420 s on a fresh machine): where a decode step's GPU time goes now that the
+  # host no longer bounds it (session 32: host work 2.1-2.3 ms of a 5.85 ms bf16 step at 241-256
+  # sequences): 8 traced steps of the throughput run from step 100 (~256 sequences) and from
+  # step 700 (~100), bf16, then the same with an fp8 cache, whose mid-size steps lose most to
+  # its floor (40% at 60-17 sequences); each trace summarized by trace_summary.py.
+  for run in ${RUNS:-bf16_100 bf16_700 fp8_100 fp8_700}; do
+    dtype=auto; [ "${run%_*}" = fp8 ] && dtype=fp8
+    step "trace_$run" 200 python3 -m minivllm bench --shape qwen3-0.6b --kv-cache-dtype $dtype \
+      --trace "$OUT/trace_$run.json" --trace-from "${run#*_}" --json "$RESULTS/trace_$run.json"
+    python3 benchmarks/trace_summary.py "$OUT/trace_$run.json" --top 30 | tee -a "$OUT/logs.txt"
+    rm -f "$OUT/trace_$run.json"  # ~100 MB; the summary is what is kept
+  done
   ;;
 graph_tests)
   # nvidia-h200 (<= 420 s): session 29's memory tests: an engine sized from free memory stays
