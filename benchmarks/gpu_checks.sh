@@ -317,7 +317,10 @@ profile)
   # host no longer bounds it (session 32: host work 2.1-2.3 ms of a 5.85 ms bf16 step at 241-256
   # sequences): 8 traced steps of the throughput run from step 100 (~256 sequences) and from
   # step 700 (~100), bf16, then the same with an fp8 cache, whose mid-size steps lose most to
-  # its floor (40% at 60-17 sequences); each trace summarized by trace_summary.py.
+  # its floor (40% at 60-17 sequences); each trace summarized by trace_summary.py, host side
+  # too: at 241-256 sequences the fp8 run's host took 3.54 ms a step against bf16's 2.06, and
+  # barely waited, where the CPU machine counts the same host code paths for both orders (the
+  # fp8 cache's longest-first costs ~0.15 ms there): a call that blocks would show.
   for run in ${RUNS:-bf16_100 bf16_700 fp8_100 fp8_700}; do
     dtype=auto; [ "${run%_*}" = fp8 ] && dtype=fp8
     step "trace_$run" 200 python3 -m minivllm bench --shape qwen3-0.6b --kv-cache-dtype $dtype \

@@ -6,7 +6,9 @@ that `minivllm bench --trace F` writes (torch.profiler; .json or .json.gz).
 Prints the GPU's busy time, the kernel count and the gaps between kernels per step, then each
 kernel group's launches and time per step. Inductor's kernels are grouped by kind
 (inductor_poi/per/red: pointwise, persistent reduction, reduction), since their names spell out
-the fused ops."""
+the fused ops. Then the host's side: the engine's named ranges (runner.trace_range) and the CUDA
+runtime calls, each with its calls and time per host step and its longest call, so that a call
+that blocks the host on the device (a synchronize, a page-locked allocation) stands out."""
 
 from __future__ import annotations
 
@@ -17,13 +19,37 @@ import json
 import re
 
 
-def load_kernels(path: str) -> list[dict]:
-    """The trace's GPU kernels, in start order."""
+def load_events(path: str) -> list[dict]:
+    """Every event of the trace (a .json or .json.gz Chrome trace)."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def load_kernels(path: str, events: list[dict] | None = None) -> list[dict]:
+    """The trace's GPU kernels, in start order."""
+    events = load_events(path) if events is None else events
     return sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+
+
+HOST_CATEGORIES = ("user_annotation", "cuda_runtime", "cuda_driver")
+
+
+def host_summary(events: list[dict]) -> tuple[int, list[tuple[str, float, float, float]]]:
+    """(host steps, [(name, calls a step, us a step, longest call's us)] by time) over the
+    engine's named ranges and the CUDA runtime and driver calls. Host steps are the profiler's
+    ProfilerStep#N ranges, which are left out of the rows."""
+    steps = sum(1 for e in events if e.get("name", "").startswith("ProfilerStep#"))
+    if not steps:
+        raise ValueError("the trace holds no ProfilerStep ranges (was it taken by bench --trace?)")
+    groups = collections.defaultdict(list)
+    for e in events:
+        if e.get("cat") in HOST_CATEGORIES and "dur" in e and \
+                not e["name"].startswith("ProfilerStep#"):
+            groups[e["name"][:70]].append(e["dur"])
+    rows = [(name, len(d) / steps, sum(d) / steps, max(d)) for name, d in groups.items()]
+    return steps, sorted(rows, key=lambda r: -r[2])
 
 
 def kernel_group(name: str) -> str:
@@ -72,7 +98,8 @@ def main():
                     help="steps the trace holds (default: the sampler's launches, else 8)")
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
-    kernels = load_kernels(args.trace)
+    events = load_events(args.trace)
+    kernels = load_kernels(args.trace, events)
     steps = args.steps or steps_in(kernels) or 8
     s = summarize(kernels, steps)
     print(f"per step ({steps} steps): {s['kernels_per_step']:.0f} kernels, GPU busy "
@@ -80,6 +107,11 @@ def main():
     print(f"{'launches':>9} {'us':>9} {'us each':>8}  kernel")
     for name, n, t in s["groups"][: args.top]:
         print(f"{n:9.1f} {t:9.1f} {t / n:8.2f}  {name}")
+    host_steps, rows = host_summary(events)
+    print(f"host, per step ({host_steps} steps): named ranges and CUDA runtime calls")
+    print(f"{'calls':>9} {'us':>9} {'longest':>8}  range or call")
+    for name, n, t, longest in rows[: args.top]:
+        print(f"{n:9.1f} {t:9.1f} {longest:8.1f}  {name}")
 
 
 if __name__ == "__main__":

@@ -43,3 +43,29 @@ def test_steps_are_counted_by_the_samplers_once_a_step_kernel():
         kernels = [{"name": n} for n in ["_decode_kernel", marker] * 9 + ["_decode_kernel"]]
         assert steps_in(kernels) == 9
     assert steps_in([{"name": "_decode_kernel"}, {"name": "at::native::reduce_kernel<Sum>"}]) is None
+
+
+def test_host_side_ranges_and_runtime_calls_per_host_step():
+    """The host's named ranges and CUDA runtime calls, per ProfilerStep, longest call kept: a
+    blocking call stands out by its longest; kernels and CPU ops are not host rows."""
+    from benchmarks.trace_summary import host_summary
+
+    events = [{"cat": "user_annotation", "name": f"ProfilerStep#{i}", "ts": 0, "dur": 5000}
+              for i in range(4)]
+    for i in range(4):
+        events += [{"cat": "user_annotation", "name": "prepare_decode", "ts": 0, "dur": 100.0},
+                   {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0, "dur": 20.0},
+                   {"cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 0, "dur": 2.0},
+                   {"cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 0, "dur": 4.0},
+                   {"cat": "kernel", "name": "_decode_kernel", "ts": 0, "dur": 900.0},
+                   {"cat": "cpu_op", "name": "aten::copy_", "ts": 0, "dur": 9.0}]
+    events.append({"cat": "cuda_runtime", "name": "cudaHostAlloc", "ts": 0, "dur": 1200.0})
+    steps, rows = host_summary(events)
+    assert steps == 4
+    assert rows[0] == ("cudaHostAlloc", 0.25, 300.0, 1200.0)
+    assert ("prepare_decode", 1.0, 100.0, 100.0) in rows
+    assert ("cudaMemcpyAsync", 2.0, 6.0, 4.0) in rows
+    assert {r[0] for r in rows} == {"cudaHostAlloc", "prepare_decode", "cudaGraphLaunch",
+                                    "cudaMemcpyAsync"}
+    with pytest.raises(ValueError, match="ProfilerStep"):
+        host_summary([e for e in events if not e["name"].startswith("ProfilerStep")])
