@@ -9,7 +9,9 @@ step with nothing waiting, until its max_tokens (preemption would break the mode
 KV cache is large enough that none happens). Prints, by batch size, the steps, their measured and
 floor seconds, the time each step loses to everything but reading KV and weights, and (records
 since session 20) the share of the steps' time spent waiting for the device's tokens: near 0,
-the host bounds those steps; then the steps that computed prompt tokens (prefill and mixed),
+the host bounds those steps; the median step's host work (its time less the wait) and, in
+records since session 32, the part of that in runner.launch (where the host meets CUDA); then
+the steps that computed prompt tokens (prefill and mixed),
 with their tokens a second and the time they waited for the device (session 27: ~0 since
 norm_rope_store, i.e. the host's launching bounds them). A .gz file is read as gzip."""
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import statistics
 
 from minivllm.runtime.workload import kv_bytes_per_token, throughput_workload, weight_bytes
 from minivllm.state.config import config_for_shape
@@ -27,8 +30,9 @@ BANDS = ((151, 256), (61, 150), (17, 60), (1, 16))
 
 def step_floors(records: list[dict], prompt_lens: list[int], max_tokens: list[int],
                 kv_per_token: int, weights: int, bandwidth: float) -> list[tuple]:
-    """(sequences running, measured s, floor s, s waiting for the device or None) for each
-    decode step, i.e. each step from the first with nothing waiting. At decode step j a
+    """(sequences running, measured s, floor s, s waiting for the device or None, s in
+    runner.launch or None) for each decode step, i.e. each step from the first with nothing
+    waiting. At decode step j a
     sequence with n output tokens is running if j + 1 < n (its first token came from prefill)
     and holds p + j tokens of KV."""
     start = next((i for i, r in enumerate(records) if r["waiting"] == 0), None)
@@ -38,23 +42,30 @@ def step_floors(records: list[dict], prompt_lens: list[int], max_tokens: list[in
     for j, record in enumerate(records[start:]):
         running = [(p, n) for p, n in zip(prompt_lens, max_tokens) if j + 1 < n]
         kv = sum((p + j) * kv_per_token for p, _ in running)
-        out.append((len(running), record["s"], (kv + weights) / bandwidth, record.get("wait_s")))
+        out.append((len(running), record["s"], (kv + weights) / bandwidth, record.get("wait_s"),
+                    record.get("launch_s")))
     return out
 
 
 def bands(floors: list[tuple]) -> list[dict]:
-    """Per band of running sequences: steps, measured and floor seconds, and the share of the
-    measured time spent waiting for the device (None when the records do not say)."""
+    """Per band of running sequences: steps, measured and floor seconds, the share of the
+    measured time spent waiting for the device, the median step's host work (ms: its time less
+    the wait) and the median ms in runner.launch (each None when the records do not say)."""
     rows = []
     for low, high in BANDS:
-        steps = [(s, f, w) for n, s, f, w in floors if low <= n <= high]
+        steps = [(s, f, w, la) for n, s, f, w, la in floors if low <= n <= high]
         if steps:
-            measured, floor = sum(s for s, _, _ in steps), sum(f for _, f, _ in steps)
-            waits = [w for _, _, w in steps if w is not None]
+            measured, floor = sum(s for s, *_ in steps), sum(f for _, f, *_ in steps)
+            waited = all(w is not None for _, _, w, _ in steps)
+            launched = all(la is not None for *_, la in steps)
             rows.append({"sequences": f"{high}-{low}", "steps": len(steps), "measured_s": measured,
                          "floor_s": floor, "of_floor": floor / measured,
                          "lost_ms_per_step": 1e3 * (measured - floor) / len(steps),
-                         "waiting": sum(waits) / measured if len(waits) == len(steps) else None})
+                         "waiting": sum(w for _, _, w, _ in steps) / measured if waited else None,
+                         "host_ms": 1e3 * statistics.median(s - w for s, _, w, _ in steps)
+                         if waited else None,
+                         "launch_ms": 1e3 * statistics.median(la for *_, la in steps)
+                         if launched else None})
     return rows
 
 
@@ -87,11 +98,14 @@ def main():
                          kv_bytes_per_token(config, args.kv_bytes),
                          weight_bytes(config), args.tb_s * 1e12)
     print(f"{'sequences':>10} {'steps':>6} {'measured s':>11} {'floor s':>8} {'of floor':>9} "
-          f"{'lost ms/step':>13} {'waiting':>8}")
+          f"{'lost ms/step':>13} {'waiting':>8} {'host ms':>8} {'launch ms':>10}")
     for r in bands(floors):
         waiting = "?" if r["waiting"] is None else f"{r['waiting']:.0%}"
+        host = "?" if r["host_ms"] is None else f"{r['host_ms']:.2f}"
+        launch = "?" if r["launch_ms"] is None else f"{r['launch_ms']:.2f}"
         print(f"{r['sequences']:>10} {r['steps']:>6} {r['measured_s']:>11.3f} {r['floor_s']:>8.3f} "
-              f"{r['of_floor']:>9.0%} {r['lost_ms_per_step']:>13.2f} {waiting:>8}")
+              f"{r['of_floor']:>9.0%} {r['lost_ms_per_step']:>13.2f} {waiting:>8} {host:>8} "
+              f"{launch:>10}")
     prefill = prefill_summary(records)
     if prefill:
         print(f"steps with prompt tokens: {prefill['steps']}, {prefill['seconds']:.3f} s, "

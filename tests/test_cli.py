@@ -114,8 +114,10 @@ def test_bench_runs_nano_vllms_workload_and_records_each_step(tmp_path):
     assert len(steps) == result["steps"] + 1 and result["steps"] >= max(max_tokens)
     assert sum(s["s"] for s in steps) <= result["seconds"]
     assert {"running", "waiting", "prompt_tokens", "gc_s", "triton_compiles",
-            "frames", "wait_s"} <= set(steps[0])
-    assert all(0 <= s["wait_s"] <= s["s"] for s in steps)
+            "frames", "wait_s", "launch_s"} <= set(steps[0])
+    assert all(0 <= s["wait_s"] <= s["s"] and 0 <= s["launch_s"] <= s["s"] - s["wait_s"]
+               for s in steps)
+    assert all(s["launch_s"] > 0 for s in steps[:-1])  # the last call launches nothing
     # every prompt token is computed once (no prefix hits: random prompts), in some step
     assert sum(s["prompt_tokens"] for s in steps) == result["prompt_tokens"]
     assert steps[-1]["running"] == 0 and steps[-1]["waiting"] == 0
@@ -141,8 +143,9 @@ def test_bench_latency_runs_one_stream_with_one_decode_bucket(tmp_path):
 
 
 def test_host_and_wait_splits_each_step_into_host_work_and_the_wait():
-    """bench's host_and_wait: each engine.step call's seconds, and the part of them spent in the
-    launched steps' result() (the wait for the device); unwrapping restores both methods."""
+    """bench's host_and_wait: each engine.step call's seconds, the part of them spent in the
+    launched steps' result() (the wait for the device) and the part in runner.launch;
+    unwrapping restores both methods."""
     import time
 
     from minivllm.runtime.bench import host_and_wait
@@ -154,6 +157,7 @@ def test_host_and_wait_splits_each_step_into_host_work_and_the_wait():
 
     class Runner:
         def launch(self, step_input):
+            time.sleep(0.005)
             return Pending()
 
     class Engine:
@@ -173,8 +177,9 @@ def test_host_and_wait_splits_each_step_into_host_work_and_the_wait():
     unwrap()
     engine.step()
     assert len(log) == 2
-    for seconds, waited in log:
-        assert 0.02 <= waited < seconds and seconds - waited >= 0.01
+    for seconds, waited, launching in log:
+        assert 0.02 <= waited < seconds and seconds - waited >= 0.015
+        assert 0.005 <= launching < 0.01  # not the host work after it, nor the wait
 
 
 @pytest.mark.parametrize("flag,value", [("--num-seqs", "0"), ("--max-input-len", "64"),

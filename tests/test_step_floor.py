@@ -12,13 +12,15 @@ def test_floors_follow_the_running_sequences():
     floors = step_floors(records, prompt_lens, max_tokens, kv_per_token=1, weights=100, bandwidth=2.0)
     # decode step j (from the first record with nothing waiting): running are the sequences with
     # j + 1 < n, each holding p + j tokens of KV: 10+20+30, 21+31, 32, 33, none
-    assert floors == [(3, 1.0, 80.0, None), (2, 0.5, 76.0, None), (1, 0.5, 66.0, None),
-                      (1, 0.5, 66.5, None), (0, 0.5, 50.0, None)]
+    assert floors == [(3, 1.0, 80.0, None, None), (2, 0.5, 76.0, None, None),
+                      (1, 0.5, 66.0, None, None), (1, 0.5, 66.5, None, None),
+                      (0, 0.5, 50.0, None, None)]
     (band,) = bands(floors)  # the step with none running counts in no band
     assert band["sequences"] == "16-1" and band["steps"] == 4
     assert band["measured_s"] == 2.5 and band["floor_s"] == 288.5
     assert band["lost_ms_per_step"] == pytest.approx(1e3 * (2.5 - 288.5) / 4)
     assert band["waiting"] is None  # records from before session 20 carry no wait
+    assert band["host_ms"] is None and band["launch_ms"] is None
 
 
 def test_bands_give_the_share_of_time_spent_waiting_for_the_device():
@@ -27,6 +29,12 @@ def test_bands_give_the_share_of_time_spent_waiting_for_the_device():
     floors = step_floors(records, [10, 10], [9, 9], kv_per_token=1, weights=0, bandwidth=1.0)
     (band,) = bands(floors)
     assert band["steps"] == 3 and band["waiting"] == pytest.approx(0.75 / 2.0)
+    # host work a step: 0.5, 0.5, 0.25 s; its median in ms
+    assert band["host_ms"] == pytest.approx(500.0) and band["launch_ms"] is None
+    launched = [dict(r, launch_s=la) for r, la in zip(records, (0.25, 0.125, 0.0625))]
+    (band,) = bands(step_floors(launched, [10, 10], [9, 9], kv_per_token=1, weights=0,
+                                bandwidth=1.0))
+    assert band["launch_ms"] == pytest.approx(125.0)
 
 
 def test_a_record_that_never_stops_waiting_is_a_clear_error():

@@ -186,14 +186,19 @@ def timed_steps(engine, log: list):
 
 def host_and_wait(engine, log: list):
     """Wrap engine.step to append, for each call, (its seconds, the seconds of it spent waiting
-    for the device's sampled tokens): the rest is the host's own work for a step, which with
-    asynchronous scheduling overlaps the device's. Returns a function that unwraps."""
+    for the device's sampled tokens, the seconds of it in runner.launch): the rest is the host's
+    own work for a step, which with asynchronous scheduling overlaps the device's, and launch's
+    share of it is where the host meets CUDA (copies, the replay, the sampler's launches), so a
+    call that blocks there shows apart from the Python around it. Returns a function that
+    unwraps."""
     runner = engine.runner
     inner_step, inner_launch = engine.step, runner.launch
-    waited = [0.0]
+    waited, launching = [0.0], [0.0]
 
     def launch(step_input):
+        t0 = time.perf_counter()
         pending = inner_launch(step_input)
+        launching[0] += time.perf_counter() - t0
         inner_result = pending.result
 
         def result():
@@ -207,10 +212,10 @@ def host_and_wait(engine, log: list):
         return pending
 
     def step(**kw):
-        waited[0] = 0.0
+        waited[0] = launching[0] = 0.0
         t0 = time.perf_counter()
         out = inner_step(**kw)
-        log.append((time.perf_counter() - t0, waited[0]))
+        log.append((time.perf_counter() - t0, waited[0], launching[0]))
         return out
 
     engine.step, runner.launch = step, launch
@@ -253,8 +258,8 @@ def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
     if step_times:
         remove_hooks()
         unwrap()
-        for record, (_, wait) in zip(log, waits, strict=True):
-            record["wait_s"] = wait
+        for record, (_, wait, launch) in zip(log, waits, strict=True):
+            record["wait_s"], record["launch_s"] = wait, launch
         with open(step_times, "w") as f:
             json.dump(log, f)
     steps = llm.stats.steps - steps0
@@ -319,7 +324,7 @@ def run_latency(llm, *, prompt_len: int = 512, output_len: int = 256, repeats: i
     if prof is not None:
         prof.stop()
     rate = statistics.median(decode_rates)
-    host, wait = [1e6 * (s - w) for s, w in decode], [1e6 * w for _, w in decode]
+    host, wait = [1e6 * (s - w) for s, w, _ in decode], [1e6 * w for _, w, _ in decode]
     return {"workload": "latency", "prompt_tokens": prompt_len, "output_tokens": output_len,
             "ttft_s": statistics.median(ttfts), "output_tok_per_s": rate,
             "seconds": output_len / rate,
