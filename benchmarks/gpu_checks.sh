@@ -12,6 +12,8 @@
 #       utilization 0.3 stays under it, prefill graphs on and off (session 29's call 3 also ran
 #       the throughput run with an fp8 cache: in 9968491)
 #   bash benchmarks/gpu_checks.sh fp8_ab  # nvidia-h200: throughput, bf16 and fp8 cache alternating
+#   bash benchmarks/gpu_checks.sh sync  # nvidia-h200: decode steps never synchronize but to read
+#       their tokens (sync debug mode), bf16 and fp8 caches
 #   bash benchmarks/gpu_checks.sh profile  # nvidia-h200: traced decode steps (bf16 and fp8 cache,
 #       ~256 and ~100 sequences), each summarized by kernel
 #   OLD=dbg/old bash benchmarks/gpu_checks.sh host_ab  # nvidia-h200: throughput against OLD
@@ -328,6 +330,12 @@ profile)
     python3 benchmarks/trace_summary.py "$OUT/trace_$run.json" --top 30 | tee -a "$OUT/logs.txt"
     rm -f "$OUT/trace_$run.json"  # ~100 MB; the summary is what is kept
   done
+  ;;
+sync)
+  # nvidia-h200 (<= 250 s): issue 5's engine loop: decode steps make the host wait for nothing but
+  # their tokens (torch's sync debug mode "error"), bf16 and fp8 caches (session 32's new test).
+  STEP_LOG=$OUT/tests.txt step tests 240 python3 -m pytest $PYTEST_ARGS \
+    tests/test_gpu_graphs.py -k never_make_the_host_wait
   ;;
 graph_tests)
   # nvidia-h200 (<= 420 s): session 29's memory tests: an engine sized from free memory stays

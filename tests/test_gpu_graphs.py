@@ -171,3 +171,41 @@ def test_decode_graphs_pool_holds_one_buckets_logits_not_all():
     all_buckets = sum(decode_buckets(256)) * config.vocab_size * 4
     assert pool < 2.5 * one_bucket < all_buckets / 3, (pool, one_bucket, all_buckets)
     graphs.release()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_decode_steps_never_make_the_host_wait_but_for_the_tokens(deep_dir, kv_cache_dtype):
+    """Issue 5's engine loop: a decode step synchronizes host and device only to read its sampled
+    tokens (behind an event). Under torch's sync debug mode "error", any other synchronizing call
+    (.item(), .tolist() or .cpu() of a device tensor, a blocking copy) raises. The steps cover
+    steady decodes (the sampling batch reused), sequences ending one after another (the batch
+    rebuilt, tokens fed back through a gather, smaller buckets), and both caches (the fp8 one
+    orders decodes longest first): on the H200 the fp8 run's host took 3.4 ms a step at 256
+    sequences against bf16's ~2 with the same code paths (session 32)."""
+    g = torch.Generator().manual_seed(4)
+    prompts = [{"prompt_token_ids": torch.randint(0, 257, (n,), generator=g).tolist()}
+               for n in (40, 7, 120, 19, 66, 3, 90, 28, 51, 12, 75, 33, 9, 101, 24, 58)]
+    params = [SamplingParams(temperature=0.6, seed=i if i % 3 == 0 else None, top_p=0.9 if i % 4
+                             == 1 else 1.0, max_tokens=10 + 2 * i, ignore_eos=True)
+              for i in range(len(prompts))]
+    llm = LLM(deep_dir, dtype="bfloat16", num_kv_blocks=256, max_num_seqs=32,
+              max_num_batched_tokens=512, kv_cache_dtype=kv_cache_dtype)
+    llm.generate(prompts, params, use_tqdm=False)  # every kernel and bucket compiled and loaded
+    engine = llm.engine
+    engine.add_requests(prompts, params)
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(s.num_computed < s.prompt_len for s in scheduler.running):
+        engine.step(unfinished=False)
+    engine.step(unfinished=False)  # the first decode step launched
+    replays, inner = [], engine.runner.graphs.replay
+    engine.runner.graphs.replay = lambda b: replays.append(b) or inner(b)
+    torch.cuda.synchronize()
+    finished = 0
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while scheduler.has_unfinished():
+            finished += len(engine.step(unfinished=False))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert finished == len(prompts)
+    assert len(replays) >= 40 and len(set(replays)) >= 4, replays  # steady, then shrinking
