@@ -7,13 +7,13 @@ A step's floor is the KV of the sequences running then plus the weights, at the 
 The KV is modelled from the workload: every sequence decodes one token a step from the first
 step with nothing waiting, until its max_tokens (preemption would break the model; the bench's
 KV cache is large enough that none happens). Prints, by batch size, the steps, their measured and
-floor seconds, the time each step loses to everything but reading KV and weights, and (records
-since session 20) the share of the steps' time spent waiting for the device's tokens: near 0,
-the host bounds those steps; the median step's host work (its time less the wait) and, in
-records since session 32, the part of that in runner.launch (where the host meets CUDA); then
-the steps that computed prompt tokens (prefill and mixed),
-with their tokens a second and the time they waited for the device (session 27: ~0 since
-norm_rope_store, i.e. the host's launching bounds them). A .gz file is read as gzip."""
+floor seconds, the time each step loses to everything but reading KV and weights, (records
+since session 20) the share of the steps' time spent waiting for the device's tokens (near 0:
+the host bounds those steps) and the median step's host work (its time less the wait), and
+(records since session 32) the median time in runner.launch, where the host meets CUDA. Then the
+steps that computed prompt tokens (prefill and mixed), with their tokens a second and the time
+they waited for the device (session 27: ~0 since norm_rope_store, i.e. the host's launching
+bounds them). A .gz file is read as gzip."""
 
 from __future__ import annotations
 
@@ -32,9 +32,8 @@ def step_floors(records: list[dict], prompt_lens: list[int], max_tokens: list[in
                 kv_per_token: int, weights: int, bandwidth: float) -> list[tuple]:
     """(sequences running, measured s, floor s, s waiting for the device or None, s in
     runner.launch or None) for each decode step, i.e. each step from the first with nothing
-    waiting. At decode step j a
-    sequence with n output tokens is running if j + 1 < n (its first token came from prefill)
-    and holds p + j tokens of KV."""
+    waiting. At decode step j a sequence with n output tokens is running if j + 1 < n (its first
+    token came from prefill) and holds p + j tokens of KV."""
     start = next((i for i, r in enumerate(records) if r["waiting"] == 0), None)
     if start is None:
         raise ValueError("no step without waiting sequences: is this a throughput run's record?")
