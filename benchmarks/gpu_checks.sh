@@ -14,6 +14,8 @@
 #   bash benchmarks/gpu_checks.sh fp8_ab  # nvidia-h200: throughput, bf16 and fp8 cache alternating
 #   bash benchmarks/gpu_checks.sh sync  # nvidia-h200: decode steps never synchronize but to read
 #       their tokens (sync debug mode), bf16 and fp8 caches
+#   bash benchmarks/gpu_checks.sh inductor_knobs  # nvidia-h200: throughput with Inductor's PDL
+#       and its coordinate-descent tuning against its defaults, in turn
 #   bash benchmarks/gpu_checks.sh profile  # nvidia-h200: traced decode steps (bf16 and fp8 cache,
 #       ~256 and ~100 sequences), each summarized by kernel
 #   OLD=dbg/old bash benchmarks/gpu_checks.sh host_ab  # nvidia-h200: throughput against OLD
@@ -336,6 +338,26 @@ sync)
   # their tokens (torch's sync debug mode "error"), bf16 and fp8 caches (session 32's new test).
   STEP_LOG=$OUT/tests.txt step tests 240 python3 -m pytest $PYTEST_ARGS \
     tests/test_gpu_graphs.py -k never_make_the_host_wait
+  ;;
+inductor_knobs)
+  # nvidia-h200 (<= 580 s on a fresh machine): two Inductor switches that change only how its
+  # own kernels (the layer's norms, SiLU-and-mul, residual adds: ~0.3 ms of a 256-row step with
+  # their gaps) are generated, against the defaults, throughput runs in turn:
+  #   pdl: TORCHINDUCTOR_ENABLE_PDL=1, programmatic dependent launch on Hopper (a kernel launches
+  #     while the one before it ends, and waits inside for its inputs; no-op where this torch
+  #     lacks the switch). Session 9 measured it on the skinny GEMM alone (slower by 0.1-0.4 us);
+  #     Inductor's kernels never had it.
+  #   cdt: TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1, Inductor times block sizes around its
+  #     heuristic's pick for each pointwise and reduction kernel at compile time.
+  # Each switch compiles its own kernels: a side's first run compiles (~120 s on a fresh
+  # machine), its later runs are warm (~50 s).
+  for run in ${RUNS:-1_base 2_pdl 3_cdt 4_base 5_pdl 6_cdt}; do
+    pdl=0 cdt=0
+    case ${run#*_} in pdl) pdl=1 ;; cdt) cdt=1 ;; esac
+    TORCHINDUCTOR_ENABLE_PDL=$pdl TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=$cdt \
+      step "bench_$run" 200 python3 -m minivllm bench --shape qwen3-0.6b \
+      --json "$RESULTS/bench_$run.json"
+  done
   ;;
 graph_tests)
   # nvidia-h200 (<= 420 s): session 29's memory tests: an engine sized from free memory stays
