@@ -332,6 +332,12 @@ profile)
     python3 benchmarks/trace_summary.py "$OUT/trace_$run.json" --top 30 | tee -a "$OUT/logs.txt"
     rm -f "$OUT/trace_$run.json"  # ~100 MB; the summary is what is kept
   done
+  # An fp8 cache's split counts at the tail's batches and contexts (it keeps 16 waves where a
+  # 16-bit cache was re-tuned to 4 waves or none in session 24; 8 splits beat unsplit at 32).
+  [ -z "${RUNS:-}" ] && for b in 16 32 64; do
+    step "sweep_fp8_b$b" 60 python3 benchmarks/sweep_decode_attention.py --kv-cache-dtype fp8 \
+      --batch $b --contexts 900-1824,1500-2400 --splits 1,2,4,8,16 --default-only
+  done
   ;;
 sync)
   # nvidia-h200 (<= 250 s): issue 5's engine loop: decode steps make the host wait for nothing but
