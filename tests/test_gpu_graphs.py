@@ -208,4 +208,6 @@ def test_decode_steps_never_make_the_host_wait_but_for_the_tokens(deep_dir, kv_c
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert finished == len(prompts)
-    assert len(replays) >= 40 and len(set(replays)) >= 4, replays  # steady, then shrinking
+    # ~38 replays (the longest request decodes 40 tokens), through buckets 16 down to 2
+    buckets = {engine.runner.graphs.bucket(b) for b in replays}
+    assert len(replays) >= 30 and len(buckets) >= 4, replays
