@@ -60,6 +60,23 @@ else
   export PYTHONPATH=.
 fi
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 MINIVLLM_LOG_LEVEL=INFO HYPOTHESIS_PROFILE=gpu
+# Inductor's and Triton's compile caches travel from call to call: on a fresh machine an engine's
+# first start compiled for ~80 s more than a warm one's (119 s against 39 s, the kernel warm-up 62
+# s against 16 s; session 32), out of a call's 600 s. They are kept under $CACHE, packed into
+# $OUT/compile_cache.tar.gz as the outermost mode ends (it comes back if under 16 MiB), and
+# unpacked at the start when a call carries one as dbg/cache/compile_cache.tar.gz. Both caches
+# key their entries by what was compiled (graph, kernel source, versions, GPU): a stale entry
+# is a miss, never a wrong kernel.
+CACHE=/tmp/minivllm-cache
+export TORCHINDUCTOR_CACHE_DIR=$CACHE/inductor TRITON_CACHE_DIR=$CACHE/triton
+if [ -z "${MINIVLLM_CACHE_PACKED_BY:-}" ]; then
+  export MINIVLLM_CACHE_PACKED_BY=$$
+  if [ -f dbg/cache/compile_cache.tar.gz ]; then
+    tar -xzf dbg/cache/compile_cache.tar.gz -C / && echo "compile caches unpacked: $(du -sh $CACHE)"
+  fi
+  trap 'tar -czf "$OUT/compile_cache.tar.gz" -C / "${CACHE#/}" 2>/dev/null;
+        echo "compile caches packed: $(du -sh $CACHE | cut -f1) into $(du -h "$OUT/compile_cache.tar.gz" | cut -f1)"' EXIT
+fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 LOGS=/tmp/minivllm-logs
 mkdir -p "$LOGS"
@@ -401,7 +418,7 @@ probes)
   step sweep_gemm 90 python3 benchmarks/sweep_decode_gemm.py
   ;;
 *)
-  echo "usage: $0 speed|figures|prefill_graph|prefill_default|kv_budget|fp8_ab|graph_tests|memory|tp|tp_engine|tp8b|agreement|tp_trained|ab|probes|attention_tail|head_cast|norm_rope" >&2
+  echo "usage: $0 speed|figures|profile|sync|inductor_knobs|host_ab|prefill_graph|prefill_default|kv_budget|fp8_ab|graph_tests|engine_tests|memory|rounding|tp|tp_engine|tp8b|agreement|tp_trained|ab|probes|attention_tail|head_cast|norm_rope" >&2
   exit 2
   ;;
 esac
