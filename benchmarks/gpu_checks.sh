@@ -373,13 +373,16 @@ inductor_knobs)
   #   cdt: TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1, Inductor times block sizes around its
   #     heuristic's pick for each pointwise and reduction kernel at compile time.
   # Each switch compiles its own kernels: a side's first run compiles (~120 s on a fresh
-  # machine), its later runs are warm (~50 s).
-  for run in ${RUNS:-1_base 2_pdl 3_cdt 4_base 5_pdl 6_cdt}; do
+  # machine; cdt's tuning longer), its later runs are warm (~50 s). Runs go on while the call
+  # has time (BUDGET_S, 585 s), each limited to what is left.
+  for run in ${RUNS:-1_base 2_pdl 3_base 4_pdl 5_cdt 6_base 7_cdt}; do
+    left=$(( ${BUDGET_S:-585} - SECONDS ))
+    [ $left -lt 60 ] && break
     pdl=0 cdt=0
     case ${run#*_} in pdl) pdl=1 ;; cdt) cdt=1 ;; esac
     TORCHINDUCTOR_ENABLE_PDL=$pdl TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=$cdt \
-      step "bench_$run" 200 python3 -m minivllm bench --shape qwen3-0.6b \
-      --json "$RESULTS/bench_$run.json"
+      step "bench_$run" $(( left < 250 ? left : 250 )) python3 -m minivllm bench \
+      --shape qwen3-0.6b --json "$RESULTS/bench_$run.json"
   done
   ;;
 graph_tests)
