@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks the open issues still owe, in one device call each of at most 10 minutes (run
-# from the repo root there; pytest/hypothesis wheels carried in .whl/, which benchmarks/gpu_wheels.sh
-# downloads; compile caches carried in dbg/cache/ when an earlier call returned them, see below):
+# from the repo root there; pytest/hypothesis wheels carried in .whl/, which
+# benchmarks/gpu_wheels.sh downloads; compile caches carried in dbg/cache/ when an earlier call
+# returned them, see below):
 #   bash benchmarks/gpu_checks.sh speed  # nvidia-h200: issue 5's figures and the GPU test suite
 #   bash benchmarks/gpu_checks.sh figures  # nvidia-h200: issue 5's two figures only
 #   bash benchmarks/gpu_checks.sh prefill_graph  # nvidia-h200: the prefill CUDA graphs (steps with
