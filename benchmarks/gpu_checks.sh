@@ -76,8 +76,12 @@ if [ -z "${MINIVLLM_CACHE_PACKED_BY:-}" ]; then
   if [ -f dbg/cache/compile_cache.tar.gz ]; then
     tar -xzf dbg/cache/compile_cache.tar.gz -C / && echo "compile caches unpacked: $(du -sh $CACHE)"
   fi
-  trap 'tar -czf "$OUT/compile_cache.tar.gz" -C / "${CACHE#/}" 2>/dev/null;
-        echo "compile caches packed: $(du -sh $CACHE | cut -f1) into $(du -h "$OUT/compile_cache.tar.gz" | cut -f1)"' EXIT
+  pack_caches() {
+    tar -czf "$OUT/compile_cache.tar.gz" -C / "${CACHE#/}" 2>/dev/null
+    echo "compile caches packed: $(du -sh $CACHE | cut -f1) into" \
+      "$(du -h "$OUT/compile_cache.tar.gz" | cut -f1)"
+  }
+  trap pack_caches EXIT
 fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 LOGS=/tmp/minivllm-logs
