@@ -39,8 +39,10 @@ HOST_CATEGORIES = ("user_annotation", "cuda_runtime", "cuda_driver")
 def host_summary(events: list[dict]) -> tuple[int, list[tuple[str, float, float, float]]]:
     """(host steps, [(name, calls a step, us a step, longest call's us)] by time) over the
     engine's named ranges and the CUDA runtime and driver calls. Host steps are the profiler's
-    ProfilerStep#N ranges, which are left out of the rows."""
-    steps = sum(1 for e in events if e.get("name", "").startswith("ProfilerStep#"))
+    ProfilerStep#N ranges on the host (the trace holds each a second time as a
+    gpu_user_annotation), which are left out of the rows."""
+    steps = sum(1 for e in events if e.get("cat") == "user_annotation"
+                and e.get("name", "").startswith("ProfilerStep#"))
     if not steps:
         raise ValueError("the trace holds no ProfilerStep ranges (was it taken by bench --trace?)")
     groups = collections.defaultdict(list)

@@ -3,6 +3,7 @@ gaps between kernels counted only when short (launch latency, not the host betwe
 
 import gzip
 import json
+import pathlib
 
 import pytest
 
@@ -50,8 +51,9 @@ def test_host_side_ranges_and_runtime_calls_per_host_step():
     blocking call stands out by its longest; kernels and CPU ops are not host rows."""
     from benchmarks.trace_summary import host_summary
 
-    events = [{"cat": "user_annotation", "name": f"ProfilerStep#{i}", "ts": 0, "dur": 5000}
-              for i in range(4)]
+    # torch.profiler writes each step range twice: on the host and as a gpu_user_annotation
+    events = [{"cat": cat, "name": f"ProfilerStep#{i}", "ts": 0, "dur": 5000}
+              for i in range(4) for cat in ("user_annotation", "gpu_user_annotation")]
     for i in range(4):
         events += [{"cat": "user_annotation", "name": "prepare_decode", "ts": 0, "dur": 100.0},
                    {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0, "dur": 20.0},
@@ -69,3 +71,15 @@ def test_host_side_ranges_and_runtime_calls_per_host_step():
                                     "cudaMemcpyAsync"}
     with pytest.raises(ValueError, match="ProfilerStep"):
         host_summary([e for e in events if not e["name"].startswith("ProfilerStep")])
+
+
+def test_host_summary_of_a_real_trace_counts_each_traced_step_once():
+    """Session 21's single-stream trace: 8 traced steps (bench --trace), each one decode step
+    with one prepare_decode range."""
+    from benchmarks.trace_summary import host_summary, load_events
+
+    results = pathlib.Path(__file__).parents[1] / "benchmarks" / "results"
+    trace = results / "2026-12-01_s21_c1_trace_latency.json.gz"
+    steps, rows = host_summary(load_events(str(trace)))
+    assert steps == 8
+    assert next(r for r in rows if r[0] == "prepare_decode")[1] == 1.0
