@@ -8,7 +8,12 @@ Prefill steps go through _run with a stubbed forward. Asynchronous scheduling, a
 --prefill: instead, the host time of each step while nano-vllm's 256 prompts (100-1024 tokens)
 are prefilled, 8192 tokens a step, the prefill forward stubbed too.
 
-usage: python benchmarks/host_cost.py [--prof B] [--steps N] [--prefill]
+--ending: instead, 256 sequences that end one after another (max_tokens U[150, 600]), as in the
+throughput workload, where a sequence ends every few steps and each such step rebuilds the
+sampling batch and feeds tokens back through a gather: the median step while more than 200 run.
+(The default batch never changes, so every step reuses its sampling batch.)
+
+usage: python benchmarks/host_cost.py [--prof B] [--steps N] [--prefill | --ending]
 """
 import argparse
 import cProfile
@@ -88,6 +93,29 @@ def prefill_steps(model_dir, steps=20):
     return times
 
 
+def ending_steps(model_dir) -> list[float]:
+    """Host ms of each decode step while more than 200 of 256 sequences run, their max_tokens
+    U[150, 600] so that they end one after another."""
+    llm = LLM(model_dir, num_kv_blocks=256 * 130 + 16, block_size=16, max_num_seqs=256,
+              max_num_batched_tokens=4096, attention_backend="reference", max_model_len=2048)
+    stub(llm)
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(VOCAB) for _ in range(rng.randint(100, 300))]}
+               for _ in range(256)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(150, 600))
+              for _ in range(256)]
+    eng = llm.engine
+    eng.add_requests(prompts, params)
+    while any(s.num_computed < s.prompt_len for s in eng.scheduler.sequences) or eng.scheduler.waiting:
+        eng.step()
+    times = []
+    while len(eng.scheduler.running) > 200:
+        t0 = time.perf_counter()
+        eng.step(unfinished=False)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
 def measure(eng, steps, reps=5):
     times = []
     for _ in range(reps):
@@ -104,6 +132,8 @@ def main():
     ap.add_argument("--steps", type=int, default=0)
     ap.add_argument("--sort", default="tottime")
     ap.add_argument("--prefill", action="store_true", help="time the prefill phase's steps")
+    ap.add_argument("--ending", action="store_true",
+                    help="time decode steps of 256 sequences that end one after another")
     a = ap.parse_args()
     if a.prefill:
         d = save_checkpoint(make_hf_model(std=0.3, vocab_size=VOCAB, max_position_embeddings=4096),
@@ -112,6 +142,11 @@ def main():
         print("host ms per step, prefill phase:", " ".join(f"{x:.1f}" for x in t))
         return
     d = save_checkpoint(make_hf_model(std=0.3, vocab_size=VOCAB, max_position_embeddings=2048), "/tmp/hc_model")
+    if a.ending:
+        t = ending_steps(d)
+        print(f"ending sequences, >200 running: {len(t)} steps, host ms/step median "
+              f"{statistics.median(t):.3f}")
+        return
     for B, steps in ((1, 200), (256, 30)):
         if a.prof and a.prof != B:
             continue
