@@ -62,6 +62,9 @@ else
   export PYTHONPATH=.
 fi
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 MINIVLLM_LOG_LEVEL=INFO HYPOTHESIS_PROFILE=gpu
+# Seconds a mode's runs may use (SECONDS counts from this script's start): the caches' packing and
+# a step's 15 s kill grace come after, inside the device's 600 s.
+BUDGET_S=${BUDGET_S:-560}
 # Inductor's and Triton's compile caches travel from call to call: on a fresh machine an engine's
 # first start compiled for ~80 s more than a warm one's (119 s against 39 s, the kernel warm-up 62
 # s against 16 s; session 32), out of a call's 600 s. They are kept under $CACHE, packed into
@@ -339,7 +342,7 @@ host_ab)
   fi
   OLD=$(cd "$OLD" && pwd) NEW=$PWD
   for run in ${RUNS:-1_new_bf16 2_old_bf16 3_new_fp8 4_new_bf16 5_old_bf16}; do
-    left=$(( ${BUDGET_S:-560} - SECONDS ))
+    left=$(( BUDGET_S - SECONDS ))
     [ $left -lt 60 ] && break
     side=${run#*_}; side=${side%_*} dtype=auto kv_bytes=2
     [ "${run##*_}" = fp8 ] && dtype=fp8 kv_bytes=1
@@ -351,7 +354,7 @@ host_ab)
       tee -a "$OUT/logs.txt"
     gzip -f "$OUT/steps_$run.json"
   done
-  left=$(( ${BUDGET_S:-560} - SECONDS ))
+  left=$(( BUDGET_S - SECONDS ))
   if [ $left -gt 30 ]; then
     STEP_LOG=$OUT/tests.txt step tests $left python3 -m pytest $PYTEST_ARGS tests/test_engine.py
   fi
@@ -366,7 +369,7 @@ profile)
   # barely waited, where the CPU machine counts the same host code paths for both orders (the
   # fp8 cache's longest-first costs ~0.15 ms there): a call that blocks would show.
   for run in ${RUNS:-bf16_100 bf16_700 fp8_100 fp8_700}; do
-    left=$(( ${BUDGET_S:-560} - SECONDS ))
+    left=$(( BUDGET_S - SECONDS ))
     [ $left -lt 60 ] && break
     dtype=auto; [ "${run%_*}" = fp8 ] && dtype=fp8
     step "trace_$run" $(( left < 200 ? left : 200 )) python3 -m minivllm bench \
@@ -379,7 +382,7 @@ profile)
   # 16-bit cache was re-tuned to 4 waves or none in session 24; 8 splits beat unsplit at 32).
   if [ -z "${RUNS:-}" ]; then
     for b in 32 64; do
-      left=$(( ${BUDGET_S:-560} - SECONDS ))
+      left=$(( BUDGET_S - SECONDS ))
       [ $left -lt 30 ] && break
       step "sweep_fp8_b$b" $(( left < 60 ? left : 60 )) python3 \
         benchmarks/sweep_decode_attention.py --kv-cache-dtype fp8 --batch $b \
@@ -394,7 +397,7 @@ sync)
   # tests passed in ~125 s of session 32's call 3, the rest not reached).
   STEP_LOG=$OUT/tests.txt step sync_test 240 python3 -m pytest $PYTEST_ARGS \
     tests/test_gpu_graphs.py -k never_make_the_host_wait
-  left=$(( ${BUDGET_S:-560} - SECONDS ))
+  left=$(( BUDGET_S - SECONDS ))
   if [ $left -gt 30 ]; then
     STEP_LOG=$OUT/tests.txt step engine_tests $left python3 -m pytest $PYTEST_ARGS \
       tests/test_engine.py
@@ -412,10 +415,9 @@ inductor_knobs)
   #     heuristic's pick for each pointwise and reduction kernel at compile time.
   # Each switch compiles its own kernels: a side's first run compiles (~120 s on a fresh
   # machine; cdt's tuning longer), its later runs are warm (~50 s). Runs go on while the call
-  # has time (BUDGET_S, 560 s: the caches' packing and a step's 15 s kill grace come after),
-  # each limited to what is left.
+  # has time (BUDGET_S), each limited to what is left.
   for run in ${RUNS:-1_base 2_pdl 3_base 4_pdl 5_cdt 6_base 7_cdt}; do
-    left=$(( ${BUDGET_S:-560} - SECONDS ))
+    left=$(( BUDGET_S - SECONDS ))
     [ $left -lt 60 ] && break
     pdl=0 cdt=0
     case ${run#*_} in pdl) pdl=1 ;; cdt) cdt=1 ;; esac

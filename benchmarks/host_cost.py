@@ -57,16 +57,19 @@ def stub(llm):
     r.graphs = g
 
 
-def make(model_dir, B):
+def make(model_dir, B, ending=False):
+    """An engine with B sequences past their prompts. ending: their max_tokens U[150, 600], so
+    that they end one after another, else 1000 for all (the batch never changes)."""
     llm = LLM(model_dir, num_kv_blocks=B * 130 + 16, block_size=16, max_num_seqs=256,
               max_num_batched_tokens=4096, attention_backend="reference", max_model_len=2048)
     stub(llm)
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(VOCAB) for _ in range(rng.randint(100, 300))]}
                for _ in range(B)]
-    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1000)
+    max_tokens = [rng.randint(150, 600) if ending else 1000 for _ in range(B)]
     eng = llm.engine
-    eng.add_requests(prompts, [params] * B)
+    eng.add_requests(prompts, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m)
+                               for m in max_tokens])
     while any(s.num_computed < s.prompt_len for s in eng.scheduler.sequences) or eng.scheduler.waiting:
         eng.step()
     for _ in range(3):
@@ -96,18 +99,7 @@ def prefill_steps(model_dir, steps=20):
 def ending_steps(model_dir) -> list[float]:
     """Host ms of each decode step while more than 200 of 256 sequences run, their max_tokens
     U[150, 600] so that they end one after another."""
-    llm = LLM(model_dir, num_kv_blocks=256 * 130 + 16, block_size=16, max_num_seqs=256,
-              max_num_batched_tokens=4096, attention_backend="reference", max_model_len=2048)
-    stub(llm)
-    rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(VOCAB) for _ in range(rng.randint(100, 300))]}
-               for _ in range(256)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(150, 600))
-              for _ in range(256)]
-    eng = llm.engine
-    eng.add_requests(prompts, params)
-    while any(s.num_computed < s.prompt_len for s in eng.scheduler.sequences) or eng.scheduler.waiting:
-        eng.step()
+    eng = make(model_dir, 256, ending=True)
     times = []
     while len(eng.scheduler.running) > 200:
         t0 = time.perf_counter()

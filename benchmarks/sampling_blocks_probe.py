@@ -14,9 +14,8 @@ import itertools
 import torch
 
 from minivllm.functional.sampling import make_sampling_batch, sample
+from minivllm.runtime.memory import GiB
 from minivllm.runtime.runner import heaviest_row
-
-GiB = 1 << 30
 
 
 def heaviest(rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> None:
