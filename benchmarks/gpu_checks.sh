@@ -15,7 +15,9 @@
 #       the throughput run with an fp8 cache: in 9968491)
 #   bash benchmarks/gpu_checks.sh fp8_ab  # nvidia-h200: throughput, bf16 and fp8 cache alternating
 #   bash benchmarks/gpu_checks.sh sync  # nvidia-h200: decode steps never synchronize but to read
-#       their tokens (sync debug mode), bf16 and fp8 caches; then test_engine.py
+#       their tokens (sync debug mode), bf16 and fp8 caches
+#   bash benchmarks/gpu_checks.sh sync engine_tests  # modes given together run in turn, in one
+#       budget (BUDGET_S) and one packing of the compile caches
 #   bash benchmarks/gpu_checks.sh inductor_knobs  # nvidia-h200: throughput with Inductor's PDL
 #       and its coordinate-descent tuning against its defaults, in turn
 #   bash benchmarks/gpu_checks.sh profile  # nvidia-h200: traced decode steps (bf16 and fp8 cache,
@@ -68,16 +70,17 @@ BUDGET_S=${BUDGET_S:-560}
 # Inductor's and Triton's compile caches travel from call to call: on a fresh machine an engine's
 # first start compiled for ~80 s more than a warm one's (119 s against 39 s, the kernel warm-up 62
 # s against 16 s; session 32), out of a call's 600 s. They are kept under $CACHE, packed into
-# $OUT/compile_cache.tar.gz as the outermost mode ends (it comes back if under 16 MiB), and
-# unpacked at the start when a call carries one as dbg/cache/compile_cache.tar.gz. Both caches
+# $OUT/compile_cache.tar.gz.aa, .ab, ... (15 MiB pieces: a file comes back if under 16 MiB; the
+# caches of session 33's profile mode, 144 MiB, packed into 20) as the outermost mode ends, and
+# unpacked at the start when a call carries such pieces in dbg/cache/. Both caches
 # key their entries by what was compiled (graph, kernel source, versions, GPU): a stale entry
 # is a miss, never a wrong kernel.
 CACHE=/tmp/minivllm-cache
 export TORCHINDUCTOR_CACHE_DIR=$CACHE/inductor TRITON_CACHE_DIR=$CACHE/triton
 if [ -z "${MINIVLLM_CACHE_PACKED_BY:-}" ]; then
   export MINIVLLM_CACHE_PACKED_BY=$$
-  if [ -f dbg/cache/compile_cache.tar.gz ]; then
-    if tar -xzf dbg/cache/compile_cache.tar.gz -C /; then
+  if ls dbg/cache/compile_cache.tar.gz.* >/dev/null 2>&1; then
+    if cat dbg/cache/compile_cache.tar.gz.* | tar -xz -C /; then
       echo "compile caches unpacked: $(du -sh $CACHE | cut -f1)"
     else  # a damaged archive: start cold rather than from half-written entries
       rm -rf "$CACHE"
@@ -88,14 +91,17 @@ if [ -z "${MINIVLLM_CACHE_PACKED_BY:-}" ]; then
     # results come back, the caches do not. Written aside and moved, so that a call cut short
     # never returns half an archive.
     [ -d "$CACHE" ] || return 0
-    if [ "$(find "$OUT" -type f | wc -l)" -ge 8 ]; then
-      echo "compile caches not packed: \$OUT holds 8 files already"
+    local tmp=/tmp/minivllm-cache-pack
+    rm -rf "$tmp" && mkdir -p "$tmp"
+    tar -czf "$tmp/all" -C / "${CACHE#/}" 2>/dev/null || return 0
+    (cd "$tmp" && split -b 15M all compile_cache.tar.gz. && rm all)
+    local pieces=$(ls "$tmp" | wc -l) held=$(find "$OUT" -type f | wc -l)
+    if [ $(( pieces + held )) -gt 8 ] || [ $pieces -gt 3 ]; then
+      echo "compile caches not packed: $pieces pieces of 15 MiB, \$OUT holds $held files"
       return 0
     fi
-    tar -czf "$OUT/.compile_cache.tmp" -C / "${CACHE#/}" 2>/dev/null &&
-      mv "$OUT/.compile_cache.tmp" "$OUT/compile_cache.tar.gz"
-    echo "compile caches packed: $(du -sh $CACHE | cut -f1) into" \
-      "$(du -h "$OUT/compile_cache.tar.gz" | cut -f1)"
+    mv "$tmp"/compile_cache.tar.gz.* "$OUT/"
+    echo "compile caches packed: $(du -sh $CACHE | cut -f1) into $pieces pieces"
   }
   trap pack_caches EXIT
 fi
@@ -127,7 +133,15 @@ PY
 # -v names each test as it ends and the plugin prints each failure at once: a suite cut short by
 # its limit still says which tests failed and why.
 PYTEST_ARGS="-p no:cacheprovider -p benchmarks.report_failures_now -v -o addopts= --tb=short"
-case "${1:-speed}" in
+# Several modes run in turn (`sync engine_tests`), sharing one budget: each step's limit is capped
+# by what BUDGET_S leaves.
+left_or() {  # left_or SECONDS: SECONDS, or what the budget has left if less
+  local left=$(( BUDGET_S - SECONDS ))
+  echo $(( left < $1 ? left : $1 ))
+}
+for mode in "${@:-speed}"; do
+[ $(( BUDGET_S - SECONDS )) -lt 30 ] && { echo "== $mode: no time left"; break; }
+case "$mode" in
 speed)
   # nvidia-h200 (<= 590 s): issue 5's figures (the throughput run's steps split into host work
   # and waiting by step_floor.py), the single stream's trace (summarized by trace_summary.py),
@@ -304,7 +318,8 @@ engine_tests)
   # session 31 (16 sequences, 512 batched tokens); at the defaults its first engine was still
   # compiling at 400 s on a fresh machine (sessions 28-29); small, its first 8 tests took the
   # 580 s (session 32), after which its engines run eagerly on CUDA but the first test's.
-  STEP_LOG=$OUT/tests.txt step tests 580 python3 -m pytest $PYTEST_ARGS tests/test_engine.py
+  STEP_LOG=$OUT/tests.txt step tests $(left_or 580) python3 -m pytest $PYTEST_ARGS \
+    tests/test_engine.py
   ;;
 kv_budget)
   # nvidia-h200 (<= 450 s on a fresh machine): the KV budget where it binds (utilization 0.3):
@@ -391,17 +406,12 @@ profile)
   fi
   ;;
 sync)
-  # nvidia-h200 (<= 580 s): issue 5's engine loop: decode steps make the host wait for nothing but
-  # their tokens (torch's sync debug mode "error"), bf16 and fp8 caches (session 32's new test);
-  # then test_engine.py for the time left (its engines eager on CUDA but the first: 19 of its 26
-  # tests passed in ~125 s of session 32's call 3, the rest not reached).
-  STEP_LOG=$OUT/tests.txt step sync_test 240 python3 -m pytest $PYTEST_ARGS \
+  # nvidia-h200 (<= 240 s): issue 5's engine loop: decode steps make the host wait for nothing but
+  # their tokens (torch's sync debug mode "error"), bf16 and fp8 caches (session 32's new test).
+  # `sync engine_tests` adds test_engine.py for the time left (its engines eager on CUDA but the
+  # first: 19 of its 26 tests passed in ~125 s of session 32's call 3, the rest not reached).
+  STEP_LOG=$OUT/tests.txt step sync_test $(left_or 240) python3 -m pytest $PYTEST_ARGS \
     tests/test_gpu_graphs.py -k never_make_the_host_wait
-  left=$(( BUDGET_S - SECONDS ))
-  if [ $left -gt 30 ]; then
-    STEP_LOG=$OUT/tests.txt step engine_tests $left python3 -m pytest $PYTEST_ARGS \
-      tests/test_engine.py
-  fi
   ;;
 inductor_knobs)
   # nvidia-h200 (<= 580 s on a fresh machine): two Inductor switches that change only how its
@@ -462,7 +472,8 @@ probes)
   step sweep_gemm 90 python3 benchmarks/sweep_decode_gemm.py
   ;;
 *)
-  echo "usage: $0 speed|figures|profile|sync|inductor_knobs|host_ab|prefill_graph|prefill_default|kv_budget|fp8_ab|graph_tests|engine_tests|memory|rounding|tp|tp_engine|tp8b|agreement|tp_trained|ab|probes|attention_tail|head_cast|norm_rope" >&2
+  echo "usage: $0 MODE... (each of speed|figures|profile|sync|inductor_knobs|host_ab|prefill_graph|prefill_default|kv_budget|fp8_ab|graph_tests|engine_tests|memory|rounding|tp|tp_engine|tp8b|agreement|tp_trained|ab|probes|attention_tail|head_cast|norm_rope)" >&2
   exit 2
   ;;
 esac
+done
