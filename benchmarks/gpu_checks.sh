@@ -18,6 +18,8 @@
 #       their tokens (sync debug mode), bf16 and fp8 caches
 #   bash benchmarks/gpu_checks.sh sync engine_tests  # modes given together run in turn, in one
 #       budget (BUDGET_S) and one packing of the compile caches
+#   bash benchmarks/gpu_checks.sh mlp_probe  # nvidia-h200: kernels/decode_mlp.py (a layer's o_proj
+#       to down as one persistent kernel) against the engine's compiled kernels, 32-256 rows
 #   bash benchmarks/gpu_checks.sh inductor_knobs  # nvidia-h200: throughput with Inductor's PDL
 #       and its coordinate-descent tuning against its defaults, in turn
 #   bash benchmarks/gpu_checks.sh profile  # nvidia-h200: traced decode steps (bf16 and fp8 cache,
@@ -413,6 +415,16 @@ sync)
   STEP_LOG=$OUT/tests.txt step sync_test $(left_or 240) python3 -m pytest $PYTEST_ARGS \
     tests/test_gpu_graphs.py -k never_make_the_host_wait
   ;;
+mlp_probe)
+  # nvidia-h200 (<= 400 s): the structural lever session 32 named for 64-256 rows, its first
+  # half: a layer's six kernels after attention (o_proj to down, ~26 us at 256 rows in session
+  # 33's trace) as one persistent launch of tensor-core tiles (kernels/decode_mlp.py, session
+  # 33, CPU-tested only). Its tests in bf16 first, then the probe with its tiling sweep.
+  STEP_LOG=$OUT/tests.txt step mlp_tests $(left_or 150) python3 -m pytest $PYTEST_ARGS \
+    tests/test_decode_mlp.py
+  step mlp_block_probe $(left_or 250) python3 benchmarks/mlp_block_probe.py --sweep \
+    --json "$RESULTS/mlp_block_probe.json"
+  ;;
 inductor_knobs)
   # nvidia-h200 (<= 580 s on a fresh machine): two Inductor switches that change only how its
   # own kernels (the layer's norms, SiLU-and-mul, residual adds: ~0.3 ms of a 256-row step with
@@ -472,7 +484,7 @@ probes)
   step sweep_gemm 90 python3 benchmarks/sweep_decode_gemm.py
   ;;
 *)
-  echo "usage: $0 MODE... (each of speed|figures|profile|sync|inductor_knobs|host_ab|prefill_graph|prefill_default|kv_budget|fp8_ab|graph_tests|engine_tests|memory|rounding|tp|tp_engine|tp8b|agreement|tp_trained|ab|probes|attention_tail|head_cast|norm_rope)" >&2
+  echo "usage: $0 MODE... (each of speed|figures|profile|sync|mlp_probe|inductor_knobs|host_ab|prefill_graph|prefill_default|kv_budget|fp8_ab|graph_tests|engine_tests|memory|rounding|tp|tp_engine|tp8b|agreement|tp_trained|ab|probes|attention_tail|head_cast|norm_rope)" >&2
   exit 2
   ;;
 esac

@@ -1,0 +1,146 @@
+"""Is one persistent kernel for a layer's second half the lever at 32-256 rows? (issue 5)
+
+    PYTHONPATH=. python benchmarks/mlp_block_probe.py [--rows 32,64,128,256] [--sweep] [--json F]
+
+At a bf16 decode step of 256 sequences on the H200 (BENCHMARKS.md session 33's trace) a layer
+spends ~26 us after attention in six kernels: o_proj (cuBLAS's residual copy and its addmm),
+Inductor's add + RMSNorm, gate_up, Inductor's SiLU * up and down; each pays launch, ramp-up and
+tail. kernels/decode_mlp.py runs the same as one persistent launch of tensor-core tiles with two
+grid barriers. Here, for each row count, in CUDA graphs (CALLS calls a graph, weights rotating
+over copies that exceed twice the L2, as a forward reads them):
+
+  engine     functional.layer's o_proj (row_linear) and mlp_block, torch.compile'd, as the
+             engine's decode graphs run them
+  fused      decode_mlp, one cooperative launch (its default tiles, then --sweep's)
+  by phase   decode_mlp as three launches (what the barriers cost against kernel boundaries)
+
+us a call and each output's error against the engine's (max |a - b| / max |b|, bf16). The lever
+is worth wiring into the engine if fused beats engine by several us at 64-256 rows: each us a
+layer is 28 us a step, ~1,000 steps a throughput run. GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+
+from benchmarks.bench_linear import DT, cuda_and_l2, graph_us, rel_err
+from minivllm.functional.layer import mlp_block
+from minivllm.functional.linear import row_linear
+from minivllm.kernels.decode_mlp import decode_mlp, default_config
+from minivllm.state.params import LayerParams
+from minivllm.state.shard import ShardSpec
+
+HIDDEN, ATT, INTER, EPS = 1024, 2048, 3072, 1e-6  # Qwen3-0.6B
+CALLS = 20
+TOL = 3e-2  # two GEMMs and a norm apart, each rounding to bf16 in its own order
+
+
+def sweep_configs(rows: int) -> list[dict]:
+    """Tilings to try at `rows` (12): a row tile of up to 64 rows and one of up to 128, narrow
+    and wide column tiles (a phase has H / BN or INTER / BN column blocks for ~132 programs),
+    4 and 8 warps."""
+    out = []
+    for block_m in sorted({max(16, min(rows, 64)), max(16, min(rows, 128))}):
+        for bn_o, bn_gu, bn_d in ((16, 32, 16), (32, 32, 32), (32, 64, 32)):
+            for warps in (4, 8):
+                out.append(dict(block_m=block_m, bn_o=bn_o, bn_gu=bn_gu, bn_d=bn_d, block_k=64,
+                                num_warps=warps, num_stages=3))
+    return out
+
+
+def layer_weights(copies: int, dev: torch.device, gen: torch.Generator) -> list[LayerParams]:
+    def rand(*shape, scale):
+        return torch.randn(*shape, device=dev, dtype=DT, generator=gen) * scale
+
+    return [LayerParams(input_norm=None, qkv=None, q_norm=None, k_norm=None,
+                        o_proj=rand(HIDDEN, ATT, scale=ATT ** -0.5),
+                        post_norm=1.0 + rand(HIDDEN, scale=0.1),
+                        gate_up=rand(2 * INTER, HIDDEN, scale=HIDDEN ** -0.5),
+                        down=rand(HIDDEN, INTER, scale=INTER ** -0.5)) for _ in range(copies)]
+
+
+def engine_form(o_proj, post_norm, gate_up, down, attn, residual):
+    """The engine's layer after attention: row_linear (o_proj) and mlp_block, on one rank."""
+    lp = LayerParams(input_norm=None, qkv=None, q_norm=None, k_norm=None, o_proj=o_proj,
+                     post_norm=post_norm, gate_up=gate_up, down=down)
+    shard = ShardSpec()
+    return mlp_block(lp, row_linear(attn, o_proj, shard, unsummed_ok=True), residual, shard, EPS)
+
+
+def weights(lp: LayerParams) -> tuple[torch.Tensor, ...]:
+    return lp.o_proj, lp.post_norm, lp.gate_up, lp.down
+
+
+def fused_form(lp: LayerParams, attn, residual, counter, config=None, phase_by_phase=None):
+    return decode_mlp(attn, residual, *weights(lp), EPS, counter=counter, config=config,
+                      phase_by_phase=phase_by_phase)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", default="32,64,128,256")
+    ap.add_argument("--sweep", action="store_true", help="also time sweep_configs' tilings")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    if (gpu := cuda_and_l2("mlp_block_probe.py")) is None:
+        return 2
+    dev, l2 = gpu
+    gen = torch.Generator(device=dev).manual_seed(0)
+    layer_bytes = (HIDDEN * ATT + 3 * INTER * HIDDEN) * DT.itemsize
+    layers = layer_weights(max(1, min(CALLS, math.ceil(2 * l2 / layer_bytes))), dev, gen)
+    counter = torch.zeros(1, device=dev, dtype=torch.int64)
+    compiled = torch.compile(engine_form, fullgraph=True, dynamic=False)
+    results = []
+    print(f"{torch.cuda.get_device_name(dev)}; {len(layers)} weight copies of "
+          f"{layer_bytes / 2**20:.1f} MiB; us a call (CUDA graphs of {CALLS} calls)", flush=True)
+    for rows in [int(r) for r in args.rows.split(",")]:
+        attn = torch.randn(rows, ATT, device=dev, dtype=DT, generator=gen)
+        residual = torch.randn(rows, HIDDEN, device=dev, dtype=DT, generator=gen)
+        ref = [t.float() for t in compiled(*weights(layers[0]), attn, residual)]
+
+        def timed(name, fn, config=None):
+            errs = [rel_err(got, want) for got, want in zip(fn(0), ref)]
+            try:
+                us = graph_us(fn)
+            except Exception as e:  # e.g. a tiling the cooperative launch cannot make resident
+                print(f"  {name}: failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                return None
+            ok = max(errs) < TOL
+            print(f"  {name}: {us:7.2f} us, errors {errs[0]:.1e} / {errs[1]:.1e}"
+                  f"{'' if ok else '  WRONG'}", flush=True)
+            results.append(dict(rows=rows, form=name, us=us, errors=errs, ok=ok, config=config))
+            return us if ok else None
+
+        print(f"rows {rows}:", flush=True)
+        engine_us = timed("engine", lambda i: compiled(*weights(layers[i % len(layers)]), attn,
+                                                        residual))
+        default = default_config(rows, dev)
+        fused_us = timed("fused", lambda i: fused_form(layers[i % len(layers)], attn, residual,
+                                                        counter), default)
+        timed("by phase", lambda i: fused_form(layers[i % len(layers)], attn, residual, counter,
+                                               phase_by_phase=True), default)
+        best = (fused_us, default)
+        if args.sweep:
+            for cfg in sweep_configs(rows):
+                name = "fused " + " ".join(f"{k}={v}" for k, v in cfg.items() if k != "num_stages")
+                us = timed(name, lambda i, cfg=cfg: fused_form(layers[i % len(layers)], attn,
+                                                               residual, counter, cfg), cfg)
+                if us is not None and (best[0] is None or us < best[0]):
+                    best = (us, cfg)
+        if engine_us is not None and best[0] is not None:
+            print(f"  best fused {best[0]:.2f} us against the engine's {engine_us:.2f}: "
+                  f"{28 * (engine_us - best[0]):+.0f} us a 28-layer step saved ({best[1]})",
+                  flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(dev), results=results), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""The second half of a Qwen3 decoder layer at a decode step of 16-256 rows as one persistent
+kernel: o_proj and the residual add, the post-attention RMSNorm, gate/up with SiLU * up, down.
+
+Why (BENCHMARKS.md session 33's trace of a bf16 step at 256 sequences): after attention, a
+layer runs six kernels (o_proj as cuBLAS's copy + addmm, Inductor's add + RMSNorm, gate_up,
+Inductor's SiLU * up, down), ~26 us at 256 rows and ~22 at 32, for 22 MB of weights that the
+DRAM reads in ~5 us and ~6 GFLOP that the tensor cores do in ~8 at 256 rows: each kernel pays
+its launch, ramp-up and tail (~2-5 us). Here one program an SM stays resident and runs the
+three GEMMs as tensor-core tiles with a grid barrier between them (~1 us each, session 17):
+
+  0  tiles of y = attn @ o_proj.T, stored as the residual stream r = y + residual
+  1  tiles of act = silu(gate) * up, gate/up = RMSNorm(r) @ gate_up.T (each tile norms its rows
+     itself: their 1 / RMS from r's whole rows, read from L2)
+  2  tiles of out = act @ down.T
+
+A tile is BLOCK_M rows by BLOCK_N output columns; a phase's tiles are dealt to the programs in
+turn, column block first (the programs that share a weight tile run side by side and read it
+from L2 once). Values are rounded to the activation dtype where functional.layer.mlp_block
+and functional.norm round them (o_proj's output, the sum, the norm, gate and up, SiLU, the
+product, down's output). A probe (benchmarks/mlp_block_probe.py) times it against the compiled
+layer's kernels; the engine does not call it yet.
+
+On the CPU, Triton's interpreter runs programs one after another, so a spin barrier among several
+programs never returns: there the kernel is launched once per phase (the launch boundary is the
+barrier), or as one launch of one program (the tests run both), as kernels.decode_layer does. On
+a GPU the grid is launched cooperatively: the driver refuses a grid that cannot be resident at
+once rather than start one whose barrier never returns.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .decode_layer import _grid_barrier
+from .launch import dot_precision, next_pow2, num_sms, runs_ptx
+
+MIN_ROWS, MAX_ROWS = 1, 256  # tl.dot pads the rows to BLOCK_M >= 16 itself
+PHASES = 3
+
+
+@triton.jit
+def _tile_dot(a_ptr, w_ptr, m0, n0, M, K: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """A[m0:m0+BM] @ W[n0:n0+BN].T in fp32, A: [M, K], W: [N, K] (row-major; K a multiple of
+    BLOCK_K, N of BLOCK_N); rows past M are zeros."""
+    rows = m0 + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + rows[:, None].to(tl.int64) * K + offs_k[None, :]
+    w_rows = w_ptr + (n0 + tl.arange(0, BLOCK_N))[:, None].to(tl.int64) * K + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(a_rows + k0, mask=(rows < M)[:, None], other=0.0)
+        acc = tl.dot(a, tl.trans(tl.load(w_rows + k0)), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _oproj_phase(attn_ptr, w_o_ptr, res_ptr, r_ptr, pid, programs, M, H: tl.constexpr,
+                 ATT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """Phase 0: r = round(attn @ W_o.T) + residual, rounded. attn: [M, ATT]; res, r: [M, H]."""
+    dt = r_ptr.dtype.element_ty
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    for t in range(pid, tiles_m * (H // BLOCK_N), programs):
+        m0, n0 = (t % tiles_m) * BLOCK_M, (t // tiles_m) * BLOCK_N
+        y = _tile_dot(attn_ptr, w_o_ptr, m0, n0, M, ATT, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        rows = m0 + tl.arange(0, BLOCK_M)
+        offs = rows[:, None].to(tl.int64) * H + (n0 + tl.arange(0, BLOCK_N))[None, :]
+        mask = (rows < M)[:, None]
+        res = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(r_ptr + offs, (y.to(dt).to(tl.float32) + res).to(dt), mask=mask)
+
+
+@triton.jit
+def _gate_up_phase(r_ptr, norm_w_ptr, w_gu_ptr, act_ptr, eps, pid, programs, M,
+                   H: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """Phase 1: act = silu(gate) * up, (gate | up) = RMSNorm(r) @ W_gu.T; r: [M, H], W_gu:
+    [2 * INTER, H] (gate rows, then up rows), act: [M, INTER]. Each tile computes its rows'
+    1 / RMS itself from r's whole rows (L2-resident: phase 0 just wrote them)."""
+    dt = act_ptr.dtype.element_ty
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    for t in range(pid, tiles_m * (INTER // BLOCK_N), programs):
+        m0, n0 = (t % tiles_m) * BLOCK_M, (t // tiles_m) * BLOCK_N
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_mask = (rows < M)[:, None]
+        r_rows = r_ptr + rows[:, None].to(tl.int64) * H + offs_k[None, :]
+        sq = tl.zeros([BLOCK_M], tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            x = tl.load(r_rows + k0, mask=row_mask, other=0.0).to(tl.float32)
+            sq += tl.sum(x * x, 1)
+        inv_rms = (1.0 / tl.sqrt(sq / H + eps))[:, None]
+        cols = n0 + tl.arange(0, BLOCK_N)
+        g_rows = w_gu_ptr + cols[:, None].to(tl.int64) * H + offs_k[None, :]
+        u_rows = g_rows + INTER * H
+        gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            x = tl.load(r_rows + k0, mask=row_mask, other=0.0).to(tl.float32)
+            nw = tl.load(norm_w_ptr + k0 + offs_k).to(tl.float32)
+            # functional.norm.rms_norm: normed in fp32, rounded, times the weight, rounded
+            a = (nw[None, :] * (x * inv_rms).to(dt).to(tl.float32)).to(dt)
+            gate = tl.dot(a, tl.trans(tl.load(g_rows + k0)), gate, input_precision=PRECISION)
+            up = tl.dot(a, tl.trans(tl.load(u_rows + k0)), up, input_precision=PRECISION)
+        g = gate.to(dt).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # F.silu, rounded
+        act = (s * up.to(dt).to(tl.float32)).to(dt)
+        tl.store(act_ptr + rows[:, None].to(tl.int64) * INTER + cols[None, :], act,
+                 mask=row_mask)
+
+
+@triton.jit
+def _down_phase(act_ptr, w_down_ptr, out_ptr, pid, programs, M, H: tl.constexpr,
+                INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """Phase 2: out = act @ W_down.T, rounded; act: [M, INTER], out: [M, H]."""
+    dt = out_ptr.dtype.element_ty
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    for t in range(pid, tiles_m * (H // BLOCK_N), programs):
+        m0, n0 = (t % tiles_m) * BLOCK_M, (t // tiles_m) * BLOCK_N
+        y = _tile_dot(act_ptr, w_down_ptr, m0, n0, M, INTER, BLOCK_M, BLOCK_N, BLOCK_K,
+                      PRECISION)
+        rows = m0 + tl.arange(0, BLOCK_M)
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * H + (n0 + tl.arange(0, BLOCK_N))[None, :],
+                 y.to(dt), mask=(rows < M)[:, None])
+
+
+@triton.jit
+def _decode_mlp_kernel(
+        attn_ptr, res_ptr, w_o_ptr, norm_w_ptr, w_gu_ptr, w_down_ptr, r_ptr, act_ptr, out_ptr,
+        counter_ptr, eps, M, H: tl.constexpr, ATT: tl.constexpr, INTER: tl.constexpr,
+        BLOCK_M: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_D: tl.constexpr,
+        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PHASE: tl.constexpr):
+    """The three phases with a grid barrier after the first two (PHASE -1), or phase PHASE
+    alone. counter_ptr: the barriers' int64 arrival counter, which only grows (a launch waits
+    for base + k * programs arrivals, base the multiple of programs it finds at its start)."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    base = 0
+    if PHASE == -1:
+        base = tl.atomic_add(counter_ptr, 0) // programs * programs
+    if (PHASE == -1) or (PHASE == 0):
+        _oproj_phase(attn_ptr, w_o_ptr, res_ptr, r_ptr, pid, programs, M, H, ATT, BLOCK_M,
+                     BN_O, BLOCK_K, PRECISION)
+    if PHASE == -1:
+        _grid_barrier(counter_ptr, base + programs)
+    if (PHASE == -1) or (PHASE == 1):
+        _gate_up_phase(r_ptr, norm_w_ptr, w_gu_ptr, act_ptr, eps, pid, programs, M, H, INTER,
+                       BLOCK_M, BN_GU, BLOCK_K, PRECISION)
+    if PHASE == -1:
+        _grid_barrier(counter_ptr, base + 2 * programs)
+    if (PHASE == -1) or (PHASE == 2):
+        _down_phase(act_ptr, w_down_ptr, out_ptr, pid, programs, M, H, INTER, BLOCK_M, BN_D,
+                    BLOCK_K, PRECISION)
+
+
+def default_config(rows: int, device: torch.device) -> dict:
+    """Tile sizes: BLOCK_M rows a tile (at least 16, tl.dot's least), BN_* output columns a tile
+    for o_proj, gate/up and down, BLOCK_K columns a step of the dots; num_warps, num_stages (the
+dots' software pipeline). A first guess
+    for the H200, to be replaced by benchmarks/mlp_block_probe.py's sweep; small under the CPU
+    interpreter, so that the tests' tiny shapes have several tiles a phase."""
+    if not runs_ptx(device):
+        return dict(block_m=16, bn_o=16, bn_gu=16, bn_d=16, block_k=16, num_warps=4,
+                    num_stages=1)
+    block_m = min(64, max(16, next_pow2(rows)))
+    return dict(block_m=block_m, bn_o=32, bn_gu=32, bn_d=32, block_k=64, num_warps=4,
+                num_stages=3)
+
+
+def decode_mlp(attn: torch.Tensor, residual: torch.Tensor, o_proj: torch.Tensor,
+               post_norm: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, eps: float, *,
+               programs: int | None = None, phase_by_phase: bool | None = None,
+               counter: torch.Tensor | None = None, config: dict | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """functional.layer's attention output projection and mlp_block on one rank:
+    attn: [M, heads * head_dim] (attention's output), residual: [M, hidden] ->
+    (down's output [M, hidden], the residual stream attn @ o_proj.T + residual [M, hidden]).
+    Weights as in state.params.LayerParams. phase_by_phase: one launch a phase (the default
+    under the CPU interpreter); programs: the persistent grid (default one an SM); counter: the
+    grid barriers' int64 [1] counter, which only grows and which launches may share (None: a
+    new one); config: default_config's keys, overriding it."""
+    m, att = attn.shape
+    hidden = residual.shape[1]
+    inter = down.shape[1]
+    if not MIN_ROWS <= m <= MAX_ROWS:
+        raise ValueError(f"decode_mlp takes {MIN_ROWS}-{MAX_ROWS} rows, got {m}")
+    want = {"residual": (residual, (m, hidden)), "o_proj": (o_proj, (hidden, att)),
+            "post_norm": (post_norm, (hidden,)), "gate_up": (gate_up, (2 * inter, hidden)),
+            "down": (down, (hidden, inter))}
+    for name, (t, shape) in want.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must be {list(shape)} for attn {list(attn.shape)}, got "
+                             f"{list(t.shape)}")
+    tensors = [attn, *(t for t, _ in want.values())]
+    if any(t.dtype != attn.dtype or t.device != attn.device or not t.is_contiguous()
+           for t in tensors):
+        raise ValueError("decode_mlp's tensors must be contiguous, of one dtype and device, got "
+                         + ", ".join(f"{t.dtype} on {t.device}" for t in tensors))
+    defaults = default_config(m, attn.device)
+    if unknown := set(config or {}) - set(defaults):
+        raise ValueError(f"unknown decode_mlp config keys {sorted(unknown)}; known: "
+                         f"{sorted(defaults)}")
+    cfg = defaults | dict(config or {})
+    for key, dim in (("bn_o", hidden), ("bn_gu", inter), ("bn_d", hidden), ("block_k", att),
+                     ("block_k", hidden), ("block_k", inter)):
+        if dim % cfg[key]:
+            raise ValueError(f"{key}={cfg[key]} must divide {dim}")
+    dev = attn.device
+    programs = programs or num_sms(dev)
+    if phase_by_phase is None:
+        phase_by_phase = not runs_ptx(dev)
+    if not (phase_by_phase or runs_ptx(dev) or programs == 1):
+        raise ValueError(f"a single launch of {programs} programs needs a GPU: the interpreter "
+                         f"runs programs one after another, so their barriers would never pass")
+    if counter is not None and (counter.shape != (1,) or counter.dtype != torch.int64 or
+                                counter.device != dev):
+        raise ValueError(f"counter must be int64 [1] on {dev}, got {counter.dtype} "
+                         f"{list(counter.shape)} on {counter.device}")
+    if counter is None:
+        counter = torch.zeros(1, device=dev, dtype=torch.int64)
+    r, out = torch.empty_like(residual), torch.empty_like(residual)
+    act = attn.new_empty(m, inter)
+    consts = dict(H=hidden, ATT=att, INTER=inter, BLOCK_M=cfg["block_m"], BN_O=cfg["bn_o"],
+                  BN_GU=cfg["bn_gu"], BN_D=cfg["bn_d"], BLOCK_K=cfg["block_k"],
+                  PRECISION=dot_precision(attn.dtype), num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"])
+    args = (attn, residual, o_proj, post_norm, gate_up, down, r, act, out, counter, float(eps), m)
+    if phase_by_phase:
+        for phase in range(PHASES):
+            _decode_mlp_kernel[(programs,)](*args, **consts, PHASE=phase)
+    else:
+        cooperative = dict(launch_cooperative_grid=True) if runs_ptx(dev) else {}
+        _decode_mlp_kernel[(programs,)](*args, **consts, PHASE=-1, **cooperative)
+    return out, r

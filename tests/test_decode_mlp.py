@@ -1,0 +1,138 @@
+"""kernels/decode_mlp.py: o_proj, the residual add, the post-attention RMSNorm, gate/up, SiLU * up
+and down for 1-256 rows as one persistent kernel, against functional.layer.mlp_block after
+o_proj's F.linear (down's output and the residual stream). On the CPU the interpreter runs one
+launch a phase, or one launch of one program (whose barriers pass); a GPU runs the grid's
+single cooperative launch too."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, strategies as st
+
+from minivllm.functional.layer import mlp_block
+from minivllm.kernels.decode_mlp import MAX_ROWS, decode_mlp, default_config
+from minivllm.kernels.launch import num_sms, runs_ptx, triton_usable
+from minivllm.state.params import LayerParams
+from minivllm.state.shard import ShardSpec
+
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+EPS = 1e-6
+# Qwen3-0.6B's proportions at a tenth (hidden 64 < attention width 128 < intermediate 192), and
+# one with the attention width under the hidden size (Qwen3-4B's is over: 4096 against 2560)
+SHAPES = {"0.6b": (64, 128, 192), "narrow": (96, 64, 160)}
+
+
+@pytest.fixture(autouse=True)
+def _needs_triton(device):
+    if not triton_usable(device):
+        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+
+
+def dtypes(device):
+    # the interpreter computes bf16 arithmetic wrongly (the brief): fp32 and fp16 on the CPU
+    return [torch.float32, torch.float16] + ([torch.bfloat16] if runs_ptx(device) else [])
+
+
+def mlp_case(device, dtype, rows, shape="0.6b", seed=0):
+    hidden, att, inter = SHAPES[shape]
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*s, scale=1.0):
+        return (torch.randn(*s, generator=g) * scale).to(device=device, dtype=dtype)
+
+    weights = dict(o_proj=rand(hidden, att, scale=att ** -0.5),
+                   post_norm=1.0 + rand(hidden, scale=0.1),
+                   gate_up=rand(2 * inter, hidden, scale=hidden ** -0.5),
+                   down=rand(hidden, inter, scale=inter ** -0.5))
+    return rand(rows, att), rand(rows, hidden), weights
+
+
+def reference(attn, residual, w):
+    """functional.layer's o_proj (row_linear on one rank is F.linear) and mlp_block."""
+    lp = LayerParams(input_norm=None, qkv=None, q_norm=None, k_norm=None, **w)
+    return mlp_block(lp, F.linear(attn, w["o_proj"]), residual, ShardSpec(), EPS)
+
+
+def check(got, want, dtype):
+    for g, r in zip(got, want):
+        assert g.shape == r.shape and g.dtype == r.dtype
+        err = ((g.float() - r.float()).abs().max() / r.float().abs().max()).item()
+        assert err < TOL[dtype], err
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("rows", [1, 5, 16, 37])
+def test_decode_mlp_matches_mlp_block(device, shape, rows):
+    for dtype in dtypes(device):
+        attn, residual, w = mlp_case(device, dtype, rows, shape)
+        got = decode_mlp(attn, residual, *w.values(), EPS)
+        check(got, reference(attn, residual, w), dtype)
+
+
+@pytest.mark.parametrize("phase_by_phase", [False, True])
+def test_one_launch_with_barriers_equals_one_launch_a_phase(device, phase_by_phase):
+    """The single launch runs the phases and barriers of the GPU path; under the interpreter with
+    one program (its barriers then pass at once), on a GPU with the whole grid."""
+    attn, residual, w = mlp_case(device, torch.float32, 20)
+    programs = num_sms(device) if runs_ptx(device) else 1
+    counter = torch.zeros(1, device=device, dtype=torch.int64)
+    for _ in range(2):  # the counter only grows: a second launch waits for its own arrivals
+        got = decode_mlp(attn, residual, *w.values(), EPS, programs=programs,
+                         phase_by_phase=phase_by_phase, counter=counter)
+        check(got, reference(attn, residual, w), torch.float32)
+    if not phase_by_phase:
+        assert counter.item() == 2 * 2 * programs  # two launches of two barriers
+
+
+@given(rows=st.integers(1, 64), seed=st.integers(0, 2**16),
+       tiles=st.sampled_from([(16, 16, 16, 16, 16), (32, 16, 32, 16, 32), (16, 32, 16, 32, 16)]))
+def test_tile_configs_agree(device, rows, seed, tiles):
+    """Any tiling that divides the shape gives the reference's result (fp32 on the CPU)."""
+    block_m, bn_o, bn_gu, bn_d, block_k = tiles
+    attn, residual, w = mlp_case(device, torch.float32, rows, seed=seed)
+    config = dict(block_m=block_m, bn_o=bn_o, bn_gu=bn_gu, bn_d=bn_d, block_k=block_k)
+    got = decode_mlp(attn, residual, *w.values(), EPS, config=config)
+    check(got, reference(attn, residual, w), torch.float32)
+
+
+def test_bad_input_is_refused_before_any_launch(device):
+    attn, residual, w = mlp_case(device, torch.float32, 4)
+    with pytest.raises(ValueError, match="rows"):
+        decode_mlp(attn.new_empty(MAX_ROWS + 1, attn.shape[1]), residual, *w.values(), EPS)
+    with pytest.raises(ValueError, match="residual must be"):
+        decode_mlp(attn, residual[:3], *w.values(), EPS)
+    with pytest.raises(ValueError, match="gate_up must be"):
+        decode_mlp(attn, residual, w["o_proj"], w["post_norm"], w["gate_up"][1:], w["down"], EPS)
+    with pytest.raises(ValueError, match="one dtype"):
+        decode_mlp(attn.half(), residual, *w.values(), EPS)
+    with pytest.raises(ValueError, match="contiguous"):
+        decode_mlp(attn, residual, w["o_proj"].t().contiguous().t(), *list(w.values())[1:], EPS)
+    with pytest.raises(ValueError, match="bn_gu=128 must divide 192"):
+        decode_mlp(attn, residual, *w.values(), EPS, config=dict(bn_gu=128))
+    with pytest.raises(ValueError, match="unknown decode_mlp config keys"):
+        decode_mlp(attn, residual, *w.values(), EPS, config=dict(block_n=32))
+    with pytest.raises(ValueError, match="counter must be int64"):
+        decode_mlp(attn, residual, *w.values(), EPS, counter=torch.zeros(2, device=device))
+    if not runs_ptx(device):  # a barrier among programs run one after another never passes
+        with pytest.raises(ValueError, match="needs a GPU"):
+            decode_mlp(attn, residual, *w.values(), EPS, programs=2, phase_by_phase=False)
+
+
+def test_the_probes_two_forms_agree(device):
+    """benchmarks/mlp_block_probe.py's engine form (functional.layer's o_proj and mlp_block) and
+    fused form (decode_mlp) compute the same thing from the same weights (the probe on the GPU
+    compares them at Qwen3-0.6B's shape); its sweep's tilings all divide that shape."""
+    from benchmarks import mlp_block_probe as probe
+
+    attn, residual, w = mlp_case(device, torch.float32, 24)
+    lp = LayerParams(input_norm=None, qkv=None, q_norm=None, k_norm=None, **w)
+    counter = torch.zeros(1, device=device, dtype=torch.int64)
+    check(probe.fused_form(lp, attn, residual, counter),
+          probe.engine_form(*probe.weights(lp), attn, residual), torch.float32)
+    for rows in (16, 32, 64, 128, 256):
+        for cfg in probe.sweep_configs(rows):
+            assert set(cfg) == set(default_config(rows, device))
+            assert probe.HIDDEN % cfg["bn_o"] == probe.INTER % cfg["bn_gu"] == 0
+            assert probe.HIDDEN % cfg["bn_d"] == 0
+            assert probe.ATT % cfg["block_k"] == probe.HIDDEN % cfg["block_k"] == 0
+            assert probe.INTER % cfg["block_k"] == 0 and cfg["block_m"] >= 16
