@@ -1,9 +1,9 @@
 """The second half of a Qwen3 decoder layer at a decode step of 16-256 rows as one persistent
 kernel: o_proj and the residual add, the post-attention RMSNorm, gate/up with SiLU * up, down.
 
-Why (BENCHMARKS.md session 33's trace of a bf16 step at 256 sequences): after attention, a
+Why (BENCHMARKS.md session 33's traces of bf16 steps at ~256 and ~100 sequences): after attention, a
 layer runs six kernels (o_proj as cuBLAS's copy + addmm, Inductor's add + RMSNorm, gate_up,
-Inductor's SiLU * up, down), ~26 us at 256 rows and ~22 at 32, for 22 MB of weights that the
+Inductor's SiLU * up, down), ~26 us at 256 rows and ~22 at ~100, for 22 MB of weights that the
 DRAM reads in ~5 us and ~6 GFLOP that the tensor cores do in ~8 at 256 rows: each kernel pays
 its launch, ramp-up and tail (~2-5 us). Here one program an SM stays resident and runs the
 three GEMMs as tensor-core tiles with a grid barrier between them (~1 us each, session 17):
