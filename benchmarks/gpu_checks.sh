@@ -20,6 +20,8 @@
 #       budget (BUDGET_S) and one packing of the compile caches
 #   bash benchmarks/gpu_checks.sh mlp_probe  # nvidia-h200: kernels/decode_mlp.py (a layer's o_proj
 #       to down as one persistent kernel) against the engine's compiled kernels, 32-256 rows
+#   bash benchmarks/gpu_checks.sh mlp_engine  # nvidia-h200: the engine with it (MINIVLLM_FUSED_MLP):
+#       the graph tests, then throughput against without, alternating
 #   bash benchmarks/gpu_checks.sh inductor_knobs  # nvidia-h200: throughput with Inductor's PDL
 #       and its coordinate-descent tuning against its defaults, in turn
 #   bash benchmarks/gpu_checks.sh profile  # nvidia-h200: traced decode steps (bf16 and fp8 cache,
@@ -425,6 +427,22 @@ mlp_probe)
   step mlp_block_probe $(left_or 250) python3 benchmarks/mlp_block_probe.py --sweep \
     --json "$RESULTS/mlp_block_probe.json"
   ;;
+mlp_engine)
+  # nvidia-h200 (<= 580 s): the engine's decode graphs of FUSED rows (default 17-256; the probe's
+  # winning range belongs here) with decode_mlp in each layer: graphs against eager, the sync
+  # test; then throughput with and without, alternating, while time is left.
+  FUSED=${FUSED:-17-256}
+  MINIVLLM_FUSED_MLP=1-256 STEP_LOG=$OUT/tests.txt step fused_graph_tests $(left_or 200) \
+    python3 -m pytest $PYTEST_ARGS tests/test_gpu_graphs.py \
+    -k "graphs_and_async_scheduling_equal_eager or never_make_the_host_wait"
+  for run in 1_fused 2_base 3_fused 4_base; do
+    left=$(( BUDGET_S - SECONDS ))
+    [ $left -lt 60 ] && break
+    flag=; [ "${run#*_}" = fused ] && flag=$FUSED
+    MINIVLLM_FUSED_MLP=$flag step "bench_$run" $(( left < 200 ? left : 200 )) python3 -m \
+      minivllm bench --shape qwen3-0.6b --json "$RESULTS/bench_$run.json"
+  done
+  ;;
 inductor_knobs)
   # nvidia-h200 (<= 580 s on a fresh machine): two Inductor switches that change only how its
   # own kernels (the layer's norms, SiLU-and-mul, residual adds: ~0.3 ms of a 256-row step with
@@ -484,7 +502,7 @@ probes)
   step sweep_gemm 90 python3 benchmarks/sweep_decode_gemm.py
   ;;
 *)
-  echo "usage: $0 MODE... (each of speed|figures|profile|sync|mlp_probe|inductor_knobs|host_ab|prefill_graph|prefill_default|kv_budget|fp8_ab|graph_tests|engine_tests|memory|rounding|tp|tp_engine|tp8b|agreement|tp_trained|ab|probes|attention_tail|head_cast|norm_rope)" >&2
+  echo "usage: $0 MODE... (each of speed|figures|profile|sync|mlp_probe|mlp_engine|inductor_knobs|host_ab|prefill_graph|prefill_default|kv_budget|fp8_ab|graph_tests|engine_tests|memory|rounding|tp|tp_engine|tp8b|agreement|tp_trained|ab|probes|attention_tail|head_cast|norm_rope)" >&2
   exit 2
   ;;
 esac

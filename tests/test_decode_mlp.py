@@ -136,3 +136,48 @@ def test_the_probes_two_forms_agree(device):
             assert probe.HIDDEN % cfg["bn_d"] == 0
             assert probe.ATT % cfg["block_k"] == probe.HIDDEN % cfg["block_k"] == 0
             assert probe.INTER % cfg["block_k"] == 0 and cfg["block_m"] >= 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_mlp_layer_equals_the_decoder_layer(device, dtype):
+    """with_fused_mlp's layer (the engine's decode graphs under MINIVLLM_FUSED_MLP): attention_half
+    and decode_mlp at decode steps of rows within its range, the layer it wraps elsewhere; the
+    same output, residual stream and cache writes as functional.layer.decoder_layer."""
+    from minivllm.functional.layer import attention_half, decoder_layer
+    from minivllm.kernels import select_backend
+    from minivllm.kernels.decode_mlp import with_fused_mlp
+    from test_decode_layer import layer_case
+
+    config, lp, x, residual, cos, sin, k_cache, v_cache, batch = layer_case(
+        device, dtype, [9, 30, 2, 17, 5], first_layer=False)
+    backend = select_backend(device, "reference")
+    kw = dict(config=config, shard=ShardSpec(), backend=backend)
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    want = decoder_layer(lp, x, residual, cos, sin, k_want, v_want, batch, **kw)
+    wrapped = []
+
+    def layer(*args, **kwargs):
+        wrapped.append(args[0])
+        return decoder_layer(*args, **kwargs)
+
+    counter = torch.zeros(1, device=device, dtype=torch.int64)
+    for rows, fused in (((5, 5), True), ((1, 4), False), ((6, 256), False)):
+        fn = with_fused_mlp(layer, attention_half, rows, counter)
+        k_got, v_got = k_cache.clone(), v_cache.clone()
+        wrapped.clear()
+        got = fn(lp, x, residual, cos, sin, k_got, v_got, batch, **kw)
+        assert (not wrapped) == fused
+        check(got, want, dtype)
+        assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
+    with pytest.raises(ValueError, match="fused MLP rows"):
+        with_fused_mlp(layer, attention_half, (0, 8), counter)
+
+
+def test_the_engine_flag_is_parsed_or_refused():
+    from minivllm.runtime.runner import fused_mlp_rows
+
+    assert fused_mlp_rows(None) is None and fused_mlp_rows("") is None
+    assert fused_mlp_rows("17-256") == (17, 256)
+    for bad in ("17", "0-16", "17-300", "a-b", "64-32"):
+        with pytest.raises(ValueError, match="MINIVLLM_FUSED_MLP must be LO-HI"):
+            fused_mlp_rows(bad)

@@ -32,6 +32,16 @@ def attention_block(lp: LayerParams, qkv: torch.Tensor, cos: torch.Tensor, sin: 
     """qkv: [T, (heads_local + 2 kv_heads_local) * head_dim], the normed rows' projection ->
     [T, hidden], or on one rank at a few rows o_proj's unsummed fp32 partials [split, T, hidden]
     (the add + RMSNorm after it sums them). Writes this step's K/V into k_cache/v_cache."""
+    out = attention_output(lp, qkv, cos, sin, k_cache, v_cache, batch, config=config,
+                           shard=shard, backend=backend)
+    return row_linear(out, lp.o_proj, shard, unsummed_ok=True)
+
+
+def attention_output(lp: LayerParams, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Batch, *,
+                     config: ModelConfig, shard: ShardSpec, backend: AttentionBackend
+                     ) -> torch.Tensor:
+    """attention_block before o_proj: [T, heads_local * head_dim]."""
     q, k, v = split_qkv(qkv, config, shard)
     norm_rope = (lp.q_norm, lp.k_norm, cos, sin, config.rms_norm_eps)
     step = "decode" if batch.is_decode else "prefill"
@@ -41,7 +51,7 @@ def attention_block(lp: LayerParams, qkv: torch.Tensor, cos: torch.Tensor, sin: 
     else:
         q, k = qk_norm_rope(q, k, *norm_rope)
         out = backend(q, k, v, k_cache, v_cache, batch, config.head_dim ** -0.5)
-    return row_linear(out.reshape(out.shape[0], -1), lp.o_proj, shard, unsummed_ok=True)
+    return out.reshape(out.shape[0], -1)
 
 
 def norm_qkv(lp: LayerParams, x: torch.Tensor, residual: torch.Tensor | None, eps: float
@@ -58,6 +68,18 @@ def mlp_block(lp: LayerParams, x: torch.Tensor, residual: torch.Tensor, shard: S
     (see glu_row_linear), which the next layer's add + RMSNorm sums."""
     h, residual = add_rms_norm(x, residual, lp.post_norm, eps)
     return glu_row_linear(column_linear(h, lp.gate_up), lp.down, shard, unsummed_ok=True), residual
+
+
+def attention_half(lp: LayerParams, x: torch.Tensor, residual: torch.Tensor | None,
+                   cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, batch: Batch, *, config: ModelConfig, shard: ShardSpec,
+                   backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+    """decoder_layer up to attention's output, before o_proj: ([T, heads_local * head_dim],
+    the residual stream x + residual). For a caller that runs the rest as one kernel
+    (kernels.decode_mlp)."""
+    qkv, residual = norm_qkv(lp, x, residual, config.rms_norm_eps)
+    return attention_output(lp, qkv, cos, sin, k_cache, v_cache, batch, config=config,
+                            shard=shard, backend=backend), residual
 
 
 def decoder_layer(lp: LayerParams, x: torch.Tensor, residual: torch.Tensor | None,

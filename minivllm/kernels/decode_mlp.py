@@ -18,7 +18,8 @@ turn, column block first (the programs that share a weight tile run side by side
 from L2 once). Values are rounded to the activation dtype where functional.layer.mlp_block
 and functional.norm round them (o_proj's output, the sum, the norm, gate and up, SiLU, the
 product, down's output). A probe (benchmarks/mlp_block_probe.py) times it against the compiled
-layer's kernels; the engine does not call it yet.
+layer's kernels; the engine's decode graphs use it only when asked (MINIVLLM_FUSED_MLP=LO-HI:
+buckets of LO-HI rows, through with_fused_mlp), until the probe says it pays.
 
 On the CPU, Triton's interpreter runs programs one after another, so a spin barrier among several
 programs never returns: there the kernel is launched once per phase (the launch boundary is the
@@ -236,3 +237,26 @@ def decode_mlp(attn: torch.Tensor, residual: torch.Tensor, o_proj: torch.Tensor,
         cooperative = dict(launch_cooperative_grid=True) if runs_ptx(dev) else {}
         _decode_mlp_kernel[(programs,)](*args, **consts, PHASE=-1, **cooperative)
     return out, r
+
+
+def with_fused_mlp(layer, attention_half, rows: tuple[int, int], counter: torch.Tensor):
+    """A decoder layer function (functional.layer.decoder_layer's signature) that runs decode
+    steps of rows[0]..rows[1] rows on one rank as attention_half (functional.layer's, or a
+    compiled one) and decode_mlp, and anything else through `layer`. counter: decode_mlp's,
+    one for every layer and step (it only grows)."""
+    lo, hi = rows
+    if not MIN_ROWS <= lo <= hi <= MAX_ROWS:
+        raise ValueError(f"fused MLP rows must lie within {MIN_ROWS}-{MAX_ROWS}, got {lo}-{hi}")
+
+    def fused_mlp_layer(lp, x, residual, cos, sin, k_cache, v_cache, batch, *, config, shard,
+                        backend):
+        if batch.is_decode and shard.world_size == 1 and x.dim() == 2 and \
+                lo <= x.shape[0] <= hi:
+            attn, residual = attention_half(lp, x, residual, cos, sin, k_cache, v_cache, batch,
+                                            config=config, shard=shard, backend=backend)
+            return decode_mlp(attn, residual, lp.o_proj, lp.post_norm, lp.gate_up, lp.down,
+                              config.rms_norm_eps, counter=counter)
+        return layer(lp, x, residual, cos, sin, k_cache, v_cache, batch, config=config,
+                     shard=shard, backend=backend)
+
+    return fused_mlp_layer

@@ -138,6 +138,21 @@ def _logged_time(what: str):
     log.info("minivllm: %s took %.1f s", what, time.perf_counter() - start)
 
 
+def fused_mlp_rows(flag: str | None) -> tuple[int, int] | None:
+    """MINIVLLM_FUSED_MLP's value, "LO-HI" (decode graphs of LO-HI rows run each layer's
+    o_proj to down as one kernel, kernels/decode_mlp.py), as (LO, HI); None when unset or empty."""
+    if not flag:
+        return None
+    from ..kernels.decode_mlp import MAX_ROWS, MIN_ROWS
+
+    lo, sep, hi = flag.partition("-")
+    if not (sep and lo.strip().isdigit() and hi.strip().isdigit()) or \
+            not MIN_ROWS <= int(lo) <= int(hi) <= MAX_ROWS:
+        raise ValueError(f"MINIVLLM_FUSED_MLP must be LO-HI rows within {MIN_ROWS}-{MAX_ROWS} "
+                         f"(e.g. 17-256), got {flag!r}")
+    return int(lo), int(hi)
+
+
 def heaviest_row(max_logprobs: int) -> SamplingRow:
     """The heaviest sampling row serving can ask for, every stage on: the penalties (with their
     [rows, vocab] counts), banned ids, the sort for top-k / top-p, min-p and the most logprobs.
@@ -232,7 +247,8 @@ class ModelRunner:
                 self.params, self.cache, self.backend, max_num_seqs=config.max_num_seqs,
                 max_blocks_per_seq=ceil_div(config.max_model_len, self.block_size),
                 compile_forward=os.environ.get("MINIVLLM_COMPILE", "1") != "0",
-                persistent_decode=config.persistent_decode)
+                persistent_decode=config.persistent_decode,
+                fused_mlp_rows=fused_mlp_rows(os.environ.get("MINIVLLM_FUSED_MLP")))
             self.graphs.capture()
         # Prefill and mixed steps run through the same compiled decoder layer (its prefill
         # variants are compiled by the warm-up): on the H200 the throughput benchmark ran 22,637
