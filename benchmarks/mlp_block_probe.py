@@ -5,8 +5,8 @@
 At a bf16 decode step of 256 sequences on the H200 (BENCHMARKS.md session 33's trace) a layer
 spends ~26 us after attention in six kernels: o_proj (cuBLAS's residual copy and its addmm),
 Inductor's add + RMSNorm, gate_up, Inductor's SiLU * up and down; each pays launch, ramp-up and
-tail. kernels/decode_mlp.py runs the same as one persistent launch of tensor-core tiles with two
-grid barriers. Here, for each row count, in CUDA graphs (CALLS calls a graph, weights rotating
+tail. kernels/decode_mlp.py runs the same as one persistent launch of tensor-core tiles with
+three grid barriers. Here, for each row count, in CUDA graphs (CALLS calls a graph, weights rotating
 over copies that exceed twice the L2, as a forward reads them):
 
   engine     functional.layer's o_proj (row_linear) and mlp_block, torch.compile'd, as the

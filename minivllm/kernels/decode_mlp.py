@@ -6,12 +6,13 @@ layer runs six kernels (o_proj as cuBLAS's copy + addmm, Inductor's add + RMSNor
 Inductor's SiLU * up, down), ~26 us at 256 rows and ~22 at ~100, for 22 MB of weights that the
 DRAM reads in ~5 us and ~6 GFLOP that the tensor cores do in ~8 at 256 rows: each kernel pays
 its launch, ramp-up and tail (~2-5 us). Here one program an SM stays resident and runs the
-three GEMMs as tensor-core tiles with a grid barrier between them (~1 us each, session 17):
+three GEMMs as tensor-core tiles, its phases separated by grid barriers (~1 us each, session
+17):
 
   0  tiles of y = attn @ o_proj.T, stored as the residual stream r = y + residual
-  1  tiles of act = silu(gate) * up, gate/up = RMSNorm(r) @ gate_up.T (each tile norms its rows
-     itself: their 1 / RMS from r's whole rows, read from L2)
-  2  tiles of out = act @ down.T
+  1  h = RMSNorm(r), a row at a time (it needs r's whole rows)
+  2  tiles of act = silu(gate) * up, (gate | up) = h @ gate_up.T
+  3  tiles of out = act @ down.T
 
 A tile is BLOCK_M rows by BLOCK_N output columns; a phase's tiles are dealt to the programs in
 turn, column block first (the programs that share a weight tile run side by side and read it
@@ -38,7 +39,7 @@ from .decode_layer import _grid_barrier
 from .launch import dot_precision, next_pow2, num_sms, runs_ptx
 
 MIN_ROWS, MAX_ROWS = 1, 256  # tl.dot pads the rows to BLOCK_M >= 16 itself
-PHASES = 3
+PHASES = 4
 
 
 @triton.jit
@@ -75,49 +76,56 @@ def _oproj_phase(attn_ptr, w_o_ptr, res_ptr, r_ptr, pid, programs, M, H: tl.cons
 
 
 @triton.jit
-def _gate_up_phase(r_ptr, norm_w_ptr, w_gu_ptr, act_ptr, eps, pid, programs, M,
-                   H: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """Phase 1: act = silu(gate) * up, (gate | up) = RMSNorm(r) @ W_gu.T; r: [M, H], W_gu:
-    [2 * INTER, H] (gate rows, then up rows), act: [M, INTER]. Each tile computes its rows'
-    1 / RMS itself from r's whole rows (L2-resident: phase 0 just wrote them)."""
+def _norm_phase(r_ptr, norm_w_ptr, h_ptr, eps, pid, programs, M, H: tl.constexpr,
+                BLOCK_H: tl.constexpr):
+    """Phase 1: h = RMSNorm(r) * weight, a row at a time (functional.norm.rms_norm: normed in
+    fp32, rounded, times the weight, rounded). Once here rather than in every gate/up tile,
+    which would norm each row INTER / BN_GU times over."""
+    dt = h_ptr.dtype.element_ty
+    offs = tl.arange(0, BLOCK_H)
+    mask = offs < H
+    w = tl.load(norm_w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    for row in range(pid, M, programs):
+        x = tl.load(r_ptr + row * H + offs, mask=mask, other=0.0).to(tl.float32)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, 0) / H + eps)
+        tl.store(h_ptr + row * H + offs, (w * (x * inv_rms).to(dt).to(tl.float32)).to(dt),
+                 mask=mask)
+
+
+@triton.jit
+def _gate_up_phase(h_ptr, w_gu_ptr, act_ptr, pid, programs, M, H: tl.constexpr,
+                   INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """Phase 2: act = silu(gate) * up, (gate | up) = h @ W_gu.T; h: [M, H], W_gu: [2 * INTER, H]
+    (gate rows, then up rows), act: [M, INTER]. A tile's gate and up columns are the same
+    intermediate columns, so the product needs nothing from another tile."""
     dt = act_ptr.dtype.element_ty
     tiles_m = tl.cdiv(M, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     for t in range(pid, tiles_m * (INTER // BLOCK_N), programs):
         m0, n0 = (t % tiles_m) * BLOCK_M, (t // tiles_m) * BLOCK_N
         rows = m0 + tl.arange(0, BLOCK_M)
-        row_mask = (rows < M)[:, None]
-        r_rows = r_ptr + rows[:, None].to(tl.int64) * H + offs_k[None, :]
-        sq = tl.zeros([BLOCK_M], tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            x = tl.load(r_rows + k0, mask=row_mask, other=0.0).to(tl.float32)
-            sq += tl.sum(x * x, 1)
-        inv_rms = (1.0 / tl.sqrt(sq / H + eps))[:, None]
         cols = n0 + tl.arange(0, BLOCK_N)
+        h_rows = h_ptr + rows[:, None].to(tl.int64) * H + offs_k[None, :]
         g_rows = w_gu_ptr + cols[:, None].to(tl.int64) * H + offs_k[None, :]
-        u_rows = g_rows + INTER * H
         gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            x = tl.load(r_rows + k0, mask=row_mask, other=0.0).to(tl.float32)
-            nw = tl.load(norm_w_ptr + k0 + offs_k).to(tl.float32)
-            # functional.norm.rms_norm: normed in fp32, rounded, times the weight, rounded
-            a = (nw[None, :] * (x * inv_rms).to(dt).to(tl.float32)).to(dt)
+        for k0 in range(0, H, BLOCK_K):  # one load of h's chunk for both products
+            a = tl.load(h_rows + k0, mask=(rows < M)[:, None], other=0.0)
             gate = tl.dot(a, tl.trans(tl.load(g_rows + k0)), gate, input_precision=PRECISION)
-            up = tl.dot(a, tl.trans(tl.load(u_rows + k0)), up, input_precision=PRECISION)
+            up = tl.dot(a, tl.trans(tl.load(g_rows + INTER * H + k0)), up,
+                        input_precision=PRECISION)
         g = gate.to(dt).to(tl.float32)
         s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # F.silu, rounded
-        act = (s * up.to(dt).to(tl.float32)).to(dt)
-        tl.store(act_ptr + rows[:, None].to(tl.int64) * INTER + cols[None, :], act,
-                 mask=row_mask)
+        tl.store(act_ptr + rows[:, None].to(tl.int64) * INTER + cols[None, :],
+                 (s * up.to(dt).to(tl.float32)).to(dt), mask=(rows < M)[:, None])
 
 
 @triton.jit
 def _down_phase(act_ptr, w_down_ptr, out_ptr, pid, programs, M, H: tl.constexpr,
                 INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """Phase 2: out = act @ W_down.T, rounded; act: [M, INTER], out: [M, H]."""
+    """Phase 3: out = act @ W_down.T, rounded; act: [M, INTER], out: [M, H]."""
     dt = out_ptr.dtype.element_ty
     tiles_m = tl.cdiv(M, BLOCK_M)
     for t in range(pid, tiles_m * (H // BLOCK_N), programs):
@@ -131,13 +139,15 @@ def _down_phase(act_ptr, w_down_ptr, out_ptr, pid, programs, M, H: tl.constexpr,
 
 @triton.jit
 def _decode_mlp_kernel(
-        attn_ptr, res_ptr, w_o_ptr, norm_w_ptr, w_gu_ptr, w_down_ptr, r_ptr, act_ptr, out_ptr,
-        counter_ptr, eps, M, H: tl.constexpr, ATT: tl.constexpr, INTER: tl.constexpr,
+        attn_ptr, res_ptr, w_o_ptr, norm_w_ptr, w_gu_ptr, w_down_ptr, r_ptr, h_ptr, act_ptr,
+        out_ptr, counter_ptr, eps, M, H: tl.constexpr, ATT: tl.constexpr, INTER: tl.constexpr,
         BLOCK_M: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_D: tl.constexpr,
-        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PHASE: tl.constexpr):
-    """The three phases with a grid barrier after the first two (PHASE -1), or phase PHASE
-    alone. counter_ptr: the barriers' int64 arrival counter, which only grows (a launch waits
-    for base + k * programs arrivals, base the multiple of programs it finds at its start)."""
+        BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr,
+        PHASE: tl.constexpr):
+    """The four phases with a grid barrier after each of the first three (PHASE -1), or phase
+    PHASE alone. counter_ptr: the barriers' int64 arrival counter, which only grows (a launch
+    waits for base + k * programs arrivals, base the multiple of programs it finds at its
+    start)."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     base = 0
@@ -149,11 +159,15 @@ def _decode_mlp_kernel(
     if PHASE == -1:
         _grid_barrier(counter_ptr, base + programs)
     if (PHASE == -1) or (PHASE == 1):
-        _gate_up_phase(r_ptr, norm_w_ptr, w_gu_ptr, act_ptr, eps, pid, programs, M, H, INTER,
-                       BLOCK_M, BN_GU, BLOCK_K, PRECISION)
+        _norm_phase(r_ptr, norm_w_ptr, h_ptr, eps, pid, programs, M, H, BLOCK_H)
     if PHASE == -1:
         _grid_barrier(counter_ptr, base + 2 * programs)
     if (PHASE == -1) or (PHASE == 2):
+        _gate_up_phase(h_ptr, w_gu_ptr, act_ptr, pid, programs, M, H, INTER, BLOCK_M, BN_GU,
+                       BLOCK_K, PRECISION)
+    if PHASE == -1:
+        _grid_barrier(counter_ptr, base + 3 * programs)
+    if (PHASE == -1) or (PHASE == 3):
         _down_phase(act_ptr, w_down_ptr, out_ptr, pid, programs, M, H, INTER, BLOCK_M, BN_D,
                     BLOCK_K, PRECISION)
 
@@ -223,13 +237,15 @@ def decode_mlp(attn: torch.Tensor, residual: torch.Tensor, o_proj: torch.Tensor,
                          f"{list(counter.shape)} on {counter.device}")
     if counter is None:
         counter = torch.zeros(1, device=dev, dtype=torch.int64)
-    r, out = torch.empty_like(residual), torch.empty_like(residual)
+    r, h, out = (torch.empty_like(residual) for _ in range(3))
     act = attn.new_empty(m, inter)
     consts = dict(H=hidden, ATT=att, INTER=inter, BLOCK_M=cfg["block_m"], BN_O=cfg["bn_o"],
                   BN_GU=cfg["bn_gu"], BN_D=cfg["bn_d"], BLOCK_K=cfg["block_k"],
+                  BLOCK_H=next_pow2(hidden),
                   PRECISION=dot_precision(attn.dtype), num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"])
-    args = (attn, residual, o_proj, post_norm, gate_up, down, r, act, out, counter, float(eps), m)
+    args = (attn, residual, o_proj, post_norm, gate_up, down, r, h, act, out, counter,
+            float(eps), m)
     if phase_by_phase:
         for phase in range(PHASES):
             _decode_mlp_kernel[(programs,)](*args, **consts, PHASE=phase)
