@@ -270,8 +270,9 @@ def with_fused_mlp(layer, attention_half, rows: tuple[int, int], counter: torch.
                 lo <= x.shape[0] <= hi:
             attn, residual = attention_half(lp, x, residual, cos, sin, k_cache, v_cache, batch,
                                             config=config, shard=shard, backend=backend)
-            return decode_mlp(attn, residual, lp.o_proj, lp.post_norm, lp.gate_up, lp.down,
-                              config.rms_norm_eps, counter=counter)
+            # (no-ops on the compiled half's outputs, which are contiguous)
+            return decode_mlp(attn.contiguous(), residual.contiguous(), lp.o_proj, lp.post_norm,
+                              lp.gate_up, lp.down, config.rms_norm_eps, counter=counter)
         return layer(lp, x, residual, cos, sin, k_cache, v_cache, batch, config=config,
                      shard=shard, backend=backend)
 
