@@ -95,6 +95,22 @@ def test_tile_configs_agree(device, rows, seed, tiles):
     check(got, reference(attn, residual, w), torch.float32)
 
 
+@pytest.mark.parametrize("gpu", [False, True])
+def test_default_tiles_divide_every_shape(monkeypatch, gpu):
+    """The default tiles (the GPU's chosen off the device, as on the H200) divide the tests'
+    shapes and Qwen3's (0.6B: 1024 / 2048 / 3072; 4B: 2560 / 4096 / 9728)."""
+    import minivllm.kernels.decode_mlp as dm
+
+    monkeypatch.setattr(dm, "runs_ptx", lambda device: gpu)
+    for hidden, att, inter in [*SHAPES.values(), (96, 64, 96), (1024, 2048, 3072),
+                               (2560, 4096, 9728)]:
+        for rows in (1, 16, 100, 256):
+            cfg = dm.default_config(rows, torch.device("cpu"), hidden, att, inter)
+            assert hidden % cfg["bn_o"] == hidden % cfg["bn_d"] == inter % cfg["bn_gu"] == 0
+            assert hidden % cfg["block_k"] == att % cfg["block_k"] == 0
+            assert inter % cfg["block_k"] == 0 and 16 <= cfg["block_m"] <= 64
+
+
 def test_bad_input_is_refused_before_any_launch(device):
     attn, residual, w = mlp_case(device, torch.float32, 4)
     with pytest.raises(ValueError, match="rows"):
@@ -127,11 +143,15 @@ def test_the_probes_two_forms_agree(device):
     attn, residual, w = mlp_case(device, torch.float32, 24)
     lp = LayerParams(input_norm=None, qkv=None, q_norm=None, k_norm=None, **w)
     counter = torch.zeros(1, device=device, dtype=torch.int64)
-    check(probe.fused_form(lp, attn, residual, counter),
-          probe.engine_form(*probe.weights(lp), attn, residual), torch.float32)
-    for rows in (16, 32, 64, 128, 256):
+    # the probe compiles the engine's form whole (dynamo must trace it: no attrs class built in it)
+    engine = torch.compile(probe.engine_form, fullgraph=True, dynamic=False, backend="eager")
+    with torch.no_grad():
+        check(probe.fused_form(lp, attn, residual, counter), engine(lp, attn, residual),
+              torch.float32)
+    for rows in (1, 16, 32, 48, 64, 100, 128, 256):
         for cfg in probe.sweep_configs(rows):
-            assert set(cfg) == set(default_config(rows, device))
+            assert set(cfg) == set(default_config(rows, device, 64, 128, 192))
+            assert cfg["block_m"] & (cfg["block_m"] - 1) == 0  # tl.arange takes powers of two
             assert probe.HIDDEN % cfg["bn_o"] == probe.INTER % cfg["bn_gu"] == 0
             assert probe.HIDDEN % cfg["bn_d"] == 0
             assert probe.ATT % cfg["block_k"] == probe.HIDDEN % cfg["block_k"] == 0
@@ -181,3 +201,19 @@ def test_the_engine_flag_is_parsed_or_refused():
     for bad in ("17", "0-16", "17-300", "a-b", "64-32"):
         with pytest.raises(ValueError, match="MINIVLLM_FUSED_MLP must be LO-HI"):
             fused_mlp_rows(bad)
+
+
+def test_the_engine_checks_the_flag_at_start(tmp_path, monkeypatch, caplog, device):
+    """A malformed MINIVLLM_FUSED_MLP stops the engine's start; a well-formed one where no
+    compiled decode graphs run (enforce_eager here) is ignored with a warning."""
+    from hf_tiny import make_hf_model, save_checkpoint
+    from minivllm import LLM
+
+    path = save_checkpoint(make_hf_model(seed=1), tmp_path / "model")
+    monkeypatch.setenv("MINIVLLM_FUSED_MLP", "256")
+    with pytest.raises(ValueError, match="MINIVLLM_FUSED_MLP must be LO-HI"):
+        LLM(path, device=device, num_kv_blocks=64, enforce_eager=True)
+    monkeypatch.setenv("MINIVLLM_FUSED_MLP", "17-256")
+    with caplog.at_level("WARNING", logger="minivllm"):
+        LLM(path, device=device, num_kv_blocks=64, enforce_eager=True)
+    assert "MINIVLLM_FUSED_MLP applies to the compiled decode graphs only" in caplog.text

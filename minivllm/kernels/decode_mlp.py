@@ -59,20 +59,23 @@ def _tile_dot(a_ptr, w_ptr, m0, n0, M, K: tl.constexpr, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
-def _oproj_phase(attn_ptr, w_o_ptr, res_ptr, r_ptr, pid, programs, M, H: tl.constexpr,
-                 ATT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """Phase 0: r = round(attn @ W_o.T) + residual, rounded. attn: [M, ATT]; res, r: [M, H]."""
-    dt = r_ptr.dtype.element_ty
+def _projection_phase(a_ptr, w_ptr, res_ptr, out_ptr, pid, programs, M, N: tl.constexpr,
+                      K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, ADD_RES: tl.constexpr):
+    """out = round(A @ W.T), A: [M, K], W: [N, K], out: [M, N]; ADD_RES: out = round(round(A @
+    W.T) + res) (phase 0: o_proj and the residual stream; phase 3: down)."""
+    dt = out_ptr.dtype.element_ty
     tiles_m = tl.cdiv(M, BLOCK_M)
-    for t in range(pid, tiles_m * (H // BLOCK_N), programs):
+    for t in range(pid, tiles_m * (N // BLOCK_N), programs):
         m0, n0 = (t % tiles_m) * BLOCK_M, (t // tiles_m) * BLOCK_N
-        y = _tile_dot(attn_ptr, w_o_ptr, m0, n0, M, ATT, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        y = _tile_dot(a_ptr, w_ptr, m0, n0, M, K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION).to(dt)
         rows = m0 + tl.arange(0, BLOCK_M)
-        offs = rows[:, None].to(tl.int64) * H + (n0 + tl.arange(0, BLOCK_N))[None, :]
+        offs = rows[:, None].to(tl.int64) * N + (n0 + tl.arange(0, BLOCK_N))[None, :]
         mask = (rows < M)[:, None]
-        res = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(r_ptr + offs, (y.to(dt).to(tl.float32) + res).to(dt), mask=mask)
+        if ADD_RES:
+            res = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            y = (y.to(tl.float32) + res).to(dt)
+        tl.store(out_ptr + offs, y, mask=mask)
 
 
 @triton.jit
@@ -122,22 +125,6 @@ def _gate_up_phase(h_ptr, w_gu_ptr, act_ptr, pid, programs, M, H: tl.constexpr,
 
 
 @triton.jit
-def _down_phase(act_ptr, w_down_ptr, out_ptr, pid, programs, M, H: tl.constexpr,
-                INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """Phase 3: out = act @ W_down.T, rounded; act: [M, INTER], out: [M, H]."""
-    dt = out_ptr.dtype.element_ty
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    for t in range(pid, tiles_m * (H // BLOCK_N), programs):
-        m0, n0 = (t % tiles_m) * BLOCK_M, (t // tiles_m) * BLOCK_N
-        y = _tile_dot(act_ptr, w_down_ptr, m0, n0, M, INTER, BLOCK_M, BLOCK_N, BLOCK_K,
-                      PRECISION)
-        rows = m0 + tl.arange(0, BLOCK_M)
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * H + (n0 + tl.arange(0, BLOCK_N))[None, :],
-                 y.to(dt), mask=(rows < M)[:, None])
-
-
-@triton.jit
 def _decode_mlp_kernel(
         attn_ptr, res_ptr, w_o_ptr, norm_w_ptr, w_gu_ptr, w_down_ptr, r_ptr, h_ptr, act_ptr,
         out_ptr, counter_ptr, eps, M, H: tl.constexpr, ATT: tl.constexpr, INTER: tl.constexpr,
@@ -154,8 +141,8 @@ def _decode_mlp_kernel(
     if PHASE == -1:
         base = tl.atomic_add(counter_ptr, 0) // programs * programs
     if (PHASE == -1) or (PHASE == 0):
-        _oproj_phase(attn_ptr, w_o_ptr, res_ptr, r_ptr, pid, programs, M, H, ATT, BLOCK_M,
-                     BN_O, BLOCK_K, PRECISION)
+        _projection_phase(attn_ptr, w_o_ptr, res_ptr, r_ptr, pid, programs, M, H, ATT, BLOCK_M,
+                          BN_O, BLOCK_K, PRECISION, True)
     if PHASE == -1:
         _grid_barrier(counter_ptr, base + programs)
     if (PHASE == -1) or (PHASE == 1):
@@ -168,22 +155,27 @@ def _decode_mlp_kernel(
     if PHASE == -1:
         _grid_barrier(counter_ptr, base + 3 * programs)
     if (PHASE == -1) or (PHASE == 3):
-        _down_phase(act_ptr, w_down_ptr, out_ptr, pid, programs, M, H, INTER, BLOCK_M, BN_D,
-                    BLOCK_K, PRECISION)
+        _projection_phase(act_ptr, w_down_ptr, out_ptr, out_ptr, pid, programs, M, H, INTER,
+                          BLOCK_M, BN_D, BLOCK_K, PRECISION, False)
 
 
-def default_config(rows: int, device: torch.device) -> dict:
+def default_config(rows: int, device: torch.device, hidden: int, att: int, inter: int) -> dict:
     """Tile sizes: BLOCK_M rows a tile (at least 16, tl.dot's least), BN_* output columns a tile
     for o_proj, gate/up and down, BLOCK_K columns a step of the dots; num_warps, num_stages (the
-dots' software pipeline). A first guess
-    for the H200, to be replaced by benchmarks/mlp_block_probe.py's sweep; small under the CPU
-    interpreter, so that the tests' tiny shapes have several tiles a phase."""
+    dots' software pipeline). Each the widest of its candidates that divides its dimension
+    (hidden, attention width, intermediate size: multiples of 16). A first guess for the H200,
+    to be replaced by benchmarks/mlp_block_probe.py's sweep; small under the CPU interpreter,
+    so that the tests' tiny shapes have several tiles a phase."""
+    def widest(candidates, *dims):
+        return next((c for c in candidates if all(d % c == 0 for d in dims)), candidates[-1])
+
     if not runs_ptx(device):
         return dict(block_m=16, bn_o=16, bn_gu=16, bn_d=16, block_k=16, num_warps=4,
                     num_stages=1)
-    block_m = min(64, max(16, next_pow2(rows)))
-    return dict(block_m=block_m, bn_o=32, bn_gu=32, bn_d=32, block_k=64, num_warps=4,
-                num_stages=3)
+    bn = (32, 16)
+    return dict(block_m=min(64, max(16, next_pow2(rows))), bn_o=widest(bn, hidden),
+                bn_gu=widest(bn, inter), bn_d=widest(bn, hidden),
+                block_k=widest((64, 32, 16), hidden, att, inter), num_warps=4, num_stages=3)
 
 
 def decode_mlp(attn: torch.Tensor, residual: torch.Tensor, o_proj: torch.Tensor,
@@ -215,7 +207,7 @@ def decode_mlp(attn: torch.Tensor, residual: torch.Tensor, o_proj: torch.Tensor,
            for t in tensors):
         raise ValueError("decode_mlp's tensors must be contiguous, of one dtype and device, got "
                          + ", ".join(f"{t.dtype} on {t.device}" for t in tensors))
-    defaults = default_config(m, attn.device)
+    defaults = default_config(m, attn.device, hidden, att, inter)
     if unknown := set(config or {}) - set(defaults):
         raise ValueError(f"unknown decode_mlp config keys {sorted(unknown)}; known: "
                          f"{sorted(defaults)}")

@@ -242,13 +242,18 @@ class ModelRunner:
                      ", ".join(f"{name} {b / GiB:.3f}" for name, b in outside))
 
     def _compile_and_capture(self, config: EngineConfig) -> None:
-        if self.device.type == "cuda" and not self.enforce_eager:
+        graphs = self.device.type == "cuda" and not self.enforce_eager
+        compile_forward = os.environ.get("MINIVLLM_COMPILE", "1") != "0"
+        fused = fused_mlp_rows(os.environ.get("MINIVLLM_FUSED_MLP"))
+        if fused and not (graphs and compile_forward):
+            log.warning("minivllm: MINIVLLM_FUSED_MLP applies to the compiled decode graphs only "
+                        "(a CUDA GPU, not enforce_eager, MINIVLLM_COMPILE not 0): ignored")
+        if graphs:
             self.graphs = DecodeGraphs(
                 self.params, self.cache, self.backend, max_num_seqs=config.max_num_seqs,
                 max_blocks_per_seq=ceil_div(config.max_model_len, self.block_size),
-                compile_forward=os.environ.get("MINIVLLM_COMPILE", "1") != "0",
-                persistent_decode=config.persistent_decode,
-                fused_mlp_rows=fused_mlp_rows(os.environ.get("MINIVLLM_FUSED_MLP")))
+                compile_forward=compile_forward, persistent_decode=config.persistent_decode,
+                fused_mlp_rows=fused)
             self.graphs.capture()
         # Prefill and mixed steps run through the same compiled decoder layer (its prefill
         # variants are compiled by the warm-up): on the H200 the throughput benchmark ran 22,637
