@@ -12,7 +12,8 @@ over copies that exceed twice the L2, as a forward reads them):
   engine     functional.layer's o_proj (row_linear) and mlp_block, torch.compile'd, as the
              engine's decode graphs run them
   fused      decode_mlp, one cooperative launch (its default tiles, then --sweep's)
-  by phase   decode_mlp as four launches (what the barriers cost against kernel boundaries)
+  by phase   decode_mlp as four launches (what the barriers cost against kernel boundaries),
+             and each phase alone (where a loss to the engine sits)
 
 us a call and each output's error against the engine's (max |a - b| / max |b|, bf16). The lever
 is worth wiring into the engine if fused beats engine by several us at 64-256 rows: each us a
@@ -78,9 +79,22 @@ def weights(lp: LayerParams) -> tuple[torch.Tensor, ...]:
     return lp.o_proj, lp.post_norm, lp.gate_up, lp.down
 
 
-def fused_form(lp: LayerParams, attn, residual, counter, config=None, phase_by_phase=None):
+def fused_form(lp: LayerParams, attn, residual, counter, config=None, phase_by_phase=None,
+               phases=None):
     return decode_mlp(attn, residual, *weights(lp), EPS, counter=counter, config=config,
-                      phase_by_phase=phase_by_phase)
+                      phase_by_phase=phase_by_phase, phases=phases)
+
+
+PHASE_NAMES = ("o_proj + residual", "RMSNorm", "gate/up + SiLU * up", "down")
+
+
+def phase_time(fn) -> float:
+    """us a call of fn in a CUDA graph (graph_us), NaN if it failed."""
+    try:
+        return graph_us(fn)
+    except Exception as e:
+        print(f"  failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
+        return float("nan")
 
 
 def main() -> int:
@@ -135,6 +149,15 @@ def main() -> int:
                                                         counter), default)
         timed("by phase", lambda i: fused_form(layers[i % len(layers)], attn, residual, counter,
                                                phase_by_phase=True), default)
+        # each phase alone with the default tiles (its own launch; against the trace's
+        # kernels: o_proj + its residual copy, the add + RMSNorm, gate_up + SiLU * up, down)
+        phase_us = []
+        for k, what in enumerate(PHASE_NAMES):
+            us = phase_time(lambda i, k=k: fused_form(layers[i % len(layers)], attn, residual,
+                                                      counter, phase_by_phase=True, phases=(k,)))
+            phase_us.append(us)
+            print(f"  phase {k} alone ({what}): {us:7.2f} us", flush=True)
+        results.append(dict(rows=rows, form="phases alone", us=phase_us, config=default))
         best = (fused_us, default)
         if args.sweep:
             for cfg in sweep_configs(rows):

@@ -125,6 +125,10 @@ def test_bad_input_is_refused_before_any_launch(device):
         decode_mlp(attn, residual, w["o_proj"].t().contiguous().t(), *list(w.values())[1:], EPS)
     with pytest.raises(ValueError, match="bn_gu=128 must divide 192"):
         decode_mlp(attn, residual, *w.values(), EPS, config=dict(bn_gu=128))
+    with pytest.raises(ValueError, match="phases must name phases 0-3"):
+        decode_mlp(attn, residual, *w.values(), EPS, phase_by_phase=True, phases=(4,))
+    with pytest.raises(ValueError, match="phases must name"):
+        decode_mlp(attn, residual, *w.values(), EPS, phase_by_phase=False, programs=1, phases=(0,))
     with pytest.raises(ValueError, match="unknown decode_mlp config keys"):
         decode_mlp(attn, residual, *w.values(), EPS, config=dict(block_n=32))
     with pytest.raises(ValueError, match="counter must be int64"):

@@ -181,15 +181,17 @@ def default_config(rows: int, device: torch.device, hidden: int, att: int, inter
 def decode_mlp(attn: torch.Tensor, residual: torch.Tensor, o_proj: torch.Tensor,
                post_norm: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, eps: float, *,
                programs: int | None = None, phase_by_phase: bool | None = None,
-               counter: torch.Tensor | None = None, config: dict | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               counter: torch.Tensor | None = None, config: dict | None = None,
+               phases: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """functional.layer's attention output projection and mlp_block on one rank:
     attn: [M, heads * head_dim] (attention's output), residual: [M, hidden] ->
     (down's output [M, hidden], the residual stream attn @ o_proj.T + residual [M, hidden]).
     Weights as in state.params.LayerParams. phase_by_phase: one launch a phase (the default
     under the CPU interpreter); programs: the persistent grid (default one an SM); counter: the
     grid barriers' int64 [1] counter, which only grows and which launches may share (None: a
-    new one); config: default_config's keys, overriding it."""
+    new one); config: default_config's keys, overriding it. phases: with phase_by_phase, launch
+    only these (for timing a phase alone, benchmarks/mlp_block_probe.py: a phase's inputs are
+    then whatever the earlier phases' buffers hold, and the outputs are not the layer's)."""
     m, att = attn.shape
     hidden = residual.shape[1]
     inter = down.shape[1]
@@ -223,6 +225,9 @@ def decode_mlp(attn: torch.Tensor, residual: torch.Tensor, o_proj: torch.Tensor,
     if not (phase_by_phase or runs_ptx(dev) or programs == 1):
         raise ValueError(f"a single launch of {programs} programs needs a GPU: the interpreter "
                          f"runs programs one after another, so their barriers would never pass")
+    if phases is not None and not (phase_by_phase and set(phases) <= set(range(PHASES))):
+        raise ValueError(f"phases must name phases 0-{PHASES - 1} of a phase_by_phase run, got "
+                         f"{phases} (phase_by_phase {phase_by_phase})")
     if counter is not None and (counter.shape != (1,) or counter.dtype != torch.int64 or
                                 counter.device != dev):
         raise ValueError(f"counter must be int64 [1] on {dev}, got {counter.dtype} "
@@ -239,7 +244,7 @@ def decode_mlp(attn: torch.Tensor, residual: torch.Tensor, o_proj: torch.Tensor,
     args = (attn, residual, o_proj, post_norm, gate_up, down, r, h, act, out, counter,
             float(eps), m)
     if phase_by_phase:
-        for phase in range(PHASES):
+        for phase in range(PHASES) if phases is None else phases:
             _decode_mlp_kernel[(programs,)](*args, **consts, PHASE=phase)
     else:
         cooperative = dict(launch_cooperative_grid=True) if runs_ptx(dev) else {}
