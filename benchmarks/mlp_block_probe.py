@@ -32,7 +32,7 @@ import torch
 from benchmarks.bench_linear import DT, cuda_and_l2, graph_us, rel_err
 from minivllm.functional.layer import mlp_block
 from minivllm.functional.linear import row_linear, sum_partials
-from minivllm.kernels.decode_mlp import decode_mlp, default_config
+from minivllm.kernels.decode_mlp import decode_mlp, default_config, splits
 from minivllm.kernels.launch import next_pow2
 from minivllm.state.params import LayerParams
 from minivllm.state.shard import ShardSpec
@@ -43,17 +43,22 @@ SHARD = ShardSpec()  # one rank; built here, as dynamo cannot trace the attrs cl
 TOL = 3e-2  # two GEMMs and a norm apart, each rounding to bf16 in its own order
 
 
-def sweep_configs(rows: int) -> list[dict]:
-    """Tilings to try at `rows` (12): a row tile of up to 64 rows and one of up to 128, narrow
-    and wide column tiles (a phase has H / BN or INTER / BN column blocks for ~132 programs),
-    4 and 8 warps."""
+def sweep_configs(rows: int, programs: int = 132) -> list[dict]:
+    """Tilings to try at `rows` (12, and unsplit forms of those that split): a row tile of up
+    to 64 rows and one of up to 128, narrow and wide column tiles (a phase has H / BN or
+    INTER / BN column blocks for ~132 programs), 4 and 8 warps; o_proj's and down's split-K
+    as decode_mlp.splits sets it for them."""
     fit = max(16, next_pow2(rows))
     out = []
     for block_m in sorted({min(fit, 64), min(fit, 128)}):
         for bn_o, bn_gu, bn_d in ((16, 32, 16), (32, 32, 32), (32, 64, 32)):
             for warps in (4, 8):
-                out.append(dict(block_m=block_m, bn_o=bn_o, bn_gu=bn_gu, bn_d=bn_d, block_k=64,
-                                num_warps=warps, num_stages=3))
+                cfg = dict(block_m=block_m, bn_o=bn_o, bn_gu=bn_gu, bn_d=bn_d, block_k=64,
+                           num_warps=warps, num_stages=3)
+                cfg |= splits(cfg, rows, HIDDEN, ATT, INTER, programs)
+                out.append(cfg)
+                if warps == 8 and (cfg["split_o"] > 1 or cfg["split_d"] > 1):
+                    out.append(cfg | dict(split_o=1, split_d=1))
     return out
 
 
@@ -81,8 +86,9 @@ def weights(lp: LayerParams) -> tuple[torch.Tensor, ...]:
 
 def fused_form(lp: LayerParams, attn, residual, counter, config=None, phase_by_phase=None,
                phases=None):
+    """decode_mlp as the engine calls it: a split down's partials left for the next layer."""
     return decode_mlp(attn, residual, *weights(lp), EPS, counter=counter, config=config,
-                      phase_by_phase=phase_by_phase, phases=phases)
+                      phase_by_phase=phase_by_phase, phases=phases, unsummed_ok=True)
 
 
 PHASE_NAMES = ("o_proj + residual", "RMSNorm", "gate/up + SiLU * up", "down")
@@ -160,8 +166,10 @@ def main() -> int:
         results.append(dict(rows=rows, form="phases alone", us=phase_us, config=default))
         best = (fused_us, default)
         if args.sweep:
-            for cfg in sweep_configs(rows):
-                name = "fused " + " ".join(f"{k}={v}" for k, v in cfg.items() if k != "num_stages")
+            sms = torch.cuda.get_device_properties(dev).multi_processor_count
+            for cfg in sweep_configs(rows, sms):
+                name = "fused " + " ".join(f"{k}={v}" for k, v in cfg.items()
+                                           if k != "num_stages")
                 us = timed(name, lambda i, cfg=cfg: fused_form(layers[i % len(layers)], attn,
                                                                residual, counter, cfg), cfg)
                 if us is not None and (best[0] is None or us < best[0]):

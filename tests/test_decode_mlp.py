@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
 from minivllm.functional.layer import mlp_block
+from minivllm.functional.linear import sum_partials
 from minivllm.kernels.decode_mlp import MAX_ROWS, decode_mlp, default_config
 from minivllm.kernels.launch import num_sms, runs_ptx, triton_usable
 from minivllm.state.params import LayerParams
@@ -85,14 +86,25 @@ def test_one_launch_with_barriers_equals_one_launch_a_phase(device, phase_by_pha
 
 
 @given(rows=st.integers(1, 64), seed=st.integers(0, 2**16),
-       tiles=st.sampled_from([(16, 16, 16, 16, 16), (32, 16, 32, 16, 32), (16, 32, 16, 32, 16)]))
-def test_tile_configs_agree(device, rows, seed, tiles):
-    """Any tiling that divides the shape gives the reference's result (fp32 on the CPU)."""
+       tiles=st.sampled_from([(16, 16, 16, 16, 16), (32, 16, 32, 16, 32), (16, 32, 16, 32, 16)]),
+       split_o=st.sampled_from([1, 2, 4]), split_d=st.sampled_from([1, 2, 4]),
+       unsummed_ok=st.booleans())
+def test_tile_configs_agree(device, rows, seed, tiles, split_o, split_d, unsummed_ok):
+    """Any tiling and split-K that divide the shape give the reference's result (fp32 on the
+    CPU); split down's output comes back as its fp32 partials where the caller takes them."""
     block_m, bn_o, bn_gu, bn_d, block_k = tiles
     attn, residual, w = mlp_case(device, torch.float32, rows, seed=seed)
-    config = dict(block_m=block_m, bn_o=bn_o, bn_gu=bn_gu, bn_d=bn_d, block_k=block_k)
-    got = decode_mlp(attn, residual, *w.values(), EPS, config=config)
-    check(got, reference(attn, residual, w), torch.float32)
+    if 128 % (split_o * block_k) or 192 % (split_d * block_k):
+        return  # a split that does not divide the 0.6b shape's columns: refused (below)
+    config = dict(block_m=block_m, bn_o=bn_o, bn_gu=bn_gu, bn_d=bn_d, block_k=block_k,
+                  split_o=split_o, split_d=split_d)
+    out, r = decode_mlp(attn, residual, *w.values(), EPS, config=config, unsummed_ok=unsummed_ok)
+    if unsummed_ok and split_d > 1:
+        assert out.shape == (split_d, rows, residual.shape[1]) and out.dtype == torch.float32
+        out = sum_partials(out, torch.float32)
+    else:
+        assert out.shape == residual.shape
+    check((out, r), reference(attn, residual, w), torch.float32)
 
 
 @pytest.mark.parametrize("gpu", [False, True])
@@ -109,6 +121,8 @@ def test_default_tiles_divide_every_shape(monkeypatch, gpu):
             assert hidden % cfg["bn_o"] == hidden % cfg["bn_d"] == inter % cfg["bn_gu"] == 0
             assert hidden % cfg["block_k"] == att % cfg["block_k"] == 0
             assert inter % cfg["block_k"] == 0 and 16 <= cfg["block_m"] <= 64
+            assert att % (cfg["split_o"] * cfg["block_k"]) == 0
+            assert inter % (cfg["split_d"] * cfg["block_k"]) == 0
 
 
 def test_bad_input_is_refused_before_any_launch(device):
@@ -129,6 +143,8 @@ def test_bad_input_is_refused_before_any_launch(device):
         decode_mlp(attn, residual, *w.values(), EPS, phase_by_phase=True, phases=(4,))
     with pytest.raises(ValueError, match="phases must name"):
         decode_mlp(attn, residual, *w.values(), EPS, phase_by_phase=False, programs=1, phases=(0,))
+    with pytest.raises(ValueError, match="split_d=8 times block_k=16 must divide 192"):
+        decode_mlp(attn, residual, *w.values(), EPS, config=dict(split_d=8))
     with pytest.raises(ValueError, match="unknown decode_mlp config keys"):
         decode_mlp(attn, residual, *w.values(), EPS, config=dict(block_n=32))
     with pytest.raises(ValueError, match="counter must be int64"):
@@ -221,3 +237,29 @@ def test_the_engine_checks_the_flag_at_start(tmp_path, monkeypatch, caplog, devi
     with caplog.at_level("WARNING", logger="minivllm"):
         LLM(path, device=device, num_kv_blocks=64, enforce_eager=True)
     assert "MINIVLLM_FUSED_MLP applies to the compiled decode graphs only" in caplog.text
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_two_fused_layers_pass_down_partials_on(device, monkeypatch, split):
+    """Split down's fp32 partials, left unsummed by with_fused_mlp's layer, are what the next
+    layer (fused too) sums in its add + RMSNorm: two layers equal decoder_layer twice."""
+    import minivllm.kernels.decode_mlp as dm
+    from minivllm.functional.layer import attention_half, decoder_layer
+    from minivllm.kernels import select_backend
+    from test_decode_layer import layer_case
+
+    monkeypatch.setattr(dm, "splits", lambda *a: dict(split_o=split, split_d=split))
+    config, lp, x, residual, cos, sin, k_cache, v_cache, batch = layer_case(
+        device, torch.float32, [9, 30, 2, 17, 5], first_layer=False)
+    kw = dict(config=config, shard=ShardSpec(), backend=select_backend(device, "reference"))
+    counter = torch.zeros(1, device=device, dtype=torch.int64)
+    fused = dm.with_fused_mlp(decoder_layer, attention_half, (1, 256), counter)
+    want, got = (x, residual), (x, residual)
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    for _ in range(2):
+        want = decoder_layer(lp, *want, cos, sin, *caches[0], batch, **kw)
+        got = fused(lp, *got, cos, sin, *caches[1], batch, **kw)
+        assert got[0].dim() == (3 if split > 1 else 2)
+    check((sum_partials(got[0], torch.float32), got[1]), want, torch.float32)
+    # the second layer's K/V come from the first's outputs, equal within fp32 rounding
+    check(caches[1], caches[0], torch.float32)

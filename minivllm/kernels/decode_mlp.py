@@ -9,10 +9,14 @@ its launch, ramp-up and tail (~2-5 us). Here one program an SM stays resident an
 three GEMMs as tensor-core tiles, its phases separated by grid barriers (~1 us each, session
 17):
 
-  0  tiles of y = attn @ o_proj.T, stored as the residual stream r = y + residual
-  1  h = RMSNorm(r), a row at a time (it needs r's whole rows)
+  0  tiles of attn @ o_proj.T, fp32 sums over SPLIT_O ranges of its columns (split-K: at a
+     few rows there are too few output tiles for the SMs otherwise)
+  1  a row at a time: the residual stream r = round(sum) + residual, h = RMSNorm(r) (it needs
+     r's whole rows)
   2  tiles of act = silu(gate) * up, (gate | up) = h @ gate_up.T
-  3  tiles of out = act @ down.T
+  3  tiles of out = act @ down.T; split SPLIT_D ways, its fp32 partial sums [SPLIT_D, M, H]
+     are left to the next layer's add + RMSNorm to sum (functional.norm.add_rms_norm takes
+     them, as from the skinny GEMM)
 
 A tile is BLOCK_M rows by BLOCK_N output columns; a phase's tiles are dealt to the programs in
 turn, column block first (the programs that share a weight tile run side by side and read it
@@ -43,53 +47,68 @@ PHASES = 4
 
 
 @triton.jit
-def _tile_dot(a_ptr, w_ptr, m0, n0, M, K: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """A[m0:m0+BM] @ W[n0:n0+BN].T in fp32, A: [M, K], W: [N, K] (row-major; K a multiple of
-    BLOCK_K, N of BLOCK_N); rows past M are zeros."""
+def _tile_dot(a_ptr, w_ptr, m0, n0, k_lo, M, K: tl.constexpr, K_SPAN: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              PRECISION: tl.constexpr):
+    """A[m0:m0+BM, k_lo:k_lo+K_SPAN] @ W[n0:n0+BN, k_lo:k_lo+K_SPAN].T in fp32, A: [M, K], W:
+    [N, K] (row-major; K_SPAN a multiple of BLOCK_K, N of BLOCK_N); rows past M are zeros."""
     rows = m0 + tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
     a_rows = a_ptr + rows[:, None].to(tl.int64) * K + offs_k[None, :]
     w_rows = w_ptr + (n0 + tl.arange(0, BLOCK_N))[:, None].to(tl.int64) * K + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, K_SPAN, BLOCK_K):
         a = tl.load(a_rows + k0, mask=(rows < M)[:, None], other=0.0)
         acc = tl.dot(a, tl.trans(tl.load(w_rows + k0)), acc, input_precision=PRECISION)
     return acc
 
 
 @triton.jit
-def _projection_phase(a_ptr, w_ptr, res_ptr, out_ptr, pid, programs, M, N: tl.constexpr,
-                      K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, ADD_RES: tl.constexpr):
-    """out = round(A @ W.T), A: [M, K], W: [N, K], out: [M, N]; ADD_RES: out = round(round(A @
-    W.T) + res) (phase 0: o_proj and the residual stream; phase 3: down)."""
+def _projection_phase(a_ptr, w_ptr, out_ptr, pid, programs, M, N: tl.constexpr,
+                      K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                      PARTIALS: tl.constexpr):
+    """A @ W.T, A: [M, K], W: [N, K], over SPLIT ranges of K: PARTIALS, each range's fp32 sum
+    into out [SPLIT, M, N] (summed by whoever reads them); else (SPLIT 1) rounded into out
+    [M, N]. Phase 0 (o_proj; phase 1 sums) and phase 3 (down). Tiles go row block fastest, then
+    split, so that the programs reading one weight tile run side by side."""
     dt = out_ptr.dtype.element_ty
     tiles_m = tl.cdiv(M, BLOCK_M)
-    for t in range(pid, tiles_m * (N // BLOCK_N), programs):
-        m0, n0 = (t % tiles_m) * BLOCK_M, (t // tiles_m) * BLOCK_N
-        y = _tile_dot(a_ptr, w_ptr, m0, n0, M, K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION).to(dt)
+    K_SPAN: tl.constexpr = K // SPLIT
+    for t in range(pid, tiles_m * SPLIT * (N // BLOCK_N), programs):
+        m0 = (t % tiles_m) * BLOCK_M
+        split = (t // tiles_m) % SPLIT
+        n0 = (t // (tiles_m * SPLIT)) * BLOCK_N
+        y = _tile_dot(a_ptr, w_ptr, m0, n0, split * K_SPAN, M, K, K_SPAN, BLOCK_M, BLOCK_N,
+                      BLOCK_K, PRECISION)
         rows = m0 + tl.arange(0, BLOCK_M)
         offs = rows[:, None].to(tl.int64) * N + (n0 + tl.arange(0, BLOCK_N))[None, :]
         mask = (rows < M)[:, None]
-        if ADD_RES:
-            res = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            y = (y.to(tl.float32) + res).to(dt)
-        tl.store(out_ptr + offs, y, mask=mask)
+        if PARTIALS:
+            tl.store(out_ptr + split * M * N + offs, y, mask=mask)
+        else:
+            tl.store(out_ptr + offs, y.to(dt), mask=mask)
 
 
 @triton.jit
-def _norm_phase(r_ptr, norm_w_ptr, h_ptr, eps, pid, programs, M, H: tl.constexpr,
-                BLOCK_H: tl.constexpr):
-    """Phase 1: h = RMSNorm(r) * weight, a row at a time (functional.norm.rms_norm: normed in
-    fp32, rounded, times the weight, rounded). Once here rather than in every gate/up tile,
-    which would norm each row INTER / BN_GU times over."""
+def _norm_phase(o_part_ptr, res_ptr, norm_w_ptr, r_ptr, h_ptr, eps, pid, programs, M,
+                H: tl.constexpr, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Phase 1, a row at a time: o_proj's output (its SPLIT fp32 partial sums, [SPLIT, M, H]),
+    rounded, plus the residual, rounded: the residual stream r; h = RMSNorm(r) * weight
+    (functional.norm.rms_norm: normed in fp32, rounded, times the weight, rounded). Once here
+    rather than in every gate/up tile, which would norm each row INTER / BN_GU times over."""
     dt = h_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK_H)
     mask = offs < H
     w = tl.load(norm_w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     for row in range(pid, M, programs):
-        x = tl.load(r_ptr + row * H + offs, mask=mask, other=0.0).to(tl.float32)
+        o = tl.zeros([BLOCK_H], tl.float32)
+        for split in tl.static_range(SPLIT):
+            o += tl.load(o_part_ptr + (split * M + row) * H + offs, mask=mask, other=0.0)
+        res = tl.load(res_ptr + row * H + offs, mask=mask, other=0.0).to(tl.float32)
+        r = (o.to(dt).to(tl.float32) + res).to(dt)
+        tl.store(r_ptr + row * H + offs, r, mask=mask)
+        x = r.to(tl.float32)
         inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, 0) / H + eps)
         tl.store(h_ptr + row * H + offs, (w * (x * inv_rms).to(dt).to(tl.float32)).to(dt),
                  mask=mask)
@@ -126,11 +145,11 @@ def _gate_up_phase(h_ptr, w_gu_ptr, act_ptr, pid, programs, M, H: tl.constexpr,
 
 @triton.jit
 def _decode_mlp_kernel(
-        attn_ptr, res_ptr, w_o_ptr, norm_w_ptr, w_gu_ptr, w_down_ptr, r_ptr, h_ptr, act_ptr,
-        out_ptr, counter_ptr, eps, M, H: tl.constexpr, ATT: tl.constexpr, INTER: tl.constexpr,
-        BLOCK_M: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_D: tl.constexpr,
-        BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr,
-        PHASE: tl.constexpr):
+        attn_ptr, res_ptr, w_o_ptr, norm_w_ptr, w_gu_ptr, w_down_ptr, o_part_ptr, r_ptr, h_ptr,
+        act_ptr, out_ptr, counter_ptr, eps, M, H: tl.constexpr, ATT: tl.constexpr,
+        INTER: tl.constexpr, BLOCK_M: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr,
+        BN_D: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_O: tl.constexpr, SPLIT_D: tl.constexpr,
+        BLOCK_H: tl.constexpr, PRECISION: tl.constexpr, PHASE: tl.constexpr):
     """The four phases with a grid barrier after each of the first three (PHASE -1), or phase
     PHASE alone. counter_ptr: the barriers' int64 arrival counter, which only grows (a launch
     waits for base + k * programs arrivals, base the multiple of programs it finds at its
@@ -141,12 +160,13 @@ def _decode_mlp_kernel(
     if PHASE == -1:
         base = tl.atomic_add(counter_ptr, 0) // programs * programs
     if (PHASE == -1) or (PHASE == 0):
-        _projection_phase(attn_ptr, w_o_ptr, res_ptr, r_ptr, pid, programs, M, H, ATT, BLOCK_M,
-                          BN_O, BLOCK_K, PRECISION, True)
+        _projection_phase(attn_ptr, w_o_ptr, o_part_ptr, pid, programs, M, H, ATT, SPLIT_O,
+                          BLOCK_M, BN_O, BLOCK_K, PRECISION, True)
     if PHASE == -1:
         _grid_barrier(counter_ptr, base + programs)
     if (PHASE == -1) or (PHASE == 1):
-        _norm_phase(r_ptr, norm_w_ptr, h_ptr, eps, pid, programs, M, H, BLOCK_H)
+        _norm_phase(o_part_ptr, res_ptr, norm_w_ptr, r_ptr, h_ptr, eps, pid, programs, M, H,
+                    SPLIT_O, BLOCK_H)
     if PHASE == -1:
         _grid_barrier(counter_ptr, base + 2 * programs)
     if (PHASE == -1) or (PHASE == 2):
@@ -155,37 +175,59 @@ def _decode_mlp_kernel(
     if PHASE == -1:
         _grid_barrier(counter_ptr, base + 3 * programs)
     if (PHASE == -1) or (PHASE == 3):
-        _projection_phase(act_ptr, w_down_ptr, out_ptr, out_ptr, pid, programs, M, H, INTER,
-                          BLOCK_M, BN_D, BLOCK_K, PRECISION, False)
+        _projection_phase(act_ptr, w_down_ptr, out_ptr, pid, programs, M, H, INTER, SPLIT_D,
+                          BLOCK_M, BN_D, BLOCK_K, PRECISION, SPLIT_D > 1)
 
 
 def default_config(rows: int, device: torch.device, hidden: int, att: int, inter: int) -> dict:
     """Tile sizes: BLOCK_M rows a tile (at least 16, tl.dot's least), BN_* output columns a tile
-    for o_proj, gate/up and down, BLOCK_K columns a step of the dots; num_warps, num_stages (the
-    dots' software pipeline). Each the widest of its candidates that divides its dimension
-    (hidden, attention width, intermediate size: multiples of 16). A first guess for the H200,
-    to be replaced by benchmarks/mlp_block_probe.py's sweep; small under the CPU interpreter,
-    so that the tests' tiny shapes have several tiles a phase."""
+    for o_proj, gate/up and down, BLOCK_K columns a step of the dots; SPLIT_O / SPLIT_D, the
+    ranges o_proj's and down's columns are split into (doubled, up to 8, while their tiles stay
+    within one a program); num_warps, num_stages (the dots' software pipeline). Each tile the
+    widest of its candidates that divides its dimension (hidden, attention width, intermediate
+    size: multiples of 16). A first guess for the H200, to be replaced by
+    benchmarks/mlp_block_probe.py's sweep; small under the CPU interpreter, so that the tests'
+    tiny shapes have several tiles a phase."""
     def widest(candidates, *dims):
         return next((c for c in candidates if all(d % c == 0 for d in dims)), candidates[-1])
 
     if not runs_ptx(device):
-        return dict(block_m=16, bn_o=16, bn_gu=16, bn_d=16, block_k=16, num_warps=4,
-                    num_stages=1)
-    bn = (32, 16)
-    return dict(block_m=min(64, max(16, next_pow2(rows))), bn_o=widest(bn, hidden),
-                bn_gu=widest(bn, inter), bn_d=widest(bn, hidden),
-                block_k=widest((64, 32, 16), hidden, att, inter), num_warps=4, num_stages=3)
+        cfg = dict(block_m=16, bn_o=16, bn_gu=16, bn_d=16, block_k=16, num_warps=4,
+                   num_stages=1)
+    else:
+        bn = (32, 16)
+        cfg = dict(block_m=min(64, max(16, next_pow2(rows))), bn_o=widest(bn, hidden),
+                   bn_gu=widest(bn, inter), bn_d=widest(bn, hidden),
+                   block_k=widest((64, 32, 16), hidden, att, inter), num_warps=4, num_stages=3)
+    return cfg | splits(cfg, rows, hidden, att, inter, num_sms(device))
+
+
+def splits(cfg: dict, rows: int, hidden: int, att: int, inter: int, programs: int) -> dict:
+    """split_o and split_d for cfg's tiles: each doubled, up to 8, while o_proj's or down's
+    tiles (row blocks x column blocks x splits) stay within one a program and the split
+    ranges within whole BLOCK_K steps."""
+    tiles = -(-rows // cfg["block_m"])
+    out = {}
+    for key, bn, k in (("split_o", "bn_o", att), ("split_d", "bn_d", inter)):
+        split = 1
+        while split < 8 and tiles * (hidden // cfg[bn]) * split * 2 <= programs and \
+                k % (split * 2 * cfg["block_k"]) == 0:
+            split *= 2
+        out[key] = split
+    return out
 
 
 def decode_mlp(attn: torch.Tensor, residual: torch.Tensor, o_proj: torch.Tensor,
                post_norm: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, eps: float, *,
                programs: int | None = None, phase_by_phase: bool | None = None,
                counter: torch.Tensor | None = None, config: dict | None = None,
-               phases: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               phases: tuple[int, ...] | None = None, unsummed_ok: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """functional.layer's attention output projection and mlp_block on one rank:
     attn: [M, heads * head_dim] (attention's output), residual: [M, hidden] ->
     (down's output [M, hidden], the residual stream attn @ o_proj.T + residual [M, hidden]).
+    unsummed_ok: down's output may be its fp32 split-K partial sums [split, M, hidden] (as
+    functional.layer.mlp_block's may be; the next add + RMSNorm sums them), else summed here.
     Weights as in state.params.LayerParams. phase_by_phase: one launch a phase (the default
     under the CPU interpreter); programs: the persistent grid (default one an SM); counter: the
     grid barriers' int64 [1] counter, which only grows and which launches may share (None: a
@@ -218,6 +260,9 @@ def decode_mlp(attn: torch.Tensor, residual: torch.Tensor, o_proj: torch.Tensor,
                      ("block_k", hidden), ("block_k", inter)):
         if dim % cfg[key]:
             raise ValueError(f"{key}={cfg[key]} must divide {dim}")
+    for key, dim in (("split_o", att), ("split_d", inter)):
+        if cfg[key] < 1 or dim % (cfg[key] * cfg["block_k"]):
+            raise ValueError(f"{key}={cfg[key]} times block_k={cfg['block_k']} must divide {dim}")
     dev = attn.device
     programs = programs or num_sms(dev)
     if phase_by_phase is None:
@@ -234,14 +279,18 @@ def decode_mlp(attn: torch.Tensor, residual: torch.Tensor, o_proj: torch.Tensor,
                          f"{list(counter.shape)} on {counter.device}")
     if counter is None:
         counter = torch.zeros(1, device=dev, dtype=torch.int64)
-    r, h, out = (torch.empty_like(residual) for _ in range(3))
+    r, h = torch.empty_like(residual), torch.empty_like(residual)
     act = attn.new_empty(m, inter)
+    f32 = dict(device=dev, dtype=torch.float32)
+    o_part = torch.empty(cfg["split_o"], m, hidden, **f32)
+    out = torch.empty(cfg["split_d"], m, hidden, **f32) if cfg["split_d"] > 1 else \
+        torch.empty_like(residual)
     consts = dict(H=hidden, ATT=att, INTER=inter, BLOCK_M=cfg["block_m"], BN_O=cfg["bn_o"],
                   BN_GU=cfg["bn_gu"], BN_D=cfg["bn_d"], BLOCK_K=cfg["block_k"],
-                  BLOCK_H=next_pow2(hidden),
+                  SPLIT_O=cfg["split_o"], SPLIT_D=cfg["split_d"], BLOCK_H=next_pow2(hidden),
                   PRECISION=dot_precision(attn.dtype), num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"])
-    args = (attn, residual, o_proj, post_norm, gate_up, down, r, h, act, out, counter,
+    args = (attn, residual, o_proj, post_norm, gate_up, down, o_part, r, h, act, out, counter,
             float(eps), m)
     if phase_by_phase:
         for phase in range(PHASES) if phases is None else phases:
@@ -249,6 +298,8 @@ def decode_mlp(attn: torch.Tensor, residual: torch.Tensor, o_proj: torch.Tensor,
     else:
         cooperative = dict(launch_cooperative_grid=True) if runs_ptx(dev) else {}
         _decode_mlp_kernel[(programs,)](*args, **consts, PHASE=-1, **cooperative)
+    if out.dim() == 3 and not unsummed_ok:
+        out = out.sum(0).to(residual.dtype)
     return out, r
 
 
@@ -263,13 +314,14 @@ def with_fused_mlp(layer, attention_half, rows: tuple[int, int], counter: torch.
 
     def fused_mlp_layer(lp, x, residual, cos, sin, k_cache, v_cache, batch, *, config, shard,
                         backend):
-        if batch.is_decode and shard.world_size == 1 and x.dim() == 2 and \
-                lo <= x.shape[0] <= hi:
+        # x: the previous layer's output, [T, hidden] or down's fp32 partials [split, T, hidden]
+        if batch.is_decode and shard.world_size == 1 and lo <= x.shape[-2] <= hi:
             attn, residual = attention_half(lp, x, residual, cos, sin, k_cache, v_cache, batch,
                                             config=config, shard=shard, backend=backend)
             # (no-ops on the compiled half's outputs, which are contiguous)
             return decode_mlp(attn.contiguous(), residual.contiguous(), lp.o_proj, lp.post_norm,
-                              lp.gate_up, lp.down, config.rms_norm_eps, counter=counter)
+                              lp.gate_up, lp.down, config.rms_norm_eps, counter=counter,
+                              unsummed_ok=True)
         return layer(lp, x, residual, cos, sin, k_cache, v_cache, batch, config=config,
                      shard=shard, backend=backend)
 
