@@ -91,7 +91,8 @@ def fused_form(lp: LayerParams, attn, residual, counter, config=None, phase_by_p
                       phase_by_phase=phase_by_phase, phases=phases, unsummed_ok=True)
 
 
-PHASE_NAMES = ("o_proj + residual", "RMSNorm", "gate/up + SiLU * up", "down")
+PHASE_NAMES = ("o_proj, split-K partials", "their sum + residual, RMSNorm", "gate/up + SiLU * up",
+               "down")
 
 
 def phase_time(fn) -> float:
@@ -156,7 +157,9 @@ def main() -> int:
         timed("by phase", lambda i: fused_form(layers[i % len(layers)], attn, residual, counter,
                                                phase_by_phase=True), default)
         # each phase alone with the default tiles (its own launch; against the trace's
-        # kernels: o_proj + its residual copy, the add + RMSNorm, gate_up + SiLU * up, down)
+        # kernels: o_proj + its residual copy, the add + RMSNorm, gate_up + SiLU * up, down).
+        # A split down hands the next layer fp32 partials to read (~1 MB at 64 rows against
+        # 128 KB of bf16), which neither form's time here includes.
         phase_us = []
         for k, what in enumerate(PHASE_NAMES):
             us = phase_time(lambda i, k=k: fused_form(layers[i % len(layers)], attn, residual,

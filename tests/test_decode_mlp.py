@@ -7,7 +7,7 @@ single cooperative launch too."""
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, strategies as st
+from hypothesis import assume, given, strategies as st
 
 from minivllm.functional.layer import mlp_block
 from minivllm.functional.linear import sum_partials
@@ -70,16 +70,18 @@ def test_decode_mlp_matches_mlp_block(device, shape, rows):
         check(got, reference(attn, residual, w), dtype)
 
 
+@pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize("phase_by_phase", [False, True])
-def test_one_launch_with_barriers_equals_one_launch_a_phase(device, phase_by_phase):
+def test_one_launch_with_barriers_equals_one_launch_a_phase(device, phase_by_phase, split):
     """The single launch runs the phases and barriers of the GPU path; under the interpreter with
-    one program (its barriers then pass at once), on a GPU with the whole grid."""
+    one program (its barriers then pass at once), on a GPU with the whole grid; split-K too."""
     attn, residual, w = mlp_case(device, torch.float32, 20)
     programs = num_sms(device) if runs_ptx(device) else 1
     counter = torch.zeros(1, device=device, dtype=torch.int64)
+    config = dict(block_k=16, split_o=split, split_d=split)
     for _ in range(2):  # the counter only grows: a second launch waits for its own arrivals
         got = decode_mlp(attn, residual, *w.values(), EPS, programs=programs,
-                         phase_by_phase=phase_by_phase, counter=counter)
+                         phase_by_phase=phase_by_phase, counter=counter, config=config)
         check(got, reference(attn, residual, w), torch.float32)
     if not phase_by_phase:
         assert counter.item() == 2 * 3 * programs  # two launches of three barriers
@@ -94,8 +96,8 @@ def test_tile_configs_agree(device, rows, seed, tiles, split_o, split_d, unsumme
     CPU); split down's output comes back as its fp32 partials where the caller takes them."""
     block_m, bn_o, bn_gu, bn_d, block_k = tiles
     attn, residual, w = mlp_case(device, torch.float32, rows, seed=seed)
-    if 128 % (split_o * block_k) or 192 % (split_d * block_k):
-        return  # a split that does not divide the 0.6b shape's columns: refused (below)
+    # a split that does not divide the 0.6b shape's columns is refused (bad input test)
+    assume(128 % (split_o * block_k) == 0 and 192 % (split_d * block_k) == 0)
     config = dict(block_m=block_m, bn_o=bn_o, bn_gu=bn_gu, bn_d=bn_d, block_k=block_k,
                   split_o=split_o, split_d=split_d)
     out, r = decode_mlp(attn, residual, *w.values(), EPS, config=config, unsummed_ok=unsummed_ok)
@@ -248,7 +250,8 @@ def test_two_fused_layers_pass_down_partials_on(device, monkeypatch, split):
     from minivllm.kernels import select_backend
     from test_decode_layer import layer_case
 
-    monkeypatch.setattr(dm, "splits", lambda *a: dict(split_o=split, split_d=split))
+    # (block_k too: the GPU's default of 32 columns, twice, would not divide this shape's 96)
+    monkeypatch.setattr(dm, "splits", lambda *a: dict(split_o=split, split_d=split, block_k=16))
     config, lp, x, residual, cos, sin, k_cache, v_cache, batch = layer_case(
         device, torch.float32, [9, 30, 2, 17, 5], first_layer=False)
     kw = dict(config=config, shard=ShardSpec(), backend=select_backend(device, "reference"))

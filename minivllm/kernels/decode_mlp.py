@@ -19,7 +19,7 @@ three GEMMs as tensor-core tiles, its phases separated by grid barriers (~1 us e
      them, as from the skinny GEMM)
 
 A tile is BLOCK_M rows by BLOCK_N output columns; a phase's tiles are dealt to the programs in
-turn, column block first (the programs that share a weight tile run side by side and read it
+turn, row block fastest (the programs that share a weight tile run side by side and read it
 from L2 once). Values are rounded to the activation dtype where functional.layer.mlp_block
 and functional.norm round them (o_proj's output, the sum, the norm, gate and up, SiLU, the
 product, down's output). A probe (benchmarks/mlp_block_probe.py) times it against the compiled
@@ -256,6 +256,10 @@ def decode_mlp(attn: torch.Tensor, residual: torch.Tensor, o_proj: torch.Tensor,
         raise ValueError(f"unknown decode_mlp config keys {sorted(unknown)}; known: "
                          f"{sorted(defaults)}")
     cfg = defaults | dict(config or {})
+    dev = attn.device
+    programs = programs or num_sms(dev)
+    # splits not given: for these tiles and this grid, not the default tiles' on every SM
+    cfg = cfg | splits(cfg, m, hidden, att, inter, programs) | dict(config or {})
     for key, dim in (("bn_o", hidden), ("bn_gu", inter), ("bn_d", hidden), ("block_k", att),
                      ("block_k", hidden), ("block_k", inter)):
         if dim % cfg[key]:
@@ -263,8 +267,6 @@ def decode_mlp(attn: torch.Tensor, residual: torch.Tensor, o_proj: torch.Tensor,
     for key, dim in (("split_o", att), ("split_d", inter)):
         if cfg[key] < 1 or dim % (cfg[key] * cfg["block_k"]):
             raise ValueError(f"{key}={cfg[key]} times block_k={cfg['block_k']} must divide {dim}")
-    dev = attn.device
-    programs = programs or num_sms(dev)
     if phase_by_phase is None:
         phase_by_phase = not runs_ptx(dev)
     if not (phase_by_phase or runs_ptx(dev) or programs == 1):
