@@ -421,13 +421,13 @@ mlp_probe)
   # nvidia-h200 (<= 400 s): the structural lever session 32 named for 64-256 rows, its first
   # half: a layer's six kernels after attention (o_proj to down, ~26 us at 256 rows in session
   # 33's trace) as one persistent launch of tensor-core tiles (kernels/decode_mlp.py, session
-  # 33, CPU-tested only). Its tests in bf16 first, then the probe with its tiling sweep.
-  # The probe goes from 256 rows down and saves its JSON after each row count, so a cut-short
-  # run keeps the sizes that matter most.
-  STEP_LOG=$OUT/tests.txt step mlp_tests $(left_or 150) python3 -m pytest $PYTEST_ARGS \
-    tests/test_decode_mlp.py
-  step mlp_block_probe $(left_or 420) python3 benchmarks/mlp_block_probe.py --sweep \
+  # 33, CPU-tested only). The probe first (it checks each form's bf16 output against the
+  # engine's too), from 256 rows down, its JSON saved after each row count, so a cut-short run
+  # keeps the sizes that matter most; then the kernel's tests (bf16 and the whole grid).
+  step mlp_block_probe $(left_or 380) python3 benchmarks/mlp_block_probe.py --sweep \
     --json "$RESULTS/mlp_block_probe.json"
+  STEP_LOG=$OUT/tests.txt step mlp_tests $(left_or 200) python3 -m pytest $PYTEST_ARGS \
+    tests/test_decode_mlp.py
   ;;
 mlp_engine)
   # nvidia-h200 (<= 580 s): the engine's decode graphs of FUSED rows (default 17-256; the probe's
