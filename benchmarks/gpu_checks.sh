@@ -418,7 +418,7 @@ sync)
     tests/test_gpu_graphs.py -k never_make_the_host_wait
   ;;
 mlp_probe)
-  # nvidia-h200 (<= 400 s): the structural lever session 32 named for 64-256 rows, its first
+  # nvidia-h200 (<= 580 s): the structural lever session 32 named for 64-256 rows, its first
   # half: a layer's six kernels after attention (o_proj to down, ~26 us at 256 rows in session
   # 33's trace) as one persistent launch of tensor-core tiles (kernels/decode_mlp.py, session
   # 33, CPU-tested only). The probe first (it checks each form's bf16 output against the
