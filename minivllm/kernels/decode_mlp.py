@@ -1,4 +1,4 @@
-"""The second half of a Qwen3 decoder layer at a decode step of 16-256 rows as one persistent
+"""The second half of a Qwen3 decoder layer at a decode step of 1-256 rows as one persistent
 kernel: o_proj and the residual add, the post-attention RMSNorm, gate/up with SiLU * up, down.
 
 Why (BENCHMARKS.md session 33's traces of bf16 steps at ~256 and ~100 sequences): after attention, a
