@@ -44,14 +44,15 @@ TOL = 3e-2  # two GEMMs and a norm apart, each rounding to bf16 in its own order
 
 
 def sweep_configs(rows: int, programs: int = 132) -> list[dict]:
-    """Tilings to try at `rows` (12, and unsplit forms of those that split): a row tile of up
+    """Tilings to try at `rows` (16, and unsplit forms of those that split): a row tile of up
     to 64 rows and one of up to 128, narrow and wide column tiles (a phase has H / BN or
-    INTER / BN column blocks for ~132 programs), 4 and 8 warps; o_proj's and down's split-K
-    as decode_mlp.splits sets it for them."""
+    INTER / BN column blocks for ~132 programs: at 256 rows in 64-row tiles, gate/up's 128
+    columns make 96 tiles, one wave, where 32 make 384, ~2.9 waves), 4 and 8 warps; o_proj's
+    and down's split-K as decode_mlp.splits sets it for them."""
     fit = max(16, next_pow2(rows))
     out = []
     for block_m in sorted({min(fit, 64), min(fit, 128)}):
-        for bn_o, bn_gu, bn_d in ((16, 32, 16), (32, 32, 32), (32, 64, 32)):
+        for bn_o, bn_gu, bn_d in ((16, 32, 16), (32, 32, 32), (32, 64, 32), (32, 128, 32)):
             for warps in (4, 8):
                 cfg = dict(block_m=block_m, bn_o=bn_o, bn_gu=bn_gu, bn_d=bn_d, block_k=64,
                            num_warps=warps, num_stages=3)
