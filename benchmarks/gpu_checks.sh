@@ -366,7 +366,7 @@ host_ab)
     side=${run#*_}; side=${side%_*} dtype=auto kv_bytes=2
     [ "${run##*_}" = fp8 ] && dtype=fp8 kv_bytes=1
     tree=$NEW; [ "$side" = old ] && tree=$OLD
-    (cd "$tree" && step "bench_$run" $(( left < 200 ? left : 200 )) python3 -m minivllm bench \
+    (cd "$tree" && step "bench_$run" $(left_or 200) python3 -m minivllm bench \
       --shape qwen3-0.6b --kv-cache-dtype $dtype --json "$RESULTS/bench_$run.json" \
       --step-times "$OUT/steps_$run.json")
     python3 benchmarks/step_floor.py "$OUT/steps_$run.json" --kv-bytes $kv_bytes | \
@@ -391,7 +391,7 @@ profile)
     left=$(( BUDGET_S - SECONDS ))
     [ $left -lt 60 ] && break
     dtype=auto; [ "${run%_*}" = fp8 ] && dtype=fp8
-    step "trace_$run" $(( left < 200 ? left : 200 )) python3 -m minivllm bench \
+    step "trace_$run" $(left_or 200) python3 -m minivllm bench \
       --shape qwen3-0.6b --kv-cache-dtype $dtype --trace "$OUT/trace_$run.json" \
       --trace-from "${run#*_}" --json "$RESULTS/trace_$run.json"
     python3 benchmarks/trace_summary.py "$OUT/trace_$run.json" --top 30 | tee -a "$OUT/logs.txt"
@@ -403,7 +403,7 @@ profile)
     for b in 32 64; do
       left=$(( BUDGET_S - SECONDS ))
       [ $left -lt 30 ] && break
-      step "sweep_fp8_b$b" $(( left < 60 ? left : 60 )) python3 \
+      step "sweep_fp8_b$b" $(left_or 60) python3 \
         benchmarks/sweep_decode_attention.py --kv-cache-dtype fp8 --batch $b \
         --contexts 900-1824,1500-2400 --splits 1,2,4,8,16 --default-only
     done
@@ -442,7 +442,7 @@ mlp_engine)
     left=$(( BUDGET_S - SECONDS ))
     [ $left -lt 60 ] && break
     flag=; [ "${run#*_}" = fused ] && flag=$FUSED
-    MINIVLLM_FUSED_MLP=$flag step "bench_$run" $(( left < 200 ? left : 200 )) python3 -m \
+    MINIVLLM_FUSED_MLP=$flag step "bench_$run" $(left_or 200) python3 -m \
       minivllm bench --shape qwen3-0.6b --json "$RESULTS/bench_$run.json"
   done
   ;;
@@ -465,7 +465,7 @@ inductor_knobs)
     pdl=0 cdt=0
     case ${run#*_} in pdl) pdl=1 ;; cdt) cdt=1 ;; esac
     TORCHINDUCTOR_ENABLE_PDL=$pdl TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=$cdt \
-      step "bench_$run" $(( left < 250 ? left : 250 )) python3 -m minivllm bench \
+      step "bench_$run" $(left_or 250) python3 -m minivllm bench \
       --shape qwen3-0.6b --json "$RESULTS/bench_$run.json"
   done
   ;;

@@ -512,6 +512,14 @@ def chunk_columns(block_rows: int, k: int) -> int:
     return min(next_pow2(k), max(BLOCK_K, CHUNK_WEIGHTS // block_rows))
 
 
+def check_counter(counter: torch.Tensor | None, device: torch.device) -> None:
+    """A persistent launch's grid-barrier counter, if given, must be int64 [1] on its device."""
+    if counter is not None and (counter.shape != (1,) or counter.dtype != torch.int64 or
+                                counter.device != device):
+        raise ValueError(f"counter must be int64 [1] on {device}, got {counter.dtype} "
+                         f"{list(counter.shape)} on {counter.device}")
+
+
 def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, k_cache0: torch.Tensor, batch: Batch, *, config: ModelConfig,
                  dtype: torch.dtype, programs: int | None = None,
@@ -560,10 +568,7 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
             not residual.is_contiguous():
         raise ValueError(f"x and residual must be contiguous {dtype}, got {x.dtype} and "
                          f"{residual.dtype}")
-    if counter is not None and (counter.shape != (1,) or counter.dtype != torch.int64 or
-                                counter.device != x.device):
-        raise ValueError(f"counter must be int64 [1] on {x.device}, got {counter.dtype} "
-                         f"{list(counter.shape)} on {counter.device}")
+    check_counter(counter, x.device)
     dev, dt = x.device, dtype
     d, heads, kv_heads, inter = config.head_dim, config.num_heads, config.num_kv_heads, \
         config.intermediate_size

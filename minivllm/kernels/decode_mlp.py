@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_layer import _grid_barrier
+from .decode_layer import _grid_barrier, check_counter
 from .launch import dot_precision, next_pow2, num_sms, runs_ptx
 
 MIN_ROWS, MAX_ROWS = 1, 256  # tl.dot pads the rows to BLOCK_M >= 16 itself
@@ -179,11 +179,21 @@ def _decode_mlp_kernel(
                           BLOCK_M, BN_D, BLOCK_K, PRECISION, SPLIT_D > 1)
 
 
-def default_config(rows: int, device: torch.device, hidden: int, att: int, inter: int) -> dict:
+SPLIT_KEYS = ("split_o", "split_d")
+
+
+def default_config(rows: int, device: torch.device, hidden: int, att: int, inter: int,
+                   programs: int | None = None) -> dict:
+    """default_tiles, and splits for them over `programs` (default one an SM)."""
+    tiles = default_tiles(rows, device, hidden, att, inter)
+    return tiles | splits(tiles, rows, hidden, att, inter, programs or num_sms(device))
+
+
+def default_tiles(rows: int, device: torch.device, hidden: int, att: int, inter: int) -> dict:
     """Tile sizes: BLOCK_M rows a tile (at least 16, tl.dot's least), BN_* output columns a tile
-    for o_proj, gate/up and down, BLOCK_K columns a step of the dots; SPLIT_O / SPLIT_D, the
-    ranges o_proj's and down's columns are split into (doubled, up to 8, while their tiles stay
-    within one a program); num_warps, num_stages (the dots' software pipeline). Each tile the
+    for o_proj, gate/up and down, BLOCK_K columns a step of the dots; num_warps, num_stages (the
+    dots' software pipeline). (SPLIT_O / SPLIT_D, the ranges o_proj's and down's columns are
+    split into, depend on these and the grid: splits.) Each tile the
     widest of its candidates that divides its dimension (hidden, attention width, intermediate
     size: multiples of 16). A first guess for the H200, to be replaced by
     benchmarks/mlp_block_probe.py's sweep; small under the CPU interpreter, so that the tests'
@@ -192,14 +202,12 @@ def default_config(rows: int, device: torch.device, hidden: int, att: int, inter
         return next((c for c in candidates if all(d % c == 0 for d in dims)), candidates[-1])
 
     if not runs_ptx(device):
-        cfg = dict(block_m=16, bn_o=16, bn_gu=16, bn_d=16, block_k=16, num_warps=4,
-                   num_stages=1)
-    else:
-        bn = (32, 16)
-        cfg = dict(block_m=min(64, max(16, next_pow2(rows))), bn_o=widest(bn, hidden),
-                   bn_gu=widest(bn, inter), bn_d=widest(bn, hidden),
-                   block_k=widest((64, 32, 16), hidden, att, inter), num_warps=4, num_stages=3)
-    return cfg | splits(cfg, rows, hidden, att, inter, num_sms(device))
+        return dict(block_m=16, bn_o=16, bn_gu=16, bn_d=16, block_k=16, num_warps=4,
+                    num_stages=1)
+    bn = (32, 16)
+    return dict(block_m=min(64, max(16, next_pow2(rows))), bn_o=widest(bn, hidden),
+                bn_gu=widest(bn, inter), bn_d=widest(bn, hidden),
+                block_k=widest((64, 32, 16), hidden, att, inter), num_warps=4, num_stages=3)
 
 
 def splits(cfg: dict, rows: int, hidden: int, att: int, inter: int, programs: int) -> dict:
@@ -251,15 +259,16 @@ def decode_mlp(attn: torch.Tensor, residual: torch.Tensor, o_proj: torch.Tensor,
            for t in tensors):
         raise ValueError("decode_mlp's tensors must be contiguous, of one dtype and device, got "
                          + ", ".join(f"{t.dtype} on {t.device}" for t in tensors))
-    defaults = default_config(m, attn.device, hidden, att, inter)
-    if unknown := set(config or {}) - set(defaults):
-        raise ValueError(f"unknown decode_mlp config keys {sorted(unknown)}; known: "
-                         f"{sorted(defaults)}")
-    cfg = defaults | dict(config or {})
     dev = attn.device
+    given = dict(config or {})
+    tiles = default_tiles(m, dev, hidden, att, inter)
+    if unknown := set(given) - set(tiles) - set(SPLIT_KEYS):
+        raise ValueError(f"unknown decode_mlp config keys {sorted(unknown)}; known: "
+                         f"{sorted([*tiles, *SPLIT_KEYS])}")
     programs = programs or num_sms(dev)
-    # splits not given: for these tiles and this grid, not the default tiles' on every SM
-    cfg = cfg | splits(cfg, m, hidden, att, inter, programs) | dict(config or {})
+    tiles |= given
+    # splits not given: for these tiles and this grid
+    cfg = tiles | splits(tiles, m, hidden, att, inter, programs) | given
     for key, dim in (("bn_o", hidden), ("bn_gu", inter), ("bn_d", hidden), ("block_k", att),
                      ("block_k", hidden), ("block_k", inter)):
         if dim % cfg[key]:
@@ -275,10 +284,7 @@ def decode_mlp(attn: torch.Tensor, residual: torch.Tensor, o_proj: torch.Tensor,
     if phases is not None and not (phase_by_phase and set(phases) <= set(range(PHASES))):
         raise ValueError(f"phases must name phases 0-{PHASES - 1} of a phase_by_phase run, got "
                          f"{phases} (phase_by_phase {phase_by_phase})")
-    if counter is not None and (counter.shape != (1,) or counter.dtype != torch.int64 or
-                                counter.device != dev):
-        raise ValueError(f"counter must be int64 [1] on {dev}, got {counter.dtype} "
-                         f"{list(counter.shape)} on {counter.device}")
+    check_counter(counter, dev)
     if counter is None:
         counter = torch.zeros(1, device=dev, dtype=torch.int64)
     r, h = torch.empty_like(residual), torch.empty_like(residual)
