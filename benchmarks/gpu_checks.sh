@@ -424,8 +424,10 @@ mlp_probe)
   # 33, CPU-tested only). The probe first (it checks each form's bf16 output against the
   # engine's too), from 256 rows down, its JSON saved after each row count, so a cut-short run
   # keeps the sizes that matter most; then the kernel's tests (bf16 and the whole grid).
-  step mlp_block_probe $(left_or 380) python3 benchmarks/mlp_block_probe.py --sweep \
-    --json "$RESULTS/mlp_block_probe.json"
+  # MLP_PROBE_ARGS: the probe's options (session 34: "--deep --rows 256,128,64", the pipeline's
+  # depth and the grid at the tilings session 34's --sweep found best).
+  step mlp_block_probe $(left_or 380) python3 benchmarks/mlp_block_probe.py \
+    ${MLP_PROBE_ARGS:---sweep} --json "$RESULTS/mlp_block_probe.json"
   STEP_LOG=$OUT/tests.txt step mlp_tests $(left_or 200) python3 -m pytest $PYTEST_ARGS \
     tests/test_decode_mlp.py
   ;;

@@ -63,6 +63,32 @@ def sweep_configs(rows: int, programs: int = 132) -> list[dict]:
     return out
 
 
+def deep_configs(rows: int, programs: int = 132) -> list[dict]:
+    """--deep: the pipeline's depth and width at the tilings session 34's sweep found best at
+    128-256 rows. Its phases alone ran each tile's K loop at ~27 KB a us an SM (gate/up 22 us
+    at 256 rows against cuBLAS's 7.6): latency-bound with 3 stages of one program an SM. So:
+    3, 4 or 6 stages, 64 or 128 columns a K step, and one or two programs an SM (`programs`;
+    a cooperative grid that cannot be resident is refused and skipped; those whose shared
+    memory cannot be are left out)."""
+    fit = max(16, next_pow2(rows))
+    out = []
+    for block_m, bn_o, bn_gu, bn_d, warps in ((min(fit, 128), 32, 64, 32, 8),
+                                              (min(fit, 128), 32, 32, 32, 8),
+                                              (min(fit, 64), 32, 64, 32, 4)):
+        for block_k in (64, 128):
+            for stages in (3, 4, 6):
+                for grid in (programs, 2 * programs):
+                    # gate/up's pipeline buffers, the kernel's largest, within an SM's 227 KB
+                    smem = stages * (block_m + 2 * bn_gu) * block_k * 2 * grid // programs
+                    if smem > 224 * 1024:
+                        continue
+                    cfg = dict(block_m=block_m, bn_o=bn_o, bn_gu=bn_gu, bn_d=bn_d,
+                               block_k=block_k, num_warps=warps, num_stages=stages)
+                    out.append(cfg | splits(cfg, rows, HIDDEN, ATT, INTER, grid)
+                               | dict(programs=grid))
+    return out
+
+
 def layer_weights(copies: int, dev: torch.device, gen: torch.Generator) -> list[LayerParams]:
     def rand(*shape, scale):
         return torch.randn(*shape, device=dev, dtype=DT, generator=gen) * scale
@@ -87,9 +113,13 @@ def weights(lp: LayerParams) -> tuple[torch.Tensor, ...]:
 
 def fused_form(lp: LayerParams, attn, residual, counter, config=None, phase_by_phase=None,
                phases=None):
-    """decode_mlp as the engine calls it: a split down's partials left for the next layer."""
+    """decode_mlp as the engine calls it: a split down's partials left for the next layer.
+    config's `programs`, if any, is the grid (decode_mlp's argument, not a tile key)."""
+    config = dict(config or {})
+    programs = config.pop("programs", None)
     return decode_mlp(attn, residual, *weights(lp), EPS, counter=counter, config=config,
-                      phase_by_phase=phase_by_phase, phases=phases, unsummed_ok=True)
+                      phase_by_phase=phase_by_phase, phases=phases, unsummed_ok=True,
+                      programs=programs)
 
 
 PHASE_NAMES = ("o_proj, split-K partials", "their sum + residual, RMSNorm", "gate/up + SiLU * up",
@@ -109,6 +139,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="256,128,64,32", help="largest first: they matter most")
     ap.add_argument("--sweep", action="store_true", help="also time sweep_configs' tilings")
+    ap.add_argument("--deep", action="store_true",
+                    help="also time deep_configs' pipelines, and the best one's phases alone")
     ap.add_argument("--json", help="write the results here (after each row count)")
     args = ap.parse_args()
     if (gpu := cuda_and_l2("mlp_block_probe.py")) is None:
@@ -161,23 +193,31 @@ def main() -> int:
         # kernels: o_proj + its residual copy, the add + RMSNorm, gate_up + SiLU * up, down).
         # A split down hands the next layer fp32 partials to read (~1 MB at 64 rows against
         # 128 KB of bf16), which neither form's time here includes.
-        phase_us = []
-        for k, what in enumerate(PHASE_NAMES):
-            us = phase_time(lambda i, k=k: fused_form(layers[i % len(layers)], attn, residual,
-                                                      counter, phase_by_phase=True, phases=(k,)))
-            phase_us.append(us)
-            print(f"  phase {k} alone ({what}): {us:7.2f} us", flush=True)
-        results.append(dict(rows=rows, form="phases alone", us=phase_us, config=default))
+        def phases_alone(config):
+            phase_us = []
+            for k, what in enumerate(PHASE_NAMES):
+                us = phase_time(lambda i, k=k: fused_form(layers[i % len(layers)], attn,
+                                                          residual, counter, config,
+                                                          phase_by_phase=True, phases=(k,)))
+                phase_us.append(us)
+                print(f"  phase {k} alone ({what}): {us:7.2f} us", flush=True)
+            results.append(dict(rows=rows, form="phases alone", us=phase_us, config=config))
+
+        phases_alone(default)
         best = (fused_us, default)
-        if args.sweep:
-            sms = torch.cuda.get_device_properties(dev).multi_processor_count
-            for cfg in sweep_configs(rows, sms):
-                name = "fused " + " ".join(f"{k}={v}" for k, v in cfg.items()
-                                           if k != "num_stages")
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        configs = (sweep_configs(rows, sms) if args.sweep else []) + \
+            (deep_configs(rows, sms) if args.deep else [])
+        if configs:
+            for cfg in configs:
+                name = "fused " + " ".join(f"{k}={v}" for k, v in cfg.items())
                 us = timed(name, lambda i, cfg=cfg: fused_form(layers[i % len(layers)], attn,
                                                                residual, counter, cfg), cfg)
                 if us is not None and (best[0] is None or us < best[0]):
                     best = (us, cfg)
+            if args.deep and best[1] is not default:
+                print(f"  the best's phases alone ({best[1]}):", flush=True)
+                phases_alone(best[1])
         if engine_us is not None and best[0] is not None:
             print(f"  best fused {best[0]:.2f} us against the engine's {engine_us:.2f}: "
                   f"{28 * (engine_us - best[0]):+.0f} us a 28-layer step saved ({best[1]})",
