@@ -432,20 +432,27 @@ mlp_probe)
     tests/test_decode_mlp.py
   ;;
 mlp_engine)
-  # nvidia-h200 (<= 580 s): the engine's decode graphs of FUSED rows (default 17-256; the probe's
-  # winning range belongs here) with decode_mlp in each layer: graphs against eager, the sync
+  # nvidia-h200 (<= 580 s): the engine's decode graphs of FUSED rows (default 3-128, the probe's
+  # winning range) with decode_mlp in each layer: graphs against eager, the sync
   # test; then throughput with and without, alternating, while time is left.
-  FUSED=${FUSED:-17-256}
+  # (session 34: 3-128 rows are the engine's default; the base runs set MINIVLLM_FUSED_MLP=0, off)
+  FUSED=${FUSED:-3-128}
   # (session 33: the sync test's two cases took 161 s on a fresh machine; one case of each here)
-  MINIVLLM_FUSED_MLP=1-256 STEP_LOG=$OUT/tests.txt step fused_graph_tests $(left_or 200) \
-    python3 -m pytest $PYTEST_ARGS tests/test_gpu_graphs.py -k \
+  # FUSED_TESTS=0: the throughput runs only (session 34: four runs from cold caches fill a call)
+  [ "${FUSED_TESTS:-1}" = 1 ] && MINIVLLM_FUSED_MLP=1-256 STEP_LOG=$OUT/tests.txt \
+    step fused_graph_tests $(left_or 200) python3 -m pytest $PYTEST_ARGS tests/test_gpu_graphs.py -k \
     "(graphs_and_async_scheduling_equal_eager and bfloat16) or (never_make_the_host_wait and auto)"
-  for run in 1_fused 2_base 3_fused 4_base; do
+  [ "${FUSED_TESTS:-1}" = 1 ] && STEP_LOG=$OUT/tests.txt step mlp_tests $(left_or 120) \
+    python3 -m pytest $PYTEST_ARGS tests/test_decode_mlp.py
+  for run in ${FUSED_RUNS:-1_fused 2_base 3_fused 4_base}; do
     left=$(( BUDGET_S - SECONDS ))
     [ $left -lt 60 ] && break
-    flag=; [ "${run#*_}" = fused ] && flag=$FUSED
-    MINIVLLM_FUSED_MLP=$flag step "bench_$run" $(left_or 200) python3 -m \
-      minivllm bench --shape qwen3-0.6b --json "$RESULTS/bench_$run.json"
+    # FUSED=default: the fused runs leave MINIVLLM_FUSED_MLP unset (the engine's default)
+    if [ "${run#*_}" != fused ]; then flag=(env MINIVLLM_FUSED_MLP=0)
+    elif [ "$FUSED" = default ]; then flag=(env -u MINIVLLM_FUSED_MLP)
+    else flag=(env MINIVLLM_FUSED_MLP=$FUSED); fi
+    step "bench_$run" $(left_or 200) "${flag[@]}" python3 -m minivllm bench --shape qwen3-0.6b \
+      --json "$RESULTS/bench_$run.json"
   done
   ;;
 inductor_knobs)

@@ -122,11 +122,11 @@ def test_default_tiles_divide_every_shape(monkeypatch, gpu):
     monkeypatch.setattr(dm, "runs_ptx", lambda device: gpu)
     for hidden, att, inter in [*SHAPES.values(), (96, 64, 96), (1024, 2048, 3072),
                                (2560, 4096, 9728)]:
-        for rows in (1, 16, 100, 256):
+        for rows in (1, 16, 33, 64, 100, 128, 129, 256):
             cfg = dm.default_config(rows, torch.device("cpu"), hidden, att, inter)
             assert hidden % cfg["bn_o"] == hidden % cfg["bn_d"] == inter % cfg["bn_gu"] == 0
             assert hidden % cfg["block_k"] == att % cfg["block_k"] == 0
-            assert inter % cfg["block_k"] == 0 and 16 <= cfg["block_m"] <= 64
+            assert inter % cfg["block_k"] == 0 and 16 <= cfg["block_m"] <= 128
             assert att % (cfg["split_o"] * cfg["block_k"]) == 0
             assert inter % (cfg["split_d"] * cfg["block_k"]) == 0
 
@@ -223,8 +223,13 @@ def test_fused_mlp_layer_equals_the_decoder_layer(device, dtype):
 def test_the_engine_flag_is_parsed_or_refused():
     from minivllm.runtime.runner import fused_mlp_rows
 
-    assert fused_mlp_rows(None) is None and fused_mlp_rows("") is None
-    assert fused_mlp_rows("17-256") == (17, 256)
+    from minivllm.runtime.runner import FUSED_MLP_ROWS
+
+    # unset: the default rows where measured, none elsewhere; set: as given, wherever
+    assert fused_mlp_rows(None) == FUSED_MLP_ROWS and fused_mlp_rows(None, measured=False) is None
+    for off in ("", "0", "off", "OFF"):
+        assert fused_mlp_rows(off) is None
+    assert fused_mlp_rows("17-256") == fused_mlp_rows("17-256", measured=False) == (17, 256)
     for bad in ("17", "0-16", "17-300", "a-b", "64-32"):
         with pytest.raises(ValueError, match="MINIVLLM_FUSED_MLP must be LO-HI"):
             fused_mlp_rows(bad)

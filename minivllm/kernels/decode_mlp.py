@@ -23,8 +23,9 @@ turn, row block fastest (the programs that share a weight tile run side by side 
 from L2 once). Values are rounded to the activation dtype where functional.layer.mlp_block
 and functional.norm round them (o_proj's output, the sum, the norm, gate and up, SiLU, the
 product, down's output). A probe (benchmarks/mlp_block_probe.py) times it against the compiled
-layer's kernels; the engine's decode graphs use it only when asked (MINIVLLM_FUSED_MLP=LO-HI:
-buckets of LO-HI rows, through with_fused_mlp), until the probe says it pays.
+layer's kernels; the engine's decode graphs of 3-128 rows use it (through with_fused_mlp) at the
+shape the probe measured, where it paid (runtime.runner.FUSED_MLP_ROWS; MINIVLLM_FUSED_MLP sets
+the rows or turns it off).
 
 On the CPU, Triton's interpreter runs programs one after another, so a spin barrier among several
 programs never returns: there the kernel is launched once per phase (the launch boundary is the
@@ -193,11 +194,16 @@ def default_tiles(rows: int, device: torch.device, hidden: int, att: int, inter:
     """Tile sizes: BLOCK_M rows a tile (at least 16, tl.dot's least), BN_* output columns a tile
     for o_proj, gate/up and down, BLOCK_K columns a step of the dots; num_warps, num_stages (the
     dots' software pipeline). (SPLIT_O / SPLIT_D, the ranges o_proj's and down's columns are
-    split into, depend on these and the grid: splits.) Each tile the
-    widest of its candidates that divides its dimension (hidden, attention width, intermediate
-    size: multiples of 16). A first guess for the H200, to be replaced by
-    benchmarks/mlp_block_probe.py's sweep; small under the CPU interpreter, so that the tests'
-    tiny shapes have several tiles a phase."""
+    split into, depend on these and the grid: splits.) Each the widest of its candidates that
+    divides its dimension (hidden, attention width, intermediate size: multiples of 16).
+
+    On the GPU, benchmarks/mlp_block_probe.py's --deep sweep at the 0.6B shape on the H200
+    (BENCHMARKS.md session 34): one program an SM is latency-bound on its loads (3 stages: a
+    tile's K loop ran at ~30 KB a us an SM, gate/up 22.7 us at 256 rows against cuBLAS's 7.6), so
+    the pipelines are deep: at 64 rows 64-row tiles, 32 columns, 6 stages (18.3 us against the
+    engine's 25.5); at 128, 64 gate/up columns and 128-column K steps in 4 stages (21.3 against
+    26.3); at 256, 128-row tiles in 6 stages (30.3 against 29.2: no tiling found wins there).
+    Small under the CPU interpreter, so that the tests' tiny shapes have several tiles a phase."""
     def widest(candidates, *dims):
         return next((c for c in candidates if all(d % c == 0 for d in dims)), candidates[-1])
 
@@ -205,9 +211,16 @@ def default_tiles(rows: int, device: torch.device, hidden: int, att: int, inter:
         return dict(block_m=16, bn_o=16, bn_gu=16, bn_d=16, block_k=16, num_warps=4,
                     num_stages=1)
     bn = (32, 16)
-    return dict(block_m=min(64, max(16, next_pow2(rows))), bn_o=widest(bn, hidden),
-                bn_gu=widest(bn, inter), bn_d=widest(bn, hidden),
-                block_k=widest((64, 32, 16), hidden, att, inter), num_warps=4, num_stages=3)
+    tiles = dict(block_m=min(64, max(16, next_pow2(rows))), bn_o=widest(bn, hidden),
+                 bn_gu=widest(bn, inter), bn_d=widest(bn, hidden),
+                 block_k=widest((64, 32, 16), hidden, att, inter),
+                 num_warps=8 if rows > 32 else 4, num_stages=6)
+    if 64 < rows <= 128:
+        tiles |= dict(bn_gu=widest((64, *bn), inter), num_warps=4, num_stages=4,
+                      block_k=widest((128, 64, 32, 16), hidden, att, inter))
+    elif rows > 128:
+        tiles |= dict(block_m=128, bn_gu=widest((64, *bn), inter))
+    return tiles
 
 
 def splits(cfg: dict, rows: int, hidden: int, att: int, inter: int, programs: int) -> dict:

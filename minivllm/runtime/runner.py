@@ -138,10 +138,25 @@ def _logged_time(what: str):
     log.info("minivllm: %s took %.1f s", what, time.perf_counter() - start)
 
 
-def fused_mlp_rows(flag: str | None) -> tuple[int, int] | None:
-    """MINIVLLM_FUSED_MLP's value, "LO-HI" (decode graphs of LO-HI rows run each layer's
-    o_proj to down as one kernel, kernels/decode_mlp.py), as (LO, HI); None when unset or empty."""
-    if not flag:
+# Decode graphs of these rows run each layer's o_proj to down as one persistent kernel
+# (kernels/decode_mlp.py) unless MINIVLLM_FUSED_MLP says otherwise: on the H200 at the 0.6B shape
+# it took 21.3 against 26.3 us a layer at 128 rows and 18.3 against 25.5 at 64, lost at 256 (30.3
+# against 29.2), and the throughput run went 26,123 / 26,083 against 25,790 / 25,662 tok/s
+# without it (BENCHMARKS.md session 34). 1-2 rows are the persistent decode's buckets. Only at
+# the dtype and shapes measured (bf16, hidden size up to FUSED_MLP_MAX_HIDDEN); elsewhere the
+# flag asks for it.
+FUSED_MLP_ROWS = (3, 128)
+FUSED_MLP_MAX_HIDDEN = 1024
+
+
+def fused_mlp_rows(flag: str | None, measured: bool = True) -> tuple[int, int] | None:
+    """MINIVLLM_FUSED_MLP's value as (LO, HI) rows of the decode graphs that run each layer's
+    o_proj to down as one kernel (kernels/decode_mlp.py): "LO-HI"; "0", "off" or empty: none;
+    unset (None): FUSED_MLP_ROWS where `measured` (a bf16 model of hidden size up to
+    FUSED_MLP_MAX_HIDDEN), else none."""
+    if flag is None:
+        return FUSED_MLP_ROWS if measured else None
+    if flag.strip().lower() in ("", "0", "off"):
         return None
     from ..kernels.decode_mlp import MAX_ROWS, MIN_ROWS
 
@@ -149,7 +164,7 @@ def fused_mlp_rows(flag: str | None) -> tuple[int, int] | None:
     if not (sep and lo.strip().isdigit() and hi.strip().isdigit()) or \
             not MIN_ROWS <= int(lo) <= int(hi) <= MAX_ROWS:
         raise ValueError(f"MINIVLLM_FUSED_MLP must be LO-HI rows within {MIN_ROWS}-{MAX_ROWS} "
-                         f"(e.g. 17-256), got {flag!r}")
+                         f"(e.g. 3-128) or 0 / off, got {flag!r}")
     return int(lo), int(hi)
 
 
@@ -244,10 +259,14 @@ class ModelRunner:
     def _compile_and_capture(self, config: EngineConfig) -> None:
         graphs = self.device.type == "cuda" and not self.enforce_eager
         compile_forward = os.environ.get("MINIVLLM_COMPILE", "1") != "0"
-        fused = fused_mlp_rows(os.environ.get("MINIVLLM_FUSED_MLP"))
+        flag = os.environ.get("MINIVLLM_FUSED_MLP")
+        fused = fused_mlp_rows(flag, measured=self.model_config.hidden_size <= FUSED_MLP_MAX_HIDDEN
+                               and self.params.embed.dtype == torch.bfloat16)
         if fused and not (graphs and compile_forward):
-            log.warning("minivllm: MINIVLLM_FUSED_MLP applies to the compiled decode graphs only "
-                        "(a CUDA GPU, not enforce_eager, MINIVLLM_COMPILE not 0): ignored")
+            if flag is not None:
+                log.warning("minivllm: MINIVLLM_FUSED_MLP applies to the compiled decode graphs "
+                            "only (a CUDA GPU, not enforce_eager, MINIVLLM_COMPILE not 0): ignored")
+            fused = None
         if graphs:
             self.graphs = DecodeGraphs(
                 self.params, self.cache, self.backend, max_num_seqs=config.max_num_seqs,
