@@ -439,7 +439,9 @@ mlp_engine)
   FUSED=${FUSED:-3-128}
   # (session 33: the sync test's two cases took 161 s on a fresh machine; one case of each here)
   # FUSED_TESTS=0: the throughput runs only (session 34: four runs from cold caches fill a call)
+  # FUSED_ENTRY=1: the graph tests with each launch going on through the next layer's entry
   [ "${FUSED_TESTS:-1}" = 1 ] && MINIVLLM_FUSED_MLP=1-256 STEP_LOG=$OUT/tests.txt \
+    MINIVLLM_FUSED_ENTRY=${FUSED_ENTRY:-0} \
     step fused_graph_tests $(left_or 200) python3 -m pytest $PYTEST_ARGS tests/test_gpu_graphs.py -k \
     "(graphs_and_async_scheduling_equal_eager and bfloat16) or (never_make_the_host_wait and auto)"
   [ "${FUSED_TESTS:-1}" = 1 ] && STEP_LOG=$OUT/tests.txt step mlp_tests $(left_or 120) \
@@ -447,10 +449,14 @@ mlp_engine)
   for run in ${FUSED_RUNS:-1_fused 2_base 3_fused 4_base}; do
     left=$(( BUDGET_S - SECONDS ))
     [ $left -lt 60 ] && break
-    # FUSED=default: the fused runs leave MINIVLLM_FUSED_MLP unset (the engine's default)
-    if [ "${run#*_}" != fused ]; then flag=(env MINIVLLM_FUSED_MLP=0)
+    # A run's suffix: base (MINIVLLM_FUSED_MLP=0), fused (FUSED's rows), entry (FUSED's rows
+    # and MINIVLLM_FUSED_ENTRY=1: each launch goes on through the next layer's entry).
+    # FUSED=default: the fused and entry runs leave MINIVLLM_FUSED_MLP unset (the default rows).
+    kind=${run#*_}
+    if [ "$kind" = base ]; then flag=(env MINIVLLM_FUSED_MLP=0)
     elif [ "$FUSED" = default ]; then flag=(env -u MINIVLLM_FUSED_MLP)
     else flag=(env MINIVLLM_FUSED_MLP=$FUSED); fi
+    flag+=(MINIVLLM_FUSED_ENTRY=$([ "$kind" = entry ] && echo 1 || echo 0))
     step "bench_$run" $(left_or 200) "${flag[@]}" python3 -m minivllm bench --shape qwen3-0.6b \
       --json "$RESULTS/bench_$run.json"
   done
