@@ -425,7 +425,8 @@ mlp_probe)
   # engine's too), from 256 rows down, its JSON saved after each row count, so a cut-short run
   # keeps the sizes that matter most; then the kernel's tests (bf16 and the whole grid).
   # MLP_PROBE_ARGS: the probe's options (session 34: "--deep --rows 256,128,64", the pipeline's
-  # depth and the grid at the tilings session 34's --sweep found best).
+  # depth and the grid at the tilings session 34's --sweep found best; "--entry --rows
+  # 256,128,64": both forms through the next layer's entry, decode_mlp's next_entry).
   step mlp_block_probe $(left_or 380) python3 benchmarks/mlp_block_probe.py \
     ${MLP_PROBE_ARGS:---sweep} --json "$RESULTS/mlp_block_probe.json"
   STEP_LOG=$OUT/tests.txt step mlp_tests $(left_or 200) python3 -m pytest $PYTEST_ARGS \

@@ -184,6 +184,13 @@ def test_the_probes_two_forms_agree(device):
     with torch.no_grad():
         check(probe.fused_form(lp, attn, residual, counter), engine(lp, attn, residual),
               torch.float32)
+    # --entry's forms: both through the next layer's entry (the layer's own weights here)
+    lp = LayerParams(q_norm=None, k_norm=None, **w, **next_layer_entry_params(device, 64, 256))
+    engine_entry = torch.compile(probe.engine_entry_form, fullgraph=True, dynamic=False,
+                                 backend="eager")
+    with torch.no_grad():
+        check(probe.fused_entry_form(lp, attn, residual, counter),
+              engine_entry(lp, attn, residual), torch.float32)
     for rows in (1, 16, 32, 48, 64, 100, 128, 256):
         for cfg in probe.sweep_configs(rows) + probe.deep_configs(rows):
             # every key but the next layer's qkv tiles (the probe times no entry), and the grid
@@ -202,6 +209,11 @@ def next_layer_entry(device, dtype, hidden, qkv_width, seed=1):
     norm = 1.0 + torch.randn(hidden, generator=g) * 0.1
     qkv = torch.randn(qkv_width, hidden, generator=g) * hidden ** -0.5
     return norm.to(device=device, dtype=dtype), qkv.to(device=device, dtype=dtype)
+
+
+def next_layer_entry_params(device, hidden, qkv_width):
+    norm, qkv = next_layer_entry(device, torch.float32, hidden, qkv_width)
+    return dict(input_norm=norm, qkv=qkv)
 
 
 @pytest.mark.parametrize("split", [1, 2])

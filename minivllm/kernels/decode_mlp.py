@@ -216,9 +216,9 @@ def default_config(rows: int, device: torch.device, hidden: int, att: int, inter
 
 def default_tiles(rows: int, device: torch.device, hidden: int, att: int, inter: int) -> dict:
     """Tile sizes: BLOCK_M rows a tile (at least 16, tl.dot's least), BN_* output columns a tile
-    for o_proj, gate/up, down and the next layer's qkv (bn_q: a multiple of 16 columns, as
-    every qkv width of head_dim 128 is), BLOCK_K columns a step of the dots; num_warps, num_stages (the
-    dots' software pipeline). (SPLIT_O / SPLIT_D, the ranges o_proj's and down's columns are
+    for o_proj, gate/up, down and the next layer's qkv (bn_q: 32 on the GPU, which every qkv
+    width of head_dim 128 is a multiple of), BLOCK_K columns a step of the dots; num_warps,
+    num_stages (the dots' software pipeline). (SPLIT_O / SPLIT_D, the ranges o_proj's and down's columns are
     split into, depend on these and the grid: splits.) Each the widest of its candidates that
     divides its dimension (hidden, attention width, intermediate size: multiples of 16).
 
