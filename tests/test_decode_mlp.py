@@ -287,13 +287,22 @@ def test_fused_mlp_stack_gives_the_forward_logits(device, monkeypatch, dtype, sp
 def test_the_engine_flag_is_parsed_or_refused():
     from minivllm.runtime.runner import fused_mlp_rows
 
-    from minivllm.runtime.runner import FUSED_MLP_ROWS
+    from minivllm.runtime.runner import FUSED_MLP_ROWS, fused_mlp_measured
 
     # unset: the default rows where measured, none elsewhere; set: as given, wherever
     assert fused_mlp_rows(None) == FUSED_MLP_ROWS and fused_mlp_rows(None, measured=False) is None
     for off in ("", "0", "off", "OFF"):
         assert fused_mlp_rows(off) is None
     assert fused_mlp_rows("17-256") == fused_mlp_rows("17-256", measured=False) == (17, 256)
+    # measured: the 0.6B shape in bf16 on a Hopper GPU only (the interpreter's CPU is none)
+    cpu = torch.device("cpu")
+    assert not fused_mlp_measured(1024, torch.bfloat16, cpu)
+    if torch.cuda.is_available():
+        gpu = torch.device("cuda")
+        hopper = torch.cuda.get_device_capability(gpu)[0] == 9
+        assert fused_mlp_measured(1024, torch.bfloat16, gpu) == hopper
+        assert not fused_mlp_measured(1024, torch.float16, gpu)
+        assert not fused_mlp_measured(2048, torch.bfloat16, gpu)
     for bad in ("17", "0-16", "17-300", "a-b", "64-32"):
         with pytest.raises(ValueError, match="MINIVLLM_FUSED_MLP must be LO-HI"):
             fused_mlp_rows(bad)

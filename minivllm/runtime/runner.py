@@ -142,18 +142,26 @@ def _logged_time(what: str):
 # (kernels/decode_mlp.py) unless MINIVLLM_FUSED_MLP says otherwise: on the H200 at the 0.6B shape
 # it took 21.3 against 26.3 us a layer at 128 rows and 18.3 against 25.5 at 64, lost at 256 (30.3
 # against 29.2), and the throughput run went 26,123 / 26,083 against 25,790 / 25,662 tok/s
-# without it (BENCHMARKS.md session 34). 1-2 rows are the persistent decode's buckets. Only at
-# the dtype and shapes measured (bf16, hidden size up to FUSED_MLP_MAX_HIDDEN); elsewhere the
-# flag asks for it.
+# without it (BENCHMARKS.md session 34). 1-2 rows are the persistent decode's buckets. Only where
+# measured (fused_mlp_measured); elsewhere the flag asks for it.
 FUSED_MLP_ROWS = (3, 128)
 FUSED_MLP_MAX_HIDDEN = 1024
+
+
+def fused_mlp_measured(hidden_size: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether FUSED_MLP_ROWS is the default: the shape, dtype and GPU it was measured at
+    (bf16, hidden size up to FUSED_MLP_MAX_HIDDEN, a Hopper GPU: its tiles' pipelines take up
+    to 192 KB of shared memory, more than an A100's SM has)."""
+    from ..kernels.launch import cuda_capability
+
+    return hidden_size <= FUSED_MLP_MAX_HIDDEN and dtype == torch.bfloat16 and \
+        cuda_capability(device)[0] == 9
 
 
 def fused_mlp_rows(flag: str | None, measured: bool = True) -> tuple[int, int] | None:
     """MINIVLLM_FUSED_MLP's value as (LO, HI) rows of the decode graphs that run each layer's
     o_proj to down as one kernel (kernels/decode_mlp.py): "LO-HI"; "0", "off" or empty: none;
-    unset (None): FUSED_MLP_ROWS where `measured` (a bf16 model of hidden size up to
-    FUSED_MLP_MAX_HIDDEN), else none."""
+    unset (None): FUSED_MLP_ROWS where `measured` (fused_mlp_measured), else none."""
     if flag is None:
         return FUSED_MLP_ROWS if measured else None
     if flag.strip().lower() in ("", "0", "off"):
@@ -271,8 +279,8 @@ class ModelRunner:
         graphs = self.device.type == "cuda" and not self.enforce_eager
         compile_forward = os.environ.get("MINIVLLM_COMPILE", "1") != "0"
         flag = os.environ.get("MINIVLLM_FUSED_MLP")
-        fused = fused_mlp_rows(flag, measured=self.model_config.hidden_size <= FUSED_MLP_MAX_HIDDEN
-                               and self.params.embed.dtype == torch.bfloat16)
+        fused = fused_mlp_rows(flag, measured=fused_mlp_measured(
+            self.model_config.hidden_size, self.params.embed.dtype, self.device))
         entry = fused_entry(os.environ.get("MINIVLLM_FUSED_ENTRY"))
         if fused and not (graphs and compile_forward):
             if flag is not None:
