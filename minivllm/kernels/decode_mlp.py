@@ -81,8 +81,9 @@ def _projection_phase(a_ptr, w_ptr, out_ptr, pid, programs, M, N: tl.constexpr,
                       PARTIALS: tl.constexpr):
     """A @ W.T, A: [M, K], W: [N, K], over SPLIT ranges of K: PARTIALS, each range's fp32 sum
     into out [SPLIT, M, N] (summed by whoever reads them); else (SPLIT 1) rounded into out
-    [M, N]. Phase 0 (o_proj; phase 1 sums) and phase 3 (down). Tiles go row block fastest, then
-    split, so that the programs reading one weight tile run side by side."""
+    [M, N]. Phase 0 (o_proj; phase 1 sums), phase 3 (down) and phase 5 (the next layer's qkv,
+    unsplit). Tiles go row block fastest, then split, so that the programs reading one weight
+    tile run side by side."""
     dt = out_ptr.dtype.element_ty
     tiles_m = tl.cdiv(M, BLOCK_M)
     K_SPAN: tl.constexpr = K // SPLIT
@@ -107,7 +108,9 @@ def _norm_phase(o_part_ptr, res_ptr, norm_w_ptr, r_ptr, h_ptr, eps, pid, program
     """Phase 1, a row at a time: o_proj's output (its SPLIT fp32 partial sums, [SPLIT, M, H]),
     rounded, plus the residual, rounded: the residual stream r; h = RMSNorm(r) * weight
     (functional.norm.rms_norm: normed in fp32, rounded, times the weight, rounded). Once here
-    rather than in every gate/up tile, which would norm each row INTER / BN_GU times over."""
+    rather than in every gate/up tile, which would norm each row INTER / BN_GU times over.
+    Phase 4 too: down's output (its partials, or at SPLIT 1 its rounded [M, H]) plus r, normed
+    by the next layer's input norm."""
     dt = h_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK_H)
     mask = offs < H
