@@ -22,6 +22,8 @@
 #       to down as one persistent kernel) against the engine's compiled kernels, 32-256 rows
 #   bash benchmarks/gpu_checks.sh mlp_engine  # nvidia-h200: the engine with it (MINIVLLM_FUSED_MLP):
 #       the graph tests, then throughput against without, alternating
+#   bash benchmarks/gpu_checks.sh early_tile  # nvidia-h200: decode attention with each program's
+#       first tile loaded before q, the kernel at 256 sequences, then throughput A/B
 #   bash benchmarks/gpu_checks.sh inductor_knobs  # nvidia-h200: throughput with Inductor's PDL
 #       and its coordinate-descent tuning against its defaults, in turn
 #   bash benchmarks/gpu_checks.sh profile  # nvidia-h200: traced decode steps (bf16 and fp8 cache,
@@ -445,8 +447,9 @@ mlp_engine)
     MINIVLLM_FUSED_ENTRY=${FUSED_ENTRY:-0} \
     step fused_graph_tests $(left_or 200) python3 -m pytest $PYTEST_ARGS tests/test_gpu_graphs.py -k \
     "(graphs_and_async_scheduling_equal_eager and bfloat16) or (never_make_the_host_wait and auto)"
-  [ "${FUSED_TESTS:-1}" = 1 ] && STEP_LOG=$OUT/tests.txt step mlp_tests $(left_or 120) \
-    python3 -m pytest $PYTEST_ARGS tests/test_decode_mlp.py
+  # MLP_TESTS=0: not the kernel's own tests (after mlp_probe in the same call, which ran them)
+  [ "${FUSED_TESTS:-1}" = 1 ] && [ "${MLP_TESTS:-1}" = 1 ] && STEP_LOG=$OUT/tests.txt \
+    step mlp_tests $(left_or 120) python3 -m pytest $PYTEST_ARGS tests/test_decode_mlp.py
   for run in ${FUSED_RUNS:-1_fused 2_base 3_fused 4_base}; do
     left=$(( BUDGET_S - SECONDS ))
     [ $left -lt 60 ] && break
@@ -460,6 +463,19 @@ mlp_engine)
     flag+=(MINIVLLM_FUSED_ENTRY=$([ "$kind" = entry ] && echo 1 || echo 0))
     step "bench_$run" $(left_or 200) "${flag[@]}" python3 -m minivllm bench --shape qwen3-0.6b \
       --json "$RESULTS/bench_$run.json"
+  done
+  ;;
+early_tile)
+  # nvidia-h200 (<= 580 s): decode attention's per-program start (session 26: ~27 us a launch
+  # over the read rate at 256 sequences, from programs that start in step) with each program's
+  # first K/V tile loaded before q (early_tile): the kernel at 256 sequences, then throughput
+  # with MINIVLLM_EARLY_TILE=1 against without, alternating.
+  step early_tile_sweep $(left_or 200) python3 benchmarks/sweep_decode_attention.py \
+    --default-only --early-tile ${EARLY_SWEEP_ARGS:-}
+  for run in ${EARLY_RUNS:-1_early 2_base 3_early 4_base}; do
+    [ $(( BUDGET_S - SECONDS )) -lt 60 ] && break
+    step "bench_$run" $(left_or 200) env MINIVLLM_EARLY_TILE=$([ "${run#*_}" = early ] && echo 1 \
+      || echo 0) python3 -m minivllm bench --shape qwen3-0.6b --json "$RESULTS/bench_$run.json"
   done
   ;;
 inductor_knobs)
