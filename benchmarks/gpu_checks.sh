@@ -22,8 +22,6 @@
 #       to down as one persistent kernel) against the engine's compiled kernels, 32-256 rows
 #   bash benchmarks/gpu_checks.sh mlp_engine  # nvidia-h200: the engine with it (MINIVLLM_FUSED_MLP):
 #       the graph tests, then throughput against without, alternating
-#   bash benchmarks/gpu_checks.sh early_tile  # nvidia-h200: decode attention with each program's
-#       first tile loaded before q, the kernel at 256 sequences, then throughput A/B
 #   bash benchmarks/gpu_checks.sh inductor_knobs  # nvidia-h200: throughput with Inductor's PDL
 #       and its coordinate-descent tuning against its defaults, in turn
 #   bash benchmarks/gpu_checks.sh profile  # nvidia-h200: traced decode steps (bf16 and fp8 cache,
@@ -56,7 +54,8 @@
 #       kept, +0.5-2%)
 # Modes of earlier calls are in the commits BENCHMARKS.md names (session 4's recheck, verify,
 # final and last: in 04e96c7; session 5's s5: bb7f952, s5b: a95279f; session 6's fused: 0cb7b0a;
-# session 21's startup, MINIVLLM_DYNAMIC_START=1 against 0, run in session 22's call 1: e2c4259).
+# session 21's startup, MINIVLLM_DYNAMIC_START=1 against 0, run in session 22's call 1: e2c4259;
+# session 35's early_tile: 0437b02).
 # Every step's output streams into $OUT/logs.txt (the suite's into $OUT/tests.txt) and its JSON
 # into $OUT/results.json, so a call cut short still returns what it did; a step past its limit
 # gets SIGABRT first, and PYTHONFAULTHANDLER=1 makes every Python process print its stacks.
@@ -427,8 +426,8 @@ mlp_probe)
   # engine's too), from 256 rows down, its JSON saved after each row count, so a cut-short run
   # keeps the sizes that matter most; then the kernel's tests (bf16 and the whole grid).
   # MLP_PROBE_ARGS: the probe's options (session 34: "--deep --rows 256,128,64", the pipeline's
-  # depth and the grid at the tilings session 34's --sweep found best; "--entry --rows
-  # 256,128,64": both forms through the next layer's entry, decode_mlp's next_entry).
+  # depth and the grid at the tilings session 34's --sweep found best; session 35's "--entry
+  # --rows 256,128,64", both forms through the next layer's entry: in a9efa1b).
   step mlp_block_probe $(left_or 380) python3 benchmarks/mlp_block_probe.py \
     ${MLP_PROBE_ARGS:---sweep} --json "$RESULTS/mlp_block_probe.json"
   STEP_LOG=$OUT/tests.txt step mlp_tests $(left_or 200) python3 -m pytest $PYTEST_ARGS \
@@ -442,9 +441,8 @@ mlp_engine)
   FUSED=${FUSED:-3-128}
   # (session 33: the sync test's two cases took 161 s on a fresh machine; one case of each here)
   # FUSED_TESTS=0: the throughput runs only (session 34: four runs from cold caches fill a call)
-  # FUSED_ENTRY=1: the graph tests with each launch going on through the next layer's entry
+  # (session 35's FUSED_ENTRY=1 and *_entry runs, MINIVLLM_FUSED_ENTRY: in a9efa1b)
   [ "${FUSED_TESTS:-1}" = 1 ] && MINIVLLM_FUSED_MLP=1-256 STEP_LOG=$OUT/tests.txt \
-    MINIVLLM_FUSED_ENTRY=${FUSED_ENTRY:-0} \
     step fused_graph_tests $(left_or 200) python3 -m pytest $PYTEST_ARGS tests/test_gpu_graphs.py -k \
     "(graphs_and_async_scheduling_equal_eager and bfloat16) or (never_make_the_host_wait and auto)"
   # MLP_TESTS=0: not the kernel's own tests (after mlp_probe in the same call, which ran them)
@@ -453,29 +451,13 @@ mlp_engine)
   for run in ${FUSED_RUNS:-1_fused 2_base 3_fused 4_base}; do
     left=$(( BUDGET_S - SECONDS ))
     [ $left -lt 60 ] && break
-    # A run's suffix: base (MINIVLLM_FUSED_MLP=0), fused (FUSED's rows), entry (FUSED's rows
-    # and MINIVLLM_FUSED_ENTRY=1: each launch goes on through the next layer's entry).
-    # FUSED=default: the fused and entry runs leave MINIVLLM_FUSED_MLP unset (the default rows).
-    kind=${run#*_}
-    if [ "$kind" = base ]; then flag=(env MINIVLLM_FUSED_MLP=0)
+    # A run's suffix: base (MINIVLLM_FUSED_MLP=0) or fused (FUSED's rows; FUSED=default leaves
+    # MINIVLLM_FUSED_MLP unset, the engine's default rows).
+    if [ "${run#*_}" = base ]; then flag=(env MINIVLLM_FUSED_MLP=0)
     elif [ "$FUSED" = default ]; then flag=(env -u MINIVLLM_FUSED_MLP)
     else flag=(env MINIVLLM_FUSED_MLP=$FUSED); fi
-    flag+=(MINIVLLM_FUSED_ENTRY=$([ "$kind" = entry ] && echo 1 || echo 0))
     step "bench_$run" $(left_or 200) "${flag[@]}" python3 -m minivllm bench --shape qwen3-0.6b \
       --json "$RESULTS/bench_$run.json"
-  done
-  ;;
-early_tile)
-  # nvidia-h200 (<= 580 s): decode attention's per-program start (session 26: ~27 us a launch
-  # over the read rate at 256 sequences, from programs that start in step) with each program's
-  # first K/V tile loaded before q (early_tile): the kernel at 256 sequences, then throughput
-  # with MINIVLLM_EARLY_TILE=1 against without, alternating.
-  step early_tile_sweep $(left_or 200) python3 benchmarks/sweep_decode_attention.py \
-    --default-only --early-tile ${EARLY_SWEEP_ARGS:-}
-  for run in ${EARLY_RUNS:-1_early 2_base 3_early 4_base}; do
-    [ $(( BUDGET_S - SECONDS )) -lt 60 ] && break
-    step "bench_$run" $(left_or 200) env MINIVLLM_EARLY_TILE=$([ "${run#*_}" = early ] && echo 1 \
-      || echo 0) python3 -m minivllm bench --shape qwen3-0.6b --json "$RESULTS/bench_$run.json"
   done
   ;;
 inductor_knobs)

@@ -1,7 +1,6 @@
 """Is one persistent kernel for a layer's second half the lever at 32-256 rows? (issue 5)
 
-    PYTHONPATH=. python benchmarks/mlp_block_probe.py [--rows 32,64,128,256] [--sweep] [--deep]
-        [--entry] [--json F]
+    PYTHONPATH=. python benchmarks/mlp_block_probe.py [--rows 32,64,128,256] [--sweep] [--json F]
 
 At a bf16 decode step of 256 sequences on the H200 (BENCHMARKS.md session 33's trace) a layer
 spends ~26 us after attention in six kernels: o_proj (cuBLAS's residual copy and its addmm),
@@ -15,9 +14,6 @@ over copies that exceed twice the L2, as a forward reads them):
   fused      decode_mlp, one cooperative launch (its default tiles, then --sweep's)
   by phase   decode_mlp as four launches (what the barriers cost against kernel boundaries),
              and each phase alone (where a loss to the engine sits)
-
---entry: both forms going on through the next layer's add + RMSNorm and qkv projection (the
-engine's norm_qkv compiled after them; decode_mlp's next_entry, two phases more).
 
 us a call and each output's error against the engine's (max |a - b| / max |b|, bf16). The lever
 is worth wiring into the engine if fused beats engine by several us at 64-256 rows: each us a
@@ -34,7 +30,7 @@ import sys
 import torch
 
 from benchmarks.bench_linear import DT, cuda_and_l2, graph_us, rel_err
-from minivllm.functional.layer import mlp_block, norm_qkv
+from minivllm.functional.layer import mlp_block
 from minivllm.functional.linear import row_linear, sum_partials
 from minivllm.kernels.decode_mlp import decode_mlp, default_config, splits
 from minivllm.kernels.launch import next_pow2
@@ -42,7 +38,6 @@ from minivllm.state.params import LayerParams
 from minivllm.state.shard import ShardSpec
 
 HIDDEN, ATT, INTER, EPS = 1024, 2048, 3072, 1e-6  # Qwen3-0.6B
-QKV = ATT + 2 * 8 * 128  # its qkv projection's width: 16 query heads and 8 KV heads of 128
 CALLS = 20
 SHARD = ShardSpec()  # one rank; built here, as dynamo cannot trace the attrs class's __init__
 TOL = 3e-2  # two GEMMs and a norm apart, each rounding to bf16 in its own order
@@ -98,9 +93,7 @@ def layer_weights(copies: int, dev: torch.device, gen: torch.Generator) -> list[
     def rand(*shape, scale):
         return torch.randn(*shape, device=dev, dtype=DT, generator=gen) * scale
 
-    # input_norm and qkv: the next layer's entry for --entry (a layer's own, here)
-    return [LayerParams(input_norm=1.0 + rand(HIDDEN, scale=0.1),
-                        qkv=rand(QKV, HIDDEN, scale=HIDDEN ** -0.5), q_norm=None, k_norm=None,
+    return [LayerParams(input_norm=None, qkv=None, q_norm=None, k_norm=None,
                         o_proj=rand(HIDDEN, ATT, scale=ATT ** -0.5),
                         post_norm=1.0 + rand(HIDDEN, scale=0.1),
                         gate_up=rand(2 * INTER, HIDDEN, scale=HIDDEN ** -0.5),
@@ -112,19 +105,6 @@ def engine_form(lp: LayerParams, attn: torch.Tensor, residual: torch.Tensor):
     to 16 rows down's output is its unsummed fp32 partials, as in the engine)."""
     return mlp_block(lp, row_linear(attn, lp.o_proj, SHARD, unsummed_ok=True), residual, SHARD,
                      EPS)
-
-
-def engine_entry_form(lp: LayerParams, attn: torch.Tensor, residual: torch.Tensor):
-    """engine_form, then the next layer's entry (norm_qkv: its add + RMSNorm and qkv GEMM)."""
-    x, r = engine_form(lp, attn, residual)
-    return norm_qkv(lp, x, r, EPS)
-
-
-def fused_entry_form(lp: LayerParams, attn, residual, counter, phase_by_phase=None, phases=None):
-    """decode_mlp going on through the next layer's entry (next_entry)."""
-    return decode_mlp(attn, residual, *weights(lp), EPS, counter=counter,
-                      phase_by_phase=phase_by_phase, phases=phases,
-                      next_entry=(lp.input_norm, lp.qkv))
 
 
 def weights(lp: LayerParams) -> tuple[torch.Tensor, ...]:
@@ -142,7 +122,6 @@ def fused_form(lp: LayerParams, attn, residual, counter, config=None, phase_by_p
                       programs=programs)
 
 
-ENTRY_PHASE_NAMES = ("the next add + RMSNorm", "the next qkv")
 PHASE_NAMES = ("o_proj, split-K partials", "their sum + residual, RMSNorm", "gate/up + SiLU * up",
                "down")
 
@@ -162,9 +141,6 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="also time sweep_configs' tilings")
     ap.add_argument("--deep", action="store_true",
                     help="also time deep_configs' pipelines, and the best one's phases alone")
-    ap.add_argument("--entry", action="store_true",
-                    help="also time both forms going on through the next layer's entry (add "
-                         "+ RMSNorm and qkv: decode_mlp's next_entry), and its phases 4-5 alone")
     ap.add_argument("--json", help="write the results here (after each row count)")
     args = ap.parse_args()
     if (gpu := cuda_and_l2("mlp_block_probe.py")) is None:
@@ -172,11 +148,10 @@ def main() -> int:
     dev, l2 = gpu
     torch.set_grad_enabled(False)  # as the engine's steps run
     gen = torch.Generator(device=dev).manual_seed(0)
-    layer_bytes = (HIDDEN * ATT + 3 * INTER * HIDDEN + QKV * HIDDEN) * DT.itemsize
+    layer_bytes = (HIDDEN * ATT + 3 * INTER * HIDDEN) * DT.itemsize
     layers = layer_weights(max(1, min(CALLS, math.ceil(2 * l2 / layer_bytes))), dev, gen)
     counter = torch.zeros(1, device=dev, dtype=torch.int64)
     compiled = torch.compile(engine_form, fullgraph=True, dynamic=False)
-    compiled_entry = torch.compile(engine_entry_form, fullgraph=True, dynamic=False)
     results = []
 
     def save():
@@ -192,12 +167,11 @@ def main() -> int:
         residual = torch.randn(rows, HIDDEN, device=dev, dtype=DT, generator=gen)
         ref = [sum_partials(t, DT).float() for t in compiled(layers[0], attn, residual)]
 
-        def timed(name, fn, config=None, want=None):
+        def timed(name, fn, config=None):
             """us a call of fn, None if it failed (a tiling that does not compile or launch is
-            reported and skipped) or gave wrong values (against `want`, default ref)."""
+            reported and skipped) or gave wrong values."""
             try:
-                errs = [rel_err(sum_partials(got, DT), w)
-                        for got, w in zip(fn(0), ref if want is None else want)]
+                errs = [rel_err(sum_partials(got, DT), want) for got, want in zip(fn(0), ref)]
                 us = graph_us(fn)
             except Exception as e:
                 print(f"  {name}: failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
@@ -230,23 +204,6 @@ def main() -> int:
             results.append(dict(rows=rows, form="phases alone", us=phase_us, config=config))
 
         phases_alone(default)
-        if args.entry:
-            ref_entry = [t.float() for t in compiled_entry(layers[0], attn, residual)]
-            entry_us = [
-                timed("engine + next entry", lambda i: compiled_entry(layers[i % len(layers)],
-                                                                      attn, residual),
-                      want=ref_entry),
-                timed("fused + next entry", lambda i: fused_entry_form(layers[i % len(layers)],
-                                                                       attn, residual, counter),
-                      default, want=ref_entry)]
-            for k in (4, 5):
-                us = phase_time(lambda i, k=k: fused_entry_form(
-                    layers[i % len(layers)], attn, residual, counter, phase_by_phase=True,
-                    phases=(k,)))
-                print(f"  phase {k} alone ({ENTRY_PHASE_NAMES[k - 4]}): {us:7.2f} us", flush=True)
-                entry_us.append(us)
-            results.append(dict(rows=rows, form="entry: engine, fused, phases 4-5", us=entry_us,
-                                config=default))
         best = (fused_us, default)
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         configs = (sweep_configs(rows, sms) if args.sweep else []) + \

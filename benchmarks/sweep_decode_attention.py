@@ -67,9 +67,6 @@ def main() -> int:
     ap.add_argument("--configs", type=parse_configs, default=None,
                     help="the default and these tile configs only, e.g. n32w2s3,n64w2s2 (BLOCK_N, "
                     "warps, stages)")
-    ap.add_argument("--early-tile", action="store_true",
-                    help="each config also with early_tile (a program's first tile loaded "
-                    "before q)")
     ap.add_argument("--profile", action="store_true",
                     help="no timing: the engine-form default twice per context range, for ncu")
     args = ap.parse_args()
@@ -86,8 +83,6 @@ def main() -> int:
     sin = torch.randn(b, HEAD_DIM, generator=g, device=DEV, dtype=DT)
     cache_dtype = parse_kv_cache_dtype(args.kv_cache_dtype, DT)
     only = [{}] + (args.configs or []) if args.default_only or args.configs else None
-    if args.early_tile:
-        only = [c | over for c in (only or CONFIGS) for over in ({}, dict(early_tile=True))]
     orders = {"both": ["given", "longest-first"],
               "engine": ["longest-first" if cache_dtype in FP8_DTYPES else "given"]}.get(
         args.order, [args.order])
@@ -164,8 +159,7 @@ def sweep_one(pr, b, lo, hi, page, splits, slots, weights, cos, sin, scale, only
                 **cfg) + (" heads-fastest" if cfg.get("heads_fastest") else "") + (
                 " bf16-dots" if cfg.get("f16_dots") is False else "") + (
                 f" ptx-widen {cfg['ptx_widen']}" if "ptx_widen" in cfg else "") + (
-                " no-peel" if cfg.get("peel") is False else "") + (
-                " early-tile" if cfg.get("early_tile") else "")
+                " no-peel" if cfg.get("peel") is False else "")
             cells.append(f"{tag}: {us:.1f} us {pr['bytes'] / us / 1e6:.2f} TB/s")
     print(f"B={b} contexts U[{lo},{hi}] ({pr['order']} order) page {page} splits {splits} "
           f"({HEADS} heads, {str(pr['k_cache'].dtype).removeprefix('torch.')} cache):\n  "

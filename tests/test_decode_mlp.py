@@ -147,15 +147,6 @@ def test_bad_input_is_refused_before_any_launch(device):
         decode_mlp(attn, residual, *w.values(), EPS, config=dict(bn_gu=128))
     with pytest.raises(ValueError, match="phases must name phases 0-3"):
         decode_mlp(attn, residual, *w.values(), EPS, phase_by_phase=True, phases=(4,))
-    entry = next_layer_entry(device, torch.float32, residual.shape[1], 256)
-    with pytest.raises(ValueError, match="phases must name phases 0-5"):
-        decode_mlp(attn, residual, *w.values(), EPS, phase_by_phase=True, phases=(6,),
-                   next_entry=entry)
-    with pytest.raises(ValueError, match="next_entry's qkv must be"):
-        decode_mlp(attn, residual, *w.values(), EPS, next_entry=(entry[0], entry[1][:, 1:]))
-    with pytest.raises(ValueError, match="bn_q=16 must divide 200"):
-        decode_mlp(attn, residual, *w.values(), EPS, next_entry=(entry[0], entry[1][:200]),
-                   config=dict(bn_q=16))
     with pytest.raises(ValueError, match="phases must name"):
         decode_mlp(attn, residual, *w.values(), EPS, phase_by_phase=False, programs=1, phases=(0,))
     # (block_k given: the default differs between the GPU and the interpreter)
@@ -184,18 +175,9 @@ def test_the_probes_two_forms_agree(device):
     with torch.no_grad():
         check(probe.fused_form(lp, attn, residual, counter), engine(lp, attn, residual),
               torch.float32)
-    # --entry's forms: both through the next layer's entry (the layer's own weights here)
-    lp = LayerParams(q_norm=None, k_norm=None, **w, **next_layer_entry_params(device, 64, 256))
-    engine_entry = torch.compile(probe.engine_entry_form, fullgraph=True, dynamic=False,
-                                 backend="eager")
-    with torch.no_grad():
-        check(probe.fused_entry_form(lp, attn, residual, counter),
-              engine_entry(lp, attn, residual), torch.float32)
     for rows in (1, 16, 32, 48, 64, 100, 128, 256):
-        for cfg in probe.sweep_configs(rows) + probe.deep_configs(rows):
-            # every key but the next layer's qkv tiles (the probe times no entry), and the grid
-            assert set(cfg) - {"programs"} == set(default_config(rows, device, 64, 128, 192)) - \
-                {"bn_q"}
+        for cfg in probe.sweep_configs(rows):
+            assert set(cfg) == set(default_config(rows, device, 64, 128, 192))
             assert cfg["block_m"] & (cfg["block_m"] - 1) == 0  # tl.arange takes powers of two
             assert probe.HIDDEN % cfg["bn_o"] == probe.INTER % cfg["bn_gu"] == 0
             assert probe.HIDDEN % cfg["bn_d"] == 0
@@ -203,85 +185,39 @@ def test_the_probes_two_forms_agree(device):
             assert probe.INTER % cfg["block_k"] == 0 and cfg["block_m"] >= 16
 
 
-def next_layer_entry(device, dtype, hidden, qkv_width, seed=1):
-    """A next layer's input_norm and qkv weights (functional.layer.norm_qkv's)."""
-    g = torch.Generator().manual_seed(seed)
-    norm = 1.0 + torch.randn(hidden, generator=g) * 0.1
-    qkv = torch.randn(qkv_width, hidden, generator=g) * hidden ** -0.5
-    return norm.to(device=device, dtype=dtype), qkv.to(device=device, dtype=dtype)
-
-
-def next_layer_entry_params(device, hidden, qkv_width):
-    norm, qkv = next_layer_entry(device, torch.float32, hidden, qkv_width)
-    return dict(input_norm=norm, qkv=qkv)
-
-
-@pytest.mark.parametrize("split", [1, 2])
-@pytest.mark.parametrize("rows", [1, 5, 37])
-def test_next_entry_gives_the_next_layers_qkv(device, rows, split):
-    """With next_entry the launch goes on through the next layer's add + RMSNorm and qkv
-    projection: functional.layer.norm_qkv of mlp_block's output and residual stream, down's
-    split-K partials summed in the add (split 2) or its rounded output read (split 1); one launch
-    a phase and, under the interpreter with one program, the single launch with its barriers."""
-    from minivllm.functional.layer import norm_qkv
-
-    for dtype in dtypes(device):
-        attn, residual, w = mlp_case(device, dtype, rows)
-        in_norm, qkv_w = next_layer_entry(device, dtype, residual.shape[1], 256)
-        x, r = reference(attn, residual, w)
-        nxt = LayerParams(input_norm=in_norm, qkv=qkv_w, q_norm=None, k_norm=None, o_proj=None,
-                          post_norm=None, gate_up=None, down=None)
-        want = norm_qkv(nxt, x, r, EPS)
-        counter = torch.zeros(1, device=device, dtype=torch.int64)
-        for phase_by_phase in (True, False):
-            programs = None if phase_by_phase or runs_ptx(device) else 1
-            got = decode_mlp(attn, residual, *w.values(), EPS, next_entry=(in_norm, qkv_w),
-                             config=dict(split_o=split, split_d=split, block_k=16),
-                             phase_by_phase=phase_by_phase, programs=programs, counter=counter)
-            assert got[0].shape == (rows, 256) and got[0].dtype == dtype
-            check(got, want, dtype)
-        if runs_ptx(device):  # five barriers a launch
-            assert counter.item() == 5 * num_sms(device)
-
-
-@pytest.mark.parametrize("fuse_entry", [False, True])
-@pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fused_mlp_stack_gives_the_forward_logits(device, monkeypatch, dtype, split, fuse_entry):
-    """fused_mlp_stack as forward's layer stack (the engine's decode graphs of 3-128 rows): a
-    3-layer model's decode step as each layer's attention and decode_mlp (with fuse_entry, each
-    launch also the next layer's entry, the layer after attending from that qkv): the logits and
-    cache writes of the functional forward; split down's fp32 partials passed on between the
-    layers. Outside its rows and at prefill, the loop over the layer it was given."""
-    import minivllm
-    import minivllm.kernels.decode_mlp as dm
-    from minivllm.functional.layer import attention_half, attention_output, decoder_layer
-    from test_decode_layer import TOL as LAYER_TOL, rel, three_layer_case
+def test_fused_mlp_layer_equals_the_decoder_layer(device, dtype):
+    """with_fused_mlp's layer (the engine's decode graphs under MINIVLLM_FUSED_MLP): attention_half
+    and decode_mlp at decode steps of rows within its range, the layer it wraps elsewhere; the
+    same output, residual stream and cache writes as functional.layer.decoder_layer."""
+    from minivllm.functional.layer import attention_half, decoder_layer
+    from minivllm.kernels import select_backend
+    from minivllm.kernels.decode_mlp import with_fused_mlp
+    from test_decode_layer import layer_case
 
-    monkeypatch.setattr(dm, "splits", lambda *a: dict(split_o=split, split_d=split, block_k=16))
-    config, params, backend, cache, step, want, cache_want = three_layer_case(
-        device, dtype, [11, 3])
-    looped = []
+    config, lp, x, residual, cos, sin, k_cache, v_cache, batch = layer_case(
+        device, dtype, [9, 30, 2, 17, 5], first_layer=False)
+    backend = select_backend(device, "reference")
+    kw = dict(config=config, shard=ShardSpec(), backend=backend)
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    want = decoder_layer(lp, x, residual, cos, sin, k_want, v_want, batch, **kw)
+    wrapped = []
 
     def layer(*args, **kwargs):
-        looped.append(args[0])
+        wrapped.append(args[0])
         return decoder_layer(*args, **kwargs)
 
     counter = torch.zeros(1, device=device, dtype=torch.int64)
-    stack = dm.fused_mlp_stack(layer, attention_half, attention_output, (2, 256), counter,
-                               fuse_entry)
-    got, _ = minivllm.forward(params, cache, step, backend, layers=stack)
-    assert not looped and rel(got, want) <= LAYER_TOL[dtype]
-    for a, b in zip(cache.k + cache.v, cache_want.k + cache_want.v):
-        assert rel(a, b) <= LAYER_TOL[dtype]
-    # two rows outside 3-256: the loop over `layer`, one call a layer
-    _, _, _, cache, step, want, _ = three_layer_case(device, dtype, [11, 3])
-    stack = dm.fused_mlp_stack(layer, attention_half, attention_output, (3, 256), counter,
-                               fuse_entry)
-    got, _ = minivllm.forward(params, cache, step, backend, layers=stack)
-    assert len(looped) == config.num_layers and rel(got, want) <= LAYER_TOL[dtype]
+    for rows, fused in (((5, 5), True), ((1, 4), False), ((6, 256), False)):
+        fn = with_fused_mlp(layer, attention_half, rows, counter)
+        k_got, v_got = k_cache.clone(), v_cache.clone()
+        wrapped.clear()
+        got = fn(lp, x, residual, cos, sin, k_got, v_got, batch, **kw)
+        assert (not wrapped) == fused
+        check(got, want, dtype)
+        assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
     with pytest.raises(ValueError, match="fused MLP rows"):
-        dm.fused_mlp_stack(layer, attention_half, attention_output, (0, 8), counter)
+        with_fused_mlp(layer, attention_half, (0, 8), counter)
 
 
 def test_the_engine_flag_is_parsed_or_refused():
@@ -306,18 +242,11 @@ def test_the_engine_flag_is_parsed_or_refused():
     for bad in ("17", "0-16", "17-300", "a-b", "64-32"):
         with pytest.raises(ValueError, match="MINIVLLM_FUSED_MLP must be LO-HI"):
             fused_mlp_rows(bad)
-    from minivllm.runtime.runner import fused_entry
-
-    assert fused_entry("1") and not any(fused_entry(f) for f in (None, "", "0"))
-    for bad in ("yes", "2", "on"):
-        with pytest.raises(ValueError, match="MINIVLLM_FUSED_ENTRY must be 0 or 1"):
-            fused_entry(bad)
 
 
 def test_the_engine_checks_the_flag_at_start(tmp_path, monkeypatch, caplog, device):
-    """A malformed MINIVLLM_FUSED_MLP or MINIVLLM_FUSED_ENTRY stops the engine's start; a
-    well-formed one where no compiled decode graphs run (enforce_eager here) is ignored with a
-    warning."""
+    """A malformed MINIVLLM_FUSED_MLP stops the engine's start; a well-formed one where no
+    compiled decode graphs run (enforce_eager here) is ignored with a warning."""
     from hf_tiny import make_hf_model, save_checkpoint
     from minivllm import LLM
 
@@ -326,26 +255,33 @@ def test_the_engine_checks_the_flag_at_start(tmp_path, monkeypatch, caplog, devi
     with pytest.raises(ValueError, match="MINIVLLM_FUSED_MLP must be LO-HI"):
         LLM(path, device=device, num_kv_blocks=64, enforce_eager=True)
     monkeypatch.setenv("MINIVLLM_FUSED_MLP", "17-256")
-    monkeypatch.setenv("MINIVLLM_FUSED_ENTRY", "yes")
-    with pytest.raises(ValueError, match="MINIVLLM_FUSED_ENTRY must be 0 or 1"):
-        LLM(path, device=device, num_kv_blocks=64, enforce_eager=True)
-    monkeypatch.setenv("MINIVLLM_FUSED_ENTRY", "1")
     with caplog.at_level("WARNING", logger="minivllm"):
         LLM(path, device=device, num_kv_blocks=64, enforce_eager=True)
     assert "MINIVLLM_FUSED_MLP applies to the compiled decode graphs only" in caplog.text
 
 
-@pytest.mark.parametrize("fuse_entry", [False, True])
-def test_compiled_forward_runs_the_fused_stack(device, fuse_entry):
-    """runtime.compiled.compiled_forward with fused rows (as the engine's decode graphs build it):
-    its parts traced whole by dynamo (attention_half and attention_output each one graph), the
-    functional forward's logits."""
-    from minivllm.runtime.compiled import compiled_forward
-    from test_decode_layer import TOL as LAYER_TOL, rel, three_layer_case
+@pytest.mark.parametrize("split", [1, 2])
+def test_two_fused_layers_pass_down_partials_on(device, monkeypatch, split):
+    """Split down's fp32 partials, left unsummed by with_fused_mlp's layer, are what the next
+    layer (fused too) sums in its add + RMSNorm: two layers equal decoder_layer twice."""
+    import minivllm.kernels.decode_mlp as dm
+    from minivllm.functional.layer import attention_half, decoder_layer
+    from minivllm.kernels import select_backend
+    from test_decode_layer import layer_case
 
-    _, params, backend, cache, step, want, _ = three_layer_case(device, torch.float32, [11, 3, 7])
-    fn = compiled_forward("eager", fused_mlp_rows=(1, 256), device=device, fuse_entry=fuse_entry)
-    assert fn.keywords["layers"] is not None
-    with torch.no_grad():
-        got, _ = fn(params, cache, step, backend)
-    assert rel(got, want) <= LAYER_TOL[torch.float32]
+    # (block_k too: the GPU's default of 32 columns, twice, would not divide this shape's 96)
+    monkeypatch.setattr(dm, "splits", lambda *a: dict(split_o=split, split_d=split, block_k=16))
+    config, lp, x, residual, cos, sin, k_cache, v_cache, batch = layer_case(
+        device, torch.float32, [9, 30, 2, 17, 5], first_layer=False)
+    kw = dict(config=config, shard=ShardSpec(), backend=select_backend(device, "reference"))
+    counter = torch.zeros(1, device=device, dtype=torch.int64)
+    fused = dm.with_fused_mlp(decoder_layer, attention_half, (1, 256), counter)
+    want, got = (x, residual), (x, residual)
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    for _ in range(2):
+        want = decoder_layer(lp, *want, cos, sin, *caches[0], batch, **kw)
+        got = fused(lp, *got, cos, sin, *caches[1], batch, **kw)
+        assert got[0].dim() == (3 if split > 1 else 2)
+    check(got, want, torch.float32)
+    # the second layer's K/V come from the first's outputs, equal within fp32 rounding
+    check(caches[1], caches[0], torch.float32)

@@ -81,18 +81,15 @@ def decode_cases(draw, max_batch=4, max_ctx=600):
                 head_dim=draw(HEAD_DIMS), dtype=draw(DTYPES), seed=draw(st.integers(0, 2**16)))
 
 
-@given(case=decode_cases(), num_splits=st.sampled_from([None, 1, 2, 3, 8]), peel=st.booleans(),
-       early_tile=st.booleans())
-def test_paged_decode_matches_reference(device, case, num_splits, peel, early_tile):
+@given(case=decode_cases(), num_splits=st.sampled_from([None, 1, 2, 3, 8]), peel=st.booleans())
+def test_paged_decode_matches_reference(device, case, num_splits, peel):
     """peel: whole tiles in an unmasked loop, then the partial one (the default for 16-bit
-    caches past two rows), or every tile masked. early_tile: each program's first tile loaded
-    before q (empty and one-tile splits included)."""
+    caches past two rows), or every tile masked."""
     p = make_problem(**case, device=device)
     ref = reference_attention(p.q, p.k, p.v, *p.clean_cache(), p.batch, p.scale)
     out = paged_decode_attention(p.q, p.k, p.v, p.k_cache, p.v_cache, p.batch.block_tables,
                                  p.batch.context_lens, p.scale, out=nan_like(p.q),
-                                 num_splits=num_splits,
-                                 config=dict(peel=peel, early_tile=early_tile))
+                                 num_splits=num_splits, config=dict(peel=peel))
     check(out, ref, case["dtype"])
 
 

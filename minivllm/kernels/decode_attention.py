@@ -13,7 +13,6 @@ kernel merges.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -297,7 +296,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_pt
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, STORE: tl.constexpr,
                    NORM_ROPE: tl.constexpr, PRECISION: tl.constexpr, HEADS_FASTEST: tl.constexpr,
                    F16_DOTS: tl.constexpr, FP8_CACHE: tl.constexpr, PTX_WIDEN: tl.constexpr,
-                   PEEL: tl.constexpr, EARLY_TILE: tl.constexpr):
+                   PEEL: tl.constexpr):
     if HEADS_FASTEST:  # grid (kv_heads, B, splits): a sequence's heads run side by side
         kvh = tl.program_id(0)
         b = tl.program_id(1)
@@ -305,21 +304,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_pt
         b = tl.program_id(0)
         kvh = tl.program_id(1)
     split = tl.program_id(2)
-    if EARLY_TILE:
-        # The first tile's loads go out before q's: its cache rows do not depend on this step's
-        # q/k/v, so a program's first load latency overlaps q's load, norm and RoPE.
-        kt0, vt0 = _first_tile(b, kvh, split, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr,
-                               stride_bt, num_splits, tl.float16 if F16_DOTS else
-                               q_ptr.dtype.element_ty, KV_HEADS, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N,
-                               PTX_WIDEN, FP8_CACHE)
-    else:
-        kt0, vt0 = 0, 0
     _decode_unit(b, kvh, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr,
                  slot_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, eps, out_ptr, part_out_ptr,
                  part_lse_ptr, scale_log2, num_splits, stride_qt, stride_qh, stride_kt, stride_kh,
                  stride_vt, stride_vh, stride_bt, stride_rope, stride_ot, stride_oh, KV_HEADS,
                  GROUP, HEAD_DIM, BLOCK_G, BLOCK_D, PAGE, BLOCK_N, SPLIT, STORE, NORM_ROPE,
-                 PRECISION, F16_DOTS, FP8_CACHE, PTX_WIDEN, PEEL, kt0, vt0, EARLY_TILE)
+                 PRECISION, F16_DOTS, FP8_CACHE, PTX_WIDEN, PEEL, 0, 0, False)
 
 
 @triton.jit
@@ -350,9 +340,6 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_
                 stride_ot, stride_oh, num_splits, HEADS, HEAD_DIM, BLOCK_S, BLOCK_D)
 
 
-# Experimental until an engine A/B decides (session 35): MINIVLLM_EARLY_TILE=1 makes early_tile
-# the default of every launch.
-EARLY_TILE = os.environ.get("MINIVLLM_EARLY_TILE", "0") == "1"
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
 MAX_SPLITS = 64
 WAVES = 16  # programs per SM wanted before splitting stops paying (H200; see SHORT_CONTEXT_WAVES)
@@ -449,7 +436,7 @@ def _launch_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
                    part_out: torch.Tensor, part_lse: torch.Tensor, scale_log2: float,
                    num_splits: int, block_n: int, num_warps: int, num_stages: int, store: bool,
                    norm_rope: bool, heads_fastest: bool, f16_dots: bool, ptx_widen: int,
-                   peel: bool, early_tile: bool) -> None:
+                   peel: bool) -> None:
     """_decode_kernel on paged_decode_attention's checked arguments (it writes k_cache and
     v_cache at slots if store, and out or, split, part_out and part_lse)."""
     b, heads, head_dim = q.shape
@@ -467,7 +454,7 @@ def _launch_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
         STORE=store, NORM_ROPE=norm_rope,
         PRECISION=dot_precision(torch.float16 if f16_dots else q.dtype),
         HEADS_FASTEST=heads_fastest, F16_DOTS=f16_dots, FP8_CACHE=fp8_cache, PTX_WIDEN=ptx_widen,
-        PEEL=peel, EARLY_TILE=early_tile, num_warps=num_warps, num_stages=num_stages)
+        PEEL=peel, num_warps=num_warps, num_stages=num_stages)
 
 
 _launch_decode_opaque = torch.library.custom_op(
@@ -502,8 +489,7 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     2 K and V by it (slower: K then takes a trip through shared memory). opaque: launch the
     kernel through the custom op minivllm::decode_attention_launch, which declares what it
     writes (default: when ptx_widen is not 0). peel: whole tiles in a loop without masks, the
-    partial one after (default: 16-bit caches past SHORT_TILE_BATCH rows). early_tile: each
-    program loads its first tile before q (default off)."""
+    partial one after (default: 16-bit caches past SHORT_TILE_BATCH rows)."""
     b, heads, head_dim = q.shape
     _, page, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -553,7 +539,7 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         slot_mapping if store else context_lens, q_weight, k_weight, cos, sin, float(eps),
         out, part_out, part_lse, scale * LOG2E, num_splits, cfg["block_n"], cfg["num_warps"],
         cfg["num_stages"], store, norm_rope is not None, heads_fastest, f16_dots, ptx_widen,
-        peel, bool(cfg.get("early_tile", EARLY_TILE)))
+        peel)
     if num_splits > 1:
         _merge_splits_kernel[(b, heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,

@@ -18,21 +18,14 @@ three GEMMs as tensor-core tiles, its phases separated by grid barriers (~1 us e
      are left to the next layer's add + RMSNorm to sum (functional.norm.add_rms_norm takes
      them, as from the skinny GEMM)
 
-With the next layer's entry (next_entry; an engine experiment, MINIVLLM_FUSED_ENTRY=1), two
-phases more after two more barriers, so that the launch ends where that layer's attention
-begins (its Inductor add + RMSNorm and cuBLAS qkv GEMM, two kernels with their gaps, gone):
-
-  4  a row at a time, as 1: down's output (its partials summed) + r, its RMSNorm (input_norm)
-  5  tiles of qkv = h2 @ qkv.T, rounded
-
 A tile is BLOCK_M rows by BLOCK_N output columns; a phase's tiles are dealt to the programs in
 turn, row block fastest (the programs that share a weight tile run side by side and read it
 from L2 once). Values are rounded to the activation dtype where functional.layer.mlp_block
 and functional.norm round them (o_proj's output, the sum, the norm, gate and up, SiLU, the
 product, down's output). A probe (benchmarks/mlp_block_probe.py) times it against the compiled
-layer's kernels; the engine's decode graphs of 3-128 rows use it (fused_mlp_stack, as forward's
-layer stack) at the shape the probe measured, where it paid (runtime.runner.FUSED_MLP_ROWS;
-MINIVLLM_FUSED_MLP sets the rows or turns it off).
+layer's kernels; the engine's decode graphs of 3-128 rows use it (through with_fused_mlp) at the
+shape the probe measured, where it paid (runtime.runner.FUSED_MLP_ROWS; MINIVLLM_FUSED_MLP sets
+the rows or turns it off).
 
 On the CPU, Triton's interpreter runs programs one after another, so a spin barrier among several
 programs never returns: there the kernel is launched once per phase (the launch boundary is the
@@ -43,8 +36,6 @@ once rather than start one whose barrier never returns.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -54,7 +45,6 @@ from .launch import dot_precision, next_pow2, num_sms, runs_ptx
 
 MIN_ROWS, MAX_ROWS = 1, 256  # tl.dot pads the rows to BLOCK_M >= 16 itself
 PHASES = 4
-ENTRY_PHASES = 2  # with the next layer's entry (decode_mlp's next_entry)
 
 
 @triton.jit
@@ -81,9 +71,8 @@ def _projection_phase(a_ptr, w_ptr, out_ptr, pid, programs, M, N: tl.constexpr,
                       PARTIALS: tl.constexpr):
     """A @ W.T, A: [M, K], W: [N, K], over SPLIT ranges of K: PARTIALS, each range's fp32 sum
     into out [SPLIT, M, N] (summed by whoever reads them); else (SPLIT 1) rounded into out
-    [M, N]. Phase 0 (o_proj; phase 1 sums), phase 3 (down) and phase 5 (the next layer's qkv,
-    unsplit). Tiles go row block fastest, then split, so that the programs reading one weight
-    tile run side by side."""
+    [M, N]. Phase 0 (o_proj; phase 1 sums) and phase 3 (down). Tiles go row block fastest, then
+    split, so that the programs reading one weight tile run side by side."""
     dt = out_ptr.dtype.element_ty
     tiles_m = tl.cdiv(M, BLOCK_M)
     K_SPAN: tl.constexpr = K // SPLIT
@@ -108,9 +97,7 @@ def _norm_phase(o_part_ptr, res_ptr, norm_w_ptr, r_ptr, h_ptr, eps, pid, program
     """Phase 1, a row at a time: o_proj's output (its SPLIT fp32 partial sums, [SPLIT, M, H]),
     rounded, plus the residual, rounded: the residual stream r; h = RMSNorm(r) * weight
     (functional.norm.rms_norm: normed in fp32, rounded, times the weight, rounded). Once here
-    rather than in every gate/up tile, which would norm each row INTER / BN_GU times over.
-    Phase 4 too: down's output (its partials, or at SPLIT 1 its rounded [M, H]) plus r, normed
-    by the next layer's input norm."""
+    rather than in every gate/up tile, which would norm each row INTER / BN_GU times over."""
     dt = h_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK_H)
     mask = offs < H
@@ -160,15 +147,14 @@ def _gate_up_phase(h_ptr, w_gu_ptr, act_ptr, pid, programs, M, H: tl.constexpr,
 @triton.jit
 def _decode_mlp_kernel(
         attn_ptr, res_ptr, w_o_ptr, norm_w_ptr, w_gu_ptr, w_down_ptr, o_part_ptr, r_ptr, h_ptr,
-        act_ptr, out_ptr, in_norm_w_ptr, w_qkv_ptr, r2_ptr, h2_ptr, qkv_ptr, counter_ptr, eps, M,
-        H: tl.constexpr, ATT: tl.constexpr, INTER: tl.constexpr, QKV: tl.constexpr,
-        BLOCK_M: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_D: tl.constexpr,
-        BN_Q: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_O: tl.constexpr, SPLIT_D: tl.constexpr,
-        BLOCK_H: tl.constexpr, PRECISION: tl.constexpr, ENTRY: tl.constexpr, PHASE: tl.constexpr):
+        act_ptr, out_ptr, counter_ptr, eps, M, H: tl.constexpr, ATT: tl.constexpr,
+        INTER: tl.constexpr, BLOCK_M: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr,
+        BN_D: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_O: tl.constexpr, SPLIT_D: tl.constexpr,
+        BLOCK_H: tl.constexpr, PRECISION: tl.constexpr, PHASE: tl.constexpr):
     """The four phases with a grid barrier after each of the first three (PHASE -1), or phase
-    PHASE alone; ENTRY: the next layer's entry too, phases 4-5 after a fourth and fifth
-    barrier. counter_ptr: the barriers' int64 arrival counter, which only grows (a launch waits
-    for base + k * programs arrivals, base the multiple of programs it finds at its start)."""
+    PHASE alone. counter_ptr: the barriers' int64 arrival counter, which only grows (a launch
+    waits for base + k * programs arrivals, base the multiple of programs it finds at its
+    start)."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     base = 0
@@ -192,19 +178,6 @@ def _decode_mlp_kernel(
     if (PHASE == -1) or (PHASE == 3):
         _projection_phase(act_ptr, w_down_ptr, out_ptr, pid, programs, M, H, INTER, SPLIT_D,
                           BLOCK_M, BN_D, BLOCK_K, PRECISION, SPLIT_D > 1)
-    if ENTRY:
-        # The next layer's add + RMSNorm (down's partials summed, as phase 1 sums o_proj's) and
-        # its qkv projection: the launch ends where that layer's attention begins.
-        if PHASE == -1:
-            _grid_barrier(counter_ptr, base + 4 * programs)
-        if (PHASE == -1) or (PHASE == 4):
-            _norm_phase(out_ptr, r_ptr, in_norm_w_ptr, r2_ptr, h2_ptr, eps, pid, programs, M, H,
-                        SPLIT_D, BLOCK_H)
-        if PHASE == -1:
-            _grid_barrier(counter_ptr, base + 5 * programs)
-        if (PHASE == -1) or (PHASE == 5):
-            _projection_phase(h2_ptr, w_qkv_ptr, qkv_ptr, pid, programs, M, QKV, H, 1, BLOCK_M,
-                              BN_Q, BLOCK_K, PRECISION, False)
 
 
 SPLIT_KEYS = ("split_o", "split_d")
@@ -219,9 +192,8 @@ def default_config(rows: int, device: torch.device, hidden: int, att: int, inter
 
 def default_tiles(rows: int, device: torch.device, hidden: int, att: int, inter: int) -> dict:
     """Tile sizes: BLOCK_M rows a tile (at least 16, tl.dot's least), BN_* output columns a tile
-    for o_proj, gate/up, down and the next layer's qkv (bn_q: 32 on the GPU, which every qkv
-    width of head_dim 128 is a multiple of), BLOCK_K columns a step of the dots; num_warps,
-    num_stages (the dots' software pipeline). (SPLIT_O / SPLIT_D, the ranges o_proj's and down's columns are
+    for o_proj, gate/up and down, BLOCK_K columns a step of the dots; num_warps, num_stages (the
+    dots' software pipeline). (SPLIT_O / SPLIT_D, the ranges o_proj's and down's columns are
     split into, depend on these and the grid: splits.) Each the widest of its candidates that
     divides its dimension (hidden, attention width, intermediate size: multiples of 16).
 
@@ -236,11 +208,11 @@ def default_tiles(rows: int, device: torch.device, hidden: int, att: int, inter:
         return next((c for c in candidates if all(d % c == 0 for d in dims)), candidates[-1])
 
     if not runs_ptx(device):
-        return dict(block_m=16, bn_o=16, bn_gu=16, bn_d=16, bn_q=16, block_k=16, num_warps=4,
+        return dict(block_m=16, bn_o=16, bn_gu=16, bn_d=16, block_k=16, num_warps=4,
                     num_stages=1)
     bn = (32, 16)
     tiles = dict(block_m=min(64, max(16, next_pow2(rows))), bn_o=widest(bn, hidden),
-                 bn_gu=widest(bn, inter), bn_d=widest(bn, hidden), bn_q=32,
+                 bn_gu=widest(bn, inter), bn_d=widest(bn, hidden),
                  block_k=widest((64, 32, 16), hidden, att, inter),
                  num_warps=8 if rows > 32 else 4, num_stages=6)
     if 64 < rows <= 128:
@@ -270,8 +242,7 @@ def decode_mlp(attn: torch.Tensor, residual: torch.Tensor, o_proj: torch.Tensor,
                post_norm: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, eps: float, *,
                programs: int | None = None, phase_by_phase: bool | None = None,
                counter: torch.Tensor | None = None, config: dict | None = None,
-               phases: tuple[int, ...] | None = None, unsummed_ok: bool = False,
-               next_entry: tuple[torch.Tensor, torch.Tensor] | None = None
+               phases: tuple[int, ...] | None = None, unsummed_ok: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """functional.layer's attention output projection and mlp_block on one rank:
     attn: [M, heads * head_dim] (attention's output), residual: [M, hidden] ->
@@ -283,11 +254,7 @@ def decode_mlp(attn: torch.Tensor, residual: torch.Tensor, o_proj: torch.Tensor,
     grid barriers' int64 [1] counter, which only grows and which launches may share (None: a
     new one); config: default_config's keys, overriding it. phases: with phase_by_phase, launch
     only these (for timing a phase alone, benchmarks/mlp_block_probe.py: a phase's inputs are
-    then whatever the earlier phases' buffers hold, and the outputs are not the layer's).
-    next_entry: the next layer's (input_norm [hidden], qkv [qkv_width, hidden]): the launch
-    goes on through that layer's entry (functional.layer.norm_qkv of down's output and the
-    residual stream) in two more phases and returns (its qkv projection [M, qkv_width], the
-    residual stream down's output + r [M, hidden]) instead."""
+    then whatever the earlier phases' buffers hold, and the outputs are not the layer's)."""
     m, att = attn.shape
     hidden = residual.shape[1]
     inter = down.shape[1]
@@ -296,10 +263,6 @@ def decode_mlp(attn: torch.Tensor, residual: torch.Tensor, o_proj: torch.Tensor,
     want = {"residual": (residual, (m, hidden)), "o_proj": (o_proj, (hidden, att)),
             "post_norm": (post_norm, (hidden,)), "gate_up": (gate_up, (2 * inter, hidden)),
             "down": (down, (hidden, inter))}
-    if next_entry is not None:
-        in_norm, qkv_w = next_entry
-        want |= {"next_entry's input_norm": (in_norm, (hidden,)),
-                 "next_entry's qkv": (qkv_w, (qkv_w.shape[0], hidden))}
     for name, (t, shape) in want.items():
         if tuple(t.shape) != shape:
             raise ValueError(f"{name} must be {list(shape)} for attn {list(attn.shape)}, got "
@@ -319,10 +282,8 @@ def decode_mlp(attn: torch.Tensor, residual: torch.Tensor, o_proj: torch.Tensor,
     tiles |= given
     # splits not given: for these tiles and this grid
     cfg = tiles | splits(tiles, m, hidden, att, inter, programs) | given
-    qkv_width = 0 if next_entry is None else next_entry[1].shape[0]
     for key, dim in (("bn_o", hidden), ("bn_gu", inter), ("bn_d", hidden), ("block_k", att),
-                     ("block_k", hidden), ("block_k", inter),
-                     *([("bn_q", qkv_width)] if next_entry is not None else [])):
+                     ("block_k", hidden), ("block_k", inter)):
         if dim % cfg[key]:
             raise ValueError(f"{key}={cfg[key]} must divide {dim}")
     for key, dim in (("split_o", att), ("split_d", inter)):
@@ -333,10 +294,9 @@ def decode_mlp(attn: torch.Tensor, residual: torch.Tensor, o_proj: torch.Tensor,
     if not (phase_by_phase or runs_ptx(dev) or programs == 1):
         raise ValueError(f"a single launch of {programs} programs needs a GPU: the interpreter "
                          f"runs programs one after another, so their barriers would never pass")
-    n_phases = PHASES + (ENTRY_PHASES if next_entry is not None else 0)
-    if phases is not None and not (phase_by_phase and set(phases) <= set(range(n_phases))):
-        raise ValueError(f"phases must name phases 0-{n_phases - 1} of a phase_by_phase run, "
-                         f"got {phases} (phase_by_phase {phase_by_phase})")
+    if phases is not None and not (phase_by_phase and set(phases) <= set(range(PHASES))):
+        raise ValueError(f"phases must name phases 0-{PHASES - 1} of a phase_by_phase run, got "
+                         f"{phases} (phase_by_phase {phase_by_phase})")
     check_counter(counter, dev)
     if counter is None:
         counter = torch.zeros(1, device=dev, dtype=torch.int64)
@@ -346,71 +306,44 @@ def decode_mlp(attn: torch.Tensor, residual: torch.Tensor, o_proj: torch.Tensor,
     o_part = torch.empty(cfg["split_o"], m, hidden, **f32)
     out = torch.empty(cfg["split_d"], m, hidden, **f32) if cfg["split_d"] > 1 else \
         torch.empty_like(residual)
-    if next_entry is not None:
-        r2, h2 = torch.empty_like(residual), torch.empty_like(residual)
-        qkv = attn.new_empty(m, qkv_width)
-    else:  # unused
-        in_norm = qkv_w = r2 = h2 = qkv = residual
-    consts = dict(H=hidden, ATT=att, INTER=inter, QKV=qkv_width, BLOCK_M=cfg["block_m"],
-                  BN_O=cfg["bn_o"], BN_GU=cfg["bn_gu"], BN_D=cfg["bn_d"], BN_Q=cfg["bn_q"],
-                  BLOCK_K=cfg["block_k"], SPLIT_O=cfg["split_o"], SPLIT_D=cfg["split_d"],
-                  BLOCK_H=next_pow2(hidden), PRECISION=dot_precision(attn.dtype),
-                  ENTRY=next_entry is not None, num_warps=cfg["num_warps"],
+    consts = dict(H=hidden, ATT=att, INTER=inter, BLOCK_M=cfg["block_m"], BN_O=cfg["bn_o"],
+                  BN_GU=cfg["bn_gu"], BN_D=cfg["bn_d"], BLOCK_K=cfg["block_k"],
+                  SPLIT_O=cfg["split_o"], SPLIT_D=cfg["split_d"], BLOCK_H=next_pow2(hidden),
+                  PRECISION=dot_precision(attn.dtype), num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"])
-    args = (attn, residual, o_proj, post_norm, gate_up, down, o_part, r, h, act, out, in_norm,
-            qkv_w, r2, h2, qkv, counter, float(eps), m)
+    args = (attn, residual, o_proj, post_norm, gate_up, down, o_part, r, h, act, out, counter,
+            float(eps), m)
     if phase_by_phase:
-        for phase in range(n_phases) if phases is None else phases:
+        for phase in range(PHASES) if phases is None else phases:
             _decode_mlp_kernel[(programs,)](*args, **consts, PHASE=phase)
     else:
         cooperative = dict(launch_cooperative_grid=True) if runs_ptx(dev) else {}
         _decode_mlp_kernel[(programs,)](*args, **consts, PHASE=-1, **cooperative)
-    if next_entry is not None:
-        return qkv, r2
     if out.dim() == 3 and not unsummed_ok:
         out = out.sum(0).to(residual.dtype)
     return out, r
 
 
-def fused_mlp_stack(layer, attention_half, attention_output, rows: tuple[int, int],
-                    counter: torch.Tensor, fuse_entry: bool = False):
-    """A layer stack for functional.model.forward's `layers` that runs decode steps of
-    rows[0]..rows[1] rows on one rank as, each layer, its attention (attention_half, or with
-    fuse_entry attention_output from the qkv the layer before computed: functional.layer's or
-    compiled ones) and decode_mlp (with fuse_entry carrying on through the next layer's add +
-    RMSNorm and qkv projection, a kernel boundary and two kernels fewer a layer), and anything
-    else as a loop over `layer`. counter: decode_mlp's, one for every layer and step (it only
-    grows)."""
+def with_fused_mlp(layer, attention_half, rows: tuple[int, int], counter: torch.Tensor):
+    """A decoder layer function (functional.layer.decoder_layer's signature) that runs decode
+    steps of rows[0]..rows[1] rows on one rank as attention_half (functional.layer's, or a
+    compiled one) and decode_mlp, and anything else through `layer`. counter: decode_mlp's,
+    one for every layer and step (it only grows)."""
     lo, hi = rows
     if not MIN_ROWS <= lo <= hi <= MAX_ROWS:
         raise ValueError(f"fused MLP rows must lie within {MIN_ROWS}-{MAX_ROWS}, got {lo}-{hi}")
-    return functools.partial(_fused_mlp_layers, layer=layer, attention_half=attention_half,
-                             attention_output=attention_output, rows=rows, counter=counter,
-                             fuse_entry=fuse_entry)
 
-
-def _fused_mlp_layers(params, cache, batch, backend, x, residual, cos, sin, *, layer,
-                      attention_half, attention_output, rows, counter, fuse_entry):
-    from ..functional.model import _layers
-
-    config, shard = params.config, params.shard
-    if not (batch.is_decode and shard.world_size == 1 and rows[0] <= x.shape[-2] <= rows[1]):
-        return _layers(params, cache, batch, backend, x, residual, cos, sin, layer)
-    kw = dict(config=config, shard=shard, backend=backend)
-    qkv = None  # the layer's qkv projection, when the layer before computed it
-    layers = params.layers
-    for i, (lp, k_cache, v_cache) in enumerate(zip(layers, cache.k, cache.v)):
-        if qkv is None:
+    def fused_mlp_layer(lp, x, residual, cos, sin, k_cache, v_cache, batch, *, config, shard,
+                        backend):
+        # x: the previous layer's output, [T, hidden] or down's fp32 partials [split, T, hidden]
+        if batch.is_decode and shard.world_size == 1 and lo <= x.shape[-2] <= hi:
             attn, residual = attention_half(lp, x, residual, cos, sin, k_cache, v_cache, batch,
-                                            **kw)
-        else:
-            attn = attention_output(lp, qkv, cos, sin, k_cache, v_cache, batch, **kw)
-        nxt = layers[i + 1] if fuse_entry and i + 1 < len(layers) else None
-        # (.contiguous(): no-ops on the compiled parts' outputs)
-        out, residual = decode_mlp(attn.contiguous(), residual.contiguous(), lp.o_proj,
-                                   lp.post_norm, lp.gate_up, lp.down, config.rms_norm_eps,
-                                   counter=counter, unsummed_ok=True,
-                                   next_entry=None if nxt is None else (nxt.input_norm, nxt.qkv))
-        # x: down's output [T, hidden] or its fp32 partials, for the next add + RMSNorm
-        x, qkv = (out, None) if nxt is None else (None, out)
-    return x, residual
+                                            config=config, shard=shard, backend=backend)
+            # (no-ops on the compiled half's outputs, which are contiguous)
+            return decode_mlp(attn.contiguous(), residual.contiguous(), lp.o_proj, lp.post_norm,
+                              lp.gate_up, lp.down, config.rms_norm_eps, counter=counter,
+                              unsummed_ok=True)
+        return layer(lp, x, residual, cos, sin, k_cache, v_cache, batch, config=config,
+                     shard=shard, backend=backend)
+
+    return fused_mlp_layer

@@ -18,12 +18,12 @@ import types
 import torch
 
 from ..functional import model
-from ..functional.layer import attention_half, attention_output, decoder_layer
+from ..functional.layer import attention_half, decoder_layer
 from ..functional.model import forward
 
 
 def compiled_forward(compile_backend="inductor", fused_mlp_rows: tuple[int, int] | None = None,
-                     device: torch.device | None = None, fuse_entry: bool = False):
+                     device: torch.device | None = None):
     """forward with its three parts (stem, decoder layer, head) compiled, each fullgraph (no
     graph breaks), for one engine. Compiling the stem and the head too turns their ~20 eager
     kernels per step (embedding, RoPE tables, final add + norm) into a few.
@@ -36,8 +36,8 @@ def compiled_forward(compile_backend="inductor", fused_mlp_rows: tuple[int, int]
     output is reshaped by symbolic head counts). So each call compiles its own copies
     (_own_copy): an engine's first compile is static, its second makes only the step's sizes
     dynamic. fused_mlp_rows (lo, hi): decode steps of lo-hi rows on one rank run each layer as
-    its attention compiled and kernels.decode_mlp (fused_mlp_stack; its barrier counter on
-    `device`), with fuse_entry each decode_mlp going on through the next layer's entry."""
+    its attention half compiled and kernels.decode_mlp (with_fused_mlp; its barrier counter on
+    `device`)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     # Inductor's default mode: max-autotune (timing Triton GEMM templates against cuBLAS) did not
     # finish its start-up within 90 s on the H200, several templates asking for more shared
@@ -52,15 +52,13 @@ def compiled_forward(compile_backend="inductor", fused_mlp_rows: tuple[int, int]
     # head and sampler took 190.5 against 242.3 us at 256 rows on the H200, and the throughput
     # run gained 0.4% (BENCHMARKS.md session 25).
     layer = compiled(decoder_layer)
-    layers = None
     if fused_mlp_rows is not None:
-        from ..kernels.decode_mlp import fused_mlp_stack
+        from ..kernels.decode_mlp import with_fused_mlp
 
         counter = torch.zeros(1, dtype=torch.int64, device=device)
-        layers = fused_mlp_stack(layer, compiled(attention_half), compiled(attention_output),
-                                 fused_mlp_rows, counter, fuse_entry)
+        layer = with_fused_mlp(layer, compiled(attention_half), fused_mlp_rows, counter)
     return functools.partial(forward, layer=layer, stem=compiled(model.stem),
-                             head=compiled(model.logits_head), layers=layers)
+                             head=compiled(model.logits_head))
 
 
 _copies = itertools.count(1)

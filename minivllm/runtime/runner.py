@@ -176,17 +176,6 @@ def fused_mlp_rows(flag: str | None, measured: bool = True) -> tuple[int, int] |
     return int(lo), int(hi)
 
 
-def fused_entry(flag: str | None) -> bool:
-    """MINIVLLM_FUSED_ENTRY's value: "1" has each fused decode_mlp launch go on through the
-    next layer's add + RMSNorm and qkv projection (kernels.decode_mlp's next_entry; not yet
-    measured on a GPU, so off by default); unset, empty or "0": not."""
-    if flag is None or flag.strip() in ("", "0"):
-        return False
-    if flag.strip() == "1":
-        return True
-    raise ValueError(f"MINIVLLM_FUSED_ENTRY must be 0 or 1, got {flag!r}")
-
-
 def heaviest_row(max_logprobs: int) -> SamplingRow:
     """The heaviest sampling row serving can ask for, every stage on: the penalties (with their
     [rows, vocab] counts), banned ids, the sort for top-k / top-p, min-p and the most logprobs.
@@ -281,7 +270,6 @@ class ModelRunner:
         flag = os.environ.get("MINIVLLM_FUSED_MLP")
         fused = fused_mlp_rows(flag, measured=fused_mlp_measured(
             self.model_config.hidden_size, self.params.embed.dtype, self.device))
-        entry = fused_entry(os.environ.get("MINIVLLM_FUSED_ENTRY"))
         if fused and not (graphs and compile_forward):
             if flag is not None:
                 log.warning("minivllm: MINIVLLM_FUSED_MLP applies to the compiled decode graphs "
@@ -292,7 +280,7 @@ class ModelRunner:
                 self.params, self.cache, self.backend, max_num_seqs=config.max_num_seqs,
                 max_blocks_per_seq=ceil_div(config.max_model_len, self.block_size),
                 compile_forward=compile_forward, persistent_decode=config.persistent_decode,
-                fused_mlp_rows=fused, fuse_entry=entry)
+                fused_mlp_rows=fused)
             self.graphs.capture()
         # Prefill and mixed steps run through the same compiled decoder layer (its prefill
         # variants are compiled by the warm-up): on the H200 the throughput benchmark ran 22,637
