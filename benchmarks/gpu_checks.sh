@@ -22,6 +22,8 @@
 #       to down as one persistent kernel) against the engine's compiled kernels, 32-256 rows
 #   bash benchmarks/gpu_checks.sh mlp_engine  # nvidia-h200: the engine with it (MINIVLLM_FUSED_MLP):
 #       the graph tests, then throughput against without, alternating
+#   bash benchmarks/gpu_checks.sh flat_attention  # nvidia-h200: decode attention as one flat
+#       list of tiles, an equal share a program (decode_attention_flat.py), against the default
 #   bash benchmarks/gpu_checks.sh inductor_knobs  # nvidia-h200: throughput with Inductor's PDL
 #       and its coordinate-descent tuning against its defaults, in turn
 #   bash benchmarks/gpu_checks.sh profile  # nvidia-h200: traced decode steps (bf16 and fp8 cache,
@@ -459,6 +461,20 @@ mlp_engine)
     step "bench_$run" $(left_or 200) "${flag[@]}" python3 -m minivllm bench --shape qwen3-0.6b \
       --json "$RESULTS/bench_$run.json"
   done
+  ;;
+flat_attention)
+  # nvidia-h200 (<= 400 s): kernels/decode_attention_flat.py (session 35, CPU-tested only): the
+  # batch's tiles as one list, an equal share a program of a fixed grid, so that a program's
+  # pipeline fills once a launch rather than once a sequence (session 26: the default loses ~27
+  # us a launch to the read rate at 256 sequences, in its programs' starts). Against the plain
+  # default over the throughput run's contexts at ~256 and ~128 sequences, each flat output
+  # checked against the default's in bf16; then its tests. Worth wiring into the engine (a
+  # tile list built on the host with each batch) if it beats the default by >= ~10 us at 256.
+  step flat_sweep $(left_or 240) python3 benchmarks/sweep_decode_attention.py --flat
+  step flat_sweep_128 $(left_or 120) python3 benchmarks/sweep_decode_attention.py --flat \
+    --batch 128 --contexts 400-2248
+  STEP_LOG=$OUT/tests.txt step flat_tests $(left_or 150) python3 -m pytest $PYTEST_ARGS \
+    tests/test_decode_attention_flat.py
   ;;
 inductor_knobs)
   # nvidia-h200 (<= 580 s on a fresh machine): two Inductor switches that change only how its

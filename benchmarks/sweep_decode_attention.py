@@ -7,6 +7,9 @@
     PYTHONPATH=. python benchmarks/sweep_decode_attention.py --kv-cache-dtype fp8  # an fp8 cache
     PYTHONPATH=. python benchmarks/sweep_decode_attention.py --order both --default-only
         # the default config with the rows in random order and sorted longest context first
+    PYTHONPATH=. python benchmarks/sweep_decode_attention.py --flat
+        # kernels/decode_attention_flat.py (a flat tile list, an equal share a program) against
+        # the default, both in the plain form
     ncu --clock-control none -k regex:_decode_kernel -s 1 -c 1 --section WarpStateStats ... \
         python benchmarks/sweep_decode_attention.py --profile --contexts 200-1124 [--kv-cache-dtype fp8]
         # the engine's default call twice (the first compiles), for a profiler to take the second
@@ -67,6 +70,9 @@ def main() -> int:
     ap.add_argument("--configs", type=parse_configs, default=None,
                     help="the default and these tile configs only, e.g. n32w2s3,n64w2s2 (BLOCK_N, "
                     "warps, stages)")
+    ap.add_argument("--flat", action="store_true",
+                    help="only the plain default against flat_decode_attention at several grids "
+                    "and tiles (a 16-bit cache)")
     ap.add_argument("--profile", action="store_true",
                     help="no timing: the engine-form default twice per context range, for ncu")
     args = ap.parse_args()
@@ -99,6 +105,9 @@ def main() -> int:
             if args.profile:
                 profile_one(pr, b, splits, slots, weights, cos, sin, scale)
                 continue
+            if args.flat:
+                flat_one(pr, b, lo, hi, splits, scale)
+                continue
             sweep_one(pr, b, lo, hi, args.page, splits, slots, weights, cos, sin, scale, only)
         del pr
         torch.cuda.empty_cache()
@@ -127,6 +136,50 @@ def profile_one(pr, b, splits, slots, weights, cos, sin, scale):
     torch.cuda.synchronize()
     print(f"profiled B={b} splits {splits} {pr['k_cache'].dtype}: {pr['bytes'] / 1e6:.0f} MB read a call "
           f"({len(pr['problems'])} problems)", flush=True)
+
+
+# flat_decode_attention's tiles and grids: 128-token tiles at 2-4 programs an SM (~74 KB of
+# shared memory each: three fit), 64-token ones at 3, 4 and 6 (~41 KB).
+FLAT_CONFIGS = [dict(block_n=n, num_warps=4, num_stages=3, programs_per_sm=per_sm)
+                for n, grids in ((128, (2, 3, 4)), (64, (3, 4, 6))) for per_sm in grids]
+
+
+def flat_one(pr, b, lo, hi, splits, scale):
+    """The plain default (q and k normed and rotated, no store) against flat_decode_attention
+    over the same problems, its tile lists built before the timing (the engine would build them
+    on the host with the batch); each flat output's error against the default's."""
+    from minivllm.kernels.decode_attention_flat import flat_decode_attention, tile_map
+    from minivllm.kernels.launch import num_sms
+
+    probs = pr["problems"]
+    calls = [lambda p=p: paged_decode_attention(p["q"], p["k"], p["v"], pr["k_cache"],
+                                                pr["v_cache"], p["bt"], pr["ctx"], scale,
+                                                out=p["out"], num_splits=splits) for p in probs]
+    us, _ = time_calls(calls)
+    want = paged_decode_attention(probs[0]["q"], probs[0]["k"], probs[0]["v"], pr["k_cache"],
+                                  pr["v_cache"], probs[0]["bt"], pr["ctx"], scale).float()
+    cells = [f"default (plain): {us:.1f} us {pr['bytes'] / us / 1e6:.2f} TB/s"]
+    for cfg in FLAT_CONFIGS:
+        tiles = tile_map(pr["ctx"], KV_HEADS, cfg["block_n"])
+        programs = cfg["programs_per_sm"] * num_sms(DEV)
+        calls = [lambda p=p: flat_decode_attention(p["q"], p["k"], p["v"], pr["k_cache"],
+                                                   pr["v_cache"], p["bt"], pr["ctx"], scale,
+                                                   tiles, out=p["out"], programs=programs,
+                                                   config=cfg) for p in probs]
+        name = f"flat n{cfg['block_n']}w{cfg['num_warps']}s{cfg['num_stages']} " \
+            f"{cfg['programs_per_sm']} an SM ({programs} programs, {int(tiles[3].item())} tiles)"
+        try:
+            us, _ = time_calls(calls)
+        except Exception as e:  # e.g. more shared memory than an SM has: the rest still runs
+            cells.append(f"{name}: failed ({e})"[:300])
+            continue
+        got = flat_decode_attention(probs[0]["q"], probs[0]["k"], probs[0]["v"], pr["k_cache"],
+                                    pr["v_cache"], probs[0]["bt"], pr["ctx"], scale, tiles,
+                                    programs=programs, config=cfg).float()
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        cells.append(f"{name}: {us:.1f} us {pr['bytes'] / us / 1e6:.2f} TB/s, error {err:.1e}")
+    print(f"B={b} contexts U[{lo},{hi}] ({pr['order']} order) flat against the default:\n  "
+          + "\n  ".join(cells), flush=True)
 
 
 def sweep_one(pr, b, lo, hi, page, splits, slots, weights, cos, sin, scale, only=None):

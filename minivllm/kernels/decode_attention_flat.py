@@ -1,0 +1,228 @@
+"""Paged decode attention as one flat loop of tiles a program (stream-K), an experiment.
+
+decode_attention.py launches a program per (sequence, KV head): at 256 sequences 2,048 short
+programs (~5 tiles of 128 tokens each), which start in step and each pay q's load and the
+pipeline's fill before K/V streams. On the H200 that launch reads ~10% below the read rate at
+the throughput run's contexts, ~27 us a launch that does not grow with the contexts
+(BENCHMARKS.md session 26). Here a fixed grid of programs (a few an SM) walks the whole batch's
+tiles as one list, each program a contiguous, equal share of it, so a program's pipeline keeps
+loading across the boundaries between sequences and is filled once a launch, not once a
+sequence. A (sequence, KV head) whose tiles two or more programs share leaves each share's
+partial result (normalised output and log2-sum-exp), and a second kernel merges those.
+
+  q: [B, heads, head_dim] (normed and rotated), k/v: [B, kv_heads, head_dim] this step's token
+  k_cache/v_cache: [num_blocks, PAGE, kv_heads, head_dim], block_tables: [B, M] int32
+  context_lens: [B] int32, tokens including the new one; the cached prefix is context_lens - 1.
+  The tile list (tile_map): unit u = b * kv_heads + kvh owns max(1, ceil(prefix / BLOCK_N))
+  consecutive tiles; tile_unit[g], tile_j[g]: tile g's unit and its index within the unit;
+  unit_first[u]: u's first tile; total[0]: the tiles of the batch.
+
+Not wired into the engine: benchmarks/sweep_decode_attention.py --flat times it against
+paged_decode_attention first (the plain form: q/k normed and rotated before, the new K/V stored
+apart). The engine would build the tile list on the host with the batch (it depends only on the
+context lengths, the same for every layer).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .decode_attention import LOG2E, _decode_tile
+from .launch import dot_precision, next_pow2, num_sms, runs_ptx
+
+
+@triton.jit
+def _span(p, programs, total):
+    """Program p's share [g0, g1) of `total` tiles."""
+    return (p * total) // programs, ((p + 1) * total) // programs
+
+
+@triton.jit
+def _flat_decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr,
+                        tile_unit_ptr, tile_j_ptr, total_ptr, out_ptr, part_out_ptr,
+                        part_lse_ptr, scale_log2, stride_qt, stride_qh, stride_kt, stride_kh,
+                        stride_vt, stride_vh, stride_bt, stride_ot, stride_oh,
+                        KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+                        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    scale_log2 = tl.cast(scale_log2, tl.float32)
+    ROW: tl.constexpr = KV_HEADS * HEAD_DIM
+    dt = q_ptr.dtype.element_ty
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HEAD_DIM
+    D_MASKED: tl.constexpr = BLOCK_D != HEAD_DIM
+    o_mask = mask_g[:, None] & mask_d[None, :]
+    g0, g1 = _span(pid, programs, tl.load(total_ptr))
+
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    m_i = tl.zeros([BLOCK_G], tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    # the tile index (within its unit) that this program's current share of the unit began at
+    seg_j0 = tl.zeros([], tl.int32)
+    for g in range(g0, g1):
+        u = tl.load(tile_unit_ptr + g)
+        j = tl.load(tile_j_ptr + g)
+        b = u // KV_HEADS
+        kvh = u % KV_HEADS
+        b64 = tl.cast(b, tl.int64)
+        prefix = tl.load(ctx_ptr + b) - 1
+        last_j = tl.maximum(tl.cdiv(prefix, BLOCK_N), 1) - 1
+        heads = kvh * GROUP + offs_g
+        # q every tile (512 bytes against the tile's 64 KB, from L2 after the first), so that
+        # no load hangs on a branch and the pipeliner can issue it stages ahead like the rest.
+        q = tl.load(q_ptr + b64 * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=o_mask, other=0.0).to(dt)
+        starts = (j == 0) | (g == g0)
+        seg_j0 = tl.where(starts, j, seg_j0)
+        # A unit's tile 0 is seeded with the new token (from k/v, not the cache); a share that
+        # starts later starts empty.
+        k_new = tl.load(k_ptr + b64 * stride_kt + kvh * stride_kh + offs_d, mask=mask_d, other=0.0)
+        v_new = tl.load(v_ptr + b64 * stride_vt + kvh * stride_vh + offs_d, mask=mask_d, other=0.0)
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(dt).to(tl.float32)[None, :], 1) * scale_log2
+        first = j == 0
+        m_i = tl.where(starts, tl.where(first, s_new, float("-inf")), m_i)
+        l_i = tl.where(starts, tl.where(first, 1.0, 0.0), l_i)
+        acc = tl.where(starts, tl.where(first, 1.0, 0.0) * v_new.to(dt).to(tl.float32)[None, :],
+                       acc)
+        # The tile: positions [j * BLOCK_N, prefix), masked (a unit with no prefix has one
+        # tile with none; its new token keeps the running max finite).
+        acc, m_i, l_i = _decode_tile(
+            q, acc, m_i, l_i, j * BLOCK_N, prefix, offs_n, offs_d, mask_d,
+            bt_ptr + b64 * stride_bt, kvh * HEAD_DIM, k_cache_ptr, v_cache_ptr, scale_log2, dt,
+            PAGE, BLOCK_N, ROW, D_MASKED, PRECISION, 0, False, True, 0, 0, False)
+        ends = (j == last_j) | (g == g1 - 1)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        whole = ends & (seg_j0 == 0) & (j == last_j)
+        tl.store(out_ptr + b64 * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=o_mask & whole)
+        # A share of a unit that others share too: slot 0 if it began at the program's first
+        # tile, else 1 (a program holds at most one share of each kind).
+        slot = tl.where(g - j + seg_j0 == g0, 0, 1)
+        row = (pid * 2 + slot) * BLOCK_G + offs_g
+        part = ends & ~whole
+        tl.store(part_out_ptr + row[:, None] * BLOCK_D + offs_d[None, :], out,
+                 mask=o_mask & part)
+        tl.store(part_lse_ptr + row, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)),
+                 mask=mask_g & part)
+
+
+@triton.jit
+def _flat_merge_kernel(unit_first_ptr, ctx_ptr, total_ptr, part_out_ptr, part_lse_ptr, out_ptr,
+                       programs, stride_ot, stride_oh, KV_HEADS: tl.constexpr,
+                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+                       BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Unit u's shares, if more than one program held it, weighted by their log2-sum-exps."""
+    u = tl.program_id(0)
+    b = u // KV_HEADS
+    kvh = u % KV_HEADS
+    total = tl.load(total_ptr)
+    first = tl.load(unit_first_ptr + u)
+    last = first + tl.maximum(tl.cdiv(tl.load(ctx_ptr + b) - 1, BLOCK_N), 1) - 1
+    # the program holding tile g: the last p with p * total // programs <= g
+    p_first = ((first + 1) * programs - 1) // total
+    p_last = ((last + 1) * programs - 1) // total
+    if p_first != p_last:
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        o_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        m = tl.full([BLOCK_G], -1e30, tl.float32)  # finite: no inf - inf on the first share
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        den = tl.zeros([BLOCK_G], tl.float32)
+        for p in range(p_first, p_last + 1):
+            g0, g1 = _span(p, programs, total)
+            slot = tl.where((p > p_first) | (first == g0), 0, 1)
+            row = (p * 2 + slot) * BLOCK_G + offs_g
+            held = g1 > g0  # a program with no tiles (fewer tiles than programs) holds none
+            lse = tl.load(part_lse_ptr + row, mask=(offs_g < GROUP) & held, other=-1e30)
+            o = tl.load(part_out_ptr + row[:, None] * BLOCK_D + offs_d[None, :],
+                        mask=o_mask & held, other=0.0)
+            m_new = tl.maximum(m, lse)
+            w_old = tl.exp2(m - m_new)
+            w = tl.where(held, tl.exp2(lse - m_new), 0.0)
+            acc = acc * w_old[:, None] + w[:, None] * o
+            den = den * w_old + w
+            m = m_new
+        heads = kvh * GROUP + offs_g
+        res = acc / tl.where(den > 0, den, 1.0)[:, None]
+        tl.store(out_ptr + tl.cast(b, tl.int64) * stride_ot + heads[:, None] * stride_oh
+                 + offs_d[None, :], res.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+def tile_map(context_lens: torch.Tensor, kv_heads: int, block_n: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The batch's tile list for flat_decode_attention: (tile_unit [T] int32, tile_j [T] int32,
+    unit_first [B * kv_heads] int32, total [1] int32), units b-major (a sequence's KV heads
+    one after another)."""
+    prefix = context_lens.long() - 1
+    tiles = torch.clamp((prefix + block_n - 1) // block_n, min=1).repeat_interleave(kv_heads)
+    first = torch.cumsum(tiles, 0) - tiles
+    units = torch.arange(tiles.numel(), device=tiles.device)
+    tile_unit = torch.repeat_interleave(units, tiles)
+    tile_j = torch.arange(tile_unit.numel(), device=tiles.device) - first[tile_unit]
+    total = tiles.sum().reshape(1)
+    return (tile_unit.to(torch.int32), tile_j.to(torch.int32), first.to(torch.int32),
+            total.to(torch.int32))
+
+
+def flat_config(device: torch.device, dtype: torch.dtype) -> dict:
+    """Tiles and grid: 128-token tiles in 3 stages as the engine's unsplit launch takes them,
+    3 programs an SM (its ~74 KB of shared memory each, decode_config); fp32 in small tiles (its
+    dots run on FMA units, as decode_config's); small on the CPU."""
+    if not runs_ptx(device):
+        return dict(block_n=16, num_warps=1, num_stages=1, programs_per_sm=1)
+    if dtype == torch.float32:
+        return dict(block_n=32, num_warps=4, num_stages=2, programs_per_sm=4)
+    return dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=3)
+
+
+def flat_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                          tiles: tuple | None = None, *, out: torch.Tensor | None = None,
+                          programs: int | None = None, config: dict | None = None
+                          ) -> torch.Tensor:
+    """out: [B, heads, head_dim], what paged_decode_attention returns for the same arguments
+    without norm_rope and slot_mapping. tiles: tile_map(context_lens, kv_heads, block_n) (built
+    here if None); programs: the grid (default: programs_per_sm an SM); config: overrides of
+    flat_config. A cache of q's dtype (no fp8 yet)."""
+    b, heads, head_dim = q.shape
+    _, page, kv_heads, _ = k_cache.shape
+    group = heads // kv_heads
+    if heads != group * kv_heads or k.shape != (b, kv_heads, head_dim):
+        raise ValueError(f"q {list(q.shape)} and k {list(k.shape)} do not match the cache's "
+                         f"{kv_heads} KV heads")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"flat_decode_attention takes a cache of q's dtype (no fp8), got "
+                         f"{k_cache.dtype} for q {q.dtype}")
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.stride(1) == 1
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
+    cfg = flat_config(q.device, q.dtype) | dict(config or {})
+    if tiles is None:
+        tiles = tile_map(context_lens, kv_heads, cfg["block_n"])
+    tile_unit, tile_j, unit_first, total = tiles
+    if programs is None:
+        programs = cfg["programs_per_sm"] * num_sms(q.device)
+    if out is None:
+        out = torch.empty_like(q)
+    block_g, block_d = max(16, next_pow2(group)), next_pow2(head_dim)
+    part_out = torch.empty(programs * 2 * block_g, block_d, device=q.device, dtype=torch.float32)
+    part_lse = torch.empty(programs * 2 * block_g, device=q.device, dtype=torch.float32)
+    consts = dict(KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_G=block_g,
+                  BLOCK_D=block_d)
+    _flat_decode_kernel[(programs,)](
+        q, k, v, k_cache, v_cache, block_tables, context_lens, tile_unit, tile_j, total, out,
+        part_out, part_lse, scale * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), **consts,
+        PAGE=page, BLOCK_N=cfg["block_n"], PRECISION=dot_precision(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    _flat_merge_kernel[(b * kv_heads,)](
+        unit_first, context_lens, total, part_out, part_lse, out, programs, out.stride(0),
+        out.stride(1), **consts, BLOCK_N=cfg["block_n"], num_warps=4)
+    return out
