@@ -71,3 +71,40 @@ def test_flat_decode_refuses_what_it_does_not_take(device):
     with pytest.raises(ValueError, match="KV heads"):
         flat_decode_attention(p.q, p.k[:, :1], p.v, p.k_cache, p.v_cache,
                               p.batch.block_tables, p.batch.context_lens, p.scale)
+
+
+@given(case=flat_cases(), programs=st.sampled_from([1, 3, 64]), skip=st.booleans())
+def test_flat_decode_in_the_engines_form_matches_paged_decode(device, case, programs, skip):
+    """norm_rope and slot_mapping given (q and k raw from the qkv projection, the new K/V
+    stored): the output of paged_decode_attention's engine form, and the very same cache (the
+    new K/V where store_kvcache would put them, -1 rows writing nothing, nothing else moved)."""
+    from minivllm.functional.rope import rope_cos_sin
+    from minivllm.kernels.decode_attention import paged_decode_attention
+    from minivllm.state import ModelConfig
+
+    if case["head_dim"] % 2:
+        case["head_dim"] += 1
+    p = make_problem(**case, device=device)
+    d, dtype = case["head_dim"], case["dtype"]
+    g = torch.Generator().manual_seed(case["seed"] + 1)
+    q_weight, k_weight = (1 + 0.3 * torch.randn(2, d, generator=g)).to(device, dtype)
+    config = ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
+                         num_heads=1, num_kv_heads=1, head_dim=d, rope_theta=1000.0)
+    cos, sin = rope_cos_sin(config, (p.batch.context_lens - 1).long())
+    norm_rope = (q_weight, k_weight, cos, sin, 1e-6)
+    slots = p.batch.slot_mapping.clone()
+    if skip:
+        slots[0] = -1  # a padding row
+    q_in, k_in = 3 * p.q, 3 * p.k  # off unit scale, so that the norm matters
+    k_want, v_want = p.k_cache.clone(), p.v_cache.clone()
+    want = paged_decode_attention(q_in, k_in, p.v, k_want, v_want, p.batch.block_tables,
+                                  p.batch.context_lens, p.scale, slot_mapping=slots,
+                                  norm_rope=norm_rope)
+    got = flat_decode_attention(q_in, k_in, p.v, p.k_cache, p.v_cache, p.batch.block_tables,
+                                p.batch.context_lens, p.scale, programs=programs,
+                                out=torch.full_like(p.q, float("nan")), slot_mapping=slots,
+                                norm_rope=norm_rope)
+    err = rel_error(got, want)
+    assert err <= TOL[dtype], f"relative error {err:.3g}"
+    torch.testing.assert_close(p.k_cache, k_want, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(p.v_cache, v_want, rtol=0, atol=0, equal_nan=True)

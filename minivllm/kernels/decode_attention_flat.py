@@ -17,10 +17,11 @@ partial result (normalised output and log2-sum-exp), and a second kernel merges 
   consecutive tiles; tile_unit[g], tile_j[g]: tile g's unit and its index within the unit;
   unit_first[u]: u's first tile; total[0]: the tiles of the batch.
 
+Like paged_decode_attention it can take q and k raw from the qkv projection and RMS-norm and
+rotate them (norm_rope), and store the new K/V in the cache (slot_mapping): the engine's form.
 Not wired into the engine: benchmarks/sweep_decode_attention.py --flat times it against
-paged_decode_attention first (the plain form: q/k normed and rotated before, the new K/V stored
-apart). The engine would build the tile list on the host with the batch (it depends only on the
-context lengths, the same for every layer).
+paged_decode_attention first, in both forms. The engine would build the tile list on the host
+with the batch (it depends only on the context lengths, the same for every layer).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import LOG2E, _decode_tile
+from .decode_attention import LOG2E, _decode_tile, _load_norm_rope, _rope_lanes
 from .launch import dot_precision, next_pow2, num_sms, runs_ptx
 
 
@@ -41,15 +42,18 @@ def _span(p, programs, total):
 
 @triton.jit
 def _flat_decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr,
-                        tile_unit_ptr, tile_j_ptr, total_ptr, out_ptr, part_out_ptr,
-                        part_lse_ptr, scale_log2, stride_qt, stride_qh, stride_kt, stride_kh,
-                        stride_vt, stride_vh, stride_bt, stride_ot, stride_oh,
+                        slot_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, eps, tile_unit_ptr,
+                        tile_j_ptr, total_ptr, out_ptr, part_out_ptr, part_lse_ptr, scale_log2,
+                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                        stride_bt, stride_rope, stride_ot, stride_oh,
                         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-                        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, STORE: tl.constexpr,
+                        NORM_ROPE: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     scale_log2 = tl.cast(scale_log2, tl.float32)
+    eps = tl.cast(eps, tl.float32)
     ROW: tl.constexpr = KV_HEADS * HEAD_DIM
     dt = q_ptr.dtype.element_ty
     offs_g = tl.arange(0, BLOCK_G)
@@ -75,18 +79,37 @@ def _flat_decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, c
         prefix = tl.load(ctx_ptr + b) - 1
         last_j = tl.maximum(tl.cdiv(prefix, BLOCK_N), 1) - 1
         heads = kvh * GROUP + offs_g
-        # q every tile (512 bytes against the tile's 64 KB, from L2 after the first), so that
-        # no load hangs on a branch and the pipeliner can issue it stages ahead like the rest.
-        q = tl.load(q_ptr + b64 * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=o_mask, other=0.0).to(dt)
+        # q (and with NORM_ROPE its norm and rotation) every tile: 512 bytes against the tile's
+        # 64 KB, from L2 after the first, and no load hangs on a branch, so the pipeliner can
+        # issue it stages ahead like the rest (held across a branch it cost 238 registers a
+        # thread against 168, offline sm_90 compile).
+        q_rows = q_ptr + b64 * stride_qt + heads[:, None] * stride_qh
+        k_row = k_ptr + b64 * stride_kt + kvh * stride_kh
+        if NORM_ROPE:
+            partner, cos, sin = _rope_lanes(cos_ptr + b64 * stride_rope,
+                                            sin_ptr + b64 * stride_rope, offs_d, mask_d, HEAD_DIM)
+            q = _load_norm_rope(q_rows, o_mask, qw_ptr, offs_d, partner, mask_d, cos, sin, eps,
+                                HEAD_DIM).to(dt)
+            k_new = tl.reshape(_load_norm_rope(k_row, mask_d[None, :], kw_ptr, offs_d, partner,
+                                               mask_d, cos, sin, eps, HEAD_DIM), [BLOCK_D])
+        else:
+            q = tl.load(q_rows + offs_d[None, :], mask=o_mask, other=0.0).to(dt)
+            k_new = tl.load(k_row + offs_d, mask=mask_d, other=0.0)
         starts = (j == 0) | (g == g0)
         seg_j0 = tl.where(starts, j, seg_j0)
         # A unit's tile 0 is seeded with the new token (from k/v, not the cache); a share that
         # starts later starts empty.
-        k_new = tl.load(k_ptr + b64 * stride_kt + kvh * stride_kh + offs_d, mask=mask_d, other=0.0)
         v_new = tl.load(v_ptr + b64 * stride_vt + kvh * stride_vh + offs_d, mask=mask_d, other=0.0)
         s_new = tl.sum(q.to(tl.float32) * k_new.to(dt).to(tl.float32)[None, :], 1) * scale_log2
         first = j == 0
+        if STORE:
+            # Tile 0's program also writes the new token's K/V into its slot (-1: a padding
+            # row, none). No program reads that slot: the new token comes from k/v.
+            slot = tl.load(slot_ptr + b)
+            dst = slot.to(tl.int64) * ROW + kvh * HEAD_DIM + offs_d
+            put = mask_d & first & (slot >= 0)
+            tl.store(k_cache_ptr + dst, k_new.to(k_cache_ptr.dtype.element_ty), mask=put)
+            tl.store(v_cache_ptr + dst, v_new.to(v_cache_ptr.dtype.element_ty), mask=put)
         m_i = tl.where(starts, tl.where(first, s_new, float("-inf")), m_i)
         l_i = tl.where(starts, tl.where(first, 1.0, 0.0), l_i)
         acc = tl.where(starts, tl.where(first, 1.0, 0.0) * v_new.to(dt).to(tl.float32)[None, :],
@@ -173,25 +196,28 @@ def tile_map(context_lens: torch.Tensor, kv_heads: int, block_n: int
 
 def flat_config(device: torch.device, dtype: torch.dtype) -> dict:
     """Tiles and grid: 128-token tiles in 3 stages as the engine's unsplit launch takes them,
-    3 programs an SM (its ~74 KB of shared memory each, decode_config); fp32 in small tiles (its
-    dots run on FMA units, as decode_config's); small on the CPU."""
+    3 programs an SM (its ~74 KB of shared memory each, decode_config), which needs the
+    registers capped at 168 a thread (maxnreg): uncapped, the engine's form took 238 and so two
+    programs an SM (offline sm_90 compile; capped, no spills). fp32 in small tiles (its dots
+    run on FMA units, as decode_config's); small on the CPU."""
     if not runs_ptx(device):
         return dict(block_n=16, num_warps=1, num_stages=1, programs_per_sm=1)
     if dtype == torch.float32:
         return dict(block_n=32, num_warps=4, num_stages=2, programs_per_sm=4)
-    return dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=3)
+    return dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=3, maxnreg=168)
 
 
 def flat_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                           tiles: tuple | None = None, *, out: torch.Tensor | None = None,
+                          slot_mapping: torch.Tensor | None = None, norm_rope: tuple | None = None,
                           programs: int | None = None, config: dict | None = None
                           ) -> torch.Tensor:
     """out: [B, heads, head_dim], what paged_decode_attention returns for the same arguments
-    without norm_rope and slot_mapping. tiles: tile_map(context_lens, kv_heads, block_n) (built
-    here if None); programs: the grid (default: programs_per_sm an SM); config: overrides of
-    flat_config. A cache of q's dtype (no fp8 yet)."""
+    (slot_mapping and norm_rope as there). tiles: tile_map(context_lens, kv_heads, block_n)
+    (built here if None); programs: the grid (default: programs_per_sm an SM); config:
+    overrides of flat_config. A cache of q's dtype (no fp8 yet)."""
     b, heads, head_dim = q.shape
     _, page, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -214,14 +240,28 @@ def flat_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     block_g, block_d = max(16, next_pow2(group)), next_pow2(head_dim)
     part_out = torch.empty(programs * 2 * block_g, block_d, device=q.device, dtype=torch.float32)
     part_lse = torch.empty(programs * 2 * block_g, device=q.device, dtype=torch.float32)
+    store = slot_mapping is not None
+    if store and slot_mapping.shape != (b,):
+        raise ValueError(f"slot_mapping must be [{b}], got {list(slot_mapping.shape)}")
+    if norm_rope is not None:
+        q_weight, k_weight, cos, sin, eps = norm_rope
+        assert head_dim % 2 == 0 and q_weight.shape == k_weight.shape == (head_dim,)
+        assert cos.shape == sin.shape == (b, head_dim) and cos.stride() == sin.stride()
+        assert cos.stride(1) == 1 and q_weight.is_contiguous() and k_weight.is_contiguous()
+    else:
+        q_weight = k_weight = cos = sin = q  # unused
+        eps = 0.0
     consts = dict(KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_G=block_g,
                   BLOCK_D=block_d)
     _flat_decode_kernel[(programs,)](
-        q, k, v, k_cache, v_cache, block_tables, context_lens, tile_unit, tile_j, total, out,
-        part_out, part_lse, scale * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), **consts,
-        PAGE=page, BLOCK_N=cfg["block_n"], PRECISION=dot_precision(q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        q, k, v, k_cache, v_cache, block_tables, context_lens,
+        slot_mapping if store else context_lens, q_weight, k_weight, cos, sin, float(eps),
+        tile_unit, tile_j, total, out, part_out, part_lse, scale * LOG2E, q.stride(0),
+        q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), block_tables.stride(0),
+        cos.stride(0), out.stride(0), out.stride(1), **consts, PAGE=page, BLOCK_N=cfg["block_n"],
+        PRECISION=dot_precision(q.dtype), STORE=store, NORM_ROPE=norm_rope is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     _flat_merge_kernel[(b * kv_heads,)](
         unit_first, context_lens, total, part_out, part_lse, out, programs, out.stride(0),
         out.stride(1), **consts, BLOCK_N=cfg["block_n"], num_warps=4)
