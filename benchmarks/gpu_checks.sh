@@ -24,6 +24,8 @@
 #       the graph tests, then throughput against without, alternating
 #   bash benchmarks/gpu_checks.sh flat_attention  # nvidia-h200: decode attention as one flat
 #       list of tiles, an equal share a program (decode_attention_flat.py), against the default
+#   bash benchmarks/gpu_checks.sh flat_engine  # nvidia-h200: the engine with it
+#       (MINIVLLM_FLAT_ATTENTION=1): the graph test, then throughput against without
 #   bash benchmarks/gpu_checks.sh inductor_knobs  # nvidia-h200: throughput with Inductor's PDL
 #       and its coordinate-descent tuning against its defaults, in turn
 #   bash benchmarks/gpu_checks.sh profile  # nvidia-h200: traced decode steps (bf16 and fp8 cache,
@@ -468,13 +470,27 @@ flat_attention)
   # pipeline fills once a launch rather than once a sequence (session 26: the default loses ~27
   # us a launch to the read rate at 256 sequences, in its programs' starts). Against the plain
   # default over the throughput run's contexts at ~256 and ~128 sequences, each flat output
-  # checked against the default's in bf16; then its tests. Worth wiring into the engine (a
-  # tile list built on the host with each batch) if it beats the default by >= ~10 us at 256.
+  # checked against the default's in bf16; then its tests. The engine's A/B is flat_engine
+  # (both in one call: `flat_attention flat_engine`); worth making the default if it gains.
   step flat_sweep $(left_or 240) python3 benchmarks/sweep_decode_attention.py --flat
   step flat_sweep_128 $(left_or 120) python3 benchmarks/sweep_decode_attention.py --flat \
     --batch 128 --contexts 400-2248
   STEP_LOG=$OUT/tests.txt step flat_tests $(left_or 150) python3 -m pytest $PYTEST_ARGS \
     tests/test_decode_attention_flat.py
+  ;;
+flat_engine)
+  # nvidia-h200 (<= 580 s): the engine's decode graphs with it (MINIVLLM_FLAT_ATTENTION=1, the
+  # tile list built on the device once a step): the graph test against eager (FLAT_TESTS=0
+  # skips it), then throughput with and without, alternating, while time is left.
+  [ "${FLAT_TESTS:-1}" = 1 ] && MINIVLLM_FLAT_ATTENTION=1 STEP_LOG=$OUT/tests.txt \
+    step flat_graph_tests $(left_or 200) python3 -m pytest $PYTEST_ARGS tests/test_gpu_graphs.py \
+    -k "graphs_and_async_scheduling_equal_eager and bfloat16"
+  for run in ${FLAT_RUNS:-1_flat 2_base 3_flat 4_base}; do
+    [ $(( BUDGET_S - SECONDS )) -lt 60 ] && break
+    step "bench_$run" $(left_or 200) env MINIVLLM_FLAT_ATTENTION=$([ "${run#*_}" = flat ] \
+      && echo 1 || echo 0) python3 -m minivllm bench --shape qwen3-0.6b \
+      --json "$RESULTS/bench_$run.json"
+  done
   ;;
 inductor_knobs)
   # nvidia-h200 (<= 580 s on a fresh machine): two Inductor switches that change only how its

@@ -108,3 +108,101 @@ def test_flat_decode_in_the_engines_form_matches_paged_decode(device, case, prog
     assert err <= TOL[dtype], f"relative error {err:.3g}"
     torch.testing.assert_close(p.k_cache, k_want, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(p.v_cache, v_want, rtol=0, atol=0, equal_nan=True)
+
+
+@given(contexts=st.lists(st.integers(1, 200), min_size=1, max_size=5),
+       kv_heads=st.sampled_from([1, 3]), block_n=st.sampled_from([16, 128]))
+def test_the_device_tile_map_is_tile_maps_list(contexts, kv_heads, block_n):
+    """device_tile_map (static shapes, for a CUDA graph) holds tile_map's list in its first
+    `total` entries."""
+    from minivllm.kernels.decode_attention_flat import device_tile_map
+
+    ctx = torch.tensor(contexts, dtype=torch.int32)
+    want = tile_map(ctx, kv_heads, block_n)
+    got = device_tile_map(ctx, kv_heads, block_n, max_unit_tiles=-(-200 // block_n))
+    n = int(want[3])
+    assert got[0].shape == got[1].shape == (len(contexts) * kv_heads * -(-200 // block_n),)
+    assert torch.equal(got[0][:n], want[0]) and torch.equal(got[1][:n], want[1])
+    assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_forward_with_the_flat_kernel_equals_forward(device, monkeypatch, compiled):
+    """A padded decode step (the decode graphs' static buffers) through forward with
+    runtime.compiled.layers_with_decode_tiles, the triton backend running the flat kernel in
+    every layer, gives forward's logits and cache (padding rows writing nothing); compiled: then
+    through compiled_forward(flat_attention=True) too, its parts traced by dynamo whole (after
+    the eager run, which has the interpreter rewrite the kernels: dynamo cannot trace that)."""
+    import functools
+
+    import torch.utils._pytree as pytree
+
+    import minivllm
+    from minivllm.functional.layer import decoder_layer
+    import minivllm.kernels.triton_backend as tb
+    from minivllm.kernels import select_backend
+    from minivllm.runtime.compiled import compiled_forward, layers_with_decode_tiles
+    from minivllm.runtime.graphs import DecodeGraphs
+    from minivllm.state import ModelConfig, SeqChunk, make_batch
+
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    backend = select_backend(device, "triton")
+    params = minivllm.random_params(config, seed=0, std=0.2, device=device)
+    page = 4
+    prompts = [list(range(1, 40)), [6, 7], list(range(3, 20))]
+    tables = [list(range(0, 10)), [10], list(range(11, 16))]
+    cache = minivllm.init_cache(params, num_blocks=24, block_size=page)
+    logits, cache = minivllm.forward(params, cache, make_batch(
+        [SeqChunk(p, 0, t) for p, t in zip(prompts, tables)], block_size=page), backend)
+    toks = logits.argmax(-1).tolist()
+    graphs = DecodeGraphs(params, cache, backend, max_num_seqs=6, max_blocks_per_seq=12,
+                          compile_forward=False)
+    padded = graphs.fill(toks, [len(p) for p in prompts],
+                         [tab[len(p) // page] * page + len(p) % page
+                          for p, tab in zip(prompts, tables)],
+                         [len(p) + 1 for p in prompts], tables)
+    batch = graphs.batch_view(padded)
+    caches = [pytree.tree_map(torch.clone, cache) for _ in range(3)]
+    want, caches[0] = minivllm.forward(params, caches[0], batch, backend)
+    calls = []
+    monkeypatch.setattr(tb, "flat_decode_attention",
+                        lambda *a, **k: calls.append(1) or flat_decode_attention(*a, **k))
+    got, caches[1] = minivllm.forward(
+        params, caches[1], batch, backend,
+        layers=functools.partial(layers_with_decode_tiles, layer=decoder_layer))
+    assert len(calls) == config.num_layers
+    outputs = [(got, caches[1])]
+    if compiled:
+        outputs.append(compiled_forward("eager", flat_attention=True)(params, caches[2], batch,
+                                                                      backend))
+    for got, got_cache in outputs:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for a, b in zip(pytree.tree_leaves(caches[0]), pytree.tree_leaves(got_cache)):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
+def test_the_engine_flag_is_parsed_or_refused():
+    from minivllm.runtime.runner import flat_attention
+
+    assert flat_attention("1") and flat_attention(" 1 ")
+    assert not any(flat_attention(f) for f in (None, "", "0"))
+    for bad in ("2", "on", "yes"):
+        with pytest.raises(ValueError, match="MINIVLLM_FLAT_ATTENTION must be 0 or 1"):
+            flat_attention(bad)
+
+
+def test_the_engine_checks_the_flag_at_start(tmp_path, monkeypatch, caplog, device):
+    """A malformed MINIVLLM_FLAT_ATTENTION stops the engine's start; a well-formed one where no
+    compiled decode graphs run (enforce_eager here) is ignored with a warning."""
+    from hf_tiny import make_hf_model, save_checkpoint
+    from minivllm import LLM
+
+    path = save_checkpoint(make_hf_model(seed=1), tmp_path / "model")
+    monkeypatch.setenv("MINIVLLM_FLAT_ATTENTION", "on")
+    with pytest.raises(ValueError, match="MINIVLLM_FLAT_ATTENTION must be 0 or 1"):
+        LLM(path, device=device, num_kv_blocks=64, enforce_eager=True)
+    monkeypatch.setenv("MINIVLLM_FLAT_ATTENTION", "1")
+    with caplog.at_level("WARNING", logger="minivllm"):
+        LLM(path, device=device, num_kv_blocks=64, enforce_eager=True)
+    assert "MINIVLLM_FLAT_ATTENTION applies to the compiled decode graphs" in caplog.text

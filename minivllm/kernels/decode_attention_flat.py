@@ -19,9 +19,11 @@ partial result (normalised output and log2-sum-exp), and a second kernel merges 
 
 Like paged_decode_attention it can take q and k raw from the qkv projection and RMS-norm and
 rotate them (norm_rope), and store the new K/V in the cache (slot_mapping): the engine's form.
-Not wired into the engine: benchmarks/sweep_decode_attention.py --flat times it against
-paged_decode_attention first, in both forms. The engine would build the tile list on the host
-with the batch (it depends only on the context lengths, the same for every layer).
+Not yet measured on a GPU, so off by default: benchmarks/sweep_decode_attention.py --flat times
+it against paged_decode_attention in both forms, and under MINIVLLM_FLAT_ATTENTION=1 the
+engine's compiled decode graphs run it (runtime.compiled.layers_with_decode_tiles gives each
+decode batch its tile list, device_tile_map, once a step for every layer; the triton backend
+takes this kernel for a batch that carries one).
 """
 
 from __future__ import annotations
@@ -178,6 +180,43 @@ def _flat_merge_kernel(unit_first_ptr, ctx_ptr, total_ptr, part_out_ptr, part_ls
                  + offs_d[None, :], res.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
+def _launch_flat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 slots: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, eps: float, tile_unit: torch.Tensor,
+                 tile_j: torch.Tensor, unit_first: torch.Tensor, total: torch.Tensor,
+                 out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor,
+                 scale_log2: float, programs: int, block_n: int, num_warps: int,
+                 num_stages: int, maxnreg: int, store: bool, norm_rope: bool) -> None:
+    """The two kernels on flat_decode_attention's checked arguments (maxnreg 0: no cap)."""
+    b, heads, head_dim = q.shape
+    _, page, kv_heads, _ = k_cache.shape
+    consts = dict(KV_HEADS=kv_heads, GROUP=heads // kv_heads, HEAD_DIM=head_dim,
+                  BLOCK_G=max(16, next_pow2(heads // kv_heads)), BLOCK_D=next_pow2(head_dim))
+    _flat_decode_kernel[(programs,)](
+        q, k, v, k_cache, v_cache, block_tables, context_lens, slots, q_weight, k_weight, cos,
+        sin, eps, tile_unit, tile_j, total, out, part_out, part_lse, scale_log2, q.stride(0),
+        q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), block_tables.stride(0),
+        cos.stride(0), out.stride(0), out.stride(1), **consts, PAGE=page, BLOCK_N=block_n,
+        PRECISION=dot_precision(q.dtype), STORE=store, NORM_ROPE=norm_rope,
+        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}))
+    _flat_merge_kernel[(b * kv_heads,)](
+        unit_first, context_lens, total, part_out, part_lse, out, programs, out.stride(0),
+        out.stride(1), **consts, BLOCK_N=block_n, num_warps=4)
+
+
+# Launched through a custom op that declares what it writes: torch.compile's tracing of Triton
+# launches takes num_warps and num_stages but not maxnreg, and cannot trace the interpreter's.
+_launch_flat_op = torch.library.custom_op(
+    "minivllm::flat_decode_attention_launch", _launch_flat,
+    mutates_args=("k_cache", "v_cache", "out", "part_out", "part_lse"))
+
+
+@_launch_flat_op.register_fake
+def _(*args) -> None:
+    return None
+
+
 def tile_map(context_lens: torch.Tensor, kv_heads: int, block_n: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The batch's tile list for flat_decode_attention: (tile_unit [T] int32, tile_j [T] int32,
@@ -192,6 +231,34 @@ def tile_map(context_lens: torch.Tensor, kv_heads: int, block_n: int
     total = tiles.sum().reshape(1)
     return (tile_unit.to(torch.int32), tile_j.to(torch.int32), first.to(torch.int32),
             total.to(torch.int32))
+
+
+def device_tile_map(context_lens: torch.Tensor, kv_heads: int, block_n: int,
+                    max_unit_tiles: int) -> tuple:
+    """tile_map's list computed on the device from shapes alone (no host sync, so a CUDA graph
+    can hold it): tile_unit and tile_j sized for max_unit_tiles tiles a unit, the entries past
+    `total` unused."""
+    prefix = context_lens.long() - 1
+    tiles = torch.clamp((prefix + block_n - 1) // block_n, min=1).repeat_interleave(kv_heads)
+    ends = torch.cumsum(tiles, 0)  # [U]: each unit's end in the list
+    first = ends - tiles
+    g = torch.arange(tiles.numel() * max_unit_tiles, device=tiles.device)
+    tile_unit = torch.searchsorted(ends, g, right=True).clamp(max=tiles.numel() - 1)
+    tile_j = g - first[tile_unit]
+    return (tile_unit.to(torch.int32), tile_j.to(torch.int32), first.to(torch.int32),
+            ends[-1:].to(torch.int32))
+
+
+def with_decode_tiles(batch, kv_heads: int, dtype: torch.dtype, page: int):
+    """A decode batch carrying its tile list (Batch.decode_tiles), so that the triton backend
+    takes flat_decode_attention; once a step, for every layer (kv_heads: a rank's, dtype: the
+    cache's, page: its page size)."""
+    import attrs
+
+    block_n = flat_config(batch.context_lens.device, dtype)["block_n"]
+    max_unit_tiles = -(-batch.block_tables.shape[1] * page // block_n)
+    return attrs.evolve(batch, decode_tiles=device_tile_map(batch.context_lens, kv_heads,
+                                                            block_n, max_unit_tiles))
 
 
 def flat_config(device: torch.device, dtype: torch.dtype) -> dict:
@@ -251,18 +318,9 @@ def flat_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:
         q_weight = k_weight = cos = sin = q  # unused
         eps = 0.0
-    consts = dict(KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_G=block_g,
-                  BLOCK_D=block_d)
-    _flat_decode_kernel[(programs,)](
-        q, k, v, k_cache, v_cache, block_tables, context_lens,
-        slot_mapping if store else context_lens, q_weight, k_weight, cos, sin, float(eps),
-        tile_unit, tile_j, total, out, part_out, part_lse, scale * LOG2E, q.stride(0),
-        q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), block_tables.stride(0),
-        cos.stride(0), out.stride(0), out.stride(1), **consts, PAGE=page, BLOCK_N=cfg["block_n"],
-        PRECISION=dot_precision(q.dtype), STORE=store, NORM_ROPE=norm_rope is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
-    _flat_merge_kernel[(b * kv_heads,)](
-        unit_first, context_lens, total, part_out, part_lse, out, programs, out.stride(0),
-        out.stride(1), **consts, BLOCK_N=cfg["block_n"], num_warps=4)
+    _launch_flat_op(q, k, v, k_cache, v_cache, block_tables, context_lens,
+                    slot_mapping if store else context_lens, q_weight, k_weight, cos, sin,
+                    float(eps), tile_unit, tile_j, unit_first, total, out, part_out, part_lse,
+                    scale * LOG2E, programs, cfg["block_n"], cfg["num_warps"], cfg["num_stages"],
+                    int(cfg.get("maxnreg") or 0), store, norm_rope is not None)
     return out

@@ -54,7 +54,8 @@ def make_problem(q_lens: Sequence[int], cached: Sequence[int], *, page: int, kv_
         slots = batch.slot_mapping.clone()
         slots[list(skip)] = -1
         batch = attrs.evolve(batch, slot_mapping=slots)
-    batch = Batch(*(getattr(batch, f.name).to(device) for f in attrs.fields(Batch)))
+    batch = Batch(**{f.name: getattr(batch, f.name).to(device) for f in attrs.fields(Batch)
+                     if getattr(batch, f.name) is not None})
 
     t, heads = sum(q_lens), kv_heads * group
 
