@@ -71,6 +71,12 @@ def test_flat_decode_refuses_what_it_does_not_take(device):
     with pytest.raises(ValueError, match="KV heads"):
         flat_decode_attention(p.q, p.k[:, :1], p.v, p.k_cache, p.v_cache,
                               p.batch.block_tables, p.batch.context_lens, p.scale)
+    with pytest.raises(ValueError, match="programs must be at least 1"):
+        flat_decode_attention(p.q, p.k, p.v, p.k_cache, p.v_cache, p.batch.block_tables,
+                              p.batch.context_lens, p.scale, programs=0)
+    with pytest.raises(ValueError, match="slot_mapping must be"):
+        flat_decode_attention(p.q, p.k, p.v, p.k_cache, p.v_cache, p.batch.block_tables,
+                              p.batch.context_lens, p.scale, slot_mapping=p.batch.slot_mapping[:1])
 
 
 @given(case=flat_cases(), programs=st.sampled_from([1, 3, 64]), skip=st.booleans())

@@ -28,6 +28,7 @@ takes this kernel for a batch that carries one).
 
 from __future__ import annotations
 
+import attrs
 import torch
 import triton
 import triton.language as tl
@@ -217,13 +218,18 @@ def _(*args) -> None:
     return None
 
 
+def _unit_tiles(context_lens: torch.Tensor, kv_heads: int, block_n: int) -> torch.Tensor:
+    """[B * kv_heads]: each unit's tiles, max(1, ceil(prefix / block_n))."""
+    prefix = context_lens.long() - 1
+    return torch.clamp((prefix + block_n - 1) // block_n, min=1).repeat_interleave(kv_heads)
+
+
 def tile_map(context_lens: torch.Tensor, kv_heads: int, block_n: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The batch's tile list for flat_decode_attention: (tile_unit [T] int32, tile_j [T] int32,
     unit_first [B * kv_heads] int32, total [1] int32), units b-major (a sequence's KV heads
     one after another)."""
-    prefix = context_lens.long() - 1
-    tiles = torch.clamp((prefix + block_n - 1) // block_n, min=1).repeat_interleave(kv_heads)
+    tiles = _unit_tiles(context_lens, kv_heads, block_n)
     first = torch.cumsum(tiles, 0) - tiles
     units = torch.arange(tiles.numel(), device=tiles.device)
     tile_unit = torch.repeat_interleave(units, tiles)
@@ -238,8 +244,7 @@ def device_tile_map(context_lens: torch.Tensor, kv_heads: int, block_n: int,
     """tile_map's list computed on the device from shapes alone (no host sync, so a CUDA graph
     can hold it): tile_unit and tile_j sized for max_unit_tiles tiles a unit, the entries past
     `total` unused."""
-    prefix = context_lens.long() - 1
-    tiles = torch.clamp((prefix + block_n - 1) // block_n, min=1).repeat_interleave(kv_heads)
+    tiles = _unit_tiles(context_lens, kv_heads, block_n)
     ends = torch.cumsum(tiles, 0)  # [U]: each unit's end in the list
     first = ends - tiles
     g = torch.arange(tiles.numel() * max_unit_tiles, device=tiles.device)
@@ -253,8 +258,6 @@ def with_decode_tiles(batch, kv_heads: int, dtype: torch.dtype, page: int):
     """A decode batch carrying its tile list (Batch.decode_tiles), so that the triton backend
     takes flat_decode_attention; once a step, for every layer (kv_heads: a rank's, dtype: the
     cache's, page: its page size)."""
-    import attrs
-
     block_n = flat_config(batch.context_lens.device, dtype)["block_n"]
     max_unit_tiles = -(-batch.block_tables.shape[1] * page // block_n)
     return attrs.evolve(batch, decode_tiles=device_tile_map(batch.context_lens, kv_heads,
@@ -282,9 +285,10 @@ def flat_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           programs: int | None = None, config: dict | None = None
                           ) -> torch.Tensor:
     """out: [B, heads, head_dim], what paged_decode_attention returns for the same arguments
-    (slot_mapping and norm_rope as there). tiles: tile_map(context_lens, kv_heads, block_n)
-    (built here if None); programs: the grid (default: programs_per_sm an SM); config:
-    overrides of flat_config. A cache of q's dtype (no fp8 yet)."""
+    (slot_mapping and norm_rope as there). tiles: tile_map(context_lens, kv_heads, block_n) or
+    device_tile_map's, for the block_n this call's config takes (built here if None);
+    programs: the grid (default: programs_per_sm an SM); config: overrides of flat_config. A
+    cache of q's dtype (no fp8 yet)."""
     b, heads, head_dim = q.shape
     _, page, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -302,6 +306,8 @@ def flat_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     tile_unit, tile_j, unit_first, total = tiles
     if programs is None:
         programs = cfg["programs_per_sm"] * num_sms(q.device)
+    if programs < 1:
+        raise ValueError(f"programs must be at least 1, got {programs}")
     if out is None:
         out = torch.empty_like(q)
     block_g, block_d = max(16, next_pow2(group)), next_pow2(head_dim)
