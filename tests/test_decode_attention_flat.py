@@ -84,20 +84,15 @@ def test_flat_decode_in_the_engines_form_matches_paged_decode(device, case, prog
     """norm_rope and slot_mapping given (q and k raw from the qkv projection, the new K/V
     stored): the output of paged_decode_attention's engine form, and the very same cache (the
     new K/V where store_kvcache would put them, -1 rows writing nothing, nothing else moved)."""
-    from minivllm.functional.rope import rope_cos_sin
     from minivllm.kernels.decode_attention import paged_decode_attention
-    from minivllm.state import ModelConfig
+    from minivllm.kernels.testing import decode_norm_rope
 
     if case["head_dim"] % 2:
         case["head_dim"] += 1
     p = make_problem(**case, device=device)
-    d, dtype = case["head_dim"], case["dtype"]
-    g = torch.Generator().manual_seed(case["seed"] + 1)
-    q_weight, k_weight = (1 + 0.3 * torch.randn(2, d, generator=g)).to(device, dtype)
-    config = ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
-                         num_heads=1, num_kv_heads=1, head_dim=d, rope_theta=1000.0)
-    cos, sin = rope_cos_sin(config, (p.batch.context_lens - 1).long())
-    norm_rope = (q_weight, k_weight, cos, sin, 1e-6)
+    dtype = case["dtype"]
+    norm_rope = decode_norm_rope(p.batch.context_lens, case["head_dim"], dtype, case["seed"] + 1,
+                                 device)
     slots = p.batch.slot_mapping.clone()
     if skip:
         slots[0] = -1  # a padding row

@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from ..state.config import FP8_DTYPES
-from .launch import cuda_capability, dot_precision, next_pow2, num_sms, runs_ptx
+from .launch import (attention_launch_op, cuda_capability, dot_precision, next_pow2, num_sms,
+                     runs_ptx)
 from .paged import load_rows, page_rows
 
 LOG2E = 1.4426950408889634
@@ -457,14 +458,7 @@ def _launch_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
         PEEL=peel, num_warps=num_warps, num_stages=num_stages)
 
 
-_launch_decode_opaque = torch.library.custom_op(
-    "minivllm::decode_attention_launch", _launch_decode,
-    mutates_args=("k_cache", "v_cache", "out", "part_out", "part_lse"))
-
-
-@_launch_decode_opaque.register_fake
-def _(*args) -> None:
-    return None
+_launch_decode_opaque = attention_launch_op("decode_attention_launch", _launch_decode)
 
 
 def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

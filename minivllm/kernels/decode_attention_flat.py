@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .decode_attention import LOG2E, _decode_tile, _load_norm_rope, _rope_lanes
-from .launch import dot_precision, next_pow2, num_sms, runs_ptx
+from .launch import attention_launch_op, dot_precision, next_pow2, num_sms, runs_ptx
 
 
 @triton.jit
@@ -208,14 +208,7 @@ def _launch_flat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: tor
 
 # Launched through a custom op that declares what it writes: torch.compile's tracing of Triton
 # launches takes num_warps and num_stages but not maxnreg, and cannot trace the interpreter's.
-_launch_flat_op = torch.library.custom_op(
-    "minivllm::flat_decode_attention_launch", _launch_flat,
-    mutates_args=("k_cache", "v_cache", "out", "part_out", "part_lse"))
-
-
-@_launch_flat_op.register_fake
-def _(*args) -> None:
-    return None
+_launch_flat_op = attention_launch_op("flat_decode_attention_launch", _launch_flat)
 
 
 def _unit_tiles(context_lens: torch.Tensor, kv_heads: int, block_n: int) -> torch.Tensor:
