@@ -461,6 +461,19 @@ def _launch_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
 _launch_decode_opaque = attention_launch_op("decode_attention_launch", _launch_decode)
 
 
+def norm_rope_args(norm_rope: tuple | None, q: torch.Tensor) -> tuple:
+    """A launch's (q_weight, k_weight, cos, sin, eps) from norm_rope, checked against q [B,
+    heads, head_dim]; without one, q in the tensors' places and eps 0 (unused by the kernel)."""
+    b, _, head_dim = q.shape
+    if norm_rope is None:
+        return q, q, q, q, 0.0
+    q_weight, k_weight, cos, sin, eps = norm_rope
+    assert head_dim % 2 == 0 and q_weight.shape == k_weight.shape == (head_dim,)
+    assert cos.shape == sin.shape == (b, head_dim) and cos.stride() == sin.stride()
+    assert cos.stride(1) == 1 and q_weight.is_contiguous() and k_weight.is_contiguous()
+    return q_weight, k_weight, cos, sin, eps
+
+
 def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
@@ -506,14 +519,7 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     block_d = next_pow2(head_dim)
     store = slot_mapping is not None
     assert not store or slot_mapping.shape == (b,), (slot_mapping.shape, b)
-    if norm_rope is not None:
-        q_weight, k_weight, cos, sin, eps = norm_rope
-        assert head_dim % 2 == 0 and q_weight.shape == k_weight.shape == (head_dim,)
-        assert cos.shape == sin.shape == (b, head_dim) and cos.stride() == sin.stride()
-        assert cos.stride(1) == 1 and q_weight.is_contiguous() and k_weight.is_contiguous()
-    else:
-        q_weight = k_weight = cos = sin = q  # unused
-        eps = 0.0
+    q_weight, k_weight, cos, sin, eps = norm_rope_args(norm_rope, q)
     heads_fastest = bool(cfg.get("heads_fastest", True))
     fp8_cache = k_cache.dtype in FP8_DTYPES
     f16_dots = bool(cfg.get("f16_dots", fp8_cache and q.element_size() == 2))

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import LOG2E, _decode_tile, _load_norm_rope, _rope_lanes
+from .decode_attention import LOG2E, _decode_tile, _load_norm_rope, _rope_lanes, norm_rope_args
 from .launch import attention_launch_op, dot_precision, next_pow2, num_sms, runs_ptx
 
 
@@ -309,14 +309,7 @@ def flat_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     store = slot_mapping is not None
     if store and slot_mapping.shape != (b,):
         raise ValueError(f"slot_mapping must be [{b}], got {list(slot_mapping.shape)}")
-    if norm_rope is not None:
-        q_weight, k_weight, cos, sin, eps = norm_rope
-        assert head_dim % 2 == 0 and q_weight.shape == k_weight.shape == (head_dim,)
-        assert cos.shape == sin.shape == (b, head_dim) and cos.stride() == sin.stride()
-        assert cos.stride(1) == 1 and q_weight.is_contiguous() and k_weight.is_contiguous()
-    else:
-        q_weight = k_weight = cos = sin = q  # unused
-        eps = 0.0
+    q_weight, k_weight, cos, sin, eps = norm_rope_args(norm_rope, q)
     _launch_flat_op(q, k, v, k_cache, v_cache, block_tables, context_lens,
                     slot_mapping if store else context_lens, q_weight, k_weight, cos, sin,
                     float(eps), tile_unit, tile_j, unit_first, total, out, part_out, part_lse,
