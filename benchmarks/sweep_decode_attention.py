@@ -144,8 +144,8 @@ def profile_one(pr, b, splits, slots, weights, cos, sin, scale):
 # four): the default (3 an SM, capped), 2 an SM uncapped, 3 an SM uncapped (two resident),
 # 64-token tiles 4 an SM capped, in 3 and 4 stages.
 FLAT_CONFIGS = [dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=3, maxnreg=168),
-                dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2),
-                dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=3),
+                dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2, maxnreg=0),
+                dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=3, maxnreg=0),
                 dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4, maxnreg=128),
                 dict(block_n=64, num_warps=4, num_stages=4, programs_per_sm=4, maxnreg=128)]
 
@@ -153,7 +153,8 @@ FLAT_CONFIGS = [dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=3, 
 def flat_one(pr, b, lo, hi, splits, slots, weights, cos, sin, scale):
     """The default against flat_decode_attention over the same problems, in the engine's form
     (q/k norm and RoPE, the new K/V stored) and the plain one, the flat kernel's tile lists
-    built before the timing (the engine would build them on the host with the batch); each
+    built before the timing (the engine builds them on the device once a step, device_tile_map's
+    ~15 small kernels, which this sweep does not time); each
     flat output's error against the default's."""
     from minivllm.kernels.decode_attention_flat import flat_decode_attention, tile_map
     from minivllm.kernels.launch import num_sms
