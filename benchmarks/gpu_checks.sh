@@ -26,6 +26,8 @@
 #       list of tiles, an equal share a program (decode_attention_flat.py), against the default
 #   bash benchmarks/gpu_checks.sh flat_engine  # nvidia-h200: the engine with it
 #       (MINIVLLM_FLAT_ATTENTION=1): the graph test, then throughput against without
+#   bash benchmarks/gpu_checks.sh block_size  # nvidia-h200: throughput at KV pages of 16 tokens
+#       against 32-256 (--block-size), alternating
 #   bash benchmarks/gpu_checks.sh inductor_knobs  # nvidia-h200: throughput with Inductor's PDL
 #       and its coordinate-descent tuning against its defaults, in turn
 #   bash benchmarks/gpu_checks.sh profile  # nvidia-h200: traced decode steps (bf16 and fp8 cache,
@@ -490,6 +492,16 @@ flat_engine)
     step "bench_$run" $(left_or 200) env MINIVLLM_FLAT_ATTENTION=$([ "${run#*_}" = flat ] \
       && echo 1 || echo 0) python3 -m minivllm bench --shape qwen3-0.6b \
       --json "$RESULTS/bench_$run.json"
+  done
+  ;;
+block_size)
+  # nvidia-h200 (<= 580 s): throughput at KV pages of 16 tokens (the default, vLLM's) against
+  # larger ones (nano-vllm's 256), alternating while time is left. A 128-token tile of the
+  # decode kernel gathers its rows from 8 pages at 16 tokens, from one at 128 or more.
+  for run in ${RUNS:-1_16 2_256 3_64 4_32 5_128 6_16 7_256 8_64}; do
+    [ $(( BUDGET_S - SECONDS )) -lt 60 ] && break
+    step "bench_bs$run" $(left_or 200) python3 -m minivllm bench --shape qwen3-0.6b \
+      --block-size ${run#*_} --json "$RESULTS/bench_bs$run.json"
   done
   ;;
 inductor_knobs)
