@@ -22,10 +22,6 @@
 #       to down as one persistent kernel) against the engine's compiled kernels, 32-256 rows
 #   bash benchmarks/gpu_checks.sh mlp_engine  # nvidia-h200: the engine with it (MINIVLLM_FUSED_MLP):
 #       the graph tests, then throughput against without, alternating
-#   bash benchmarks/gpu_checks.sh flat_attention  # nvidia-h200: decode attention as one flat
-#       list of tiles, an equal share a program (decode_attention_flat.py), against the default
-#   bash benchmarks/gpu_checks.sh flat_engine  # nvidia-h200: the engine with it
-#       (MINIVLLM_FLAT_ATTENTION=1): the graph test, then throughput against without
 #   bash benchmarks/gpu_checks.sh block_size  # nvidia-h200: throughput at KV pages of 16 tokens
 #       against 32-256 (--block-size), alternating
 #   bash benchmarks/gpu_checks.sh inductor_knobs  # nvidia-h200: throughput with Inductor's PDL
@@ -61,7 +57,7 @@
 # Modes of earlier calls are in the commits BENCHMARKS.md names (session 4's recheck, verify,
 # final and last: in 04e96c7; session 5's s5: bb7f952, s5b: a95279f; session 6's fused: 0cb7b0a;
 # session 21's startup, MINIVLLM_DYNAMIC_START=1 against 0, run in session 22's call 1: e2c4259;
-# session 35's early_tile: 0437b02).
+# session 35's early_tile: 0437b02; session 36's flat_attention and flat_engine: 3b2847c).
 # Every step's output streams into $OUT/logs.txt (the suite's into $OUT/tests.txt) and its JSON
 # into $OUT/results.json, so a call cut short still returns what it did; a step past its limit
 # gets SIGABRT first, and PYTHONFAULTHANDLER=1 makes every Python process print its stacks.
@@ -463,34 +459,6 @@ mlp_engine)
     elif [ "$FUSED" = default ]; then flag=(env -u MINIVLLM_FUSED_MLP)
     else flag=(env MINIVLLM_FUSED_MLP=$FUSED); fi
     step "bench_$run" $(left_or 200) "${flag[@]}" python3 -m minivllm bench --shape qwen3-0.6b \
-      --json "$RESULTS/bench_$run.json"
-  done
-  ;;
-flat_attention)
-  # nvidia-h200 (<= 400 s): kernels/decode_attention_flat.py (session 35, CPU-tested only): the
-  # batch's tiles as one list, an equal share a program of a fixed grid, so that a program's
-  # pipeline fills once a launch rather than once a sequence (session 26: the default loses ~27
-  # us a launch to the read rate at 256 sequences, in its programs' starts). Against the plain
-  # default over the throughput run's contexts at ~256 and ~128 sequences, each flat output
-  # checked against the default's in bf16; then its tests. The engine's A/B is flat_engine
-  # (both in one call: `flat_attention flat_engine`); worth making the default if it gains.
-  step flat_sweep $(left_or 240) python3 benchmarks/sweep_decode_attention.py --flat
-  step flat_sweep_128 $(left_or 120) python3 benchmarks/sweep_decode_attention.py --flat \
-    --batch 128 --contexts 400-2248
-  STEP_LOG=$OUT/tests.txt step flat_tests $(left_or 150) python3 -m pytest $PYTEST_ARGS \
-    tests/test_decode_attention_flat.py
-  ;;
-flat_engine)
-  # nvidia-h200 (<= 580 s): the engine's decode graphs with it (MINIVLLM_FLAT_ATTENTION=1, the
-  # tile list built on the device once a step): the graph test against eager (FLAT_TESTS=0
-  # skips it), then throughput with and without, alternating, while time is left.
-  [ "${FLAT_TESTS:-1}" = 1 ] && MINIVLLM_FLAT_ATTENTION=1 STEP_LOG=$OUT/tests.txt \
-    step flat_graph_tests $(left_or 200) python3 -m pytest $PYTEST_ARGS tests/test_gpu_graphs.py \
-    -k "graphs_and_async_scheduling_equal_eager and bfloat16"
-  for run in ${FLAT_RUNS:-1_flat 2_base 3_flat 4_base}; do
-    [ $(( BUDGET_S - SECONDS )) -lt 60 ] && break
-    step "bench_$run" $(left_or 200) env MINIVLLM_FLAT_ATTENTION=$([ "${run#*_}" = flat ] \
-      && echo 1 || echo 0) python3 -m minivllm bench --shape qwen3-0.6b \
       --json "$RESULTS/bench_$run.json"
   done
   ;;

@@ -7,9 +7,6 @@
     PYTHONPATH=. python benchmarks/sweep_decode_attention.py --kv-cache-dtype fp8  # an fp8 cache
     PYTHONPATH=. python benchmarks/sweep_decode_attention.py --order both --default-only
         # the default config with the rows in random order and sorted longest context first
-    PYTHONPATH=. python benchmarks/sweep_decode_attention.py --flat
-        # kernels/decode_attention_flat.py (a flat tile list, an equal share a program) against
-        # the default, in the engine's form and the plain one
     ncu --clock-control none -k regex:_decode_kernel -s 1 -c 1 --section WarpStateStats ... \
         python benchmarks/sweep_decode_attention.py --profile --contexts 200-1124 [--kv-cache-dtype fp8]
         # the engine's default call twice (the first compiles), for a profiler to take the second
@@ -70,9 +67,6 @@ def main() -> int:
     ap.add_argument("--configs", type=parse_configs, default=None,
                     help="the default and these tile configs only, e.g. n32w2s3,n64w2s2 (BLOCK_N, "
                     "warps, stages)")
-    ap.add_argument("--flat", action="store_true",
-                    help="only the default against flat_decode_attention at several grids and "
-                    "tiles, in the engine's form and the plain one (a 16-bit cache)")
     ap.add_argument("--profile", action="store_true",
                     help="no timing: the engine-form default twice per context range, for ncu")
     args = ap.parse_args()
@@ -105,9 +99,6 @@ def main() -> int:
             if args.profile:
                 profile_one(pr, b, splits, slots, weights, cos, sin, scale)
                 continue
-            if args.flat:
-                flat_one(pr, b, lo, hi, splits, slots, weights, cos, sin, scale)
-                continue
             sweep_one(pr, b, lo, hi, args.page, splits, slots, weights, cos, sin, scale, only)
         del pr
         torch.cuda.empty_cache()
@@ -136,64 +127,6 @@ def profile_one(pr, b, splits, slots, weights, cos, sin, scale):
     torch.cuda.synchronize()
     print(f"profiled B={b} splits {splits} {pr['k_cache'].dtype}: {pr['bytes'] / 1e6:.0f} MB read a call "
           f"({len(pr['problems'])} problems)", flush=True)
-
-
-# flat_decode_attention's tiles and grids (offline sm_90 compile of the engine's form: 128-token
-# tiles take ~74 KB of shared memory and, uncapped, 238 registers a thread, so two programs an
-# SM; capped at 168 (maxnreg) three, no spills; 64-token tiles ~41 KB and 188, capped at 128
-# four): the default (3 an SM, capped), 2 an SM uncapped, 3 an SM uncapped (two resident),
-# 64-token tiles 4 an SM capped, in 3 and 4 stages.
-FLAT_CONFIGS = [dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=3, maxnreg=168),
-                dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2, maxnreg=0),
-                dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=3, maxnreg=0),
-                dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4, maxnreg=128),
-                dict(block_n=64, num_warps=4, num_stages=4, programs_per_sm=4, maxnreg=128)]
-
-
-def flat_one(pr, b, lo, hi, splits, slots, weights, cos, sin, scale):
-    """The default against flat_decode_attention over the same problems, in the engine's form
-    (q/k norm and RoPE, the new K/V stored) and the plain one, the flat kernel's tile lists
-    built before the timing (the engine builds them on the device once a step, device_tile_map's
-    ~15 small kernels, which this sweep does not time); each
-    flat output's error against the default's."""
-    from minivllm.kernels.decode_attention_flat import flat_decode_attention, tile_map
-    from minivllm.kernels.launch import num_sms
-
-    probs = pr["problems"]
-    cells = []
-    for form in ("engine form", "plain"):
-        extra = dict(slot_mapping=slots, norm_rope=(weights[0], weights[1], cos, sin, 1e-6)) \
-            if form == "engine form" else {}
-        calls = [lambda p=p: paged_decode_attention(p["q"], p["k"], p["v"], pr["k_cache"],
-                                                    pr["v_cache"], p["bt"], pr["ctx"], scale,
-                                                    out=p["out"], num_splits=splits, **extra)
-                 for p in probs]
-        us, _ = time_calls(calls)
-        p0 = probs[0]
-        want = paged_decode_attention(p0["q"], p0["k"], p0["v"], pr["k_cache"], pr["v_cache"],
-                                      p0["bt"], pr["ctx"], scale, **extra).float()
-        cells.append(f"{form}, default: {us:.1f} us {pr['bytes'] / us / 1e6:.2f} TB/s")
-        for cfg in FLAT_CONFIGS:
-            tiles = tile_map(pr["ctx"], KV_HEADS, cfg["block_n"])
-            programs = cfg["programs_per_sm"] * num_sms(DEV)
-            calls = [lambda p=p: flat_decode_attention(
-                p["q"], p["k"], p["v"], pr["k_cache"], pr["v_cache"], p["bt"], pr["ctx"], scale,
-                tiles, out=p["out"], programs=programs, config=cfg, **extra) for p in probs]
-            name = f"{form}, flat n{cfg['block_n']}w{cfg['num_warps']}s{cfg['num_stages']}" \
-                f"{'r' + str(cfg['maxnreg']) if cfg.get('maxnreg') else ''} " \
-                f"{cfg['programs_per_sm']} an SM ({programs} programs, {int(tiles[3].item())} tiles)"
-            try:
-                us, _ = time_calls(calls)
-            except Exception as e:  # e.g. more shared memory than an SM has: the rest still runs
-                cells.append(f"{name}: failed ({e})"[:300])
-                continue
-            got = flat_decode_attention(p0["q"], p0["k"], p0["v"], pr["k_cache"], pr["v_cache"],
-                                        p0["bt"], pr["ctx"], scale, tiles, programs=programs,
-                                        config=cfg, **extra).float()
-            err = ((got - want).abs().max() / want.abs().max()).item()
-            cells.append(f"{name}: {us:.1f} us {pr['bytes'] / us / 1e6:.2f} TB/s, error {err:.1e}")
-    print(f"B={b} contexts U[{lo},{hi}] ({pr['order']} order) flat against the default:\n  "
-          + "\n  ".join(cells), flush=True)
 
 
 def sweep_one(pr, b, lo, hi, page, splits, slots, weights, cos, sin, scale, only=None):

@@ -101,10 +101,12 @@ def test_bench_runs_nano_vllms_workload_and_records_each_step(tmp_path):
     result_path, steps_path = tmp_path / "r.json", tmp_path / "steps.json"
     assert main(["bench", "--model", model, "--num-seqs", "4", "--max-input-len", "120",
                  "--max-output-len", "110", "--max-model-len", "512", "--dtype", "float32",
-                 "--json", str(result_path), "--step-times", str(steps_path)]) == 0
+                 "--block-size", "32", "--json", str(result_path), "--step-times",
+                 str(steps_path)]) == 0
     result = json.loads(result_path.read_text())
     prompts, max_tokens = throughput_workload(4, 120, 110)
     assert result["workload"] == "throughput" and result["tensor_parallel_size"] == 1
+    assert result["block_size"] == 32  # the KV page the run took, recorded
     assert result["output_tokens"] == sum(max_tokens)
     assert result["prompt_tokens"] == sum(map(len, prompts))
     for key in ("output_tok_per_s", "seconds", "device", "shape", "backend", "date"):

@@ -144,14 +144,19 @@ def test_paged_decode_norms_and_rotates_q_and_k_as_the_layer_does(device, case, 
     """norm_rope given: q and k arrive unnormed and unrotated, and the kernel gives the output and
     the stored K of functional.layer.qk_norm_rope followed by the plain kernel."""
     from minivllm.functional.layer import qk_norm_rope
-    from minivllm.kernels.testing import decode_norm_rope
+    from minivllm.functional.rope import rope_cos_sin
+    from minivllm.state import ModelConfig
 
     if case["head_dim"] % 2:
         case["head_dim"] += 1
     p = make_problem(**case, device=device)
-    dtype = case["dtype"]
-    q_weight, k_weight, cos, sin, eps = decode_norm_rope(p.batch.context_lens, case["head_dim"],
-                                                         dtype, case["seed"] + 1, device)
+    d, dtype = case["head_dim"], case["dtype"]
+    g = torch.Generator().manual_seed(case["seed"] + 1)
+    q_weight, k_weight = (1 + 0.3 * torch.randn(2, d, generator=g)).to(device, dtype)
+    config = ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
+                         num_heads=1, num_kv_heads=1, head_dim=d, rope_theta=1000.0)
+    cos, sin = rope_cos_sin(config, (p.batch.context_lens - 1).long())
+    eps = 1e-6
     slots = p.batch.slot_mapping
     k_want, v_want = p.k_cache.clone(), p.v_cache.clone()
     q_in, k_in = 3 * p.q, 3 * p.k  # off unit scale, so that the norm matters

@@ -19,8 +19,7 @@ import triton
 import triton.language as tl
 
 from ..state.config import FP8_DTYPES
-from .launch import (attention_launch_op, cuda_capability, dot_precision, next_pow2, num_sms,
-                     runs_ptx)
+from .launch import cuda_capability, dot_precision, next_pow2, num_sms, runs_ptx
 from .paged import load_rows, page_rows
 
 LOG2E = 1.4426950408889634
@@ -458,20 +457,14 @@ def _launch_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
         PEEL=peel, num_warps=num_warps, num_stages=num_stages)
 
 
-_launch_decode_opaque = attention_launch_op("decode_attention_launch", _launch_decode)
+_launch_decode_opaque = torch.library.custom_op(
+    "minivllm::decode_attention_launch", _launch_decode,
+    mutates_args=("k_cache", "v_cache", "out", "part_out", "part_lse"))
 
 
-def norm_rope_args(norm_rope: tuple | None, q: torch.Tensor) -> tuple:
-    """A launch's (q_weight, k_weight, cos, sin, eps) from norm_rope, checked against q [B,
-    heads, head_dim]; without one, q in the tensors' places and eps 0 (unused by the kernel)."""
-    b, _, head_dim = q.shape
-    if norm_rope is None:
-        return q, q, q, q, 0.0
-    q_weight, k_weight, cos, sin, eps = norm_rope
-    assert head_dim % 2 == 0 and q_weight.shape == k_weight.shape == (head_dim,)
-    assert cos.shape == sin.shape == (b, head_dim) and cos.stride() == sin.stride()
-    assert cos.stride(1) == 1 and q_weight.is_contiguous() and k_weight.is_contiguous()
-    return q_weight, k_weight, cos, sin, eps
+@_launch_decode_opaque.register_fake
+def _(*args) -> None:
+    return None
 
 
 def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -519,7 +512,14 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     block_d = next_pow2(head_dim)
     store = slot_mapping is not None
     assert not store or slot_mapping.shape == (b,), (slot_mapping.shape, b)
-    q_weight, k_weight, cos, sin, eps = norm_rope_args(norm_rope, q)
+    if norm_rope is not None:
+        q_weight, k_weight, cos, sin, eps = norm_rope
+        assert head_dim % 2 == 0 and q_weight.shape == k_weight.shape == (head_dim,)
+        assert cos.shape == sin.shape == (b, head_dim) and cos.stride() == sin.stride()
+        assert cos.stride(1) == 1 and q_weight.is_contiguous() and k_weight.is_contiguous()
+    else:
+        q_weight = k_weight = cos = sin = q  # unused
+        eps = 0.0
     heads_fastest = bool(cfg.get("heads_fastest", True))
     fp8_cache = k_cache.dtype in FP8_DTYPES
     f16_dots = bool(cfg.get("f16_dots", fp8_cache and q.element_size() == 2))

@@ -59,16 +59,5 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def attention_launch_op(name: str, launch):
-    """`launch` (a decode attention kernel's launch, which writes k_cache, v_cache, out,
-    part_out and part_lse and returns nothing) as the custom op minivllm::<name>: torch.compile
-    takes it as declared rather than tracing into the launch."""
-    op = torch.library.custom_op(f"minivllm::{name}", launch,
-                                 mutates_args=("k_cache", "v_cache", "out", "part_out",
-                                               "part_lse"))
-    op.register_fake(lambda *args: None)
-    return op
-
-
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())

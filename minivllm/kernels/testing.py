@@ -54,8 +54,7 @@ def make_problem(q_lens: Sequence[int], cached: Sequence[int], *, page: int, kv_
         slots = batch.slot_mapping.clone()
         slots[list(skip)] = -1
         batch = attrs.evolve(batch, slot_mapping=slots)
-    batch = Batch(**{f.name: getattr(batch, f.name).to(device) for f in attrs.fields(Batch)
-                     if getattr(batch, f.name) is not None})
+    batch = Batch(*(getattr(batch, f.name).to(device) for f in attrs.fields(Batch)))
 
     t, heads = sum(q_lens), kv_heads * group
 
@@ -77,21 +76,6 @@ def make_problem(q_lens: Sequence[int], cached: Sequence[int], *, page: int, kv_
     return Problem(q=rand(t, heads, head_dim), k=rand(t, kv_heads, head_dim),
                    v=rand(t, kv_heads, head_dim), k_cache=k_cache, v_cache=v_cache, batch=batch,
                    poison=bad, scale=head_dim ** -0.5)
-
-
-def decode_norm_rope(context_lens: torch.Tensor, head_dim: int, dtype: torch.dtype, seed: int,
-                     device) -> tuple:
-    """A decode step's norm_rope argument for the attention kernels: (q_weight, k_weight, cos,
-    sin, eps), random norm weights near 1 and each row's RoPE at its new token's position."""
-    from ..functional.rope import rope_cos_sin
-    from ..state import ModelConfig
-
-    g = torch.Generator().manual_seed(seed)
-    q_weight, k_weight = (1 + 0.3 * torch.randn(2, head_dim, generator=g)).to(device, dtype)
-    config = ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
-                         num_heads=1, num_kv_heads=1, head_dim=head_dim, rope_theta=1000.0)
-    cos, sin = rope_cos_sin(config, (context_lens - 1).long())
-    return q_weight, k_weight, cos, sin, 1e-6
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from ..state.batch import Batch
 from .decode_attention import paged_decode_attention
-from .decode_attention_flat import flat_decode_attention
 from .norm_rope_store import norm_rope_store
 from .prefill_attention import varlen_prefill_attention
 from .store_kv import store_kvcache
@@ -19,7 +18,8 @@ class TritonBackend:
 
     def __call__(self, q, k, v, k_cache, v_cache, batch: Batch, scale: float):
         if batch.is_decode:  # the decode kernel writes the new K/V itself
-            return _decode(q, k, v, k_cache, v_cache, batch, scale, None)
+            return paged_decode_attention(q, k, v, k_cache, v_cache, batch.block_tables,
+                                          batch.context_lens, scale, slot_mapping=batch.slot_mapping)
         store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
         return varlen_prefill_attention(q, k, v, k_cache, v_cache, batch.cu_seqlens_q,
                                         batch.context_lens, batch.block_tables, scale)
@@ -28,7 +28,9 @@ class TritonBackend:
                               norm_rope: tuple):
         """A decode step from the raw q and k projections: the kernel RMS-norms and rotates them
         (norm_rope = (q_weight, k_weight, cos, sin, eps)), which saves a kernel per layer."""
-        return _decode(q, k, v, k_cache, v_cache, batch, scale, norm_rope)
+        return paged_decode_attention(q, k, v, k_cache, v_cache, batch.block_tables,
+                                      batch.context_lens, scale, slot_mapping=batch.slot_mapping,
+                                      norm_rope=norm_rope)
 
     def prefill_with_norm_rope(self, q, k, v, k_cache, v_cache, batch: Batch, scale: float,
                                norm_rope: tuple):
@@ -41,18 +43,6 @@ class TritonBackend:
 
     def __repr__(self):
         return "TritonBackend()"
-
-
-def _decode(q, k, v, k_cache, v_cache, batch: Batch, scale: float, norm_rope):
-    """A decode step's attention: the flat kernel when the batch carries its tile list
-    (decode_attention_flat.with_decode_tiles, an experiment), else the default one."""
-    if batch.decode_tiles is not None:
-        return flat_decode_attention(q, k, v, k_cache, v_cache, batch.block_tables,
-                                     batch.context_lens, scale, batch.decode_tiles,
-                                     slot_mapping=batch.slot_mapping, norm_rope=norm_rope)
-    return paged_decode_attention(q, k, v, k_cache, v_cache, batch.block_tables,
-                                  batch.context_lens, scale, slot_mapping=batch.slot_mapping,
-                                  norm_rope=norm_rope)
 
 
 TRITON = TritonBackend()

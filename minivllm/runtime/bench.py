@@ -419,6 +419,7 @@ def main(args) -> dict:
                           read_floor_fraction=floor_s / result["seconds"])
     result.update(shape=args.shape or (None if args.model else "qwen3-0.6b"), model=args.model,
                   max_num_seqs=max_num_seqs, kv_cache_dtype=str(llm.config.cache_dtype),
+                  block_size=llm.config.block_size,
                   device=_device_name(device), tensor_parallel_size=args.tensor_parallel_size,
                   backend=_backend_name(llm), dtype=str(llm.config.dtype),
                   cuda_graphs=getattr(llm.engine.runner, "graphs", None) is not None,

@@ -23,7 +23,7 @@ from ..functional.model import forward
 
 
 def compiled_forward(compile_backend="inductor", fused_mlp_rows: tuple[int, int] | None = None,
-                     device: torch.device | None = None, flat_attention: bool = False):
+                     device: torch.device | None = None):
     """forward with its three parts (stem, decoder layer, head) compiled, each fullgraph (no
     graph breaks), for one engine. Compiling the stem and the head too turns their ~20 eager
     kernels per step (embedding, RoPE tables, final add + norm) into a few.
@@ -37,9 +37,7 @@ def compiled_forward(compile_backend="inductor", fused_mlp_rows: tuple[int, int]
     (_own_copy): an engine's first compile is static, its second makes only the step's sizes
     dynamic. fused_mlp_rows (lo, hi): decode steps of lo-hi rows on one rank run each layer as
     its attention half compiled and kernels.decode_mlp (with_fused_mlp; its barrier counter on
-    `device`). flat_attention: each decode step's batch is given its tile list first, once for
-    every layer, so that the triton backend runs kernels.decode_attention_flat (an experiment,
-    MINIVLLM_FLAT_ATTENTION=1)."""
+    `device`)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     # Inductor's default mode: max-autotune (timing Triton GEMM templates against cuBLAS) did not
     # finish its start-up within 90 s on the H200, several templates asking for more shared
@@ -59,20 +57,8 @@ def compiled_forward(compile_backend="inductor", fused_mlp_rows: tuple[int, int]
 
         counter = torch.zeros(1, dtype=torch.int64, device=device)
         layer = with_fused_mlp(layer, compiled(attention_half), fused_mlp_rows, counter)
-    layers = functools.partial(layers_with_decode_tiles, layer=layer) if flat_attention else None
     return functools.partial(forward, layer=layer, stem=compiled(model.stem),
-                             head=compiled(model.logits_head), layers=layers)
-
-
-def layers_with_decode_tiles(params, cache, batch, backend, x, residual, cos, sin, *, layer):
-    """forward's `layers`: its loop over `layer`, a decode batch first given its tile list
-    (decode_attention_flat.with_decode_tiles, from the cache's KV heads, dtype and page)."""
-    from ..kernels.decode_attention_flat import with_decode_tiles
-
-    if batch.is_decode:
-        k = cache.k[0]  # [num_blocks, page, kv_heads, head_dim]
-        batch = with_decode_tiles(batch, k.shape[2], k.dtype, k.shape[1])
-    return model._layers(params, cache, batch, backend, x, residual, cos, sin, layer)
+                             head=compiled(model.logits_head))
 
 
 _copies = itertools.count(1)

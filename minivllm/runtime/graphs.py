@@ -89,8 +89,7 @@ class DecodeGraphs:
 
     def __init__(self, params: Params, cache: KVCache, backend, *, max_num_seqs: int,
                  max_blocks_per_seq: int, compile_forward: bool = True,
-                 persistent_decode: bool = False, fused_mlp_rows: tuple[int, int] | None = None,
-                 flat_attention: bool = False):
+                 persistent_decode: bool = False, fused_mlp_rows: tuple[int, int] | None = None):
         self.params, self.cache, self.backend = params, cache, backend
         self.device = params.device
         self.buckets = decode_buckets(max_num_seqs, single=persistent_decode)
@@ -108,9 +107,8 @@ class DecodeGraphs:
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
         # fused_mlp_rows (lo, hi): the compiled layer's o_proj to down as one persistent kernel
         # in decode steps of lo-hi rows (kernels/decode_mlp.py; runner.FUSED_MLP_ROWS by default).
-        # flat_attention: decode attention as kernels/decode_attention_flat.py (an experiment).
-        self.fn = compiled_forward(fused_mlp_rows=fused_mlp_rows, device=dev,
-                                   flat_attention=flat_attention) if compile_forward else forward
+        self.fn = compiled_forward(fused_mlp_rows=fused_mlp_rows, device=dev) \
+            if compile_forward else forward
         # Buckets of at most MAX_ROWS rows: every layer in one persistent kernel (decode_layer.py).
         self.small_fn, self.small_rows = self.fn, 0
         if persistent_decode:

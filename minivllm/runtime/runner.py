@@ -158,17 +158,6 @@ def fused_mlp_measured(hidden_size: int, dtype: torch.dtype, device: torch.devic
         cuda_capability(device)[0] == 9
 
 
-def flat_attention(flag: str | None) -> bool:
-    """MINIVLLM_FLAT_ATTENTION's value: "1" runs the compiled decode graphs' attention as
-    kernels/decode_attention_flat.py (an experiment, not yet measured on a GPU); unset, empty or
-    "0": the default kernel."""
-    if flag is None or flag.strip() in ("", "0"):
-        return False
-    if flag.strip() == "1":
-        return True
-    raise ValueError(f"MINIVLLM_FLAT_ATTENTION must be 0 or 1, got {flag!r}")
-
-
 def fused_mlp_rows(flag: str | None, measured: bool = True) -> tuple[int, int] | None:
     """MINIVLLM_FUSED_MLP's value as (LO, HI) rows of the decode graphs that run each layer's
     o_proj to down as one kernel (kernels/decode_mlp.py): "LO-HI"; "0", "off" or empty: none;
@@ -286,18 +275,12 @@ class ModelRunner:
                 log.warning("minivllm: MINIVLLM_FUSED_MLP applies to the compiled decode graphs "
                             "only (a CUDA GPU, not enforce_eager, MINIVLLM_COMPILE not 0): ignored")
             fused = None
-        flat = flat_attention(os.environ.get("MINIVLLM_FLAT_ATTENTION"))
-        if flat and not (graphs and compile_forward and self.backend.name == "triton"
-                         and self.cache.k[0].dtype == self.params.embed.dtype):
-            log.warning("minivllm: MINIVLLM_FLAT_ATTENTION applies to the compiled decode graphs "
-                        "of the triton backend with a cache of the model's dtype: ignored")
-            flat = False
         if graphs:
             self.graphs = DecodeGraphs(
                 self.params, self.cache, self.backend, max_num_seqs=config.max_num_seqs,
                 max_blocks_per_seq=ceil_div(config.max_model_len, self.block_size),
                 compile_forward=compile_forward, persistent_decode=config.persistent_decode,
-                fused_mlp_rows=fused, flat_attention=flat)
+                fused_mlp_rows=fused)
             self.graphs.capture()
         # Prefill and mixed steps run through the same compiled decoder layer (its prefill
         # variants are compiled by the warm-up): on the H200 the throughput benchmark ran 22,637

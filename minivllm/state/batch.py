@@ -8,8 +8,6 @@ T tokens from B sequences, packed without padding, sequence after sequence:
   context_lens   [B]      int32  tokens in the cache for the sequence once this step's are written
   block_tables   [B, M]   int32  the blocks holding each sequence's context (-1: unused)
   logits_indices [N]      int64  rows of T that get logits (in prefill, each sequence's last)
-  decode_tiles   optional        a decode step's tile list for kernels/decode_attention_flat.py
-                                 (with_decode_tiles; None: none, the usual case)
 
 The new tokens of sequence b sit at positions context_lens[b] - q_len_b ... context_lens[b] - 1;
 the earlier ones (a cached prefix or earlier chunks) are read from the cache through block_tables.
@@ -36,7 +34,6 @@ class Batch:
     context_lens: torch.Tensor
     block_tables: torch.Tensor
     logits_indices: torch.Tensor
-    decode_tiles: tuple | None = None
 
     @property
     def num_tokens(self) -> int:
