@@ -23,7 +23,7 @@
 #   bash benchmarks/gpu_checks.sh mlp_engine  # nvidia-h200: the engine with it (MINIVLLM_FUSED_MLP):
 #       the graph tests, then throughput against without, alternating
 #   bash benchmarks/gpu_checks.sh block_size  # nvidia-h200: throughput at KV pages of 16 tokens
-#       against 32-256 (--block-size), alternating
+#       against 32-256 (--block-size), alternating (session 36: no gain)
 #   bash benchmarks/gpu_checks.sh inductor_knobs  # nvidia-h200: throughput with Inductor's PDL
 #       and its coordinate-descent tuning against its defaults, in turn
 #   bash benchmarks/gpu_checks.sh profile  # nvidia-h200: traced decode steps (bf16 and fp8 cache,
@@ -465,7 +465,8 @@ mlp_engine)
 block_size)
   # nvidia-h200 (<= 580 s): throughput at KV pages of 16 tokens (the default, vLLM's) against
   # larger ones (nano-vllm's 256), alternating while time is left. A 128-token tile of the
-  # decode kernel gathers its rows from 8 pages at 16 tokens, from one at 128 or more.
+  # decode kernel gathers its rows from 8 pages at 16 tokens, from one at 128 or more. Session
+  # 36: 256 level with 16, 32-128 2% slower; the default stays 16.
   for run in ${RUNS:-1_16 2_256 3_64 4_32 5_128 6_16 7_256 8_64}; do
     [ $(( BUDGET_S - SECONDS )) -lt 60 ] && break
     step "bench_bs$run" $(left_or 200) python3 -m minivllm bench --shape qwen3-0.6b \
