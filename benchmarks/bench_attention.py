@@ -174,8 +174,10 @@ def decode_problem(b: int, lo: int, hi: int, page: int, seed: int, cache_dtype=D
             k=torch.randn(b, KV_HEADS, HEAD_DIM, generator=g, device=DEV, dtype=DT),
             v=torch.randn(b, KV_HEADS, HEAD_DIM, generator=g, device=DEV, dtype=DT),
             bt=block_tables_for(nblk, perm, s * per_set), out=torch.empty(b, HEADS, HEAD_DIM, device=DEV, dtype=DT)))
+    pos = (ctx - 1).long()  # the new token's position: its K/V slot, as the engine's batch has it
     for p in problems:
         p["bt0"] = p["bt"].clamp(min=0)
+        p["slots"] = p["bt"].long().gather(1, (pos // page)[:, None])[:, 0] * page + pos % page
     cu = torch.arange(b + 1, device=DEV, dtype=torch.int32)
     return dict(ctx=ctx, k_cache=k_cache, v_cache=v_cache, problems=problems, cu=cu,
                 bytes=kv_bytes + io_bytes, sets=sets, max_context=int(nblk.max()) * page)

@@ -93,13 +93,11 @@ def main() -> int:
         pr["order"] = order
         # the engine's block tables: max_model_len 4096
         engine_splits = decode_splits(b, KV_HEADS, 4096, DEV, cache_dtype=cache_dtype)
-        # every new token's K/V goes to the cache's last slot (written, never read by this call)
-        slots = torch.full((b,), pr["k_cache"].shape[0] * args.page - 1, device=DEV)
         for splits in [int(x) for x in args.splits.split(",")] if args.splits else [engine_splits]:
             if args.profile:
-                profile_one(pr, b, splits, slots, weights, cos, sin, scale)
+                profile_one(pr, b, splits, weights, cos, sin, scale)
                 continue
-            sweep_one(pr, b, lo, hi, args.page, splits, slots, weights, cos, sin, scale, only)
+            sweep_one(pr, b, lo, hi, args.page, splits, weights, cos, sin, scale, only)
         del pr
         torch.cuda.empty_cache()
     return 0
@@ -117,19 +115,20 @@ FP8_PREFETCH_CONFIGS = [dict(block_n=128, num_warps=4, num_stages=3),  # the def
                         dict(block_n=32, num_warps=4, num_stages=7)]
 
 
-def profile_one(pr, b, splits, slots, weights, cos, sin, scale):
-    """The engine's call (default config, fused norm/RoPE/store) on the first problem, twice."""
+def profile_one(pr, b, splits, weights, cos, sin, scale):
+    """The engine's call (default config, fused norm/RoPE/store) on the first problem, twice
+    (each new token's K/V stored in its own slot, which no program reads: p["slots"])."""
     p = pr["problems"][0]
     for _ in range(2):
         paged_decode_attention(p["q"], p["k"], p["v"], pr["k_cache"], pr["v_cache"], p["bt"],
                                pr["ctx"], scale, out=p["out"], num_splits=splits,
-                               slot_mapping=slots, norm_rope=(weights[0], weights[1], cos, sin, 1e-6))
+                               slot_mapping=p["slots"], norm_rope=(weights[0], weights[1], cos, sin, 1e-6))
     torch.cuda.synchronize()
     print(f"profiled B={b} splits {splits} {pr['k_cache'].dtype}: {pr['bytes'] / 1e6:.0f} MB read a call "
           f"({len(pr['problems'])} problems)", flush=True)
 
 
-def sweep_one(pr, b, lo, hi, page, splits, slots, weights, cos, sin, scale, only=None):
+def sweep_one(pr, b, lo, hi, page, splits, weights, cos, sin, scale, only=None):
     """Every config (or only those given; {} is the default) at one split count over one set of
     problems; one printed block."""
     cells = []
@@ -148,11 +147,13 @@ def sweep_one(pr, b, lo, hi, page, splits, slots, weights, cos, sin, scale, only
             resolved.append(c)
     for fused in (True, False):
         for cfg in resolved:
-            extra = dict(slot_mapping=slots,
-                         norm_rope=(weights[0], weights[1], cos, sin, 1e-6)) if fused else {}
+            # the engine's form: each new token's K/V stored in its own slot (p["slots"])
+            extra = (lambda p: dict(slot_mapping=p["slots"],
+                                    norm_rope=(weights[0], weights[1], cos, sin, 1e-6))) \
+                if fused else (lambda p: {})
             calls = [lambda p=p: paged_decode_attention(
                 p["q"], p["k"], p["v"], pr["k_cache"], pr["v_cache"], p["bt"], pr["ctx"],
-                scale, out=p["out"], num_splits=splits, config=cfg, **extra)
+                scale, out=p["out"], num_splits=splits, config=cfg, **extra(p))
                 for p in pr["problems"]]
             us, _ = time_calls(calls)
             tag = ("engine form " if fused else "plain ") + "n{block_n}w{num_warps}s{num_stages}".format(
