@@ -145,15 +145,15 @@ def sweep_one(pr, b, lo, hi, page, splits, weights, cos, sin, scale, only=None):
     for c in (default | over for over in configs):
         if c not in resolved:
             resolved.append(c)
+    norm_rope = (weights[0], weights[1], cos, sin, 1e-6)
     for fused in (True, False):
         for cfg in resolved:
-            # the engine's form: each new token's K/V stored in its own slot (p["slots"])
-            extra = (lambda p: dict(slot_mapping=p["slots"],
-                                    norm_rope=(weights[0], weights[1], cos, sin, 1e-6))) \
-                if fused else (lambda p: {})
+            # the engine's form: q/k normed and rotated, each new token's K/V stored in its own
+            # slot (p["slots"])
             calls = [lambda p=p: paged_decode_attention(
                 p["q"], p["k"], p["v"], pr["k_cache"], pr["v_cache"], p["bt"], pr["ctx"],
-                scale, out=p["out"], num_splits=splits, config=cfg, **extra(p))
+                scale, out=p["out"], num_splits=splits, config=cfg,
+                **(dict(slot_mapping=p["slots"], norm_rope=norm_rope) if fused else {}))
                 for p in pr["problems"]]
             us, _ = time_calls(calls)
             tag = ("engine form " if fused else "plain ") + "n{block_n}w{num_warps}s{num_stages}".format(
