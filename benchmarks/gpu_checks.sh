@@ -46,6 +46,9 @@
 #   OLD=dbg/old bash benchmarks/gpu_checks.sh ab  # nvidia-h200: this tree against OLD (another
 #       commit, unpacked there: git archive REV | tar -x -C dbg/old), alternating in one call
 #   TP=2 OLD=dbg/old bash benchmarks/gpu_checks.sh ab  # nvidia-h200-x2: the same at TP=2
+#   bash benchmarks/gpu_checks.sh green  # nvidia-h200: two_stream_probe.py's halves ping-pong on
+#       two green contexts (GEMMs on G SMs, attention on the rest), then the attention sweep
+#   bash benchmarks/gpu_checks.sh tma  # nvidia-h200: decode attention with TMA tile loads
 #   bash benchmarks/gpu_checks.sh probes # nvidia-h200: the kernel sweeps and the head probe
 #   bash benchmarks/gpu_checks.sh attention_tail  # nvidia-h200: decode attention's loss to the
 #       read rate at 256 sequences, tail against fixed cost
@@ -522,6 +525,24 @@ memory)
   MINIVLLM_PREFILL_GRAPH=0 step kv_budget_off 110 python3 benchmarks/kv_budget_check.py \
     --json "$RESULTS/kv_budget_off.json"
   ;;
+green)
+  # nvidia-h200 (<= 560 s): session 37: the batch's halves ping-pong with the GEMMs on a green
+  # context of G SMs and the attentions on the rest (two_stream_probe.py's green-G), against the
+  # engine's layer and session 24's unpartitioned ping-pong; then the attention sweep's default
+  # config (its engine form stores each row's K/V in its own slot since 75fed8c: first GPU run).
+  step green_probe 400 python3 benchmarks/two_stream_probe.py --seqs ${GREEN_SEQS:-256,128} \
+    --contexts 200-1124 --json "$RESULTS/green_probe.json" \
+    --modes ${GREEN_MODES:-one,pingpong,green-16,green-24,green-32,greengemm-24}
+  step sweep_attention $(left_or 120) python3 benchmarks/sweep_decode_attention.py --default-only
+  ;;
+tma)
+  # nvidia-h200 (<= 300 s): session 37: decode attention with TMA tile loads against the same
+  # loop with pointer loads and the engine's kernel, pages of 128 and 256 (tma_decode_probe.py)
+  for page in ${TMA_PAGES:-128 256}; do
+    step tma_probe_$page $(left_or 140) python3 benchmarks/tma_decode_probe.py --page $page \
+      ${TMA_ARGS:-}
+  done
+  ;;
 probes)
   # nvidia-h200 (<= 360 s): what the first LM-head GEMM at a new row count costs the host; the
   # decode head's program counts beside cuBLAS's GEMV; the decode attention kernel at 256
@@ -532,7 +553,7 @@ probes)
   step sweep_gemm 90 python3 benchmarks/sweep_decode_gemm.py
   ;;
 *)
-  echo "usage: $0 MODE... (each of speed|figures|profile|sync|mlp_probe|mlp_engine|inductor_knobs|host_ab|prefill_graph|prefill_default|kv_budget|fp8_ab|graph_tests|engine_tests|memory|rounding|tp|tp_engine|tp8b|agreement|tp_trained|ab|probes|attention_tail|head_cast|norm_rope)" >&2
+  echo "usage: $0 MODE... (each of speed|figures|profile|sync|mlp_probe|mlp_engine|inductor_knobs|host_ab|prefill_graph|prefill_default|kv_budget|fp8_ab|graph_tests|engine_tests|memory|rounding|tp|tp_engine|tp8b|agreement|tp_trained|ab|green|tma|probes|attention_tail|head_cast|norm_rope)" >&2
   exit 2
   ;;
 esac

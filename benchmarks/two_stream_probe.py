@@ -22,6 +22,10 @@ batch's, and nothing made them overlap the other half's attention. Here the over
                  low-priority ones, so that the block scheduler hands a freed SM to a GEMM first
                  (torch instantiates graphs with cudaGraphInstantiateFlagUseNodePriority, so a
                  captured kernel keeps its stream's priority)
+  green-G        as pingpong, the GEMM pieces on a green context of G SMs and the attentions on
+                 one of the other SMs (benchmarks/green_context.py): the GPU split in two, so
+                 the attention's many programs can no longer take the SMs the GEMMs wait for
+  greengemm-G    the GEMM pieces on G SMs, the attentions on ordinary streams (every SM)
 
 Each mode's layer stack over the same random weights, cache and batch is captured in one CUDA
 graph and replayed; its outputs are compared with `one`'s. Contexts are drawn uniformly from
@@ -29,7 +33,10 @@ graph and replayed; its outputs are compared with `one`'s. Contexts are drawn un
 
 On the H200 (BENCHMARKS.md session 24) every two-stream mode was slower than `one`, 4-31%:
 half a batch's attention reads slower than the whole batch's, and the overlap never wins that
-back; high priority for the GEMMs made it worse.
+back; high priority for the GEMMs made it worse. Session 37's green-G modes were slower still at
+every G from 16 to 80 (at 256 sequences 1.10x `one` at G = 32, its best, 1.62x at 80): the
+GEMMs need more than 32 SMs to keep up, and the attention slows with every SM taken from it, so
+no split of the GPU lets the two overlap.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import argparse
 import contextlib
 import json
 import random
+import re
 import sys
 
 import torch
@@ -55,6 +63,8 @@ from minivllm.state.cache import init_cache
 from minivllm.state.config import config_for_shape
 
 MODES = ("one", "pieces", "halves", "free", "pingpong", "pingpong-prio")
+# and green-G / greengemm-G (G: an SM count, a multiple of 8): see the module's docstring
+GREEN = re.compile(r"(green|greengemm)-(\d+)$")
 
 
 def attend(lp, qkv, cos, sin, k_cache, v_cache, batch, *, config, shard, backend):
@@ -131,6 +141,29 @@ def split_stack(params, cache, parts, pre, post, backend, streams, alternate: bo
     return state
 
 
+_green_streams: dict = {}
+
+
+def green_pairs(mode: str, dev: torch.device):
+    """Each half's (GEMM stream, attention stream) for a green-G or greengemm-G mode; the
+    partitions are made once a G and kept (a green context is never freed here)."""
+    from benchmarks.green_context import sm_count_probe, sm_partition_streams
+
+    kind, sms = GREEN.match(mode).groups()
+    sms = int(sms)
+    if sms not in _green_streams:
+        gemm, attention = sm_partition_streams(sms, streams_each=2, device=dev.index or 0)
+        _green_streams[sms] = gemm, attention
+        plain = torch.cuda.Stream(dev)
+        print(f"  a memory-bound op's ms: all SMs {sm_count_probe(plain, dev):.3f}, "
+              f"{sms} SMs {sm_count_probe(gemm[0], dev):.3f}, the rest "
+              f"{sm_count_probe(attention[0], dev):.3f}", flush=True)
+    gemm, attention = _green_streams[sms]
+    if kind == "greengemm":
+        attention = [torch.cuda.Stream(dev), torch.cuda.Stream(dev)]
+    return list(zip(gemm, attention))
+
+
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.float(), b.float()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -177,16 +210,21 @@ def probe(params, backend, seqs: int, contexts: tuple[int, int], modes, page: in
                      else [None, None])
             got = split_stack(params, cache, halves, pre, post, backend, pairs,
                               mode == "pingpong", keep)
-        else:  # pingpong-prio: GEMM pieces high priority (-1), attentions low (0)
+        elif mode == "pingpong-prio":  # GEMM pieces high priority (-1), attentions low (0)
             pairs = ([(torch.cuda.Stream(dev, priority=-1), torch.cuda.Stream(dev, priority=0))
                       for _ in range(2)] if cuda else [None, None])
+            got = split_stack(params, cache, halves, pre, post, backend, pairs, True, keep)
+        else:  # green-G, greengemm-G
+            pairs = green_pairs(mode, dev) if cuda else [None, None]
             got = split_stack(params, cache, halves, pre, post, backend, pairs, True, keep)
         return tuple(torch.cat([got[0][j], got[1][j]]) for j in range(2))
 
     result = dict(seqs=seqs, contexts=list(contexts), layers=config.num_layers,
                   kv_tokens=sum(lens), modes={})
     reference = None
-    for mode in modes:
+
+    def measure(mode):
+        nonlocal reference
         with torch.no_grad():
             for _ in range(2):  # compile (each piece at both row counts) and warm up, eagerly
                 keep = []
@@ -208,6 +246,15 @@ def probe(params, backend, seqs: int, contexts: tuple[int, int], modes, page: in
                 us = replay_us(graph)
                 entry |= dict(us_per_step=us, us_per_layer=us / config.num_layers)
                 del graph, keep
+        return entry
+
+    for mode in modes:
+        try:
+            entry = measure(mode)
+        except Exception as e:  # a green context the driver or a launcher refuses: say so, go on
+            print(f"{seqs} sequences, {mode}: failed: {type(e).__name__}: {e}", flush=True)
+            torch.cuda.synchronize() if cuda else None
+            continue
         result["modes"][mode] = entry
         print(f"{seqs} sequences, contexts {contexts[0]}-{contexts[1]}, {mode}: "
               + ", ".join(f"{k} {v:.4g}" for k, v in entry.items()), flush=True)
@@ -229,7 +276,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     modes = args.modes.split(",")
-    if bad := [m for m in modes if m not in MODES]:
+    if bad := [m for m in modes if m not in MODES and not GREEN.match(m)]:
         print(f"unknown modes {bad}; known: {', '.join(MODES)}", file=sys.stderr)
         return 2
     dev = torch.device(args.device)

@@ -1,0 +1,205 @@
+"""Would decode attention read the KV cache faster through bulk tensor copies (TMA)?
+
+    PYTHONPATH=. python benchmarks/tma_decode_probe.py [--batch 256] [--contexts 200-1124]
+        [--page 128] [--configs n128w4s3,n64w4s3,...]
+
+Session 37's green-context probe (two_stream_probe.py green-G) found decode attention's time
+growing with every SM taken from it (at 256 sequences, 100 SMs of 132 already lost more than
+overlapping the GEMMs won), so the kernel is bound by what each SM can keep in flight or issue,
+not by the memory. A TMA load moves a whole [BLOCK_N, head_dim] tile with one instruction and
+no registers, where the engine's kernel issues ~16 16-byte async copies a thread a tile plus
+their address arithmetic. With KV pages at least as long as a tile (the engine runs pages of 256
+level with 16: session 36), each tile is one box of a 2-D view of the cache, [slots, kv_heads *
+head_dim], so a paged cache can be read this way.
+
+Three kernels over the same random cache and batch, unsplit, no norm/RoPE or store (the plain
+form): the engine's (`engine`), a minimal loop with pointer loads (`pointer`: the same loop as
+`tma`, so that the two differ only in the load), and the minimal loop with TMA loads (`tma`).
+Outputs are checked against the engine's; times are CUDA-graph replays, µs and TB/s of K/V read.
+`swapped` variants compute the scores as K @ q^T and the output as V^T @ p^T (the tile's 128 rows
+as the dots' M dimension, the padded query group as N) instead of q @ K^T and p @ V.
+
+On the H200 (BENCHMARKS.md session 37): TMA loads are 0-5% faster than pointer loads in the same
+minimal loop, and neither beats the engine's kernel (at 256 sequences, page 128: 178.9 µs
+against the best minimal loop's 180.7); the swapped dots are 4-50% slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from benchmarks.bench_linear import replay_us
+from minivllm.kernels.decode_attention import LOG2E, paged_decode_attention
+
+
+@triton.jit
+def _probe_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, ctx_ptr, out_ptr, scale_log2,
+                  stride_bt, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_G: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  TMA: tl.constexpr, STAGES: tl.constexpr, SWAP: tl.constexpr):
+    kvh = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    ROW: tl.constexpr = KV_HEADS * HEAD_DIM
+    heads = kvh * GROUP + offs_g
+    q_mask = (offs_g < GROUP)[:, None]
+    q = tl.load(q_ptr + (b * KV_HEADS * GROUP + heads[:, None]) * HEAD_DIM + offs_d[None, :],
+                mask=q_mask, other=0.0)
+    ctx = tl.load(ctx_ptr + b)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    acc_t = tl.zeros([HEAD_DIM, BLOCK_G], tl.float32)
+    qt = tl.trans(q)
+    full_end = ctx // BLOCK_N * BLOCK_N
+    for n0 in tl.range(0, tl.cdiv(ctx, BLOCK_N) * BLOCK_N, BLOCK_N, num_stages=STAGES):
+        blk = tl.load(bt_row + n0 // PAGE)
+        row0 = blk * PAGE + n0 % PAGE
+        if TMA:
+            kt = k_desc.load([row0, kvh * HEAD_DIM])
+            vt = v_desc.load([row0, kvh * HEAD_DIM])
+        else:
+            rows = (row0.to(tl.int64) + offs_n) * ROW + kvh * HEAD_DIM
+            kt = tl.load(k_ptr + rows[:, None] + offs_d[None, :])
+            vt = tl.load(v_ptr + rows[:, None] + offs_d[None, :])
+        if SWAP:  # scores as [BLOCK_N, BLOCK_G]: the tile's rows are the dots' M
+            st = tl.dot(kt, qt) * scale_log2
+            if n0 >= full_end:
+                valid = (n0 + offs_n) < ctx
+                st = tl.where(valid[:, None], st, float("-inf"))
+                vt = tl.where(valid[:, None], vt, 0.0)
+            m_new = tl.maximum(m_i, tl.max(st, 0))
+            alpha = tl.exp2(m_i - m_new)
+            pt = tl.exp2(st - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(pt, 0)
+            acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(vt), pt.to(vt.dtype))
+        else:
+            s = tl.dot(q, tl.trans(kt)) * scale_log2
+            if n0 >= full_end:  # the last, partial tile: its rows past ctx are another slot's
+                valid = (n0 + offs_n) < ctx
+                s = tl.where(valid[None, :], s, float("-inf"))
+                vt = tl.where(valid[:, None], vt, 0.0)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        m_i = m_new
+    if SWAP:
+        acc = tl.trans(acc_t)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + (b * KV_HEADS * GROUP + heads[:, None]) * HEAD_DIM + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def probe_launch(q, k_cache, v_cache, block_tables, context_lens, scale, *, tma: bool,
+                 block_n: int, num_warps: int, num_stages: int, swap: bool = False, out=None):
+    """Attention of q: [B, heads, D] over each row's context_lens cached tokens."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    b, heads, d = q.shape
+    _, page, kv_heads, _ = k_cache.shape
+    assert page % block_n == 0, "a tile must lie in one page"
+    out = torch.empty_like(q) if out is None else out
+    flat_k = k_cache.view(-1, kv_heads * d)
+    flat_v = v_cache.view(-1, kv_heads * d)
+    k_desc = TensorDescriptor.from_tensor(flat_k, [block_n, d]) if tma else flat_k
+    v_desc = TensorDescriptor.from_tensor(flat_v, [block_n, d]) if tma else flat_v
+    _probe_kernel[(kv_heads, b)](
+        q, flat_k, flat_v, k_desc, v_desc, block_tables, context_lens, out, scale * LOG2E,
+        block_tables.stride(0), KV_HEADS=kv_heads, GROUP=heads // kv_heads, HEAD_DIM=d,
+        BLOCK_G=max(16, heads // kv_heads), PAGE=page, BLOCK_N=block_n, TMA=tma,
+        STAGES=num_stages, SWAP=swap, num_warps=num_warps)
+    return out
+
+
+def parse_config(text: str) -> dict:
+    n, rest = text[1:].split("w")
+    w, s = rest.split("s")
+    return dict(block_n=int(n), num_warps=int(w), num_stages=int(s))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--contexts", default="200-1124,700-1624")
+    ap.add_argument("--page", type=int, default=128)
+    ap.add_argument("--configs", default="n128w4s3,n128w4s2,n64w4s3,n64w4s4,n128w8s3")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    heads, kv_heads, d = 16, 8, 128  # Qwen3-0.6B
+    configs = [parse_config(c) for c in args.configs.split(",")]
+    for contexts in args.contexts.split(","):
+        lo, hi = (int(v) for v in contexts.split("-"))
+        rng = random.Random(0)
+        lens = [rng.randint(lo, hi) for _ in range(args.batch)]
+        width = -(-hi // args.page)
+        blocks = list(range(1, 1 + sum(-(-n // args.page) for n in lens)))
+        rng.shuffle(blocks)
+        tables = torch.zeros(args.batch, width, dtype=torch.int32)
+        i = 0
+        for r, n in enumerate(lens):
+            nb = -(-n // args.page)
+            tables[r, :nb] = torch.tensor(blocks[i:i + nb])
+            i += nb
+        tables = tables.to(dev)
+        ctx = torch.tensor(lens, dtype=torch.int32, device=dev)
+        shape = (len(blocks) + 1, args.page, kv_heads, d)
+        k_cache = torch.randn(shape, device=dev, dtype=dtype)
+        v_cache = torch.randn(shape, device=dev, dtype=dtype)
+        q = torch.randn(args.batch, heads, d, device=dev, dtype=dtype)
+        scale = d ** -0.5
+        kv_bytes = sum(lens) * kv_heads * d * 2 * k_cache.element_size()
+        # The engine's kernel attends to context_lens - 1 cached tokens plus the new k/v: give it
+        # the row's last cached token as the new one, so that both attend to the same tokens.
+        last = torch.tensor([tables[r, (n - 1) // args.page].item() * args.page + (n - 1) % args.page
+                             for r, n in enumerate(lens)], device=dev)
+        k_new = k_cache.view(-1, kv_heads, d)[last]
+        v_new = v_cache.view(-1, kv_heads, d)[last]
+
+        def engine(out=None):
+            return paged_decode_attention(q, k_new, v_new, k_cache, v_cache, tables, ctx, scale,
+                                          num_splits=1, out=out)
+        reference = engine()
+        print(f"B={args.batch} contexts U[{lo},{hi}] page {args.page}, {dtype}:", flush=True)
+        rows = [("engine (default config)", engine)]
+        for cfg in configs:
+            for tma, swap in ((False, False), (True, False), (False, True), (True, True)):
+                name = (f"{'tma' if tma else 'pointer'}{' swapped' if swap else ''} "
+                        f"n{cfg['block_n']}w{cfg['num_warps']}s{cfg['num_stages']}")
+                rows.append((name, lambda out=None, cfg=cfg, tma=tma, swap=swap: probe_launch(
+                    q, k_cache, v_cache, tables, ctx, scale, tma=tma, swap=swap, out=out, **cfg)))
+        for name, fn in rows:
+            try:
+                got = fn()
+                err = ((got.float() - reference.float()).norm() / reference.float().norm()).item()
+                line = f"  {name}: rel err {err:.2e}"
+                if cuda:
+                    out = torch.empty_like(q)
+                    fn(out)
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        fn(out)
+                    us = replay_us(graph)
+                    line += f", {us:.1f} us, {kv_bytes / us / 1e6:.2f} TB/s"
+            except Exception as e:  # a config the compiler refuses: say so, go on
+                line = f"  {name}: failed: {type(e).__name__}: {str(e)[:200]}"
+            print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
