@@ -49,6 +49,8 @@
 #   bash benchmarks/gpu_checks.sh green  # nvidia-h200: two_stream_probe.py's halves ping-pong on
 #       two green contexts (GEMMs on G SMs, attention on the rest), then the attention sweep
 #   bash benchmarks/gpu_checks.sh tma  # nvidia-h200: decode attention with TMA tile loads
+#   bash benchmarks/gpu_checks.sh packed  # nvidia-h200: decode attention, a sequence's KV heads
+#       in one program
 #   bash benchmarks/gpu_checks.sh probes # nvidia-h200: the kernel sweeps and the head probe
 #   bash benchmarks/gpu_checks.sh attention_tail  # nvidia-h200: decode attention's loss to the
 #       read rate at 256 sequences, tail against fixed cost
@@ -543,6 +545,11 @@ tma)
       ${TMA_ARGS:-}
   done
   ;;
+packed)
+  # nvidia-h200 (<= 300 s): session 37: decode attention with a sequence's KV heads in one
+  # program (packed_decode_probe.py) against the engine's kernel, page 16
+  step packed_probe $(left_or 280) python3 benchmarks/packed_decode_probe.py ${PACKED_ARGS:-}
+  ;;
 probes)
   # nvidia-h200 (<= 360 s): what the first LM-head GEMM at a new row count costs the host; the
   # decode head's program counts beside cuBLAS's GEMV; the decode attention kernel at 256
@@ -553,7 +560,7 @@ probes)
   step sweep_gemm 90 python3 benchmarks/sweep_decode_gemm.py
   ;;
 *)
-  echo "usage: $0 MODE... (each of speed|figures|profile|sync|mlp_probe|mlp_engine|inductor_knobs|host_ab|prefill_graph|prefill_default|kv_budget|fp8_ab|graph_tests|engine_tests|memory|rounding|tp|tp_engine|tp8b|agreement|tp_trained|ab|green|tma|probes|attention_tail|head_cast|norm_rope)" >&2
+  echo "usage: $0 MODE... (each of speed|figures|profile|sync|mlp_probe|mlp_engine|inductor_knobs|host_ab|prefill_graph|prefill_default|kv_budget|fp8_ab|graph_tests|engine_tests|memory|rounding|tp|tp_engine|tp8b|agreement|tp_trained|ab|green|tma|packed|probes|attention_tail|head_cast|norm_rope)" >&2
   exit 2
   ;;
 esac

@@ -128,6 +128,68 @@ def parse_config(text: str) -> dict:
     return dict(block_n=int(n), num_warps=int(w), num_stages=int(s))
 
 
+def make_problem(batch: int, lo: int, hi: int, page: int, dev: torch.device, dtype: torch.dtype,
+                 heads: int = 16, kv_heads: int = 8, d: int = 128, seed: int = 0):
+    """A random decode batch over a paged cache (Qwen3-0.6B's heads by default), contexts
+    U[lo, hi] in shuffled pages: a dict of q, k_cache, v_cache, tables, ctx (tokens in the
+    cache, all attended), lens, kv_bytes, and `engine(out=None)`, the engine's kernel (plain
+    form, unsplit) over the same tokens."""
+    rng = random.Random(seed)
+    lens = [rng.randint(lo, hi) for _ in range(batch)]
+    width = -(-hi // page)
+    blocks = list(range(1, 1 + sum(-(-n // page) for n in lens)))
+    rng.shuffle(blocks)
+    tables = torch.zeros(batch, width, dtype=torch.int32)
+    i = 0
+    for r, n in enumerate(lens):
+        nb = -(-n // page)
+        tables[r, :nb] = torch.tensor(blocks[i:i + nb])
+        i += nb
+    tables = tables.to(dev)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=dev)
+    shape = (len(blocks) + 1, page, kv_heads, d)
+    k_cache = torch.randn(shape, device=dev, dtype=dtype)
+    v_cache = torch.randn(shape, device=dev, dtype=dtype)
+    q = torch.randn(batch, heads, d, device=dev, dtype=dtype)
+    scale = d ** -0.5
+    # The engine's kernel attends to context_lens - 1 cached tokens plus the new k/v: give it
+    # the row's last cached token as the new one, so that both attend to the same tokens.
+    last = torch.tensor([tables[r, (n - 1) // page].item() * page + (n - 1) % page
+                         for r, n in enumerate(lens)], device=dev)
+    k_new = k_cache.view(-1, kv_heads, d)[last]
+    v_new = v_cache.view(-1, kv_heads, d)[last]
+
+    def engine(out=None):
+        return paged_decode_attention(q, k_new, v_new, k_cache, v_cache, tables, ctx, scale,
+                                      num_splits=1, out=out)
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, tables=tables, ctx=ctx, lens=lens,
+                scale=scale, engine=engine,
+                kv_bytes=sum(lens) * kv_heads * d * 2 * k_cache.element_size())
+
+
+def report(rows, p: dict, cuda: bool) -> None:
+    """Each (name, fn(out=None)) of rows: its relative error against the engine's kernel and,
+    on a GPU, its CUDA-graph replay time."""
+    reference = p["engine"]()
+    for name, fn in rows:
+        try:
+            got = fn()
+            err = ((got.float() - reference.float()).norm() / reference.float().norm()).item()
+            line = f"  {name}: rel err {err:.2e}"
+            if cuda:
+                out = torch.empty_like(p["q"])
+                fn(out)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    fn(out)
+                us = replay_us(graph)
+                line += f", {us:.1f} us, {p['kv_bytes'] / us / 1e6:.2f} TB/s"
+        except Exception as e:  # a config the compiler refuses: say so, go on
+            line = f"  {name}: failed: {type(e).__name__}: {str(e)[:200]}"
+        print(line, flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=256)
@@ -139,65 +201,20 @@ def main() -> int:
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    heads, kv_heads, d = 16, 8, 128  # Qwen3-0.6B
     configs = [parse_config(c) for c in args.configs.split(",")]
     for contexts in args.contexts.split(","):
         lo, hi = (int(v) for v in contexts.split("-"))
-        rng = random.Random(0)
-        lens = [rng.randint(lo, hi) for _ in range(args.batch)]
-        width = -(-hi // args.page)
-        blocks = list(range(1, 1 + sum(-(-n // args.page) for n in lens)))
-        rng.shuffle(blocks)
-        tables = torch.zeros(args.batch, width, dtype=torch.int32)
-        i = 0
-        for r, n in enumerate(lens):
-            nb = -(-n // args.page)
-            tables[r, :nb] = torch.tensor(blocks[i:i + nb])
-            i += nb
-        tables = tables.to(dev)
-        ctx = torch.tensor(lens, dtype=torch.int32, device=dev)
-        shape = (len(blocks) + 1, args.page, kv_heads, d)
-        k_cache = torch.randn(shape, device=dev, dtype=dtype)
-        v_cache = torch.randn(shape, device=dev, dtype=dtype)
-        q = torch.randn(args.batch, heads, d, device=dev, dtype=dtype)
-        scale = d ** -0.5
-        kv_bytes = sum(lens) * kv_heads * d * 2 * k_cache.element_size()
-        # The engine's kernel attends to context_lens - 1 cached tokens plus the new k/v: give it
-        # the row's last cached token as the new one, so that both attend to the same tokens.
-        last = torch.tensor([tables[r, (n - 1) // args.page].item() * args.page + (n - 1) % args.page
-                             for r, n in enumerate(lens)], device=dev)
-        k_new = k_cache.view(-1, kv_heads, d)[last]
-        v_new = v_cache.view(-1, kv_heads, d)[last]
-
-        def engine(out=None):
-            return paged_decode_attention(q, k_new, v_new, k_cache, v_cache, tables, ctx, scale,
-                                          num_splits=1, out=out)
-        reference = engine()
+        p = make_problem(args.batch, lo, hi, args.page, dev, dtype)
         print(f"B={args.batch} contexts U[{lo},{hi}] page {args.page}, {dtype}:", flush=True)
-        rows = [("engine (default config)", engine)]
+        rows = [("engine (default config)", p["engine"])]
         for cfg in configs:
             for tma, swap in ((False, False), (True, False), (False, True), (True, True)):
                 name = (f"{'tma' if tma else 'pointer'}{' swapped' if swap else ''} "
                         f"n{cfg['block_n']}w{cfg['num_warps']}s{cfg['num_stages']}")
                 rows.append((name, lambda out=None, cfg=cfg, tma=tma, swap=swap: probe_launch(
-                    q, k_cache, v_cache, tables, ctx, scale, tma=tma, swap=swap, out=out, **cfg)))
-        for name, fn in rows:
-            try:
-                got = fn()
-                err = ((got.float() - reference.float()).norm() / reference.float().norm()).item()
-                line = f"  {name}: rel err {err:.2e}"
-                if cuda:
-                    out = torch.empty_like(q)
-                    fn(out)
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        fn(out)
-                    us = replay_us(graph)
-                    line += f", {us:.1f} us, {kv_bytes / us / 1e6:.2f} TB/s"
-            except Exception as e:  # a config the compiler refuses: say so, go on
-                line = f"  {name}: failed: {type(e).__name__}: {str(e)[:200]}"
-            print(line, flush=True)
+                    p["q"], p["k_cache"], p["v_cache"], p["tables"], p["ctx"], p["scale"],
+                    tma=tma, swap=swap, out=out, **cfg)))
+        report(rows, p, cuda)
     return 0
 
 
