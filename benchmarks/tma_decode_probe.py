@@ -19,9 +19,9 @@ Outputs are checked against the engine's; times are CUDA-graph replays, µs and 
 `swapped` variants compute the scores as K @ q^T and the output as V^T @ p^T (the tile's 128 rows
 as the dots' M dimension, the padded query group as N) instead of q @ K^T and p @ V.
 
-On the H200 (BENCHMARKS.md session 37): TMA loads are 0-5% faster than pointer loads in the same
-minimal loop, and neither beats the engine's kernel (at 256 sequences, page 128: 178.9 µs
-against the best minimal loop's 180.7); the swapped dots are 4-50% slower.
+On the H200 (BENCHMARKS.md session 37): TMA loads are within -6% to +5% of pointer loads in the
+same minimal loop, and neither beats the engine's kernel (at 256 sequences, page 128: 178.9 µs
+against the best minimal loop's 180.7); the swapped dots are level to 42% slower.
 """
 
 from __future__ import annotations
