@@ -51,6 +51,8 @@
 #   bash benchmarks/gpu_checks.sh tma  # nvidia-h200: decode attention with TMA tile loads
 #   bash benchmarks/gpu_checks.sh packed  # nvidia-h200: decode attention, a sequence's KV heads
 #       in one program
+#   bash benchmarks/gpu_checks.sh layout  # nvidia-h200: decode attention and a bare read over a
+#       head-major KV cache against the engine's token-major one
 #   bash benchmarks/gpu_checks.sh probes # nvidia-h200: the kernel sweeps and the head probe
 #   bash benchmarks/gpu_checks.sh attention_tail  # nvidia-h200: decode attention's loss to the
 #       read rate at 256 sequences, tail against fixed cost
@@ -549,6 +551,10 @@ packed)
   # nvidia-h200 (<= 300 s): session 37: decode attention with a sequence's KV heads in one
   # program (packed_decode_probe.py) against the engine's kernel, page 16
   step packed_probe $(left_or 280) python3 benchmarks/packed_decode_probe.py ${PACKED_ARGS:-}
+  ;;
+layout)
+  # nvidia-h200 (<= 300 s): session 38: kv_layout_probe.py, page 16 (LAYOUT_ARGS for others)
+  step layout_probe $(left_or 280) python3 benchmarks/kv_layout_probe.py ${LAYOUT_ARGS:-}
   ;;
 probes)
   # nvidia-h200 (<= 360 s): what the first LM-head GEMM at a new row count costs the host; the
