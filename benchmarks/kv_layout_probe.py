@@ -25,7 +25,6 @@ engine's 3.87-4.12 and a contiguous read's 4.30-4.42): the program structure set
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
@@ -33,7 +32,8 @@ import triton
 import triton.language as tl
 
 from benchmarks.bench_linear import replay_us
-from benchmarks.tma_decode_probe import make_problem, parse_config
+from benchmarks.tma_decode_probe import (group_rows, parse_config, probe_parser, problems,
+                                         report, softmax_tile)
 from minivllm.kernels.decode_attention import LOG2E
 from minivllm.kernels.memory_read import READ_BLOCK, stream_read
 
@@ -45,13 +45,10 @@ def _layout_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, scale_log2, st
                    HEAD_MAJOR: tl.constexpr, READ_ONLY: tl.constexpr, STAGES: tl.constexpr):
     kvh = tl.program_id(0)
     b = tl.program_id(1)
-    offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
-    heads = kvh * GROUP + offs_g
-    q_mask = (offs_g < GROUP)[:, None]
-    q = tl.load(q_ptr + (b * KV_HEADS * GROUP + heads[:, None]) * HEAD_DIM + offs_d[None, :],
-                mask=q_mask, other=0.0)
+    q_offs, q_mask = group_rows(b, kvh, KV_HEADS, GROUP, HEAD_DIM, BLOCK_G)
+    q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
     ctx = tl.load(ctx_ptr + b)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     PAGE_ELEMS: tl.constexpr = PAGE * KV_HEADS * HEAD_DIM
@@ -80,22 +77,13 @@ def _layout_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, scale_log2, st
             both = tl.where(valid[:, None], kt.to(tl.float32) + vt.to(tl.float32), 0.0)
             total += tl.sum(both, 0)
         else:
-            s = tl.dot(q, tl.trans(kt)) * scale_log2
-            if n0 >= full_end:  # the last, partial tile: its rows past ctx are other slots'
-                s = tl.where(valid[None, :], s, float("-inf"))
-                vt = tl.where(valid[:, None], vt, 0.0)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-            m_i = m_new
+            acc, m_i, l_i = softmax_tile(q, kt, vt, acc, m_i, l_i, valid, n0 >= full_end,
+                                         scale_log2)
     if READ_ONLY:  # every query head of the group gets the (K + V) sum: checkable, not dead
         out = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32) + total[None, :]
     else:
         out = acc / l_i[:, None]
-    tl.store(out_ptr + (b * KV_HEADS * GROUP + heads[:, None]) * HEAD_DIM + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(out_ptr + q_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 def layout_launch(q, k_cache, v_cache, block_tables, context_lens, scale, *, head_major: bool,
@@ -129,69 +117,46 @@ def kv_sums(p: dict) -> torch.Tensor:
     return s.repeat_interleave(heads // s.shape[1], dim=1)
 
 
-def time_us(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return replay_us(graph)
-
-
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--contexts", default="200-1124,700-1624")
-    ap.add_argument("--page", type=int, default=16)
-    ap.add_argument("--configs", default="n128w4s3,n64w4s3,n64w4s4,n32w4s4,n128w8s3,n64w2s3")
+    ap = probe_parser(__doc__, 16, "n128w4s3,n64w4s3,n64w4s4,n32w4s4,n128w8s3,n64w2s3")
     ap.add_argument("--read-configs", default="n128w4s3,n64w4s4,n32w4s4,n128w8s2")
-    ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
-    dev = torch.device(args.device)
-    cuda = dev.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    for contexts in args.contexts.split(","):
-        lo, hi = (int(v) for v in contexts.split("-"))
-        p = make_problem(args.batch, lo, hi, args.page, dev, dtype)
+    for p, cuda in problems(args):
         caches = {False: (p["k_cache"], p["v_cache"]),
                   True: (p["k_cache"].transpose(1, 2).contiguous(),
                          p["v_cache"].transpose(1, 2).contiguous())}
-        reference = {False: p["engine"]().float(), True: kv_sums(p)}
-        print(f"B={args.batch} contexts U[{lo},{hi}] page {args.page}, {dtype}, "
-              f"{p['kv_bytes'] / 1e6:.0f} MB of K/V:", flush=True)
-        rows = [("engine (default config, token-major)", False, p["engine"])]
+        sums = kv_sums(p)
+        rows = [("engine (default config, token-major)", p["engine"])]
         for read_only, cfgs in ((True, args.read_configs), (False, args.configs)):
             for text in cfgs.split(","):
                 cfg = parse_config(text)
                 for head_major in (False, True):
                     k, v = caches[head_major]
                     name = f"{'read' if read_only else 'attn'}-{'H' if head_major else 'T'} {text}"
-                    rows.append((name, read_only, lambda out=None, k=k, v=v, hm=head_major,
-                                 ro=read_only, cfg=cfg: layout_launch(
-                                     p["q"], k, v, p["tables"], p["ctx"], p["scale"],
-                                     head_major=hm, read_only=ro, out=out, **cfg)))
-        for name, read_only, fn in rows:
-            try:
-                ref = reference[read_only]
-                got = fn().float()
-                err = ((got - ref).norm() / ref.norm()).item()
-                line = f"  {name}: rel err {err:.2e}"
-                if cuda:
-                    out = torch.empty_like(p["q"])
-                    us = time_us(lambda: fn(out))
-                    line += f", {us:.1f} us, {p['kv_bytes'] / us / 1e6:.2f} TB/s"
-            except Exception as e:  # a config the compiler refuses: say so, go on
-                line = f"  {name}: failed: {type(e).__name__}: {str(e)[:200]}"
-            print(line, flush=True)
+                    fn = (lambda out=None, k=k, v=v, hm=head_major, ro=read_only, cfg=cfg:
+                          layout_launch(p["q"], k, v, p["tables"], p["ctx"], p["scale"],
+                                        head_major=hm, read_only=ro, out=out, **cfg))
+                    rows.append((name, fn, sums) if read_only else (name, fn))
+        report(rows, p, cuda)
         if cuda:
-            n = -(-p["kv_bytes"] // 2 // READ_BLOCK) * READ_BLOCK
-            src = torch.randn(n, device=dev, dtype=dtype)
-            sums = torch.empty(16 * torch.cuda.get_device_properties(dev).multi_processor_count,
-                               device=dev, dtype=torch.float32)
-            us = time_us(lambda: stream_read(src, sums))
-            print(f"  stream (contiguous, same bytes): {us:.1f} us, "
-                  f"{n * 2 / us / 1e6:.2f} TB/s", flush=True)
+            stream_us(p["kv_bytes"], p["q"].device, p["q"].dtype)
     return 0
+
+
+def stream_us(nbytes: int, dev: torch.device, dtype: torch.dtype) -> None:
+    """Print kernels.memory_read's rate over a contiguous buffer of nbytes (CUDA graph)."""
+    n = -(-nbytes // dtype.itemsize // READ_BLOCK) * READ_BLOCK
+    src = torch.randn(n, device=dev, dtype=dtype)
+    sums = torch.empty(16 * torch.cuda.get_device_properties(dev).multi_processor_count,
+                       device=dev, dtype=torch.float32)
+    stream_read(src, sums)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        stream_read(src, sums)
+    us = replay_us(graph)
+    print(f"  stream (contiguous, same bytes): {us:.1f} us, "
+          f"{n * dtype.itemsize / us / 1e6:.2f} TB/s", flush=True)
 
 
 if __name__ == "__main__":

@@ -26,14 +26,13 @@ two programs: fewer bytes in flight than the engine's three small ones, which is
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 import triton
 import triton.language as tl
 
-from benchmarks.tma_decode_probe import make_problem, parse_config, report
+from benchmarks.tma_decode_probe import parse_config, probe_parser, problems, report
 from minivllm.kernels.decode_attention import LOG2E, MAX_SPLITS, _merge_splits_kernel
 from minivllm.kernels.launch import next_pow2
 
@@ -114,22 +113,11 @@ def packed_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *, 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--contexts", default="200-1124,700-1624")
-    ap.add_argument("--page", type=int, default=16)
+    ap = probe_parser(__doc__, 16, "n16w8s3,n16w4s3,n32w8s2,n16w8s2")
     ap.add_argument("--splits", default="2,4,8")
-    ap.add_argument("--configs", default="n16w8s3,n16w4s3,n32w8s2,n16w8s2")
-    ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
-    dev = torch.device(args.device)
-    cuda = dev.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
     configs = [parse_config(c) for c in args.configs.split(",")]
-    for contexts in args.contexts.split(","):
-        lo, hi = (int(v) for v in contexts.split("-"))
-        p = make_problem(args.batch, lo, hi, args.page, dev, dtype)
-        print(f"B={args.batch} contexts U[{lo},{hi}] page {args.page}, {dtype}:", flush=True)
+    for p, cuda in problems(args):
         rows = [("engine (default config)", p["engine"])]
         for splits in (int(s) for s in args.splits.split(",")):
             for cfg in configs:

@@ -39,20 +39,44 @@ from minivllm.kernels.decode_attention import LOG2E, paged_decode_attention
 
 
 @triton.jit
+def group_rows(b, kvh, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+               BLOCK_G: tl.constexpr):
+    """Offsets [BLOCK_G, HEAD_DIM] of sequence b's query heads of KV head kvh in a contiguous
+    [B, heads, HEAD_DIM] q or output, and their mask (BLOCK_G pads the group to the dot's M)."""
+    offs_g = tl.arange(0, BLOCK_G)
+    heads = kvh * GROUP + offs_g
+    offs = (b * KV_HEADS * GROUP + heads[:, None]) * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    return offs, (offs_g < GROUP)[:, None]
+
+
+@triton.jit
+def softmax_tile(q, kt, vt, acc, m_i, l_i, valid, last, scale_log2):
+    """One tile of the online softmax, q: [BLOCK_G, D] against kt, vt: [BLOCK_N, D]: (acc, m_i,
+    l_i) updated. last: the context's partial tile, whose rows where `valid` is off are another
+    slot's and are masked."""
+    s = tl.dot(q, tl.trans(kt)) * scale_log2
+    if last:
+        s = tl.where(valid[None, :], s, float("-inf"))
+        vt = tl.where(valid[:, None], vt, 0.0)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt), m_new, l_i
+
+
+@triton.jit
 def _probe_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, ctx_ptr, out_ptr, scale_log2,
                   stride_bt, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_G: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                   TMA: tl.constexpr, STAGES: tl.constexpr, SWAP: tl.constexpr):
     kvh = tl.program_id(0)
     b = tl.program_id(1)
-    offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
     ROW: tl.constexpr = KV_HEADS * HEAD_DIM
-    heads = kvh * GROUP + offs_g
-    q_mask = (offs_g < GROUP)[:, None]
-    q = tl.load(q_ptr + (b * KV_HEADS * GROUP + heads[:, None]) * HEAD_DIM + offs_d[None, :],
-                mask=q_mask, other=0.0)
+    q_offs, q_mask = group_rows(b, kvh, KV_HEADS, GROUP, HEAD_DIM, BLOCK_G)
+    q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
     ctx = tl.load(ctx_ptr + b)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -83,22 +107,13 @@ def _probe_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, ctx_ptr, out_ptr,
             l_i = l_i * alpha + tl.sum(pt, 0)
             acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(vt), pt.to(vt.dtype))
         else:
-            s = tl.dot(q, tl.trans(kt)) * scale_log2
-            if n0 >= full_end:  # the last, partial tile: its rows past ctx are another slot's
-                valid = (n0 + offs_n) < ctx
-                s = tl.where(valid[None, :], s, float("-inf"))
-                vt = tl.where(valid[:, None], vt, 0.0)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            acc, m_new, l_i = softmax_tile(q, kt, vt, acc, m_i, l_i, (n0 + offs_n) < ctx,
+                                           n0 >= full_end, scale_log2)
         m_i = m_new
     if SWAP:
         acc = tl.trans(acc_t)
     out = acc / l_i[:, None]
-    tl.store(out_ptr + (b * KV_HEADS * GROUP + heads[:, None]) * HEAD_DIM + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(out_ptr + q_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 def probe_launch(q, k_cache, v_cache, block_tables, context_lens, scale, *, tma: bool,
@@ -168,13 +183,14 @@ def make_problem(batch: int, lo: int, hi: int, page: int, dev: torch.device, dty
 
 
 def report(rows, p: dict, cuda: bool) -> None:
-    """Each (name, fn(out=None)) of rows: its relative error against the engine's kernel and,
-    on a GPU, its CUDA-graph replay time."""
-    reference = p["engine"]()
-    for name, fn in rows:
+    """Each (name, fn(out=None)) or (name, fn(out=None), reference) of rows: its relative error
+    against the reference (default: the engine's kernel) and, on a GPU, its CUDA-graph replay
+    time."""
+    engine = p["engine"]().float()
+    for name, fn, *reference in rows:
         try:
-            got = fn()
-            err = ((got.float() - reference.float()).norm() / reference.float().norm()).item()
+            ref = reference[0].float() if reference else engine
+            err = ((fn().float() - ref).norm() / ref.norm()).item()
             line = f"  {name}: rel err {err:.2e}"
             if cuda:
                 out = torch.empty_like(p["q"])
@@ -190,22 +206,35 @@ def report(rows, p: dict, cuda: bool) -> None:
         print(line, flush=True)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def probe_parser(doc: str, page: int, configs: str) -> argparse.ArgumentParser:
+    """The decode-attention probes' common arguments (batch, contexts, page, configs, device)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--contexts", default="200-1124,700-1624")
-    ap.add_argument("--page", type=int, default=128)
-    ap.add_argument("--configs", default="n128w4s3,n128w4s2,n64w4s3,n64w4s4,n128w8s3")
+    ap.add_argument("--page", type=int, default=page)
+    ap.add_argument("--configs", default=configs)
     ap.add_argument("--device", default="cuda")
-    args = ap.parse_args()
+    return ap
+
+
+def problems(args):
+    """make_problem for each of args.contexts (bf16 on a GPU, fp32 on the CPU's interpreter),
+    each announced by a header line: yields (problem, cuda)."""
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    configs = [parse_config(c) for c in args.configs.split(",")]
     for contexts in args.contexts.split(","):
         lo, hi = (int(v) for v in contexts.split("-"))
         p = make_problem(args.batch, lo, hi, args.page, dev, dtype)
-        print(f"B={args.batch} contexts U[{lo},{hi}] page {args.page}, {dtype}:", flush=True)
+        print(f"B={args.batch} contexts U[{lo},{hi}] page {args.page}, {dtype}, "
+              f"{p['kv_bytes'] / 1e6:.0f} MB of K/V:", flush=True)
+        yield p, cuda
+
+
+def main() -> int:
+    args = probe_parser(__doc__, 128, "n128w4s3,n128w4s2,n64w4s3,n64w4s4,n128w8s3").parse_args()
+    configs = [parse_config(c) for c in args.configs.split(",")]
+    for p, cuda in problems(args):
         rows = [("engine (default config)", p["engine"])]
         for cfg in configs:
             for tma, swap in ((False, False), (True, False), (False, True), (True, True)):
