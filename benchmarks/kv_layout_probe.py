@@ -20,7 +20,7 @@ Outputs are checked against torch over the same tokens.
 
 On the H200 (BENCHMARKS.md session 38): the layouts are within 2.5% of each other in every kernel
 and tiling, and the read-only kernel is no faster than attention (3.64-4.03 TB/s against the
-engine's 3.87-4.12 and a contiguous read's 4.30-4.42): the program structure sets the rate.
+engine's 3.87-4.12 and a contiguous read's 4.30-4.42), which points to the program structure.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.bench_linear import replay_us
+from benchmarks.bench_linear import graph_us
 from benchmarks.tma_decode_probe import (group_rows, parse_config, probe_parser, problems,
                                          report, softmax_tile)
 from minivllm.kernels.decode_attention import LOG2E
-from minivllm.kernels.memory_read import READ_BLOCK, stream_read
+from minivllm.kernels.memory_read import READ_BLOCK, READ_PROGRAMS_PER_SM, stream_read
 
 
 @triton.jit
@@ -109,8 +109,8 @@ def kv_sums(p: dict) -> torch.Tensor:
     heads = p["q"].shape[1]
     sums = []
     for r, n in enumerate(p["lens"]):
-        slots = p["tables"][r, torch.arange(n, device=p["q"].device) // page].long() * page \
-            + torch.arange(n, device=p["q"].device) % page
+        pos = torch.arange(n, device=p["q"].device)
+        slots = p["tables"][r, pos // page].long() * page + pos % page
         kv = (p["k_cache"].flatten(0, 1)[slots].float() + p["v_cache"].flatten(0, 1)[slots].float())
         sums.append(kv.sum(0))  # [kv_heads, D]
     s = torch.stack(sums)
@@ -147,14 +147,9 @@ def stream_us(nbytes: int, dev: torch.device, dtype: torch.dtype) -> None:
     """Print kernels.memory_read's rate over a contiguous buffer of nbytes (CUDA graph)."""
     n = -(-nbytes // dtype.itemsize // READ_BLOCK) * READ_BLOCK
     src = torch.randn(n, device=dev, dtype=dtype)
-    sums = torch.empty(16 * torch.cuda.get_device_properties(dev).multi_processor_count,
-                       device=dev, dtype=torch.float32)
-    stream_read(src, sums)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        stream_read(src, sums)
-    us = replay_us(graph)
+    sums = torch.empty(READ_PROGRAMS_PER_SM * torch.cuda.get_device_properties(dev)
+                       .multi_processor_count, device=dev, dtype=torch.float32)
+    us = graph_us(lambda i: stream_read(src, sums), calls=1)
     print(f"  stream (contiguous, same bytes): {us:.1f} us, "
           f"{n * dtype.itemsize / us / 1e6:.2f} TB/s", flush=True)
 

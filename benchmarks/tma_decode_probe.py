@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.bench_linear import replay_us
+from benchmarks.bench_linear import graph_us
 from minivllm.kernels.decode_attention import LOG2E, paged_decode_attention
 
 
@@ -194,12 +194,7 @@ def report(rows, p: dict, cuda: bool) -> None:
             line = f"  {name}: rel err {err:.2e}"
             if cuda:
                 out = torch.empty_like(p["q"])
-                fn(out)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    fn(out)
-                us = replay_us(graph)
+                us = graph_us(lambda i: fn(out), calls=1)
                 line += f", {us:.1f} us, {p['kv_bytes'] / us / 1e6:.2f} TB/s"
         except Exception as e:  # a config the compiler refuses: say so, go on
             line = f"  {name}: failed: {type(e).__name__}: {str(e)[:200]}"
