@@ -82,12 +82,76 @@ def _asdict(config):
     (dict(max_new_tokens=2, top_p=0.0), "top_p"),
     (dict(max_new_tokens=2, top_k=0), "top_k"),
     (dict(max_new_tokens=2, backend="nonsense"), "nonsense"),
+    (dict(max_new_tokens=True), "max_new_tokens"),
+    (dict(max_new_tokens=2, temperature=float("nan")), "temperature"),
+    (dict(max_new_tokens=2, temperature=float("inf")), "temperature"),
+    (dict(max_new_tokens=2, temperature=True), "temperature"),
+    (dict(max_new_tokens=2, top_k=True), "top_k"),
+    (dict(max_new_tokens=2, top_p="0.5"), "top_p"),
+    (dict(max_new_tokens=2, eos_token_id=-5), "eos_token_id -5"),
+    (dict(max_new_tokens=2, eos_token_id=[3, 60]), r"eos_token_id 60 is outside the vocabulary"),
 ])
 def test_bad_generation_arguments(params, cache, kwargs, match):
     snapshot = [t.clone() for t in pytree.tree_leaves(cache)]
     with pytest.raises(ValueError, match=match):
         minivllm.generate(params, cache, [[1, 2]], **kwargs)
     assert_untouched(cache, snapshot)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(seed="x"), "seed"),
+    (dict(seed=1.5), "seed"),
+    (dict(eos_token_id=1.5), "eos_token_id"),
+    (dict(eos_token_id="7"), "eos_token_id"),
+    (dict(eos_token_id=[True]), "eos_token_id"),
+    (dict(backend=3), "backend"),
+])
+def test_generation_arguments_of_the_wrong_type(params, cache, kwargs, match):
+    snapshot = [t.clone() for t in pytree.tree_leaves(cache)]
+    with pytest.raises(TypeError, match=match):
+        minivllm.generate(params, cache, [[1, 2]], max_new_tokens=2, **kwargs)
+    assert_untouched(cache, snapshot)
+
+
+def test_init_cache_rejects_bools(params):
+    with pytest.raises(ValueError, match="num_blocks"):
+        minivllm.init_cache(params, num_blocks=True)
+    with pytest.raises(ValueError, match="block_size"):
+        minivllm.init_cache(params, num_blocks=4, block_size=True)
+
+
+def test_unseeded_generate_leaves_torchs_global_generator_alone(params):
+    def draw_after(generate: bool):
+        torch.manual_seed(1234)
+        if generate:
+            cache = minivllm.init_cache(params, num_blocks=8, block_size=4)
+            minivllm.generate(params, cache, [[1, 2, 3]], max_new_tokens=3, temperature=1.0)
+        return torch.randn(4)
+    assert torch.equal(draw_after(True), draw_after(False))
+
+
+def test_the_position_limit_counts_only_positions_fed_back():
+    """The last sampled token is never fed back: a prompt of L tokens and N new ones uses
+    positions 0 .. L + N - 2, so L + N - 1 may equal max_position_embeddings."""
+    small = minivllm.random_params(ModelConfig(**{**_asdict(CONFIG), "max_position_embeddings": 8}))
+    cache = minivllm.init_cache(small, num_blocks=8, block_size=4)
+    new, cache = minivllm.generate(small, cache, [[1, 2, 3, 4, 5]], max_new_tokens=4)
+    assert len(new[0]) == 4
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        minivllm.generate(small, cache, [[1, 2, 3, 4, 5]], max_new_tokens=5)
+
+
+def test_forward_rejects_a_cache_or_batch_not_made_for_it(params):
+    batch = minivllm.make_batch([minivllm.SeqChunk([1, 2], 0, [0])], block_size=4)
+    other = minivllm.random_params(ModelConfig(**{**_asdict(CONFIG), "num_kv_heads": 4}))
+    with pytest.raises(ValueError, match="shape"):
+        minivllm.forward(params, minivllm.init_cache(other, num_blocks=8, block_size=4), batch)
+    half = minivllm.init_cache(params, num_blocks=8, block_size=4, dtype=torch.float16)
+    with pytest.raises(ValueError, match="dtype"):
+        minivllm.forward(params, half, batch)
+    with pytest.raises(TypeError, match="Batch"):
+        minivllm.forward(params, minivllm.init_cache(params, num_blocks=8, block_size=4),
+                         [minivllm.SeqChunk([1, 2], 0, [0])])
 
 
 def test_seeded_sampling_is_reproducible(params):

@@ -4,6 +4,7 @@ hits, preemption, chunked prefill and batch composition must not change any outp
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -408,6 +409,72 @@ def test_stream_matches_generate_and_stopping_early_frees_the_cache(tiny_dir, de
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.block_manager.num_free == free
     assert run(llm, prompts) == reference
+
+
+def _streamed(deltas) -> dict[str, dict[int, list[int]]]:
+    got: dict[str, dict[int, list[int]]] = {}
+    for delta in deltas:
+        for c in delta.outputs:
+            got.setdefault(delta.request_id, {}).setdefault(c.index, []).extend(c.token_ids)
+    return got
+
+
+def test_calls_interleaved_each_get_all_of_their_outputs(tiny_dir, device, prompts, reference):
+    """A stream paused while generate runs, and two streams read in turn: each call gets its own
+    outputs whole, however the engine's steps fell between them (they used to be dropped by
+    whichever call's step received them, and the other call then waited forever)."""
+    llm = make_llm(tiny_dir, device)
+    stream = llm.stream(token_prompts(prompts[:2]), GREEDY)
+    first = next(stream)
+    assert run(llm, prompts[2:4]) == reference[2:4]  # runs the paused stream's requests too
+    got = _streamed([first, *stream])
+    assert [got[i][0] for i in sorted(got, key=int)] == reference[:2]
+
+    a, b = llm.stream(token_prompts([prompts[4]]), GREEDY), llm.stream(token_prompts([prompts[5]]), GREEDY)
+    deltas_a, deltas_b = [], []
+    for x, y in itertools.zip_longest(a, b):
+        deltas_a += [x] if x is not None else []
+        deltas_b += [y] if y is not None else []
+    assert [list(_streamed(deltas_a).values())[0][0],
+            list(_streamed(deltas_b).values())[0][0]] == reference[4:6]
+    assert deltas_a[-1].finished and deltas_b[-1].finished
+    assert not llm.engine.has_unfinished_requests() and not llm._parked and not llm._owned
+
+
+def test_stream_sends_each_finished_completion_once(tiny_dir, device, prompts):
+    llm = make_llm(tiny_dir, device)
+    sampled = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    whole = llm.generate(token_prompts([prompts[0]]), sampled, use_tqdm=False)[0]
+    # Completion 1 (the same seed, so the same draws) stops by its third token at the latest.
+    short = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=12, ignore_eos=True,
+                           stop_token_ids=[whole.outputs[1].token_ids[2]])
+    deltas = list(llm.stream(token_prompts([prompts[0]]), short))
+    ends = [c.index for d in deltas for c in d.outputs if c.finish_reason is not None]
+    assert sorted(ends) == [0, 1, 2]  # each completion's finish_reason comes exactly once
+    final = llm.generate(token_prompts([prompts[0]]), short, use_tqdm=False)[0]
+    got = _streamed(deltas)[deltas[0].request_id]
+    assert [got[i] for i in range(3)] == [c.token_ids for c in final.outputs]
+    assert len(final.outputs[1].token_ids) <= 3
+
+
+def test_a_stop_token_keeps_out_of_the_text(demo_dir, device):
+    """As vLLM: the token that stops a completion (EOS, a stop id) is in token_ids but not in
+    the text, unless include_stop_str_in_output."""
+    llm = make_llm(demo_dir, device, num_kv_blocks=32)
+    tok = llm.get_tokenizer()
+    base = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    full = llm.generate("Hello, my name is", base, use_tqdm=False)[0].outputs[0]
+    stop_id = full.token_ids[5]
+    cut_at = full.token_ids.index(stop_id) + 1
+    for include in (False, True):
+        params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                stop_token_ids=[stop_id], include_stop_str_in_output=include)
+        out = llm.generate("Hello, my name is", params, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == full.token_ids[:cut_at]
+        shown = out.token_ids if include else out.token_ids[:-1]
+        assert out.text == tok.decode(shown, skip_special_tokens=True)
+        streamed = "".join(c.text for d in llm.stream("Hello, my name is", params) for c in d.outputs)
+        assert streamed == out.text
 
 
 def test_chat_uses_the_chat_template(demo_dir, device):

@@ -114,3 +114,52 @@ def test_a_request_that_can_never_fit_the_cache_is_refused(llm):
     fits = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     outs = small.generate([{"prompt_token_ids": GOOD[:10]}] * 3, fits, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_step_that_raises_leaves_no_unwritten_block_in_the_prefix_cache(tiny_dir, device,
+                                                                          async_scheduling):
+    """The scheduler registers a prompt's full blocks when it schedules them; if the step then
+    raises (an error, Ctrl-C) before it runs, their K/V is never written. A later request with
+    the same prompt must not hit them: it gets what a fresh engine gives."""
+    def make():
+        return LLM(tiny_dir, device=device, num_kv_blocks=16, block_size=4, max_model_len=60,
+                   async_scheduling=async_scheduling,
+                   attention_backend="reference" if device.type == "cpu" else None)
+
+    expected = make().generate({"prompt_token_ids": GOOD}, GREEDY, use_tqdm=False)
+    llm = make()
+    runner = llm.engine.runner
+    name = "launch" if async_scheduling else "execute"
+    real = getattr(runner, name)
+
+    def interrupted(step_input):
+        raise KeyboardInterrupt
+    setattr(runner, name, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate({"prompt_token_ids": GOOD}, GREEDY, use_tqdm=False)
+    setattr(runner, name, real)
+    e = llm.engine
+    assert not e.block_manager.registry  # the step's four full blocks are unregistered
+    e.block_manager.check(e.scheduler.running)
+    again = llm.generate({"prompt_token_ids": GOOD}, GREEDY, use_tqdm=False)
+    assert again[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
+    assert again[0].num_cached_tokens == 0
+
+
+def test_a_step_that_raises_recomputes_a_sequence_that_shared_its_blocks(tiny_dir, device):
+    """Two sequences of one prompt (n=2) are admitted in one step, the second taking the first's
+    just-registered blocks as prefix hits. If that step never runs, the second must not keep
+    them as computed: abandoning the step preempts it, and it recomputes."""
+    llm = LLM(tiny_dir, device=device, num_kv_blocks=32, block_size=4, max_model_len=60,
+              attention_backend="reference" if device.type == "cpu" else None)
+    e = llm.engine
+    e.add_request({"prompt_token_ids": GOOD}, SamplingParams(n=2, temperature=0, max_tokens=4,
+                                                               ignore_eos=True))
+    out = e.scheduler.schedule()
+    first, second = (c.seq for c in out.chunks)
+    assert second.num_computed == 16 and second.block_table[:4] == first.block_table[:4]
+    e.scheduler.abandon(out)
+    assert not e.block_manager.registry
+    assert second.num_computed == 0 and second in e.scheduler.waiting
+    e.block_manager.check(e.scheduler.running)

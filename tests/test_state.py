@@ -29,6 +29,33 @@ def test_config_reads_both_layouts(tmp_path):
     assert v5.tie_word_embeddings and v5.num_kv_heads == 2 and v5.head_dim == 16
 
 
+def test_config_reads_the_old_type_key_in_both_layouts():
+    """transformers reads a scaling dict's "type" as "rope_type" (rope_parameters included): a
+    llama3 config that says "type" is still scaled, in either layout."""
+    scaling = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    for key, value in (("rope_parameters", {"rope_theta": 5000.0, **scaling}),
+                       ("rope_scaling", scaling)):
+        d = {k: v for k, v in hf_config().to_dict().items() if k not in ("rope_parameters", "rope_scaling")}
+        c = ModelConfig.from_dict({**d, key: value})
+        assert c.rope_scaling_dict == {**{k: v for k, v in scaling.items() if k != "type"},
+                                       "rope_type": "llama3"}, key
+
+
+@pytest.mark.parametrize("scaling, match", [
+    ({"rope_type": "llama3"}, "factor"),
+    ({"rope_type": "llama3", "factor": "8"}, "factor"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0},
+     "low_freq_factor < high_freq_factor"),
+    ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 0},
+     "original_max_position_embeddings"),
+])
+def test_config_rejects_llama3_scaling_it_cannot_compute(scaling, match):
+    d = {k: v for k, v in hf_config().to_dict().items() if k not in ("rope_parameters", "rope_scaling")}
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_dict({**d, "rope_parameters": {"rope_theta": 1e4, **scaling}})
+
+
 def test_config_rejects_other_architectures():
     d = hf_config().to_dict()
     d["architectures"] = ["LlamaForCausalLM"]
@@ -130,6 +157,27 @@ def test_make_batch_rejects_bad_chunks():
         make_batch([SeqChunk([1], 0, [0]), SeqChunk([], 0, [1])], block_size=4)
     with pytest.raises(ValueError, match="needs 5 slots but its block table holds 4"):
         make_batch([SeqChunk([1, 2], 3, [0])], block_size=4)
+    bad = [  # what packing would truncate, wrap or hand on to the cache write
+        ([SeqChunk([1.9, 5.5], 0, [0])], {}, TypeError, "chunk 0's token_ids"),
+        ([SeqChunk([True, False], 0, [0])], {}, TypeError, "chunk 0's token_ids"),
+        ([SeqChunk([1], 0, [0]), SeqChunk([1, -2], 0, [1])], {}, ValueError, "chunk 1's token_ids holds -2"),
+        ([SeqChunk([1, 2], -3, [0])], {}, ValueError, "num_cached"),
+        ([SeqChunk([1, 2], 0.7, [0])], {}, ValueError, "num_cached"),
+        ([SeqChunk([1, 2], 0, [-1])], {}, ValueError, "block_table holds -1"),
+        ([SeqChunk([1, 2], 0, [0.0])], {}, TypeError, "block_table"),
+        ([SeqChunk([1, 2], 0, [0], 1)], {}, TypeError, "want_logits"),
+        ([(([1], 0, [0]))], {}, TypeError, "SeqChunk"),
+        ([SeqChunk([1, 2], 0, [8])], dict(num_blocks=8), ValueError, "num_blocks"),
+        ([SeqChunk([1, 50], 0, [0])], dict(vocab_size=50), ValueError, "vocabulary size"),
+        ([SeqChunk([1], 0, [0])], dict(block_size=True), ValueError, "block_size"),
+    ]
+    for chunks, kwargs, error, match in bad:
+        with pytest.raises(error, match=match):
+            make_batch(chunks, **{"block_size": 4, **kwargs})
+    # at the bounds, and numpy's integers, are accepted
+    import numpy as np
+    make_batch([SeqChunk(np.array([0, 49]), np.int64(2), [np.int32(7)])], block_size=4,
+               num_blocks=8, vocab_size=50)
 
 
 def test_shard_spec_ranges():

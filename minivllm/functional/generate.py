@@ -3,6 +3,7 @@ one batched prefill of all prompts, then batched decode steps until every prompt
 
 from __future__ import annotations
 
+import secrets
 from typing import Sequence
 
 import torch
@@ -37,6 +38,43 @@ def _check_prompts(tokens, vocab_size: int) -> list[list[int]]:
     return prompts
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_options(max_new_tokens, temperature, top_k, top_p, seed) -> None:
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if not _is_real(temperature) or not 0 <= temperature <= torch.finfo(torch.float32).max:
+        raise ValueError(f"temperature must be a number in [0, 3.4e38] (fp32's range), got "
+                         f"{temperature!r}")
+    if top_k is not None and (not _is_int(top_k) or top_k < 1):
+        raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
+    if top_p is not None and (not _is_real(top_p) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be a number in (0, 1] or None, got {top_p!r}")
+    if seed is not None and not _is_int(seed):
+        raise TypeError(f"seed must be an integer or None, got {seed!r}")
+
+
+def _check_eos(eos_token_id, vocab_size: int) -> set[int]:
+    """eos_token_id: None, an id or a sequence of ids -> the set of ids that end a prompt."""
+    if eos_token_id is None:
+        return set()
+    ids = [eos_token_id] if _is_int(eos_token_id) else eos_token_id
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, set, frozenset)):
+        raise TypeError(f"eos_token_id must be an int, a sequence of ints or None, got {eos_token_id!r}")
+    for t in ids:
+        if not _is_int(t):
+            raise TypeError(f"eos_token_id holds {t!r}, not an int token id")
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"eos_token_id {t} is outside the vocabulary [0, {vocab_size})")
+    return set(ids)
+
+
 def generate(params: Params, cache: KVCache, tokens: Sequence[Sequence[int]], *, max_new_tokens: int,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
@@ -49,18 +87,10 @@ def generate(params: Params, cache: KVCache, tokens: Sequence[Sequence[int]], *,
     reproducible (prompt i uses its own stream, independent of the other prompts). Prompt i uses cache blocks laid out one prompt after the other from block 0."""
     from ..kernels import select_backend
 
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    _check_options(max_new_tokens, temperature, top_k, top_p, seed)
     check_cache_fits(params, cache)
     prompts = _check_prompts(tokens, params.config.vocab_size)
-    eos = set() if eos_token_id is None else (
-        {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id))
+    eos = _check_eos(eos_token_id, params.config.vocab_size)
     backend = select_backend(params.device, backend)
 
     # The last sampled token is never fed back, so a prompt needs len + max_new - 1 slots.
@@ -73,13 +103,14 @@ def generate(params: Params, cache: KVCache, tokens: Sequence[Sequence[int]], *,
     if next_block > cache.num_blocks:
         raise ValueError(f"the cache is too small: these prompts need {next_block} blocks of "
                          f"{bs} tokens, the cache has {cache.num_blocks}")
-    if max(len(p) for p in prompts) + max_new_tokens > params.config.max_position_embeddings:
-        raise ValueError(f"prompt + max_new_tokens exceeds max_position_embeddings "
+    if max(len(p) for p in prompts) + max_new_tokens - 1 > params.config.max_position_embeddings:
+        raise ValueError(f"prompt + max_new_tokens - 1 exceeds max_position_embeddings "
                          f"({params.config.max_position_embeddings})")
 
     # Each prompt draws from its own counter-based stream (seed, tokens generated so far), the
     # sampler the engine uses: the same seed gives the same tokens whatever else is batched.
-    base_seed = seed if seed is not None else torch.seed()
+    # A fresh seed from the OS, not torch.seed(): that would reseed torch's global generator.
+    base_seed = seed if seed is not None else secrets.randbits(64)
     seeds = [(base_seed + i * 0x9E3779B97F4A7C15) & ((1 << 64) - 1) for i in range(len(prompts))]
 
     device = params.device
@@ -87,7 +118,7 @@ def generate(params: Params, cache: KVCache, tokens: Sequence[Sequence[int]], *,
     chunks = [SeqChunk(p, 0, t) for p, t in zip(prompts, tables)]
     active = list(range(len(prompts)))
     while True:
-        batch = make_batch(chunks, block_size=bs, device=device)
+        batch = make_batch(chunks, block_size=bs, device=device, check=False)  # checked above
         with torch.no_grad():
             logits, cache = forward(params, cache, batch, backend)
         rows = [SamplingRow(temperature=float(temperature), top_k=top_k or 0, top_p=top_p or 1.0,

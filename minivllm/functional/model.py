@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..state.batch import Batch
-from ..state.cache import KVCache
+from ..state.cache import KVCache, check_cache_fits
 from ..state.params import Params
 from .attention import REFERENCE, AttentionBackend
 from .embedding import embed, lm_head
@@ -87,6 +87,9 @@ def forward(params: Params, cache: KVCache, batch: Batch, backend: AttentionBack
     persistent kernel for every layer (kernels.decode_layer.persistent_layers). What `head`
     returns is what comes back in the logits' place (kernels.decode_head.picking_head: the
     logits and the tiles' maxima of a greedy pick)."""
+    if not isinstance(batch, Batch):
+        raise TypeError(f"batch must be a Batch (make_batch), got {type(batch).__name__}")
+    check_cache_fits(params, cache)
     x, residual, cos, sin = stem(params, batch)
     if layers is not None:
         x, residual = layers(params, cache, batch, backend, x, residual, cos, sin)

@@ -214,6 +214,8 @@ def _padded(rows: Sequence[Sequence[int]], pad: int, device) -> torch.Tensor:
     return _to_device(out, device)
 
 
+SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
+
 _FLOAT_FIELDS = operator.attrgetter("temperature", "top_p", "min_p", "presence_penalty",
                                     "frequency_penalty", "repetition_penalty")
 
@@ -242,8 +244,13 @@ def make_sampling_batch(rows: Sequence[SamplingRow], *, vocab_size: int, device=
     # few numpy calls whatever B.
     b = len(rows)
     f64 = np.array(list(map(_FLOAT_FIELDS, rows)), dtype=np.float64)
+    # As vLLM: a temperature below SAMPLING_EPS is greedy (logits / T would overflow fp32 to inf
+    # and softmax to NaN), and a top_p that fp32 rounds to 0 still keeps the top id.
+    f64[:, 0][f64[:, 0] < SAMPLING_EPS] = 0.0
+    np.maximum(f64[:, 1], np.finfo(np.float32).tiny, out=f64[:, 1])
     temperature, top_p, min_p = f64[:, 0], f64[:, 1], f64[:, 2]
-    top_k = np.fromiter([r.top_k for r in rows], dtype=np.int64, count=b)
+    # top_k past the vocabulary is off (clamped first: it may not fit in int64).
+    top_k = np.fromiter([min(r.top_k, vocab_size) for r in rows], dtype=np.int64, count=b)
     top_k[(top_k <= 0) | (top_k >= vocab_size)] = vocab_size
     do_top_k = bool((top_k < vocab_size).any())
     do_top_p, do_min_p = bool((top_p < 1).any()), bool((min_p > 0).any())

@@ -60,6 +60,9 @@ def select_backend(device, requested=None, cache_dtype: torch.dtype | None = Non
     or None (then MINIVLLM_ATTENTION_BACKEND, then the best available). An fp8 `cache_dtype`
     leaves out flash_attn, which reads a cache in the model's dtype only."""
     if requested is not None and not isinstance(requested, str):
+        if not callable(requested):
+            raise TypeError(f"backend must be a name, an attention backend or None, got "
+                            f"{type(requested).__name__}")
         return requested
     name = requested or os.environ.get("MINIVLLM_ATTENTION_BACKEND") or None
     available = available_backends(device)

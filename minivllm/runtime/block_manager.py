@@ -61,6 +61,9 @@ class BlockManager:
         # Blocks with ref 0, in the order they are handed out (first = next).
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.registry: dict[int, int] = {}  # hash -> block id
+        # Blocks registered since the last commit(): their K/V is written only once the step
+        # that schedules them runs, so a step that never runs must take them back (rollback).
+        self.uncommitted: list[tuple[Sequence, int, int]] = []  # (seq, table index, block id)
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -157,7 +160,26 @@ class BlockManager:
                 prev = seq.block_table[i - 1] if i else None
                 block.parent = None if prev is None else (prev, self.blocks[prev].tenancy)
                 self.registry[h] = b
+                self.uncommitted.append((seq, i, b))
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
+
+    def commit(self) -> None:
+        """The step that registered the uncommitted blocks is launched: their K/V will be in the
+        cache before any later step reads it (one stream, in order)."""
+        self.uncommitted.clear()
+
+    def rollback(self) -> set[int]:
+        """The step that registered the uncommitted blocks will never run: unregister them
+        (their K/V was never written) and let their sequences register them again once
+        computed. Returns their block ids."""
+        taken = set()
+        for seq, i, b in reversed(self.uncommitted):
+            self._evict(b)
+            if seq.block_table[i:i + 1] == [b]:
+                seq.num_registered_blocks = min(seq.num_registered_blocks, i)
+            taken.add(b)
+        self.uncommitted.clear()
+        return taken
 
     def free_blocks(self, seq: Sequence) -> None:
         """Drop seq's references, last block first. Registered blocks stay reusable, queued

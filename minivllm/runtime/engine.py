@@ -126,6 +126,9 @@ class LLMEngine:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
+                if text is not None and not isinstance(text, str):
+                    raise ValueError(f"a prompt dict's 'prompt' must be a string, got "
+                                     f"{type(text).__name__}")
             elif "prompt" in prompt:
                 text = prompt["prompt"]
                 ids = None
@@ -144,7 +147,7 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: pass {'prompt_token_ids': [...]}")
             ids = self.tokenizer.encode(text)
-        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
+        if isinstance(ids, (str, bytes, set, frozenset, dict)) or not hasattr(ids, "__len__"):
             raise ValueError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
         ids = list(ids.tolist() if hasattr(ids, "tolist") else ids)
         if not ids:
@@ -171,7 +174,7 @@ class LLMEngine:
                              f"no room to generate (the prompt must be shorter than it)")
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={self.config.max_logprobs}")
-        if (params.stop_strings or not params.skip_special_tokens) and self.tokenizer is None:
+        if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this engine has none")
         for i in params.stop_ids:
             if i >= self.vocab_size:
@@ -284,9 +287,14 @@ class LLMEngine:
                 raise RuntimeError("the scheduler could not schedule anything")
             return []
         self._count(out)
-        with trace_range("step_input"):
-            step_input = self.step_input(out)
-        result = self.runner.execute(step_input)
+        try:
+            with trace_range("step_input"):
+                step_input = self.step_input(out)
+            result = self.runner.execute(step_input)
+        except BaseException:  # an error or Ctrl-C: this step never ran
+            self.scheduler.abandon(out)
+            raise
+        self.scheduler.bm.commit()
         with trace_range("update"):
             seqs = self.scheduler.update(out, result.token_ids)
         return self._finish_step(out, seqs, result, unfinished)
@@ -301,9 +309,14 @@ class LLMEngine:
             out = self.scheduler.schedule()
         if not out.empty:
             self._count(out)
-            with trace_range("step_input"):
-                step_input = self.step_input(out, prev[0] if prev is not None else None)
-            pending = self.runner.launch(step_input)
+            try:
+                with trace_range("step_input"):
+                    step_input = self.step_input(out, prev[0] if prev is not None else None)
+                pending = self.runner.launch(step_input)
+            except BaseException:  # an error or Ctrl-C: this step never ran
+                self.scheduler.abandon(out)
+                raise
+            self.scheduler.bm.commit()
             self.scheduler.advance(out)
             self.in_flight = (out, pending)
         elif prev is None:
@@ -374,10 +387,13 @@ class LLMEngine:
                 seq.logprobs.append(entry)
             if self.tokenizer is None or not p.detokenize:
                 continue
+            end = seq.num_known
+            if seq.finish_reason == "stop" and not p.include_stop_str_in_output:
+                end -= 1  # the stop token (EOS, a stop id) keeps out of the text, as in vLLM
             new_text, seq.prefix_offset, seq.read_offset = detokenize_incrementally(
                 self.tokenizer, seq.token_ids, seq.prefix_offset, seq.read_offset,
                 skip_special_tokens=p.skip_special_tokens,
-                spaces_between_special_tokens=p.spaces_between_special_tokens, end=seq.num_known)
+                spaces_between_special_tokens=p.spaces_between_special_tokens, end=end)
             seq.text += new_text
             if not p.stop_strings or not new_text or seq.num_known - seq.prompt_len < p.min_tokens:
                 continue

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from .config import EngineConfig, is_random_model
 from .engine import EngineStats, LLMEngine
@@ -87,6 +87,10 @@ class LLM:
         if not skip_tokenizer_init and not is_random_model(self.config.model):
             tok = load_tokenizer(os.fspath(tokenizer or self.config.model), required=tokenizer is not None)
         self.engine = LLMEngine(self.config, tok, runner=runner)
+        # Requests of the calls in progress (generate, streams), and outputs one call's step
+        # received for another's: see _next_outputs.
+        self._owned: set[str] = set()
+        self._parked: dict = {}
 
     # -- accessors -------------------------------------------------------------------------------
 
@@ -121,6 +125,8 @@ class LLM:
             return [prompts]
         if prompts is None:
             raise ValueError("prompts is None")
+        if isinstance(prompts, bytes) or not isinstance(prompts, Iterable):
+            raise ValueError(f"prompts must be a prompt or a list of them, got {type(prompts).__name__}")
         prompts = list(prompts)
         if not prompts:
             raise ValueError("no prompts given")
@@ -132,6 +138,9 @@ class LLM:
             return [SamplingParams()] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
+        if isinstance(sampling_params, (str, bytes, dict)) or not isinstance(sampling_params, Iterable):
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
+                             f"{type(sampling_params).__name__}")
         params = list(sampling_params)
         if len(params) != n:
             raise ValueError(f"{n} prompts but {len(params)} sampling params")
@@ -180,48 +189,79 @@ class LLM:
         """Yield incremental outputs as they are produced: each RequestOutput holds, per
         completion, only the text, token ids and logprobs that are new since the last one yielded
         for that request (`finished` and finish_reason on the last). Text that could be the
-        start of a stop string is held back until it is known not to be one."""
-        ids = self._add(prompts, sampling_params)
+        start of a stop string is held back until it is known not to be one. Bad requests raise
+        here, not at the first next(); the requests are queued at the first next()."""
+        prompts = self._prompt_list(prompts)
+        params = self._params_list(sampling_params, len(prompts))
+        for prompt, sp in zip(prompts, params):
+            self.engine.check_request(prompt, sp)
+        return self._stream(prompts, params)
+
+    def _stream(self, prompts: list, params: list[SamplingParams]) -> Iterator[RequestOutput]:
+        ids = self.engine.add_requests(prompts, params)
         mine = set(ids)
         # Characters that may begin a stop string: up to the longest stop string, less one.
         hold = {i: max(map(len, self.engine.requests[i].params.stop_strings), default=1) - 1
                 for i in ids}
-        sent: dict[tuple[str, int], tuple[int, int]] = {}  # (request, index) -> (chars, tokens)
+        sent: dict[tuple[str, int], tuple[int, int, bool]] = {}  # (request, index) -> progress
+        self._owned |= mine
         try:
             while mine:
-                for out in self.engine.step():
-                    if out.request_id not in mine:
-                        continue
+                for out in self._next_outputs(mine, unfinished=True):
                     delta = _delta(out, sent, hold[out.request_id])
                     if out.finished:
                         mine.discard(out.request_id)
                     if delta is not None:
                         yield delta
         finally:
-            for request_id in mine:  # the caller stopped early: free the cache
-                self.engine.abort_request(request_id)
+            self._release(ids, abort=mine)  # the caller stopped early: free the cache
 
     # -- the loop --------------------------------------------------------------------------------
+
+    def _next_outputs(self, mine: set[str], *, unfinished: bool) -> list[RequestOutput]:
+        """The next outputs of the requests in `mine`: those another call's steps received for
+        them, else one engine step's. Outputs of other live calls' requests are kept for those
+        calls (the latest, outputs being cumulative), so that calls interleaved (a stream paused
+        while generate runs, two streams read in turn) each get all of theirs."""
+        parked = [self._parked.pop(i) for i in mine if i in self._parked]
+        if parked:
+            return parked
+        outs = []
+        for out in self.engine.step(unfinished=unfinished):
+            if out.request_id in mine:
+                outs.append(out)
+            elif out.request_id in self._owned:
+                self._parked[out.request_id] = out
+        if not outs and not any(i in self.engine.requests for i in mine):
+            raise RuntimeError(f"requests {sorted(mine)} are no longer in the engine (aborted "
+                               f"through the engine directly?)")
+        return outs
+
+    def _release(self, ids: list[str], abort) -> None:
+        """A call is over: forget its requests, aborting those in `abort` (left unfinished)."""
+        for request_id in abort:
+            self.engine.abort_request(request_id)
+        for request_id in ids:
+            self._owned.discard(request_id)
+            self._parked.pop(request_id, None)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(ids)
         final: dict[str, RequestOutput] = {}
         bar = _Progress(len(ids), self.engine.stats) if use_tqdm else None
+        self._owned |= pending
         try:
             while pending:
-                for out in self.engine.step(unfinished=False):
-                    if out.request_id in pending:
+                for out in self._next_outputs(pending, unfinished=False):
+                    if out.finished:
                         pending.discard(out.request_id)
                         final[out.request_id] = out
                         if bar:
                             bar.update(1)
                 if bar:
                     bar.refresh()
-        except BaseException:
-            for request_id in pending:
-                self.engine.abort_request(request_id)
-            raise
         finally:
+            self._release(ids, abort=pending)
             if bar:
                 bar.close()
         return [final[i] for i in ids]
@@ -232,14 +272,16 @@ def _delta(out: RequestOutput, sent: dict, hold: int) -> RequestOutput | None:
     unfinished text; None when nothing is new."""
     outputs = []
     for c in out.outputs:
-        chars, tokens = sent.get((out.request_id, c.index), (0, 0))
+        chars, tokens, ended = sent.get((out.request_id, c.index), (0, 0, False))
         visible = len(c.text) if c.finished() else max(chars, len(c.text) - hold)
         new = CompletionOutput(index=c.index, text=c.text[chars:visible], token_ids=c.token_ids[tokens:],
                                cumulative_logprob=c.cumulative_logprob,
                                logprobs=c.logprobs[tokens:] if c.logprobs is not None else None,
                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-        sent[(out.request_id, c.index)] = (visible, len(c.token_ids))
-        if new.text or new.token_ids or new.finish_reason is not None:
+        sent[(out.request_id, c.index)] = (visible, len(c.token_ids), c.finished())
+        # A completion that ended is sent once with its finish_reason, not again with each delta
+        # of its siblings (n > 1).
+        if new.text or new.token_ids or (new.finish_reason is not None and not ended):
             outputs.append(new)
     if not outputs and not out.finished:
         return None

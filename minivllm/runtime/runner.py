@@ -477,7 +477,8 @@ class ModelRunner:
         input_ids[pairs[0]] = self.last_tokens[pairs[1]]
 
     def _run(self, cache, step: StepInput):
-        batch = make_batch(step.chunks, block_size=self.block_size, device=self.device)
+        batch = make_batch(step.chunks, block_size=self.block_size, device=self.device,
+                           check=False)
         # Built before the forward is queued, for the same reason as in _run_decode_graph.
         sb = self._sampling_batch(step) if step.rows else None
         self._feed_back(batch.input_ids, step)

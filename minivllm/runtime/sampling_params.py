@@ -11,6 +11,9 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+_FP32_MAX = 3.4028234663852886e38  # the sampler divides fp32 logits by the temperature
+
+
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -64,8 +67,8 @@ class SamplingParams:
                 bad(f"{name} must be in [-2, 2], got {v!r}")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
             bad(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        if not _is_number(self.temperature) or self.temperature < 0:
-            bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= _FP32_MAX:
+            bad(f"temperature must be a number in [0, 3.4e38] (fp32's range), got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             bad(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:

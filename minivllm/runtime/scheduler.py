@@ -235,6 +235,18 @@ class Scheduler:
         self.bm.register_full_blocks(seq, min(end, num_tokens - seq.num_pending))
         out.add(ScheduledChunk(seq, start, n, end == num_tokens))
 
+    def abandon(self, out: SchedulerOutput) -> None:
+        """`out` will never run (its launch raised): unregister the blocks it registered, whose
+        K/V was never written, and recompute any sequence that took one of them as a prefix-cache
+        hit. The others need nothing: a step's progress is recorded only once it is launched."""
+        unwritten = self.bm.rollback()
+        bs = self.bm.block_size
+        for chunk in out.chunks:
+            seq = chunk.seq
+            if seq.status is Status.RUNNING and any(
+                    b in unwritten for b in seq.block_table[:seq.num_computed // bs]):
+                self._preempt(seq)
+
     def advance(self, out: SchedulerOutput) -> None:
         """The first half of recording a launched step: its tokens are computed, and each sampled
         sequence holds a PENDING token until resolve()."""

@@ -117,10 +117,52 @@ def batch_arrays(chunks: Sequence[SeqChunk], *, block_size: int, max_blocks: int
                 block_tables=tables, logits_indices=logit_rows.astype(np.int64))
 
 
+def _ids(values, what: str, upper: int | None, upper_name: str) -> None:
+    """TypeError/ValueError unless `values` are integers in [0, upper)."""
+    arr = np.asarray(values)
+    if arr.ndim != 1 or (arr.size and (arr.dtype == bool or arr.dtype.kind not in "iu")):
+        raise TypeError(f"{what} must be a flat sequence of integers, got {values!r:.80}")
+    if not arr.size:  # an empty chunk is batch_arrays' error, with its own message
+        return
+    if arr.min() < 0:
+        raise ValueError(f"{what} holds {int(arr.min())}, a negative id")
+    if upper is not None and arr.max() >= upper:
+        raise ValueError(f"{what} holds {int(arr.max())}, not below {upper_name} ({upper})")
+
+
+def check_chunks(chunks: Sequence[SeqChunk], *, block_size: int, num_blocks: int | None = None,
+                 vocab_size: int | None = None) -> None:
+    """TypeError/ValueError naming the first malformed chunk: what make_batch would otherwise
+    truncate (float ids), wrap (negative positions index from the end) or pass on for the cache
+    write to trip over (a block past the cache) after some layers have written."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    if isinstance(chunks, (str, bytes)) or not isinstance(chunks, Sequence):
+        raise TypeError(f"chunks must be a sequence of SeqChunk, got {type(chunks).__name__}")
+    for b, chunk in enumerate(chunks):
+        if not isinstance(chunk, SeqChunk):
+            raise TypeError(f"chunk {b} must be a SeqChunk, got {type(chunk).__name__}")
+        _ids(chunk.token_ids, f"chunk {b}'s token_ids", vocab_size, "the vocabulary size")
+        n = chunk.num_cached
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(f"chunk {b}'s num_cached must be an integer >= 0, got {n!r}")
+        _ids(chunk.block_table, f"chunk {b}'s block_table", num_blocks, "the cache's num_blocks")
+        if not isinstance(chunk.want_logits, (bool, np.bool_)):
+            raise TypeError(f"chunk {b}'s want_logits must be a bool, got {chunk.want_logits!r}")
+
+
 def make_batch(chunks: Sequence[SeqChunk], *, block_size: int, device=None,
-               max_blocks: int | None = None, every_row: bool = False) -> Batch:
+               max_blocks: int | None = None, every_row: bool = False, check: bool = True,
+               num_blocks: int | None = None, vocab_size: int | None = None) -> Batch:
     """Pack sequence chunks into a Batch (built on the host, then moved to `device`).
-    every_row: logits for every token (teacher forcing, losses), not only each chunk's last."""
+    every_row: logits for every token (teacher forcing, losses), not only each chunk's last.
+
+    check: validate the chunks first (check_chunks; `num_blocks` and `vocab_size`, where given,
+    bound the block ids and token ids: forward cannot check values on the device without
+    waiting for it). The engine's runner passes False: its chunks come from requests checked
+    when they were added, and a decode step's host time is on its critical path."""
+    if check:
+        check_chunks(chunks, block_size=block_size, num_blocks=num_blocks, vocab_size=vocab_size)
     arrays = batch_arrays(chunks, block_size=block_size, max_blocks=max_blocks,
                           every_row=every_row)
     # Pinned and non-blocking on CUDA: a copy from pageable memory would make the host wait for

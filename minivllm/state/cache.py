@@ -57,9 +57,9 @@ def init_cache(params: Params, *, num_blocks: int, block_size: int = 16, dtype=N
                device=None) -> KVCache:
     """An empty (zeroed) paged cache fitting `params`: `num_blocks` blocks of `block_size` tokens.
     dtype: the params' (None, "auto"), another float dtype, or "fp8" (see parse_kv_cache_dtype)."""
-    if not isinstance(num_blocks, int) or num_blocks < 1:
+    if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
         raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
-    if not isinstance(block_size, int) or block_size < 1:
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
     dtype = parse_kv_cache_dtype(dtype, params.dtype)
     device = params.device if device is None else torch.device(device)

@@ -73,6 +73,22 @@ def _freeze(value: Any) -> Any:
     return value
 
 
+def _check_llama3_scaling(scaling: dict) -> None:
+    """ValueError unless `scaling` holds what Llama-3 RoPE scaling computes with (functional.rope):
+    a factor, and frequency factors low < high (their difference divides)."""
+    def number(key, default):
+        value = scaling.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"llama3 rope scaling needs {key} > 0, got {value!r}")
+        return value
+
+    number("factor", None)
+    number("original_max_position_embeddings", 8192)
+    if not number("low_freq_factor", 1.0) < number("high_freq_factor", 4.0):
+        raise ValueError(f"llama3 rope scaling needs low_freq_factor < high_freq_factor, got "
+                         f"{scaling.get('low_freq_factor')!r} and {scaling.get('high_freq_factor')!r}")
+
+
 @attrs.frozen
 class ModelConfig:
     vocab_size: int
@@ -140,7 +156,7 @@ class ModelConfig:
         if rope_params is not None:
             rope_params = dict(rope_params)
             rope_theta = rope_params.pop("rope_theta", rope_theta)
-            if rope_params.get("rope_type", "default") != "default":
+            if rope_params.get("rope_type", rope_params.get("type", "default")) != "default":
                 rope_scaling = rope_params
         if rope_scaling is not None:
             rope_scaling = dict(rope_scaling)
@@ -151,6 +167,8 @@ class ModelConfig:
                 rope_scaling = None
             elif kind != "llama3":
                 raise ValueError(f"unsupported rope scaling type {kind!r}: minivllm supports 'llama3'")
+            else:
+                _check_llama3_scaling(rope_scaling)
         if rope_theta is None:
             rope_theta = 10000.0
 
