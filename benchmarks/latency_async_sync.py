@@ -11,8 +11,8 @@ is GPU-bound.
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import time
 
 from minivllm.runtime import bench
@@ -37,6 +37,9 @@ def main(out_path: str, rounds: int) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        sys.exit(__doc__)
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 3)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", help="the JSON file the rounds' results go to")
+    parser.add_argument("rounds", type=int, nargs="?", default=3)
+    args = parser.parse_args()
+    main(args.out, args.rounds)

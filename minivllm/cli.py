@@ -11,6 +11,7 @@ With neither --model nor --demo it runs the demo model, and says so.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -120,12 +121,14 @@ def _make_llm(args):
                   gpu_memory_utilization=args.gpu_memory_utilization,
                   attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                   kv_cache_dtype=args.kv_cache_dtype, persistent_decode=args.persistent_decode,
-                  tensor_parallel_size=args.tensor_parallel_size or _default_tp(),
+                  tensor_parallel_size=(_default_tp() if args.tensor_parallel_size is None
+                                        else args.tensor_parallel_size),
                   seed=args.engine_seed,
                   enable_prefix_caching=not args.no_prefix_caching,
                   max_num_batched_tokens=args.max_num_batched_tokens)
     # An interactive CLI serves few sequences: keep the default KV cache small.
-    kwargs["max_num_seqs"] = args.max_num_seqs or (16 if demo or args.command == "chat" else 256)
+    kwargs["max_num_seqs"] = (args.max_num_seqs if args.max_num_seqs is not None
+                              else 16 if demo or args.command == "chat" else 256)
     if demo and args.max_model_len is None:
         kwargs["max_model_len"] = 2048
     return LLM(model, **kwargs)
@@ -154,8 +157,8 @@ def _sampling_params(args, **extra):
 
 
 def cmd_generate(args) -> int:
+    params = _sampling_params(args, n=args.n, logprobs=args.logprobs)  # bad flags before start-up
     llm = _make_llm(args)
-    params = _sampling_params(args, n=args.n, logprobs=args.logprobs)
     texts = args.prompt or DEFAULT_PROMPTS
     prompts = (llm.chat_prompts([[{"role": "user", "content": t}] for t in texts])
                if args.chat_template else texts)
@@ -163,12 +166,14 @@ def cmd_generate(args) -> int:
     if args.stream:
         # Prompts are interleaved as they run: label every piece with its prompt number.
         ids: dict[str, int] = {}
+        finals: dict = {}
         for delta in llm.stream(prompts, params):
             k = ids.setdefault(delta.request_id, len(ids))
             for c in delta.outputs:
-                if c.text:
+                if c.text and not args.json:
                     print(f"[{k}.{c.index}] {c.text!r}", flush=True)
-        outputs = []
+            finals[delta.request_id] = _merged(finals.get(delta.request_id), delta)
+        outputs = [finals[i] for i in ids] if args.json else []  # the pieces were the text
     else:
         outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
     elapsed = time.perf_counter() - start
@@ -177,7 +182,9 @@ def cmd_generate(args) -> int:
             if args.json:
                 print(json.dumps({"prompt": text, "index": c.index, "text": c.text,
                                   "token_ids": c.token_ids, "finish_reason": c.finish_reason,
-                                  "cumulative_logprob": c.cumulative_logprob}))
+                                  "stop_reason": c.stop_reason,
+                                  "cumulative_logprob": c.cumulative_logprob,
+                                  "logprobs": _logprobs_json(c.logprobs)}))
             else:
                 print(f"Prompt: {text!r}\nGenerated: {c.text!r}  [{len(c.token_ids)} tokens, "
                       f"{c.finish_reason}]\n")
@@ -189,9 +196,34 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _merged(so_far, delta):
+    """A stream's deltas of one request, accumulated into its whole output."""
+    from .runtime.outputs import CompletionOutput
+
+    whole = {c.index: c for c in (so_far.outputs if so_far is not None else [])}
+    for c in delta.outputs:
+        old = whole.get(c.index)
+        if old is not None:
+            c = CompletionOutput(index=c.index, text=old.text + c.text,
+                                 token_ids=[*old.token_ids, *c.token_ids],
+                                 cumulative_logprob=c.cumulative_logprob,
+                                 logprobs=None if c.logprobs is None else [*old.logprobs, *c.logprobs],
+                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+        whole[c.index] = c
+    return dataclasses.replace(delta, outputs=[whole[i] for i in sorted(whole)])
+
+
+def _logprobs_json(logprobs):
+    """Per generated token, {token id: logprob} of the top ids and the sampled one; None if not
+    asked for."""
+    if logprobs is None:
+        return None
+    return [{str(i): lp.logprob for i, lp in entry.items()} for entry in logprobs]
+
+
 def cmd_chat(args) -> int:
+    params = _sampling_params(args)  # bad flags before start-up
     llm = _make_llm(args)
-    params = _sampling_params(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     if interactive:
@@ -243,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             bench_main(args)
             return 0
         return cmd_chat(args)
-    except ValueError as e:
+    except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"minivllm: error: {e}", file=sys.stderr)
         return 2
 

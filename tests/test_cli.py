@@ -82,6 +82,55 @@ def test_errors_are_reported_not_raised(capsys, tmp_path):
         main(["generate", "--demo", "--model", str(tmp_path)])
 
 
+def test_stream_json_gives_what_json_gives_with_logprobs_and_stop_reason(capsys):
+    argv = ["generate", "--demo", "-p", "Hello", "-p", "a b", "--max-tokens", "6", "--ignore-eos",
+            "--logprobs", "2", "--json"]
+    assert main(argv) == 0
+    whole = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert main(argv + ["--stream"]) == 0
+    assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == whole
+    for row in whole:
+        assert row["stop_reason"] is None and len(row["logprobs"]) == len(row["token_ids"]) == 6
+        for entry, tok in zip(row["logprobs"], row["token_ids"]):
+            assert str(tok) in entry and 2 <= len(entry) <= 3  # the top 2 and the sampled id
+        assert abs(sum(e[str(t)] for e, t in zip(row["logprobs"], row["token_ids"]))
+                   - row["cumulative_logprob"]) < 1e-4
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["-tp", "0"], "tensor_parallel_size must be a positive integer, got 0"),
+    (["--max-num-seqs", "0"], "max_num_seqs must be a positive integer, got 0"),
+    (["--device", "nonsense"], "unknown device 'nonsense'"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--n", "0"], "n must be"),
+])
+def test_bad_flags_are_refused_before_the_engine_starts(argv, match, capsys, monkeypatch):
+    import minivllm.runtime.llm as llm
+    from minivllm.runtime.config import EngineConfig
+
+    def check_only(model, **kwargs):  # the engine's config checks run; no engine starts
+        EngineConfig.create(model, **kwargs)
+        raise AssertionError("the flags passed the checks and an engine would start")
+
+    monkeypatch.setattr(llm, "LLM", check_only)
+    assert main(["generate", "--demo", "-p", "hi", *argv]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_a_checkpoint_directory_that_is_not_one_is_named(capsys, tmp_path):
+    assert main(["generate", "--model", str(tmp_path), "-p", "hi"]) == 2
+    assert "has no config.json" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3", "vocab_size": 10}')
+    assert main(["generate", "--model", str(tmp_path), "-p", "hi"]) == 2
+    assert "lacks hidden_size, intermediate_size" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("[1, 2]")
+    assert main(["generate", "--model", str(tmp_path), "-p", "hi"]) == 2
+    assert "JSON object" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    assert main(["generate", "--model", str(tmp_path / "file"), "-p", "hi"]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
+
+
 def test_python_dash_m_runs_the_cli():
     done = subprocess.run([sys.executable, "-m", "minivllm", "generate", "--help"],
                           capture_output=True, text=True, timeout=120,
@@ -210,3 +259,32 @@ def test_bench_names_a_vocabulary_too_small_for_the_workloads_ids(tmp_path, caps
                  "--max-output-len", "100", "--max-model-len", "512", "--dtype", "float32"]) == 2
     err = capsys.readouterr().err
     assert "10000" in err and "600" in err
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--shape", "qwen3-0.6b", "--max-model-len", "1500"], "do not fit max_model_len=1500"),
+    (["--shape", "qwen3-0.6b", "--latency", "--max-model-len", "600"], "do not fit max_model_len=600"),
+    (["--shape", "qwen3-0.6b", "--latency", "--num-seqs", "4"], "--num-seqs is for the throughput run"),
+    (["--shape", "qwen3-0.6b", "--json", "/nonexistent-dir/r.json"], "cannot write into /nonexistent-dir"),
+])
+def test_bench_refuses_a_run_it_would_misreport_before_starting_an_engine(argv, match, capsys,
+                                                                          monkeypatch):
+    """A workload cut short by max_model_len (its floor would count tokens never generated), flags
+    the latency run would ignore, and a --json path that cannot be written (the result would be
+    lost after the run) are errors before any engine starts."""
+    import minivllm.runtime.llm as llm
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine started")
+
+    monkeypatch.setattr(llm, "LLM", no_engine)
+    assert main(["bench", *argv]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_bench_latency_takes_the_prompt_and_output_lengths(tmp_path, demo_path):
+    out = tmp_path / "r.json"
+    assert main(["bench", "--model", demo_path, "--latency", "--max-input-len", "20",
+                 "--max-output-len", "6", "--dtype", "float32", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert (result["prompt_tokens"], result["output_tokens"]) == (20, 6)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import random
 import statistics
 import time
@@ -17,7 +18,7 @@ import time
 import torch
 
 from ..kernels.memory_read import READ_BLOCK, READ_PROGRAMS_PER_SM, stream_read
-from ..state.config import FP8_DTYPES, SHAPES
+from ..state.config import FP8_DTYPES, SHAPES, ModelConfig, config_for_shape
 from .workload import (MAX_PROMPT_ID, check_throughput_workload, throughput_workload,
                        traffic_floor_bytes)
 
@@ -345,9 +346,14 @@ def add_bench_args(p) -> None:
     p.add_argument("--latency", action="store_true", help="single-stream decode and time to first token")
     p.add_argument("--json", default=None, help="write the result to this JSON file")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--num-seqs", type=int, default=256)
-    p.add_argument("--max-input-len", type=int, default=1024)
-    p.add_argument("--max-output-len", type=int, default=1024)
+    p.add_argument("--num-seqs", type=int, default=None,
+                   help="throughput: sequences (default 256)")
+    p.add_argument("--max-input-len", type=int, default=None,
+                   help="throughput: prompt lengths drawn from [100, this] (default 1024); "
+                        "--latency: the prompt's length (default 512)")
+    p.add_argument("--max-output-len", type=int, default=None,
+                   help="throughput: output lengths drawn from [100, this] (default 1024); "
+                        "--latency: tokens decoded (default 256)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="default 256; with --latency 2, so that start-up captures the decode "
@@ -380,15 +386,49 @@ def add_bench_args(p) -> None:
                         "900: ~40, the tail)")
 
 
+def _or(value, default):
+    return default if value is None else value
+
+
+def _check_workload(args, model: str) -> tuple[int, int]:
+    """ValueError naming the flag where the workload cannot run as asked on `model`: checked
+    from its config before the engine starts. Returns (input length, output length)."""
+    if args.latency:
+        if args.num_seqs is not None:
+            raise ValueError("--num-seqs is for the throughput run; --latency runs one stream")
+        lengths = (_or(args.max_input_len, 512), _or(args.max_output_len, 256))
+        for flag, n in zip(("--max-input-len", "--max-output-len"), lengths):
+            if n < 1:
+                raise ValueError(f"{flag} must be a positive integer, got {n}")
+    else:
+        lengths = (_or(args.max_input_len, 1024), _or(args.max_output_len, 1024))
+        check_throughput_workload(_or(args.num_seqs, 256), *lengths)
+    config = (config_for_shape(model.split(":", 1)[1]) if model.startswith("random:")
+              else ModelConfig.from_json(model))
+    if not args.latency and config.vocab_size <= MAX_PROMPT_ID:
+        raise ValueError(f"the throughput workload's prompt ids go up to {MAX_PROMPT_ID} (as "
+                         f"nano-vllm's do); this model's vocabulary has {config.vocab_size}")
+    limit = args.max_model_len or config.max_position_embeddings
+    if sum(lengths) > limit:
+        raise ValueError(f"prompts of up to {lengths[0]} tokens and {lengths[1]} new ones do not "
+                         f"fit max_model_len={limit} (the run would cut them short and "
+                         f"misstate its floor); raise --max-model-len or lower the lengths")
+    return lengths
+
+
 def main(args) -> dict:
     from .llm import LLM
 
     if args.model and args.shape:
         raise ValueError("give --model or --shape, not both")
-    if not args.latency:  # before the engine starts, which takes a while
-        check_throughput_workload(args.num_seqs, args.max_input_len, args.max_output_len)
     model = args.model or f"random:{args.shape or 'qwen3-0.6b'}"
-    max_num_seqs = args.max_num_seqs or (LATENCY_MAX_NUM_SEQS if args.latency else 256)
+    lengths = _check_workload(args, model)  # before the engine starts, which takes a while
+    max_num_seqs = (args.max_num_seqs if args.max_num_seqs is not None
+                    else LATENCY_MAX_NUM_SEQS if args.latency else 256)
+    if args.json:  # the run's result must not be lost to a path that cannot be written
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ValueError(f"--json {args.json}: cannot write into {folder}")
     start = time.perf_counter()
     llm = LLM(model, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -401,10 +441,10 @@ def main(args) -> dict:
     startup_s = time.perf_counter() - start
     print(f"engine started in {startup_s:.1f} s", flush=True)
     if args.latency:
-        result = run_latency(llm, trace=args.trace)
+        result = run_latency(llm, prompt_len=lengths[0], output_len=lengths[1], trace=args.trace)
     else:
-        result = run_throughput(llm, num_seqs=args.num_seqs, max_input_len=args.max_input_len,
-                                max_output_len=args.max_output_len, trace=args.trace,
+        result = run_throughput(llm, num_seqs=_or(args.num_seqs, 256), max_input_len=lengths[0],
+                                max_output_len=lengths[1], trace=args.trace,
                                 trace_from=args.trace_from,
                                 step_times=args.step_times)
         bandwidth = copy_bandwidth(device)

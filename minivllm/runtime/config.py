@@ -65,8 +65,12 @@ class EngineConfig:
             # "random:qwen3-0.6b": random weights at a real shape (benchmarks); no checkpoint.
             model_config = config_for_shape(model.split(":", 1)[1])
         elif not os.path.isdir(model):
-            raise ValueError(f"model directory {model!r} does not exist (minivllm loads local "
+            what = "is a file, not a directory" if os.path.exists(model) else "does not exist"
+            raise ValueError(f"model directory {model!r} {what} (minivllm loads local "
                              f"Hugging Face checkpoints; try `minivllm generate --demo`)")
+        elif not os.path.isfile(os.path.join(model, "config.json")):
+            raise ValueError(f"model directory {model!r} has no config.json (a Hugging Face "
+                             f"checkpoint directory holds config.json and *.safetensors)")
         else:
             model_config = ModelConfig.from_json(model)
         for name, value in (("max_num_seqs", max_num_seqs), ("block_size", block_size)):
@@ -82,8 +86,7 @@ class EngineConfig:
         if not isinstance(max_logprobs, int) or isinstance(max_logprobs, bool) or max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {max_logprobs!r}")
 
-        device = torch.device(device if device is not None else
-                              ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = _device(device)
         # "auto" keeps the checkpoint's dtype (float32 tiny test checkpoints stay float32).
         dtype = parse_dtype(dtype, model_config.dtype)
         kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype, dtype)
@@ -134,3 +137,22 @@ def persistent_decode_default(device: torch.device, tensor_parallel_size: int,
     single stream decodes 19% faster with it (BENCHMARKS.md, session 16)."""
     return (device.type == "cuda" and tensor_parallel_size == 1 and
             attention_backend in (None, "triton") and triton_usable)
+
+
+def _device(device) -> torch.device:
+    """The engine's device: the one given, else CUDA when there is one; ValueError for a name
+    torch does not know or a CUDA device this machine lacks."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"unknown device {device!r}: {e}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(device)!r}: this machine's torch sees no CUDA GPU")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(device)!r}: there are {torch.cuda.device_count()} CUDA GPUs")
+    elif device.type not in ("cpu", "meta"):
+        raise ValueError(f"device {str(device)!r}: minivllm runs on cpu or cuda")
+    return device

@@ -136,6 +136,12 @@ class ModelConfig:
     def from_dict(cls, d: dict) -> "ModelConfig":
         """Read a HF config dict in the transformers 4 layout (rope_theta, rope_scaling, torch_dtype)
         or the transformers 5 layout (rope_parameters, dtype)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a model config is a JSON object, got {type(d).__name__}")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
+                               "num_hidden_layers", "num_attention_heads") if k not in d]
+        if missing:
+            raise ValueError(f"the model config lacks {', '.join(missing)}")
         archs = d.get("architectures") or ["Qwen3ForCausalLM"]
         for arch in archs:
             if arch not in SUPPORTED_ARCHITECTURES:
