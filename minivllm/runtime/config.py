@@ -96,6 +96,8 @@ class EngineConfig:
         # Heads that do not split, more ranks than GPUs, a torchrun of another size: errors now,
         # before any process starts.
         check_tensor_parallel(model_config, tensor_parallel_size, device, torchrun_env())
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"device {str(device)!r}: there are {torch.cuda.device_count()} CUDA GPUs")
         limit = model_config.max_position_embeddings
         if max_model_len is None:
             max_model_len = limit
@@ -149,10 +151,8 @@ def _device(device) -> torch.device:
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"unknown device {device!r}: {e}") from None
     if device.type == "cuda":
-        if not torch.cuda.is_available():
+        if torch.cuda.device_count() == 0:
             raise ValueError(f"device {str(device)!r}: this machine's torch sees no CUDA GPU")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"device {str(device)!r}: there are {torch.cuda.device_count()} CUDA GPUs")
-    elif device.type not in ("cpu", "meta"):
+    elif device.type != "cpu":
         raise ValueError(f"device {str(device)!r}: minivllm runs on cpu or cuda")
     return device
