@@ -186,8 +186,9 @@ def cmd_generate(args) -> int:
                                   "cumulative_logprob": c.cumulative_logprob,
                                   "logprobs": _logprobs_json(c.logprobs)}))
             else:
-                print(f"Prompt: {text!r}\nGenerated: {c.text!r}  [{len(c.token_ids)} tokens, "
-                      f"{c.finish_reason}]\n")
+                label = f" [{c.index}]" if len(out.outputs) > 1 else ""
+                print(f"Prompt: {text!r}\nGenerated{label}: {c.text!r}  [{len(c.token_ids)} "
+                      f"tokens, {c.finish_reason}]\n")
     s = llm.stats
     print(f"minivllm: {s.prompt_tokens_computed + s.prompt_tokens_cached} prompt tokens "
           f"({s.prompt_tokens_cached} from the prefix cache), {s.generation_tokens} generated "
@@ -249,7 +250,13 @@ def cmd_chat(args) -> int:
         prompt = llm.chat_prompts(messages)[0]
         reply = []
         try:
-            for delta in llm.stream([prompt], params):
+            deltas = llm.stream([prompt], params)
+        except ValueError as e:  # e.g. the conversation outgrew max_model_len: this turn only
+            messages.pop()
+            print(f"minivllm: error: {e} (/reset starts the conversation over)", file=sys.stderr)
+            continue
+        try:
+            for delta in deltas:
                 for c in delta.outputs:
                     reply.append(c.text)
                     print(c.text, end="", flush=True)

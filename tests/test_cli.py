@@ -73,6 +73,16 @@ def test_chat_reads_turns_and_streams_replies(capsys, monkeypatch):
     assert len(out.splitlines()) == 2  # one reply per turn, then /exit
 
 
+def test_chat_goes_on_after_a_turn_that_does_not_fit(capsys, monkeypatch):
+    """A conversation that outgrows max_model_len loses that turn, not the session."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n" + "word " * 80 + "\n/reset\nhello\n"))
+    assert main(["chat", "--demo", "--max-model-len", "64", "--max-tokens", "4",
+                 "--temperature", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert "max_model_len=64" in err and "/reset starts the conversation over" in err
+    assert len(out.splitlines()) == 2  # the replies to "hi" and to "hello"
+
+
 def test_errors_are_reported_not_raised(capsys, tmp_path):
     assert main(["generate", "--model", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err

@@ -88,16 +88,25 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             bad("prompt_logprobs is not supported by minivllm yet")
 
+        for name in ("ignore_eos", "detokenize", "skip_special_tokens",
+                     "spaces_between_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                bad(f"{name} must be a bool, got {getattr(self, name)!r}")
+
         stop = self.stop
         if stop is None:
             stop = ()
         elif isinstance(stop, str):
             stop = (stop,)
-        else:
+        elif isinstance(stop, (list, tuple)):
             stop = tuple(stop)
+        else:
+            bad(f"stop must be a string or a list of non-empty strings, got {stop!r}")
         for s in stop:
             if not isinstance(s, str) or not s:
                 bad(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            bad(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         ids = () if self.stop_token_ids is None else tuple(self.stop_token_ids)
         for i in ids:
             if not _is_int(i) or i < 0:
