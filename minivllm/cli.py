@@ -173,7 +173,8 @@ def cmd_generate(args) -> int:
                 if c.text and not args.json:
                     print(f"[{k}.{c.index}] {c.text!r}", flush=True)
             finals[delta.request_id] = _merged(finals.get(delta.request_id), delta)
-        outputs = [finals[i] for i in ids] if args.json else []  # the pieces were the text
+        # In input order (request ids count up); without --json the pieces were the text.
+        outputs = [finals[i] for i in sorted(ids, key=int)] if args.json else []
     else:
         outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
     elapsed = time.perf_counter() - start
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             bench_main(args)
             return 0
         return cmd_chat(args)
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"minivllm: error: {e}", file=sys.stderr)
         return 2
 

@@ -146,9 +146,12 @@ def test_forward_rejects_a_cache_or_batch_not_made_for_it(params):
     other = minivllm.random_params(ModelConfig(**{**_asdict(CONFIG), "num_kv_heads": 4}))
     with pytest.raises(ValueError, match="shape"):
         minivllm.forward(params, minivllm.init_cache(other, num_blocks=8, block_size=4), batch)
+    with pytest.raises(ValueError, match="on meta"):
+        minivllm.forward(params, minivllm.init_cache(params, num_blocks=8, block_size=4,
+                                                     device="meta"), batch)
+    # A cache in another float dtype is init_cache's to make and forward's to use.
     half = minivllm.init_cache(params, num_blocks=8, block_size=4, dtype=torch.float16)
-    with pytest.raises(ValueError, match="dtype"):
-        minivllm.forward(params, half, batch)
+    assert minivllm.forward(params, half, batch)[0].shape == (1, CONFIG.vocab_size)
     with pytest.raises(TypeError, match="Batch"):
         minivllm.forward(params, minivllm.init_cache(params, num_blocks=8, block_size=4),
                          [minivllm.SeqChunk([1, 2], 0, [0])])
@@ -176,3 +179,16 @@ def test_eos_stops_a_prompt(params):
     cache = minivllm.init_cache(params, num_blocks=8, block_size=4)
     stopped, _ = minivllm.generate(params, cache, [[1, 2, 3]], max_new_tokens=10, eos_token_id=eos)
     assert stopped[0] == greedy[0][:cut]
+
+
+def test_numpy_and_sequence_arguments_are_taken_as_their_python_values(params):
+    import numpy as np
+
+    def run(**kwargs):
+        cache = minivllm.init_cache(params, num_blocks=8, block_size=4)
+        return minivllm.generate(params, cache, [[1, 2, 3]], max_new_tokens=6, temperature=1.0,
+                                 seed=5, **kwargs)[0]
+    plain = run(top_p=0.9, top_k=20, eos_token_id=[7, 8, 9])
+    assert run(top_p=np.float32(0.9), top_k=np.int64(20), eos_token_id=range(7, 10)) == plain
+    assert run(top_p=0.9, top_k=20, eos_token_id=np.array([7, 8, 9])) == plain
+    assert run(top_p=0.9, top_k=20, eos_token_id=[np.int64(7), 8, 9]) == plain

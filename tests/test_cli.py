@@ -275,6 +275,9 @@ def test_bench_names_a_vocabulary_too_small_for_the_workloads_ids(tmp_path, caps
     (["--shape", "qwen3-0.6b", "--max-model-len", "1500"], "do not fit max_model_len=1500"),
     (["--shape", "qwen3-0.6b", "--latency", "--max-model-len", "600"], "do not fit max_model_len=600"),
     (["--shape", "qwen3-0.6b", "--latency", "--num-seqs", "4"], "--num-seqs is for the throughput run"),
+    (["--shape", "qwen3-0.6b", "--latency", "--max-output-len", "1"], "--max-output-len must be at least 2"),
+    (["--shape", "qwen3-0.6b", "--latency", "--max-output-len", "50", "--trace", "t.json"],
+     "at least 108 for the latency run with --trace"),
     (["--shape", "qwen3-0.6b", "--json", "/nonexistent-dir/r.json"], "cannot write into /nonexistent-dir"),
 ])
 def test_bench_refuses_a_run_it_would_misreport_before_starting_an_engine(argv, match, capsys,

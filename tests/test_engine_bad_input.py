@@ -166,3 +166,46 @@ def test_a_step_that_raises_recomputes_a_sequence_that_shared_its_blocks(tiny_di
     assert not e.block_manager.registry
     assert second.num_computed == 0 and second in e.scheduler.waiting
     e.block_manager.check(e.scheduler.running)
+
+
+@pytest.mark.parametrize("where", ["after the launch ran", "reading the tokens"])
+def test_an_interrupted_step_leaves_a_paused_streams_tokens_right(tiny_dir, device, where):
+    """Asynchronous scheduling launches step N+1 before it reads step N's tokens. A Ctrl-C that
+    lands after a launch ran (the device's last tokens already rewritten) or while the host waits
+    for a step's tokens must not cost the requests that outlive the call it ends: here a stream
+    paused while generate runs gets what it gets alone."""
+    def make():
+        return LLM(tiny_dir, device=device, num_kv_blocks=32, block_size=4, max_model_len=60,
+                   attention_backend="reference" if device.type == "cpu" else None)
+
+    other = {"prompt_token_ids": [30, 31, 32, 33, 34, 35]}
+    alone = make().generate({"prompt_token_ids": GOOD}, GREEDY, use_tqdm=False)[0]
+    llm = make()
+    runner = llm.engine.runner
+    real_launch, launches = runner.launch, [0]
+
+    def interrupted_once(step_input):
+        pending = real_launch(step_input)
+        launches[0] += 1
+        if launches[0] == 4:
+            if where == "after the launch ran":
+                raise KeyboardInterrupt
+            real_result = pending.result
+
+            def result():
+                pending.result = real_result
+                raise KeyboardInterrupt
+            pending.result = result
+        return pending
+
+    stream = llm.stream({"prompt_token_ids": GOOD}, GREEDY)
+    first = next(stream)
+    runner.launch = interrupted_once
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(other, GREEDY, use_tqdm=False)
+    runner.launch = real_launch
+    tokens = [t for d in (first, *stream) for c in d.outputs for t in c.token_ids]
+    assert tokens == alone.outputs[0].token_ids
+    again = llm.generate(other, GREEDY, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == make().generate(other, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert not llm.engine.has_unfinished_requests()

@@ -195,3 +195,23 @@ def test_a_colliding_hash_never_gives_a_false_hit():
     hog = _seq(3, [1] * 20)
     bm.allocate(hog, 20)
     assert bm.match_prefix(_seq(4, [1, 1, 0, 0, 0])) == []
+
+
+def test_rollback_unregisters_only_the_blocks_the_abandoned_step_would_write():
+    """A step that never runs takes back the blocks it registered whose K/V it was to compute;
+    a block computed by an earlier step (registered late: its last token was pending then) stays,
+    and the sequence registers the rest again once they are computed."""
+    bm = BlockManager(8, 4)
+    seq = _seq(0, list(range(12)))
+    bm.allocate(seq, 12)
+    seq.num_computed = 4  # block 0 was computed by an earlier step, blocks 1-2 by this one
+    bm.register_full_blocks(seq, 12)
+    assert len(bm.registry) == 3
+    assert bm.rollback() == set(seq.block_table[1:3])
+    assert list(bm.registry.values()) == [seq.block_table[0]]
+    assert seq.num_registered_blocks == 1
+    bm.check([seq])
+    seq.num_computed = 12  # the step runs again, and this time it is launched
+    bm.register_full_blocks(seq, 12)
+    bm.commit()
+    assert sorted(bm.registry.values()) == sorted(seq.block_table) and not bm.rollback()

@@ -178,6 +178,7 @@ def test_make_batch_rejects_bad_chunks():
     import numpy as np
     make_batch([SeqChunk(np.array([0, 49]), np.int64(2), [np.int32(7)])], block_size=4,
                num_blocks=8, vocab_size=50)
+    make_batch([SeqChunk([0, 49], torch.tensor(2), [7], np.bool_(True))], block_size=4)
 
 
 def test_shard_spec_ranges():

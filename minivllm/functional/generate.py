@@ -3,8 +3,11 @@ one batched prefill of all prompts, then batched decode steps until every prompt
 
 from __future__ import annotations
 
+import numbers
 import secrets
-from typing import Sequence
+from typing import Iterable, Sequence
+
+import numpy as np
 
 import torch
 
@@ -39,11 +42,13 @@ def _check_prompts(tokens, vocab_size: int) -> list[list[int]]:
 
 
 def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    """Python and numpy integers, not bools."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
 
 def _is_real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """Python and numpy reals, not bools."""
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
 
 def _check_options(max_new_tokens, temperature, top_k, top_p, seed) -> None:
@@ -65,14 +70,17 @@ def _check_eos(eos_token_id, vocab_size: int) -> set[int]:
     if eos_token_id is None:
         return set()
     ids = [eos_token_id] if _is_int(eos_token_id) else eos_token_id
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, set, frozenset)):
+    if isinstance(ids, np.ndarray):
+        ids = ids.tolist()
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
         raise TypeError(f"eos_token_id must be an int, a sequence of ints or None, got {eos_token_id!r}")
+    ids = list(ids)
     for t in ids:
         if not _is_int(t):
             raise TypeError(f"eos_token_id holds {t!r}, not an int token id")
         if not 0 <= t < vocab_size:
             raise ValueError(f"eos_token_id {t} is outside the vocabulary [0, {vocab_size})")
-    return set(ids)
+    return {int(t) for t in ids}
 
 
 def generate(params: Params, cache: KVCache, tokens: Sequence[Sequence[int]], *, max_new_tokens: int,
@@ -83,8 +91,9 @@ def generate(params: Params, cache: KVCache, tokens: Sequence[Sequence[int]], *,
     batched without padding). Returns each prompt's new tokens (ending with the EOS token when one
     stopped it) and the cache, which is donated: use the returned one.
 
-    Greedy when temperature == 0, else sampled with top_k / top_p; `seed` makes the draw
-    reproducible (prompt i uses its own stream, independent of the other prompts). Prompt i uses cache blocks laid out one prompt after the other from block 0."""
+    Greedy when temperature == 0 (or below 1e-5, as in vLLM), else sampled with top_k / top_p;
+    `seed` makes the draw reproducible (prompt i uses its own stream, independent of the other
+    prompts). Prompt i uses cache blocks laid out one prompt after the other from block 0."""
     from ..kernels import select_backend
 
     _check_options(max_new_tokens, temperature, top_k, top_p, seed)
@@ -113,7 +122,7 @@ def generate(params: Params, cache: KVCache, tokens: Sequence[Sequence[int]], *,
     base_seed = seed if seed is not None else secrets.randbits(64)
     seeds = [(base_seed + i * 0x9E3779B97F4A7C15) & ((1 << 64) - 1) for i in range(len(prompts))]
 
-    device = params.device
+    device, vocab = params.device, params.config.vocab_size
     outputs: list[list[int]] = [[] for _ in prompts]
     chunks = [SeqChunk(p, 0, t) for p, t in zip(prompts, tables)]
     active = list(range(len(prompts)))
@@ -121,7 +130,8 @@ def generate(params: Params, cache: KVCache, tokens: Sequence[Sequence[int]], *,
         batch = make_batch(chunks, block_size=bs, device=device, check=False)  # checked above
         with torch.no_grad():
             logits, cache = forward(params, cache, batch, backend)
-        rows = [SamplingRow(temperature=float(temperature), top_k=top_k or 0, top_p=top_p or 1.0,
+        rows = [SamplingRow(temperature=float(temperature), top_k=min(top_k or 0, vocab),
+                            top_p=float(top_p or 1.0),
                             seed=seeds[i], step=len(outputs[i])) for i in active]
         sb = make_sampling_batch(rows, vocab_size=params.config.vocab_size, device=device)
         next_tokens = sample(logits, sb).token_ids.tolist()

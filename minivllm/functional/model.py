@@ -89,7 +89,7 @@ def forward(params: Params, cache: KVCache, batch: Batch, backend: AttentionBack
     logits and the tiles' maxima of a greedy pick)."""
     if not isinstance(batch, Batch):
         raise TypeError(f"batch must be a Batch (make_batch), got {type(batch).__name__}")
-    check_cache_fits(params, cache)
+    check_cache_fits(params, cache, whole=False)
     x, residual, cos, sin = stem(params, batch)
     if layers is not None:
         x, residual = layers(params, cache, batch, backend, x, residual, cos, sin)

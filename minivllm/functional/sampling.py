@@ -249,8 +249,7 @@ def make_sampling_batch(rows: Sequence[SamplingRow], *, vocab_size: int, device=
     f64[:, 0][f64[:, 0] < SAMPLING_EPS] = 0.0
     np.maximum(f64[:, 1], np.finfo(np.float32).tiny, out=f64[:, 1])
     temperature, top_p, min_p = f64[:, 0], f64[:, 1], f64[:, 2]
-    # top_k past the vocabulary is off (clamped first: it may not fit in int64).
-    top_k = np.fromiter([min(r.top_k, vocab_size) for r in rows], dtype=np.int64, count=b)
+    top_k = np.fromiter([r.top_k for r in rows], dtype=np.int64, count=b)
     top_k[(top_k <= 0) | (top_k >= vocab_size)] = vocab_size
     do_top_k = bool((top_k < vocab_size).any())
     do_top_p, do_min_p = bool((top_p < 1).any()), bool((min_p > 0).any())

@@ -397,9 +397,12 @@ def _check_workload(args, model: str) -> tuple[int, int]:
         if args.num_seqs is not None:
             raise ValueError("--num-seqs is for the throughput run; --latency runs one stream")
         lengths = (_or(args.max_input_len, 512), _or(args.max_output_len, 256))
-        for flag, n in zip(("--max-input-len", "--max-output-len"), lengths):
-            if n < 1:
-                raise ValueError(f"{flag} must be a positive integer, got {n}")
+        # A decode rate needs a decode step; the trace, steps 100-107 of the decode.
+        least = 108 if args.trace else 2
+        for flag, n, low in (("--max-input-len", lengths[0], 1), ("--max-output-len", lengths[1], least)):
+            if n < low:
+                raise ValueError(f"{flag} must be at least {low} for the latency run"
+                                 f"{' with --trace' if low == 108 else ''}, got {n}")
     else:
         lengths = (_or(args.max_input_len, 1024), _or(args.max_output_len, 1024))
         check_throughput_workload(_or(args.num_seqs, 256), *lengths)

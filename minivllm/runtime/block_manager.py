@@ -160,7 +160,8 @@ class BlockManager:
                 prev = seq.block_table[i - 1] if i else None
                 block.parent = None if prev is None else (prev, self.blocks[prev].tenancy)
                 self.registry[h] = b
-                self.uncommitted.append((seq, i, b))
+                if (i + 1) * bs > seq.num_computed:  # its K/V comes with the step being scheduled
+                    self.uncommitted.append((seq, i, b))
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
 
     def commit(self) -> None:

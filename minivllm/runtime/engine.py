@@ -112,6 +112,11 @@ class LLMEngine:
         # (a ModelRunner, and the tensor-parallel executor).
         self.async_scheduling = config.async_scheduling and hasattr(self.runner, "launch")
         self.in_flight = None  # (SchedulerOutput, PendingStep) of the launched, unread step
+        # A launched step whose tokens an interrupt (Ctrl-C) kept from being read: they wait in
+        # its own host buffers, and the next step() reads them first (_resolve).
+        self.unread = None
+        # Outputs of a step read while a later one failed, for the next step() to return.
+        self.undelivered: list[RequestOutput] = []
         self._next_seq_id = 0
         self._next_request_id = 0
         capacity = self.num_blocks * config.block_size
@@ -238,7 +243,8 @@ class LLMEngine:
             banned = tuple(i for i in (*(() if p.ignore_eos else seq.eos_ids), *p.stop_ids)
                            if i < self.vocab_size)
         row = SamplingRow(
-            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+            temperature=p.temperature, top_k=min(p.top_k, self.vocab_size), top_p=p.top_p,
+            min_p=p.min_p,  # top_k past the vocabulary is off (and may not fit in int64)
             presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty, seed=seq.seed, step=0,
             output_ids=seq.output_ids if seq.penalised else (),
@@ -277,8 +283,15 @@ class LLMEngine:
         """Run one scheduled step; the outputs of the requests it touched (finished included;
         with unfinished=False only the finished ones, which saves building the others). With
         asynchronous scheduling these are the previous step's, read after this one is launched."""
+        done, self.undelivered = self.undelivered, []
+        if self.unread is not None:
+            launched, self.unread = self.unread, None
+            return done + self._resolve(launched, unfinished)
         if self.async_scheduling:
-            return self._step_async(unfinished)
+            return done + self._step_async(unfinished)
+        return done + self._step_sync(unfinished)
+
+    def _step_sync(self, unfinished: bool) -> list[RequestOutput]:
         # The named ranges show up in a torch.profiler trace (minivllm bench --trace).
         with trace_range("schedule"):
             out = self.scheduler.schedule()
@@ -291,7 +304,7 @@ class LLMEngine:
             with trace_range("step_input"):
                 step_input = self.step_input(out)
             result = self.runner.execute(step_input)
-        except BaseException:  # an error or Ctrl-C: this step never ran
+        except BaseException:  # an error or Ctrl-C: the step is not recorded, so it runs again
             self.scheduler.abandon(out)
             raise
         self.scheduler.bm.commit()
@@ -313,8 +326,14 @@ class LLMEngine:
                 with trace_range("step_input"):
                     step_input = self.step_input(out, prev[0] if prev is not None else None)
                 pending = self.runner.launch(step_input)
-            except BaseException:  # an error or Ctrl-C: this step never ran
+            except BaseException:  # an error or Ctrl-C: the step is not recorded, so it runs again
                 self.scheduler.abandon(out)
+                if prev is not None:
+                    # The launch may have run in part and rewritten the device's last tokens,
+                    # which the next step would feed back: read prev's now, from its own host
+                    # buffers, so that the next step takes them from the host.
+                    self.in_flight = None
+                    self.undelivered += self._resolve(prev, True)
                 raise
             self.scheduler.bm.commit()
             self.scheduler.advance(out)
@@ -329,7 +348,11 @@ class LLMEngine:
 
     def _resolve(self, launched, unfinished: bool) -> list[RequestOutput]:
         out, pending = launched
-        result = pending.result()
+        try:
+            result = pending.result()
+        except BaseException:  # Ctrl-C while waiting: the next step() reads them
+            self.unread = launched
+            raise
         with trace_range("update"):
             seqs = self.scheduler.resolve(out, result.token_ids)
         if result.logprobs is not None and len(seqs) != len(result.logprobs):

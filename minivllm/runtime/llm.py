@@ -223,9 +223,10 @@ class LLM:
         them, else one engine step's. Outputs of other live calls' requests are kept for those
         calls (the latest, outputs being cumulative), so that calls interleaved (a stream paused
         while generate runs, two streams read in turn) each get all of theirs."""
-        parked = [self._parked.pop(i) for i in mine if i in self._parked]
-        if parked:
-            return parked
+        if self._parked:
+            parked = [self._parked.pop(i) for i in mine if i in self._parked]
+            if parked:
+                return parked
         outs = []
         for out in self.engine.step(unfinished=unfinished):
             if out.request_id in mine:

@@ -17,6 +17,7 @@ A decode step is the case q_len_b == 1 for every b, i.e. T == B, which is static
 from __future__ import annotations
 
 import itertools
+import operator
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -144,10 +145,14 @@ def check_chunks(chunks: Sequence[SeqChunk], *, block_size: int, num_blocks: int
             raise TypeError(f"chunk {b} must be a SeqChunk, got {type(chunk).__name__}")
         _ids(chunk.token_ids, f"chunk {b}'s token_ids", vocab_size, "the vocabulary size")
         n = chunk.num_cached
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        try:
+            ok = not isinstance(n, (bool, np.bool_)) and operator.index(n) >= 0
+        except TypeError:
+            ok = False
+        if not ok:
             raise ValueError(f"chunk {b}'s num_cached must be an integer >= 0, got {n!r}")
         _ids(chunk.block_table, f"chunk {b}'s block_table", num_blocks, "the cache's num_blocks")
-        if not isinstance(chunk.want_logits, (bool, np.bool_)):
+        if not isinstance(chunk.want_logits, (bool, np.bool_)):  # packing indexes rows with it
             raise TypeError(f"chunk {b}'s want_logits must be a bool, got {chunk.want_logits!r}")
 
 
