@@ -333,7 +333,10 @@ class LLMEngine:
                     # which the next step would feed back: read prev's now, from its own host
                     # buffers, so that the next step takes them from the host.
                     self.in_flight = None
-                    self.undelivered += self._resolve(prev, True)
+                    try:
+                        self.undelivered += self._resolve(prev, True)
+                    except Exception:  # e.g. a dead worker fails both: the first error says it
+                        pass
                 raise
             self.scheduler.bm.commit()
             self.scheduler.advance(out)
@@ -350,7 +353,7 @@ class LLMEngine:
         out, pending = launched
         try:
             result = pending.result()
-        except BaseException:  # Ctrl-C while waiting: the next step() reads them
+        except KeyboardInterrupt:  # while waiting: the next step() reads the tokens
             self.unread = launched
             raise
         with trace_range("update"):
