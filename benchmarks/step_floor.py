@@ -28,6 +28,15 @@ from minivllm.state.config import config_for_shape
 BANDS = ((151, 256), (61, 150), (17, 60), (1, 16))
 
 
+def check_workload(records: list[dict], num_seqs: int) -> None:
+    """ValueError unless the record's run had `num_seqs` sequences (where its records say):
+    floors from another workload than the one that ran would be quietly wrong."""
+    seen = max((r["running"] + r["waiting"] for r in records if "running" in r), default=None)
+    if seen is not None and seen != num_seqs:
+        raise ValueError(f"the record's run had {seen} sequences, the workload {num_seqs}: pass "
+                         f"the bench run's --num-seqs, --max-input-len and --max-output-len")
+
+
 def step_floors(records: list[dict], prompt_lens: list[int], max_tokens: list[int],
                 kv_per_token: int, weights: int, bandwidth: float) -> list[tuple]:
     """(sequences running, measured s, floor s, s waiting for the device or None, s in
@@ -85,6 +94,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("steps")
     ap.add_argument("--shape", default="qwen3-0.6b")
+    ap.add_argument("--num-seqs", type=int, default=256,
+                    help="the workload bench ran (its --num-seqs, --max-input-len, --max-output-len)")
+    ap.add_argument("--max-input-len", type=int, default=1024)
+    ap.add_argument("--max-output-len", type=int, default=1024)
     ap.add_argument("--tb-s", type=float, default=4.24, help="copy bandwidth, TB/s")
     ap.add_argument("--kv-bytes", type=int, default=2, help="bytes a cached K or V element takes "
                     "(2: bf16, 1: fp8)")
@@ -92,7 +105,11 @@ def main():
     with (gzip.open if args.steps.endswith(".gz") else open)(args.steps, "rt") as f:
         records = json.load(f)
     config = config_for_shape(args.shape)
-    prompts, max_tokens = throughput_workload()
+    prompts, max_tokens = throughput_workload(args.num_seqs, args.max_input_len, args.max_output_len)
+    try:
+        check_workload(records, len(prompts))
+    except ValueError as e:
+        raise SystemExit(f"step_floor: {e}") from None
     floors = step_floors(records, [len(p) for p in prompts], max_tokens,
                          kv_bytes_per_token(config, args.kv_bytes),
                          weight_bytes(config), args.tb_s * 1e12)

@@ -3,7 +3,7 @@ done by hand on a three-sequence workload."""
 
 import pytest
 
-from benchmarks.step_floor import bands, prefill_summary, step_floors
+from benchmarks.step_floor import bands, check_workload, prefill_summary, step_floors
 
 
 def test_floors_follow_the_running_sequences():
@@ -50,3 +50,11 @@ def test_prefill_summary_counts_the_steps_that_computed_prompt_tokens():
     waited = [dict(r, wait_s=w) for r, w in zip(records, (0.125, 0.0625, 0.5))]
     assert prefill_summary(waited)["wait_s"] == 0.1875  # the steps with prompt tokens only
     assert prefill_summary([{"s": 1.0}]) is None  # a record from before the count existed
+
+
+def test_a_record_of_another_workload_is_a_clear_error():
+    records = [{"s": 1.0, "running": 1, "waiting": 1}, {"s": 0.5, "running": 2, "waiting": 0}]
+    check_workload(records, 2)
+    with pytest.raises(ValueError, match="the record's run had 2 sequences, the workload 256"):
+        check_workload(records, 256)
+    check_workload([{"s": 1.0, "waiting": 0}], 256)  # records before "running" say nothing
