@@ -145,6 +145,7 @@ def test_a_step_that_raises_leaves_no_unwritten_block_in_the_prefix_cache(tiny_d
     e = llm.engine
     assert not e.block_manager.registry  # the step's four full blocks are unregistered
     e.block_manager.check(e.scheduler.running)
+    assert e.stats.steps == 0 and e.stats.prompt_tokens_computed == 0  # nothing ran
     again = llm.generate({"prompt_token_ids": GOOD}, GREEDY, use_tqdm=False)
     assert again[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
     assert again[0].num_cached_tokens == 0

@@ -299,7 +299,6 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could not schedule anything")
             return []
-        self._count(out)
         try:
             with trace_range("step_input"):
                 step_input = self.step_input(out)
@@ -307,6 +306,7 @@ class LLMEngine:
         except BaseException:  # an error or Ctrl-C: the step is not recorded, so it runs again
             self.scheduler.abandon(out)
             raise
+        self._count(out)
         self.scheduler.bm.commit()
         with trace_range("update"):
             seqs = self.scheduler.update(out, result.token_ids)
@@ -321,7 +321,6 @@ class LLMEngine:
         with trace_range("schedule"):
             out = self.scheduler.schedule()
         if not out.empty:
-            self._count(out)
             try:
                 with trace_range("step_input"):
                     step_input = self.step_input(out, prev[0] if prev is not None else None)
@@ -338,6 +337,7 @@ class LLMEngine:
                     except Exception:  # e.g. a dead worker fails both: the first error says it
                         pass
                 raise
+            self._count(out)
             self.scheduler.bm.commit()
             self.scheduler.advance(out)
             self.in_flight = (out, pending)
