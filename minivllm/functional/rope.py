@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..state.config import ModelConfig
+from ..state.config import LLAMA3_DEFAULTS, ModelConfig
 
 
 def rope_inv_freq(config: ModelConfig, device=None) -> torch.Tensor:
@@ -20,9 +20,10 @@ def rope_inv_freq(config: ModelConfig, device=None) -> torch.Tensor:
         return inv_freq
     # Llama 3: keep high frequencies, divide low ones by `factor`, interpolate in between.
     factor = float(scaling["factor"])
-    low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
-    high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
-    old_len = float(scaling.get("original_max_position_embeddings", 8192))
+    scaling = {**LLAMA3_DEFAULTS, **scaling}
+    low_freq_factor = float(scaling["low_freq_factor"])
+    high_freq_factor = float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
     low_freq_wavelen = old_len / low_freq_factor
     high_freq_wavelen = old_len / high_freq_factor
     wavelen = 2 * math.pi / inv_freq

@@ -19,8 +19,8 @@ import torch
 
 from ..kernels.memory_read import READ_BLOCK, READ_PROGRAMS_PER_SM, stream_read
 from ..state.config import FP8_DTYPES, SHAPES, ModelConfig, config_for_shape
-from .workload import (MAX_PROMPT_ID, check_throughput_workload, throughput_workload,
-                       traffic_floor_bytes)
+from .workload import (MAX_PROMPT_ID, check_throughput_workload, check_vocabulary,
+                       throughput_workload, traffic_floor_bytes)
 
 
 def _seconds_per_call(fn, device: torch.device, repeats: int) -> float:
@@ -233,16 +233,14 @@ def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
     from .sampling_params import SamplingParams
 
     prompts, max_tokens = throughput_workload(num_seqs, max_input_len, max_output_len)
-    if llm.engine.vocab_size <= MAX_PROMPT_ID:
-        raise ValueError(f"the throughput workload's prompt ids go up to {MAX_PROMPT_ID} (as "
-                         f"nano-vllm's do); this model's vocabulary has {llm.engine.vocab_size}")
+    check_vocabulary(llm.engine.vocab_size)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
     # One warm-up request before timing, as nano-vllm's bench does.
     llm.generate([{"prompt_token_ids": list(range(1, 9))}], SamplingParams(), use_tqdm=False)
     device = llm.config.device
     _sync(device)
     steps0 = llm.stats.steps
-    prof = traced_steps(llm.engine, trace, skip=trace_from, active=8) if trace else None
+    prof = traced_steps(llm.engine, trace, skip=trace_from, active=TRACE_STEPS) if trace else None
     log, waits, remove_hooks, unwrap = [], [], None, None
     if step_times:
         # Each record also gets the seconds its step spent waiting for the device's tokens
@@ -276,6 +274,8 @@ def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
 
 
 LATENCY_MAX_NUM_SEQS = 2  # the smallest decode bucket: one sequence runs padded to it either way
+TRACE_STEPS = 8  # steps a --trace records
+LATENCY_TRACE_FROM = 100  # --latency --trace: the last stream's decode steps from this one
 
 
 def run_latency(llm, *, prompt_len: int = 512, output_len: int = 256, repeats: int = 3,
@@ -306,7 +306,8 @@ def run_latency(llm, *, prompt_len: int = 512, output_len: int = 256, repeats: i
     decode = log[2:] or log
     prof = None
     if trace:  # steps 100-107 of the last repeat's decode (each repeat runs 1 + output_len steps)
-        prof = traced_steps(llm.engine, trace, skip=(repeats - 1) * (output_len + 1) + 101, active=8)
+        prof = traced_steps(llm.engine, trace, active=TRACE_STEPS,
+                            skip=(repeats - 1) * (output_len + 1) + LATENCY_TRACE_FROM + 1)
     ttfts, decode_rates = [], []
     for _ in range(repeats):
         _sync(device)
@@ -397,20 +398,19 @@ def _check_workload(args, model: str) -> tuple[int, int]:
         if args.num_seqs is not None:
             raise ValueError("--num-seqs is for the throughput run; --latency runs one stream")
         lengths = (_or(args.max_input_len, 512), _or(args.max_output_len, 256))
-        # A decode rate needs a decode step; the trace, steps 100-107 of the decode.
-        least = 108 if args.trace else 2
+        # A decode rate needs a decode step; the trace, the decode steps it records.
+        least = LATENCY_TRACE_FROM + TRACE_STEPS if args.trace else 2
         for flag, n, low in (("--max-input-len", lengths[0], 1), ("--max-output-len", lengths[1], least)):
             if n < low:
                 raise ValueError(f"{flag} must be at least {low} for the latency run"
-                                 f"{' with --trace' if low == 108 else ''}, got {n}")
+                                 f"{' with --trace' if args.trace and low > 1 else ''}, got {n}")
     else:
         lengths = (_or(args.max_input_len, 1024), _or(args.max_output_len, 1024))
         check_throughput_workload(_or(args.num_seqs, 256), *lengths)
     config = (config_for_shape(model.split(":", 1)[1]) if model.startswith("random:")
               else ModelConfig.from_json(model))
-    if not args.latency and config.vocab_size <= MAX_PROMPT_ID:
-        raise ValueError(f"the throughput workload's prompt ids go up to {MAX_PROMPT_ID} (as "
-                         f"nano-vllm's do); this model's vocabulary has {config.vocab_size}")
+    if not args.latency:
+        check_vocabulary(config.vocab_size)
     limit = args.max_model_len or config.max_position_embeddings
     if sum(lengths) > limit:
         raise ValueError(f"prompts of up to {lengths[0]} tokens and {lengths[1]} new ones do not "

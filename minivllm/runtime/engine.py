@@ -198,12 +198,13 @@ class LLMEngine:
         if len(prompts) != len(params):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         checked = [self.check_request(p, sp) for p, sp in zip(prompts, params)]
-        return [self._enqueue(text, ids, sp) for (text, ids), sp in zip(checked, params)]
+        return [self.enqueue(text, ids, sp) for (text, ids), sp in zip(checked, params)]
 
     def add_request(self, prompt: Any, params: SamplingParams) -> str:
         return self.add_requests([prompt], [params])[0]
 
-    def _enqueue(self, text: str | None, ids: list[int], params: SamplingParams) -> str:
+    def enqueue(self, text: str | None, ids: list[int], params: SamplingParams) -> str:
+        """Queue a request that check_request accepted, as the (text, ids) it returned."""
         request_id = str(self._next_request_id)
         self._next_request_id += 1
         request = Request(request_id, text, ids, params)

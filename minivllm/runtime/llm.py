@@ -193,12 +193,11 @@ class LLM:
         here, not at the first next(); the requests are queued at the first next()."""
         prompts = self._prompt_list(prompts)
         params = self._params_list(sampling_params, len(prompts))
-        for prompt, sp in zip(prompts, params):
-            self.engine.check_request(prompt, sp)
-        return self._stream(prompts, params)
+        checked = [self.engine.check_request(p, sp) for p, sp in zip(prompts, params)]
+        return self._stream(checked, params)
 
-    def _stream(self, prompts: list, params: list[SamplingParams]) -> Iterator[RequestOutput]:
-        ids = self.engine.add_requests(prompts, params)
+    def _stream(self, checked: list, params: list[SamplingParams]) -> Iterator[RequestOutput]:
+        ids = [self.engine.enqueue(text, ids, sp) for (text, ids), sp in zip(checked, params)]
         mine = set(ids)
         # Characters that may begin a stop string: up to the longest stop string, less one.
         hold = {i: max(map(len, self.engine.requests[i].params.stop_strings), default=1) - 1

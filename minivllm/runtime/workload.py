@@ -31,6 +31,13 @@ def check_throughput_workload(num_seqs: int, max_input_len: int, max_output_len:
                              f"from randint({MIN_LEN}, {name}), as nano-vllm's does), got {value}")
 
 
+def check_vocabulary(vocab_size: int) -> None:
+    """ValueError unless a model of `vocab_size` ids can take the workload's prompt ids."""
+    if vocab_size <= MAX_PROMPT_ID:
+        raise ValueError(f"the throughput workload's prompt ids go up to {MAX_PROMPT_ID} (as "
+                         f"nano-vllm's do); this model's vocabulary has {vocab_size}")
+
+
 def throughput_workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024,
                         seed: int = 0) -> tuple[list[list[int]], list[int]]:
     """(prompt token ids, max_tokens per sequence), drawn in nano-vllm's order."""

@@ -83,15 +83,10 @@ def check_cache_fits(params: Params, cache: KVCache, *, whole: bool = True) -> N
     expected = cache_shape(params, cache.num_blocks, cache.block_size)
     for name, tensors in (("k", cache.k), ("v", cache.v)):
         for i, t in enumerate(tensors if whole else tensors[:1]):
-            if not whole:
-                if tuple(t.shape) != expected or t.device != params.device:
-                    raise ValueError(f"cache.{name}[0] has shape {tuple(t.shape)} on {t.device}, "
-                                     f"expected {expected} on {params.device}")
-                continue
             if tuple(t.shape) != expected:
                 raise ValueError(f"cache.{name}[{i}] has shape {tuple(t.shape)}, expected {expected} "
                                  f"(num_blocks, block_size, num_kv_heads, head_dim)")
-            if t.dtype != params.dtype and t.dtype not in FP8_DTYPES:
+            if whole and t.dtype != params.dtype and t.dtype not in FP8_DTYPES:
                 raise ValueError(f"cache.{name}[{i}] dtype {t.dtype} differs from the params' {params.dtype} "
                                  f"(a cache is in the params' dtype or in fp8)")
             if t.device != params.device:

@@ -73,18 +73,23 @@ def _freeze(value: Any) -> Any:
     return value
 
 
+# Llama-3 RoPE scaling's parameters where a config leaves them out (Llama 3.1's values).
+LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}
+
+
 def _check_llama3_scaling(scaling: dict) -> None:
     """ValueError unless `scaling` holds what Llama-3 RoPE scaling computes with (functional.rope):
     a factor, and frequency factors low < high (their difference divides)."""
-    def number(key, default):
-        value = scaling.get(key, default)
+    def number(key):
+        value = scaling.get(key, LLAMA3_DEFAULTS.get(key))
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"llama3 rope scaling needs {key} > 0, got {value!r}")
         return value
 
-    number("factor", None)
-    number("original_max_position_embeddings", 8192)
-    if not number("low_freq_factor", 1.0) < number("high_freq_factor", 4.0):
+    number("factor")
+    number("original_max_position_embeddings")
+    if not number("low_freq_factor") < number("high_freq_factor"):
         raise ValueError(f"llama3 rope scaling needs low_freq_factor < high_freq_factor, got "
                          f"{scaling.get('low_freq_factor')!r} and {scaling.get('high_freq_factor')!r}")
 
