@@ -273,8 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     # minivllm's own start-up report (backend, KV cache size, graph capture) at INFO, as vLLM
     # does; other libraries' loggers stay at WARNING.
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    logging.getLogger("minivllm").setLevel(os.environ.get("MINIVLLM_LOG_LEVEL", "INFO"))
     try:
+        # Under torchrun every rank runs this; rank 0 alone reports, as it alone prints the
+        # completions. The other ranks still log warnings and errors.
+        level = "WARNING" if _torchrun_rank() else "INFO"
+        logging.getLogger("minivllm").setLevel(os.environ.get("MINIVLLM_LOG_LEVEL", level))
         if args.command == "generate":
             return cmd_generate(args)
         if args.command == "bench":

@@ -71,6 +71,23 @@ def test_cache_that_does_not_fit_the_params(params):
         minivllm.generate(params, {"k": 1}, [[1, 2]], max_new_tokens=2)
 
 
+def test_cache_whose_layers_share_memory(params, cache):
+    shared = minivllm.KVCache(k=(cache.k[0], cache.k[0]), v=cache.v)
+    snapshot = [t.clone() for t in pytree.tree_leaves(cache)]
+    with pytest.raises(ValueError, match=r"cache.k\[0\] and cache.k\[1\] share memory"):
+        minivllm.generate(params, shared, [[1, 2]], max_new_tokens=2)
+    k_is_v = minivllm.KVCache(k=cache.k, v=(cache.v[0], cache.k[1]))
+    with pytest.raises(ValueError, match="share memory"):
+        minivllm.generate(params, k_is_v, [[1, 2]], max_new_tokens=2)
+    assert_untouched(cache, snapshot)
+    # Disjoint slices of one allocation are separate buffers, and work.
+    one = torch.zeros((4, *cache.k[0].shape), dtype=cache.dtype)
+    sliced = minivllm.KVCache(k=(one[0], one[1]), v=(one[2], one[3]))
+    own = minivllm.init_cache(params, num_blocks=8, block_size=4)
+    expected, _ = minivllm.generate(params, own, [[1, 2]], max_new_tokens=3)
+    assert minivllm.generate(params, sliced, [[1, 2]], max_new_tokens=3)[0] == expected
+
+
 def _asdict(config):
     import attrs
     return attrs.asdict(config, recurse=False)

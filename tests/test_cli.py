@@ -301,3 +301,16 @@ def test_bench_latency_takes_the_prompt_and_output_lengths(tmp_path, demo_path):
                  "--max-output-len", "6", "--dtype", "float32", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert (result["prompt_tokens"], result["output_tokens"]) == (20, 6)
+
+
+@pytest.mark.parametrize("rank, level", [("0", "INFO"), ("1", "WARNING")])
+def test_under_torchrun_only_rank_zero_logs_the_start_up_report(tmp_path, monkeypatch, rank, level):
+    import logging
+
+    monkeypatch.delenv("MINIVLLM_LOG_LEVEL", raising=False)
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    logger = logging.getLogger("minivllm")
+    monkeypatch.setattr(logger, "level", logger.level)  # restored after the test
+    assert main(["generate", "--model", str(tmp_path / "missing")]) == 2  # fails before start-up
+    assert logging.getLevelName(logger.level) == level

@@ -91,3 +91,19 @@ def check_cache_fits(params: Params, cache: KVCache, *, whole: bool = True) -> N
                                  f"(a cache is in the params' dtype or in fp8)")
             if t.device != params.device:
                 raise ValueError(f"cache.{name}[{i}] is on {t.device}, the params on {params.device}")
+    if whole:
+        _check_no_shared_memory(cache)
+
+
+def _check_no_shared_memory(cache: KVCache) -> None:
+    """ValueError when two of the cache's buffers overlap in memory (say, every layer given the
+    same tensor): each layer's writes would overwrite another's K/V and every later token would
+    be silently wrong. Not in forward's per-step check, since data_ptr breaks a fullgraph
+    compile; generate checks once (the engine makes its own cache)."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), f"cache.{name}[{i}]")
+                   for name, tensors in (("k", cache.k), ("v", cache.v))
+                   for i, t in enumerate(tensors))
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < end:
+            raise ValueError(f"{first} and {second} share memory; each layer's K and V need "
+                             f"buffers of their own (init_cache makes them)")
