@@ -94,6 +94,20 @@ def _check_llama3_scaling(scaling: dict) -> None:
                          f"{scaling.get('low_freq_factor')!r} and {scaling.get('high_freq_factor')!r}")
 
 
+def _positive_number(key: str, value: Any, kind: type) -> Any:
+    """`value` (config key `key`) as a positive float or int; a ValueError naming the key
+    otherwise (float(None) would be a TypeError that names nothing)."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
+            or (kind is int and not float(value).is_integer())):
+        raise ValueError(f"config {key} must be a positive {kind.__name__}, got {value!r}")
+    return kind(value)
+
+
+# ModelConfig field -> its config.json key, where they differ (for error messages).
+_HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+             "num_kv_heads": "num_key_value_heads"}
+
+
 @attrs.frozen
 class ModelConfig:
     vocab_size: int
@@ -118,7 +132,10 @@ class ModelConfig:
                      "num_kv_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"config {name} must be a positive integer, got {value!r}")
+                # Named as config.json names it too, when that differs (num_hidden_layers, ...).
+                hf = _HF_NAMES.get(name)
+                label = f"{name} ({hf} in config.json)" if hf else name
+                raise ValueError(f"config {label} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) is not a multiple of "
@@ -160,6 +177,17 @@ class ModelConfig:
             raise ValueError("attention_bias=True is not supported (Qwen3 checkpoints have none)")
         if d.get("use_sliding_window", False):
             raise ValueError("use_sliding_window=True is not supported")
+        # The MLP computes silu(gate) * up whatever the config says: refuse any other activation
+        # rather than compute the wrong function.
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={d['hidden_act']!r} is not supported (Qwen3 uses 'silu')")
+        # Quantized checkpoints (Qwen3-*-FP8, AWQ, GPTQ, bitsandbytes) store weights that need
+        # their scales to be read: say so, instead of failing later on their extra tensors.
+        quant = d.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+            raise ValueError(f"quantized checkpoints are not supported (quantization_config "
+                             f"quant_method {method!r}); use the unquantized (bf16) checkpoint")
 
         rope_params = d.get("rope_parameters")
         rope_theta = d.get("rope_theta")
@@ -183,8 +211,19 @@ class ModelConfig:
         if rope_theta is None:
             rope_theta = 10000.0
 
+        tie = d.get("tie_word_embeddings", False)
+        if tie not in (True, False):  # bool("false") would be True: a silently tied head
+            raise ValueError(f"config tie_word_embeddings must be true or false, got {tie!r}")
         num_heads = d["num_attention_heads"]
-        dtype_name = d.get("dtype", d.get("torch_dtype")) or "bfloat16"
+        head_dim = d.get("head_dim")
+        if head_dim is None:
+            # Divided only when both are positive ints: otherwise __attrs_post_init__ names the
+            # bad key (hidden_size // 0 would be a ZeroDivisionError that names nothing).
+            sizes = (d["hidden_size"], num_heads)
+            ok = all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in sizes)
+            head_dim = sizes[0] // sizes[1] if ok else None
+        # transformers 5 writes "dtype", 4 "torch_dtype"; a null one defers to the other.
+        dtype_name = d.get("dtype") or d.get("torch_dtype") or "bfloat16"
         return cls(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -192,12 +231,13 @@ class ModelConfig:
             num_layers=d["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=d.get("num_key_value_heads") or num_heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
+            head_dim=head_dim,
+            rms_norm_eps=_positive_number("rms_norm_eps", d.get("rms_norm_eps", 1e-6), float),
+            rope_theta=_positive_number("rope_theta", rope_theta, float),
             rope_scaling=_freeze(rope_scaling),
-            max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            max_position_embeddings=_positive_number(
+                "max_position_embeddings", d.get("max_position_embeddings", 40960), int),
+            tie_word_embeddings=bool(tie),
             dtype=parse_dtype(dtype_name),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=_freeze(d.get("eos_token_id")),

@@ -22,6 +22,10 @@ class CheckpointError(ValueError):
     """A checkpoint directory that cannot be loaded: names the file and the tensor."""
 
 
+# safetensors dtype names of the weights load() accepts (it casts them to the model dtype).
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
 def _index_tensors(path: str) -> dict[str, str]:
     """tensor name -> safetensors file, from the index when there is one, else from the files."""
     index_path = os.path.join(path, "model.safetensors.index.json")
@@ -29,8 +33,12 @@ def _index_tensors(path: str) -> dict[str, str]:
         try:
             with open(index_path) as f:
                 weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index_path}: not a valid safetensors index ({e})") from e
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index_path}: not a valid safetensors index ({e!r})") from e
+        # A malformed map would otherwise surface as an AttributeError/TypeError naming nothing.
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index_path}: not a valid safetensors index (weight_map must map "
+                                  f"tensor names to file names)")
         files = {name: os.path.join(path, fname) for name, fname in weight_map.items()}
         for fname in set(files.values()):
             if not os.path.isfile(fname):
@@ -38,11 +46,20 @@ def _index_tensors(path: str) -> dict[str, str]:
         return files
     shards = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not shards:
-        raise CheckpointError(f"no *.safetensors files in {path}")
+        bins = sorted(f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth")))
+        hint = (f" (found {', '.join(bins)}: minivllm reads only safetensors; convert the "
+                f"checkpoint, e.g. save_pretrained(..., safe_serialization=True))" if bins else "")
+        raise CheckpointError(f"no *.safetensors files in {path}{hint}")
     files = {}
     for fname in shards:
         full = os.path.join(path, fname)
         for name in _open(full).keys():
+            # Without an index nothing says which copy is meant: refuse rather than take the
+            # later file's (a stale shard left next to a re-saved checkpoint looks like this).
+            if name in files:
+                raise CheckpointError(f"{path}: tensor {name} is in both "
+                                      f"{os.path.basename(files[name])} and {fname}, and there is "
+                                      f"no model.safetensors.index.json to say which to use")
             files[name] = full
     return files
 
@@ -84,7 +101,8 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
     tensor-parallel rank whose slice to read (default: the whole model)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint directory {path} does not exist")
+        what = "is a file, not a directory" if os.path.exists(path) else "does not exist"
+        raise CheckpointError(f"checkpoint directory {path} {what}")
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise CheckpointError(f"{config_path} is missing")
@@ -109,19 +127,31 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
         raise CheckpointError(f"{path}: unexpected tensor(s) {', '.join(extra[:5])}"
                               + (f" and {len(extra) - 5} more" if len(extra) > 5 else ""))
 
+    # Every tensor's file, name, shape and dtype are checked from the safetensors headers before
+    # any data is read: a bad checkpoint fails at once, not after most of the weights are loaded
+    # onto the device.
     handles: dict[str, object] = {}
-
-    def read(name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None):
+    slices: dict[str, object] = {}
+    for name in expected:
         file = files[name]
         if file not in handles:
             handles[file] = _open(file)
         try:
             sl = handles[file].get_slice(name)
-            shape = tuple(sl.get_shape())
+            shape, stored = tuple(sl.get_shape()), sl.get_dtype()
         except Exception as e:
             raise CheckpointError(f"{file}: cannot read tensor {name} ({e})") from e
         if shape != expected[name]:
             raise CheckpointError(f"{file}: tensor {name} has shape {shape}, expected {expected[name]}")
+        # An 8-bit or integer tensor is a quantized weight whose scales are elsewhere: casting
+        # it to the model dtype would load garbage silently.
+        if stored not in _FLOAT_DTYPES:
+            raise CheckpointError(f"{file}: tensor {name} is stored as {stored}; minivllm loads "
+                                  f"unquantized F32/F16/BF16 weights")
+        slices[name] = sl
+
+    def read(name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None):
+        sl = slices[name]
         try:
             if rows is not None:
                 t = sl[rows[0]:rows[1]]
@@ -130,7 +160,7 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
             else:
                 t = sl[:]
         except Exception as e:
-            raise CheckpointError(f"{file}: cannot read tensor {name} ({e})") from e
+            raise CheckpointError(f"{files[name]}: cannot read tensor {name} ({e})") from e
         return t.to(dtype)
 
     def put(t):
