@@ -210,3 +210,23 @@ def test_an_interrupted_step_leaves_a_paused_streams_tokens_right(tiny_dir, devi
     again = llm.generate(other, GREEDY, use_tqdm=False)[0]
     assert again.outputs[0].token_ids == make().generate(other, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("content, match", [
+    ("{not json", "cannot read it as JSON"),
+    ('[1, 2]', "eos_token_id must be"),
+    ('{"eos_token_id": "7"}', "eos_token_id must be"),
+    ('{"eos_token_id": [7, -1]}', "eos_token_id must be"),
+])
+def test_a_malformed_generation_config_is_named(tmp_path, content, match):
+    from types import SimpleNamespace
+
+    from minivllm.runtime.engine import read_eos_ids
+
+    config = SimpleNamespace(eos_token_ids=(3,))
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [5, null, 6]}')
+    assert read_eos_ids(str(tmp_path), config, None) == (3, 5, 6)
+    (tmp_path / "generation_config.json").write_text(content)
+    with pytest.raises(ValueError, match=match) as e:
+        read_eos_ids(str(tmp_path), config, None)
+    assert "generation_config.json" in str(e.value)

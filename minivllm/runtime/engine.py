@@ -74,12 +74,21 @@ def read_eos_ids(model_dir: str, model_config, tokenizer) -> tuple[int, ...]:
     ids = list(model_config.eos_token_ids)
     path = os.path.join(model_dir, "generation_config.json")
     if os.path.isfile(path):
+        # A malformed file is named rather than skipped: skipping it could drop the EOS id that
+        # stops generation (Qwen3's <|im_end|> is only there), and a bad entry crashed with a
+        # TypeError that named nothing.
         try:
             with open(path) as f:
-                eos = json.load(f).get("eos_token_id")
-            ids.extend([eos] if isinstance(eos, int) else (eos or []))
-        except (OSError, json.JSONDecodeError):
-            pass
+                gen = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: cannot read it as JSON ({e})") from None
+        eos = gen.get("eos_token_id") if isinstance(gen, dict) else None
+        eos = [eos] if eos is None or isinstance(eos, int) else eos
+        if not isinstance(gen, dict) or not isinstance(eos, list) or not all(
+                i is None or (isinstance(i, int) and not isinstance(i, bool) and i >= 0) for i in eos):
+            raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, "
+                             f"got {gen.get('eos_token_id') if isinstance(gen, dict) else gen!r}")
+        ids.extend(i for i in eos if i is not None)
     if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
         ids.append(tokenizer.eos_token_id)
     return tuple(dict.fromkeys(int(i) for i in ids))
@@ -285,12 +294,19 @@ class LLMEngine:
         with unfinished=False only the finished ones, which saves building the others). With
         asynchronous scheduling these are the previous step's, read after this one is launched."""
         done, self.undelivered = self.undelivered, []
-        if self.unread is not None:
-            launched, self.unread = self.unread, None
-            return done + self._resolve(launched, unfinished)
-        if self.async_scheduling:
-            return done + self._step_async(unfinished)
-        return done + self._step_sync(unfinished)
+        try:
+            if self.unread is not None:
+                launched, self.unread = self.unread, None
+                return done + self._resolve(launched, unfinished)
+            if self.async_scheduling:
+                return done + self._step_async(unfinished)
+            return done + self._step_sync(unfinished)
+        except BaseException:
+            # This step failed too: keep the earlier step's outputs for the next step(), ahead of
+            # any this one read (their requests are gone from self.requests: dropped here, a
+            # finished request's last output would never be delivered).
+            self.undelivered = done + self.undelivered
+            raise
 
     def _step_sync(self, unfinished: bool) -> list[RequestOutput]:
         # The named ranges show up in a torch.profiler trace (minivllm bench --trace).
@@ -398,8 +414,10 @@ class LLMEngine:
         for c in out.prefills:  # a decode adds to neither count
             end = c.start + c.num_tokens
             s.prompt_tokens_computed += max(0, min(end, c.seq.prompt_len) - c.start)
-            # Generated positions before the step's last token were computed before a preemption.
-            s.tokens_recomputed += max(0, end - 1 - max(c.start, c.seq.prompt_len))
+            # Generated positions computed before a preemption: all of the chunk's but, when it
+            # ends the sequence (wants logits), its last, the token sampled last, never fed yet.
+            last = end - 1 if c.want_logits else end
+            s.tokens_recomputed += max(0, last - max(c.start, c.seq.prompt_len))
 
     def _postprocess(self, seqs: list[Sequence], result: StepResult) -> None:
         for k, seq in enumerate(seqs):
