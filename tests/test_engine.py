@@ -214,12 +214,14 @@ def test_persistent_decode_is_on_by_default_only_where_it_runs(tiny_dir):
     from minivllm.runtime.config import EngineConfig, persistent_decode_default
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert persistent_decode_default(cuda, 1, None, True)
-    assert persistent_decode_default(cuda, 1, "triton", True)
-    assert not persistent_decode_default(cuda, 2, None, True)  # one rank only
-    assert not persistent_decode_default(cuda, 1, "reference", True)  # another backend asked for
-    assert not persistent_decode_default(cuda, 1, None, False)  # no Triton
-    assert not persistent_decode_default(cpu, 1, None, True)  # the interpreter: slow, explicit
+    assert persistent_decode_default(cuda, 1, None, True, 128)
+    assert persistent_decode_default(cuda, 1, "triton", True, 128)
+    assert not persistent_decode_default(cuda, 2, None, True, 128)  # one rank only
+    assert not persistent_decode_default(cuda, 1, "reference", True, 128)  # another backend asked for
+    assert not persistent_decode_default(cuda, 1, None, False, 128)  # no Triton
+    assert not persistent_decode_default(cpu, 1, None, True, 128)  # the interpreter: slow, explicit
+    assert not persistent_decode_default(cuda, 1, None, True, 8)  # tl.dot needs head_dim >= 16
+    assert not persistent_decode_default(cuda, 1, None, True, 512)  # shared memory overflows
     assert not EngineConfig.create(tiny_dir, device="cpu").persistent_decode
     with pytest.raises(TypeError, match="persistent_decode must be"):
         EngineConfig.create(tiny_dir, device="cpu", persistent_decode="no")

@@ -100,7 +100,8 @@ def generate(params: Params, cache: KVCache, tokens: Sequence[Sequence[int]], *,
     check_cache_fits(params, cache)
     prompts = _check_prompts(tokens, params.config.vocab_size)
     eos = _check_eos(eos_token_id, params.config.vocab_size)
-    backend = select_backend(params.device, backend)
+    # What leaves a backend out: an fp8 cache (flash_attn), a head_dim triton does not compile for.
+    backend = select_backend(params.device, backend, cache.k[0].dtype, params.config.head_dim)
 
     # The last sampled token is never fed back, so a prompt needs len + max_new - 1 slots.
     bs = cache.block_size

@@ -15,11 +15,16 @@ import torch
 
 from ..functional.attention import REFERENCE
 from ..state.config import FP8_DTYPES
-from .launch import triton_usable
+from .launch import runs_ptx, triton_usable
 
 log = logging.getLogger("minivllm")
 BACKEND_NAMES = ("triton", "flash_attn", "reference")
 _logged: set[tuple[str, str]] = set()
+# head_dim the Triton kernels compile for on a GPU: tl.dot's least K is 16, and past 256 the
+# decode kernel's tiles overflow the H200's shared memory (at 512: 283 KB of 227).
+TRITON_HEAD_DIMS = (16, 256)
+_FP8_FLASH_ATTN = ("attention backend 'flash_attn' reads a KV cache in the model's dtype; "
+                   "kv_cache_dtype fp8 needs 'triton' or 'reference'")
 
 
 def available_backends(device) -> list[str]:
@@ -55,22 +60,31 @@ def _make(name: str):
     raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(BACKEND_NAMES)}")
 
 
-def select_backend(device, requested=None, cache_dtype: torch.dtype | None = None):
+def select_backend(device, requested=None, cache_dtype: torch.dtype | None = None,
+                   head_dim: int | None = None):
     """The backend object for `device`. `requested`: a backend object (returned as is), a name,
     or None (then MINIVLLM_ATTENTION_BACKEND, then the best available). An fp8 `cache_dtype`
-    leaves out flash_attn, which reads a cache in the model's dtype only."""
+    leaves out flash_attn, which reads a cache in the model's dtype only; a `head_dim` outside
+    TRITON_HEAD_DIMS leaves out triton on a GPU (asked for by name: a ValueError)."""
     if requested is not None and not isinstance(requested, str):
         if not callable(requested):
             raise TypeError(f"backend must be a name, an attention backend or None, got "
                             f"{type(requested).__name__}")
+        if cache_dtype in FP8_DTYPES and getattr(requested, "name", None) == "flash_attn":
+            raise ValueError(_FP8_FLASH_ATTN)
         return requested
     name = requested or os.environ.get("MINIVLLM_ATTENTION_BACKEND") or None
     available = available_backends(device)
     if cache_dtype in FP8_DTYPES:
         if name == "flash_attn":
-            raise ValueError("attention backend 'flash_attn' reads a KV cache in the model's dtype; "
-                             "kv_cache_dtype fp8 needs 'triton' or 'reference'")
+            raise ValueError(_FP8_FLASH_ATTN)
         available = [n for n in available if n != "flash_attn"]
+    lo, hi = TRITON_HEAD_DIMS
+    if head_dim is not None and runs_ptx(torch.device(device)) and not lo <= head_dim <= hi:
+        if name == "triton":
+            raise ValueError(f"attention backend 'triton' takes head_dim {lo}-{hi} on a GPU, got "
+                             f"{head_dim}; use 'reference'")
+        available = [n for n in available if n != "triton"]
     if name is None:
         name = available[0]
     elif name not in BACKEND_NAMES:

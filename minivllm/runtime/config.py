@@ -110,8 +110,14 @@ class EngineConfig:
                             f"device), got {persistent_decode!r}")
         if persistent_decode is None:
             persistent_decode = persistent_decode_default(
-                device, tensor_parallel_size, attention_backend, triton_usable(device))
+                device, tensor_parallel_size, attention_backend, triton_usable(device),
+                model_config.head_dim)
         if persistent_decode:
+            from ..kernels.backends import TRITON_HEAD_DIMS
+            lo, hi = TRITON_HEAD_DIMS
+            if device.type == "cuda" and not lo <= model_config.head_dim <= hi:
+                raise ValueError(f"persistent_decode is a Triton kernel: it takes head_dim {lo}-{hi} "
+                                 f"on a GPU, the model has {model_config.head_dim}")
             if tensor_parallel_size != 1:
                 raise ValueError("persistent_decode runs on one GPU (tensor_parallel_size 1), got "
                                  f"tensor_parallel_size={tensor_parallel_size}")
@@ -133,12 +139,16 @@ class EngineConfig:
 
 
 def persistent_decode_default(device: torch.device, tensor_parallel_size: int,
-                              attention_backend: str | None, triton_usable: bool) -> bool:
-    """persistent_decode when not given: on where it runs (one CUDA GPU with Triton) and no other
-    attention backend than Triton's was asked for (its attention is Triton's decode kernel). The
-    single stream decodes 19% faster with it (BENCHMARKS.md, session 16)."""
+                              attention_backend: str | None, triton_usable: bool,
+                              head_dim: int) -> bool:
+    """persistent_decode when not given: on where it runs (one CUDA GPU with Triton, a head_dim
+    the Triton kernels compile for) and no other attention backend than Triton's was asked for
+    (its attention is Triton's decode kernel). The single stream decodes 19% faster with it
+    (BENCHMARKS.md, session 16)."""
+    from ..kernels.backends import TRITON_HEAD_DIMS
+    lo, hi = TRITON_HEAD_DIMS
     return (device.type == "cuda" and tensor_parallel_size == 1 and
-            attention_backend in (None, "triton") and triton_usable)
+            attention_backend in (None, "triton") and triton_usable and lo <= head_dim <= hi)
 
 
 def _device(device) -> torch.device:

@@ -199,7 +199,8 @@ class ModelRunner:
         self.model_config = self.params.config
         self.vocab_size = self.model_config.vocab_size
         self.device = self.params.device
-        self.backend = select_backend(self.device, config.attention_backend, config.cache_dtype)
+        self.backend = select_backend(self.device, config.attention_backend, config.cache_dtype,
+                                      self.model_config.head_dim)
         self.enforce_eager = config.enforce_eager
         self.last_sampling = None  # (rows, SamplingBatch) of the last step that sampled
         self.prefill_forward = forward  # see _compile_and_capture
