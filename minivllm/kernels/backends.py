@@ -23,6 +23,14 @@ _logged: set[tuple[str, str]] = set()
 # head_dim the Triton kernels compile for on a GPU: tl.dot's least K is 16, and past 256 the
 # decode kernel's tiles overflow the H200's shared memory (at 512: 283 KB of 227).
 TRITON_HEAD_DIMS = (16, 256)
+
+
+def triton_takes_head_dim(head_dim: int) -> bool:
+    """Whether the Triton kernels compile for `head_dim` on a GPU (the interpreter runs any)."""
+    lo, hi = TRITON_HEAD_DIMS
+    return lo <= head_dim <= hi
+
+
 _FP8_FLASH_ATTN = ("attention backend 'flash_attn' reads a KV cache in the model's dtype; "
                    "kv_cache_dtype fp8 needs 'triton' or 'reference'")
 
@@ -79,9 +87,9 @@ def select_backend(device, requested=None, cache_dtype: torch.dtype | None = Non
         if name == "flash_attn":
             raise ValueError(_FP8_FLASH_ATTN)
         available = [n for n in available if n != "flash_attn"]
-    lo, hi = TRITON_HEAD_DIMS
-    if head_dim is not None and runs_ptx(torch.device(device)) and not lo <= head_dim <= hi:
+    if head_dim is not None and runs_ptx(torch.device(device)) and not triton_takes_head_dim(head_dim):
         if name == "triton":
+            lo, hi = TRITON_HEAD_DIMS
             raise ValueError(f"attention backend 'triton' takes head_dim {lo}-{hi} on a GPU, got "
                              f"{head_dim}; use 'reference'")
         available = [n for n in available if n != "triton"]

@@ -113,9 +113,9 @@ class EngineConfig:
                 device, tensor_parallel_size, attention_backend, triton_usable(device),
                 model_config.head_dim)
         if persistent_decode:
-            from ..kernels.backends import TRITON_HEAD_DIMS
-            lo, hi = TRITON_HEAD_DIMS
-            if device.type == "cuda" and not lo <= model_config.head_dim <= hi:
+            from ..kernels.backends import TRITON_HEAD_DIMS, triton_takes_head_dim
+            if device.type == "cuda" and not triton_takes_head_dim(model_config.head_dim):
+                lo, hi = TRITON_HEAD_DIMS
                 raise ValueError(f"persistent_decode is a Triton kernel: it takes head_dim {lo}-{hi} "
                                  f"on a GPU, the model has {model_config.head_dim}")
             if tensor_parallel_size != 1:
@@ -145,10 +145,10 @@ def persistent_decode_default(device: torch.device, tensor_parallel_size: int,
     the Triton kernels compile for) and no other attention backend than Triton's was asked for
     (its attention is Triton's decode kernel). The single stream decodes 19% faster with it
     (BENCHMARKS.md, session 16)."""
-    from ..kernels.backends import TRITON_HEAD_DIMS
-    lo, hi = TRITON_HEAD_DIMS
+    from ..kernels.backends import triton_takes_head_dim
     return (device.type == "cuda" and tensor_parallel_size == 1 and
-            attention_backend in (None, "triton") and triton_usable and lo <= head_dim <= hi)
+            attention_backend in (None, "triton") and triton_usable and
+            triton_takes_head_dim(head_dim))
 
 
 def _device(device) -> torch.device:

@@ -82,13 +82,12 @@ def read_eos_ids(model_dir: str, model_config, tokenizer) -> tuple[int, ...]:
                 gen = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"{path}: cannot read it as JSON ({e})") from None
-        eos = gen.get("eos_token_id") if isinstance(gen, dict) else None
-        eos = [eos] if eos is None or isinstance(eos, int) else eos
-        if not isinstance(gen, dict) or not isinstance(eos, list) or not all(
-                i is None or (isinstance(i, int) and not isinstance(i, bool) and i >= 0) for i in eos):
-            raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, "
-                             f"got {gen.get('eos_token_id') if isinstance(gen, dict) else gen!r}")
-        ids.extend(i for i in eos if i is not None)
+        eos = gen.get("eos_token_id") if isinstance(gen, dict) else gen
+        listed = eos if isinstance(eos, list) else [eos]  # a null entry names no id
+        if not isinstance(gen, dict) or not all(
+                i is None or (isinstance(i, int) and not isinstance(i, bool) and i >= 0) for i in listed):
+            raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
+        ids.extend(i for i in listed if i is not None)
     if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
         ids.append(tokenizer.eos_token_id)
     return tuple(dict.fromkeys(int(i) for i in ids))
