@@ -16,6 +16,7 @@ import minivllm
 from minivllm import LLM, SamplingParams
 from minivllm.runtime.demo import ensure_demo_model
 
+from engine_helpers import cpu_reference, make_llm
 from hf_tiny import make_hf_model, save_checkpoint
 
 MAX_TOKENS = 12
@@ -61,28 +62,6 @@ def hf_greedy(model, prompt, n):
 @pytest.fixture(scope="module")
 def reference(hf_model, prompts):
     return [hf_greedy(hf_model, p, MAX_TOKENS)[0] for p in prompts]
-
-
-def cpu_reference(device):
-    """On CPU the reference attention (under TRITON_INTERPRET the default would be the Triton
-    interpreter, correct but slow; test_triton_backend_gives_identical_outputs runs it once)."""
-    return "reference" if device.type == "cpu" else None
-
-
-def make_llm(path, device, **kw):
-    kw.setdefault("num_kv_blocks", 64)
-    kw.setdefault("attention_backend", cpu_reference(device))
-    if device.type == "cuda":
-        # Start-up compiles the forward and captures a graph per decode bucket and prefill size:
-        # even at 16 sequences and 512 batched tokens the first 8 tests' 13 engines took 580 s on
-        # a fresh H200 machine (session 32), of the module's ~40. Here they run eagerly, so
-        # that the module tests the engine's scheduling and sampling on the GPU within one call;
-        # the compiled and captured engine is tested against transformers by the first test and
-        # against the eager one by tests/test_gpu_graphs.py.
-        kw.setdefault("enforce_eager", True)
-        kw.setdefault("max_num_seqs", 16)
-        kw.setdefault("max_num_batched_tokens", 512)
-    return LLM(path, device=device, **kw)
 
 
 def token_prompts(prompts):

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minivllm import LLM, SamplingParams
+from minivllm import SamplingParams
 
+from engine_helpers import make_llm
 from hf_tiny import make_hf_model, save_checkpoint
 
 GOOD = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
@@ -21,8 +22,7 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture
 def llm(tiny_dir, device):
-    return LLM(tiny_dir, device=device, num_kv_blocks=16, block_size=4, max_model_len=60,
-               attention_backend="reference" if device.type == "cpu" else None)
+    return make_llm(tiny_dir, device, num_kv_blocks=16, block_size=4, max_model_len=60)
 
 
 def snapshot(llm):
@@ -107,8 +107,8 @@ def test_a_request_that_can_never_fit_the_cache_is_refused(llm):
     # 16 blocks of 4 = 64 slots; this one may grow to 10 + 58 - 1 tokens, capped by max_model_len
     # 60 to 59 slots: it fits. With 8 blocks it would not.
     assert llm.generate({"prompt_token_ids": GOOD[:10]}, SamplingParams(max_tokens=50), use_tqdm=False)
-    small = LLM(llm.config.model, device=llm.config.device, num_kv_blocks=8, block_size=4,
-                max_model_len=60, attention_backend=llm.config.attention_backend)
+    small = make_llm(llm.config.model, llm.config.device, num_kv_blocks=8, block_size=4,
+                     max_model_len=60)
     before = snapshot(small)
     with pytest.raises(ValueError, match="never fit the KV cache"):
         small.generate({"prompt_token_ids": GOOD[:10]}, SamplingParams(max_tokens=50), use_tqdm=False)
@@ -126,9 +126,8 @@ def test_a_step_that_raises_leaves_no_unwritten_block_in_the_prefix_cache(tiny_d
     raises (an error, Ctrl-C) before it runs, their K/V is never written. A later request with
     the same prompt must not hit them: it gets what a fresh engine gives."""
     def make():
-        return LLM(tiny_dir, device=device, num_kv_blocks=16, block_size=4, max_model_len=60,
-                   async_scheduling=async_scheduling,
-                   attention_backend="reference" if device.type == "cpu" else None)
+        return make_llm(tiny_dir, device, num_kv_blocks=16, block_size=4, max_model_len=60,
+                        async_scheduling=async_scheduling)
 
     expected = make().generate({"prompt_token_ids": GOOD}, GREEDY, use_tqdm=False)
     llm = make()
@@ -155,8 +154,7 @@ def test_a_step_that_raises_recomputes_a_sequence_that_shared_its_blocks(tiny_di
     """Two sequences of one prompt (n=2) are admitted in one step, the second taking the first's
     just-registered blocks as prefix hits. If that step never runs, the second must not keep
     them as computed: abandoning the step preempts it, and it recomputes."""
-    llm = LLM(tiny_dir, device=device, num_kv_blocks=32, block_size=4, max_model_len=60,
-              attention_backend="reference" if device.type == "cpu" else None)
+    llm = make_llm(tiny_dir, device, num_kv_blocks=32, block_size=4, max_model_len=60)
     e = llm.engine
     e.add_request({"prompt_token_ids": GOOD}, SamplingParams(n=2, temperature=0, max_tokens=4,
                                                                ignore_eos=True))
@@ -169,24 +167,42 @@ def test_a_step_that_raises_recomputes_a_sequence_that_shared_its_blocks(tiny_di
     e.block_manager.check(e.scheduler.running)
 
 
+OTHER = {"prompt_token_ids": [30, 31, 32, 33, 34, 35]}
+
+
+def make_graph_llm(tiny_dir, device):
+    # On CUDA with graphs (small ones: engine_helpers.make_llm): the decode steps of the two
+    # greedy requests below replay a graph that picks their tokens itself, into a static buffer
+    # the next replay rewrites and into the graph's input ids (runner.ids_in_graph). An eager
+    # engine would leave that form of "the device's last tokens already rewritten" untested.
+    # Each such engine still takes ~45 s to start on the H200, the first ~100 s (session 41).
+    return make_llm(tiny_dir, device, graphs=True, num_kv_blocks=32, block_size=4, max_model_len=60)
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_dir, device):
+    """What GOOD and OTHER each get alone, from one engine (one compile on CUDA): run one after
+    the other, they share no block (OTHER's first block is not GOOD's), so neither hits the
+    other's prefix."""
+    llm = make_graph_llm(tiny_dir, device)
+    return [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+            for p in ({"prompt_token_ids": GOOD}, OTHER)]
+
+
 @pytest.mark.parametrize("where", ["after the launch ran", "reading the tokens"])
-def test_an_interrupted_step_leaves_a_paused_streams_tokens_right(tiny_dir, device, where):
+def test_an_interrupted_step_leaves_a_paused_streams_tokens_right(tiny_dir, device, alone, where):
     """Asynchronous scheduling launches step N+1 before it reads step N's tokens. A Ctrl-C that
     lands after a launch ran (the device's last tokens already rewritten) or while the host waits
     for a step's tokens must not cost the requests that outlive the call it ends: here a stream
     paused while generate runs gets what it gets alone."""
-    def make():
-        return LLM(tiny_dir, device=device, num_kv_blocks=32, block_size=4, max_model_len=60,
-                   attention_backend="reference" if device.type == "cpu" else None)
-
-    other = {"prompt_token_ids": [30, 31, 32, 33, 34, 35]}
-    alone = make().generate({"prompt_token_ids": GOOD}, GREEDY, use_tqdm=False)[0]
-    llm = make()
+    llm = make_graph_llm(tiny_dir, device)
     runner = llm.engine.runner
     real_launch, launches = runner.launch, [0]
+    picked = []  # per launch: whether a decode graph picked the step's tokens itself
 
     def interrupted_once(step_input):
         pending = real_launch(step_input)
+        picked.append(runner.ids_in_graph)
         launches[0] += 1
         if launches[0] == 4:
             if where == "after the launch ran":
@@ -203,12 +219,13 @@ def test_an_interrupted_step_leaves_a_paused_streams_tokens_right(tiny_dir, devi
     first = next(stream)
     runner.launch = interrupted_once
     with pytest.raises(KeyboardInterrupt):
-        llm.generate(other, GREEDY, use_tqdm=False)
+        llm.generate(OTHER, GREEDY, use_tqdm=False)
     runner.launch = real_launch
+    # On CUDA the interrupted launch (both requests' decode) replayed a graph that picked them.
+    assert picked[3] == (device.type == "cuda"), picked
     tokens = [t for d in (first, *stream) for c in d.outputs for t in c.token_ids]
-    assert tokens == alone.outputs[0].token_ids
-    again = llm.generate(other, GREEDY, use_tqdm=False)[0]
-    assert again.outputs[0].token_ids == make().generate(other, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert tokens == alone[0]
+    assert llm.generate(OTHER, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == alone[1]
     assert not llm.engine.has_unfinished_requests()
 
 

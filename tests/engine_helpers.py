@@ -1,0 +1,37 @@
+"""Engines for the tests that build many of them (test_engine.py, test_engine_bad_input.py,
+test_scheduler_audit.py): on CPU the arguments given, with the reference attention; on CUDA small
+engines, so that each file runs on a fresh GPU machine within one device call."""
+
+from __future__ import annotations
+
+from minivllm import LLM
+
+
+def cpu_reference(device):
+    """On CPU the reference attention (under TRITON_INTERPRET the default would be the Triton
+    interpreter, correct but slow; test_triton_backend_gives_identical_outputs runs it once)."""
+    return "reference" if device.type == "cpu" else None
+
+
+def make_llm(path, device, *, graphs: bool = False, **kw):
+    """An engine on `device`, num_kv_blocks 64 unless given.
+
+    On CUDA, unless given: graphs=False runs eagerly at 16 sequences and 512 batched tokens.
+    Start-up compiles the forward and captures a graph per decode bucket and prefill size: even
+    at 16 sequences and 512 batched tokens test_engine.py's first 8 tests' 13 engines took 580 s
+    on a fresh H200 machine (session 32), and at the defaults (256 sequences, 8192 tokens) one
+    engine compiled for over 430 s. Eager, the engine's scheduling, sampling and asynchronous
+    steps (launch still returns before the tokens are read) are tested on the GPU within one call;
+    the compiled and captured engine is tested against transformers by test_engine.py's first
+    test and against the eager one by tests/test_gpu_graphs.py.
+    graphs=True, for a test of what CUDA graphs change (the decode graph's own greedy pick, its
+    static token buffers rewritten by the next replay): compiled and captured, at 4 sequences and
+    128 batched tokens (decode buckets of 1, 2 and 4 rows, one prefill graph). On CPU `graphs`
+    changes nothing: there are no CUDA graphs."""
+    kw.setdefault("num_kv_blocks", 64)
+    kw.setdefault("attention_backend", cpu_reference(device))
+    if device.type == "cuda":
+        kw.setdefault("enforce_eager", not graphs)
+        kw.setdefault("max_num_seqs", 4 if graphs else 16)
+        kw.setdefault("max_num_batched_tokens", 128 if graphs else 512)
+    return LLM(path, device=device, **kw)
