@@ -6,6 +6,10 @@ ids[prefix_offset:read_offset]. The window starts a few tokens before the new on
 tokenizers that drop or merge leading spaces decode the new tokens in context, and it does not
 advance while the text ends in an incomplete UTF-8 character (U+FFFD), which a later byte-level
 token will complete.
+
+The window starts in the prompt (prompt_offsets): at its last complete character, so that an
+output whose first tokens complete a character the prompt began shows that character (as vLLM's
+DecodeStream, primed with the prompt, does) instead of dropping it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,24 @@ def detokenize_incrementally(tokenizer, ids: list[int], prefix_offset: int, read
     if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
         return text[len(prefix_text):], read_offset, end
     return "", prefix_offset, read_offset
+
+
+def prompt_offsets(tokenizer, ids: list[int], prompt_len: int, *, skip_special_tokens: bool = True,
+                   spaces_between_special_tokens: bool = True) -> tuple[int, int]:
+    """The (prefix_offset, read_offset) to start detokenizing the output at: read_offset is the
+    prompt's end, or, when the prompt ends inside a character (its text ends in U+FFFD), the
+    token boundary before that character, so that the output's text starts with the whole
+    character once a generated token completes it. Looks back a few tokens only (a character is
+    at most 4 bytes); a prompt ending in more invalid bytes than that keeps its end."""
+    kwargs = dict(skip_special_tokens=skip_special_tokens)
+    if not spaces_between_special_tokens:
+        kwargs["spaces_between_special_tokens"] = False
+    lowest = max(prompt_len - 4, 0)
+    for read in range(prompt_len, lowest - 1, -1):
+        prefix = max(read - 5, 0)
+        if read == 0 or not tokenizer.decode(ids[prefix:read], **kwargs).endswith("\ufffd"):
+            return prefix, read
+    return max(prompt_len - 5, 0), prompt_len
 
 
 def find_stop_string(text: str, num_new_chars: int, stops: tuple[str, ...]) -> tuple[int, str] | None:

@@ -29,7 +29,7 @@ from ..state.batch import SeqChunk
 from ..state.config import FP8_DTYPES
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .detokenizer import detokenize_incrementally, find_stop_string
+from .detokenizer import detokenize_incrementally, find_stop_string, prompt_offsets
 from .executor import make_executor
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .runner import ModelRunner, StepInput, StepResult, trace_range
@@ -431,6 +431,12 @@ class LLMEngine:
                 seq.logprobs.append(entry)
             if self.tokenizer is None or not p.detokenize:
                 continue
+            num_output = seq.num_known - seq.prompt_len
+            if num_output == 1:  # the first token: start the window at the prompt's last whole character
+                seq.prefix_offset, seq.read_offset = prompt_offsets(
+                    self.tokenizer, seq.token_ids, seq.prompt_len,
+                    skip_special_tokens=p.skip_special_tokens,
+                    spaces_between_special_tokens=p.spaces_between_special_tokens)
             end = seq.num_known
             if seq.finish_reason == "stop" and not p.include_stop_str_in_output:
                 end -= 1  # the stop token (EOS, a stop id) keeps out of the text, as in vLLM
@@ -439,7 +445,9 @@ class LLMEngine:
                 skip_special_tokens=p.skip_special_tokens,
                 spaces_between_special_tokens=p.spaces_between_special_tokens, end=end)
             seq.text += new_text
-            if not p.stop_strings or not new_text or seq.num_known - seq.prompt_len < p.min_tokens:
+            # As vLLM: stop strings count once more than min_tokens tokens are out (as stop ids,
+            # which the sampler bans for the first min_tokens), in the text new this step.
+            if not p.stop_strings or not new_text or num_output <= p.min_tokens:
                 continue
             hit = find_stop_string(seq.text, len(new_text), p.stop_strings)
             if hit is None:
@@ -447,8 +455,9 @@ class LLMEngine:
             at, stop = hit
             seq.text = seq.text[:at + len(stop)] if p.include_stop_str_in_output else seq.text[:at]
             if seq.finished:
-                if seq.stop_reason is None and seq.finish_reason == "length":
-                    seq.finish_reason, seq.stop_reason = "stop", stop
+                # Ended this step by length or a stop token: the stop string names the reason
+                # (vLLM's output processor overrides both).
+                seq.finish_reason, seq.stop_reason = "stop", stop
             else:
                 self.scheduler.finish(seq, "stop", stop)
 
@@ -458,11 +467,20 @@ class LLMEngine:
         return self.tokenizer.decode([token_id])
 
     def make_output(self, request: Request) -> RequestOutput:
-        """The request's cumulative output so far."""
+        """The request's cumulative output so far (an unfinished completion's text less what a stop
+        string could still cut)."""
         outputs = []
+        p = request.params
+        # As vLLM: an unfinished completion holds back the characters that could begin a stop
+        # string (len(longest) - 1), so that no text is shown that a stop string then cuts.
+        hold = (max(map(len, p.stop_strings)) - 1
+                if p.stop_strings and not p.include_stop_str_in_output else 0)
         for seq in request.seqs:
+            text = seq.text
+            if hold and not seq.finished:
+                text = text[:max(len(text) - hold, 0)]
             outputs.append(CompletionOutput(
-                index=seq.index, text=seq.text, token_ids=seq.output_ids,
+                index=seq.index, text=text, token_ids=seq.output_ids,
                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
                 logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))

@@ -199,15 +199,12 @@ class LLM:
     def _stream(self, checked: list, params: list[SamplingParams]) -> Iterator[RequestOutput]:
         ids = [self.engine.enqueue(text, ids, sp) for (text, ids), sp in zip(checked, params)]
         mine = set(ids)
-        # Characters that may begin a stop string: up to the longest stop string, less one.
-        hold = {i: max(map(len, self.engine.requests[i].params.stop_strings), default=1) - 1
-                for i in ids}
         sent: dict[tuple[str, int], tuple[int, int, bool]] = {}  # (request, index) -> progress
         self._owned |= mine
         try:
             while mine:
                 for out in self._next_outputs(mine, unfinished=True):
-                    delta = _delta(out, sent, hold[out.request_id])
+                    delta = _delta(out, sent)
                     if out.finished:
                         mine.discard(out.request_id)
                     if delta is not None:
@@ -267,13 +264,13 @@ class LLM:
         return [final[i] for i in ids]
 
 
-def _delta(out: RequestOutput, sent: dict, hold: int) -> RequestOutput | None:
-    """What is new in `out` since `sent` recorded, keeping back the last `hold` characters of an
-    unfinished text; None when nothing is new."""
+def _delta(out: RequestOutput, sent: dict) -> RequestOutput | None:
+    """What is new in `out` since `sent` recorded; None when nothing is new. (The engine's
+    unfinished texts already leave out what a stop string could still cut.)"""
     outputs = []
     for c in out.outputs:
         chars, tokens, ended = sent.get((out.request_id, c.index), (0, 0, False))
-        visible = len(c.text) if c.finished() else max(chars, len(c.text) - hold)
+        visible = max(chars, len(c.text))
         new = CompletionOutput(index=c.index, text=c.text[chars:visible], token_ids=c.token_ids[tokens:],
                                cumulative_logprob=c.cumulative_logprob,
                                logprobs=c.logprobs[tokens:] if c.logprobs is not None else None,

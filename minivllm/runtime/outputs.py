@@ -21,8 +21,15 @@ SampleLogprobs = list[dict[int, Logprob]]
 @dataclass
 class CompletionOutput:
     """One completion of a request. finish_reason: None while running, then "stop" (EOS, a stop
-    id or a stop string; stop_reason says which, None for EOS) or "length" (max_tokens or
-    max_model_len). In a streamed output, text / token_ids / logprobs hold only what is new."""
+    id or a stop string; stop_reason says which, None for EOS; a stop string that the step's
+    text completes names the reason even when a stop id or the length limit ended it at that
+    step, as in vLLM) or "length" (max_tokens or max_model_len). token_ids keep the token that
+    stopped the completion (the stop id, or the one that completed a stop string); text leaves
+    out a stop id's text and cuts at the stop string (include_stop_str_in_output keeps both),
+    and leaves out a last character whose bytes are not all generated yet. While running, text
+    holds back the last len(longest stop string) - 1 characters (none with
+    include_stop_str_in_output), so that no text is shown that a stop string then cuts. In a
+    streamed output, text / token_ids / logprobs hold only what is new."""
 
     index: int
     text: str
