@@ -45,20 +45,27 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="ranks to split the model over (default: torchrun's WORLD_SIZE, else 1)")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--engine-seed", type=int, default=0, help="seeds requests that set no --seed")
+    g.add_argument("--generation-config", default="auto",
+                   help="where unset sampling flags come from: auto (the model's "
+                        "generation_config.json, as vLLM), vllm (minivllm's defaults) or a "
+                        "directory holding a generation_config.json")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g = p.add_argument_group("sampling", description=(
+        "Unset --max-tokens, --temperature, --top-p, --top-k, --min-p and --repetition-penalty "
+        "take the model's generation_config.json values (see --generation-config), else the "
+        "defaults shown."))
+    g.add_argument("--max-tokens", type=int, default=None, help=f"(default: {max_tokens})")
     g.add_argument("--min-tokens", type=int, default=0)
     g.add_argument("--temperature", type=float, default=None,
                    help="0 is greedy (default: 0.8 for chat, 0 for generate)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=None, help="(default: 1)")
+    g.add_argument("--top-k", type=int, default=None, help="(default: 0, off)")
+    g.add_argument("--min-p", type=float, default=None, help="(default: 0)")
     g.add_argument("--presence-penalty", type=float, default=0.0)
     g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--repetition-penalty", type=float, default=None, help="(default: 1)")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
@@ -75,14 +82,17 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a prompt (repeatable; default: three example prompts)")
     gen.add_argument("--n", type=int, default=1, help="completions per prompt")
     gen.add_argument("--logprobs", type=int, default=None)
-    gen.add_argument("--chat-template", action="store_true",
-                     help="format each prompt as a user message with the chat template")
+    gen.add_argument("--chat-template", nargs="?", const="", default=None, metavar="TEMPLATE",
+                     help="format each prompt as a user message with the tokenizer's chat "
+                          "template, or with TEMPLATE: a Jinja file or the template itself")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     gen.add_argument("--json", action="store_true", help="one JSON object per completion")
     chat = sub.add_parser("chat", help="an interactive chat on stdin/stdout")
     _add_model_args(chat)
     _add_sampling_args(chat, max_tokens=256)
     chat.add_argument("--system", default=None, help="a system message")
+    chat.add_argument("--chat-template", default=None, metavar="TEMPLATE",
+                      help="a Jinja file or the template itself (default: the tokenizer's)")
     from .runtime.bench import add_bench_args
 
     bench = sub.add_parser("bench", help="throughput (nano-vllm's workload) or single-stream latency")
@@ -125,6 +135,7 @@ def _make_llm(args):
                                         else args.tensor_parallel_size),
                   seed=args.engine_seed,
                   enable_prefix_caching=not args.no_prefix_caching,
+                  generation_config=args.generation_config,
                   max_num_batched_tokens=args.max_num_batched_tokens)
     # An interactive CLI serves few sequences: keep the default KV cache small.
     kwargs["max_num_seqs"] = (args.max_num_seqs if args.max_num_seqs is not None
@@ -142,26 +153,46 @@ def _default_tp() -> int:
     return launch.world_size if launch is not None else 1
 
 
-def _sampling_params(args, **extra):
+def _sampling_params(args, model_defaults: dict, **extra):
+    """The flags' SamplingParams: a flag left unset takes model_defaults' value (the model's
+    generation_config.json, LLM.get_diff_sampling_param), else the command's default."""
     from .runtime.sampling_params import SamplingParams
 
-    temperature = args.temperature
-    if temperature is None:
-        temperature = 0.8 if args.command == "chat" else 0.0
+    chat = args.command == "chat"
+    command_defaults = dict(max_tokens=256 if chat else 32, temperature=0.8 if chat else 0.0,
+                            top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
+    layered = {name: (getattr(args, name) if getattr(args, name) is not None
+                      else model_defaults.get(name, default))
+               for name, default in command_defaults.items()}
     return SamplingParams(
-        max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=temperature,
-        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-        repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
-        ignore_eos=args.ignore_eos, **extra)
+        min_tokens=args.min_tokens, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed, stop=args.stop,
+        ignore_eos=args.ignore_eos, **layered, **extra)
+
+
+def _chat_template(value: str | None) -> str | None:
+    """--chat-template's value as vLLM reads it: a file's contents, or the template itself
+    when it is one; None (or "") for the tokenizer's own."""
+    if not value:
+        return None
+    if os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
 
 
 def cmd_generate(args) -> int:
-    params = _sampling_params(args, n=args.n, logprobs=args.logprobs)  # bad flags before start-up
+    extra = dict(n=args.n, logprobs=args.logprobs)
+    _sampling_params(args, {}, **extra)  # bad flags before start-up
+    template = _chat_template(args.chat_template)
     llm = _make_llm(args)
+    params = _sampling_params(args, llm.get_diff_sampling_param(), **extra)
     texts = args.prompt or DEFAULT_PROMPTS
-    prompts = (llm.chat_prompts([[{"role": "user", "content": t}] for t in texts])
-               if args.chat_template else texts)
+    prompts = (llm.chat_prompts([[{"role": "user", "content": t}] for t in texts],
+                                chat_template=template)
+               if args.chat_template is not None else texts)
     start = time.perf_counter()
     if args.stream:
         # Prompts are interleaved as they run: label every piece with its prompt number.
@@ -224,8 +255,10 @@ def _logprobs_json(logprobs):
 
 
 def cmd_chat(args) -> int:
-    params = _sampling_params(args)  # bad flags before start-up
+    _sampling_params(args, {})  # bad flags before start-up
+    template = _chat_template(args.chat_template)
     llm = _make_llm(args)
+    params = _sampling_params(args, llm.get_diff_sampling_param())
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     if interactive:
@@ -248,7 +281,7 @@ def cmd_chat(args) -> int:
             messages = messages[:1] if args.system else []
             continue
         messages.append({"role": "user", "content": line})
-        prompt = llm.chat_prompts(messages)[0]
+        prompt = llm.chat_prompts(messages, chat_template=template)[0]
         reply = []
         try:
             deltas = llm.stream([prompt], params)

@@ -73,6 +73,44 @@ def test_chat_reads_turns_and_streams_replies(capsys, monkeypatch):
     assert len(out.splitlines()) == 2  # one reply per turn, then /exit
 
 
+TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {% endfor %}=>"
+
+
+@pytest.mark.parametrize("how", ["tokenizer's", "file", "literal"])
+def test_generate_formats_prompts_with_a_chat_template(how, capsys, demo_path, device, tmp_path):
+    template = None if how == "tokenizer's" else TEMPLATE
+    flag = {"tokenizer's": [], "literal": [TEMPLATE], "file": [str(tmp_path / "t.jinja")]}[how]
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    rows = cli_json(capsys, ["generate", "--demo", "-p", "Hi there", "--max-tokens", "5",
+                             "--temperature", "0", "--ignore-eos", "--json", "--chat-template", *flag])
+    llm = LLM(demo_path, device=device, num_kv_blocks=32,
+              attention_backend=os.environ.get("MINIVLLM_ATTENTION_BACKEND"))
+    prompt = llm.chat_prompts([{"role": "user", "content": "Hi there"}], chat_template=template)
+    if template is not None:
+        assert prompt[0]["prompt"] == "[user] Hi there =>"
+    want = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                        use_tqdm=False)
+    assert rows[0]["token_ids"] == want[0].outputs[0].token_ids
+
+
+def test_chat_takes_a_chat_template_and_a_bad_one_is_named(capsys, monkeypatch, demo_path, device):
+    assert main(["generate", "--demo", "--chat-template", "missing.jinja"]) == 2
+    assert "--chat-template 'missing.jinja' is neither a file nor a Jinja template" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n/exit\n"))
+    assert main(["chat", "--demo", "--max-tokens", "4", "--temperature", "0", "--ignore-eos",
+                 "--chat-template", TEMPLATE]) == 0
+    llm = LLM(demo_path, device=device, num_kv_blocks=32,
+              attention_backend=os.environ.get("MINIVLLM_ATTENTION_BACKEND"))
+    want = llm.chat([{"role": "user", "content": "hello"}], chat_template=TEMPLATE, use_tqdm=False,
+                    sampling_params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert capsys.readouterr().out == want[0].outputs[0].text + "\n"
+
+
+def cli_json(capsys, argv):
+    assert main(argv) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
 def test_chat_goes_on_after_a_turn_that_does_not_fit(capsys, monkeypatch):
     """A conversation that outgrows max_model_len loses that turn, not the session."""
     monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n" + "word " * 80 + "\n/reset\nhello\n"))
@@ -113,12 +151,14 @@ def test_stream_json_gives_what_json_gives_with_logprobs_and_stop_reason(capsys)
     (["--device", "nonsense"], "unknown device 'nonsense'"),
     (["--top-p", "1.5"], "top_p"),
     (["--n", "0"], "n must be"),
+    (["--generation-config", "nope"], "'nope' is not a directory"),
 ])
 def test_bad_flags_are_refused_before_the_engine_starts(argv, match, capsys, monkeypatch):
     import minivllm.runtime.llm as llm
     from minivllm.runtime.config import EngineConfig
 
     def check_only(model, **kwargs):  # the engine's config checks run; no engine starts
+        llm.generation_defaults(kwargs.pop("generation_config"), None, model)
         EngineConfig.create(model, **kwargs)
         raise AssertionError("the flags passed the checks and an engine would start")
 

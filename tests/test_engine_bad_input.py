@@ -231,7 +231,7 @@ def test_an_interrupted_step_leaves_a_paused_streams_tokens_right(tiny_dir, devi
 
 @pytest.mark.parametrize("content, match", [
     ("{not json", "cannot read it as JSON"),
-    ('[1, 2]', "eos_token_id must be"),
+    ('[1, 2]', "must hold a JSON object, got list"),
     ('{"eos_token_id": "7"}', "eos_token_id must be"),
     ('{"eos_token_id": [7, -1]}', "eos_token_id must be"),
 ])

@@ -16,7 +16,6 @@ token, which is dropped, and that step() returns a step's outputs one call later
 
 from __future__ import annotations
 
-import json
 import logging
 import operator
 import os
@@ -31,6 +30,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import detokenize_incrementally, find_stop_string, prompt_offsets
 from .executor import make_executor
+from .generation_config import FILE as GEN_FILE, eos_ids_of, read_generation_config
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .runner import ModelRunner, StepInput, StepResult, trace_range
 from .sampling_params import SamplingParams
@@ -70,26 +70,14 @@ class Request:
 
 
 def read_eos_ids(model_dir: str, model_config, tokenizer) -> tuple[int, ...]:
-    """EOS ids: the config's, generation_config.json's and the tokenizer's (Qwen3 lists two)."""
-    ids = list(model_config.eos_token_ids)
-    path = os.path.join(model_dir, "generation_config.json")
-    if os.path.isfile(path):
-        # A malformed file is named rather than skipped: skipping it could drop the EOS id that
-        # stops generation (Qwen3's <|im_end|> is only there), and a bad entry crashed with a
-        # TypeError that named nothing.
-        try:
-            with open(path) as f:
-                gen = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: cannot read it as JSON ({e})") from None
-        eos = gen.get("eos_token_id") if isinstance(gen, dict) else gen
-        listed = eos if isinstance(eos, list) else [eos]  # a null entry names no id
-        if not isinstance(gen, dict) or not all(
-                i is None or (isinstance(i, int) and not isinstance(i, bool) and i >= 0) for i in listed):
-            raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
-        ids.extend(i for i in listed if i is not None)
+    """EOS ids: the tokenizer's, the config's and generation_config.json's (Qwen3 lists two).
+    The first is the EOS proper (the tokenizer's, else the config's first): a completion it ends
+    has stop_reason None, one the others end that id, as vLLM, which treats those as stop ids."""
+    ids = []
     if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
         ids.append(tokenizer.eos_token_id)
+    ids.extend(model_config.eos_token_ids)
+    ids.extend(eos_ids_of(read_generation_config(model_dir), os.path.join(model_dir, GEN_FILE)))
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 

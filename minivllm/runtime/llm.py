@@ -16,6 +16,7 @@ from typing import Iterable, Iterator
 from .config import EngineConfig, is_random_model
 from .engine import EngineStats, LLMEngine
 from .executor import make_executor
+from .generation_config import FILE as GEN_FILE, resolve_generation_config, sampling_defaults
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 
@@ -36,6 +37,21 @@ def load_tokenizer(path: str, *, required: bool):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def generation_defaults(generation_config, override, model: str) -> dict:
+    """LLM's generation_config and override_generation_config -> the SamplingParams fields
+    they set (checked)."""
+    gen = resolve_generation_config(generation_config, model, is_random_model(model))
+    sources = [] if not gen else [os.path.join(
+        os.fspath(model if generation_config == "auto" else generation_config), GEN_FILE)]
+    where = " and ".join(sources + ["override_generation_config"] * bool(override)) or "nothing"
+    kwargs = sampling_defaults(gen, override, where)
+    if kwargs:
+        # Said at start-up (vLLM warns too): it changes what a call without SamplingParams gives.
+        log.info("minivllm: requests without SamplingParams use %s (from %s; "
+                 "generation_config='vllm' turns this off)", kwargs, where)
+    return kwargs
 
 
 class LLM:
@@ -60,7 +76,12 @@ class LLM:
     differ from "auto" by fp8's rounding of the cached tokens). persistent_decode: decode steps
     of 1-2 sequences run every decoder layer in one persistent Triton kernel
     (kernels/decode_layer.py; one GPU); None: on for one CUDA GPU unless another
-    attention_backend than "triton" is asked for.
+    attention_backend than "triton" is asked for. generation_config: where the sampling
+    defaults of requests that pass no SamplingParams come from (vLLM's): "auto" the model's
+    generation_config.json (Qwen3: temperature 0.6, top_p 0.95, top_k 20), "vllm" none (plain
+    SamplingParams()), or a directory holding one; override_generation_config: a dict of
+    repetition_penalty / temperature / top_k / top_p / min_p / max_new_tokens set over it.
+    get_default_sampling_params() returns the result.
     """
 
     def __init__(self, model, *, tokenizer=None, dtype="auto", max_model_len: int | None = None,
@@ -70,7 +91,8 @@ class LLM:
                  tensor_parallel_size: int = 1, attention_backend: str | None = None, seed: int = 0,
                  enable_prefix_caching: bool = True, max_logprobs: int = 20, device=None,
                  skip_tokenizer_init: bool = False, async_scheduling: bool = True,
-                 kv_cache_dtype="auto", persistent_decode: bool | None = None):
+                 kv_cache_dtype="auto", persistent_decode: bool | None = None,
+                 generation_config="auto", override_generation_config: dict | None = None):
         self.config = EngineConfig.create(
             model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
@@ -80,6 +102,8 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, max_logprobs=max_logprobs, device=device,
             async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype,
             persistent_decode=persistent_decode)
+        self._diff_sampling_param = generation_defaults(
+            generation_config, override_generation_config, self.config.model)
         # First, so that under torchrun ranks > 0, which serve rank 0 in here and then exit,
         # never load a tokenizer.
         runner = make_executor(self.config)
@@ -93,6 +117,15 @@ class LLM:
         self._parked: dict = {}
 
     # -- accessors -------------------------------------------------------------------------------
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams of requests that give none: see generation_config."""
+        return SamplingParams(**self._diff_sampling_param)
+
+    def get_diff_sampling_param(self) -> dict:
+        """The SamplingParams fields that generation_config sets (vLLM's name), e.g. for a
+        front end that sets the rest itself."""
+        return dict(self._diff_sampling_param)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -132,10 +165,9 @@ class LLM:
             raise ValueError("no prompts given")
         return prompts
 
-    @staticmethod
-    def _params_list(sampling_params, n: int) -> list[SamplingParams]:
+    def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * n
+            return [self.get_default_sampling_params()] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
         if isinstance(sampling_params, (str, bytes, dict)) or not isinstance(sampling_params, Iterable):

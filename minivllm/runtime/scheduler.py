@@ -84,8 +84,8 @@ def stop_by_token(seq: Sequence, max_model_len: int, at: int | None = None
     at = seq.num_tokens - 1 if at is None else at
     p, tok, n = seq.params, seq.token_ids[at], at + 1 - seq.prompt_len
     if n >= p.min_tokens:
-        if not p.ignore_eos and tok in seq.eos_ids:
-            return "stop", None
+        if not p.ignore_eos and tok in seq.eos_ids:  # the first is EOS proper (read_eos_ids)
+            return "stop", None if tok == seq.eos_ids[0] else tok
         if tok in p.stop_ids:
             return "stop", tok
     return stop_by_count(seq, max_model_len, at + 1)
