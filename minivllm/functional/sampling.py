@@ -1,8 +1,9 @@
 """Sampling the next token from logits, as pure functions on the device.
 
 `sample(logits, sb)` samples one token for each of B rows of logits, every row with its own
-parameters (a `SamplingBatch` of [B] tensors): penalties, greedy or temperature, top-k, top-p,
-min-p, and the top-N logprobs. There is no per-row Python loop.
+parameters (a `SamplingBatch` of [B] tensors): penalties, greedy or temperature, min-p, top-k,
+top-p (vLLM v1's order), and the top-N logprobs of the raw logits. There is no per-row Python
+loop.
 
 Randomness is counter based: a row's draws are hashes of (seeds[b], steps[b]), where `steps` is
 how many tokens that sequence has generated so far. A row's token therefore depends only on its
@@ -98,15 +99,24 @@ def gumbel_from_bits(bits: torch.Tensor) -> torch.Tensor:
     return -torch.log(e)
 
 
+# The largest temperature the sampler uses: T * g must stay finite in fp32 (g <= 33 ln 2 ~ 22.9,
+# the largest noise a 32-bit hash gives), or a row at T near fp32's max (which SamplingParams
+# accepts) would see inf noise on many ids: the lowest of them always won, and -inf (banned) ids
+# became NaN, which torch.argmax picks. Any T this large samples the uniform distribution over the
+# finite logits (logits / T ~ 0), so the clamp changes no distribution.
+MAX_TEMPERATURE = 1e37
+
+
 def gumbel_argmax_reference(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
                             steps: torch.Tensor) -> torch.Tensor:
     """logits [B, V], temperature [B] (0: greedy), seeds / steps [B] -> ids [B]: argmax of
     logits + T * g (a Gumbel-max draw from softmax(logits / T): scaling by T > 0 does not move
     the arg-max, and saves a division), or of the logits for greedy rows. Ties: the lowest id.
-    The torch twin of kernels.sample_kernel.gumbel_argmax, used off CUDA."""
+    T is clamped to MAX_TEMPERATURE. The torch twin of kernels.sample_kernel.gumbel_argmax,
+    used off CUDA."""
     x = logits.float()
     g = gumbel_from_bits(counter_bits(counter_key(seeds, steps), x.shape[-1]))  # [B, V]
-    t = temperature[:, None]
+    t = temperature.clamp(max=MAX_TEMPERATURE)[:, None]
     return torch.where(t > 0, x + t * g, x).argmax(dim=-1)
 
 
@@ -117,11 +127,12 @@ def gumbel_argmax_reference(logits: torch.Tensor, temperature: torch.Tensor, see
 class SamplingRow:
     """One row's sampling parameters, as host values (see make_sampling_batch).
 
-    temperature 0 is greedy; top_k <= 0 or >= vocab, top_p 1, min_p 0 and the neutral penalties
-    (0, 0, 1) are off. `seed` and `step` (tokens this sequence has generated) pick the row's
-    uniform. `output_ids` feed the presence / frequency / repetition penalties and `prompt_ids`
-    the repetition penalty; `banned_ids` can never be sampled (EOS before min_tokens);
-    `logprobs` asks for the top-N logprobs (None: none)."""
+    temperature 0 (or below SAMPLING_EPS, as in vLLM) is greedy, and temperatures above
+    MAX_TEMPERATURE sample as MAX_TEMPERATURE; top_k <= 0 or >= vocab, top_p 1, min_p 0 and the
+    neutral penalties (0, 0, 1) are off. `seed` and `step` (tokens this sequence has generated)
+    pick the row's uniform. `output_ids` feed the presence / frequency / repetition penalties
+    and `prompt_ids` the repetition penalty; `banned_ids` can never be sampled (EOS before
+    min_tokens); `logprobs` asks for the top-N logprobs (None: none)."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -141,8 +152,9 @@ class SamplingRow:
 def plain_greedy(row: SamplingRow) -> bool:
     """Whether sample() gives this row the plain arg-max of its logits: greedy, with no
     penalty, no banned id and no logprobs (top-k, top-p and min-p do not touch a greedy row)."""
-    return (row.temperature == 0 and row.presence_penalty == 0 and row.frequency_penalty == 0
-            and row.repetition_penalty == 1 and not row.banned_ids and row.logprobs is None)
+    return (row.temperature < SAMPLING_EPS and row.presence_penalty == 0
+            and row.frequency_penalty == 0 and row.repetition_penalty == 1 and not row.banned_ids
+            and row.logprobs is None)
 
 
 @pytree_class
@@ -247,6 +259,7 @@ def make_sampling_batch(rows: Sequence[SamplingRow], *, vocab_size: int, device=
     # As vLLM: a temperature below SAMPLING_EPS is greedy (logits / T would overflow fp32 to inf
     # and softmax to NaN), and a top_p that fp32 rounds to 0 still keeps the top id.
     f64[:, 0][f64[:, 0] < SAMPLING_EPS] = 0.0
+    np.minimum(f64[:, 0], MAX_TEMPERATURE, out=f64[:, 0])
     np.maximum(f64[:, 1], np.finfo(np.float32).tiny, out=f64[:, 1])
     temperature, top_p, min_p = f64[:, 0], f64[:, 1], f64[:, 2]
     top_k = np.fromiter([r.top_k for r in rows], dtype=np.int64, count=b)
@@ -334,9 +347,11 @@ def with_steps(sb: SamplingBatch, steps: Sequence[int], device=None) -> Sampling
 @attrs.frozen
 class SampleOutput:
     """token_ids [B] int64; when the batch asks for logprobs (else None): logprobs [B] fp32 and
-    ranks [B] int64 of the sampled token (rank 1 = most likely), top_ids / top_logprobs [B, N].
-    Logprobs are those of the model's raw distribution (log_softmax of the logits, before
-    penalties, temperature and truncation), as vLLM reports them."""
+    ranks [B] int64 of the sampled token, top_ids / top_logprobs [B, N]. Logprobs are those of
+    the model's raw distribution (log_softmax of the logits, before penalties, banned ids,
+    temperature and truncation), as vLLM v1 reports them (logprobs_mode "raw_logprobs"). A rank
+    is vLLM v1's: the number of ids whose logprob is >= the sampled one's (1 = most likely; an id
+    tied with others counts them all, so the first of two tied maxima has rank 2)."""
 
     token_ids: torch.Tensor
     logprobs: torch.Tensor | None = None
@@ -381,33 +396,48 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
 
 def truncated_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """Penalised logits [B, V] -> probabilities [B, V] after temperature, top-k, top-p and min-p
-    (a truncated row is renormalised only implicitly: sample() reads its CDF up to its total).
-    In place where a tensor is its own, for the peak's sake (apply_penalties says why)."""
+    """Penalised logits [B, V] -> probabilities [B, V] after temperature, min-p, top-k and top-p,
+    in vLLM v1's order (min-p is one of its argmax-invariant logits processors, which run after
+    the temperature and before top-k / top-p): top-p's mass is that of the distribution left by
+    min-p and top-k, renormalised. Top-k keeps every id tied with the k-th largest logit (as
+    vLLM's threshold does); top-p keeps the ids before which the mass is < top_p (the top one
+    always), equal logits in id order (vLLM leaves that order to its sort), and drops nothing in a
+    row whose top_p is 1. A truncated row is renormalised only implicitly: sample() reads its CDF
+    up to its total. In place where a tensor is its own, for the peak's sake (apply_penalties
+    says why)."""
     temp = torch.where(sb.temperature > 0, sb.temperature, torch.ones_like(sb.temperature))
     x = logits / temp[:, None]
+    if sb.do_min_p:
+        # p_v < min_p * p_max is x_v - x_max < log(min_p): the logits say it without a softmax
+        # (min_p 0 gives a floor of -inf, which drops nothing).
+        floor = x.amax(dim=-1, keepdim=True).add_(torch.log(sb.min_p)[:, None])
+        x.masked_fill_(x < floor, float("-inf"))
+        del floor
     if sb.do_top_k or sb.do_top_p:
         vocab = x.shape[-1]
         # Stable sort: equal logits keep their id order, so truncation is deterministic.
         sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
         del x  # its successor is allocated once top-p's temporaries are gone
         if sb.do_top_k:
-            rank = torch.arange(vocab, device=sorted_x.device)[None, :]
-            sorted_x.masked_fill_(rank >= sb.top_k[:, None], float("-inf"))
+            k = torch.where(sb.top_k > 0, sb.top_k, vocab).clamp_(max=vocab)
+            kth = sorted_x.gather(1, (k - 1)[:, None])  # [B, 1] the k-th largest logit
+            sorted_x.masked_fill_(sorted_x < kth, float("-inf"))
+            del kth
         if sb.do_top_p:
             p = torch.softmax(sorted_x, dim=-1)
-            # Drop an id when the mass strictly before it already reaches top_p (the top one stays).
+            # Drop an id when the mass strictly before it already reaches top_p (the top one
+            # stays). Only where top_p < 1: the float32 cumulative mass can round up to 1.0
+            # before the tail of a row, which would drop ids that no truncation asked to drop,
+            # and only when another row of the batch asks for top-p.
             before = p.cumsum(dim=-1).sub_(p)
             del p
-            sorted_x.masked_fill_(before >= sb.top_p[:, None], float("-inf"))
+            top_p = torch.where(sb.top_p < 1, sb.top_p, float("inf"))
+            sorted_x.masked_fill_(before >= top_p[:, None], float("-inf"))
             del before
         x = torch.empty_like(sorted_x).scatter_(-1, order, sorted_x)
         del sorted_x, order
     probs = torch.softmax(x, dim=-1)
     del x
-    if sb.do_min_p:
-        floor = sb.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-        probs.masked_fill_(probs < floor, 0.0)
     return probs
 
 
@@ -498,7 +528,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, *, gumbel: bool = True,
         return SampleOutput(token_ids=token_ids)
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, token_ids[:, None])  # [B, 1]
-    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    ranks = (logprobs >= chosen).sum(dim=-1)  # vLLM v1's count: ties included
     n = min(sb.num_logprobs, logprobs.shape[-1])
     top = torch.topk(logprobs, n, dim=-1)
     return SampleOutput(token_ids=token_ids, logprobs=chosen.squeeze(-1), ranks=ranks,

@@ -26,6 +26,9 @@ import triton.language as tl
 from .launch import interpreting, next_pow2, num_sms, runs_ptx
 
 BLOCK = 1024       # ids per inner step of a program
+# Temperatures above this are clamped to it: T * noise must stay finite in fp32 (the noise is at
+# most ~22.9), as in functional.sampling.MAX_TEMPERATURE (which says why).
+MAX_TEMPERATURE = tl.constexpr(1e37)
 MAX_CHUNK = 8192   # ids per program, at most
 NUM_WARPS = 4
 
@@ -92,7 +95,7 @@ def _partial_argmax_kernel(logits_ptr, temp_ptr, seeds_ptr, steps_ptr, val_ptr, 
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     if not GREEDY:
-        t = tl.load(temp_ptr + row)
+        t = tl.minimum(tl.load(temp_ptr + row), MAX_TEMPERATURE)
         key = _counter_key(tl.load(seeds_ptr + row), tl.load(steps_ptr + row))
     base = logits_ptr + row.to(tl.int64) * stride_row
     start = chunk * CHUNK
@@ -161,7 +164,8 @@ def _check_fast_log(fast_log: bool | None, device: torch.device) -> bool:
 def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
                   steps: torch.Tensor, *, block: int = BLOCK, chunk: int | None = None,
                   fast_log: bool | None = None) -> torch.Tensor:
-    """logits [B, V], temperature [B] fp32 (0: greedy), seeds / steps [B] int64 -> ids [B] int64.
+    """logits [B, V], temperature [B] fp32 (0: greedy; clamped to MAX_TEMPERATURE), seeds / steps
+    [B] int64 -> ids [B] int64.
     `block` / `chunk` (a multiple of block) override the tiling, for tests; `fast_log` (default:
     on a CUDA GPU) computes the noise's logs with the GPU's approximate log2."""
     b, v = logits.shape

@@ -118,4 +118,6 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Whether the sampler takes the arg-max: temperature below vLLM's 1e-5
+        (functional.sampling.SAMPLING_EPS), 0 included."""
+        return self.temperature < 1e-5
