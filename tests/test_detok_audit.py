@@ -598,3 +598,45 @@ def test_real_engine_matches_the_oracle(llm):
         for r, out in zip(results, outs):
             assert r == oracle(tok, prompt_ids, out, params, llm.engine.eos_ids)
         assert {r[3] for r in results} & {*stops, *stop_ids}  # something did stop
+
+
+# -- logprobs entries --------------------------------------------------------------------------------
+
+
+class TiedLogprobs(Scripted):
+    """Scripted tokens whose logprobs tie the sampled id with another at the top: `top` lists the
+    top-2 ids in the sampler's order, the sampled id's rank is 2 (vLLM v1's count of ids with a
+    logprob >= its own)."""
+
+    def __init__(self, config, scripts, other: int, sampled_first: bool):
+        super().__init__(config, scripts)
+        self.other, self.sampled_first = other, sampled_first
+
+    def execute(self, step):
+        result = super().execute(step)
+        lps = []
+        for t in result.token_ids:
+            top = [t, self.other] if self.sampled_first else [self.other, t]
+            lps.append(TokenLogprobs(-0.7, 2, top, [-0.7, -0.7]))
+        return StepResult(result.token_ids, lps)
+
+
+@pytest.mark.parametrize("sampled_first", [True, False])
+def test_a_logprobs_entry_is_vllms_sampled_id_first_top_ranks_by_position(config, sampled_first):
+    """vLLM's entry: {sampled: its rank} then the top N with ranks 1..N by position, which win for
+    the sampled id when it is among them."""
+    tok = BYTE_LEVEL
+    out = enc(tok, " one two")
+    other = enc(tok, "x")[0]
+    eng = LLMEngine(config, tok, runner=TiedLogprobs(config, {5: out}, other, sampled_first))
+    eng.add_request({"prompt_token_ids": enc(tok, PROMPT)},
+                    SamplingParams(seed=5, max_tokens=len(out), logprobs=2, ignore_eos=True))
+    final = None
+    while eng.has_unfinished_requests():
+        final = (eng.step() or [final])[-1]
+    entries = final.outputs[0].logprobs
+    assert len(entries) == len(out)
+    for t, entry in zip(out, entries):
+        assert list(entry) == [t, other]  # the sampled id first
+        assert entry[t].rank == (1 if sampled_first else 2) and entry[other].rank == (2 if sampled_first else 1)
+        assert entry[t].decoded_token == tok.decode([t])

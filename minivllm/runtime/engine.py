@@ -413,9 +413,11 @@ class LLMEngine:
             if result.logprobs is not None and seq.logprobs is not None:
                 lp = result.logprobs[k]
                 seq.cumulative_logprob += lp.logprob
-                entry = {i: Logprob(v, r + 1, self._decode_one(i))
-                         for r, (i, v) in enumerate(zip(lp.top_ids, lp.top_logprobs))}
-                entry[tok] = Logprob(lp.logprob, lp.rank, self._decode_one(tok))
+                # As vLLM: the sampled id first, then the top N by position, which win for an
+                # id in both (its rank counts ties: the first of two tied maxima is rank 2).
+                entry = {tok: Logprob(lp.logprob, lp.rank, self._decode_one(tok))}
+                entry.update({i: Logprob(v, r + 1, self._decode_one(i))
+                              for r, (i, v) in enumerate(zip(lp.top_ids, lp.top_logprobs))})
                 seq.logprobs.append(entry)
             if self.tokenizer is None or not p.detokenize:
                 continue
