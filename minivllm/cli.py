@@ -51,21 +51,32 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "directory holding a generation_config.json")
 
 
-def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+# What an unset sampling flag takes when the model's generation_config.json does not set it.
+COMMAND_DEFAULTS = {
+    "generate": dict(max_tokens=32, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
+                     repetition_penalty=1.0),
+    "chat": dict(max_tokens=256, temperature=0.8, top_p=1.0, top_k=0, min_p=0.0,
+                 repetition_penalty=1.0),
+}
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, command: str) -> None:
     g = p.add_argument_group("sampling", description=(
         "Unset --max-tokens, --temperature, --top-p, --top-k, --min-p and --repetition-penalty "
         "take the model's generation_config.json values (see --generation-config), else the "
         "defaults shown."))
-    g.add_argument("--max-tokens", type=int, default=None, help=f"(default: {max_tokens})")
+    default = COMMAND_DEFAULTS[command]
+    g.add_argument("--max-tokens", type=int, default=None, help=f"(default: {default['max_tokens']})")
     g.add_argument("--min-tokens", type=int, default=0)
     g.add_argument("--temperature", type=float, default=None,
-                   help="0 is greedy (default: 0.8 for chat, 0 for generate)")
-    g.add_argument("--top-p", type=float, default=None, help="(default: 1)")
-    g.add_argument("--top-k", type=int, default=None, help="(default: 0, off)")
-    g.add_argument("--min-p", type=float, default=None, help="(default: 0)")
+                   help=f"0 is greedy (default: {default['temperature']:g})")
+    g.add_argument("--top-p", type=float, default=None, help=f"(default: {default['top_p']:g})")
+    g.add_argument("--top-k", type=int, default=None, help=f"(default: {default['top_k']}, off)")
+    g.add_argument("--min-p", type=float, default=None, help=f"(default: {default['min_p']:g})")
     g.add_argument("--presence-penalty", type=float, default=0.0)
     g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=None, help="(default: 1)")
+    g.add_argument("--repetition-penalty", type=float, default=None,
+                   help=f"(default: {default['repetition_penalty']:g})")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
@@ -77,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete prompts and print the completions")
     _add_model_args(gen)
-    _add_sampling_args(gen, max_tokens=32)
+    _add_sampling_args(gen, "generate")
     gen.add_argument("--prompt", "-p", action="append", default=None,
                      help="a prompt (repeatable; default: three example prompts)")
     gen.add_argument("--n", type=int, default=1, help="completions per prompt")
@@ -89,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per completion")
     chat = sub.add_parser("chat", help="an interactive chat on stdin/stdout")
     _add_model_args(chat)
-    _add_sampling_args(chat, max_tokens=256)
+    _add_sampling_args(chat, "chat")
     chat.add_argument("--system", default=None, help="a system message")
     chat.add_argument("--chat-template", default=None, metavar="TEMPLATE",
                       help="a Jinja file or the template itself (default: the tokenizer's)")
@@ -121,10 +132,9 @@ def _resolve_model(args) -> str:
     return ensure_demo_model()
 
 
-def _make_llm(args):
+def _make_llm(args, model: str):
     from .runtime.llm import LLM
 
-    model = _resolve_model(args)
     demo = not args.model
     kwargs = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                   block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
@@ -153,18 +163,19 @@ def _default_tp() -> int:
     return launch.world_size if launch is not None else 1
 
 
-def _sampling_params(args, model_defaults: dict, **extra):
-    """The flags' SamplingParams: a flag left unset takes model_defaults' value (the model's
-    generation_config.json, LLM.get_diff_sampling_param), else the command's default."""
+def _model_and_sampling_params(args, **extra):
+    """The model directory and the flags' SamplingParams, checked before any engine starts: a
+    flag left unset takes the model's generation_config.json value (LLM's generation_defaults,
+    which reads the file only), else the command's default."""
+    from .runtime.llm import generation_defaults
     from .runtime.sampling_params import SamplingParams
 
-    chat = args.command == "chat"
-    command_defaults = dict(max_tokens=256 if chat else 32, temperature=0.8 if chat else 0.0,
-                            top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
+    model = _resolve_model(args)
+    model_defaults, _ = generation_defaults(args.generation_config, None, model)
     layered = {name: (getattr(args, name) if getattr(args, name) is not None
                       else model_defaults.get(name, default))
-               for name, default in command_defaults.items()}
-    return SamplingParams(
+               for name, default in COMMAND_DEFAULTS[args.command].items()}
+    return model, SamplingParams(
         min_tokens=args.min_tokens, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, seed=args.seed, stop=args.stop,
         ignore_eos=args.ignore_eos, **layered, **extra)
@@ -172,26 +183,43 @@ def _sampling_params(args, model_defaults: dict, **extra):
 
 def _chat_template(value: str | None) -> str | None:
     """--chat-template's value as vLLM reads it: a file's contents, or the template itself
-    when it is one; None (or "") for the tokenizer's own."""
+    when it is one; None (or "") for the tokenizer's own. Parsed here, so that a broken one is
+    named before the engine starts."""
     if not value:
         return None
     if os.path.isfile(value):
         with open(value) as f:
-            return f.read()
-    if "{{" in value or "{%" in value:
-        return value
-    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+            template = f.read()
+    elif "{{" in value or "{%" in value:
+        template = value
+    else:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"--chat-template: not a valid Jinja template ({e})") from None
+    return template
+
+
+def _chat_prompts(llm, conversations, template):
+    """llm.chat_prompts, with an error the template raises while rendering (it may call
+    raise_exception) as a ValueError naming it."""
+    import jinja2
+
+    try:
+        return llm.chat_prompts(conversations, chat_template=template)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"the chat template failed: {e}") from None
 
 
 def cmd_generate(args) -> int:
-    extra = dict(n=args.n, logprobs=args.logprobs)
-    _sampling_params(args, {}, **extra)  # bad flags before start-up
     template = _chat_template(args.chat_template)
-    llm = _make_llm(args)
-    params = _sampling_params(args, llm.get_diff_sampling_param(), **extra)
+    model, params = _model_and_sampling_params(args, n=args.n, logprobs=args.logprobs)
+    llm = _make_llm(args, model)
     texts = args.prompt or DEFAULT_PROMPTS
-    prompts = (llm.chat_prompts([[{"role": "user", "content": t}] for t in texts],
-                                chat_template=template)
+    prompts = (_chat_prompts(llm, [[{"role": "user", "content": t}] for t in texts], template)
                if args.chat_template is not None else texts)
     start = time.perf_counter()
     if args.stream:
@@ -255,10 +283,9 @@ def _logprobs_json(logprobs):
 
 
 def cmd_chat(args) -> int:
-    _sampling_params(args, {})  # bad flags before start-up
     template = _chat_template(args.chat_template)
-    llm = _make_llm(args)
-    params = _sampling_params(args, llm.get_diff_sampling_param())
+    model, params = _model_and_sampling_params(args)
+    llm = _make_llm(args, model)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     if interactive:
@@ -281,9 +308,9 @@ def cmd_chat(args) -> int:
             messages = messages[:1] if args.system else []
             continue
         messages.append({"role": "user", "content": line})
-        prompt = llm.chat_prompts(messages, chat_template=template)[0]
         reply = []
         try:
+            prompt = _chat_prompts(llm, messages, template)[0]
             deltas = llm.stream([prompt], params)
         except ValueError as e:  # e.g. the conversation outgrew max_model_len: this turn only
             messages.pop()

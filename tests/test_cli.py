@@ -152,13 +152,14 @@ def test_stream_json_gives_what_json_gives_with_logprobs_and_stop_reason(capsys)
     (["--top-p", "1.5"], "top_p"),
     (["--n", "0"], "n must be"),
     (["--generation-config", "nope"], "'nope' is not a directory"),
+    (["--chat-template", "{{ x }"], "--chat-template: not a valid Jinja template"),
 ])
 def test_bad_flags_are_refused_before_the_engine_starts(argv, match, capsys, monkeypatch):
     import minivllm.runtime.llm as llm
     from minivllm.runtime.config import EngineConfig
 
     def check_only(model, **kwargs):  # the engine's config checks run; no engine starts
-        llm.generation_defaults(kwargs.pop("generation_config"), None, model)
+        kwargs.pop("generation_config")  # the CLI checks it itself, before this
         EngineConfig.create(model, **kwargs)
         raise AssertionError("the flags passed the checks and an engine would start")
 

@@ -71,10 +71,14 @@ def test_requests_without_params_take_the_models_defaults(qwen_like_dir, device)
 
 
 def test_a_request_that_passes_params_gets_exactly_those(qwen_like_dir, plain_dir, device):
-    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    got = tokens(make(qwen_like_dir, device).generate([PROMPT], greedy, use_tqdm=False))
-    assert got == tokens(make(plain_dir, device).generate([PROMPT], greedy, use_tqdm=False))
-    assert len(got[0]) == 5
+    # Sampled at temperature 1 with no top-k / top-p: a field filled in from the file (top_k 20,
+    # temperature 0.6) would change the draws.
+    plain = SamplingParams(seed=1, max_tokens=12, ignore_eos=True)
+    got = tokens(make(qwen_like_dir, device).generate([PROMPT] * 4, plain, use_tqdm=False))
+    assert got == tokens(make(plain_dir, device).generate([PROMPT] * 4, plain, use_tqdm=False))
+    assert got != tokens(make(plain_dir, device).generate(
+        [PROMPT] * 4, SamplingParams(seed=1, max_tokens=12, ignore_eos=True, temperature=0.6,
+                                     top_p=0.95, top_k=20), use_tqdm=False))
 
 
 def test_vllm_turns_the_defaults_off(qwen_like_dir, plain_dir, device):
@@ -100,6 +104,27 @@ def test_a_directory_and_an_override(qwen_like_dir, plain_dir, device):
     only_override = make(plain_dir, device, generation_config="vllm",
                          override_generation_config={"max_new_tokens": 3})
     assert only_override.get_default_sampling_params() == SamplingParams(max_tokens=3)
+
+
+def test_the_named_file_gives_the_eos_ids_too(plain_dir, tmp_path, device, monkeypatch):
+    """As vLLM: generation_config=DIR's file gives the extra EOS ids ("vllm" keeps the model's),
+    and a bad one is named before any work starts."""
+    other = str(tmp_path / "other")
+    os.makedirs(other)
+    with open(os.path.join(other, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [77, 78], "temperature": 0.5}, f)
+    llm = make(plain_dir, device, generation_config=other)
+    assert {77, 78} <= set(llm.engine.eos_ids) and llm.get_diff_sampling_param() == {"temperature": 0.5}
+    assert not {77, 78} & set(make(plain_dir, device).engine.eos_ids)
+    with open(os.path.join(other, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": "77"}, f)
+    import minivllm.runtime.llm as llm_module
+
+    def no_start(config):
+        raise AssertionError("the engine started before the file was checked")
+    monkeypatch.setattr(llm_module, "make_executor", no_start)
+    with pytest.raises(ValueError, match=r"other.generation_config.json: eos_token_id must be"):
+        LLM(plain_dir, device="cpu", generation_config=other)
 
 
 @pytest.mark.parametrize("values, match", [
@@ -132,6 +157,11 @@ def test_bad_arguments_are_refused(plain_dir, tmp_path):
         LLM(plain_dir, device="cpu", override_generation_config=[("temperature", 0.5)])
     with pytest.raises(ValueError, match="override_generation_config: SamplingParams: top_p"):
         LLM(plain_dir, device="cpu", override_generation_config={"top_p": 2})
+    bad_file = str(tmp_path / "bad_file")
+    shutil.copytree(plain_dir, bad_file)
+    write_generation_config(bad_file, top_k=-5)
+    with pytest.raises(ValueError, match=r"bad_file.generation_config.json: SamplingParams: top_k"):
+        LLM(bad_file, device="cpu", override_generation_config={"top_p": 0.5})
     bad = str(tmp_path / "list")
     shutil.copytree(plain_dir, bad)
     with open(os.path.join(bad, "generation_config.json"), "w") as f:
@@ -153,6 +183,25 @@ def demo_with_defaults(tmp_path, device, monkeypatch):
 def cli_outputs(capsys, argv):
     assert main(argv) == 0
     return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
+def test_the_cli_checks_flags_against_the_files_values_before_start_up(demo_with_defaults, capsys,
+                                                                        monkeypatch):
+    base = ["generate", "--model", demo_with_defaults, "-p", "Hello", "--ignore-eos", "--json",
+            "--num-kv-blocks", "64"]
+    # --min-tokens 5 exceeds the file's max_new_tokens 3: named before any engine starts.
+    import minivllm.runtime.llm as llm_module
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine started before the flags were checked")
+    with monkeypatch.context() as m:
+        m.setattr(llm_module, "LLM", no_engine)
+        assert main(base + ["--min-tokens", "5"]) == 2
+        assert "min_tokens (5) must be <= max_tokens (3)" in capsys.readouterr().err
+    # and 40 is fine when the file allows 50, though the command's own default is 32
+    write_generation_config(demo_with_defaults, max_new_tokens=50)
+    row = cli_outputs(capsys, base + ["--min-tokens", "40"])[0]
+    assert len(row["token_ids"]) == 50
 
 
 def test_the_cli_layers_flags_over_the_file_over_its_defaults(demo_with_defaults, capsys):

@@ -128,7 +128,7 @@ class SamplingRow:
     """One row's sampling parameters, as host values (see make_sampling_batch).
 
     temperature 0 (or below SAMPLING_EPS, as in vLLM) is greedy, and temperatures above
-    MAX_TEMPERATURE sample as MAX_TEMPERATURE; top_k <= 0 or >= vocab, top_p 1, min_p 0 and the
+    MAX_TEMPERATURE sample as MAX_TEMPERATURE (the Gumbel paths clamp it); top_k <= 0 or >= vocab, top_p 1, min_p 0 and the
     neutral penalties (0, 0, 1) are off. `seed` and `step` (tokens this sequence has generated)
     pick the row's uniform. `output_ids` feed the presence / frequency / repetition penalties
     and `prompt_ids` the repetition penalty; `banned_ids` can never be sampled (EOS before
@@ -259,7 +259,6 @@ def make_sampling_batch(rows: Sequence[SamplingRow], *, vocab_size: int, device=
     # As vLLM: a temperature below SAMPLING_EPS is greedy (logits / T would overflow fp32 to inf
     # and softmax to NaN), and a top_p that fp32 rounds to 0 still keeps the top id.
     f64[:, 0][f64[:, 0] < SAMPLING_EPS] = 0.0
-    np.minimum(f64[:, 0], MAX_TEMPERATURE, out=f64[:, 0])
     np.maximum(f64[:, 1], np.finfo(np.float32).tiny, out=f64[:, 1])
     temperature, top_p, min_p = f64[:, 0], f64[:, 1], f64[:, 2]
     top_k = np.fromiter([r.top_k for r in rows], dtype=np.int64, count=b)

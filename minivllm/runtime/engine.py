@@ -69,20 +69,25 @@ class Request:
         return all(s.finished for s in self.seqs)
 
 
-def read_eos_ids(model_dir: str, model_config, tokenizer) -> tuple[int, ...]:
-    """EOS ids: the tokenizer's, the config's and generation_config.json's (Qwen3 lists two).
+def read_eos_ids(model_dir: str, model_config, tokenizer, generation_config: dict | None = None
+                 ) -> tuple[int, ...]:
+    """EOS ids: the tokenizer's, the config's and generation_config.json's (Qwen3 lists two;
+    the file read from model_dir unless given, as LLM's generation_config may name another).
     The first is the EOS proper (the tokenizer's, else the config's first): a completion it ends
     has stop_reason None, one the others end that id, as vLLM, which treats those as stop ids."""
     ids = []
     if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
         ids.append(tokenizer.eos_token_id)
     ids.extend(model_config.eos_token_ids)
-    ids.extend(eos_ids_of(read_generation_config(model_dir), os.path.join(model_dir, GEN_FILE)))
+    if generation_config is None:
+        generation_config = read_generation_config(model_dir)
+    ids.extend(eos_ids_of(generation_config, os.path.join(model_dir, GEN_FILE)))
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer=None, runner: ModelRunner | None = None):
+    def __init__(self, config: EngineConfig, tokenizer=None, runner: ModelRunner | None = None,
+                 generation_config: dict | None = None):
         self.config = config
         self.tokenizer = tokenizer
         # A ModelRunner, or at tensor_parallel_size > 1 an executor that drives one per rank
@@ -100,7 +105,7 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=config.max_model_len,
                                    longest_decodes_first=config.cache_dtype in FP8_DTYPES)
-        self.eos_ids = read_eos_ids(config.model, self.model_config, tokenizer)
+        self.eos_ids = read_eos_ids(config.model, self.model_config, tokenizer, generation_config)
         self.rng = random.Random(config.seed)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -421,8 +426,9 @@ class LLMEngine:
                 seq.logprobs.append(entry)
             if self.tokenizer is None or not p.detokenize:
                 continue
-            num_output = seq.num_known - seq.prompt_len
-            if num_output == 1:  # the first token: start the window at the prompt's last whole character
+            # Known tokens only (Sequence.num_output counts pending ones too).
+            num_known_output = seq.num_known - seq.prompt_len
+            if num_known_output == 1:  # the first: start at the prompt's last whole character
                 seq.prefix_offset, seq.read_offset = prompt_offsets(
                     self.tokenizer, seq.token_ids, seq.prompt_len,
                     skip_special_tokens=p.skip_special_tokens,
@@ -437,7 +443,7 @@ class LLMEngine:
             seq.text += new_text
             # As vLLM: stop strings count once more than min_tokens tokens are out (as stop ids,
             # which the sampler bans for the first min_tokens), in the text new this step.
-            if not p.stop_strings or not new_text or num_output <= p.min_tokens:
+            if not p.stop_strings or not new_text or num_known_output <= p.min_tokens:
                 continue
             hit = find_stop_string(seq.text, len(new_text), p.stop_strings)
             if hit is None:

@@ -4,7 +4,7 @@ recommend (Qwen3: temperature 0.6, top_p 0.95, top_k 20).
 As in vLLM (>= 0.8, `generation_config="auto"`), the recommended values become the sampling
 parameters of requests that give none; a request that passes a SamplingParams gets exactly
 those, so nano-vllm-style calls, which always pass one, are unaffected. "vllm" ignores the
-file; a directory reads the file there instead of the model's.
+file's sampling keys (not its EOS ids); a directory's file replaces the model's for both.
 """
 
 from __future__ import annotations
@@ -49,29 +49,29 @@ def eos_ids_of(gen: Mapping, where: str) -> list[int]:
     return [i for i in listed if i is not None]
 
 
-def resolve_generation_config(generation_config, model: str, model_is_file_free: bool) -> dict:
-    """The generation config that `LLM(generation_config=...)` names: "auto" reads the model's
-    (none for random weights), "vllm" none, a directory the one there."""
+def generation_config_dir(generation_config, model: str, model_is_file_free: bool) -> str | None:
+    """The directory whose generation_config.json `LLM(generation_config=...)` names, checked:
+    the model's for "auto" and "vllm" (which still takes its EOS ids, as vLLM does; None for
+    random weights), else the directory given."""
     if not isinstance(generation_config, (str, os.PathLike)):
         raise TypeError(f"generation_config must be 'auto', 'vllm' or a directory, got "
                         f"{type(generation_config).__name__}")
-    if generation_config == "vllm":
-        return {}
-    if generation_config == "auto":
-        return {} if model_is_file_free else read_generation_config(model)
+    if generation_config in ("auto", "vllm"):
+        return None if model_is_file_free else model
     directory = os.fspath(generation_config)
     if not os.path.isdir(directory):
         raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory holding "
                          f"{FILE}; {directory!r} is not a directory")
     if not os.path.isfile(os.path.join(directory, FILE)):
         raise ValueError(f"generation_config directory {directory!r} has no {FILE}")
-    return read_generation_config(directory)
+    return directory
 
 
 def sampling_defaults(gen: Mapping, override: Mapping | None, where: str) -> dict:
     """SamplingParams keyword arguments from gen's sampling keys (null ones left out), then
-    `override`'s (vLLM's override_generation_config; its keys must be sampling keys: a typo
-    would otherwise be ignored without a word). Checked by building a SamplingParams."""
+    `override`'s (vLLM's override_generation_config: a null unsets the file's value; its keys
+    must be sampling keys, as a typo would otherwise be ignored without a word). Each source is
+    checked by building a SamplingParams, and an error names it (`where`: gen's file)."""
     from .sampling_params import SamplingParams
 
     if override is None:
@@ -82,10 +82,12 @@ def sampling_defaults(gen: Mapping, override: Mapping | None, where: str) -> dic
     if unknown:
         raise ValueError(f"override_generation_config: unknown keys {unknown}; it sets "
                          f"{sorted(SAMPLING_KEYS)}")
-    merged = {**{k: gen[k] for k in SAMPLING_KEYS if k in gen}, **override}
-    kwargs = {SAMPLING_KEYS[k]: v for k, v in merged.items() if v is not None}
-    try:
-        SamplingParams(**kwargs)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
+    kwargs: dict = {}
+    for source, values in ((where, gen), ("override_generation_config", override)):
+        kwargs.update({SAMPLING_KEYS[k]: values[k] for k in SAMPLING_KEYS if k in values})
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        try:
+            SamplingParams(**kwargs)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
     return kwargs

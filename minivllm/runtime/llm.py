@@ -16,7 +16,8 @@ from typing import Iterable, Iterator
 from .config import EngineConfig, is_random_model
 from .engine import EngineStats, LLMEngine
 from .executor import make_executor
-from .generation_config import FILE as GEN_FILE, resolve_generation_config, sampling_defaults
+from .generation_config import (FILE as GEN_FILE, eos_ids_of, generation_config_dir,
+                                read_generation_config, sampling_defaults)
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 
@@ -39,19 +40,14 @@ def load_tokenizer(path: str, *, required: bool):
     return AutoTokenizer.from_pretrained(path)
 
 
-def generation_defaults(generation_config, override, model: str) -> dict:
-    """LLM's generation_config and override_generation_config -> the SamplingParams fields
-    they set (checked)."""
-    gen = resolve_generation_config(generation_config, model, is_random_model(model))
-    sources = [] if not gen else [os.path.join(
-        os.fspath(model if generation_config == "auto" else generation_config), GEN_FILE)]
-    where = " and ".join(sources + ["override_generation_config"] * bool(override)) or "nothing"
-    kwargs = sampling_defaults(gen, override, where)
-    if kwargs:
-        # Said at start-up (vLLM warns too): it changes what a call without SamplingParams gives.
-        log.info("minivllm: requests without SamplingParams use %s (from %s; "
-                 "generation_config='vllm' turns this off)", kwargs, where)
-    return kwargs
+def generation_defaults(generation_config, override, model: str) -> tuple[dict, dict]:
+    """LLM's generation_config and override_generation_config -> (the SamplingParams fields
+    they set, the generation_config.json that gives the EOS ids), checked; reads a file only."""
+    directory = generation_config_dir(generation_config, model, is_random_model(model))
+    gen = read_generation_config(directory) if directory is not None else {}
+    where = os.path.join(directory, GEN_FILE) if directory is not None else GEN_FILE
+    eos_ids_of(gen, where)  # checked here, before any work
+    return sampling_defaults({} if generation_config == "vllm" else gen, override, where), gen
 
 
 class LLM:
@@ -102,15 +98,21 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, max_logprobs=max_logprobs, device=device,
             async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype,
             persistent_decode=persistent_decode)
-        self._diff_sampling_param = generation_defaults(
+        self._diff_sampling_param, gen = generation_defaults(
             generation_config, override_generation_config, self.config.model)
+        if self._diff_sampling_param:
+            # Said at start-up (vLLM warns too): it changes what a call without SamplingParams
+            # gives.
+            log.info("minivllm: requests without SamplingParams use %s (from generation_config=%r%s)",
+                     self._diff_sampling_param, generation_config,
+                     " and override_generation_config" if override_generation_config else "")
         # First, so that under torchrun ranks > 0, which serve rank 0 in here and then exit,
         # never load a tokenizer.
         runner = make_executor(self.config)
         tok = None
         if not skip_tokenizer_init and not is_random_model(self.config.model):
             tok = load_tokenizer(os.fspath(tokenizer or self.config.model), required=tokenizer is not None)
-        self.engine = LLMEngine(self.config, tok, runner=runner)
+        self.engine = LLMEngine(self.config, tok, runner=runner, generation_config=gen)
         # Requests of the calls in progress (generate, streams), and outputs one call's step
         # received for another's: see _next_outputs.
         self._owned: set[str] = set()
@@ -302,7 +304,7 @@ def _delta(out: RequestOutput, sent: dict) -> RequestOutput | None:
     outputs = []
     for c in out.outputs:
         chars, tokens, ended = sent.get((out.request_id, c.index), (0, 0, False))
-        visible = max(chars, len(c.text))
+        visible = len(c.text)
         new = CompletionOutput(index=c.index, text=c.text[chars:visible], token_ids=c.token_ids[tokens:],
                                cumulative_logprob=c.cumulative_logprob,
                                logprobs=c.logprobs[tokens:] if c.logprobs is not None else None,

@@ -7,21 +7,24 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Logprob:
-    """One token's log probability under the model's raw distribution; rank 1 is the most likely."""
+    """One token's log probability under the model's raw distribution. rank: a top-N entry's
+    position (1 the most likely); the sampled id's, when not among them, vLLM v1's count of ids
+    at least as likely (ties included)."""
 
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
 
 
-# Per generated token: {token_id: Logprob} holding the top-N ids and the sampled one.
+# Per generated token: {token_id: Logprob}, the sampled id first, then the top-N ids.
 SampleLogprobs = list[dict[int, Logprob]]
 
 
 @dataclass
 class CompletionOutput:
     """One completion of a request. finish_reason: None while running, then "stop" (EOS, a stop
-    id or a stop string; stop_reason says which, None for EOS; a stop string that the step's
+    id or a stop string; stop_reason says which: None for the tokenizer's EOS, the id for
+    generation_config.json's other EOS ids, as in vLLM; a stop string that the step's
     text completes names the reason even when a stop id or the length limit ended it at that
     step, as in vLLM) or "length" (max_tokens or max_model_len). token_ids keep the token that
     stopped the completion (the stop id, or the one that completed a stop string); text leaves

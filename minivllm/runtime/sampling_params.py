@@ -118,6 +118,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Whether the sampler takes the arg-max: temperature below vLLM's 1e-5
-        (functional.sampling.SAMPLING_EPS), 0 included."""
-        return self.temperature < 1e-5
+        """Whether the sampler takes the arg-max: temperature below vLLM's 1e-5, 0 included."""
+        from ..functional.sampling import SAMPLING_EPS
+
+        return self.temperature < SAMPLING_EPS
