@@ -15,6 +15,15 @@ DecodeStream, primed with the prompt, does) instead of dropping it.
 from __future__ import annotations
 
 
+def _decode_kwargs(skip_special_tokens: bool, spaces_between_special_tokens: bool) -> dict:
+    """tokenizer.decode's keywords (spaces_between_special_tokens only when off: fast tokenizers
+    take no such argument otherwise)."""
+    kwargs = dict(skip_special_tokens=skip_special_tokens)
+    if not spaces_between_special_tokens:
+        kwargs["spaces_between_special_tokens"] = False
+    return kwargs
+
+
 def detokenize_incrementally(tokenizer, ids: list[int], prefix_offset: int, read_offset: int, *,
                              skip_special_tokens: bool = True,
                              spaces_between_special_tokens: bool = True,
@@ -22,9 +31,7 @@ def detokenize_incrementally(tokenizer, ids: list[int], prefix_offset: int, read
     """-> (new text, new prefix_offset, new read_offset) after ids[read_offset:end] were added
     (end: default all of ids; what follows it is not known yet)."""
     end = len(ids) if end is None else end
-    kwargs = dict(skip_special_tokens=skip_special_tokens)
-    if not spaces_between_special_tokens:
-        kwargs["spaces_between_special_tokens"] = False
+    kwargs = _decode_kwargs(skip_special_tokens, spaces_between_special_tokens)
     prefix_text = tokenizer.decode(ids[prefix_offset:read_offset], **kwargs)
     text = tokenizer.decode(ids[prefix_offset:end], **kwargs)
     if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
@@ -39,9 +46,7 @@ def prompt_offsets(tokenizer, ids: list[int], prompt_len: int, *, skip_special_t
     token boundary before that character, so that the output's text starts with the whole
     character once a generated token completes it. Looks back a few tokens only (a character is
     at most 4 bytes); a prompt ending in more invalid bytes than that keeps its end."""
-    kwargs = dict(skip_special_tokens=skip_special_tokens)
-    if not spaces_between_special_tokens:
-        kwargs["spaces_between_special_tokens"] = False
+    kwargs = _decode_kwargs(skip_special_tokens, spaces_between_special_tokens)
     lowest = max(prompt_len - 4, 0)
     for read in range(prompt_len, lowest - 1, -1):
         prefix = max(read - 5, 0)

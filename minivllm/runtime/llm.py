@@ -304,12 +304,11 @@ def _delta(out: RequestOutput, sent: dict) -> RequestOutput | None:
     outputs = []
     for c in out.outputs:
         chars, tokens, ended = sent.get((out.request_id, c.index), (0, 0, False))
-        visible = len(c.text)
-        new = CompletionOutput(index=c.index, text=c.text[chars:visible], token_ids=c.token_ids[tokens:],
+        new = CompletionOutput(index=c.index, text=c.text[chars:], token_ids=c.token_ids[tokens:],
                                cumulative_logprob=c.cumulative_logprob,
                                logprobs=c.logprobs[tokens:] if c.logprobs is not None else None,
                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-        sent[(out.request_id, c.index)] = (visible, len(c.token_ids), c.finished())
+        sent[(out.request_id, c.index)] = (len(c.text), len(c.token_ids), c.finished())
         # A completion that ended is sent once with its finish_reason, not again with each delta
         # of its siblings (n > 1).
         if new.text or new.token_ids or (new.finish_reason is not None and not ended):
