@@ -5,6 +5,7 @@
 # returned them, see below):
 #   bash benchmarks/gpu_checks.sh speed  # nvidia-h200: issue 5's figures and the GPU test suite
 #   bash benchmarks/gpu_checks.sh figures  # nvidia-h200: issue 5's two figures only
+#   bash benchmarks/gpu_checks.sh suite  # nvidia-h200: the whole test suite, five groups at once
 #   bash benchmarks/gpu_checks.sh prefill_graph  # nvidia-h200: the prefill CUDA graphs (steps with
 #       prompt tokens replayed; on by default since session 28) on (MINIVLLM_PREFILL_GRAPH=1)
 #       against off (=0): their GPU test, then throughput on/off alternating
@@ -335,6 +336,50 @@ engine_tests)
   STEP_LOG=$OUT/tests.txt step tests $(left_or 580) python3 -m pytest $PYTEST_ARGS \
     tests/test_engine.py
   ;;
+suite)
+  # nvidia-h200 (<= 580 s): session 42: the whole test suite on the GPU. Five pytest processes
+  # share the GPU (compiles are CPU-bound: 16 cores), each a group of files, each its own log
+  # ($OUT/suite_N.txt); then, alone on the GPU, the files whose engines size their KV cache from
+  # free memory or measure it (another process's memory would skew them). SUITE_GROUPS picks
+  # groups (e.g. "2 4 serial"), SUITE_FILES_<group> other files or test ids for one, SUITE_ARGS
+  # more pytest arguments.
+  declare -A groups=(
+    [1]="tests/test_engine.py"
+    [2]="tests/test_gpu_graphs.py tests/test_prefill_graph.py tests/test_greedy_graph_step.py
+         tests/test_decode_graphs.py tests/test_warmup.py"
+    [3]="tests/test_engine_bad_input.py tests/test_scheduler_audit.py tests/test_generation_config.py
+         tests/test_fp8_cache.py tests/test_detok_audit.py tests/test_sampling_audit.py"
+    [4]="tests/test_kernels.py tests/test_kernels_audit.py tests/test_kernels_model.py
+         tests/test_decode_head.py tests/test_decode_layer.py
+         tests/test_decode_layer_probe.py tests/test_decode_mlp.py tests/test_decode_stem.py
+         tests/test_sample_kernel.py tests/test_norm_rope_store.py tests/test_skinny_gemm.py
+         tests/test_compile_decode_kernel.py tests/test_gpu_compile.py tests/test_memory_read.py
+         tests/test_layer_kernel_probe.py"
+  )
+  serial="tests/test_gpu_memory.py tests/test_memory_budget.py tests/test_cli.py"
+  taken=$(echo ${groups[@]} $serial)
+  rest=$(ls tests/test_*.py | while read -r f; do case " $taken " in *" $f "*) ;; *) echo "$f" ;; esac; done)
+  groups[5]=$(echo $rest)
+  groups[serial]=$serial
+  for g in "${!groups[@]}"; do  # SUITE_FILES_<group>: other files (or node ids) for that group
+    override=SUITE_FILES_$g
+    [ -n "${!override:-}" ] && groups[$g]=${!override}
+  done
+  limit=$(left_or 580) selected=" ${SUITE_GROUPS:-1 2 3 4 5 serial} "
+  # the serial group's share of the call (SERIAL_S, default 150 s), when it runs
+  case $selected in *" serial "*) limit=$(( limit - ${SERIAL_S:-150} )) ;; esac
+  for g in $selected; do
+    [ "$g" = serial ] && continue
+    STEP_LOG=$OUT/suite_$g.txt step suite_$g $limit python3 -m pytest $PYTEST_ARGS \
+      --durations=25 ${SUITE_ARGS:-} ${groups[$g]} > /dev/null &
+  done
+  wait
+  case $selected in *" serial "*)
+    STEP_LOG=$OUT/suite_serial.txt step suite_serial $(left_or 580) python3 -m pytest \
+      $PYTEST_ARGS --durations=25 ${SUITE_ARGS:-} ${groups[serial]} ;;
+  esac
+  grep -hE "^(FAILED|ERROR)|passed|failed" $OUT/suite_*.txt | tail -40
+  ;;
 kv_budget)
   # nvidia-h200 (<= 450 s on a fresh machine): the KV budget where it binds (utilization 0.3):
   # the device's peak under the limit with the prefill graphs on, then off. Session 29 found
@@ -566,7 +611,7 @@ probes)
   step sweep_gemm 90 python3 benchmarks/sweep_decode_gemm.py
   ;;
 *)
-  echo "usage: $0 MODE... (each of speed|figures|profile|sync|mlp_probe|mlp_engine|inductor_knobs|host_ab|prefill_graph|prefill_default|kv_budget|fp8_ab|graph_tests|engine_tests|memory|rounding|tp|tp_engine|tp8b|agreement|tp_trained|ab|green|tma|packed|probes|attention_tail|head_cast|norm_rope)" >&2
+  echo "usage: $0 MODE... (each of speed|suite|figures|profile|sync|mlp_probe|mlp_engine|inductor_knobs|host_ab|prefill_graph|prefill_default|kv_budget|fp8_ab|graph_tests|engine_tests|memory|rounding|tp|tp_engine|tp8b|agreement|tp_trained|ab|green|tma|packed|probes|attention_tail|head_cast|norm_rope)" >&2
   exit 2
   ;;
 esac

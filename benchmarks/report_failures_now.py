@@ -2,7 +2,10 @@
 the test ends, so a GPU run cut short by its time limit still shows why tests failed (pytest
 prints them only in its final summary), with the end of what the test wrote to stderr: a Triton
 compile that fails says why only there (MLIR's diagnostic before "PassManager::run failed";
-session 27's one fp16 decode-stack failure left no trace of it, and did not recur)."""
+session 27's one fp16 decode-stack failure left no trace of it, and did not recur); and each
+test's time as it ends."""
+
+import time
 
 STDERR_TAIL = 4000  # characters
 
@@ -13,3 +16,18 @@ def pytest_runtest_logreport(report):
         stderr = f"\n-- its stderr (last {STDERR_TAIL} characters):\n{stderr}" if stderr else ""
         print(f"\n---- {report.nodeid} ({report.when}) failed:\n{report.longreprtext}{stderr}\n----",
               flush=True)
+
+
+# Each test's time and the time since the run began, as it ends: a suite cut short by its limit
+# (pytest's --durations prints only at the end) still says where the time went.
+_STARTED: dict[str, float] = {}
+_RUN_START = time.monotonic()
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _STARTED[nodeid] = time.monotonic()
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    now = time.monotonic()
+    print(f"   [{now - _STARTED.pop(nodeid, now):.1f} s; {now - _RUN_START:.0f} s in]", flush=True)

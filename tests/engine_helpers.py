@@ -1,6 +1,7 @@
 """Engines for the tests that build many of them (test_engine.py, test_engine_bad_input.py,
-test_scheduler_audit.py): on CPU the arguments given, with the reference attention; on CUDA small
-engines, so that each file runs on a fresh GPU machine within one device call."""
+test_scheduler_audit.py; the CLI's in test_cli.py and test_generation_config.py): on CPU the
+arguments given, with the reference attention; on CUDA small engines, so that each file runs on a
+fresh GPU machine within one device call."""
 
 from __future__ import annotations
 
@@ -35,3 +36,23 @@ def make_llm(path, device, *, graphs: bool = False, **kw):
         kw.setdefault("max_num_seqs", 4 if graphs else 16)
         kw.setdefault("max_num_batched_tokens", 128 if graphs else 512)
     return LLM(path, device=device, **kw)
+
+
+def small_cli_engines(device, monkeypatch) -> None:
+    """On CUDA, the engines the CLI starts (cli._make_llm) as make_llm's: eager, at most 16
+    sequences and 512 batched tokens unless its flags say otherwise. At the CLI's own sizes each
+    command compiles and captures its graphs for ~40-120 s on a fresh GPU machine (session 42);
+    what the CLI tests check (its flags, its output) does not depend on that. On CPU nothing
+    changes."""
+    if device.type != "cuda":
+        return
+    from minivllm.runtime import llm as llm_module
+
+    real = llm_module.LLM
+
+    def small_llm(model, **kw):
+        kw["enforce_eager"] = True
+        kw["max_num_seqs"] = min(kw.get("max_num_seqs") or 16, 16)
+        kw["max_num_batched_tokens"] = kw.get("max_num_batched_tokens") or 512
+        return real(model, **kw)
+    monkeypatch.setattr(llm_module, "LLM", small_llm)

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from minivllm import LLM, SamplingParams
+from engine_helpers import make_llm, small_cli_engines
+from minivllm import SamplingParams
 from minivllm.cli import DEFAULT_PROMPTS, main
 from minivllm.runtime.demo import ensure_demo_model
 
@@ -23,6 +24,7 @@ def demo_path(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def demo_env(demo_path, device, monkeypatch):
     monkeypatch.setenv("MINIVLLM_DEMO_DIR", demo_path)
+    small_cli_engines(device, monkeypatch)
     if device.type == "cpu":  # not the Triton interpreter that the test setup enables
         monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "reference")
 
@@ -41,8 +43,7 @@ def test_no_model_falls_back_to_the_demo_and_matches_the_api(capsys, demo_path, 
     assert "no --model given" in err and "RANDOM weights" in err
     rows = [json.loads(line) for line in out.splitlines()]
     assert [r["prompt"] for r in rows] == DEFAULT_PROMPTS
-    llm = LLM(demo_path, device=device, num_kv_blocks=32,
-              attention_backend=os.environ.get("MINIVLLM_ATTENTION_BACKEND"))
+    llm = make_llm(demo_path, device, num_kv_blocks=32)
     want = llm.generate(DEFAULT_PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
                         use_tqdm=False)
     assert [r["token_ids"] for r in rows] == [o.outputs[0].token_ids for o in want]
@@ -83,8 +84,7 @@ def test_generate_formats_prompts_with_a_chat_template(how, capsys, demo_path, d
     (tmp_path / "t.jinja").write_text(TEMPLATE)
     rows = cli_json(capsys, ["generate", "--demo", "-p", "Hi there", "--max-tokens", "5",
                              "--temperature", "0", "--ignore-eos", "--json", "--chat-template", *flag])
-    llm = LLM(demo_path, device=device, num_kv_blocks=32,
-              attention_backend=os.environ.get("MINIVLLM_ATTENTION_BACKEND"))
+    llm = make_llm(demo_path, device, num_kv_blocks=32)
     prompt = llm.chat_prompts([{"role": "user", "content": "Hi there"}], chat_template=template)
     if template is not None:
         assert prompt[0]["prompt"] == "[user] Hi there =>"
@@ -99,8 +99,7 @@ def test_chat_takes_a_chat_template_and_a_bad_one_is_named(capsys, monkeypatch, 
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n/exit\n"))
     assert main(["chat", "--demo", "--max-tokens", "4", "--temperature", "0", "--ignore-eos",
                  "--chat-template", TEMPLATE]) == 0
-    llm = LLM(demo_path, device=device, num_kv_blocks=32,
-              attention_backend=os.environ.get("MINIVLLM_ATTENTION_BACKEND"))
+    llm = make_llm(demo_path, device, num_kv_blocks=32)
     want = llm.chat([{"role": "user", "content": "hello"}], chat_template=TEMPLATE, use_tqdm=False,
                     sampling_params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert capsys.readouterr().out == want[0].outputs[0].text + "\n"

@@ -14,6 +14,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.cli import main
 from minivllm.runtime.demo import ensure_demo_model
 
+from engine_helpers import small_cli_engines
 from hf_tiny import make_hf_model, save_checkpoint
 
 PROMPT = {"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11]}
@@ -175,6 +176,7 @@ def demo_with_defaults(tmp_path, device, monkeypatch):
     """The demo model with max_new_tokens 3 and top_k 1 (sampling that is greedy) in its file."""
     path = ensure_demo_model(str(tmp_path / "demo"))
     write_generation_config(path, max_new_tokens=3, top_k=1, temperature=0.7)
+    small_cli_engines(device, monkeypatch)
     if device.type == "cpu":
         monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "reference")
     return path

@@ -75,7 +75,7 @@ def test_plain_greedy_steps_take_the_graphs_pick(tiny_dir, hf_model, monkeypatch
     prompts = [torch.randint(0, 101, (n,), generator=g).tolist() for n in (5, 17, 3)]
     want = [hf_greedy(hf_model, p, MAX_TOKENS) for p in prompts]
     llm = LLM(tiny_dir, dtype="float32", num_kv_blocks=64, block_size=4, max_num_seqs=4,
-              async_scheduling=async_scheduling)
+              max_num_batched_tokens=64, async_scheduling=async_scheduling)
     counts = eager_graphs(llm, greedy_rows=2, monkeypatch=monkeypatch, head_picks=head_picks)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
@@ -109,10 +109,12 @@ def test_a_sampled_row_beside_a_greedy_one_keeps_its_own_draws(tiny_dir, monkeyp
     prompt = list(range(3, 12))
     both = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
             SamplingParams(temperature=1.0, seed=5, max_tokens=MAX_TOKENS, ignore_eos=True)]
-    plain = LLM(tiny_dir, dtype="float32", num_kv_blocks=64, block_size=4, max_num_seqs=4)
+    plain = LLM(tiny_dir, dtype="float32", num_kv_blocks=64, block_size=4, max_num_seqs=4,
+                max_num_batched_tokens=64, enforce_eager=True)
     want = [o.outputs[0].token_ids for o in plain.generate(
         [{"prompt_token_ids": prompt}] * 2, both, use_tqdm=False)]
-    llm = LLM(tiny_dir, dtype="float32", num_kv_blocks=64, block_size=4, max_num_seqs=4)
+    llm = LLM(tiny_dir, dtype="float32", num_kv_blocks=64, block_size=4, max_num_seqs=4,
+              max_num_batched_tokens=64)
     counts = eager_graphs(llm, greedy_rows=2, monkeypatch=monkeypatch)
     got = [o.outputs[0].token_ids for o in llm.generate(
         [{"prompt_token_ids": prompt}] * 2, both, use_tqdm=False)]

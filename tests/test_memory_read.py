@@ -1,5 +1,6 @@
 """kernels.memory_read: the read-only kernel behind bench's floor at the read rate reads every
-element once (its per-program sums add up to the buffer's), under the interpreter."""
+element once (its per-program sums add up to the buffer's): on the GPU, or on the CPU under
+Triton's interpreter."""
 
 import pytest
 import torch
@@ -9,10 +10,10 @@ from minivllm.runtime.bench import copy_bandwidth, read_bandwidth
 
 
 @pytest.mark.parametrize("programs", [1, 3, 8])
-def test_stream_read_reads_every_element_once(programs):
+def test_stream_read_reads_every_element_once(programs, device):
     g = torch.Generator().manual_seed(programs)
-    src = torch.randn(5 * 256, generator=g).to(torch.bfloat16)
-    out = torch.zeros(programs)
+    src = torch.randn(5 * 256, generator=g).to(device, torch.bfloat16)
+    out = torch.zeros(programs, device=device)
     stream_read(src, out, block=256, warps=1)
     torch.testing.assert_close(out.sum(), src.float().sum(), rtol=1e-5, atol=1e-4)
     # each program's share: tiles p, p + P, ...
