@@ -40,10 +40,10 @@ def make_llm(path, device, *, graphs: bool = False, **kw):
 
 def small_cli_engines(device, monkeypatch) -> None:
     """On CUDA, the engines the CLI starts (cli._make_llm) as make_llm's: eager, at most 16
-    sequences and 512 batched tokens unless its flags say otherwise. At the CLI's own sizes each
-    command compiles and captures its graphs for ~40-120 s on a fresh GPU machine (session 42);
-    what the CLI tests check (its flags, its output) does not depend on that. On CPU nothing
-    changes."""
+    sequences, and 512 batched tokens unless --max-num-batched-tokens is given. At the CLI's own
+    sizes a command compiled and captured its graphs for ~40 s on a fresh GPU machine, a test of
+    several commands for up to 125 s (session 42); what the CLI tests check (its flags, its
+    output) does not depend on that. On CPU nothing changes."""
     if device.type != "cuda":
         return
     from minivllm.runtime import llm as llm_module
