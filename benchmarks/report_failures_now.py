@@ -3,8 +3,14 @@ the test ends, so a GPU run cut short by its time limit still shows why tests fa
 prints them only in its final summary), with the end of what the test wrote to stderr: a Triton
 compile that fails says why only there (MLIR's diagnostic before "PassManager::run failed";
 session 27's one fp16 decode-stack failure left no trace of it, and did not recur); and each
-test's time as it ends."""
+test's time as it ends.
 
+A failure that ends after STEP_DEADLINE (epoch seconds; gpu_checks.sh's `step` sets it to when
+its `timeout` sends SIGABRT) is marked as such: a Triton compile running at that moment catches
+the signal in MLIR's crash recovery and fails with "PassManager::run failed" (session 43: one
+decode_mlp case, 0.4 s after the signal, that compiled in 36 of 36 fresh processes after)."""
+
+import os
 import time
 
 STDERR_TAIL = 4000  # characters
@@ -14,8 +20,17 @@ def pytest_runtest_logreport(report):
     if report.failed:
         stderr = report.capstderr[-STDERR_TAIL:]
         stderr = f"\n-- its stderr (last {STDERR_TAIL} characters):\n{stderr}" if stderr else ""
-        print(f"\n---- {report.nodeid} ({report.when}) failed:\n{report.longreprtext}{stderr}\n----",
-              flush=True)
+        late = after_deadline(time.time(), os.environ.get("STEP_DEADLINE"))
+        print(f"\n---- {report.nodeid} ({report.when}) failed{late}:\n{report.longreprtext}"
+              f"{stderr}\n----", flush=True)
+
+
+def after_deadline(now: float, deadline: str | None) -> str:
+    """A note for a failure's header when `now` is past `deadline` (epoch seconds), else ""."""
+    if not deadline or now < float(deadline):
+        return ""
+    return (f" after the step's time limit ({now - float(deadline):.0f} s past its SIGABRT; a "
+            f"Triton compile under way fails on that signal)")
 
 
 # Each test's time and the time since the run began, as it ends: a suite cut short by its limit

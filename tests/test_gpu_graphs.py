@@ -1,6 +1,7 @@
 """On CUDA only: the engine's fast paths (compiled decoder layer, decode CUDA graphs, asynchronous
 scheduling) give the same greedy tokens as the plain eager engine, on a batch of prompts of
-varied lengths, in bf16 and fp32. Skipped without a GPU (the CPU has no graphs)."""
+varied lengths, in bf16 and fp32 and with an fp8 KV cache. Skipped without a GPU (the CPU has
+no graphs)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ def deep_dir(tmp_path_factory):
     return save_checkpoint(model, tmp_path_factory.mktemp("deep") / "model")
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_graphs_and_async_scheduling_equal_eager(deep_dir, dtype):
+@pytest.mark.parametrize("dtype, kv_cache_dtype", [("bfloat16", "auto"), ("float32", "auto"),
+                                                   ("bfloat16", "fp8")],
+                         ids=["bfloat16", "float32", "bfloat16-fp8-cache"])
+def test_graphs_and_async_scheduling_equal_eager(deep_dir, dtype, kv_cache_dtype):
     """fp32: identical tokens. bf16: the compiled layer rounds differently from eager (fused
     norms, another GEMM tiling, padded batches), and four layers of bf16 rounding move a logit
     of magnitude 16-32 by a few ulps of 0.125; a greedy choice between logits that close may
@@ -34,20 +37,27 @@ def test_graphs_and_async_scheduling_equal_eager(deep_dir, dtype):
     this random model half the prompts meet such a near-tie within 24 tokens. So in bf16 every
     position the two paths share must give the chosen token the same logprob within 4 such
     ulps (a broken path is off by far more, at every position), and where they part, the fast
-    path's token must have been within 4 ulps of eager's best."""
+    path's token must have been within 4 ulps of eager's best. The fp8 cache is held to the
+    same bound: both paths store the K/V they computed rounded to fp8, so where their bf16 K/V
+    differ by a rounding, an entry may land one fp8 step apart, which moves a logit by far less
+    than a broken store or read would. (With an fp8 cache the decode kernel widens its tiles as
+    it loads them, and decodes run longest context first; both go through the graphs here.)"""
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(0, 257, (n,), generator=g).tolist()}
                for n in (1, 5, 17, 33, 64, 100, 3, 250, 9, 40, 77, 128, 2, 31, 60, 15, 200, 7)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
 
     def run(**kw):
-        llm = LLM(deep_dir, dtype=dtype, num_kv_blocks=256, max_num_seqs=32, **kw)
+        llm = LLM(deep_dir, dtype=dtype, num_kv_blocks=256, max_num_seqs=32,
+                  kv_cache_dtype=kv_cache_dtype, **kw)
         return llm, [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
     eager, want = run(enforce_eager=True, async_scheduling=False)
     assert eager.engine.runner.graphs is None
     fast, got = run()
     assert fast.engine.runner.graphs is not None and fast.engine.async_scheduling
+    assert fast.engine.runner.cache.dtype == eager.engine.runner.cache.dtype == (
+        torch.float8_e4m3fn if kv_cache_dtype == "fp8" else getattr(torch, dtype))
     if dtype == "float32":
         assert [c.token_ids for c in got] == [c.token_ids for c in want]
         return
