@@ -348,8 +348,12 @@ suite)
   # groups (e.g. "2 4 serial"), SUITE_FILES_<group> other files or test ids for one, SUITE_ARGS
   # more pytest arguments. Session 42's first call, on a fresh machine, ran ~85% of the suite in
   # 455 s in five groups (groups 4 and 5 below were one, and test_greedy_graph_step.py was in
-  # group 2); the groups were rebalanced after it. Each test's time is in the logs. The call
-  # returns 8 files (6 groups, serial, results.json): the compile caches do not come back.
+  # group 2); the groups were rebalanced after it. Session 43's call of these six (fresh machine,
+  # BUDGET_S=540, so 389 s for the groups) finished groups 3 and 5 (288 s, 214 s); 1, 2, 4 and 6
+  # and the serial files need a second call (SUITE_GROUPS="1 2 4 6 serial", or by file with
+  # SUITE_FILES_<group>): the engine tests compile for 45-120 s each under this load. Each
+  # test's time is in the logs. The call returns 8 files (6 groups, serial, results.json): the
+  # compile caches do not come back.
   declare -A groups=(
     [1]="tests/test_engine.py tests/test_greedy_graph_step.py"
     [2]="tests/test_gpu_graphs.py tests/test_prefill_graph.py tests/test_decode_graphs.py

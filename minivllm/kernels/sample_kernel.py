@@ -23,12 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ..functional.sampling import MAX_TEMPERATURE as _MAX_TEMPERATURE
 from .launch import interpreting, next_pow2, num_sms, runs_ptx
 
 BLOCK = 1024       # ids per inner step of a program
-# Temperatures above this are clamped to it: T * noise must stay finite in fp32 (the noise is at
-# most ~22.9), as in functional.sampling.MAX_TEMPERATURE (which says why).
-MAX_TEMPERATURE = tl.constexpr(1e37)
+# Temperatures above this are clamped to it, as the torch sampler clamps them (T * noise must
+# stay finite in fp32; functional.sampling says why).
+MAX_TEMPERATURE = tl.constexpr(_MAX_TEMPERATURE)
 MAX_CHUNK = 8192   # ids per program, at most
 NUM_WARPS = 4
 
