@@ -1,14 +1,15 @@
 """pytest plugin (-p benchmarks.report_failures_now): prints each failure's traceback the moment
 the test ends, so a GPU run cut short by its time limit still shows why tests failed (pytest
 prints them only in its final summary), with the end of what the test wrote to stderr: a Triton
-compile that fails says why only there (MLIR's diagnostic before "PassManager::run failed";
-session 27's one fp16 decode-stack failure left no trace of it, and did not recur); and each
-test's time as it ends.
+compile that fails says why only there (MLIR's diagnostic before "PassManager::run failed");
+and each test's time as it ends.
 
 A failure that ends after STEP_DEADLINE (epoch seconds; gpu_checks.sh's `step` sets it to when
 its `timeout` sends SIGABRT) is marked as such: a Triton compile running at that moment catches
-the signal in MLIR's crash recovery and fails with "PassManager::run failed" (session 43: one
-decode_mlp case, 0.4 s after the signal, that compiled in 36 of 36 fresh processes after)."""
+the signal in MLIR's crash recovery and fails with "PassManager::run failed", with no diagnostic
+(session 43: one decode_mlp case, 0.4 s after the signal, that compiled and passed in 36 of 36
+fresh processes after). Session 27's fp16 decode-stack compile failure, which never recurred,
+came at its step's limit too (the next test was killed 15 s later); session 18's likely did."""
 
 import os
 import time
