@@ -9,7 +9,8 @@ its `timeout` sends SIGABRT) is marked as such: a Triton compile running at that
 the signal in MLIR's crash recovery and fails with "PassManager::run failed", with no diagnostic
 (session 43: one decode_mlp case, 0.4 s after the signal, that compiled and passed in 36 of 36
 fresh processes after). Session 27's fp16 decode-stack compile failure, which never recurred,
-came at its step's limit too (the next test was killed 15 s later); session 18's likely did."""
+came at its step's limit too (the next test was killed 15 s later); session 18's may have
+(its limit is not recorded)."""
 
 import os
 import time
