@@ -16,8 +16,6 @@ tests of many seeded draws where it does not (the Gumbel-max path)."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch

@@ -129,10 +129,10 @@ class SamplingRow:
 
     temperature 0 (or below SAMPLING_EPS, as in vLLM) is greedy, and temperatures above
     MAX_TEMPERATURE sample as MAX_TEMPERATURE (the Gumbel paths clamp it); top_k <= 0 or >= vocab,
-    top_p 1, min_p 0 and the neutral penalties (0, 0, 1) are off. `seed` and `step` (tokens this sequence has generated)
-    pick the row's uniform. `output_ids` feed the presence / frequency / repetition penalties
-    and `prompt_ids` the repetition penalty; `banned_ids` can never be sampled (EOS before
-    min_tokens); `logprobs` asks for the top-N logprobs (None: none)."""
+    top_p 1, min_p 0 and the neutral penalties (0, 0, 1) are off. `seed` and `step` (tokens this
+    sequence has generated) pick the row's uniform. `output_ids` feed the presence / frequency /
+    repetition penalties and `prompt_ids` the repetition penalty; `banned_ids` can never be
+    sampled (EOS before min_tokens); `logprobs` asks for the top-N logprobs (None: none)."""
 
     temperature: float = 1.0
     top_k: int = 0
