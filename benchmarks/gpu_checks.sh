@@ -612,6 +612,14 @@ layout)
   # nvidia-h200 (<= 300 s): session 38: kv_layout_probe.py, page 16 (LAYOUT_ARGS for others)
   step layout_probe $(left_or 280) python3 benchmarks/kv_layout_probe.py ${LAYOUT_ARGS:-}
   ;;
+kvpf)
+  # nvidia-h200 (<= 560 s): session 44: the next layer's first cache pages asked into L2 after
+  # each attention (two_stream_probe.py's kvpf modes, benchmarks/kv_prefetch.py) against the
+  # same layer in pieces without it and the engine's layer
+  step kvpf_probe $(left_or 540) python3 benchmarks/two_stream_probe.py --seqs ${KVPF_SEQS:-256,128,64} \
+    --contexts ${KVPF_CONTEXTS:-200-1124} --json "$RESULTS/kvpf_probe.json" \
+    --modes ${KVPF_MODES:-one,pieces,kvpf-48-8,kvpfside-48-8,kvpfside-24-8,kvpfside-96-8,kvpfside-48-4,kvpfside-48-16,pieces}
+  ;;
 probes)
   # nvidia-h200 (<= 360 s): what the first LM-head GEMM at a new row count costs the host; the
   # decode head's program counts beside cuBLAS's GEMV; the decode attention kernel at 256
@@ -622,7 +630,7 @@ probes)
   step sweep_gemm 90 python3 benchmarks/sweep_decode_gemm.py
   ;;
 *)
-  echo "usage: $0 MODE... (each of speed|suite|figures|profile|sync|mlp_probe|mlp_engine|inductor_knobs|host_ab|prefill_graph|prefill_default|kv_budget|fp8_ab|graph_tests|engine_tests|memory|rounding|tp|tp_engine|tp8b|agreement|tp_trained|ab|green|tma|packed|probes|attention_tail|head_cast|norm_rope)" >&2
+  echo "usage: $0 MODE... (each of speed|suite|figures|profile|sync|mlp_probe|mlp_engine|inductor_knobs|host_ab|prefill_graph|prefill_default|kv_budget|fp8_ab|graph_tests|engine_tests|memory|rounding|tp|tp_engine|tp8b|agreement|tp_trained|ab|green|tma|packed|kvpf|probes|attention_tail|head_cast|norm_rope)" >&2
   exit 2
   ;;
 esac

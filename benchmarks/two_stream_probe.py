@@ -26,6 +26,10 @@ batch's, and nothing made them overlap the other half's attention. Here the over
                  one of the other SMs (benchmarks/green_context.py): the GPU split in two, so
                  the attention's many programs can no longer take the SMs the GEMMs wait for
   greengemm-G    the GEMM pieces on G SMs, the attentions on ordinary streams (every SM)
+  kvpf-S-P       as pieces, and after each layer's attention a kernel asks the L2 for the next
+                 layer's first P pages (K and V) of the first S sequences (benchmarks/kv_prefetch.py),
+                 which its attention's first wave reads first, while the GEMMs leave the DRAM idle
+  kvpfside-S-P   as kvpf-S-P, the prefetch kernel on a side stream (its launch off the main chain)
 
 Each mode's layer stack over the same random weights, cache and batch is captured in one CUDA
 graph and replayed; its outputs are compared with `one`'s. Contexts are drawn uniformly from
@@ -36,7 +40,8 @@ half a batch's attention reads slower than the whole batch's, and the overlap ne
 back; high priority for the GEMMs made it worse. Session 37's green-G modes were slower still at
 every G from 16 to 80 (at 256 sequences 1.10x `one` at G = 32, its best, 1.62x at 80): the
 GEMMs need more than 32 SMs to keep up, and the attention slows with every SM taken from it, so
-no split of the GPU lets the two overlap.
+no split of the GPU lets the two overlap. Session 44's kvpf modes were slower than `pieces` at
+every size tried (12-48 MB a layer, 64-256 sequences): 0.1-6.4%.
 """
 
 from __future__ import annotations
@@ -65,6 +70,8 @@ from minivllm.state.config import config_for_shape
 MODES = ("one", "pieces", "halves", "free", "pingpong", "pingpong-prio")
 # and green-G / greengemm-G (G: an SM count, a multiple of 8): see the module's docstring
 GREEN = re.compile(r"(green|greengemm)-(\d+)$")
+# and kvpf-S-P / kvpfside-S-P (S: sequences, P: pages a sequence): see the module's docstring
+KVPF = re.compile(r"(kvpf|kvpfside)-(\d+)-(\d+)$")
 
 
 def attend(lp, qkv, cos, sin, k_cache, v_cache, batch, *, config, shard, backend):
@@ -97,11 +104,13 @@ def half_batch(batch: Batch, lo: int, hi: int) -> Batch:
                  logits_indices=batch.logits_indices[: hi - lo])
 
 
-def split_stack(params, cache, parts, pre, post, backend, streams, alternate: bool, keep: list):
+def split_stack(params, cache, parts, pre, post, backend, streams, alternate: bool, keep: list,
+                after_attention_hook=None):
     """The layer stack on each part (batch, x, residual, cos, sin), part p's pieces on
     streams[p] = (gemm stream, attention stream) or None (the current stream). alternate: each
     attention waits for the one before it (part 0 layer 0, part 1 layer 0, part 0 layer 1, ...).
-    Tensors that cross streams go into `keep`, so that no stream's allocator reuses them early."""
+    Tensors that cross streams go into `keep`, so that no stream's allocator reuses them early.
+    after_attention_hook(i), if given, runs after layer i's attention (one part only)."""
     config, shard = params.config, params.shard
     eps = config.rms_norm_eps
     main = torch.cuda.current_stream() if torch.cuda.is_available() else None
@@ -114,7 +123,7 @@ def split_stack(params, cache, parts, pre, post, backend, streams, alternate: bo
     def on(stream):
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
-    for lp, kc, vc in zip(params.layers, cache.k, cache.v):
+    for i, (lp, kc, vc) in enumerate(zip(params.layers, cache.k, cache.v)):
         for p, (batch, _, _, cos, sin) in enumerate(parts):
             gemm, attn = streams[p] or (None, None)
             with on(gemm):
@@ -131,6 +140,8 @@ def split_stack(params, cache, parts, pre, post, backend, streams, alternate: bo
                     last_attention = torch.cuda.Event()
                     last_attention.record(attn)
             keep.append(out)
+            if after_attention_hook is not None:
+                after_attention_hook(i)
             with on(gemm):
                 if gemm is not None and attn is not gemm:
                     gemm.wait_stream(attn)
@@ -162,6 +173,32 @@ def green_pairs(mode: str, dev: torch.device):
     if kind == "greengemm":
         attention = [torch.cuda.Stream(dev), torch.cuda.Stream(dev)]
     return list(zip(gemm, attention))
+
+
+class kv_prefetch_hook:
+    """After layer i's attention: ask the L2 for layer i+1's first pages (kv_prefetch.py), on
+    the current stream or on a side stream that the current one joins at the end (join())."""
+
+    def __init__(self, cache, batch, seqs, pages, *, side, dev):
+        self.cache, self.batch, self.seqs, self.pages = cache, batch, seqs, pages
+        self.side = torch.cuda.Stream(dev) if side else None
+        self.forked = False
+
+    def __call__(self, i):
+        if i + 1 >= self.cache.num_layers or self.batch.block_tables.device.type != "cuda":
+            return  # the prefetch is PTX: nothing to ask for on the CPU
+        from benchmarks.kv_prefetch import prefetch_first_pages
+        stream = self.side
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+            self.forked = True
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            prefetch_first_pages(self.cache.k[i + 1], self.cache.v[i + 1], self.batch.block_tables,
+                                 self.batch.context_lens, self.seqs, self.pages)
+
+    def join(self):
+        if self.side is not None and self.forked:
+            torch.cuda.current_stream().wait_stream(self.side)
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -202,6 +239,13 @@ def probe(params, backend, seqs: int, contexts: tuple[int, int], modes, page: in
             return _layers(params, cache, batch, backend, x0, res0, cos, sin, layer)
         if mode == "pieces":
             (x, res), = split_stack(params, cache, whole, pre, post, backend, [None], False, keep)
+            return x, res
+        if m := KVPF.match(mode):
+            hook = kv_prefetch_hook(cache, batch, int(m[2]), int(m[3]),
+                                    side=m[1] == "kvpfside" and cuda, dev=dev)
+            (x, res), = split_stack(params, cache, whole, pre, post, backend, [None], False, keep,
+                                    hook)
+            hook.join()
             return x, res
         if mode == "halves":
             got = split_stack(params, cache, halves, pre, post, backend, [None, None], False, keep)
@@ -276,7 +320,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     modes = args.modes.split(",")
-    if bad := [m for m in modes if m not in MODES and not GREEN.match(m)]:
+    if bad := [m for m in modes if m not in MODES and not GREEN.match(m) and not KVPF.match(m)]:
         print(f"unknown modes {bad}; known: {', '.join(MODES)}", file=sys.stderr)
         return 2
     dev = torch.device(args.device)
