@@ -58,7 +58,7 @@ def prefetch_first_pages(k_cache, v_cache, block_tables, context_lens, seqs: int
     assert pages in (1, 2, 4, 8, 16) and k_cache.is_contiguous() and v_cache.is_contiguous()
     page = k_cache.shape[1]
     page_bytes = k_cache[0].numel() * k_cache.element_size()
-    seqs = min(seqs, block_tables.shape[0])  # pages past a context's prefix are not asked for
+    seqs = min(seqs, block_tables.shape[0])
     per = THREADS // (2 * pages)
     _prefetch_first_pages_kernel[(triton.cdiv(seqs, per),)](
         k_cache, v_cache, block_tables, context_lens, block_tables.stride(0), seqs,

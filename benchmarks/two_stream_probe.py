@@ -175,7 +175,7 @@ def green_pairs(mode: str, dev: torch.device):
     return list(zip(gemm, attention))
 
 
-class kv_prefetch_hook:
+class KVPrefetchHook:
     """After layer i's attention: ask the L2 for layer i+1's first pages (kv_prefetch.py), on
     the current stream or on a side stream that the current one joins at the end (join())."""
 
@@ -241,8 +241,8 @@ def probe(params, backend, seqs: int, contexts: tuple[int, int], modes, page: in
             (x, res), = split_stack(params, cache, whole, pre, post, backend, [None], False, keep)
             return x, res
         if m := KVPF.match(mode):
-            hook = kv_prefetch_hook(cache, batch, int(m[2]), int(m[3]),
-                                    side=m[1] == "kvpfside" and cuda, dev=dev)
+            hook = KVPrefetchHook(cache, batch, int(m[2]), int(m[3]),
+                                  side=m[1] == "kvpfside" and cuda, dev=dev)
             (x, res), = split_stack(params, cache, whole, pre, post, backend, [None], False, keep,
                                     hook)
             hook.join()
