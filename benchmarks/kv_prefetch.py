@@ -16,6 +16,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from benchmarks.l2_prefetch import bulk_prefetch_l2
+
 THREADS = 32  # one warp a program, one prefetch a thread
 
 
@@ -45,9 +47,7 @@ def _prefetch_first_pages_kernel(k_ptr, v_ptr, bt_ptr, ctx_ptr, stride_bt, seqs,
         tl.store(row + 1, off)
         tl.store(row + 2, size.to(tl.int64))
         return
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+    bulk_prefetch_l2(addr, size)
 
 
 def prefetch_first_pages(k_cache, v_cache, block_tables, context_lens, seqs: int, pages: int,

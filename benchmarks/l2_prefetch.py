@@ -41,15 +41,21 @@ PIECES = 32    # threads (one warp) a program: 128 KB a program
 
 
 @triton.jit
-def _prefetch_l2_kernel(ptr, nbytes, PIECE: tl.constexpr, PIECES: tl.constexpr):
-    # Each thread issues one bulk prefetch of PIECE bytes (the last ones fewer, or none): a
-    # fire-and-forget request to the memory system, so the kernel ends without waiting for it.
-    offs = tl.program_id(0).to(tl.int64) * (PIECE * PIECES) + tl.arange(0, PIECES).to(tl.int64) * PIECE
-    size = tl.minimum(nbytes - offs, PIECE).to(tl.int32)
-    addr = ptr.to(tl.pointer_type(tl.int8)) + offs
+def bulk_prefetch_l2(addr, size):
+    """Each element asks the L2 for `size` bytes (int32; none when <= 0) at byte pointer `addr`:
+    one cp.async.bulk.prefetch.L2, a fire-and-forget request to the memory system (sm_90)."""
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
         "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_l2_kernel(ptr, nbytes, PIECE: tl.constexpr, PIECES: tl.constexpr):
+    # Each thread issues one bulk prefetch of PIECE bytes (the last ones fewer, or none), so the
+    # kernel ends without waiting for them.
+    offs = tl.program_id(0).to(tl.int64) * (PIECE * PIECES) + tl.arange(0, PIECES).to(tl.int64) * PIECE
+    size = tl.minimum(nbytes - offs, PIECE).to(tl.int32)
+    bulk_prefetch_l2(ptr.to(tl.pointer_type(tl.int8)) + offs, size)
 
 
 def prefetch_l2(t: torch.Tensor) -> None:
