@@ -44,7 +44,7 @@ def compiled_forward(compile_backend="inductor", fused_mlp_rows: tuple[int, int]
     # memory than an SM has (BENCHMARKS.md, session 8).
 
     def compiled(fn):
-        return torch.compile(_own_copy(fn), fullgraph=True, backend=compile_backend)
+        return compile_part(_own_copy(fn), compile_backend)
 
     # The head returns the logits in the activation dtype (model.logits_head): the cast to fp32
     # was a kernel of its own that read the bf16 logits and wrote them twice as wide for the
@@ -59,6 +59,16 @@ def compiled_forward(compile_backend="inductor", fused_mlp_rows: tuple[int, int]
         layer = with_fused_mlp(layer, compiled(attention_half), fused_mlp_rows, counter)
     return functools.partial(forward, layer=layer, stem=compiled(model.stem),
                              head=compiled(model.logits_head))
+
+
+def compile_part(fn, compile_backend="inductor"):
+    """fn compiled as compiled_forward compiles each part: fullgraph, and under Inductor with
+    emulate_precision_casts. Inductor otherwise keeps a 16-bit op's result in fp32 when it fuses
+    the op into the next one, where eager PyTorch (and transformers) round it: with the option
+    the compiled residual stream and norms equal eager's bit for bit (on the CPU; on the GPU the
+    GEMMs may still round differently), at no measurable cost (BENCHMARKS.md session 45)."""
+    options = {"emulate_precision_casts": True} if compile_backend == "inductor" else None
+    return torch.compile(fn, fullgraph=True, backend=compile_backend, options=options)
 
 
 _copies = itertools.count(1)
