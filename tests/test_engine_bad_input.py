@@ -28,7 +28,7 @@ def llm(tiny_dir, device):
 def snapshot(llm):
     e = llm.engine
     bm = e.block_manager
-    return dict(free=list(bm.free), registry=dict(bm.registry), steps=e.stats.steps,
+    return dict(free=list(bm.free), registered=bm.registered_blocks(), steps=e.stats.steps,
                 waiting=len(e.scheduler.waiting), running=len(e.scheduler.running),
                 requests=len(e.requests), k=[t.clone() for t in e.runner.cache.k])
 
@@ -142,7 +142,7 @@ def test_a_step_that_raises_leaves_no_unwritten_block_in_the_prefix_cache(tiny_d
         llm.generate({"prompt_token_ids": GOOD}, GREEDY, use_tqdm=False)
     setattr(runner, name, real)
     e = llm.engine
-    assert not e.block_manager.registry  # the step's four full blocks are unregistered
+    assert not e.block_manager.registered_blocks()  # the step's four full blocks are unregistered
     e.block_manager.check(e.scheduler.running)
     assert e.stats.steps == 0 and e.stats.prompt_tokens_computed == 0  # nothing ran
     again = llm.generate({"prompt_token_ids": GOOD}, GREEDY, use_tqdm=False)
@@ -162,7 +162,7 @@ def test_a_step_that_raises_recomputes_a_sequence_that_shared_its_blocks(tiny_di
     first, second = (c.seq for c in out.chunks)
     assert second.num_computed == 16 and second.block_table[:4] == first.block_table[:4]
     e.scheduler.abandon(out)
-    assert not e.block_manager.registry
+    assert not e.block_manager.registered_blocks()
     assert second.num_computed == 0 and second in e.scheduler.waiting
     e.block_manager.check(e.scheduler.running)
 

@@ -4,63 +4,66 @@ Blocks hold `block_size` tokens. A sequence's block table lists its blocks in or
 shared by every sequence whose table holds it, and returns to the free queue when its reference
 count drops to 0.
 
-Prefix caching: once a block is full (all its tokens scheduled), it is registered under a hash
-chained over the full blocks before it: hash(parent's hash, this block's ids). A new sequence
-walks its own chain and takes every registered block that matches, and computes only the rest.
-A hit is confirmed, not trusted: the block's stored ids must equal the sequence's, and its stored
-parent must be the block matched one level up (identified by (block id, tenancy), where a
-block's tenancy changes every time it is handed out again). By induction a hit therefore holds
-exactly the sequence's prefix, whatever the hash function does; the hash only finds candidates.
+Prefix caching: once a block is full (all its tokens scheduled), it is registered under the
+exact token prefix it ends: a node of a trie whose key is (the node of the prefix one block
+shorter, this block's ids). Keys compare by content, so a hit can only be a block that holds
+exactly the sequence's prefix: no hash is trusted. A node keeps every block registered under it,
+so identical blocks computed separately (two sequences prefilling one prompt in different chunks,
+or generating the same tokens) are all found: a new sequence walks the trie a block at a time and
+takes one block of each node on its path, whichever sequence computed it.
 
 A freed block that is registered stays registered, reusable by a later hit, until the allocator
 needs it for new data: the free queue hands out unregistered blocks first, then registered ones
 least recently freed first (LRU eviction). A sequence frees its blocks last-to-first, so that a
-prefix's root outlives its tail. The last, partial block of a sequence is never registered, so
-never shared; and a sequence never takes a hit covering its last token (that token must be
-computed to produce logits), so an entirely cached prompt still computes one block.
+prefix's root outlives its tail. A node goes with its last block; its children, if any, are then
+unreachable (node ids are never reused) and go with their own blocks. The last, partial block of
+a sequence is never registered, so never shared; and a sequence never takes a hit covering its
+last token (that token must be computed to produce logits), so an entirely cached prompt still
+computes one block.
+
+The trie is dicts of ints and tuples of ints, no object a node: the garbage collector stops
+tracking those, so tens of thousands of cached blocks cost its passes nothing (per-node objects
+made registering a block ~2x dearer, most of it in collections).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Iterable
+from typing import Iterable
 
 from .sequence import Sequence
-
-
-def chain_hash(parent: int | None, ids: tuple[int, ...]) -> int:
-    """The default block hash: Python's (deterministic) hash of the parent hash and the ids."""
-    return hash((parent, ids))
 
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+ROOT = 0  # the empty prefix: the parent of every first block's node
+
+
 class _Block:
-    __slots__ = ("ref", "hash", "ids", "parent", "tenancy")
+    __slots__ = ("ref", "node")
 
     def __init__(self):
         self.ref = 0
-        self.hash: int | None = None  # registered under this hash (prefix cache), or None
-        self.ids: tuple[int, ...] | None = None  # the ids it was registered with
-        self.parent: tuple[int, int] | None = None  # (block id, tenancy) one level up
-        self.tenancy = 0  # bumped each time the block is handed out for new data
+        self.node: int | None = None  # registered under this prefix (prefix cache), or None
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
-                 hash_fn: Callable[[int | None, tuple[int, ...]], int] = chain_hash):
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.hash_fn = hash_fn
         self.blocks = [_Block() for _ in range(num_blocks)]
         # Blocks with ref 0, in the order they are handed out (first = next).
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self.registry: dict[int, int] = {}  # hash -> block id
+        # node -> the registered blocks holding its prefix's last block (one, unless computed twice)
+        self.node_blocks: dict[int, tuple[int, ...]] = {}
+        self.node_key: dict[int, tuple[int, tuple[int, ...]]] = {}  # node -> its key in the trie
+        self.trie: dict[tuple[int, tuple[int, ...]], int] = {}  # (parent node, block ids) -> node
+        self.next_node = ROOT + 1
         # Blocks registered since the last commit(): their K/V is written only once the step
         # that schedules them runs, so a step that never runs must take them back (rollback).
         self.uncommitted: list[tuple[Sequence, int, int]] = []  # (seq, table index, block id)
@@ -74,32 +77,26 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return ceil_div(num_tokens, self.block_size)
 
-    def _block_hash(self, seq: Sequence, i: int) -> int:
-        """The chain hash of seq's i-th full block (memoised on the sequence: ids never change)."""
-        bs = self.block_size
-        while len(seq.block_hashes) <= i:
-            j = len(seq.block_hashes)
-            parent = seq.block_hashes[j - 1] if j else None
-            seq.block_hashes.append(self.hash_fn(parent, tuple(seq.token_ids[j * bs:(j + 1) * bs])))
-        return seq.block_hashes[i]
+    def registered_blocks(self) -> dict[int, tuple[int, ...]]:
+        """Every registered block and the ids it holds."""
+        return {b: self.node_key[node][1] for node, members in self.node_blocks.items()
+                for b in members}
 
     def match_prefix(self, seq: Sequence) -> list[int]:
-        """The registered blocks holding seq's leading full blocks (confirmed, see module doc),
-        never covering its last token. Changes nothing."""
+        """Registered blocks holding seq's leading full blocks, one a block, never covering its
+        last token. Changes nothing."""
         if not self.enable_prefix_caching:
             return []
-        bs = self.block_size
+        bs, ids, blocks, trie = self.block_size, seq.token_ids, self.blocks, self.trie
         hits: list[int] = []
-        parent = None
+        node = ROOT
         for i in range((seq.num_tokens - 1) // bs):
-            b = self.registry.get(self._block_hash(seq, i))
-            if b is None:
+            node = trie.get((node, tuple(ids[i * bs:(i + 1) * bs])))
+            if node is None:
                 break
-            block = self.blocks[b]
-            if block.ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]) or block.parent != parent:
-                break
-            hits.append(b)
-            parent = (b, block.tenancy)
+            members = self.node_blocks[node]
+            # A block some sequence holds already, if any: it costs no free block.
+            hits.append(next((b for b in members if blocks[b].ref), members[0]))
         return hits
 
     def can_allocate(self, seq: Sequence, num_tokens: int, hits: Iterable[int] = ()) -> bool:
@@ -137,7 +134,6 @@ class BlockManager:
             b = next(iter(self.free))
             self._evict(b)
             self._take(b)
-            self.blocks[b].tenancy += 1
             seq.block_table.append(b)
 
     def register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
@@ -149,19 +145,30 @@ class BlockManager:
         if not self.enable_prefix_caching or num_tokens // bs <= seq.num_registered_blocks:
             return
         full = min(num_tokens // bs, len(seq.block_table))
+        table, ids = seq.block_table, seq.token_ids
         for i in range(seq.num_registered_blocks, full):
-            b = seq.block_table[i]
-            block = self.blocks[b]
-            h = self._block_hash(seq, i)
-            # A hit is registered already; an identical block computed twice keeps the first.
-            if block.hash is None and h not in self.registry:
-                block.hash = h
-                block.ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-                prev = seq.block_table[i - 1] if i else None
-                block.parent = None if prev is None else (prev, self.blocks[prev].tenancy)
-                self.registry[h] = b
-                if (i + 1) * bs > seq.num_computed:  # its K/V comes with the step being scheduled
-                    self.uncommitted.append((seq, i, b))
+            block = self.blocks[table[i]]
+            if block.node is not None:  # a hit
+                continue
+            # The leading blocks are registered (they come first); their node is this one's
+            # parent. None past the root only for a hit a rollback took back: the sequence is
+            # preempted then, and registers nothing below it.
+            parent = self.blocks[table[i - 1]].node if i else ROOT
+            if parent is None:
+                full = i
+                break
+            key = (parent, tuple(ids[i * bs:(i + 1) * bs]))
+            node = self.trie.get(key)
+            if node is None:
+                node = self.trie[key] = self.next_node
+                self.next_node += 1
+                self.node_key[node] = key
+                self.node_blocks[node] = (table[i],)
+            else:
+                self.node_blocks[node] += (table[i],)
+            block.node = node
+            if (i + 1) * bs > seq.num_computed:  # its K/V comes with the step being scheduled
+                self.uncommitted.append((seq, i, table[i]))
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
 
     def commit(self) -> None:
@@ -192,7 +199,7 @@ class BlockManager:
             block.ref -= 1
             if block.ref == 0:
                 self.free[b] = None
-                if block.hash is None:
+                if block.node is None:
                     self.free.move_to_end(b, last=False)
         seq.block_table = []
         seq.num_registered_blocks = 0
@@ -209,24 +216,45 @@ class BlockManager:
         block.ref += 1
 
     def _evict(self, b: int) -> None:
+        """Unregister block b; its node goes with its last block."""
         block = self.blocks[b]
-        if block.hash is not None:
-            if self.registry.get(block.hash) == b:
-                del self.registry[block.hash]
-            block.hash = block.ids = block.parent = None
+        node, block.node = block.node, None
+        if node is None:
+            return
+        rest = tuple(x for x in self.node_blocks[node] if x != b)
+        if rest:
+            self.node_blocks[node] = rest
+        else:
+            del self.node_blocks[node]
+            del self.trie[self.node_key.pop(node)]
 
     # -- for tests -------------------------------------------------------------------------------
 
     def check(self, seqs: Iterable[Sequence]) -> None:
         """AssertionError unless the reference counts equal the tables' holdings, the free queue
-        holds exactly the unreferenced blocks, and the registry and the blocks agree."""
+        holds exactly the unreferenced blocks, the trie and the blocks agree, and every
+        sequence's registered blocks are registered along its own prefix."""
         holders = [0] * self.num_blocks
         for seq in seqs:
             assert len(set(seq.block_table)) == len(seq.block_table), f"{seq} holds a block twice"
             for b in seq.block_table:
                 holders[b] += 1
+            parent = ROOT
+            for i, b in enumerate(seq.block_table[:seq.num_registered_blocks]):
+                node = self.blocks[b].node
+                if node is None:  # taken back by a rollback, and the sequence with it
+                    break
+                assert self.node_key[node] == (parent, tuple(seq.token_ids[i * self.block_size:
+                                                                          (i + 1) * self.block_size])), \
+                    f"{seq}'s block {i} is registered under another prefix"
+                parent = node
         for b, block in enumerate(self.blocks):
             assert block.ref == holders[b], f"block {b}: ref {block.ref}, held {holders[b]} times"
             assert (block.ref == 0) == (b in self.free), f"block {b}: ref {block.ref}, free {b in self.free}"
-        for h, b in self.registry.items():
-            assert self.blocks[b].hash == h, f"registry says block {b} has hash {h}"
+            if block.node is not None:
+                assert b in self.node_blocks.get(block.node, ()), f"block {b}'s node does not list it"
+        assert len(self.trie) == len(self.node_key) == len(self.node_blocks)
+        for node, members in self.node_blocks.items():
+            assert members and len(set(members)) == len(members), f"node {node}: blocks {members}"
+            assert all(self.blocks[b].node == node for b in members)
+            assert self.trie[self.node_key[node]] == node

@@ -46,7 +46,6 @@ class Sequence:
         # The engine's SamplingRow for it, once only the step changes from step to step.
         self.sampling_row = None
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []  # chain hash of each full block of token_ids, as far as known
         self.num_registered_blocks = 0  # leading blocks of block_table already offered to the prefix cache
         self.num_cached_prompt = -1  # prompt tokens found in the prefix cache at first admission
         self.status = Status.WAITING
