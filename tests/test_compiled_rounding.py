@@ -6,8 +6,8 @@ stream equals eager's bit for bit, and the normed output all but bit for bit: a 
 sum the variance in another order, or take another rsqrt, than eager's kernels (on this
 repository's CPU machine, torch 2.13: no element differs). Without the emulation a quarter of
 the normed outputs differ by an ulp. The tests run where the engine compiles: on the GPU when
-there is one. (torch 2.11's CPU code generator does not apply the emulation: on the GPU
-machine's CPU the normed outputs differed from eager's by an ulp in many elements.)"""
+there is one. (On the GPU machine's CPU, torch 2.11, the normed outputs differed from eager's
+by an ulp in many elements: its CPU code generator evidently does not apply the emulation.)"""
 
 from __future__ import annotations
 
