@@ -43,12 +43,17 @@ def cuda_time_ms(fn, iters: int) -> float:
     return statistics.median(times)
 
 
-def kernel_launches(fn) -> int:
+def cuda_kernels(fn) -> list[str]:
+    """The names of the CUDA kernels (and copies) one call of fn launches, in order."""
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def kernel_launches(fn) -> int:
+    return len(cuda_kernels(fn))
 
 
 def main(argv=None) -> int:

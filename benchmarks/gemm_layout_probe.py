@@ -25,18 +25,10 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_linear import DT, cuda_and_l2, graph_us, rel_err, weight_copies
+from benchmarks.bench_sampler import cuda_kernels
 
 LAYERS = {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024),
           "down": (1024, 3072)}  # (N, K)
-
-
-def kernel_names(fn) -> str:
-    """The CUDA kernels one call of fn launches."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return ", ".join(n[:60] for n in names) or "?"
 
 
 def main() -> int:
@@ -69,7 +61,7 @@ def main() -> int:
                 want = ref + res.float() if "addmm" in form else ref
                 err = rel_err(out, want)
                 us = graph_us(fn)
-                kern = kernel_names(lambda: fn(0))
+                kern = ", ".join(n[:60] for n in cuda_kernels(lambda: fn(0))) or "?"
                 results.append(dict(layer=name, rows=m, form=form, us=us, rel_err=err,
                                     kernels=kern))
                 if "addmm" not in form:

@@ -65,8 +65,9 @@ def compile_part(fn, compile_backend="inductor"):
     """fn compiled as compiled_forward compiles each part: fullgraph, and under Inductor with
     emulate_precision_casts. Inductor otherwise keeps a 16-bit op's result in fp32 when it fuses
     the op into the next one, where eager PyTorch (and transformers) round it: with the option
-    the compiled residual stream and norms equal eager's bit for bit (on the CPU; on the GPU the
-    GEMMs may still round differently), at no measurable cost (BENCHMARKS.md session 45)."""
+    a compiled GEMM + add + norm gives eager's residual stream bit for bit and its norm all but
+    (a fused reduction may sum in another order; tests/test_compiled_rounding.py, on the CPU
+    with torch 2.13 and on the H200), at no measurable cost (BENCHMARKS.md sessions 45-46)."""
     options = {"emulate_precision_casts": True} if compile_backend == "inductor" else None
     return torch.compile(fn, fullgraph=True, backend=compile_backend, options=options)
 
