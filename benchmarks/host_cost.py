@@ -1,7 +1,7 @@
 """Host cost per decode step of the real engine on CPU, model compute stubbed out.
 
 The runner takes its CUDA-graph decode path (DecodeGraphs built with compile_forward=False, never
-captured): decode_rows, make_sampling_batch, fill, _feed_back, PendingStep all run for real; only
+captured): step_input, make_sampling_batch, fill, _feed_back, PendingStep all run for real; only
 replay (the forward) and sample are replaced by stand-ins returning tensors of the right shape.
 Prefill steps go through _run with a stubbed forward. Asynchronous scheduling, as on the GPU.
 
@@ -13,7 +13,7 @@ throughput workload, where a sequence ends every few steps and each such step re
 sampling batch and feeds tokens back through a gather: the median step while more than 200 run.
 (The default batch never changes, so every step reuses its sampling batch.)
 
-usage: python benchmarks/host_cost.py [--prof B] [--steps N] [--prefill | --ending]
+usage: python benchmarks/host_cost.py [--prof B] [--steps N] [--prefill | --ending | --breakdown]
 """
 import argparse
 import cProfile
@@ -126,7 +126,12 @@ def main():
     ap.add_argument("--prefill", action="store_true", help="time the prefill phase's steps")
     ap.add_argument("--ending", action="store_true",
                     help="time decode steps of 256 sequences that end one after another")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="split a 256-sequence decode step's host time into its phases")
     a = ap.parse_args()
+    if a.breakdown:
+        breakdown(steps=a.steps or 60)
+        return
     if a.prefill:
         d = save_checkpoint(make_hf_model(std=0.3, vocab_size=VOCAB, max_position_embeddings=4096),
                             "/tmp/hc_model_4k")
@@ -155,10 +160,6 @@ def main():
         print(f"B={B:4d}  host ms/step: min {min(t):.3f}  median {statistics.median(t):.3f}")
 
 
-if __name__ == "__main__":
-    main()
-
-
 def breakdown(B=256, steps=60):
     """Real-time (no profiler) split of a step into its phases, by wrapping the phase methods."""
     import collections
@@ -185,7 +186,6 @@ def breakdown(B=256, steps=60):
     wrap(eng, "_postprocess", "postprocess")
     wrap(eng, "_count", "count")
     wrap(runner_mod, "make_sampling_batch", "  make_sampling_batch")
-    wrap(runner_mod, "decode_rows", "  decode_rows")
     wrap(r.graphs, "fill", "  fill")
     wrap(r, "_feed_back", "  feed_back")
     t0 = time.perf_counter()
@@ -197,5 +197,5 @@ def breakdown(B=256, steps=60):
         print(f"  {k:24s} {v / steps * 1e3:.3f}")
 
 
-if __name__ == "__main__" and "--breakdown" in sys.argv:
-    pass
+if __name__ == "__main__":
+    main()

@@ -24,7 +24,7 @@ from minivllm.functional.model import forward
 from minivllm.functional.sampling import SamplingRow, make_sampling_batch, sample
 from minivllm.runtime.config import EngineConfig
 from minivllm.runtime.runner import ModelRunner, StepInput
-from minivllm.state.batch import SeqChunk, decode_rows, make_batch
+from minivllm.state.batch import DecodeChunks, SeqChunk, make_batch
 
 
 def cuda_time(fn, repeats=20) -> float:
@@ -70,10 +70,10 @@ def main():
     result["execute_ms"] = (time.perf_counter() - t0) / 20 * 1e3
 
     g = runner.graphs
-    decode_arrays = decode_rows(chunks, bs)
+    decode_chunks = DecodeChunks.of(chunks)
     t0 = time.perf_counter()
     for _ in range(20):
-        g.fill(*decode_arrays)
+        g.fill(decode_chunks)
     result["fill_host_ms"] = (time.perf_counter() - t0) / 20 * 1e3
     torch.cuda.synchronize()
     result["replay_ms"] = cuda_time(lambda: g.replay(b))

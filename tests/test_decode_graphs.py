@@ -10,8 +10,9 @@ import torch.utils._pytree as pytree
 
 import minivllm
 from minivllm.kernels import available_backends, select_backend
-from minivllm.runtime.graphs import DecodeGraphs, decode_buckets
+from minivllm.runtime.graphs import PYTHON_SLOTS_MAX_ROWS, DecodeGraphs, decode_buckets
 from minivllm.state import ModelConfig, SeqChunk, make_batch
+from minivllm.state.batch import DecodeChunks
 
 CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=8, dtype=torch.float32)
@@ -45,9 +46,7 @@ def test_padded_decode_equals_unpadded(backend_name):
     graphs = DecodeGraphs(params, caches[1], backend, max_num_seqs=6, max_blocks_per_seq=3,
                           compile_forward=False)
     before = [t.clone() for t in pytree.tree_leaves(caches[1])]
-    padded = graphs.fill(toks, [len(p) for p in prompts],
-                         [tab[len(p) // bs] * bs + len(p) % bs for p, tab in zip(prompts, tables)],
-                         [len(p) + 1 for p in prompts], tables)
+    padded = graphs.fill(DecodeChunks(toks, [len(p) for p in prompts], tables))
     assert padded == 4
     got, _ = minivllm.forward(params, caches[1], graphs.batch_view(padded), backend)
     torch.testing.assert_close(got[:3], expected, rtol=1e-5, atol=1e-5)
@@ -62,33 +61,82 @@ def test_padded_decode_equals_unpadded(backend_name):
 @given(st.integers(1, 9), st.integers(1, 4), st.data())
 def test_fill_puts_each_step_in_its_bucket_views(max_num_seqs, width, data):
     """One packed copy per step: after each fill (the two stagings in turn, batch sizes going
-    up and down), the bucket's views hold that step's rows, then padding rows (id and position
-    0, slot -1, context length 1, a zero block table), whatever earlier steps left; with
-    keep_ids, every field but the ids."""
+    up and down), the bucket's views hold that step's rows (each slot and context length
+    following from the row's position and table, as make_batch has them), then padding rows
+    (id and position 0, slot -1, context length 1, a zero block table), whatever earlier steps
+    left; with keep_ids, every field but the ids."""
     params = minivllm.random_params(CONFIG, seed=0, std=0.2)
-    cache = minivllm.init_cache(params, num_blocks=8, block_size=4)
+    block_size = 4
+    cache = minivllm.init_cache(params, num_blocks=8, block_size=block_size)
     graphs = DecodeGraphs(params, cache, None, max_num_seqs=max_num_seqs, max_blocks_per_seq=width,
                           compile_forward=False)
-    ints = st.integers(0, 2 ** 40)
     for _ in range(data.draw(st.integers(1, 4))):
         b = data.draw(st.integers(1, max_num_seqs))
-        ids, pos, slots = (data.draw(st.lists(ints, min_size=b, max_size=b)) for _ in range(3))
-        ctx = data.draw(st.lists(st.integers(1, 2 ** 30), min_size=b, max_size=b))
+        ids = data.draw(st.lists(st.integers(0, 2 ** 40), min_size=b, max_size=b))
         tables = [data.draw(st.lists(st.integers(0, 2 ** 30), min_size=1, max_size=width))
                   for _ in range(b)]
+        pos = [data.draw(st.integers(0, len(t) * block_size - 1)) for t in tables]
         keep_ids = data.draw(st.booleans())
         before = graphs.input_ids.tolist()
-        bs = graphs.fill(ids, pos, slots, ctx, tables, keep_ids=keep_ids)
+        chunks = DecodeChunks(ids, pos, tables)
+        bs = graphs.fill(chunks, keep_ids=keep_ids)
         assert bs == graphs.bucket(b)
         view = graphs.batch_view(bs)
+        expected = make_batch(chunks, block_size=block_size, max_blocks=width)
         pad = bs - b
         # keep_ids: the device's ids stay as they were (the graph's greedy pick put them there)
         assert view.input_ids.tolist() == (before[:bs] if keep_ids else ids + [0] * pad)
         assert view.positions.tolist() == pos + [0] * pad
-        assert view.slot_mapping.tolist() == slots + [-1] * pad
-        assert view.context_lens.tolist() == ctx + [1] * pad
+        assert view.slot_mapping.tolist() == expected.slot_mapping.tolist() + [-1] * pad
+        assert view.context_lens.tolist() == expected.context_lens.tolist() + [1] * pad
         assert view.block_tables.tolist() == [t + [0] * (width - len(t)) for t in tables] + \
             [[0] * width] * pad
+
+
+@pytest.mark.parametrize("b", [1, PYTHON_SLOTS_MAX_ROWS, PYTHON_SLOTS_MAX_ROWS + 1, 70])
+def test_fill_finds_each_slot_as_make_batch_does(b):
+    """Slots and context lengths, found in Python for a few rows and with numpy for more: both
+    as make_batch finds them."""
+    params = minivllm.random_params(CONFIG, seed=0, std=0.2)
+    cache = minivllm.init_cache(params, num_blocks=8, block_size=4)
+    graphs = DecodeGraphs(params, cache, None, max_num_seqs=80, max_blocks_per_seq=6,
+                          compile_forward=False)
+    g = torch.Generator().manual_seed(b)
+    tables = [torch.randint(0, 2 ** 30, (int(torch.randint(1, 7, (), generator=g)),),
+                            generator=g).tolist() for _ in range(b)]
+    pos = [int(torch.randint(0, 4 * len(t), (), generator=g)) for t in tables]
+    chunks = DecodeChunks(list(range(b)), pos, tables)
+    view = graphs.batch_view(graphs.fill(chunks))
+    expected = make_batch(chunks, block_size=4)
+    assert view.slot_mapping[:b].tolist() == expected.slot_mapping.tolist()
+    assert view.context_lens[:b].tolist() == expected.context_lens.tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 6), st.data())
+def test_fill_rewrites_every_table_that_changed(max_num_seqs, width, data):
+    """fill skips a row whose staging holds the same table list at the same length: as the
+    engine uses them (a table grows in place by appending, a freed one is replaced by a new
+    list, rows change order as sequences come and go), the bucket's tables are still each
+    step's, whatever the two stagings held before."""
+    params = minivllm.random_params(CONFIG, seed=0, std=0.2)
+    cache = minivllm.init_cache(params, num_blocks=8, block_size=4)
+    graphs = DecodeGraphs(params, cache, None, max_num_seqs=max_num_seqs, max_blocks_per_seq=width,
+                          compile_forward=False)
+    block = st.integers(0, 2 ** 30)
+    live = [data.draw(st.lists(block, min_size=1, max_size=width)) for _ in range(max_num_seqs)]
+    for _ in range(data.draw(st.integers(1, 8))):
+        for k, table in enumerate(live):
+            change = data.draw(st.sampled_from(["keep", "grow", "new"]))
+            if change == "grow" and len(table) < width:
+                table.append(data.draw(block))  # in place, as BlockManager.allocate
+            elif change == "new":  # freed and admitted again, or another sequence
+                live[k] = data.draw(st.lists(block, min_size=1, max_size=width))
+        b = data.draw(st.integers(1, max_num_seqs))
+        tables = data.draw(st.permutations(live))[:b]
+        bs = graphs.fill(DecodeChunks([0] * b, [0] * b, tables))
+        assert graphs.batch_view(bs).block_tables.tolist() == \
+            [t + [0] * (width - len(t)) for t in tables] + [[0] * width] * (bs - b)
 
 
 def test_compiled_forward_recompiles_a_bounded_number_of_times_over_the_buckets():

@@ -202,7 +202,7 @@ class BlockManager:
                 self.free[b] = None
                 if block.node is None:
                     self.free.move_to_end(b, last=False)
-        seq.block_table = []
+        seq.block_table = []  # a new list: a table only ever grows in place (runner.StepInput)
         seq.num_registered_blocks = 0
 
     def reset_prefix_cache(self) -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..functional.sampling import SamplingRow
-from ..state.batch import SeqChunk
+from ..state.batch import DecodeChunks, SeqChunk
 from ..state.config import FP8_DTYPES
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -264,21 +264,27 @@ class LLMEngine:
         StepInput before launch() / execute() return (see StepInput), and tables change only
         after that, when the next step is scheduled."""
         # Runs for each sequence each step: chunks unpacked, properties read as what they compute.
-        chunks = [SeqChunk(seq.token_ids[start:start + n], start, seq.block_table, want)
-                  for seq, start, n, want in out.chunks]
         sampled = [c.seq for c in out.sampled]
-        # A sequence's kept row is reusable for good: only plain rows are kept (_sampling_row).
-        rows = [row if (row := seq.sampling_row) is not None else self._sampling_row(seq)
-                for seq in sampled]
-        steps = tuple([len(seq.token_ids) - seq.prompt_len for seq in sampled])  # num_output
-        fed_back = []
-        if prev is not None:
-            prev_row = {c.seq: r for r, c in enumerate(prev.sampled)}
-            offset = 0
+        prev_row = {} if prev is None else {c.seq: r for r, c in enumerate(prev.sampled)}
+        if out.num_tokens == len(out.chunks) == len(sampled):
+            # A decode step (one token a sequence, each sampled): as columns, and a sequence
+            # with a pending token is at it.
+            chunks = DecodeChunks([seq.token_ids[start] for seq, start, _, _ in out.chunks],
+                                  [c.start for c in out.chunks],
+                                  [seq.block_table for seq in sampled])
+            fed_back = [(i, prev_row[seq]) for i, seq in enumerate(sampled) if seq.num_pending]
+        else:
+            chunks = [SeqChunk(seq.token_ids[start:start + n], start, seq.block_table, want)
+                      for seq, start, n, want in out.chunks]
+            fed_back, offset = [], 0
             for seq, start, n, _ in out.chunks:
                 offset += n
                 if seq.num_pending and start + n == len(seq.token_ids):
                     fed_back.append((offset - 1, prev_row[seq]))
+        # A sequence's kept row is reusable for good: only plain rows are kept (_sampling_row).
+        rows = [row if (row := seq.sampling_row) is not None else self._sampling_row(seq)
+                for seq in sampled]
+        steps = tuple([len(seq.token_ids) - seq.prompt_len for seq in sampled])  # num_output
         return StepInput(chunks, rows, tuple(fed_back), steps)
 
     def step(self, *, unfinished: bool = True) -> list[RequestOutput]:
@@ -384,7 +390,9 @@ class LLMEngine:
             touched = dict.fromkeys(c.seq.request_id for c in out.chunks)
             touched.update(dict.fromkeys(s.request_id for s in out.preempted))
         else:  # only requests that can have finished: those with a sequence finished this step
-            touched = dict.fromkeys(c.seq.request_id for c in out.sampled if c.seq.finished)
+            finished = Status.FINISHED
+            touched = dict.fromkeys([c.seq.request_id for c in out.sampled
+                                     if c.seq.status is finished])
         outputs = []
         for request_id in touched:
             request = self.requests.get(request_id)
@@ -412,6 +420,8 @@ class LLMEngine:
             s.tokens_recomputed += max(0, last - max(c.start, c.seq.prompt_len))
 
     def _postprocess(self, seqs: list[Sequence], result: StepResult) -> None:
+        if self.tokenizer is None and result.logprobs is None:
+            return  # nothing to record (bench's random weights: every step of the run)
         for k, seq in enumerate(seqs):
             p = seq.params
             tok = seq.token_ids[seq.num_known - 1]

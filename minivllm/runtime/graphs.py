@@ -23,10 +23,11 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from ..functional.model import forward
-from ..state.batch import Batch
+from ..state.batch import Batch, DecodeChunks
 from ..state.cache import KVCache
 from ..state.params import Params
 from .compiled import compiled_forward
@@ -37,6 +38,8 @@ log = logging.getLogger("minivllm")
 # The fields a decode step fills, in their packed order (ids first: a step that keeps the ids
 # copies from positions on; block tables last: it copies only its bucket's rows of them).
 STEP_FIELDS = ("input_ids", "positions", "slot_mapping", "context_lens", "block_tables")
+
+PYTHON_SLOTS_MAX_ROWS = 32  # DecodeGraphs.fill: up to this many rows, slots are found in Python
 
 
 def warm_up_and_capture(run, stream: torch.cuda.Stream, pool=None):
@@ -102,6 +105,9 @@ class DecodeGraphs:
         self.input_ids, self.positions, self.slot_mapping, self.context_lens, \
             self.block_tables = (self.inputs.views[k] for k in STEP_FIELDS)
         self.slot_mapping.fill_(-1)
+        # Per staging, per row: (the block table its row holds, that table's length then), or
+        # None for a row of zeros (fill).
+        self.tables_held = [[None] * n for _ in self.inputs.staging]
         self.context_lens.fill_(1)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
@@ -191,28 +197,51 @@ class DecodeGraphs:
                 return size
         return None
 
-    def fill(self, input_ids: list[int], positions: list[int], slots: list[int],
-             context_lens: list[int], block_tables: list[list[int]], *,
-             keep_ids: bool = False) -> int:
+    def fill(self, chunks: DecodeChunks, *, keep_ids: bool = False) -> int:
         """Copy one decode step (B rows) into the static buffers, padding to the bucket. Returns
-        the bucket size. Host work is numpy only (no tensor ops but the one copy). keep_ids:
-        leave the device's input ids as they are (the last replay's greedy pick put them
-        there) and copy the other fields only."""
-        b = len(input_ids)
+        the bucket size. Host work is numpy only (no tensor ops but the one copy); each row's
+        slot and context length follow from its position and table. keep_ids: leave the
+        device's input ids as they are (the last replay's greedy pick put them there) and copy
+        the other fields only."""
+        b = len(chunks)
         bs = self.bucket(b)
         m = self.block_tables.shape[1]
         host = self.inputs.next_host()
         ids, pos, slot_rows, ctx, tables = (host[k] for k in STEP_FIELDS)
-        ids[:b], pos[:b], slot_rows[:b], ctx[:b] = input_ids, positions, slots, context_lens
+        ids[:b], pos[:b] = chunks.input_ids, chunks.positions
         ids[b:bs] = pos[b:bs] = 0
         slot_rows[b:bs] = -1
         ctx[b:bs] = 1
-        tables[:bs] = 0
-        # A row at a time: one numpy assignment a row beat the vectorised scatter (seven numpy
-        # calls) at every batch size measured, 1.1 against 7.9 us at 1 row, 168 against 350 at
-        # 128 rows of 40-167 blocks (this repository's CPU).
-        for row, table in enumerate(block_tables):
+        # A row at a time, and only where this staging holds another table than the row's or a
+        # shorter one: a table only grows in place (StepInput), so most rows of a steady batch
+        # are there already (one numpy assignment a row beat the vectorised scatter, seven
+        # numpy calls, at every batch size measured: 168 against 350 us at 128 rows of 40-167
+        # blocks on this repository's CPU; skipping a row costs a fifth of writing it).
+        held = self.tables_held[self.inputs.turn]
+        for row, table in enumerate(chunks.block_tables):
+            was = held[row]
+            if was is not None and was[0] is table and was[1] == len(table):
+                continue
             tables[row, :len(table)] = table
+            if was is not None and was[1] > len(table):
+                tables[row, len(table):was[1]] = 0
+            held[row] = (table, len(table))
+        for row in range(b, bs):  # padding rows: zeros
+            if held[row] is not None:
+                tables[row, :held[row][1]] = 0
+                held[row] = None
+        # Each row's slot and context length (make_batch's), in Python for a few rows: numpy's
+        # eight calls cost ~15 us on this repository's CPU, as much as Python's loop at ~40 rows.
+        block_size = self.cache.block_size
+        if b <= PYTHON_SLOTS_MAX_ROWS:
+            slot_rows[:b] = [table[p // block_size] * block_size + p % block_size
+                             for table, p in zip(chunks.block_tables, chunks.positions)]
+            ctx[:b] = [p + 1 for p in chunks.positions]
+        else:
+            positions = pos[:b]
+            blocks = tables[np.arange(b), positions // block_size].astype(np.int64)
+            slot_rows[:b] = blocks * block_size + positions % block_size
+            ctx[:b] = positions + 1
         # Rows past bs are stale but no graph of bucket bs reads them.
         offsets = self.inputs.offsets
         start = offsets["positions"] if keep_ids else 0

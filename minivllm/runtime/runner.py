@@ -11,6 +11,7 @@ issue 6 plugs into. CUDA graphs and torch.compile for decode (issue 5) belong in
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import operator
@@ -25,7 +26,7 @@ from ..functional.model import forward
 from ..functional.sampling import (SampleOutput, SamplingBatch, SamplingRow, make_sampling_batch,
                                   plain_greedy, sample, with_steps)
 from ..kernels import select_backend
-from ..state.batch import SeqChunk, decode_rows, make_batch
+from ..state.batch import DecodeChunks, SeqChunk, make_batch
 from ..state.cache import init_cache
 from ..state.config import ceil_div
 from ..state.load import load
@@ -66,12 +67,21 @@ class StepInput:
 
     A runner is done with a StepInput when launch() / execute() return (the tensor-parallel
     executor pickles it before): the engine passes the sequences' live block tables, which
-    it changes only after that."""
+    it changes only after that, and only by appending (a sequence whose blocks are freed gets
+    a new list). The decode graphs rely on it: a row whose table is the same list at the same
+    length as when they last copied it is not copied again (DecodeGraphs.fill)."""
 
     chunks: list[SeqChunk]
     rows: list[SamplingRow]
     fed_back: tuple[tuple[int, int], ...] = ()
     steps: tuple[int, ...] | None = None
+
+
+@functools.lru_cache(maxsize=8)
+def same_rows(n: int) -> tuple[tuple[int, int], ...]:
+    """fed_back when each of n rows takes its own row's token (a steady decode batch): compared
+    as one tuple, in C."""
+    return tuple((i, i) for i in range(n))
 
 
 @dataclass(frozen=True)
@@ -467,7 +477,7 @@ class ModelRunner:
         if self.last_tokens is None:
             raise ValueError("a step feeds back tokens but no step was launched before it")
         n = len(step.fed_back)
-        if step.fed_back[-1] == (n - 1, n - 1) and all(i == r for i, r in step.fed_back):
+        if step.fed_back == same_rows(n):
             # Row k's token is input k (a decode step whose batch did not change): one copy.
             input_ids[:n].copy_(self.last_tokens[:n])
             return
@@ -502,15 +512,15 @@ class ModelRunner:
         # read in stream order before the next replay rewrites it).
         greedy = self.graphs.picks_greedy(b) and all(map(plain_greedy, step.rows))
         with trace_range("prepare_decode"):
-            rows = decode_rows(step.chunks, self.block_size)
+            chunks = step.chunks if isinstance(step.chunks, DecodeChunks) else \
+                DecodeChunks.of(step.chunks)
             # The sampling batch's copies go first: queued behind the replay, copies from pageable
             # memory would make the host wait for the whole forward before sampling could start.
             sb = None if greedy else self._sampling_batch(step)
             # After a step that took the graph's pick, the pick is in the input ids already:
             # when every row's token comes back to its own row, they need no copy.
-            keep_ids = ids_in_graph and len(step.fed_back) == b and \
-                all(i == r for i, r in step.fed_back)
-            self.graphs.fill(*rows, keep_ids=keep_ids)
+            keep_ids = ids_in_graph and step.fed_back == same_rows(b)
+            self.graphs.fill(chunks, keep_ids=keep_ids)
             if not keep_ids:
                 self._feed_back(self.graphs.input_ids, step)
         with trace_range("replay"):
@@ -554,9 +564,11 @@ class ModelRunner:
         return sample(logits, sb) if sb is not None else None
 
     def _graph_step(self, step: StepInput) -> bool:
-        return (self.graphs is not None and len(step.chunks) == len(step.rows)
-                and self.graphs.bucket(len(step.chunks)) is not None
-                and all(len(c.token_ids) == 1 and c.want_logits for c in step.chunks))
+        chunks = step.chunks
+        return (self.graphs is not None and len(chunks) == len(step.rows)  # all want logits
+                and self.graphs.bucket(len(chunks)) is not None
+                and (isinstance(chunks, DecodeChunks)
+                     or all(len(c.token_ids) == 1 and c.want_logits for c in chunks)))
 
     def launch(self, step: StepInput) -> PendingStep:
         """Queue the step's forward and sampling on the device and return without waiting."""

@@ -91,17 +91,20 @@ def stop_by_token(seq: Sequence, max_model_len: int, at: int | None = None
     return stop_by_count(seq, max_model_len, at + 1)
 
 
+def length_limit(seq: Sequence, max_model_len: int) -> int:
+    """The tokens (prompt included) at which seq ends by length: max_tokens or max_model_len."""
+    p = seq.params
+    if p.max_tokens is None:
+        return max_model_len
+    return min(seq.prompt_len + p.max_tokens, max_model_len)
+
+
 def stop_by_count(seq: Sequence, max_model_len: int, num_tokens: int | None = None
                   ) -> tuple[str, None] | None:
     """("length", None) when a sequence of `num_tokens` tokens (default all it has, pending
     included) has reached max_tokens or max_model_len: known without the tokens' values."""
     num_tokens = seq.num_tokens if num_tokens is None else num_tokens
-    p = seq.params
-    if p.max_tokens is not None and num_tokens - seq.prompt_len >= p.max_tokens:
-        return "length", None
-    if num_tokens >= max_model_len:
-        return "length", None
-    return None
+    return ("length", None) if num_tokens >= length_limit(seq, max_model_len) else None
 
 
 def _decodes_first(seq: Sequence) -> tuple[bool, int]:
@@ -144,6 +147,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
+        seq.max_num_tokens = length_limit(seq, self.max_model_len)
         bisect.insort(self.waiting, seq, key=lambda s: s.seq_id)
 
     def has_unfinished(self) -> bool:
@@ -181,31 +185,26 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        scheduled: set[int] = set()
 
         # 1. Running sequences: decodes first, then chunks of unfinished prefills. (This loop runs
-        # for each sequence each step: what it calls is looked up once.)
-        running, max_model_len, can_allocate = Status.RUNNING, self.max_model_len, \
-            self.bm.can_allocate
+        # for each sequence each step: what it reads is looked up once, and a decode whose table
+        # holds its token already, most of them, calls nothing to allocate.)
+        running, block_size = Status.RUNNING, self.bm.block_size
         for seq in sorted(self.running, key=self._sort_key):
             if budget == 0:
                 break
             if seq.status is not running:  # preempted earlier in this loop
                 continue
-            if seq.num_pending and stop_by_count(seq, max_model_len):
+            num_tokens = len(seq.token_ids)
+            if seq.num_pending and num_tokens >= seq.max_num_tokens:
                 continue  # its pending token is its last
-            n = min(len(seq.token_ids) - seq.num_computed, budget)  # num_uncomputed
-            while not can_allocate(seq, seq.num_computed + n):
-                victim = max((s for s in self.running if s.seq_id not in scheduled),
-                             key=lambda s: s.seq_id)
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
-                self._schedule(out, seq, seq.num_computed, n)
-                scheduled.add(seq.seq_id)
-                budget -= n
+            start = seq.num_computed
+            n = min(num_tokens - start, budget)
+            if len(seq.block_table) * block_size < start + n and \
+                    not self._grow(out, seq, start + n):
+                continue  # preempted to make room for itself
+            self._schedule(out, seq, start, n)
+            budget -= n
 
         # 2. Waiting sequences, oldest first; none while memory is short (something was preempted).
         while (not out.preempted and self.waiting and budget > 0
@@ -228,11 +227,28 @@ class Scheduler:
             budget -= n
         return out
 
+    def _grow(self, out: SchedulerOutput, seq: Sequence, num_tokens: int) -> bool:
+        """Grow running seq's table to `num_tokens` tokens, preempting the newest sequences not
+        scheduled this step while blocks are short. False when seq itself was preempted."""
+        while not self.bm.can_allocate(seq, num_tokens):
+            scheduled = {c.seq.seq_id for c in out.chunks}
+            victim = max((s for s in self.running if s.seq_id not in scheduled),
+                         key=lambda s: s.seq_id)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        self.bm.allocate(seq, num_tokens)
+        return True
+
     def _schedule(self, out: SchedulerOutput, seq: Sequence, start: int, n: int) -> None:
+        """Schedule seq's tokens start ... start + n - 1, its table holding them already."""
         end, num_tokens = start + n, len(seq.token_ids)
-        self.bm.allocate(seq, end)
-        # A block's hash covers its ids: a block holding a pending token waits for a later step.
-        self.bm.register_full_blocks(seq, min(end, num_tokens - seq.num_pending))
+        # A block is registered under its ids: one holding a pending token waits for a later
+        # step. Most steps fill no block (a decode fills one every block_size steps).
+        known = min(end, num_tokens - seq.num_pending)
+        if known // self.bm.block_size > seq.num_registered_blocks:
+            self.bm.register_full_blocks(seq, known)
         out.add(ScheduledChunk(seq, start, n, end == num_tokens))
 
     def abandon(self, out: SchedulerOutput) -> None:
@@ -263,18 +279,20 @@ class Scheduler:
         chunks = out.sampled
         if len(sampled) != len(chunks):
             raise ValueError(f"{len(sampled)} sampled tokens for {len(chunks)} sampled sequences")
-        got = []
+        got, finished = [], Status.FINISHED
         for chunk, tok in zip(chunks, sampled):
             seq = chunk.seq
-            if seq.finished:
+            if seq.status is finished:
                 continue
-            at = seq.num_tokens - seq.num_pending
-            seq.token_ids[at] = int(tok)
+            at = len(seq.token_ids) - seq.num_pending
+            seq.token_ids[at] = tok = int(tok)
             seq.num_pending -= 1
             got.append(seq)
-            stop = stop_by_token(seq, self.max_model_len, at)
-            if stop is not None:
-                self.finish(seq, *stop)
+            # Most tokens end nothing: stop_by_token only for an ending id or the last token.
+            if tok in seq.ending_ids or at + 1 >= seq.max_num_tokens:
+                stop = stop_by_token(seq, self.max_model_len, at)
+                if stop is not None:
+                    self.finish(seq, *stop)
         return got
 
     def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:

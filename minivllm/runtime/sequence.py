@@ -35,10 +35,13 @@ class Sequence:
         self.params = params
         self.seed = seed  # the sampler's counter key (the request's seed, or one drawn for it)
         self.eos_ids = eos_ids
+        # The ids that can end it (whether they do depends on min_tokens: stop_by_token).
+        self.ending_ids = frozenset((*(() if params.ignore_eos else eos_ids), *params.stop_ids))
         self.prompt_len = len(prompt_ids)
         self.token_ids: list[int] = list(prompt_ids)
         self.num_computed = 0
         self.num_pending = 0  # trailing PENDING entries of token_ids (tokens still being sampled)
+        self.max_num_tokens = 0  # where it ends by length (the scheduler sets it: length_limit)
         # Penalties read the generated ids themselves, so a penalised sequence never runs with a
         # pending token (the engine resolves the previous step before scheduling it).
         self.penalised = (params.presence_penalty != 0 or params.frequency_penalty != 0

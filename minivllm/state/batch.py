@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+from collections import abc
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -67,13 +68,43 @@ def slot_of(block_table: Sequence[int], position: int, block_size: int) -> int:
     return block_table[position // block_size] * block_size + position % block_size
 
 
-def decode_rows(chunks: Sequence[SeqChunk], block_size: int):
-    """A decode step's per-row host arrays (one new token per chunk): ids, positions, slots,
-    context lengths and block tables, as lists (what the CUDA-graph buffers are filled from)."""
-    ids = [c.token_ids[0] for c in chunks]
-    positions = [c.num_cached for c in chunks]
-    slots = [slot_of(c.block_table, p, block_size) for c, p in zip(chunks, positions)]
-    return ids, positions, slots, [p + 1 for p in positions], [c.block_table for c in chunks]
+class DecodeChunks(abc.Sequence):
+    """A decode step's chunks held as columns: each sequence brings one new token, at
+    `positions[b]` (the tokens cached before it), and wants its logits. The engine builds a
+    decode step's rows as three lists, not a SeqChunk a row, and the CUDA graphs' buffers are
+    filled from the columns; indexed, it gives each row's SeqChunk, so that it serves wherever
+    chunks do (make_batch, a tensor-parallel rank's pickled step)."""
+
+    __slots__ = ("input_ids", "positions", "block_tables")
+
+    def __init__(self, input_ids: list[int], positions: list[int],
+                 block_tables: list[Sequence[int]]):
+        if not len(input_ids) == len(positions) == len(block_tables):
+            raise ValueError(f"DecodeChunks' columns differ in length: {len(input_ids)} ids, "
+                             f"{len(positions)} positions, {len(block_tables)} block tables")
+        self.input_ids, self.positions, self.block_tables = input_ids, positions, block_tables
+
+    @classmethod
+    def of(cls, chunks: Sequence[SeqChunk]) -> DecodeChunks:
+        """The columns of chunks that each bring one token and want logits."""
+        if not all(len(c.token_ids) == 1 and c.want_logits for c in chunks):
+            raise ValueError("a decode step's chunks each bring one token and want logits")
+        return cls([c.token_ids[0] for c in chunks], [c.num_cached for c in chunks],
+                   [c.block_table for c in chunks])
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        return SeqChunk([self.input_ids[i]], self.positions[i], self.block_tables[i], True)
+
+    def __reduce__(self):  # pickled as its columns (__slots__, no __dict__)
+        return DecodeChunks, (self.input_ids, self.positions, self.block_tables)
+
+    def __repr__(self):
+        return f"DecodeChunks({len(self)} rows)"
 
 
 def batch_arrays(chunks: Sequence[SeqChunk], *, block_size: int, max_blocks: int | None = None,
