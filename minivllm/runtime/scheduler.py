@@ -63,14 +63,6 @@ class SchedulerOutput:
     prefills: list[ScheduledChunk] = field(default_factory=list)
     num_tokens: int = 0
 
-    def add(self, chunk: ScheduledChunk) -> None:
-        self.chunks.append(chunk)
-        self.num_tokens += chunk.num_tokens
-        if chunk.want_logits:
-            self.sampled.append(chunk)
-        if chunk.num_tokens > 1 or chunk.start < chunk.seq.prompt_len:
-            self.prefills.append(chunk)
-
     @property
     def empty(self) -> bool:
         return not self.chunks
@@ -249,7 +241,13 @@ class Scheduler:
         known = min(end, num_tokens - seq.num_pending)
         if known // self.bm.block_size > seq.num_registered_blocks:
             self.bm.register_full_blocks(seq, known)
-        out.add(ScheduledChunk(seq, start, n, end == num_tokens))
+        chunk = ScheduledChunk(seq, start, n, end == num_tokens)
+        out.chunks.append(chunk)
+        out.num_tokens += n
+        if end == num_tokens:
+            out.sampled.append(chunk)
+        if n > 1 or start < seq.prompt_len:
+            out.prefills.append(chunk)
 
     def abandon(self, out: SchedulerOutput) -> None:
         """`out` will never run (its launch raised): unregister the blocks it registered, whose
