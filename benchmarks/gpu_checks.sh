@@ -416,11 +416,13 @@ fp8_ab)
   done
   ;;
 host_ab)
-  # nvidia-h200 (<= 590 s on a fresh machine): session 31's host cuts (b3a39c9 .. 1daf157:
-  # host_cost.py ~30% fewer ms a step at 256 rows on the CPU machine) against OLD (their parent
-  # 6d90a5a, unpacked: git archive 6d90a5a | tar -x -C dbg/old), bf16, alternating, every run's
-  # steps split into host work and waiting by step_floor.py; one fp8 run of this tree between
-  # them; then test_engine.py (eager engines on CUDA since session 32) for the time left.
+  # nvidia-h200 (<= 590 s on a fresh machine): host cuts against OLD (an unpacked tree: git
+  # archive REV | tar -x -C dbg/old), alternating, every run's steps split into host work and
+  # waiting by step_floor.py; then test_engine.py (eager engines on CUDA since session 32) for
+  # the time left. RUNS names each run N_SIDE_KV (side new or old, KV cache bf16 or fp8). Session
+  # 31 ran its cuts with the default; session 47's (07d70f6, 3f2143d: host_cost.py ~40% fewer
+  # ms a step at 256 rows on the CPU machine) want the fp8 cache, whose run the host bounds:
+  # RUNS="1_new_fp8 2_old_fp8 3_new_fp8 4_old_fp8 5_new_bf16 6_old_bf16".
   if [ ! -d "${OLD:-}/minivllm" ]; then
     echo "host_ab: set OLD to an unpacked tree to compare against (OLD=dbg/old)" >&2
     exit 2

@@ -62,9 +62,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.in_flight = None  # (SchedulerOutput, sampled tokens) not yet resolved
 
     @rule(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=14),
-          max_tokens=st.integers(1, 10), stop_eos=st.booleans(), n=st.integers(1, 2))
-    def add_request(self, prompt, max_tokens, stop_eos, n):
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=not stop_eos, n=n)
+          max_tokens=st.integers(1, 10), stop_eos=st.booleans(), n=st.integers(1, 2),
+          stop_ids=st.lists(st.integers(0, VOCAB - 1), max_size=2), min_tokens=st.integers(0, 3))
+    def add_request(self, prompt, max_tokens, stop_eos, n, stop_ids, min_tokens):
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=not stop_eos, n=n,
+                                stop_token_ids=stop_ids, min_tokens=min(min_tokens, max_tokens))
         # The engine refuses what can never fit; the scheduler may assume it.
         longest = min(len(prompt) + max_tokens, self.max_model_len) - 1
         if self.bm.blocks_for(longest) > self.bm.num_blocks:

@@ -181,6 +181,29 @@ def test_make_batch_rejects_bad_chunks():
     make_batch([SeqChunk([0, 49], torch.tensor(2), [7], np.bool_(True))], block_size=4)
 
 
+def test_decode_chunks_are_the_chunks_they_hold():
+    """DecodeChunks (a decode step as columns) stands wherever its rows' SeqChunks do: indexed,
+    sliced, pickled (a tensor-parallel rank's step) and packed by make_batch."""
+    import pickle
+
+    from minivllm.state.batch import DecodeChunks
+
+    chunks = [SeqChunk([7], 5, [3, 1]), SeqChunk([2], 0, [4]), SeqChunk([9], 8, [0, 2, 5])]
+    cols = DecodeChunks.of(chunks)
+    assert len(cols) == 3 and list(cols) == chunks and cols[1:] == chunks[1:]
+    again = pickle.loads(pickle.dumps(cols))
+    assert isinstance(again, DecodeChunks) and list(again) == chunks
+    a, b = make_batch(cols, block_size=4), make_batch(chunks, block_size=4)
+    for x, y in zip(pytree.tree_leaves(a), pytree.tree_leaves(b)):
+        assert torch.equal(x, y)
+    with pytest.raises(ValueError, match="one token"):
+        DecodeChunks.of([SeqChunk([1, 2], 0, [0])])
+    with pytest.raises(ValueError, match="one token"):
+        DecodeChunks.of([SeqChunk([1], 0, [0], want_logits=False)])
+    with pytest.raises(ValueError, match="differ in length"):
+        DecodeChunks([1, 2], [0], [[0], [1]])
+
+
 def test_shard_spec_ranges():
     c = ModelConfig(vocab_size=51, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=8,
                     num_kv_heads=2, head_dim=4)
