@@ -118,6 +118,8 @@ def batch_arrays(chunks: Sequence[SeqChunk], *, block_size: int, max_blocks: int
     session 6's prefill trace)."""
     if not chunks:
         raise ValueError("a batch needs at least one sequence")
+    if isinstance(chunks, DecodeChunks):
+        chunks = list(chunks)  # its rows made once: they are read four times below
     width = max(max_blocks or 0, max(len(c.block_table) for c in chunks), 1)
     tables = np.full((len(chunks), width), -1, dtype=np.int32)
     lens = np.empty(len(chunks), dtype=np.int64)
