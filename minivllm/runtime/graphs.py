@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..functional.model import forward
-from ..state.batch import Batch, DecodeChunks
+from ..state.batch import Batch, DecodeChunks, slot_of
 from ..state.cache import KVCache
 from ..state.params import Params
 from .compiled import compiled_forward
@@ -234,7 +234,7 @@ class DecodeGraphs:
         # eight calls cost ~15 us on this repository's CPU, as much as Python's loop at ~40 rows.
         block_size = self.cache.block_size
         if b <= PYTHON_SLOTS_MAX_ROWS:
-            slot_rows[:b] = [table[p // block_size] * block_size + p % block_size
+            slot_rows[:b] = [slot_of(table, p, block_size)
                              for table, p in zip(chunks.block_tables, chunks.positions)]
             ctx[:b] = [p + 1 for p in chunks.positions]
         else:

@@ -26,7 +26,7 @@ from ..functional.model import forward
 from ..functional.sampling import (SampleOutput, SamplingBatch, SamplingRow, make_sampling_batch,
                                   plain_greedy, sample, with_steps)
 from ..kernels import select_backend
-from ..state.batch import DecodeChunks, SeqChunk, make_batch
+from ..state.batch import DecodeChunks, SeqChunk, is_decode_step, make_batch
 from ..state.cache import init_cache
 from ..state.config import ceil_div
 from ..state.load import load
@@ -567,8 +567,7 @@ class ModelRunner:
         chunks = step.chunks
         return (self.graphs is not None and len(chunks) == len(step.rows)  # all want logits
                 and self.graphs.bucket(len(chunks)) is not None
-                and (isinstance(chunks, DecodeChunks)
-                     or all(len(c.token_ids) == 1 and c.want_logits for c in chunks)))
+                and is_decode_step(chunks))
 
     def launch(self, step: StepInput) -> PendingStep:
         """Queue the step's forward and sampling on the device and return without waiting."""

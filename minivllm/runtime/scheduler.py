@@ -241,10 +241,11 @@ class Scheduler:
         known = min(end, num_tokens - seq.num_pending)
         if known // self.bm.block_size > seq.num_registered_blocks:
             self.bm.register_full_blocks(seq, known)
-        chunk = ScheduledChunk(seq, start, n, end == num_tokens)
+        want_logits = end == num_tokens
+        chunk = ScheduledChunk(seq, start, n, want_logits)
         out.chunks.append(chunk)
         out.num_tokens += n
-        if end == num_tokens:
+        if want_logits:
             out.sampled.append(chunk)
         if n > 1 or start < seq.prompt_len:
             out.prefills.append(chunk)

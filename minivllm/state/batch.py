@@ -68,6 +68,12 @@ def slot_of(block_table: Sequence[int], position: int, block_size: int) -> int:
     return block_table[position // block_size] * block_size + position % block_size
 
 
+def is_decode_step(chunks: Sequence[SeqChunk]) -> bool:
+    """Whether every chunk brings one token and wants its logits (a DecodeChunks does)."""
+    return isinstance(chunks, DecodeChunks) or \
+        all(len(c.token_ids) == 1 and c.want_logits for c in chunks)
+
+
 class DecodeChunks(abc.Sequence):
     """A decode step's chunks held as columns: each sequence brings one new token, at
     `positions[b]` (the tokens cached before it), and wants its logits. The engine builds a
@@ -87,7 +93,7 @@ class DecodeChunks(abc.Sequence):
     @classmethod
     def of(cls, chunks: Sequence[SeqChunk]) -> DecodeChunks:
         """The columns of chunks that each bring one token and want logits."""
-        if not all(len(c.token_ids) == 1 and c.want_logits for c in chunks):
+        if not is_decode_step(chunks):
             raise ValueError("a decode step's chunks each bring one token and want logits")
         return cls([c.token_ids[0] for c in chunks], [c.num_cached for c in chunks],
                    [c.block_table for c in chunks])
