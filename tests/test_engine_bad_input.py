@@ -4,10 +4,12 @@ so that the next call gives exactly what it would have given."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from minivllm import SamplingParams
+from minivllm.runtime.config import EngineConfig
 
 from engine_helpers import make_llm
 from hf_tiny import make_hf_model, save_checkpoint
@@ -53,6 +55,8 @@ BAD_PROMPTS = {
     "string without tokenizer": "hello",
     "a bare list": [1, 2, 3],
     "dict without ids": {"text": "x"},
+    "0-d tensor of ids": {"prompt_token_ids": torch.tensor(5)},
+    "bool ids": {"prompt_token_ids": torch.tensor([True, False])},
 }
 
 
@@ -76,13 +80,56 @@ BAD_PARAMS = [
     # silently taken before: a dict's keys as stop strings, an int, a truthy string as a flag
     dict(stop={"a": 1}), dict(stop=5), dict(stop_token_ids=5), dict(ignore_eos="no"),
     dict(include_stop_str_in_output=1), dict(temperature=1e39),
+    # an int too large for a float (once an OverflowError), bools in numpy / torch form
+    dict(temperature=10**400), dict(max_tokens=torch.tensor(True)), dict(n=np.bool_(True)),
+    dict(stop_token_ids=[np.bool_(True)]),
 ]
 
 
-@pytest.mark.parametrize("kw", BAD_PARAMS, ids=[str(k) for k in BAD_PARAMS])
+@pytest.mark.parametrize("kw", BAD_PARAMS, ids=[str(k)[:60] for k in BAD_PARAMS])
 def test_invalid_sampling_params_raise(kw):
     with pytest.raises(ValueError, match="SamplingParams"):
         SamplingParams(**kw)
+
+
+def test_numpy_and_torch_scalars_are_taken_as_python_numbers():
+    """As vLLM, which does not type-check them: counts and ids often come out of arrays."""
+    given = SamplingParams(n=np.int64(2), top_k=np.int32(5), seed=torch.tensor(7),
+                           max_tokens=np.uint16(9), min_tokens=np.int8(1), logprobs=np.int64(3),
+                           temperature=np.float32(0.5), top_p=np.float64(0.9), min_p=np.float16(0),
+                           repetition_penalty=np.int64(1), stop_token_ids=[np.int64(4)])
+    want = SamplingParams(n=2, top_k=5, seed=7, max_tokens=9, min_tokens=1, logprobs=3,
+                          temperature=0.5, top_p=0.9, min_p=0.0, repetition_penalty=1.0,
+                          stop_token_ids=[4])
+    for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "temperature",
+                 "top_p", "min_p", "repetition_penalty", "stop_ids"):
+        assert type(getattr(given, name)) is type(getattr(want, name)), name
+        assert getattr(given, name) == getattr(want, name), name
+    assert type(given.stop_ids[0]) is int
+
+
+def test_engine_options_take_numpy_integers_and_refuse_non_bool_flags(tiny_dir):
+    config = EngineConfig.create(tiny_dir, device="cpu", max_model_len=np.int64(48),
+                                 num_kv_blocks=np.int32(16), block_size=torch.tensor(4),
+                                 max_num_seqs=np.uint8(8), seed=np.int64(-3),
+                                 gpu_memory_utilization=np.float32(0.5))
+    assert (config.max_model_len, config.num_kv_blocks, config.block_size, config.max_num_seqs,
+            config.seed, config.gpu_memory_utilization) == (48, 16, 4, 8, -3, 0.5)
+    assert all(type(v) is int for v in (config.max_model_len, config.num_kv_blocks,
+                                         config.block_size, config.max_num_seqs, config.seed))
+    # None is the flag's default, as in vLLM; anything but a bool is refused: bool("false") is True.
+    config = EngineConfig.create(tiny_dir, device="cpu", enable_prefix_caching=None,
+                                 async_scheduling=None, enforce_eager=None)
+    assert (config.enable_prefix_caching, config.async_scheduling, config.enforce_eager) == \
+        (True, True, False)
+    for name in ("enable_prefix_caching", "async_scheduling", "enforce_eager"):
+        for value in ("false", 0, 1, np.bool_(False)):
+            with pytest.raises(TypeError, match=name):
+                EngineConfig.create(tiny_dir, device="cpu", **{name: value})
+    for kw in (dict(max_model_len=True), dict(num_kv_blocks=np.float64(16)), dict(seed=None),
+               dict(max_logprobs=-1), dict(gpu_memory_utilization=True)):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            EngineConfig.create(tiny_dir, device="cpu", **kw)
 
 
 @pytest.mark.parametrize("kw", [dict(logprobs=21), dict(stop="x"), dict(stop_token_ids=[101])],

@@ -9,6 +9,7 @@ import torch
 
 from ..state.config import FP8_DTYPES, ModelConfig, config_for_shape, parse_dtype, parse_kv_cache_dtype
 from .distributed import check_tensor_parallel, torchrun_env
+from .values import as_flag, as_int, as_real
 
 
 def is_random_model(model: str) -> bool:
@@ -16,12 +17,17 @@ def is_random_model(model: str) -> bool:
     return model.startswith("random:")
 
 
-def _positive(name: str, value, allow_none: bool = True):
+def _integer(name: str, value, *, least: int | None = 1, allow_none: bool = False) -> int | None:
+    """value as a Python int (an int or a numpy / torch integer scalar) >= least, or None where
+    allowed; else ValueError naming it."""
     if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer{' or None' if allow_none else ''}, "
-                         f"got {value!r}")
+        return None
+    number = as_int(value)
+    if number is None or (least is not None and number < least):
+        what = ("an integer" if least is None else "a positive integer" if least == 1
+                else f"an integer >= {least}")
+        raise ValueError(f"{name} must be {what}{' or None' if allow_none else ''}, got {value!r}")
+    return number
 
 
 @dataclass(frozen=True)
@@ -73,18 +79,21 @@ class EngineConfig:
                              f"checkpoint directory holds config.json and *.safetensors)")
         else:
             model_config = ModelConfig.from_json(model)
-        for name, value in (("max_num_seqs", max_num_seqs), ("block_size", block_size)):
-            _positive(name, value, allow_none=False)
-        for name, value in (("max_model_len", max_model_len), ("num_kv_blocks", num_kv_blocks),
-                            ("max_num_batched_tokens", max_num_batched_tokens)):
-            _positive(name, value)
-        _positive("tensor_parallel_size", tensor_parallel_size, allow_none=False)
-        if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
+        max_num_seqs = _integer("max_num_seqs", max_num_seqs)
+        block_size = _integer("block_size", block_size)
+        tensor_parallel_size = _integer("tensor_parallel_size", tensor_parallel_size)
+        max_model_len = _integer("max_model_len", max_model_len, allow_none=True)
+        num_kv_blocks = _integer("num_kv_blocks", num_kv_blocks, allow_none=True)
+        max_num_batched_tokens = _integer("max_num_batched_tokens", max_num_batched_tokens,
+                                          allow_none=True)
+        seed = _integer("seed", seed, least=None)
+        max_logprobs = _integer("max_logprobs", max_logprobs, least=0)
+        utilization = as_real(gpu_memory_utilization)
+        if utilization is None or not 0 < utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
-        if not isinstance(max_logprobs, int) or isinstance(max_logprobs, bool) or max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be an integer >= 0, got {max_logprobs!r}")
+        enforce_eager = as_flag("enforce_eager", enforce_eager, False)
+        enable_prefix_caching = as_flag("enable_prefix_caching", enable_prefix_caching, True)
+        async_scheduling = as_flag("async_scheduling", async_scheduling, True)
 
         device = _device(device)
         # "auto" keeps the checkpoint's dtype (float32 tiny test checkpoints stay float32).
@@ -130,12 +139,12 @@ class EngineConfig:
         return cls(model=model, model_config=model_config, dtype=dtype, device=device,
                    max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                    max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                   gpu_memory_utilization=float(gpu_memory_utilization), num_kv_blocks=num_kv_blocks,
-                   enforce_eager=bool(enforce_eager), tensor_parallel_size=tensor_parallel_size,
+                   gpu_memory_utilization=utilization, num_kv_blocks=num_kv_blocks,
+                   enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
                    attention_backend=attention_backend, seed=seed,
-                   enable_prefix_caching=bool(enable_prefix_caching), max_logprobs=max_logprobs,
-                   async_scheduling=bool(async_scheduling), kv_cache_dtype=kv_cache_dtype,
-                   persistent_decode=bool(persistent_decode))
+                   enable_prefix_caching=enable_prefix_caching, max_logprobs=max_logprobs,
+                   async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype,
+                   persistent_decode=persistent_decode)
 
 
 def persistent_decode_default(device: torch.device, tensor_parallel_size: int,

@@ -17,9 +17,9 @@ token, which is dropped, and that step() returns a step's outputs one call later
 from __future__ import annotations
 
 import logging
-import operator
 import os
 import random
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,7 @@ from .generation_config import FILE as GEN_FILE, eos_ids_of, read_generation_con
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .runner import ModelRunner, StepInput, StepResult, trace_range
 from .sampling_params import SamplingParams
+from .values import as_int
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import PENDING, Sequence, Status
 
@@ -153,18 +154,19 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: pass {'prompt_token_ids': [...]}")
             ids = self.tokenizer.encode(text)
+        given = ids
+        if hasattr(ids, "tolist"):  # an array or tensor: a 0-d one gives a single int
+            ids = ids.tolist()
         if isinstance(ids, (str, bytes, set, frozenset, dict)) or not hasattr(ids, "__len__"):
-            raise ValueError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
-        ids = list(ids.tolist() if hasattr(ids, "tolist") else ids)
+            raise ValueError(f"prompt_token_ids must be a list of ints, got {reprlib.repr(given)}")
+        ids = list(ids)
         if not ids:
             raise ValueError("the prompt is empty (no tokens)")
         for k, t in enumerate(ids):
-            try:
-                if isinstance(t, bool):
-                    raise TypeError
-                ids[k] = t = operator.index(t)  # ints, and numpy / torch integer scalars
-            except TypeError:
-                raise ValueError(f"prompt_token_ids holds {t!r}, not an int token id") from None
+            ids[k] = as_int(t)  # ints, and numpy / torch integer scalars
+            if ids[k] is None:
+                raise ValueError(f"prompt_token_ids holds {t!r}, not an int token id")
+            t = ids[k]
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {self.vocab_size})")
         return text, ids

@@ -20,6 +20,7 @@ from .generation_config import (FILE as GEN_FILE, eos_ids_of, generation_config_
                                 read_generation_config, sampling_defaults)
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
+from .values import as_flag
 
 log = logging.getLogger("minivllm")
 
@@ -89,6 +90,7 @@ class LLM:
                  skip_tokenizer_init: bool = False, async_scheduling: bool = True,
                  kv_cache_dtype="auto", persistent_decode: bool | None = None,
                  generation_config="auto", override_generation_config: dict | None = None):
+        skip_tokenizer_init = as_flag("skip_tokenizer_init", skip_tokenizer_init, False)
         self.config = EngineConfig.create(
             model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Sequence
+
+from .values import as_int, as_real
 
 
 def _is_int(x) -> bool:
@@ -15,7 +16,15 @@ _FP32_MAX = 3.4028234663852886e38  # the sampler divides fp32 logits by the temp
 
 
 def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A real field's value after __post_init__'s conversion: every finite real is a float."""
+    return isinstance(x, float)
+
+
+# Fields taken as Python ints / floats when given as numpy or torch scalars (the checks below
+# then see plain numbers, and so does everything downstream).
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs")
+_REAL_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
+                "top_p", "min_p")
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,11 @@ class SamplingParams:
         def bad(msg):
             raise ValueError(f"SamplingParams: {msg}")
 
+        for names, convert in ((_INT_FIELDS, as_int), (_REAL_FIELDS, as_real)):
+            for name in names:
+                value = convert(getattr(self, name))
+                if value is not None:
+                    object.__setattr__(self, name, value)
         if not _is_int(self.n) or self.n < 1:
             bad(f"n must be an integer >= 1, got {self.n!r}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -107,9 +121,9 @@ class SamplingParams:
                 bad(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             bad(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
-        ids = () if self.stop_token_ids is None else tuple(self.stop_token_ids)
+        ids = () if self.stop_token_ids is None else tuple(map(as_int, self.stop_token_ids))
         for i in ids:
-            if not _is_int(i) or i < 0:
+            if i is None or i < 0:
                 bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if stop and not self.detokenize:
             bad("stop strings need detokenize=True")
