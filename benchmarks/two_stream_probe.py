@@ -101,7 +101,7 @@ def half_batch(batch: Batch, lo: int, hi: int) -> Batch:
                  slot_mapping=batch.slot_mapping[lo:hi],
                  cu_seqlens_q=batch.cu_seqlens_q[: hi - lo + 1],
                  context_lens=batch.context_lens[lo:hi], block_tables=batch.block_tables[lo:hi],
-                 logits_indices=batch.logits_indices[: hi - lo])
+                 logits_indices=batch.logits_indices[: hi - lo], block_size=batch.block_size)
 
 
 def split_stack(params, cache, parts, pre, post, backend, streams, alternate: bool, keep: list,

@@ -1,11 +1,12 @@
 """Bad input to the functional API: a clear ValueError/TypeError before any work, cache untouched."""
 
+import attrs
 import pytest
 import torch
 import torch.utils._pytree as pytree
 
 import minivllm
-from minivllm.state import ModelConfig
+from minivllm.state import ModelConfig, check_params
 
 CONFIG = ModelConfig(vocab_size=60, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=8, dtype=torch.float32)
@@ -172,6 +173,45 @@ def test_forward_rejects_a_cache_or_batch_not_made_for_it(params):
     with pytest.raises(TypeError, match="Batch"):
         minivllm.forward(params, minivllm.init_cache(params, num_blocks=8, block_size=4),
                          [minivllm.SeqChunk([1, 2], 0, [0])])
+
+
+def test_forward_refuses_a_batch_made_for_another_block_size(params):
+    """Its slots and tables count in blocks of 8 where the cache's hold 16: run, it would write
+    and read other tokens' K/V (it did, silently, before Batch carried its block size)."""
+    table = [3, 1, 2, 0]
+    cache = minivllm.init_cache(params, num_blocks=4, block_size=16)
+    snapshot = [t.clone() for t in pytree.tree_leaves(cache)]
+    batch = minivllm.make_batch([minivllm.SeqChunk(list(range(1, 20)), 0, table)], block_size=8)
+    with pytest.raises(ValueError, match="blocks of 8 tokens, the cache holds blocks of 16"):
+        minivllm.forward(params, cache, batch)
+    assert_untouched(cache, snapshot)
+    right = minivllm.make_batch([minivllm.SeqChunk(list(range(1, 20)), 0, table)], block_size=16)
+    assert minivllm.forward(params, cache, right)[0].shape == (1, CONFIG.vocab_size)
+
+
+def test_params_that_do_not_fit_their_config_are_refused(params, cache):
+    """A hand-built or evolved Params: forward counts its layers, generate checks every weight
+    (each case ran before, or failed deep inside a matmul)."""
+    snapshot = [t.clone() for t in pytree.tree_leaves(cache)]
+    one_layer = attrs.evolve(params, layers=params.layers[:1])
+    batch = minivllm.make_batch([minivllm.SeqChunk([1, 2], 0, [0])], block_size=4)
+    with pytest.raises(ValueError, match="params has 1 layers, its config 2"):
+        minivllm.forward(one_layer, cache, batch)
+    layer = params.layers[1]
+    bad = {
+        r"layers\[1\]\.qkv has shape \(32, 64\)": attrs.evolve(
+            params, layers=(params.layers[0], attrs.evolve(layer, qkv=layer.qkv.T))),
+        r"embed has dtype torch.int64": attrs.evolve(params, embed=params.embed.long()),
+        r"layers\[1\]\.down is torch.float16": attrs.evolve(
+            params, layers=(params.layers[0], attrs.evolve(layer, down=layer.down.half()))),
+        "lm_head is None but the config's embeddings are untied": attrs.evolve(params, lm_head=None),
+        "1 layers": one_layer,
+    }
+    for match, wrong in bad.items():
+        with pytest.raises(ValueError, match=match):
+            minivllm.generate(wrong, cache, [[1, 2]], max_new_tokens=2)
+    assert_untouched(cache, snapshot)
+    check_params(params)
 
 
 def test_seeded_sampling_is_reproducible(params):

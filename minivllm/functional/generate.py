@@ -14,7 +14,7 @@ import torch
 from ..state.batch import SeqChunk, make_batch
 from ..state.cache import KVCache, check_cache_fits
 from ..state.config import ceil_div
-from ..state.params import Params
+from ..state.params import Params, check_params
 from .attention import AttentionBackend
 from .model import forward
 from .sampling import SamplingRow, make_sampling_batch, sample
@@ -97,6 +97,7 @@ def generate(params: Params, cache: KVCache, tokens: Sequence[Sequence[int]], *,
     from ..kernels import select_backend
 
     _check_options(max_new_tokens, temperature, top_k, top_p, seed)
+    check_params(params)
     check_cache_fits(params, cache)
     prompts = _check_prompts(tokens, params.config.vocab_size)
     eos = _check_eos(eos_token_id, params.config.vocab_size)

@@ -56,6 +56,21 @@ def head(params: Params, x: torch.Tensor, residual: torch.Tensor, rows: torch.Te
     return logits_head(params, x, residual, rows).float()
 
 
+def check_step(params: Params, cache: KVCache, batch: Batch) -> None:
+    """What a step can check for free (a few us): a Batch made for the cache's block size, a
+    cache made for the params (check_cache_fits' cheap form), a layer per layer of the config
+    (state.params.check_params checks every weight; generate runs it)."""
+    if not isinstance(batch, Batch):
+        raise TypeError(f"batch must be a Batch (make_batch), got {type(batch).__name__}")
+    check_cache_fits(params, cache, whole=False)
+    if len(params.layers) != params.config.num_layers:
+        raise ValueError(f"params has {len(params.layers)} layers, its config "
+                         f"{params.config.num_layers}")
+    if batch.block_size != cache.block_size:
+        raise ValueError(f"the batch was made for blocks of {batch.block_size} tokens, the cache "
+                         f"holds blocks of {cache.block_size} (make_batch's block_size)")
+
+
 def _layers(params: Params, cache: KVCache, batch: Batch, backend: AttentionBackend, x, residual,
             cos, sin, layer) -> tuple[torch.Tensor, torch.Tensor]:
     config, shard = params.config, params.shard
@@ -69,6 +84,7 @@ def hidden_states(params: Params, cache: KVCache, batch: Batch, backend: Attenti
                   rows: torch.Tensor | None = None, *, layer=decoder_layer) -> torch.Tensor:
     """The final-normed hidden state of each token in `rows` (default all): [rows, hidden].
     Writes this step's K/V into `cache`. `layer` is decoder_layer or a compiled form of it."""
+    check_step(params, cache, batch)
     x, residual, cos, sin = stem(params, batch)
     x, residual = _layers(params, cache, batch, backend, x, residual, cos, sin, layer)
     return final_hidden(params, x, residual, rows)
@@ -87,9 +103,7 @@ def forward(params: Params, cache: KVCache, batch: Batch, backend: AttentionBack
     persistent kernel for every layer (kernels.decode_layer.persistent_layers). What `head`
     returns is what comes back in the logits' place (kernels.decode_head.picking_head: the
     logits and the tiles' maxima of a greedy pick)."""
-    if not isinstance(batch, Batch):
-        raise TypeError(f"batch must be a Batch (make_batch), got {type(batch).__name__}")
-    check_cache_fits(params, cache, whole=False)
+    check_step(params, cache, batch)
     x, residual, cos, sin = stem(params, batch)
     if layers is not None:
         x, residual = layers(params, cache, batch, backend, x, residual, cos, sin)

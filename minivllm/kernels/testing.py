@@ -12,6 +12,7 @@ from typing import Sequence
 
 import attrs
 import torch
+import torch.utils._pytree as pytree
 
 from ..state.batch import Batch, SeqChunk, make_batch
 
@@ -54,7 +55,7 @@ def make_problem(q_lens: Sequence[int], cached: Sequence[int], *, page: int, kv_
         slots = batch.slot_mapping.clone()
         slots[list(skip)] = -1
         batch = attrs.evolve(batch, slot_mapping=slots)
-    batch = Batch(*(getattr(batch, f.name).to(device) for f in attrs.fields(Batch)))
+    batch = pytree.tree_map(lambda t: t.to(device), batch)
 
     t, heads = sum(q_lens), kv_heads * group
 

@@ -145,7 +145,7 @@ class DecodeGraphs:
         return Batch(input_ids=self.input_ids[:bs], positions=self.positions[:bs],
                      slot_mapping=self.slot_mapping[:bs], cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
                      context_lens=self.context_lens[:bs], block_tables=self.block_tables[:bs],
-                     logits_indices=self.logits_indices[:bs])
+                     logits_indices=self.logits_indices[:bs], block_size=self.cache.block_size)
 
     def capture(self) -> None:
         """Warm up (compiling) and capture every bucket, largest first so that the shared pool is

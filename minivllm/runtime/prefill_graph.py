@@ -71,7 +71,7 @@ class PrefillGraph:
         self.device = params.device
         self.inputs = StepInputs(batch_layout(num_tokens, max_num_seqs, max_blocks_per_seq),
                                  self.device)
-        self.batch = Batch(**self.inputs.views)
+        self.batch = Batch(**self.inputs.views, block_size=block_size)
         self.graph = None
         self.logits = None
 

@@ -8,6 +8,8 @@ T tokens from B sequences, packed without padding, sequence after sequence:
   context_lens   [B]      int32  tokens in the cache for the sequence once this step's are written
   block_tables   [B, M]   int32  the blocks holding each sequence's context (-1: unused)
   logits_indices [N]      int64  rows of T that get logits (in prefill, each sequence's last)
+and, static, the block_size the slots and tables count in: forward refuses a cache of another
+(its slots would address other tokens' K/V).
 
 The new tokens of sequence b sit at positions context_lens[b] - q_len_b ... context_lens[b] - 1;
 the earlier ones (a cached prefix or earlier chunks) are read from the cache through block_tables.
@@ -24,7 +26,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
-from .pytree import pytree_class
+from .pytree import pytree_class, static
 
 
 @pytree_class
@@ -36,6 +38,7 @@ class Batch:
     context_lens: torch.Tensor
     block_tables: torch.Tensor
     logits_indices: torch.Tensor
+    block_size: int = static()
 
     @property
     def num_tokens(self) -> int:
@@ -217,4 +220,4 @@ def make_batch(chunks: Sequence[SeqChunk], *, block_size: int, device=None,
         host = torch.from_numpy(np.ascontiguousarray(x))
         return host.pin_memory().to(device, non_blocking=True) if pin else host.to(device)
 
-    return Batch(**{name: t(x) for name, x in arrays.items()})
+    return Batch(**{name: t(x) for name, x in arrays.items()}, block_size=block_size)

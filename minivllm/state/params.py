@@ -17,6 +17,7 @@ LayerParams:
 
 from __future__ import annotations
 
+import attrs
 import torch
 
 from .config import ModelConfig
@@ -77,6 +78,40 @@ def expected_shapes(config: ModelConfig, shard: ShardSpec) -> dict[str, tuple[in
         "gate_up": (2 * (i1 - i0), h),
         "down": (h, i1 - i0),
     }
+
+
+def check_params(params: Params) -> None:
+    """TypeError/ValueError naming what in `params` does not fit its config and shard: the layer
+    count, a tensor's shape, a dtype other than the embedding's float dtype, another device.
+    load and random_params make Params that pass; one built by hand or through attrs.evolve may
+    not (forward, per step, checks only the layer count)."""
+    if not isinstance(params, Params):
+        raise TypeError(f"params must be a Params (minivllm.load, random_params), got "
+                        f"{type(params).__name__}")
+    config = params.config
+    if len(params.layers) != config.num_layers:
+        raise ValueError(f"params has {len(params.layers)} layers, its config {config.num_layers}")
+    if not params.embed.is_floating_point():
+        raise ValueError(f"params.embed has dtype {params.embed.dtype}: weights are float")
+    shapes = expected_shapes(config, params.shard)
+    named = [(name, getattr(params, name)) for name in ("embed", "final_norm", "lm_head")]
+    for i, layer in enumerate(params.layers):
+        if not isinstance(layer, LayerParams):
+            raise TypeError(f"params.layers[{i}] must be a LayerParams, got {type(layer).__name__}")
+        named += [(f"layers[{i}].{f.name}", getattr(layer, f.name)) for f in attrs.fields(LayerParams)]
+    for name, t in named:
+        if t is None and name == "lm_head":
+            if not config.tie_word_embeddings:
+                raise ValueError("params.lm_head is None but the config's embeddings are untied")
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"params.{name} must be a tensor, got {type(t).__name__}")
+        want = shapes[name.rsplit(".", 1)[-1]]
+        if tuple(t.shape) != want:
+            raise ValueError(f"params.{name} has shape {tuple(t.shape)}, expected {want}")
+        if t.dtype != params.dtype or t.device != params.device:
+            raise ValueError(f"params.{name} is {t.dtype} on {t.device}, the embedding "
+                             f"{params.dtype} on {params.device}: one dtype and device throughout")
 
 
 def random_params(config: ModelConfig, *, seed: int = 0, dtype: torch.dtype | str | None = None,
