@@ -287,6 +287,9 @@ def cmd_chat(args) -> int:
     model, params = _model_and_sampling_params(args)
     llm = _make_llm(args, model)
     messages = [{"role": "system", "content": args.system}] if args.system else []
+    # A model without a tokenizer or a chat template can hold no conversation: said once, as
+    # an error (exit 2), not after every line as if /reset could mend it.
+    _chat_prompts(llm, [*messages, {"role": "user", "content": "Hello"}], template)
     interactive = sys.stdin.isatty()
     if interactive:
         print("minivllm chat: type a message; /reset clears the conversation, /exit or Ctrl-D "

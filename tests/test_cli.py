@@ -105,6 +105,33 @@ def test_chat_takes_a_chat_template_and_a_bad_one_is_named(capsys, monkeypatch, 
     assert capsys.readouterr().out == want[0].outputs[0].text + "\n"
 
 
+def test_chat_without_a_tokenizer_is_one_error_not_one_a_line(capsys, monkeypatch, tmp_path):
+    """No tokenizer, no conversation: /reset cannot mend it, so chat stops at once (exit 2)."""
+    from hf_tiny import make_hf_model, save_checkpoint
+
+    model = save_checkpoint(make_hf_model(), tmp_path / "model")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nhello\n/reset\nagain\n"))
+    assert main(["chat", "--model", model, "--max-tokens", "2"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("chat needs a tokenizer") == 1 and "/reset" not in err
+
+
+def test_a_broken_tokenizer_is_named_before_the_weights_load(demo_path, tmp_path, monkeypatch):
+    import shutil
+
+    import minivllm.runtime.llm as llm_mod
+
+    broken = shutil.copytree(demo_path, tmp_path / "broken")
+    (broken / "tokenizer.json").write_text("not json")
+
+    def no_weights(config):
+        raise AssertionError("the weights were loaded before the tokenizer was checked")
+
+    monkeypatch.setattr(llm_mod, "make_executor", no_weights)
+    with pytest.raises(ValueError, match=f"cannot load the tokenizer in {broken}"):
+        llm_mod.LLM(str(broken), device="cpu")
+
+
 def cli_json(capsys, argv):
     assert main(argv) == 0
     return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -317,14 +344,26 @@ def test_bench_names_a_vocabulary_too_small_for_the_workloads_ids(tmp_path, caps
     (["--shape", "qwen3-0.6b", "--latency", "--num-seqs", "4"], "--num-seqs is for the throughput run"),
     (["--shape", "qwen3-0.6b", "--latency", "--max-output-len", "1"], "--max-output-len must be at least 2"),
     (["--shape", "qwen3-0.6b", "--latency", "--max-output-len", "50", "--trace", "t.json"],
-     "at least 108 for the latency run with --trace"),
+     "at least 110 for the latency run with --trace"),
     (["--shape", "qwen3-0.6b", "--json", "/nonexistent-dir/r.json"], "cannot write into /nonexistent-dir"),
+    (["--shape", "qwen3-0.6b", "--step-times", "/nonexistent-dir/s.json"],
+     "--step-times /nonexistent-dir/s.json: cannot write into /nonexistent-dir"),
+    (["--shape", "qwen3-0.6b", "--trace", "/nonexistent-dir/t.json"],
+     "--trace /nonexistent-dir/t.json: cannot write into /nonexistent-dir"),
+    (["--shape", "qwen3-0.6b", "--latency", "--step-times", "s.json"],
+     "--step-times records the throughput run's steps"),
+    (["--shape", "qwen3-0.6b", "--trace", "t.json", "--trace-from", "-5"],
+     "--trace-from must be in [0, 1014] for this workload"),
+    # The workload's longest output: 134 tokens, so the run is sure of only 134 steps.
+    (["--shape", "qwen3-0.6b", "--num-seqs", "4", "--max-output-len", "150", "--trace", "t.json"],
+     "--trace-from must be in [0, 124]"),
 ])
 def test_bench_refuses_a_run_it_would_misreport_before_starting_an_engine(argv, match, capsys,
                                                                           monkeypatch):
     """A workload cut short by max_model_len (its floor would count tokens never generated), flags
-    the latency run would ignore, and a --json path that cannot be written (the result would be
-    lost after the run) are errors before any engine starts."""
+    the latency run would ignore, an output path that cannot be written (the result would be
+    lost after the run) and a trace window the run may never reach (none would be written) are
+    errors before any engine starts."""
     import minivllm.runtime.llm as llm
 
     def no_engine(*args, **kwargs):
@@ -341,6 +380,19 @@ def test_bench_latency_takes_the_prompt_and_output_lengths(tmp_path, demo_path):
                  "--max-output-len", "6", "--dtype", "float32", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert (result["prompt_tokens"], result["output_tokens"]) == (20, 6)
+
+
+def test_bench_on_a_model_shorter_than_4096_tokens_defaults_to_its_length(tmp_path, capsys):
+    """max_model_len defaults to nano-vllm's 4096 only where the model reaches it (it was an
+    error naming a value the user never gave)."""
+    from hf_tiny import make_hf_model, save_checkpoint
+
+    model = save_checkpoint(make_hf_model(max_position_embeddings=512), tmp_path / "model")
+    assert main(["bench", "--model", model, "--latency", "--max-input-len", "20",
+                 "--max-output-len", "4", "--dtype", "float32"]) == 0
+    assert main(["bench", "--model", model, "--latency", "--max-input-len", "500",
+                 "--max-output-len", "20", "--dtype", "float32"]) == 2
+    assert "do not fit max_model_len=512" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("rank, level", [("0", "INFO"), ("1", "WARNING")])

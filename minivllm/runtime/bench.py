@@ -98,7 +98,7 @@ def traced_steps(engine, path: str, *, skip: int, active: int):
     from torch.profiler import ProfilerActivity, profile, schedule
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    prof = profile(activities=activities, schedule=schedule(wait=skip, warmup=2, active=active, repeat=1),
+    prof = profile(activities=activities, schedule=schedule(wait=skip, warmup=TRACE_WARMUP, active=active, repeat=1),
                    on_trace_ready=lambda p: p.export_chrome_trace(path))
     inner = engine.step
 
@@ -274,7 +274,9 @@ def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
 
 
 LATENCY_MAX_NUM_SEQS = 2  # the smallest decode bucket: one sequence runs padded to it either way
+BENCH_MAX_MODEL_LEN = 4096  # nano-vllm's bench
 TRACE_STEPS = 8  # steps a --trace records
+TRACE_WARMUP = 2  # steps the profiler runs, unrecorded, before them
 LATENCY_TRACE_FROM = 100  # --latency --trace: the last stream's decode steps from this one
 
 
@@ -305,7 +307,7 @@ def run_latency(llm, *, prompt_len: int = 512, output_len: int = 256, repeats: i
         unwrap()
     decode = log[2:] or log
     prof = None
-    if trace:  # steps 100-107 of the last repeat's decode (each repeat runs 1 + output_len steps)
+    if trace:  # from step 100 of the last repeat's stream (each repeat runs 1 + output_len steps)
         prof = traced_steps(llm.engine, trace, active=TRACE_STEPS,
                             skip=(repeats - 1) * (output_len + 1) + LATENCY_TRACE_FROM + 1)
     ttfts, decode_rates = [], []
@@ -355,7 +357,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--max-output-len", type=int, default=None,
                    help="throughput: output lengths drawn from [100, this] (default 1024); "
                         "--latency: tokens decoded (default 256)")
-    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help=f"default {BENCH_MAX_MODEL_LEN} (nano-vllm's), or the model's "
+                        f"max_position_embeddings when that is smaller")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="default 256; with --latency 2, so that start-up captures the decode "
                         "graphs of 1 and 2 rows (without persistent decode: one, padded to 2) "
@@ -380,43 +384,62 @@ def add_bench_args(p) -> None:
                         "Triton compiles, dynamo frames) to this JSON file")
     p.add_argument("--trace", default=None,
                    help="write a Chrome trace (torch.profiler) of 8 decode steps to this path "
-                        "(from step --trace-from; with --latency, steps 100-107 of the last "
-                        "stream); the timing then includes the profiler's overhead")
+                        "(steps --trace-from + 2 to + 9, after the profiler's 2 warm-up steps; "
+                        "with --latency, steps 102-109 of the last stream); the timing then "
+                        "includes the profiler's overhead")
     p.add_argument("--trace-from", type=int, default=400,
-                   help="the throughput run's first traced step (400: ~150 sequences running; "
-                        "900: ~40, the tail)")
+                   help="where the throughput run's trace starts, its warm-up steps included "
+                        "(400: ~150 sequences running; 900: ~40, the tail)")
 
 
 def _or(value, default):
     return default if value is None else value
 
 
-def _check_workload(args, model: str) -> tuple[int, int]:
+def _check_workload(args, model: str) -> tuple[tuple[int, int], int]:
     """ValueError naming the flag where the workload cannot run as asked on `model`: checked
-    from its config before the engine starts. Returns (input length, output length)."""
+    from its config before the engine starts. Returns ((input length, output length),
+    max_model_len)."""
     if args.latency:
         if args.num_seqs is not None:
             raise ValueError("--num-seqs is for the throughput run; --latency runs one stream")
         lengths = (_or(args.max_input_len, 512), _or(args.max_output_len, 256))
         # A decode rate needs a decode step; the trace, the decode steps it records.
-        least = LATENCY_TRACE_FROM + TRACE_STEPS if args.trace else 2
+        least = LATENCY_TRACE_FROM + TRACE_WARMUP + TRACE_STEPS if args.trace else 2
         for flag, n, low in (("--max-input-len", lengths[0], 1), ("--max-output-len", lengths[1], least)):
             if n < low:
                 raise ValueError(f"{flag} must be at least {low} for the latency run"
                                  f"{' with --trace' if args.trace and low > 1 else ''}, got {n}")
+        if args.step_times:
+            raise ValueError("--step-times records the throughput run's steps; --latency has its "
+                             "own per-step figures in the result")
     else:
         lengths = (_or(args.max_input_len, 1024), _or(args.max_output_len, 1024))
         check_throughput_workload(_or(args.num_seqs, 256), *lengths)
+        if args.trace:
+            # The run has at least as many steps as its longest output has tokens (one a step):
+            # a window past them might never be reached, and the trace never written.
+            longest = max(throughput_workload(_or(args.num_seqs, 256), *lengths)[1])
+            last = args.trace_from + TRACE_WARMUP + TRACE_STEPS
+            if not 0 <= args.trace_from or last > longest:
+                raise ValueError(f"--trace-from must be in [0, {longest - TRACE_WARMUP - TRACE_STEPS}] "
+                                 f"for this workload (its longest output is {longest} tokens, "
+                                 f"so its run is sure of only {longest} steps), got {args.trace_from}")
+    for flag in ("json", "step_times", "trace"):  # a finished run's output must not be lost
+        path = getattr(args, flag)
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if path and (not os.path.isdir(folder) or not os.access(folder, os.W_OK)):
+            raise ValueError(f"--{flag.replace('_', '-')} {path}: cannot write into {folder}")
     config = (config_for_shape(model.split(":", 1)[1]) if model.startswith("random:")
               else ModelConfig.from_json(model))
     if not args.latency:
         check_vocabulary(config.vocab_size)
-    limit = args.max_model_len or config.max_position_embeddings
+    limit = _or(args.max_model_len, min(BENCH_MAX_MODEL_LEN, config.max_position_embeddings))
     if sum(lengths) > limit:
         raise ValueError(f"prompts of up to {lengths[0]} tokens and {lengths[1]} new ones do not "
                          f"fit max_model_len={limit} (the run would cut them short and "
                          f"misstate its floor); raise --max-model-len or lower the lengths")
-    return lengths
+    return lengths, limit
 
 
 def main(args) -> dict:
@@ -425,15 +448,11 @@ def main(args) -> dict:
     if args.model and args.shape:
         raise ValueError("give --model or --shape, not both")
     model = args.model or f"random:{args.shape or 'qwen3-0.6b'}"
-    lengths = _check_workload(args, model)  # before the engine starts, which takes a while
+    lengths, max_model_len = _check_workload(args, model)  # before the engine starts (slow)
     max_num_seqs = (args.max_num_seqs if args.max_num_seqs is not None
                     else LATENCY_MAX_NUM_SEQS if args.latency else 256)
-    if args.json:  # the run's result must not be lost to a path that cannot be written
-        folder = os.path.dirname(os.path.abspath(args.json))
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            raise ValueError(f"--json {args.json}: cannot write into {folder}")
     start = time.perf_counter()
-    llm = LLM(model, dtype=args.dtype, max_model_len=args.max_model_len,
+    llm = LLM(model, dtype=args.dtype, max_model_len=max_model_len,
               max_num_seqs=max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
               attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
