@@ -161,17 +161,38 @@ def test_bin_only_checkpoint_says_so(ckpt):
 
 @pytest.mark.parametrize("key, value", [("rms_norm_eps", None), ("max_position_embeddings", None),
                                         ("rope_theta", "x"), ("tie_word_embeddings", "false"),
-                                        ("num_attention_heads", 0)])
+                                        ("num_attention_heads", 0), ("num_key_value_heads", 0),
+                                        ("eos_token_id", "x"), ("eos_token_id", [1, 2.5]),
+                                        ("bos_token_id", [1]), ("rope_parameters", [1, 2]),
+                                        ("rope_scaling", "llama3")])
 def test_bad_config_value_is_named(ckpt, key, value):
-    """These used to be a TypeError / ZeroDivisionError naming nothing, or ("false") a tied head."""
+    """These used to be a TypeError / ZeroDivisionError naming nothing, or ("false") a tied head;
+    a 0 KV heads was taken as absent (all heads), a malformed EOS id failed in an int() once the
+    weights had loaded, a rope dict that is not one raised dict()'s TypeError."""
     changes = {key: value}
     if key == "num_attention_heads":
         changes["head_dim"] = None  # head_dim derived from hidden_size // num_attention_heads
-    if key == "rope_theta":
+    if key in ("rope_theta", "rope_scaling"):
         changes["rope_parameters"] = None
     _edit_config(ckpt, **changes)
     with pytest.raises(CheckpointError, match=key):
         minivllm.load(ckpt)
+
+
+def test_a_float64_checkpoint_loads_in_float32(model, tmp_path):
+    """Its config says float64, which minivllm does not compute in: "auto" is float32, and the
+    weights are narrowed as they load (they were refused as an unknown dtype)."""
+    path = save_checkpoint(model.double(), tmp_path / "f64")
+    assert json.load(open(os.path.join(path, "config.json")))["dtype"] == "float64"
+    params = minivllm.load(path)
+    assert params.dtype == torch.float32
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        want = model.double()(ids).logits[0, -1].float()
+    cache = minivllm.init_cache(params, num_blocks=4, block_size=4)
+    got, _ = minivllm.forward(params, cache, minivllm.make_batch(
+        [minivllm.SeqChunk(ids[0].tolist(), 0, [0, 1])], block_size=4))
+    torch.testing.assert_close(got[0], want, atol=1e-4, rtol=1e-4)
 
 
 def test_null_dtype_defers_to_torch_dtype():

@@ -14,6 +14,7 @@ import time
 from typing import Iterable, Iterator
 
 from .config import EngineConfig, is_random_model
+from .distributed import torchrun_env
 from .engine import EngineStats, LLMEngine
 from .executor import make_executor
 from .generation_config import (FILE as GEN_FILE, eos_ids_of, generation_config_dir,
@@ -38,7 +39,10 @@ def load_tokenizer(path: str, *, required: bool):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # transformers' errors name neither the directory nor, often, the file
+        raise ValueError(f"cannot load the tokenizer in {path}: {type(e).__name__}: {e}") from e
 
 
 def generation_defaults(generation_config, override, model: str) -> tuple[dict, dict]:
@@ -108,12 +112,15 @@ class LLM:
             log.info("minivllm: requests without SamplingParams use %s (from generation_config=%r%s)",
                      self._diff_sampling_param, generation_config,
                      " and override_generation_config" if override_generation_config else "")
-        # First, so that under torchrun ranks > 0, which serve rank 0 in here and then exit,
-        # never load a tokenizer.
-        runner = make_executor(self.config)
+        # Before the weights load and the cache is sized, so that a broken tokenizer is named
+        # before that work; only on the rank that runs the engine (under torchrun, ranks > 0
+        # serve rank 0 inside make_executor and then exit).
+        launch = torchrun_env()
         tok = None
-        if not skip_tokenizer_init and not is_random_model(self.config.model):
+        if not skip_tokenizer_init and not is_random_model(self.config.model) and \
+                (launch is None or launch.rank == 0):
             tok = load_tokenizer(os.fspath(tokenizer or self.config.model), required=tokenizer is not None)
+        runner = make_executor(self.config)
         self.engine = LLMEngine(self.config, tok, runner=runner, generation_config=gen)
         # Requests of the calls in progress (generate, streams), and outputs one call's step
         # received for another's: see _next_outputs.

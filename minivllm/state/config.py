@@ -94,6 +94,17 @@ def _check_llama3_scaling(scaling: dict) -> None:
                          f"{scaling.get('low_freq_factor')!r} and {scaling.get('high_freq_factor')!r}")
 
 
+def _token_ids(key: str, value: Any, *, many: bool) -> Any:
+    """config.json's bos / eos id as given (null, an id, or for eos a list of ids), checked: a
+    string or a float there would otherwise surface as a failed int() after the weights load."""
+    listed = value if many and isinstance(value, list) else [value]
+    if not all(i is None or (isinstance(i, int) and not isinstance(i, bool) and i >= 0)
+               for i in listed):
+        what = "a token id or a list of them" if many else "a token id"
+        raise ValueError(f"config {key} must be {what} (or null), got {value!r}")
+    return [i for i in value if i is not None] if many and isinstance(value, list) else value
+
+
 def _positive_number(key: str, value: Any, kind: type) -> Any:
     """`value` (config key `key`) as a positive float or int; a ValueError naming the key
     otherwise (float(None) would be a TypeError that names nothing)."""
@@ -192,6 +203,9 @@ class ModelConfig:
         rope_params = d.get("rope_parameters")
         rope_theta = d.get("rope_theta")
         rope_scaling = d.get("rope_scaling")
+        for key, value in (("rope_parameters", rope_params), ("rope_scaling", rope_scaling)):
+            if value is not None and not isinstance(value, dict):
+                raise ValueError(f"config {key} must be a JSON object, got {value!r}")
         if rope_params is not None:
             rope_params = dict(rope_params)
             rope_theta = rope_params.pop("rope_theta", rope_theta)
@@ -224,13 +238,16 @@ class ModelConfig:
             head_dim = sizes[0] // sizes[1] if ok else None
         # transformers 5 writes "dtype", 4 "torch_dtype"; a null one defers to the other.
         dtype_name = d.get("dtype") or d.get("torch_dtype") or "bfloat16"
+        if isinstance(dtype_name, str) and dtype_name.removeprefix("torch.") in ("float64", "double"):
+            dtype_name = "float32"  # stored wider than minivllm computes: load narrows it
+        num_kv_heads = d.get("num_key_value_heads")  # a 0 is named below, not taken as absent
         return cls(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"],
             num_layers=d["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=d.get("num_key_value_heads") or num_heads,
+            num_kv_heads=num_heads if num_kv_heads is None else num_kv_heads,
             head_dim=head_dim,
             rms_norm_eps=_positive_number("rms_norm_eps", d.get("rms_norm_eps", 1e-6), float),
             rope_theta=_positive_number("rope_theta", rope_theta, float),
@@ -239,8 +256,8 @@ class ModelConfig:
                 "max_position_embeddings", d.get("max_position_embeddings", 40960), int),
             tie_word_embeddings=bool(tie),
             dtype=parse_dtype(dtype_name),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=_freeze(d.get("eos_token_id")),
+            bos_token_id=_token_ids("bos_token_id", d.get("bos_token_id"), many=False),
+            eos_token_id=_freeze(_token_ids("eos_token_id", d.get("eos_token_id"), many=True)),
         )
 
     @classmethod
