@@ -57,6 +57,7 @@ BAD_PROMPTS = {
     "dict without ids": {"text": "x"},
     "0-d tensor of ids": {"prompt_token_ids": torch.tensor(5)},
     "bool ids": {"prompt_token_ids": torch.tensor([True, False])},
+    "a key minivllm does not take": {"prompt_token_ids": [1, 2], "multi_modal_data": {"image": 0}},
 }
 
 

@@ -131,6 +131,12 @@ class LLMEngine:
     def _prompt_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
         text = None
         if isinstance(prompt, dict):
+            # vLLM's prompt dicts also carry multi_modal_data, cache_salt, ...: asked for and
+            # dropped without a word, they would change what the request means.
+            unknown = sorted(map(str, set(prompt) - {"prompt", "prompt_token_ids"}))
+            if unknown:
+                raise ValueError(f"a prompt dict holds 'prompt' and / or 'prompt_token_ids'; "
+                                 f"minivllm does not take {unknown}")
             if "prompt_token_ids" in prompt:
                 ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
                 if text is not None and not isinstance(text, str):
