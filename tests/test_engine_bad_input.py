@@ -127,7 +127,8 @@ def test_engine_options_take_numpy_integers_and_refuse_non_bool_flags(tiny_dir):
         for value in ("false", 0, 1, np.bool_(False)):
             with pytest.raises(TypeError, match=name):
                 EngineConfig.create(tiny_dir, device="cpu", **{name: value})
-    for kw in (dict(max_model_len=True), dict(num_kv_blocks=np.float64(16)), dict(seed=None),
+    assert EngineConfig.create(tiny_dir, device="cpu", seed=None).seed == 0  # as vLLM
+    for kw in (dict(max_model_len=True), dict(num_kv_blocks=np.float64(16)), dict(seed="1"),
                dict(max_logprobs=-1), dict(gpu_memory_utilization=True)):
         with pytest.raises(ValueError, match=next(iter(kw))):
             EngineConfig.create(tiny_dir, device="cpu", **kw)

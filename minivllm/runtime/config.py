@@ -86,7 +86,7 @@ class EngineConfig:
         num_kv_blocks = _integer("num_kv_blocks", num_kv_blocks, allow_none=True)
         max_num_batched_tokens = _integer("max_num_batched_tokens", max_num_batched_tokens,
                                           allow_none=True)
-        seed = _integer("seed", seed, least=None)
+        seed = 0 if seed is None else _integer("seed", seed, least=None)  # None: vLLM's 0
         max_logprobs = _integer("max_logprobs", max_logprobs, least=0)
         utilization = as_real(gpu_memory_utilization)
         if utilization is None or not 0 < utilization <= 1:
