@@ -2,9 +2,12 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import minivllm
 from minivllm.kernels import backends, select_backend
+from minivllm.kernels.decode_attention import _first_tile
 from minivllm.kernels.flash_attn_backend import FLASH_ATTN
 from minivllm.state import ModelConfig
 
@@ -48,3 +51,43 @@ def test_triton_is_left_out_for_head_dims_it_does_not_compile_for_on_a_gpu(monke
         assert select_backend("cpu", None, head_dim=bad).name == "reference"
     for good in (16, 128, 256):
         assert select_backend("cpu", None, head_dim=good).name == "triton"
+
+
+@triton.jit
+def _first_tiles(k_cache, v_cache, tables, context, out, SPLITS: tl.constexpr, KV: tl.constexpr,
+                 D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Each split's first tile of sequence 0, KV head 0, as the persistent layer loads it."""
+    split = tl.program_id(0)
+    k, v = _first_tile(0, 0, split, k_cache, v_cache, tables, context, 0, SPLITS, tl.float32,
+                       KV, D, D, PAGE, BLOCK_N, 0, False)
+    tl.store(out + split, tl.sum(tl.sum(k + v, 1), 0))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="records the interpreter's loads")
+def test_an_empty_splits_first_tile_reads_no_block_id_past_the_table(monkeypatch):
+    """The persistent layer's first tile (decode_attention._first_tile) read the block id at its
+    split's start unmasked where pages are whole tiles: a split past the context (1 row, 16
+    splits, pages of 64, a context of 1,026 tokens in 17 blocks) read entries 18-30 of a table
+    of 17. Every address a load touches is recorded; none may lie past the table."""
+    import triton.runtime.interpreter as interpreter
+
+    touched = []
+    load = interpreter.InterpreterBuilder.create_masked_load
+
+    def recording(self, ptrs, mask, other, *args):
+        touched.append(ptrs.data[mask.data.astype(bool)].copy())
+        return load(self, ptrs, mask, other, *args)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", recording)
+    page, kv_heads, head_dim, splits, context = 64, 8, 16, 16, 1026
+    blocks = -(-context // page)
+    memory = torch.zeros(blocks + 64, dtype=torch.int32)  # the table, then what follows it
+    table = memory[:blocks].view(1, blocks)
+    table.copy_(torch.arange(blocks, dtype=torch.int32))
+    k_cache, v_cache = (torch.randn(blocks, page, kv_heads, head_dim) for _ in range(2))
+    out = torch.empty(splits)
+    _first_tiles[(splits,)](k_cache, v_cache, table, torch.tensor([context], dtype=torch.int32),
+                            out, splits, kv_heads, head_dim, page, page)
+    end = table.data_ptr() + 4 * blocks
+    past = [a for t in touched for a in t.ravel().tolist() if end <= a < end + 4 * 64]
+    assert touched and not past

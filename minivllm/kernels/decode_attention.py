@@ -168,8 +168,10 @@ def _first_tile(b, kvh, split, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, stride
     mask_d = offs_d < HEAD_DIM
     start, end = _split_range(b, split, ctx_ptr, num_splits, BLOCK_N)
     mask_n = (start + offs_n) < end
-    rows = page_rows(bt_ptr + tl.cast(b, tl.int64) * stride_bt, start, offs_n, mask_n, PAGE,
-                     BLOCK_N, KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM
+    # An empty split's start can lie past the block table's end, and a page-aligned tile reads
+    # its block id unmasked: address tile 0 instead (every row is masked off anyway).
+    rows = page_rows(bt_ptr + tl.cast(b, tl.int64) * stride_bt, tl.where(start < end, start, 0),
+                     offs_n, mask_n, PAGE, BLOCK_N, KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM
     D_MASKED: tl.constexpr = BLOCK_D != HEAD_DIM
     return (_tile_k(rows, mask_n, offs_d, mask_d, k_cache_ptr, dt, D_MASKED, PTX_WIDEN, True),
             _tile_v(rows, mask_n, offs_d, mask_d, v_cache_ptr, dt, D_MASKED, PTX_WIDEN, FP8_CACHE,

@@ -166,7 +166,8 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
                   steps: torch.Tensor, *, block: int = BLOCK, chunk: int | None = None,
                   fast_log: bool | None = None) -> torch.Tensor:
     """logits [B, V], temperature [B] fp32 (0: greedy; clamped to MAX_TEMPERATURE), seeds / steps
-    [B] int64 -> ids [B] int64.
+    [B] int64 -> ids [B] int64. As in greedy_argmax, a NaN never wins, where the torch reference
+    (sampling.gumbel_argmax_reference, torch.argmax) picks it: the model's logits hold none.
     `block` / `chunk` (a multiple of block) override the tiling, for tests; `fast_log` (default:
     on a CUDA GPU) computes the noise's logs with the GPU's approximate log2."""
     b, v = logits.shape
