@@ -91,3 +91,15 @@ def test_an_empty_splits_first_tile_reads_no_block_id_past_the_table(monkeypatch
     end = table.data_ptr() + 4 * blocks
     past = [a for t in touched for a in t.ravel().tolist() if end <= a < end + 4 * 64]
     assert touched and not past
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's fp8 rounding")
+def test_an_fp8_cache_through_the_interpreters_triton_is_warned_of(monkeypatch, caplog):
+    """Triton 3.7's interpreter rounds to fp8 wrongly (test_fp8_cache.py mends it for the
+    tests): a user who runs the triton backend with an fp8 cache on the CPU is told, once."""
+    monkeypatch.setattr(backends, "_logged", set())
+    with caplog.at_level("WARNING", logger="minivllm"):
+        for dtype in (FP8, FP8, torch.float32):
+            select_backend("cpu", "triton", dtype)
+        select_backend("cpu", "reference", FP8)
+    assert [r.message.count("rounds to fp8 wrongly") for r in caplog.records] == [1]

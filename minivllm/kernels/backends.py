@@ -104,4 +104,10 @@ def select_backend(device, requested=None, cache_dtype: torch.dtype | None = Non
     if key not in _logged:
         _logged.add(key)
         log.info("minivllm attention backend: %s on %s", name, key[1])
+    if name == "triton" and cache_dtype in FP8_DTYPES and not runs_ptx(torch.device(device)) \
+            and (name, "fp8") not in _logged:
+        _logged.add((name, "fp8"))
+        log.warning("minivllm: Triton's interpreter (3.7) rounds to fp8 wrongly (7.9 to 4.0): "
+                    "an fp8 KV cache through the triton backend on the CPU stores other values "
+                    "than on a GPU; the reference backend stores them right")
     return _make(name)
