@@ -98,7 +98,8 @@ def traced_steps(engine, path: str, *, skip: int, active: int):
     from torch.profiler import ProfilerActivity, profile, schedule
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    prof = profile(activities=activities, schedule=schedule(wait=skip, warmup=TRACE_WARMUP, active=active, repeat=1),
+    prof = profile(activities=activities,
+                   schedule=schedule(wait=skip, warmup=TRACE_WARMUP, active=active, repeat=1),
                    on_trace_ready=lambda p: p.export_chrome_trace(path))
     inner = engine.step
 
@@ -420,11 +421,11 @@ def _check_workload(args, model: str) -> tuple[tuple[int, int], int]:
             # The run has at least as many steps as its longest output has tokens (one a step):
             # a window past them might never be reached, and the trace never written.
             longest = max(throughput_workload(_or(args.num_seqs, 256), *lengths)[1])
-            last = args.trace_from + TRACE_WARMUP + TRACE_STEPS
-            if not 0 <= args.trace_from or last > longest:
-                raise ValueError(f"--trace-from must be in [0, {longest - TRACE_WARMUP - TRACE_STEPS}] "
-                                 f"for this workload (its longest output is {longest} tokens, "
-                                 f"so its run is sure of only {longest} steps), got {args.trace_from}")
+            latest = longest - TRACE_WARMUP - TRACE_STEPS
+            if not 0 <= args.trace_from <= latest:
+                raise ValueError(f"--trace-from must be in [0, {latest}] for this workload (its "
+                                 f"longest output is {longest} tokens, so its run is sure of "
+                                 f"only {longest} steps), got {args.trace_from}")
     for flag in ("json", "step_times", "trace"):  # a finished run's output must not be lost
         path = getattr(args, flag)
         folder = os.path.dirname(os.path.abspath(path)) if path else None
