@@ -490,6 +490,14 @@ def test_min_tokens_masks_eos_and_stop_ids(config):
         assert banned == {s: (want if s < 3 else set()) for s in range(len(out))}
 
 
+def test_stop_strings_completed_at_one_place_resolve_to_the_first_listed():
+    """Where two stop strings start at the same place, the list's order decides (as vLLM's)."""
+    from minivllm.runtime.detokenizer import find_stop_string
+
+    assert find_stop_string("xabc", 3, ("ab", "abc")) == (1, "ab")
+    assert find_stop_string("xabc", 3, ("abc", "ab")) == (1, "abc")
+
+
 def test_stop_strings_need_detokenize():
     """As vLLM's SamplingParams: stop strings with detokenize=False are refused."""
     with pytest.raises(ValueError, match="detokenize"):

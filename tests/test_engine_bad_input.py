@@ -152,6 +152,24 @@ def test_wrong_argument_shapes(llm):
         llm.generate({"prompt_token_ids": GOOD}, {"temperature": 0}, use_tqdm=False)
 
 
+def test_a_request_that_exactly_fits_the_cache_runs(tiny_dir, device):
+    """4 blocks of 4 hold 16 tokens; the last token is never fed back, so a prompt of 10 with
+    7 new tokens fits exactly and runs, and one more token is refused."""
+    small = make_llm(tiny_dir, device, num_kv_blocks=4, block_size=4, max_model_len=60)
+    prompt = {"prompt_token_ids": GOOD[:10]}
+    out = small.generate(prompt, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+                         use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 7
+    with pytest.raises(ValueError, match="never fit"):
+        small.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)
+
+
+def test_sampling_params_greedy_is_vllms_below_1e_5():
+    assert SamplingParams(temperature=1e-6).greedy and SamplingParams(temperature=0).greedy
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
 def test_a_request_that_can_never_fit_the_cache_is_refused(llm):
     # 16 blocks of 4 = 64 slots; this one may grow to 10 + 58 - 1 tokens, capped by max_model_len
     # 60 to 59 slots: it fits. With 8 blocks it would not.

@@ -172,3 +172,34 @@ def test_write_kv_skips_negative_slots():
     before = k_cache.clone()
     fn.write_kv(k, k, k_cache, v_cache, torch.tensor([-1, -1, -1]))
     assert torch.equal(k_cache, before)
+
+
+@pytest.mark.parametrize("slots", [[0, -1], [3, 0, -1, -1], [-1, 0, -1]])
+def test_write_kv_keeps_a_write_to_slot_0_beside_skipped_rows(slots):
+    """A skipped row (slot -1, padding) must not write back over slot 0's new K/V, in any
+    order of the rows."""
+    k, v = torch.randn(len(slots), 2, 4), torch.randn(len(slots), 2, 4)
+    k_cache, v_cache = torch.zeros(2, 4, 2, 4), torch.zeros(2, 4, 2, 4)
+    fn.write_kv(k, v, k_cache, v_cache, torch.tensor(slots))
+    want_k, want_v = torch.zeros(8, 2, 4), torch.zeros(8, 2, 4)
+    for row, slot in enumerate(slots):
+        if slot >= 0:
+            want_k[slot], want_v[slot] = k[row], v[row]
+    assert torch.equal(k_cache.view(8, 2, 4), want_k) and torch.equal(v_cache.view(8, 2, 4), want_v)
+
+
+def test_a_padded_block_table_entry_reads_nothing_not_even_nan():
+    """-1 entries of a block table (padding) must not reach the output: the cache's last block
+    holds NaN here (a cache is allocated uninitialised), and 0 weight times NaN is NaN."""
+    k_cache, v_cache = torch.randn(3, 4, 1, 8), torch.randn(3, 4, 1, 8)
+    k_cache[-1] = v_cache[-1] = float("nan")
+    q, k, v = torch.randn(1, 1, 8), torch.randn(1, 1, 8), torch.randn(1, 1, 8)
+    batch = make_batch([SeqChunk([1], 3, [0])], block_size=4, max_blocks=3)
+    assert batch.block_tables.tolist() == [[0, -1, -1]]
+    out = fn.reference_attention(q, k, v, k_cache, v_cache, batch, 0.3)
+    assert torch.isfinite(out).all()
+
+
+def test_make_batch_refuses_a_negative_num_cached():
+    with pytest.raises(ValueError, match="num_cached must be an integer >= 0, got -1"):
+        make_batch([SeqChunk([1], -1, [0])], block_size=4)

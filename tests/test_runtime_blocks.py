@@ -242,3 +242,41 @@ def test_rollback_unregisters_only_the_blocks_the_abandoned_step_would_write():
     bm.register_full_blocks(seq, 12)
     bm.commit()
     assert sorted(bm.registered_blocks()) == sorted(seq.block_table) and not bm.rollback()
+
+
+def _prompt_seq(i, ids):
+    return Sequence(i, str(i), 0, list(ids), SamplingParams(), 0)
+
+
+def test_a_hit_takes_the_copy_a_sequence_still_holds():
+    """Two sequences computed the same block, and one freed its copy: a third prompt with that
+    prefix shares the copy still held, so that it costs no free block (the freed copy may be
+    evicted later; taking it would use one more block, admitting requests later)."""
+    bm = BlockManager(8, 2)
+    a, b = _prompt_seq(0, [5, 6, 7]), _prompt_seq(1, [5, 6, 7])
+    for s in (a, b):
+        bm.allocate(s, 3)
+        bm.register_full_blocks(s, 3)
+        s.num_computed = 3
+    bm.commit()
+    bm.free_blocks(a)
+    c = _prompt_seq(2, [5, 6, 7])
+    hits = bm.match_prefix(c)
+    assert hits == [b.block_table[0]]
+    free = bm.num_free
+    bm.allocate(c, 3, hits)
+    assert bm.num_free == free - 1  # the last, partial block only
+    bm.check([b, c])
+
+
+def test_reset_prefix_cache_forgets_every_block_no_sequence_holds():
+    bm = BlockManager(4, 2)
+    a = _prompt_seq(0, range(1, 9))  # fills every block: all four registered
+    bm.allocate(a, 8)
+    bm.register_full_blocks(a, 8)
+    a.num_computed = 8
+    bm.commit()
+    bm.free_blocks(a)
+    assert len(bm.registered_blocks()) == 4
+    bm.reset_prefix_cache()
+    assert bm.registered_blocks() == {} and bm.match_prefix(_prompt_seq(1, range(1, 10))) == []

@@ -242,3 +242,89 @@ def test_same_step_admissions_share_the_prefix():
     out = sched.schedule()
     assert [(c.start, c.num_tokens) for c in out.chunks] == [(0, 10), (8, 3)]
     assert a.block_table[:2] == b.block_table[:2]
+
+
+# -- found by mutating the scheduler (the state machine's reference shares stop_by_token and
+# length_limit with the code it checks, so these pin what it cannot) -----------------------------
+
+def _running(sched, bm, seq, computed: int, held: int) -> None:
+    """seq running with `computed` tokens computed and a table for `held` tokens."""
+    seq.max_num_tokens = sched.max_model_len
+    bm.allocate(seq, held)
+    seq.num_computed = computed
+    seq.status = Status.RUNNING
+    sched.running.append(seq)
+
+
+def test_eos_ends_once_the_output_holds_min_tokens_counting_itself():
+    """vLLM: an EOS ends the output when len(output) >= min_tokens, the EOS included."""
+    seq = Sequence(0, "0", 0, [1, 2], SamplingParams(min_tokens=2, max_tokens=10), 0,
+                   eos_ids=(EOS, 8))
+    seq.token_ids.append(EOS)
+    assert stop_by_token(seq, 100) is None
+    seq.token_ids[-1:] = [3, EOS]
+    assert stop_by_token(seq, 100) == ("stop", None)  # the EOS proper: no stop reason
+    seq.token_ids[-1] = 8
+    assert stop_by_token(seq, 100) == ("stop", 8)  # another EOS id is the stop reason
+
+
+def test_max_model_len_ends_a_sequence_before_its_max_tokens():
+    bm = BlockManager(16, 4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=8)
+    seq = _seq(0, [1, 2, 3, 4, 5], max_tokens=100)
+    sched.add(seq)
+    while not (out := sched.schedule()).empty:
+        sched.update(out, [1] * len(out.sampled))
+    assert (seq.finish_reason, seq.num_tokens) == ("length", 8)
+
+
+def test_a_younger_decode_goes_before_an_older_prefill_under_a_tight_budget():
+    bm = BlockManager(32, 4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=4, max_model_len=64)
+    old, young = _seq(0, list(range(12)), max_tokens=5), _seq(1, [1, 2, 3], max_tokens=5)
+    young.token_ids.append(5)  # a sampled token to compute
+    _running(sched, bm, old, 4, 4)
+    _running(sched, bm, young, 3, 3)
+    out = sched.schedule()
+    assert [(c.seq.seq_id, c.num_tokens) for c in out.chunks] == [(1, 1), (0, 3)]
+
+
+def test_preemption_never_takes_a_sequence_already_scheduled_this_step():
+    """The young decode is scheduled first; the old prefill's block must then come from the old
+    one itself, not from the young one, whose chunk is already in the step."""
+    bm = BlockManager(3, 4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    old, young = _seq(0, list(range(8)), max_tokens=5), _seq(1, [1, 2, 3, 4, 5], max_tokens=5)
+    young.token_ids.append(7)
+    _running(sched, bm, old, 4, 4)
+    _running(sched, bm, young, 5, 6)
+    assert bm.num_free == 0
+    out = sched.schedule()
+    assert out.preempted == [old] and [c.seq for c in out.chunks] == [young]
+    assert young.status is Status.RUNNING
+
+
+def test_a_step_that_preempts_admits_no_waiting_sequence():
+    bm = BlockManager(4, 4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    a, waiting, c = (_seq(0, list(range(8)) + [1], max_tokens=5), _seq(1, [1, 2], max_tokens=5),
+                     _seq(2, list(range(7)) + [1], max_tokens=5))
+    _running(sched, bm, a, 8, 8)  # needs a third block
+    _running(sched, bm, c, 7, 8)
+    sched.add(waiting)  # older than c, and would fit in the block c frees
+    out = sched.schedule()
+    assert out.preempted == [c] and [ch.seq for ch in out.chunks] == [a]
+    assert sched.waiting == [waiting, c]
+
+
+def test_a_preempted_sequence_waits_ahead_of_newer_requests():
+    bm = BlockManager(4, 4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    a, b, c = (_seq(i, [1, 2, 3], max_tokens=10) for i in range(3))
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    sched.update(out, [0] * len(out.sampled))
+    sched.add(c)
+    sched._preempt(b)
+    assert [s.seq_id for s in sched.waiting] == [1, 2]

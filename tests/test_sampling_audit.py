@@ -160,6 +160,18 @@ def test_tiny_top_p_keeps_the_top_id_and_ties_resolve_to_the_lowest_ids():
     assert p.tolist() == [0.5, 0.5, 0.0, 0.0]
 
 
+def test_min_p_of_one_keeps_the_top_id_and_an_id_at_the_threshold_stays():
+    """min_p keeps ids whose probability is at least min_p times the top one's: min_p 1 keeps
+    the top id alone (dropping it too would leave no id, token -1), and an id exactly at the
+    threshold stays (p(1) / p(0) = 1/2 with min_p 0.5)."""
+    assert probs_of([[0.5, 2.0, 1.0, -1.0]], [SamplingRow(min_p=1.0)])[0].tolist() == [0, 1, 0, 0]
+    p = probs_of([[0.0, -np.log(2.0), -10.0]], [SamplingRow(min_p=0.5)])[0]
+    np.testing.assert_allclose(p, [2 / 3, 1 / 3, 0.0], rtol=1e-6)
+    for top_p in (1e-300, 1e-45):  # below fp32's smallest normal: rounds to 0 in fp32
+        assert probs_of([[0.5, 2.0, 1.0, -1.0]], [SamplingRow(top_p=top_p)])[0].tolist() == \
+            [0, 1, 0, 0], top_p
+
+
 GRID_TEMPS = [0.5, 1.0, 1.7]
 TOP_PS = [1.0, 0.8713, 0.6291, 0.3137, 1e-9]
 MIN_PS = [0.0, 0.07, 0.33]
@@ -460,3 +472,25 @@ def test_engine_greedy_with_penalties_matches_vllms_definition(llm, hf_model):
     want = reference(**pen)
     assert [c.token_ids for c in out] == [want, want]
     assert want != reference()  # the penalties changed the output
+
+
+def test_the_repetition_penalty_reaches_the_prompts_ids(llm, hf_model):
+    """Prompts that hold the model's greedy id, where penalising the prompt's ids changes the
+    pick and penalising only the output's would not: the engine picks as the reference with the
+    prompt's ids does."""
+    from minivllm import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, repetition_penalty=5.0)
+    checked = 0
+    for start in range(60):
+        prompt = [start, start + 1, start + 2]
+        prompt = [int(np.argmax(hf_logits(hf_model, prompt)[-1]))] + prompt
+        logits = hf_logits(hf_model, prompt)[-1]
+        want = int(np.argmax(ref_penalise(logits, prompt_ids=prompt, repetition_penalty=5.0)))
+        if want == int(np.argmax(ref_penalise(logits, repetition_penalty=5.0))):
+            continue
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == [want], prompt
+        checked += 1
+        if checked == 3:
+            break
+    assert checked == 3
