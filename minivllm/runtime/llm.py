@@ -68,9 +68,10 @@ class LLM:
     graphs (issue 5). attention_backend: "reference", "triton", "flash_attn" or None (best for
     the device; MINIVLLM_ATTENTION_BACKEND). seed: draws the seeds of requests that set none
     (None: 0, as vLLM). tensor_parallel_size: split the model over this many processes (GPUs on
-    CUDA, NCCL; gloo on CPU): the LLM spawns the other ranks on this host, or, under torchrun, rank 0 runs the engine
-    and the other ranks serve it inside LLM(...) and then exit. Call shutdown() (or use the LLM
-    as a context manager) to stop them early; they also stop at exit. async_scheduling:
+    CUDA, NCCL; gloo on CPU): the LLM spawns the other ranks on this host, or, under torchrun,
+    rank 0 runs the engine and the other ranks serve it inside LLM(...) and then exit. Call
+    shutdown() (or use the LLM as a context manager) to stop them early; they also stop at
+    exit. async_scheduling:
     schedule each step while the previous one runs (same outputs). kv_cache_dtype: "auto" (the
     model's dtype) or "fp8" (float8 e4m3, half the cache's bytes and twice its tokens; the
     triton or reference attention backend; keys and values are stored unscaled, so outputs

@@ -238,7 +238,8 @@ class ModelConfig:
             head_dim = sizes[0] // sizes[1] if ok else None
         # transformers 5 writes "dtype", 4 "torch_dtype"; a null one defers to the other.
         dtype_name = d.get("dtype") or d.get("torch_dtype") or "bfloat16"
-        if isinstance(dtype_name, str) and dtype_name.removeprefix("torch.") in ("float64", "double"):
+        if isinstance(dtype_name, str) and dtype_name.removeprefix("torch.") in ("float64",
+                                                                                 "double"):
             dtype_name = "float32"  # stored wider than minivllm computes: load narrows it
         num_kv_heads = d.get("num_key_value_heads")  # a 0 is named below, not taken as absent
         return cls(

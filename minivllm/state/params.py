@@ -91,14 +91,13 @@ def check_params(params: Params) -> None:
     config = params.config
     if len(params.layers) != config.num_layers:
         raise ValueError(f"params has {len(params.layers)} layers, its config {config.num_layers}")
-    if not params.embed.is_floating_point():
-        raise ValueError(f"params.embed has dtype {params.embed.dtype}: weights are float")
     shapes = expected_shapes(config, params.shard)
     named = [(name, getattr(params, name)) for name in ("embed", "final_norm", "lm_head")]
     for i, layer in enumerate(params.layers):
         if not isinstance(layer, LayerParams):
             raise TypeError(f"params.layers[{i}] must be a LayerParams, got {type(layer).__name__}")
-        named += [(f"layers[{i}].{f.name}", getattr(layer, f.name)) for f in attrs.fields(LayerParams)]
+        named += [(f"layers[{i}].{f.name}", getattr(layer, f.name))
+                  for f in attrs.fields(LayerParams)]
     for name, t in named:
         if t is None and name == "lm_head":
             if not config.tie_word_embeddings:
@@ -106,6 +105,8 @@ def check_params(params: Params) -> None:
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"params.{name} must be a tensor, got {type(t).__name__}")
+        if name == "embed" and not t.is_floating_point():  # the dtype every weight must share
+            raise ValueError(f"params.embed has dtype {t.dtype}: weights are float")
         want = shapes[name.rsplit(".", 1)[-1]]
         if tuple(t.shape) != want:
             raise ValueError(f"params.{name} has shape {tuple(t.shape)}, expected {want}")
