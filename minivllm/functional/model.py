@@ -11,7 +11,7 @@ import torch
 
 from ..state.batch import Batch
 from ..state.cache import KVCache, check_cache_fits
-from ..state.params import Params
+from ..state.params import Params, check_layer_count
 from .attention import REFERENCE, AttentionBackend
 from .embedding import embed, lm_head
 from .layer import decoder_layer
@@ -63,9 +63,7 @@ def check_step(params: Params, cache: KVCache, batch: Batch) -> None:
     if not isinstance(batch, Batch):
         raise TypeError(f"batch must be a Batch (make_batch), got {type(batch).__name__}")
     check_cache_fits(params, cache, whole=False)
-    if len(params.layers) != params.config.num_layers:
-        raise ValueError(f"params has {len(params.layers)} layers, its config "
-                         f"{params.config.num_layers}")
+    check_layer_count(params)
     if batch.block_size != cache.block_size:
         raise ValueError(f"the batch was made for blocks of {batch.block_size} tokens, the cache "
                          f"holds blocks of {cache.block_size} (make_batch's block_size)")

@@ -34,9 +34,9 @@ from .generation_config import FILE as GEN_FILE, eos_ids_of, read_generation_con
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .runner import ModelRunner, StepInput, StepResult, trace_range
 from .sampling_params import SamplingParams
-from .values import as_int
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import PENDING, Sequence, Status
+from .values import as_int
 
 log = logging.getLogger("minivllm")
 
@@ -168,13 +168,13 @@ class LLMEngine:
         ids = list(ids)
         if not ids:
             raise ValueError("the prompt is empty (no tokens)")
-        for k, t in enumerate(ids):
-            ids[k] = as_int(t)  # ints, and numpy / torch integer scalars
-            if ids[k] is None:
-                raise ValueError(f"prompt_token_ids holds {t!r}, not an int token id")
-            t = ids[k]
+        for k, given_id in enumerate(ids):
+            t = as_int(given_id)  # ints, and numpy / torch integer scalars
+            if t is None:
+                raise ValueError(f"prompt_token_ids holds {given_id!r}, not an int token id")
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {self.vocab_size})")
+            ids[k] = t
         return text, ids
 
     def check_request(self, prompt: Any, params: SamplingParams) -> tuple[str | None, list[int]]:

@@ -71,13 +71,12 @@ class LLM:
     CUDA, NCCL; gloo on CPU): the LLM spawns the other ranks on this host, or, under torchrun,
     rank 0 runs the engine and the other ranks serve it inside LLM(...) and then exit. Call
     shutdown() (or use the LLM as a context manager) to stop them early; they also stop at
-    exit. async_scheduling:
-    schedule each step while the previous one runs (same outputs). kv_cache_dtype: "auto" (the
-    model's dtype) or "fp8" (float8 e4m3, half the cache's bytes and twice its tokens; the
-    triton or reference attention backend; keys and values are stored unscaled, so outputs
-    differ from "auto" by fp8's rounding of the cached tokens). persistent_decode: decode steps
-    of 1-2 sequences run every decoder layer in one persistent Triton kernel
-    (kernels/decode_layer.py; one GPU); None: on for one CUDA GPU unless another
+    exit. async_scheduling: schedule each step while the previous one runs (same outputs).
+    kv_cache_dtype: "auto" (the model's dtype) or "fp8" (float8 e4m3, half the cache's bytes
+    and twice its tokens; the triton or reference attention backend; keys and values are stored
+    unscaled, so outputs differ from "auto" by fp8's rounding of the cached tokens).
+    persistent_decode: decode steps of 1-2 sequences run every decoder layer in one persistent
+    Triton kernel (kernels/decode_layer.py; one GPU); None: on for one CUDA GPU unless another
     attention_backend than "triton" is asked for. generation_config: where the sampling
     defaults of requests that pass no SamplingParams come from (vLLM's): "auto" the model's
     generation_config.json (Qwen3: temperature 0.6, top_p 0.95, top_k 20), "vllm" none (plain

@@ -80,6 +80,14 @@ def expected_shapes(config: ModelConfig, shard: ShardSpec) -> dict[str, tuple[in
     }
 
 
+def check_layer_count(params: Params) -> None:
+    """ValueError unless params holds a layer for each of its config's (what forward checks at
+    every step; a zip over fewer layers would run them without a word)."""
+    if len(params.layers) != params.config.num_layers:
+        raise ValueError(f"params has {len(params.layers)} layers, its config "
+                         f"{params.config.num_layers}")
+
+
 def check_params(params: Params) -> None:
     """TypeError/ValueError naming what in `params` does not fit its config and shard: the layer
     count, a tensor's shape, a dtype other than the embedding's float dtype, another device.
@@ -89,8 +97,7 @@ def check_params(params: Params) -> None:
         raise TypeError(f"params must be a Params (minivllm.load, random_params), got "
                         f"{type(params).__name__}")
     config = params.config
-    if len(params.layers) != config.num_layers:
-        raise ValueError(f"params has {len(params.layers)} layers, its config {config.num_layers}")
+    check_layer_count(params)
     shapes = expected_shapes(config, params.shard)
     named = [(name, getattr(params, name)) for name in ("embed", "final_norm", "lm_head")]
     for i, layer in enumerate(params.layers):
