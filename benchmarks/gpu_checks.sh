@@ -422,7 +422,8 @@ host_ab)
   # the time left. RUNS names each run N_SIDE_KV (side new or old, KV cache bf16 or fp8). Session
   # 31 ran its cuts with the default; session 47's (07d70f6, 3f2143d: host_cost.py ~40% fewer
   # ms a step at 256 rows on the CPU machine) want the fp8 cache, whose run the host bounds:
-  # RUNS="1_new_fp8 2_old_fp8 3_new_fp8 4_old_fp8 5_new_bf16 6_old_bf16".
+  # RUNS="1_new_fp8 2_old_fp8 3_new_fp8 4_old_fp8 5_new_bf16 6_old_bf16". Session 49 ran the
+  # fp8 ones: host ms a step down ~35%, every bucket's seconds equal (the device bounds the run).
   if [ ! -d "${OLD:-}/minivllm" ]; then
     echo "host_ab: set OLD to an unpacked tree to compare against (OLD=dbg/old)" >&2
     exit 2
