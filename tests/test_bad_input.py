@@ -249,3 +249,24 @@ def test_numpy_and_sequence_arguments_are_taken_as_their_python_values(params):
     assert run(top_p=np.float32(0.9), top_k=np.int64(20), eos_token_id=range(7, 10)) == plain
     assert run(top_p=0.9, top_k=20, eos_token_id=np.array([7, 8, 9])) == plain
     assert run(top_p=0.9, top_k=20, eos_token_id=[np.int64(7), 8, 9]) == plain
+    assert run(top_p=0.9, top_k=torch.tensor(20), eos_token_id=torch.tensor(7)) == run(
+        top_p=0.9, top_k=20, eos_token_id=7)
+
+
+def test_prompt_ids_and_counts_may_be_numpy_or_torch_integers(params):
+    """The engine takes ids and counts from arrays; so does generate (torch 2.x tensors iterate
+    as 0-d tensors, numpy arrays as numpy scalars)."""
+    import numpy as np
+
+    def run(tokens, **kwargs):
+        cache = minivllm.init_cache(params, num_blocks=8, block_size=4)
+        return minivllm.generate(params, cache, tokens, temperature=1.0, **kwargs)[0]
+    plain = run([[1, 2, 3]], max_new_tokens=5, seed=9)
+    assert run([list(np.array([1, 2, 3]))], max_new_tokens=np.int64(5), seed=np.uint8(9)) == plain
+    assert run([list(torch.tensor([1, 2, 3]))], max_new_tokens=torch.tensor(5),
+               seed=torch.tensor(9)) == plain
+    for bad in (torch.tensor([5]), np.bool_(True), torch.tensor(True), torch.tensor(5.0)):
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            run([[1, 2, 3]], max_new_tokens=bad)
+    with pytest.raises(TypeError, match="prompt 0 holds"):
+        run([[1, torch.tensor([2]), 3]], max_new_tokens=2)

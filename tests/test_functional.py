@@ -203,3 +203,14 @@ def test_a_padded_block_table_entry_reads_nothing_not_even_nan():
 def test_make_batch_refuses_a_negative_num_cached():
     with pytest.raises(ValueError, match="num_cached must be an integer >= 0, got -1"):
         make_batch([SeqChunk([1], -1, [0])], block_size=4)
+
+
+def test_make_batch_takes_integer_scalars_as_num_cached_and_refuses_the_rest():
+    import numpy as np
+    plain = make_batch([SeqChunk([1], 3, [0])], block_size=4)
+    for n in (np.int64(3), torch.tensor(3)):
+        batch = make_batch([SeqChunk([1], n, [0])], block_size=4)
+        assert batch.positions.tolist() == plain.positions.tolist() == [3]
+    for bad in (True, np.bool_(True), torch.tensor([3]), 3.0):
+        with pytest.raises(ValueError, match="num_cached must be an integer"):
+            make_batch([SeqChunk([1], bad, [0])], block_size=4)

@@ -3,7 +3,6 @@ one batched prefill of all prompts, then batched decode steps until every prompt
 
 from __future__ import annotations
 
-import numbers
 import secrets
 from typing import Iterable, Sequence
 
@@ -15,6 +14,7 @@ from ..state.batch import SeqChunk, make_batch
 from ..state.cache import KVCache, check_cache_fits
 from ..state.config import ceil_div
 from ..state.params import Params, check_params
+from ..state.values import as_int, as_real
 from .attention import AttentionBackend
 from .model import forward
 from .sampling import SamplingRow, make_sampling_batch, sample
@@ -32,55 +32,58 @@ def _check_prompts(tokens, vocab_size: int) -> list[list[int]]:
             raise TypeError(f"prompt {i} must be a list of token ids, got {type(prompt).__name__}")
         if not prompt:
             raise ValueError(f"prompt {i} is empty")
+        ids = []
         for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int):
+            t_int = as_int(t)
+            if t_int is None:
                 raise TypeError(f"prompt {i} holds {t!r}, not an int token id")
-            if not 0 <= t < vocab_size:
-                raise ValueError(f"prompt {i} holds token id {t}, outside the vocabulary [0, {vocab_size})")
-        prompts.append(list(prompt))
+            if not 0 <= t_int < vocab_size:
+                raise ValueError(f"prompt {i} holds token id {t_int}, outside the vocabulary "
+                                 f"[0, {vocab_size})")
+            ids.append(t_int)
+        prompts.append(ids)
     return prompts
 
 
-def _is_int(x) -> bool:
-    """Python and numpy integers, not bools."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
-
-
-def _is_real(x) -> bool:
-    """Python and numpy reals, not bools."""
-    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
-
-
-def _check_options(max_new_tokens, temperature, top_k, top_p, seed) -> None:
-    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+def _check_options(max_new_tokens, temperature, top_k, top_p, seed) -> tuple:
+    """The options as Python numbers (numpy and torch scalars taken), or a named error."""
+    new = as_int(max_new_tokens)
+    if new is None or new < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if not _is_real(temperature) or not 0 <= temperature <= torch.finfo(torch.float32).max:
+    temp = as_real(temperature)
+    if temp is None or not 0 <= temp <= torch.finfo(torch.float32).max:
         raise ValueError(f"temperature must be a number in [0, 3.4e38] (fp32's range), got "
                          f"{temperature!r}")
-    if top_k is not None and (not _is_int(top_k) or top_k < 1):
+    k = None if top_k is None else as_int(top_k)
+    if top_k is not None and (k is None or k < 1):
         raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
-    if top_p is not None and (not _is_real(top_p) or not 0 < top_p <= 1):
+    p = None if top_p is None else as_real(top_p)
+    if top_p is not None and (p is None or not 0 < p <= 1):
         raise ValueError(f"top_p must be a number in (0, 1] or None, got {top_p!r}")
-    if seed is not None and not _is_int(seed):
+    s = None if seed is None else as_int(seed)
+    if seed is not None and s is None:
         raise TypeError(f"seed must be an integer or None, got {seed!r}")
+    return new, temp, k, p, s
 
 
 def _check_eos(eos_token_id, vocab_size: int) -> set[int]:
     """eos_token_id: None, an id or a sequence of ids -> the set of ids that end a prompt."""
     if eos_token_id is None:
         return set()
-    ids = [eos_token_id] if _is_int(eos_token_id) else eos_token_id
+    ids = [eos_token_id] if as_int(eos_token_id) is not None else eos_token_id
     if isinstance(ids, np.ndarray):
         ids = ids.tolist()
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
         raise TypeError(f"eos_token_id must be an int, a sequence of ints or None, got {eos_token_id!r}")
-    ids = list(ids)
+    eos = set()
     for t in ids:
-        if not _is_int(t):
+        t_int = as_int(t)
+        if t_int is None:
             raise TypeError(f"eos_token_id holds {t!r}, not an int token id")
-        if not 0 <= t < vocab_size:
-            raise ValueError(f"eos_token_id {t} is outside the vocabulary [0, {vocab_size})")
-    return {int(t) for t in ids}
+        if not 0 <= t_int < vocab_size:
+            raise ValueError(f"eos_token_id {t_int} is outside the vocabulary [0, {vocab_size})")
+        eos.add(t_int)
+    return eos
 
 
 def generate(params: Params, cache: KVCache, tokens: Sequence[Sequence[int]], *, max_new_tokens: int,
@@ -96,7 +99,8 @@ def generate(params: Params, cache: KVCache, tokens: Sequence[Sequence[int]], *,
     prompts). Prompt i uses cache blocks laid out one prompt after the other from block 0."""
     from ..kernels import select_backend
 
-    _check_options(max_new_tokens, temperature, top_k, top_p, seed)
+    max_new_tokens, temperature, top_k, top_p, seed = _check_options(
+        max_new_tokens, temperature, top_k, top_p, seed)
     check_params(params)
     check_cache_fits(params, cache)
     prompts = _check_prompts(tokens, params.config.vocab_size)

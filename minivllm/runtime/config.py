@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from ..state.config import FP8_DTYPES, ModelConfig, config_for_shape, parse_dtype, parse_kv_cache_dtype
+from ..state.values import as_flag, as_int, as_real
 from .distributed import check_tensor_parallel, torchrun_env
-from .values import as_flag, as_int, as_real
 
 
 def is_random_model(model: str) -> bool:

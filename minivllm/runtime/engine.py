@@ -26,6 +26,7 @@ from typing import Any
 from ..functional.sampling import SamplingRow
 from ..state.batch import DecodeChunks, SeqChunk
 from ..state.config import FP8_DTYPES
+from ..state.values import as_int
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import detokenize_incrementally, find_stop_string, prompt_offsets
@@ -36,7 +37,6 @@ from .runner import ModelRunner, StepInput, StepResult, trace_range
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import PENDING, Sequence, Status
-from .values import as_int
 
 log = logging.getLogger("minivllm")
 

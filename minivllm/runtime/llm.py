@@ -13,6 +13,7 @@ import os
 import time
 from typing import Iterable, Iterator
 
+from ..state.values import as_flag
 from .config import EngineConfig, is_random_model
 from .distributed import torchrun_env
 from .engine import EngineStats, LLMEngine
@@ -21,7 +22,6 @@ from .generation_config import (FILE as GEN_FILE, eos_ids_of, generation_config_
                                 read_generation_config, sampling_defaults)
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
-from .values import as_flag
 
 log = logging.getLogger("minivllm")
 

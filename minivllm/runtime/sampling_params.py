@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .values import as_int, as_real
+from ..state.values import as_int, as_real
 
 
 def _is_int(x) -> bool:

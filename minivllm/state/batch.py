@@ -19,7 +19,6 @@ A decode step is the case q_len_b == 1 for every b, i.e. T == B, which is static
 from __future__ import annotations
 
 import itertools
-import operator
 from collections import abc
 from typing import NamedTuple, Sequence
 
@@ -27,6 +26,7 @@ import numpy as np
 import torch
 
 from .pytree import pytree_class, static
+from .values import as_int
 
 
 @pytree_class
@@ -186,13 +186,10 @@ def check_chunks(chunks: Sequence[SeqChunk], *, block_size: int, num_blocks: int
         if not isinstance(chunk, SeqChunk):
             raise TypeError(f"chunk {b} must be a SeqChunk, got {type(chunk).__name__}")
         _ids(chunk.token_ids, f"chunk {b}'s token_ids", vocab_size, "the vocabulary size")
-        n = chunk.num_cached
-        try:
-            ok = not isinstance(n, (bool, np.bool_)) and operator.index(n) >= 0
-        except TypeError:
-            ok = False
-        if not ok:
-            raise ValueError(f"chunk {b}'s num_cached must be an integer >= 0, got {n!r}")
+        n = as_int(chunk.num_cached)
+        if n is None or n < 0:
+            raise ValueError(f"chunk {b}'s num_cached must be an integer >= 0, got "
+                             f"{chunk.num_cached!r}")
         _ids(chunk.block_table, f"chunk {b}'s block_table", num_blocks, "the cache's num_blocks")
         if not isinstance(chunk.want_logits, (bool, np.bool_)):  # packing indexes rows with it
             raise TypeError(f"chunk {b}'s want_logits must be a bool, got {chunk.want_logits!r}")

@@ -1,6 +1,6 @@
-"""Reading the numbers and flags users pass: an integer may be a numpy or torch integer scalar
-(ids and counts often come out of arrays), a bool is never a number, and a string is never a
-bool (bool("false") is True)."""
+"""Reading the numbers and flags users pass, for every layer's input checks: an integer may be a
+numpy or torch integer scalar (ids and counts often come out of arrays), a bool is never a
+number, and a string is never a bool (bool("false") is True)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import torch
 
 def as_int(x) -> int | None:
     """x as a Python int when it is an integer (an int, or a numpy / torch integer scalar), else
-    None: bools and bool tensors included, whose True would pass as 1."""
-    if isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool):
+    None: bools and bool tensors included, whose True would pass as 1, and one-element tensors
+    of higher rank, which torch would index as their element."""
+    if isinstance(x, bool) or (isinstance(x, torch.Tensor) and (x.dtype == torch.bool or x.ndim)):
         return None
     try:
         return operator.index(x)
