@@ -107,6 +107,10 @@ def test_numpy_and_torch_scalars_are_taken_as_python_numbers():
         assert type(getattr(given, name)) is type(getattr(want, name)), name
         assert getattr(given, name) == getattr(want, name), name
     assert type(given.stop_ids[0]) is int
+    # A one-element tensor of rank 1 is no scalar (torch's __index__ would take its element).
+    for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs"):
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**{name: torch.tensor([3])})
 
 
 def test_engine_options_take_numpy_integers_and_refuse_non_bool_flags(tiny_dir):
