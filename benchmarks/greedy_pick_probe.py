@@ -12,6 +12,7 @@ session 19: there the kernel lost).
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -45,6 +46,9 @@ def time_in_graph(fn, calls: int = 50, replays: int = 5) -> tuple[float, float]:
 
 
 def main() -> int:
+    # No options: --help prints what it measures instead of measuring.
+    argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     if not torch.cuda.is_available():
         print("greedy_pick_probe: needs a CUDA GPU", file=sys.stderr)
         return 1

@@ -24,6 +24,7 @@ other's outputs.
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -164,6 +165,9 @@ def max_error(weights, xs, ys) -> float:
 
 
 def main() -> int:
+    # No options: --help prints what it measures instead of measuring.
+    argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     if (gpu := cuda_and_l2("layer_kernel_probe.py")) is None:
         return 2
     dev, l2 = gpu

@@ -1,11 +1,13 @@
-"""The `minivllm` command: `generate` completes prompts, `chat` is an interactive conversation.
+"""The `minivllm` command: `generate` completes prompts, `chat` is an interactive conversation,
+`bench` measures throughput or single-stream latency.
 
     minivllm generate --model DIR --prompt "Hello, my name is" --max-tokens 32
     minivllm chat --model DIR
     minivllm generate --demo          # a built-in tiny model with random weights: no download
     minivllm bench --shape qwen3-0.6b # nano-vllm's throughput workload (--latency: one stream)
 
-With neither --model nor --demo it runs the demo model, and says so.
+With neither --model nor --demo, `generate` and `chat` run the demo model, and say so (`bench`
+runs random weights of --shape).
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, command: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="minivllm", description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(prog="minivllm", description=" ".join(__doc__.split("\n\n")[0].split()),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete prompts and print the completions")

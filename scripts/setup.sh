@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Make .venv with minivllm and its test tools (idempotent). CPU machines take the torch 2.13.0 CPU
-# wheel; pinning it keeps pip from pulling a multi-GB CUDA build. triton 3.7.1 is the release
-# torch 2.13 pairs with (its interpreter runs our kernels on CPU in the tests).
+# Make .venv with minivllm and its test tools (idempotent). The pin keeps pip from moving torch
+# (this project's machines hold its CPU wheel in pip's local folder; elsewhere install the CPU
+# build first, see README.md). triton 3.7.1 is the release torch 2.13 pairs with (its
+# interpreter runs our kernels on CPU in the tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

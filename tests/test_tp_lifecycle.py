@@ -22,7 +22,7 @@ import torch.distributed as dist
 from minivllm import LLM, SamplingParams
 from minivllm.cli import main
 from minivllm.runtime.demo import ensure_demo_model
-from minivllm.runtime.executor import WorkerDiedError
+from minivllm import WorkerDiedError  # public: what a caller catches
 
 from hf_tiny import hf_config, make_hf_model, save_checkpoint
 

@@ -68,19 +68,10 @@ def _make(name: str):
     raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(BACKEND_NAMES)}")
 
 
-def select_backend(device, requested=None, cache_dtype: torch.dtype | None = None,
-                   head_dim: int | None = None):
-    """The backend object for `device`. `requested`: a backend object (returned as is), a name,
-    or None (then MINIVLLM_ATTENTION_BACKEND, then the best available). An fp8 `cache_dtype`
-    leaves out flash_attn, which reads a cache in the model's dtype only; a `head_dim` outside
-    TRITON_HEAD_DIMS leaves out triton on a GPU (asked for by name: a ValueError)."""
-    if requested is not None and not isinstance(requested, str):
-        if not callable(requested):
-            raise TypeError(f"backend must be a name, an attention backend or None, got "
-                            f"{type(requested).__name__}")
-        if cache_dtype in FP8_DTYPES and getattr(requested, "name", None) == "flash_attn":
-            raise ValueError(_FP8_FLASH_ATTN)
-        return requested
+def backend_name(device, requested: str | None = None, cache_dtype: torch.dtype | None = None,
+                 head_dim: int | None = None) -> str:
+    """The name select_backend picks for a name or None (see there), or its ValueError; pure,
+    so the engine's options can follow the backend before anything is built."""
     name = requested or os.environ.get("MINIVLLM_ATTENTION_BACKEND") or None
     available = available_backends(device)
     if cache_dtype in FP8_DTYPES:
@@ -100,6 +91,23 @@ def select_backend(device, requested=None, cache_dtype: torch.dtype | None = Non
     elif name not in available:
         raise ValueError(f"attention backend {name!r} is not available on {torch.device(device)}; "
                          f"available: {', '.join(available)}")
+    return name
+
+
+def select_backend(device, requested=None, cache_dtype: torch.dtype | None = None,
+                   head_dim: int | None = None):
+    """The backend object for `device`. `requested`: a backend object (returned as is), a name,
+    or None (then MINIVLLM_ATTENTION_BACKEND, then the best available). An fp8 `cache_dtype`
+    leaves out flash_attn, which reads a cache in the model's dtype only; a `head_dim` outside
+    TRITON_HEAD_DIMS leaves out triton on a GPU (asked for by name: a ValueError)."""
+    if requested is not None and not isinstance(requested, str):
+        if not callable(requested):
+            raise TypeError(f"backend must be a name, an attention backend or None, got "
+                            f"{type(requested).__name__}")
+        if cache_dtype in FP8_DTYPES and getattr(requested, "name", None) == "flash_attn":
+            raise ValueError(_FP8_FLASH_ATTN)
+        return requested
+    name = backend_name(device, requested, cache_dtype, head_dim)
     key = (name, str(torch.device(device)))
     if key not in _logged:
         _logged.add(key)

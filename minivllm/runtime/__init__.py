@@ -3,6 +3,7 @@
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .engine import EngineStats, LLMEngine
+from .executor import WorkerDiedError
 from .llm import LLM
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .runner import ModelRunner, StepInput, StepResult
@@ -12,4 +13,4 @@ from .sequence import Sequence
 
 __all__ = ["BlockManager", "EngineConfig", "EngineStats", "LLMEngine", "LLM", "CompletionOutput",
            "Logprob", "RequestOutput", "ModelRunner", "StepInput", "StepResult", "SamplingParams",
-           "Scheduler", "SchedulerOutput", "Sequence"]
+           "Scheduler", "SchedulerOutput", "Sequence", "WorkerDiedError"]

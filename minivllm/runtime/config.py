@@ -120,7 +120,7 @@ class EngineConfig:
         if persistent_decode is None:
             persistent_decode = persistent_decode_default(
                 device, tensor_parallel_size, attention_backend, triton_usable(device),
-                model_config.head_dim)
+                model_config.head_dim, kv_cache_dtype)
         if persistent_decode:
             from ..kernels.backends import TRITON_HEAD_DIMS, triton_takes_head_dim
             if device.type == "cuda" and not triton_takes_head_dim(model_config.head_dim):
@@ -149,15 +149,16 @@ class EngineConfig:
 
 def persistent_decode_default(device: torch.device, tensor_parallel_size: int,
                               attention_backend: str | None, triton_usable: bool,
-                              head_dim: int) -> bool:
+                              head_dim: int, kv_cache_dtype: torch.dtype | None = None) -> bool:
     """persistent_decode when not given: on where it runs (one CUDA GPU with Triton, a head_dim
-    the Triton kernels compile for) and no other attention backend than Triton's was asked for
-    (its attention is Triton's decode kernel). The single stream decodes 19% faster with it
-    (BENCHMARKS.md, session 16)."""
-    from ..kernels.backends import triton_takes_head_dim
-    return (device.type == "cuda" and tensor_parallel_size == 1 and
-            attention_backend in (None, "triton") and triton_usable and
-            triton_takes_head_dim(head_dim))
+    the Triton kernels compile for) and the engine's attention backend is Triton's, whether
+    asked for, named by MINIVLLM_ATTENTION_BACKEND or chosen as the best available (the kernel's
+    attention is Triton's decode kernel: with another backend, steps of 1-2 rows would not run
+    it). The single stream decodes 19% faster with it (BENCHMARKS.md, session 16)."""
+    from ..kernels.backends import backend_name, triton_takes_head_dim
+    return (device.type == "cuda" and tensor_parallel_size == 1 and triton_usable and
+            triton_takes_head_dim(head_dim) and
+            backend_name(device, attention_backend, kv_cache_dtype, head_dim) == "triton")
 
 
 def _device(device) -> torch.device:

@@ -63,8 +63,10 @@ class LLM:
     "bfloat16", "float16" or a torch dtype. max_model_len: longest prompt + output (default: the
     model's max_position_embeddings). max_num_seqs / max_num_batched_tokens: the scheduler's
     budgets per step. block_size: tokens per KV block. num_kv_blocks: the KV cache's size in
-    blocks (default: sized from free GPU memory * gpu_memory_utilization after a warm-up step,
-    or on CPU from a memory budget, MINIVLLM_CPU_KV_CACHE_SPACE GiB). enforce_eager: no CUDA
+    blocks (default, on a GPU: what the device's total memory * gpu_memory_utilization leaves
+    after what is in use (weights, the CUDA context, other processes) and what start-up measures
+    the largest step, sampling and the CUDA graphs to need, as vLLM; on CPU,
+    MINIVLLM_CPU_KV_CACHE_SPACE GiB, else 4 GiB and at most a quarter of the RAM). enforce_eager: no CUDA
     graphs (issue 5). attention_backend: "reference", "triton", "flash_attn" or None (best for
     the device; MINIVLLM_ATTENTION_BACKEND). seed: draws the seeds of requests that set none
     (None: 0, as vLLM). tensor_parallel_size: split the model over this many processes (GPUs on
@@ -76,8 +78,8 @@ class LLM:
     and twice its tokens; the triton or reference attention backend; keys and values are stored
     unscaled, so outputs differ from "auto" by fp8's rounding of the cached tokens).
     persistent_decode: decode steps of 1-2 sequences run every decoder layer in one persistent
-    Triton kernel (kernels/decode_layer.py; one GPU); None: on for one CUDA GPU unless another
-    attention_backend than "triton" is asked for. generation_config: where the sampling
+    Triton kernel (kernels/decode_layer.py; one GPU); None: on for one CUDA GPU when the attention
+    backend is "triton" (asked for, named by MINIVLLM_ATTENTION_BACKEND or chosen as the best). generation_config: where the sampling
     defaults of requests that pass no SamplingParams come from (vLLM's): "auto" the model's
     generation_config.json (Qwen3: temperature 0.6, top_p 0.95, top_k 20), "vllm" none (plain
     SamplingParams()), or a directory holding one; override_generation_config: a dict of
