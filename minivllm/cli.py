@@ -85,7 +85,8 @@ def _add_sampling_args(p: argparse.ArgumentParser, command: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="minivllm", description=" ".join(__doc__.split("\n\n")[0].split()),
+    summary = " ".join(__doc__.split("\n\n")[0].split())  # the first paragraph, one line
+    parser = argparse.ArgumentParser(prog="minivllm", description=summary,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete prompts and print the completions")

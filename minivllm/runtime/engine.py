@@ -5,13 +5,14 @@ the engine as it was); step() schedules, runs the model runner, records the samp
 detokenizes incrementally and applies stop strings, and returns the outputs of the requests the
 step touched.
 
-With asynchronous scheduling (the default, on one device and under tensor parallelism),
-step() schedules and launches step N+1 before it reads step N's tokens: the host's work for one
-step (scheduling, building the batch, detokenizing, stop checks) runs while the device computes
-the other, instead of the device waiting for it. A token still being sampled stands as PENDING in its sequence and is fed to the
-next step from the device (see Scheduler.advance / resolve). The outputs are the same as with
-synchronous steps; what changes is that a sequence an EOS or stop token ends computes one more
-token, which is dropped, and that step() returns a step's outputs one call later.
+With asynchronous scheduling (the default, on one device and under tensor parallelism), step()
+schedules and launches step N+1 before it reads step N's tokens: the host's work for one step
+(scheduling, building the batch, detokenizing, stop checks) runs while the device computes the
+other, instead of the device waiting for it. A token still being sampled stands as PENDING in its
+sequence and is fed to the next step from the device (see Scheduler.advance / resolve). The
+outputs are the same as with synchronous steps; what changes is that a sequence an EOS or stop
+token ends computes one more token, which is dropped, and that step() returns a step's outputs one
+call later.
 """
 
 from __future__ import annotations

@@ -58,28 +58,28 @@ def generation_defaults(generation_config, override, model: str) -> tuple[dict, 
 class LLM:
     """An inference engine over one local Qwen3 checkpoint.
 
-    model: a Hugging Face checkpoint directory. tokenizer: a directory to load the tokenizer
-    from instead (default: the model's). dtype: "auto" (the checkpoint's), "float32",
-    "bfloat16", "float16" or a torch dtype. max_model_len: longest prompt + output (default: the
-    model's max_position_embeddings). max_num_seqs / max_num_batched_tokens: the scheduler's
-    budgets per step. block_size: tokens per KV block. num_kv_blocks: the KV cache's size in
-    blocks (default, on a GPU: what the device's total memory * gpu_memory_utilization leaves
-    after what is in use (weights, the CUDA context, other processes) and what start-up measures
-    the largest step, sampling and the CUDA graphs to need, as vLLM; on CPU,
-    MINIVLLM_CPU_KV_CACHE_SPACE GiB, else 4 GiB and at most a quarter of the RAM). enforce_eager: no CUDA
-    graphs (issue 5). attention_backend: "reference", "triton", "flash_attn" or None (best for
-    the device; MINIVLLM_ATTENTION_BACKEND). seed: draws the seeds of requests that set none
-    (None: 0, as vLLM). tensor_parallel_size: split the model over this many processes (GPUs on
-    CUDA, NCCL; gloo on CPU): the LLM spawns the other ranks on this host, or, under torchrun,
-    rank 0 runs the engine and the other ranks serve it inside LLM(...) and then exit. Call
-    shutdown() (or use the LLM as a context manager) to stop them early; they also stop at
-    exit. async_scheduling: schedule each step while the previous one runs (same outputs).
-    kv_cache_dtype: "auto" (the model's dtype) or "fp8" (float8 e4m3, half the cache's bytes
-    and twice its tokens; the triton or reference attention backend; keys and values are stored
-    unscaled, so outputs differ from "auto" by fp8's rounding of the cached tokens).
-    persistent_decode: decode steps of 1-2 sequences run every decoder layer in one persistent
-    Triton kernel (kernels/decode_layer.py; one GPU); None: on for one CUDA GPU when the attention
-    backend is "triton" (asked for, named by MINIVLLM_ATTENTION_BACKEND or chosen as the best). generation_config: where the sampling
+    model: a Hugging Face checkpoint directory. tokenizer: a directory to load the tokenizer from
+    instead (default: the model's). dtype: "auto" (the checkpoint's), "float32", "bfloat16",
+    "float16" or a torch dtype. max_model_len: longest prompt + output (default: the model's
+    max_position_embeddings). max_num_seqs / max_num_batched_tokens: the scheduler's budgets per
+    step. block_size: tokens per KV block. num_kv_blocks: the KV cache's size in blocks (default,
+    on a GPU: what the device's total memory * gpu_memory_utilization leaves after what is in use
+    (weights, the CUDA context, other processes) and what start-up measures the largest step,
+    sampling and the CUDA graphs to need, as vLLM; on CPU, MINIVLLM_CPU_KV_CACHE_SPACE GiB, else 4
+    GiB and at most a quarter of the RAM). enforce_eager: no CUDA graphs (issue 5).
+    attention_backend: "reference", "triton", "flash_attn" or None (best for the device;
+    MINIVLLM_ATTENTION_BACKEND). seed: draws the seeds of requests that set none (None: 0, as
+    vLLM). tensor_parallel_size: split the model over this many processes (GPUs on CUDA, NCCL;
+    gloo on CPU): the LLM spawns the other ranks on this host, or, under torchrun, rank 0 runs the
+    engine and the other ranks serve it inside LLM(...) and then exit. Call shutdown() (or use the
+    LLM as a context manager) to stop them early; they also stop at exit. async_scheduling:
+    schedule each step while the previous one runs (same outputs). kv_cache_dtype: "auto" (the
+    model's dtype) or "fp8" (float8 e4m3, half the cache's bytes and twice its tokens; the triton
+    or reference attention backend; keys and values are stored unscaled, so outputs differ from
+    "auto" by fp8's rounding of the cached tokens). persistent_decode: decode steps of 1-2
+    sequences run every decoder layer in one persistent Triton kernel (kernels/decode_layer.py;
+    one GPU); None: on for one CUDA GPU when the attention backend is "triton" (asked for, named
+    by MINIVLLM_ATTENTION_BACKEND or chosen as the best). generation_config: where the sampling
     defaults of requests that pass no SamplingParams come from (vLLM's): "auto" the model's
     generation_config.json (Qwen3: temperature 0.6, top_p 0.95, top_k 20), "vllm" none (plain
     SamplingParams()), or a directory holding one; override_generation_config: a dict of
