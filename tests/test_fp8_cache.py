@@ -76,6 +76,27 @@ def test_store_kvcache_writes_the_bytes_write_kv_writes(device, dtype):
     assert torch.equal(bytes_of(k_out), bytes_of(k_ref)) and torch.equal(bytes_of(v_out), bytes_of(v_ref))
 
 
+@pytest.mark.parametrize("writer", ["write_kv", pytest.param("store_kvcache", marks=needs_triton)])
+def test_fp8_writes_saturate_out_of_range_values_to_448(device, writer):
+    """e4m3fn has no infinity: an fp8 cache stores +-1000 and +-inf as +-448, as the GPU's
+    cvt.rn.satfinite does. torch's CUDA cast gives NaN there (its CPU cast saturates, so on the
+    CPU this holds without write_kv's clamp; the suite's GPU run is where it can fail)."""
+    from minivllm.functional.attention import write_kv
+    big = torch.tensor([1000.0, -1000.0, float("inf"), -float("inf"), 448.0, -3.0], device=device)
+    k = big.reshape(6, 1, 1).expand(6, 2, 16).contiguous()  # [T, kv_heads, head_dim]
+    v = -k
+    k_cache = torch.zeros(2, 4, 2, 16, dtype=FP8, device=device)  # [blocks, page, kv_heads, head_dim]
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([0, 1, 2, 3, 5, 6], device=device)
+    (write_kv if writer == "write_kv" else store_kvcache)(k, v, k_cache, v_cache, slots)
+    expect = torch.tensor([448.0, -448.0, 448.0, -448.0, 448.0, -3.0], device=device)
+    k_flat = k_cache.view(8, 2, 16).float()
+    v_flat = v_cache.view(8, 2, 16).float()
+    assert torch.equal(k_flat[slots], expect.reshape(6, 1, 1).expand(6, 2, 16))
+    assert torch.equal(v_flat[slots], -expect.reshape(6, 1, 1).expand(6, 2, 16))
+    assert not k_flat[[4, 7]].any() and not v_flat[[4, 7]].any()  # untouched slots stay 0
+
+
 GPU_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX: GPU only")
 
 
