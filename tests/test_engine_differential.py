@@ -86,8 +86,8 @@ def sampled_logprobs(outputs):
              for c in o.outputs] for o in outputs]
 
 
-@settings(suppress_health_check=[HealthCheck.function_scoped_fixture,
-                   HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                 HealthCheck.data_too_large])
 @given(batch=requests())
 def test_each_request_comes_out_as_it_does_alone_in_a_roomy_engine(engines, batch):
     stressed, roomy = engines
