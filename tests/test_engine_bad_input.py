@@ -77,7 +77,7 @@ BAD_PARAMS = [
     dict(max_tokens=-3), dict(n=0), dict(n=1.0), dict(logprobs=-1), dict(presence_penalty=2.5),
     dict(frequency_penalty=-3), dict(repetition_penalty=0.0), dict(min_tokens=-1),
     dict(min_tokens=9, max_tokens=8), dict(seed="1"), dict(stop=[""]), dict(stop=[1]),
-    dict(stop_token_ids=[-1]), dict(prompt_logprobs=1),
+    dict(stop_token_ids=[-1]), dict(prompt_logprobs=-1), dict(prompt_logprobs=True),
     # silently taken before: a dict's keys as stop strings, an int, a truthy string as a flag
     dict(stop={"a": 1}), dict(stop=5), dict(stop_token_ids=5), dict(ignore_eos="no"),
     dict(include_stop_str_in_output=1), dict(temperature=1e39),

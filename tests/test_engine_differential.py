@@ -1,10 +1,10 @@
 """The engine under pressure against itself at ease: random mixes of requests (seeded sampling,
-penalties, min_tokens, stop ids, logprobs, n, shared prefixes) run together in an engine whose
-KV cache, batch budget and sequence limit force preemption by recompute, chunked prefill and
-prefix-cache hits, with asynchronous scheduling; each request must come out as it does alone in
-a roomy synchronous engine. A seeded request's samples depend on nothing but its seed, and
-penalties on nothing but its own tokens, so any difference is state leaking between requests or
-lost across a recompute."""
+penalties, min_tokens, stop ids, logprobs, prompt_logprobs, n, shared prefixes) run together in
+an engine whose KV cache, batch budget and sequence limit force preemption by recompute, chunked
+prefill and prefix-cache hits, with asynchronous scheduling; each request must come out as it
+does alone in a roomy synchronous engine. A seeded request's samples depend on nothing but its
+seed, and penalties on nothing but its own tokens, so any difference is state leaking between
+requests or lost across a recompute."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ LONGEST = STRESS_BLOCKS * BLOCK  # a request's prompt + max_tokens stays within 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     # std 0.3 as in test_engine.py: margins well above the rounding that batching changes
-    return save_checkpoint(make_hf_model(seed=0, std=0.3), tmp_path_factory.mktemp("diff") / "model")
+    model = make_hf_model(seed=0, std=0.3)
+    return save_checkpoint(model, tmp_path_factory.mktemp("diff") / "model")
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["prefix_cache", "no_prefix_cache"])
@@ -71,6 +72,7 @@ def requests(draw):
             min_tokens=draw(st.integers(0, max_tokens)),
             stop_token_ids=draw(st.lists(st.integers(0, VOCAB - 1), max_size=12)),
             logprobs=draw(st.sampled_from([None, None, 2])),
+            prompt_logprobs=draw(st.sampled_from([None, None, 1])),
             max_tokens=max_tokens)
         out.append((prompt, params))
     return out
@@ -80,10 +82,18 @@ def completions(outputs):
     return [[(tuple(c.token_ids), c.finish_reason) for c in o.outputs] for o in outputs]
 
 
+def prompt_scores(outputs):
+    """Each request's prompt_logprobs as [(id, logprob, rank), ...] per position (None: none)."""
+    return [None if o.prompt_logprobs is None else
+            [None if e is None else [(t, lp.logprob, lp.rank) for t, lp in e.items()]
+             for e in o.prompt_logprobs] for o in outputs]
+
+
 def sampled_logprobs(outputs):
     """Each completion's logprob of each token it sampled (None without logprobs)."""
-    return [[None if c.logprobs is None else [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
-             for c in o.outputs] for o in outputs]
+    return [[None if c.logprobs is None else
+             [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)] for c in o.outputs]
+            for o in outputs]
 
 
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
@@ -96,6 +106,13 @@ def test_each_request_comes_out_as_it_does_alone_in_a_roomy_engine(engines, batc
     together = stressed.generate(prompts, params, use_tqdm=False)
     alone = [roomy.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(prompts, params)]
     assert completions(together) == completions(alone)
+    for got, want, sp in zip(prompt_scores(together), prompt_scores(alone), params):
+        assert (got is None) == (want is None) == (sp.prompt_logprobs is None)
+        for g, w in zip(got or (), want or ()):
+            assert (g is None) == (w is None)
+            if g is not None:
+                assert [(t, r) for t, _, r in g] == [(t, r) for t, _, r in w]
+                assert [lp for _, lp, _ in g] == pytest.approx([lp for _, lp, _ in w], abs=1e-4)
     for got, want in zip(sampled_logprobs(together), sampled_logprobs(alone)):
         for g, w in zip(got, want):
             assert (g is None) == (w is None)

@@ -70,6 +70,25 @@ def test_tp2_engine_equals_tp1(tp2, tp1, prompts):
     assert sampled == tp1[2]
 
 
+def test_tp2_prompt_logprobs_equal_tp1(tp2, tiny_dir, prompts):
+    """Every rank runs the scoring head on the gathered logits; rank 0's scores are TP=1's."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+
+    def scores(llm):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [[None if e is None else {t: (lp.logprob, lp.rank) for t, lp in e.items()}
+                 for e in o.prompt_logprobs] for o in outs]
+    with LLM(tiny_dir, async_scheduling=False, **ENGINE) as llm:
+        want = scores(llm)
+    got = scores(tp2)
+    assert [[None if e is None else list(e) for e in s] for s in got] == \
+        [[None if e is None else list(e) for e in s] for s in want]
+    for g, w in zip(got, want):
+        for ge, we in zip(g[1:], w[1:]):
+            for t in we:
+                assert ge[t][1] == we[t][1] and ge[t][0] == pytest.approx(we[t][0], abs=1e-4)
+
+
 def test_tp2_stream_stopped_early_keeps_the_ranks_in_step(tp2, tp1, prompts):
     """Closing a stream aborts its request between steps; the next requests still match."""
     stream = tp2.stream(prompts[2:], GREEDY)

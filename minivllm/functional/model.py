@@ -18,6 +18,7 @@ from .layer import decoder_layer
 from .linear import sum_partials
 from .norm import add_rms_norm
 from .rope import rope_cos_sin
+from .sampling import token_logprobs
 
 
 def stem(params: Params, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -54,6 +55,20 @@ def logits_head(params: Params, x: torch.Tensor, residual: torch.Tensor,
 def head(params: Params, x: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """logits: [len(rows), vocab_size] fp32 (logits_head's, widened)."""
     return logits_head(params, x, residual, rows).float()
+
+
+def prompt_logprobs(params: Params, x: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor,
+                    targets: torch.Tensor, n: int, *, chunk: int = 256
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scores of known next tokens (vLLM's prompt_logprobs): for each of `rows` [P] (token rows
+    of the step), the logprob [P] and rank [P] of targets [P] (the token that follows it) and
+    the top n (ids, logprobs) [P, n], as sample reports a sampled token's (token_logprobs).
+    `chunk` rows at a time, so that a long prompt holds chunk x vocab logits, not P x vocab."""
+    parts = []
+    for lo in range(0, rows.shape[0], chunk):
+        logits = head(params, x, residual, rows[lo:lo + chunk])
+        parts.append(token_logprobs(logits, targets[lo:lo + chunk], n))
+    return tuple(torch.cat(column) for column in zip(*parts))
 
 
 def check_step(params: Params, cache: KVCache, batch: Batch) -> None:

@@ -525,10 +525,15 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, *, gumbel: bool = True,
     token_ids = _sample_ids(logits, sb, gumbel, kernel)  # its [B, V] temporaries freed by now
     if sb.num_logprobs < 0:
         return SampleOutput(token_ids=token_ids)
+    return SampleOutput(token_ids, *token_logprobs(logits, token_ids, sb.num_logprobs))
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, n: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [B, V], token_ids [B] -> each id's logprob [B] fp32 and rank [B] int64 under the
+    raw distribution, and the top min(n, V) (ids, logprobs) [B, n]: see SampleOutput."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, token_ids[:, None])  # [B, 1]
     ranks = (logprobs >= chosen).sum(dim=-1)  # vLLM v1's count: ties included
-    n = min(sb.num_logprobs, logprobs.shape[-1])
-    top = torch.topk(logprobs, n, dim=-1)
-    return SampleOutput(token_ids=token_ids, logprobs=chosen.squeeze(-1), ranks=ranks,
-                        top_ids=top.indices, top_logprobs=top.values)
+    top = torch.topk(logprobs, min(n, logprobs.shape[-1]), dim=-1)
+    return chosen.squeeze(-1), ranks, top.indices, top.values

@@ -34,7 +34,7 @@ from .detokenizer import detokenize_incrementally, find_stop_string, prompt_offs
 from .executor import make_executor
 from .generation_config import FILE as GEN_FILE, eos_ids_of, read_generation_config
 from .outputs import CompletionOutput, Logprob, RequestOutput
-from .runner import ModelRunner, StepInput, StepResult, trace_range
+from .runner import ModelRunner, PromptScores, StepInput, StepResult, trace_range
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import PENDING, Sequence, Status
@@ -187,8 +187,10 @@ class LLMEngine:
         if len(ids) >= max_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len={max_len} leaves "
                              f"no room to generate (the prompt must be shorter than it)")
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={self.config.max_logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(params, name)
+            if n is not None and n > self.config.max_logprobs:
+                raise ValueError(f"{name}={n} exceeds max_logprobs={self.config.max_logprobs}")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this engine has none")
         for i in params.stop_ids:
@@ -274,6 +276,7 @@ class LLMEngine:
         after that, when the next step is scheduled."""
         # Runs for each sequence each step: chunks unpacked, properties read as what they compute.
         sampled = [c.seq for c in out.sampled]
+        scores = None
         prev_row = {} if prev is None else {c.seq: r for r, c in enumerate(prev.sampled)}
         if out.num_tokens == len(out.chunks) == len(sampled):
             # A decode step (one token a sequence, each sampled): as columns, and a sequence
@@ -285,16 +288,35 @@ class LLMEngine:
         else:
             chunks = [SeqChunk(seq.token_ids[start:start + n], start, seq.block_table, want)
                       for seq, start, n, want in out.chunks]
-            fed_back, offset = [], 0
+            fed_back, offset, scored = [], 0, []
             for seq, start, n, _ in out.chunks:
+                if seq.prompt_logprobs is not None:
+                    scored += self._prompt_positions(seq, start, n, offset)
                 offset += n
                 if seq.num_pending and start + n == len(seq.token_ids):
                     fed_back.append((offset - 1, prev_row[seq]))
+            if scored:
+                out.scored = [(seq, pos) for seq, pos, _ in scored]
+                scores = PromptScores(rows=tuple(row for _, _, row in scored),
+                                      targets=tuple(seq.token_ids[pos] for seq, pos, _ in scored),
+                                      n=max(seq.params.prompt_logprobs for seq, _, _ in scored))
         # A sequence's kept row is reusable for good: only plain rows are kept (_sampling_row).
         rows = [row if (row := seq.sampling_row) is not None else self._sampling_row(seq)
                 for seq in sampled]
         steps = tuple([len(seq.token_ids) - seq.prompt_len for seq in sampled])  # num_output
-        return StepInput(chunks, rows, tuple(fed_back), steps)
+        return StepInput(chunks, rows, tuple(fed_back), steps, scores)
+
+    @staticmethod
+    def _prompt_positions(seq: Sequence, start: int, n: int, offset: int) -> list[tuple]:
+        """(seq, position, row) for each prompt position that seq's chunk (tokens start ...
+        start + n - 1, rows offset ... of the step) can score and that is not scored yet: the
+        row of token p - 1 scores token p. Steps read in order append in order, and a preempted
+        sequence comes back two steps later at the earliest (a step that preempts admits
+        nothing), when every step that scored it has been read: so its recompute scores no
+        position again."""
+        first = max(start + 1, len(seq.prompt_logprobs))
+        return [(seq, pos, offset + pos - 1 - start)
+                for pos in range(first, min(start + n + 1, seq.prompt_len))]
 
     def step(self, *, unfinished: bool = True) -> list[RequestOutput]:
         """Run one scheduled step; the outputs of the requests it touched (finished included;
@@ -387,13 +409,16 @@ class LLMEngine:
             result = StepResult(token_ids=[t for c, t in zip(out.sampled, result.token_ids)
                                            if c.seq.seq_id in keep],
                                 logprobs=[lp for c, lp in zip(out.sampled, result.logprobs)
-                                          if c.seq.seq_id in keep])
+                                          if c.seq.seq_id in keep],
+                                scores=result.scores)
         return self._finish_step(out, seqs, result, unfinished)
 
     def _finish_step(self, out: SchedulerOutput, seqs: list[Sequence], result: StepResult,
                      unfinished: bool) -> list[RequestOutput]:
         with trace_range("postprocess"):
             self.stats.generation_tokens += len(seqs)
+            if result.scores is not None:
+                self._record_scores(out.scored, result.scores)
             self._postprocess(seqs, result)
         if unfinished:
             touched = dict.fromkeys(c.seq.request_id for c in out.chunks)
@@ -476,6 +501,16 @@ class LLMEngine:
             else:
                 self.scheduler.finish(seq, "stop", stop)
 
+    def _record_scores(self, scored: list[tuple[Sequence, int]], scores: list) -> None:
+        """Append each scored prompt position's entry, as vLLM's: the prompt's id first, then the
+        top prompt_logprobs ids."""
+        for (seq, pos), lp in zip(scored, scores):
+            tok = seq.token_ids[pos]
+            entry = {tok: Logprob(lp.logprob, lp.rank, self._decode_one(tok))}
+            entry.update({i: Logprob(v, r + 1, self._decode_one(i))
+                          for r, (i, v) in enumerate(zip(lp.top_ids, lp.top_logprobs))})
+            seq.prompt_logprobs.append(entry)
+
     def _decode_one(self, token_id: int) -> str | None:
         if self.tokenizer is None:
             return None
@@ -500,9 +535,12 @@ class LLMEngine:
                 logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
         cached = [s.num_cached_prompt for s in request.seqs if s.num_cached_prompt >= 0]
+        scored = request.seqs[0].prompt_logprobs
         return RequestOutput(request_id=request.request_id, prompt=request.prompt,
                              prompt_token_ids=list(request.prompt_ids), outputs=outputs,
                              finished=request.finished,
+                             prompt_logprobs=(list(scored) if scored is not None
+                                              and len(scored) == len(request.prompt_ids) else None),
                              num_cached_tokens=cached[0] if cached else 0)
 
     @property

@@ -244,7 +244,8 @@ class LLM:
     def _stream(self, checked: list, params: list[SamplingParams]) -> Iterator[RequestOutput]:
         ids = [self.engine.enqueue(text, ids, sp) for (text, ids), sp in zip(checked, params)]
         mine = set(ids)
-        sent: dict[tuple[str, int], tuple[int, int, bool]] = {}  # (request, index) -> progress
+        # (request, index) -> progress; (request, "prompt") -> its prompt_logprobs were sent
+        sent: dict[tuple[str, int | str], tuple[int, int, bool] | bool] = {}
         self._owned |= mine
         try:
             while mine:
@@ -324,11 +325,17 @@ def _delta(out: RequestOutput, sent: dict) -> RequestOutput | None:
         # of its siblings (n > 1).
         if new.text or new.token_ids or (new.finish_reason is not None and not ended):
             outputs.append(new)
-    if not outputs and not out.finished:
+    # The prompt's scores, once: with the first delta after the prompt is scored (as vLLM).
+    prompt_logprobs = None
+    if out.prompt_logprobs is not None and not sent.get((out.request_id, "prompt")):
+        sent[(out.request_id, "prompt")] = True
+        prompt_logprobs = out.prompt_logprobs
+    if not outputs and not out.finished and prompt_logprobs is None:
         return None
     return RequestOutput(request_id=out.request_id, prompt=out.prompt,
                          prompt_token_ids=out.prompt_token_ids, outputs=outputs,
-                         finished=out.finished, num_cached_tokens=out.num_cached_tokens)
+                         finished=out.finished, prompt_logprobs=prompt_logprobs,
+                         num_cached_tokens=out.num_cached_tokens)
 
 
 class _Progress:

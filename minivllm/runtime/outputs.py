@@ -18,6 +18,9 @@ class Logprob:
 
 # Per generated token: {token_id: Logprob}, the sampled id first, then the top-N ids.
 SampleLogprobs = list[dict[int, Logprob]]
+# Per prompt token: None for the first (nothing precedes it), then as SampleLogprobs with the
+# prompt's own id in the sampled id's place.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -49,13 +52,15 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """The outputs of one request: `outputs` holds its n completions (index order).
-    num_cached_tokens: prompt tokens found in the prefix cache when it was first scheduled."""
+    prompt_logprobs: with SamplingParams.prompt_logprobs, once the whole prompt is scored (else
+    None). num_cached_tokens: prompt tokens found in the prefix cache when it was first
+    scheduled."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    prompt_logprobs: None = None
+    prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
-from ..functional.model import forward
+from ..functional.model import forward, logits_head, prompt_logprobs
 from ..functional.sampling import (SampleOutput, SamplingBatch, SamplingRow, make_sampling_batch,
                                   plain_greedy, sample, with_steps)
 from ..kernels import select_backend
@@ -65,6 +65,8 @@ class StepInput:
     steps: each row's step (tokens its sequence has generated), in place of the rows' own when
     given: the engine reuses a sequence's row from step to step and sends only this column.
 
+    scored: prompt tokens to score (prompt_logprobs), or None: see PromptScores.
+
     A runner is done with a StepInput when launch() / execute() return (the tensor-parallel
     executor pickles it before): the engine passes the sequences' live block tables, which
     it changes only after that, and only by appending (a sequence whose blocks are freed gets
@@ -75,6 +77,18 @@ class StepInput:
     rows: list[SamplingRow]
     fed_back: tuple[tuple[int, int], ...] = ()
     steps: tuple[int, ...] | None = None
+    scored: "PromptScores | None" = None
+
+
+@dataclass(frozen=True)
+class PromptScores:
+    """Known next tokens to score in a step (vLLM's prompt_logprobs): input row rows[i] of the
+    step (its index in the chunks' concatenated tokens) is followed by token targets[i]; each
+    gets its logprob and rank, and the top `n` of its row."""
+
+    rows: tuple[int, ...]
+    targets: tuple[int, ...]
+    n: int
 
 
 @functools.lru_cache(maxsize=8)
@@ -98,20 +112,32 @@ class TokenLogprobs:
 class StepResult:
     token_ids: list[int]  # one per sampling row
     logprobs: list[TokenLogprobs] | None = None  # per row, when any row asked for logprobs
+    scores: list[TokenLogprobs] | None = None  # per PromptScores row, when the step had any
+
+
+def _logprob_rows(lps, ranks, top_ids, top_lps, counts) -> list[TokenLogprobs]:
+    """TokenLogprobs of each row from host lists, the top cut to the row's count."""
+    return [TokenLogprobs(lp, rank, ids[:n], tops[:n])
+            for lp, rank, ids, tops, n in zip(lps, ranks, top_ids, top_lps, counts)]
 
 
 class PendingStep:
     """A launched step: its sampled tokens (and logprobs) are on their way to the host, in pinned
     memory, behind an event; result() waits for them. On CPU they are copied at once."""
 
-    def __init__(self, rows: list[SamplingRow], out: SampleOutput | None, device: torch.device):
+    def __init__(self, rows: list[SamplingRow], out: SampleOutput | None, device: torch.device,
+                 scores: tuple | None = None, scored: PromptScores | None = None):
         self.rows = rows
+        self.scored = scored
         self.event = None
         self.host = None
-        if out is None:
+        if out is None and scores is None:
             return
-        tensors = [out.token_ids] + ([] if out.logprobs is None else
-                                     [out.logprobs, out.ranks, out.top_ids, out.top_logprobs])
+        self.num_sampled = 0 if out is None else 1 if out.logprobs is None else 5
+        tensors = [] if out is None else [out.token_ids]
+        if out is not None and out.logprobs is not None:
+            tensors += [out.logprobs, out.ranks, out.top_ids, out.top_logprobs]
+        tensors += list(scores or ())
         if device.type == "cuda":
             self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
             for h, t in zip(self.host, tensors):
@@ -129,15 +155,16 @@ class PendingStep:
         with trace_range("read_tokens"):
             if self.event is not None:
                 self.event.synchronize()
-            token_ids = self.host[0].tolist()
-        if len(self.host) == 1:
-            return StepResult(token_ids=token_ids)
-        lps, ranks, top_ids, top_lps = (t.tolist() for t in self.host[1:])
-        logprobs = []
-        for row, lp, rank, ids, tops in zip(self.rows, lps, ranks, top_ids, top_lps):
-            n = row.logprobs or 0
-            logprobs.append(TokenLogprobs(lp, rank, ids[:n], tops[:n]))
-        return StepResult(token_ids=token_ids, logprobs=logprobs)
+            token_ids = self.host[0].tolist() if self.num_sampled else []
+        scores = None
+        if self.scored is not None:
+            columns = (t.tolist() for t in self.host[self.num_sampled:])
+            scores = _logprob_rows(*columns, [self.scored.n] * len(self.scored.rows))
+        if self.num_sampled <= 1:
+            return StepResult(token_ids=token_ids, scores=scores)
+        columns = (t.tolist() for t in self.host[1:self.num_sampled])
+        logprobs = _logprob_rows(*columns, [row.logprobs or 0 for row in self.rows])
+        return StepResult(token_ids=token_ids, logprobs=logprobs, scores=scores)
 
 
 @contextlib.contextmanager
@@ -488,6 +515,8 @@ class ModelRunner:
         input_ids[pairs[0]] = self.last_tokens[pairs[1]]
 
     def _run(self, cache, step: StepInput):
+        """The step through the forward (compiled or eager): (SampleOutput or None, the prompt
+        scores' tensors or None, the cache)."""
         batch = make_batch(step.chunks, block_size=self.block_size, device=self.device,
                            check=False)
         # Built before the forward is queued, for the same reason as in _run_decode_graph.
@@ -497,10 +526,29 @@ class ModelRunner:
         if self.small_decode_forward is not None and batch.is_decode and \
                 batch.num_seqs <= self.small_decode_rows:
             fn = self.small_decode_forward
+        scores = None
         with torch.no_grad():
+            if step.scored is not None:
+                fn = functools.partial(fn, head=self._scoring_head(step.scored))
             logits, cache = fn(self.params, cache, batch, self.backend)
+            if step.scored is not None:
+                logits, scores = logits
             out = sample(logits, sb) if sb is not None else None
-        return out, cache
+        return out, scores, cache
+
+    def _scoring_head(self, scored: PromptScores):
+        """forward's head for a step with prompt tokens to score: the sampled rows' logits, and
+        the scores (model.prompt_logprobs), both eager (such steps are rare: no graph, and no
+        compiled head that a new number of rows would recompile). Scores come max_num_seqs rows
+        at a time: the logits start-up sized the sampler's memory for (_sampling_blocks)."""
+        rows = torch.tensor(scored.rows, dtype=torch.int64).to(self.device)
+        targets = torch.tensor(scored.targets, dtype=torch.int64).to(self.device)
+        chunk = self.config.max_num_seqs
+
+        def scoring_head(params, x, residual, logits_rows):
+            return (logits_head(params, x, residual, logits_rows),
+                    prompt_logprobs(params, x, residual, rows, targets, scored.n, chunk=chunk))
+        return scoring_head
 
     def _run_decode_graph(self, step: StepInput, ids_in_graph: bool = False):
         """A decode step (one new token for every sequence) replayed from its CUDA graph.
@@ -566,22 +614,23 @@ class ModelRunner:
     def _graph_step(self, step: StepInput) -> bool:
         chunks = step.chunks
         return (self.graphs is not None and len(chunks) == len(step.rows)  # all want logits
-                and self.graphs.bucket(len(chunks)) is not None
+                and step.scored is None and self.graphs.bucket(len(chunks)) is not None
                 and is_decode_step(chunks))
 
     def launch(self, step: StepInput) -> PendingStep:
         """Queue the step's forward and sampling on the device and return without waiting."""
         ids_in_graph, self.ids_in_graph = self.ids_in_graph, False
+        scores = None
         if self._graph_step(step):
             with torch.no_grad():
                 out = self._run_decode_graph(step, ids_in_graph)
-        elif (graph := self._prefill_graph_for(step)) is not None:
+        elif step.scored is None and (graph := self._prefill_graph_for(step)) is not None:
             with torch.no_grad():
                 out = self._run_prefill_graph(graph, step)
         else:
-            out, self.cache = self._run(self.cache, step)
+            out, scores, self.cache = self._run(self.cache, step)
         self.last_tokens = out.token_ids if out is not None else None
-        return PendingStep(step.rows, out, self.device)
+        return PendingStep(step.rows, out, self.device, scores, step.scored)
 
     def execute(self, step: StepInput) -> StepResult:
         """Compute the step's tokens into the cache and sample one token per row."""

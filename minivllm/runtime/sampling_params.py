@@ -22,7 +22,7 @@ def _is_number(x) -> bool:
 
 # Fields taken as Python ints / floats when given as numpy or torch scalars (the checks below
 # then see plain numbers, and so does everything downstream).
-_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs")
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
 _REAL_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
                 "top_p", "min_p")
 
@@ -38,7 +38,8 @@ class SamplingParams:
     of the text unless include_stop_str_in_output); stop_token_ids: ids that end it (kept in
     token_ids). ignore_eos: run past EOS. max_tokens: None means up to max_model_len.
     min_tokens: EOS and stop ids are masked out before this many tokens. logprobs: the top-N
-    logprobs (plus the sampled token's) per generated token."""
+    logprobs (plus the sampled token's) per generated token. prompt_logprobs: the same for each
+    prompt token after the first (the prompt scored by the model; its first entry is None)."""
 
     n: int = 1
     presence_penalty: float = 0.0
@@ -99,8 +100,9 @@ class SamplingParams:
             bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             bad(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
-        if self.prompt_logprobs is not None:
-            bad("prompt_logprobs is not supported by minivllm yet")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or self.prompt_logprobs < 0):
+            bad(f"prompt_logprobs must be an integer >= 0 or None, got {self.prompt_logprobs!r}")
 
         for name in ("ignore_eos", "detokenize", "skip_special_tokens",
                      "spaces_between_special_tokens", "include_stop_str_in_output"):

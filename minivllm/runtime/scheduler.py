@@ -62,6 +62,9 @@ class SchedulerOutput:
     sampled: list[ScheduledChunk] = field(default_factory=list)
     prefills: list[ScheduledChunk] = field(default_factory=list)
     num_tokens: int = 0
+    # (sequence, prompt position) pairs whose prompt_logprobs the step computes, in the order of
+    # its PromptScores: set by the engine (LLMEngine.step_input), which asks for them.
+    scored: list[tuple[Sequence, int]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -202,7 +205,7 @@ class Scheduler:
         while (not out.preempted and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
-            hits = self.bm.match_prefix(seq)
+            hits = self.bm.match_prefix(seq) if seq.prompt_logprobs is None else []
             cached = len(hits) * self.bm.block_size
             n = min(seq.num_tokens - cached, budget)
             if not self.bm.can_allocate(seq, cached + n, hits):

@@ -59,6 +59,11 @@ class Sequence:
         self.prefix_offset = max(self.prompt_len - 5, 0)
         self.read_offset = self.prompt_len
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        # The prompt's scores (prompt_logprobs), position by position, the first None: kept by
+        # the request's first completion, which computes its whole prompt (it never reads the
+        # prefix cache, as in vLLM: a hit would skip positions it must score).
+        self.prompt_logprobs: list[dict | None] | None = (
+            [None] if params.prompt_logprobs is not None and index == 0 else None)
         self.cumulative_logprob = 0.0
         self.num_preemptions = 0
 
