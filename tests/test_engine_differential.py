@@ -1,8 +1,8 @@
 """The engine under pressure against itself at ease: random mixes of requests (seeded sampling,
-penalties, min_tokens, stop ids, logprobs, prompt_logprobs, n, shared prefixes) run together in
-an engine whose KV cache, batch budget and sequence limit force preemption by recompute, chunked
-prefill and prefix-cache hits, with asynchronous scheduling; each request must come out as it
-does alone in a roomy synchronous engine. A seeded request's samples depend on nothing but its
+penalties, logit bias, allowed ids, min_tokens, stop ids, logprobs, prompt_logprobs, n, shared
+prefixes) run together in an engine whose KV cache, batch budget and sequence limit force
+preemption by recompute, chunked prefill and prefix-cache hits, with asynchronous scheduling;
+each request must come out as it does alone in a roomy synchronous engine. A seeded request's samples depend on nothing but its
 seed, and penalties on nothing but its own tokens, so any difference is state leaking between
 requests or lost across a recompute."""
 
@@ -73,6 +73,11 @@ def requests(draw):
             stop_token_ids=draw(st.lists(st.integers(0, VOCAB - 1), max_size=12)),
             logprobs=draw(st.sampled_from([None, None, 2])),
             prompt_logprobs=draw(st.sampled_from([None, None, 1])),
+            logit_bias=draw(st.one_of(st.none(), st.dictionaries(
+                st.integers(0, VOCAB - 1), st.sampled_from([-5.0, 2.0, 8.0]), max_size=4))),
+            # more ids than stop ids, so that min_tokens' ban of stop ids never leaves none
+            allowed_token_ids=draw(st.one_of(st.none(), st.lists(
+                st.integers(0, VOCAB - 1), min_size=13, max_size=24, unique=True))),
             max_tokens=max_tokens)
         out.append((prompt, params))
     return out

@@ -132,7 +132,10 @@ class SamplingRow:
     top_p 1, min_p 0 and the neutral penalties (0, 0, 1) are off. `seed` and `step` (tokens this
     sequence has generated) pick the row's uniform. `output_ids` feed the presence / frequency /
     repetition penalties and `prompt_ids` the repetition penalty; `banned_ids` can never be
-    sampled (EOS before min_tokens); `logprobs` asks for the top-N logprobs (None: none)."""
+    sampled (EOS before min_tokens); `logit_bias` ((id, bias) pairs) is added to the logits and
+    `allowed_ids`, when given, are the only ids that can be sampled (vLLM's logit_bias and
+    allowed_token_ids: both act before the penalties, as vLLM's logits processors do);
+    `logprobs` asks for the top-N logprobs (None: none)."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -146,6 +149,8 @@ class SamplingRow:
     output_ids: Sequence[int] = ()
     prompt_ids: Sequence[int] = ()
     banned_ids: Sequence[int] = ()
+    logit_bias: Sequence[tuple[int, float]] = ()
+    allowed_ids: Sequence[int] = ()
     logprobs: int | None = None
 
 
@@ -154,7 +159,7 @@ def plain_greedy(row: SamplingRow) -> bool:
     penalty, no banned id and no logprobs (top-k, top-p and min-p do not touch a greedy row)."""
     return (row.temperature < SAMPLING_EPS and row.presence_penalty == 0
             and row.frequency_penalty == 0 and row.repetition_penalty == 1 and not row.banned_ids
-            and row.logprobs is None)
+            and not row.logit_bias and not row.allowed_ids and row.logprobs is None)
 
 
 @pytree_class
@@ -169,6 +174,9 @@ class SamplingBatch:
     output_ids         [B, L] int64 or None   tokens generated so far, padded with vocab_size
     prompt_ids         [B, P] int64 or None   prompt tokens, padded with vocab_size
     banned_rows, banned_ids [K] int64 or None  (row, id) pairs that can never be sampled
+    bias_rows, bias_ids [J] int64, bias_values [J] fp32, or None  (row, id, bias) added to logits
+    allowed_rows [B] bool, allowed_row_ids, allowed_ids [A] int64, or None  rows that may sample
+                       only their (row, id) pairs
     Static flags say which stages any row needs, so that a batch skips what no row asks for
     (they are read off the host values, never synchronised from the device): all_greedy,
     any_greedy; any_truncated, all_truncated (rows that sample with top-k, top-p or min-p);
@@ -187,6 +195,12 @@ class SamplingBatch:
     prompt_ids: torch.Tensor | None = None
     banned_rows: torch.Tensor | None = None
     banned_ids: torch.Tensor | None = None
+    bias_rows: torch.Tensor | None = None
+    bias_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
+    allowed_rows: torch.Tensor | None = None
+    allowed_row_ids: torch.Tensor | None = None
+    allowed_ids: torch.Tensor | None = None
     all_greedy: bool = static(default=False)
     any_greedy: bool = static(default=True)
     # Rows sampled with top-k, top-p or min-p (temperature > 0) take the inverse-CDF path, the
@@ -281,6 +295,18 @@ def make_sampling_batch(rows: Sequence[SamplingRow], *, vocab_size: int, device=
     if pairs:
         banned_rows = t([row for row, _ in pairs], torch.int64)
         banned_ids = t([tok for _, tok in pairs], torch.int64)
+    bias_rows = bias_ids = bias_values = None
+    biased = [(row, tok, value) for row, r in enumerate(rows) for tok, value in r.logit_bias]
+    if biased:
+        bias_rows = t([row for row, _, _ in biased], torch.int64)
+        bias_ids = t([tok for _, tok, _ in biased], torch.int64)
+        bias_values = t([value for _, _, value in biased], torch.float32)
+    allowed_rows = allowed_row_ids = allowed_ids = None
+    allowed = [(row, tok) for row, r in enumerate(rows) for tok in r.allowed_ids]
+    if allowed:
+        allowed_rows = t([bool(r.allowed_ids) for r in rows], torch.bool)
+        allowed_row_ids = t([row for row, _ in allowed], torch.int64)
+        allowed_ids = t([tok for _, tok in allowed], torch.int64)
     wanted = [r.logprobs for r in rows if r.logprobs is not None]
     num_greedy = np.count_nonzero(temperature == 0)
     num_truncated = 0  # rows that sample (temperature > 0) with top-k, top-p or min-p
@@ -317,6 +343,12 @@ def make_sampling_batch(rows: Sequence[SamplingRow], *, vocab_size: int, device=
         prompt_ids=prompt_ids,
         banned_rows=banned_rows,
         banned_ids=banned_ids,
+        bias_rows=bias_rows,
+        bias_ids=bias_ids,
+        bias_values=bias_values,
+        allowed_rows=allowed_rows,
+        allowed_row_ids=allowed_row_ids,
+        allowed_ids=allowed_ids,
         all_greedy=num_greedy == b,
         any_greedy=num_greedy > 0,
         any_truncated=num_truncated > 0,
@@ -367,7 +399,8 @@ def token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """logits: [B, V] -> penalised logits, a new fp32 tensor, as vLLM applies them: the
+    """logits: [B, V] -> penalised logits, a new fp32 tensor, as vLLM applies them: first its
+    logits processors, the ids a row does not allow to -inf and the logit bias added; then the
     repetition penalty divides positive (multiplies negative) logits of ids seen in the prompt
     or the output; then the frequency penalty subtracts per output occurrence and the presence
     penalty once per id present in the output. Banned ids go to -inf. Worked in place on one
@@ -375,6 +408,13 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     budget sets the sampling's peak aside."""
     x = logits.to(torch.float32, copy=True)
     vocab = x.shape[-1]
+    if sb.allowed_rows is not None:
+        keep = ~sb.allowed_rows[:, None].expand_as(x).clone()  # rows without a list keep all
+        keep[sb.allowed_row_ids, sb.allowed_ids] = True
+        x.masked_fill_(~keep, float("-inf"))
+        del keep
+    if sb.bias_rows is not None:
+        x.index_put_((sb.bias_rows, sb.bias_ids), sb.bias_values, accumulate=True)
     if sb.output_ids is not None:
         out_counts = token_counts(sb.output_ids, vocab)  # [B, V]
         in_output = out_counts > 0
@@ -488,7 +528,8 @@ def _sample_ids(logits: torch.Tensor, sb: SamplingBatch, gumbel: bool, kernel: b
     """[B, V] -> [B]: sample()'s tokens."""
     vocab = logits.shape[-1]
     # Without penalties the logits are read as they are (the kernel converts on the fly).
-    penalised = sb.output_ids is not None or sb.banned_rows is not None
+    penalised = (sb.output_ids is not None or sb.banned_rows is not None
+                 or sb.bias_rows is not None or sb.allowed_rows is not None)
     x = apply_penalties(logits, sb) if penalised else logits
     if sb.all_greedy:
         return x.argmax(dim=-1)

@@ -193,9 +193,21 @@ class LLMEngine:
                 raise ValueError(f"{name}={n} exceeds max_logprobs={self.config.max_logprobs}")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this engine has none")
-        for i in params.stop_ids:
-            if i >= self.vocab_size:
-                raise ValueError(f"stop token id {i} is outside the vocabulary [0, {self.vocab_size})")
+        for what, named in (("stop token id", params.stop_ids),
+                            ("logit_bias token id", [i for i, _ in params.bias_pairs]),
+                            ("allowed token id", params.allowed_ids)):
+            for i in named:
+                if i >= self.vocab_size:
+                    raise ValueError(f"{what} {i} is outside the vocabulary [0, {self.vocab_size})")
+        if params.min_tokens > 0:
+            # Before min_tokens the sampler bans stop and EOS ids: a row left with no id at all
+            # has nothing to sample.
+            banned = set(params.stop_ids) | set(() if params.ignore_eos else self.eos_ids)
+            sampleable = set(params.allowed_ids) or range(self.vocab_size)
+            what = "allowed_token_ids" if params.allowed_ids else "vocabulary ids"
+            if all(i in banned for i in sampleable):
+                raise ValueError(f"min_tokens={params.min_tokens} bans every id this request may "
+                                 f"sample: its {what} are all stop or EOS ids")
         # The most tokens the sequence ever holds in the cache (its last token is never fed back).
         longest = min(len(ids) + (params.max_tokens or max_len), max_len) - 1
         need = self.block_manager.blocks_for(longest)
@@ -262,7 +274,8 @@ class LLMEngine:
             repetition_penalty=p.repetition_penalty, seed=seq.seed, step=0,
             output_ids=seq.output_ids if seq.penalised else (),
             prompt_ids=seq.prompt_ids if p.repetition_penalty != 1 else (),
-            banned_ids=banned, logprobs=p.logprobs)
+            banned_ids=banned, logit_bias=p.bias_pairs, allowed_ids=p.allowed_ids,
+            logprobs=p.logprobs)
         if plain:
             seq.sampling_row = row
         return row

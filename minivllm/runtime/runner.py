@@ -215,11 +215,13 @@ def fused_mlp_rows(flag: str | None, measured: bool = True) -> tuple[int, int] |
 
 def heaviest_row(max_logprobs: int) -> SamplingRow:
     """The heaviest sampling row serving can ask for, every stage on: the penalties (with their
-    [rows, vocab] counts), banned ids, the sort for top-k / top-p, min-p and the most logprobs.
+    [rows, vocab] counts), banned ids, allowed ids (a [rows, vocab] mask) and a logit bias, the
+    sort for top-k / top-p, min-p and the most logprobs.
     The KV budget sets aside what max_num_seqs of them take."""
     return SamplingRow(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, presence_penalty=0.5,
                        frequency_penalty=0.5, repetition_penalty=1.1, output_ids=(0,),
-                       prompt_ids=(0,), banned_ids=(0,), logprobs=max_logprobs)
+                       prompt_ids=(0,), banned_ids=(0,), logit_bias=((0, 1.0),),
+                       allowed_ids=(0, 1), logprobs=max_logprobs)
 
 
 class ModelRunner:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import reprlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -37,7 +39,9 @@ class SamplingParams:
     samples reproducible whatever it is batched with. stop: strings that end the output (left out
     of the text unless include_stop_str_in_output); stop_token_ids: ids that end it (kept in
     token_ids). ignore_eos: run past EOS. max_tokens: None means up to max_model_len.
-    min_tokens: EOS and stop ids are masked out before this many tokens. logprobs: the top-N
+    min_tokens: EOS and stop ids are masked out before this many tokens. logit_bias: {id: bias}
+    added to the logits; allowed_token_ids: the only ids that may be sampled (both before the
+    penalties, as vLLM; logprobs stay the model's raw ones). logprobs: the top-N
     logprobs (plus the sampled token's) per generated token. prompt_logprobs: the same for each
     prompt token after the first (the prompt scored by the model; its first entry is None)."""
 
@@ -61,9 +65,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: Sequence[int] | None = None
     # Normalised forms of stop / stop_token_ids (tuples), filled in by __post_init__.
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
     stop_ids: tuple[int, ...] = field(init=False, repr=False, default=())
+    bias_pairs: tuple[tuple[int, float], ...] = field(init=False, repr=False, default=())
+    allowed_ids: tuple[int, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self):
         def bad(msg):
@@ -131,6 +139,28 @@ class SamplingParams:
             bad("stop strings need detokenize=True")
         object.__setattr__(self, "stop_strings", stop)
         object.__setattr__(self, "stop_ids", ids)
+
+        bias = self.logit_bias
+        if bias is not None and not isinstance(bias, dict):
+            bad(f"logit_bias must be a dict of token id -> bias, got {reprlib.repr(bias)}")
+        pairs = []
+        for tok, value in (bias or {}).items():
+            i, v = as_int(tok), as_real(value)
+            if i is None or i < 0 or not isinstance(v, float) or not math.isfinite(v):
+                bad(f"logit_bias must map token ids (ints >= 0) to finite numbers, got "
+                    f"{tok!r}: {value!r}")
+            pairs.append((i, v))
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, (list, tuple)) or not allowed:
+                bad(f"allowed_token_ids must be a non-empty list of token ids, got "
+                    f"{reprlib.repr(allowed)}")
+            allowed = tuple(map(as_int, allowed))
+            if any(i is None or i < 0 for i in allowed):
+                bad(f"allowed_token_ids must be non-negative integers, got "
+                    f"{reprlib.repr(self.allowed_token_ids)}")
+        object.__setattr__(self, "bias_pairs", tuple(pairs))
+        object.__setattr__(self, "allowed_ids", tuple(dict.fromkeys(allowed or ())))
 
     @property
     def greedy(self) -> bool:
