@@ -2,9 +2,9 @@
 penalties, logit bias, allowed ids, min_tokens, stop ids, logprobs, prompt_logprobs, n, shared
 prefixes) run together in an engine whose KV cache, batch budget and sequence limit force
 preemption by recompute, chunked prefill and prefix-cache hits, with asynchronous scheduling;
-each request must come out as it does alone in a roomy synchronous engine. A seeded request's samples depend on nothing but its
-seed, and penalties on nothing but its own tokens, so any difference is state leaking between
-requests or lost across a recompute."""
+each request must come out as it does alone in a roomy synchronous engine. A seeded request's
+samples depend on nothing but its seed, and penalties on nothing but its own tokens, so any
+difference is state leaking between requests or lost across a recompute."""
 
 from __future__ import annotations
 
