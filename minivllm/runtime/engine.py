@@ -184,6 +184,9 @@ class LLMEngine:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self._prompt_ids(prompt)
         max_len = self.config.max_model_len
+        keep = params.truncate_prompt_tokens
+        if keep is not None:  # as vLLM: the last k tokens (-1: max_model_len)
+            ids = ids[-(max_len if keep == -1 else keep):]
         if len(ids) >= max_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len={max_len} leaves "
                              f"no room to generate (the prompt must be shorter than it)")

@@ -24,7 +24,8 @@ def _is_number(x) -> bool:
 
 # Fields taken as Python ints / floats when given as numpy or torch scalars (the checks below
 # then see plain numbers, and so does everything downstream).
-_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+               "truncate_prompt_tokens")
 _REAL_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
                 "top_p", "min_p")
 
@@ -43,7 +44,9 @@ class SamplingParams:
     added to the logits; allowed_token_ids: the only ids that may be sampled (both before the
     penalties, as vLLM; logprobs stay the model's raw ones). logprobs: the top-N
     logprobs (plus the sampled token's) per generated token. prompt_logprobs: the same for each
-    prompt token after the first (the prompt scored by the model; its first entry is None)."""
+    prompt token after the first (the prompt scored by the model; its first entry is None).
+    truncate_prompt_tokens: keep only the prompt's last k tokens (-1: max_model_len; the output's
+    prompt_token_ids are those kept)."""
 
     n: int = 1
     presence_penalty: float = 0.0
@@ -65,6 +68,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: Sequence[int] | None = None
     # Normalised forms of stop / stop_token_ids (tuples), filled in by __post_init__.
@@ -111,6 +115,11 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
                                                  or self.prompt_logprobs < 0):
             bad(f"prompt_logprobs must be an integer >= 0 or None, got {self.prompt_logprobs!r}")
+
+        keep = self.truncate_prompt_tokens
+        if keep is not None and (not _is_int(keep) or (keep < 1 and keep != -1)):
+            bad(f"truncate_prompt_tokens must be an integer >= 1, -1 (max_model_len) or None, "
+                f"got {keep!r}")
 
         for name in ("ignore_eos", "detokenize", "skip_special_tokens",
                      "spaces_between_special_tokens", "include_stop_str_in_output"):
