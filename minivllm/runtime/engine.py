@@ -28,6 +28,7 @@ from ..functional.sampling import SamplingRow
 from ..state.batch import DecodeChunks, SeqChunk
 from ..state.config import FP8_DTYPES
 from ..state.values import as_int
+from .bad_words import banned_by_bad_words, bad_word_ids
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import detokenize_incrementally, find_stop_string, prompt_offsets
@@ -196,9 +197,13 @@ class LLMEngine:
                 raise ValueError(f"{name}={n} exceeds max_logprobs={self.config.max_logprobs}")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this engine has none")
+        if params.bad_word_texts and self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer, and this engine has none")
+        bad_words = [i for word in self._bad_words(params) for i in word]
         for what, named in (("stop token id", params.stop_ids),
                             ("logit_bias token id", [i for i, _ in params.bias_pairs]),
-                            ("allowed token id", params.allowed_ids)):
+                            ("allowed token id", params.allowed_ids),
+                            ("bad_words token id", bad_words)):
             for i in named:
                 if i >= self.vocab_size:
                     raise ValueError(f"{what} {i} is outside the vocabulary [0, {self.vocab_size})")
@@ -236,14 +241,19 @@ class LLMEngine:
         self._next_request_id += 1
         request = Request(request_id, text, ids, params)
         base = params.seed if params.seed is not None else self.rng.getrandbits(63)
+        bad_words = self._bad_words(params)
         for i in range(params.n):
             seed = base if i == 0 else (base + i * _GOLDEN) & ((1 << 64) - 1)
-            seq = Sequence(self._next_seq_id, request_id, i, ids, params, seed, eos_ids=self.eos_ids)
+            seq = Sequence(self._next_seq_id, request_id, i, ids, params, seed,
+                           eos_ids=self.eos_ids, bad_words=bad_words)
             self._next_seq_id += 1
             request.seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = request
         return request_id
+
+    def _bad_words(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        return bad_word_ids(params.bad_word_texts, self.tokenizer) if params.bad_word_texts else ()
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
@@ -263,13 +273,15 @@ class LLMEngine:
         sequence and reused (building one costs more than the rest of a decode step's host work
         for that sequence)."""
         p = seq.params
-        plain = not seq.penalised and seq.num_output >= p.min_tokens
+        plain = not seq.reads_output and seq.num_output >= p.min_tokens
         if plain and seq.sampling_row is not None:
             return seq.sampling_row
         banned = ()
         if seq.num_output < p.min_tokens:
             banned = tuple(i for i in (*(() if p.ignore_eos else seq.eos_ids), *p.stop_ids)
                            if i < self.vocab_size)
+        if seq.bad_words:
+            banned += banned_by_bad_words(seq.bad_words, seq.output_ids)
         row = SamplingRow(
             temperature=p.temperature, top_k=min(p.top_k, self.vocab_size), top_p=p.top_p,
             min_p=p.min_p,  # top_k past the vocabulary is off (and may not fit in int64)
@@ -376,8 +388,8 @@ class LLMEngine:
 
     def _step_async(self, unfinished: bool) -> list[RequestOutput]:
         prev = self.in_flight
-        if prev is not None and any(s.penalised for s in self.scheduler.running):
-            # Penalties count the generated ids on the host: read the pending ones first.
+        if prev is not None and any(s.reads_output for s in self.scheduler.running):
+            # Penalties and bad words read the generated ids on the host: the pending ones first.
             self.in_flight = None
             return self._resolve(prev, unfinished)
         with trace_range("schedule"):

@@ -42,7 +42,9 @@ class SamplingParams:
     token_ids). ignore_eos: run past EOS. max_tokens: None means up to max_model_len.
     min_tokens: EOS and stop ids are masked out before this many tokens. logit_bias: {id: bias}
     added to the logits; allowed_token_ids: the only ids that may be sampled (both before the
-    penalties, as vLLM; logprobs stay the model's raw ones). logprobs: the top-N
+    penalties, as vLLM; logprobs stay the model's raw ones). bad_words: words never generated
+    (vLLM's: each word's last token is banned where the output ends with its others; needs a
+    tokenizer). logprobs: the top-N
     logprobs (plus the sampled token's) per generated token. prompt_logprobs: the same for each
     prompt token after the first (the prompt scored by the model; its first entry is None).
     truncate_prompt_tokens: keep only the prompt's last k tokens (-1: max_model_len; the output's
@@ -71,11 +73,13 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: Sequence[int] | None = None
+    bad_words: str | Sequence[str] | None = None
     # Normalised forms of stop / stop_token_ids (tuples), filled in by __post_init__.
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
     stop_ids: tuple[int, ...] = field(init=False, repr=False, default=())
     bias_pairs: tuple[tuple[int, float], ...] = field(init=False, repr=False, default=())
     allowed_ids: tuple[int, ...] = field(init=False, repr=False, default=())
+    bad_word_texts: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self):
         def bad(msg):
@@ -168,6 +172,13 @@ class SamplingParams:
             if any(i is None or i < 0 for i in allowed):
                 bad(f"allowed_token_ids must be non-negative integers, got "
                     f"{reprlib.repr(self.allowed_token_ids)}")
+        words = self.bad_words
+        words = () if words is None else (words,) if isinstance(words, str) else words
+        if not isinstance(words, (list, tuple)) or \
+                not all(isinstance(w, str) and w.strip() for w in words):
+            bad(f"bad_words must be a list of non-blank strings, got "
+                f"{reprlib.repr(self.bad_words)}")
+        object.__setattr__(self, "bad_word_texts", tuple(words))
         object.__setattr__(self, "bias_pairs", tuple(pairs))
         object.__setattr__(self, "allowed_ids", tuple(dict.fromkeys(allowed or ())))
 

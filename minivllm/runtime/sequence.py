@@ -28,7 +28,8 @@ class Status(enum.Enum):
 class Sequence:
     # seq_id grows with arrival: the scheduler's "oldest first" and "newest preempted first".
     def __init__(self, seq_id: int, request_id: str, index: int, prompt_ids: list[int],
-                 params: SamplingParams, seed: int, eos_ids: tuple[int, ...] = ()):
+                 params: SamplingParams, seed: int, eos_ids: tuple[int, ...] = (),
+                 bad_words: tuple[tuple[int, ...], ...] = ()):
         self.seq_id = seq_id
         self.request_id = request_id
         self.index = index  # which of the request's n completions
@@ -46,6 +47,9 @@ class Sequence:
         # pending token (the engine resolves the previous step before scheduling it).
         self.penalised = (params.presence_penalty != 0 or params.frequency_penalty != 0
                           or params.repetition_penalty != 1)
+        self.bad_words = bad_words  # token ids of each (runtime/bad_words.py)
+        # Whether its sampling row depends on its generated ids: the same holds for those.
+        self.reads_output = self.penalised or any(len(w) > 1 for w in bad_words)
         # The engine's SamplingRow for it, once only the step changes from step to step.
         self.sampling_row = None
         self.block_table: list[int] = []
