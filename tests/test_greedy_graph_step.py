@@ -128,5 +128,7 @@ def test_plain_greedy_rule():
     for row in (SamplingRow(temperature=0.7), SamplingRow(temperature=0.0, presence_penalty=0.5),
                 SamplingRow(temperature=0.0, frequency_penalty=-0.1),
                 SamplingRow(temperature=0.0, repetition_penalty=1.2),
-                SamplingRow(temperature=0.0, banned_ids=(2,)), SamplingRow(temperature=0.0, logprobs=0)):
+                SamplingRow(temperature=0.0, banned_ids=(2,)), SamplingRow(temperature=0.0, logprobs=0),
+                SamplingRow(temperature=0.0, logit_bias=((3, 1.0),)),
+                SamplingRow(temperature=0.0, allowed_ids=(3, 4))):
         assert not plain_greedy(row), row
