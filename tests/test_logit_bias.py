@@ -113,7 +113,8 @@ def test_ids_outside_the_vocabulary_are_refused_before_any_work(tiny_dir, device
 
 
 @pytest.mark.parametrize("kw", [dict(logit_bias=[1]), dict(logit_bias={-1: 1.0}),
-                                dict(logit_bias={1: float("inf")}), dict(logit_bias={"a": 1.0}),
+                                dict(logit_bias={1: float("inf")}), dict(logit_bias={1: -1e39}),
+                                dict(logit_bias={2: float("nan")}), dict(logit_bias={"a": 1.0}),
                                 dict(logit_bias={1: True}), dict(allowed_token_ids=[]),
                                 dict(allowed_token_ids=[-2]), dict(allowed_token_ids=7)])
 def test_bad_values_are_refused(kw):

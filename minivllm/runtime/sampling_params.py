@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import reprlib
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -159,9 +158,9 @@ class SamplingParams:
         pairs = []
         for tok, value in (bias or {}).items():
             i, v = as_int(tok), as_real(value)
-            if i is None or i < 0 or not isinstance(v, float) or not math.isfinite(v):
-                bad(f"logit_bias must map token ids (ints >= 0) to finite numbers, got "
-                    f"{tok!r}: {value!r}")
+            if i is None or i < 0 or not isinstance(v, float) or not abs(v) <= _FP32_MAX:
+                bad(f"logit_bias must map token ids (ints >= 0) to numbers within fp32's range "
+                    f"(the logits'), got {tok!r}: {value!r}")
             pairs.append((i, v))
         allowed = self.allowed_token_ids
         if allowed is not None:
