@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a prompt (repeatable; default: three example prompts)")
     gen.add_argument("--n", type=int, default=1, help="completions per prompt")
     gen.add_argument("--logprobs", type=int, default=None)
+    gen.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
+                     help="score each prompt token (its logprob and the top N; in --json's "
+                          "prompt_logprobs, else their sum)")
     gen.add_argument("--chat-template", nargs="?", const="", default=None, metavar="TEMPLATE",
                      help="format each prompt as a user message with the tokenizer's chat "
                           "template, or with TEMPLATE: a Jinja file or the template itself")
@@ -219,7 +222,8 @@ def _chat_prompts(llm, conversations, template):
 
 def cmd_generate(args) -> int:
     template = _chat_template(args.chat_template)
-    model, params = _model_and_sampling_params(args, n=args.n, logprobs=args.logprobs)
+    model, params = _model_and_sampling_params(args, n=args.n, logprobs=args.logprobs,
+                                               prompt_logprobs=args.prompt_logprobs)
     llm = _make_llm(args, model)
     texts = args.prompt or DEFAULT_PROMPTS
     prompts = (_chat_prompts(llm, [[{"role": "user", "content": t}] for t in texts], template)
@@ -247,9 +251,14 @@ def cmd_generate(args) -> int:
                                   "token_ids": c.token_ids, "finish_reason": c.finish_reason,
                                   "stop_reason": c.stop_reason,
                                   "cumulative_logprob": c.cumulative_logprob,
-                                  "logprobs": _logprobs_json(c.logprobs)}))
+                                  "logprobs": _logprobs_json(c.logprobs),
+                                  "prompt_logprobs": _logprobs_json(out.prompt_logprobs)}))
             else:
                 label = f" [{c.index}]" if len(out.outputs) > 1 else ""
+                if out.prompt_logprobs is not None and c.index == 0:
+                    scored = zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])
+                    print(f"Prompt logprob: {sum(e[t].logprob for t, e in scored):.4f} "
+                          f"({len(out.prompt_token_ids)} tokens)")
                 print(f"Prompt: {text!r}\nGenerated{label}: {c.text!r}  [{len(c.token_ids)} "
                       f"tokens, {c.finish_reason}]\n")
     s = llm.stats
@@ -274,15 +283,20 @@ def _merged(so_far, delta):
                                  logprobs=None if c.logprobs is None else [*old.logprobs, *c.logprobs],
                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)
         whole[c.index] = c
-    return dataclasses.replace(delta, outputs=[whole[i] for i in sorted(whole)])
+    # The prompt's scores come with one delta only (the first after the prompt is scored).
+    scored = delta.prompt_logprobs if so_far is None or so_far.prompt_logprobs is None \
+        else so_far.prompt_logprobs
+    return dataclasses.replace(delta, outputs=[whole[i] for i in sorted(whole)],
+                               prompt_logprobs=scored)
 
 
 def _logprobs_json(logprobs):
-    """Per generated token, {token id: logprob} of the top ids and the sampled one; None if not
-    asked for."""
+    """Per generated (or prompt) token, {token id: logprob} of the top ids and the sampled (or
+    prompt) one, None for a prompt's first token; None if not asked for."""
     if logprobs is None:
         return None
-    return [{str(i): lp.logprob for i, lp in entry.items()} for entry in logprobs]
+    return [None if entry is None else {str(i): lp.logprob for i, lp in entry.items()}
+            for entry in logprobs]
 
 
 def cmd_chat(args) -> int:

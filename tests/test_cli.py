@@ -158,7 +158,7 @@ def test_errors_are_reported_not_raised(capsys, tmp_path):
 
 def test_stream_json_gives_what_json_gives_with_logprobs_and_stop_reason(capsys):
     argv = ["generate", "--demo", "-p", "Hello", "-p", "a b", "--max-tokens", "6", "--ignore-eos",
-            "--logprobs", "2", "--json"]
+            "--logprobs", "2", "--prompt-logprobs", "1", "--json"]
     assert main(argv) == 0
     whole = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert main(argv + ["--stream"]) == 0
@@ -169,6 +169,20 @@ def test_stream_json_gives_what_json_gives_with_logprobs_and_stop_reason(capsys)
             assert str(tok) in entry and 2 <= len(entry) <= 3  # the top 2 and the sampled id
         assert abs(sum(e[str(t)] for e, t in zip(row["logprobs"], row["token_ids"]))
                    - row["cumulative_logprob"]) < 1e-4
+    # The prompts' scores (with the stream too: its deltas carry them once): the API's.
+    from hf_tiny import DEVICE
+    from minivllm.runtime.demo import ensure_demo_model
+
+    llm = make_llm(ensure_demo_model(), DEVICE)
+    for row in whole:
+        want = llm.generate([row["prompt"]], SamplingParams(max_tokens=1, prompt_logprobs=1),
+                            use_tqdm=False)[0].prompt_logprobs
+        got = row["prompt_logprobs"]
+        assert got[0] is None and want[0] is None and len(got) == len(want) > 1
+        for g, w in zip(got[1:], want[1:]):
+            assert list(g) == [str(t) for t in w]
+            assert [g[str(t)] for t in w] == pytest.approx([lp.logprob for lp in w.values()],
+                                                           abs=1e-4)
 
 
 @pytest.mark.parametrize("argv, match", [
