@@ -35,6 +35,8 @@ def test_bans_follow_the_output_tail():
     assert banned_by_bad_words(words, [9, 3]) == (7, 4)
     assert banned_by_bad_words(words, [1, 2]) == (7, 5)
     assert banned_by_bad_words(words, [2]) == (7,)  # the prefix must be whole
+    assert banned_by_bad_words(words, [9, 2]) == (7,)
+    assert banned_by_bad_words(words, [4, 1, 2]) == (7, 5)
     assert banned_by_bad_words(words, [1, 2, 3]) == (7, 4)
 
 
