@@ -43,11 +43,10 @@ class SamplingParams:
     added to the logits; allowed_token_ids: the only ids that may be sampled (both before the
     penalties, as vLLM; logprobs stay the model's raw ones). bad_words: words never generated
     (vLLM's: each word's last token is banned where the output ends with its others; needs a
-    tokenizer). logprobs: the top-N
-    logprobs (plus the sampled token's) per generated token. prompt_logprobs: the same for each
-    prompt token after the first (the prompt scored by the model; its first entry is None).
-    truncate_prompt_tokens: keep only the prompt's last k tokens (-1: max_model_len; the output's
-    prompt_token_ids are those kept)."""
+    tokenizer). logprobs: the top-N logprobs (plus the sampled token's) per generated token.
+    prompt_logprobs: the same for each prompt token after the first (the prompt scored by the
+    model; its first entry is None). truncate_prompt_tokens: keep only the prompt's last k tokens
+    (-1: max_model_len; the output's prompt_token_ids are those kept)."""
 
     n: int = 1
     presence_penalty: float = 0.0
