@@ -41,6 +41,8 @@ from minivllm.runtime.demo import _TEXT, build_tokenizer, ensure_demo_model
 from minivllm.runtime.engine import _GOLDEN, LLMEngine
 from minivllm.runtime.runner import StepResult, TokenLogprobs
 
+from scripted_runner import Scripted, ScriptedAsync, lp_of
+
 # -- tokenizers ------------------------------------------------------------------------------------
 
 
@@ -96,49 +98,6 @@ def test_the_tokenizers_split_characters_into_bytes():
 
 
 # -- a scripted engine -----------------------------------------------------------------------------
-
-
-def lp_of(step: int) -> float:
-    return -(step + 1) / 8.0
-
-
-class Scripted:
-    """A model runner that samples script[row.seed][step]: the engine's scheduling, stop checks
-    and detokenization run for real on a token sequence chosen by the test. Records each row's
-    banned ids (min_tokens masking)."""
-
-    def __init__(self, config, scripts: dict[int, list[int]]):
-        self.model_config = config.model_config
-        self.num_blocks = config.num_kv_blocks
-        self.scripts = scripts
-        self.banned: dict[tuple[int, int], tuple[int, ...]] = {}
-
-    def execute(self, step):
-        tokens, lps = [], []
-        for k, row in enumerate(step.rows):
-            n = step.steps[k] if step.steps is not None else row.step
-            t = self.scripts[row.seed][n]
-            self.banned[(row.seed, n)] = tuple(row.banned_ids)
-            assert t not in row.banned_ids, f"the script samples banned id {t} at step {n}"
-            tokens.append(t)
-            lps.append(TokenLogprobs(lp_of(n), 1, [t], [lp_of(n)]))
-        want = any(r.logprobs is not None for r in step.rows)
-        return StepResult(tokens, lps if want else None)
-
-
-class _Done:
-    def __init__(self, result):
-        self._result = result
-
-    def result(self):
-        return self._result
-
-
-class ScriptedAsync(Scripted):
-    """The same, launched: the engine schedules step N+1 before it reads step N's tokens."""
-
-    def launch(self, step):
-        return _Done(self.execute(step))
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ import pytest
 from minivllm import SamplingParams
 from minivllm.runtime.config import EngineConfig
 from minivllm.runtime.engine import LLMEngine
-from minivllm.runtime.runner import StepResult, TokenLogprobs
 
 from engine_helpers import make_llm
 from hf_tiny import make_hf_model, save_checkpoint
+from scripted_runner import Scripted, ScriptedAsync
 
 # -- a scripted engine: the real LLMEngine (scheduling, stop checks, statistics, outputs) over a
 # runner that "samples" a script, so that the expectation is known token by token -----------------
@@ -22,43 +22,6 @@ from hf_tiny import make_hf_model, save_checkpoint
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return save_checkpoint(make_hf_model(seed=0), tmp_path_factory.mktemp("tiny") / "model")
-
-
-class Scripted:
-    """Samples script[row.seed][k] as a sequence's k-th generated token (k from 0); records each
-    step's batch (sequence count, token count) and each sampled row's banned ids."""
-
-    def __init__(self, config, scripts):
-        self.model_config = config.model_config
-        self.num_blocks = config.num_kv_blocks
-        self.scripts = scripts
-        self.steps_seen = []
-        self.banned = {}
-        self.rows = []
-
-    def execute(self, step):
-        self.steps_seen.append(step)
-        out = []
-        for k, row in enumerate(step.rows):
-            n = step.steps[k]
-            self.banned[(row.seed, n)] = tuple(row.banned_ids)
-            self.rows.append(row)
-            out.append(self.scripts[row.seed][n])
-        lps = [TokenLogprobs(-0.5 * (i + 1), 1, [t], [-0.5 * (i + 1)]) for i, t in enumerate(out)]
-        return StepResult(out, lps if any(r.logprobs is not None for r in step.rows) else None)
-
-
-class _Done:
-    def __init__(self, result):
-        self._result = result
-
-    def result(self):
-        return self._result
-
-
-class ScriptedAsync(Scripted):
-    def launch(self, step):
-        return _Done(self.execute(step))
 
 
 def scripted_engine(tiny_dir, scripts, *, asynchronous=False, **kw):
