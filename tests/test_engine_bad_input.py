@@ -98,17 +98,24 @@ def test_numpy_and_torch_scalars_are_taken_as_python_numbers():
     given = SamplingParams(n=np.int64(2), top_k=np.int32(5), seed=torch.tensor(7),
                            max_tokens=np.uint16(9), min_tokens=np.int8(1), logprobs=np.int64(3),
                            temperature=np.float32(0.5), top_p=np.float64(0.9), min_p=np.float16(0),
-                           repetition_penalty=np.int64(1), stop_token_ids=[np.int64(4)])
+                           repetition_penalty=np.int64(1), stop_token_ids=[np.int64(4)],
+                           prompt_logprobs=np.int32(2), truncate_prompt_tokens=torch.tensor(6),
+                           logit_bias={np.int64(5): np.float32(1.5)},
+                           allowed_token_ids=[np.int64(5), torch.tensor(6)])
     want = SamplingParams(n=2, top_k=5, seed=7, max_tokens=9, min_tokens=1, logprobs=3,
                           temperature=0.5, top_p=0.9, min_p=0.0, repetition_penalty=1.0,
-                          stop_token_ids=[4])
+                          stop_token_ids=[4], prompt_logprobs=2, truncate_prompt_tokens=6,
+                          logit_bias={5: 1.5}, allowed_token_ids=[5, 6])
     for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "temperature",
-                 "top_p", "min_p", "repetition_penalty", "stop_ids"):
+                 "top_p", "min_p", "repetition_penalty", "stop_ids", "prompt_logprobs",
+                 "truncate_prompt_tokens", "bias_pairs", "allowed_ids"):
         assert type(getattr(given, name)) is type(getattr(want, name)), name
         assert getattr(given, name) == getattr(want, name), name
     assert type(given.stop_ids[0]) is int
+    assert [type(x) for x in (*given.bias_pairs[0], *given.allowed_ids)] == [int, float, int, int]
     # A one-element tensor of rank 1 is no scalar (torch's __index__ would take its element).
-    for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs"):
+    for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+                 "truncate_prompt_tokens"):
         with pytest.raises(ValueError, match=name):
             SamplingParams(**{name: torch.tensor([3])})
 
