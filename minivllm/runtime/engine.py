@@ -191,6 +191,18 @@ class LLMEngine:
         if len(ids) >= max_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len={max_len} leaves "
                              f"no room to generate (the prompt must be shorter than it)")
+        self._check_params(params)
+        # The most tokens the sequence ever holds in the cache (its last token is never fed back).
+        longest = min(len(ids) + (params.max_tokens or max_len), max_len) - 1
+        need = self.block_manager.blocks_for(longest)
+        if need > self.num_blocks:
+            raise ValueError(f"this request can never fit the KV cache: it may grow to {longest} "
+                             f"tokens ({need} blocks of {self.config.block_size}) and the cache has "
+                             f"{self.num_blocks} blocks; lower max_tokens or raise num_kv_blocks")
+        return text, ids
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """ValueError for what this engine cannot serve of `params`, whatever the prompt."""
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(params, name)
             if n is not None and n > self.config.max_logprobs:
@@ -216,14 +228,6 @@ class LLMEngine:
             if all(i in banned for i in sampleable):
                 raise ValueError(f"min_tokens={params.min_tokens} bans every id this request may "
                                  f"sample: its {what} are all stop or EOS ids")
-        # The most tokens the sequence ever holds in the cache (its last token is never fed back).
-        longest = min(len(ids) + (params.max_tokens or max_len), max_len) - 1
-        need = self.block_manager.blocks_for(longest)
-        if need > self.num_blocks:
-            raise ValueError(f"this request can never fit the KV cache: it may grow to {longest} "
-                             f"tokens ({need} blocks of {self.config.block_size}) and the cache has "
-                             f"{self.num_blocks} blocks; lower max_tokens or raise num_kv_blocks")
-        return text, ids
 
     def add_requests(self, prompts: list, params: list[SamplingParams]) -> list[str]:
         """Queue requests, all or none: every one is checked before any is queued."""
