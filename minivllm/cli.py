@@ -235,6 +235,8 @@ def cmd_generate(args) -> int:
         finals: dict = {}
         for delta in llm.stream(prompts, params):
             k = ids.setdefault(delta.request_id, len(ids))
+            if delta.prompt_logprobs is not None and not args.json:
+                print(f"[{k}] prompt logprob: {_prompt_logprob(delta):.4f}", flush=True)
             for c in delta.outputs:
                 if c.text and not args.json:
                     print(f"[{k}.{c.index}] {c.text!r}", flush=True)
@@ -256,8 +258,7 @@ def cmd_generate(args) -> int:
             else:
                 label = f" [{c.index}]" if len(out.outputs) > 1 else ""
                 if out.prompt_logprobs is not None and c.index == 0:
-                    scored = zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])
-                    print(f"Prompt logprob: {sum(e[t].logprob for t, e in scored):.4f} "
+                    print(f"Prompt logprob: {_prompt_logprob(out):.4f} "
                           f"({len(out.prompt_token_ids)} tokens)")
                 print(f"Prompt: {text!r}\nGenerated{label}: {c.text!r}  [{len(c.token_ids)} "
                       f"tokens, {c.finish_reason}]\n")
@@ -288,6 +289,11 @@ def _merged(so_far, delta):
         else so_far.prompt_logprobs
     return dataclasses.replace(delta, outputs=[whole[i] for i in sorted(whole)],
                                prompt_logprobs=scored)
+
+
+def _prompt_logprob(out) -> float:
+    """The prompt's logprob under the model: its scored tokens' (all but the first) summed."""
+    return sum(e[t].logprob for t, e in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]))
 
 
 def _logprobs_json(logprobs):

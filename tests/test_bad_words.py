@@ -80,6 +80,19 @@ def test_greedy_output_steers_around_a_bad_word(llm):
         assert not any(holds(out, w) for w in words)
 
 
+def test_a_request_whose_bad_words_ban_every_allowed_id_is_refused(llm):
+    tok = llm.get_tokenizer()
+    allowed = bad_word_ids(("the",), tok)[0] + bad_word_ids(("is",), tok)[0]
+    assert len(allowed) == 2  # one token each in the demo tokenizer
+    with pytest.raises(ValueError, match="bad_words ban every id this request may sample"):
+        llm.generate([PROMPT], SamplingParams(allowed_token_ids=list(allowed),
+                                              bad_words=["the", "is"]), use_tqdm=False)
+    # One of them left: the output is that id throughout.
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=3, allowed_token_ids=list(allowed),
+                                                bad_words=["the"]), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == [allowed[1]] * 3
+
+
 def test_bad_words_need_a_tokenizer(tmp_path, device):
     from hf_tiny import make_hf_model, save_checkpoint
 

@@ -51,12 +51,22 @@ def test_no_model_falls_back_to_the_demo_and_matches_the_api(capsys, demo_path, 
 
 
 def test_generate_stream_and_sampling_flags(capsys):
-    argv = ["generate", "--demo", "-p", "a", "-p", "b", "--max-tokens", "4", "--temperature", "0.8",
-            "--top-p", "0.9", "--seed", "3", "--n", "2", "--stream"]
+    argv = ["generate", "--demo", "-p", "a", "-p", "b c", "--max-tokens", "4", "--temperature",
+            "0.8", "--top-p", "0.9", "--seed", "3", "--n", "2", "--stream"]
     assert main(argv) == 0
     out, _ = capsys.readouterr()
     labels = {line.split("]")[0] + "]" for line in out.splitlines() if line.startswith("[")}
     assert labels <= {"[0.0]", "[0.1]", "[1.0]", "[1.1]"} and len(labels) >= 2
+    # --prompt-logprobs: each prompt's logprob once, as --json's scores sum it.
+    assert main(argv + ["--prompt-logprobs", "0"]) == 0
+    sums = [line for line in capsys.readouterr().out.splitlines() if "prompt logprob" in line]
+    assert main(argv + ["--prompt-logprobs", "0", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    # prompt_logprobs 0: each scored position holds the prompt's own token only
+    want = {row["prompt"]: sum(v for e in row["prompt_logprobs"][1:] for v in e.values())
+            for row in rows}
+    assert len(sums) == 2 and sorted(float(s.split(": ")[1]) for s in sums) == \
+        pytest.approx(sorted(want.values()), abs=1e-3)
 
 
 def test_generate_with_an_fp8_kv_cache(capsys):

@@ -74,10 +74,10 @@ def test_bad_prompt_is_refused_before_anything_runs(llm, name):
 BAD_PARAMS = [
     dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_p=0.0), dict(top_p=1.5),
     dict(top_k=-2), dict(top_k=1.5), dict(min_p=-0.1), dict(min_p=1.1), dict(max_tokens=0),
-    dict(max_tokens=-3), dict(n=0), dict(n=1.0), dict(logprobs=-1), dict(presence_penalty=2.5),
+    dict(max_tokens=-3), dict(n=0), dict(n=1.0), dict(logprobs=-2), dict(presence_penalty=2.5),
     dict(frequency_penalty=-3), dict(repetition_penalty=0.0), dict(min_tokens=-1),
     dict(min_tokens=9, max_tokens=8), dict(seed="1"), dict(stop=[""]), dict(stop=[1]),
-    dict(stop_token_ids=[-1]), dict(prompt_logprobs=-1), dict(prompt_logprobs=True),
+    dict(stop_token_ids=[-1]), dict(prompt_logprobs=-2), dict(prompt_logprobs=False),
     # silently taken before: a dict's keys as stop strings, an int, a truthy string as a flag
     dict(stop={"a": 1}), dict(stop=5), dict(stop_token_ids=5), dict(ignore_eos="no"),
     dict(include_stop_str_in_output=1), dict(temperature=1e39),
@@ -140,7 +140,7 @@ def test_engine_options_take_numpy_integers_and_refuse_non_bool_flags(tiny_dir):
                 EngineConfig.create(tiny_dir, device="cpu", **{name: value})
     assert EngineConfig.create(tiny_dir, device="cpu", seed=None).seed == 0  # as vLLM
     for kw in (dict(max_model_len=True), dict(num_kv_blocks=np.float64(16)), dict(seed="1"),
-               dict(max_logprobs=-1), dict(gpu_memory_utilization=True)):
+               dict(max_logprobs=-2), dict(gpu_memory_utilization=True)):
         with pytest.raises(ValueError, match=next(iter(kw))):
             EngineConfig.create(tiny_dir, device="cpu", **kw)
 

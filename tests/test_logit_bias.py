@@ -57,6 +57,17 @@ def test_the_sampler_biases_and_masks_before_the_penalties(draw):
     torch.testing.assert_close(got.top_logprobs, torch.topk(raw, 2).values)
 
 
+@pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(temperature=1.0),
+                                dict(temperature=1.0, top_p=0.9), dict(temperature=1.0, top_k=3)])
+def test_a_row_with_no_id_left_still_gives_an_id_of_the_vocabulary(kw):
+    """Nothing to sample (the engine refuses the requests it can see this in; a multi-token bad
+    word can still do it mid-output): every path gives an id inside the vocabulary, never -1."""
+    rows = [SamplingRow(allowed_ids=(5,), banned_ids=(5,), **kw)]
+    got = sample(torch.randn(1, VOCAB, device=DEVICE),
+                 make_sampling_batch(rows, vocab_size=VOCAB, device=DEVICE)).token_ids.item()
+    assert 0 <= got < VOCAB
+
+
 @pytest.fixture(scope="module")
 def hf_model():
     return make_hf_model(seed=4, std=0.3)

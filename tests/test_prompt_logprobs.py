@@ -124,7 +124,7 @@ def test_stream_sends_the_prompt_logprobs_once(tiny_dir, device, prompts, hf_log
         check_against_transformers(scores, prompt, lps, 2)
 
 
-@pytest.mark.parametrize("value", [-1, 1.5, True, "2"])
+@pytest.mark.parametrize("value", [-2, 1.5, False, "2"])
 def test_bad_prompt_logprobs_are_refused(value):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=value)
@@ -132,7 +132,8 @@ def test_bad_prompt_logprobs_are_refused(value):
 
 def test_prompt_logprobs_above_max_logprobs_are_refused_before_any_work(tiny_dir, device, prompts):
     llm = make_llm(tiny_dir, device, max_logprobs=4)
-    with pytest.raises(ValueError, match="prompt_logprobs=5 exceeds max_logprobs=4"):
+    with pytest.raises(ValueError, match="prompt_logprobs=5 asks for 5 logprobs, more than "
+                                         "max_logprobs=4"):
         llm.generate(as_token_prompts(prompts[:2]),
                      [SamplingParams(max_tokens=2),
                       SamplingParams(max_tokens=2, prompt_logprobs=5)],
@@ -165,3 +166,39 @@ def test_the_functional_scorer_equals_transformers_whatever_its_chunk(tmp_path, 
     assert rank.tolist() == [int((w >= w[t]).sum()) for w, t in zip(want, targets.tolist())]
     assert top_ids.tolist() == torch.topk(want, 3).indices.tolist()
     torch.testing.assert_close(top_lps, torch.topk(want, 3).values, rtol=0, atol=1e-4)
+
+
+def test_each_request_gets_its_own_count_and_minus_one_the_vocabulary(tiny_dir, device, prompts,
+                                                                      hf_logprobs):
+    """Requests scored in one step with different prompt_logprobs each get their own top N; -1
+    (and logprobs=-1) is the whole vocabulary when max_logprobs allows it (-1: no cap), True is
+    1 (as vLLM); detokenize=False leaves decoded_token None."""
+    llm = make_llm(tiny_dir, device, block_size=4, max_logprobs=-1)
+    assert llm.engine.config.max_logprobs == 101
+    params = [SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=k)
+              for k in (1, 3, -1, True)]
+    outs = llm.generate(as_token_prompts(prompts[2:]) + as_token_prompts(prompts[2:3]), params,
+                        use_tqdm=False)
+    for out, prompt, lps, k in zip(outs, prompts[2:] + prompts[2:3],
+                                   hf_logprobs[2:] + hf_logprobs[2:3], (1, 3, 101, 1)):
+        check_against_transformers(out.prompt_logprobs, prompt, lps, k)
+    every = llm.generate(as_token_prompts(prompts[3:4]),
+                         SamplingParams(temperature=0.0, max_tokens=2, logprobs=-1), use_tqdm=False)
+    assert all(len(e) == 101 for e in every[0].outputs[0].logprobs)
+    with pytest.raises(ValueError, match="prompt_logprobs=-1 asks for 101 logprobs, more than "
+                                         "max_logprobs=20"):
+        make_llm(tiny_dir, device).generate(as_token_prompts(prompts[:1]),
+                                            SamplingParams(prompt_logprobs=-1), use_tqdm=False)
+
+
+def test_detokenize_false_leaves_decoded_tokens_out(device, tmp_path):
+    from minivllm.runtime.demo import ensure_demo_model
+
+    llm = make_llm(ensure_demo_model(str(tmp_path / "demo")), device)
+    for detokenize in (True, False):
+        out = llm.generate(["The quick brown fox"],
+                           SamplingParams(max_tokens=2, logprobs=1, prompt_logprobs=1,
+                                          detokenize=detokenize), use_tqdm=False)[0]
+        decoded = [lp.decoded_token for e in out.prompt_logprobs[1:] + out.outputs[0].logprobs
+                   for lp in e.values()]
+        assert all((d is not None) == detokenize for d in decoded)

@@ -31,6 +31,11 @@ def test_a_truncated_prompt_runs_as_its_last_tokens_alone(tiny_dir, device):
         with pytest.raises(ValueError, match="max_model_len=32"):
             llm.generate([{"prompt_token_ids": prompt}],
                          SamplingParams(truncate_prompt_tokens=keep, **greedy), use_tqdm=False)
+    # A k past max_model_len is refused (as vLLM), before any work.
+    with pytest.raises(ValueError, match="truncate_prompt_tokens=33 exceeds max_model_len=32"):
+        llm.generate([{"prompt_token_ids": prompt}],
+                     SamplingParams(truncate_prompt_tokens=33, **greedy), use_tqdm=False)
+    assert not llm.engine.requests
     # A k longer than the prompt keeps all of it.
     whole = llm.generate([{"prompt_token_ids": prompt[:5]}],
                          SamplingParams(truncate_prompt_tokens=20, **greedy), use_tqdm=False)[0]

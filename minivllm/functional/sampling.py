@@ -504,7 +504,8 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor, chunk: int = 
     cols = torch.arange(chunk, device=probs.device)[None, :]
     last_nonzero = torch.where(seg > 0, cols, -1).amax(dim=-1, keepdim=True)
     j = torch.minimum(j, last_nonzero)
-    return (k * chunk + j).squeeze(-1).clamp(max=v - 1)
+    # An id inside the vocabulary even for a row with no mass at all (every id masked out).
+    return (k * chunk + j).squeeze(-1).clamp(0, v - 1)
 
 
 def truncated_rows(sb: SamplingBatch, vocab: int) -> torch.Tensor:

@@ -87,7 +87,7 @@ class EngineConfig:
         max_num_batched_tokens = _integer("max_num_batched_tokens", max_num_batched_tokens,
                                           allow_none=True)
         seed = 0 if seed is None else _integer("seed", seed, least=None)  # None: vLLM's 0
-        max_logprobs = _integer("max_logprobs", max_logprobs, least=0)
+        max_logprobs = _integer("max_logprobs", max_logprobs, least=-1)  # -1: the vocabulary
         utilization = as_real(gpu_memory_utilization)
         if utilization is None or not 0 < utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
@@ -133,6 +133,8 @@ class EngineConfig:
             if not triton_usable(device):
                 raise ValueError(f"persistent_decode is a Triton kernel: it needs a CUDA device "
                                  f"(or TRITON_INTERPRET=1 on a CPU), got {device}")
+        if max_logprobs == -1:  # as vLLM: no cap
+            max_logprobs = model_config.vocab_size
         if max_num_batched_tokens is None:
             # CPU: the reference attention's memory grows with tokens x context, keep steps small.
             max_num_batched_tokens = 8192 if device.type == "cuda" else 512

@@ -187,6 +187,8 @@ class LLMEngine:
         max_len = self.config.max_model_len
         keep = params.truncate_prompt_tokens
         if keep is not None:  # as vLLM: the last k tokens (-1: max_model_len)
+            if keep > max_len:
+                raise ValueError(f"truncate_prompt_tokens={keep} exceeds max_model_len={max_len}")
             ids = ids[-(max_len if keep == -1 else keep):]
         if len(ids) >= max_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len={max_len} leaves "
@@ -204,30 +206,38 @@ class LLMEngine:
     def _check_params(self, params: SamplingParams) -> None:
         """ValueError for what this engine cannot serve of `params`, whatever the prompt."""
         for name in ("logprobs", "prompt_logprobs"):
-            n = getattr(params, name)
+            n = self._num_logprobs(getattr(params, name))
             if n is not None and n > self.config.max_logprobs:
-                raise ValueError(f"{name}={n} exceeds max_logprobs={self.config.max_logprobs}")
+                raise ValueError(f"{name}={getattr(params, name)} asks for {n} logprobs, more "
+                                 f"than max_logprobs={self.config.max_logprobs}")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this engine has none")
         if params.bad_word_texts and self.tokenizer is None:
             raise ValueError("bad_words need a tokenizer, and this engine has none")
-        bad_words = [i for word in self._bad_words(params) for i in word]
+        bad_words = self._bad_words(params)
         for what, named in (("stop token id", params.stop_ids),
                             ("logit_bias token id", [i for i, _ in params.bias_pairs]),
                             ("allowed token id", params.allowed_ids),
-                            ("bad_words token id", bad_words)):
+                            ("bad_words token id", [i for word in bad_words for i in word])):
             for i in named:
                 if i >= self.vocab_size:
                     raise ValueError(f"{what} {i} is outside the vocabulary [0, {self.vocab_size})")
+        # A row left with no id at all has nothing to sample: one-token bad words are banned
+        # always, stop and EOS ids before min_tokens.
+        sampleable = set(params.allowed_ids) or range(self.vocab_size)
+        what = "allowed_token_ids" if params.allowed_ids else "vocabulary ids"
+        banned = {word[0] for word in bad_words if len(word) == 1}
+        if banned and all(i in banned for i in sampleable):
+            raise ValueError(f"bad_words ban every id this request may sample (its {what})")
         if params.min_tokens > 0:
-            # Before min_tokens the sampler bans stop and EOS ids: a row left with no id at all
-            # has nothing to sample.
-            banned = set(params.stop_ids) | set(() if params.ignore_eos else self.eos_ids)
-            sampleable = set(params.allowed_ids) or range(self.vocab_size)
-            what = "allowed_token_ids" if params.allowed_ids else "vocabulary ids"
+            banned |= set(params.stop_ids) | set(() if params.ignore_eos else self.eos_ids)
             if all(i in banned for i in sampleable):
                 raise ValueError(f"min_tokens={params.min_tokens} bans every id this request may "
-                                 f"sample: its {what} are all stop or EOS ids")
+                                 f"sample: its {what} are all stop, EOS or bad-word ids")
+
+    def _num_logprobs(self, n: int | None) -> int | None:
+        """logprobs / prompt_logprobs as a count: -1 is the whole vocabulary (as vLLM)."""
+        return self.vocab_size if n == -1 else n
 
     def add_requests(self, prompts: list, params: list[SamplingParams]) -> list[str]:
         """Queue requests, all or none: every one is checked before any is queued."""
@@ -294,7 +304,7 @@ class LLMEngine:
             output_ids=seq.output_ids if seq.penalised else (),
             prompt_ids=seq.prompt_ids if p.repetition_penalty != 1 else (),
             banned_ids=banned, logit_bias=p.bias_pairs, allowed_ids=p.allowed_ids,
-            logprobs=p.logprobs)
+            logprobs=self._num_logprobs(p.logprobs))
         if plain:
             seq.sampling_row = row
         return row
@@ -331,7 +341,8 @@ class LLMEngine:
                 out.scored = [(seq, pos) for seq, pos, _ in scored]
                 scores = PromptScores(rows=tuple(row for _, _, row in scored),
                                       targets=tuple(seq.token_ids[pos] for seq, pos, _ in scored),
-                                      n=max(seq.params.prompt_logprobs for seq, _, _ in scored))
+                                      n=max(self._num_logprobs(seq.params.prompt_logprobs)
+                                            for seq, _, _ in scored))
         # A sequence's kept row is reusable for good: only plain rows are kept (_sampling_row).
         rows = [row if (row := seq.sampling_row) is not None else self._sampling_row(seq)
                 for seq in sampled]
@@ -496,8 +507,8 @@ class LLMEngine:
                 seq.cumulative_logprob += lp.logprob
                 # As vLLM: the sampled id first, then the top N by position, which win for an
                 # id in both (its rank counts ties: the first of two tied maxima is rank 2).
-                entry = {tok: Logprob(lp.logprob, lp.rank, self._decode_one(tok))}
-                entry.update({i: Logprob(v, r + 1, self._decode_one(i))
+                entry = {tok: Logprob(lp.logprob, lp.rank, self._decode_one(tok, p.detokenize))}
+                entry.update({i: Logprob(v, r + 1, self._decode_one(i, p.detokenize))
                               for r, (i, v) in enumerate(zip(lp.top_ids, lp.top_logprobs))})
                 seq.logprobs.append(entry)
             if self.tokenizer is None or not p.detokenize:
@@ -537,14 +548,17 @@ class LLMEngine:
         """Append each scored prompt position's entry, as vLLM's: the prompt's id first, then the
         top prompt_logprobs ids."""
         for (seq, pos), lp in zip(scored, scores):
-            tok = seq.token_ids[pos]
-            entry = {tok: Logprob(lp.logprob, lp.rank, self._decode_one(tok))}
-            entry.update({i: Logprob(v, r + 1, self._decode_one(i))
-                          for r, (i, v) in enumerate(zip(lp.top_ids, lp.top_logprobs))})
+            tok, decode = seq.token_ids[pos], seq.params.detokenize
+            n = self._num_logprobs(seq.params.prompt_logprobs)
+            entry = {tok: Logprob(lp.logprob, lp.rank, self._decode_one(tok, decode))}
+            entry.update({i: Logprob(v, r + 1, self._decode_one(i, decode))
+                          for r, (i, v) in enumerate(zip(lp.top_ids[:n], lp.top_logprobs[:n]))})
             seq.prompt_logprobs.append(entry)
 
-    def _decode_one(self, token_id: int) -> str | None:
-        if self.tokenizer is None:
+    def _decode_one(self, token_id: int, detokenize: bool = True) -> str | None:
+        """A logprob entry's decoded_token: None without a tokenizer or with detokenize=False
+        (as vLLM)."""
+        if self.tokenizer is None or not detokenize:
             return None
         return self.tokenizer.decode([token_id])
 

@@ -43,9 +43,9 @@ class SamplingParams:
     added to the logits; allowed_token_ids: the only ids that may be sampled (both before the
     penalties, as vLLM; logprobs stay the model's raw ones). bad_words: words never generated
     (vLLM's: each word's last token is banned where the output ends with its others; needs a
-    tokenizer). logprobs: the top-N logprobs (plus the sampled token's) per generated token.
-    prompt_logprobs: the same for each prompt token after the first (the prompt scored by the
-    model; its first entry is None). truncate_prompt_tokens: keep only the prompt's last k tokens
+    tokenizer). logprobs: the top-N logprobs (plus the sampled token's) per generated token (-1:
+    the whole vocabulary's; True: 1). prompt_logprobs: the same for each prompt token after the
+    first (the prompt scored by the model; its first entry is None). truncate_prompt_tokens: keep only the prompt's last k tokens
     (-1: max_model_len; the output's prompt_token_ids are those kept)."""
 
     n: int = 1
@@ -83,6 +83,9 @@ class SamplingParams:
         def bad(msg):
             raise ValueError(f"SamplingParams: {msg}")
 
+        for name in ("logprobs", "prompt_logprobs"):  # as vLLM: True asks for 1
+            if getattr(self, name) is True:
+                object.__setattr__(self, name, 1)
         for names, convert in ((_INT_FIELDS, as_int), (_REAL_FIELDS, as_real)):
             for name in names:
                 value = convert(getattr(self, name))
@@ -112,11 +115,11 @@ class SamplingParams:
             bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            bad(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
-        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
-                                                 or self.prompt_logprobs < 0):
-            bad(f"prompt_logprobs must be an integer >= 0 or None, got {self.prompt_logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (not _is_int(n) or n < -1):
+                bad(f"{name} must be an integer >= 0, -1 (the whole vocabulary) or None, got "
+                    f"{n!r}")
 
         keep = self.truncate_prompt_tokens
         if keep is not None and (not _is_int(keep) or (keep < 1 and keep != -1)):
