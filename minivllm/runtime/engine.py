@@ -505,12 +505,7 @@ class LLMEngine:
             if result.logprobs is not None and seq.logprobs is not None:
                 lp = result.logprobs[k]
                 seq.cumulative_logprob += lp.logprob
-                # As vLLM: the sampled id first, then the top N by position, which win for an
-                # id in both (its rank counts ties: the first of two tied maxima is rank 2).
-                entry = {tok: Logprob(lp.logprob, lp.rank, self._decode_one(tok, p.detokenize))}
-                entry.update({i: Logprob(v, r + 1, self._decode_one(i, p.detokenize))
-                              for r, (i, v) in enumerate(zip(lp.top_ids, lp.top_logprobs))})
-                seq.logprobs.append(entry)
+                seq.logprobs.append(self._logprob_entry(tok, lp, p.detokenize))
             if self.tokenizer is None or not p.detokenize:
                 continue
             # Known tokens only (Sequence.num_output counts pending ones too).
@@ -545,15 +540,21 @@ class LLMEngine:
                 self.scheduler.finish(seq, "stop", stop)
 
     def _record_scores(self, scored: list[tuple[Sequence, int]], scores: list) -> None:
-        """Append each scored prompt position's entry, as vLLM's: the prompt's id first, then the
-        top prompt_logprobs ids."""
+        """Append each scored prompt position's entry, the prompt's id in the sampled id's place
+        and the top prompt_logprobs ids (the step computed the most any of its requests asks)."""
         for (seq, pos), lp in zip(scored, scores):
-            tok, decode = seq.token_ids[pos], seq.params.detokenize
-            n = self._num_logprobs(seq.params.prompt_logprobs)
-            entry = {tok: Logprob(lp.logprob, lp.rank, self._decode_one(tok, decode))}
-            entry.update({i: Logprob(v, r + 1, self._decode_one(i, decode))
-                          for r, (i, v) in enumerate(zip(lp.top_ids[:n], lp.top_logprobs[:n]))})
-            seq.prompt_logprobs.append(entry)
+            p = seq.params
+            seq.prompt_logprobs.append(self._logprob_entry(
+                seq.token_ids[pos], lp, p.detokenize, self._num_logprobs(p.prompt_logprobs)))
+
+    def _logprob_entry(self, tok: int, lp, detokenize: bool, n: int | None = None) -> dict:
+        """vLLM's logprobs entry for token `tok` (TokenLogprobs lp): tok first, then the first n
+        (default all) top ids by position, which win for an id in both (its rank counts ties:
+        the first of two tied maxima is rank 2)."""
+        entry = {tok: Logprob(lp.logprob, lp.rank, self._decode_one(tok, detokenize))}
+        entry.update({i: Logprob(v, r + 1, self._decode_one(i, detokenize))
+                      for r, (i, v) in enumerate(zip(lp.top_ids[:n], lp.top_logprobs[:n]))})
+        return entry
 
     def _decode_one(self, token_id: int, detokenize: bool = True) -> str | None:
         """A logprob entry's decoded_token: None without a tokenizer or with detokenize=False
