@@ -12,8 +12,8 @@ The engine, shaped like vLLM's:
 """
 
 from .functional import forward, generate
-from .runtime import (CompletionOutput, LLM, LLMEngine, Logprob, RequestOutput, SamplingParams,
-                      WorkerDiedError)
+from .runtime import (BeamSearchOutput, BeamSearchParams, BeamSearchSequence, CompletionOutput,
+                      LLM, LLMEngine, Logprob, RequestOutput, SamplingParams, WorkerDiedError)
 from .state import (Batch, KVCache, LayerParams, ModelConfig, Params, SeqChunk, ShardSpec,
                     config_for_shape, init_cache, make_batch, random_params)
 from .state.load import CheckpointError, load
@@ -21,5 +21,6 @@ from .state.load import CheckpointError, load
 __all__ = ["forward", "generate", "Batch", "KVCache", "LayerParams", "ModelConfig", "Params",
            "SeqChunk", "ShardSpec", "config_for_shape", "init_cache", "make_batch", "random_params",
            "CheckpointError", "load", "LLM", "LLMEngine", "SamplingParams", "RequestOutput",
-           "CompletionOutput", "Logprob", "WorkerDiedError"]
+           "CompletionOutput", "Logprob", "WorkerDiedError", "BeamSearchParams", "BeamSearchOutput",
+           "BeamSearchSequence"]
 __version__ = "0.1.0"

@@ -1,5 +1,6 @@
 """The imperative shell: KV blocks, scheduling, the model runner, the engine loop and the LLM API."""
 
+from .beam_search import BeamSearchOutput, BeamSearchSequence
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .engine import EngineStats, LLMEngine
@@ -7,10 +8,10 @@ from .executor import WorkerDiedError
 from .llm import LLM
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .runner import ModelRunner, StepInput, StepResult
-from .sampling_params import SamplingParams
+from .sampling_params import BeamSearchParams, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
 
-__all__ = ["BlockManager", "EngineConfig", "EngineStats", "LLMEngine", "LLM", "CompletionOutput",
+__all__ = ["BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "BlockManager", "EngineConfig", "EngineStats", "LLMEngine", "LLM", "CompletionOutput",
            "Logprob", "RequestOutput", "ModelRunner", "StepInput", "StepResult", "SamplingParams",
            "Scheduler", "SchedulerOutput", "Sequence", "WorkerDiedError"]

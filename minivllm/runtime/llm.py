@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -16,12 +17,13 @@ from typing import Iterable, Iterator
 from ..state.values import as_flag
 from .config import EngineConfig, is_random_model
 from .distributed import torchrun_env
+from .beam_search import BeamSearchOutput, beam_search
 from .engine import EngineStats, LLMEngine
 from .executor import make_executor
 from .generation_config import (FILE as GEN_FILE, eos_ids_of, generation_config_dir,
                                 read_generation_config, sampling_defaults)
 from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import BeamSearchParams, SamplingParams
 
 log = logging.getLogger("minivllm")
 
@@ -200,6 +202,48 @@ class LLM:
         results in input order. Every request is checked (ValueError) before any is scheduled."""
         ids = self._add(prompts, sampling_params)
         return self._run(ids, use_tqdm)
+
+    def beam_search(self, prompts, params: BeamSearchParams, *, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """Beam search from each prompt (vLLM's `LLM.beam_search`; runtime/beam_search.py):
+        per prompt, in input order, its best params.beam_width beams, best first. A beam ends at
+        an EOS id (unless params.ignore_eos), after params.max_tokens tokens, or at max_model_len.
+        concurrency_limit: search this many prompts at a time (None: all at once). Every prompt
+        is checked (ValueError) before any step runs."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if concurrency_limit is not None and (isinstance(concurrency_limit, bool) or
+                                              not isinstance(concurrency_limit, int) or
+                                              concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be an integer >= 1 or None, got "
+                             f"{concurrency_limit!r}")
+        step_params = params.step_params()
+        if step_params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"beam_width={params.beam_width} takes {step_params.logprobs} "
+                             f"logprobs a step, more than max_logprobs={self.config.max_logprobs}")
+        # Checked as one request of max_tokens tokens: the longest beam's last step must fit
+        # the cache.
+        whole = dataclasses.replace(step_params, max_tokens=params.max_tokens)
+        checked = [self.engine.check_request(p, whole) for p in self._prompt_list(prompts)]
+        tok = self.engine.tokenizer
+
+        def step(beams: list[list[int]]) -> list[dict]:
+            outs = self.generate([{"prompt_token_ids": b} for b in beams], step_params,
+                                 use_tqdm=False)
+            return [o.outputs[0].logprobs[0] for o in outs]
+
+        def progress(steps: range):
+            from tqdm.auto import tqdm
+
+            return tqdm(steps, desc="Beam search", unit="token")  # the most steps; may end early
+
+        return beam_search(step, [ids for _, ids in checked], beam_width=params.beam_width,
+                           max_tokens=params.max_tokens, eos_ids=self.engine.eos_ids,
+                           length_penalty=params.length_penalty, ignore_eos=params.ignore_eos,
+                           max_model_len=self.config.max_model_len,
+                           concurrency_limit=concurrency_limit,
+                           decode=tok.decode if tok is not None else None,
+                           progress=progress if use_tqdm else None)
 
     def chat(self, messages, sampling_params=None, *, use_tqdm: bool = True, chat_template=None,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None

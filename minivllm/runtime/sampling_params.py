@@ -189,3 +189,48 @@ class SamplingParams:
         from ..functional.sampling import SAMPLING_EPS
 
         return self.temperature < SAMPLING_EPS
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """Parameters of LLM.beam_search (vLLM's `BeamSearchParams`).
+
+    beam_width: beams kept per prompt (each step offers 2 * beam_width candidates a beam, so
+    2 * beam_width must not exceed the engine's max_logprobs). max_tokens: the most tokens a beam
+    generates. ignore_eos: an EOS id does not end a beam. temperature: each step's sampled id
+    joins its candidates (at 0 the best one, already among them; as vLLM). length_penalty: the
+    exponent of the length that divides a beam's cumulative logprob in its score.
+    include_stop_str_in_output: taken for vLLM's signature; a beam's text is its tokens decoded,
+    EOS included, as vLLM's LLM.beam_search gives it."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        def bad(msg):
+            raise ValueError(f"BeamSearchParams: {msg}")
+
+        for name in ("beam_width", "max_tokens"):
+            value = as_int(getattr(self, name))
+            if value is None or value < 1:
+                bad(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, value)
+        for name in ("temperature", "length_penalty"):
+            value = as_real(getattr(self, name))
+            if value is None:
+                bad(f"{name} must be a finite number, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, value)
+        if not 0 <= self.temperature <= _FP32_MAX:
+            bad(f"temperature must be in [0, 3.4e38] (fp32's range), got {self.temperature!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                bad(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    def step_params(self) -> SamplingParams:
+        """The requests of one step: a token, with the top 2 * beam_width logprobs."""
+        return SamplingParams(max_tokens=1, logprobs=2 * self.beam_width,
+                              temperature=self.temperature)
