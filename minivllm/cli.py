@@ -1,10 +1,11 @@
 """The `minivllm` command: `generate` completes prompts, `chat` is an interactive conversation,
-`bench` measures throughput or single-stream latency.
+`bench` measures throughput or single-stream latency, `serve` answers OpenAI API requests.
 
     minivllm generate --model DIR --prompt "Hello, my name is" --max-tokens 32
     minivllm chat --model DIR
     minivllm generate --demo          # a built-in tiny model with random weights: no download
     minivllm bench --shape qwen3-0.6b # nano-vllm's throughput workload (--latency: one stream)
+    minivllm serve DIR --port 8000    # an OpenAI-compatible server (/v1/completions, /v1/chat/...)
 
 With neither --model nor --demo, `generate` and `chat` run the demo model, and say so (`bench`
 runs random weights of --shape).
@@ -110,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system message")
     chat.add_argument("--chat-template", default=None, metavar="TEMPLATE",
                       help="a Jinja file or the template itself (default: the tokenizer's)")
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (as `vllm serve`)")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="the checkpoint directory (as --model)")
+    _add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None,
+                       help="the name requests give as \"model\" (default: the model's path)")
     from .runtime.bench import add_bench_args
 
     bench = sub.add_parser("bench", help="throughput (nano-vllm's workload) or single-stream latency")
@@ -305,6 +314,30 @@ def _logprobs_json(logprobs):
             for entry in logprobs]
 
 
+def cmd_serve(args) -> int:
+    from .runtime.server import OpenAIServer
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise SystemExit("minivllm: give the model once, as MODEL or --model")
+        args.model = args.model_tag
+    model = _resolve_model(args)
+    llm = _make_llm(args, model)
+    name = args.served_model_name or args.model or "minivllm-demo"
+    server = OpenAIServer(llm, host=args.host, port=args.port, model_name=name)
+    host, port = server.address
+    print(f"minivllm: serving {name!r} at http://{host}:{port}/v1 (Ctrl-C stops)", file=sys.stderr,
+          flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.http.server_close()
+        llm.shutdown()
+    return 0
+
+
 def cmd_chat(args) -> int:
     template = _chat_template(args.chat_template)
     model, params = _model_and_sampling_params(args)
@@ -366,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("minivllm").setLevel(os.environ.get("MINIVLLM_LOG_LEVEL", level))
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "serve":
+            return cmd_serve(args)
         if args.command == "bench":
             from .runtime.bench import main as bench_main
 

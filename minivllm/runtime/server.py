@@ -1,0 +1,336 @@
+"""An OpenAI-compatible HTTP server over one LLM, as `vllm serve` (`minivllm serve`):
+POST /v1/completions and /v1/chat/completions (whole responses, or server-sent events with
+"stream": true), GET /v1/models, /health and /version.
+
+The engine is not thread-safe, so one thread owns it (EngineLoop): it takes new requests from a
+queue between steps, steps while any is unfinished, and hands each request's outputs to the
+thread serving its HTTP connection. Requests are checked on that thread before they are queued:
+a bad one is answered 400 and never touches the engine, and one that cannot run (a prompt too
+long, an id outside the vocabulary) is refused there by the engine's own checks, before any step.
+A client that disconnects mid-stream has its request aborted, freeing its blocks.
+Only the standard library serves HTTP (http.server, one thread a connection): a small server for
+a small engine, not a production front end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from .llm import LLM, _delta
+from .openai_api import (ParsedRequest, RequestError, chat_body, chat_choices, completion_body,
+                         completion_choices, error_body, new_id, now, parse_chat, parse_completion,
+                         usage)
+
+log = logging.getLogger("minivllm")
+
+_STOP = object()
+
+
+class _Submission:
+    """One HTTP request's engine requests: `replies` gets ("ids", ids) or ("error", exc) once,
+    then `outputs` gets ("out", RequestOutput) (each step's with streaming, else the finished
+    ones) or ("error", exc)."""
+
+    def __init__(self, req: ParsedRequest):
+        self.req = req
+        self.ids: list[str] = []
+        self.replies: queue.Queue = queue.Queue()
+        self.outputs: queue.Queue = queue.Queue()
+
+
+class EngineLoop:
+    """Runs `llm`'s engine on a thread of its own; other threads submit requests and read their
+    outputs through queues."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        self.engine = llm.engine
+        self.inbox: queue.Queue = queue.Queue()
+        self.owners: dict[str, _Submission] = {}  # request id -> its submission
+        self.thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
+        self.thread.start()
+
+    def submit(self, req: ParsedRequest) -> _Submission:
+        """Queue the request; RequestError if the engine refuses it (nothing is queued then)."""
+        sub = _Submission(req)
+        self.inbox.put(sub)
+        kind, value = sub.replies.get()
+        if kind == "error":
+            raise value
+        sub.ids = value
+        return sub
+
+    def abort(self, sub: _Submission) -> None:
+        self.inbox.put(("abort", sub))
+
+    def stop(self) -> None:
+        self.inbox.put(_STOP)
+        self.thread.join()
+
+    # -- the engine's thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            try:
+                item = self.inbox.get(block=not self.owners)
+            except queue.Empty:
+                item = None
+            while item is not None:
+                if item is _STOP:
+                    self._fail(RuntimeError("the server is shutting down"))
+                    return
+                try:
+                    self._take(item)
+                except Exception as e:  # never leave a client waiting on a dead loop
+                    log.exception("minivllm: the engine loop failed on a request")
+                    if isinstance(item, _Submission):
+                        item.replies.put(("error", RequestError(f"{type(e).__name__}: {e}", 500,
+                                                                "InternalServerError")))
+                try:
+                    item = self.inbox.get_nowait()
+                except queue.Empty:
+                    item = None
+            if self.owners:
+                self._step()
+
+    def _take(self, item) -> None:
+        if isinstance(item, tuple):  # ("abort", submission)
+            for request_id in item[1].ids:
+                if self.owners.pop(request_id, None) is not None:
+                    self.engine.abort_request(request_id)
+            return
+        sub, req = item, item.req
+        try:
+            prompts = req.prompts
+            if req.messages is not None:
+                prompts = self._chat_prompts(req)
+            # All checked before any is queued, as LLM.generate does.
+            checked = [self.engine.check_request(p, req.params) for p in prompts]
+            ids = [self.engine.enqueue(text, ids, req.params) for text, ids in checked]
+        except (ValueError, TypeError) as e:
+            sub.replies.put(("error", e if isinstance(e, RequestError) else RequestError(str(e))))
+            return
+        except Exception as e:  # a template that raised, say: answered, and the loop goes on
+            sub.replies.put(("error", RequestError(f"{type(e).__name__}: {e}")))
+            return
+        for request_id in ids:
+            self.owners[request_id] = sub
+        sub.replies.put(("ids", ids))
+
+    def _chat_prompts(self, req: ParsedRequest) -> list:
+        options = req.chat_options
+        kwargs = dict(options["chat_template_kwargs"])
+        if options["continue_final_message"]:
+            kwargs["continue_final_message"] = True
+        return self.llm.chat_prompts(req.messages, chat_template=options["chat_template"],
+                                     add_generation_prompt=options["add_generation_prompt"],
+                                     chat_template_kwargs=kwargs)
+
+    def _step(self) -> None:
+        streaming = any(sub.req.stream for sub in self.owners.values())
+        try:
+            outs = self.engine.step(unfinished=streaming)
+        except Exception as e:  # the engine stays usable (a failed step forgets its work)
+            log.exception("minivllm: a step failed; its requests are aborted")
+            self._fail(e)
+            return
+        for out in outs:
+            sub = self.owners.get(out.request_id)
+            if sub is None:
+                continue
+            if out.finished:
+                del self.owners[out.request_id]
+            if out.finished or sub.req.stream:
+                sub.outputs.put(("out", out))
+
+    def _fail(self, error: Exception) -> None:
+        for request_id, sub in list(self.owners.items()):
+            if request_id in self.engine.requests:
+                self.engine.abort_request(request_id)
+            sub.outputs.put(("error", error))
+        self.owners.clear()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_version = "minivllm"
+    protocol_version = "HTTP/1.1"
+
+    @property
+    def app(self) -> "OpenAIServer":
+        return self.server.app  # type: ignore[attr-defined]
+
+    def log_message(self, fmt, *args) -> None:
+        log.info("minivllm serve: %s %s", self.address_string(), fmt % args)
+
+    # -- plumbing --------------------------------------------------------------------------------
+
+    def _send_json(self, status: int, body) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, status: int, message: str, kind: str = "BadRequestError") -> None:
+        self._send_json(status, error_body(message, status, kind))
+
+    def _read_json(self):
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            raise RequestError("a bad Content-Length header") from None
+        raw = self.rfile.read(length) if length > 0 else b""
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RequestError(f"the request body is not JSON: {e}") from None
+
+    # -- routes --------------------------------------------------------------------------------
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path in ("/health", "/ping"):
+            self._send_json(200, {})
+        elif path == "/v1/models":
+            self._send_json(200, {"object": "list", "data": [self.app.model_card()]})
+        elif path == "/version":
+            from .. import __version__
+
+            self._send_json(200, {"version": __version__})
+        else:
+            self._error(404, f"no route {path}", "NotFoundError")
+
+    def do_POST(self) -> None:
+        path = self.path.split("?", 1)[0]
+        parse = {"/v1/completions": parse_completion, "/v1/chat/completions": parse_chat}.get(path)
+        if parse is None:
+            self._error(404, f"no route {path}", "NotFoundError")
+            return
+        try:
+            req = parse(self._read_json(), self.app.defaults)
+            if req.model is not None and req.model != self.app.model_name:
+                raise RequestError(f"The model `{req.model}` does not exist.", 404, "NotFoundError")
+            sub = self.app.loop.submit(req)
+        except RequestError as e:
+            self._error(e.status, str(e), e.kind)
+            return
+        chat = parse is parse_chat
+        try:
+            if req.stream:
+                self._stream(sub, chat)
+            else:
+                self._whole(sub, chat)
+        except (BrokenPipeError, ConnectionResetError):
+            self.app.loop.abort(sub)  # the client left: free its blocks
+            self.close_connection = True
+
+    def _whole(self, sub: _Submission, chat: bool) -> None:
+        finished: dict[str, object] = {}
+        while len(finished) < len(sub.ids):
+            kind, value = sub.outputs.get()
+            if kind == "error":
+                self._error(500, f"the engine failed: {value}", "InternalServerError")
+                return
+            finished[value.request_id] = value
+        outs = [finished[i] for i in sub.ids]
+        app, created = self.app, now()
+        if chat:
+            body = chat_body(new_id("chatcmpl"), created, app.model_name,
+                             chat_choices(outs[0], sub.req, delta=False), usage(outs))
+        else:
+            body = completion_body(new_id("cmpl"), created, app.model_name,
+                                   completion_choices(outs, sub.req, app.decode),
+                                   usage(outs))
+        self._send_json(200, body)
+
+    def _stream(self, sub: _Submission, chat: bool) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        app, created = self.app, now()
+        request_id = new_id("chatcmpl" if chat else "cmpl")
+        sent: dict = {}
+        started: set[tuple[str, int]] = set()
+
+        def first(rid: str, index: int) -> bool:  # a completion's first chunk
+            new = (rid, index) not in started
+            started.add((rid, index))
+            return new
+
+        last: dict[str, object] = {}
+        order = {rid: k for k, rid in enumerate(sub.ids)}
+        while len([o for o in last.values() if o.finished]) < len(sub.ids):
+            kind, value = sub.outputs.get()
+            if kind == "error":
+                self._event(error_body(f"the engine failed: {value}", 500, "InternalServerError"))
+                break
+            last[value.request_id] = value
+            delta = _delta(value, sent)
+            if delta is None:
+                continue
+            if chat:
+                body = chat_body(request_id, created, app.model_name,
+                                 chat_choices(delta, sub.req, delta=True, first=first), None,
+                                 chunk=True)
+            else:
+                choices = completion_choices([delta], sub.req, app.decode, first=first)
+                shift = order[value.request_id] * sub.req.params.n
+                for c in choices:
+                    c["index"] += shift
+                body = completion_body(request_id, created, app.model_name, choices, None,
+                                       chunk=True)
+            if body["choices"]:
+                self._event(body)
+        else:
+            if sub.req.include_usage:
+                outs = [last[i] for i in sub.ids]
+                make = chat_body if chat else completion_body
+                self._event(make(request_id, created, app.model_name, [], usage(outs), chunk=True))
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+
+    def _event(self, body: dict) -> None:
+        self.wfile.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+        self.wfile.flush()
+
+
+class OpenAIServer:
+    """The HTTP server and the engine loop over `llm`; `model_name` is the name requests give
+    as "model" (any other is a 404, as vLLM's)."""
+
+    def __init__(self, llm: LLM, *, host: str = "127.0.0.1", port: int = 8000,
+                 model_name: str = "minivllm"):
+        self.llm = llm
+        self.model_name = model_name
+        self.defaults = llm.get_diff_sampling_param()
+        tok = llm.get_tokenizer()
+        self.decode = tok.decode if tok is not None else None
+        self.loop = EngineLoop(llm)
+        self.http = ThreadingHTTPServer((host, port), _Handler)
+        self.http.daemon_threads = True
+        self.http.app = self  # type: ignore[attr-defined]
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.http.server_address[:2]
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": now(), "owned_by": "minivllm",
+                "root": self.llm.config.model, "max_model_len": self.llm.config.max_model_len}
+
+    def serve_forever(self) -> None:
+        self.http.serve_forever()
+
+    def shutdown(self) -> None:
+        """Stop serving (from another thread than serve_forever's) and stop the engine loop."""
+        self.http.shutdown()
+        self.http.server_close()
+        self.loop.stop()

@@ -1,0 +1,329 @@
+"""The OpenAI-compatible server (`minivllm serve`, runtime/server.py) over HTTP on this host:
+completions and chat completions, whole and streamed, against the LLM API on the same checkpoint
+(greedy, and seeded sampling, which does not depend on the batch); sampling defaults from the
+model's generation_config.json; concurrent clients; a client that leaves mid-stream; bad requests
+answered 400 / 404 before they reach the engine; the CLI's `serve`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from minivllm import SamplingParams
+from minivllm.runtime.demo import ensure_demo_model
+from minivllm.runtime.server import OpenAIServer
+
+from engine_helpers import make_llm
+
+NAME = "tiny"
+PROMPTS = ["The quick brown fox", "Hello, my name is"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The demo checkpoint, its generation_config.json asking for greedy sampling (as a Qwen3
+    checkpoint's asks for temperature 0.6): requests that set no temperature take it."""
+    path = str(tmp_path_factory.mktemp("serve") / "model")
+    shutil.copytree(ensure_demo_model(str(tmp_path_factory.mktemp("demo") / "model")), path)
+    gen_path = os.path.join(path, "generation_config.json")
+    with open(gen_path) as f:
+        gen = json.load(f)
+    gen["temperature"] = 0.0
+    with open(gen_path, "w") as f:
+        json.dump(gen, f)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, device):
+    """The LLM API on the same checkpoint: what the server must answer."""
+    return make_llm(model_dir, device)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, device):
+    srv = OpenAIServer(make_llm(model_dir, device), port=0, model_name=NAME)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield srv
+    srv.shutdown()
+    thread.join(timeout=10)
+
+
+def url(server, path):
+    host, port = server.address
+    return f"http://{host}:{port}{path}"
+
+
+def post(server, path, body, raw: bytes | None = None):
+    """-> (status, parsed JSON body)."""
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(url(server, path), data=data,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def stream(server, path, body):
+    """-> the events' parsed JSON bodies; asserts the stream ends with [DONE]."""
+    req = urllib.request.Request(url(server, path), data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.headers["Content-Type"] == "text/event-stream"
+        text = r.read().decode()
+    events = [e[len("data: "):] for e in text.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def joined(events):
+    """Each choice index's streamed text, and its finish_reason (on its last chunk only)."""
+    texts, reasons = {}, {}
+    for ev in events:
+        for c in ev["choices"]:
+            assert c["index"] not in reasons  # nothing after a choice's finish
+            piece = c["text"] if "text" in c else c["delta"].get("content", "")
+            texts[c["index"]] = texts.get(c["index"], "") + piece
+            if c["finish_reason"] is not None:
+                reasons[c["index"]] = c["finish_reason"]
+    return texts, reasons
+
+
+def test_completions_equal_the_llm_api(server, reference):
+    tok = reference.get_tokenizer()
+    ids = tok.encode(PROMPTS[1])
+    status, body = post(server, "/v1/completions", {
+        "model": NAME, "prompt": [PROMPTS[0], PROMPTS[1]], "max_tokens": 8, "temperature": 0,
+        "logprobs": 2, "ignore_eos": True})
+    assert status == 200 and body["object"] == "text_completion" and body["model"] == NAME
+    want = reference.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, logprobs=2,
+                                                      ignore_eos=True), use_tqdm=False)
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    for choice, out in zip(body["choices"], want):
+        c = out.outputs[0]
+        assert choice["text"] == c.text and choice["finish_reason"] == c.finish_reason == "length"
+        lps = choice["logprobs"]
+        assert lps["tokens"] == [e[t].decoded_token for t, e in zip(c.token_ids, c.logprobs)]
+        assert lps["token_logprobs"] == pytest.approx([e[t].logprob for t, e in zip(c.token_ids, c.logprobs)],
+                                                      abs=1e-5)
+        for top, entry in zip(lps["top_logprobs"], c.logprobs):
+            ranked = sorted((v for v in entry.values() if v.rank <= 2), key=lambda v: v.rank)
+            assert list(top.values())[:len(ranked)] == pytest.approx([v.logprob for v in ranked], abs=1e-5)
+        offsets = lps["text_offset"]
+        assert [b - a for a, b in zip(offsets, offsets[1:])] == [len(t) for t in lps["tokens"][:-1]]
+    prompt_tokens = len(tok.encode(PROMPTS[0])) + len(ids)
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 16,
+                             "total_tokens": prompt_tokens + 16}
+    # Token-id prompts are the same prompts.
+    status, by_ids = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 8,
+                                                      "temperature": 0, "ignore_eos": True})
+    assert status == 200 and by_ids["choices"][0]["text"] == want[1].outputs[0].text
+
+
+def test_n_and_seed_index_choices_by_prompt(server, reference):
+    status, body = post(server, "/v1/completions", {
+        "prompt": PROMPTS, "max_tokens": 6, "n": 2, "seed": 11, "temperature": 0.9, "top_k": 50})
+    assert status == 200
+    want = reference.generate(PROMPTS, SamplingParams(n=2, seed=11, temperature=0.9, top_k=50,
+                                                      max_tokens=6), use_tqdm=False)
+    got = {c["index"]: c["text"] for c in body["choices"]}
+    assert got == {k * 2 + c.index: c.text for k, out in enumerate(want) for c in out.outputs}
+
+
+def test_unset_sampling_fields_take_the_models_generation_config(server, reference):
+    """The checkpoint asks for temperature 0: a request without one is greedy."""
+    status, body = post(server, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 10})
+    greedy = reference.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=10),
+                                use_tqdm=False)[0].outputs[0]
+    assert status == 200 and body["choices"][0]["text"] == greedy.text
+
+
+def test_a_stream_carries_the_whole_response(server):
+    body = {"prompt": PROMPTS, "max_tokens": 7, "n": 2, "seed": 3, "temperature": 1.0}
+    _, whole = post(server, "/v1/completions", body)
+    events = stream(server, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    texts, reasons = joined(events)
+    assert texts == {c["index"]: c["text"] for c in whole["choices"]}
+    assert reasons == {c["index"]: c["finish_reason"] for c in whole["choices"]}
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == whole["usage"]
+    assert all("usage" not in ev for ev in events[:-1])
+    assert len({ev["id"] for ev in events}) == 1
+
+
+def test_chat_completions_equal_llm_chat(server, reference):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    body = {"model": NAME, "messages": messages, "max_tokens": 9, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2}
+    status, whole = post(server, "/v1/chat/completions", body)
+    want = reference.chat(messages, SamplingParams(temperature=0.0, max_tokens=9, logprobs=2),
+                          use_tqdm=False)[0]
+    c = want.outputs[0]
+    assert status == 200 and whole["object"] == "chat.completion"
+    choice = whole["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": c.text}
+    assert choice["finish_reason"] == c.finish_reason
+    content = choice["logprobs"]["content"]
+    assert [e["token"] for e in content] == [e[t].decoded_token for t, e in zip(c.token_ids, c.logprobs)]
+    assert all(len(e["top_logprobs"]) == 2 for e in content)
+    assert all(e["bytes"] == list(e["token"].encode()) for e in content)
+    assert whole["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+    # Content parts are the same message; the stream the same text, the role in its first delta.
+    parts = [messages[0], {"role": "user", "content": [{"type": "text", "text": "Hi there"}]}]
+    events = stream(server, "/v1/chat/completions", {**body, "messages": parts})
+    assert events[0]["object"] == "chat.completion.chunk"
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    texts, reasons = joined(events)
+    assert texts == {0: c.text} and reasons == {0: c.finish_reason}
+
+
+def test_echo_returns_the_prompt_and_its_logprobs(server, reference):
+    status, body = post(server, "/v1/completions", {
+        "prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1})
+    want = reference.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=3, logprobs=1,
+                                                          prompt_logprobs=1), use_tqdm=False)[0]
+    choice = body["choices"][0]
+    assert status == 200 and choice["text"] == PROMPTS[0] + want.outputs[0].text
+    lps = choice["logprobs"]
+    n_prompt = len(want.prompt_token_ids)
+    assert lps["tokens"][0] is None and lps["token_logprobs"][0] is None
+    assert len(lps["tokens"]) == n_prompt + 3
+    assert lps["token_logprobs"][1:n_prompt] == pytest.approx(
+        [e[t].logprob for t, e in zip(want.prompt_token_ids[1:], want.prompt_logprobs[1:])], abs=1e-5)
+
+
+def test_concurrent_clients_each_get_their_own_completion(server, reference):
+    prompts = [f"{p} {k}" for k in range(3) for p in PROMPTS]
+    want = reference.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12),
+                              use_tqdm=False)
+    got = [None] * len(prompts)
+
+    def ask(k):
+        got[k] = post(server, "/v1/completions", {"prompt": prompts[k], "max_tokens": 12,
+                                                  "temperature": 0})[1]["choices"][0]["text"]
+
+    threads = [threading.Thread(target=ask, args=(k,)) for k in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert got == [o.outputs[0].text for o in want]
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_request(server):
+    host, port = server.address
+    before = server.llm.stats.generation_tokens
+    body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 1000, "ignore_eos": True,
+                       "stream": True}).encode()
+    with socket.create_connection((host, port), timeout=60) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        seen = b""
+        while b"data: " not in seen:  # streaming has begun
+            chunk = s.recv(4096)
+            assert chunk, "the server closed the stream"
+            seen += chunk
+    engine = server.llm.engine
+    deadline = time.time() + 60
+    while (server.loop.owners or engine.requests) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not server.loop.owners and not engine.requests
+    assert engine.stats.generation_tokens - before < 1000  # it did not run to its end
+    status, _ = post(server, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 2})
+    assert status == 200
+
+
+@pytest.mark.parametrize("path, body, status, match", [
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "n": "2"}, 400, "'n' must be an integer"),
+    ("/v1/completions", {"prompt": "x", "max_token": 3}, 400, "unknown fields \\['max_token'\\]"),
+    ("/v1/completions", {"prompt": "x", "model": "other"}, 404, "`other` does not exist"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "'prompt' is required"),
+    ("/v1/completions", {"prompt": []}, 400, "'prompt' must be"),
+    ("/v1/completions", {"prompt": [1, 10**6]}, 400, "outside the vocabulary"),
+    ("/v1/completions", {"prompt": "x " * 3000}, 400, "max_model_len"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "'suffix' is not supported"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream"),
+    ("/v1/chat/completions", {"messages": []}, 400, "'messages' is required"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     400, "only text parts"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     400, "needs 'logprobs': true"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function"}]}, 400, "'tools' is not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/embeddings", {"input": "x"}, 404, "no route"),
+])
+def test_bad_requests_are_answered_before_the_engine(server, path, body, status, match):
+    import re
+
+    before = server.llm.stats.generation_tokens
+    got, answer = post(server, path, body)
+    assert got == status and answer["object"] == "error" and answer["code"] == status
+    assert re.search(match, answer["message"]), answer["message"]
+    assert server.llm.stats.generation_tokens == before and not server.llm.engine.requests
+
+
+def test_a_body_that_is_not_json_is_answered_400(server):
+    status, answer = post(server, "/v1/completions", None, raw=b"{not json")
+    assert status == 400 and "not JSON" in answer["message"]
+
+
+def test_models_and_health(server):
+    with urllib.request.urlopen(url(server, "/v1/models"), timeout=30) as r:
+        models = json.loads(r.read())
+    assert [m["id"] for m in models["data"]] == [NAME]
+    assert models["data"][0]["max_model_len"] == server.llm.config.max_model_len
+    with urllib.request.urlopen(url(server, "/health"), timeout=30) as r:
+        assert r.status == 200
+
+
+def test_the_cli_serves_until_interrupted(model_dir, tmp_path):
+    """`minivllm serve DIR --port 0` says where it serves, answers, and exits 0 on Ctrl-C."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # a CPU engine: the CLI's check, not the GPU's
+    proc = subprocess.Popen([sys.executable, "-m", "minivllm", "serve", model_dir, "--port", "0",
+                             "--served-model-name", "cli", "--num-kv-blocks", "32",
+                             "--attention-backend", "reference", "--device", "cpu"],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = ""
+        deadline = time.time() + 240
+        while "serving" not in line and time.time() < deadline:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "the server exited"
+        address = line.split("http://")[1].split("/v1")[0]
+        req = urllib.request.Request(f"http://{address}/v1/completions", data=json.dumps(
+            {"model": "cli", "prompt": PROMPTS[0], "max_tokens": 3}).encode(),
+            headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert len(json.loads(r.read())["choices"]) == 1
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_an_echoed_stream_puts_the_prompt_in_each_completions_first_chunk(server):
+    body = {"prompt": PROMPTS, "max_tokens": 4, "n": 2, "seed": 5, "temperature": 1.0,
+            "echo": True}
+    _, whole = post(server, "/v1/completions", body)
+    texts, _ = joined(stream(server, "/v1/completions", body))
+    assert texts == {c["index"]: c["text"] for c in whole["choices"]}
+    assert all(t.startswith(PROMPTS[i // 2]) for i, t in texts.items())
