@@ -24,6 +24,23 @@ import time
 DEFAULT_PROMPTS = ["Hello, my name is", "The capital of France is", "The future of AI is"]
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
+    return value
+
+
+def _hf_overrides(args) -> dict | None:
+    overrides = dict(args.hf_overrides or {})
+    if args.rope_scaling is not None:
+        overrides["rope_scaling"] = args.rope_scaling
+    return overrides or None
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", help="a local Hugging Face Qwen3 checkpoint directory")
@@ -48,6 +65,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="ranks to split the model over (default: torchrun's WORLD_SIZE, else 1)")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--engine-seed", type=int, default=0, help="seeds requests that set no --seed")
+    g.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON",
+                   help="config.json values set over the checkpoint's (vLLM's), e.g. "
+                        "'{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                        "\"original_max_position_embeddings\": 32768}}'")
+    g.add_argument("--rope-scaling", type=_json_object, default=None, metavar="JSON",
+                   help="the same as --hf-overrides '{\"rope_scaling\": JSON}' (vLLM's older flag)")
     g.add_argument("--generation-config", default="auto",
                    help="where unset sampling flags come from: auto (the model's "
                         "generation_config.json, as vLLM), vllm (minivllm's defaults) or a "
@@ -161,7 +184,8 @@ def _make_llm(args, model: str):
                   seed=args.engine_seed,
                   enable_prefix_caching=not args.no_prefix_caching,
                   generation_config=args.generation_config,
-                  max_num_batched_tokens=args.max_num_batched_tokens)
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  hf_overrides=_hf_overrides(args))
     # An interactive CLI serves few sequences: keep the default KV cache small.
     kwargs["max_num_seqs"] = (args.max_num_seqs if args.max_num_seqs is not None
                               else 16 if demo or args.command == "chat" else 256)

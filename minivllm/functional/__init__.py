@@ -8,7 +8,7 @@ from .layer import attention_block, decoder_layer, mlp_block
 from .linear import column_linear, merged_column_linear, qkv_linear, row_linear, split_qkv
 from .model import forward, hidden_states
 from .norm import add_rms_norm, rms_norm
-from .rope import apply_rope, rope_cos_sin, rope_inv_freq
+from .rope import apply_rope, rope_attention_scale, rope_cos_sin, rope_inv_freq
 from .sampling import SamplingBatch, SamplingRow, make_sampling_batch, sample
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "write_kv", "embed", "lm_head", "generate", "attention_block", "decoder_layer", "mlp_block",
     "column_linear", "merged_column_linear", "qkv_linear", "split_qkv", "row_linear", "forward",
     "hidden_states",
-    "add_rms_norm", "rms_norm", "apply_rope", "rope_cos_sin", "rope_inv_freq",
+    "add_rms_norm", "rms_norm", "apply_rope", "rope_attention_scale", "rope_cos_sin",
+    "rope_inv_freq",
     "sample", "SamplingBatch", "SamplingRow", "make_sampling_batch",
 ]

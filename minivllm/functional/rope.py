@@ -1,4 +1,4 @@
-"""Rotary position embedding (neox / rotate-half layout), with Llama-3 frequency scaling."""
+"""Rotary position embedding (neox / rotate-half layout), with YaRN and Llama-3 frequency scaling."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ def rope_inv_freq(config: ModelConfig, device=None) -> torch.Tensor:
     scaling = config.rope_scaling_dict
     if scaling is None:
         return inv_freq
+    if scaling["rope_type"] == "yarn":
+        return _yarn_inv_freq(config.rope_theta ** exponents, dim, config.rope_theta, scaling)
     # Llama 3: keep high frequencies, divide low ones by `factor`, interpolate in between.
     factor = float(scaling["factor"])
     scaling = {**LLAMA3_DEFAULTS, **scaling}
@@ -34,11 +36,59 @@ def rope_inv_freq(config: ModelConfig, device=None) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(pos_freqs: torch.Tensor, dim: int, base: float, scaling: dict) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071) as transformers and vLLM compute it: the highest frequencies kept
+    (extrapolated), the lowest divided by `factor` (interpolated), a linear ramp between the
+    dimensions that turn beta_fast and beta_slow times over original_max_position_embeddings.
+    pos_freqs: [dim // 2] base ** (2i / dim)."""
+    factor = float(scaling["factor"])
+    original = scaling["original_max_position_embeddings"]
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def dimension(rotations):  # the dimension that turns `rotations` times over `original`
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension(beta_fast), dimension(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp (0 / 0 at the dimension `low`)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=pos_freqs.device) - low)
+            / (high - low)).clamp(0, 1)
+    extrapolated = 1 - ramp  # the share of each frequency kept as it is
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolated) + (1.0 / pos_freqs) * extrapolated
+
+
+def rope_attention_scale(config: ModelConfig) -> float:
+    """The factor cos and sin are multiplied by: YaRN's attention_factor (by default
+    0.1 * ln(factor) + 1, or the ratio of two such with mscale / mscale_all_dim, as
+    transformers), else 1."""
+    scaling = config.rope_scaling_dict
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(m=1.0):
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return float(mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"]))
+    return mscale()
+
+
 def rope_cos_sin(config: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions: [T] -> cos, sin: [T, head_dim] fp32 (each frequency repeated for both halves)."""
+    """positions: [T] -> cos, sin: [T, head_dim] fp32 (each frequency repeated for both halves,
+    times rope_attention_scale)."""
     inv_freq = rope_inv_freq(config, positions.device)
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
+    scale = rope_attention_scale(config)
+    if scale != 1.0:
+        return emb.cos() * scale, emb.sin() * scale
     return emb.cos(), emb.sin()
 
 

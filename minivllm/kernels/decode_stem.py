@@ -7,7 +7,8 @@ and RoPE's cos and sin at its position (functional.model.stem, which compiled is
   fp32, each frequency repeated for both halves.
 
 The embedding row is copied and the residual is exact zeros; cos and sin take the same fp32
-product position * inv_freq as rope_cos_sin, and libdevice's cos and sin on the GPU.
+product position * inv_freq as rope_cos_sin, and libdevice's cos and sin on the GPU (times YaRN's
+attention scale, as rope_cos_sin; a product by 1.0 without it).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..functional.model import stem as functional_stem
-from ..functional.rope import rope_inv_freq
+from ..functional.rope import rope_attention_scale, rope_inv_freq
 from ..state.batch import Batch
 from ..state.params import Params
 from .launch import next_pow2, triton_usable
@@ -29,7 +30,7 @@ MAX_ROWS = 16  # rows a step may have for this stem (decode steps of the persist
 
 @triton.jit
 def _decode_stem_kernel(ids_ptr, pos_ptr, embed_ptr, inv_freq_ptr, x_ptr, res_ptr, cos_ptr,
-                        sin_ptr, hidden, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+                        sin_ptr, hidden, scale, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
     row = tl.program_id(0)
     part = tl.program_id(1)
     token = tl.load(ids_ptr + row)
@@ -41,15 +42,15 @@ def _decode_stem_kernel(ids_ptr, pos_ptr, embed_ptr, inv_freq_ptr, x_ptr, res_pt
     if part == 0:
         j = tl.arange(0, 2 * HALF)
         angle = tl.load(pos_ptr + row).to(tl.float32) * tl.load(inv_freq_ptr + j % HALF)
-        tl.store(cos_ptr + row * 2 * HALF + j, tl.cos(angle))
-        tl.store(sin_ptr + row * 2 * HALF + j, tl.sin(angle))
+        tl.store(cos_ptr + row * 2 * HALF + j, tl.cos(angle) * scale)
+        tl.store(sin_ptr + row * 2 * HALF + j, tl.sin(angle) * scale)
 
 
 def decode_stem(ids: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor,
-                inv_freq: torch.Tensor, *, block_h: int = 1024
+                inv_freq: torch.Tensor, *, scale: float = 1.0, block_h: int = 1024
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x, residual, cos, sin) of the module docstring, in one launch of [M, hidden / block_h]
-    programs."""
+    programs; cos and sin are multiplied by `scale` (rope_attention_scale: YaRN's)."""
     (m,), (vocab, hidden), (half,) = ids.shape, embed.shape, inv_freq.shape
     if positions.shape != (m,) or ids.dtype != torch.int64 or positions.dtype != torch.int64:
         raise ValueError(f"ids and positions must be int64 [{m}], got {ids.dtype} "
@@ -63,7 +64,7 @@ def decode_stem(ids: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor,
     sin = torch.empty_like(cos)
     block_h = min(block_h, next_pow2(hidden))
     _decode_stem_kernel[(m, triton.cdiv(hidden, block_h))](
-        ids, positions, embed, inv_freq, x, residual, cos, sin, hidden, HALF=half,
+        ids, positions, embed, inv_freq, x, residual, cos, sin, hidden, float(scale), HALF=half,
         BLOCK_H=block_h, num_warps=4)
     return x, residual, cos, sin
 
@@ -77,10 +78,11 @@ def stem_for(params: Params, fallback=functional_stem):
     if params.shard.world_size != 1 or not triton_usable(params.device) or \
             inv_freq.shape[0] != next_pow2(inv_freq.shape[0]):
         return fallback
-    return functools.partial(_stem, inv_freq=inv_freq, fallback=fallback)
+    return functools.partial(_stem, inv_freq=inv_freq, scale=rope_attention_scale(params.config),
+                             fallback=fallback)
 
 
-def _stem(params: Params, batch: Batch, *, inv_freq: torch.Tensor, fallback):
+def _stem(params: Params, batch: Batch, *, inv_freq: torch.Tensor, scale: float, fallback):
     if batch.is_decode and batch.num_seqs <= MAX_ROWS:
-        return decode_stem(batch.input_ids, batch.positions, params.embed, inv_freq)
+        return decode_stem(batch.input_ids, batch.positions, params.embed, inv_freq, scale=scale)
     return fallback(params, batch)

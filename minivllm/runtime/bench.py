@@ -435,7 +435,7 @@ def _check_workload(args, model: str) -> tuple[tuple[int, int], int]:
               else ModelConfig.from_json(model))
     if not args.latency:
         check_vocabulary(config.vocab_size)
-    limit = _or(args.max_model_len, min(BENCH_MAX_MODEL_LEN, config.max_position_embeddings))
+    limit = _or(args.max_model_len, min(BENCH_MAX_MODEL_LEN, config.max_context_len))
     if sum(lengths) > limit:
         raise ValueError(f"prompts of up to {lengths[0]} tokens and {lengths[1]} new ones do not "
                          f"fit max_model_len={limit} (the run would cut them short and "

@@ -65,10 +65,15 @@ class EngineConfig:
                num_kv_blocks=None, enforce_eager=False, tensor_parallel_size=1,
                attention_backend=None, seed=0, enable_prefix_caching=True, max_logprobs=20,
                device=None, async_scheduling=True, kv_cache_dtype="auto",
-               persistent_decode=None) -> "EngineConfig":
+               persistent_decode=None, hf_overrides=None) -> "EngineConfig":
         model = os.fspath(model)
+        if hf_overrides is not None and not isinstance(hf_overrides, dict):
+            raise ValueError(f"hf_overrides must be a dict of config.json keys, got "
+                             f"{hf_overrides!r:.80}")
         if is_random_model(model):
             # "random:qwen3-0.6b": random weights at a real shape (benchmarks); no checkpoint.
+            if hf_overrides:
+                raise ValueError("hf_overrides needs a checkpoint's config.json, not random weights")
             model_config = config_for_shape(model.split(":", 1)[1])
         elif not os.path.isdir(model):
             what = "is a file, not a directory" if os.path.exists(model) else "does not exist"
@@ -78,7 +83,11 @@ class EngineConfig:
             raise ValueError(f"model directory {model!r} has no config.json (a Hugging Face "
                              f"checkpoint directory holds config.json and *.safetensors)")
         else:
-            model_config = ModelConfig.from_json(model)
+            try:
+                model_config = ModelConfig.from_json(model, hf_overrides)
+            except ValueError as e:
+                raise ValueError(f"{model}: {e}" + (" (with hf_overrides)" if hf_overrides else "")
+                                 ) from None
         max_num_seqs = _integer("max_num_seqs", max_num_seqs)
         block_size = _integer("block_size", block_size)
         tensor_parallel_size = _integer("tensor_parallel_size", tensor_parallel_size)
@@ -107,12 +116,15 @@ class EngineConfig:
         check_tensor_parallel(model_config, tensor_parallel_size, device, torchrun_env())
         if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
             raise ValueError(f"device {str(device)!r}: there are {torch.cuda.device_count()} CUDA GPUs")
-        limit = model_config.max_position_embeddings
+        limit = model_config.max_context_len
         if max_model_len is None:
             max_model_len = limit
         elif max_model_len > limit:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
-                             f"max_position_embeddings ({limit})")
+            scaling = model_config.rope_scaling_dict or {}
+            what = ("YaRN's original_max_position_embeddings x factor"
+                    if scaling.get("rope_type") == "yarn" else "max_position_embeddings")
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's context, its "
+                             f"{what} ({limit})")
         from ..kernels.launch import triton_usable
         if persistent_decode is not None and not isinstance(persistent_decode, bool):
             raise TypeError(f"persistent_decode must be True, False or None (the default for the "

@@ -86,7 +86,10 @@ class LLM:
     generation_config.json (Qwen3: temperature 0.6, top_p 0.95, top_k 20), "vllm" none (plain
     SamplingParams()), or a directory holding one; override_generation_config: a dict of
     repetition_penalty / temperature / top_k / top_p / min_p / max_new_tokens set over it.
-    get_default_sampling_params() returns the result.
+    get_default_sampling_params() returns the result. hf_overrides: config.json values set over
+    the checkpoint's (vLLM's), e.g. Qwen3's long context: {"rope_scaling": {"rope_type": "yarn",
+    "factor": 4.0, "original_max_position_embeddings": 32768}} (max_model_len then defaults to
+    32,768 x 4); an object merges into the file's object of that key.
     """
 
     def __init__(self, model, *, tokenizer=None, dtype="auto", max_model_len: int | None = None,
@@ -97,7 +100,8 @@ class LLM:
                  enable_prefix_caching: bool = True, max_logprobs: int = 20, device=None,
                  skip_tokenizer_init: bool = False, async_scheduling: bool = True,
                  kv_cache_dtype="auto", persistent_decode: bool | None = None,
-                 generation_config="auto", override_generation_config: dict | None = None):
+                 generation_config="auto", override_generation_config: dict | None = None,
+                 hf_overrides: dict | None = None):
         skip_tokenizer_init = as_flag("skip_tokenizer_init", skip_tokenizer_init, False)
         self.config = EngineConfig.create(
             model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -107,7 +111,7 @@ class LLM:
             attention_backend=attention_backend, seed=seed,
             enable_prefix_caching=enable_prefix_caching, max_logprobs=max_logprobs, device=device,
             async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype,
-            persistent_decode=persistent_decode)
+            persistent_decode=persistent_decode, hf_overrides=hf_overrides)
         self._diff_sampling_param, gen = generation_defaults(
             generation_config, override_generation_config, self.config.model)
         if self._diff_sampling_param:

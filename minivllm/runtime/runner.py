@@ -234,7 +234,8 @@ class ModelRunner:
                 params = random_params(config.model_config, seed=config.seed, dtype=config.dtype,
                                        device=config.device, shard=shard)
             self.params = params if params is not None else load(
-                config.model, dtype=config.dtype, device=config.device, shard=shard)
+                config.model, dtype=config.dtype, device=config.device, shard=shard,
+                config=config.model_config)
         self.model_config = self.params.config
         self.vocab_size = self.model_config.vocab_size
         self.device = self.params.device

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -94,6 +95,36 @@ def _check_llama3_scaling(scaling: dict) -> None:
                          f"{scaling.get('low_freq_factor')!r} and {scaling.get('high_freq_factor')!r}")
 
 
+def _yarn_scaling(scaling: dict, max_position_embeddings) -> dict:
+    """YaRN's parameters checked, with transformers' defaults filled in (functional.rope reads
+    them): factor (default max_position_embeddings / original_max_position_embeddings),
+    original_max_position_embeddings (default max_position_embeddings), optional
+    attention_factor, beta_fast, beta_slow, mscale, mscale_all_dim, and truncate."""
+    def number(key, default=None, *, positive=True):
+        value = scaling.get(key, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not math.isfinite(value) or (positive and not value > 0):
+            raise ValueError(f"yarn rope scaling needs {key} > 0, got {value!r}")
+        return value
+
+    out = dict(scaling)
+    original = number("original_max_position_embeddings", max_position_embeddings)
+    if original is None or original != int(original):
+        raise ValueError(f"yarn rope scaling needs original_max_position_embeddings, a positive "
+                         f"integer, got {original!r}")
+    out["original_max_position_embeddings"] = int(original)
+    factor = number("factor")
+    out["factor"] = factor if factor is not None else max_position_embeddings / original
+    for key in ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+        number(key)
+    if not isinstance(out.setdefault("truncate", True), bool):
+        raise ValueError(f"yarn rope scaling's truncate must be true or false, got "
+                         f"{out['truncate']!r}")
+    return out
+
+
 def _token_ids(key: str, value: Any, *, many: bool) -> Any:
     """config.json's bos / eos id as given (null, an id, or for eos a list of ids), checked: a
     string or a float there would otherwise surface as a failed int() after the weights load."""
@@ -158,6 +189,16 @@ class ModelConfig:
         return None if self.rope_scaling is None else dict(self.rope_scaling)
 
     @property
+    def max_context_len(self) -> int:
+        """The longest context the model's positions serve, as vLLM derives it: with YaRN
+        original_max_position_embeddings * factor (Qwen3's card: 32,768 * 4), else
+        max_position_embeddings."""
+        scaling = self.rope_scaling_dict
+        if scaling is not None and scaling["rope_type"] == "yarn":
+            return int(scaling["original_max_position_embeddings"] * scaling["factor"])
+        return self.max_position_embeddings
+
+    @property
     def eos_token_ids(self) -> tuple[int, ...]:
         if self.eos_token_id is None:
             return ()
@@ -218,8 +259,11 @@ class ModelConfig:
             rope_scaling.pop("type", None)
             if kind == "default":
                 rope_scaling = None
+            elif kind == "yarn":  # Qwen3's long context (its model card: factor 4 over 32,768)
+                rope_scaling = _yarn_scaling(rope_scaling, d.get("max_position_embeddings", 40960))
             elif kind != "llama3":
-                raise ValueError(f"unsupported rope scaling type {kind!r}: minivllm supports 'llama3'")
+                raise ValueError(f"unsupported rope scaling type {kind!r}: minivllm supports "
+                                 f"'yarn' and 'llama3'")
             else:
                 _check_llama3_scaling(rope_scaling)
         if rope_theta is None:
@@ -262,8 +306,10 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_json(cls, path: str | os.PathLike) -> "ModelConfig":
-        """From a config.json file, or a checkpoint directory holding one."""
+    def from_json(cls, path: str | os.PathLike, overrides: dict | None = None) -> "ModelConfig":
+        """From a config.json file, or a checkpoint directory holding one. overrides: values set
+        over the file's (vLLM's hf_overrides, e.g. {"rope_scaling": {...}}); an object merges
+        into the file's object of that key."""
         path = os.fspath(path)
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
@@ -274,7 +320,23 @@ class ModelConfig:
                 d = json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON: {e}") from e
+        if overrides:
+            d = merge_overrides(d, overrides)
         return cls.from_dict(d)
+
+
+def merge_overrides(base: dict, overrides) -> dict:
+    """`base` with `overrides` set over it: a dict value merges into base's dict of that key
+    (so {"rope_parameters": {"rope_type": "yarn", ...}} keeps the file's rope_theta)."""
+    if not isinstance(overrides, dict) or not all(isinstance(k, str) for k in overrides):
+        raise ValueError(f"hf_overrides must be a dict of config.json keys, got {overrides!r:.80}")
+    out = dict(base) if isinstance(base, dict) else {}
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_overrides(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 # Real Qwen3 shapes, for random-weight benchmarks.

@@ -94,11 +94,13 @@ def _hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec | None = None) -> Params:
+def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec | None = None,
+         config: ModelConfig | None = None) -> Params:
     """Params from a local HF checkpoint directory (config.json + safetensors, sharded or not).
 
     dtype: "auto"/None keeps the checkpoint's dtype; device: where the tensors go; shard: the
-    tensor-parallel rank whose slice to read (default: the whole model)."""
+    tensor-parallel rank whose slice to read (default: the whole model); config: the model's
+    config instead of config.json's (ModelConfig.from_json with overrides, say)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         what = "is a file, not a directory" if os.path.exists(path) else "does not exist"
@@ -106,10 +108,11 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise CheckpointError(f"{config_path} is missing")
-    try:
-        config = ModelConfig.from_json(config_path)
-    except (KeyError, ValueError) as e:
-        raise CheckpointError(f"{config_path}: {e}") from e
+    if config is None:
+        try:
+            config = ModelConfig.from_json(config_path)
+        except (KeyError, ValueError) as e:
+            raise CheckpointError(f"{config_path}: {e}") from e
     shard = shard or ShardSpec()
     shard.check(config)
     dtype = parse_dtype(dtype, config.dtype)
