@@ -142,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None,
                        help="the name requests give as \"model\" (default: the model's path)")
+    serve.add_argument("--api-key", default=None,
+                       help="answer /v1 requests only with 'Authorization: Bearer KEY'")
     from .runtime.bench import add_bench_args
 
     bench = sub.add_parser("bench", help="throughput (nano-vllm's workload) or single-stream latency")
@@ -348,7 +350,8 @@ def cmd_serve(args) -> int:
     model = _resolve_model(args)
     llm = _make_llm(args, model)
     name = args.served_model_name or args.model or "minivllm-demo"
-    server = OpenAIServer(llm, host=args.host, port=args.port, model_name=name)
+    server = OpenAIServer(llm, host=args.host, port=args.port, model_name=name,
+                          api_key=args.api_key)
     host, port = server.address
     print(f"minivllm: serving {name!r} at http://{host}:{port}/v1 (Ctrl-C stops)", file=sys.stderr,
           flush=True)

@@ -48,12 +48,12 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(model_dir, device):
     """The LLM API on the same checkpoint: what the server must answer."""
-    return make_llm(model_dir, device)
+    return make_llm(model_dir, device, max_model_len=1024)
 
 
 @pytest.fixture(scope="module")
 def server(model_dir, device):
-    srv = OpenAIServer(make_llm(model_dir, device), port=0, model_name=NAME)
+    srv = OpenAIServer(make_llm(model_dir, device, max_model_len=1024), port=0, model_name=NAME)
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
     yield srv
@@ -185,7 +185,8 @@ def test_chat_completions_equal_llm_chat(server, reference):
     parts = [messages[0], {"role": "user", "content": [{"type": "text", "text": "Hi there"}]}]
     events = stream(server, "/v1/chat/completions", {**body, "messages": parts})
     assert events[0]["object"] == "chat.completion.chunk"
-    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(len(ev["choices"]) == 1 for ev in events)  # one choice a chunk, as vLLM
     texts, reasons = joined(events)
     assert texts == {0: c.text} and reasons == {0: c.finish_reason}
 
@@ -199,10 +200,20 @@ def test_echo_returns_the_prompt_and_its_logprobs(server, reference):
     assert status == 200 and choice["text"] == PROMPTS[0] + want.outputs[0].text
     lps = choice["logprobs"]
     n_prompt = len(want.prompt_token_ids)
-    assert lps["tokens"][0] is None and lps["token_logprobs"][0] is None
+    tok = reference.get_tokenizer()
+    assert lps["tokens"][0] == tok.decode(want.prompt_token_ids[:1])
+    assert lps["token_logprobs"][0] is None and lps["top_logprobs"][0] is None
     assert len(lps["tokens"]) == n_prompt + 3
     assert lps["token_logprobs"][1:n_prompt] == pytest.approx(
         [e[t].logprob for t, e in zip(want.prompt_token_ids[1:], want.prompt_logprobs[1:])], abs=1e-5)
+    # Each token's text_offset is where its text starts in the text.
+    assert all(choice["text"][o:o + len(t)] == t for o, t in zip(lps["text_offset"], lps["tokens"]))
+    # max_tokens 0: the prompt scored, nothing generated in the response (log-likelihood clients).
+    status, only = post(server, "/v1/completions", {
+        "prompt": PROMPTS[0], "max_tokens": 0, "echo": True, "logprobs": 1})
+    assert status == 200 and only["choices"][0]["text"] == PROMPTS[0]
+    assert only["choices"][0]["logprobs"]["token_logprobs"] == lps["token_logprobs"][:n_prompt]
+    assert only["usage"]["completion_tokens"] == 0
 
 
 def test_concurrent_clients_each_get_their_own_completion(server, reference):
@@ -269,20 +280,25 @@ def test_a_client_that_leaves_mid_stream_frees_its_request(server):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("/v1/embeddings", {"input": "x"}, 404, "no route"),
+    ("/v1/completions", {"prompt": "x", "temperature": 10**400}, 400, "too large"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "64 bits"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2.5}, 400, "'max_tokens' must be an integer"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "prompt_logprobs": 1}, 400, "prompt_logprobs"),
 ])
 def test_bad_requests_are_answered_before_the_engine(server, path, body, status, match):
     import re
 
     before = server.llm.stats.generation_tokens
     got, answer = post(server, path, body)
-    assert got == status and answer["object"] == "error" and answer["code"] == status
-    assert re.search(match, answer["message"]), answer["message"]
+    error = answer["error"]  # OpenAI's (and vLLM's) error body
+    assert got == status and error["code"] == status
+    assert re.search(match, error["message"]), error["message"]
     assert server.llm.stats.generation_tokens == before and not server.llm.engine.requests
 
 
 def test_a_body_that_is_not_json_is_answered_400(server):
     status, answer = post(server, "/v1/completions", None, raw=b"{not json")
-    assert status == 400 and "not JSON" in answer["message"]
+    assert status == 400 and "not JSON" in answer["error"]["message"]
 
 
 def test_models_and_health(server):
@@ -291,7 +307,10 @@ def test_models_and_health(server):
     assert [m["id"] for m in models["data"]] == [NAME]
     assert models["data"][0]["max_model_len"] == server.llm.config.max_model_len
     with urllib.request.urlopen(url(server, "/health"), timeout=30) as r:
-        assert r.status == 200
+        assert r.status == 200 and r.read() == b""
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(url(server, "/v1/completions"), timeout=30)
+    assert e.value.code == 405
 
 
 def test_the_cli_serves_until_interrupted(model_dir, tmp_path):
@@ -299,6 +318,7 @@ def test_the_cli_serves_until_interrupted(model_dir, tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # a CPU engine: the CLI's check, not the GPU's
     proc = subprocess.Popen([sys.executable, "-m", "minivllm", "serve", model_dir, "--port", "0",
                              "--served-model-name", "cli", "--num-kv-blocks", "32",
+                             "--max-model-len", "512", "--api-key", "k",
                              "--attention-backend", "reference", "--device", "cpu"],
                             stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -310,7 +330,7 @@ def test_the_cli_serves_until_interrupted(model_dir, tmp_path):
         address = line.split("http://")[1].split("/v1")[0]
         req = urllib.request.Request(f"http://{address}/v1/completions", data=json.dumps(
             {"model": "cli", "prompt": PROMPTS[0], "max_tokens": 3}).encode(),
-            headers={"Content-Type": "application/json"})
+            headers={"Content-Type": "application/json", "Authorization": "Bearer k"})
         with urllib.request.urlopen(req, timeout=120) as r:
             assert len(json.loads(r.read())["choices"]) == 1
         proc.send_signal(signal.SIGINT)
@@ -327,3 +347,142 @@ def test_an_echoed_stream_puts_the_prompt_in_each_completions_first_chunk(server
     texts, _ = joined(stream(server, "/v1/completions", body))
     assert texts == {c["index"]: c["text"] for c in whole["choices"]}
     assert all(t.startswith(PROMPTS[i // 2]) for i, t in texts.items())
+
+
+def test_a_connection_serves_requests_after_a_refused_one(server):
+    """Keep-alive: a refused request's body is read, not taken for the next request's start."""
+    host, port = server.address
+    bodies = [(b"/v1/embeddings", b'{"input": "hello"}'),
+              (b"/v1/completions", json.dumps({"prompt": PROMPTS[0], "max_tokens": 2}).encode())]
+    with socket.create_connection((host, port), timeout=60) as s:
+        f = s.makefile("rb")
+        for path, body in bodies:
+            s.sendall(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            status = f.readline()
+            length = 0
+            while (line := f.readline()) != b"\r\n":
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            answer = json.loads(f.read(length))
+            assert status.split()[1] == (b"404" if path == b"/v1/embeddings" else b"200"), answer
+
+
+def test_a_streamed_completions_offsets_continue_across_chunks(server):
+    events = stream(server, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 6,
+                                                "temperature": 0, "logprobs": 0})
+    text = "".join(ev["choices"][0]["text"] for ev in events)
+    offsets = [o for ev in events for o in ev["choices"][0]["logprobs"]["text_offset"]]
+    tokens = [t for ev in events for t in ev["choices"][0]["logprobs"]["tokens"]]
+    assert offsets == [sum(map(len, tokens[:k])) for k in range(len(tokens))]
+    assert "".join(tokens).startswith(text)
+
+
+def test_continuous_usage_counts_each_chunk(server):
+    events = stream(server, "/v1/completions", {
+        "prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0,
+        "stream_options": {"continuous_usage_stats": True}})  # include_usage: true by default
+    counts = [ev["usage"]["completion_tokens"] for ev in events]
+    assert counts == sorted(counts) and counts[-1] == 5 and events[-1]["choices"] == []
+
+
+def test_prompt_logprobs_are_vllms_field(server, reference):
+    want = reference.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=2,
+                                                          prompt_logprobs=1), use_tqdm=False)[0]
+    expect = [None] + [{str(i): pytest.approx(v.logprob, abs=1e-5) for i, v in e.items()}
+                       for e in want.prompt_logprobs[1:]]
+    _, body = post(server, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 2,
+                                               "temperature": 0, "prompt_logprobs": 1})
+    got = body["choices"][0]["prompt_logprobs"]
+    assert [None if e is None else {i: v["logprob"] for i, v in e.items()} for e in got] == expect
+    _, chat = post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "prompt_logprobs": 0})
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == \
+        chat["usage"]["prompt_tokens"]
+
+
+def test_fields_read_as_vllm_reads_them(server, reference):
+    """max_completion_tokens wins over max_tokens; an integral number is an integer; top_logprobs
+    0 without logprobs asks for nothing; chat_template_kwargs may repeat the request's fields."""
+    messages = [{"role": "user", "content": "Hi"}]
+    _, body = post(server, "/v1/chat/completions", {
+        "messages": messages, "max_tokens": 9, "max_completion_tokens": 3.0, "temperature": 0,
+        "top_logprobs": 0, "chat_template_kwargs": {"add_generation_prompt": False}})
+    want = reference.chat(messages, SamplingParams(temperature=0.0, max_tokens=3),
+                          use_tqdm=False)[0].outputs[0]
+    assert body["choices"][0]["message"]["content"] == want.text
+    assert body["usage"]["completion_tokens"] == 3
+
+
+def test_whole_and_chat_logprobs_of_the_whole_vocabulary():
+    """-1 top logprobs (allowed where max_logprobs admits the vocabulary) lists every id the
+    engine gave, by rank."""
+    from minivllm.runtime.openai_api import chat_logprobs, completion_logprobs
+    from minivllm.runtime.outputs import Logprob
+
+    entry = {7: Logprob(-2.0, 3, "c"), 5: Logprob(-0.5, 1, "a"), 6: Logprob(-1.0, 2, "b")}
+    assert list(completion_logprobs([7], [entry], -1, 0)["top_logprobs"][0]) == ["a", "b", "c"]
+    assert [e["token"] for e in chat_logprobs([7], [entry], -1)["content"][0]["top_logprobs"]] == \
+        ["a", "b", "c"]
+    assert list(completion_logprobs([7], [entry], 1, 0)["top_logprobs"][0]) == ["a", "c"]
+
+
+def test_a_client_that_leaves_a_whole_request_frees_it(server):
+    host, port = server.address
+    before = server.llm.stats.generation_tokens
+    body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 1000, "ignore_eos": True}).encode()
+    with socket.create_connection((host, port), timeout=60) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        deadline = time.time() + 60
+        while not server.llm.engine.requests and time.time() < deadline:
+            time.sleep(0.01)  # it is running
+    engine = server.llm.engine
+    deadline = time.time() + 60
+    while (server.loop.owners or engine.requests) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not server.loop.owners and not engine.requests
+    assert engine.stats.generation_tokens - before < 1000
+
+
+def test_an_engine_failure_mid_stream_is_an_error_event(server, monkeypatch):
+    """The openai client raises on an event holding "error" (vLLM's form)."""
+    engine = server.llm.engine
+    real, calls = engine.step, []
+
+    def failing(**kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return real(**kw)
+
+    monkeypatch.setattr(engine, "step", failing)
+    events = stream(server, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 50,
+                                                "ignore_eos": True})
+    assert "boom" in events[-1]["error"]["message"] and events[-1]["error"]["code"] == 500
+    monkeypatch.undo()
+    assert not engine.requests and not server.loop.owners
+    assert post(server, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 2})[0] == 200
+
+
+def test_an_api_key_guards_the_v1_routes(model_dir, device):
+    srv = OpenAIServer(make_llm(model_dir, device, max_model_len=1024), port=0, api_key="sesame")
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    try:
+        status, answer = post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 1})
+        assert status == 401 and answer["error"]["type"] == "AuthenticationError"
+        req = urllib.request.Request(url(srv, "/v1/completions"), data=json.dumps(
+            {"prompt": "x", "max_tokens": 1}).encode(), headers={"Authorization": "Bearer sesame"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert r.status == 200
+        with urllib.request.urlopen(url(srv, "/health"), timeout=30) as r:
+            assert r.status == 200  # not under /v1
+    finally:
+        srv.shutdown()
+
+
+def test_a_cache_smaller_than_max_model_len_is_refused_at_start(model_dir, device):
+    """As vLLM: a request without max_tokens (every default chat) could never fit."""
+    with pytest.raises(ValueError, match="KV cache holds 1024 tokens, less than max_model_len=2048"):
+        OpenAIServer(make_llm(model_dir, device, max_model_len=2048), port=0)

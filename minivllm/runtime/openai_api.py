@@ -5,10 +5,10 @@ RequestOutputs -> response bodies and stream chunks. Pure functions: no HTTP, no
 
 Sampling fields a request leaves unset take the model's generation_config.json values (vLLM's
 server does the same), else vLLM's defaults. vLLM's extra fields (top_k, min_p,
-repetition_penalty, ignore_eos, min_tokens, stop_token_ids, ...) are taken too. A field this
-server does not know is an error naming it (vLLM ignores it with a warning; here a typo such as
-"max_token" would silently change the request), except the OpenAI fields that ask for nothing a
-completion changes ("user", "metadata", ...).
+repetition_penalty, ignore_eos, min_tokens, stop_token_ids, prompt_logprobs, ...) are taken too.
+A field this server does not know is an error naming it (vLLM ignores it with a warning; here a
+typo such as "max_token" would silently change the request), except the OpenAI fields that ask
+for nothing a completion changes ("user", "metadata", ...).
 """
 
 from __future__ import annotations
@@ -32,49 +32,59 @@ class RequestError(ValueError):
 
 
 def error_body(message: str, status: int, kind: str) -> dict:
-    """vLLM's error response."""
-    return {"object": "error", "message": message, "type": kind, "param": None, "code": status}
+    """OpenAI's (and vLLM's) error body; the openai client raises on it, mid-stream too."""
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 
 # OpenAI fields accepted and not acted on: they ask for nothing a completion changes.
-_IGNORED = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
+_IGNORED = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+            "parallel_tool_calls"}
 
-# Sampling fields shared by both endpoints: name -> JSON type.
-_SAMPLING = {"n": int, "best_of": int, "temperature": float, "top_p": float, "top_k": int,
-             "min_p": float, "presence_penalty": float, "frequency_penalty": float,
-             "repetition_penalty": float, "seed": int, "stop": (str, list),
-             "stop_token_ids": list, "ignore_eos": bool, "min_tokens": int, "logit_bias": dict,
-             "allowed_token_ids": list, "bad_words": list, "skip_special_tokens": bool,
-             "spaces_between_special_tokens": bool, "include_stop_str_in_output": bool,
-             "truncate_prompt_tokens": int, "max_tokens": int,
-             "stream": bool, "stream_options": dict, "model": str}
-_COMPLETION = {**_SAMPLING, "prompt": (str, list), "echo": bool, "logprobs": int,
-               "suffix": str}
-_CHAT = {**_SAMPLING, "messages": list, "max_completion_tokens": int, "logprobs": bool,
+# Fields shared by both endpoints: name -> JSON type.
+_COMMON = {"n": int, "best_of": int, "temperature": float, "top_p": float, "top_k": int,
+           "min_p": float, "presence_penalty": float, "frequency_penalty": float,
+           "repetition_penalty": float, "seed": int, "stop": (str, list),
+           "stop_token_ids": list, "ignore_eos": bool, "min_tokens": int, "logit_bias": dict,
+           "allowed_token_ids": list, "bad_words": list, "skip_special_tokens": bool,
+           "spaces_between_special_tokens": bool, "include_stop_str_in_output": bool,
+           "truncate_prompt_tokens": int, "max_tokens": int, "prompt_logprobs": int,
+           "stream": bool, "stream_options": dict, "model": str}
+_COMPLETION = {**_COMMON, "prompt": (str, list), "echo": bool, "logprobs": int, "suffix": str}
+_CHAT = {**_COMMON, "messages": list, "max_completion_tokens": int, "logprobs": bool,
          "top_logprobs": int, "add_generation_prompt": bool, "continue_final_message": bool,
-         "chat_template": str, "chat_template_kwargs": dict, "tools": list, "tool_choice": (str, dict),
-         "response_format": dict, "parallel_tool_calls": bool}
+         "chat_template": str, "chat_template_kwargs": dict, "tools": list,
+         "tool_choice": (str, dict), "response_format": dict}
 # Fields that take only their default here.
-_UNSUPPORTED = {"suffix": None, "tools": [], "tool_choice": "none", "parallel_tool_calls": None}
+_UNSUPPORTED = {"suffix": None, "tools": [], "tool_choice": "none"}
 
 _JSON_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
                list: "an array", dict: "an object"}
+_INT64 = 1 << 63
 
 
 def _typed(body: dict, name: str, kind) -> object:
-    """body[name] checked against its JSON type (None when absent or null)."""
+    """body[name] checked against its JSON type (None when absent or null). An integer field
+    takes an integral number (16.0), as vLLM's pydantic models do."""
     value = body.get(name)
     if value is None:
         return None
     kinds = kind if isinstance(kind, tuple) else (kind,)
     for k in kinds:
-        if k is bool and isinstance(value, bool):
-            return value
-        if k is int and isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if k is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if k in (str, list, dict) and isinstance(value, k):
+        if isinstance(value, bool):  # JSON's true is not the number 1
+            if k is bool:
+                return value
+        elif k is int:
+            if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+                if not -_INT64 <= value < _INT64:
+                    raise RequestError(f"'{name}' must fit in 64 bits, got {value!r:.40}")
+                return int(value)
+        elif k is float:
+            if isinstance(value, (int, float)):
+                try:
+                    return float(value)
+                except OverflowError:
+                    raise RequestError(f"'{name}' is too large: {value!r:.40}") from None
+        elif isinstance(value, k):
             return value
     names = " or ".join(_JSON_NAMES[k] for k in kinds)
     raise RequestError(f"'{name}' must be {names}, got {value!r:.80}")
@@ -97,16 +107,21 @@ def _checked_fields(body, known: dict) -> dict:
 class ParsedRequest:
     """What a request asks the engine for. prompts: engine prompts (strings or
     {"prompt_token_ids"}) for a completion; None for a chat, whose conversation (`messages`,
-    rendered by the tokenizer's chat template with `chat_options`) is its one prompt."""
+    rendered by the tokenizer's chat template with `chat_options`) is its one prompt.
+    logprobs: top logprobs a token in the response (-1: all the engine gives); echo_only: echo
+    with max_tokens 0 (the prompt scored, nothing generated in the response)."""
 
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False
     prompts: list | None = None
     messages: list | None = None
     chat_options: dict = field(default_factory=dict)
     echo: bool = False
-    logprobs: int | None = None  # top logprobs a token in the response
+    echo_only: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: bool = False  # the response carries them (vLLM's prompt_logprobs field)
     model: str | None = None
 
 
@@ -137,17 +152,31 @@ def _sampling(values: dict, defaults: dict, *, max_tokens, logprobs, prompt_logp
         raise RequestError(str(e)) from None
 
 
-def _stream_options(values: dict) -> bool:
-    options = values["stream_options"] or {}
-    if options and not values["stream"]:
+def _stream_options(values: dict) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats): vLLM's defaults, include_usage true when
+    stream_options is given."""
+    options = values["stream_options"]
+    if options is None:
+        return False, False
+    if not values["stream"]:
         raise RequestError("'stream_options' needs 'stream': true")
     unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
     if unknown:
         raise RequestError(f"unknown stream_options {unknown}")
-    usage = options.get("include_usage", False)
-    if not isinstance(usage, bool):
-        raise RequestError("'stream_options.include_usage' must be true or false")
-    return usage
+    flags = []
+    for key, default in (("include_usage", True), ("continuous_usage_stats", False)):
+        value = options.get(key, default)
+        if value is not None and not isinstance(value, bool):
+            raise RequestError(f"'stream_options.{key}' must be true or false")
+        flags.append(bool(value))
+    return flags[0], flags[1]
+
+
+def _prompt_logprobs(values: dict) -> int | None:
+    n = values["prompt_logprobs"]
+    if n is not None and values["stream"]:
+        raise RequestError("'prompt_logprobs' is not available with 'stream': true (as vLLM)")
+    return n
 
 
 def parse_completion(body, defaults: dict) -> ParsedRequest:
@@ -170,14 +199,24 @@ def parse_completion(body, defaults: dict) -> ParsedRequest:
                            "ids or an array of such arrays, and not empty")
     echo = bool(values["echo"])
     logprobs = values["logprobs"]
-    # Echo with logprobs scores the prompt too (vLLM's).
-    prompt_logprobs = logprobs if echo and logprobs is not None else None
     max_tokens = values["max_tokens"] if values["max_tokens"] is not None else 16  # OpenAI's
+    # Echo with max_tokens 0 scores the prompt alone (log-likelihood clients): one token is
+    # generated and left out of the response, as vLLM does.
+    echo_only = echo and max_tokens == 0
+    if echo_only:
+        max_tokens = 1
+    # Echo with logprobs scores the prompt too (vLLM's).
+    scored = _prompt_logprobs(values)
+    prompt_logprobs = scored
+    if echo and logprobs is not None:
+        prompt_logprobs = max(logprobs, scored or 0) if logprobs != -1 else -1
     params = _sampling(values, defaults, max_tokens=max_tokens, logprobs=logprobs,
                        prompt_logprobs=prompt_logprobs)
+    include_usage, continuous = _stream_options(values)
     return ParsedRequest(params=params, stream=bool(values["stream"]),
-                         include_usage=_stream_options(values), prompts=prompts, echo=echo,
-                         logprobs=logprobs, model=values["model"])
+                         include_usage=include_usage, continuous_usage=continuous,
+                         prompts=prompts, echo=echo, echo_only=echo_only, logprobs=logprobs,
+                         prompt_logprobs=scored is not None, model=values["model"] or None)
 
 
 def _message_text(message, k: int) -> dict:
@@ -212,26 +251,30 @@ def parse_chat(body, defaults: dict) -> ParsedRequest:
     if fmt is not None and fmt != {"type": "text"}:
         raise RequestError("'response_format' other than {'type': 'text'} is not supported")
     top = values["top_logprobs"]
-    if top is not None and not values["logprobs"]:
+    if top and not values["logprobs"]:  # 0 without logprobs asks for nothing (as vLLM)
         raise RequestError("'top_logprobs' needs 'logprobs': true")
     logprobs = (top or 0) if values["logprobs"] else None
-    if values["max_tokens"] is not None and values["max_completion_tokens"] is not None:
-        raise RequestError("give 'max_tokens' or 'max_completion_tokens', not both")
-    max_tokens = values["max_completion_tokens"] or values["max_tokens"]
+    # As vLLM: max_completion_tokens, OpenAI's newer name, wins.
+    max_tokens = values["max_completion_tokens"]
+    if max_tokens is None:
+        max_tokens = values["max_tokens"]
     add_generation_prompt = values["add_generation_prompt"]
     if add_generation_prompt is None:
         add_generation_prompt = True
     if values["continue_final_message"] and add_generation_prompt:
         raise RequestError("'continue_final_message' needs 'add_generation_prompt': false")
+    scored = _prompt_logprobs(values)
     params = _sampling(values, defaults, max_tokens=max_tokens, logprobs=logprobs,
-                       prompt_logprobs=None)
+                       prompt_logprobs=scored)
     options = dict(chat_template=values["chat_template"],
                    add_generation_prompt=add_generation_prompt,
                    continue_final_message=bool(values["continue_final_message"]),
                    chat_template_kwargs=values["chat_template_kwargs"] or {})
+    include_usage, continuous = _stream_options(values)
     return ParsedRequest(params=params, stream=bool(values["stream"]),
-                         include_usage=_stream_options(values), messages=messages,
-                         chat_options=options, logprobs=logprobs, model=values["model"])
+                         include_usage=include_usage, continuous_usage=continuous,
+                         messages=messages, chat_options=options, logprobs=logprobs,
+                         prompt_logprobs=scored is not None, model=values["model"] or None)
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -250,54 +293,72 @@ def _finite(x: float) -> float:
     return max(x, -9999.0) if not math.isnan(x) else -9999.0
 
 
-def _token_text(token_id: int, lp: Logprob) -> str:
-    # Without a tokenizer (or detokenize off) the id stands in, as vLLM's "token_id:N".
-    return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token_id}"
+def _token_text(token_id: int, lp: Logprob | None, decode=None) -> str:
+    """A token's text: its logprob entry's, else decoded, else vLLM's "token_id:N"."""
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    if decode is not None:
+        return decode([token_id])
+    return f"token_id:{token_id}"
 
 
-def completion_logprobs(token_ids: list[int], entries: list, top: int, offset: int) -> dict:
-    """OpenAI's completion logprobs for tokens and their logprob entries ({id: Logprob}, None for
-    a first prompt token): tokens, token_logprobs, top_logprobs, text_offset (from `offset`)."""
+def _top(entry: dict, top: int) -> list[tuple[int, Logprob]]:
+    """The entry's top `top` ids by rank (-1: all it holds)."""
+    ranked = sorted((e for e in entry.items() if e[1].rank is not None), key=lambda e: e[1].rank)
+    return ranked if top == -1 else [e for e in ranked if e[1].rank <= top]
+
+
+def completion_logprobs(token_ids: list[int], entries: list, top: int, offset: int,
+                        decode=None) -> dict:
+    """OpenAI's completion logprobs for tokens and their logprob entries ({id: Logprob}; None for
+    a first prompt token, which has no logprob): tokens, token_logprobs, top_logprobs (the top
+    `top` and the token itself), text_offset (each token's start, from `offset`)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token_id, entry in zip(token_ids, entries):
+        lp = entry[token_id] if entry is not None else None
+        text = _token_text(token_id, lp, decode)
+        out["tokens"].append(text)
         out["text_offset"].append(offset)
-        if entry is None:
-            out["tokens"].append(None)
+        offset += len(text)
+        if lp is None:
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)
             continue
-        lp = entry[token_id]
-        text = _token_text(token_id, lp)
-        out["tokens"].append(text)
         out["token_logprobs"].append(_finite(lp.logprob))
-        ranked = sorted((e for e in entry.items() if e[1].rank is not None and e[1].rank <= top),
-                        key=lambda e: e[1].rank)
-        best = {_token_text(i, v): _finite(v.logprob) for i, v in ranked}
+        best = {_token_text(i, v): _finite(v.logprob) for i, v in _top(entry, top)}
         best.setdefault(text, _finite(lp.logprob))  # the sampled token too (vLLM's)
         out["top_logprobs"].append(best)
-        offset += len(text)
     return out
 
 
 def chat_logprobs(token_ids: list[int], entries: list, top: int) -> dict:
-    """OpenAI's chat logprobs: {"content": [{token, logprob, bytes, top_logprobs}]}."""
-    content = []
-    for token_id, entry in zip(token_ids, entries):
-        lp = entry[token_id]
+    """OpenAI's chat logprobs: {"content": [{token, logprob, bytes, top_logprobs}]}, the top
+    `top` ids by rank (-1: all the entry holds)."""
+    def item(token_id, lp):
         text = _token_text(token_id, lp)
-        ranked = sorted((e for e in entry.items() if e[1].rank is not None and e[1].rank <= top),
-                        key=lambda e: e[1].rank)
-        content.append({"token": text, "logprob": _finite(lp.logprob),
-                        "bytes": list(text.encode("utf-8", errors="replace")),
-                        "top_logprobs": [{"token": _token_text(i, v), "logprob": _finite(v.logprob),
-                                          "bytes": list(_token_text(i, v).encode("utf-8", errors="replace"))}
-                                         for i, v in ranked]})
-    return {"content": content}
+        return {"token": text, "logprob": _finite(lp.logprob),
+                "bytes": list(text.encode("utf-8", errors="replace"))}
+
+    return {"content": [{**item(t, entry[t]),
+                         "top_logprobs": [item(i, v) for i, v in _top(entry, top)]}
+                        for t, entry in zip(token_ids, entries)]}
 
 
-def usage(outs: list[RequestOutput]) -> dict:
+def vllm_prompt_logprobs(entries) -> list | None:
+    """vLLM's prompt_logprobs field: per prompt token None or {id: {logprob, rank,
+    decoded_token}} (ids as JSON keys)."""
+    if entries is None:
+        return None
+    return [None if e is None else
+            {str(i): {"logprob": _finite(v.logprob), "rank": v.rank,
+                      "decoded_token": v.decoded_token} for i, v in e.items()}
+            for e in entries]
+
+
+def usage(outs: list[RequestOutput], req: ParsedRequest | None = None) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in outs)
-    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    completion = 0 if req is not None and req.echo_only else \
+        sum(len(c.token_ids) for o in outs for c in o.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 
@@ -308,33 +369,28 @@ def _prompt_text(out: RequestOutput, decode) -> str:
     return decode(out.prompt_token_ids) if decode is not None else ""
 
 
-def _always(request_id: str, index: int) -> bool:
-    return True
-
-
-def completion_choices(outs: list[RequestOutput], req: ParsedRequest, decode, *,
-                       first=_always) -> list[dict]:
-    """Choices of a completion response (or of one stream chunk, the outputs being deltas):
-    index = prompt's index * n + completion's index. first(request_id, index): whether this is
-    the completion's first chunk (echo puts the prompt there)."""
-    choices = []
-    n = req.params.n
-    for k, out in enumerate(outs):
-        for c in out.outputs:
-            text, token_ids, entries = c.text, list(c.token_ids), c.logprobs
-            if req.echo and first(out.request_id, c.index):
-                prompt = _prompt_text(out, decode)
-                text = prompt + text
-                if req.logprobs is not None:
-                    token_ids = list(out.prompt_token_ids) + token_ids
-                    entries = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + \
-                        list(entries or [])
-            lps = None
-            if req.logprobs is not None and entries is not None:
-                lps = completion_logprobs(token_ids, entries, req.logprobs, 0)
-            choices.append({"index": k * n + c.index, "text": text, "logprobs": lps,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-    return choices
+def completion_choice(out: RequestOutput, c, req: ParsedRequest, decode, *, index: int,
+                      first: bool = True, offset: int = 0) -> dict:
+    """One choice of a completion response, or of a stream chunk (out and c then deltas).
+    first: the completion's first chunk (echo puts the prompt there); offset: the text_offset
+    its first token starts at (the completion's text sent before, as vLLM)."""
+    text, token_ids, entries = c.text, list(c.token_ids), c.logprobs
+    if req.echo_only:
+        text, token_ids, entries = "", [], []
+    if req.echo and first:
+        text = _prompt_text(out, decode) + text
+        if req.logprobs is not None:
+            token_ids = list(out.prompt_token_ids) + token_ids
+            entries = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + \
+                list(entries or [])
+    lps = None
+    if req.logprobs is not None and entries is not None:
+        lps = completion_logprobs(token_ids, entries, req.logprobs, offset, decode)
+    choice = {"index": index, "text": text, "logprobs": lps, "finish_reason": c.finish_reason,
+              "stop_reason": c.stop_reason}
+    if req.prompt_logprobs:
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs)
+    return choice
 
 
 def completion_body(request_id: str, created: int, model: str, choices: list[dict],
@@ -346,23 +402,21 @@ def completion_body(request_id: str, created: int, model: str, choices: list[dic
     return body
 
 
-def chat_choices(out: RequestOutput, req: ParsedRequest, *, delta: bool, first=_always) -> list[dict]:
-    """Choices of a chat response, or of one stream chunk (delta: the outputs are deltas, and a
-    completion's first, by first(request_id, index), names the role)."""
-    choices = []
-    for c in out.outputs:
-        lps = (chat_logprobs(list(c.token_ids), c.logprobs, req.logprobs)
-               if req.logprobs is not None and c.logprobs is not None else None)
-        if delta:
-            message = ({"role": "assistant", "content": c.text} if first(out.request_id, c.index)
-                       else {"content": c.text})
-            choices.append({"index": c.index, "delta": message, "logprobs": lps,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-        else:
-            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": lps, "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason})
-    return choices
+def chat_choice(c, req: ParsedRequest, *, delta: bool) -> dict:
+    """One choice of a chat response, or of a stream chunk (delta: c holds what is new)."""
+    lps = (chat_logprobs(list(c.token_ids), c.logprobs, req.logprobs)
+           if req.logprobs is not None and c.logprobs is not None else None)
+    if delta:
+        return {"index": c.index, "delta": {"content": c.text}, "logprobs": lps,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+            "logprobs": lps, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+
+def chat_role_choice(index: int) -> dict:
+    """The first chunk of each streamed chat completion: its role (vLLM's)."""
+    return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            "finish_reason": None}
 
 
 def chat_body(request_id: str, created: int, model: str, choices: list[dict],

@@ -17,13 +17,15 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import select
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .llm import LLM, _delta
-from .openai_api import (ParsedRequest, RequestError, chat_body, chat_choices, completion_body,
-                         completion_choices, error_body, new_id, now, parse_chat, parse_completion,
-                         usage)
+from .openai_api import (ParsedRequest, RequestError, chat_body, chat_choice, chat_role_choice,
+                         completion_body, completion_choice, error_body, new_id, now, parse_chat,
+                         parse_completion, usage, vllm_prompt_logprobs)
 
 log = logging.getLogger("minivllm")
 
@@ -123,7 +125,10 @@ class EngineLoop:
 
     def _chat_prompts(self, req: ParsedRequest) -> list:
         options = req.chat_options
-        kwargs = dict(options["chat_template_kwargs"])
+        # The request's own fields win over the same keys in chat_template_kwargs (as vLLM).
+        kwargs = {k: v for k, v in options["chat_template_kwargs"].items()
+                  if k not in ("add_generation_prompt", "continue_final_message", "chat_template",
+                               "tokenize", "conversation")}
         if options["continue_final_message"]:
             kwargs["continue_final_message"] = True
         return self.llm.chat_prompts(req.messages, chat_template=options["chat_template"],
@@ -155,6 +160,13 @@ class EngineLoop:
         self.owners.clear()
 
 
+_ROUTES = {"/v1/completions": parse_completion, "/v1/chat/completions": parse_chat}
+
+
+class _ClientGone(Exception):
+    """The client closed its connection."""
+
+
 class _Handler(BaseHTTPRequestHandler):
     server_version = "minivllm"
     protocol_version = "HTTP/1.1"
@@ -173,127 +185,192 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
 
     def _error(self, status: int, message: str, kind: str = "BadRequestError") -> None:
         self._send_json(status, error_body(message, status, kind))
 
-    def _read_json(self):
+    def _read_body(self) -> bytes:
+        """The request's body, read whole before anything is answered: a body left unread would
+        be taken for the next request on this keep-alive connection. A body this server cannot
+        delimit closes the connection after the answer."""
+        if self.headers.get("Transfer-Encoding"):
+            self.close_connection = True
+            raise RequestError("send the body with a Content-Length (chunked bodies are not "
+                               "read)", 411, "LengthRequired")
         try:
             length = int(self.headers.get("Content-Length") or 0)
+            if length < 0:
+                raise ValueError
         except ValueError:
+            self.close_connection = True
             raise RequestError("a bad Content-Length header") from None
-        raw = self.rfile.read(length) if length > 0 else b""
+        return self.rfile.read(length) if length else b""
+
+    def _authorized(self) -> bool:
+        key = self.app.api_key
+        if key is None or not self.path.startswith("/v1"):
+            return True
+        if self.headers.get("Authorization") == f"Bearer {key}":
+            return True
+        self._error(401, "Unauthorized: a wrong or missing API key", "AuthenticationError")
+        return False
+
+    def _client_gone(self) -> bool:
+        """Whether the client closed its side (it sends nothing more while it waits)."""
         try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RequestError(f"the request body is not JSON: {e}") from None
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
+    def _next_output(self, sub: _Submission):
+        """The next ("out", output) or ("error", exc) of `sub`; _ClientGone if the client leaves
+        while it waits (its request is then aborted, freeing its blocks, as vLLM does)."""
+        while True:
+            try:
+                return sub.outputs.get(timeout=0.25)
+            except queue.Empty:
+                if self._client_gone():
+                    raise _ClientGone from None
 
     # -- routes --------------------------------------------------------------------------------
 
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
+        if not self._authorized():
+            return
         if path in ("/health", "/ping"):
-            self._send_json(200, {})
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
         elif path == "/v1/models":
             self._send_json(200, {"object": "list", "data": [self.app.model_card()]})
         elif path == "/version":
             from .. import __version__
 
             self._send_json(200, {"version": __version__})
+        elif path in _ROUTES:
+            self._error(405, f"{path} takes POST", "MethodNotAllowed")
         else:
             self._error(404, f"no route {path}", "NotFoundError")
 
     def do_POST(self) -> None:
-        path = self.path.split("?", 1)[0]
-        parse = {"/v1/completions": parse_completion, "/v1/chat/completions": parse_chat}.get(path)
-        if parse is None:
-            self._error(404, f"no route {path}", "NotFoundError")
-            return
+        sub = None
         try:
-            req = parse(self._read_json(), self.app.defaults)
+            raw = self._read_body()
+            if not self._authorized():
+                return
+            path = self.path.split("?", 1)[0]
+            parse = _ROUTES.get(path)
+            if parse is None:
+                raise RequestError(f"no route {path}", 404, "NotFoundError")
+            try:
+                body = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise RequestError(f"the request body is not JSON: {e}") from None
+            req = parse(body, self.app.defaults)
             if req.model is not None and req.model != self.app.model_name:
                 raise RequestError(f"The model `{req.model}` does not exist.", 404, "NotFoundError")
             sub = self.app.loop.submit(req)
+            if req.stream:
+                self._stream(sub, parse is parse_chat)
+            else:
+                self._whole(sub, parse is parse_chat)
         except RequestError as e:
             self._error(e.status, str(e), e.kind)
-            return
-        chat = parse is parse_chat
-        try:
-            if req.stream:
-                self._stream(sub, chat)
-            else:
-                self._whole(sub, chat)
-        except (BrokenPipeError, ConnectionResetError):
-            self.app.loop.abort(sub)  # the client left: free its blocks
+        except (_ClientGone, BrokenPipeError, ConnectionResetError):
+            if sub is not None:
+                self.app.loop.abort(sub)  # the client left: free its blocks
             self.close_connection = True
+        except Exception as e:  # never close a connection without an answer
+            log.exception("minivllm serve: a request failed")
+            if sub is not None:
+                self.app.loop.abort(sub)
+            self.close_connection = True
+            try:
+                self._error(500, f"{type(e).__name__}: {e}", "InternalServerError")
+            except OSError:
+                pass
 
     def _whole(self, sub: _Submission, chat: bool) -> None:
         finished: dict[str, object] = {}
         while len(finished) < len(sub.ids):
-            kind, value = sub.outputs.get()
+            kind, value = self._next_output(sub)
             if kind == "error":
                 self._error(500, f"the engine failed: {value}", "InternalServerError")
                 return
             finished[value.request_id] = value
         outs = [finished[i] for i in sub.ids]
-        app, created = self.app, now()
+        app, req, created = self.app, sub.req, now()
         if chat:
+            out = outs[0]
             body = chat_body(new_id("chatcmpl"), created, app.model_name,
-                             chat_choices(outs[0], sub.req, delta=False), usage(outs))
+                             [chat_choice(c, req, delta=False) for c in out.outputs],
+                             usage(outs, req))
+            if req.prompt_logprobs:
+                body["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs)
         else:
-            body = completion_body(new_id("cmpl"), created, app.model_name,
-                                   completion_choices(outs, sub.req, app.decode),
-                                   usage(outs))
+            n = req.params.n
+            choices = [completion_choice(out, c, req, app.decode, index=k * n + c.index)
+                       for k, out in enumerate(outs) for c in out.outputs]
+            body = completion_body(new_id("cmpl"), created, app.model_name, choices,
+                                   usage(outs, req))
         self._send_json(200, body)
 
     def _stream(self, sub: _Submission, chat: bool) -> None:
+        """Server-sent events, as vLLM's: one choice a chunk (a chat completion's first names
+        its role), the finish_reason with a completion's last text, a usage chunk last with
+        stream_options.include_usage (usage on every chunk with continuous_usage_stats), then
+        [DONE]."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Connection", "close")
         self.end_headers()
         self.close_connection = True
-        app, created = self.app, now()
+        app, req, created = self.app, sub.req, now()
+        make = chat_body if chat else completion_body
         request_id = new_id("chatcmpl" if chat else "cmpl")
         sent: dict = {}
-        started: set[tuple[str, int]] = set()
-
-        def first(rid: str, index: int) -> bool:  # a completion's first chunk
-            new = (rid, index) not in started
-            started.add((rid, index))
-            return new
-
+        offsets: dict[tuple[str, int], int] = {}  # a completion's text sent so far
         last: dict[str, object] = {}
         order = {rid: k for k, rid in enumerate(sub.ids)}
-        while len([o for o in last.values() if o.finished]) < len(sub.ids):
-            kind, value = sub.outputs.get()
+        done = 0
+        while done < len(sub.ids):
+            kind, value = self._next_output(sub)
             if kind == "error":
                 self._event(error_body(f"the engine failed: {value}", 500, "InternalServerError"))
                 break
             last[value.request_id] = value
+            done += value.finished
             delta = _delta(value, sent)
             if delta is None:
                 continue
-            if chat:
-                body = chat_body(request_id, created, app.model_name,
-                                 chat_choices(delta, sub.req, delta=True, first=first), None,
-                                 chunk=True)
-            else:
-                choices = completion_choices([delta], sub.req, app.decode, first=first)
-                shift = order[value.request_id] * sub.req.params.n
-                for c in choices:
-                    c["index"] += shift
-                body = completion_body(request_id, created, app.model_name, choices, None,
-                                       chunk=True)
-            if body["choices"]:
-                self._event(body)
+            running = usage(list(last.values()), req) if req.continuous_usage else None
+            for c in delta.outputs:
+                key = (value.request_id, c.index)
+                first = key not in offsets
+                offsets.setdefault(key, 0)
+                if chat:
+                    if first:
+                        self._event(make(request_id, created, app.model_name,
+                                         [chat_role_choice(c.index)], running, chunk=True))
+                    choice = chat_choice(c, req, delta=True)
+                else:
+                    index = order[value.request_id] * req.params.n + c.index
+                    choice = completion_choice(delta, c, req, app.decode, index=index,
+                                               first=first, offset=offsets[key])
+                    offsets[key] += len(c.text)
+                self._event(make(request_id, created, app.model_name, [choice], running,
+                                 chunk=True))
         else:
-            if sub.req.include_usage:
-                outs = [last[i] for i in sub.ids]
-                make = chat_body if chat else completion_body
-                self._event(make(request_id, created, app.model_name, [], usage(outs), chunk=True))
+            if req.include_usage:
+                self._event(make(request_id, created, app.model_name, [],
+                                 usage([last[i] for i in sub.ids], req), chunk=True))
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
 
@@ -307,9 +384,18 @@ class OpenAIServer:
     as "model" (any other is a 404, as vLLM's)."""
 
     def __init__(self, llm: LLM, *, host: str = "127.0.0.1", port: int = 8000,
-                 model_name: str = "minivllm"):
+                 model_name: str = "minivllm", api_key: str | None = None):
+        config = llm.config
+        capacity = llm.engine.num_blocks * config.block_size
+        if capacity < config.max_model_len:
+            # As vLLM, which refuses to start so: a request without max_tokens may grow to
+            # max_model_len, so each such request (every default chat) would be refused.
+            raise ValueError(f"the KV cache holds {capacity} tokens, less than max_model_len="
+                             f"{config.max_model_len}: lower max_model_len or give the cache "
+                             f"more blocks")
         self.llm = llm
         self.model_name = model_name
+        self.api_key = api_key
         self.defaults = llm.get_diff_sampling_param()
         tok = llm.get_tokenizer()
         self.decode = tok.decode if tok is not None else None
