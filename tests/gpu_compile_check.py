@@ -26,7 +26,7 @@ CASES = [
       for m in (1, 2) for loop in (False, True)],
     ("decode_stem", _decode_stem_kernel,
      dict(ids_ptr="*i64", pos_ptr="*i64", embed_ptr="*bf16", inv_freq_ptr="*fp32", x_ptr="*bf16",
-          res_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", hidden="i32"),
+          res_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", hidden="i32", scale="fp32"),
      dict(HALF=64, BLOCK_H=1024), 4, 3),
     ("greedy partial arg-max", _partial_argmax_kernel,
      dict(logits_ptr="*fp32", temp_ptr="*fp32", seeds_ptr="*fp32", steps_ptr="*fp32",

@@ -486,3 +486,32 @@ def test_a_cache_smaller_than_max_model_len_is_refused_at_start(model_dir, devic
     """As vLLM: a request without max_tokens (every default chat) could never fit."""
     with pytest.raises(ValueError, match="KV cache holds 1024 tokens, less than max_model_len=2048"):
         OpenAIServer(make_llm(model_dir, device, max_model_len=2048), port=0)
+
+
+@pytest.mark.parametrize("path, fields, pattern", [
+    ("/v1/completions", {"structured_outputs": {"choice": ["red", "green"]}}, "red|green"),
+    ("/v1/completions", {"guided_regex": "[0-9]{2,4}"}, "[0-9]{2,4}"),
+    ("/v1/completions", {"guided_choice": ["a b", "c"]}, "a b|c"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"n": {"type": "integer"}}}}}},
+     r'\{[ ]?"n"[ ]?:[ ]?-?(?:0|[1-9][0-9]*)[ ]?\}'),
+])
+def test_structured_outputs_through_the_api(server, path, fields, pattern):
+    import re
+
+    body = {"max_tokens": 40, "temperature": 1.0, "n": 3, "seed": 4, **fields}
+    body.update({"prompt": PROMPTS[0]} if path == "/v1/completions" else
+                {"messages": [{"role": "user", "content": "Hi"}]})
+    status, answer = post(server, path, body)
+    assert status == 200, answer
+    from minivllm.runtime.regex_fsm import RegexDFA
+
+    fsm = RegexDFA(pattern)
+    for c in answer["choices"]:
+        text = c["text"] if "text" in c else c["message"]["content"]
+        if c["finish_reason"] == "length":  # cut short: a prefix of an accepted text
+            assert fsm.walk(fsm.start, text) != fsm.DEAD, text
+        else:
+            assert c["finish_reason"] == "stop" and re.fullmatch(pattern, text), text
+    status, answer = post(server, path, {**body, "guided_regex": "a", "guided_choice": ["b"]})
+    assert status == 400 and "one constraint" in answer["error"]["message"]

@@ -8,10 +8,10 @@ from .executor import WorkerDiedError
 from .llm import LLM
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .runner import ModelRunner, StepInput, StepResult
-from .sampling_params import BeamSearchParams, SamplingParams
+from .sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
 
 __all__ = ["BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "BlockManager", "EngineConfig", "EngineStats", "LLMEngine", "LLM", "CompletionOutput",
            "Logprob", "RequestOutput", "ModelRunner", "StepInput", "StepResult", "SamplingParams",
-           "Scheduler", "SchedulerOutput", "Sequence", "WorkerDiedError"]
+           "Scheduler", "SchedulerOutput", "Sequence", "StructuredOutputsParams", "WorkerDiedError"]

@@ -34,6 +34,7 @@ from .config import EngineConfig
 from .detokenizer import detokenize_incrementally, find_stop_string, prompt_offsets
 from .executor import make_executor
 from .generation_config import FILE as GEN_FILE, eos_ids_of, read_generation_config
+from .guide import CompiledGuide, Guide, GuideCache
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .runner import ModelRunner, PromptScores, StepInput, StepResult, trace_range
 from .sampling_params import SamplingParams
@@ -110,6 +111,8 @@ class LLMEngine:
                                    longest_decodes_first=config.cache_dtype in FP8_DTYPES)
         self.eos_ids = read_eos_ids(config.model, self.model_config, tokenizer, generation_config)
         self.rng = random.Random(config.seed)
+        # Structured outputs' compiled constraints (runtime/guide.py), made at the first.
+        self._guides: GuideCache | None = None
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         # Asynchronous scheduling needs a runner that can launch a step without waiting for it
@@ -214,6 +217,10 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer, and this engine has none")
         if params.bad_word_texts and self.tokenizer is None:
             raise ValueError("bad_words need a tokenizer, and this engine has none")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs need a tokenizer, and this engine has none")
+            self._guide(params)
         bad_words = self._bad_words(params)
         for what, named in (("stop token id", params.stop_ids),
                             ("logit_bias token id", [i for i, _ in params.bias_pairs]),
@@ -256,15 +263,24 @@ class LLMEngine:
         request = Request(request_id, text, ids, params)
         base = params.seed if params.seed is not None else self.rng.getrandbits(63)
         bad_words = self._bad_words(params)
+        compiled = self._guide(params)
         for i in range(params.n):
             seed = base if i == 0 else (base + i * _GOLDEN) & ((1 << 64) - 1)
             seq = Sequence(self._next_seq_id, request_id, i, ids, params, seed,
-                           eos_ids=self.eos_ids, bad_words=bad_words)
+                           eos_ids=self.eos_ids, bad_words=bad_words,
+                           guide=Guide(compiled) if compiled is not None else None)
             self._next_seq_id += 1
             request.seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = request
         return request_id
+
+    def _guide(self, params: SamplingParams) -> CompiledGuide | None:
+        if params.structured_outputs is None:
+            return None
+        if self._guides is None:
+            self._guides = GuideCache(self.tokenizer, self.vocab_size, self.eos_ids)
+        return self._guides.get(params.structured_outputs.pattern)
 
     def _bad_words(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
         return bad_word_ids(params.bad_word_texts, self.tokenizer) if params.bad_word_texts else ()
@@ -296,6 +312,16 @@ class LLMEngine:
                            if i < self.vocab_size)
         if seq.bad_words:
             banned += banned_by_bad_words(seq.bad_words, seq.output_ids)
+        allowed = p.allowed_ids
+        if seq.guide is not None:  # the constraint's ids, within allowed_token_ids if given
+            guided, guide_bans = seq.guide.mask(seq.output_ids, self.vocab_size)
+            if guided:
+                allowed = tuple(sorted(set(guided) & set(allowed))) if allowed else guided
+            elif allowed:
+                bans = set(guide_bans)
+                allowed = tuple(i for i in allowed if i not in bans)
+            else:
+                banned += guide_bans
         row = SamplingRow(
             temperature=p.temperature, top_k=min(p.top_k, self.vocab_size), top_p=p.top_p,
             min_p=p.min_p,  # top_k past the vocabulary is off (and may not fit in int64)
@@ -303,7 +329,7 @@ class LLMEngine:
             repetition_penalty=p.repetition_penalty, seed=seq.seed, step=0,
             output_ids=seq.output_ids if seq.penalised else (),
             prompt_ids=seq.prompt_ids if p.repetition_penalty != 1 else (),
-            banned_ids=banned, logit_bias=p.bias_pairs, allowed_ids=p.allowed_ids,
+            banned_ids=banned, logit_bias=p.bias_pairs, allowed_ids=allowed,
             logprobs=self._num_logprobs(p.logprobs))
         if plain:
             seq.sampling_row = row

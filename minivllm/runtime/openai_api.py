@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from .outputs import Logprob, RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class RequestError(ValueError):
@@ -48,12 +48,14 @@ _COMMON = {"n": int, "best_of": int, "temperature": float, "top_p": float, "top_
            "allowed_token_ids": list, "bad_words": list, "skip_special_tokens": bool,
            "spaces_between_special_tokens": bool, "include_stop_str_in_output": bool,
            "truncate_prompt_tokens": int, "max_tokens": int, "prompt_logprobs": int,
-           "stream": bool, "stream_options": dict, "model": str}
+           "stream": bool, "stream_options": dict, "model": str, "structured_outputs": dict,
+           "guided_choice": list, "guided_regex": str, "guided_json": (dict, str),
+           "response_format": dict}
 _COMPLETION = {**_COMMON, "prompt": (str, list), "echo": bool, "logprobs": int, "suffix": str}
 _CHAT = {**_COMMON, "messages": list, "max_completion_tokens": int, "logprobs": bool,
          "top_logprobs": int, "add_generation_prompt": bool, "continue_final_message": bool,
          "chat_template": str, "chat_template_kwargs": dict, "tools": list,
-         "tool_choice": (str, dict), "response_format": dict}
+         "tool_choice": (str, dict)}
 # Fields that take only their default here.
 _UNSUPPORTED = {"suffix": None, "tools": [], "tool_choice": "none"}
 
@@ -125,6 +127,41 @@ class ParsedRequest:
     model: str | None = None
 
 
+def _structured(values: dict) -> StructuredOutputsParams | None:
+    """The request's constraint: vLLM's structured_outputs object, its older guided_choice /
+    guided_regex / guided_json, or OpenAI's response_format json_schema; at most one."""
+    given = {}
+    if values["structured_outputs"] is not None:
+        given["structured_outputs"] = values["structured_outputs"]
+    for name, key in (("guided_choice", "choice"), ("guided_regex", "regex"),
+                      ("guided_json", "json")):
+        if values[name] is not None:
+            given[name] = {key: values[name]}
+    fmt = values["response_format"]
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise RequestError("'response_format' json_schema needs {'json_schema': "
+                                   "{'schema': {...}}}")
+            given["response_format"] = {"json": spec["schema"]}
+        elif kind != "text":
+            raise RequestError(f"'response_format' {kind!r} is not supported ('text' and "
+                               f"'json_schema' are)")
+    if not given:
+        return None
+    if len(given) > 1:
+        raise RequestError(f"give one constraint, got {sorted(given)}")
+    (name, spec), = given.items()
+    try:
+        return StructuredOutputsParams(**spec)
+    except TypeError:
+        raise RequestError(f"'{name}' takes choice, regex or json, got {sorted(spec)}") from None
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+
+
 def _sampling(values: dict, defaults: dict, *, max_tokens, logprobs, prompt_logprobs) -> SamplingParams:
     n = values["n"] if values["n"] is not None else 1
     if values["best_of"] is not None and values["best_of"] != n:
@@ -145,6 +182,7 @@ def _sampling(values: dict, defaults: dict, *, max_tokens, logprobs, prompt_logp
                                f"{sorted(values['logit_bias'])!r:.80}") from None
     if max_tokens is None:
         max_tokens = defaults.get("max_tokens")
+    kwargs["structured_outputs"] = _structured(values)
     try:
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
                               prompt_logprobs=prompt_logprobs, **kwargs)
@@ -247,9 +285,6 @@ def parse_chat(body, defaults: dict) -> ParsedRequest:
     if not messages:
         raise RequestError("'messages' is required and must not be empty")
     messages = [_message_text(m, k) for k, m in enumerate(messages)]
-    fmt = values["response_format"]
-    if fmt is not None and fmt != {"type": "text"}:
-        raise RequestError("'response_format' other than {'type': 'text'} is not supported")
     top = values["top_logprobs"]
     if top and not values["logprobs"]:  # 0 without logprobs asks for nothing (as vLLM)
         raise RequestError("'top_logprobs' needs 'logprobs': true")

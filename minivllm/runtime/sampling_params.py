@@ -30,6 +30,61 @@ _REAL_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's `StructuredOutputsParams`; runtime/guide.py): one of
+    `choice` (the output is one of these strings), `regex` (it fullmatches this pattern, Python
+    re syntax: regex_fsm.py lists the subset) or `json` (a JSON schema, a dict or its text: the
+    output is a JSON text it admits, for the subset guide.schema_regex lists). vLLM's `grammar`,
+    `json_object` and `structural_tag` are not supported."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    # The constraint as one regex, filled in by __post_init__ (which checks that it parses).
+    pattern: str = field(init=False, repr=False, default="")
+
+    def __post_init__(self):
+        from .guide import choice_regex, schema_regex
+        from .regex_fsm import RegexDFA
+
+        def bad(msg):
+            raise ValueError(f"StructuredOutputsParams: {msg}")
+
+        for name in ("grammar", "json_object", "structural_tag"):
+            if getattr(self, name) not in (None, False):
+                bad(f"{name} is not supported (choice, regex and json are)")
+        given = [n for n in ("json", "regex", "choice") if getattr(self, n) is not None]
+        if len(given) != 1:
+            bad(f"give exactly one of json, regex and choice, got {given or 'none'}")
+        try:
+            if self.choice is not None:
+                pattern = choice_regex(self.choice)
+            elif self.regex is not None:
+                if not isinstance(self.regex, str):
+                    bad(f"regex must be a string, got {self.regex!r:.80}")
+                pattern = self.regex
+            else:
+                schema = self.json
+                if isinstance(schema, str):
+                    import json as json_module
+
+                    try:
+                        schema = json_module.loads(schema)
+                    except ValueError as e:
+                        bad(f"json is not a JSON schema's text: {e}")
+                pattern = schema_regex(schema)
+            RegexDFA(pattern)  # parsed now: a bad pattern is named before any work
+        except ValueError as e:
+            if str(e).startswith("StructuredOutputsParams"):
+                raise
+            bad(str(e))
+        object.__setattr__(self, "pattern", pattern)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Sampling parameters for one request (vLLM's `SamplingParams`, the subset minivllm runs).
 
@@ -43,7 +98,8 @@ class SamplingParams:
     added to the logits; allowed_token_ids: the only ids that may be sampled (both before the
     penalties, as vLLM; logprobs stay the model's raw ones). bad_words: words never generated
     (vLLM's: each word's last token is banned where the output ends with its others; needs a
-    tokenizer). logprobs: the top-N logprobs (plus the sampled token's) per generated token (-1:
+    tokenizer). structured_outputs: a StructuredOutputsParams (choice, regex or JSON schema) the
+    output must satisfy (needs a tokenizer). logprobs: the top-N logprobs (plus the sampled token's) per generated token (-1:
     the whole vocabulary's; True: 1). prompt_logprobs: the same for each prompt token after the
     first (the prompt scored by the model; its first entry is None). truncate_prompt_tokens: keep only the prompt's last k tokens
     (-1: max_model_len; the output's prompt_token_ids are those kept)."""
@@ -72,6 +128,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: Sequence[int] | None = None
     bad_words: str | Sequence[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Normalised forms of stop / stop_token_ids (tuples), filled in by __post_init__.
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
     stop_ids: tuple[int, ...] = field(init=False, repr=False, default=())
@@ -180,6 +237,10 @@ class SamplingParams:
             bad(f"bad_words must be a list of non-blank strings, got "
                 f"{reprlib.repr(self.bad_words)}")
         object.__setattr__(self, "bad_word_texts", tuple(words))
+        if self.structured_outputs is not None and \
+                not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad(f"structured_outputs must be a StructuredOutputsParams, got "
+                f"{type(self.structured_outputs).__name__}")
         object.__setattr__(self, "bias_pairs", tuple(pairs))
         object.__setattr__(self, "allowed_ids", tuple(dict.fromkeys(allowed or ())))
 

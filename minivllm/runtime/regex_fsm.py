@@ -1,0 +1,335 @@
+"""Regular expressions as automata over characters, for structured outputs (runtime/guide.py).
+
+A pattern (Python `re` syntax, the subset below) becomes a Thompson NFA, and its DFA is built
+lazily: a DFA state is the set of NFA states reached, made when first reached, its transitions
+made when first taken. The language is the pattern's under re.fullmatch: every string the DFA
+accepts fullmatches the pattern with Python's re, which the tests check.
+
+Supported: literals and escapes (\\. \\n \\t \\xhh \\uhhhh ...), `.` (any character but a newline),
+classes `[a-z_]` and `[^...]`, \\d \\w \\s and their negations (Unicode-aware, as re's), groups
+`(...)`, `(?:...)`, `(?P<name>...)`, alternation `|`, the quantifiers * + ? {m} {m,} {m,n} (lazy
+forms alike: the language is the same), and ^ / $ at the pattern's ends. Anything else (look-
+arounds, back-references, \\b, flags) is a ValueError naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_NFA_STATES = 100_000  # {m,n} copies its operand: a bound on what a pattern may expand to
+
+_CLASS_ESCAPES = {
+    "d": lambda c: c.isdecimal(),
+    "w": lambda c: c.isalnum() or c == "_",
+    "s": lambda c: c.isspace(),
+}
+_LITERAL_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "\a", "0": "\0"}
+
+
+@dataclass(frozen=True)
+class CharSet:
+    """Characters: those in `ranges` ((lo, hi) inclusive) or `classes` (escape letters d / w / s
+    and their negations D / W / S), or, negated, every character but those."""
+
+    ranges: tuple[tuple[str, str], ...] = ()
+    classes: tuple[str, ...] = ()
+    negated: bool = False
+
+    def __contains__(self, c: str) -> bool:
+        hit = any(lo <= c <= hi for lo, hi in self.ranges) or any(
+            _CLASS_ESCAPES[k.lower()](c) != k.isupper() for k in self.classes)
+        return hit != self.negated
+
+
+ANY_BUT_NEWLINE = CharSet(ranges=(("\n", "\n"),), negated=True)
+
+
+def _literal(c: str) -> CharSet:
+    return CharSet(ranges=((c, c),))
+
+
+# -- parsing: pattern -> tree of ("set", CharSet) / ("cat", [..]) / ("alt", [..]) / ("rep", node, lo, hi)
+
+
+class _Parser:
+    def __init__(self, pattern: str):
+        self.p = pattern
+        self.i = 0
+
+    def error(self, what: str):
+        return ValueError(f"regex {self.p!r}: {what} (at {self.i})")
+
+    def peek(self) -> str | None:
+        return self.p[self.i] if self.i < len(self.p) else None
+
+    def take(self) -> str:
+        c = self.peek()
+        if c is None:
+            raise self.error("unexpected end")
+        self.i += 1
+        return c
+
+    def parse(self):
+        node = self.alternation()
+        if self.peek() is not None:
+            raise self.error(f"unbalanced {self.peek()!r}")
+        return node
+
+    def alternation(self):
+        parts = [self.concatenation()]
+        while self.peek() == "|":
+            self.i += 1
+            parts.append(self.concatenation())
+        return parts[0] if len(parts) == 1 else ("alt", parts)
+
+    def concatenation(self):
+        items = []
+        while self.peek() not in (None, "|", ")"):
+            items.append(self.repetition())
+        return ("cat", items)
+
+    def repetition(self):
+        node = self.atom()
+        while True:
+            c = self.peek()
+            if c in ("*", "+", "?"):
+                self.i += 1
+                lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
+            elif c == "{" and (bounds := self.braces()) is not None:
+                lo, hi = bounds
+            else:
+                return node
+            if self.peek() == "?":  # lazy: the same language
+                self.i += 1
+            elif self.peek() == "+":
+                raise self.error("possessive quantifiers are not supported")
+            if node[0] == "rep" or node == ("cat", []):
+                raise self.error("a quantifier needs something to repeat")
+            node = ("rep", node, lo, hi)
+
+    def braces(self):
+        """{m}, {m,}, {m,n} at self.i, consumed; None (nothing consumed) where `{` is a literal,
+        as in re."""
+        end = self.p.find("}", self.i)
+        if end < 0:
+            return None
+        body = self.p[self.i + 1:end]
+        lo, comma, hi = body.partition(",")
+        if not (lo.isdigit() or (comma and not lo)) or (hi and not hi.isdigit()):
+            return None  # {,n} and {,} are quantifiers too (re: a missing m is 0)
+        self.i = end + 1
+        lo_n = int(lo) if lo else 0
+        hi_n = int(hi) if hi else (None if comma else lo_n)
+        if hi_n is not None and hi_n < lo_n:
+            raise self.error(f"bad repetition {{{body}}}")
+        return lo_n, hi_n
+
+    def atom(self):
+        c = self.take()
+        if c == "(":
+            if self.p.startswith("?:", self.i):
+                self.i += 2
+            elif self.p.startswith("?P<", self.i):
+                end = self.p.find(">", self.i)
+                if end < 0:
+                    raise self.error("unterminated group name")
+                self.i = end + 1
+            elif self.peek() == "?":
+                raise self.error("(?...) groups other than (?:...) and (?P<name>...) are not "
+                                 "supported")
+            node = self.alternation()
+            if self.peek() != ")":
+                raise self.error("missing )")
+            self.i += 1
+            return node
+        if c == "[":
+            return ("set", self.char_class())
+        if c == ".":
+            return ("set", ANY_BUT_NEWLINE)
+        if c == "\\":
+            return ("set", self.escape(in_class=False))
+        if c == "^":
+            if self.i != 1:
+                raise self.error("^ is supported at the pattern's start only")
+            return ("cat", [])
+        if c == "$":
+            if self.i != len(self.p):
+                raise self.error("$ is supported at the pattern's end only")
+            return ("cat", [])
+        if c in "*+?":
+            raise self.error(f"nothing to repeat with {c!r}")
+        if c == ")":
+            raise self.error("unbalanced )")
+        return ("set", _literal(c))
+
+    def escape(self, *, in_class: bool) -> CharSet:
+        c = self.take()
+        if c.lower() in _CLASS_ESCAPES:
+            return CharSet(classes=(c,))
+        if c in _LITERAL_ESCAPES:
+            return _literal(_LITERAL_ESCAPES[c])
+        if c == "b" and in_class:
+            return _literal("\b")
+        if c in "xu":
+            digits = 2 if c == "x" else 4
+            code = self.p[self.i:self.i + digits]
+            if len(code) != digits or any(d not in "0123456789abcdefABCDEF" for d in code):
+                raise self.error(f"bad \\{c} escape")
+            self.i += digits
+            return _literal(chr(int(code, 16)))
+        if c.isalnum():
+            raise self.error(f"\\{c} is not supported")
+        return _literal(c)
+
+    def char_class(self) -> CharSet:
+        negated = self.peek() == "^"
+        if negated:
+            self.i += 1
+        ranges, classes = [], []
+        first = True
+        while True:
+            c = self.take()
+            if c == "]" and not first:
+                break
+            first = False
+            if c == "\\":
+                item = self.escape(in_class=True)
+                if item.classes:
+                    classes += item.classes
+                    continue
+                c = item.ranges[0][0]
+            if self.peek() == "-" and self.p[self.i + 1:self.i + 2] not in ("]", ""):
+                self.i += 1
+                hi = self.take()
+                if hi == "\\":
+                    item = self.escape(in_class=True)
+                    if item.classes:
+                        raise self.error("a class escape cannot end a range")
+                    hi = item.ranges[0][0]
+                if hi < c:
+                    raise self.error(f"bad range {c}-{hi}")
+                ranges.append((c, hi))
+            else:
+                ranges.append((c, c))
+        return CharSet(ranges=tuple(ranges), classes=tuple(classes), negated=negated)
+
+
+# -- NFA and lazy DFA ------------------------------------------------------------------------
+
+
+@dataclass
+class _NFA:
+    eps: list[list[int]] = field(default_factory=list)
+    edges: list[list[tuple[CharSet, int]]] = field(default_factory=list)
+
+    def state(self) -> int:
+        if len(self.eps) >= MAX_NFA_STATES:
+            raise ValueError(f"the regex expands to more than {MAX_NFA_STATES} states")
+        self.eps.append([])
+        self.edges.append([])
+        return len(self.eps) - 1
+
+    def build(self, node) -> tuple[int, int]:
+        """(start, end) of a fragment that matches `node`."""
+        kind = node[0]
+        if kind == "set":
+            s, e = self.state(), self.state()
+            self.edges[s].append((node[1], e))
+            return s, e
+        if kind == "cat":
+            s = e = self.state()
+            for item in node[1]:
+                a, b = self.build(item)
+                self.eps[e].append(a)
+                e = b
+            return s, e
+        if kind == "alt":
+            s, e = self.state(), self.state()
+            for item in node[1]:
+                a, b = self.build(item)
+                self.eps[s].append(a)
+                self.eps[b].append(e)
+            return s, e
+        _, item, lo, hi = node
+        s = e = self.state()
+        for _ in range(lo):
+            a, b = self.build(item)
+            self.eps[e].append(a)
+            e = b
+        if hi is None:  # item*: a loop
+            a, b = self.build(item)
+            self.eps[e].append(a)
+            self.eps[b].append(a)
+            end = self.state()
+            self.eps[e].append(end)
+            self.eps[b].append(end)
+            return s, end
+        end = self.state()
+        for _ in range(hi - lo):  # each optional copy may end the repetition
+            self.eps[e].append(end)
+            a, b = self.build(item)
+            self.eps[e].append(a)
+            e = b
+        self.eps[e].append(end)
+        return s, end
+
+
+class RegexDFA:
+    """The DFA of `pattern` under fullmatch, built as it is walked. States are ints: `start`,
+    `DEAD` (no string leads anywhere from it), and the rest as reached."""
+
+    DEAD = 0
+
+    def __init__(self, pattern: str):
+        if not isinstance(pattern, str):
+            raise ValueError(f"a regex is a string, got {type(pattern).__name__}")
+        self.pattern = pattern
+        self._nfa = _NFA()
+        start, self._final = self._nfa.build(_Parser(pattern).parse())
+        self._sets: list[frozenset[int]] = [frozenset()]
+        self._ids: dict[frozenset[int], int] = {frozenset(): self.DEAD}
+        self._moves: list[dict[str, int]] = [{}]
+        self.start = self._intern(self._closure({start}))
+
+    def _closure(self, states) -> frozenset[int]:
+        seen, todo = set(states), list(states)
+        while todo:
+            for t in self._nfa.eps[todo.pop()]:
+                if t not in seen:
+                    seen.add(t)
+                    todo.append(t)
+        return frozenset(seen)
+
+    def _intern(self, states: frozenset[int]) -> int:
+        sid = self._ids.get(states)
+        if sid is None:
+            sid = self._ids[states] = len(self._sets)
+            self._sets.append(states)
+            self._moves.append({})
+        return sid
+
+    def step(self, state: int, c: str) -> int:
+        """The state after character c (DEAD when no match can follow)."""
+        moves = self._moves[state]
+        nxt = moves.get(c)
+        if nxt is None:
+            targets = {t for s in self._sets[state] for cs, t in self._nfa.edges[s] if c in cs}
+            nxt = moves[c] = self._intern(self._closure(targets)) if targets else self.DEAD
+        return nxt
+
+    def walk(self, state: int, text: str) -> int:
+        for c in text:
+            state = self.step(state, c)
+            if state == self.DEAD:
+                break
+        return state
+
+    def accepts(self, state: int) -> bool:
+        return self._final in self._sets[state]
+
+    def can_continue(self, state: int) -> bool:
+        """Whether some character leads on from `state` (an accepting state may still)."""
+        return any(self._nfa.edges[s] for s in self._sets[state])
+
+    def fullmatch(self, text: str) -> bool:
+        return self.accepts(self.walk(self.start, text))

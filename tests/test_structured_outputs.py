@@ -1,0 +1,223 @@
+"""Structured outputs (SamplingParams.structured_outputs, vLLM's): the regex automaton against
+Python's re (hypothesis draws patterns and strings), each DFA state's allowed ids against a walk
+of every token, and the engine's outputs on the demo model, sampled at temperature 1 with n > 1,
+asynchronous steps and preemption: each fullmatches its choice / regex / JSON schema and ends
+with EOS once complete. Bad constraints are refused before any work."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minivllm import SamplingParams
+from minivllm.runtime.demo import ensure_demo_model
+from minivllm.runtime.guide import CompiledGuide, TokenIndex, schema_regex
+from minivllm.runtime.regex_fsm import RegexDFA
+from minivllm.runtime.sampling_params import StructuredOutputsParams
+
+from engine_helpers import make_llm
+
+# -- the automaton against re ------------------------------------------------------------------
+
+_ATOMS = st.sampled_from(["a", "b", ".", "[ab]", "[^a]", r"\d", r"\w", r"\s", r"\.", "[a-c1]",
+                          r"[\d ]", r"\W", "{", "a{,2}"])
+
+
+def _regexes():
+    def extend(inner):
+        return st.one_of(
+            st.tuples(inner, inner).map("".join),
+            st.tuples(inner, inner).map(lambda t: f"(?:{t[0]}|{t[1]})"),
+            st.tuples(inner, st.sampled_from(["*", "+", "?", "{2}", "{1,3}", "{0,}", "*?"]))
+            .map(lambda t: f"(?:{t[0]}){t[1]}"),
+            inner.map(lambda r: f"({r})"))
+    return st.recursive(_ATOMS, extend, max_leaves=6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pattern=_regexes(), texts=st.lists(st.text(alphabet="ab1 .\nc_é", max_size=6), max_size=8))
+def test_the_dfa_accepts_what_re_fullmatches(pattern, texts):
+    dfa = RegexDFA(pattern)
+    for text in texts:
+        assert dfa.fullmatch(text) == bool(re.fullmatch(pattern, text)), (pattern, text)
+
+
+@pytest.mark.parametrize("pattern, yes, no", [
+    (r"^[A-Z][a-z]{2,4}$", ["Abc", "Xyzwv"], ["abc", "Ab", "Abcdef"]),
+    (r"(?P<y>\d{4})-(?:0[1-9]|1[0-2])", ["2024-01", "1999-12"], ["2024-13", "24-01"]),
+    (r"a{,2}b{,}", ["", "aab", "bbb"], ["aaa", "a{,2}"]),
+    (r"a{x}b{}c{2", ["a{x}b{}c{2"], ["ab", "a"]),  # re: a brace that is no quantifier is a literal
+    (r"[\]a-]+", ["]-a"], ["b"]),
+    (r"\x41\u00e9\t", ["A\u00e9\t"], ["Ae\t"]),
+    (r"x|", ["x", ""], ["xx"]),
+])
+def test_the_dfa_on_chosen_patterns(pattern, yes, no):
+    dfa = RegexDFA(pattern)
+    for text in yes + no:
+        assert dfa.fullmatch(text) == bool(re.fullmatch(pattern, text)) == (text in yes)
+
+
+@pytest.mark.parametrize("pattern, match", [
+    ("a(?=b)", r"\(\?\.\.\.\)"), (r"(a)\1", r"\\1"), (r"\bword", r"\\b"), ("a**", "repeat"),
+    ("(ab", r"missing \)"), ("ab)", "unbalanced"), ("a^b", r"\^"), ("[b-a]", "bad range"),
+    ("a{3,1}", "bad repetition"), ("x{100000}", "states"), ("a++", "possessive"),
+])
+def test_unsupported_or_bad_patterns_are_named(pattern, match):
+    with pytest.raises(ValueError, match=match):
+        RegexDFA(pattern)
+
+
+# -- the engine --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    return ensure_demo_model(str(tmp_path_factory.mktemp("demo") / "model"))
+
+
+@pytest.fixture(scope="module")
+def llm(demo_dir, device):
+    return make_llm(demo_dir, device, max_model_len=512)
+
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6},
+    "age": {"type": "integer"},
+    "tags": {"type": "array", "items": {"enum": ["a", "b c"]}, "maxItems": 2},
+    "score": {"anyOf": [{"type": "number"}, {"type": "null"}]},
+    "ok": {"type": "boolean"}}}
+
+
+def check_person(value):
+    assert list(value) == list(PERSON["properties"])
+    assert isinstance(value["name"], str) and len(value["name"]) <= 6
+    assert isinstance(value["age"], int) and not isinstance(value["age"], bool)
+    assert len(value["tags"]) <= 2 and set(value["tags"]) <= {"a", "b c"}
+    assert value["score"] is None or isinstance(value["score"], (int, float))
+    assert isinstance(value["ok"], bool)
+
+
+CASES = {
+    "choice": (StructuredOutputsParams(choice=["yes", "no", "not sure"]), None),
+    "regex": (StructuredOutputsParams(regex=r"(?:[0-9]{3}-)?[a-z]{2,5}( [A-Z]\.)?"), None),
+    "json": (StructuredOutputsParams(json=PERSON), check_person),
+    # Most ids allowed: the sampler gets the banned ones (CompiledGuide.mask).
+    "letters": (StructuredOutputsParams(regex=r"[a-zA-Z ]{1,12}"), None),
+    "json text": (StructuredOutputsParams(json=json.dumps({"type": "array", "items": {
+        "type": "integer"}, "minItems": 1, "maxItems": 3})), None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_outputs_satisfy_their_constraint(llm, case):
+    constraint, check = CASES[case]
+    params = SamplingParams(temperature=1.0, max_tokens=80, n=4, seed=3,
+                            structured_outputs=constraint)
+    outs = llm.generate(["The quick brown fox", "Hello, my name is", "0"], params, use_tqdm=False)
+    eos = set(llm.engine.eos_ids)
+    for out in outs:
+        for c in out.outputs:
+            if c.finish_reason == "length":  # cut short: a prefix of an accepted text
+                fsm = RegexDFA(constraint.pattern)
+                assert fsm.walk(fsm.start, c.text) != fsm.DEAD
+                continue
+            assert c.finish_reason == "stop" and c.token_ids[-1] in eos
+            assert re.fullmatch(constraint.pattern, c.text), c.text
+            if constraint.json is not None:
+                value = json.loads(c.text)
+                if check:
+                    check(value)
+    if case == "choice":
+        assert {c.text for o in outs for c in o.outputs} <= {"yes", "no", "not sure"}
+
+
+def test_under_preemption_and_chunks_the_outputs_are_those_alone(demo_dir, device):
+    """A cache that forces preemption, small steps and asynchronous scheduling change no token of
+    a seeded constrained request."""
+    params = SamplingParams(temperature=1.0, max_tokens=40, seed=9,
+                            structured_outputs=StructuredOutputsParams(json=PERSON))
+    prompts = ["The quick brown fox", "Hello, my name is", "0", "Once"]
+    roomy = make_llm(demo_dir, device, max_model_len=512, async_scheduling=False)
+    tight = make_llm(demo_dir, device, max_model_len=64, num_kv_blocks=6, block_size=16,
+                     max_num_batched_tokens=16)
+    want = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert tight.stats.preemptions > 0
+
+
+def test_each_states_allowed_ids_are_the_tokens_that_walk_it(llm):
+    """Against a walk of every token's text from the state (EOS where the text is complete)."""
+    tok = llm.get_tokenizer()
+    index = TokenIndex(tok, llm.engine.vocab_size)
+    pattern = schema_regex(PERSON)
+    compiled = CompiledGuide(pattern, index, llm.engine.eos_ids)
+    fsm = compiled.fsm
+    for prefix in ["", "{", '{ "name"', '{"name":"ab', '{"name":"ab","age":-', '{"name":"","age":1,'
+                   '"tags":["a"],"score":null,"ok":true']:
+        state = fsm.walk(fsm.start, prefix)
+        assert state != fsm.DEAD
+        want = {i for i, t in index.text.items() if fsm.walk(state, t) != fsm.DEAD}
+        if fsm.accepts(state) or not want:
+            want |= set(llm.engine.eos_ids)
+        assert set(compiled.allowed(state)) == want
+    # A text that is complete yet may go on: EOS and the tokens that go on.
+    short = CompiledGuide(r"[a-z]{2,5}", index, llm.engine.eos_ids)
+    state = short.fsm.walk(short.fsm.start, "ab")
+    allowed = set(short.allowed(state))
+    assert set(llm.engine.eos_ids) <= allowed
+    assert allowed - set(llm.engine.eos_ids) == {
+        i for i, t in index.text.items() if re.fullmatch("[a-z]{1,3}", t)}
+    # The mask gives the shorter of the two lists.
+    vocab = llm.engine.vocab_size
+    for state in (short.fsm.start, state):
+        allowed, banned = short.mask(state, vocab)
+        assert (allowed and not banned) or (banned and not allowed)
+        assert set(allowed or set(range(vocab)) - set(banned)) == set(short.allowed(state))
+    wide = CompiledGuide(r"[^0-9]{1,3}", index, llm.engine.eos_ids)
+    allowed, banned = wide.mask(wide.fsm.start, vocab)
+    assert not allowed and set(range(vocab)) - set(banned) == set(wide.allowed(wide.fsm.start))
+    # Tokens that are part of a character, and special tokens, are never allowed.
+    assert all("\ufffd" not in index.text[i] for i in index.text)
+    assert not set(tok.all_special_ids) & set(index.text)
+
+
+def test_allowed_token_ids_narrow_the_constraint(llm):
+    tok = llm.get_tokenizer()
+    digits = [i for i in range(llm.engine.vocab_size) if tok.decode([i]) in set("0123456789")]
+    allowed = digits + list(llm.engine.eos_ids)
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=2, allowed_token_ids=allowed,
+                            structured_outputs=StructuredOutputsParams(regex=r"[0-9a-z]{1,6}"))
+    for out in llm.generate(["Hello", "The"], params, use_tqdm=False):
+        c = out.outputs[0]
+        assert re.fullmatch(r"[0-9]{1,6}", c.text) and c.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(regex="a(?<=b)"), "not supported"),
+    (dict(choice=[]), "non-empty list"),
+    (dict(choice=["a"], regex="a"), "exactly one"),
+    (dict(), "exactly one"),
+    (dict(json={"type": "object"}), "properties"),
+    (dict(json="{not json"), "not a JSON schema"),
+    (dict(json={"$ref": "http://x"}), r"\$ref"),
+    (dict(grammar="root ::= 'a'"), "grammar is not supported"),
+])
+def test_bad_constraints_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        StructuredOutputsParams(**kwargs)
+
+
+def test_a_constraint_needs_a_tokenizer(tmp_path, device):
+    from hf_tiny import make_hf_model, save_checkpoint
+
+    llm = make_llm(save_checkpoint(make_hf_model(), tmp_path / "m"), device)
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a"]))
+    with pytest.raises(ValueError, match="need a tokenizer"):
+        llm.generate([{"prompt_token_ids": [1, 2]}], params, use_tqdm=False)
+    with pytest.raises(ValueError, match="StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"choice": ["a"]})
