@@ -221,3 +221,18 @@ def test_a_constraint_needs_a_tokenizer(tmp_path, device):
         llm.generate([{"prompt_token_ids": [1, 2]}], params, use_tqdm=False)
     with pytest.raises(ValueError, match="StructuredOutputsParams"):
         SamplingParams(structured_outputs={"choice": ["a"]})
+
+
+def test_a_complete_output_before_min_tokens_takes_only_eos(llm):
+    """min_tokens bans EOS, but a constrained output that is complete may only end: it takes
+    EOS, which (as any EOS before min_tokens, in vLLM too) does not stop it, until min_tokens;
+    never an id outside the constraint (with both bans the sampler had nothing to sample)."""
+    params = SamplingParams(temperature=1.0, max_tokens=20, min_tokens=10, seed=1,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    eos = set(llm.engine.eos_ids)
+    for out in llm.generate(["Hello", "The"], params, use_tqdm=False):
+        c = out.outputs[0]
+        assert c.text in ("yes", "no") and c.finish_reason == "stop"
+        first = next(k for k, t in enumerate(c.token_ids) if t in eos)
+        assert set(c.token_ids[first:]) <= eos and len(c.token_ids) == 10
+        assert llm.get_tokenizer().decode(c.token_ids[:first]) == c.text

@@ -315,6 +315,9 @@ class LLMEngine:
         allowed = p.allowed_ids
         if seq.guide is not None:  # the constraint's ids, within allowed_token_ids if given
             guided, guide_bans = seq.guide.mask(seq.output_ids, self.vocab_size)
+            if guided and banned and set(guided) <= set(banned):
+                # Complete, only EOS may follow: the constraint wins over min_tokens' ban.
+                banned = tuple(i for i in banned if i not in guided)
             if guided:
                 allowed = tuple(sorted(set(guided) & set(allowed))) if allowed else guided
             elif allowed:
