@@ -236,3 +236,17 @@ def test_a_complete_output_before_min_tokens_takes_only_eos(llm):
         first = next(k for k, t in enumerate(c.token_ids) if t in eos)
         assert set(c.token_ids[first:]) <= eos and len(c.token_ids) == 10
         assert llm.get_tokenizer().decode(c.token_ids[:first]) == c.text
+
+
+def test_row_constraints_combine_with_the_requests_own():
+    from minivllm.runtime.guide import row_constraint
+
+    # The constraint within allowed_token_ids; alone where they share no id.
+    assert row_constraint((1, 2, 3), (), (2, 3, 9), ()) == ((2, 3), ())
+    assert row_constraint((1, 2), (), (8, 9), ()) == ((1, 2), ())
+    # A guide given as banned ids: allowed_token_ids less them, or the bans where none is left.
+    assert row_constraint((), (5, 6), (4, 5), ()) == ((4,), ())
+    assert row_constraint((), (5, 6), (5,), (7,)) == ((), (7, 5, 6))
+    assert row_constraint((), (5, 6), (), (7,)) == ((), (7, 5, 6))
+    # Only EOS may follow: min_tokens' ban of it is lifted, the others stay.
+    assert row_constraint((2,), (), (), (2, 3)) == ((2,), (3,))

@@ -34,7 +34,7 @@ from .config import EngineConfig
 from .detokenizer import detokenize_incrementally, find_stop_string, prompt_offsets
 from .executor import make_executor
 from .generation_config import FILE as GEN_FILE, eos_ids_of, read_generation_config
-from .guide import CompiledGuide, Guide, GuideCache
+from .guide import CompiledGuide, Guide, GuideCache, row_constraint
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .runner import ModelRunner, PromptScores, StepInput, StepResult, trace_range
 from .sampling_params import SamplingParams
@@ -313,18 +313,9 @@ class LLMEngine:
         if seq.bad_words:
             banned += banned_by_bad_words(seq.bad_words, seq.output_ids)
         allowed = p.allowed_ids
-        if seq.guide is not None:  # the constraint's ids, within allowed_token_ids if given
-            guided, guide_bans = seq.guide.mask(seq.output_ids, self.vocab_size)
-            if guided and banned and set(guided) <= set(banned):
-                # Complete, only EOS may follow: the constraint wins over min_tokens' ban.
-                banned = tuple(i for i in banned if i not in guided)
-            if guided:
-                allowed = tuple(sorted(set(guided) & set(allowed))) if allowed else guided
-            elif allowed:
-                bans = set(guide_bans)
-                allowed = tuple(i for i in allowed if i not in bans)
-            else:
-                banned += guide_bans
+        if seq.guide is not None:  # structured outputs: the constraint's ids
+            allowed, banned = row_constraint(*seq.guide.mask(seq.output_ids, self.vocab_size),
+                                             allowed, banned)
         row = SamplingRow(
             temperature=p.temperature, top_k=min(p.top_k, self.vocab_size), top_p=p.top_p,
             min_p=p.min_p,  # top_k past the vocabulary is off (and may not fit in int64)

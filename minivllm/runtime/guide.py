@@ -111,6 +111,26 @@ class Guide:
         return self.compiled.mask(self.advance(output_ids), vocab_size)
 
 
+def row_constraint(guided: tuple[int, ...], guide_bans: tuple[int, ...],
+                   allowed: tuple[int, ...], banned: tuple[int, ...]
+                   ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A sampling row's (allowed_ids, banned_ids) with a guide's mask ((guided, guide_bans),
+    CompiledGuide.mask) over the request's own: the constraint within allowed_token_ids, the
+    constraint alone where the two share no id (it wins: an empty allowed list would allow
+    everything); min_tokens' EOS ban lifted where only EOS may follow (the output is complete)."""
+    if guided and banned and set(guided) <= set(banned):
+        banned = tuple(i for i in banned if i not in guided)
+    if guided:
+        both = tuple(sorted(set(guided) & set(allowed))) if allowed else ()
+        return both or guided, banned
+    if allowed:
+        bans = set(guide_bans)
+        both = tuple(i for i in allowed if i not in bans)
+        if both:
+            return both, banned
+    return (), banned + guide_bans
+
+
 class GuideCache:
     """Compiled constraints by regex, the most recently used kept (a server's requests often
     repeat one)."""
