@@ -151,39 +151,47 @@ def test_under_preemption_and_chunks_the_outputs_are_those_alone(demo_dir, devic
 
 
 def test_each_states_allowed_ids_are_the_tokens_that_walk_it(llm):
-    """Against a walk of every token's text from the state (EOS where the text is complete)."""
+    """Against a walk of every token's bytes from the state (EOS where the text is complete)."""
     tok = llm.get_tokenizer()
     index = TokenIndex(tok, llm.engine.vocab_size)
+    eos = set(llm.engine.eos_ids)
     pattern = schema_regex(PERSON)
     compiled = CompiledGuide(pattern, index, llm.engine.eos_ids)
-    fsm = compiled.fsm
+
+    def brute(guide, state):
+        want = {i for i, b in index.bytes.items() if guide.walk(state, b) is not None}
+        return want | eos if guide.accepts(state) or not want else want
+
     for prefix in ["", "{", '{ "name"', '{"name":"ab', '{"name":"ab","age":-', '{"name":"","age":1,'
                    '"tags":["a"],"score":null,"ok":true']:
-        state = fsm.walk(fsm.start, prefix)
-        assert state != fsm.DEAD
-        want = {i for i, t in index.text.items() if fsm.walk(state, t) != fsm.DEAD}
-        if fsm.accepts(state) or not want:
-            want |= set(llm.engine.eos_ids)
-        assert set(compiled.allowed(state)) == want
+        state = compiled.walk(compiled.start, prefix.encode())
+        assert state is not None
+        assert set(compiled.allowed(state)) == brute(compiled, state)
     # A text that is complete yet may go on: EOS and the tokens that go on.
     short = CompiledGuide(r"[a-z]{2,5}", index, llm.engine.eos_ids)
-    state = short.fsm.walk(short.fsm.start, "ab")
+    state = short.walk(short.start, b"ab")
     allowed = set(short.allowed(state))
-    assert set(llm.engine.eos_ids) <= allowed
-    assert allowed - set(llm.engine.eos_ids) == {
-        i for i, t in index.text.items() if re.fullmatch("[a-z]{1,3}", t)}
+    assert eos <= allowed
+    assert allowed - eos == {i for i, t in index.text.items() if re.fullmatch("[a-z]{1,3}", t)}
     # The mask gives the shorter of the two lists.
     vocab = llm.engine.vocab_size
-    for state in (short.fsm.start, state):
+    for state in (short.start, state):
         allowed, banned = short.mask(state, vocab)
         assert (allowed and not banned) or (banned and not allowed)
         assert set(allowed or set(range(vocab)) - set(banned)) == set(short.allowed(state))
     wide = CompiledGuide(r"[^0-9]{1,3}", index, llm.engine.eos_ids)
-    allowed, banned = wide.mask(wide.fsm.start, vocab)
-    assert not allowed and set(range(vocab)) - set(banned) == set(wide.allowed(wide.fsm.start))
-    # Tokens that are part of a character, and special tokens, are never allowed.
-    assert all("\ufffd" not in index.text[i] for i in index.text)
-    assert not set(tok.all_special_ids) & set(index.text)
+    allowed, banned = wide.mask(wide.start, vocab)
+    assert not allowed and set(range(vocab)) - set(banned) == set(wide.allowed(wide.start))
+    # Inside a character split over tokens: the tokens that go on with it.
+    emoji = CompiledGuide("\u00e9x|\U0001F642x", index, llm.engine.eos_ids)
+    for prefix in ("\U0001F642".encode()[:1], "\U0001F642".encode()[:3], "\u00e9".encode()[:1]):
+        state = emoji.walk(emoji.start, prefix)
+        assert state is not None and state[1] == prefix
+        assert set(emoji.allowed(state)) == brute(emoji, state)
+    assert emoji.walk(emoji.start, "\u00e8".encode()[:1]) is not None  # \xc3 begins e-acute too
+    assert emoji.walk(emoji.start, "\u00e8".encode()) is None
+    # Special tokens are never allowed.
+    assert not set(tok.all_special_ids) & set(index.bytes)
 
 
 def test_allowed_token_ids_narrow_the_constraint(llm):
@@ -250,3 +258,51 @@ def test_row_constraints_combine_with_the_requests_own():
     assert row_constraint((), (5, 6), (), (7,)) == ((), (7, 5, 6))
     # Only EOS may follow: min_tokens' ban of it is lifted, the others stay.
     assert row_constraint((2,), (), (), (2, 3)) == ((2,), (3,))
+
+
+def test_characters_split_over_tokens_are_generated(llm):
+    """The demo vocabulary has no token for e-acute or the emoji: their UTF-8 bytes come from
+    several tokens, each allowed while the bytes so far begin a character the constraint takes."""
+    choices = ["caf\u00e9", "th\u00e9", "\U0001F642 ok"]
+    tok = llm.get_tokenizer()
+    assert all(len(tok.encode(c, add_special_tokens=False)) > 1 for c in ("\u00e9", "\U0001F642"))
+    params = SamplingParams(temperature=1.0, max_tokens=20, n=6, seed=5,
+                            structured_outputs=StructuredOutputsParams(choice=choices))
+    texts = [c.text for o in llm.generate(["Hello", "The"], params, use_tqdm=False)
+             for c in o.outputs if c.finish_reason == "stop"]
+    assert texts and set(texts) <= set(choices)
+
+
+def test_a_sentencepiece_tokenizers_spaces_are_kept(demo_dir, device, tmp_path):
+    """A Metaspace (SentencePiece-style) tokenizer drops a lone token's leading space when it
+    decodes it; the guide reads each token's text as it follows another, as the output has it."""
+    import os
+    import shutil
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from minivllm.runtime import demo
+
+    path = str(tmp_path / "spm")
+    shutil.copytree(demo_dir, path)
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    backend.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    backend.train_from_iterator([demo._TEXT], trainers.BpeTrainer(
+        vocab_size=500, special_tokens=[*demo.SPECIAL_TOKENS, "<unk>"], show_progress=False))
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>", unk_token="<unk>")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        os.remove(os.path.join(path, name))
+    tok.save_pretrained(path)
+    spm = make_llm(path, device, max_model_len=256)
+    pattern = r"[a-z]{1,12}"
+    params = SamplingParams(temperature=1.0, max_tokens=12, n=6, seed=3,
+                            structured_outputs=StructuredOutputsParams(regex=pattern))
+    outs = [c for o in spm.generate(["The quick brown fox", "Hello"], params, use_tqdm=False)
+            for c in o.outputs]
+    for c in outs:
+        fsm = RegexDFA(pattern)
+        assert (re.fullmatch(pattern, c.text) if c.finish_reason == "stop"
+                else fsm.walk(fsm.start, c.text) != fsm.DEAD), c.text

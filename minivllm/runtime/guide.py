@@ -4,37 +4,125 @@ accepts, and EOS once its output is one.
 
 The constraint becomes a regex (a choice is an alternation of its strings; a JSON schema becomes
 a regex as outlines builds one, for the subset `schema_regex` takes), the regex a lazily built
-DFA over characters (runtime/regex_fsm.py), and a DFA state the set of vocabulary ids whose text
-walks it without dying (computed when the state is first met, then kept). A token's text is its
-own decoding; tokens whose text is not whole characters (a byte-level BPE token holding part of a
-UTF-8 character) and special tokens are never allowed inside the output, which keeps the text
-exactly the concatenation of the tokens' texts, so that it matches the constraint.
+DFA over characters (runtime/regex_fsm.py), and a guide state the pair (DFA state, the bytes of
+a character begun but not finished): tokens are walked as the UTF-8 bytes they add to the text,
+so that a character split over several tokens (an emoji in a byte-level BPE vocabulary) can be
+generated, each of its tokens allowed while some character the DFA takes begins with the bytes
+so far. A state's allowed ids are computed when it is first met, then kept. Special tokens are
+never allowed inside the output.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import OrderedDict, defaultdict
 
 from .regex_fsm import RegexDFA
 
+State = tuple[int, bytes]  # (DFA state, the bytes of an unfinished character)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet (Qwen's tokenizer uses it): a token's characters -> its
+    bytes."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def token_bytes(tokenizer, ids: list[int]) -> dict[int, bytes]:
+    """Each id's bytes in the text: through the byte-level alphabet where the tokenizer decodes
+    with it, `<0xHH>` byte-fallback pieces as their byte, and otherwise the text the token adds
+    after another token (not alone: SentencePiece drops a lone token's leading space)."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    out: dict[int, bytes] = {}
+    rest = ids
+    if decoder is not None and "ByteLevel" in repr(decoder):
+        alphabet = _byte_decoder()
+        rest = []
+        for i, piece in zip(ids, tokenizer.convert_ids_to_tokens(ids)):
+            if piece and all(c in alphabet for c in piece):
+                out[i] = bytes(alphabet[c] for c in piece)
+            else:
+                rest.append(i)
+    fallback = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+    pieces = tokenizer.convert_ids_to_tokens(rest) if rest else []
+    textual = []
+    for i, piece in zip(rest, pieces):
+        m = fallback.fullmatch(piece or "")
+        if m:
+            out[i] = bytes([int(m.group(1), 16)])
+        else:
+            textual.append(i)
+    if textual:
+        anchor = tokenizer.encode("a", add_special_tokens=False)[-1]
+        head = tokenizer.decode([anchor])
+        texts = tokenizer.batch_decode([[anchor, i] for i in textual], skip_special_tokens=False,
+                                       clean_up_tokenization_spaces=False)
+        for i, t in zip(textual, texts):
+            if t.startswith(head) and "\ufffd" not in t[len(head):]:
+                out[i] = t[len(head):].encode()
+    return {i: b for i, b in out.items() if b}
+
+
+def split_utf8(data: bytes) -> tuple[str, bytes] | None:
+    """data as (its whole characters, the bytes of a last one unfinished); None if it is not
+    UTF-8 (a stray continuation byte, say)."""
+    try:
+        return data.decode(), b""
+    except UnicodeDecodeError as e:
+        if e.reason != "unexpected end of data" or e.end != len(data):
+            return None
+        try:
+            return data[:e.start].decode(), data[e.start:]
+        except UnicodeDecodeError:
+            return None
+
+
+def _code_points(prefix: bytes) -> tuple[int, int] | None:
+    """The code points whose UTF-8 begins with `prefix` (an unfinished character), as a range."""
+    lead = prefix[0]
+    n = 2 if lead >> 5 == 0b110 else 3 if lead >> 4 == 0b1110 else 4 if lead >> 3 == 0b11110 else 0
+    if not n or len(prefix) >= n:
+        return None
+    value = lead & (0x7F >> n)
+    for b in prefix[1:]:
+        value = (value << 6) | (b & 0x3F)
+    free = 6 * (n - len(prefix))
+    lo, hi = value << free, ((value + 1) << free) - 1
+    lo = max(lo, (0x80, 0x800, 0x10000)[n - 2])  # no overlong forms
+    hi = min(hi, 0x10FFFF)
+    return (lo, hi) if lo <= hi else None
+
 
 class TokenIndex:
-    """A tokenizer's vocabulary as texts: the ids whose text the DFA walks, grouped by their
-    first character (one DFA step rules a whole group out)."""
+    """A tokenizer's vocabulary as the bytes each id adds to the text. `text`: the ids whose
+    bytes are whole characters, by their text, grouped by first character (one DFA step rules a
+    whole group out); `partial`: the others (part of a character), by their bytes."""
 
     def __init__(self, tokenizer, vocab_size: int):
         special = set(getattr(tokenizer, "all_special_ids", ()) or ())
         ids = [i for i in range(min(len(tokenizer), vocab_size)) if i not in special]
-        texts = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False,
-                                       clean_up_tokenization_spaces=False)
+        self.bytes = token_bytes(tokenizer, ids)
         self.text: dict[int, str] = {}
         self.by_first: dict[str, list[tuple[int, str]]] = defaultdict(list)
-        for i, t in zip(ids, texts):
-            if t and "\ufffd" not in t:
-                self.text[i] = t
-                self.by_first[t[0]].append((i, t[1:]))
+        self.partial: list[tuple[int, bytes]] = []
+        for i, b in self.bytes.items():
+            split = split_utf8(b)
+            if split is not None and not split[1]:
+                self.text[i] = split[0]
+                self.by_first[split[0][0]].append((i, split[0][1:]))
+            else:
+                self.partial.append((i, b))
 
 
 class CompiledGuide:
@@ -44,30 +132,59 @@ class CompiledGuide:
         self.fsm = RegexDFA(pattern)
         self.index = index
         self.eos_ids = tuple(eos_ids)
-        self._allowed: dict[int, tuple[int, ...]] = {}
-        self._masks: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self.start: State = (self.fsm.start, b"")
+        self._allowed: dict[State, tuple[int, ...]] = {}
+        self._masks: dict[State, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self._begins: dict[State, bool] = {}
 
-    def allowed(self, state: int) -> tuple[int, ...]:
+    def _can_begin(self, s: int, prefix: bytes) -> bool:
+        """Whether some character the DFA takes at state s begins with these bytes."""
+        key = (s, prefix)
+        ok = self._begins.get(key)
+        if ok is None:
+            span = _code_points(prefix)
+            ok = span is not None and any(cs.meets(*span) for cs in self.fsm.charsets(s))
+            self._begins[key] = ok
+        return ok
+
+    def walk(self, state: State | None, data: bytes) -> State | None:
+        """The state after the bytes `data`; None where no accepted text goes that way."""
+        if state is None:
+            return None
+        s, pending = state
+        split = split_utf8(pending + data)
+        if split is None:
+            return None
+        s = self.fsm.walk(s, split[0])
+        if s == self.fsm.DEAD or (split[1] and not self._can_begin(s, split[1])):
+            return None
+        return s, split[1]
+
+    def accepts(self, state: State) -> bool:
+        return not state[1] and self.fsm.accepts(state[0])
+
+    def allowed(self, state: State) -> tuple[int, ...]:
         """The ids that may follow at `state`: those that keep the output a prefix of an
         accepted string, and the EOS ids where it is one (only them where nothing may follow).
         The EOS ids too where no token leads on (a constraint no token can spell), so that the
         sequence ends."""
         ids = self._allowed.get(state)
         if ids is None:
-            fsm, out = self.fsm, []
-            if state != fsm.DEAD and fsm.can_continue(state):
+            fsm, (s, pending), out = self.fsm, state, []
+            if not pending and fsm.can_continue(s):
                 for first, group in self.index.by_first.items():
-                    after = fsm.step(state, first)
+                    after = fsm.step(s, first)
                     if after == fsm.DEAD:
                         continue
                     out += [i for i, rest in group if not rest or fsm.walk(after, rest) != fsm.DEAD]
-            if fsm.accepts(state) or not out:
+            if pending or fsm.can_continue(s):
+                out += [i for i, b in self.index.partial if self.walk(state, b) is not None]
+            if self.accepts(state) or not out:
                 out += self.eos_ids
             ids = self._allowed[state] = tuple(sorted(set(out)))
         return ids
 
-
-    def mask(self, state: int, vocab_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def mask(self, state: State, vocab_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(allowed, banned): the allowed ids as one of the two, the shorter, the other empty
         (inside a JSON string nearly every id is allowed: its few banned ones are the cheaper
         row for the sampler to build)."""
@@ -84,21 +201,23 @@ class CompiledGuide:
 
 
 class Guide:
-    """One sequence's place in its constraint: the DFA state its generated ids lead to."""
+    """One sequence's place in its constraint: the state its generated ids lead to."""
 
     def __init__(self, compiled: CompiledGuide):
         self.compiled = compiled
-        self.state = compiled.fsm.start
+        self.state: State = compiled.start
         self.consumed = 0
 
-    def advance(self, output_ids: list[int]) -> int:
+    def advance(self, output_ids: list[int]) -> State:
         """The state after `output_ids` (the sequence's generated ids; those not seen before
         are walked)."""
-        fsm, texts = self.compiled.fsm, self.compiled.index.text
+        data = self.compiled.index.bytes
         for token in output_ids[self.consumed:]:
-            text = texts.get(token)  # None: EOS or another id the constraint ends with
-            if text is not None:
-                self.state = fsm.walk(self.state, text)
+            b = data.get(token)  # None: EOS or another id the constraint ends with
+            if b is not None:
+                # A token the sampler could not but take (nothing allowed was left): the
+                # state stays, the constraint cannot be met past it.
+                self.state = self.compiled.walk(self.state, b) or self.state
         self.consumed = len(output_ids)
         return self.state
 

@@ -41,6 +41,21 @@ class CharSet:
         return hit != self.negated
 
 
+    def meets(self, lo: int, hi: int) -> bool:
+        """Whether it holds a character of code point lo..hi (surrogates aside)."""
+        if not self.classes:
+            spans = sorted((ord(a), ord(b)) for a, b in self.ranges)
+            if not self.negated:
+                return any(a <= hi and b >= lo for a, b in spans)
+            at = lo  # the first code point not yet known to be excluded
+            for a, b in spans:
+                if a > at:
+                    break
+                at = max(at, b + 1)
+            return at <= hi
+        return any(chr(c) in self for c in range(lo, hi + 1) if not 0xD800 <= c <= 0xDFFF)
+
+
 ANY_BUT_NEWLINE = CharSet(ranges=(("\n", "\n"),), negated=True)
 
 
@@ -323,6 +338,10 @@ class RegexDFA:
             if state == self.DEAD:
                 break
         return state
+
+    def charsets(self, state: int) -> list[CharSet]:
+        """The character sets of the moves out of `state`."""
+        return [cs for s in self._sets[state] for cs, _ in self._nfa.edges[s]]
 
     def accepts(self, state: int) -> bool:
         return self._final in self._sets[state]
