@@ -53,6 +53,8 @@ def test_the_dfa_accepts_what_re_fullmatches(pattern, texts):
     (r"a{x}b{}c{2", ["a{x}b{}c{2"], ["ab", "a"]),  # re: a brace that is no quantifier is a literal
     (r"[\]a-]+", ["]-a"], ["b"]),
     (r"\x41\u00e9\t", ["A\u00e9\t"], ["Ae\t"]),
+    (r"\012\0\101[\01]", ["\n\0A\x01"], ["\x0012"]),  # octal escapes, as re
+    ("a{\u0663}", ["a{\u0663}"], ["aaa"]),  # a non-ASCII digit is no count
     (r"x|", ["x", ""], ["xx"]),
 ])
 def test_the_dfa_on_chosen_patterns(pattern, yes, no):
@@ -63,8 +65,11 @@ def test_the_dfa_on_chosen_patterns(pattern, yes, no):
 
 @pytest.mark.parametrize("pattern, match", [
     ("a(?=b)", r"\(\?\.\.\.\)"), (r"(a)\1", r"\\1"), (r"\bword", r"\\b"), ("a**", "repeat"),
-    ("(ab", r"missing \)"), ("ab)", "unbalanced"), ("a^b", r"\^"), ("[b-a]", "bad range"),
-    ("a{3,1}", "bad repetition"), ("x{100000}", "states"), ("a++", "possessive"),
+    ("(ab", r"missing \)"), ("ab)", "unbalanced"), ("a^b", r"\^"), ("[b-a]", "bad character range"),
+    ("a{3,1}", "min repeat greater"), ("x{100000}", "states"), ("a++", "possessive"),
+    # What re refuses, with re's reason.
+    (r"[\d-z]", "bad character range"), ("{2}", "nothing to repeat"), ("(?P<1>a)", "group name"),
+    ("(" * 300 + ")" * 300, "nested too deep"),
 ])
 def test_unsupported_or_bad_patterns_are_named(pattern, match):
     with pytest.raises(ValueError, match=match):
@@ -214,6 +219,19 @@ def test_allowed_token_ids_narrow_the_constraint(llm):
     (dict(json="{not json"), "not a JSON schema"),
     (dict(json={"$ref": "http://x"}), r"\$ref"),
     (dict(grammar="root ::= 'a'"), "grammar is not supported"),
+    # Keywords an output would not be held to are refused, not ignored.
+    (dict(json={"type": "string", "pattern": "^a.b$"}), r"\['pattern'\] not supported"),
+    (dict(json={"type": "integer", "minimum": 0}), r"\['minimum'\] not supported"),
+    (dict(json={"type": "string", "format": "date"}), r"\['format'\] not supported"),
+    (dict(json={"type": "array", "uniqueItems": True}), "uniqueItems"),
+    (dict(json={"$ref": "#/$defs/A", "type": "string", "$defs": {"A": {"type": "null"}}}), "type"),
+    (dict(json={"enum": []}), "non-empty"),
+    (dict(json={"enum": [float("nan")]}), "not JSON"),
+    (dict(json={"type": "string", "enum": [1]}), "not all of type"),
+    (dict(json={"type": "string", "maxLength": True}), "maxLength"),
+    (dict(json={"$ref": "#/$defs/A/b", "$defs": {"A": {"type": "null"}}}), r"\$ref"),
+    (dict(json={"type": "object", "properties": {"a": {"type": "null"}}, "required": ["b"]}),
+     "required"),
 ])
 def test_bad_constraints_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -231,19 +249,13 @@ def test_a_constraint_needs_a_tokenizer(tmp_path, device):
         SamplingParams(structured_outputs={"choice": ["a"]})
 
 
-def test_a_complete_output_before_min_tokens_takes_only_eos(llm):
-    """min_tokens bans EOS, but a constrained output that is complete may only end: it takes
-    EOS, which (as any EOS before min_tokens, in vLLM too) does not stop it, until min_tokens;
-    never an id outside the constraint (with both bans the sampler had nothing to sample)."""
-    params = SamplingParams(temperature=1.0, max_tokens=20, min_tokens=10, seed=1,
-                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
-    eos = set(llm.engine.eos_ids)
-    for out in llm.generate(["Hello", "The"], params, use_tqdm=False):
-        c = out.outputs[0]
-        assert c.text in ("yes", "no") and c.finish_reason == "stop"
-        first = next(k for k, t in enumerate(c.token_ids) if t in eos)
-        assert set(c.token_ids[first:]) <= eos and len(c.token_ids) == 10
-        assert llm.get_tokenizer().decode(c.token_ids[:first]) == c.text
+def test_constraints_refuse_ignore_eos_and_min_tokens():
+    """A complete constrained output may only take EOS: a request that must go on past it could
+    not (min_tokens bans EOS) or would take EOS over and over (ignore_eos)."""
+    constraint = StructuredOutputsParams(choice=["yes", "no"])
+    for kw in (dict(ignore_eos=True), dict(min_tokens=3)):
+        with pytest.raises(ValueError, match="ignore_eos and min_tokens"):
+            SamplingParams(structured_outputs=constraint, **kw)
 
 
 def test_row_constraints_combine_with_the_requests_own():
@@ -256,8 +268,8 @@ def test_row_constraints_combine_with_the_requests_own():
     assert row_constraint((), (5, 6), (4, 5), ()) == ((4,), ())
     assert row_constraint((), (5, 6), (5,), (7,)) == ((), (7, 5, 6))
     assert row_constraint((), (5, 6), (), (7,)) == ((), (7, 5, 6))
-    # Only EOS may follow: min_tokens' ban of it is lifted, the others stay.
-    assert row_constraint((2,), (), (), (2, 3)) == ((2,), (3,))
+    # Banned ids (bad words) stay banned.
+    assert row_constraint((2,), (), (), (2, 3)) == ((2,), (2, 3))
 
 
 def test_characters_split_over_tokens_are_generated(llm):

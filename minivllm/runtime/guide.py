@@ -236,9 +236,7 @@ def row_constraint(guided: tuple[int, ...], guide_bans: tuple[int, ...],
     """A sampling row's (allowed_ids, banned_ids) with a guide's mask ((guided, guide_bans),
     CompiledGuide.mask) over the request's own: the constraint within allowed_token_ids, the
     constraint alone where the two share no id (it wins: an empty allowed list would allow
-    everything); min_tokens' EOS ban lifted where only EOS may follow (the output is complete)."""
-    if guided and banned and set(guided) <= set(banned):
-        banned = tuple(i for i in banned if i not in guided)
+    everything)."""
     if guided:
         both = tuple(sorted(set(guided) & set(allowed))) if allowed else ()
         return both or guided, banned
@@ -289,12 +287,49 @@ def choice_regex(choices) -> str:
     return "|".join(re.escape(c) for c in choices)
 
 
+_ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
+                "deprecated", "readOnly", "writeOnly", "$defs", "definitions"}
+_KEYWORDS = {  # what each kind of schema may say here; any other keyword is refused
+    "string": {"minLength", "maxLength"},
+    "integer": set(), "number": set(), "boolean": set(), "null": set(),
+    "array": {"items", "minItems", "maxItems"},
+    "object": {"properties", "required", "additionalProperties"},
+}
+_PYTHON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool,
+                 "null": type(None), "array": list, "object": dict}
+
+
+def _count(schema: dict, key: str, default):
+    value = schema.get(key, default)
+    if value is not default and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"JSON schema {key} must be an integer >= 0, got {value!r}")
+    return value
+
+
+def _literal(value) -> str:
+    try:
+        return re.escape(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError):
+        raise ValueError(f"JSON schema value {value!r:.60} is not JSON") from None
+
+
+def _check_keywords(schema: dict, allowed: set, where: str) -> None:
+    extra = sorted(set(schema) - allowed - _ANNOTATIONS)
+    if extra:
+        raise ValueError(f"JSON schema {where}: {extra} not supported (supported: type, enum, "
+                         f"const, anyOf, oneOf, a one-schema allOf, $ref, and per type "
+                         f"{ {k: sorted(v) for k, v in _KEYWORDS.items() if v} })")
+
+
 def schema_regex(schema, defs: dict | None = None, depth: int = 0) -> str:
     """A regex for the JSON texts `schema` admits, for a subset of JSON Schema: types string
-    (enum, const, minLength / maxLength, pattern), integer, number, boolean, null, array (items,
-    minItems / maxItems), object (its properties, every one written, in order), anyOf / oneOf,
-    a list of types, and local $ref to $defs / definitions. ValueError names what is not taken
-    (an object without properties, say: any JSON object is not a regular language)."""
+    (minLength / maxLength), integer, number, boolean, null, array (items, minItems /
+    maxItems), object (its properties, every one written, in order; additionalProperties
+    false or true, as only the listed ones are written), enum, const, anyOf, oneOf (as anyOf),
+    a one-schema allOf, a list of types, and local $ref to $defs / definitions; annotations
+    (title, description, ...) are ignored. Any other keyword is a ValueError that names it
+    (minimum, pattern, format, ...: an output would not be held to it), as is an object without
+    properties (any JSON object is not a regular language)."""
     if depth > 32:
         raise ValueError("the JSON schema nests too deep (a recursive $ref?)")
     if isinstance(schema, bool) or not isinstance(schema, dict):
@@ -303,28 +338,46 @@ def schema_regex(schema, defs: dict | None = None, depth: int = 0) -> str:
         defs = {**schema.get("definitions", {}), **schema.get("$defs", {})}
     sub = lambda s: schema_regex(s, defs, depth + 1)  # noqa: E731
     if "$ref" in schema:
+        _check_keywords(schema, {"$ref"}, "$ref")
         ref = schema["$ref"]
-        name = ref.rsplit("/", 1)[-1]
-        if not isinstance(ref, str) or not ref.startswith(("#/$defs/", "#/definitions/")) or \
-                name not in defs:
-            raise ValueError(f"JSON schema $ref {ref!r}: only local #/$defs/... refs are taken")
+        name = next((ref[len(p):] for p in ("#/$defs/", "#/definitions/")
+                     if isinstance(ref, str) and ref.startswith(p)), None)
+        if name is None or "/" in name or name not in defs:
+            raise ValueError(f"JSON schema $ref {ref!r}: only local #/$defs/NAME refs are taken")
         return sub(defs[name])
-    if "const" in schema:
-        return re.escape(json.dumps(schema["const"]))
-    if "enum" in schema:
-        return "(?:" + "|".join(re.escape(json.dumps(v)) for v in schema["enum"]) + ")"
-    for key in ("anyOf", "oneOf"):
-        if key in schema:
-            return "(?:" + "|".join(sub(s) for s in schema[key]) + ")"
-    if "allOf" in schema and len(schema["allOf"]) == 1:
-        return sub(schema["allOf"][0])
     kind = schema.get("type")
+    if "const" in schema or "enum" in schema:
+        _check_keywords(schema, {"const", "enum", "type"}, "enum / const")
+        values = [schema["const"]] if "const" in schema else schema["enum"]
+        if not isinstance(values, list) or not values:
+            raise ValueError("JSON schema enum must be a non-empty list")
+        kinds = kind if isinstance(kind, list) else [kind] if kind else []
+        if kinds and not all(any(isinstance(v, _PYTHON_TYPES.get(k, ())) and
+                                 not (k in ("integer", "number") and isinstance(v, bool))
+                                 for k in kinds) for v in values):
+            raise ValueError(f"JSON schema enum / const values {values!r:.60} are not all of "
+                             f"type {kind}")
+        return "(?:" + "|".join(_literal(v) for v in values) + ")"
+    for key in ("anyOf", "oneOf", "allOf"):
+        if key in schema:
+            _check_keywords(schema, {key}, key)
+            options = schema[key]
+            if not isinstance(options, list) or not options or (key == "allOf" and len(options) != 1):
+                raise ValueError(f"JSON schema {key} must be a non-empty list"
+                                 + (" of one schema here" if key == "allOf" else ""))
+            return "(?:" + "|".join(sub(s) for s in options) + ")"
     if isinstance(kind, list):
+        if not kind:
+            raise ValueError("JSON schema type [] admits nothing")
         return "(?:" + "|".join(sub({**schema, "type": k}) for k in kind) + ")"
+    if kind is None and "properties" in schema:
+        kind = "object"
+    if kind not in _KEYWORDS:
+        raise ValueError(f"JSON schema {schema!r:.80}: give a type (string, integer, number, "
+                         f"boolean, null, array, object), enum, const, anyOf or $ref")
+    _check_keywords(schema, _KEYWORDS[kind] | {"type"}, kind)
     if kind == "string":
-        if "pattern" in schema:
-            return '"(?:' + schema["pattern"].removeprefix("^").removesuffix("$") + ')"'
-        lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+        lo, hi = _count(schema, "minLength", 0), _count(schema, "maxLength", None)
         return f'"{_STRING_CHAR}{{{lo},{"" if hi is None else hi}}}"'
     if kind == "integer":
         return _INTEGER
@@ -336,18 +389,23 @@ def schema_regex(schema, defs: dict | None = None, depth: int = 0) -> str:
         return "null"
     if kind == "array":
         item = sub(schema.get("items", {"type": "string"}))
-        lo, hi = schema.get("minItems", 0), schema.get("maxItems")
+        lo, hi = _count(schema, "minItems", 0), _count(schema, "maxItems", None)
+        if hi is not None and hi < lo:
+            raise ValueError(f"JSON schema maxItems {hi} < minItems {lo}")
         if hi == 0:
             return rf"\[{WHITESPACE}\]"
         more = f"(?:{WHITESPACE},{WHITESPACE}{item}){{{max(lo - 1, 0)},{'' if hi is None else hi - 1}}}"
         items = f"{item}{more}"
         return rf"\[{WHITESPACE}" + (items if lo > 0 else f"(?:{items})?") + rf"{WHITESPACE}\]"
-    if kind == "object" or "properties" in schema:
-        props = schema.get("properties")
-        if not props:
-            raise ValueError("JSON schema objects need 'properties' (any JSON object is not a "
-                             "regular language)")
-        fields = [f"{WHITESPACE}{re.escape(json.dumps(name))}{WHITESPACE}:{WHITESPACE}{sub(s)}"
-                  for name, s in props.items()]
-        return r"\{" + ",".join(fields) + rf"{WHITESPACE}\}}"
-    raise ValueError(f"JSON schema {schema!r:.80}: not a schema this server turns into a regex")
+    props = schema.get("properties")
+    if not isinstance(props, dict) or not props:
+        raise ValueError("JSON schema objects need 'properties' (any JSON object is not a "
+                         "regular language)")
+    if schema.get("additionalProperties", False) not in (True, False):
+        raise ValueError("JSON schema additionalProperties must be true or false here")
+    missing = sorted(set(schema.get("required", ())) - set(props))
+    if missing:
+        raise ValueError(f"JSON schema required {missing} are not among the properties")
+    fields = [f"{WHITESPACE}{_literal(name)}{WHITESPACE}:{WHITESPACE}{sub(s)}"
+              for name, s in props.items()]
+    return r"\{" + ",".join(fields) + rf"{WHITESPACE}\}}"

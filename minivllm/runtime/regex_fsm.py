@@ -14,6 +14,7 @@ arounds, back-references, \\b, flags) is a ValueError naming it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 MAX_NFA_STATES = 100_000  # {m,n} copies its operand: a bound on what a pattern may expand to
@@ -23,7 +24,7 @@ _CLASS_ESCAPES = {
     "w": lambda c: c.isalnum() or c == "_",
     "s": lambda c: c.isspace(),
 }
-_LITERAL_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "\a", "0": "\0"}
+_LITERAL_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "\a"}
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,8 @@ class _Parser:
             return None
         body = self.p[self.i + 1:end]
         lo, comma, hi = body.partition(",")
-        if not (lo.isdigit() or (comma and not lo)) or (hi and not hi.isdigit()):
+        digits = lambda t: t != "" and all(ch in "0123456789" for ch in t)  # noqa: E731 (ASCII, as re)
+        if not (digits(lo) or (comma and not lo)) or (hi and not digits(hi)):
             return None  # {,n} and {,} are quantifiers too (re: a missing m is 0)
         self.i = end + 1
         lo_n = int(lo) if lo else 0
@@ -179,6 +181,14 @@ class _Parser:
 
     def escape(self, *, in_class: bool) -> CharSet:
         c = self.take()
+        octal = "01234567"
+        after = self.p[self.i:self.i + 2]
+        if c == "0" or (c in octal and len(after) == 2 and all(d in octal for d in after)):
+            # \0, \0o, \0oo and \ooo are octal (re's); other \N are back-references
+            digits = c
+            while len(digits) < 3 and self.peek() is not None and self.peek() in octal:
+                digits += self.take()
+            return _literal(chr(int(digits, 8)))
         if c.lower() in _CLASS_ESCAPES:
             return CharSet(classes=(c,))
         if c in _LITERAL_ESCAPES:
@@ -299,8 +309,15 @@ class RegexDFA:
         if not isinstance(pattern, str):
             raise ValueError(f"a regex is a string, got {type(pattern).__name__}")
         self.pattern = pattern
+        try:  # what re refuses is refused here too, with re's reason
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"regex {pattern!r}: {e}") from None
         self._nfa = _NFA()
-        start, self._final = self._nfa.build(_Parser(pattern).parse())
+        try:
+            start, self._final = self._nfa.build(_Parser(pattern).parse())
+        except RecursionError:
+            raise ValueError(f"regex {pattern[:40]!r}...: nested too deep") from None
         self._sets: list[frozenset[int]] = [frozenset()]
         self._ids: dict[frozenset[int], int] = {frozenset(): self.DEAD}
         self._moves: list[dict[str, int]] = [{}]

@@ -237,10 +237,15 @@ class SamplingParams:
             bad(f"bad_words must be a list of non-blank strings, got "
                 f"{reprlib.repr(self.bad_words)}")
         object.__setattr__(self, "bad_word_texts", tuple(words))
-        if self.structured_outputs is not None and \
-                not isinstance(self.structured_outputs, StructuredOutputsParams):
-            bad(f"structured_outputs must be a StructuredOutputsParams, got "
-                f"{type(self.structured_outputs).__name__}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad(f"structured_outputs must be a StructuredOutputsParams, got "
+                    f"{type(self.structured_outputs).__name__}")
+            # A complete constrained output may only take EOS: one that must go on has nothing
+            # it may take (or takes EOS over and over).
+            if self.ignore_eos or self.min_tokens:
+                bad("structured_outputs end at EOS once complete: ignore_eos and min_tokens "
+                    "cannot be combined with them")
         object.__setattr__(self, "bias_pairs", tuple(pairs))
         object.__setattr__(self, "allowed_ids", tuple(dict.fromkeys(allowed or ())))
 
