@@ -158,7 +158,8 @@ def test_under_preemption_and_chunks_the_outputs_are_those_alone(demo_dir, devic
 def test_each_states_allowed_ids_are_the_tokens_that_walk_it(llm):
     """Against a walk of every token's bytes from the state (EOS where the text is complete)."""
     tok = llm.get_tokenizer()
-    index = TokenIndex(tok, llm.engine.vocab_size)
+    vocab = llm.engine.vocab_size
+    index = TokenIndex(tok, vocab)
     eos = set(llm.engine.eos_ids)
     pattern = schema_regex(PERSON)
     compiled = CompiledGuide(pattern, index, llm.engine.eos_ids)
@@ -171,28 +172,27 @@ def test_each_states_allowed_ids_are_the_tokens_that_walk_it(llm):
                    '"tags":["a"],"score":null,"ok":true']:
         state = compiled.walk(compiled.start, prefix.encode())
         assert state is not None
-        assert set(compiled.allowed(state)) == brute(compiled, state)
+        assert set(compiled.allowed(state, vocab)) == brute(compiled, state)
     # A text that is complete yet may go on: EOS and the tokens that go on.
     short = CompiledGuide(r"[a-z]{2,5}", index, llm.engine.eos_ids)
     state = short.walk(short.start, b"ab")
-    allowed = set(short.allowed(state))
+    allowed = set(short.allowed(state, vocab))
     assert eos <= allowed
     assert allowed - eos == {i for i, t in index.text.items() if re.fullmatch("[a-z]{1,3}", t)}
     # The mask gives the shorter of the two lists.
-    vocab = llm.engine.vocab_size
     for state in (short.start, state):
         allowed, banned = short.mask(state, vocab)
         assert (allowed and not banned) or (banned and not allowed)
-        assert set(allowed or set(range(vocab)) - set(banned)) == set(short.allowed(state))
+        assert set(allowed or set(range(vocab)) - set(banned)) == set(short.allowed(state, vocab))
     wide = CompiledGuide(r"[^0-9]{1,3}", index, llm.engine.eos_ids)
     allowed, banned = wide.mask(wide.start, vocab)
-    assert not allowed and set(range(vocab)) - set(banned) == set(wide.allowed(wide.start))
+    assert not allowed and set(range(vocab)) - set(banned) == set(wide.allowed(wide.start, vocab))
     # Inside a character split over tokens: the tokens that go on with it.
     emoji = CompiledGuide("\u00e9x|\U0001F642x", index, llm.engine.eos_ids)
     for prefix in ("\U0001F642".encode()[:1], "\U0001F642".encode()[:3], "\u00e9".encode()[:1]):
         state = emoji.walk(emoji.start, prefix)
         assert state is not None and state[1] == prefix
-        assert set(emoji.allowed(state)) == brute(emoji, state)
+        assert set(emoji.allowed(state, vocab)) == brute(emoji, state)
     assert emoji.walk(emoji.start, "\u00e8".encode()[:1]) is not None  # \xc3 begins e-acute too
     assert emoji.walk(emoji.start, "\u00e8".encode()) is None
     # Special tokens are never allowed.
@@ -318,3 +318,15 @@ def test_a_sentencepiece_tokenizers_spaces_are_kept(demo_dir, device, tmp_path):
         fsm = RegexDFA(pattern)
         assert (re.fullmatch(pattern, c.text) if c.finish_reason == "stop"
                 else fsm.walk(fsm.start, c.text) != fsm.DEAD), c.text
+
+
+def test_a_guide_keeps_a_bounded_number_of_states(llm, monkeypatch):
+    """A string of maxLength n is n states: the masks of the most recently used are kept, and a
+    state met again after its mask was dropped gets the same one."""
+    monkeypatch.setattr(CompiledGuide, "MAX_STATES", 3)
+    index = TokenIndex(llm.get_tokenizer(), llm.engine.vocab_size)
+    guide = CompiledGuide(r"[a-z]{0,8}", index, llm.engine.eos_ids)
+    states = [guide.walk(guide.start, b"a" * k) for k in range(6)]
+    first = [guide.mask(st, llm.engine.vocab_size) for st in states]
+    assert len(guide._masks) == 3
+    assert [guide.mask(st, llm.engine.vocab_size) for st in states] == first

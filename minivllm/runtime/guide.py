@@ -126,16 +126,18 @@ class TokenIndex:
 
 
 class CompiledGuide:
-    """A constraint's DFA over one TokenIndex, with each state's allowed ids kept."""
+    """A constraint's DFA over one TokenIndex, with the masks of the states met kept (the most
+    recently used MAX_STATES of them: a string of maxLength n is n states)."""
+
+    MAX_STATES = 4096
 
     def __init__(self, pattern: str, index: TokenIndex, eos_ids: tuple[int, ...]):
         self.fsm = RegexDFA(pattern)
         self.index = index
         self.eos_ids = tuple(eos_ids)
         self.start: State = (self.fsm.start, b"")
-        self._allowed: dict[State, tuple[int, ...]] = {}
-        self._masks: dict[State, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-        self._begins: dict[State, bool] = {}
+        self._masks: OrderedDict[State, tuple[tuple[int, ...], tuple[int, ...]]] = OrderedDict()
+        self._begins: dict[tuple[int, bytes], bool] = {}
 
     def _can_begin(self, s: int, prefix: bytes) -> bool:
         """Whether some character the DFA takes at state s begins with these bytes."""
@@ -163,41 +165,49 @@ class CompiledGuide:
     def accepts(self, state: State) -> bool:
         return not state[1] and self.fsm.accepts(state[0])
 
-    def allowed(self, state: State) -> tuple[int, ...]:
+    def _allowed(self, state: State) -> list[int]:
         """The ids that may follow at `state`: those that keep the output a prefix of an
         accepted string, and the EOS ids where it is one (only them where nothing may follow).
         The EOS ids too where no token leads on (a constraint no token can spell), so that the
         sequence ends."""
-        ids = self._allowed.get(state)
-        if ids is None:
-            fsm, (s, pending), out = self.fsm, state, []
-            if not pending and fsm.can_continue(s):
-                for first, group in self.index.by_first.items():
-                    after = fsm.step(s, first)
-                    if after == fsm.DEAD:
-                        continue
-                    out += [i for i, rest in group if not rest or fsm.walk(after, rest) != fsm.DEAD]
-            if pending or fsm.can_continue(s):
-                out += [i for i, b in self.index.partial if self.walk(state, b) is not None]
-            if self.accepts(state) or not out:
-                out += self.eos_ids
-            ids = self._allowed[state] = tuple(sorted(set(out)))
-        return ids
+        fsm, (s, pending), out = self.fsm, state, []
+        if not pending and fsm.can_continue(s):
+            for first, group in self.index.by_first.items():
+                after = fsm.step(s, first)
+                if after == fsm.DEAD:
+                    continue
+                out += [i for i, rest in group if not rest or fsm.walk(after, rest) != fsm.DEAD]
+        if pending or fsm.can_continue(s):
+            out += [i for i, b in self.index.partial if self.walk(state, b) is not None]
+        if self.accepts(state) or not out:
+            out += self.eos_ids
+        return sorted(set(out))
 
     def mask(self, state: State, vocab_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(allowed, banned): the allowed ids as one of the two, the shorter, the other empty
         (inside a JSON string nearly every id is allowed: its few banned ones are the cheaper
-        row for the sampler to build)."""
+        row for the sampler to build, and to keep)."""
         masks = self._masks.get(state)
         if masks is None:
-            allowed = self.allowed(state)
+            allowed = self._allowed(state)
             if len(allowed) <= vocab_size // 2:
-                masks = (allowed, ())
+                masks = (tuple(allowed), ())
             else:
                 keep = set(allowed)
                 masks = ((), tuple(i for i in range(vocab_size) if i not in keep))
             self._masks[state] = masks
+            if len(self._masks) > self.MAX_STATES:
+                self._masks.popitem(last=False)
+        self._masks.move_to_end(state)
         return masks
+
+    def allowed(self, state: State, vocab_size: int) -> tuple[int, ...]:
+        """The ids that may follow at `state` (see mask), as one list."""
+        allowed, banned = self.mask(state, vocab_size)
+        if allowed:
+            return allowed
+        bans = set(banned)
+        return tuple(i for i in range(vocab_size) if i not in bans)
 
 
 class Guide:
@@ -220,10 +230,6 @@ class Guide:
                 self.state = self.compiled.walk(self.state, b) or self.state
         self.consumed = len(output_ids)
         return self.state
-
-    def allowed(self, output_ids: list[int]) -> tuple[int, ...]:
-        """The ids the next token may be, after `output_ids`."""
-        return self.compiled.allowed(self.advance(output_ids))
 
     def mask(self, output_ids: list[int], vocab_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """CompiledGuide.mask after `output_ids`."""
