@@ -330,3 +330,29 @@ def test_a_guide_keeps_a_bounded_number_of_states(llm, monkeypatch):
     first = [guide.mask(st, llm.engine.vocab_size) for st in states]
     assert len(guide._masks) == 3
     assert [guide.mask(st, llm.engine.vocab_size) for st in states] == first
+
+
+def test_byte_fallback_pieces_are_their_bytes():
+    """SentencePiece's byte fallback writes a byte it has no piece for as <0xHH>; the rest of
+    its pieces are read after an anchor token, which keeps their leading space."""
+    from minivllm.runtime.guide import token_bytes
+
+    pieces = {0: "a", 1: "<0xF0>", 2: "<0x9F>", 3: "\u2581the", 4: "x"}
+
+    class Tok:  # a Metaspace decoder's behaviour: a leading ▁ is a space, dropped at the start
+        backend_tokenizer = None
+
+        def convert_ids_to_tokens(self, ids):
+            return [pieces[i] for i in ids]
+
+        def encode(self, text, add_special_tokens=False):
+            return [0]
+
+        def decode(self, ids, **kw):
+            return "".join(pieces[i] for i in ids).replace("\u2581", " ").lstrip(" ")
+
+        def batch_decode(self, batch, **kw):
+            return [self.decode(ids) for ids in batch]
+
+    assert token_bytes(Tok(), [0, 1, 2, 3, 4]) == {0: b"a", 1: b"\xf0", 2: b"\x9f", 3: b" the",
+                                                   4: b"x"}
