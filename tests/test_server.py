@@ -515,3 +515,22 @@ def test_structured_outputs_through_the_api(server, path, fields, pattern):
             assert c["finish_reason"] == "stop" and re.fullmatch(pattern, text), text
     status, answer = post(server, path, {**body, "guided_regex": "a", "guided_choice": ["b"]})
     assert status == 400 and "one constraint" in answer["error"]["message"]
+
+
+def test_tokenize_and_detokenize_are_vllms(server, reference):
+    tok = reference.get_tokenizer()
+    status, body = post(server, "/tokenize", {"prompt": PROMPTS[0], "return_token_strs": True})
+    ids = tok.encode(PROMPTS[0])
+    assert status == 200 and body["tokens"] == ids and body["count"] == len(ids)
+    assert body["token_strs"] == tok.convert_ids_to_tokens(ids) and body["max_model_len"] == 1024
+    messages = [{"role": "user", "content": "Hi"}]
+    _, chat = post(server, "/tokenize", {"messages": messages})
+    assert chat["tokens"] == reference.chat_prompts(messages)[0]["prompt_token_ids"]
+    status, back = post(server, "/detokenize", {"tokens": ids})
+    assert status == 200 and back == {"prompt": tok.decode(ids)}
+    for path, bad, match in (("/detokenize", {"tokens": [1, 10**6]}, "outside the vocabulary"),
+                             ("/detokenize", {"tokens": ["a"]}, "token ids"),
+                             ("/tokenize", {"prompt": "x", "messages": messages}, "'prompt' or"),
+                             ("/tokenize", {"prompt": "x", "model": "other"}, "does not exist")):
+        status, answer = post(server, path, bad)
+        assert status in (400, 404) and match in answer["error"]["message"]

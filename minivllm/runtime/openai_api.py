@@ -461,3 +461,84 @@ def chat_body(request_id: str, created: int, model: str, choices: list[dict],
     if usage_ is not None or not chunk:
         body["usage"] = usage_
     return body
+
+
+# -- /tokenize and /detokenize (vLLM's) --------------------------------------------------------
+
+_TOKENIZE = {"model": str, "prompt": str, "messages": list, "add_special_tokens": bool,
+             "add_generation_prompt": bool, "continue_final_message": bool,
+             "chat_template": str, "chat_template_kwargs": dict, "return_token_strs": bool}
+
+
+@dataclass
+class TokenizeRequest:
+    prompt: str | None
+    messages: list | None
+    add_special_tokens: bool
+    return_token_strs: bool
+    chat_options: dict
+    model: str | None
+
+
+def parse_tokenize(body) -> TokenizeRequest:
+    """A /tokenize body: a prompt, or messages (rendered by the chat template, whose special
+    tokens it writes itself: add_special_tokens then defaults to false, as vLLM's)."""
+    values = _checked_fields(body, _TOKENIZE)
+    if (values["prompt"] is None) == (values["messages"] is None):
+        raise RequestError("give 'prompt' or 'messages'")
+    messages = None
+    if values["messages"] is not None:
+        if not values["messages"]:
+            raise RequestError("'messages' must not be empty")
+        messages = [_message_text(m, k) for k, m in enumerate(values["messages"])]
+    special = values["add_special_tokens"]
+    add_generation_prompt = values["add_generation_prompt"]
+    options = dict(chat_template=values["chat_template"],
+                   add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt,
+                   continue_final_message=bool(values["continue_final_message"]),
+                   chat_template_kwargs=values["chat_template_kwargs"] or {})
+    return TokenizeRequest(prompt=values["prompt"], messages=messages,
+                           add_special_tokens=(messages is None) if special is None else special,
+                           return_token_strs=bool(values["return_token_strs"]),
+                           chat_options=options, model=values["model"] or None)
+
+
+def render_chat(llm, messages: list, options: dict) -> dict:
+    """A conversation through the chat template as a prompt ({"prompt", "prompt_token_ids"});
+    the request's own fields win over the same keys in chat_template_kwargs (as vLLM)."""
+    kwargs = {k: v for k, v in options["chat_template_kwargs"].items()
+              if k not in ("add_generation_prompt", "continue_final_message", "chat_template",
+                           "tokenize", "conversation")}
+    if options["continue_final_message"]:
+        kwargs["continue_final_message"] = True
+    return llm.chat_prompts(messages, chat_template=options["chat_template"],
+                            add_generation_prompt=options["add_generation_prompt"],
+                            chat_template_kwargs=kwargs)[0]
+
+
+def tokenize(llm, req: TokenizeRequest) -> dict:
+    """The /tokenize answer (vLLM's fields); runs where the tokenizer may be used."""
+    tok = llm.get_tokenizer()
+    if req.messages is not None:
+        text = render_chat(llm, req.messages, req.chat_options)["prompt"]
+    else:
+        text = req.prompt
+    ids = tok.encode(text, add_special_tokens=req.add_special_tokens)
+    return {"count": len(ids), "max_model_len": llm.config.max_model_len, "tokens": ids,
+            "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None}
+
+
+def parse_detokenize(body) -> dict:
+    values = _checked_fields(body, {"model": str, "tokens": list})
+    tokens = values["tokens"]
+    if tokens is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise RequestError("'tokens' must be an array of token ids")
+    return {"tokens": tokens, "model": values["model"] or None}
+
+
+def detokenize(llm, tokens: list[int]) -> dict:
+    vocab = llm.engine.vocab_size
+    for t in tokens:
+        if not 0 <= t < vocab:
+            raise RequestError(f"token id {t} is outside the vocabulary [0, {vocab})")
+    return {"prompt": llm.get_tokenizer().decode(tokens)}

@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP server over one LLM, as `vllm serve` (`minivllm serve`):
 POST /v1/completions and /v1/chat/completions (whole responses, or server-sent events with
-"stream": true), GET /v1/models, /health and /version.
+"stream": true), vLLM's /tokenize and /detokenize, GET /v1/models, /health and /version.
 
 The engine is not thread-safe, so one thread owns it (EngineLoop): it takes new requests from a
 queue between steps, steps while any is unfinished, and hands each request's outputs to the
@@ -24,8 +24,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .llm import LLM, _delta
 from .openai_api import (ParsedRequest, RequestError, chat_body, chat_choice, chat_role_choice,
-                         completion_body, completion_choice, error_body, new_id, now, parse_chat,
-                         parse_completion, usage, vllm_prompt_logprobs)
+                         completion_body, completion_choice, detokenize, error_body, new_id, now,
+                         parse_chat, parse_completion, parse_detokenize, parse_tokenize,
+                         render_chat, tokenize, usage, vllm_prompt_logprobs)
 
 log = logging.getLogger("minivllm")
 
@@ -69,6 +70,16 @@ class EngineLoop:
     def abort(self, sub: _Submission) -> None:
         self.inbox.put(("abort", sub))
 
+    def call(self, fn):
+        """fn() run on the engine's thread, between steps (what reads the tokenizer or the
+        engine); its ValueError / TypeError as a RequestError."""
+        reply: queue.Queue = queue.Queue()
+        self.inbox.put(("call", fn, reply))
+        kind, value = reply.get()
+        if kind == "error":
+            raise value
+        return value
+
     def stop(self) -> None:
         self.inbox.put(_STOP)
         self.thread.join()
@@ -100,6 +111,16 @@ class EngineLoop:
                 self._step()
 
     def _take(self, item) -> None:
+        if isinstance(item, tuple) and item[0] == "call":
+            _, fn, reply = item
+            try:
+                reply.put(("ok", fn()))
+            except (ValueError, TypeError) as e:
+                reply.put(("error", e if isinstance(e, RequestError) else RequestError(str(e))))
+            except Exception as e:
+                reply.put(("error", RequestError(f"{type(e).__name__}: {e}", 500,
+                                                 "InternalServerError")))
+            return
         if isinstance(item, tuple):  # ("abort", submission)
             for request_id in item[1].ids:
                 if self.owners.pop(request_id, None) is not None:
@@ -109,7 +130,7 @@ class EngineLoop:
         try:
             prompts = req.prompts
             if req.messages is not None:
-                prompts = self._chat_prompts(req)
+                prompts = [render_chat(self.llm, req.messages, req.chat_options)]
             # All checked before any is queued, as LLM.generate does.
             checked = [self.engine.check_request(p, req.params) for p in prompts]
             ids = [self.engine.enqueue(text, ids, req.params) for text, ids in checked]
@@ -122,18 +143,6 @@ class EngineLoop:
         for request_id in ids:
             self.owners[request_id] = sub
         sub.replies.put(("ids", ids))
-
-    def _chat_prompts(self, req: ParsedRequest) -> list:
-        options = req.chat_options
-        # The request's own fields win over the same keys in chat_template_kwargs (as vLLM).
-        kwargs = {k: v for k, v in options["chat_template_kwargs"].items()
-                  if k not in ("add_generation_prompt", "continue_final_message", "chat_template",
-                               "tokenize", "conversation")}
-        if options["continue_final_message"]:
-            kwargs["continue_final_message"] = True
-        return self.llm.chat_prompts(req.messages, chat_template=options["chat_template"],
-                                     add_generation_prompt=options["add_generation_prompt"],
-                                     chat_template_kwargs=kwargs)
 
     def _step(self) -> None:
         streaming = any(sub.req.stream for sub in self.owners.values())
@@ -161,6 +170,7 @@ class EngineLoop:
 
 
 _ROUTES = {"/v1/completions": parse_completion, "/v1/chat/completions": parse_chat}
+_TOKENIZER_ROUTES = ("/tokenize", "/detokenize")
 
 
 class _ClientGone(Exception):
@@ -266,12 +276,15 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             path = self.path.split("?", 1)[0]
             parse = _ROUTES.get(path)
-            if parse is None:
+            if parse is None and path not in _TOKENIZER_ROUTES:
                 raise RequestError(f"no route {path}", 404, "NotFoundError")
             try:
                 body = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise RequestError(f"the request body is not JSON: {e}") from None
+            if parse is None:
+                self._send_json(200, self._tokenizer_route(path, body))
+                return
             req = parse(body, self.app.defaults)
             if req.model is not None and req.model != self.app.model_name:
                 raise RequestError(f"The model `{req.model}` does not exist.", 404, "NotFoundError")
@@ -295,6 +308,21 @@ class _Handler(BaseHTTPRequestHandler):
                 self._error(500, f"{type(e).__name__}: {e}", "InternalServerError")
             except OSError:
                 pass
+
+    def _tokenizer_route(self, path: str, body) -> dict:
+        """vLLM's /tokenize (a prompt, or messages through the chat template) and /detokenize."""
+        app = self.app
+        if app.llm.get_tokenizer() is None:
+            raise RequestError("this server has no tokenizer")
+        if path == "/tokenize":
+            req = parse_tokenize(body)
+            if req.model is not None and req.model != app.model_name:
+                raise RequestError(f"The model `{req.model}` does not exist.", 404, "NotFoundError")
+            return app.loop.call(lambda: tokenize(app.llm, req))
+        req = parse_detokenize(body)
+        if req["model"] is not None and req["model"] != app.model_name:
+            raise RequestError(f"The model `{req['model']}` does not exist.", 404, "NotFoundError")
+        return app.loop.call(lambda: detokenize(app.llm, req["tokens"]))
 
     def _whole(self, sub: _Submission, chat: bool) -> None:
         finished: dict[str, object] = {}
