@@ -356,3 +356,19 @@ def test_byte_fallback_pieces_are_their_bytes():
 
     assert token_bytes(Tok(), [0, 1, 2, 3, 4]) == {0: b"a", 1: b"\xf0", 2: b"\x9f", 3: b" the",
                                                    4: b"x"}
+
+
+def test_a_list_of_types_takes_each_types_keywords():
+    regex = schema_regex({"type": ["string", "null"], "maxLength": 2})
+    for text, ok in (('"ab"', True), ("null", True), ('"abc"', False), ("1", False)):
+        assert bool(re.fullmatch(regex, text)) == ok
+    with pytest.raises(ValueError, match="minimum"):
+        schema_regex({"type": ["string", "null"], "minimum": 2})
+
+
+def test_surrogates_begin_no_character():
+    """No UTF-8 text holds a surrogate: a class of them alone begins with no byte."""
+    from minivllm.runtime.regex_fsm import CharSet
+
+    assert not CharSet(ranges=(("\ud800", "\udfff"),)).meets(0xD000, 0xDFFF)
+    assert CharSet(ranges=(("\ud800", "\ue000"),)).meets(0xD000, 0xE000)

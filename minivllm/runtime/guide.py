@@ -373,9 +373,14 @@ def schema_regex(schema, defs: dict | None = None, depth: int = 0) -> str:
                                  + (" of one schema here" if key == "allOf" else ""))
             return "(?:" + "|".join(sub(s) for s in options) + ")"
     if isinstance(kind, list):
-        if not kind:
-            raise ValueError("JSON schema type [] admits nothing")
-        return "(?:" + "|".join(sub({**schema, "type": k}) for k in kind) + ")"
+        if not kind or not all(k in _KEYWORDS for k in kind):
+            raise ValueError(f"JSON schema type {kind!r} names no type this subset takes")
+        _check_keywords(schema, set().union(*(_KEYWORDS[k] for k in kind)) | {"type"},
+                        f"type {kind}")
+        # Each type with its own keywords ({"type": ["string", "null"], "maxLength": 5}).
+        return "(?:" + "|".join(sub({key: v for key, v in schema.items()
+                                     if key in _KEYWORDS[k] or key in _ANNOTATIONS} | {"type": k})
+                                for k in kind) + ")"
     if kind is None and "properties" in schema:
         kind = "object"
     if kind not in _KEYWORDS:

@@ -45,16 +45,21 @@ class CharSet:
     def meets(self, lo: int, hi: int) -> bool:
         """Whether it holds a character of code point lo..hi (surrogates aside)."""
         if not self.classes:
-            spans = sorted((ord(a), ord(b)) for a, b in self.ranges)
-            if not self.negated:
-                return any(a <= hi and b >= lo for a, b in spans)
-            at = lo  # the first code point not yet known to be excluded
-            for a, b in spans:
-                if a > at:
-                    break
-                at = max(at, b + 1)
-            return at <= hi
+            return any(self._meets_ranges(a, b) for a, b in ((lo, min(hi, 0xD7FF)),
+                                                               (max(lo, 0xE000), hi)) if a <= b)
         return any(chr(c) in self for c in range(lo, hi + 1) if not 0xD800 <= c <= 0xDFFF)
+
+
+    def _meets_ranges(self, lo: int, hi: int) -> bool:
+        spans = sorted((ord(a), ord(b)) for a, b in self.ranges)
+        if not self.negated:
+            return any(a <= hi and b >= lo for a, b in spans)
+        at = lo  # the first code point not yet known to be excluded
+        for a, b in spans:
+            if a > at:
+                break
+            at = max(at, b + 1)
+        return at <= hi
 
 
 ANY_BUT_NEWLINE = CharSet(ranges=(("\n", "\n"),), negated=True)
