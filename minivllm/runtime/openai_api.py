@@ -278,6 +278,15 @@ def _message_text(message, k: int) -> dict:
     return {**message, "content": content}
 
 
+def _chat_options(values: dict) -> dict:
+    """How a request's messages go through the chat template (render_chat's options)."""
+    add_generation_prompt = values["add_generation_prompt"]
+    return dict(chat_template=values["chat_template"],
+                add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt,
+                continue_final_message=bool(values["continue_final_message"]),
+                chat_template_kwargs=values["chat_template_kwargs"] or {})
+
+
 def parse_chat(body, defaults: dict) -> ParsedRequest:
     """A /v1/chat/completions body -> ParsedRequest (see parse_completion)."""
     values = _checked_fields(body, _CHAT)
@@ -293,18 +302,12 @@ def parse_chat(body, defaults: dict) -> ParsedRequest:
     max_tokens = values["max_completion_tokens"]
     if max_tokens is None:
         max_tokens = values["max_tokens"]
-    add_generation_prompt = values["add_generation_prompt"]
-    if add_generation_prompt is None:
-        add_generation_prompt = True
-    if values["continue_final_message"] and add_generation_prompt:
+    options = _chat_options(values)
+    if options["continue_final_message"] and options["add_generation_prompt"]:
         raise RequestError("'continue_final_message' needs 'add_generation_prompt': false")
     scored = _prompt_logprobs(values)
     params = _sampling(values, defaults, max_tokens=max_tokens, logprobs=logprobs,
                        prompt_logprobs=scored)
-    options = dict(chat_template=values["chat_template"],
-                   add_generation_prompt=add_generation_prompt,
-                   continue_final_message=bool(values["continue_final_message"]),
-                   chat_template_kwargs=values["chat_template_kwargs"] or {})
     include_usage, continuous = _stream_options(values)
     return ParsedRequest(params=params, stream=bool(values["stream"]),
                          include_usage=include_usage, continuous_usage=continuous,
@@ -428,13 +431,20 @@ def completion_choice(out: RequestOutput, c, req: ParsedRequest, decode, *, inde
     return choice
 
 
-def completion_body(request_id: str, created: int, model: str, choices: list[dict],
-                    usage_: dict | None, *, chunk: bool = False) -> dict:
-    body = {"id": request_id, "object": "text_completion", "created": created, "model": model,
+def _body(kind: str, request_id: str, created: int, model: str, choices: list[dict],
+          usage_: dict | None, chunk: bool) -> dict:
+    """A response or stream chunk of object `kind`; usage in a whole response always, in a
+    chunk where given."""
+    body = {"id": request_id, "object": kind, "created": created, "model": model,
             "choices": choices}
     if usage_ is not None or not chunk:
         body["usage"] = usage_
     return body
+
+
+def completion_body(request_id: str, created: int, model: str, choices: list[dict],
+                    usage_: dict | None, *, chunk: bool = False) -> dict:
+    return _body("text_completion", request_id, created, model, choices, usage_, chunk)
 
 
 def chat_choice(c, req: ParsedRequest, *, delta: bool) -> dict:
@@ -456,11 +466,8 @@ def chat_role_choice(index: int) -> dict:
 
 def chat_body(request_id: str, created: int, model: str, choices: list[dict],
               usage_: dict | None, *, chunk: bool = False) -> dict:
-    body = {"id": request_id, "object": "chat.completion.chunk" if chunk else "chat.completion",
-            "created": created, "model": model, "choices": choices}
-    if usage_ is not None or not chunk:
-        body["usage"] = usage_
-    return body
+    return _body("chat.completion.chunk" if chunk else "chat.completion", request_id, created,
+                 model, choices, usage_, chunk)
 
 
 # -- /tokenize and /detokenize (vLLM's) --------------------------------------------------------
@@ -492,15 +499,10 @@ def parse_tokenize(body) -> TokenizeRequest:
             raise RequestError("'messages' must not be empty")
         messages = [_message_text(m, k) for k, m in enumerate(values["messages"])]
     special = values["add_special_tokens"]
-    add_generation_prompt = values["add_generation_prompt"]
-    options = dict(chat_template=values["chat_template"],
-                   add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt,
-                   continue_final_message=bool(values["continue_final_message"]),
-                   chat_template_kwargs=values["chat_template_kwargs"] or {})
     return TokenizeRequest(prompt=values["prompt"], messages=messages,
                            add_special_tokens=(messages is None) if special is None else special,
                            return_token_strs=bool(values["return_token_strs"]),
-                           chat_options=options, model=values["model"] or None)
+                           chat_options=_chat_options(values), model=values["model"] or None)
 
 
 def render_chat(llm, messages: list, options: dict) -> dict:

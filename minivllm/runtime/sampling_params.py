@@ -59,27 +59,21 @@ class StructuredOutputsParams:
         given = [n for n in ("json", "regex", "choice") if getattr(self, n) is not None]
         if len(given) != 1:
             bad(f"give exactly one of json, regex and choice, got {given or 'none'}")
-        try:
-            if self.choice is not None:
-                pattern = choice_regex(self.choice)
-            elif self.regex is not None:
-                if not isinstance(self.regex, str):
-                    bad(f"regex must be a string, got {self.regex!r:.80}")
-                pattern = self.regex
-            else:
-                schema = self.json
-                if isinstance(schema, str):
-                    import json as json_module
+        if self.regex is not None and not isinstance(self.regex, str):
+            bad(f"regex must be a string, got {self.regex!r:.80}")
+        schema = self.json
+        if isinstance(schema, str):
+            import json as json_module  # (the field `json` is no module)
 
-                    try:
-                        schema = json_module.loads(schema)
-                    except ValueError as e:
-                        bad(f"json is not a JSON schema's text: {e}")
-                pattern = schema_regex(schema)
+            try:
+                schema = json_module.loads(schema)
+            except ValueError as e:
+                bad(f"json is not a JSON schema's text: {e}")
+        try:
+            pattern = (choice_regex(self.choice) if self.choice is not None
+                       else self.regex if self.regex is not None else schema_regex(schema))
             RegexDFA(pattern)  # parsed now: a bad pattern is named before any work
         except ValueError as e:
-            if str(e).startswith("StructuredOutputsParams"):
-                raise
             bad(str(e))
         object.__setattr__(self, "pattern", pattern)
 
@@ -99,10 +93,11 @@ class SamplingParams:
     penalties, as vLLM; logprobs stay the model's raw ones). bad_words: words never generated
     (vLLM's: each word's last token is banned where the output ends with its others; needs a
     tokenizer). structured_outputs: a StructuredOutputsParams (choice, regex or JSON schema) the
-    output must satisfy (needs a tokenizer). logprobs: the top-N logprobs (plus the sampled token's) per generated token (-1:
-    the whole vocabulary's; True: 1). prompt_logprobs: the same for each prompt token after the
-    first (the prompt scored by the model; its first entry is None). truncate_prompt_tokens: keep only the prompt's last k tokens
-    (-1: max_model_len; the output's prompt_token_ids are those kept)."""
+    output must satisfy (needs a tokenizer). logprobs: the top-N logprobs (plus the sampled
+    token's) per generated token (-1: the whole vocabulary's; True: 1). prompt_logprobs: the same
+    for each prompt token after the first (the prompt scored by the model; its first entry is
+    None). truncate_prompt_tokens: keep only the prompt's last k tokens (-1: max_model_len; the
+    output's prompt_token_ids are those kept)."""
 
     n: int = 1
     presence_penalty: float = 0.0

@@ -286,8 +286,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send_json(200, self._tokenizer_route(path, body))
                 return
             req = parse(body, self.app.defaults)
-            if req.model is not None and req.model != self.app.model_name:
-                raise RequestError(f"The model `{req.model}` does not exist.", 404, "NotFoundError")
+            self._check_model(req.model)
             sub = self.app.loop.submit(req)
             if req.stream:
                 self._stream(sub, parse is parse_chat)
@@ -309,6 +308,11 @@ class _Handler(BaseHTTPRequestHandler):
             except OSError:
                 pass
 
+    def _check_model(self, name: str | None) -> None:
+        """A request may name the served model, or none (as vLLM: any other is a 404)."""
+        if name is not None and name != self.app.model_name:
+            raise RequestError(f"The model `{name}` does not exist.", 404, "NotFoundError")
+
     def _tokenizer_route(self, path: str, body) -> dict:
         """vLLM's /tokenize (a prompt, or messages through the chat template) and /detokenize."""
         app = self.app
@@ -316,12 +320,10 @@ class _Handler(BaseHTTPRequestHandler):
             raise RequestError("this server has no tokenizer")
         if path == "/tokenize":
             req = parse_tokenize(body)
-            if req.model is not None and req.model != app.model_name:
-                raise RequestError(f"The model `{req.model}` does not exist.", 404, "NotFoundError")
+            self._check_model(req.model)
             return app.loop.call(lambda: tokenize(app.llm, req))
         req = parse_detokenize(body)
-        if req["model"] is not None and req["model"] != app.model_name:
-            raise RequestError(f"The model `{req['model']}` does not exist.", 404, "NotFoundError")
+        self._check_model(req["model"])
         return app.loop.call(lambda: detokenize(app.llm, req["tokens"]))
 
     def _whole(self, sub: _Submission, chat: bool) -> None:
