@@ -144,6 +144,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the name requests give as \"model\" (default: the model's path)")
     serve.add_argument("--api-key", default=None,
                        help="answer /v1 requests only with 'Authorization: Bearer KEY'")
+    serve.add_argument("--reasoning-parser", choices=["qwen3"], default=None,
+                       help="split a thinking model's <think> text from its answer (the "
+                            "message's 'reasoning'); structured outputs then hold the answer")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="tool_choice 'auto' (the default with tools) reads tool calls from "
+                            "the answer (with --tool-call-parser)")
+    serve.add_argument("--tool-call-parser", choices=["hermes"], default=None,
+                       help="the form of the model's tool calls: hermes (<tool_call> JSON "
+                            "blocks, Qwen3's)")
     from .runtime.bench import add_bench_args
 
     bench = sub.add_parser("bench", help="throughput (nano-vllm's workload) or single-stream latency")
@@ -188,6 +197,8 @@ def _make_llm(args, model: str):
                   generation_config=args.generation_config,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   hf_overrides=_hf_overrides(args))
+    if getattr(args, "reasoning_parser", None) is not None:  # serve's
+        kwargs["reasoning_parser"] = args.reasoning_parser
     # An interactive CLI serves few sequences: keep the default KV cache small.
     kwargs["max_num_seqs"] = (args.max_num_seqs if args.max_num_seqs is not None
                               else 16 if demo or args.command == "chat" else 256)
@@ -347,11 +358,16 @@ def cmd_serve(args) -> int:
         if args.model is not None and args.model != args.model_tag:
             raise SystemExit("minivllm: give the model once, as MODEL or --model")
         args.model = args.model_tag
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise SystemExit("minivllm: --enable-auto-tool-choice and --tool-call-parser go "
+                         "together")
     model = _resolve_model(args)
     llm = _make_llm(args, model)
     name = args.served_model_name or args.model or "minivllm-demo"
     server = OpenAIServer(llm, host=args.host, port=args.port, model_name=name,
-                          api_key=args.api_key)
+                          api_key=args.api_key,
+                          enable_auto_tool_choice=args.enable_auto_tool_choice,
+                          tool_call_parser=args.tool_call_parser)
     host, port = server.address
     print(f"minivllm: serving {name!r} at http://{host}:{port}/v1 (Ctrl-C stops)", file=sys.stderr,
           flush=True)

@@ -529,8 +529,9 @@ def test_integer_fields_are_int64():
 def test_openai_fields_that_change_nothing_are_taken():
     _completion(user="u", metadata={"k": "v"}, store=False, service_tier="auto", suffix=None)
     _chat(user="u", parallel_tool_calls=True, tools=[], tool_choice="none")
-    with pytest.raises(api.RequestError, match="'tool_choice' is not supported"):
-        _chat(tool_choice="auto")
+    assert _chat(tool_choice="auto").tool_mode == "none"  # nothing to call
+    with pytest.raises(api.RequestError, match="'required' needs 'tools'"):
+        _chat(tool_choice="required")
 
 
 def test_constraints_by_each_of_their_names():
@@ -621,8 +622,9 @@ def test_stop_reason_is_in_each_choice():
     out = RequestOutput("r", "p", [9], [c], True)
     for req in (_completion(), _chat()):
         assert api.completion_choice(out, c, req, None, index=0)["stop_reason"] == "###"
-        assert api.chat_choice(c, req, delta=True)["stop_reason"] == "###"
-        assert api.chat_choice(c, req, delta=False)["stop_reason"] == "###"
+        for delta in (True, False):
+            parser = api.chat_output(req, None)
+            assert api.chat_choice(c, req, parser, delta=delta)["stop_reason"] == "###"
 
 
 def test_stream_options_defaults():
@@ -915,7 +917,8 @@ def test_chat_options_reach_the_template():
     api.render_chat(llm, req.messages, req.chat_options)
     assert llm.calls == [{"chat_template": None, "add_generation_prompt": False,
                           "chat_template_kwargs": {"enable_thinking": False,
-                                                   "continue_final_message": True}}]
+                                                   "continue_final_message": True},
+                          "tools": None}]
 
 
 def test_detokenize_takes_only_the_vocabularys_ids():
@@ -967,7 +970,12 @@ def test_stream_options_and_roles_are_checked():
 
 def test_object_schemas_with_no_properties_are_refused_and_names_are_json():
     with pytest.raises(ValueError, match="properties"):
-        schema_regex({"type": "object", "properties": {}})
+        schema_regex({"type": "object"})  # any object: not a regular language
+    empty = schema_regex({"type": "object", "properties": {}})  # the empty object (no arguments)
+    assert re.fullmatch(empty, "{}") and re.fullmatch(empty, "{ }")
+    assert not re.fullmatch(empty, '{"a":1}')
+    with pytest.raises(ValueError, match="required"):
+        schema_regex({"type": "object", "properties": {}, "required": ["a"]})
     pattern = schema_regex({"type": "object", "properties": {"a.b": {"type": "null"},
                                                              'q"': {"type": "null"}}})
     assert re.fullmatch(pattern, '{"a.b":null,"q\\"":null}')

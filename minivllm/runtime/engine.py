@@ -34,6 +34,7 @@ from .config import EngineConfig
 from .detokenizer import detokenize_incrementally, find_stop_string, prompt_offsets
 from .executor import make_executor
 from .generation_config import FILE as GEN_FILE, eos_ids_of, read_generation_config
+from . import reasoning
 from .guide import CompiledGuide, Guide, GuideCache, row_constraint
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .runner import ModelRunner, PromptScores, StepInput, StepResult, trace_range
@@ -91,9 +92,13 @@ def read_eos_ids(model_dir: str, model_config, tokenizer, generation_config: dic
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None, runner: ModelRunner | None = None,
-                 generation_config: dict | None = None):
+                 generation_config: dict | None = None, reasoning_parser: str | None = None):
         self.config = config
         self.tokenizer = tokenizer
+        # With a reasoning parser, structured outputs constrain the answer, not the reasoning:
+        # the ids of <think> and </think> (runtime/reasoning.py).
+        self.reasoning_tags = (reasoning.tag_ids(tokenizer)
+                               if reasoning.check_parser(reasoning_parser) else None)
         # A ModelRunner, or at tensor_parallel_size > 1 an executor that drives one per rank
         # (under torchrun, ranks > 0 serve rank 0 inside make_executor and then exit).
         self.runner = runner if runner is not None else make_executor(config)
@@ -264,11 +269,13 @@ class LLMEngine:
         base = params.seed if params.seed is not None else self.rng.getrandbits(63)
         bad_words = self._bad_words(params)
         compiled = self._guide(params)
+        tags = self.reasoning_tags
+        phase = reasoning.prompt_phase(ids, *tags) if tags is not None else reasoning.ANSWER
         for i in range(params.n):
             seed = base if i == 0 else (base + i * _GOLDEN) & ((1 << 64) - 1)
             seq = Sequence(self._next_seq_id, request_id, i, ids, params, seed,
                            eos_ids=self.eos_ids, bad_words=bad_words,
-                           guide=Guide(compiled) if compiled is not None else None)
+                           guide=Guide(compiled, phase, tags) if compiled is not None else None)
             self._next_seq_id += 1
             request.seqs.append(seq)
             self.scheduler.add(seq)

@@ -19,6 +19,7 @@ import math
 import re
 from collections import OrderedDict, defaultdict
 
+from .reasoning import ANSWER, REASONING, UNDECIDED
 from .regex_fsm import RegexDFA
 
 State = tuple[int, bytes]  # (DFA state, the bytes of an unfinished character)
@@ -211,18 +212,32 @@ class CompiledGuide:
 
 
 class Guide:
-    """One sequence's place in its constraint: the state its generated ids lead to."""
+    """One sequence's place in its constraint: the state its generated ids lead to. With a
+    reasoning parser (runtime/reasoning.py) the constraint starts after the reasoning: `phase`
+    is where the completion starts (reasoning.prompt_phase), `tags` the ids of <think> and
+    </think>; nothing is constrained inside the reasoning, and an undecided start also allows
+    <think>."""
 
-    def __init__(self, compiled: CompiledGuide):
+    def __init__(self, compiled: CompiledGuide, phase: str = ANSWER,
+                 tags: tuple[int, int] | None = None):
+        if phase != ANSWER and tags is None:
+            raise ValueError("a guide that starts before the answer needs the reasoning tags")
         self.compiled = compiled
         self.state: State = compiled.start
         self.consumed = 0
+        self.phase, self.tags = phase, tags
 
     def advance(self, output_ids: list[int]) -> State:
         """The state after `output_ids` (the sequence's generated ids; those not seen before
         are walked)."""
         data = self.compiled.index.bytes
         for token in output_ids[self.consumed:]:
+            if self.phase == UNDECIDED:
+                self.phase = REASONING if token == self.tags[0] else ANSWER
+            if self.phase == REASONING:
+                if token == self.tags[1]:
+                    self.phase = ANSWER
+                continue
             b = data.get(token)  # None: EOS or another id the constraint ends with
             if b is not None:
                 # A token the sampler could not but take (nothing allowed was left): the
@@ -232,8 +247,17 @@ class Guide:
         return self.state
 
     def mask(self, output_ids: list[int], vocab_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """CompiledGuide.mask after `output_ids`."""
-        return self.compiled.mask(self.advance(output_ids), vocab_size)
+        """CompiledGuide.mask after `output_ids`; nothing banned inside the reasoning."""
+        state = self.advance(output_ids)
+        if self.phase == REASONING:
+            return (), ()
+        allowed, banned = self.compiled.mask(state, vocab_size)
+        if self.phase == UNDECIDED:  # the answer's first token, or <think>
+            start = self.tags[0]
+            if allowed:
+                return tuple(sorted({*allowed, start})), ()
+            return (), tuple(i for i in banned if i != start)
+        return allowed, banned
 
 
 def row_constraint(guided: tuple[int, ...], guide_bans: tuple[int, ...],
@@ -331,7 +355,7 @@ def schema_regex(schema, defs: dict | None = None, depth: int = 0) -> str:
     """A regex for the JSON texts `schema` admits, for a subset of JSON Schema: types string
     (minLength / maxLength), integer, number, boolean, null, array (items, minItems /
     maxItems), object (its properties, every one written, in order; additionalProperties
-    false or true, as only the listed ones are written), enum, const, anyOf, oneOf (as anyOf),
+    false or true, as only the listed ones are written; empty properties: {}), enum, const, anyOf, oneOf (as anyOf),
     a one-schema allOf, a list of types, and local $ref to $defs / definitions; annotations
     (title, description, ...) are ignored. Any other keyword is a ValueError that names it
     (minimum, pattern, format, ...: an output would not be held to it), as is an object without
@@ -409,11 +433,16 @@ def schema_regex(schema, defs: dict | None = None, depth: int = 0) -> str:
         items = f"{item}{more}"
         return rf"\[{WHITESPACE}" + (items if lo > 0 else f"(?:{items})?") + rf"{WHITESPACE}\]"
     props = schema.get("properties")
-    if not isinstance(props, dict) or not props:
+    if not isinstance(props, dict):
         raise ValueError("JSON schema objects need 'properties' (any JSON object is not a "
                          "regular language)")
     if schema.get("additionalProperties", False) not in (True, False):
         raise ValueError("JSON schema additionalProperties must be true or false here")
+    if not props:  # {"properties": {}}: the empty object (a function without arguments)
+        if schema.get("required"):
+            raise ValueError(f"JSON schema required {schema['required']} are not among the "
+                             f"properties")
+        return rf"\{{{WHITESPACE}\}}"
     missing = sorted(set(schema.get("required", ())) - set(props))
     if missing:
         raise ValueError(f"JSON schema required {missing} are not among the properties")

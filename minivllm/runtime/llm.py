@@ -17,6 +17,7 @@ from typing import Iterable, Iterator
 from ..state.values import as_flag
 from .config import EngineConfig, is_random_model
 from .distributed import torchrun_env
+from . import reasoning
 from .beam_search import BeamSearchOutput, beam_search
 from .engine import EngineStats, LLMEngine
 from .executor import make_executor
@@ -89,7 +90,9 @@ class LLM:
     get_default_sampling_params() returns the result. hf_overrides: config.json values set over
     the checkpoint's (vLLM's), e.g. Qwen3's long context: {"rope_scaling": {"rope_type": "yarn",
     "factor": 4.0, "original_max_position_embeddings": 32768}} (max_model_len then defaults to
-    32,768 x 4); an object merges into the file's object of that key.
+    32,768 x 4); an object merges into the file's object of that key. reasoning_parser: "qwen3"
+    makes structured outputs constrain a thinking model's answer, after its </think>, as vLLM's
+    (runtime/reasoning.py; the server also splits the reasoning from the answer with it).
     """
 
     def __init__(self, model, *, tokenizer=None, dtype="auto", max_model_len: int | None = None,
@@ -101,8 +104,9 @@ class LLM:
                  skip_tokenizer_init: bool = False, async_scheduling: bool = True,
                  kv_cache_dtype="auto", persistent_decode: bool | None = None,
                  generation_config="auto", override_generation_config: dict | None = None,
-                 hf_overrides: dict | None = None):
+                 hf_overrides: dict | None = None, reasoning_parser: str | None = None):
         skip_tokenizer_init = as_flag("skip_tokenizer_init", skip_tokenizer_init, False)
+        reasoning.check_parser(reasoning_parser)
         self.config = EngineConfig.create(
             model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
@@ -128,8 +132,11 @@ class LLM:
         if not skip_tokenizer_init and not is_random_model(self.config.model) and \
                 (launch is None or launch.rank == 0):
             tok = load_tokenizer(os.fspath(tokenizer or self.config.model), required=tokenizer is not None)
+        if reasoning_parser is not None:
+            reasoning.tag_ids(tok)  # before the weights load
         runner = make_executor(self.config)
-        self.engine = LLMEngine(self.config, tok, runner=runner, generation_config=gen)
+        self.engine = LLMEngine(self.config, tok, runner=runner, generation_config=gen,
+                                reasoning_parser=reasoning_parser)
         # Requests of the calls in progress (generate, streams), and outputs one call's step
         # received for another's: see _next_outputs.
         self._owned: set[str] = set()
@@ -250,17 +257,19 @@ class LLM:
                            progress=progress if use_tqdm else None)
 
     def chat(self, messages, sampling_params=None, *, use_tqdm: bool = True, chat_template=None,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None
-             ) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """Complete one conversation (a list of {"role", "content"} dicts) or a list of them,
-        formatted by the tokenizer's chat template."""
+        formatted by the tokenizer's chat template (with `tools`, OpenAI's function
+        definitions, for a template that lists them, as Qwen3's)."""
         prompts = self.chat_prompts(messages, chat_template=chat_template,
                                     add_generation_prompt=add_generation_prompt,
-                                    chat_template_kwargs=chat_template_kwargs)
+                                    chat_template_kwargs=chat_template_kwargs, tools=tools)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def chat_prompts(self, messages, *, chat_template=None, add_generation_prompt: bool = True,
-                     chat_template_kwargs: dict | None = None) -> list[dict]:
+                     chat_template_kwargs: dict | None = None, tools: list[dict] | None = None
+                     ) -> list[dict]:
         """Conversations -> prompts ({"prompt", "prompt_token_ids"}) through the chat template."""
         tok = self.engine.tokenizer
         if tok is None:
@@ -268,11 +277,14 @@ class LLM:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        kwargs = dict(chat_template_kwargs or {})
+        if tools is not None:
+            kwargs["tools"] = tools
         prompts = []
         for conv in conversations:
             text = tok.apply_chat_template(list(conv), tokenize=False, chat_template=chat_template,
                                            add_generation_prompt=add_generation_prompt,
-                                           **(chat_template_kwargs or {}))
+                                           **kwargs)
             # The template writes any special tokens itself.
             ids = tok.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})

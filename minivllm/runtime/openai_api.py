@@ -13,11 +13,14 @@ for nothing a completion changes ("user", "metadata", ...).
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
 from dataclasses import dataclass, field
 
+from . import tool_calls
+from .chat_output import ChatOutput, message
 from .outputs import Logprob, RequestOutput
 from .sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -55,9 +58,9 @@ _COMPLETION = {**_COMMON, "prompt": (str, list), "echo": bool, "logprobs": int, 
 _CHAT = {**_COMMON, "messages": list, "max_completion_tokens": int, "logprobs": bool,
          "top_logprobs": int, "add_generation_prompt": bool, "continue_final_message": bool,
          "chat_template": str, "chat_template_kwargs": dict, "tools": list,
-         "tool_choice": (str, dict)}
+         "tool_choice": (str, dict), "include_reasoning": bool}
 # Fields that take only their default here.
-_UNSUPPORTED = {"suffix": None, "tools": [], "tool_choice": "none"}
+_UNSUPPORTED = {"suffix": None}
 
 _JSON_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
                list: "an array", dict: "an object"}
@@ -125,12 +128,17 @@ class ParsedRequest:
     logprobs: int | None = None
     prompt_logprobs: bool = False  # the response carries them (vLLM's prompt_logprobs field)
     model: str | None = None
+    tool_mode: str = "none"  # tool_calls.check_tool_choice's
+    include_reasoning: bool = True
 
 
-def _structured(values: dict) -> StructuredOutputsParams | None:
+def _structured(values: dict, tool_schema: dict | None = None) -> StructuredOutputsParams | None:
     """The request's constraint: vLLM's structured_outputs object, its older guided_choice /
-    guided_regex / guided_json, or OpenAI's response_format json_schema; at most one."""
+    guided_regex / guided_json, OpenAI's response_format json_schema, or the JSON a
+    tool_choice of "required" or a named function asks for; at most one."""
     given = {}
+    if tool_schema is not None:
+        given["tool_choice"] = {"json": tool_schema}
     if values["structured_outputs"] is not None:
         given["structured_outputs"] = values["structured_outputs"]
     for name, key in (("guided_choice", "choice"), ("guided_regex", "regex"),
@@ -162,7 +170,8 @@ def _structured(values: dict) -> StructuredOutputsParams | None:
         raise RequestError(str(e)) from None
 
 
-def _sampling(values: dict, defaults: dict, *, max_tokens, logprobs, prompt_logprobs) -> SamplingParams:
+def _sampling(values: dict, defaults: dict, *, max_tokens, logprobs, prompt_logprobs,
+              tool_schema: dict | None = None) -> SamplingParams:
     n = values["n"] if values["n"] is not None else 1
     if values["best_of"] is not None and values["best_of"] != n:
         raise RequestError("best_of other than n is not supported (nor by vLLM's V1 engine)")
@@ -182,7 +191,7 @@ def _sampling(values: dict, defaults: dict, *, max_tokens, logprobs, prompt_logp
                                f"{sorted(values['logit_bias'])!r:.80}") from None
     if max_tokens is None:
         max_tokens = defaults.get("max_tokens")
-    kwargs["structured_outputs"] = _structured(values)
+    kwargs["structured_outputs"] = _structured(values, tool_schema)
     try:
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
                               prompt_logprobs=prompt_logprobs, **kwargs)
@@ -275,7 +284,32 @@ def _message_text(message, k: int) -> dict:
         content = ""
     if not isinstance(content, str):
         raise RequestError(f"messages[{k}].content must be a string or an array of text parts")
-    return {**message, "content": content}
+    message = {**message, "content": content}
+    if message.get("tool_calls") is not None:
+        message["tool_calls"] = _history_calls(message["tool_calls"], k)
+    return message
+
+
+def _history_calls(calls, k: int) -> list[dict]:
+    """An assistant message's earlier tool calls, their arguments as objects for the chat
+    template (Qwen3's writes them as JSON; vLLM parses them the same way)."""
+    if not isinstance(calls, list):
+        raise RequestError(f"messages[{k}].tool_calls must be an array")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise RequestError(f"messages[{k}].tool_calls[{j}] must be {{'id', 'type': "
+                               f"'function', 'function': {{'name', 'arguments'}}}}")
+        arguments = fn.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError:
+                raise RequestError(f"messages[{k}].tool_calls[{j}].function.arguments is not "
+                                   f"JSON: {arguments!r:.80}") from None
+        out.append({**call, "function": {**fn, "arguments": arguments}})
+    return out
 
 
 def _chat_options(values: dict) -> dict:
@@ -284,7 +318,8 @@ def _chat_options(values: dict) -> dict:
     return dict(chat_template=values["chat_template"],
                 add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt,
                 continue_final_message=bool(values["continue_final_message"]),
-                chat_template_kwargs=values["chat_template_kwargs"] or {})
+                chat_template_kwargs=values["chat_template_kwargs"] or {},
+                tools=values["tools"])
 
 
 def parse_chat(body, defaults: dict) -> ParsedRequest:
@@ -294,6 +329,16 @@ def parse_chat(body, defaults: dict) -> ParsedRequest:
     if not messages:
         raise RequestError("'messages' is required and must not be empty")
     messages = [_message_text(m, k) for k, m in enumerate(messages)]
+    try:
+        tools = tool_calls.check_tools(values["tools"]) if values["tools"] is not None else None
+        tool_mode = tool_calls.check_tool_choice(values["tool_choice"], tools)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    if tool_mode == "auto" and tools:
+        # Some tokenizers mark <tool_call> special: its text must stay (vLLM's hermes parser).
+        values = {**values, "skip_special_tokens": False}
+    elif tool_mode == "auto":
+        tool_mode = "none"  # nothing to call
     top = values["top_logprobs"]
     if top and not values["logprobs"]:  # 0 without logprobs asks for nothing (as vLLM)
         raise RequestError("'top_logprobs' needs 'logprobs': true")
@@ -307,12 +352,16 @@ def parse_chat(body, defaults: dict) -> ParsedRequest:
         raise RequestError("'continue_final_message' needs 'add_generation_prompt': false")
     scored = _prompt_logprobs(values)
     params = _sampling(values, defaults, max_tokens=max_tokens, logprobs=logprobs,
-                       prompt_logprobs=scored)
+                       prompt_logprobs=scored,
+                       tool_schema=tool_calls.choice_schema(tool_mode, tools or []))
     include_usage, continuous = _stream_options(values)
+    include_reasoning = values["include_reasoning"]
     return ParsedRequest(params=params, stream=bool(values["stream"]),
                          include_usage=include_usage, continuous_usage=continuous,
                          messages=messages, chat_options=options, logprobs=logprobs,
-                         prompt_logprobs=scored is not None, model=values["model"] or None)
+                         prompt_logprobs=scored is not None, model=values["model"] or None,
+                         tool_mode=tool_mode,
+                         include_reasoning=True if include_reasoning is None else include_reasoning)
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -447,15 +496,35 @@ def completion_body(request_id: str, created: int, model: str, choices: list[dic
     return _body("text_completion", request_id, created, model, choices, usage_, chunk)
 
 
-def chat_choice(c, req: ParsedRequest, *, delta: bool) -> dict:
-    """One choice of a chat response, or of a stream chunk (delta: c holds what is new)."""
+def chat_output(req: ParsedRequest, phase: str | None) -> ChatOutput:
+    """A completion's ChatOutput; phase: reasoning.prompt_phase of its prompt, None without a
+    reasoning parser."""
+    return ChatOutput(phase, req.tool_mode, req.include_reasoning)
+
+
+def _finish_reason(c, parser: ChatOutput) -> str | None:
+    """vLLM's: "tool_calls" where an "auto" answer called tools."""
+    if c.finish_reason is not None and parser.tool_mode == "auto" and parser.called:
+        return "tool_calls"
+    return c.finish_reason
+
+
+def chat_choice(c, req: ParsedRequest, parser: ChatOutput, *, delta: bool) -> dict | None:
+    """One choice of a chat response, or of a stream chunk (delta: c holds what is new; None
+    when the chunk would carry nothing: its text held back, no logprobs, not the last)."""
     lps = (chat_logprobs(list(c.token_ids), c.logprobs, req.logprobs)
            if req.logprobs is not None and c.logprobs is not None else None)
     if delta:
-        return {"index": c.index, "delta": {"content": c.text}, "logprobs": lps,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-    return {"index": c.index, "message": {"role": "assistant", "content": c.text},
-            "logprobs": lps, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        fields = parser.feed(c.text)
+        if c.finish_reason is not None:
+            for key, value in parser.finish().items():
+                fields[key] = fields[key] + value if key in fields else value
+        if not fields and lps is None and c.finish_reason is None:
+            return None
+        return {"index": c.index, "delta": fields, "logprobs": lps,
+                "finish_reason": _finish_reason(c, parser), "stop_reason": c.stop_reason}
+    return {"index": c.index, "message": message(parser, c.text), "logprobs": lps,
+            "finish_reason": _finish_reason(c, parser), "stop_reason": c.stop_reason}
 
 
 def chat_role_choice(index: int) -> dict:
@@ -474,7 +543,8 @@ def chat_body(request_id: str, created: int, model: str, choices: list[dict],
 
 _TOKENIZE = {"model": str, "prompt": str, "messages": list, "add_special_tokens": bool,
              "add_generation_prompt": bool, "continue_final_message": bool,
-             "chat_template": str, "chat_template_kwargs": dict, "return_token_strs": bool}
+             "chat_template": str, "chat_template_kwargs": dict, "return_token_strs": bool,
+             "tools": list}
 
 
 @dataclass
@@ -498,6 +568,13 @@ def parse_tokenize(body) -> TokenizeRequest:
         if not values["messages"]:
             raise RequestError("'messages' must not be empty")
         messages = [_message_text(m, k) for k, m in enumerate(values["messages"])]
+    if values["tools"] is not None:
+        if messages is None:
+            raise RequestError("'tools' needs 'messages'")
+        try:
+            tool_calls.check_tools(values["tools"])
+        except ValueError as e:
+            raise RequestError(str(e)) from None
     special = values["add_special_tokens"]
     return TokenizeRequest(prompt=values["prompt"], messages=messages,
                            add_special_tokens=(messages is None) if special is None else special,
@@ -510,12 +587,12 @@ def render_chat(llm, messages: list, options: dict) -> dict:
     the request's own fields win over the same keys in chat_template_kwargs (as vLLM)."""
     kwargs = {k: v for k, v in options["chat_template_kwargs"].items()
               if k not in ("add_generation_prompt", "continue_final_message", "chat_template",
-                           "tokenize", "conversation")}
+                           "tokenize", "conversation", "tools")}
     if options["continue_final_message"]:
         kwargs["continue_final_message"] = True
     return llm.chat_prompts(messages, chat_template=options["chat_template"],
                             add_generation_prompt=options["add_generation_prompt"],
-                            chat_template_kwargs=kwargs)[0]
+                            chat_template_kwargs=kwargs, tools=options["tools"])[0]
 
 
 def tokenize(llm, req: TokenizeRequest) -> dict:

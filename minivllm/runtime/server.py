@@ -22,9 +22,12 @@ import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from . import reasoning, tool_calls
+from .chat_output import ChatOutput
 from .llm import LLM, _delta
-from .openai_api import (ParsedRequest, RequestError, chat_body, chat_choice, chat_role_choice,
-                         completion_body, completion_choice, detokenize, error_body, new_id, now,
+from .openai_api import (ParsedRequest, RequestError, chat_body, chat_choice, chat_output,
+                         chat_role_choice, completion_body, completion_choice, detokenize,
+                         error_body, new_id, now,
                          parse_chat, parse_completion, parse_detokenize, parse_tokenize,
                          render_chat, tokenize, usage, vllm_prompt_logprobs)
 
@@ -287,6 +290,9 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             req = parse(body, self.app.defaults)
             self._check_model(req.model)
+            if req.tool_mode == "auto" and not self.app.tool_call_parser:
+                raise RequestError('"auto" tool choice requires --enable-auto-tool-choice and '
+                                   '--tool-call-parser to be set')
             sub = self.app.loop.submit(req)
             if req.stream:
                 self._stream(sub, parse is parse_chat)
@@ -339,8 +345,8 @@ class _Handler(BaseHTTPRequestHandler):
         if chat:
             out = outs[0]
             body = chat_body(new_id("chatcmpl"), created, app.model_name,
-                             [chat_choice(c, req, delta=False) for c in out.outputs],
-                             usage(outs, req))
+                             [chat_choice(c, req, app.chat_output(req, out), delta=False)
+                              for c in out.outputs], usage(outs, req))
             if req.prompt_logprobs:
                 body["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs)
         else:
@@ -367,6 +373,7 @@ class _Handler(BaseHTTPRequestHandler):
         request_id = new_id("chatcmpl" if chat else "cmpl")
         sent: dict = {}
         offsets: dict[tuple[str, int], int] = {}  # a completion's text sent so far
+        parsers: dict[tuple[str, int], object] = {}  # a chat completion's ChatOutput
         last: dict[str, object] = {}
         order = {rid: k for k, rid in enumerate(sub.ids)}
         done = 0
@@ -389,7 +396,10 @@ class _Handler(BaseHTTPRequestHandler):
                     if first:
                         self._event(make(request_id, created, app.model_name,
                                          [chat_role_choice(c.index)], running, chunk=True))
-                    choice = chat_choice(c, req, delta=True)
+                        parsers[key] = app.chat_output(req, value)
+                    choice = chat_choice(c, req, parsers[key], delta=True)
+                    if choice is None:
+                        continue
                 else:
                     index = order[value.request_id] * req.params.n + c.index
                     choice = completion_choice(delta, c, req, app.decode, index=index,
@@ -414,7 +424,13 @@ class OpenAIServer:
     as "model" (any other is a 404, as vLLM's)."""
 
     def __init__(self, llm: LLM, *, host: str = "127.0.0.1", port: int = 8000,
-                 model_name: str = "minivllm", api_key: str | None = None):
+                 model_name: str = "minivllm", api_key: str | None = None,
+                 enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None):
+        tool_calls.check_parser(tool_call_parser)
+        if enable_auto_tool_choice != (tool_call_parser is not None):
+            # vLLM's rule: one without the other is a mistake, said at start.
+            raise ValueError("enable_auto_tool_choice and tool_call_parser go together: give "
+                             "both (tool_choice 'auto' reads the answer's calls) or neither")
         config = llm.config
         capacity = llm.engine.num_blocks * config.block_size
         if capacity < config.max_model_len:
@@ -426,6 +442,7 @@ class OpenAIServer:
         self.llm = llm
         self.model_name = model_name
         self.api_key = api_key
+        self.tool_call_parser = tool_call_parser
         self.defaults = llm.get_diff_sampling_param()
         tok = llm.get_tokenizer()
         self.decode = tok.decode if tok is not None else None
@@ -437,6 +454,13 @@ class OpenAIServer:
     @property
     def address(self) -> tuple[str, int]:
         return self.http.server_address[:2]
+
+    def chat_output(self, req: ParsedRequest, out) -> ChatOutput:
+        """The ChatOutput of a completion of `out`'s prompt (a RequestOutput): its reasoning
+        phase read from the prompt's ids where the LLM has a reasoning parser."""
+        tags = self.llm.engine.reasoning_tags
+        phase = reasoning.prompt_phase(out.prompt_token_ids, *tags) if tags is not None else None
+        return chat_output(req, phase)
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": now(), "owned_by": "minivllm",

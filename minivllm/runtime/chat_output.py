@@ -1,0 +1,130 @@
+"""A chat completion's text as the message vLLM's server answers with: the reasoning split from
+the answer (runtime/reasoning.py, with a reasoning parser), then the answer as content or as tool
+calls (runtime/tool_calls.py, by the request's tool_choice). One ChatOutput per completion, fed
+its text as it grows: a stream sends what each feed returns, a whole response merges the same
+pieces (merge_deltas), so the two always agree."""
+
+from __future__ import annotations
+
+from . import reasoning
+from .tool_calls import ToolCallSplit, call_json, new_call_id, parse_required
+
+
+class ChatOutput:
+    """phase: where the completion starts (reasoning.prompt_phase), None without a reasoning
+    parser; tool_mode: "none", "auto" (hermes blocks read from the answer), "required" or
+    "function:NAME" (check_tool_choice); include_reasoning: false drops the reasoning (vLLM's
+    request field). feed and finish return a delta's fields: "reasoning" (also as
+    "reasoning_content", the name of vLLM's earlier versions, which clients such as Qwen-Agent
+    read), "content", "tool_calls"; only those with something in them."""
+
+    def __init__(self, phase: str | None, tool_mode: str = "none", include_reasoning: bool = True):
+        self.split = reasoning.ReasoningSplit(phase) if phase is not None else None
+        self.tool_mode = tool_mode
+        self.include_reasoning = include_reasoning
+        self.tools = ToolCallSplit() if tool_mode == "auto" else None
+        self.answer = ""  # a "required" answer, parsed at the end
+        self.named_started = False
+        self.called = False  # tool calls were sent (finish_reason "tool_calls" in "auto")
+
+    @property
+    def reasoning_parser(self) -> bool:
+        return self.split is not None
+
+    def feed(self, text: str) -> dict:
+        r, a = self.split.feed(text) if self.split is not None else ("", text)
+        return self._fields(r, self._answer(a))
+
+    def finish(self) -> dict:
+        r, a = self.split.finish() if self.split is not None else ("", "")
+        fields = self._fields(r, self._answer(a))
+        if self.tools is not None:
+            content, calls = self.tools.finish()
+            self._add(fields, content, self._calls(calls))
+        elif self.tool_mode == "required":
+            calls = parse_required(self.answer)
+            if calls is None:  # cut short: the text as it is
+                self._add(fields, self.answer, [])
+            else:
+                self._add(fields, "", self._calls(calls))
+        return fields
+
+    def _answer(self, text: str) -> tuple[str, list[dict]]:
+        """The answer's piece as (content, tool call deltas)."""
+        if self.tools is not None:
+            return self.tools.feed(text), []
+        if self.tool_mode == "required":
+            self.answer += text
+            return "", []
+        if self.tool_mode.startswith("function:") and text:
+            if self.named_started:
+                return "", [{"index": 0, "function": {"arguments": text}}]
+            self.named_started = self.called = True
+            return "", [{"index": 0, "id": new_call_id(), "type": "function",
+                         "function": {"name": self.tool_mode[len("function:"):],
+                                      "arguments": text}}]
+        return text, []
+
+    def _calls(self, calls: list[dict]) -> list[dict]:
+        if calls:
+            self.called = True
+        return [{"index": k, **call_json(c["name"], c["arguments"])} for k, c in enumerate(calls)]
+
+    def _fields(self, r: str, answer: tuple[str, list[dict]]) -> dict:
+        fields = {}
+        if r and self.include_reasoning:
+            fields["reasoning"] = fields["reasoning_content"] = r
+        self._add(fields, *answer)
+        return fields
+
+    @staticmethod
+    def _add(fields: dict, content: str, calls: list[dict]) -> None:
+        if content:
+            fields["content"] = fields.get("content", "") + content
+        if calls:
+            fields["tool_calls"] = fields.get("tool_calls", []) + calls
+
+
+def merge_deltas(deltas: list[dict]) -> dict:
+    """Deltas' fields joined: texts concatenated, each tool call's pieces (by index) into one
+    call, its arguments concatenated."""
+    out: dict = {}
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        for key in ("reasoning", "reasoning_content", "content"):
+            if key in d:
+                out[key] = out.get(key, "") + d[key]
+        for piece in d.get("tool_calls", ()):
+            call = calls.setdefault(piece["index"], {"function": {"arguments": ""}})
+            for key in ("id", "type"):
+                if key in piece:
+                    call[key] = piece[key]
+            fn = piece.get("function", {})
+            if "name" in fn:
+                call["function"]["name"] = fn["name"]
+            call["function"]["arguments"] += fn.get("arguments", "")
+    if calls:
+        out["tool_calls"] = [{"id": c["id"], "type": c["type"],
+                              "function": {"name": c["function"]["name"],
+                                           "arguments": c["function"]["arguments"]}}
+                             for _, c in sorted(calls.items())]
+    return out
+
+
+def message(parser: ChatOutput, text: str) -> dict:
+    """A whole completion's message: role, content (None where the answer is all tool calls or
+    the completion all reasoning, "" for a constrained tool call, as vLLM), the reasoning fields
+    with a reasoning parser, tool_calls where any."""
+    fields = merge_deltas([parser.feed(text), parser.finish()])
+    content = fields.get("content")
+    if content is None:
+        if parser.tool_mode == "required" or parser.tool_mode.startswith("function:"):
+            content = ""
+        elif not (parser.called or fields.get("reasoning")):
+            content = ""
+    msg = {"role": "assistant", "content": content}
+    if parser.reasoning_parser:
+        msg["reasoning"] = msg["reasoning_content"] = fields.get("reasoning")
+    if "tool_calls" in fields:
+        msg["tool_calls"] = fields["tool_calls"]
+    return msg

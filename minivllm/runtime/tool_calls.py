@@ -1,0 +1,187 @@
+"""Tool calls (OpenAI's function calling) as vLLM's server makes them for Qwen3: a request's
+`tools` and `tool_choice` checked, the constraint that "required" and a named function put on
+the answer, and the calls read back from it.
+
+Qwen3 writes each call as a hermes block (vLLM's `--tool-call-parser hermes`):
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+tool_choice "auto" reads such blocks from the answer (ToolCallSplit); "required" constrains the
+answer to a JSON array of {"name", "parameters"} objects, one of the tools each, and a named
+function to that function's parameters (structured outputs, runtime/guide.py), as vLLM does.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+from .reasoning import partial_tag
+
+START_TAG, END_TAG = "<tool_call>", "</tool_call>"
+PARSERS = ("hermes",)
+_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+NO_ARGUMENTS = {"type": "object", "properties": {}}
+
+
+def check_parser(name) -> str | None:
+    if name is None:
+        return None
+    if name not in PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {list(PARSERS)} or None, got {name!r}")
+    return name
+
+
+def check_tools(tools) -> list[dict]:
+    """OpenAI's tools: [{"type": "function", "function": {"name", "description"?,
+    "parameters"?, "strict"?}}]. ValueError naming what is wrong."""
+    if not isinstance(tools, list):
+        raise ValueError("'tools' must be an array of {'type': 'function', 'function': {...}} "
+                         "objects")
+    names = set()
+    for k, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or \
+                not isinstance(tool.get("function"), dict):
+            raise ValueError(f"tools[{k}] must be {{'type': 'function', 'function': {{...}}}}")
+        unknown = sorted(set(tool) - {"type", "function"})
+        if unknown:
+            raise ValueError(f"tools[{k}]: unknown fields {unknown}")
+        fn = tool["function"]
+        unknown = sorted(set(fn) - {"name", "description", "parameters", "strict"})
+        if unknown:
+            raise ValueError(f"tools[{k}].function: unknown fields {unknown}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tools[{k}].function.name must be a non-empty string")
+        if name in names:
+            raise ValueError(f"tools[{k}]: two tools are named {name!r}")
+        names.add(name)
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise ValueError(f"tools[{k}].function.description must be a string")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise ValueError(f"tools[{k}].function.parameters must be a JSON schema object")
+    return tools
+
+
+def check_tool_choice(choice, tools: list[dict] | None) -> str:
+    """The request's tool_choice as "none", "auto", "required" or the named function's name
+    prefixed "function:". Unset: "auto" with tools, "none" without (OpenAI's and vLLM's)."""
+    if choice is None:
+        return "auto" if tools else "none"
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise ValueError(f"'tool_choice' must be 'none', 'auto', 'required' or "
+                             f"{{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r}")
+        if choice == "required" and not tools:
+            raise ValueError("'tool_choice' 'required' needs 'tools'")
+        return choice
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    if not isinstance(fn, dict) or choice.get("type", "function") != "function" or \
+            not isinstance(fn.get("name"), str):
+        raise ValueError("a named 'tool_choice' is {'type': 'function', 'function': "
+                         "{'name': ...}}")
+    names = [t["function"]["name"] for t in tools or ()]
+    if fn["name"] not in names:
+        raise ValueError(f"'tool_choice' names {fn['name']!r}, which is not among the tools "
+                         f"{names}")
+    return "function:" + fn["name"]
+
+
+def _parameters(tool: dict) -> dict:
+    return tool["function"].get("parameters") or NO_ARGUMENTS
+
+
+def choice_schema(choice: str, tools: list[dict]) -> dict | None:
+    """The JSON schema the answer is held to: a named function's parameters; for "required",
+    an array of one or more {"name": one of the tools, "parameters": its parameters} (vLLM's);
+    None for "none" and "auto"."""
+    if choice.startswith("function:"):
+        name = choice[len("function:"):]
+        return _parameters(next(t for t in tools if t["function"]["name"] == name))
+    if choice != "required":
+        return None
+    return {"type": "array", "minItems": 1, "items": {"anyOf": [
+        {"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]},
+                                          "parameters": _parameters(t)},
+         "required": ["name", "parameters"]} for t in tools]}}
+
+
+def new_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def call_json(name: str, arguments: str) -> dict:
+    """A tool call of a response's message."""
+    return {"id": new_call_id(), "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def parse_hermes(text: str) -> list[dict] | None:
+    """The calls in an answer from its first <tool_call> on, as [{"name", "arguments"}]
+    (arguments a JSON text); None where a block is not a call (its JSON broken, or without a
+    string name and an arguments value), as vLLM's hermes parser, which then returns the whole
+    answer as content. A last block without its closing tag is read to the end (a completion
+    that stopped at its EOS right after the JSON)."""
+    calls = []
+    for closed, open_ in _BLOCK.findall(text):
+        try:
+            call = json.loads(closed or open_)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or \
+                "arguments" not in call:
+            return None
+        calls.append({"name": call["name"],
+                      "arguments": json.dumps(call["arguments"], ensure_ascii=False)})
+    return calls
+
+
+def parse_required(text: str) -> list[dict] | None:
+    """The calls of a "required" answer (a JSON array of {"name", "parameters"}); None where
+    the answer is not one (a completion cut short by max_tokens)."""
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(items, list) or not all(
+            isinstance(i, dict) and isinstance(i.get("name"), str) and "parameters" in i
+            for i in items):
+        return None
+    return [{"name": i["name"], "arguments": json.dumps(i["parameters"], ensure_ascii=False)}
+            for i in items]
+
+
+class ToolCallSplit:
+    """An answer, fed as it grows, split into the content before its first <tool_call> (sent
+    as it comes, but for an end that may begin the tag) and the rest, kept until finish()
+    parses it whole: then the calls, or, where the rest holds none that parses, the rest as
+    content (so that a streamed answer ends as the whole one does). Text after the first call
+    is not content (vLLM's)."""
+
+    def __init__(self):
+        self.pending = ""
+        self.rest: str | None = None  # from the first <tool_call> on, once it came
+
+    def feed(self, text: str) -> str:
+        if self.rest is not None:
+            self.rest += text
+            return ""
+        text = self.pending + text
+        before, tag, after = text.partition(START_TAG)
+        if tag:
+            self.pending, self.rest = "", tag + after
+            return before
+        keep = partial_tag(text, START_TAG)
+        self.pending = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep]
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """(content still to send, calls)."""
+        if self.rest is None:
+            text, self.pending = self.pending, ""
+            return text, []
+        calls = parse_hermes(self.rest)
+        if calls is None:
+            return self.rest, []
+        return "", calls
