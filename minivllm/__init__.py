@@ -13,8 +13,9 @@ The engine, shaped like vLLM's:
 
 from .functional import forward, generate
 from .runtime import (BeamSearchOutput, BeamSearchParams, BeamSearchSequence, CompletionOutput,
-                      LLM, LLMEngine, Logprob, RequestOutput, SamplingParams,
-                      StructuredOutputsParams, WorkerDiedError)
+                      EmbeddingOutput, EmbeddingRequestOutput, LLM, LLMEngine, Logprob,
+                      PoolingParams, RequestOutput, SamplingParams, StructuredOutputsParams,
+                      WorkerDiedError)
 from .state import (Batch, KVCache, LayerParams, ModelConfig, Params, SeqChunk, ShardSpec,
                     config_for_shape, init_cache, make_batch, random_params)
 from .state.load import CheckpointError, load
@@ -23,5 +24,6 @@ __all__ = ["forward", "generate", "Batch", "KVCache", "LayerParams", "ModelConfi
            "SeqChunk", "ShardSpec", "config_for_shape", "init_cache", "make_batch", "random_params",
            "CheckpointError", "load", "LLM", "LLMEngine", "SamplingParams", "RequestOutput",
            "CompletionOutput", "Logprob", "WorkerDiedError", "BeamSearchParams", "BeamSearchOutput",
-           "BeamSearchSequence", "StructuredOutputsParams"]
+           "BeamSearchSequence", "StructuredOutputsParams", "PoolingParams", "EmbeddingOutput",
+           "EmbeddingRequestOutput"]
 __version__ = "0.1.0"

@@ -7,6 +7,7 @@ from .engine import EngineStats, LLMEngine
 from .executor import WorkerDiedError
 from .llm import LLM
 from .outputs import CompletionOutput, Logprob, RequestOutput
+from .pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 from .runner import ModelRunner, StepInput, StepResult
 from .sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from .scheduler import Scheduler, SchedulerOutput
@@ -14,4 +15,5 @@ from .sequence import Sequence
 
 __all__ = ["BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "BlockManager", "EngineConfig", "EngineStats", "LLMEngine", "LLM", "CompletionOutput",
            "Logprob", "RequestOutput", "ModelRunner", "StepInput", "StepResult", "SamplingParams",
-           "Scheduler", "SchedulerOutput", "Sequence", "StructuredOutputsParams", "WorkerDiedError"]
+           "Scheduler", "SchedulerOutput", "Sequence", "StructuredOutputsParams", "WorkerDiedError",
+           "EmbeddingOutput", "EmbeddingRequestOutput", "PoolingParams"]

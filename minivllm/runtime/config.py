@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import attrs
 import torch
 
 from ..state.config import FP8_DTYPES, ModelConfig, config_for_shape, parse_dtype, parse_kv_cache_dtype
 from ..state.values import as_flag, as_int, as_real
 from .distributed import check_tensor_parallel, torchrun_env
+from .pooling import resolve_runner
 
 
 def is_random_model(model: str) -> bool:
@@ -54,6 +56,10 @@ class EngineConfig:
     async_scheduling: bool = True
     kv_cache_dtype: torch.dtype | None = None  # None: dtype
     persistent_decode: bool = False  # decode steps of 1-2 rows: every layer in one persistent kernel
+    # "generate", or "pooling" (embeddings: runtime/pooling.py; the model's config then has tied
+    # embeddings, so that no LM head is loaded); normalize_embeddings: PoolingParams' default.
+    runner: str = "generate"
+    normalize_embeddings: bool = True
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -65,7 +71,8 @@ class EngineConfig:
                num_kv_blocks=None, enforce_eager=False, tensor_parallel_size=1,
                attention_backend=None, seed=0, enable_prefix_caching=True, max_logprobs=20,
                device=None, async_scheduling=True, kv_cache_dtype="auto",
-               persistent_decode=None, hf_overrides=None) -> "EngineConfig":
+               persistent_decode=None, hf_overrides=None, runner="auto",
+               task=None) -> "EngineConfig":
         model = os.fspath(model)
         if hf_overrides is not None and not isinstance(hf_overrides, dict):
             raise ValueError(f"hf_overrides must be a dict of config.json keys, got "
@@ -88,6 +95,13 @@ class EngineConfig:
             except ValueError as e:
                 raise ValueError(f"{model}: {e}" + (" (with hf_overrides)" if hf_overrides else "")
                                  ) from None
+        runner, normalize_embeddings = resolve_runner(
+            runner, task, None if is_random_model(model) else model)
+        if runner == "pooling":
+            # A pooling model computes no logits: its checkpoint need not hold an LM head
+            # (Qwen3-Embedding's hold none, tied or not), and the engine's head, which no request
+            # reads, is the embedding.
+            model_config = attrs.evolve(model_config, tie_word_embeddings=True)
         max_num_seqs = _integer("max_num_seqs", max_num_seqs)
         block_size = _integer("block_size", block_size)
         tensor_parallel_size = _integer("tensor_parallel_size", tensor_parallel_size)
@@ -158,7 +172,8 @@ class EngineConfig:
                    attention_backend=attention_backend, seed=seed,
                    enable_prefix_caching=enable_prefix_caching, max_logprobs=max_logprobs,
                    async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype,
-                   persistent_decode=persistent_decode)
+                   persistent_decode=persistent_decode, runner=runner,
+                   normalize_embeddings=normalize_embeddings)
 
 
 def persistent_decode_default(device: torch.device, tensor_parallel_size: int,

@@ -24,6 +24,7 @@ import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..functional.pooling import embedding
 from ..functional.sampling import SamplingRow
 from ..state.batch import DecodeChunks, SeqChunk
 from ..state.config import FP8_DTYPES
@@ -37,6 +38,7 @@ from .generation_config import FILE as GEN_FILE, eos_ids_of, read_generation_con
 from . import reasoning
 from .guide import CompiledGuide, Guide, GuideCache, row_constraint
 from .outputs import CompletionOutput, Logprob, RequestOutput
+from .pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 from .runner import ModelRunner, PromptScores, StepInput, StepResult, trace_range
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
@@ -45,6 +47,7 @@ from .sequence import PENDING, Sequence, Status
 log = logging.getLogger("minivllm")
 
 _GOLDEN = 0x9E3779B97F4A7C15
+_NEVER_SAMPLED = SamplingParams(max_tokens=1)  # an embedding's sequence's (enqueue_pooling)
 
 
 @dataclass
@@ -66,11 +69,20 @@ class Request:
     request_id: str
     prompt: str | None
     prompt_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     seqs: list[Sequence] = field(default_factory=list)
+    embedding: list[float] | None = None  # an embedding request's, once its step is read
+
+    @property
+    def pooling(self) -> bool:
+        return isinstance(self.params, PoolingParams)
 
     @property
     def finished(self) -> bool:
+        # An embedding's sequence ends when its last step is launched; the request, when that
+        # step's hidden state is read.
+        if self.pooling:
+            return self.embedding is not None
         return all(s.finished for s in self.seqs)
 
 
@@ -189,6 +201,10 @@ class LLMEngine:
 
     def check_request(self, prompt: Any, params: SamplingParams) -> tuple[str | None, list[int]]:
         """ValueError unless the request can run; returns (prompt text, prompt ids)."""
+        if self.config.runner == "pooling":  # vLLM's words
+            raise ValueError("LLM.generate() is only supported for generative models. Try "
+                             "passing `runner=\"generate\"` to use the model as a generative "
+                             "model.")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self._prompt_ids(prompt)
@@ -292,6 +308,68 @@ class LLMEngine:
     def _bad_words(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
         return bad_word_ids(params.bad_word_texts, self.tokenizer) if params.bad_word_texts else ()
 
+    # -- embedding requests (runtime/pooling.py) --------------------------------------------------
+
+    def check_pooling_request(self, prompt: Any, params: PoolingParams
+                              ) -> tuple[str | None, list[int]]:
+        """ValueError unless the embedding request can run; returns (prompt text, prompt ids).
+        Its prompt may fill max_model_len: nothing is generated after it. The engine takes
+        embedding requests whatever its runner, beside generations (LLM.embed, as vLLM's API,
+        only under runner="pooling")."""
+        if not isinstance(params, PoolingParams):
+            raise TypeError(f"pooling params must be a PoolingParams, got {type(params).__name__}")
+        text, ids = self._prompt_ids(prompt)
+        max_len, keep = self.config.max_model_len, params.truncate_prompt_tokens
+        if keep is not None:  # as vLLM: the last k tokens (-1: max_model_len)
+            if keep > max_len:
+                raise ValueError(f"truncate_prompt_tokens={keep} exceeds max_model_len={max_len}")
+            ids = ids[-(max_len if keep == -1 else keep):]
+        if len(ids) > max_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens, more than max_model_len={max_len}")
+        hidden = self.model_config.hidden_size
+        if params.dimensions is not None and params.dimensions > hidden:
+            raise ValueError(f"dimensions={params.dimensions} exceeds the model's hidden_size "
+                             f"({hidden}), the embedding's full size")
+        need = self.block_manager.blocks_for(len(ids))
+        if need > self.num_blocks:
+            raise ValueError(f"this prompt can never fit the KV cache: its {len(ids)} tokens take "
+                             f"{need} blocks of {self.config.block_size} and the cache has "
+                             f"{self.num_blocks}; raise num_kv_blocks")
+        return text, ids
+
+    def enqueue_pooling(self, text: str | None, ids: list[int], params: PoolingParams) -> str:
+        """Queue an embedding request that check_pooling_request accepted: one sequence, its
+        prompt, pooled at its last token (it samples nothing)."""
+        request_id = str(self._next_request_id)
+        self._next_request_id += 1
+        request = Request(request_id, text, ids, params)
+        # The sampling parameters of a sequence that never samples: no penalties, no logprobs,
+        # one token at most (its length limit is then its prompt's).
+        seq = Sequence(self._next_seq_id, request_id, 0, ids, _NEVER_SAMPLED, 0, pooling=True)
+        self._next_seq_id += 1
+        request.seqs.append(seq)
+        self.scheduler.add(seq)
+        self.requests[request_id] = request
+        return request_id
+
+    def add_pooling_requests(self, prompts: list, params: list[PoolingParams]) -> list[str]:
+        """Queue embedding requests, all or none: every one is checked before any is queued."""
+        if len(prompts) != len(params):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} pooling params")
+        checked = [self.check_pooling_request(p, pp) for p, pp in zip(prompts, params)]
+        return [self.enqueue_pooling(text, ids, pp) for (text, ids), pp in zip(checked, params)]
+
+    def _record_embeddings(self, pooled: list, hidden) -> None:
+        """Each pooled chunk's request gets its embedding from its row of `hidden` (fp32, on the
+        host): cut to its dimensions, normalised unless it says not to."""
+        for chunk, h in zip(pooled, hidden):
+            request = self.requests.get(chunk.seq.request_id)
+            if request is None:  # aborted while its step ran
+                continue
+            p = request.params
+            request.embedding = embedding(
+                h, p.dimensions, p.normalizes(self.config.normalize_embeddings)).tolist()
+
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
         if request is not None:
@@ -299,8 +377,11 @@ class LLMEngine:
                 self.scheduler.finish(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
-        # A step still in flight then holds only finished sequences' extra tokens, to be dropped.
-        return self.scheduler.has_unfinished()
+        # A step still in flight then holds only finished sequences' extra tokens, to be dropped,
+        # unless it pools: an embedding's request finishes when that step is read.
+        return self.scheduler.has_unfinished() or any(
+            launched is not None and launched[0].pooled
+            for launched in (self.in_flight, self.unread))
 
     # -- one step --------------------------------------------------------------------------------
 
@@ -357,11 +438,13 @@ class LLMEngine:
         else:
             chunks = [SeqChunk(seq.token_ids[start:start + n], start, seq.block_table, want)
                       for seq, start, n, want in out.chunks]
-            fed_back, offset, scored = [], 0, []
+            fed_back, offset, scored, pooled = [], 0, [], []
             for seq, start, n, _ in out.chunks:
                 if seq.prompt_logprobs is not None:
                     scored += self._prompt_positions(seq, start, n, offset)
                 offset += n
+                if seq.pooling and start + n == len(seq.token_ids):  # out.pooled's, in order
+                    pooled.append(offset - 1)
                 if seq.num_pending and start + n == len(seq.token_ids):
                     fed_back.append((offset - 1, prev_row[seq]))
             if scored:
@@ -374,7 +457,8 @@ class LLMEngine:
         rows = [row if (row := seq.sampling_row) is not None else self._sampling_row(seq)
                 for seq in sampled]
         steps = tuple([len(seq.token_ids) - seq.prompt_len for seq in sampled])  # num_output
-        return StepInput(chunks, rows, tuple(fed_back), steps, scores)
+        return StepInput(chunks, rows, tuple(fed_back), steps, scores,
+                         tuple(pooled) if out.pooled else ())
 
     @staticmethod
     def _prompt_positions(seq: Sequence, start: int, n: int, offset: int) -> list[tuple]:
@@ -480,7 +564,7 @@ class LLMEngine:
                                            if c.seq.seq_id in keep],
                                 logprobs=[lp for c, lp in zip(out.sampled, result.logprobs)
                                           if c.seq.seq_id in keep],
-                                scores=result.scores)
+                                scores=result.scores, pooled=result.pooled)
         return self._finish_step(out, seqs, result, unfinished)
 
     def _finish_step(self, out: SchedulerOutput, seqs: list[Sequence], result: StepResult,
@@ -489,6 +573,8 @@ class LLMEngine:
             self.stats.generation_tokens += len(seqs)
             if result.scores is not None:
                 self._record_scores(out.scored, result.scores)
+            if result.pooled is not None:
+                self._record_embeddings(out.pooled, result.pooled)
             self._postprocess(seqs, result)
         if unfinished:
             touched = dict.fromkeys(c.seq.request_id for c in out.chunks)
@@ -497,12 +583,14 @@ class LLMEngine:
             finished = Status.FINISHED
             touched = dict.fromkeys([c.seq.request_id for c in out.sampled
                                      if c.seq.status is finished])
+            touched.update(dict.fromkeys(c.seq.request_id for c in out.pooled))
         outputs = []
         for request_id in touched:
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            if unfinished or request.finished:
+            # An embedding has no partial output (as vLLM): only its finished one is returned.
+            if request.finished or (unfinished and not request.pooling):
                 outputs.append(self.make_output(request))
             if request.finished:
                 del self.requests[request_id]
@@ -590,9 +678,15 @@ class LLMEngine:
             return None
         return self.tokenizer.decode([token_id])
 
-    def make_output(self, request: Request) -> RequestOutput:
+    def make_output(self, request: Request) -> RequestOutput | EmbeddingRequestOutput:
         """The request's cumulative output so far (an unfinished completion's text less what a stop
-        string could still cut)."""
+        string could still cut); an embedding request's EmbeddingRequestOutput once finished."""
+        if request.pooling:
+            seq = request.seqs[0]
+            return EmbeddingRequestOutput(
+                request_id=request.request_id, outputs=EmbeddingOutput(request.embedding or []),
+                prompt_token_ids=list(request.prompt_ids), finished=request.finished,
+                num_cached_tokens=max(seq.num_cached_prompt, 0))
         outputs = []
         p = request.params
         # As vLLM: an unfinished completion holds back the characters that could begin a stop

@@ -24,6 +24,7 @@ from .executor import make_executor
 from .generation_config import (FILE as GEN_FILE, eos_ids_of, generation_config_dir,
                                 read_generation_config, sampling_defaults)
 from .outputs import CompletionOutput, RequestOutput
+from .pooling import EmbeddingRequestOutput, PoolingParams
 from .sampling_params import BeamSearchParams, SamplingParams
 
 log = logging.getLogger("minivllm")
@@ -93,6 +94,10 @@ class LLM:
     32,768 x 4); an object merges into the file's object of that key. reasoning_parser: "qwen3"
     makes structured outputs constrain a thinking model's answer, after its </think>, as vLLM's
     (runtime/reasoning.py; the server also splits the reasoning from the answer with it).
+    runner: "generate", "pooling" (embeddings: LLM.embed, for Qwen3-Embedding checkpoints; such
+    an LLM cannot generate, as in vLLM) or "auto" (vLLM's default: "pooling" for a
+    sentence-transformers checkpoint, as Qwen3-Embedding's, and for a bare Qwen3Model, else
+    "generate"). task: vLLM's older form of it ("embed" is runner="pooling").
     """
 
     def __init__(self, model, *, tokenizer=None, dtype="auto", max_model_len: int | None = None,
@@ -104,7 +109,8 @@ class LLM:
                  skip_tokenizer_init: bool = False, async_scheduling: bool = True,
                  kv_cache_dtype="auto", persistent_decode: bool | None = None,
                  generation_config="auto", override_generation_config: dict | None = None,
-                 hf_overrides: dict | None = None, reasoning_parser: str | None = None):
+                 hf_overrides: dict | None = None, reasoning_parser: str | None = None,
+                 runner: str = "auto", task: str | None = None):
         skip_tokenizer_init = as_flag("skip_tokenizer_init", skip_tokenizer_init, False)
         reasoning.check_parser(reasoning_parser)
         self.config = EngineConfig.create(
@@ -115,7 +121,8 @@ class LLM:
             attention_backend=attention_backend, seed=seed,
             enable_prefix_caching=enable_prefix_caching, max_logprobs=max_logprobs, device=device,
             async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype,
-            persistent_decode=persistent_decode, hf_overrides=hf_overrides)
+            persistent_decode=persistent_decode, hf_overrides=hf_overrides, runner=runner,
+            task=task)
         self._diff_sampling_param, gen = generation_defaults(
             generation_config, override_generation_config, self.config.model)
         if self._diff_sampling_param:
@@ -255,6 +262,35 @@ class LLM:
                            concurrency_limit=concurrency_limit,
                            decode=tok.decode if tok is not None else None,
                            progress=progress if use_tqdm else None)
+
+    def embed(self, prompts, pooling_params=None, *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """An embedding per prompt (vLLM's LLM.embed; runtime/pooling.py), in input order: the
+        final-normed hidden state at the prompt's last token, cut to pooling_params.dimensions and
+        L2-normalised unless pooling_params.normalize is False. prompts as generate's;
+        pooling_params: a PoolingParams, a list of them (one per prompt) or None (the default);
+        truncate_prompt_tokens: set over every request's (keep the last k tokens; -1:
+        max_model_len). Only an LLM of runner="pooling" embeds. Every prompt is checked
+        (ValueError / TypeError) before any step runs."""
+        if self.config.runner != "pooling":  # vLLM's words, with minivllm's way out
+            raise ValueError("Embedding API is not supported by this model: it runs as a "
+                             "generative model. Try passing `runner=\"pooling\"` to use the "
+                             "model as a pooling model.")
+        prompts = self._prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = [pooling_params or PoolingParams()] * len(prompts)
+        elif isinstance(pooling_params, (list, tuple)):
+            params = list(pooling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(params)} pooling params")
+        else:
+            raise TypeError(f"pooling_params must be a PoolingParams, a list of them or None, "
+                            f"got {type(pooling_params).__name__}")
+        if truncate_prompt_tokens is not None:  # checked as PoolingParams checks it
+            params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
+                      if isinstance(p, PoolingParams) else p for p in params]
+        ids = self.engine.add_pooling_requests(prompts, params)
+        return self._run(ids, use_tqdm)
 
     def chat(self, messages, sampling_params=None, *, use_tqdm: bool = True, chat_template=None,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
-from ..functional.model import forward, logits_head, prompt_logprobs
+from ..functional.model import final_hidden, forward, logits_head, prompt_logprobs
 from ..functional.sampling import (SampleOutput, SamplingBatch, SamplingRow, make_sampling_batch,
                                   plain_greedy, sample, with_steps)
 from ..kernels import select_backend
@@ -67,6 +67,10 @@ class StepInput:
 
     scored: prompt tokens to score (prompt_logprobs), or None: see PromptScores.
 
+    pooled: rows of the step (indices in the chunks' concatenated tokens) whose final-normed
+    hidden states to return (embeddings: runtime/pooling.py), in order; their chunks want no
+    logits.
+
     A runner is done with a StepInput when launch() / execute() return (the tensor-parallel
     executor pickles it before): the engine passes the sequences' live block tables, which
     it changes only after that, and only by appending (a sequence whose blocks are freed gets
@@ -78,6 +82,7 @@ class StepInput:
     fed_back: tuple[tuple[int, int], ...] = ()
     steps: tuple[int, ...] | None = None
     scored: "PromptScores | None" = None
+    pooled: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,7 @@ class StepResult:
     token_ids: list[int]  # one per sampling row
     logprobs: list[TokenLogprobs] | None = None  # per row, when any row asked for logprobs
     scores: list[TokenLogprobs] | None = None  # per PromptScores row, when the step had any
+    pooled: torch.Tensor | None = None  # [len(StepInput.pooled), hidden] fp32 on the host
 
 
 def _logprob_rows(lps, ranks, top_ids, top_lps, counts) -> list[TokenLogprobs]:
@@ -126,18 +132,22 @@ class PendingStep:
     memory, behind an event; result() waits for them. On CPU they are copied at once."""
 
     def __init__(self, rows: list[SamplingRow], out: SampleOutput | None, device: torch.device,
-                 scores: tuple | None = None, scored: PromptScores | None = None):
+                 scores: tuple | None = None, scored: PromptScores | None = None,
+                 pooled: torch.Tensor | None = None):
         self.rows = rows
         self.scored = scored
+        self.pooled = pooled is not None
         self.event = None
         self.host = None
-        if out is None and scores is None:
+        if out is None and scores is None and pooled is None:
             return
         self.num_sampled = 0 if out is None else 1 if out.logprobs is None else 5
         tensors = [] if out is None else [out.token_ids]
         if out is not None and out.logprobs is not None:
             tensors += [out.logprobs, out.ranks, out.top_ids, out.top_logprobs]
         tensors += list(scores or ())
+        if pooled is not None:  # last
+            tensors.append(pooled)
         if device.type == "cuda":
             self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
             for h, t in zip(self.host, tensors):
@@ -156,15 +166,17 @@ class PendingStep:
             if self.event is not None:
                 self.event.synchronize()
             token_ids = self.host[0].tolist() if self.num_sampled else []
+        host = self.host[:-1] if self.pooled else self.host
+        pooled = self.host[-1] if self.pooled else None
         scores = None
         if self.scored is not None:
-            columns = (t.tolist() for t in self.host[self.num_sampled:])
+            columns = (t.tolist() for t in host[self.num_sampled:])
             scores = _logprob_rows(*columns, [self.scored.n] * len(self.scored.rows))
         if self.num_sampled <= 1:
-            return StepResult(token_ids=token_ids, scores=scores)
-        columns = (t.tolist() for t in self.host[1:self.num_sampled])
+            return StepResult(token_ids=token_ids, scores=scores, pooled=pooled)
+        columns = (t.tolist() for t in host[1:self.num_sampled])
         logprobs = _logprob_rows(*columns, [row.logprobs or 0 for row in self.rows])
-        return StepResult(token_ids=token_ids, logprobs=logprobs, scores=scores)
+        return StepResult(token_ids=token_ids, logprobs=logprobs, scores=scores, pooled=pooled)
 
 
 @contextlib.contextmanager
@@ -519,7 +531,7 @@ class ModelRunner:
 
     def _run(self, cache, step: StepInput):
         """The step through the forward (compiled or eager): (SampleOutput or None, the prompt
-        scores' tensors or None, the cache)."""
+        scores' tensors or None, the pooled rows' hidden states or None, the cache)."""
         batch = make_batch(step.chunks, block_size=self.block_size, device=self.device,
                            check=False)
         # Built before the forward is queued, for the same reason as in _run_decode_graph.
@@ -529,29 +541,36 @@ class ModelRunner:
         if self.small_decode_forward is not None and batch.is_decode and \
                 batch.num_seqs <= self.small_decode_rows:
             fn = self.small_decode_forward
-        scores = None
+        scores = pooled = None
         with torch.no_grad():
-            if step.scored is not None:
-                fn = functools.partial(fn, head=self._scoring_head(step.scored))
+            if step.scored is not None or step.pooled:
+                fn = functools.partial(fn, head=self._extra_head(step))
             logits, cache = fn(self.params, cache, batch, self.backend)
-            if step.scored is not None:
-                logits, scores = logits
+            if step.scored is not None or step.pooled:
+                logits, scores, pooled = logits
             out = sample(logits, sb) if sb is not None else None
-        return out, scores, cache
+        return out, scores, pooled, cache
 
-    def _scoring_head(self, scored: PromptScores):
-        """forward's head for a step with prompt tokens to score: the sampled rows' logits, and
-        the scores (model.prompt_logprobs), both eager (such steps are rare: no graph, and no
-        compiled head that a new number of rows would recompile). Scores come max_num_seqs rows
-        at a time: the logits start-up sized the sampler's memory for (_sampling_blocks)."""
-        rows = torch.tensor(scored.rows, dtype=torch.int64).to(self.device)
-        targets = torch.tensor(scored.targets, dtype=torch.int64).to(self.device)
-        chunk = self.config.max_num_seqs
+    def _extra_head(self, step: StepInput):
+        """forward's head for a step with prompt tokens to score or rows to pool: the sampled
+        rows' logits, the scores (model.prompt_logprobs) or None, and the pooled rows' final-normed
+        hidden states in fp32 (model.final_hidden) or None, all eager (such steps are rare in
+        generation, and an embedding step is a prefill: no graph, and no compiled head that a new
+        number of rows would recompile). Scores come max_num_seqs rows at a time: the logits
+        start-up sized the sampler's memory for (_sampling_blocks)."""
+        scored, chunk = step.scored, self.config.max_num_seqs
+        if scored is not None:
+            rows = torch.tensor(scored.rows, dtype=torch.int64).to(self.device)
+            targets = torch.tensor(scored.targets, dtype=torch.int64).to(self.device)
+        pooled = torch.tensor(step.pooled, dtype=torch.int64).to(self.device) if step.pooled \
+            else None
 
-        def scoring_head(params, x, residual, logits_rows):
+        def extra_head(params, x, residual, logits_rows):
             return (logits_head(params, x, residual, logits_rows),
-                    prompt_logprobs(params, x, residual, rows, targets, scored.n, chunk=chunk))
-        return scoring_head
+                    None if scored is None else
+                    prompt_logprobs(params, x, residual, rows, targets, scored.n, chunk=chunk),
+                    None if pooled is None else final_hidden(params, x, residual, pooled).float())
+        return extra_head
 
     def _run_decode_graph(self, step: StepInput, ids_in_graph: bool = False):
         """A decode step (one new token for every sequence) replayed from its CUDA graph.
@@ -623,17 +642,18 @@ class ModelRunner:
     def launch(self, step: StepInput) -> PendingStep:
         """Queue the step's forward and sampling on the device and return without waiting."""
         ids_in_graph, self.ids_in_graph = self.ids_in_graph, False
-        scores = None
+        scores = pooled = None
         if self._graph_step(step):
             with torch.no_grad():
                 out = self._run_decode_graph(step, ids_in_graph)
-        elif step.scored is None and (graph := self._prefill_graph_for(step)) is not None:
+        elif step.scored is None and not step.pooled and \
+                (graph := self._prefill_graph_for(step)) is not None:
             with torch.no_grad():
                 out = self._run_prefill_graph(graph, step)
         else:
-            out, scores, self.cache = self._run(self.cache, step)
+            out, scores, pooled, self.cache = self._run(self.cache, step)
         self.last_tokens = out.token_ids if out is not None else None
-        return PendingStep(step.rows, out, self.device, scores, step.scored)
+        return PendingStep(step.rows, out, self.device, scores, step.scored, pooled)
 
     def execute(self, step: StepInput) -> StepResult:
         """Compute the step's tokens into the cache and sample one token per row."""

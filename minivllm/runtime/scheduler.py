@@ -36,7 +36,9 @@ from .sequence import PENDING, Sequence, Status
 
 class ScheduledChunk(NamedTuple):
     """seq computes token_ids[start : start + num_tokens] this step; `want_logits` when that
-    reaches its last token (then the step samples its next one), fixed when scheduled.
+    reaches its last token (then the step samples its next one), fixed when scheduled. An
+    embedding's sequence (seq.pooling) wants no logits: its chunk that reaches its last token is
+    pooled instead (SchedulerOutput.pooled).
     (A NamedTuple: one is built per running sequence per step, at half a frozen dataclass's cost.)"""
 
     seq: Sequence
@@ -52,14 +54,16 @@ class ScheduledChunk(NamedTuple):
 @dataclass
 class SchedulerOutput:
     """chunks: the step's chunks in batch order; sampled: those that get a sampled token (want
-    logits), in the order of the step's logits rows; prefills: those that compute prompt tokens
-    or more than one token (a decode computes one generated token: the statistics that count
-    prompt and recomputed tokens skip it); num_tokens: the chunks' tokens. All kept as chunks
-    are added (Scheduler._schedule), since the engine reads them every step."""
+    logits), in the order of the step's logits rows; pooled: those that end an embedding's prompt
+    (the step returns their last token's hidden state), in batch order; prefills: those that
+    compute prompt tokens or more than one token (a decode computes one generated token: the
+    statistics that count prompt and recomputed tokens skip it); num_tokens: the chunks' tokens.
+    All kept as chunks are added (Scheduler._schedule), since the engine reads them every step."""
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     sampled: list[ScheduledChunk] = field(default_factory=list)
+    pooled: list[ScheduledChunk] = field(default_factory=list)
     prefills: list[ScheduledChunk] = field(default_factory=list)
     num_tokens: int = 0
     # (sequence, prompt position) pairs whose prompt_logprobs the step computes, in the order of
@@ -244,12 +248,12 @@ class Scheduler:
         known = min(end, num_tokens - seq.num_pending)
         if known // self.bm.block_size > seq.num_registered_blocks:
             self.bm.register_full_blocks(seq, known)
-        want_logits = end == num_tokens
-        chunk = ScheduledChunk(seq, start, n, want_logits)
+        last = end == num_tokens
+        chunk = ScheduledChunk(seq, start, n, last and not seq.pooling)
         out.chunks.append(chunk)
         out.num_tokens += n
-        if want_logits:
-            out.sampled.append(chunk)
+        if last:
+            (out.pooled if seq.pooling else out.sampled).append(chunk)
         if n > 1 or start < seq.prompt_len:
             out.prefills.append(chunk)
 
@@ -266,13 +270,17 @@ class Scheduler:
                 self._preempt(seq)
 
     def advance(self, out: SchedulerOutput) -> None:
-        """The first half of recording a launched step: its tokens are computed, and each sampled
-        sequence holds a PENDING token until resolve()."""
+        """The first half of recording a launched step: its tokens are computed, each sampled
+        sequence holds a PENDING token until resolve(), and each pooled one is finished (its
+        blocks go back, stream-ordered after the step that writes them; the engine records its
+        embedding when the step is read)."""
         for chunk in out.chunks:
             chunk.seq.num_computed = chunk.start + chunk.num_tokens
         for chunk in out.sampled:
             chunk.seq.token_ids.append(PENDING)
             chunk.seq.num_pending += 1
+        for chunk in out.pooled:
+            self.finish(chunk.seq, "pooled")
 
     def resolve(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
         """The second half: each sampled sequence's oldest pending token becomes `sampled`'s (in

@@ -29,7 +29,7 @@ class Sequence:
     # seq_id grows with arrival: the scheduler's "oldest first" and "newest preempted first".
     def __init__(self, seq_id: int, request_id: str, index: int, prompt_ids: list[int],
                  params: SamplingParams, seed: int, eos_ids: tuple[int, ...] = (),
-                 bad_words: tuple[tuple[int, ...], ...] = (), guide=None):
+                 bad_words: tuple[tuple[int, ...], ...] = (), guide=None, pooling: bool = False):
         self.seq_id = seq_id
         self.request_id = request_id
         self.index = index  # which of the request's n completions
@@ -49,6 +49,9 @@ class Sequence:
                           or params.repetition_penalty != 1)
         self.bad_words = bad_words  # token ids of each (runtime/bad_words.py)
         self.guide = guide  # its structured output's place (runtime/guide.py), or None
+        # An embedding's sequence (runtime/pooling.py): it ends with its prompt, whose last
+        # token's hidden state the step that computes it returns, sampling nothing.
+        self.pooling = pooling
         # Whether its sampling row depends on its generated ids: the same holds for those.
         self.reads_output = (self.penalised or any(len(w) > 1 for w in bad_words)
                              or guide is not None)

@@ -10,7 +10,8 @@ from typing import Any
 import attrs
 import torch
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+# Qwen3Model: the backbone alone, as transformers' AutoModel saves it (an embedding model's).
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3Model")
 
 _DTYPES = {
     "float32": torch.float32,

@@ -71,13 +71,13 @@ def _open(file: str):
         raise CheckpointError(f"{file}: cannot read safetensors file ({e})") from e
 
 
-def _hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+def _hf_shapes(config: ModelConfig, prefix: str = "model.") -> dict[str, tuple[int, ...]]:
     h, d, i, v = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    shapes = {f"{prefix}embed_tokens.weight": (v, h), f"{prefix}norm.weight": (h,)}
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, h)
     for n in range(config.num_layers):
-        p = f"model.layers.{n}."
+        p = f"{prefix}layers.{n}."
         shapes.update({
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
@@ -94,13 +94,23 @@ def _hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def backbone_prefix(names) -> str:
+    """The prefix of the backbone's tensor names: "model." as Qwen3ForCausalLM saves them, or ""
+    as transformers' Qwen3Model saves them (embed_tokens.weight, layers.0..., norm.weight: the
+    Qwen3-Embedding checkpoints, which hold no lm_head.weight either)."""
+    return "" if "embed_tokens.weight" in names and "model.embed_tokens.weight" not in names \
+        else "model."
+
+
 def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec | None = None,
          config: ModelConfig | None = None) -> Params:
     """Params from a local HF checkpoint directory (config.json + safetensors, sharded or not).
 
     dtype: "auto"/None keeps the checkpoint's dtype; device: where the tensors go; shard: the
     tensor-parallel rank whose slice to read (default: the whole model); config: the model's
-    config instead of config.json's (ModelConfig.from_json with overrides, say)."""
+    config instead of config.json's (ModelConfig.from_json with overrides, say; the pooling
+    runner passes one with tied embeddings, so that no lm_head.weight is read or needed). The
+    backbone's tensors may be named with or without the "model." prefix (backbone_prefix)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         what = "is a file, not a directory" if os.path.exists(path) else "does not exist"
@@ -118,7 +128,8 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
     dtype = parse_dtype(dtype, config.dtype)
 
     files = _index_tensors(path)
-    expected = _hf_shapes(config)
+    prefix = backbone_prefix(files)
+    expected = _hf_shapes(config, prefix)
     missing = sorted(set(expected) - set(files))
     if missing:
         raise CheckpointError(f"{path}: missing tensor(s) {', '.join(missing[:5])}"
@@ -186,7 +197,7 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
 
     layers = []
     for n in range(config.num_layers):
-        p = f"model.layers.{n}."
+        p = f"{prefix}layers.{n}."
         qkv = torch.cat([
             read(p + "self_attn.q_proj.weight", rows=(q0 * d, q1 * d)),
             read(p + "self_attn.k_proj.weight", rows=(k0 * d, k1 * d)),
@@ -207,9 +218,9 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
             down=put(read(p + "mlp.down_proj.weight", cols=(i0, i1))),
         ))
     return Params(
-        embed=vocab_rows("model.embed_tokens.weight"),
+        embed=vocab_rows(f"{prefix}embed_tokens.weight"),
         layers=tuple(layers),
-        final_norm=put(read("model.norm.weight")),
+        final_norm=put(read(f"{prefix}norm.weight")),
         lm_head=None if config.tie_word_embeddings else vocab_rows("lm_head.weight"),
         config=config,
         shard=shard,

@@ -1,0 +1,160 @@
+"""Embeddings, as vLLM's pooling runner serves them: `LLM(model, runner="pooling").embed(prompts)`
+for Qwen3-Embedding checkpoints. PoolingParams, the outputs of LLM.embed, and which runner a
+checkpoint asks for.
+
+An embedding request is an ordinary request of the engine whose sequence ends with its prompt:
+the prompt is prefilled as any other (batched with other requests, in chunks, through the prefix
+cache), and the step that computes its last token returns that token's final-normed hidden state
+instead of sampling one (runner.ModelRunner's head for `StepInput.pooled`); the engine cuts it to
+`dimensions` and normalises it (functional/pooling.py) and the request is finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from ..state.values import as_int
+
+RUNNERS = ("auto", "generate", "pooling")
+# vLLM's older `task` argument: the values that name a runner minivllm has.
+_TASKS = {"auto": None, "generate": "generate", "embed": "pooling", "embedding": "pooling"}
+
+_ST_MODULES = "modules.json"  # a sentence-transformers checkpoint's list of modules
+_ST_POOLING = "sentence_transformers.models.Pooling"
+_ST_NORMALIZE = "sentence_transformers.models.Normalize"
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """How to pool one request (vLLM's PoolingParams, its fields for embeddings), checked on
+    creation. dimensions: keep the embedding's first `dimensions` features before normalising
+    (Matryoshka; None: all of hidden_size). normalize: divide by the L2 norm (None: the model's
+    default, True unless its sentence-transformers config has no Normalize module);
+    use_activation is vLLM's newer name for it. truncate_prompt_tokens: keep only the prompt's
+    last k tokens (-1: max_model_len)."""
+
+    dimensions: int | None = None
+    normalize: bool | None = None
+    use_activation: bool | None = None
+    truncate_prompt_tokens: int | None = None
+
+    def __post_init__(self):
+        def bad(msg):
+            raise ValueError(f"PoolingParams: {msg}")
+
+        for name in ("dimensions", "truncate_prompt_tokens"):
+            value = getattr(self, name)
+            if value is not None and as_int(value) is not None:  # numpy / torch integers
+                object.__setattr__(self, name, as_int(value))
+        if self.dimensions is not None and (as_int(self.dimensions) is None or self.dimensions < 1):
+            bad(f"dimensions must be an integer >= 1 or None, got {self.dimensions!r}")
+        keep = self.truncate_prompt_tokens
+        if keep is not None and (as_int(keep) is None or (keep < 1 and keep != -1)):
+            bad(f"truncate_prompt_tokens must be an integer >= 1, -1 (max_model_len) or None, "
+                f"got {keep!r}")
+        for name in ("normalize", "use_activation"):
+            if not isinstance(getattr(self, name), (bool, type(None))):
+                bad(f"{name} must be True, False or None, got {getattr(self, name)!r}")
+        if None not in (self.normalize, self.use_activation) and \
+                self.normalize != self.use_activation:
+            bad(f"normalize={self.normalize} and use_activation={self.use_activation} disagree "
+                f"(they name one setting)")
+
+    def normalizes(self, default: bool) -> bool:
+        """Whether the embedding is L2-normalised; `default` when the params leave it open."""
+        for value in (self.normalize, self.use_activation):
+            if value is not None:
+                return value
+        return default
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding: `dimensions` floats (hidden_size by default)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What LLM.embed returns per prompt, as vLLM's: `outputs.embedding`, the prompt's ids (after
+    truncate_prompt_tokens), and the prompt tokens found in the prefix cache."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+def sentence_transformers_pooling(model_dir: str) -> dict | None:
+    """What a sentence-transformers checkpoint (Qwen3-Embedding is one) says of its pooling, as
+    vLLM reads it: {"pooling": "LAST" / "MEAN" / "CLS" / ..., "normalize": bool} from
+    modules.json (its Pooling module's config.json, whether a Normalize module follows); None when
+    the directory has no such config."""
+    path = os.path.join(model_dir, _ST_MODULES)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            modules = json.load(f)
+        pooling = next((m for m in modules if m.get("type") == _ST_POOLING), None)
+        normalize = any(m.get("type") == _ST_NORMALIZE for m in modules)
+        if pooling is None:
+            return None
+        with open(os.path.join(model_dir, pooling.get("path", ""), "config.json")) as f:
+            modes = json.load(f)
+    except (OSError, ValueError, AttributeError, TypeError) as e:
+        raise ValueError(f"{model_dir}: cannot read its sentence-transformers pooling config "
+                         f"({type(e).__name__}: {e})") from None
+    mode = next((k for k, v in modes.items() if k.startswith("pooling_mode_") and v is True), None)
+    if mode is None:
+        return None
+    name = mode.removeprefix("pooling_mode_")
+    name = "LAST" if name == "lasttoken" else name.split("_")[0].upper()  # mean_tokens: MEAN
+    return {"pooling": name, "normalize": normalize}
+
+
+def _architectures(model_dir: str) -> list:
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            return list(json.load(f).get("architectures") or [])
+    except (OSError, ValueError, AttributeError, TypeError):
+        return []  # EngineConfig names what is wrong with config.json
+
+
+def resolve_runner(runner, task, model_dir: str | None) -> tuple[str, bool]:
+    """LLM's runner= and task= -> ("generate" or "pooling", the default of `normalize`), as
+    vLLM resolves them: runner="auto" is "pooling" for a sentence-transformers checkpoint (whose
+    config names a Pooling module, as Qwen3-Embedding's does, though its config.json says
+    Qwen3ForCausalLM) and for a bare Qwen3Model, else "generate". task is vLLM's older form:
+    "embed" (or "embedding") is runner="pooling", "generate" runner="generate". model_dir None:
+    random weights, no files to read. ValueError for a runner minivllm has not, or a checkpoint
+    the runner cannot serve."""
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {', '.join(map(repr, RUNNERS))}, got {runner!r}")
+    if task is not None:
+        if task not in _TASKS:
+            raise ValueError(f"task must be one of {', '.join(map(repr, _TASKS))} (minivllm "
+                             f"generates or embeds), got {task!r}")
+        implied = _TASKS[task]
+        if implied is not None and runner not in ("auto", implied):
+            raise ValueError(f"task={task!r} means runner={implied!r}, but runner={runner!r}")
+        runner = implied or runner
+    st = sentence_transformers_pooling(model_dir) if model_dir is not None else None
+    archs = _architectures(model_dir) if model_dir is not None else []
+    if runner == "auto":
+        runner = "pooling" if st is not None or "Qwen3Model" in archs else "generate"
+    if runner == "generate" and "Qwen3Model" in archs:
+        raise ValueError(f"{model_dir}: a Qwen3Model checkpoint is the backbone alone, without "
+                         f"an LM head: it embeds (runner='pooling') and cannot generate")
+    if runner == "pooling" and st is not None and st["pooling"] != "LAST":
+        raise ValueError(f"{model_dir}: its sentence-transformers config pools {st['pooling']}; "
+                         f"minivllm pools the last token (LAST) only")
+    return runner, True if st is None else st["normalize"]
