@@ -358,9 +358,8 @@ def cmd_serve(args) -> int:
         if args.model is not None and args.model != args.model_tag:
             raise SystemExit("minivllm: give the model once, as MODEL or --model")
         args.model = args.model_tag
-    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
-        raise SystemExit("minivllm: --enable-auto-tool-choice and --tool-call-parser go "
-                         "together")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("minivllm: --enable-auto-tool-choice needs --tool-call-parser")
     model = _resolve_model(args)
     llm = _make_llm(args, model)
     name = args.served_model_name or args.model or "minivllm-demo"

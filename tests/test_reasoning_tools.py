@@ -32,15 +32,19 @@ from test_server import post, stream
 
 TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 # Qwen3's template in miniature: tools listed in the system turn, earlier calls as hermes blocks,
-# tool results as <tool_response>, enable_thinking=false as an empty think; thinking="open"
-# (a stand-in for Qwen3-2507 thinking models' template) opens the think in the prompt.
+# tool results as <tool_response>, an assistant turn's reasoning_content as a closed think before
+# its content (as Qwen3's writes the turns of a tool loop), enable_thinking=false as an empty
+# think; thinking="open" (a stand-in for Qwen3-2507 thinking models' template) opens the think in
+# the prompt.
 TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}"
     "{% endfor %}\n</tools><|im_end|>\n{% endif %}"
     "{%- for m in messages %}"
     "{%- if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
     "</tool_response><|im_end|>\n"
-    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{%- else %}<|im_start|>{{ m.role }}\n"
+    "{%- if m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}"
+    "{{ m.content }}"
     "{%- for c in m.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", "
     "\"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
     "{%- endif %}{% endfor %}"
@@ -96,11 +100,15 @@ def test_a_streamed_reasoning_split_equals_the_whole_texts(pieces, phase, points
 
 
 def test_the_prompt_decides_where_a_completion_starts():
-    s, e = 7, 8
-    assert reasoning.prompt_phase([1, s, 2], s, e) == REASONING  # the template opened it
-    assert reasoning.prompt_phase([1, s, 2, e, 3], s, e) == ANSWER  # enable_thinking=False
-    assert reasoning.prompt_phase([1, e, s], s, e) == REASONING
-    assert reasoning.prompt_phase([1, 2, 3], s, e) == UNDECIDED  # the model writes <think>
+    s, e, turn = 7, 8, 1
+    tags = reasoning.ThinkTags(s, e, frozenset({turn}))
+    assert tags.prompt_phase([turn, s, 2]) == REASONING  # the template opened it
+    assert tags.prompt_phase([turn, s, 2, e, 3]) == ANSWER  # enable_thinking=False
+    assert tags.prompt_phase([turn, e, s]) == REASONING
+    assert tags.prompt_phase([turn, 2, 3]) == UNDECIDED  # the model writes <think>
+    # A tool loop's earlier turn thought (its reasoning written back, closed): the new turn's
+    # model thinks anew.
+    assert tags.prompt_phase([turn, s, 2, e, 3, turn, 4, turn, 5]) == UNDECIDED
     with pytest.raises(ValueError, match="reasoning_parser must be one of"):
         reasoning.check_parser("deepseek_r1")
 
@@ -164,8 +172,9 @@ def test_tool_choice_schemas_hold_the_answer_to_the_tools():
     ([{"function": {"name": "f", "strict": True, "returns": 1}}], None, "unknown fields"),
     (TOOLS, "any", "'tool_choice' must be"),
     (TOOLS, {"type": "function", "function": {"name": "get_rain"}}, "not among the tools"),
-    (None, "required", "needs 'tools'"),
-    (None, {"function": {"name": "f"}}, "not among the tools"),
+    (None, "required", "`tools` must be set"),
+    (None, "auto", "`tools` must be set"),
+    ([], {"function": {"name": "f"}}, "`tools` must be set"),
 ])
 def test_bad_tools_and_tool_choices_are_named(tools, choice, match):
     fields = {"tool_choice": choice} if choice is not None else {}
@@ -269,15 +278,17 @@ def test_a_guide_waits_for_the_reasoning_to_end(llm):
     compiled = cache.get("[0-9]{2}")
     digits = [tok.convert_tokens_to_ids(d) for d in "12"]
     vocab = llm.engine.vocab_size
-    inside = Guide(compiled, REASONING, (start, end))
+    tags = llm.engine.think_tags
+    assert (tags.start, tags.end) == (start, end)
+    inside = Guide(compiled, REASONING, tags)
     assert inside.mask([5, 9, start], vocab) == ((), ())  # nothing held inside the reasoning
     after = [5, 9, start, end, digits[0]]  # the same output, grown
     assert inside.mask(after, vocab) == compiled.mask(compiled.walk(compiled.start, b"1"), vocab)
-    undecided = Guide(compiled, UNDECIDED, (start, end))
+    undecided = Guide(compiled, UNDECIDED, tags)
     first_allowed, _ = undecided.mask([], vocab)
     assert set(first_allowed) == set(compiled.allowed(compiled.start, vocab)) | {start}
     assert undecided.mask([start, 4], vocab) == ((), ())  # it thinks
-    plain = Guide(compiled, UNDECIDED, (start, end))
+    plain = Guide(compiled, UNDECIDED, tags)
     assert plain.mask(digits[:1], vocab) == compiled.mask(compiled.walk(compiled.start, b"1"), vocab)
     with pytest.raises(ValueError, match="reasoning tags"):
         Guide(compiled, REASONING)
@@ -398,8 +409,10 @@ def test_required_and_named_tool_choices_call_a_tool(server, choice):
             "chat_template_kwargs": {"enable_thinking": False}}
     _, whole = post(server, "/v1/chat/completions", body)
     c = whole["choices"][0]
-    # The constraint ends the answer (its EOS) once the JSON is whole: vLLM's finish_reason.
-    assert c["message"]["content"] == "" and c["finish_reason"] == "stop"
+    # The constraint ends the answer (its EOS) once the JSON is whole: "tool_calls" for
+    # "required", the completion's "stop" for a named function (vLLM's and OpenAI's).
+    reason = "tool_calls" if choice == "required" else "stop"
+    assert c["message"]["content"] == "" and c["finish_reason"] == reason
     calls = functions(c["message"]["tool_calls"])
     assert calls
     for call in calls:
@@ -409,7 +422,7 @@ def test_required_and_named_tool_choices_call_a_tool(server, choice):
         else:
             assert call["name"] == "get_time" and args == {}
     merged, reasons = streamed_message(stream(server, "/v1/chat/completions", body))
-    assert functions(merged.get("tool_calls")) == calls and reasons == ["stop"]
+    assert functions(merged.get("tool_calls")) == calls and reasons == [reason]
 
 
 def test_a_required_answer_cut_short_is_content():
@@ -425,14 +438,17 @@ def test_tool_requests_the_server_cannot_serve_are_refused(server, llm):
         "messages": USER, "tools": TOOLS, "tool_choice": "required", "response_format": {
             "type": "json_schema", "json_schema": {"schema": {"type": "integer"}}}})
     assert status == 400 and "give one constraint" in body["error"]["message"]
-    with pytest.raises(ValueError, match="go together"):
+    with pytest.raises(ValueError, match="needs a tool_call_parser"):
         OpenAIServer(llm, port=0, enable_auto_tool_choice=True)
     with pytest.raises(ValueError, match="tool_call_parser must be one of"):
         OpenAIServer(llm, port=0, enable_auto_tool_choice=True, tool_call_parser="mistral")
 
 
 def test_auto_tool_choice_needs_the_servers_parser(model_dir, device):
-    srv = OpenAIServer(make_llm(model_dir, device, max_model_len=1024), port=0)
+    """A parser without enable_auto_tool_choice starts (the constrained choices need none), and
+    "auto" is refused there as without both (vLLM's)."""
+    srv = OpenAIServer(make_llm(model_dir, device, max_model_len=1024), port=0,
+                       tool_call_parser="hermes")
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
     try:
@@ -458,3 +474,92 @@ def test_tokenize_renders_tools_and_earlier_calls(server, reference):
     want = reference.chat_prompts(as_objects, tools=TOOLS)[0]
     assert body["tokens"] == want["prompt_token_ids"]
     assert '"get_weather"' in want["prompt"] and '"city": "Rome"' in want["prompt"]
+
+
+# -- what the audit of the first version found (dbg/s52/tools_audit.md) ----------------------
+
+
+def test_a_tool_loops_next_turn_thinks_anew(server, reference):
+    """Qwen3's template writes the reasoning of the tool loop's earlier turn, closed, into the
+    prompt: the next turn's completion still starts undecided (its own <think> is reasoning)."""
+    start, end = ids_of(reference, "<think>", "</think>")
+    loop = [*USER, {"role": "assistant", "content": "", "reasoning_content": "it needs a tool",
+                    "tool_calls": [{"id": "c1", "type": "function", "function": {
+                        "name": "get_time", "arguments": None}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "noon"}]
+    req = api.parse_chat({"messages": loop, "tools": TOOLS, "tool_choice": "none"}, {})
+    prompt = api.render_chat(reference, req.messages, req.chat_options)  # the server's path
+    assert "</think>" in prompt["prompt"] and '"arguments": {}' in prompt["prompt"]  # null: {}
+    assert server.llm.engine.think_tags.prompt_phase(prompt["prompt_token_ids"]) == UNDECIDED
+    body = {"messages": loop, "tools": TOOLS, "tool_choice": "none", "max_tokens": 8,
+            "logit_bias": {str(start): 50, str(end): 100}, "guided_regex": "[a-z]{3}",
+            "logprobs": True}
+    _, whole = post(server, "/v1/chat/completions", body)
+    c = whole["choices"][0]
+    # It took <think> (allowed: undecided), then </think>, then the constraint.
+    assert [t["token"] for t in c["logprobs"]["content"][:2]] == ["<think>", "</think>"]
+    assert c["message"]["reasoning"] is None and re.fullmatch("[a-z]{3}", c["message"]["content"])
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(server):
+    two = CALL_REGEX + r'\n<tool_call>\n\{"name": "get_time", "arguments": \{\}\}\n</tool_call>'
+    body = {"messages": USER, "tools": TOOLS, "max_tokens": 200, "guided_regex": two,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    _, both = post(server, "/v1/chat/completions", body)
+    names = [c["name"] for c in functions(both["choices"][0]["message"]["tool_calls"])]
+    assert names == ["get_weather", "get_time"]
+    _, first = post(server, "/v1/chat/completions", {**body, "parallel_tool_calls": False})
+    assert functions(first["choices"][0]["message"]["tool_calls"]) == \
+        functions(both["choices"][0]["message"]["tool_calls"])[:1]
+    merged, _ = streamed_message(stream(server, "/v1/chat/completions",
+                                        {**body, "parallel_tool_calls": False}))
+    assert functions(merged["tool_calls"]) == functions(first["choices"][0]["message"]["tool_calls"])
+
+
+def test_hidden_reasoning_hides_its_logprobs_and_leaves_content_null(server):
+    body = {"messages": USER, "max_tokens": 6, "chat_template_kwargs": {"thinking": "open"},
+            "logprobs": True, "include_reasoning": False}
+    _, whole = post(server, "/v1/chat/completions", body)
+    c = whole["choices"][0]
+    assert c["finish_reason"] == "length" and c["logprobs"] is None
+    assert (c["message"]["content"], c["message"]["reasoning"]) == (None, None)  # vLLM's
+    events = stream(server, "/v1/chat/completions", body)
+    assert all(ch["logprobs"] is None for ev in events for ch in ev["choices"])
+    _, shown = post(server, "/v1/chat/completions", {**body, "include_reasoning": True})
+    assert shown["choices"][0]["logprobs"] is not None
+
+
+def test_required_tools_share_their_defs():
+    """Each tool's $defs go to the top of the "required" schema, where their $refs look."""
+    guest = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}}
+    book = {"type": "function", "function": {"name": "book", "parameters": {
+        "type": "object", "properties": {"guest": {"$ref": "#/$defs/Guest"}},
+        "$defs": {"Guest": guest}}}}
+    bare = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}}
+    schema = tool_calls.choice_schema("required", [book, bare])
+    pattern = re.compile(schema_regex(schema))
+    assert pattern.fullmatch('[{"name": "book", "parameters": {"guest": {"name": "Ada"}}}, '
+                             '{"name": "ping", "parameters": {}}]')
+    assert not pattern.fullmatch('[{"name": "book", "parameters": {"guest": "Ada"}}]')
+    other = {"type": "function", "function": {"name": "b2", "parameters": {
+        "type": "object", "properties": {"g": {"$ref": "#/$defs/Guest"}},
+        "$defs": {"Guest": {"type": "integer"}}}}}
+    with pytest.raises(ValueError, match="'Guest' in their \\$defs differently"):
+        tool_calls.choice_schema("required", [book, other])
+
+
+def test_a_torchrun_rank_without_the_tokenizer_passes_the_reasoning_check(model_dir, monkeypatch):
+    """Under torchrun only rank 0 loads the tokenizer: the other ranks go on to serve it."""
+    import minivllm.runtime.llm as llm_module
+
+    class Reached(Exception):
+        pass
+
+    def serve_rank_0(config):
+        raise Reached
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(llm_module, "make_executor", serve_rank_0)
+    with pytest.raises(Reached):
+        llm_module.LLM(model_dir, device="cpu", tensor_parallel_size=2, reasoning_parser="qwen3",
+                       attention_backend="reference")

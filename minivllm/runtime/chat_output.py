@@ -11,17 +11,21 @@ from .tool_calls import ToolCallSplit, call_json, new_call_id, parse_required
 
 
 class ChatOutput:
-    """phase: where the completion starts (reasoning.prompt_phase), None without a reasoning
+    """phase: where the completion starts (ThinkTags.prompt_phase), None without a reasoning
     parser; tool_mode: "none", "auto" (hermes blocks read from the answer), "required" or
     "function:NAME" (check_tool_choice); include_reasoning: false drops the reasoning (vLLM's
-    request field). feed and finish return a delta's fields: "reasoning" (also as
+    request field); parallel_tool_calls: false keeps only an answer's first call (vLLM's).
+    feed and finish return a delta's fields: "reasoning" (also as
     "reasoning_content", the name of vLLM's earlier versions, which clients such as Qwen-Agent
     read), "content", "tool_calls"; only those with something in them."""
 
-    def __init__(self, phase: str | None, tool_mode: str = "none", include_reasoning: bool = True):
+    def __init__(self, phase: str | None, tool_mode: str = "none", include_reasoning: bool = True,
+                 parallel_tool_calls: bool = True):
         self.split = reasoning.ReasoningSplit(phase) if phase is not None else None
         self.tool_mode = tool_mode
         self.include_reasoning = include_reasoning
+        self.parallel_tool_calls = parallel_tool_calls
+        self.reasoned = False  # some reasoning came, sent or not
         self.tools = ToolCallSplit() if tool_mode == "auto" else None
         self.answer = ""  # a "required" answer, parsed at the end
         self.named_started = False
@@ -66,12 +70,15 @@ class ChatOutput:
         return text, []
 
     def _calls(self, calls: list[dict]) -> list[dict]:
+        if not self.parallel_tool_calls:
+            calls = calls[:1]
         if calls:
             self.called = True
         return [{"index": k, **call_json(c["name"], c["arguments"])} for k, c in enumerate(calls)]
 
     def _fields(self, r: str, answer: tuple[str, list[dict]]) -> dict:
         fields = {}
+        self.reasoned |= bool(r)
         if r and self.include_reasoning:
             fields["reasoning"] = fields["reasoning_content"] = r
         self._add(fields, *answer)
@@ -120,7 +127,7 @@ def message(parser: ChatOutput, text: str) -> dict:
     if content is None:
         if parser.tool_mode == "required" or parser.tool_mode.startswith("function:"):
             content = ""
-        elif not (parser.called or fields.get("reasoning")):
+        elif not (parser.called or parser.reasoned):
             content = ""
     msg = {"role": "assistant", "content": content}
     if parser.reasoning_parser:

@@ -109,8 +109,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         # With a reasoning parser, structured outputs constrain the answer, not the reasoning:
         # the ids of <think> and </think> (runtime/reasoning.py).
-        self.reasoning_tags = (reasoning.tag_ids(tokenizer)
-                               if reasoning.check_parser(reasoning_parser) else None)
+        self.think_tags = (reasoning.think_tags(tokenizer)
+                           if reasoning.check_parser(reasoning_parser) else None)
         # A ModelRunner, or at tensor_parallel_size > 1 an executor that drives one per rank
         # (under torchrun, ranks > 0 serve rank 0 inside make_executor and then exit).
         self.runner = runner if runner is not None else make_executor(config)
@@ -285,8 +285,8 @@ class LLMEngine:
         base = params.seed if params.seed is not None else self.rng.getrandbits(63)
         bad_words = self._bad_words(params)
         compiled = self._guide(params)
-        tags = self.reasoning_tags
-        phase = reasoning.prompt_phase(ids, *tags) if tags is not None else reasoning.ANSWER
+        tags = self.think_tags
+        phase = tags.prompt_phase(ids) if tags is not None else reasoning.ANSWER
         for i in range(params.n):
             seed = base if i == 0 else (base + i * _GOLDEN) & ((1 << 64) - 1)
             seq = Sequence(self._next_seq_id, request_id, i, ids, params, seed,

@@ -214,12 +214,10 @@ class CompiledGuide:
 class Guide:
     """One sequence's place in its constraint: the state its generated ids lead to. With a
     reasoning parser (runtime/reasoning.py) the constraint starts after the reasoning: `phase`
-    is where the completion starts (reasoning.prompt_phase), `tags` the ids of <think> and
-    </think>; nothing is constrained inside the reasoning, and an undecided start also allows
-    <think>."""
+    is where the completion starts (ThinkTags.prompt_phase), `tags` the ThinkTags; nothing is
+    constrained inside the reasoning, and an undecided start also allows <think>."""
 
-    def __init__(self, compiled: CompiledGuide, phase: str = ANSWER,
-                 tags: tuple[int, int] | None = None):
+    def __init__(self, compiled: CompiledGuide, phase: str = ANSWER, tags=None):
         if phase != ANSWER and tags is None:
             raise ValueError("a guide that starts before the answer needs the reasoning tags")
         self.compiled = compiled
@@ -233,9 +231,9 @@ class Guide:
         data = self.compiled.index.bytes
         for token in output_ids[self.consumed:]:
             if self.phase == UNDECIDED:
-                self.phase = REASONING if token == self.tags[0] else ANSWER
+                self.phase = REASONING if token == self.tags.start else ANSWER
             if self.phase == REASONING:
-                if token == self.tags[1]:
+                if token == self.tags.end:
                     self.phase = ANSWER
                 continue
             b = data.get(token)  # None: EOS or another id the constraint ends with
@@ -253,7 +251,7 @@ class Guide:
             return (), ()
         allowed, banned = self.compiled.mask(state, vocab_size)
         if self.phase == UNDECIDED:  # the answer's first token, or <think>
-            start = self.tags[0]
+            start = self.tags.start
             if allowed:
                 return tuple(sorted({*allowed, start})), ()
             return (), tuple(i for i in banned if i != start)

@@ -139,8 +139,8 @@ class LLM:
         if not skip_tokenizer_init and not is_random_model(self.config.model) and \
                 (launch is None or launch.rank == 0):
             tok = load_tokenizer(os.fspath(tokenizer or self.config.model), required=tokenizer is not None)
-        if reasoning_parser is not None:
-            reasoning.tag_ids(tok)  # before the weights load
+        if reasoning_parser is not None and (launch is None or launch.rank == 0):
+            reasoning.think_tags(tok)  # before the weights load (the engine's rank only)
         runner = make_executor(self.config)
         self.engine = LLMEngine(self.config, tok, runner=runner, generation_config=gen,
                                 reasoning_parser=reasoning_parser)

@@ -40,8 +40,7 @@ def error_body(message: str, status: int, kind: str) -> dict:
 
 
 # OpenAI fields accepted and not acted on: they ask for nothing a completion changes.
-_IGNORED = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-            "parallel_tool_calls"}
+_IGNORED = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
 
 # Fields shared by both endpoints: name -> JSON type.
 _COMMON = {"n": int, "best_of": int, "temperature": float, "top_p": float, "top_k": int,
@@ -58,7 +57,7 @@ _COMPLETION = {**_COMMON, "prompt": (str, list), "echo": bool, "logprobs": int, 
 _CHAT = {**_COMMON, "messages": list, "max_completion_tokens": int, "logprobs": bool,
          "top_logprobs": int, "add_generation_prompt": bool, "continue_final_message": bool,
          "chat_template": str, "chat_template_kwargs": dict, "tools": list,
-         "tool_choice": (str, dict), "include_reasoning": bool}
+         "tool_choice": (str, dict), "include_reasoning": bool, "parallel_tool_calls": bool}
 # Fields that take only their default here.
 _UNSUPPORTED = {"suffix": None}
 
@@ -130,6 +129,7 @@ class ParsedRequest:
     model: str | None = None
     tool_mode: str = "none"  # tool_calls.check_tool_choice's
     include_reasoning: bool = True
+    parallel_tool_calls: bool = True
 
 
 def _structured(values: dict, tool_schema: dict | None = None) -> StructuredOutputsParams | None:
@@ -301,7 +301,7 @@ def _history_calls(calls, k: int) -> list[dict]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise RequestError(f"messages[{k}].tool_calls[{j}] must be {{'id', 'type': "
                                f"'function', 'function': {{'name', 'arguments'}}}}")
-        arguments = fn.get("arguments", {})
+        arguments = fn.get("arguments") or {}  # null and "" are no arguments (vLLM's)
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments) if arguments.strip() else {}
@@ -334,11 +334,9 @@ def parse_chat(body, defaults: dict) -> ParsedRequest:
         tool_mode = tool_calls.check_tool_choice(values["tool_choice"], tools)
     except ValueError as e:
         raise RequestError(str(e)) from None
-    if tool_mode == "auto" and tools:
+    if tool_mode == "auto":
         # Some tokenizers mark <tool_call> special: its text must stay (vLLM's hermes parser).
         values = {**values, "skip_special_tokens": False}
-    elif tool_mode == "auto":
-        tool_mode = "none"  # nothing to call
     top = values["top_logprobs"]
     if top and not values["logprobs"]:  # 0 without logprobs asks for nothing (as vLLM)
         raise RequestError("'top_logprobs' needs 'logprobs': true")
@@ -355,13 +353,14 @@ def parse_chat(body, defaults: dict) -> ParsedRequest:
                        prompt_logprobs=scored,
                        tool_schema=tool_calls.choice_schema(tool_mode, tools or []))
     include_usage, continuous = _stream_options(values)
-    include_reasoning = values["include_reasoning"]
+    include_reasoning, parallel = values["include_reasoning"], values["parallel_tool_calls"]
     return ParsedRequest(params=params, stream=bool(values["stream"]),
                          include_usage=include_usage, continuous_usage=continuous,
                          messages=messages, chat_options=options, logprobs=logprobs,
                          prompt_logprobs=scored is not None, model=values["model"] or None,
                          tool_mode=tool_mode,
-                         include_reasoning=True if include_reasoning is None else include_reasoning)
+                         include_reasoning=True if include_reasoning is None else include_reasoning,
+                         parallel_tool_calls=True if parallel is None else parallel)
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -497,14 +496,16 @@ def completion_body(request_id: str, created: int, model: str, choices: list[dic
 
 
 def chat_output(req: ParsedRequest, phase: str | None) -> ChatOutput:
-    """A completion's ChatOutput; phase: reasoning.prompt_phase of its prompt, None without a
+    """A completion's ChatOutput; phase: ThinkTags.prompt_phase of its prompt, None without a
     reasoning parser."""
-    return ChatOutput(phase, req.tool_mode, req.include_reasoning)
+    return ChatOutput(phase, req.tool_mode, req.include_reasoning, req.parallel_tool_calls)
 
 
 def _finish_reason(c, parser: ChatOutput) -> str | None:
-    """vLLM's: "tool_calls" where an "auto" answer called tools."""
-    if c.finish_reason is not None and parser.tool_mode == "auto" and parser.called:
+    """vLLM's (and OpenAI's): "tool_calls" where an "auto" answer called tools, or a "required"
+    one ended whole; a named function's call ends with the completion's own reason."""
+    if parser.called and (parser.tool_mode == "auto" and c.finish_reason is not None or
+                          parser.tool_mode == "required" and c.finish_reason == "stop"):
         return "tool_calls"
     return c.finish_reason
 
@@ -512,8 +513,10 @@ def _finish_reason(c, parser: ChatOutput) -> str | None:
 def chat_choice(c, req: ParsedRequest, parser: ChatOutput, *, delta: bool) -> dict | None:
     """One choice of a chat response, or of a stream chunk (delta: c holds what is new; None
     when the chunk would carry nothing: its text held back, no logprobs, not the last)."""
+    # Hidden reasoning hides its tokens' logprobs too (vLLM's).
+    hidden = parser.reasoning_parser and not parser.include_reasoning
     lps = (chat_logprobs(list(c.token_ids), c.logprobs, req.logprobs)
-           if req.logprobs is not None and c.logprobs is not None else None)
+           if req.logprobs is not None and c.logprobs is not None and not hidden else None)
     if delta:
         fields = parser.feed(c.text)
         if c.finish_reason is not None:

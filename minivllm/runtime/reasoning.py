@@ -1,17 +1,19 @@
 """Qwen3's reasoning: the text a thinking model writes between <think> and </think> before its
 answer, split from the answer (vLLM's `--reasoning-parser qwen3`).
 
-Where a completion starts is read from its prompt, the last of the two tags there deciding
-(`prompt_phase`): a prompt that opens <think> (Qwen3-2507 thinking models' chat template) starts
-the completion inside the reasoning; one that closes it (enable_thinking=False writes an empty
-<think></think>) starts it in the answer; one with neither (Qwen3's first release, whose models
-write <think> themselves) starts it undecided: reasoning if its first token is <think>, answer
-otherwise. The same phases decide when a structured output's constraint starts (runtime/guide.py:
-after the reasoning, as vLLM's) and how the text splits (ReasoningSplit), so that the constrained
-part is exactly the answer.
+Where a completion starts is read from its prompt's last turn, the last of the two tags there
+deciding (ThinkTags.prompt_phase): a prompt that opens <think> (Qwen3-2507 thinking models' chat
+template) starts the completion inside the reasoning; one that closes it (enable_thinking=False
+writes an empty <think></think>) starts it in the answer; one with neither (Qwen3's first
+release, whose models write <think> themselves) starts it undecided: reasoning if its first token
+is <think>, answer otherwise. The same phases decide when a structured output's constraint starts
+(runtime/guide.py: after the reasoning, as vLLM's) and how the text splits (ReasoningSplit), so
+that the constrained part is exactly the answer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 START_TAG, END_TAG = "<think>", "</think>"
 PARSERS = ("qwen3",)
@@ -29,9 +31,34 @@ def check_parser(name) -> str | None:
     return name
 
 
-def tag_ids(tokenizer) -> tuple[int, int]:
-    """The ids of <think> and </think>: each must be one token, as in Qwen3's vocabulary (the
-    split and the constraint's start follow the ids the model generates)."""
+@dataclass(frozen=True)
+class ThinkTags:
+    """The ids of <think> and </think>, and the special ids that mark a chat turn's bounds
+    (<|im_start|>, <|im_end|>, ...)."""
+
+    start: int
+    end: int
+    turn_marks: frozenset = frozenset()
+
+    def prompt_phase(self, prompt_ids) -> str:
+        """The phase a completion of this prompt starts in: the last tag of the prompt's last
+        turn decides. Earlier turns do not: Qwen3's template writes the reasoning of the turns
+        since the last user message, closed, into the prompt of a tool loop's next step, whose
+        model then opens its own <think>."""
+        for token in reversed(prompt_ids):
+            if token == self.start:
+                return REASONING
+            if token == self.end:
+                return ANSWER
+            if token in self.turn_marks:
+                break
+        return UNDECIDED
+
+
+def think_tags(tokenizer) -> ThinkTags:
+    """The tokenizer's ThinkTags: <think> and </think> must each be one token, as in Qwen3's
+    vocabulary (the split and the constraint's start follow the ids the model generates); its
+    special tokens bound the turns."""
     if tokenizer is None:
         raise ValueError("a reasoning parser needs a tokenizer, and this engine has none")
     ids = []
@@ -41,17 +68,8 @@ def tag_ids(tokenizer) -> tuple[int, int]:
             raise ValueError(f"the qwen3 reasoning parser needs {tag} to be one token of the "
                              f"tokenizer's vocabulary; it encodes as {encoded}")
         ids.append(encoded[0])
-    return ids[0], ids[1]
-
-
-def prompt_phase(prompt_ids, start_id: int, end_id: int) -> str:
-    """The phase a completion of this prompt starts in: the prompt's last tag decides."""
-    for token in reversed(prompt_ids):
-        if token == start_id:
-            return REASONING
-        if token == end_id:
-            return ANSWER
-    return UNDECIDED
+    marks = frozenset(getattr(tokenizer, "all_special_ids", ()) or ()) - set(ids)
+    return ThinkTags(ids[0], ids[1], marks)
 
 
 def partial_tag(text: str, tag: str) -> int:

@@ -427,10 +427,9 @@ class OpenAIServer:
                  model_name: str = "minivllm", api_key: str | None = None,
                  enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None):
         tool_calls.check_parser(tool_call_parser)
-        if enable_auto_tool_choice != (tool_call_parser is not None):
-            # vLLM's rule: one without the other is a mistake, said at start.
-            raise ValueError("enable_auto_tool_choice and tool_call_parser go together: give "
-                             "both (tool_choice 'auto' reads the answer's calls) or neither")
+        if enable_auto_tool_choice and tool_call_parser is None:  # vLLM's check, at start
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser (the form of the "
+                             "calls tool_choice 'auto' reads from the answer)")
         config = llm.config
         capacity = llm.engine.num_blocks * config.block_size
         if capacity < config.max_model_len:
@@ -442,7 +441,9 @@ class OpenAIServer:
         self.llm = llm
         self.model_name = model_name
         self.api_key = api_key
-        self.tool_call_parser = tool_call_parser
+        # tool_choice "auto" reads calls only with both (a parser alone serves the constrained
+        # choices, which need none, as vLLM's).
+        self.tool_call_parser = tool_call_parser if enable_auto_tool_choice else None
         self.defaults = llm.get_diff_sampling_param()
         tok = llm.get_tokenizer()
         self.decode = tok.decode if tok is not None else None
@@ -458,8 +459,8 @@ class OpenAIServer:
     def chat_output(self, req: ParsedRequest, out) -> ChatOutput:
         """The ChatOutput of a completion of `out`'s prompt (a RequestOutput): its reasoning
         phase read from the prompt's ids where the LLM has a reasoning parser."""
-        tags = self.llm.engine.reasoning_tags
-        phase = reasoning.prompt_phase(out.prompt_token_ids, *tags) if tags is not None else None
+        tags = self.llm.engine.think_tags
+        phase = tags.prompt_phase(out.prompt_token_ids) if tags is not None else None
         return chat_output(req, phase)
 
     def model_card(self) -> dict:

@@ -69,12 +69,12 @@ def check_tool_choice(choice, tools: list[dict] | None) -> str:
     prefixed "function:". Unset: "auto" with tools, "none" without (OpenAI's and vLLM's)."""
     if choice is None:
         return "auto" if tools else "none"
+    if choice != "none" and not tools:  # vLLM's words
+        raise ValueError("When using `tool_choice`, `tools` must be set.")
     if isinstance(choice, str):
         if choice not in ("none", "auto", "required"):
             raise ValueError(f"'tool_choice' must be 'none', 'auto', 'required' or "
                              f"{{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r}")
-        if choice == "required" and not tools:
-            raise ValueError("'tool_choice' 'required' needs 'tools'")
         return choice
     fn = choice.get("function") if isinstance(choice, dict) else None
     if not isinstance(fn, dict) or choice.get("type", "function") != "function" or \
@@ -89,22 +89,44 @@ def check_tool_choice(choice, tools: list[dict] | None) -> str:
 
 
 def _parameters(tool: dict) -> dict:
-    return tool["function"].get("parameters") or NO_ARGUMENTS
+    """A tool's parameters schema; none, or an object schema that lists no properties, is a
+    function without arguments: the empty object (any JSON object is not a regular language:
+    runtime/guide.py)."""
+    params = tool["function"].get("parameters")
+    if not params or (params.get("type") == "object" and "properties" not in params
+                      and not params.get("additionalProperties")):
+        return NO_ARGUMENTS
+    return params
+
+
+def _hoist_defs(params: dict, defs: dict) -> dict:
+    """params without its $defs / definitions, which go into `defs` (one schema's, where its
+    $refs look: vLLM's get_tool_schema_defs)."""
+    params = dict(params)
+    for key in ("$defs", "definitions"):
+        for name, schema in (params.pop(key, None) or {}).items():
+            if defs.setdefault(name, schema) != schema:
+                raise ValueError(f"two tools define {name!r} in their $defs differently")
+    return params
 
 
 def choice_schema(choice: str, tools: list[dict]) -> dict | None:
     """The JSON schema the answer is held to: a named function's parameters; for "required",
-    an array of one or more {"name": one of the tools, "parameters": its parameters} (vLLM's);
-    None for "none" and "auto"."""
+    an array of one or more {"name": one of the tools, "parameters": its parameters}, their
+    $defs gathered at its top (vLLM's); None for "none" and "auto"."""
     if choice.startswith("function:"):
         name = choice[len("function:"):]
         return _parameters(next(t for t in tools if t["function"]["name"] == name))
     if choice != "required":
         return None
-    return {"type": "array", "minItems": 1, "items": {"anyOf": [
+    defs: dict = {}
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": [
         {"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]},
-                                          "parameters": _parameters(t)},
+                                          "parameters": _hoist_defs(_parameters(t), defs)},
          "required": ["name", "parameters"]} for t in tools]}}
+    if defs:
+        schema["$defs"] = defs
+    return schema
 
 
 def new_call_id() -> str:
