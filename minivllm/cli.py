@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the name requests give as \"model\" (default: the model's path)")
     serve.add_argument("--api-key", default=None,
                        help="answer /v1 requests only with 'Authorization: Bearer KEY'")
+    serve.add_argument("--runner", choices=["auto", "generate", "pooling"], default="auto",
+                       help="pooling: serve embeddings (/v1/embeddings) instead of completions; "
+                            "auto: pooling for a sentence-transformers checkpoint (Qwen3-Embedding)")
     serve.add_argument("--reasoning-parser", choices=["qwen3"], default=None,
                        help="split a thinking model's <think> text from its answer (the "
                             "message's 'reasoning'); structured outputs then hold the answer")
@@ -199,6 +202,8 @@ def _make_llm(args, model: str):
                   hf_overrides=_hf_overrides(args))
     if getattr(args, "reasoning_parser", None) is not None:  # serve's
         kwargs["reasoning_parser"] = args.reasoning_parser
+    if getattr(args, "runner", "auto") != "auto":  # serve's
+        kwargs["runner"] = args.runner
     # An interactive CLI serves few sequences: keep the default KV cache small.
     kwargs["max_num_seqs"] = (args.max_num_seqs if args.max_num_seqs is not None
                               else 16 if demo or args.command == "chat" else 256)

@@ -560,3 +560,50 @@ def test_tensor_parallel_embeddings(embed_dir, hf_model, prompts):
                          use_tqdm=False)
     for p, out in zip(prompts[1:4] + prompts[-1:], outs):
         torch.testing.assert_close(vec(out), hf_embedding(hf_model, p, 32), **TOL)
+
+
+# -- /v1/embeddings (a pooling LLM's server) ---------------------------------------------------
+
+
+def test_the_server_answers_embeddings_as_openai(embed_dir, hf_model, prompts, device, tok):
+    """OpenAI's /v1/embeddings over the LLM's embed: token and text inputs, dimensions, float and
+    base64 (float32 little-endian) vectors, usage; a pooling server serves no completions, and a
+    generating one no embeddings (vLLM's routes)."""
+    import base64
+    import struct
+    import threading
+
+    from minivllm.runtime.server import OpenAIServer
+    from test_server import post
+
+    srv = OpenAIServer(pooling_llm(embed_dir, device), port=0, model_name="emb")
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    try:
+        status, body = post(srv, "/v1/embeddings", {"model": "emb", "input": prompts[:3],
+                                                    "dimensions": 16})
+        assert status == 200 and body["object"] == "list" and body["model"] == "emb"
+        assert [d["index"] for d in body["data"]] == [0, 1, 2]
+        for d, p in zip(body["data"], prompts[:3]):
+            assert d["object"] == "embedding"
+            torch.testing.assert_close(torch.tensor(d["embedding"]),
+                                       hf_embedding(hf_model, p, dimensions=16),
+                                       atol=1e-5, rtol=1e-4)
+        assert body["usage"] == {"prompt_tokens": sum(map(len, prompts[:3])),
+                                 "total_tokens": sum(map(len, prompts[:3]))}
+        _, b64 = post(srv, "/v1/embeddings", {"input": "Hello", "encoding_format": "base64"})
+        raw = base64.b64decode(b64["data"][0]["embedding"])
+        got = torch.tensor(struct.unpack(f"<{len(raw) // 4}f", raw))
+        torch.testing.assert_close(got, hf_embedding(hf_model, tok.encode("Hello")),
+                                   atol=1e-5, rtol=1e-4)
+        for bad, match in (({"input": []}, "'input' must be"), ({"input": "x", "dimensions": 0},
+                                                                  "dimensions"),
+                           ({"input": "x", "encoding_format": "hex"}, "encoding_format"),
+                           ({"input": "x", "stream": True}, "unknown fields")):
+            status, err = post(srv, "/v1/embeddings", bad)
+            assert status == 400 and match in err["error"]["message"], err
+        status, err = post(srv, "/v1/completions", {"prompt": "x"})
+        assert status == 404 and "no route" in err["error"]["message"]
+    finally:
+        srv.shutdown()
+        thread.join(timeout=10)

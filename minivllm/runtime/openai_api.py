@@ -13,8 +13,10 @@ for nothing a completion changes ("user", "metadata", ...).
 
 from __future__ import annotations
 
+import base64
 import json
 import math
+import struct
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from . import tool_calls
 from .chat_output import ChatOutput, message
 from .outputs import Logprob, RequestOutput
+from .pooling import PoolingParams
 from .sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -130,6 +133,7 @@ class ParsedRequest:
     tool_mode: str = "none"  # tool_calls.check_tool_choice's
     include_reasoning: bool = True
     parallel_tool_calls: bool = True
+    encoding_format: str = "float"  # an embedding request's
 
 
 def _structured(values: dict, tool_schema: dict | None = None) -> StructuredOutputsParams | None:
@@ -230,20 +234,9 @@ def parse_completion(body, defaults: dict) -> ParsedRequest:
     """A /v1/completions body -> ParsedRequest. defaults: the model's sampling defaults
     (LLM.get_diff_sampling_param())."""
     values = _checked_fields(body, _COMPLETION)
-    prompt = values["prompt"]
-    if prompt is None:
+    if values["prompt"] is None:
         raise RequestError("'prompt' is required")
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        prompts = [{"prompt_token_ids": prompt}]
-    elif prompt and all(isinstance(p, str) for p in prompt):
-        prompts = list(prompt)
-    elif prompt and all(isinstance(p, list) for p in prompt):
-        prompts = [{"prompt_token_ids": p} for p in prompt]
-    else:
-        raise RequestError("'prompt' must be a string, an array of strings, an array of token "
-                           "ids or an array of such arrays, and not empty")
+    prompts = _prompts(values["prompt"], "prompt")
     echo = bool(values["echo"])
     logprobs = values["logprobs"]
     max_tokens = values["max_tokens"] if values["max_tokens"] is not None else 16  # OpenAI's
@@ -540,6 +533,57 @@ def chat_body(request_id: str, created: int, model: str, choices: list[dict],
               usage_: dict | None, *, chunk: bool = False) -> dict:
     return _body("chat.completion.chunk" if chunk else "chat.completion", request_id, created,
                  model, choices, usage_, chunk)
+
+
+# -- /v1/embeddings (a pooling LLM's) ----------------------------------------------------------
+
+_EMBEDDING = {"model": str, "input": (str, list), "encoding_format": str, "dimensions": int,
+              "truncate_prompt_tokens": int, "normalize": bool}
+
+
+def _prompts(value, name: str) -> list:
+    """OpenAI's prompt forms: a string, strings, token ids, or arrays of token ids."""
+    if isinstance(value, str):
+        return [value]
+    if value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return [{"prompt_token_ids": value}]
+    if value and all(isinstance(p, str) for p in value):
+        return list(value)
+    if value and all(isinstance(p, list) for p in value):
+        return [{"prompt_token_ids": p} for p in value]
+    raise RequestError(f"'{name}' must be a string, an array of strings, an array of token "
+                       f"ids or an array of such arrays, and not empty")
+
+
+def parse_embedding(body, defaults: dict | None = None) -> ParsedRequest:
+    """A /v1/embeddings body -> ParsedRequest whose params are PoolingParams (`defaults`, the
+    sampling defaults, are not read: an embedding samples nothing)."""
+    values = _checked_fields(body, _EMBEDDING)
+    if values["input"] is None:
+        raise RequestError("'input' is required")
+    prompts = _prompts(values["input"], "input")
+    fmt = values["encoding_format"] or "float"
+    if fmt not in ("float", "base64"):
+        raise RequestError(f"'encoding_format' must be 'float' or 'base64', got {fmt!r}")
+    try:
+        params = PoolingParams(dimensions=values["dimensions"], normalize=values["normalize"],
+                               truncate_prompt_tokens=values["truncate_prompt_tokens"])
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    return ParsedRequest(params=params, prompts=prompts, model=values["model"] or None,
+                         encoding_format=fmt)
+
+
+def embedding_body(request_id: str, created: int, model: str, outs: list, fmt: str) -> dict:
+    """OpenAI's embeddings response; base64: each vector's float32 little-endian bytes."""
+    def vector(e: list[float]):
+        return e if fmt == "float" else base64.b64encode(struct.pack(f"<{len(e)}f", *e)).decode()
+
+    tokens = sum(len(o.prompt_token_ids) for o in outs)
+    return {"id": request_id, "object": "list", "created": created, "model": model,
+            "data": [{"index": k, "object": "embedding", "embedding": vector(o.outputs.embedding)}
+                     for k, o in enumerate(outs)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
 # -- /tokenize and /detokenize (vLLM's) --------------------------------------------------------

@@ -1,6 +1,7 @@
 """An OpenAI-compatible HTTP server over one LLM, as `vllm serve` (`minivllm serve`):
 POST /v1/completions and /v1/chat/completions (whole responses, or server-sent events with
-"stream": true), vLLM's /tokenize and /detokenize, GET /v1/models, /health and /version.
+"stream": true), or /v1/embeddings for a pooling LLM (runner="pooling"), vLLM's /tokenize and
+/detokenize, GET /v1/models, /health and /version.
 
 The engine is not thread-safe, so one thread owns it (EngineLoop): it takes new requests from a
 queue between steps, steps while any is unfinished, and hands each request's outputs to the
@@ -27,9 +28,10 @@ from .chat_output import ChatOutput
 from .llm import LLM, _delta
 from .openai_api import (ParsedRequest, RequestError, chat_body, chat_choice, chat_output,
                          chat_role_choice, completion_body, completion_choice, detokenize,
-                         error_body, new_id, now,
-                         parse_chat, parse_completion, parse_detokenize, parse_tokenize,
-                         render_chat, tokenize, usage, vllm_prompt_logprobs)
+                         embedding_body, error_body, new_id, now, parse_chat, parse_completion,
+                         parse_detokenize, parse_embedding, parse_tokenize, render_chat,
+                         tokenize, usage, vllm_prompt_logprobs)
+from .pooling import PoolingParams
 
 log = logging.getLogger("minivllm")
 
@@ -135,8 +137,11 @@ class EngineLoop:
             if req.messages is not None:
                 prompts = [render_chat(self.llm, req.messages, req.chat_options)]
             # All checked before any is queued, as LLM.generate does.
-            checked = [self.engine.check_request(p, req.params) for p in prompts]
-            ids = [self.engine.enqueue(text, ids, req.params) for text, ids in checked]
+            if isinstance(req.params, PoolingParams):
+                ids = self.engine.add_pooling_requests(prompts, [req.params] * len(prompts))
+            else:
+                checked = [self.engine.check_request(p, req.params) for p in prompts]
+                ids = [self.engine.enqueue(text, ids, req.params) for text, ids in checked]
         except (ValueError, TypeError) as e:
             sub.replies.put(("error", e if isinstance(e, RequestError) else RequestError(str(e))))
             return
@@ -172,7 +177,9 @@ class EngineLoop:
         self.owners.clear()
 
 
+# The routes of a generating LLM, and of a pooling one (as vLLM, each serves its own).
 _ROUTES = {"/v1/completions": parse_completion, "/v1/chat/completions": parse_chat}
+_POOLING_ROUTES = {"/v1/embeddings": parse_embedding}
 _TOKENIZER_ROUTES = ("/tokenize", "/detokenize")
 
 
@@ -266,7 +273,7 @@ class _Handler(BaseHTTPRequestHandler):
             from .. import __version__
 
             self._send_json(200, {"version": __version__})
-        elif path in _ROUTES:
+        elif path in self.app.routes:
             self._error(405, f"{path} takes POST", "MethodNotAllowed")
         else:
             self._error(404, f"no route {path}", "NotFoundError")
@@ -278,7 +285,7 @@ class _Handler(BaseHTTPRequestHandler):
             if not self._authorized():
                 return
             path = self.path.split("?", 1)[0]
-            parse = _ROUTES.get(path)
+            parse = self.app.routes.get(path)
             if parse is None and path not in _TOKENIZER_ROUTES:
                 raise RequestError(f"no route {path}", 404, "NotFoundError")
             try:
@@ -294,7 +301,9 @@ class _Handler(BaseHTTPRequestHandler):
                 raise RequestError('"auto" tool choice requires --enable-auto-tool-choice and '
                                    '--tool-call-parser to be set')
             sub = self.app.loop.submit(req)
-            if req.stream:
+            if parse is parse_embedding:
+                self._embeddings(sub)
+            elif req.stream:
                 self._stream(sub, parse is parse_chat)
             else:
                 self._whole(sub, parse is parse_chat)
@@ -332,15 +341,28 @@ class _Handler(BaseHTTPRequestHandler):
         self._check_model(req["model"])
         return app.loop.call(lambda: detokenize(app.llm, req["tokens"]))
 
-    def _whole(self, sub: _Submission, chat: bool) -> None:
+    def _finished(self, sub: _Submission) -> list | None:
+        """The submission's finished outputs in its requests' order; None (answered 500) if
+        the engine failed."""
         finished: dict[str, object] = {}
         while len(finished) < len(sub.ids):
             kind, value = self._next_output(sub)
             if kind == "error":
                 self._error(500, f"the engine failed: {value}", "InternalServerError")
-                return
+                return None
             finished[value.request_id] = value
-        outs = [finished[i] for i in sub.ids]
+        return [finished[i] for i in sub.ids]
+
+    def _embeddings(self, sub: _Submission) -> None:
+        outs = self._finished(sub)
+        if outs is not None:
+            self._send_json(200, embedding_body(new_id("embd"), now(), self.app.model_name, outs,
+                                                sub.req.encoding_format))
+
+    def _whole(self, sub: _Submission, chat: bool) -> None:
+        outs = self._finished(sub)
+        if outs is None:
+            return
         app, req, created = self.app, sub.req, now()
         if chat:
             out = outs[0]
@@ -447,6 +469,7 @@ class OpenAIServer:
         self.defaults = llm.get_diff_sampling_param()
         tok = llm.get_tokenizer()
         self.decode = tok.decode if tok is not None else None
+        self.routes = _POOLING_ROUTES if llm.config.runner == "pooling" else _ROUTES
         self.loop = EngineLoop(llm)
         self.http = ThreadingHTTPServer((host, port), _Handler)
         self.http.daemon_threads = True
