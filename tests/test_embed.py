@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 import minivllm
 from minivllm import LLM, PoolingParams, SamplingParams
-from minivllm.functional.pooling import embedding, last_token_rows, pool_last_token
+from minivllm.functional.pooling import last_token_rows, pool_last_token, pooled_embedding
 from minivllm.runtime.demo import build_tokenizer
 from minivllm.runtime.pooling import EmbeddingRequestOutput, sentence_transformers_pooling
 
@@ -260,14 +260,14 @@ def test_the_pure_pooling_function(causal_dir, hf_model, prompts, device):
     batch = minivllm.make_batch(chunks, block_size=16, device=device)
     assert last_token_rows(batch).tolist() == [sum(len(p) for p in prompts[:k + 1]) - 1
                                                for k in range(5)]
-    got = embedding(pool_last_token(params, cache, batch), dimensions=32).cpu()
+    got = pooled_embedding(pool_last_token(params, cache, batch), dimensions=32).cpu()
     want = torch.stack([hf_embedding(hf_model, p, 32) for p in prompts[:5]])
     torch.testing.assert_close(got, want, **TOL)
     h = torch.tensor([[3.0, 4.0, 12.0]], dtype=torch.bfloat16)
-    assert embedding(h).dtype == torch.float32
-    torch.testing.assert_close(embedding(h), torch.tensor([[3 / 13, 4 / 13, 12 / 13]]))
-    torch.testing.assert_close(embedding(h, 2), torch.tensor([[0.6, 0.8]]))
-    assert embedding(h, 2, False).tolist() == [[3, 4]]
+    assert pooled_embedding(h).dtype == torch.float32
+    torch.testing.assert_close(pooled_embedding(h), torch.tensor([[3 / 13, 4 / 13, 12 / 13]]))
+    torch.testing.assert_close(pooled_embedding(h, 2), torch.tensor([[0.6, 0.8]]))
+    assert pooled_embedding(h, 2, False).tolist() == [[3, 4]]
 
 
 # -- runners, layouts and what each LLM refuses ---------------------------------------------------

@@ -8,7 +8,7 @@ from .layer import attention_block, decoder_layer, mlp_block
 from .linear import column_linear, merged_column_linear, qkv_linear, row_linear, split_qkv
 from .model import forward, hidden_states
 from .norm import add_rms_norm, rms_norm
-from .pooling import embedding, last_token_rows, pool_last_token
+from .pooling import last_token_rows, pool_last_token, pooled_embedding
 from .rope import apply_rope, rope_attention_scale, rope_cos_sin, rope_inv_freq
 from .sampling import SamplingBatch, SamplingRow, make_sampling_batch, sample
 
@@ -16,7 +16,7 @@ __all__ = [
     "silu_and_mul", "REFERENCE", "AttentionBackend", "ReferenceBackend", "reference_attention",
     "write_kv", "embed", "lm_head", "generate", "attention_block", "decoder_layer", "mlp_block",
     "column_linear", "merged_column_linear", "qkv_linear", "split_qkv", "row_linear", "forward",
-    "hidden_states", "embedding", "last_token_rows", "pool_last_token",
+    "hidden_states", "pooled_embedding", "last_token_rows", "pool_last_token",
     "add_rms_norm", "rms_norm", "apply_rope", "rope_attention_scale", "rope_cos_sin",
     "rope_inv_freq",
     "sample", "SamplingBatch", "SamplingRow", "make_sampling_batch",

@@ -4,7 +4,7 @@ first `dimensions` features (Matryoshka) and L2-normalised.
 
     rows = last_token_rows(batch)                  # each sequence's last token in the step
     h = pool_last_token(params, cache, batch)      # [B, hidden], the cache written (donated)
-    e = embedding(h, dimensions=256)               # [B, 256] fp32, unit rows
+    e = pooled_embedding(h, dimensions=256)        # [B, 256] fp32, unit rows
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def pool_last_token(params: Params, cache: KVCache, batch: Batch,
                          last_token_rows(batch) if rows is None else rows)
 
 
-def embedding(hidden: torch.Tensor, dimensions: int | None = None,
+def pooled_embedding(hidden: torch.Tensor, dimensions: int | None = None,
               normalize: bool = True) -> torch.Tensor:
     """[..., hidden] -> [..., dimensions] fp32: the first `dimensions` features (all for None),
     then divided by their L2 norm when `normalize` (torch's F.normalize, as vLLM's pooler)."""

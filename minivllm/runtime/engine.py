@@ -24,7 +24,7 @@ import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..functional.pooling import embedding
+from ..functional.pooling import pooled_embedding
 from ..functional.sampling import SamplingRow
 from ..state.batch import DecodeChunks, SeqChunk
 from ..state.config import FP8_DTYPES
@@ -367,7 +367,7 @@ class LLMEngine:
             if request is None:  # aborted while its step ran
                 continue
             p = request.params
-            request.embedding = embedding(
+            request.embedding = pooled_embedding(
                 h, p.dimensions, p.normalizes(self.config.normalize_embeddings)).tolist()
 
     def abort_request(self, request_id: str) -> None:
