@@ -144,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the name requests give as \"model\" (default: the model's path)")
     serve.add_argument("--api-key", default=None,
                        help="answer /v1 requests only with 'Authorization: Bearer KEY'")
+    serve.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                       help="priority: requests' 'priority' field orders them, lower first")
     serve.add_argument("--runner", choices=["auto", "generate", "pooling"], default="auto",
                        help="pooling: serve embeddings (/v1/embeddings) instead of completions; "
                             "auto: pooling for a sentence-transformers checkpoint (Qwen3-Embedding)")
@@ -204,6 +206,8 @@ def _make_llm(args, model: str):
         kwargs["reasoning_parser"] = args.reasoning_parser
     if getattr(args, "runner", "auto") != "auto":  # serve's
         kwargs["runner"] = args.runner
+    if getattr(args, "scheduling_policy", "fcfs") != "fcfs":  # serve's
+        kwargs["scheduling_policy"] = args.scheduling_policy
     # An interactive CLI serves few sequences: keep the default KV cache small.
     kwargs["max_num_seqs"] = (args.max_num_seqs if args.max_num_seqs is not None
                               else 16 if demo or args.command == "chat" else 256)

@@ -46,14 +46,17 @@ def reference(prompt, params: SamplingParams, max_model_len: int, eos: tuple) ->
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(4, 16), max_num_seqs=st.integers(1, 4),
                 max_tokens_per_step=st.integers(1, 12), caching=st.booleans(),
-                asynchronous=st.booleans(), longest_first=st.booleans())
+                asynchronous=st.booleans(), longest_first=st.booleans(),
+                policy=st.sampled_from(["fcfs", "priority"]))
     def setup(self, num_blocks, max_num_seqs, max_tokens_per_step, caching, asynchronous,
-              longest_first):
+              longest_first, policy):
         self.bm = BlockManager(num_blocks, BS, enable_prefix_caching=caching)
         self.max_model_len = 24
         self.sched = Scheduler(self.bm, max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=max_tokens_per_step,
-                               max_model_len=self.max_model_len, longest_decodes_first=longest_first)
+                               max_model_len=self.max_model_len, longest_decodes_first=longest_first,
+                               policy=policy)
+        self.policy = policy
         self.longest_first = longest_first
         self.slots: dict[tuple[int, int], tuple[int, ...]] = {}
         self.all: list[Sequence] = []
@@ -63,8 +66,9 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=14),
           max_tokens=st.integers(1, 10), stop_eos=st.booleans(), n=st.integers(1, 2),
-          stop_ids=st.lists(st.integers(0, VOCAB - 1), max_size=2), min_tokens=st.integers(0, 3))
-    def add_request(self, prompt, max_tokens, stop_eos, n, stop_ids, min_tokens):
+          stop_ids=st.lists(st.integers(0, VOCAB - 1), max_size=2), min_tokens=st.integers(0, 3),
+          priority=st.integers(-1, 2))
+    def add_request(self, prompt, max_tokens, stop_eos, n, stop_ids, min_tokens, priority):
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=not stop_eos, n=n,
                                 stop_token_ids=stop_ids, min_tokens=min(min_tokens, max_tokens))
         # The engine refuses what can never fit; the scheduler may assume it.
@@ -73,7 +77,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         for i in range(n):
             seq = Sequence(len(self.all), str(len(self.all)), i, prompt, params, 0,
-                           eos_ids=(EOS,))
+                           eos_ids=(EOS,), priority=priority if self.policy == "priority" else 0)
             self.all.append(seq)
             self.sched.add(seq)
 
@@ -97,9 +101,23 @@ class SchedulerMachine(RuleBasedStateMachine):
             ids[-1] = dict(zip((c.seq.seq_id for c in out.sampled), sampled))[seq.seq_id]
         return ids
 
+    def order(self, seq) -> tuple:
+        """The policy's order: arrival, or priority then arrival (lower first)."""
+        return (seq.priority, seq.seq_id) if self.policy == "priority" else (0, seq.seq_id)
+
     def _step(self):
         was_running = {s.seq_id for s in self.sched.running}
         out = self.sched.schedule()
+        # Preemption takes the last in the policy's order among those the step did not
+        # schedule; admission takes the waiting in that order, ahead of every one still waiting.
+        scheduled = {c.seq.seq_id for c in out.chunks}
+        for victim in out.preempted:
+            assert all(self.order(s) < self.order(victim) for s in self.sched.running
+                       if s.seq_id not in scheduled), "a later sequence should have gone first"
+        admitted = [c.seq for c in out.chunks if c.seq.seq_id not in was_running]
+        assert [self.order(s) for s in admitted] == sorted(self.order(s) for s in admitted)
+        if admitted and self.sched.waiting:
+            assert max(map(self.order, admitted)) < min(map(self.order, self.sched.waiting))
         self.steps += 1
         assert out.chunks or self.in_flight, "nothing scheduled while requests wait"
         assert out.num_tokens == sum(c.num_tokens for c in out.chunks)
@@ -119,7 +137,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         for c in out.chunks:
             if c.start != len(c.seq.token_ids) - 1 or c.seq.seq_id not in was_running:
                 break
-            lead.append((-len(c.seq.token_ids) if self.longest_first else 0, c.seq.seq_id))
+            lead.append((self.order(c.seq)[0], -len(c.seq.token_ids) if self.longest_first else 0,
+                         c.seq.seq_id))
         assert lead == sorted(lead), lead
         # The mock forward: write every new token's slot, then read every chunk's context.
         ids = {c.seq.seq_id: self._ids(c.seq) for c in out.chunks}

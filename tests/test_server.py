@@ -282,6 +282,8 @@ def test_a_client_that_leaves_mid_stream_frees_its_request(server):
     ("/v1/embeddings", {"input": "x"}, 404, "no route"),
     ("/v1/completions", {"prompt": "x", "temperature": 10**400}, 400, "too large"),
     ("/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "64 bits"),
+    ("/v1/completions", {"prompt": "x", "priority": 1}, 400, "Priority scheduling is not enabled"),
+    ("/v1/completions", {"prompt": "x", "priority": "high"}, 400, "'priority' must be an integer"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 2.5}, 400, "'max_tokens' must be an integer"),
     ("/v1/completions", {"prompt": "x", "stream": True, "prompt_logprobs": 1}, 400, "prompt_logprobs"),
 ])

@@ -12,6 +12,7 @@ from ..state.config import FP8_DTYPES, ModelConfig, config_for_shape, parse_dtyp
 from ..state.values import as_flag, as_int, as_real
 from .distributed import check_tensor_parallel, torchrun_env
 from .pooling import resolve_runner
+from .scheduler import POLICIES
 
 
 def is_random_model(model: str) -> bool:
@@ -60,6 +61,7 @@ class EngineConfig:
     # embeddings, so that no LM head is loaded); normalize_embeddings: PoolingParams' default.
     runner: str = "generate"
     normalize_embeddings: bool = True
+    scheduling_policy: str = "fcfs"  # or "priority" (runtime/scheduler.py)
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -72,8 +74,11 @@ class EngineConfig:
                attention_backend=None, seed=0, enable_prefix_caching=True, max_logprobs=20,
                device=None, async_scheduling=True, kv_cache_dtype="auto",
                persistent_decode=None, hf_overrides=None, runner="auto",
-               task=None) -> "EngineConfig":
+               task=None, scheduling_policy="fcfs") -> "EngineConfig":
         model = os.fspath(model)
+        if scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(map(repr, POLICIES))}, "
+                             f"got {scheduling_policy!r}")
         if hf_overrides is not None and not isinstance(hf_overrides, dict):
             raise ValueError(f"hf_overrides must be a dict of config.json keys, got "
                              f"{hf_overrides!r:.80}")
@@ -173,7 +178,7 @@ class EngineConfig:
                    enable_prefix_caching=enable_prefix_caching, max_logprobs=max_logprobs,
                    async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype,
                    persistent_decode=persistent_decode, runner=runner,
-                   normalize_embeddings=normalize_embeddings)
+                   normalize_embeddings=normalize_embeddings, scheduling_policy=scheduling_policy)
 
 
 def persistent_decode_default(device: torch.device, tensor_parallel_size: int,

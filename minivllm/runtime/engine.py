@@ -125,7 +125,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=config.max_model_len,
-                                   longest_decodes_first=config.cache_dtype in FP8_DTYPES)
+                                   longest_decodes_first=config.cache_dtype in FP8_DTYPES,
+                                   policy=config.scheduling_policy)
         self.eos_ids = read_eos_ids(config.model, self.model_config, tokenizer, generation_config)
         self.rng = random.Random(config.seed)
         # Structured outputs' compiled constraints (runtime/guide.py), made at the first.
@@ -267,17 +268,41 @@ class LLMEngine:
         """logprobs / prompt_logprobs as a count: -1 is the whole vocabulary (as vLLM)."""
         return self.vocab_size if n == -1 else n
 
-    def add_requests(self, prompts: list, params: list[SamplingParams]) -> list[str]:
-        """Queue requests, all or none: every one is checked before any is queued."""
+    def add_requests(self, prompts: list, params: list[SamplingParams],
+                     priority: list[int] | None = None) -> list[str]:
+        """Queue requests, all or none: every one is checked before any is queued. priority:
+        one per request, lower first (the "priority" scheduling policy; None: all 0)."""
         if len(prompts) != len(params):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        priority = self.check_priority(priority, len(prompts))
         checked = [self.check_request(p, sp) for p, sp in zip(prompts, params)]
-        return [self.enqueue(text, ids, sp) for (text, ids), sp in zip(checked, params)]
+        return [self.enqueue(text, ids, sp, pr)
+                for (text, ids), sp, pr in zip(checked, params, priority)]
 
-    def add_request(self, prompt: Any, params: SamplingParams) -> str:
-        return self.add_requests([prompt], [params])[0]
+    def add_request(self, prompt: Any, params: SamplingParams, priority: int = 0) -> str:
+        return self.add_requests([prompt], [params], [priority])[0]
 
-    def enqueue(self, text: str | None, ids: list[int], params: SamplingParams) -> str:
+    def check_priority(self, priority, n: int) -> list[int]:
+        """The requests' priorities (n of them): integers, and 0 unless the scheduling policy is
+        "priority" (vLLM's check)."""
+        if priority is None:
+            return [0] * n
+        if isinstance(priority, (str, bytes, dict)) or not hasattr(priority, "__len__"):
+            raise TypeError(f"priority must be a list of integers, one per prompt, got "
+                            f"{type(priority).__name__}")
+        if len(priority) != n:
+            raise ValueError(f"{n} prompts but {len(priority)} priorities")
+        out = []
+        for p in priority:
+            if as_int(p) is None:
+                raise TypeError(f"a priority must be an integer, got {p!r}")
+            if p != 0 and self.config.scheduling_policy != "priority":
+                raise ValueError(f"Got priority {p} but Priority scheduling is not enabled.")
+            out.append(as_int(p))
+        return out
+
+    def enqueue(self, text: str | None, ids: list[int], params: SamplingParams,
+                priority: int = 0) -> str:
         """Queue a request that check_request accepted, as the (text, ids) it returned."""
         request_id = str(self._next_request_id)
         self._next_request_id += 1
@@ -291,7 +316,8 @@ class LLMEngine:
             seed = base if i == 0 else (base + i * _GOLDEN) & ((1 << 64) - 1)
             seq = Sequence(self._next_seq_id, request_id, i, ids, params, seed,
                            eos_ids=self.eos_ids, bad_words=bad_words,
-                           guide=Guide(compiled, phase, tags) if compiled is not None else None)
+                           guide=Guide(compiled, phase, tags) if compiled is not None else None,
+                           priority=priority)
             self._next_seq_id += 1
             request.seqs.append(seq)
             self.scheduler.add(seq)

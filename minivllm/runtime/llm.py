@@ -98,6 +98,8 @@ class LLM:
     an LLM cannot generate, as in vLLM) or "auto" (vLLM's default: "pooling" for a
     sentence-transformers checkpoint, as Qwen3-Embedding's, and for a bare Qwen3Model, else
     "generate"). task: vLLM's older form of it ("embed" is runner="pooling").
+    scheduling_policy: "fcfs" (arrival order) or "priority" (generate's priority=, lower first;
+    the lowest priority is preempted first: runtime/scheduler.py), as vLLM's.
     """
 
     def __init__(self, model, *, tokenizer=None, dtype="auto", max_model_len: int | None = None,
@@ -110,7 +112,8 @@ class LLM:
                  kv_cache_dtype="auto", persistent_decode: bool | None = None,
                  generation_config="auto", override_generation_config: dict | None = None,
                  hf_overrides: dict | None = None, reasoning_parser: str | None = None,
-                 runner: str = "auto", task: str | None = None):
+                 runner: str = "auto", task: str | None = None,
+                 scheduling_policy: str = "fcfs"):
         skip_tokenizer_init = as_flag("skip_tokenizer_init", skip_tokenizer_init, False)
         reasoning.check_parser(reasoning_parser)
         self.config = EngineConfig.create(
@@ -122,7 +125,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, max_logprobs=max_logprobs, device=device,
             async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype,
             persistent_decode=persistent_decode, hf_overrides=hf_overrides, runner=runner,
-            task=task)
+            task=task, scheduling_policy=scheduling_policy)
         self._diff_sampling_param, gen = generation_defaults(
             generation_config, override_generation_config, self.config.model)
         if self._diff_sampling_param:
@@ -211,14 +214,18 @@ class LLM:
             raise ValueError(f"{n} prompts but {len(params)} sampling params")
         return params
 
-    def _add(self, prompts, sampling_params) -> list[str]:
+    def _add(self, prompts, sampling_params, priority=None) -> list[str]:
         prompts = self._prompt_list(prompts)
-        return self.engine.add_requests(prompts, self._params_list(sampling_params, len(prompts)))
+        return self.engine.add_requests(prompts, self._params_list(sampling_params, len(prompts)),
+                                        priority)
 
-    def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = True,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
         """Complete every prompt (a string, or {"prompt_token_ids": [...]}, or a list of them);
-        results in input order. Every request is checked (ValueError) before any is scheduled."""
-        ids = self._add(prompts, sampling_params)
+        results in input order. Every request is checked (ValueError) before any is scheduled.
+        priority: one integer per prompt, lower scheduled first, with
+        scheduling_policy="priority" (vLLM's)."""
+        ids = self._add(prompts, sampling_params, priority)
         return self._run(ids, use_tqdm)
 
     def beam_search(self, prompts, params: BeamSearchParams, *, use_tqdm: bool = False,

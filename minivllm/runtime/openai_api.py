@@ -55,7 +55,7 @@ _COMMON = {"n": int, "best_of": int, "temperature": float, "top_p": float, "top_
            "truncate_prompt_tokens": int, "max_tokens": int, "prompt_logprobs": int,
            "stream": bool, "stream_options": dict, "model": str, "structured_outputs": dict,
            "guided_choice": list, "guided_regex": str, "guided_json": (dict, str),
-           "response_format": dict}
+           "response_format": dict, "priority": int}
 _COMPLETION = {**_COMMON, "prompt": (str, list), "echo": bool, "logprobs": int, "suffix": str}
 _CHAT = {**_COMMON, "messages": list, "max_completion_tokens": int, "logprobs": bool,
          "top_logprobs": int, "add_generation_prompt": bool, "continue_final_message": bool,
@@ -134,6 +134,7 @@ class ParsedRequest:
     include_reasoning: bool = True
     parallel_tool_calls: bool = True
     encoding_format: str = "float"  # an embedding request's
+    priority: int = 0  # lower first, under the "priority" scheduling policy
 
 
 def _structured(values: dict, tool_schema: dict | None = None) -> StructuredOutputsParams | None:
@@ -256,7 +257,8 @@ def parse_completion(body, defaults: dict) -> ParsedRequest:
     return ParsedRequest(params=params, stream=bool(values["stream"]),
                          include_usage=include_usage, continuous_usage=continuous,
                          prompts=prompts, echo=echo, echo_only=echo_only, logprobs=logprobs,
-                         prompt_logprobs=scored is not None, model=values["model"] or None)
+                         prompt_logprobs=scored is not None, model=values["model"] or None,
+                         priority=values["priority"] or 0)
 
 
 def _message_text(message, k: int) -> dict:
@@ -353,7 +355,8 @@ def parse_chat(body, defaults: dict) -> ParsedRequest:
                          prompt_logprobs=scored is not None, model=values["model"] or None,
                          tool_mode=tool_mode,
                          include_reasoning=True if include_reasoning is None else include_reasoning,
-                         parallel_tool_calls=True if parallel is None else parallel)
+                         parallel_tool_calls=True if parallel is None else parallel,
+                         priority=values["priority"] or 0)
 
 
 # -- responses ---------------------------------------------------------------------------------

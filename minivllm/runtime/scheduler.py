@@ -14,6 +14,12 @@ preempted by recompute: its blocks are freed and it waits again at the front of 
 its generated tokens kept, to be prefilled again (through the prefix cache when its blocks
 survive). The scheduler needs no tensors: a mock model can drive it.
 
+Under the "priority" policy (vLLM's) each sequence has a priority, lower first: "oldest first"
+above reads "by (priority, arrival)" and "newest" reads "last by (priority, arrival)", so
+running sequences take the budget, and waiting ones are admitted, in that order, and the one
+preempted is the lowest priority's latest. A waiting sequence preempts no running one to be
+admitted (as vLLM's).
+
 A step is recorded either at once (`update(out, tokens)`), or in two halves for asynchronous
 scheduling: `advance(out)` right after the step is launched, which marks its tokens computed and
 appends a PENDING token to each sampled sequence, so that the next step can be scheduled while
@@ -106,6 +112,17 @@ def stop_by_count(seq: Sequence, max_model_len: int, num_tokens: int | None = No
     return ("length", None) if num_tokens >= length_limit(seq, max_model_len) else None
 
 
+POLICIES = ("fcfs", "priority")
+
+
+def _arrival(seq: Sequence) -> int:
+    return seq.seq_id
+
+
+def _priority(seq: Sequence) -> tuple[int, int]:
+    return seq.priority, seq.seq_id
+
+
 def _decodes_first(seq: Sequence) -> tuple[bool, int]:
     """Sort key of the running sequences: decodes, then prefills, oldest first within each.
     (Attributes read directly: it runs for each sequence, each step.)"""
@@ -121,6 +138,14 @@ def _longest_decodes_first(seq: Sequence) -> tuple[bool, int, int]:
     return False, -n, seq.seq_id
 
 
+def _by_priority(key):
+    """A running sort key with the priority first within decodes and within prefills."""
+    def with_priority(seq: Sequence) -> tuple:
+        k = key(seq)
+        return (k[0], seq.priority, *k[1:])
+    return with_priority
+
+
 class Scheduler:
     """longest_decodes_first: a step's decodes in order of context length, longest first. A
     decode attention kernel that starts its programs in batch order then runs the longest first
@@ -128,16 +153,23 @@ class Scheduler:
     faster (an fp8 cache, BENCHMARKS.md session 14)."""
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, longest_decodes_first: bool = False):
+                 max_model_len: int, longest_decodes_first: bool = False, policy: str = "fcfs"):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {POLICIES}, got {policy!r}")
         self.bm = block_manager
         self.longest_decodes_first = longest_decodes_first
+        self.policy = policy
         self._sort_key = _longest_decodes_first if longest_decodes_first else _decodes_first
+        # The order of the waiting queue and of preemption (the last is preempted first).
+        self._order = _arrival
+        if policy == "priority":
+            self._sort_key, self._order = _by_priority(self._sort_key), _priority
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.waiting: list[Sequence] = []  # by seq_id (arrival), oldest first
+        self.waiting: list[Sequence] = []  # by _order (arrival, or priority then arrival)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_prompt_tokens_cached = 0  # prompt tokens taken from the prefix cache at first admission
@@ -147,7 +179,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
         seq.max_num_tokens = length_limit(seq, self.max_model_len)
-        bisect.insort(self.waiting, seq, key=lambda s: s.seq_id)
+        bisect.insort(self.waiting, seq, key=self._order)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -228,11 +260,11 @@ class Scheduler:
 
     def _grow(self, out: SchedulerOutput, seq: Sequence, num_tokens: int) -> bool:
         """Grow running seq's table to `num_tokens` tokens, preempting the newest sequences not
-        scheduled this step while blocks are short. False when seq itself was preempted."""
+        scheduled this step (the last by _order) while blocks are short. False when seq itself
+        was preempted."""
         while not self.bm.can_allocate(seq, num_tokens):
             scheduled = {c.seq.seq_id for c in out.chunks}
-            victim = max((s for s in self.running if s.seq_id not in scheduled),
-                         key=lambda s: s.seq_id)
+            victim = max((s for s in self.running if s.seq_id not in scheduled), key=self._order)
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is seq:

@@ -29,8 +29,10 @@ class Sequence:
     # seq_id grows with arrival: the scheduler's "oldest first" and "newest preempted first".
     def __init__(self, seq_id: int, request_id: str, index: int, prompt_ids: list[int],
                  params: SamplingParams, seed: int, eos_ids: tuple[int, ...] = (),
-                 bad_words: tuple[tuple[int, ...], ...] = (), guide=None, pooling: bool = False):
+                 bad_words: tuple[tuple[int, ...], ...] = (), guide=None, pooling: bool = False,
+                 priority: int = 0):
         self.seq_id = seq_id
+        self.priority = priority  # lower first, under the scheduler's "priority" policy
         self.request_id = request_id
         self.index = index  # which of the request's n completions
         self.params = params

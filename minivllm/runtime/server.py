@@ -140,8 +140,10 @@ class EngineLoop:
             if isinstance(req.params, PoolingParams):
                 ids = self.engine.add_pooling_requests(prompts, [req.params] * len(prompts))
             else:
+                priority = self.engine.check_priority([req.priority] * len(prompts), len(prompts))
                 checked = [self.engine.check_request(p, req.params) for p in prompts]
-                ids = [self.engine.enqueue(text, ids, req.params) for text, ids in checked]
+                ids = [self.engine.enqueue(text, ids, req.params, pr)
+                       for (text, ids), pr in zip(checked, priority)]
         except (ValueError, TypeError) as e:
             sub.replies.put(("error", e if isinstance(e, RequestError) else RequestError(str(e))))
             return
