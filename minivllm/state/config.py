@@ -234,13 +234,11 @@ class ModelConfig:
         # rather than compute the wrong function.
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={d['hidden_act']!r} is not supported (Qwen3 uses 'silu')")
-        # Quantized checkpoints (Qwen3-*-FP8, AWQ, GPTQ, bitsandbytes) store weights that need
-        # their scales to be read: say so, instead of failing later on their extra tensors.
-        quant = d.get("quantization_config")
-        if quant:
-            method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
-            raise ValueError(f"quantized checkpoints are not supported (quantization_config "
-                             f"quant_method {method!r}); use the unquantized (bf16) checkpoint")
+        # Block-fp8 checkpoints (Qwen3-*-FP8) load, their weights dequantized (state/quant.py);
+        # any other quantization (AWQ, GPTQ, bitsandbytes, per-tensor fp8, ...) is refused here,
+        # before any weight is read, instead of failing later on its extra tensors.
+        from .quant import quantization_from_config
+        quantization_from_config(d)
 
         rope_params = d.get("rope_parameters")
         rope_theta = d.get("rope_theta")

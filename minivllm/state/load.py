@@ -2,7 +2,9 @@
 
 Q/K/V are merged into one QKV weight and gate/up into one weight as they are read; each
 tensor-parallel rank reads only its own slice from disk (safetensors `get_slice`), so no rank ever
-holds the full checkpoint.
+holds the full checkpoint. Block-fp8 checkpoints (Qwen3-*-FP8, state/quant.py) load too: each
+quantized weight is dequantized to the model's dtype as it is read, one tensor (one rank's slice
+of it) at a time.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import os
 import torch
 from safetensors import safe_open
 
-from .config import ModelConfig, parse_dtype
+from .config import ModelConfig, ceil_div, parse_dtype
 from .params import LayerParams, Params
+from .quant import Fp8BlockQuantization, dequantize_fp8_blocks, quantization_from_config
 from .shard import ShardSpec
 
 
@@ -24,6 +27,15 @@ class CheckpointError(ValueError):
 
 # safetensors dtype names of the weights load() accepts (it casts them to the model dtype).
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+# A block-fp8 checkpoint's quantized weights, and their scales (float32 in DeepSeek-V3's format;
+# some Qwen3 FP8 checkpoints store them as bfloat16 or float16: each widens to float32 exactly).
+_FP8_WEIGHT_DTYPE = "F8_E4M3"
+_SCALE_DTYPES = ("F32", "F16", "BF16")
+# The decoder's linear layers: what a block-fp8 checkpoint may quantize (never the embedding or
+# the LM head: vLLM's quantization methods never take them, and Qwen's checkpoints keep them
+# bf16).
+_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 def _index_tensors(path: str) -> dict[str, str]:
@@ -94,6 +106,34 @@ def _hf_shapes(config: ModelConfig, prefix: str = "model.") -> dict[str, tuple[i
     return shapes
 
 
+def _quantized_weights(config: ModelConfig, prefix: str,
+                       quant: Fp8BlockQuantization | None) -> list[str]:
+    """The names of the linear weights a block-fp8 checkpoint stores quantized (with a
+    weight_scale_inv each): every decoder linear not in modules_to_not_convert."""
+    if quant is None:
+        return []
+    return [f"{prefix}layers.{n}.{linear}.weight" for n in range(config.num_layers)
+            for linear in _LINEARS if quant.quantizes(f"{prefix}layers.{n}.{linear}")]
+
+
+def scale_name(weight_name: str) -> str:
+    """The name of a quantized weight's block scales: X.weight -> X.weight_scale_inv."""
+    return weight_name + "_scale_inv"
+
+
+def _read_quantization(config_path: str) -> Fp8BlockQuantization | None:
+    """config.json's quantization_config, checked (a CheckpointError naming what is
+    unsupported); read whether or not load() was given a config."""
+    try:
+        with open(config_path) as f:
+            d = json.load(f)
+        if not isinstance(d, dict):
+            raise ValueError(f"a model config is a JSON object, got {type(d).__name__}")
+        return quantization_from_config(d)
+    except (json.JSONDecodeError, ValueError) as e:
+        raise CheckpointError(f"{config_path}: {e}") from e
+
+
 def backbone_prefix(names) -> str:
     """The prefix of the backbone's tensor names: "model." as Qwen3ForCausalLM saves them, or ""
     as transformers' Qwen3Model saves them (embed_tokens.weight, layers.0..., norm.weight: the
@@ -110,7 +150,14 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
     tensor-parallel rank whose slice to read (default: the whole model); config: the model's
     config instead of config.json's (ModelConfig.from_json with overrides, say; the pooling
     runner passes one with tied embeddings, so that no lm_head.weight is read or needed). The
-    backbone's tensors may be named with or without the "model." prefix (backbone_prefix)."""
+    backbone's tensors may be named with or without the "model." prefix (backbone_prefix).
+
+    A block-fp8 checkpoint (config.json's quantization_config {"quant_method": "fp8",
+    "weight_block_size": [128, 128], ...}: Qwen/Qwen3-*-FP8) loads with each quantized weight
+    dequantized to `dtype` (by default the checkpoint's dtype, that of its unquantized tensors:
+    bf16) as it is read; a rank reads the whole scale blocks that hold its slice, dequantizes
+    them and keeps its slice, so a shard boundary inside a block is exact. Any other
+    quantization_config is refused before any weight is read."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         what = "is a file, not a directory" if os.path.exists(path) else "does not exist"
@@ -123,6 +170,7 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
             config = ModelConfig.from_json(config_path)
         except (KeyError, ValueError) as e:
             raise CheckpointError(f"{config_path}: {e}") from e
+    quant = _read_quantization(config_path)
     shard = shard or ShardSpec()
     shard.check(config)
     dtype = parse_dtype(dtype, config.dtype)
@@ -130,6 +178,18 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
     files = _index_tensors(path)
     prefix = backbone_prefix(files)
     expected = _hf_shapes(config, prefix)
+    # weight name -> its scales' name, for the weights stored in fp8 blocks.
+    scales = {name: scale_name(name) for name in _quantized_weights(config, prefix, quant)}
+    for name, scale in scales.items():
+        expected[scale] = quant.scale_shape(expected[name])
+    missing_scales = sorted(set(scales.values()) - set(files))
+    if missing_scales:
+        raise CheckpointError(
+            f"{path}: missing tensor(s) {', '.join(missing_scales[:5])}"
+            + (f" and {len(missing_scales) - 5} more" if len(missing_scales) > 5 else "")
+            + f": the block scales of the fp8 weights its quantization_config "
+              f"({quant.describe()}) quantizes (a module stored unquantized is listed in "
+              f"modules_to_not_convert)")
     missing = sorted(set(expected) - set(files))
     if missing:
         raise CheckpointError(f"{path}: missing tensor(s) {', '.join(missing[:5])}"
@@ -138,14 +198,21 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
     extra = sorted(n for n in set(files) - set(expected) - allowed_extra
                    if not n.endswith("rotary_emb.inv_freq"))
     if extra:
+        hint = ""
+        if any(n.endswith("_scale_inv") or n.endswith("_scale") for n in extra):
+            hint = (" (quantization scales, but config.json has no quantization_config: "
+                    "minivllm loads block-fp8 checkpoints whose config says so)" if quant is None
+                    else f" (scales of weights its quantization_config ({quant.describe()}) "
+                         f"does not quantize: modules_to_not_convert lists them)")
         raise CheckpointError(f"{path}: unexpected tensor(s) {', '.join(extra[:5])}"
-                              + (f" and {len(extra) - 5} more" if len(extra) > 5 else ""))
+                              + (f" and {len(extra) - 5} more" if len(extra) > 5 else "") + hint)
 
     # Every tensor's file, name, shape and dtype are checked from the safetensors headers before
     # any data is read: a bad checkpoint fails at once, not after most of the weights are loaded
     # onto the device.
     handles: dict[str, object] = {}
     slices: dict[str, object] = {}
+    scale_of = {scale: name for name, scale in scales.items()}  # scale name -> weight name
     for name in expected:
         file = files[name]
         if file not in handles:
@@ -156,15 +223,46 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
         except Exception as e:
             raise CheckpointError(f"{file}: cannot read tensor {name} ({e})") from e
         if shape != expected[name]:
-            raise CheckpointError(f"{file}: tensor {name} has shape {shape}, expected {expected[name]}")
+            what = ""
+            if name in scale_of:  # the block grid of its weight
+                what = (f" (one scale per {list(quant.block)} block of the "
+                        f"{expected[scale_of[name]]} weight {scale_of[name]})")
+            raise CheckpointError(f"{file}: tensor {name} has shape {shape}, expected "
+                                  f"{expected[name]}{what}")
+        if name in scales:
+            if stored != _FP8_WEIGHT_DTYPE:
+                raise CheckpointError(
+                    f"{file}: tensor {name} is stored as {stored}, but the checkpoint's "
+                    f"quantization_config ({quant.describe()}) quantizes it: a block-fp8 "
+                    f"weight is {_FP8_WEIGHT_DTYPE} (a module stored unquantized is listed in "
+                    f"modules_to_not_convert)")
+        elif name in scale_of:
+            if stored not in _SCALE_DTYPES:
+                raise CheckpointError(f"{file}: tensor {name} is stored as {stored}; block "
+                                      f"scales are {'/'.join(_SCALE_DTYPES)}")
         # An 8-bit or integer tensor is a quantized weight whose scales are elsewhere: casting
         # it to the model dtype would load garbage silently.
-        if stored not in _FLOAT_DTYPES:
-            raise CheckpointError(f"{file}: tensor {name} is stored as {stored}; minivllm loads "
-                                  f"unquantized F32/F16/BF16 weights")
+        elif stored not in _FLOAT_DTYPES:
+            why = ("minivllm loads unquantized F32/F16/BF16 weights and, in block-fp8 "
+                   "checkpoints, fp8 decoder linears with their weight_scale_inv")
+            if quant is not None and stored == _FP8_WEIGHT_DTYPE:
+                why = (f"the checkpoint's quantization_config ({quant.describe()}) does not "
+                       f"quantize it" + (" (modules_to_not_convert lists it)"
+                                         if name.endswith("_proj.weight") else
+                                         ": embeddings, norms and the LM head are unquantized"))
+            raise CheckpointError(f"{file}: tensor {name} is stored as {stored}; {why}")
         slices[name] = sl
 
+    # Where tensors are read to: the CPU, but for a block-fp8 checkpoint bound for a GPU the GPU,
+    # which dequantizes its weights (half bf16's bytes cross to it, and it converts them at
+    # memory speed where a CPU takes seconds per GB; the products are the same, exactly).
+    work = torch.device("cpu")
+    if quant is not None and device is not None and torch.device(device).type == "cuda":
+        work = torch.device(device)
+
     def read(name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None):
+        if name in scales:
+            return read_fp8(name, rows, cols)
         sl = slices[name]
         try:
             if rows is not None:
@@ -175,7 +273,26 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
                 t = sl[:]
         except Exception as e:
             raise CheckpointError(f"{files[name]}: cannot read tensor {name} ({e})") from e
-        return t.to(dtype)
+        return t.to(dtype).to(work)
+
+    def read_fp8(name: str, rows, cols):
+        # The whole blocks that hold the slice (a boundary inside a block takes that block and
+        # its scale), dequantized, then cut to the slice: as dequantizing the whole tensor and
+        # slicing it, with one rank's slice (plus at most a block each side) in memory.
+        out_dim, in_dim = expected[name]
+        bn, bk = quant.block
+        r0, r1 = rows if rows is not None else (0, out_dim)
+        c0, c1 = cols if cols is not None else (0, in_dim)
+        a0, a1 = r0 // bn * bn, min(ceil_div(r1, bn) * bn, out_dim)
+        b0, b1 = c0 // bk * bk, min(ceil_div(c1, bk) * bk, in_dim)
+        try:
+            weight = slices[name][a0:a1, b0:b1]
+            scale = slices[scales[name]][a0 // bn:ceil_div(a1, bn), b0 // bk:ceil_div(b1, bk)]
+        except Exception as e:
+            raise CheckpointError(f"{files[name]}: cannot read tensor {name} or its scales "
+                                  f"({e})") from e
+        return dequantize_fp8_blocks(weight.to(work), scale.to(work), quant.block,
+                                     dtype)[r0 - a0:r1 - a0, c0 - b0:c1 - b0]
 
     def put(t):
         return t.contiguous().to(device)
@@ -189,7 +306,7 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
     def vocab_rows(name):
         # Rows past the real vocabulary are zero padding (the vocabulary is padded to a multiple
         # of the world size); a rank reads only the real rows it owns.
-        out = torch.zeros(v1 - v0, config.hidden_size, dtype=dtype)
+        out = torch.zeros(v1 - v0, config.hidden_size, dtype=dtype, device=work)
         real_end = min(v1, config.vocab_size)
         if real_end > v0:
             out[: real_end - v0] = read(name, rows=(v0, real_end))
