@@ -596,6 +596,10 @@ def test_the_server_answers_embeddings_as_openai(embed_dir, hf_model, prompts, d
         got = torch.tensor(struct.unpack(f"<{len(raw) // 4}f", raw))
         torch.testing.assert_close(got, hf_embedding(hf_model, tok.encode("Hello")),
                                    atol=1e-5, rtol=1e-4)
+        _, raw = post(srv, "/v1/embeddings", {"input": prompts[:1], "use_activation": False})
+        torch.testing.assert_close(torch.tensor(raw["data"][0]["embedding"]),
+                                   hf_embedding(hf_model, prompts[0], normalize=False),
+                                   atol=1e-5, rtol=1e-4)  # vLLM's newer name for normalize
         for bad, match in (({"input": []}, "'input' must be"), ({"input": "x", "dimensions": 0},
                                                                   "dimensions"),
                            ({"input": "x", "encoding_format": "hex"}, "encoding_format"),
@@ -607,3 +611,43 @@ def test_the_server_answers_embeddings_as_openai(embed_dir, hf_model, prompts, d
     finally:
         srv.shutdown()
         thread.join(timeout=10)
+
+
+# -- what the audit found (dbg/s52/embed_audit/report.md) --------------------------------------
+
+
+def test_a_sentence_transformers_module_minivllm_does_not_apply_is_refused(hf_model, tok, tmp_path):
+    """A Dense projection after the pooling (a fine-tune's) changes the embedding: refused by
+    name rather than ignored."""
+    from minivllm.runtime.pooling import sentence_transformers_pooling
+
+    path = write_embedding_layout(hf_model, tok, tmp_path / "model")
+    with open(os.path.join(path, "modules.json")) as f:
+        modules = json.load(f)
+    assert sentence_transformers_pooling(path) == {"pooling": "LAST", "normalize": True}
+    modules.insert(2, {"idx": 9, "name": "2", "path": "2_Dense",
+                       "type": "sentence_transformers.models.Dense"})
+    with open(os.path.join(path, "modules.json"), "w") as f:
+        json.dump(modules, f)
+    with pytest.raises(ValueError, match="Dense"):
+        sentence_transformers_pooling(path)
+
+
+def test_an_empty_text_is_what_the_tokenizer_makes_of_it(embed_dir, hf_model, device):
+    """Text is tokenized before it is judged empty (Qwen3-Embedding's tokenizer appends its EOS,
+    so "" is one token): only an empty list of ids is refused."""
+    llm = pooling_llm(embed_dir, device)
+    tok = llm.get_tokenizer()
+    assert tok.encode("") == []  # the demo tokenizer's: refused
+    with pytest.raises(ValueError, match="empty"):
+        llm.embed([""], use_tqdm=False)
+    # A tokenizer that makes "" one token: the demo tokenizer with an EOS appended.
+    real = tok.encode
+    tok.encode = lambda text, **kw: real(text, **kw) + [tok.eos_token_id]
+    try:
+        out = llm.embed([""], use_tqdm=False)[0]
+        assert out.prompt_token_ids == [tok.eos_token_id]
+        torch.testing.assert_close(vec(out), hf_embedding(hf_model, [tok.eos_token_id]),
+                                   atol=1e-5, rtol=1e-4)
+    finally:
+        tok.encode = real

@@ -178,8 +178,6 @@ class LLMEngine:
         if ids is None:
             if not isinstance(text, str):
                 raise ValueError(f"prompt must be a string, got {type(text).__name__}")
-            if not text:
-                raise ValueError("the prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: pass {'prompt_token_ids': [...]}")
             ids = self.tokenizer.encode(text)

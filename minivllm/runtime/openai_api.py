@@ -541,7 +541,7 @@ def chat_body(request_id: str, created: int, model: str, choices: list[dict],
 # -- /v1/embeddings (a pooling LLM's) ----------------------------------------------------------
 
 _EMBEDDING = {"model": str, "input": (str, list), "encoding_format": str, "dimensions": int,
-              "truncate_prompt_tokens": int, "normalize": bool}
+              "truncate_prompt_tokens": int, "normalize": bool, "use_activation": bool}
 
 
 def _prompts(value, name: str) -> list:
@@ -570,6 +570,7 @@ def parse_embedding(body, defaults: dict | None = None) -> ParsedRequest:
         raise RequestError(f"'encoding_format' must be 'float' or 'base64', got {fmt!r}")
     try:
         params = PoolingParams(dimensions=values["dimensions"], normalize=values["normalize"],
+                               use_activation=values["use_activation"],
                                truncate_prompt_tokens=values["truncate_prompt_tokens"])
     except ValueError as e:
         raise RequestError(str(e)) from None

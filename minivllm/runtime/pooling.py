@@ -24,6 +24,9 @@ _TASKS = {"auto": None, "generate": "generate", "embed": "pooling", "embedding":
 _ST_MODULES = "modules.json"  # a sentence-transformers checkpoint's list of modules
 _ST_POOLING = "sentence_transformers.models.Pooling"
 _ST_NORMALIZE = "sentence_transformers.models.Normalize"
+# The modules a pooled embedding is made of here: a Dense projection (which vLLM and
+# sentence-transformers apply after the pooling) or any other would change it, so is refused.
+_ST_TAKEN = ("sentence_transformers.models.Transformer", _ST_POOLING, _ST_NORMALIZE)
 
 
 @dataclass(frozen=True)
@@ -108,11 +111,16 @@ def sentence_transformers_pooling(model_dir: str) -> dict | None:
         normalize = any(m.get("type") == _ST_NORMALIZE for m in modules)
         if pooling is None:
             return None
+        others = [m.get("type") for m in modules if m.get("type") not in _ST_TAKEN]
         with open(os.path.join(model_dir, pooling.get("path", ""), "config.json")) as f:
             modes = json.load(f)
     except (OSError, ValueError, AttributeError, TypeError) as e:
         raise ValueError(f"{model_dir}: cannot read its sentence-transformers pooling config "
                          f"({type(e).__name__}: {e})") from None
+    if others:
+        raise ValueError(f"{model_dir}: its sentence-transformers modules.json lists {others}, "
+                         f"which minivllm does not apply (it takes Transformer, Pooling and "
+                         f"Normalize): its embeddings would be wrong")
     mode = next((k for k, v in modes.items() if k.startswith("pooling_mode_") and v is True), None)
     if mode is None:
         return None
