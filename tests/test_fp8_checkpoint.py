@@ -51,6 +51,7 @@ from minivllm.state.quant import Fp8BlockQuantization, dequantize_fp8_blocks
 
 from engine_helpers import make_llm
 from hf_tiny import make_hf_model, save_checkpoint
+from test_load_audit import _count_reads
 from tp_worker import _free_port, _run, _worker
 
 BLOCK = (128, 128)
@@ -370,35 +371,6 @@ def test_tp2_equals_tp1(tmp_path):
 
 
 # --- 4. what is refused, before any weight is read ---------------------------------------------
-
-def _count_reads(monkeypatch):
-    """The names of the tensors whose data load reads (a slice of a safetensors slice)."""
-    reads = []
-    real_open = load_mod._open
-
-    class Slice:
-        def __init__(self, sl, name):
-            self.sl, self.name = sl, name
-
-        def __getattr__(self, attr):
-            return getattr(self.sl, attr)
-
-        def __getitem__(self, key):
-            reads.append(self.name)
-            return self.sl[key]
-
-    class Handle:
-        def __init__(self, h):
-            self.h = h
-
-        def __getattr__(self, attr):
-            return getattr(self.h, attr)
-
-        def get_slice(self, name):
-            return Slice(self.h.get_slice(name), name)
-
-    monkeypatch.setattr(load_mod, "_open", lambda file: Handle(real_open(file)))
-    return reads
 
 
 @pytest.fixture
