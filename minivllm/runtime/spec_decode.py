@@ -62,12 +62,10 @@ class SpeculativeConfig:
             return int(value)
 
         k = positive("num_speculative_tokens")
-        # As vLLM: one of the lookup bounds given stands for both where the other is missing.
+        # As vLLM: one of the lookup bounds given stands for both where the other is missing,
+        # and 5 for both where neither is.
         lo, hi = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
-        if lo is None and hi is None:
-            raise ValueError("speculative_config: method 'ngram' needs prompt_lookup_max "
-                             "(and optionally prompt_lookup_min)")
-        hi = positive("prompt_lookup_max", lo)
+        hi = positive("prompt_lookup_max", 5 if lo is None else lo)
         lo = positive("prompt_lookup_min", hi)
         if lo > hi:
             raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) must be <= "
