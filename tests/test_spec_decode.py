@@ -17,6 +17,7 @@ from minivllm.runtime.spec_decode import SpeculativeConfig, ngram_propose
 from minivllm.state.batch import SeqChunk, batch_arrays, is_decode_step
 
 from engine_helpers import make_llm
+from hf_tiny import make_hf_model, save_checkpoint
 
 
 def spec(k, hi, lo):
@@ -108,6 +109,95 @@ def test_outputs_identical_to_no_speculation(base, demo_dir, device, config):
                     llm.generate([prompt], params, use_tqdm=False))
     s = llm.stats
     assert s.spec_draft_tokens > 0 and 0 < s.spec_accepted_tokens <= s.spec_draft_tokens
+    assert llm.engine.block_manager.num_free == llm.engine.num_blocks
+
+
+def watch_mid_draft_stops(llm) -> list:
+    """Record each sequence that a stop (a token or a stop string) ends at a token after the first
+    of a speculative step's (an accepted draft's round): the truncation under test."""
+    sched, hits, accepted = llm.engine.scheduler, [], {}
+    accept, finish = sched.accept, sched.finish
+
+    def watched_accept(seq, tok):
+        accept(seq, tok)
+        accepted[seq.seq_id] = seq.num_tokens
+        if seq.finished and seq.finish_reason == "stop":
+            hits.append(seq.seq_id)
+
+    def watched_finish(seq, reason, stop_reason=None):
+        if reason == "stop" and accepted.get(seq.seq_id) == seq.num_tokens:
+            hits.append(seq.seq_id)
+        finish(seq, reason, stop_reason)
+    sched.accept, sched.finish = watched_accept, watched_finish
+    return hits
+
+
+def test_stop_strings_inside_accepted_drafts(base, demo_dir, device):
+    """The demo model's greedy output repeats one token: a stop string of several repeats ends a
+    sequence at an accepted draft, and the tokens after it in the step are dropped."""
+    llm = make_llm(demo_dir, device, speculative_config=spec(4, 3, 1))
+    hits = watch_mid_draft_stops(llm)
+    greedy = base.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)
+    for reps in (3, 6, 9, 14):
+        stops = sorted({o.outputs[0].text[:reps * len(o.outputs[0].text) // 30] for o in greedy
+                        if o.outputs[0].text}, key=len)
+        for include in (False, True):
+            params = SamplingParams(temperature=0, max_tokens=30, stop=stops[:2],
+                                    include_stop_str_in_output=include)
+            assert_same(base.generate(PROMPTS, params, use_tqdm=False),
+                        llm.generate(PROMPTS, params, use_tqdm=False))
+    assert hits and llm.stats.spec_accepted_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """transformers' tiny Qwen3 at std 0.3 (test_engine.py's): varied greedy outputs, so that
+    drafts are partly accepted, partly rejected."""
+    return save_checkpoint(make_hf_model(seed=0, std=0.3), tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.mark.parametrize("config", [spec(1, 1, 1), spec(3, 2, 1), spec(5, 4, 1)])
+def test_partial_acceptance_and_stop_ids(tiny_dir, device, config):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(0, 101, (n,), generator=g).tolist()}
+               for n in (3, 7, 16, 31, 5, 12)]
+    ref = make_llm(tiny_dir, device)
+    llm = make_llm(tiny_dir, device, speculative_config=config)
+    sched = llm.engine.scheduler
+    drafted = set()  # (prompt, output index) of tokens recorded as accepted drafts' rounds
+    accept = sched.accept
+
+    def recording_accept(seq, tok):
+        accept(seq, tok)
+        drafted.add((tuple(seq.prompt_ids), seq.num_output - 1))
+    sched.accept = recording_accept
+    hits = watch_mid_draft_stops(llm)
+    for params in (SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                   SamplingParams(temperature=0.3, seed=1, max_tokens=40, ignore_eos=True, n=2),
+                   SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)):
+        drafted.clear()
+        expected = ref.generate(prompts, params, use_tqdm=False)
+        assert_same(expected, llm.generate(prompts, params, use_tqdm=False))
+        # Stop ids from the outputs themselves: per prompt, a token whose first occurrence came
+        # from an accepted draft's round (so the stop falls there), and one anywhere else.
+        per_prompt = []
+        for prompt, out in zip(prompts, expected):
+            ids = out.outputs[0].token_ids
+            key = tuple(prompt["prompt_token_ids"])
+            firsts = [i for i, t in enumerate(ids) if ids.index(t) == i]
+            inside = [i for i in firsts if (key, i) in drafted]
+            stop = [ids[inside[0]]] if inside else []
+            stop += [ids[firsts[len(firsts) // 2]]] if len(firsts) > 2 else []
+            per_prompt.append(SamplingParams(
+                temperature=params.temperature, seed=params.seed, max_tokens=40, n=params.n,
+                stop_token_ids=stop, logprobs=params.logprobs))
+        assert_same(ref.generate(prompts, per_prompt, use_tqdm=False),
+                    llm.generate(prompts, per_prompt, use_tqdm=False))
+    s = llm.stats
+    assert 0 < s.spec_accepted_tokens < s.spec_draft_tokens  # some accepted, some rejected
+    assert hits  # some stop fell on an accepted draft
     assert llm.engine.block_manager.num_free == llm.engine.num_blocks
 
 
