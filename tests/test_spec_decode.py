@@ -296,6 +296,16 @@ def test_batch_logits_rows_of_a_speculative_chunk():
     fake = types.SimpleNamespace(num_seqs=8, num_tokens=8, max_blocks=4)
     assert not PrefillGraph.fits(fake, chunks[:1])
     assert PrefillGraph.fits(fake, [SeqChunk([1, 2, 3, 4], 0, [0])])
+    # the decode graphs' selection: a speculative step (more rows than chunks, chunks of several
+    # tokens) is never a graph step, while the same chunks' plain decode is
+    from minivllm.functional.sampling import SamplingRow
+    from minivllm.runtime.runner import ModelRunner, StepInput
+
+    runner = types.SimpleNamespace(graphs=types.SimpleNamespace(bucket=lambda n: n))
+    row = SamplingRow(temperature=0.0)
+    spec_step = StepInput([SeqChunk([1, 2, 3], 4, [0, 1], True, 3)], [row] * 3, steps=(0, 1, 2))
+    assert not ModelRunner._graph_step(runner, spec_step)
+    assert ModelRunner._graph_step(runner, StepInput([SeqChunk([1], 4, [0, 1])], [row]))
 
 
 # -- bad configs --------------------------------------------------------------------------------

@@ -141,7 +141,10 @@ class LLMEngine:
         self.stats = EngineStats()
         # Asynchronous scheduling needs a runner that can launch a step without waiting for it
         # (a ModelRunner, and the tensor-parallel executor).
-        self.async_scheduling = config.async_scheduling and hasattr(self.runner, "launch")
+        # Speculative decoding records each step before the next is scheduled (EngineConfig turns
+        # asynchronous scheduling off with it; an EngineConfig built by hand is held to it too).
+        self.async_scheduling = (config.async_scheduling and hasattr(self.runner, "launch")
+                                 and config.speculative is None)
         self.in_flight = None  # (SchedulerOutput, PendingStep) of the launched, unread step
         # A launched step whose tokens an interrupt (Ctrl-C) kept from being read: they wait in
         # its own host buffers, and the next step() reads them first (_resolve).

@@ -20,6 +20,11 @@ running sequences take the budget, and waiting ones are admitted, in that order,
 preempted is the lowest priority's latest. A waiting sequence preempts no running one to be
 admitted (as vLLM's).
 
+With a speculator (n-gram speculative decoding, runtime/spec_decode.py), a decoding sequence may
+also compute draft tokens after its one token: they count in the step's budget and its table is
+grown for them (only where no preemption is needed), they stay out of its token_ids
+(SchedulerOutput.drafts), and those the step accepts are appended one at a time (accept()).
+
 A step is recorded either at once (`update(out, tokens)`), or in two halves for asynchronous
 scheduling: `advance(out)` right after the step is launched, which marks its tokens computed and
 appends a PENDING token to each sampled sequence, so that the next step can be scheduled while
