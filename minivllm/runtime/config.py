@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -13,6 +14,9 @@ from ..state.values import as_flag, as_int, as_real
 from .distributed import check_tensor_parallel, torchrun_env
 from .pooling import resolve_runner
 from .scheduler import POLICIES
+from .spec_decode import SpeculativeConfig
+
+log = logging.getLogger("minivllm")
 
 
 def is_random_model(model: str) -> bool:
@@ -62,6 +66,8 @@ class EngineConfig:
     runner: str = "generate"
     normalize_embeddings: bool = True
     scheduling_policy: str = "fcfs"  # or "priority" (runtime/scheduler.py)
+    # n-gram speculative decoding (runtime/spec_decode.py), or None
+    speculative: SpeculativeConfig | None = None
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -74,8 +80,10 @@ class EngineConfig:
                attention_backend=None, seed=0, enable_prefix_caching=True, max_logprobs=20,
                device=None, async_scheduling=True, kv_cache_dtype="auto",
                persistent_decode=None, hf_overrides=None, runner="auto",
-               task=None, scheduling_policy="fcfs") -> "EngineConfig":
+               task=None, scheduling_policy="fcfs",
+               speculative_config=None) -> "EngineConfig":
         model = os.fspath(model)
+        speculative = SpeculativeConfig.create(speculative_config)
         if scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(map(repr, POLICIES))}, "
                              f"got {scheduling_policy!r}")
@@ -122,6 +130,12 @@ class EngineConfig:
         enforce_eager = as_flag("enforce_eager", enforce_eager, False)
         enable_prefix_caching = as_flag("enable_prefix_caching", enable_prefix_caching, True)
         async_scheduling = as_flag("async_scheduling", async_scheduling, True)
+        if speculative is not None and async_scheduling:
+            # A speculative step's accepted tokens decide the next step's chunks: it is recorded
+            # before the next is scheduled (runtime/spec_decode.py).
+            log.info("minivllm: speculative decoding runs with synchronous scheduling: "
+                     "async_scheduling is turned off")
+            async_scheduling = False
 
         device = _device(device)
         # "auto" keeps the checkpoint's dtype (float32 tiny test checkpoints stay float32).
@@ -178,7 +192,8 @@ class EngineConfig:
                    enable_prefix_caching=enable_prefix_caching, max_logprobs=max_logprobs,
                    async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype,
                    persistent_decode=persistent_decode, runner=runner,
-                   normalize_embeddings=normalize_embeddings, scheduling_policy=scheduling_policy)
+                   normalize_embeddings=normalize_embeddings, scheduling_policy=scheduling_policy,
+                   speculative=speculative)
 
 
 def persistent_decode_default(device: torch.device, tensor_parallel_size: int,

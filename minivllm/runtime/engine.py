@@ -43,6 +43,7 @@ from .runner import ModelRunner, PromptScores, StepInput, StepResult, trace_rang
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import PENDING, Sequence, Status
+from .spec_decode import ngram_propose
 
 log = logging.getLogger("minivllm")
 
@@ -62,6 +63,10 @@ class EngineStats:
     preemptions: int = 0
     max_step_tokens: int = 0
     max_step_seqs: int = 0
+    # Speculative decoding (runtime/spec_decode.py): draft tokens proposed and run, and those
+    # accepted (their acceptance rate is spec_accepted_tokens / spec_draft_tokens).
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass
@@ -126,7 +131,8 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=config.max_model_len,
                                    longest_decodes_first=config.cache_dtype in FP8_DTYPES,
-                                   policy=config.scheduling_policy)
+                                   policy=config.scheduling_policy,
+                                   speculator=self._propose if config.speculative else None)
         self.eos_ids = read_eos_ids(config.model, self.model_config, tokenizer, generation_config)
         self.rng = random.Random(config.seed)
         # Structured outputs' compiled constraints (runtime/guide.py), made at the first.
@@ -135,7 +141,10 @@ class LLMEngine:
         self.stats = EngineStats()
         # Asynchronous scheduling needs a runner that can launch a step without waiting for it
         # (a ModelRunner, and the tensor-parallel executor).
-        self.async_scheduling = config.async_scheduling and hasattr(self.runner, "launch")
+        # Speculative decoding records each step before the next is scheduled (EngineConfig turns
+        # asynchronous scheduling off with it; an EngineConfig built by hand is held to it too).
+        self.async_scheduling = (config.async_scheduling and hasattr(self.runner, "launch")
+                                 and config.speculative is None)
         self.in_flight = None  # (SchedulerOutput, PendingStep) of the launched, unread step
         # A launched step whose tokens an interrupt (Ctrl-C) kept from being read: they wait in
         # its own host buffers, and the next step() reads them first (_resolve).
@@ -409,6 +418,17 @@ class LLMEngine:
 
     # -- one step --------------------------------------------------------------------------------
 
+    def _propose(self, seq: Sequence, most: int) -> list[int]:
+        """Up to `most` draft tokens for decoding seq (the scheduler's speculator): none for a
+        sequence whose sampling row reads its output or changes from step to step (penalties,
+        multi-token bad words, structured outputs, min_tokens not yet out), whose drafts' rows
+        would differ from the row its next tokens get."""
+        if seq.reads_output or seq.pooling or seq.num_output < seq.params.min_tokens:
+            return []
+        spec = self.config.speculative
+        return ngram_propose(seq.token_ids, min(most, spec.num_speculative_tokens),
+                             spec.prompt_lookup_min, spec.prompt_lookup_max)
+
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         """seq's row for this step. Its `step` is 0: StepInput.steps carries every row's step, so
         that a row that only the step would change (no penalty, no banned ids) is built once per
@@ -460,10 +480,20 @@ class LLMEngine:
                                   [seq.block_table for seq in sampled])
             fed_back = [(i, prev_row[seq]) for i, seq in enumerate(sampled) if seq.num_pending]
         else:
-            chunks = [SeqChunk(seq.token_ids[start:start + n], start, seq.block_table, want)
-                      for seq, start, n, want in out.chunks]
+            drafts = out.drafts
+            if drafts:  # a speculative step: a chunk with drafts wants logits at each token
+                chunks = [SeqChunk(seq.token_ids[start:start + n] + d, start, seq.block_table,
+                                   want, len(d) + 1) if (d := drafts.get(seq)) else
+                          SeqChunk(seq.token_ids[start:start + n], start, seq.block_table, want)
+                          for seq, start, n, want in out.chunks]
+            else:
+                chunks = [SeqChunk(seq.token_ids[start:start + n], start, seq.block_table, want)
+                          for seq, start, n, want in out.chunks]
             fed_back, offset, scored, pooled = [], 0, [], []
             for seq, start, n, _ in out.chunks:
+                if drafts and seq in drafts:  # a decode's: no prompt to score, nothing pooled
+                    offset += n + len(drafts[seq])
+                    continue
                 if seq.prompt_logprobs is not None:
                     scored += self._prompt_positions(seq, start, n, offset)
                 offset += n
@@ -481,8 +511,22 @@ class LLMEngine:
         rows = [row if (row := seq.sampling_row) is not None else self._sampling_row(seq)
                 for seq in sampled]
         steps = tuple([len(seq.token_ids) - seq.prompt_len for seq in sampled])  # num_output
+        if out.drafts:
+            # A row per logits row: a chunk with d drafts samples d + 1 tokens, its row at
+            # steps num_output ... num_output + d (as the steps without drafts would).
+            rows, steps = self._spec_rows(sampled, rows, steps, out.drafts)
         return StepInput(chunks, rows, tuple(fed_back), steps, scores,
                          tuple(pooled) if out.pooled else ())
+
+    @staticmethod
+    def _spec_rows(sampled: list[Sequence], rows: list[SamplingRow], steps: tuple[int, ...],
+                   drafts: dict) -> tuple[list[SamplingRow], tuple[int, ...]]:
+        all_rows, all_steps = [], []
+        for seq, row, step in zip(sampled, rows, steps):
+            d = len(drafts.get(seq, ()))
+            all_rows += [row] * (d + 1)
+            all_steps += range(step, step + d + 1)
+        return all_rows, tuple(all_steps)
 
     @staticmethod
     def _prompt_positions(seq: Sequence, start: int, n: int, offset: int) -> list[tuple]:
@@ -532,6 +576,9 @@ class LLMEngine:
             raise
         self._count(out)
         self.scheduler.bm.commit()
+        if out.drafts:  # a speculative step's tokens are recorded one at a time (_record_spec)
+            self.scheduler.advance(out)
+            return self._finish_step(out, None, result, unfinished)
         with trace_range("update"):
             seqs = self.scheduler.update(out, result.token_ids)
         return self._finish_step(out, seqs, result, unfinished)
@@ -591,15 +638,20 @@ class LLMEngine:
                                 scores=result.scores, pooled=result.pooled)
         return self._finish_step(out, seqs, result, unfinished)
 
-    def _finish_step(self, out: SchedulerOutput, seqs: list[Sequence], result: StepResult,
+    def _finish_step(self, out: SchedulerOutput, seqs: list[Sequence] | None, result: StepResult,
                      unfinished: bool) -> list[RequestOutput]:
+        """seqs: those that got a token (Scheduler.resolve's); None for a speculative step, whose
+        sampled sequences are advanced but not resolved (_record_spec)."""
         with trace_range("postprocess"):
-            self.stats.generation_tokens += len(seqs)
             if result.scores is not None:
                 self._record_scores(out.scored, result.scores)
             if result.pooled is not None:
                 self._record_embeddings(out.pooled, result.pooled)
-            self._postprocess(seqs, result)
+            if seqs is None:
+                self._record_spec(out, result)
+            else:
+                self.stats.generation_tokens += len(seqs)
+                self._postprocess(seqs, result)
         if unfinished:
             touched = dict.fromkeys(c.seq.request_id for c in out.chunks)
             touched.update(dict.fromkeys(s.request_id for s in out.preempted))
@@ -619,6 +671,42 @@ class LLMEngine:
             if request.finished:
                 del self.requests[request_id]
         return outputs
+
+    def _record_spec(self, out: SchedulerOutput, result: StepResult) -> None:
+        """Record a speculative step (advanced, not resolved): each sampled sequence's tokens
+        are its sampled ones up to and including the first that differs from its draft (all of
+        them when every draft matched). They are recorded in rounds, one token a sequence a
+        round, each round as a step without speculation records its tokens (stop tokens and
+        lengths, then logprobs, detokenization and stop strings), so that a token that ends a
+        sequence drops the ones after it."""
+        tokens, lps = result.token_ids, result.logprobs
+        kept, i = [], 0  # per sampled chunk: (seq, its tokens, their logprobs or None)
+        for chunk in out.sampled:
+            seq = chunk.seq
+            d = out.drafts.get(seq, ())
+            got = tokens[i:i + len(d) + 1]
+            a = 0
+            while a < len(d) and got[a] == d[a]:
+                a += 1
+            self.stats.spec_draft_tokens += len(d)
+            self.stats.spec_accepted_tokens += a
+            kept.append((seq, got[:a + 1], None if lps is None else lps[i:i + a + 1]))
+            i += len(d) + 1
+        if i != len(tokens):
+            raise ValueError(f"{len(tokens)} sampled tokens for {i} sampled rows")
+        got = self.scheduler.resolve(out, [toks[0] for _, toks, _ in kept])
+        for r in range(max(len(toks) for _, toks, _ in kept)):
+            if r:
+                got = []
+                for seq, toks, _ in kept:
+                    if len(toks) > r and not seq.finished:
+                        self.scheduler.accept(seq, int(toks[r]))
+                        got.append(seq)
+            alive = {s.seq_id for s in got}
+            round_lps = None if lps is None else \
+                [lp[r] for seq, toks, lp in kept if seq.seq_id in alive and len(toks) > r]
+            self.stats.generation_tokens += len(got)
+            self._postprocess(got, StepResult(token_ids=[], logprobs=round_lps))
 
     def _count(self, out: SchedulerOutput) -> None:
         s = self.stats

@@ -100,6 +100,12 @@ class LLM:
     "generate"). task: vLLM's older form of it ("embed" is runner="pooling").
     scheduling_policy: "fcfs" (arrival order) or "priority" (generate's priority=, lower first;
     the lowest priority is preempted first: runtime/scheduler.py), as vLLM's.
+    speculative_config: vLLM's n-gram speculative decoding, {"method": "ngram",
+    "num_speculative_tokens": k, "prompt_lookup_max": N, "prompt_lookup_min": M}
+    (runtime/spec_decode.py): outputs are those without it; it turns async_scheduling off, and
+    sequences whose sampling reads their output (penalties, multi-token bad_words, structured
+    outputs, min_tokens still pending) decode without drafts. LLM.stats counts the drafted and
+    accepted tokens.
     """
 
     def __init__(self, model, *, tokenizer=None, dtype="auto", max_model_len: int | None = None,
@@ -113,7 +119,7 @@ class LLM:
                  generation_config="auto", override_generation_config: dict | None = None,
                  hf_overrides: dict | None = None, reasoning_parser: str | None = None,
                  runner: str = "auto", task: str | None = None,
-                 scheduling_policy: str = "fcfs"):
+                 scheduling_policy: str = "fcfs", speculative_config: dict | None = None):
         skip_tokenizer_init = as_flag("skip_tokenizer_init", skip_tokenizer_init, False)
         reasoning.check_parser(reasoning_parser)
         self.config = EngineConfig.create(
@@ -125,7 +131,8 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, max_logprobs=max_logprobs, device=device,
             async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype,
             persistent_decode=persistent_decode, hf_overrides=hf_overrides, runner=runner,
-            task=task, scheduling_policy=scheduling_policy)
+            task=task, scheduling_policy=scheduling_policy,
+            speculative_config=speculative_config)
         self._diff_sampling_param, gen = generation_defaults(
             generation_config, override_generation_config, self.config.model)
         if self._diff_sampling_param:

@@ -76,9 +76,13 @@ class PrefillGraph:
         self.logits = None
 
     def fits(self, chunks: Sequence[SeqChunk]) -> bool:
+        """Whether the step fits the graph's shape; a speculative step (a chunk with logits at
+        several rows: runtime/spec_decode.py) never does: its logits rows could outnumber the
+        graph's, and it runs through the forward."""
         tokens = sum(len(c.token_ids) for c in chunks)
         return (0 < len(chunks) <= self.num_seqs and self.num_tokens // 2 <= tokens <= self.num_tokens
-                and all(len(c.block_table) <= self.max_blocks for c in chunks))
+                and all(len(c.block_table) <= self.max_blocks and c.num_logits == 1
+                        for c in chunks))
 
     def fill(self, chunks: Sequence[SeqChunk]) -> int:
         """Copy one step into the static buffers, padded (see the module's docstring). Returns

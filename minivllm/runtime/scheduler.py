@@ -20,6 +20,11 @@ running sequences take the budget, and waiting ones are admitted, in that order,
 preempted is the lowest priority's latest. A waiting sequence preempts no running one to be
 admitted (as vLLM's).
 
+With a speculator (n-gram speculative decoding, runtime/spec_decode.py), a decoding sequence may
+also compute draft tokens after its one token: they count in the step's budget and its table is
+grown for them (only where no preemption is needed), they stay out of its token_ids
+(SchedulerOutput.drafts), and those the step accepts are appended one at a time (accept()).
+
 A step is recorded either at once (`update(out, tokens)`), or in two halves for asynchronous
 scheduling: `advance(out)` right after the step is launched, which marks its tokens computed and
 appends a PENDING token to each sampled sequence, so that the next step can be scheduled while
@@ -75,6 +80,9 @@ class SchedulerOutput:
     # (sequence, prompt position) pairs whose prompt_logprobs the step computes, in the order of
     # its PromptScores: set by the engine (LLMEngine.step_input), which asks for them.
     scored: list[tuple[Sequence, int]] = field(default_factory=list)
+    # Speculative decoding (runtime/spec_decode.py): a decoding sequence's draft tokens, computed
+    # after its chunk's one token (counted in num_tokens, never in its token_ids until accepted).
+    drafts: dict[Sequence, list[int]] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
@@ -153,12 +161,16 @@ class Scheduler:
     faster (an fp8 cache, BENCHMARKS.md session 14)."""
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, longest_decodes_first: bool = False, policy: str = "fcfs"):
+                 max_model_len: int, longest_decodes_first: bool = False, policy: str = "fcfs",
+                 speculator=None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {POLICIES}, got {policy!r}")
         self.bm = block_manager
+        # speculator(seq, most) -> up to `most` draft tokens for a decoding sequence (none for
+        # one that may not speculate): runtime/spec_decode.py. None: no speculation.
+        self.speculator = speculator
         self.longest_decodes_first = longest_decodes_first
         self.policy = policy
         self._sort_key = _longest_decodes_first if longest_decodes_first else _decodes_first
@@ -231,11 +243,25 @@ class Scheduler:
                 continue  # its pending token is its last
             start = seq.num_computed
             n = min(num_tokens - start, budget)
-            if len(seq.block_table) * block_size < start + n and \
-                    not self._grow(out, seq, start + n):
+            drafts = None
+            if self.speculator is not None and n == num_tokens - start == 1 \
+                    and not seq.num_pending:
+                # A decode: drafts within the step's budget and the sequence's length limit
+                # (the step samples one token more than it has drafts), and only where its
+                # table can hold them without preempting anything.
+                most = min(budget - 1, seq.max_num_tokens - num_tokens - 1)
+                drafts = self.speculator(seq, most) if most > 0 else None
+                if drafts and not self.bm.can_allocate(seq, start + 1 + len(drafts)):
+                    drafts = None
+            extra = len(drafts) if drafts else 0
+            if len(seq.block_table) * block_size < start + n + extra and \
+                    not self._grow(out, seq, start + n + extra):
                 continue  # preempted to make room for itself
             self._schedule(out, seq, start, n)
-            budget -= n
+            if extra:
+                out.drafts[seq] = drafts
+                out.num_tokens += extra
+            budget -= n + extra
 
         # 2. Waiting sequences, oldest first; none while memory is short (something was preempted).
         while (not out.preempted and self.waiting and budget > 0
@@ -336,6 +362,18 @@ class Scheduler:
                 if stop is not None:
                     self.finish(seq, *stop)
         return got
+
+    def accept(self, seq: Sequence, tok: int) -> None:
+        """Append one more token that a speculative step sampled for seq (after its first, which
+        resolve() recorded): the token before it was a draft that the step computed and that
+        matched, so its K/V is in the cache. Finishes seq when the token ends it."""
+        seq.num_computed = len(seq.token_ids)
+        seq.token_ids.append(tok)
+        at = len(seq.token_ids) - 1
+        if tok in seq.ending_ids or at + 1 >= seq.max_num_tokens:
+            stop = stop_by_token(seq, self.max_model_len, at)
+            if stop is not None:
+                self.finish(seq, *stop)
 
     def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
         """Record a finished step at once: advance() then resolve(). Returns the sequences that

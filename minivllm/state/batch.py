@@ -64,6 +64,7 @@ class SeqChunk(NamedTuple):
     num_cached: int
     block_table: Sequence[int]
     want_logits: bool = True
+    num_logits: int = 1
 
 
 def slot_of(block_table: Sequence[int], position: int, block_size: int) -> int:
@@ -153,6 +154,12 @@ def batch_arrays(chunks: Sequence[SeqChunk], *, block_size: int, max_blocks: int
     slots = blocks * block_size + positions % block_size
     if every_row:
         logit_rows = np.arange(cu[-1])
+    elif any(c.num_logits != 1 for c in chunks):
+        # The last num_logits rows of each chunk that wants logits, chunk after chunk.
+        counts = np.array([c.num_logits if c.want_logits else 0 for c in chunks], dtype=np.int64)
+        firsts = np.repeat(cu[1:] - counts, counts)
+        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        logit_rows = firsts + within
     else:
         logit_rows = (cu[1:] - 1)[[c.want_logits for c in chunks]]
     return dict(input_ids=ids, positions=positions, slot_mapping=slots,
@@ -193,6 +200,10 @@ def check_chunks(chunks: Sequence[SeqChunk], *, block_size: int, num_blocks: int
         _ids(chunk.block_table, f"chunk {b}'s block_table", num_blocks, "the cache's num_blocks")
         if not isinstance(chunk.want_logits, (bool, np.bool_)):  # packing indexes rows with it
             raise TypeError(f"chunk {b}'s want_logits must be a bool, got {chunk.want_logits!r}")
+        k = as_int(chunk.num_logits)
+        if k is None or not 1 <= k <= max(len(chunk.token_ids), 1):
+            raise ValueError(f"chunk {b}'s num_logits must be an integer in [1, its tokens], got "
+                             f"{chunk.num_logits!r}")
 
 
 def make_batch(chunks: Sequence[SeqChunk], *, block_size: int, device=None,

@@ -1,0 +1,343 @@
+"""N-gram speculative decoding (runtime/spec_decode.py): outputs identical, token for token, to
+the engine without speculation (greedy and seeded sampling, n > 1, stop strings and ids, lengths,
+logprobs), with drafts actually accepted; the lookup against a brute-force reference; preemption
+under speculation; bad configs refused."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from minivllm import SamplingParams
+from minivllm.runtime.demo import ensure_demo_model
+from minivllm.runtime.prefill_graph import PrefillGraph
+from minivllm.runtime.spec_decode import SpeculativeConfig, ngram_propose
+from minivllm.state.batch import SeqChunk, batch_arrays, is_decode_step
+
+from engine_helpers import make_llm
+from hf_tiny import make_hf_model, save_checkpoint
+
+
+def spec(k, hi, lo):
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": hi,
+            "prompt_lookup_min": lo}
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    return ensure_demo_model(str(tmp_path_factory.mktemp("demo") / "model"))
+
+
+@pytest.fixture(scope="module")
+def base(demo_dir, device):
+    """The engine without speculation (asynchronous scheduling, its default)."""
+    return make_llm(demo_dir, device)
+
+
+# Prompts that repeat text, so that lookups hit; a random-weights model also loops on its own.
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the",
+    "To be, or not to be, that is the question. To be, or not to be,",
+    "It was the best of times, it was the worst of times. It was the",
+    "Hello, my name is Ada.",
+    {"prompt_token_ids": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]},
+]
+
+
+def cases(base):
+    """SamplingParams to compare, some built from the base engine's own output (a stop string
+    and a stop id that occur in it)."""
+    greedy = base.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
+    text = greedy[0].outputs[0].text
+    ids = greedy[1].outputs[0].token_ids
+    stop_str = text[len(text) // 2:len(text) // 2 + 3]
+    sampled = dict(temperature=0.8, top_k=40, top_p=0.9, seed=7)
+    return [
+        SamplingParams(temperature=0, max_tokens=40),
+        SamplingParams(temperature=0, max_tokens=3),
+        SamplingParams(temperature=0, max_tokens=1),
+        SamplingParams(temperature=0, max_tokens=90, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=40, stop=[stop_str]),
+        SamplingParams(temperature=0, max_tokens=40, stop=[stop_str], include_stop_str_in_output=True),
+        SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[ids[len(ids) // 2]]),
+        SamplingParams(temperature=0, max_tokens=30, logprobs=3),
+        SamplingParams(**sampled, max_tokens=50, n=2),
+        SamplingParams(**sampled, max_tokens=30, n=2, logprobs=2, stop=[stop_str]),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=60, ignore_eos=True),
+        SamplingParams(temperature=0.5, min_p=0.1, seed=11, max_tokens=40,
+                       stop_token_ids=[ids[len(ids) // 3]]),
+        # min_tokens pending: no drafts until it is out; penalties: never drafts
+        SamplingParams(temperature=0, max_tokens=40, min_tokens=10),
+        SamplingParams(temperature=0.7, seed=5, max_tokens=30, presence_penalty=0.5),
+    ]
+
+
+def assert_same(expected, got):
+    assert len(expected) == len(got)
+    for e, g in zip(expected, got):
+        assert len(e.outputs) == len(g.outputs)
+        for a, b in zip(e.outputs, g.outputs):
+            assert a.token_ids == b.token_ids
+            assert a.text == b.text
+            assert (a.finish_reason, a.stop_reason) == (b.finish_reason, b.stop_reason)
+            assert (a.logprobs is None) == (b.logprobs is None)
+            if a.logprobs is not None:
+                assert len(a.logprobs) == len(b.logprobs)
+                for x, y in zip(a.logprobs, b.logprobs):
+                    assert list(x) == list(y)  # the same ids, in the same order
+                    for i in x:
+                        assert x[i].rank == y[i].rank
+                        assert x[i].decoded_token == y[i].decoded_token
+                        assert x[i].logprob == pytest.approx(y[i].logprob, abs=1e-4)
+                assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-3)
+
+
+@pytest.mark.parametrize("config", [spec(1, 1, 1), spec(2, 3, 1), spec(3, 2, 2), spec(4, 4, 2),
+                                    spec(5, 5, 1), spec(5, 3, 3)])
+def test_outputs_identical_to_no_speculation(base, demo_dir, device, config):
+    llm = make_llm(demo_dir, device, speculative_config=config)
+    assert not llm.engine.async_scheduling
+    for params in cases(base):
+        # All prompts in one batch, and one at a time (other batch compositions)
+        assert_same(base.generate(PROMPTS, params, use_tqdm=False),
+                    llm.generate(PROMPTS, params, use_tqdm=False))
+    params = SamplingParams(temperature=0.9, seed=1, max_tokens=25, n=2)
+    for prompt in PROMPTS[:2]:
+        assert_same(base.generate([prompt], params, use_tqdm=False),
+                    llm.generate([prompt], params, use_tqdm=False))
+    s = llm.stats
+    assert s.spec_draft_tokens > 0 and 0 < s.spec_accepted_tokens <= s.spec_draft_tokens
+    assert llm.engine.block_manager.num_free == llm.engine.num_blocks
+
+
+def watch_mid_draft_stops(llm) -> list:
+    """Record each sequence that a stop (a token or a stop string) ends at a token after the first
+    of a speculative step's (an accepted draft's round): the truncation under test."""
+    sched, hits, accepted = llm.engine.scheduler, [], {}
+    accept, finish = sched.accept, sched.finish
+
+    def watched_accept(seq, tok):
+        accept(seq, tok)
+        accepted[seq.seq_id] = seq.num_tokens
+        if seq.finished and seq.finish_reason == "stop":
+            hits.append(seq.seq_id)
+
+    def watched_finish(seq, reason, stop_reason=None):
+        if reason == "stop" and accepted.get(seq.seq_id) == seq.num_tokens:
+            hits.append(seq.seq_id)
+        finish(seq, reason, stop_reason)
+    sched.accept, sched.finish = watched_accept, watched_finish
+    return hits
+
+
+def test_stop_strings_inside_accepted_drafts(base, demo_dir, device):
+    """The demo model's greedy output repeats one token: a stop string of several repeats ends a
+    sequence at an accepted draft, and the tokens after it in the step are dropped."""
+    llm = make_llm(demo_dir, device, speculative_config=spec(4, 3, 1))
+    hits = watch_mid_draft_stops(llm)
+    greedy = base.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)
+    for reps in (3, 6, 9, 14):
+        stops = sorted({o.outputs[0].text[:reps * len(o.outputs[0].text) // 30] for o in greedy
+                        if o.outputs[0].text}, key=len)
+        for include in (False, True):
+            params = SamplingParams(temperature=0, max_tokens=30, stop=stops[:2],
+                                    include_stop_str_in_output=include)
+            assert_same(base.generate(PROMPTS, params, use_tqdm=False),
+                        llm.generate(PROMPTS, params, use_tqdm=False))
+    assert hits and llm.stats.spec_accepted_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """transformers' tiny Qwen3 at std 0.3 (test_engine.py's): varied greedy outputs, so that
+    drafts are partly accepted, partly rejected."""
+    return save_checkpoint(make_hf_model(seed=0, std=0.3), tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.mark.parametrize("config", [spec(1, 1, 1), spec(3, 2, 1), spec(5, 4, 1)])
+def test_partial_acceptance_and_stop_ids(tiny_dir, device, config):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(0, 101, (n,), generator=g).tolist()}
+               for n in (3, 7, 16, 31, 5, 12)]
+    ref = make_llm(tiny_dir, device)
+    llm = make_llm(tiny_dir, device, speculative_config=config)
+    sched = llm.engine.scheduler
+    drafted = set()  # (prompt, output index) of tokens recorded as accepted drafts' rounds
+    accept = sched.accept
+
+    def recording_accept(seq, tok):
+        accept(seq, tok)
+        drafted.add((tuple(seq.prompt_ids), seq.num_output - 1))
+    sched.accept = recording_accept
+    hits = watch_mid_draft_stops(llm)
+    for params in (SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                   SamplingParams(temperature=0.3, seed=1, max_tokens=40, ignore_eos=True, n=2),
+                   SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)):
+        drafted.clear()
+        expected = ref.generate(prompts, params, use_tqdm=False)
+        assert_same(expected, llm.generate(prompts, params, use_tqdm=False))
+        # Stop ids from the outputs themselves: per prompt, a token whose first occurrence came
+        # from an accepted draft's round (so the stop falls there), and one anywhere else.
+        per_prompt = []
+        for prompt, out in zip(prompts, expected):
+            ids = out.outputs[0].token_ids
+            key = tuple(prompt["prompt_token_ids"])
+            firsts = [i for i, t in enumerate(ids) if ids.index(t) == i]
+            inside = [i for i in firsts if (key, i) in drafted]
+            stop = [ids[inside[0]]] if inside else []
+            stop += [ids[firsts[len(firsts) // 2]]] if len(firsts) > 2 else []
+            per_prompt.append(SamplingParams(
+                temperature=params.temperature, seed=params.seed, max_tokens=40, n=params.n,
+                stop_token_ids=stop, logprobs=params.logprobs))
+        assert_same(ref.generate(prompts, per_prompt, use_tqdm=False),
+                    llm.generate(prompts, per_prompt, use_tqdm=False))
+    s = llm.stats
+    assert 0 < s.spec_accepted_tokens < s.spec_draft_tokens  # some accepted, some rejected
+    assert hits  # some stop fell on an accepted draft
+    assert llm.engine.block_manager.num_free == llm.engine.num_blocks
+
+
+def test_mixed_batch_and_per_request_params(base, demo_dir, device):
+    """Speculating and non-speculating sequences (penalties, min_tokens) in the same steps, with
+    a step budget that cuts drafts and chunked prefills beside decodes."""
+    llm = make_llm(demo_dir, device, speculative_config=spec(4, 3, 1), max_num_batched_tokens=24)
+    ref = make_llm(demo_dir, device, max_num_batched_tokens=24)
+    params = [SamplingParams(temperature=0, max_tokens=40),
+              SamplingParams(temperature=0.8, seed=2, max_tokens=40, repetition_penalty=1.2),
+              SamplingParams(temperature=0.8, seed=4, max_tokens=40, min_tokens=12, logprobs=1),
+              SamplingParams(temperature=0, max_tokens=40, bad_words=["the"]),
+              SamplingParams(temperature=0.6, top_k=5, seed=9, max_tokens=40, n=3)]
+    assert_same(ref.generate(PROMPTS, params, use_tqdm=False),
+                llm.generate(PROMPTS, params, use_tqdm=False))
+    assert llm.stats.spec_accepted_tokens > 0
+    assert llm.stats.max_step_tokens <= 24
+
+
+def test_preemption_under_speculation(base, demo_dir, device):
+    """A cache too small for every sequence at once: sequences are preempted and recomputed,
+    outputs unchanged, and every block comes back."""
+    prompts = PROMPTS * 2
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    llm = make_llm(demo_dir, device, speculative_config=spec(4, 3, 1), num_kv_blocks=14)
+    expected = base.generate(prompts, params, use_tqdm=False)
+    assert_same(expected, llm.generate(prompts, params, use_tqdm=False))
+    assert llm.stats.preemptions > 0
+    assert llm.stats.spec_accepted_tokens > 0
+    assert llm.engine.block_manager.num_free == llm.engine.num_blocks
+    # and sampled, with the prefix cache off
+    llm = make_llm(demo_dir, device, speculative_config=spec(3, 2, 1), num_kv_blocks=14,
+                   enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.7, seed=13, max_tokens=60, ignore_eos=True)
+    assert_same(base.generate(prompts, params, use_tqdm=False),
+                llm.generate(prompts, params, use_tqdm=False))
+    assert llm.stats.preemptions > 0
+    assert llm.engine.block_manager.num_free == llm.engine.num_blocks
+
+
+def test_max_model_len_bounds_drafts(demo_dir, device):
+    ref = make_llm(demo_dir, device, max_model_len=40)
+    llm = make_llm(demo_dir, device, max_model_len=40, speculative_config=spec(5, 3, 1))
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    expected = ref.generate(PROMPTS, params, use_tqdm=False)
+    assert_same(expected, llm.generate(PROMPTS, params, use_tqdm=False))
+    for out in expected:
+        assert out.outputs[0].finish_reason == "length"
+        assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 40
+    assert llm.stats.spec_accepted_tokens > 0
+
+
+# -- the lookup ---------------------------------------------------------------------------------
+
+def brute_force(tokens, k, lo, hi):
+    """The definition: the largest n in [lo, hi] whose suffix n-gram occurs at an earlier start
+    (ending before the last token), the earliest such start's followers."""
+    L = len(tokens)
+    for n in range(hi, lo - 1, -1):
+        if n > L - 1:
+            continue
+        suffix = tokens[L - n:]
+        for j in range(0, L - n):
+            if tokens[j:j + n] == suffix:
+                return tokens[j + n:j + n + k]
+    return []
+
+
+@settings(max_examples=400, deadline=None)
+@given(tokens=st.lists(st.integers(0, 3), max_size=40), k=st.integers(1, 6),
+       lo=st.integers(1, 5), extra=st.integers(0, 4))
+def test_ngram_propose_matches_brute_force(tokens, k, lo, extra):
+    hi = lo + extra
+    got = ngram_propose(tokens, k, lo, hi)
+    assert got == brute_force(tokens, k, lo, hi)
+    assert len(got) <= k
+
+
+def test_ngram_propose_examples():
+    assert ngram_propose([1, 2, 3, 4, 1, 2], 2, 1, 3) == [3, 4]
+    assert ngram_propose([1, 2, 3, 4, 1, 2], 5, 1, 3) == [3, 4, 1, 2]
+    assert ngram_propose([1, 2, 3], 3, 1, 3) == []
+    assert ngram_propose([7, 7, 7], 3, 1, 2) == [7]  # overlapping the suffix: 7 7 -> 7
+    assert ngram_propose([1, 2, 9, 2], 2, 2, 2) == []  # no 2-gram match, 1-gram not allowed
+    assert ngram_propose([1, 2, 9, 2], 2, 1, 2) == [9, 2]
+
+
+# -- the batch and the runner's graph selection ---------------------------------------------------
+
+def test_batch_logits_rows_of_a_speculative_chunk():
+    chunks = [SeqChunk([1, 2, 3], 4, [0, 1], True, 3), SeqChunk([5, 6], 0, [2], True),
+              SeqChunk([7], 2, [3], False), SeqChunk([8, 9], 1, [4], True, 2)]
+    arrays = batch_arrays(chunks, block_size=4)
+    assert arrays["logits_indices"].tolist() == [0, 1, 2, 4, 6, 7]
+    assert not is_decode_step(chunks[:1])
+    fake = types.SimpleNamespace(num_seqs=8, num_tokens=8, max_blocks=4)
+    assert not PrefillGraph.fits(fake, chunks[:1])
+    assert PrefillGraph.fits(fake, [SeqChunk([1, 2, 3, 4], 0, [0])])
+    # the decode graphs' selection: a speculative step (more rows than chunks, chunks of several
+    # tokens) is never a graph step, while the same chunks' plain decode is
+    from minivllm.functional.sampling import SamplingRow
+    from minivllm.runtime.runner import ModelRunner, StepInput
+
+    runner = types.SimpleNamespace(graphs=types.SimpleNamespace(bucket=lambda n: n))
+    row = SamplingRow(temperature=0.0)
+    spec_step = StepInput([SeqChunk([1, 2, 3], 4, [0, 1], True, 3)], [row] * 3, steps=(0, 1, 2))
+    assert not ModelRunner._graph_step(runner, spec_step)
+    assert ModelRunner._graph_step(runner, StepInput([SeqChunk([1], 4, [0, 1])], [row]))
+
+
+# -- bad configs --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("config, match", [
+    ({"method": "eagle", "num_speculative_tokens": 2, "prompt_lookup_max": 2}, "method"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_max": 2}, "method"),
+    ({"method": "ngram", "prompt_lookup_max": 2}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 0, "prompt_lookup_max": 2}, ">= 1"),
+    ({"method": "ngram", "num_speculative_tokens": 2.0, "prompt_lookup_max": 2}, "integer"),
+    ({"method": "ngram", "num_speculative_tokens": True, "prompt_lookup_max": 2}, "integer"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}, ">= 1"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2,
+      "prompt_lookup_min": 3}, "prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "model": "x"},
+     "does not take"),
+    ("ngram", "dict"),
+])
+def test_bad_configs_refused(demo_dir, device, config, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig.create(config)
+    with pytest.raises(ValueError, match=match):
+        make_llm(demo_dir, device, speculative_config=config)
+
+
+def test_config_defaults():
+    c = SpeculativeConfig.create({"method": "ngram", "num_speculative_tokens": 3,
+                                  "prompt_lookup_max": 4})
+    assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (3, 4, 4)
+    c = SpeculativeConfig.create({"method": "ngram", "num_speculative_tokens": 3,
+                                  "prompt_lookup_min": 2})
+    assert (c.prompt_lookup_max, c.prompt_lookup_min) == (2, 2)
+    c = SpeculativeConfig.create({"method": "ngram", "num_speculative_tokens": 3})
+    assert (c.prompt_lookup_max, c.prompt_lookup_min) == (5, 5)  # vLLM's defaults
+    assert SpeculativeConfig.create(None) is None
