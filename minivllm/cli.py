@@ -71,6 +71,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "\"original_max_position_embeddings\": 32768}}'")
     g.add_argument("--rope-scaling", type=_json_object, default=None, metavar="JSON",
                    help="the same as --hf-overrides '{\"rope_scaling\": JSON}' (vLLM's older flag)")
+    g.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                   help="n-gram speculative decoding (vLLM's), e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'")
     g.add_argument("--generation-config", default="auto",
                    help="where unset sampling flags come from: auto (the model's "
                         "generation_config.json, as vLLM), vllm (minivllm's defaults) or a "
@@ -202,6 +205,8 @@ def _make_llm(args, model: str):
                   generation_config=args.generation_config,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   hf_overrides=_hf_overrides(args))
+    if args.speculative_config is not None:
+        kwargs["speculative_config"] = args.speculative_config
     if getattr(args, "reasoning_parser", None) is not None:  # serve's
         kwargs["reasoning_parser"] = args.reasoning_parser
     if getattr(args, "runner", "auto") != "auto":  # serve's

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -203,6 +204,7 @@ def test_stream_json_gives_what_json_gives_with_logprobs_and_stop_reason(capsys)
     (["--n", "0"], "n must be"),
     (["--generation-config", "nope"], "'nope' is not a directory"),
     (["--chat-template", "{{ x }"], "--chat-template: not a valid Jinja template"),
+    (["--speculative-config", '{"method": "eagle"}'], "method must be one of"),
 ])
 def test_bad_flags_are_refused_before_the_engine_starts(argv, match, capsys, monkeypatch):
     import minivllm.runtime.llm as llm
@@ -430,3 +432,19 @@ def test_under_torchrun_only_rank_zero_logs_the_start_up_report(tmp_path, monkey
     monkeypatch.setattr(logger, "level", logger.level)  # restored after the test
     assert main(["generate", "--model", str(tmp_path / "missing")]) == 2  # fails before start-up
     assert logging.getLevelName(logger.level) == level
+
+
+def test_generate_with_ngram_speculation_gives_the_same_text(capsys, device, monkeypatch):
+    """--speculative-config reaches the engine (its drafts counted) and changes no output."""
+    from engine_helpers import small_cli_engines
+    small_cli_engines(device, monkeypatch)
+    argv = ["generate", "--demo", "-p", "a b a b a b a b", "--max-tokens", "12",
+            "--temperature", "0", "--json"]
+    assert main(argv) == 0
+    plain = capsys.readouterr()
+    assert main([*argv, "--speculative-config",
+                 '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}']) == 0
+    spec = capsys.readouterr()
+    assert spec.out == plain.out
+    steps = [int(re.search(r"(\d+) steps", c.err).group(1)) for c in (plain, spec)]
+    assert steps[1] < steps[0], steps  # drafts were accepted: fewer steps
