@@ -216,24 +216,33 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self._prompt_ids(prompt)
+        ids = self._truncated(ids, params.truncate_prompt_tokens)
         max_len = self.config.max_model_len
-        keep = params.truncate_prompt_tokens
-        if keep is not None:  # as vLLM: the last k tokens (-1: max_model_len)
-            if keep > max_len:
-                raise ValueError(f"truncate_prompt_tokens={keep} exceeds max_model_len={max_len}")
-            ids = ids[-(max_len if keep == -1 else keep):]
         if len(ids) >= max_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len={max_len} leaves "
                              f"no room to generate (the prompt must be shorter than it)")
         self._check_params(params)
         # The most tokens the sequence ever holds in the cache (its last token is never fed back).
         longest = min(len(ids) + (params.max_tokens or max_len), max_len) - 1
-        need = self.block_manager.blocks_for(longest)
-        if need > self.num_blocks:
-            raise ValueError(f"this request can never fit the KV cache: it may grow to {longest} "
-                             f"tokens ({need} blocks of {self.config.block_size}) and the cache has "
-                             f"{self.num_blocks} blocks; lower max_tokens or raise num_kv_blocks")
+        self._check_fits(f"this request can never fit the KV cache: it may grow to {longest} "
+                         f"tokens", longest, "lower max_tokens or raise num_kv_blocks")
         return text, ids
+
+    def _truncated(self, ids: list[int], keep: int | None) -> list[int]:
+        """The prompt ids truncate_prompt_tokens keeps: as vLLM, the last k (-1: max_model_len)."""
+        if keep is None:
+            return ids
+        max_len = self.config.max_model_len
+        if keep > max_len:
+            raise ValueError(f"truncate_prompt_tokens={keep} exceeds max_model_len={max_len}")
+        return ids[-(max_len if keep == -1 else keep):]
+
+    def _check_fits(self, what: str, tokens: int, remedy: str) -> None:
+        """ValueError (`what` it says, then the blocks) unless the cache can hold `tokens`."""
+        need = self.block_manager.blocks_for(tokens)
+        if need > self.num_blocks:
+            raise ValueError(f"{what} ({need} blocks of {self.config.block_size}) and the cache "
+                             f"has {self.num_blocks} blocks; {remedy}")
 
     def _check_params(self, params: SamplingParams) -> None:
         """ValueError for what this engine cannot serve of `params`, whatever the prompt."""
@@ -311,9 +320,8 @@ class LLMEngine:
     def enqueue(self, text: str | None, ids: list[int], params: SamplingParams,
                 priority: int = 0) -> str:
         """Queue a request that check_request accepted, as the (text, ids) it returned."""
-        request_id = str(self._next_request_id)
-        self._next_request_id += 1
-        request = Request(request_id, text, ids, params)
+        request = self._new_request(text, ids, params)
+        request_id = request.request_id
         base = params.seed if params.seed is not None else self.rng.getrandbits(63)
         bad_words = self._bad_words(params)
         compiled = self._guide(params)
@@ -352,38 +360,36 @@ class LLMEngine:
         if not isinstance(params, PoolingParams):
             raise TypeError(f"pooling params must be a PoolingParams, got {type(params).__name__}")
         text, ids = self._prompt_ids(prompt)
-        max_len, keep = self.config.max_model_len, params.truncate_prompt_tokens
-        if keep is not None:  # as vLLM: the last k tokens (-1: max_model_len)
-            if keep > max_len:
-                raise ValueError(f"truncate_prompt_tokens={keep} exceeds max_model_len={max_len}")
-            ids = ids[-(max_len if keep == -1 else keep):]
+        ids = self._truncated(ids, params.truncate_prompt_tokens)
+        max_len = self.config.max_model_len
         if len(ids) > max_len:
             raise ValueError(f"the prompt has {len(ids)} tokens, more than max_model_len={max_len}")
         hidden = self.model_config.hidden_size
         if params.dimensions is not None and params.dimensions > hidden:
             raise ValueError(f"dimensions={params.dimensions} exceeds the model's hidden_size "
                              f"({hidden}), the embedding's full size")
-        need = self.block_manager.blocks_for(len(ids))
-        if need > self.num_blocks:
-            raise ValueError(f"this prompt can never fit the KV cache: its {len(ids)} tokens take "
-                             f"{need} blocks of {self.config.block_size} and the cache has "
-                             f"{self.num_blocks}; raise num_kv_blocks")
+        self._check_fits(f"this prompt can never fit the KV cache: its {len(ids)} tokens",
+                         len(ids), "raise num_kv_blocks")
         return text, ids
 
     def enqueue_pooling(self, text: str | None, ids: list[int], params: PoolingParams) -> str:
         """Queue an embedding request that check_pooling_request accepted: one sequence, its
         prompt, pooled at its last token (it samples nothing)."""
-        request_id = str(self._next_request_id)
-        self._next_request_id += 1
-        request = Request(request_id, text, ids, params)
+        request = self._new_request(text, ids, params)
         # The sampling parameters of a sequence that never samples: no penalties, no logprobs,
         # one token at most (its length limit is then its prompt's).
-        seq = Sequence(self._next_seq_id, request_id, 0, ids, _NEVER_SAMPLED, 0, pooling=True)
+        seq = Sequence(self._next_seq_id, request.request_id, 0, ids, _NEVER_SAMPLED, 0,
+                       pooling=True)
         self._next_seq_id += 1
         request.seqs.append(seq)
         self.scheduler.add(seq)
-        self.requests[request_id] = request
-        return request_id
+        self.requests[request.request_id] = request
+        return request.request_id
+
+    def _new_request(self, text: str | None, ids: list[int], params) -> Request:
+        request = Request(str(self._next_request_id), text, ids, params)
+        self._next_request_id += 1
+        return request
 
     def add_pooling_requests(self, prompts: list, params: list[PoolingParams]) -> list[str]:
         """Queue embedding requests, all or none: every one is checked before any is queued."""
@@ -480,15 +486,12 @@ class LLMEngine:
                                   [seq.block_table for seq in sampled])
             fed_back = [(i, prev_row[seq]) for i, seq in enumerate(sampled) if seq.num_pending]
         else:
+            # A speculative step's chunk with drafts wants logits at each of its tokens.
             drafts = out.drafts
-            if drafts:  # a speculative step: a chunk with drafts wants logits at each token
-                chunks = [SeqChunk(seq.token_ids[start:start + n] + d, start, seq.block_table,
-                                   want, len(d) + 1) if (d := drafts.get(seq)) else
-                          SeqChunk(seq.token_ids[start:start + n], start, seq.block_table, want)
-                          for seq, start, n, want in out.chunks]
-            else:
-                chunks = [SeqChunk(seq.token_ids[start:start + n], start, seq.block_table, want)
-                          for seq, start, n, want in out.chunks]
+            chunks = [SeqChunk(seq.token_ids[start:start + n] + d, start, seq.block_table, want,
+                               len(d) + 1) if (d := drafts.get(seq)) else
+                      SeqChunk(seq.token_ids[start:start + n], start, seq.block_table, want)
+                      for seq, start, n, want in out.chunks]
             fed_back, offset, scored, pooled = [], 0, [], []
             for seq, start, n, _ in out.chunks:
                 if drafts and seq in drafts:  # a decode's: no prompt to score, nothing pooled

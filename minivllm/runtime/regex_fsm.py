@@ -49,7 +49,6 @@ class CharSet:
                                                                (max(lo, 0xE000), hi)) if a <= b)
         return any(chr(c) in self for c in range(lo, hi + 1) if not 0xD800 <= c <= 0xDFFF)
 
-
     def _meets_ranges(self, lo: int, hi: int) -> bool:
         spans = sorted((ord(a), ord(b)) for a, b in self.ranges)
         if not self.negated:

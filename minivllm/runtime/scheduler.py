@@ -232,7 +232,7 @@ class Scheduler:
         # 1. Running sequences: decodes first, then chunks of unfinished prefills. (This loop runs
         # for each sequence each step: what it reads is looked up once, and a decode whose table
         # holds its token already, most of them, calls nothing to allocate.)
-        running, block_size = Status.RUNNING, self.bm.block_size
+        running, block_size, speculator = Status.RUNNING, self.bm.block_size, self.speculator
         for seq in sorted(self.running, key=self._sort_key):
             if budget == 0:
                 break
@@ -243,25 +243,18 @@ class Scheduler:
                 continue  # its pending token is its last
             start = seq.num_computed
             n = min(num_tokens - start, budget)
-            drafts = None
-            if self.speculator is not None and n == num_tokens - start == 1 \
-                    and not seq.num_pending:
-                # A decode: drafts within the step's budget and the sequence's length limit
-                # (the step samples one token more than it has drafts), and only where its
-                # table can hold them without preempting anything.
-                most = min(budget - 1, seq.max_num_tokens - num_tokens - 1)
-                drafts = self.speculator(seq, most) if most > 0 else None
-                if drafts and not self.bm.can_allocate(seq, start + 1 + len(drafts)):
-                    drafts = None
-            extra = len(drafts) if drafts else 0
-            if len(seq.block_table) * block_size < start + n + extra and \
-                    not self._grow(out, seq, start + n + extra):
+            end, drafts = start + n, None  # end: the tokens its table must hold
+            if speculator is not None:
+                drafts = self._drafts(seq, start, n, budget)
+                if drafts:
+                    end += len(drafts)
+            if len(seq.block_table) * block_size < end and not self._grow(out, seq, end):
                 continue  # preempted to make room for itself
             self._schedule(out, seq, start, n)
-            if extra:
+            if drafts:
                 out.drafts[seq] = drafts
-                out.num_tokens += extra
-            budget -= n + extra
+                out.num_tokens += len(drafts)
+            budget -= end - start
 
         # 2. Waiting sequences, oldest first; none while memory is short (something was preempted).
         while (not out.preempted and self.waiting and budget > 0
@@ -283,6 +276,19 @@ class Scheduler:
             self._schedule(out, seq, cached, n)
             budget -= n
         return out
+
+    def _drafts(self, seq: Sequence, start: int, n: int, budget: int) -> list[int] | None:
+        """A decode's draft tokens (speculative decoding): within the step's budget and the
+        sequence's length limit (the step samples one token more than it has drafts), and only
+        where its table can hold them without preempting anything."""
+        num_tokens = len(seq.token_ids)
+        if not n == num_tokens - start == 1 or seq.num_pending:
+            return None
+        most = min(budget - 1, seq.max_num_tokens - num_tokens - 1)
+        drafts = self.speculator(seq, most) if most > 0 else None
+        if drafts and not self.bm.can_allocate(seq, start + 1 + len(drafts)):
+            return None
+        return drafts
 
     def _grow(self, out: SchedulerOutput, seq: Sequence, num_tokens: int) -> bool:
         """Grow running seq's table to `num_tokens` tokens, preempting the newest sequences not
