@@ -16,12 +16,12 @@ from .runtime import (BeamSearchOutput, BeamSearchParams, BeamSearchSequence, Co
                       EmbeddingOutput, EmbeddingRequestOutput, LLM, LLMEngine, Logprob,
                       PoolingParams, RequestOutput, SamplingParams, StructuredOutputsParams,
                       WorkerDiedError)
-from .state import (Batch, KVCache, LayerParams, ModelConfig, Params, SeqChunk, ShardSpec,
-                    config_for_shape, init_cache, make_batch, random_params)
+from .state import (Batch, KVCache, LayerParams, ModelConfig, MoELayerParams, Params, SeqChunk,
+                    ShardSpec, config_for_shape, init_cache, make_batch, random_params)
 from .state.load import CheckpointError, load
 
-__all__ = ["forward", "generate", "Batch", "KVCache", "LayerParams", "ModelConfig", "Params",
-           "SeqChunk", "ShardSpec", "config_for_shape", "init_cache", "make_batch", "random_params",
+__all__ = ["forward", "generate", "Batch", "KVCache", "LayerParams", "MoELayerParams", "ModelConfig",
+           "Params", "SeqChunk", "ShardSpec", "config_for_shape", "init_cache", "make_batch", "random_params",
            "CheckpointError", "load", "LLM", "LLMEngine", "SamplingParams", "RequestOutput",
            "CompletionOutput", "Logprob", "WorkerDiedError", "BeamSearchParams", "BeamSearchOutput",
            "BeamSearchSequence", "StructuredOutputsParams", "PoolingParams", "EmbeddingOutput",

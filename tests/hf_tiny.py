@@ -6,7 +6,7 @@ import json
 import os
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 # Where minivllm runs in the tests: the GPU when there is one (the suite's GPU run), else the CPU.
 # transformers, the oracle, always runs on the CPU in fp32.
@@ -37,9 +37,29 @@ def make_hf_model(seed: int = 0, std: float = 0.1, **overrides) -> Qwen3ForCausa
     return model
 
 
+# A Qwen3-MoE of 8 experts, 2 per token, every layer sparse unless mlp_only_layers says otherwise.
+MOE_TINY = dict(TINY, num_hidden_layers=3, moe_intermediate_size=32, num_experts=8,
+                num_experts_per_tok=2, norm_topk_prob=True)
+
+
+def make_hf_moe_model(seed: int = 0, std: float = 0.1, **overrides) -> Qwen3MoeForCausalLM:
+    """make_hf_model's Qwen3MoeForCausalLM: every weight drawn (router and experts too), norms
+    near 1."""
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**dict(MOE_TINY, **overrides))).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, std)
+    return model
+
+
 def save_checkpoint(model: Qwen3ForCausalLM, path, *, layout: str = "v5", max_shard_size=None) -> str:
     """Write `model` as a HF checkpoint. layout "v4" rewrites config.json the way transformers 4
-    (and real Qwen3 checkpoints) write it: top-level rope_theta / rope_scaling and torch_dtype."""
+    (and real Qwen3 checkpoints) write it: top-level rope_theta / rope_scaling and torch_dtype,
+    and a MoE's num_experts where transformers 5 writes num_local_experts."""
     path = os.fspath(path)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(path, safe_serialization=True, **kwargs)
@@ -52,6 +72,8 @@ def save_checkpoint(model: Qwen3ForCausalLM, path, *, layout: str = "v5", max_sh
         if rope.get("rope_type", "default") != "default":
             d["rope_scaling"] = rope
         d["torch_dtype"] = d.pop("dtype", None) or "float32"
+        if "num_local_experts" in d:
+            d["num_experts"] = d.pop("num_local_experts")
         with open(cfg_path, "w") as f:
             json.dump(d, f)
     return path

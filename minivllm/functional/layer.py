@@ -6,10 +6,11 @@ import torch
 
 from ..state.batch import Batch
 from ..state.config import ModelConfig
-from ..state.params import LayerParams
+from ..state.params import LayerParams, MoELayerParams
 from ..state.shard import ShardSpec
 from .attention import AttentionBackend
 from .linear import column_linear, glu_row_linear, row_linear, split_qkv
+from .moe import moe_mlp
 from .norm import add_rms_norm, rms_norm
 from .rope import apply_rope
 
@@ -70,6 +71,14 @@ def mlp_block(lp: LayerParams, x: torch.Tensor, residual: torch.Tensor, shard: S
     return glu_row_linear(column_linear(h, lp.gate_up), lp.down, shard, unsummed_ok=True), residual
 
 
+def moe_block(lp: MoELayerParams, x: torch.Tensor, residual: torch.Tensor, config: ModelConfig,
+              shard: ShardSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """mlp_block for a mixture-of-experts layer: (the experts' weighted sum [T, hidden],
+    x + residual)."""
+    h, residual = add_rms_norm(x, residual, lp.post_norm, config.rms_norm_eps)
+    return moe_mlp(h, lp.router, lp.experts_gate_up, lp.experts_down, config, shard), residual
+
+
 def attention_half(lp: LayerParams, x: torch.Tensor, residual: torch.Tensor | None,
                    cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, batch: Batch, *, config: ModelConfig, shard: ShardSpec,
@@ -82,11 +91,11 @@ def attention_half(lp: LayerParams, x: torch.Tensor, residual: torch.Tensor | No
                             shard=shard, backend=backend), residual
 
 
-def decoder_layer(lp: LayerParams, x: torch.Tensor, residual: torch.Tensor | None,
+def decoder_layer(lp: LayerParams | MoELayerParams, x: torch.Tensor, residual: torch.Tensor | None,
                   cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   batch: Batch, *, config: ModelConfig, shard: ShardSpec, backend: AttentionBackend
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pre-norm attention then MLP. x: the previous block's output, residual: the stream it adds
+    """Pre-norm attention then MLP (a sparse layer's: the mixture of experts). x: the previous block's output, residual: the stream it adds
     to (None for the first layer). Returns (this layer's MLP output, the residual stream).
 
     The MLP output may be down's unsummed fp32 split-K partials [split, T, hidden] (decode of a
@@ -98,4 +107,6 @@ def decoder_layer(lp: LayerParams, x: torch.Tensor, residual: torch.Tensor | Non
     qkv, residual = norm_qkv(lp, x, residual, eps)
     h = attention_block(lp, qkv, cos, sin, k_cache, v_cache, batch, config=config, shard=shard,
                         backend=backend)
+    if isinstance(lp, MoELayerParams):  # a static choice: the compiled layer guards on the type
+        return moe_block(lp, h, residual, config, shard)
     return mlp_block(lp, h, residual, shard, eps)

@@ -163,10 +163,15 @@ class EngineConfig:
             raise TypeError(f"persistent_decode must be True, False or None (the default for the "
                             f"device), got {persistent_decode!r}")
         if persistent_decode is None:
-            persistent_decode = persistent_decode_default(
+            persistent_decode = not model_config.is_moe and persistent_decode_default(
                 device, tensor_parallel_size, attention_backend, triton_usable(device),
                 model_config.head_dim, kv_cache_dtype)
         if persistent_decode:
+            if model_config.is_moe:
+                raise ValueError(f"persistent_decode runs dense Qwen3 layers; "
+                                 f"{len(model_config.sparse_layers)} of this model's "
+                                 f"{model_config.num_layers} are mixtures of experts (leave "
+                                 f"persistent_decode unset or False)")
             from ..kernels.backends import TRITON_HEAD_DIMS, triton_takes_head_dim
             if device.type == "cuda" and not triton_takes_head_dim(model_config.head_dim):
                 lo, hi = TRITON_HEAD_DIMS

@@ -323,6 +323,11 @@ class ModelRunner:
         flag = os.environ.get("MINIVLLM_FUSED_MLP")
         fused = fused_mlp_rows(flag, measured=fused_mlp_measured(
             self.model_config.hidden_size, self.params.embed.dtype, self.device))
+        if fused and self.model_config.is_moe:  # the kernel computes the dense MLP
+            if flag is not None:
+                log.warning("minivllm: MINIVLLM_FUSED_MLP runs the dense MLP; this model's "
+                            "sparse layers are mixtures of experts: ignored")
+            fused = None
         if fused and not (graphs and compile_forward):
             if flag is not None:
                 log.warning("minivllm: MINIVLLM_FUSED_MLP applies to the compiled decode graphs "

@@ -11,7 +11,10 @@ import attrs
 import torch
 
 # Qwen3Model: the backbone alone, as transformers' AutoModel saves it (an embedding model's).
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3Model")
+# Qwen3MoeForCausalLM: the mixture-of-experts models (Qwen3-30B-A3B, Qwen3-235B-A22B).
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3Model", "Qwen3MoeForCausalLM")
+_MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "Qwen3Model": "qwen3",
+                "Qwen3MoeForCausalLM": "qwen3_moe"}
 
 _DTYPES = {
     "float32": torch.float32,
@@ -146,6 +149,40 @@ def _positive_number(key: str, value: Any, kind: type) -> Any:
     return kind(value)
 
 
+def _experts(d: dict) -> dict:
+    """A qwen3_moe config's expert fields (ModelConfig's), checked. Qwen's checkpoints write
+    num_experts, transformers 5 num_local_experts: either is read. A layer n is sparse as
+    transformers' Qwen3MoeDecoderLayer decides: not in mlp_only_layers, and (n + 1) a multiple
+    of decoder_sparse_step."""
+    named = {k: d[k] for k in ("num_experts", "num_local_experts") if d.get(k) is not None}
+    if len(set(map(repr, named.values()))) > 1:
+        raise ValueError(f"config num_experts ({named['num_experts']!r}) and num_local_experts "
+                         f"({named['num_local_experts']!r}) disagree")
+    if not named:
+        raise ValueError("a qwen3_moe config needs num_experts (or num_local_experts)")
+    num_experts = next(iter(named.values()))
+    for key in ("num_experts_per_tok", "moe_intermediate_size"):
+        if key not in d:
+            raise ValueError(f"a qwen3_moe config needs {key}")
+    num_layers = d["num_hidden_layers"]
+    step = d.get("decoder_sparse_step", 1)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"config decoder_sparse_step must be a positive integer, got {step!r}")
+    dense = d.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(
+            isinstance(n, int) and not isinstance(n, bool) for n in dense):
+        raise ValueError(f"config mlp_only_layers must be a list of layer indices, got {dense!r}")
+    norm = d.get("norm_topk_prob", False)
+    if norm not in (True, False):
+        raise ValueError(f"config norm_topk_prob must be true or false, got {norm!r}")
+    sparse = ()
+    if isinstance(num_experts, int) and num_experts > 0 and isinstance(num_layers, int):
+        sparse = tuple(n for n in range(num_layers) if n not in dense and (n + 1) % step == 0)
+    return dict(num_experts=num_experts, num_experts_per_tok=d["num_experts_per_tok"],
+                moe_intermediate_size=d["moe_intermediate_size"], norm_topk_prob=bool(norm),
+                sparse_layers=sparse)
+
+
 # ModelConfig field -> its config.json key, where they differ (for error messages).
 _HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
              "num_kv_heads": "num_key_value_heads"}
@@ -169,6 +206,15 @@ class ModelConfig:
     dtype: torch.dtype = torch.bfloat16
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
+    # Mixture of experts (qwen3_moe; all zero for a dense model): each of `sparse_layers` routes
+    # a token to num_experts_per_tok of num_experts MLPs of moe_intermediate_size, weighted by
+    # their router probabilities (renormalized over the chosen when norm_topk_prob); the other
+    # layers' MLP is the dense one of intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: tuple[int, ...] = ()
 
     def __attrs_post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -184,6 +230,41 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_heads}) is not a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"config {name} must be a non-negative integer, got {value!r}")
+        if not self.num_experts:
+            if self.sparse_layers:
+                raise ValueError("config sparse_layers given without experts (num_experts 0)")
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"config num_experts_per_tok must be in [1, num_experts="
+                             f"{self.num_experts}], got {self.num_experts_per_tok!r}")
+        if self.moe_intermediate_size < 1:
+            raise ValueError(f"config moe_intermediate_size must be a positive integer, got "
+                             f"{self.moe_intermediate_size!r}")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ValueError(f"config norm_topk_prob must be true or false, got "
+                             f"{self.norm_topk_prob!r}")
+        layers = self.sparse_layers
+        if not (isinstance(layers, tuple) and all(
+                isinstance(n, int) and 0 <= n < self.num_layers for n in layers)
+                and list(layers) == sorted(set(layers))):
+            raise ValueError(f"config sparse_layers must be increasing layer indices below "
+                             f"{self.num_layers}, got {layers!r}")
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer's MLP is a mixture of experts."""
+        return bool(self.sparse_layers)
+
+    def is_sparse_layer(self, n: int) -> bool:
+        """Whether layer n's MLP is the mixture of experts (else the dense MLP)."""
+        return n in self.sparse_layers
 
     @property
     def rope_scaling_dict(self) -> dict | None:
@@ -223,9 +304,14 @@ class ModelConfig:
                 raise ValueError(
                     f"unsupported architecture {arch!r}: minivllm runs {', '.join(SUPPORTED_ARCHITECTURES)}"
                 )
-        model_type = d.get("model_type", "qwen3")
-        if model_type != "qwen3":
-            raise ValueError(f"unsupported model_type {model_type!r}: minivllm runs qwen3")
+        model_type = d.get("model_type", _MODEL_TYPES[archs[0]])
+        if model_type not in ("qwen3", "qwen3_moe"):
+            raise ValueError(f"unsupported model_type {model_type!r}: minivllm runs qwen3 and "
+                             f"qwen3_moe")
+        if any(_MODEL_TYPES[arch] != model_type for arch in archs):
+            raise ValueError(f"model_type {model_type!r} does not match the architecture(s) "
+                             f"{', '.join(archs)}")
+        experts = _experts(d) if model_type == "qwen3_moe" else {}
         if d.get("attention_bias", False):
             raise ValueError("attention_bias=True is not supported (Qwen3 checkpoints have none)")
         if d.get("use_sliding_window", False):
@@ -302,6 +388,7 @@ class ModelConfig:
             dtype=parse_dtype(dtype_name),
             bos_token_id=_token_ids("bos_token_id", d.get("bos_token_id"), many=False),
             eos_token_id=_freeze(_token_ids("eos_token_id", d.get("eos_token_id"), many=True)),
+            **experts,
         )
 
     @classmethod
@@ -348,6 +435,11 @@ SHAPES = {
                      num_heads=32, num_kv_heads=8, head_dim=128, tie_word_embeddings=True),
     "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
                      num_heads=32, num_kv_heads=8, head_dim=128, tie_word_embeddings=False),
+    "qwen3-30b-a3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
+                          tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, norm_topk_prob=True,
+                          sparse_layers=tuple(range(48))),
 }
 
 

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from .config import ModelConfig, ceil_div, parse_dtype
-from .params import LayerParams, Params
+from .params import LayerParams, MoELayerParams, Params
 from .quant import Fp8BlockQuantization, dequantize_fp8_blocks, quantization_from_config
 from .shard import ShardSpec
 
@@ -34,8 +34,21 @@ _SCALE_DTYPES = ("F32", "F16", "BF16")
 # The decoder's linear layers: what a block-fp8 checkpoint may quantize (never the embedding or
 # the LM head: vLLM's quantization methods never take them, and Qwen's checkpoints keep them
 # bf16).
-_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_ATTENTION_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                      "self_attn.o_proj")
+_MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _layer_linears(config: ModelConfig, n: int) -> list[str]:
+    """Layer n's linear modules (names after "layers.{n}."): attention's, then the dense MLP's or
+    every expert's (mlp.experts.{e}.gate_proj, ...; a sparse layer's router, mlp.gate, is never
+    quantized: vLLM's Qwen3-MoE builds it without a quantization method)."""
+    if config.is_sparse_layer(n):
+        mlp = [f"mlp.experts.{e}.{linear}" for e in range(config.num_experts)
+               for linear in _MLP_LINEARS]
+    else:
+        mlp = [f"mlp.{linear}" for linear in _MLP_LINEARS]
+    return list(_ATTENTION_LINEARS) + mlp
 
 
 def _index_tensors(path: str) -> dict[str, str]:
@@ -99,10 +112,17 @@ def _hf_shapes(config: ModelConfig, prefix: str = "model.") -> dict[str, tuple[i
             p + "self_attn.o_proj.weight": (h, config.num_heads * d),
             p + "self_attn.q_norm.weight": (d,),
             p + "self_attn.k_norm.weight": (d,),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
         })
+        if config.is_sparse_layer(n):
+            m = config.moe_intermediate_size
+            shapes[p + "mlp.gate.weight"] = (config.num_experts, h)
+            for e in range(config.num_experts):
+                q = f"{p}mlp.experts.{e}."
+                shapes.update({q + "gate_proj.weight": (m, h), q + "up_proj.weight": (m, h),
+                               q + "down_proj.weight": (h, m)})
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                           p + "mlp.down_proj.weight": (h, i)})
     return shapes
 
 
@@ -113,7 +133,8 @@ def _quantized_weights(config: ModelConfig, prefix: str,
     if quant is None:
         return []
     return [f"{prefix}layers.{n}.{linear}.weight" for n in range(config.num_layers)
-            for linear in _LINEARS if quant.quantizes(f"{prefix}layers.{n}.{linear}")]
+            for linear in _layer_linears(config, n)
+            if quant.quantizes(f"{prefix}layers.{n}.{linear}")]
 
 
 def scale_name(weight_name: str) -> str:
@@ -301,6 +322,7 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
     q0, q1 = shard.head_range(config)
     k0, k1 = shard.kv_head_range(config)
     i0, i1 = shard.intermediate_range(config)
+    m0, m1 = shard.moe_intermediate_range(config)
     v0, v1 = shard.vocab_range(config)
 
     def vocab_rows(name):
@@ -320,20 +342,36 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
             read(p + "self_attn.k_proj.weight", rows=(k0 * d, k1 * d)),
             read(p + "self_attn.v_proj.weight", rows=(k0 * d, k1 * d)),
         ])
-        gate_up = torch.cat([
-            read(p + "mlp.gate_proj.weight", rows=(i0, i1)),
-            read(p + "mlp.up_proj.weight", rows=(i0, i1)),
-        ])
-        layers.append(LayerParams(
+        attention = dict(
             input_norm=put(read(p + "input_layernorm.weight")),
             qkv=put(qkv),
             q_norm=put(read(p + "self_attn.q_norm.weight")),
             k_norm=put(read(p + "self_attn.k_norm.weight")),
             o_proj=put(read(p + "self_attn.o_proj.weight", cols=(q0 * d, q1 * d))),
             post_norm=put(read(p + "post_attention_layernorm.weight")),
-            gate_up=put(gate_up),
-            down=put(read(p + "mlp.down_proj.weight", cols=(i0, i1))),
-        ))
+        )
+        if config.is_sparse_layer(n):
+            # Every expert's gate and up rows of this rank's slice, then its down columns,
+            # stacked expert by expert: [experts, 2 * moe_local, hidden], [experts, hidden,
+            # moe_local]. Filled in place, so that one expert's slices at a time are extra.
+            e = f"{p}mlp.experts."
+            gate_up = torch.empty(config.num_experts, 2 * (m1 - m0), config.hidden_size,
+                                  dtype=dtype, device=device)
+            down = torch.empty(config.num_experts, config.hidden_size, m1 - m0, dtype=dtype,
+                               device=device)
+            for x in range(config.num_experts):
+                gate_up[x, :m1 - m0] = read(f"{e}{x}.gate_proj.weight", rows=(m0, m1))
+                gate_up[x, m1 - m0:] = read(f"{e}{x}.up_proj.weight", rows=(m0, m1))
+                down[x] = read(f"{e}{x}.down_proj.weight", cols=(m0, m1))
+            layers.append(MoELayerParams(**attention, router=put(read(p + "mlp.gate.weight")),
+                                         experts_gate_up=gate_up, experts_down=down))
+            continue
+        gate_up = torch.cat([
+            read(p + "mlp.gate_proj.weight", rows=(i0, i1)),
+            read(p + "mlp.up_proj.weight", rows=(i0, i1)),
+        ])
+        layers.append(LayerParams(**attention, gate_up=put(gate_up),
+                                  down=put(read(p + "mlp.down_proj.weight", cols=(i0, i1)))))
     return Params(
         embed=vocab_rows(f"{prefix}embed_tokens.weight"),
         layers=tuple(layers),

@@ -13,6 +13,11 @@ LayerParams:
   post_norm  [hidden]
   gate_up    [2 * intermediate_local, hidden]                     gate rows, then up rows
   down       [hidden, intermediate_local]
+MoELayerParams (a mixture-of-experts layer, config.sparse_layers): the attention fields as above,
+and in the MLP's place
+  router          [experts, hidden]                               replicated on every rank
+  experts_gate_up [experts, 2 * moe_intermediate_local, hidden]   each expert's gate, then up rows
+  experts_down    [experts, hidden, moe_intermediate_local]
 """
 
 from __future__ import annotations
@@ -35,6 +40,24 @@ class LayerParams:
     post_norm: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
+
+
+@pytree_class
+class MoELayerParams:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    router: torch.Tensor
+    experts_gate_up: torch.Tensor
+    experts_down: torch.Tensor
+
+
+def layer_class(config: ModelConfig, n: int) -> type:
+    """The params class of layer n: MoELayerParams for a sparse layer, else LayerParams."""
+    return MoELayerParams if config.is_sparse_layer(n) else LayerParams
 
 
 @pytree_class
@@ -64,6 +87,8 @@ def expected_shapes(config: ModelConfig, shard: ShardSpec) -> dict[str, tuple[in
     h, d = config.hidden_size, config.head_dim
     nq, nkv = shard.num_heads(config), shard.num_kv_heads(config)
     i0, i1 = shard.intermediate_range(config)
+    m0, m1 = shard.moe_intermediate_range(config)
+    e = config.num_experts
     v0, v1 = shard.vocab_range(config)
     return {
         "embed": (v1 - v0, h),
@@ -77,6 +102,9 @@ def expected_shapes(config: ModelConfig, shard: ShardSpec) -> dict[str, tuple[in
         "post_norm": (h,),
         "gate_up": (2 * (i1 - i0), h),
         "down": (h, i1 - i0),
+        "router": (e, h),
+        "experts_gate_up": (e, 2 * (m1 - m0), h),
+        "experts_down": (e, h, m1 - m0),
     }
 
 
@@ -101,10 +129,14 @@ def check_params(params: Params) -> None:
     shapes = expected_shapes(config, params.shard)
     named = [(name, getattr(params, name)) for name in ("embed", "final_norm", "lm_head")]
     for i, layer in enumerate(params.layers):
-        if not isinstance(layer, LayerParams):
-            raise TypeError(f"params.layers[{i}] must be a LayerParams, got {type(layer).__name__}")
+        cls = layer_class(config, i)
+        if type(layer) is not cls:
+            why = " (the config makes it a mixture-of-experts layer)" \
+                if cls is MoELayerParams else ""
+            raise TypeError(f"params.layers[{i}] must be a {cls.__name__}, got "
+                            f"{type(layer).__name__}{why}")
         named += [(f"layers[{i}].{f.name}", getattr(layer, f.name))
-                  for f in attrs.fields(LayerParams)]
+                  for f in attrs.fields(cls)]
     for name, t in named:
         if t is None and name == "lm_head":
             if not config.tie_word_embeddings:
@@ -151,6 +183,7 @@ def random_params(config: ModelConfig, *, seed: int = 0, dtype: torch.dtype | st
     q0, q1 = shard.head_range(config)
     k0, k1 = shard.kv_head_range(config)
     i0, i1 = shard.intermediate_range(config)
+    m0, m1 = shard.moe_intermediate_range(config)
     v0, v1 = shard.vocab_range(config)
 
     def vocab_slice(w):  # w: [vocab, hidden] -> this rank's rows of the padded vocabulary
@@ -160,25 +193,33 @@ def random_params(config: ModelConfig, *, seed: int = 0, dtype: torch.dtype | st
 
     embed = normal(v, h)
     layers = []
-    for _ in range(config.num_layers):
+    for n in range(config.num_layers):
         wq = normal(config.num_heads * d, h).view(config.num_heads, d, h)
         wk = normal(config.num_kv_heads * d, h).view(config.num_kv_heads, d, h)
         wv = normal(config.num_kv_heads * d, h).view(config.num_kv_heads, d, h)
         wo = normal(h, config.num_heads * d).view(h, config.num_heads, d)
-        wg = normal(config.intermediate_size, h)
-        wu = normal(config.intermediate_size, h)
-        wd = normal(h, config.intermediate_size)
         qkv = torch.cat([wq[q0:q1].reshape(-1, h), wk[k0:k1].reshape(-1, h), wv[k0:k1].reshape(-1, h)])
-        layers.append(LayerParams(
-            input_norm=put(norm_weight(h)),
-            qkv=put(qkv),
-            q_norm=put(norm_weight(d)),
-            k_norm=put(norm_weight(d)),
-            o_proj=put(wo[:, q0:q1].reshape(h, -1)),
-            post_norm=put(norm_weight(h)),
-            gate_up=put(torch.cat([wg[i0:i1], wu[i0:i1]])),
-            down=put(wd[:, i0:i1]),
-        ))
+        sparse = config.is_sparse_layer(n)
+        if sparse:
+            e, m = config.num_experts, config.moe_intermediate_size
+            # The router drawn wider than the rest, so that routing is decided by more than noise.
+            router = normal(e, h).mul_(10)
+            wg, wu, wd = normal(e, m, h), normal(e, m, h), normal(e, h, m)
+        else:  # drawn before the norms, as they always were: a seed's dense weights unchanged
+            wg = normal(config.intermediate_size, h)
+            wu = normal(config.intermediate_size, h)
+            wd = normal(h, config.intermediate_size)
+        attention = dict(input_norm=put(norm_weight(h)), qkv=put(qkv), q_norm=put(norm_weight(d)),
+                         k_norm=put(norm_weight(d)), o_proj=put(wo[:, q0:q1].reshape(h, -1)),
+                         post_norm=put(norm_weight(h)))
+        if sparse:
+            layers.append(MoELayerParams(
+                **attention, router=put(router),
+                experts_gate_up=put(torch.cat([wg[:, m0:m1], wu[:, m0:m1]], dim=1)),
+                experts_down=put(wd[:, :, m0:m1])))
+        else:
+            layers.append(LayerParams(**attention, gate_up=put(torch.cat([wg[i0:i1], wu[i0:i1]])),
+                                      down=put(wd[:, i0:i1])))
     final_norm = norm_weight(h)
     lm_head = None if config.tie_word_embeddings else put(vocab_slice(normal(v, h)))
     return Params(embed=put(vocab_slice(embed)), layers=tuple(layers), final_norm=put(final_norm),

@@ -34,7 +34,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 # quantization_from_config reads quant_method, weight_block_size, activation_scheme, fmt,
 # scale_fmt, modules_to_convert and modules_to_not_convert (or ignored_layers); any other key is
 # metadata it ignores, as transformers and vLLM do ("dequantize" is transformers' own loading
-# flag, "expert_dtype" concerns MoE experts, of which Qwen3 dense models have none).
+# flag, "expert_dtype" describes MoE experts' storage, which the safetensors headers give).
 _SUPPORTED_METHOD = "fp8"
 
 

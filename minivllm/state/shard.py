@@ -39,6 +39,9 @@ class ShardSpec:
         if config.intermediate_size % ws:
             raise ValueError(f"intermediate_size ({config.intermediate_size}) is not divisible by the "
                              f"tensor-parallel size ({ws})")
+        if config.is_moe and config.moe_intermediate_size % ws:
+            raise ValueError(f"moe_intermediate_size ({config.moe_intermediate_size}) is not "
+                             f"divisible by the tensor-parallel size ({ws})")
 
     # --- heads -------------------------------------------------------------------------------
     def num_heads(self, config: ModelConfig) -> int:
@@ -63,6 +66,13 @@ class ShardSpec:
     # --- MLP ---------------------------------------------------------------------------------
     def intermediate_range(self, config: ModelConfig) -> tuple[int, int]:
         n = config.intermediate_size // self.world_size
+        return self.rank * n, (self.rank + 1) * n
+
+    def moe_intermediate_range(self, config: ModelConfig) -> tuple[int, int]:
+        """This rank's slice of every expert's intermediate size: each rank holds every expert,
+        cut as the dense MLP is (vLLM's tensor-parallel MoE), so that a token's experts need no
+        exchange and down's partial sums end in the layer's one all-reduce."""
+        n = config.moe_intermediate_size // self.world_size
         return self.rank * n, (self.rank + 1) * n
 
     # --- vocabulary --------------------------------------------------------------------------
