@@ -44,9 +44,13 @@ MOE_TINY = dict(TINY, num_hidden_layers=3, moe_intermediate_size=32, num_experts
 
 def make_hf_moe_model(seed: int = 0, std: float = 0.1, **overrides) -> Qwen3MoeForCausalLM:
     """make_hf_model's Qwen3MoeForCausalLM: every weight drawn (router and experts too), norms
-    near 1."""
+    near 1. Its experts run transformers' eager loop (expert by expert, index_add_ of each
+    one's rows), not its default grouped_mm path, which is minivllm's own algorithm (sort by
+    expert, torch._grouped_mm): an oracle must not share the code's method."""
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**dict(MOE_TINY, **overrides))).float().eval()
+    config = Qwen3MoeConfig(**dict(MOE_TINY, **overrides))
+    config._experts_implementation = "eager"
+    model = Qwen3MoeForCausalLM(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -37,6 +37,10 @@ CASES = {
     # every second layer sparse (decoder_sparse_step 2), tied embeddings, 4 layers
     "step2-tied-v5": (dict(decoder_sparse_step=2, tie_word_embeddings=True, num_hidden_layers=4),
                       "v5"),
+    # every expert taken (top_k == num_experts), sparse step 3 with layer 5 dense: only layer 2
+    # is sparse
+    "all4-step3-v4": (dict(num_experts=4, num_experts_per_tok=4, decoder_sparse_step=3,
+                           num_hidden_layers=6, mlp_only_layers=[5]), "v4"),
 }
 
 PROMPTS = [[3, 17, 25, 4, 99, 60, 12, 8, 41], [7, 1, 55],
@@ -104,12 +108,23 @@ def test_bad_moe_configs_are_refused_by_name(changes, message):
         ModelConfig.from_dict(_moe_dict(**changes))
 
 
+def test_a_config_without_architectures_is_read_by_its_model_type():
+    d = _moe_dict()
+    del d["architectures"]
+    assert ModelConfig.from_dict(d).sparse_layers == (0, 1, 2)
+
+
 def test_moe_intermediate_must_split_over_the_ranks():
     config = ModelConfig.from_dict(_moe_dict(moe_intermediate_size=34))
     ShardSpec(0, 2).check(config)  # 34 / 2
     with pytest.raises(ValueError, match=r"moe_intermediate_size \(34\) is not divisible by the "
                                          r"tensor-parallel size \(4\)"):
         ShardSpec(0, 4).check(config)
+    # intermediate_size is the dense MLP's: with every layer sparse it is never cut
+    ShardSpec(0, 4).check(ModelConfig.from_dict(_moe_dict(intermediate_size=99)))
+    with pytest.raises(ValueError, match=r"intermediate_size \(99\) is not divisible"):
+        ShardSpec(0, 4).check(ModelConfig.from_dict(_moe_dict(intermediate_size=99,
+                                                              mlp_only_layers=[1])))
 
 
 def test_a_dense_layer_where_a_sparse_one_belongs_is_named():
@@ -178,6 +193,20 @@ def test_route_picks_transformers_experts_and_weights():
     assert torch.equal(got_e, want_e)
     torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(got_w.sum(-1), torch.ones(40))
+
+
+def test_route_breaks_exact_ties_by_the_lower_expert():
+    """Experts 1, 3 and 4 share one router row (equal probabilities), 0 scores lower, 2 higher:
+    the top 3 are 2, then the lower indices of the tie, 1 and 3, as vLLM's kernel picks."""
+    h = torch.randn(6, 16)
+    router = torch.randn(5, 16)
+    router[3] = router[4] = router[1]
+    router[0] = -router[1]
+    router[2] = 3 * router[1]
+    h = h * torch.sign(h @ router[1])[:, None]  # every token prefers router[1]'s direction
+    weights, experts = moe.route(h, router, 3, False)
+    assert experts.tolist() == [[2, 1, 3]] * 6
+    assert torch.equal(weights[:, 1], weights[:, 2])
 
 
 @settings(max_examples=30, deadline=None)
@@ -345,7 +374,9 @@ def test_fp8_experts_load_as_their_dequantization(tmp_path):
     save_file(out, file, metadata={"format": "pt"})
     cfg_path = os.path.join(path, "config.json")
     cfg = json.load(open(cfg_path))
-    cfg.update(dtype="bfloat16", quantization_config=dict(FP8_CONFIG))
+    # Qwen3-30B-A3B-FP8's config lists every router (and the LM head) as not converted
+    skip = ["lm_head"] + [f"model.layers.{n}.mlp.gate" for n in (0, 2)]
+    cfg.update(dtype="bfloat16", quantization_config=dict(FP8_CONFIG, modules_to_not_convert=skip))
     json.dump(cfg, open(cfg_path, "w"))
     for shard in (ShardSpec(), ShardSpec(1, 2)):
         params = minivllm.load(path, dtype="float32", shard=shard)
@@ -361,9 +392,33 @@ def test_fp8_experts_load_as_their_dequantization(tmp_path):
         i = 96 // shard.world_size  # the dense layer's intermediate slice
         assert torch.equal(params.layers[1].down, reference["model.layers.1.mlp.down_proj.weight"]
                            [:, shard.rank * i:(shard.rank + 1) * i])
+    # A router stored in fp8 blocks with its scales (vLLM quantizes the gate too) loads as its
+    # dequantization; its scales without the fp8 weight are refused by name.
+    name = "model.layers.2.mlp.gate.weight"
+    q, s = quantize_blocks(out[name].float())
+    out[name], out[name + "_scale_inv"] = q, s
+    save_file(out, file, metadata={"format": "pt"})
+    assert torch.equal(minivllm.load(path, dtype="float32").layers[2].router,
+                       dequantize_blocks(q, s))
+    out[name] = reference[name].to(torch.bfloat16)
+    save_file(out, file, metadata={"format": "pt"})
+    with pytest.raises(minivllm.CheckpointError, match=f"tensor {name} is stored as BF16"):
+        minivllm.load(path)
 
 
 # --- the GPU's fast paths ------------------------------------------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_on_a_hopper_gpu_takes_the_grouped_gemm(monkeypatch):
+    """A silent fallback would pass every equality test at experts x the work."""
+    block, config = _block_pair(3, torch.bfloat16)
+    calls, real = [], torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    h = torch.randn(9, config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    moe.moe_mlp(h, block.gate.weight.cuda(), block.experts.gate_up_proj.cuda(),
+                block.experts.down_proj.cuda(), config, ShardSpec())
+    hopper = torch.cuda.get_device_capability()[0] in (9, 10)
+    assert len(calls) == (2 if hopper else 0)
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -25,20 +25,29 @@ def route(h: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool
     """h: [T, hidden], router: [experts, hidden] -> (weights [T, top_k] in h's dtype, experts
     [T, top_k] int64): the top_k experts of each token's softmax (in fp32) over its router
     logits, in descending probability; `normalize` (config norm_topk_prob) divides the chosen
-    probabilities by their sum. As transformers' Qwen3MoeTopKRouter computes them."""
+    probabilities by their sum. As transformers' Qwen3MoeTopKRouter computes them, but for
+    exact ties (bf16 router logits make them common: a few % of tokens at 128 experts), where
+    the lower expert index wins, as vLLM's topk_softmax kernel picks: torch.topk's choice
+    among equals is its kernel's, and may differ between devices."""
     probs = torch.softmax(F.linear(h, router), dim=-1, dtype=torch.float32)  # [T, experts]
-    weights, experts = torch.topk(probs, top_k, dim=-1)
+    weights, experts = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, experts = weights[:, :top_k], experts[:, :top_k]
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(h.dtype), experts
 
 
 def _grouped_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether torch._grouped_mm takes x @ w[e] here: its operands' rows 16-byte aligned; on a
-    GPU bf16 only (CUTLASS's grouped GEMM), compiled bf16 only (its meta function's rule),
-    eagerly on a CPU any float dtype."""
+    """Whether torch._grouped_mm takes x @ w[e] here without a host sync: every operand's rows
+    16-byte aligned (torch asks it of the inner dimension; the outer one is checked too, which
+    real shapes meet); on a GPU, bf16 on a Hopper or Blackwell one (CUTLASS's grouped GEMM:
+    elsewhere torch falls back to a loop that reads the offsets on the host, which no CUDA
+    graph can hold); compiled, bf16 (its meta function's rule); eagerly on a CPU any float."""
     aligned = all(t.shape[-1] * t.element_size() % 16 == 0 for t in (x, w))
-    if torch.compiler.is_compiling() or x.is_cuda:
+    if x.is_cuda:  # get_device_properties: constant-folded under torch.compile
+        return aligned and x.dtype == torch.bfloat16 and \
+            torch.cuda.get_device_properties(x.device).major in (9, 10)
+    if torch.compiler.is_compiling():
         return aligned and x.dtype == torch.bfloat16
     return aligned
 
@@ -73,7 +82,10 @@ def moe_mlp(h: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.Tensor
     counts.scatter_add_(0, pair_expert, torch.ones_like(pair_expert, dtype=torch.int32))
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # [experts]: each group's end
     x = h[order // k]  # [T * k, hidden], sorted by expert
-    act = silu_and_mul(grouped_linear(x, experts_gate_up, offsets))  # [T * k, moe_local]
+    gate_up = grouped_linear(x, experts_gate_up, offsets)  # [T * k, 2 * moe_local]
+    del x  # eagerly, a prefill of 8k tokens' copies at top-8 are GBs: free each when used
+    act = silu_and_mul(gate_up)  # [T * k, moe_local]
+    del gate_up
     y = grouped_linear(act, experts_down, offsets)  # [T * k, hidden] in sorted order
     unsorted = torch.empty_like(y).index_copy_(0, order, y)  # back to pair order
     # [T, 1, k] @ [T, k, hidden]: the weighted sum accumulates in fp32 without an fp32 copy.

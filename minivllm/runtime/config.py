@@ -183,6 +183,15 @@ class EngineConfig:
             if not triton_usable(device):
                 raise ValueError(f"persistent_decode is a Triton kernel: it needs a CUDA device "
                                  f"(or TRITON_INTERPRET=1 on a CPU), got {device}")
+        if model_config.is_moe and device.type == "cuda" and (
+                dtype != torch.bfloat16 or torch.cuda.get_device_capability(device)[0] not in (9, 10)):
+            # functional/moe.py: torch's grouped GEMM runs without a host sync in bf16 on a
+            # Hopper or Blackwell GPU only.
+            log.warning("minivllm: this mixture-of-experts model's expert GEMMs compute every "
+                        "expert on every routed row (%d x the work) in %s on %s: they run as "
+                        "grouped GEMMs in bf16 on a Hopper or Blackwell GPU",
+                        model_config.num_experts, str(dtype).removeprefix("torch."),
+                        torch.cuda.get_device_name(device))
         if max_logprobs == -1:  # as vLLM: no cap
             max_logprobs = model_config.vocab_size
         if max_num_batched_tokens is None:

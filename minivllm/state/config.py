@@ -298,7 +298,9 @@ class ModelConfig:
                                "num_hidden_layers", "num_attention_heads") if k not in d]
         if missing:
             raise ValueError(f"the model config lacks {', '.join(missing)}")
-        archs = d.get("architectures") or ["Qwen3ForCausalLM"]
+        # Without architectures, the model_type's causal LM (as transformers' Auto classes).
+        archs = d.get("architectures") or [
+            "Qwen3MoeForCausalLM" if d.get("model_type") == "qwen3_moe" else "Qwen3ForCausalLM"]
         for arch in archs:
             if arch not in SUPPORTED_ARCHITECTURES:
                 raise ValueError(

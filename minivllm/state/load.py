@@ -201,6 +201,14 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
     expected = _hf_shapes(config, prefix)
     # weight name -> its scales' name, for the weights stored in fp8 blocks.
     scales = {name: scale_name(name) for name in _quantized_weights(config, prefix, quant)}
+    if quant is not None:
+        # A sparse layer's router (mlp.gate) is unquantized in Qwen's FP8 checkpoints (their
+        # modules_to_not_convert lists it); one stored in fp8 blocks with its scales loads too
+        # (vLLM gives the gate the checkpoint's quantization method).
+        for n in config.sparse_layers:
+            router = f"{prefix}layers.{n}.mlp.gate.weight"
+            if scale_name(router) in files:
+                scales[router] = scale_name(router)
     for name, scale in scales.items():
         expected[scale] = quant.scale_shape(expected[name])
     missing_scales = sorted(set(scales.values()) - set(files))

@@ -36,7 +36,7 @@ class ShardSpec:
         if config.num_kv_heads % ws and ws % config.num_kv_heads:
             raise ValueError(f"num_key_value_heads ({config.num_kv_heads}) and the tensor-parallel "
                              f"size ({ws}) must divide one another")
-        if config.intermediate_size % ws:
+        if len(config.sparse_layers) < config.num_layers and config.intermediate_size % ws:
             raise ValueError(f"intermediate_size ({config.intermediate_size}) is not divisible by the "
                              f"tensor-parallel size ({ws})")
         if config.is_moe and config.moe_intermediate_size % ws:
