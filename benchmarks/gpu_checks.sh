@@ -5,8 +5,8 @@
 # returned them, see below):
 #   bash benchmarks/gpu_checks.sh speed  # nvidia-h200: issue 5's figures and the GPU test suite
 #   bash benchmarks/gpu_checks.sh figures  # nvidia-h200: issue 5's two figures only
-#   bash benchmarks/gpu_checks.sh moe  # nvidia-h200: throughput and single stream at the
-#       Qwen3-30B-A3B shape (mixture of experts), the 0.6B throughput beside them
+#   bash benchmarks/gpu_checks.sh moe  # nvidia-h200: test_moe.py's bf16 GPU tests, then
+#       throughput and single stream at the Qwen3-30B-A3B shape (mixture of experts)
 #   bash benchmarks/gpu_checks.sh suite  # nvidia-h200: the whole test suite, six groups at once
 #   bash benchmarks/gpu_checks.sh prefill_graph  # nvidia-h200: the prefill CUDA graphs (steps with
 #       prompt tokens replayed; on by default since session 28) on (MINIVLLM_PREFILL_GRAPH=1)
@@ -277,15 +277,17 @@ norm_rope)
     "$0" ab
   ;;
 moe)
-  # nvidia-h200 (<= 560 s): session 53's Qwen3-MoE: the throughput run at the Qwen3-30B-A3B shape
-  # (random weights: 61 GB of bf16; 48 sparse layers of 128 experts, 8 per token, each expert's
-  # GEMMs one grouped GEMM per step), its single stream, and the 0.6B shape's throughput run
-  # beside them as this machine's reference. tests/test_moe.py's GPU tests run with the suite.
-  step bench_moe $(left_or 240) python3 -m minivllm bench --shape qwen3-30b-a3b \
+  # nvidia-h200 or nvidia-h100-x1 (<= 560 s): session 53's Qwen3-MoE: tests/test_moe.py's GPU
+  # tests (the compiled layers and CUDA graphs against eager in bf16, the bf16 MLP through
+  # CUTLASS's grouped GEMM), then the throughput run at the Qwen3-30B-A3B shape (random weights:
+  # 61 GB of bf16; 48 sparse layers of 128 experts, 8 per token, each expert GEMM one grouped
+  # GEMM per step) and its single stream with what time is left.
+  STEP_LOG=$OUT/tests.txt step moe_tests $(left_or 180) python3 -m pytest $PYTEST_ARGS \
+    tests/test_moe.py -k "moe_mlp or graphs and bfloat16 or hopper"
+  step bench_moe $(left_or 260) python3 -m minivllm bench --shape qwen3-30b-a3b \
     --json "$RESULTS/bench_moe.json"
   step latency_moe $(left_or 150) python3 -m minivllm bench --shape qwen3-30b-a3b --latency \
     --json "$RESULTS/latency_moe.json"
-  step bench $(left_or 150) python3 -m minivllm bench --shape qwen3-0.6b --json "$RESULTS/bench.json"
   ;;
 figures)
   # nvidia-h200 (<= 330 s on a fresh machine): issue 5's two figures for main as it is, without

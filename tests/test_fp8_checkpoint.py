@@ -232,6 +232,10 @@ def test_modules_to_not_convert_matches_as_transformers(pattern):
     11's)."""
     from transformers.quantizers.quantizers_utils import should_convert_module
 
+    if not should_convert_module("model.layers.11.mlp.up_proj", ["model.layers.1"]):
+        pytest.skip("this transformers (5.17, the GPU machine's) matches a pattern as a bare "
+                    "prefix: 'model.layers.1' skips layer 11's modules too; minivllm follows "
+                    "5.25's module boundary")
     quant = Fp8BlockQuantization(block=BLOCK, modules_to_not_convert=(pattern,))
     names = [f"model.layers.{n}.{linear}" for n in (0, 1, 11) for linear in LINEARS]
     got = [quant.quantizes(name) for name in names]

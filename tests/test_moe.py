@@ -166,7 +166,8 @@ def _block_pair(seed, dtype, **overrides):
     return block, config
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 3e-2)],
+                         ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("tokens", [1, 5, 64])
 @pytest.mark.parametrize("norm", [True, False])
 def test_moe_mlp_equals_transformers_block(dtype, tol, tokens, norm):
