@@ -12,10 +12,11 @@ The engine, shaped like vLLM's:
 """
 
 from .functional import forward, generate
-from .runtime import (BeamSearchOutput, BeamSearchParams, BeamSearchSequence, CompletionOutput,
+from .runtime import (BeamSearchOutput, BeamSearchParams, BeamSearchSequence,
+                      ClassificationOutput, ClassificationRequestOutput, CompletionOutput,
                       EmbeddingOutput, EmbeddingRequestOutput, LLM, LLMEngine, Logprob,
-                      PoolingParams, RequestOutput, SamplingParams, StructuredOutputsParams,
-                      WorkerDiedError)
+                      PoolingParams, RequestOutput, SamplingParams, ScoringOutput,
+                      ScoringRequestOutput, StructuredOutputsParams, WorkerDiedError)
 from .state import (Batch, KVCache, LayerParams, ModelConfig, MoELayerParams, Params, SeqChunk,
                     ShardSpec, config_for_shape, init_cache, make_batch, random_params)
 from .state.load import CheckpointError, load
@@ -25,5 +26,6 @@ __all__ = ["forward", "generate", "Batch", "KVCache", "LayerParams", "MoELayerPa
            "CheckpointError", "load", "LLM", "LLMEngine", "SamplingParams", "RequestOutput",
            "CompletionOutput", "Logprob", "WorkerDiedError", "BeamSearchParams", "BeamSearchOutput",
            "BeamSearchSequence", "StructuredOutputsParams", "PoolingParams", "EmbeddingOutput",
-           "EmbeddingRequestOutput"]
+           "EmbeddingRequestOutput", "ClassificationOutput", "ClassificationRequestOutput",
+           "ScoringOutput", "ScoringRequestOutput"]
 __version__ = "0.1.0"

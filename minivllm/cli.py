@@ -150,8 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                        help="priority: requests' 'priority' field orders them, lower first")
     serve.add_argument("--runner", choices=["auto", "generate", "pooling"], default="auto",
-                       help="pooling: serve embeddings (/v1/embeddings) instead of completions; "
-                            "auto: pooling for a sentence-transformers checkpoint (Qwen3-Embedding)")
+                       help="pooling: serve embeddings (/v1/embeddings), or a classifier's "
+                            "/classify, /score and /rerank, instead of completions; auto: pooling "
+                            "for a sentence-transformers checkpoint (Qwen3-Embedding) or a "
+                            "Qwen3ForSequenceClassification (also one hf_overrides make)")
     serve.add_argument("--reasoning-parser", choices=["qwen3"], default=None,
                        help="split a thinking model's <think> text from its answer (the "
                             "message's 'reasoning'); structured outputs then hold the answer")

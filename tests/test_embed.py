@@ -313,7 +313,7 @@ def test_a_generating_llm_does_not_embed_and_a_pooling_one_does_not_generate(
 
 @pytest.mark.parametrize("kwargs, error", [
     (dict(runner="embed"), "runner must be one of"),
-    (dict(task="classify"), "task must be one of"),
+    (dict(task="reward"), "task must be one of"),
     (dict(task="embed", runner="generate"), "task='embed' means runner='pooling'"),
 ])
 def test_bad_runner_arguments(kwargs, error, causal_dir, device):

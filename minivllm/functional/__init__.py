@@ -1,6 +1,7 @@
 """Pure functions of (params, inputs) -> outputs: the whole Qwen3 forward, sampling, generate."""
 
 from .activation import silu_and_mul
+from .classify import activate, classifier_logits
 from .attention import REFERENCE, AttentionBackend, ReferenceBackend, reference_attention, write_kv
 from .embedding import embed, lm_head
 from .generate import generate
@@ -13,7 +14,7 @@ from .rope import apply_rope, rope_attention_scale, rope_cos_sin, rope_inv_freq
 from .sampling import SamplingBatch, SamplingRow, make_sampling_batch, sample
 
 __all__ = [
-    "silu_and_mul", "REFERENCE", "AttentionBackend", "ReferenceBackend", "reference_attention",
+    "silu_and_mul", "activate", "classifier_logits", "REFERENCE", "AttentionBackend", "ReferenceBackend", "reference_attention",
     "write_kv", "embed", "lm_head", "generate", "attention_block", "decoder_layer", "mlp_block",
     "column_linear", "merged_column_linear", "qkv_linear", "split_qkv", "row_linear", "forward",
     "hidden_states", "pooled_embedding", "last_token_rows", "pool_last_token",

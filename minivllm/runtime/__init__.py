@@ -2,6 +2,7 @@
 
 from .beam_search import BeamSearchOutput, BeamSearchSequence
 from .block_manager import BlockManager
+from .classify import ClassificationOutput, ClassificationRequestOutput
 from .config import EngineConfig
 from .engine import EngineStats, LLMEngine
 from .executor import WorkerDiedError
@@ -11,9 +12,11 @@ from .pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 from .runner import ModelRunner, StepInput, StepResult
 from .sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from .scheduler import Scheduler, SchedulerOutput
+from .scoring import ScoringOutput, ScoringRequestOutput
 from .sequence import Sequence
 
 __all__ = ["BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "BlockManager", "EngineConfig", "EngineStats", "LLMEngine", "LLM", "CompletionOutput",
            "Logprob", "RequestOutput", "ModelRunner", "StepInput", "StepResult", "SamplingParams",
            "Scheduler", "SchedulerOutput", "Sequence", "StructuredOutputsParams", "WorkerDiedError",
-           "EmbeddingOutput", "EmbeddingRequestOutput", "PoolingParams"]
+           "EmbeddingOutput", "EmbeddingRequestOutput", "PoolingParams", "ClassificationOutput",
+           "ClassificationRequestOutput", "ScoringOutput", "ScoringRequestOutput"]

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 import attrs
 import torch
 
-from ..state.config import FP8_DTYPES, ModelConfig, config_for_shape, parse_dtype, parse_kv_cache_dtype
+from ..state.classifier import ClassifierConfig
+from ..state.config import (FP8_DTYPES, ModelConfig, config_for_shape, parse_dtype,
+                            parse_kv_cache_dtype, read_config_dict)
 from ..state.values import as_flag, as_int, as_real
 from .distributed import check_tensor_parallel, torchrun_env
 from .pooling import resolve_runner
@@ -65,6 +67,9 @@ class EngineConfig:
     # embeddings, so that no LM head is loaded); normalize_embeddings: PoolingParams' default.
     runner: str = "generate"
     normalize_embeddings: bool = True
+    # A pooling model's classifier head (a Qwen3ForSequenceClassification, or a causal LM made
+    # one by hf_overrides: state/classifier.py), or None: it embeds.
+    classifier: ClassifierConfig | None = None
     scheduling_policy: str = "fcfs"  # or "priority" (runtime/scheduler.py)
     # n-gram speculative decoding (runtime/spec_decode.py), or None
     speculative: SpeculativeConfig | None = None
@@ -90,11 +95,13 @@ class EngineConfig:
         if hf_overrides is not None and not isinstance(hf_overrides, dict):
             raise ValueError(f"hf_overrides must be a dict of config.json keys, got "
                              f"{hf_overrides!r:.80}")
+        config_dict: dict = {}
         if is_random_model(model):
             # "random:qwen3-0.6b": random weights at a real shape (benchmarks); no checkpoint.
             if hf_overrides:
                 raise ValueError("hf_overrides needs a checkpoint's config.json, not random weights")
             model_config = config_for_shape(model.split(":", 1)[1])
+            classifier = None
         elif not os.path.isdir(model):
             what = "is a file, not a directory" if os.path.exists(model) else "does not exist"
             raise ValueError(f"model directory {model!r} {what} (minivllm loads local "
@@ -104,12 +111,17 @@ class EngineConfig:
                              f"checkpoint directory holds config.json and *.safetensors)")
         else:
             try:
-                model_config = ModelConfig.from_json(model, hf_overrides)
+                config_dict = read_config_dict(model, hf_overrides)
+                model_config = ModelConfig.from_dict(config_dict)
+                classifier = ClassifierConfig.from_dict(config_dict)
             except ValueError as e:
                 raise ValueError(f"{model}: {e}" + (" (with hf_overrides)" if hf_overrides else "")
                                  ) from None
         runner, normalize_embeddings = resolve_runner(
-            runner, task, None if is_random_model(model) else model)
+            runner, task, None if is_random_model(model) else model,
+            config_dict.get("architectures") or ())
+        if runner != "pooling":
+            classifier = None
         if runner == "pooling":
             # A pooling model computes no logits: its checkpoint need not hold an LM head
             # (Qwen3-Embedding's hold none, tied or not), and the engine's head, which no request
@@ -206,7 +218,8 @@ class EngineConfig:
                    enable_prefix_caching=enable_prefix_caching, max_logprobs=max_logprobs,
                    async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype,
                    persistent_decode=persistent_decode, runner=runner,
-                   normalize_embeddings=normalize_embeddings, scheduling_policy=scheduling_policy,
+                   normalize_embeddings=normalize_embeddings, classifier=classifier,
+                   scheduling_policy=scheduling_policy,
                    speculative=speculative)
 
 

@@ -24,13 +24,16 @@ import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..functional.classify import activate, classifier_logits
 from ..functional.pooling import pooled_embedding
 from ..functional.sampling import SamplingRow
 from ..state.batch import DecodeChunks, SeqChunk
+from ..state.classifier import ClassifierHead
 from ..state.config import FP8_DTYPES
 from ..state.values import as_int
 from .bad_words import banned_by_bad_words, bad_word_ids
 from .block_manager import BlockManager
+from .classify import ClassificationOutput, ClassificationRequestOutput, load_head
 from .config import EngineConfig
 from .detokenizer import detokenize_incrementally, find_stop_string, prompt_offsets
 from .executor import make_executor
@@ -76,18 +79,25 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams | PoolingParams
     seqs: list[Sequence] = field(default_factory=list)
-    embedding: list[float] | None = None  # an embedding request's, once its step is read
+    # A pooling request's result, once its step is read: the embedding, or the classifier's
+    # probabilities (or score).
+    pooled: list[float] | None = None
 
     @property
     def pooling(self) -> bool:
         return isinstance(self.params, PoolingParams)
 
     @property
+    def task(self) -> str | None:
+        """A pooling request's task ("embed", "classify" or "score"); None for a generation."""
+        return (self.params.task or "embed") if self.pooling else None
+
+    @property
     def finished(self) -> bool:
-        # An embedding's sequence ends when its last step is launched; the request, when that
-        # step's hidden state is read.
+        # A pooling request's sequence ends when its last step is launched; the request, when
+        # that step's hidden state is read.
         if self.pooling:
-            return self.embedding is not None
+            return self.pooled is not None
         return all(s.finished for s in self.seqs)
 
 
@@ -109,7 +119,8 @@ def read_eos_ids(model_dir: str, model_config, tokenizer, generation_config: dic
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None, runner: ModelRunner | None = None,
-                 generation_config: dict | None = None, reasoning_parser: str | None = None):
+                 generation_config: dict | None = None, reasoning_parser: str | None = None,
+                 classifier: ClassifierHead | None = None):
         self.config = config
         self.tokenizer = tokenizer
         # With a reasoning parser, structured outputs constrain the answer, not the reasoning:
@@ -121,6 +132,13 @@ class LLMEngine:
         self.runner = runner if runner is not None else make_executor(config)
         self.model_config = self.runner.model_config
         self.vocab_size = self.model_config.vocab_size
+        # A classifier's head (runtime/classify.py), applied to the pooled hidden states of
+        # classify and score requests: the one given (LLM loads it before the weights), else
+        # the checkpoint's, when the config names one.
+        if classifier is None and config.classifier is not None:
+            classifier = load_head(config.model, config.classifier,
+                                   self.model_config.hidden_size, tokenizer)
+        self.classifier = classifier
         self.num_blocks = self.runner.num_blocks
         self.block_manager = BlockManager(self.num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
@@ -349,16 +367,23 @@ class LLMEngine:
     def _bad_words(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
         return bad_word_ids(params.bad_word_texts, self.tokenizer) if params.bad_word_texts else ()
 
-    # -- embedding requests (runtime/pooling.py) --------------------------------------------------
+    # -- pooling requests: embeddings, classifications, scores (runtime/pooling.py) --------------
 
     def check_pooling_request(self, prompt: Any, params: PoolingParams
                               ) -> tuple[str | None, list[int]]:
-        """ValueError unless the embedding request can run; returns (prompt text, prompt ids).
+        """ValueError unless the pooling request can run; returns (prompt text, prompt ids).
         Its prompt may fill max_model_len: nothing is generated after it. The engine takes
         embedding requests whatever its runner, beside generations (LLM.embed, as vLLM's API,
-        only under runner="pooling")."""
+        only under runner="pooling"); classify and score requests (params.task) need the
+        classifier head of a pooling LLM that has one."""
         if not isinstance(params, PoolingParams):
             raise TypeError(f"pooling params must be a PoolingParams, got {type(params).__name__}")
+        task = params.task or "embed"
+        params.check_task(task)
+        if task != "embed" and self.classifier is None:
+            raise ValueError(f"a {task} request needs a classifier head, and this model has "
+                             f"none (a Qwen3ForSequenceClassification checkpoint, or hf_overrides "
+                             f"that make one, has)")
         text, ids = self._prompt_ids(prompt)
         ids = self._truncated(ids, params.truncate_prompt_tokens)
         max_len = self.config.max_model_len
@@ -373,7 +398,7 @@ class LLMEngine:
         return text, ids
 
     def enqueue_pooling(self, text: str | None, ids: list[int], params: PoolingParams) -> str:
-        """Queue an embedding request that check_pooling_request accepted: one sequence, its
+        """Queue a pooling request that check_pooling_request accepted: one sequence, its
         prompt, pooled at its last token (it samples nothing)."""
         request = self._new_request(text, ids, params)
         # The sampling parameters of a sequence that never samples: no penalties, no logprobs,
@@ -392,22 +417,31 @@ class LLMEngine:
         return request
 
     def add_pooling_requests(self, prompts: list, params: list[PoolingParams]) -> list[str]:
-        """Queue embedding requests, all or none: every one is checked before any is queued."""
+        """Queue pooling requests, all or none: every one is checked before any is queued."""
         if len(prompts) != len(params):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} pooling params")
         checked = [self.check_pooling_request(p, pp) for p, pp in zip(prompts, params)]
         return [self.enqueue_pooling(text, ids, pp) for (text, ids), pp in zip(checked, params)]
 
-    def _record_embeddings(self, pooled: list, hidden) -> None:
-        """Each pooled chunk's request gets its embedding from its row of `hidden` (fp32, on the
-        host): cut to its dimensions, normalised unless it says not to."""
+    def _record_pooled(self, pooled: list, hidden) -> None:
+        """Each pooled chunk's request gets its result from its row of `hidden` ([rows, hidden]
+        fp32, on the host): an embedding cut to its dimensions, normalised unless it says not
+        to; a classifier's logits, activated unless it says not to (the score task takes the
+        head's cross-encoder activation)."""
         for chunk, h in zip(pooled, hidden):
             request = self.requests.get(chunk.seq.request_id)
             if request is None:  # aborted while its step ran
                 continue
-            p = request.params
-            request.embedding = pooled_embedding(
-                h, p.dimensions, p.normalizes(self.config.normalize_embeddings)).tolist()
+            p, task = request.params, request.task
+            if task == "embed":
+                request.pooled = pooled_embedding(
+                    h, p.dimensions, p.normalizes(self.config.normalize_embeddings)).tolist()
+                continue
+            head = self.classifier
+            logits = classifier_logits(h, head.weight)  # [num_labels]
+            kind = (head.config.score_activation if task == "score"
+                    else head.config.classify_activation)
+            request.pooled = (activate(logits, kind) if p.activates() else logits).tolist()
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
@@ -649,7 +683,7 @@ class LLMEngine:
             if result.scores is not None:
                 self._record_scores(out.scored, result.scores)
             if result.pooled is not None:
-                self._record_embeddings(out.pooled, result.pooled)
+                self._record_pooled(out.pooled, result.pooled)
             if seqs is None:
                 self._record_spec(out, result)
             else:
@@ -793,15 +827,18 @@ class LLMEngine:
             return None
         return self.tokenizer.decode([token_id])
 
-    def make_output(self, request: Request) -> RequestOutput | EmbeddingRequestOutput:
+    def make_output(self, request: Request
+                    ) -> RequestOutput | EmbeddingRequestOutput | ClassificationRequestOutput:
         """The request's cumulative output so far (an unfinished completion's text less what a stop
-        string could still cut); an embedding request's EmbeddingRequestOutput once finished."""
+        string could still cut); a pooling request's EmbeddingRequestOutput (task "embed") or
+        ClassificationRequestOutput ("classify", "score") once finished."""
         if request.pooling:
             seq = request.seqs[0]
-            return EmbeddingRequestOutput(
-                request_id=request.request_id, outputs=EmbeddingOutput(request.embedding or []),
-                prompt_token_ids=list(request.prompt_ids), finished=request.finished,
-                num_cached_tokens=max(seq.num_cached_prompt, 0))
+            kind, output = ((EmbeddingRequestOutput, EmbeddingOutput) if request.task == "embed"
+                            else (ClassificationRequestOutput, ClassificationOutput))
+            return kind(request_id=request.request_id, outputs=output(request.pooled or []),
+                        prompt_token_ids=list(request.prompt_ids), finished=request.finished,
+                        num_cached_tokens=max(seq.num_cached_prompt, 0))
         outputs = []
         p = request.params
         # As vLLM: an unfinished completion holds back the characters that could begin a stop

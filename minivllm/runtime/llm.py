@@ -19,6 +19,7 @@ from .config import EngineConfig, is_random_model
 from .distributed import torchrun_env
 from . import reasoning
 from .beam_search import BeamSearchOutput, beam_search
+from .classify import ClassificationRequestOutput, load_head
 from .engine import EngineStats, LLMEngine
 from .executor import make_executor
 from .generation_config import (FILE as GEN_FILE, eos_ids_of, generation_config_dir,
@@ -26,6 +27,7 @@ from .generation_config import (FILE as GEN_FILE, eos_ids_of, generation_config_
 from .outputs import CompletionOutput, RequestOutput
 from .pooling import EmbeddingRequestOutput, PoolingParams
 from .sampling_params import BeamSearchParams, SamplingParams
+from .scoring import ScorePlan, ScoringRequestOutput, plan_scores
 
 log = logging.getLogger("minivllm")
 
@@ -94,10 +96,14 @@ class LLM:
     32,768 x 4); an object merges into the file's object of that key. reasoning_parser: "qwen3"
     makes structured outputs constrain a thinking model's answer, after its </think>, as vLLM's
     (runtime/reasoning.py; the server also splits the reasoning from the answer with it).
-    runner: "generate", "pooling" (embeddings: LLM.embed, for Qwen3-Embedding checkpoints; such
-    an LLM cannot generate, as in vLLM) or "auto" (vLLM's default: "pooling" for a
-    sentence-transformers checkpoint, as Qwen3-Embedding's, and for a bare Qwen3Model, else
-    "generate"). task: vLLM's older form of it ("embed" is runner="pooling").
+    runner: "generate", "pooling" (embeddings: LLM.embed, for Qwen3-Embedding checkpoints;
+    classes and scores: LLM.classify and LLM.score, for a Qwen3ForSequenceClassification
+    checkpoint or the original Qwen3-Reranker with vLLM's hf_overrides {"architectures":
+    ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+    "is_original_qwen3_reranker": True}; such an LLM cannot generate, as in vLLM) or "auto"
+    (vLLM's default: "pooling" for a sentence-transformers checkpoint, as Qwen3-Embedding's, for
+    a bare Qwen3Model and for a Qwen3ForSequenceClassification, else "generate"). task: vLLM's
+    older form of it ("embed", "classify" and "score" are runner="pooling").
     scheduling_policy: "fcfs" (arrival order) or "priority" (generate's priority=, lower first;
     the lowest priority is preempted first: runtime/scheduler.py), as vLLM's.
     speculative_config: vLLM's n-gram speculative decoding, {"method": "ngram",
@@ -151,9 +157,13 @@ class LLM:
             tok = load_tokenizer(os.fspath(tokenizer or self.config.model), required=tokenizer is not None)
         if reasoning_parser is not None and (launch is None or launch.rank == 0):
             reasoning.think_tags(tok)  # before the weights load (the engine's rank only)
+        head = None  # a classifier's (runtime/classify.py): its tokens and tensor checked first
+        if self.config.classifier is not None and (launch is None or launch.rank == 0):
+            head = load_head(self.config.model, self.config.classifier,
+                             self.config.model_config.hidden_size, tok)
         runner = make_executor(self.config)
         self.engine = LLMEngine(self.config, tok, runner=runner, generation_config=gen,
-                                reasoning_parser=reasoning_parser)
+                                reasoning_parser=reasoning_parser, classifier=head)
         # Requests of the calls in progress (generate, streams), and outputs one call's step
         # received for another's: see _next_outputs.
         self._owned: set[str] = set()
@@ -284,12 +294,74 @@ class LLM:
         L2-normalised unless pooling_params.normalize is False. prompts as generate's;
         pooling_params: a PoolingParams, a list of them (one per prompt) or None (the default);
         truncate_prompt_tokens: set over every request's (keep the last k tokens; -1:
-        max_model_len). Only an LLM of runner="pooling" embeds. Every prompt is checked
-        (ValueError / TypeError) before any step runs."""
+        max_model_len). Only an LLM of runner="pooling" that is no classifier embeds. Every
+        prompt is checked (ValueError / TypeError) before any step runs."""
         if self.config.runner != "pooling":  # vLLM's words, with minivllm's way out
             raise ValueError("Embedding API is not supported by this model: it runs as a "
                              "generative model. Try passing `runner=\"pooling\"` to use the "
                              "model as a pooling model.")
+        if self.config.classifier is not None:
+            raise ValueError("Embedding API is not supported by this model: it is a classifier "
+                             "(Qwen3ForSequenceClassification); LLM.classify and LLM.score "
+                             "serve it.")
+        ids = self._add_pooling(prompts, pooling_params, truncate_prompt_tokens, "embed")
+        return self._run(ids, use_tqdm)
+
+    def classify(self, prompts, pooling_params=None, *,
+                 truncate_prompt_tokens: int | None = None,
+                 use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (vLLM's LLM.classify; runtime/classify.py), in input
+        order: the classifier head on the final-normed hidden state at the prompt's last token,
+        softmax over the labels (a sigmoid for one label; none for problem_type "regression",
+        a sigmoid per label for "multi_label_classification"), or the logits with
+        PoolingParams(use_activation=False). prompts, pooling_params and truncate_prompt_tokens
+        as embed's. Only an LLM of runner="pooling" whose model is a classifier classifies.
+        Every prompt is checked (ValueError / TypeError) before any step runs."""
+        if self.config.runner != "pooling":
+            raise ValueError("LLM.classify() is only supported for pooling models. Try passing "
+                             "`runner=\"pooling\"` to use the model as a pooling model.")
+        if self.config.classifier is None:
+            raise ValueError("Classification API is not supported by this model: it embeds. A "
+                             "Qwen3ForSequenceClassification checkpoint classifies, as does a "
+                             "Qwen3ForCausalLM one with hf_overrides naming that architecture "
+                             "and classifier_from_token.")
+        ids = self._add_pooling(prompts, pooling_params, truncate_prompt_tokens, "classify")
+        return self._run(ids, use_tqdm)
+
+    def score(self, data_1, data_2, /, *, pooling_params: PoolingParams | None = None,
+              truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """A score per pair (vLLM's LLM.score; runtime/scoring.py): data_1 a text (or
+        {"prompt": text}, or {"prompt_token_ids": ids}, decoded to its text as vLLM did) or a
+        list of them, data_2 likewise; one data_1 is paired with every data_2 (1:N), else the
+        lists pair in order (N:N). A cross-encoder (a classifier of one label, as the original
+        Qwen3-Reranker with its hf_overrides) scores each pair joined into one prompt: for the
+        reranker P(yes) = sigmoid(logit_yes - logit_no) at its last token. An embedding model
+        scores the cosine of the two texts' embeddings. pooling_params: use_activation (False:
+        the raw logit), and for an embedding model its embedding's fields;
+        truncate_prompt_tokens: keep each prompt's last k tokens. Every input is checked
+        (ValueError / TypeError) before any step runs."""
+        plan = self.score_plan(data_1, data_2, pooling_params, truncate_prompt_tokens)
+        ids = self.engine.add_pooling_requests(plan.prompts, plan.params)
+        return plan.finish(self._run(ids, use_tqdm))
+
+    def score_plan(self, data_1, data_2, pooling_params: PoolingParams | None = None,
+                   truncate_prompt_tokens: int | None = None) -> ScorePlan:
+        """The engine requests that score data_1 against data_2, and how their outputs become
+        the scores (LLM.score's, and the server's /score and /rerank)."""
+        if self.config.runner != "pooling":  # vLLM's words
+            raise ValueError("LLM.score() is only supported for pooling models. Try passing "
+                             "`runner=\"pooling\"` to use the model as a pooling model.")
+        params = PoolingParams() if pooling_params is None else pooling_params
+        if truncate_prompt_tokens is not None and isinstance(params, PoolingParams):
+            params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+        return plan_scores(data_1, data_2, params, tokenizer=self.engine.tokenizer,
+                           head=self.config.classifier)
+
+    def _add_pooling(self, prompts, pooling_params, truncate_prompt_tokens, task: str
+                     ) -> list[str]:
+        """Queue one pooling request of `task` per prompt (embed's and classify's), all checked
+        first."""
         prompts = self._prompt_list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             params = [pooling_params or PoolingParams()] * len(prompts)
@@ -303,8 +375,10 @@ class LLM:
         if truncate_prompt_tokens is not None:  # checked as PoolingParams checks it
             params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
                       if isinstance(p, PoolingParams) else p for p in params]
-        ids = self.engine.add_pooling_requests(prompts, params)
-        return self._run(ids, use_tqdm)
+        # Each set to the call's task (a PoolingParams naming another is refused, as vLLM's);
+        # anything else is left for the engine's check to name.
+        params = [p.for_task(task) if isinstance(p, PoolingParams) else p for p in params]
+        return self.engine.add_pooling_requests(prompts, params)
 
     def chat(self, messages, sampling_params=None, *, use_tqdm: bool = True, chat_template=None,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,

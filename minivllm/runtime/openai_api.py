@@ -135,6 +135,10 @@ class ParsedRequest:
     parallel_tool_calls: bool = True
     encoding_format: str = "float"  # an embedding request's
     priority: int = 0  # lower first, under the "priority" scheduling policy
+    # A /score or /rerank request's (data_1, data_2) (LLM.score's forms: texts or lists of
+    # them); its prompts are the pairs LLM.score_plan makes of them.
+    score_inputs: tuple | None = None
+    top_n: int = 0  # a /rerank request's: the best top_n results (0: all)
 
 
 def _structured(values: dict, tool_schema: dict | None = None) -> StructuredOutputsParams | None:
@@ -583,11 +587,114 @@ def embedding_body(request_id: str, created: int, model: str, outs: list, fmt: s
     def vector(e: list[float]):
         return e if fmt == "float" else base64.b64encode(struct.pack(f"<{len(e)}f", *e)).decode()
 
-    tokens = sum(len(o.prompt_token_ids) for o in outs)
     return {"id": request_id, "object": "list", "created": created, "model": model,
             "data": [{"index": k, "object": "embedding", "embedding": vector(o.outputs.embedding)}
                      for k, o in enumerate(outs)],
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+            "usage": _prompt_tokens(outs)}
+
+
+# -- /score, /rerank and /classify (a pooling LLM's, as vLLM's) --------------------------------
+
+_POOLED = {"model": str, "truncate_prompt_tokens": int, "use_activation": bool}
+# /score's forms (vLLM's ScoreRequest): one of these pairs of fields gives (data_1, data_2).
+_SCORE_PAIRS = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"),
+                ("text_1", "text_2"))
+_SCORE = {**_POOLED, **{name: (str, list) for pair in _SCORE_PAIRS for name in pair}}
+_RERANK = {**_POOLED, "query": str, "documents": (str, list), "top_n": int}
+_CLASSIFY = {**_POOLED, "input": (str, list)}
+
+
+def _pooling_params(values: dict, task: str | None = None) -> PoolingParams:
+    try:
+        return PoolingParams(use_activation=values["use_activation"],
+                             truncate_prompt_tokens=values["truncate_prompt_tokens"], task=task)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+
+
+def _texts(value, name: str) -> str | list[str]:
+    """A text or a list of texts (vLLM's score inputs; its multi-modal content is not taken)."""
+    if isinstance(value, list) and not all(isinstance(t, str) for t in value):
+        raise RequestError(f"'{name}' must be a string or an array of strings (minivllm scores "
+                           f"texts), got {value!r:.80}")
+    return value
+
+
+def parse_score(body, defaults: dict | None = None) -> ParsedRequest:
+    """A /score (/v1/score) body -> ParsedRequest with score_inputs: one pair of fields,
+    queries and documents (or items), data_1 and data_2, or text_1 and text_2."""
+    values = _checked_fields(body, _SCORE)
+    given = {name for name in _SCORE if name not in _POOLED and values[name] is not None}
+    pair = next((p for p in _SCORE_PAIRS if set(p) == given), None)
+    if pair is None:
+        raise RequestError(f"give one pair of fields: 'queries' and 'documents' (or 'items'), "
+                           f"'data_1' and 'data_2', or 'text_1' and 'text_2'; got "
+                           f"{sorted(given)}")
+    return ParsedRequest(params=_pooling_params(values), model=values["model"] or None,
+                         score_inputs=tuple(_texts(values[name], name) for name in pair))
+
+
+def parse_rerank(body, defaults: dict | None = None) -> ParsedRequest:
+    """A /rerank (/v1/rerank, /v2/rerank) body: a query, its documents, top_n (0: all)."""
+    values = _checked_fields(body, _RERANK)
+    for name in ("query", "documents"):
+        if values[name] is None:
+            raise RequestError(f"'{name}' is required")
+    top_n = values["top_n"] or 0
+    if top_n < 0:
+        raise RequestError(f"'top_n' must be >= 0 (0: every document), got {top_n}")
+    return ParsedRequest(params=_pooling_params(values), model=values["model"] or None,
+                         score_inputs=(values["query"], _texts(values["documents"], "documents")),
+                         top_n=top_n)
+
+
+def parse_classify(body, defaults: dict | None = None) -> ParsedRequest:
+    """A /classify body: 'input' as /v1/embeddings takes it."""
+    values = _checked_fields(body, _CLASSIFY)
+    if values["input"] is None:
+        raise RequestError("'input' is required")
+    return ParsedRequest(params=_pooling_params(values, "classify"),
+                         prompts=_prompts(values["input"], "input"),
+                         model=values["model"] or None)
+
+
+def _prompt_tokens(outs: list) -> dict:
+    tokens = sum(len(o.prompt_token_ids) for o in outs)
+    return {"prompt_tokens": tokens, "total_tokens": tokens}
+
+
+def score_body(request_id: str, created: int, model: str, outs: list) -> dict:
+    """vLLM's /score response: a score per pair, in pair order."""
+    return {"id": request_id, "object": "list", "created": created, "model": model,
+            "data": [{"index": k, "object": "score", "score": o.outputs.score}
+                     for k, o in enumerate(outs)],
+            "usage": _prompt_tokens(outs)}
+
+
+def rerank_body(request_id: str, model: str, outs: list, documents, top_n: int) -> dict:
+    """vLLM's /rerank response: the documents by relevance, best first (the first given first
+    among equals), the best top_n of them (0: all)."""
+    documents = [documents] if isinstance(documents, str) else documents
+    results = [{"index": k, "document": {"text": doc, "multi_modal": None},
+                "relevance_score": o.outputs.score}
+               for k, (doc, o) in enumerate(zip(documents, outs))]
+    results.sort(key=lambda r: r["relevance_score"], reverse=True)
+    if 0 < top_n < len(results):
+        results = results[:top_n]
+    return {"id": request_id, "model": model, "usage": _prompt_tokens(outs), "results": results}
+
+
+def classify_body(request_id: str, created: int, model: str, outs: list,
+                  labels: tuple[str, ...]) -> dict:
+    """vLLM's /classify response: each prompt's probabilities and its likeliest label."""
+    def label(probs: list[float]) -> str | None:
+        best = max(range(len(probs)), key=probs.__getitem__)
+        return labels[best] if best < len(labels) else None
+
+    return {"id": request_id, "object": "list", "created": created, "model": model,
+            "data": [{"index": k, "label": label(o.outputs.probs), "probs": o.outputs.probs,
+                      "num_classes": len(o.outputs.probs)} for k, o in enumerate(outs)],
+            "usage": _prompt_tokens(outs)}
 
 
 # -- /tokenize and /detokenize (vLLM's) --------------------------------------------------------

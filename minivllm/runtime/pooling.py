@@ -1,6 +1,7 @@
 """Embeddings, as vLLM's pooling runner serves them: `LLM(model, runner="pooling").embed(prompts)`
 for Qwen3-Embedding checkpoints. PoolingParams, the outputs of LLM.embed, and which runner a
-checkpoint asks for.
+checkpoint asks for. (The same runner classifies and scores: runtime/classify.py,
+runtime/scoring.py.)
 
 An embedding request is an ordinary request of the engine whose sequence ends with its prompt:
 the prompt is prefilled as any other (batched with other requests, in chunks, through the prefix
@@ -13,13 +14,19 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..state.values import as_int
 
 RUNNERS = ("auto", "generate", "pooling")
 # vLLM's older `task` argument: the values that name a runner minivllm has.
-_TASKS = {"auto": None, "generate": "generate", "embed": "pooling", "embedding": "pooling"}
+_TASKS = {"auto": None, "generate": "generate", "embed": "pooling", "embedding": "pooling",
+          "classify": "pooling", "score": "pooling"}
+# What a pooling request computes (PoolingParams.task, vLLM's pooling tasks): an embedding, a
+# classifier's probabilities, or a cross-encoder's score of a pair.
+POOLING_TASKS = ("embed", "classify", "score")
+# The architecture whose checkpoints classify (state/classifier.py).
+_CLASSIFIER = "Qwen3ForSequenceClassification"
 
 _ST_MODULES = "modules.json"  # a sentence-transformers checkpoint's list of modules
 _ST_POOLING = "sentence_transformers.models.Pooling"
@@ -31,17 +38,20 @@ _ST_TAKEN = ("sentence_transformers.models.Transformer", _ST_POOLING, _ST_NORMAL
 
 @dataclass(frozen=True)
 class PoolingParams:
-    """How to pool one request (vLLM's PoolingParams, its fields for embeddings), checked on
-    creation. dimensions: keep the embedding's first `dimensions` features before normalising
-    (Matryoshka; None: all of hidden_size). normalize: divide by the L2 norm (None: the model's
-    default, True unless its sentence-transformers config has no Normalize module);
-    use_activation is vLLM's newer name for it. truncate_prompt_tokens: keep only the prompt's
-    last k tokens (-1: max_model_len)."""
+    """How to pool one request (vLLM's PoolingParams), checked on creation. dimensions: keep the
+    embedding's first `dimensions` features before normalising (Matryoshka; None: all of
+    hidden_size). normalize: divide by the L2 norm (None: the model's default, True unless its
+    sentence-transformers config has no Normalize module); use_activation is vLLM's newer name
+    for it, and for a classifier's probabilities or score the only setting: apply the head's
+    activation (softmax, sigmoid) to its logits (None: True). truncate_prompt_tokens: keep only
+    the prompt's last k tokens (-1: max_model_len). task: "embed", "classify" or "score" (what
+    LLM.embed, LLM.classify and LLM.score set; None: the call's)."""
 
     dimensions: int | None = None
     normalize: bool | None = None
     use_activation: bool | None = None
     truncate_prompt_tokens: int | None = None
+    task: str | None = None
 
     def __post_init__(self):
         def bad(msg):
@@ -64,6 +74,34 @@ class PoolingParams:
                 self.normalize != self.use_activation:
             bad(f"normalize={self.normalize} and use_activation={self.use_activation} disagree "
                 f"(they name one setting)")
+        if self.task is not None and self.task not in POOLING_TASKS:
+            bad(f"task must be one of {', '.join(map(repr, POOLING_TASKS))} or None, got "
+                f"{self.task!r}")
+        if self.task in ("classify", "score"):
+            self.check_task(self.task)
+
+    def check_task(self, task: str) -> None:
+        """ValueError unless these params can serve `task`: one they do not already name
+        otherwise, and for a classifier's task no embedding's parameter (vLLM's check)."""
+        if self.task is not None and self.task != task:
+            raise ValueError(f"PoolingParams: you cannot overwrite task={self.task!r} with "
+                             f"{task!r}")
+        if task != "embed":
+            given = [name for name in ("dimensions", "normalize")
+                     if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"PoolingParams: task {task!r} only supports use_activation "
+                                 f"(and truncate_prompt_tokens), not {given}")
+
+    def for_task(self, task: str) -> "PoolingParams":
+        """These params with `task` set, checked (check_task)."""
+        self.check_task(task)
+        return self if self.task == task else replace(self, task=task)
+
+    def activates(self) -> bool:
+        """Whether a classifier's activation applies to its logits (use_activation, default
+        True)."""
+        return self.use_activation is not False
 
     def normalizes(self, default: bool) -> bool:
         """Whether the embedding is L2-normalised; `default` when the params leave it open."""
@@ -129,39 +167,36 @@ def sentence_transformers_pooling(model_dir: str) -> dict | None:
     return {"pooling": name, "normalize": normalize}
 
 
-def _architectures(model_dir: str) -> list:
-    try:
-        with open(os.path.join(model_dir, "config.json")) as f:
-            return list(json.load(f).get("architectures") or [])
-    except (OSError, ValueError, AttributeError, TypeError):
-        return []  # EngineConfig names what is wrong with config.json
-
-
-def resolve_runner(runner, task, model_dir: str | None) -> tuple[str, bool]:
+def resolve_runner(runner, task, model_dir: str | None, architectures=()) -> tuple[str, bool]:
     """LLM's runner= and task= -> ("generate" or "pooling", the default of `normalize`), as
     vLLM resolves them: runner="auto" is "pooling" for a sentence-transformers checkpoint (whose
     config names a Pooling module, as Qwen3-Embedding's does, though its config.json says
-    Qwen3ForCausalLM) and for a bare Qwen3Model, else "generate". task is vLLM's older form:
-    "embed" (or "embedding") is runner="pooling", "generate" runner="generate". model_dir None:
-    random weights, no files to read. ValueError for a runner minivllm has not, or a checkpoint
-    the runner cannot serve."""
+    Qwen3ForCausalLM), for a bare Qwen3Model and for a Qwen3ForSequenceClassification (as
+    config.json says, or hf_overrides make it: `architectures`, the merged config's), else
+    "generate". task is vLLM's older form: "embed" (or "embedding"), "classify" and "score" are
+    runner="pooling", "generate" runner="generate". model_dir None: random weights, no files to
+    read. ValueError for a runner minivllm has not, or a checkpoint the runner cannot serve."""
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {', '.join(map(repr, RUNNERS))}, got {runner!r}")
     if task is not None:
         if task not in _TASKS:
             raise ValueError(f"task must be one of {', '.join(map(repr, _TASKS))} (minivllm "
-                             f"generates or embeds), got {task!r}")
+                             f"generates, embeds, classifies and scores), got {task!r}")
         implied = _TASKS[task]
         if implied is not None and runner not in ("auto", implied):
             raise ValueError(f"task={task!r} means runner={implied!r}, but runner={runner!r}")
         runner = implied or runner
     st = sentence_transformers_pooling(model_dir) if model_dir is not None else None
-    archs = _architectures(model_dir) if model_dir is not None else []
+    archs = list(architectures or [])
+    pools = st is not None or "Qwen3Model" in archs or _CLASSIFIER in archs
     if runner == "auto":
-        runner = "pooling" if st is not None or "Qwen3Model" in archs else "generate"
+        runner = "pooling" if pools else "generate"
     if runner == "generate" and "Qwen3Model" in archs:
         raise ValueError(f"{model_dir}: a Qwen3Model checkpoint is the backbone alone, without "
                          f"an LM head: it embeds (runner='pooling') and cannot generate")
+    if runner == "generate" and _CLASSIFIER in archs:
+        raise ValueError(f"{model_dir}: its config (with any hf_overrides) names {_CLASSIFIER}, "
+                         f"which classifies and scores (runner='pooling') and cannot generate")
     if runner == "pooling" and st is not None and st["pooling"] != "LAST":
         raise ValueError(f"{model_dir}: its sentence-transformers config pools {st['pooling']}; "
                          f"minivllm pools the last token (LAST) only")

@@ -1,7 +1,9 @@
 """An OpenAI-compatible HTTP server over one LLM, as `vllm serve` (`minivllm serve`):
 POST /v1/completions and /v1/chat/completions (whole responses, or server-sent events with
-"stream": true), or /v1/embeddings for a pooling LLM (runner="pooling"), vLLM's /tokenize and
-/detokenize, GET /v1/models, /health and /version.
+"stream": true), or for a pooling LLM (runner="pooling") vLLM's routes of its model: an
+embedding model's /v1/embeddings, a classifier's /classify, and both's /score (/v1/score) and
+/rerank (/v1/rerank, /v2/rerank) where LLM.score serves them; vLLM's /tokenize and /detokenize,
+GET /v1/models, /health and /version.
 
 The engine is not thread-safe, so one thread owns it (EngineLoop): it takes new requests from a
 queue between steps, steps while any is unfinished, and hands each request's outputs to the
@@ -27,10 +29,11 @@ from . import reasoning, tool_calls
 from .chat_output import ChatOutput
 from .llm import LLM, _delta
 from .openai_api import (ParsedRequest, RequestError, chat_body, chat_choice, chat_output,
-                         chat_role_choice, completion_body, completion_choice, detokenize,
-                         embedding_body, error_body, new_id, now, parse_chat, parse_completion,
-                         parse_detokenize, parse_embedding, parse_tokenize, render_chat,
-                         tokenize, usage, vllm_prompt_logprobs)
+                         chat_role_choice, classify_body, completion_body, completion_choice,
+                         detokenize, embedding_body, error_body, new_id, now, parse_chat,
+                         parse_classify, parse_completion, parse_detokenize, parse_embedding,
+                         parse_rerank, parse_score, parse_tokenize, render_chat, rerank_body,
+                         score_body, tokenize, usage, vllm_prompt_logprobs)
 from .pooling import PoolingParams
 
 log = logging.getLogger("minivllm")
@@ -41,10 +44,12 @@ _STOP = object()
 class _Submission:
     """One HTTP request's engine requests: `replies` gets ("ids", ids) or ("error", exc) once,
     then `outputs` gets ("out", RequestOutput) (each step's with streaming, else the finished
-    ones) or ("error", exc)."""
+    ones) or ("error", exc). finish: a /score or /rerank request's, which makes its finished
+    outputs the pairs' scores (scoring.ScorePlan's)."""
 
     def __init__(self, req: ParsedRequest):
         self.req = req
+        self.finish = None
         self.ids: list[str] = []
         self.replies: queue.Queue = queue.Queue()
         self.outputs: queue.Queue = queue.Queue()
@@ -137,7 +142,11 @@ class EngineLoop:
             if req.messages is not None:
                 prompts = [render_chat(self.llm, req.messages, req.chat_options)]
             # All checked before any is queued, as LLM.generate does.
-            if isinstance(req.params, PoolingParams):
+            if req.score_inputs is not None:  # the pairs' prompts, tokenized on this thread
+                plan = self.llm.score_plan(*req.score_inputs, req.params)
+                ids = self.engine.add_pooling_requests(plan.prompts, plan.params)
+                sub.finish = plan.finish
+            elif isinstance(req.params, PoolingParams):
                 ids = self.engine.add_pooling_requests(prompts, [req.params] * len(prompts))
             else:
                 priority = self.engine.check_priority([req.priority] * len(prompts), len(prompts))
@@ -181,8 +190,18 @@ class EngineLoop:
 
 # The routes of a generating LLM, and of a pooling one (as vLLM, each serves its own).
 _ROUTES = {"/v1/completions": parse_completion, "/v1/chat/completions": parse_chat}
-_POOLING_ROUTES = {"/v1/embeddings": parse_embedding}
+_SCORE_ROUTES = {"/score": parse_score, "/v1/score": parse_score, "/rerank": parse_rerank,
+                 "/v1/rerank": parse_rerank, "/v2/rerank": parse_rerank}
 _TOKENIZER_ROUTES = ("/tokenize", "/detokenize")
+
+
+def pooling_routes(llm: LLM) -> dict:
+    """A pooling LLM's routes, as vLLM's: an embedding model's /v1/embeddings, a classifier's
+    /classify, and /score and /rerank for both, a classifier's only with one label (its score)."""
+    head = llm.config.classifier
+    if head is None:
+        return {"/v1/embeddings": parse_embedding, **_SCORE_ROUTES}
+    return {"/classify": parse_classify, **(_SCORE_ROUTES if head.num_labels == 1 else {})}
 
 
 class _ClientGone(Exception):
@@ -305,6 +324,8 @@ class _Handler(BaseHTTPRequestHandler):
             sub = self.app.loop.submit(req)
             if parse is parse_embedding:
                 self._embeddings(sub)
+            elif parse in (parse_score, parse_rerank, parse_classify):
+                self._pooled(sub, parse)
             elif req.stream:
                 self._stream(sub, parse is parse_chat)
             else:
@@ -360,6 +381,22 @@ class _Handler(BaseHTTPRequestHandler):
         if outs is not None:
             self._send_json(200, embedding_body(new_id("embd"), now(), self.app.model_name, outs,
                                                 sub.req.encoding_format))
+
+    def _pooled(self, sub: _Submission, parse) -> None:
+        """A /score, /rerank or /classify response, once every request of it finished."""
+        outs = self._finished(sub)
+        if outs is None:
+            return
+        app, req = self.app, sub.req
+        if parse is parse_classify:
+            body = classify_body(new_id("classify"), now(), app.model_name, outs,
+                                 app.llm.config.classifier.labels)
+        elif parse is parse_score:
+            body = score_body(new_id("score"), now(), app.model_name, sub.finish(outs))
+        else:
+            body = rerank_body(new_id("rerank"), app.model_name, sub.finish(outs),
+                               req.score_inputs[1], req.top_n)
+        self._send_json(200, body)
 
     def _whole(self, sub: _Submission, chat: bool) -> None:
         outs = self._finished(sub)
@@ -471,7 +508,7 @@ class OpenAIServer:
         self.defaults = llm.get_diff_sampling_param()
         tok = llm.get_tokenizer()
         self.decode = tok.decode if tok is not None else None
-        self.routes = _POOLING_ROUTES if llm.config.runner == "pooling" else _ROUTES
+        self.routes = pooling_routes(llm) if llm.config.runner == "pooling" else _ROUTES
         self.loop = EngineLoop(llm)
         self.http = ThreadingHTTPServer((host, port), _Handler)
         self.http.daemon_threads = True

@@ -12,9 +12,12 @@ import torch
 
 # Qwen3Model: the backbone alone, as transformers' AutoModel saves it (an embedding model's).
 # Qwen3MoeForCausalLM: the mixture-of-experts models (Qwen3-30B-A3B, Qwen3-235B-A22B).
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3Model", "Qwen3MoeForCausalLM")
+# Qwen3ForSequenceClassification: the backbone and a linear head on its last token (the pooling
+# runner's classifiers and rerankers: state/classifier.py).
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3Model", "Qwen3MoeForCausalLM",
+                           "Qwen3ForSequenceClassification")
 _MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "Qwen3Model": "qwen3",
-                "Qwen3MoeForCausalLM": "qwen3_moe"}
+                "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen3ForSequenceClassification": "qwen3"}
 
 _DTYPES = {
     "float32": torch.float32,
@@ -398,19 +401,26 @@ class ModelConfig:
         """From a config.json file, or a checkpoint directory holding one. overrides: values set
         over the file's (vLLM's hf_overrides, e.g. {"rope_scaling": {...}}); an object merges
         into the file's object of that key."""
-        path = os.fspath(path)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"no config.json at {path}")
-        try:
-            with open(path) as f:
-                d = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from e
-        if overrides:
-            d = merge_overrides(d, overrides)
-        return cls.from_dict(d)
+        return cls.from_dict(read_config_dict(path, overrides))
+
+
+def read_config_dict(path: str | os.PathLike, overrides: dict | None = None) -> dict:
+    """config.json (of a checkpoint directory, or the file itself) as a dict, with `overrides`
+    set over it (merge_overrides). ModelConfig reads the model's shape from it; the pooling
+    runner's classifier (state/classifier.py) its head's keys."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json at {path}")
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if overrides:
+        d = merge_overrides(d, overrides)
+    return d
 
 
 def merge_overrides(base: dict, overrides) -> dict:

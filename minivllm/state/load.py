@@ -223,7 +223,9 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
     if missing:
         raise CheckpointError(f"{path}: missing tensor(s) {', '.join(missing[:5])}"
                               + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
-    allowed_extra = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    # A config with tied embeddings (the pooling runner's) loads no head: an LM head, or a
+    # Qwen3ForSequenceClassification's score (state/classifier.py reads it), is left unread.
+    allowed_extra = {"lm_head.weight", "score.weight"} if config.tie_word_embeddings else set()
     extra = sorted(n for n in set(files) - set(expected) - allowed_extra
                    if not n.endswith("rotary_emb.inv_freq"))
     if extra:
