@@ -27,7 +27,11 @@ def make_hf_model(seed: int = 0, std: float = 0.1, **overrides) -> Qwen3ForCausa
     """A tiny fp32 Qwen3ForCausalLM with random weights. `std` sets the linear weights' scale:
     large enough (~0.1 at hidden 64) that greedy outputs vary from token to token."""
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(hf_config(**overrides)).float().eval()
+    return draw_weights(Qwen3ForCausalLM(hf_config(**overrides)).float().eval(), std)
+
+
+def draw_weights(model, std: float):
+    """`model` with every weight drawn from N(0, std), its norms' from N(1, 0.1)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -50,14 +54,18 @@ def make_hf_moe_model(seed: int = 0, std: float = 0.1, **overrides) -> Qwen3MoeF
     torch.manual_seed(seed)
     config = Qwen3MoeConfig(**dict(MOE_TINY, **overrides))
     config._experts_implementation = "eager"
-    model = Qwen3MoeForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, std)
-    return model
+    return draw_weights(Qwen3MoeForCausalLM(config).float().eval(), std)
+
+
+def contiguous_tables(prompts, block_size: int, extra: int = 0) -> tuple[list[list[int]], int]:
+    """Block tables for `prompts` laid out one after another (each with room for `extra` more
+    tokens), and the blocks they take."""
+    tables, start = [], 0
+    for p in prompts:
+        n = -(-(len(p) + extra) // block_size)
+        tables.append(list(range(start, start + n)))
+        start += n
+    return tables, start
 
 
 def save_checkpoint(model: Qwen3ForCausalLM, path, *, layout: str = "v5", max_shard_size=None) -> str:

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 import minivllm
 from minivllm.state import SeqChunk, make_batch
-from hf_tiny import DEVICE, make_hf_model, save_checkpoint
+from hf_tiny import DEVICE, contiguous_tables, make_hf_model, save_checkpoint
 
 LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 32, "rope_theta": 10000.0}
@@ -36,15 +36,6 @@ def pair(request, tmp_path_factory):
     model = make_hf_model(seed=len(name), std=0.3, **CONFIGS[name])
     path = save_checkpoint(model, tmp_path_factory.mktemp(name), layout=name.rsplit("-", 1)[1])
     return model, minivllm.load(path, device=DEVICE)
-
-
-def contiguous_tables(prompts, block_size, extra=0):
-    tables, start = [], 0
-    for p in prompts:
-        n = -(-(len(p) + extra) // block_size)
-        tables.append(list(range(start, start + n)))
-        start += n
-    return tables, start
 
 
 def test_prefill_logits_equal_transformers(pair):

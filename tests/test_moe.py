@@ -23,7 +23,7 @@ from minivllm.functional import moe
 from minivllm.state import MoELayerParams, ModelConfig, SeqChunk, ShardSpec, make_batch
 from minivllm.state.params import LayerParams, check_params, random_params
 
-from hf_tiny import DEVICE, MOE_TINY, make_hf_moe_model, save_checkpoint
+from hf_tiny import DEVICE, MOE_TINY, contiguous_tables, make_hf_moe_model, save_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
 
@@ -248,19 +248,10 @@ def test_the_fallback_runs_where_grouped_mm_cannot():
 
 # --- the whole model ---------------------------------------------------------------------------
 
-def _tables(prompts, block_size, extra=0):
-    tables, start = [], 0
-    for p in prompts:
-        n = -(-(len(p) + extra) // block_size)
-        tables.append(list(range(start, start + n)))
-        start += n
-    return tables, start
-
-
 def test_prefill_and_decode_logits_equal_transformers(pair):
     name, model, path = pair
     params = minivllm.load(path, device=DEVICE)
-    tables, n = _tables(PROMPTS, 4, extra=1)
+    tables, n = contiguous_tables(PROMPTS, 4, extra=1)
     cache = minivllm.init_cache(params, num_blocks=n, block_size=4)
     batch = make_batch([SeqChunk(p, 0, t) for p, t in zip(PROMPTS, tables)], block_size=4,
                        device=DEVICE, every_row=True)
