@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_checks.sh figures  # nvidia-h200: issue 5's two figures only
 #   bash benchmarks/gpu_checks.sh moe  # nvidia-h200: test_moe.py's bf16 GPU tests, then
 #       throughput and single stream at the Qwen3-30B-A3B shape (mixture of experts)
+#   bash benchmarks/gpu_checks.sh moe_profile  # nvidia-h200: that shape's traced decode steps,
+#       single stream and ~256 sequences, summarized by kernel
 #   bash benchmarks/gpu_checks.sh suite  # nvidia-h200: the whole test suite, six groups at once
 #   bash benchmarks/gpu_checks.sh prefill_graph  # nvidia-h200: the prefill CUDA graphs (steps with
 #       prompt tokens replayed; on by default since session 28) on (MINIVLLM_PREFILL_GRAPH=1)
@@ -288,6 +290,20 @@ moe)
     --json "$RESULTS/bench_moe.json"
   step latency_moe $(left_or 150) python3 -m minivllm bench --shape qwen3-30b-a3b --latency \
     --json "$RESULTS/latency_moe.json"
+  ;;
+moe_profile)
+  # nvidia-h200 or nvidia-h100-x1 (~450 s on a fresh machine): where a Qwen3-30B-A3B-shape
+  # decode step's GPU time goes (session 53: single stream 6.36 ms a step, ~32% of its floor;
+  # throughput 48%): traced single-stream steps, then 8 traced steps of the throughput run from
+  # step 100 (~256 sequences), each summarized by kernel (trace_summary.py).
+  step trace_moe_latency $(left_or 150) python3 -m minivllm bench --shape qwen3-30b-a3b --latency \
+    --trace "$OUT/trace_moe_latency.json" --json "$RESULTS/trace_moe_latency.json"
+  python3 benchmarks/trace_summary.py "$OUT/trace_moe_latency.json" --top 30 | tee -a "$OUT/logs.txt"
+  rm -f "$OUT/trace_moe_latency.json"
+  step trace_moe_100 $(left_or 280) python3 -m minivllm bench --shape qwen3-30b-a3b \
+    --trace "$OUT/trace_moe_100.json" --trace-from 100 --json "$RESULTS/trace_moe_100.json"
+  python3 benchmarks/trace_summary.py "$OUT/trace_moe_100.json" --top 30 | tee -a "$OUT/logs.txt"
+  rm -f "$OUT/trace_moe_100.json"
   ;;
 figures)
   # nvidia-h200 (<= 330 s on a fresh machine): issue 5's two figures for main as it is, without
