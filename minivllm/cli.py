@@ -160,9 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="tool_choice 'auto' (the default with tools) reads tool calls from "
                             "the answer (with --tool-call-parser)")
-    serve.add_argument("--tool-call-parser", choices=["hermes"], default=None,
+    # runtime.tool_calls.PARSERS (not imported here: the runtime brings torch).
+    serve.add_argument("--tool-call-parser", choices=["hermes", "qwen3_coder"], default=None,
                        help="the form of the model's tool calls: hermes (<tool_call> JSON "
-                            "blocks, Qwen3's)")
+                            "blocks, Qwen3's) or qwen3_coder (<tool_call><function=...> XML "
+                            "blocks, Qwen3-Coder's)")
     from .runtime.bench import add_bench_args
 
     bench = sub.add_parser("bench", help="throughput (nano-vllm's workload) or single-stream latency")

@@ -7,12 +7,13 @@ pieces (merge_deltas), so the two always agree."""
 from __future__ import annotations
 
 from . import reasoning
-from .tool_calls import ToolCallSplit, call_json, new_call_id, parse_required
+from .tool_calls import answer_split, call_json, new_call_id, parse_required
 
 
 class ChatOutput:
     """phase: where the completion starts (ThinkTags.prompt_phase), None without a reasoning
-    parser; tool_mode: "none", "auto" (hermes blocks read from the answer), "required" or
+    parser; tool_mode: "none", "auto" (calls read from the answer by tool_parser's rules:
+    hermes or qwen3_coder, whose values the request's tools type), "required" or
     "function:NAME" (check_tool_choice); include_reasoning: false drops the reasoning (vLLM's
     request field); parallel_tool_calls: false keeps only an answer's first call (vLLM's).
     feed and finish return a delta's fields: "reasoning" (also as
@@ -20,13 +21,14 @@ class ChatOutput:
     read), "content", "tool_calls"; only those with something in them."""
 
     def __init__(self, phase: str | None, tool_mode: str = "none", include_reasoning: bool = True,
-                 parallel_tool_calls: bool = True):
+                 parallel_tool_calls: bool = True, tool_parser: str = "hermes",
+                 tools: list[dict] | None = None):
         self.split = reasoning.ReasoningSplit(phase) if phase is not None else None
         self.tool_mode = tool_mode
         self.include_reasoning = include_reasoning
         self.parallel_tool_calls = parallel_tool_calls
         self.reasoned = False  # some reasoning came, sent or not
-        self.tools = ToolCallSplit() if tool_mode == "auto" else None
+        self.tools = answer_split(tool_parser, tools) if tool_mode == "auto" else None
         self.answer = ""  # a "required" answer, parsed at the end
         self.named_started = False
         self.called = False  # tool calls were sent (finish_reason "tool_calls" in "auto")

@@ -334,7 +334,7 @@ def parse_chat(body, defaults: dict) -> ParsedRequest:
     except ValueError as e:
         raise RequestError(str(e)) from None
     if tool_mode == "auto":
-        # Some tokenizers mark <tool_call> special: its text must stay (vLLM's hermes parser).
+        # Some tokenizers mark <tool_call> special: its text must stay (vLLM's parsers read it).
         values = {**values, "skip_special_tokens": False}
     top = values["top_logprobs"]
     if top and not values["logprobs"]:  # 0 without logprobs asks for nothing (as vLLM)
@@ -495,10 +495,13 @@ def completion_body(request_id: str, created: int, model: str, choices: list[dic
     return _body("text_completion", request_id, created, model, choices, usage_, chunk)
 
 
-def chat_output(req: ParsedRequest, phase: str | None) -> ChatOutput:
+def chat_output(req: ParsedRequest, phase: str | None, tool_parser: str | None = None
+                ) -> ChatOutput:
     """A completion's ChatOutput; phase: ThinkTags.prompt_phase of its prompt, None without a
-    reasoning parser."""
-    return ChatOutput(phase, req.tool_mode, req.include_reasoning, req.parallel_tool_calls)
+    reasoning parser; tool_parser: the server's, which reads an "auto" answer's calls (None
+    where it has none: "auto" is then refused before this)."""
+    return ChatOutput(phase, req.tool_mode, req.include_reasoning, req.parallel_tool_calls,
+                      tool_parser or "hermes", req.chat_options.get("tools"))
 
 
 def _finish_reason(c, parser: ChatOutput) -> str | None:

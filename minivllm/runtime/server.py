@@ -523,7 +523,7 @@ class OpenAIServer:
         phase read from the prompt's ids where the LLM has a reasoning parser."""
         tags = self.llm.engine.think_tags
         phase = tags.prompt_phase(out.prompt_token_ids) if tags is not None else None
-        return chat_output(req, phase)
+        return chat_output(req, phase, self.tool_call_parser)
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": now(), "owned_by": "minivllm",

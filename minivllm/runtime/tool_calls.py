@@ -6,9 +6,13 @@ Qwen3 writes each call as a hermes block (vLLM's `--tool-call-parser hermes`):
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
-tool_choice "auto" reads such blocks from the answer (ToolCallSplit); "required" constrains the
+Qwen3-Coder writes XML blocks instead (`--tool-call-parser qwen3_coder`:
+runtime/qwen3_coder_tools.py).
+tool_choice "auto" reads such blocks from the answer (answer_split); "required" constrains the
 answer to a JSON array of {"name", "parameters"} objects, one of the tools each, and a named
-function to that function's parameters (structured outputs, runtime/guide.py), as vLLM does.
+function to that function's parameters (structured outputs, runtime/guide.py), as vLLM does,
+whichever the parser: vLLM's qwen3_coder parser, as hermes, declares supports_required_and_named,
+so its server constrains those choices to JSON and never asks the parser.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ import json
 import re
 import uuid
 
+from .qwen3_coder_tools import Qwen3CoderSplit
 from .reasoning import partial_tag
 
 START_TAG, END_TAG = "<tool_call>", "</tool_call>"
-PARSERS = ("hermes",)
+PARSERS = ("hermes", "qwen3_coder")
 _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 NO_ARGUMENTS = {"type": "object", "properties": {}}
 
@@ -207,3 +212,14 @@ class ToolCallSplit:
         if calls is None:
             return self.rest, []
         return "", calls
+
+
+def answer_split(parser: str, tools: list[dict] | None):
+    """The split of an "auto" answer into content and calls by the named parser's rules
+    (feed(text) -> content to send, finish() -> (content still to send, calls)); the tools type
+    qwen3_coder's values."""
+    if parser == "hermes":
+        return ToolCallSplit()
+    if parser == "qwen3_coder":
+        return Qwen3CoderSplit(tools)
+    raise ValueError(f"tool_call_parser must be one of {list(PARSERS)}, got {parser!r}")
