@@ -9,6 +9,11 @@
 #       throughput and single stream at the Qwen3-30B-A3B shape (mixture of experts)
 #   bash benchmarks/gpu_checks.sh moe_profile  # nvidia-h200: that shape's traced decode steps,
 #       single stream and ~256 sequences, summarized by kernel
+#   bash benchmarks/gpu_checks.sh moe_kernel  # nvidia-h200 or nvidia-h100-x1: kernels/fused_moe.py
+#       (MINIVLLM_MOE_KERNEL=triton, the experts as Triton kernels at <= 256 tokens a step): its
+#       GPU tests, then that shape's single stream with and without, alternating, then the
+#       throughput run with and without, while time is left (LAT_RUNS, TPUT_RUNS pick the runs;
+#       MOE_KERNEL_TESTS=0 skips the tests)
 #   bash benchmarks/gpu_checks.sh suite  # nvidia-h200: the whole test suite, six groups at once
 #   bash benchmarks/gpu_checks.sh prefill_graph  # nvidia-h200: the prefill CUDA graphs (steps with
 #       prompt tokens replayed; on by default since session 28) on (MINIVLLM_PREFILL_GRAPH=1)
@@ -290,6 +295,36 @@ moe)
     --json "$RESULTS/bench_moe.json"
   step latency_moe $(left_or 150) python3 -m minivllm bench --shape qwen3-30b-a3b --latency \
     --json "$RESULTS/latency_moe.json"
+  ;;
+moe_kernel)
+  # nvidia-h200 or nvidia-h100-x1 (<= 560 s): kernels/fused_moe.py, opt-in by
+  # MINIVLLM_MOE_KERNEL=triton: at <= 256 tokens a step the experts run as three Triton kernels
+  # (the pairs' layout by expert; gate_up gathering h's rows itself, SiLU * up in its epilogue;
+  # down times the routing weights) and a fixed-order sum, in place of the grouped-GEMM path's
+  # ~10 kernels (session 53's single stream: 6.36 ms a step, ~32% of its floor). First its tests
+  # on the GPU (bf16 included; the compiled layer traced and run), then `bench --latency` at the
+  # Qwen3-30B-A3B shape with the kernels (kernel) and without (base), alternating, then the
+  # throughput run once each, while time is left: a run needs >= 120 s (session 53: the
+  # throughput run's engine started in 158 s, its run 54 s; the latency run took ~150 s). The
+  # kernel runs compile their own layer graph (cold caches: the first costs more). Likely more
+  # runs than one call holds: a second call with MOE_KERNEL_TESTS=0 LAT_RUNS= takes the
+  # throughput pair.
+  [ "${MOE_KERNEL_TESTS:-1}" = 1 ] && STEP_LOG=$OUT/tests.txt step moe_kernel_tests $(left_or 150) \
+    python3 -m pytest $PYTEST_ARGS tests/test_fused_moe.py
+  for run in ${LAT_RUNS-1_kernel 2_base 3_kernel 4_base}; do
+    [ $(( BUDGET_S - SECONDS )) -lt 120 ] && break
+    if [ "${run#*_}" = base ]; then flag=(env -u MINIVLLM_MOE_KERNEL)
+    else flag=(env MINIVLLM_MOE_KERNEL=triton); fi
+    step "latency_moe_$run" $(left_or 200) "${flag[@]}" python3 -m minivllm bench \
+      --shape qwen3-30b-a3b --latency --json "$RESULTS/latency_moe_$run.json"
+  done
+  for run in ${TPUT_RUNS-1_kernel 2_base}; do
+    [ $(( BUDGET_S - SECONDS )) -lt 120 ] && break
+    if [ "${run#*_}" = base ]; then flag=(env -u MINIVLLM_MOE_KERNEL)
+    else flag=(env MINIVLLM_MOE_KERNEL=triton); fi
+    step "bench_moe_$run" $(left_or 260) "${flag[@]}" python3 -m minivllm bench \
+      --shape qwen3-30b-a3b --json "$RESULTS/bench_moe_$run.json"
+  done
   ;;
 moe_profile)
   # nvidia-h200 or nvidia-h100-x1 (~450 s on a fresh machine): where a Qwen3-30B-A3B-shape

@@ -7,9 +7,17 @@ expert so that each expert's rows are contiguous and every expert's GEMM is one 
 fixed by the token count, so a step is one graph: no host sync, nothing data-dependent in size
 (CUDA graphs, torch.compile); and the sum is in a fixed order, so it is deterministic (an
 index_add_ of the pairs would add in whatever order the GPU's atomics land).
+
+MINIVLLM_MOE_KERNEL=triton (read at import; opt-in, unmeasured on a GPU): steps of up to
+kernels.fused_moe.MAX_KERNEL_TOKENS tokens on CUDA (or under TRITON_INTERPRET=1) run the experts
+as kernels/fused_moe.py's three Triton kernels instead (the pairs' layout by expert, gate_up with
+SiLU * up, down times the routing weights), then the same fixed-order per-token sum; never under
+autograd (the kernels have no backward). Unset or anything else: the grouped GEMMs below.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +26,8 @@ from ..state.config import ModelConfig
 from ..state.shard import ShardSpec
 from .activation import silu_and_mul
 from .parallel import all_reduce
+
+_MOE_KERNEL = os.environ.get("MINIVLLM_MOE_KERNEL", "grouped")
 
 
 def route(h: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool
@@ -68,17 +78,46 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
     return out
 
 
+def _takes_kernel(h: torch.Tensor, kernel: str | None) -> bool:
+    """Whether moe_mlp runs kernels/fused_moe.py here: asked for (kernel, else the env flag), a
+    decode-sized step (shapes only: a guard under torch.compile, no sync), a device Triton runs
+    on, and no autograd."""
+    if (kernel or _MOE_KERNEL) != "triton" or torch.is_grad_enabled():
+        return False
+    from ..kernels import launch
+    from ..kernels.fused_moe import MAX_KERNEL_TOKENS
+
+    return 1 <= h.shape[0] <= MAX_KERNEL_TOKENS and launch.triton_usable(h.device)
+
+
 def moe_mlp(h: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.Tensor,
-            experts_down: torch.Tensor, config: ModelConfig, shard: ShardSpec) -> torch.Tensor:
+            experts_down: torch.Tensor, config: ModelConfig, shard: ShardSpec, *,
+            kernel: str | None = None) -> torch.Tensor:
     """h: [T, hidden] (the post-attention RMSNorm's output) -> [T, hidden], the weighted sum of
     each token's experts' MLPs. experts_gate_up: [experts, 2 * moe_local, hidden],
     experts_down: [experts, hidden, moe_local]; each rank holds every expert's slice of the
-    intermediate size, so the partial sums end in one all-reduce, as the dense MLP's."""
-    t, k = h.shape[0], config.num_experts_per_tok
-    weights, experts = route(h, router, k, config.norm_topk_prob)  # [T, k] each
+    intermediate size, so the partial sums end in one all-reduce, as the dense MLP's.
+    kernel: "grouped" or "triton" (see the module's doc), None for MINIVLLM_MOE_KERNEL's."""
+    weights, experts = route(h, router, config.num_experts_per_tok, config.norm_topk_prob)
+    if _takes_kernel(h, kernel):
+        from ..kernels.fused_moe import fused_experts
+
+        out = fused_experts(h, weights, experts, experts_gate_up, experts_down)
+    else:
+        out = grouped_experts(h, weights, experts, experts_gate_up, experts_down,
+                              config.num_experts)
+    return all_reduce(out, shard)
+
+
+def grouped_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                    experts_gate_up: torch.Tensor, experts_down: torch.Tensor, num_experts: int
+                    ) -> torch.Tensor:
+    """moe_mlp's expert part by grouped GEMMs: weights, experts: [T, k] (route's) -> [T, hidden],
+    this rank's partial sum."""
+    t, k = experts.shape
     pair_expert = experts.reshape(-1)  # [T * k]: pair p is token p // k's choice p % k
     order = torch.argsort(pair_expert, stable=True)  # pairs grouped by expert
-    counts = torch.zeros(config.num_experts, dtype=torch.int32, device=h.device)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=h.device)
     counts.scatter_add_(0, pair_expert, torch.ones_like(pair_expert, dtype=torch.int32))
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # [experts]: each group's end
     x = h[order // k]  # [T * k, hidden], sorted by expert
@@ -89,5 +128,4 @@ def moe_mlp(h: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.Tensor
     y = grouped_linear(act, experts_down, offsets)  # [T * k, hidden] in sorted order
     unsorted = torch.empty_like(y).index_copy_(0, order, y)  # back to pair order
     # [T, 1, k] @ [T, k, hidden]: the weighted sum accumulates in fp32 without an fp32 copy.
-    out = torch.bmm(weights.unsqueeze(1), unsorted.view(t, k, -1)).squeeze(1)  # [T, hidden]
-    return all_reduce(out, shard)
+    return torch.bmm(weights.unsqueeze(1), unsorted.view(t, k, -1)).squeeze(1)  # [T, hidden]

@@ -1,0 +1,247 @@
+"""The mixture-of-experts MLP's expert part at decode-sized batches as three Triton kernels, in the
+manner of vLLM's fused_moe (its moe_align_block_size and fused_moe_kernel; written here anew):
+
+  1  align (one program): the (token, expert) pairs' ids laid out by expert, each expert's run
+     padded to whole BLOCK_M tiles (padding slots hold the id P = T * top_k, "no pair"); the
+     expert of each tile; the number of tiles in use, as a device tensor
+  2  gate_up: a program takes a tile (BLOCK_M pairs of one expert) and BLOCK_N columns of the
+     intermediate size, gathers the pairs' tokens' rows of h itself, multiplies them by that
+     expert's gate and up rows, and writes silu(gate) * up for its pairs, rows in pair order:
+     act [P, moe_local]
+  3  down: the same over act's rows, times each pair's routing weight, fp32 rows in pair order:
+     y [P, hidden]
+
+then y.view(T, top_k, hidden).sum(1), a torch reduction over each token's k rows in a fixed order
+(deterministic, no atomics), cast to h's dtype.
+
+What this replaces in functional.moe.moe_mlp's grouped-GEMM path: the argsort, the expert counts'
+scatter and cumsum, the gather of h's rows into a [T * k, hidden] copy, the SiLU-and-mul between
+the GEMMs, the index_copy back to pair order and the weighted bmm. BENCHMARKS.md session 53 left
+the single stream at ~32% of its memory floor at the Qwen3-30B-A3B shape, with ~10 small kernels
+a MoE layer suspected (unmeasured); whether these three do better is unmeasured too.
+
+Every size derives from T, top_k, the expert count and the block sizes, never from the routing:
+the padded layout holds at most min(P, (P + min(E, P) * (BLOCK_M - 1)) // BLOCK_M) tiles (each
+non-empty expert pads fewer than BLOCK_M slots, at most min(E, P) experts are non-empty, and
+each tile holds at least one pair), which is the grid's tile count; tiles past the count in use
+exit at once. No host sync: a step is one CUDA graph, and the kernels trace under
+torch.compile(fullgraph=True) as user-defined Triton kernels (as skinny_gemm's do).
+
+The GEMM tiles are computed transposed (acc[BLOCK_N, BLOCK_M] = w @ x.T, "swap AB", as
+skinny_gemm): at one pair a tile (the single stream: each of 8 experts gets one token) the weight
+is the MMA's large operand. Block sizes (gemm_config) are guesses from skinny_gemm's reasoning,
+not tuned on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import dot_precision, next_pow2, num_sms, runs_ptx
+
+MAX_KERNEL_TOKENS = 256  # functional.moe takes this path up to this many tokens (decode steps)
+WAVES = 2  # programs per SM wanted, as skinny_gemm
+BLOCK_NS = (64, 32, 16)
+ALIGN_BLOCK = 64  # pairs (or slots) the align kernel handles at a time
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, P, E, SLOTS,
+                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK_P: tl.constexpr):
+    # One program. ids: [P] the expert of each pair (pair p = token p // k's choice p % k).
+    # sorted: [SLOTS] the pairs by expert, each expert's run starting on a tile boundary, in
+    # pair order within it; padding slots hold P. tile_expert: [SLOTS // BLOCK_M]; num_tiles:
+    # [1] int32, the tiles in use (they come first). Every slot is written exactly once: pairs
+    # by pass 2, padding by pass 3 (no two stores to one address, so no barrier between them).
+    experts = tl.arange(0, E_PAD)
+    lanes = tl.arange(0, BLOCK_P)
+    # Pass 1: each expert's pair count (ids past P load as E_PAD, which no expert matches).
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for p0 in range(0, P, BLOCK_P):
+        offs = p0 + lanes
+        e = tl.load(ids_ptr + offs, mask=offs < P, other=E_PAD).to(tl.int32)
+        counts += tl.sum((e[None, :] == experts[:, None]).to(tl.int32), axis=1)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)  # each expert's run's end; experts >= E have none
+    starts = ends - padded
+    tl.store(num_tiles_ptr, tl.sum(padded, 0) // BLOCK_M)
+    # Pass 2: pair p goes to its expert's start + the pairs of that expert before it.
+    seen = tl.zeros([E_PAD], dtype=tl.int32)  # each expert's pairs in earlier chunks
+    for p0 in range(0, P, BLOCK_P):
+        offs = p0 + lanes
+        e = tl.load(ids_ptr + offs, mask=offs < P, other=E_PAD).to(tl.int32)
+        onehot = e[:, None] == experts[None, :]  # [BLOCK_P, E_PAD]
+        base = tl.sum(tl.where(onehot, (starts + seen)[None, :], 0), axis=1)
+        earlier = (e[:, None] == e[None, :]) & (lanes[None, :] < lanes[:, None])
+        rank = tl.sum(earlier.to(tl.int32), axis=1)  # same expert, earlier in this chunk
+        tl.store(sorted_ptr + base + rank, offs, mask=offs < P)
+        seen += tl.sum(onehot.to(tl.int32), axis=0)
+    # Pass 3: each slot's run (the experts ending at or before it), padding where the slot is
+    # past its run's pairs (slots past every run: run E_PAD, count 0); a tile's expert is its
+    # first slot's run (clamped to E - 1 past the runs: those tiles exit unread).
+    for s0 in range(0, SLOTS, BLOCK_P):
+        slots = s0 + lanes
+        run = tl.sum((ends[None, :] <= slots[:, None]).to(tl.int32), axis=1)  # [BLOCK_P]
+        mine = run[:, None] == experts[None, :]
+        run_start = tl.sum(tl.where(mine, starts[None, :], 0), axis=1)
+        run_count = tl.sum(tl.where(mine, counts[None, :], 0), axis=1)
+        inside = slots < SLOTS
+        tl.store(sorted_ptr + slots, P + slots * 0, mask=inside & (slots - run_start >= run_count))
+        tl.store(tile_expert_ptr + slots // BLOCK_M, tl.minimum(run, E - 1),
+                 mask=inside & (slots % BLOCK_M == 0))
+
+
+def max_tiles(pairs: int, num_experts: int, block_m: int) -> int:
+    """The most BLOCK_M tiles `pairs` pairs over `num_experts` experts can pad to (see above)."""
+    return min(pairs, (pairs + min(num_experts, pairs) * (block_m - 1)) // block_m)
+
+
+def align(pair_expert: torch.Tensor, num_experts: int, block_m: int
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pair_expert: [P] (int32 or int64), each pair's expert -> (sorted [tiles * block_m] int32:
+    the pair ids by expert, each expert's run padded to whole tiles with P; tile_expert [tiles]
+    int32; num_tiles [1] int32, the tiles in use, which come first), tiles = max_tiles(...)."""
+    pair_expert = pair_expert.contiguous()  # route's top-1 ids reshape to a strided view
+    p = pair_expert.shape[0]
+    tiles = max_tiles(p, num_experts, block_m)
+    dev = pair_expert.device
+    sorted_ids = torch.empty(tiles * block_m, dtype=torch.int32, device=dev)
+    tile_expert = torch.empty(tiles, dtype=torch.int32, device=dev)
+    num_tiles = torch.empty(1, dtype=torch.int32, device=dev)
+    _align_kernel[(1,)](pair_expert, sorted_ids, tile_expert, num_tiles, p, num_experts,
+                        tiles * block_m, BLOCK_M=block_m, E_PAD=max(2, next_pow2(num_experts)),
+                        BLOCK_P=ALIGN_BLOCK, num_warps=4)
+    return sorted_ids, tile_expert, num_tiles
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, rw_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr,
+                     P, N, K, stride_am, stride_we, stride_wn, stride_om,
+                     A_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GLU: tl.constexpr,
+                     WEIGHTED: tl.constexpr, PRECISION: tl.constexpr):
+    # Program (tile, pid_n): the tile's pairs (sorted[tile * BLOCK_M:][:BLOCK_M], one expert's)
+    # times that expert's weight rows [pid_n * BLOCK_N, +BLOCK_N). A pair's row of a is
+    # pair // A_DIV (top_k for h's token rows, 1 for act's pair rows). w: [E, N, K] (GLU: [E,
+    # 2N, K], gate rows then up rows; out = silu(gate) * up). WEIGHTED: each row times rw[pair].
+    # out: [P, N], rows in pair order; padding rows (pair id P) are neither read nor written.
+    tile = tl.program_id(0)
+    if tile >= tl.load(num_tiles_ptr):
+        return
+    pid_n = tl.program_id(1)
+    pairs = tl.load(sorted_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < P
+    rows = tl.where(valid, pairs // A_DIV, 0).to(tl.int64)
+    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Weight rows past N are clamped onto row N - 1 (read, never stored), as skinny_gemm's.
+    w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    w_ptrs = w_ptr + expert * stride_we + w_rows[:, None] * stride_wn + offs_k[None, :]
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+    up_step = N * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            w = tl.load(w_ptrs)
+            if GLU:
+                w_up = tl.load(w_ptrs + up_step)
+        else:
+            mask_k = (k0 + offs_k) < K
+            a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=mask_k[None, :], other=0.0)
+            if GLU:
+                w_up = tl.load(w_ptrs + up_step, mask=mask_k[None, :], other=0.0)
+        a_t = tl.trans(a)
+        acc = tl.dot(w, a_t, acc, input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
+        if GLU:
+            acc_up = tl.dot(w_up, a_t, acc_up, input_precision=PRECISION)
+        w_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+    if GLU:
+        acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up in fp32, rounded once below
+    if WEIGHTED:
+        rw = tl.load(rw_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
+        acc = acc * rw[None, :]
+    out_ptrs = out_ptr + pairs[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty),
+             mask=(offs_n < N)[:, None] & valid[None, :])
+
+
+def block_m_for(pairs: int, num_experts: int, device: torch.device) -> int:
+    """Pairs a tile: 16 (tl.dot's least) while experts average at most 4 pairs, 32 to 16, else
+    64: fewer tiles an expert (its weights read once a tile) against padding. A guess."""
+    if not runs_ptx(device) or pairs <= 4 * num_experts:
+        return 16
+    return 32 if pairs <= 16 * num_experts else 64
+
+
+def gemm_config(tiles: int, n: int, k: int, block_m: int, dtype: torch.dtype,
+                device: torch.device, **override) -> dict:
+    """block_n, block_k, num_warps, num_stages of a GEMM of `tiles` tiles into n columns over k.
+    On a GPU, as skinny_gemm's unsplit tiles: the largest block_n of 64/32/16 that gives WAVES
+    programs an SM from the grid (which counts every tile the layout may hold), 256-byte weight
+    rows a load (512 at block_n 16), num_stages 4 for 16-bit (3 for fp32 or 64-pair tiles, for
+    shared memory). Under the interpreter 16 x 32 tiles, so tiny test shapes cover the edges."""
+    if not runs_ptx(device):
+        cfg = dict(block_n=16, block_k=32, num_warps=1, num_stages=1)
+        return cfg | override
+    want = WAVES * num_sms(device)
+    block_n = next((b for b in BLOCK_NS if tiles * triton.cdiv(n, b) >= want), BLOCK_NS[-1])
+    elsize = dtype.itemsize
+    block_k = min((512 if block_n == 16 else 256) // elsize, max(16, next_pow2(k)))
+    stages = 4 if elsize == 2 and block_m < 64 else 3
+    return dict(block_n=block_n, block_k=block_k, num_warps=4, num_stages=stages) | override
+
+
+def _gemm(a, w, out, rw, sorted_ids, tile_expert, num_tiles, *, pairs, n, k, a_div, glu,
+          block_m, config):
+    tiles = tile_expert.shape[0]
+    cfg = gemm_config(tiles, n, k, block_m, a.dtype, a.device, **(config or {}))
+    _moe_gemm_kernel[(tiles, triton.cdiv(n, cfg["block_n"]))](
+        a, w, out, sorted_ids if rw is None else rw, sorted_ids, tile_expert, num_tiles, pairs, n, k,
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        A_DIV=a_div, BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        EVEN_K=k % cfg["block_k"] == 0, GLU=glu, WEIGHTED=rw is not None,  # else rw unread
+        PRECISION=dot_precision(a.dtype), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+
+
+def fused_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                  experts_gate_up: torch.Tensor, experts_down: torch.Tensor, *,
+                  block_m: int | None = None, config: dict | None = None) -> torch.Tensor:
+    """The expert part of functional.moe.moe_mlp: h: [T, hidden], weights: [T, k] (h's dtype or
+    fp32), experts: [T, k] int, experts_gate_up: [E, 2 * inter, hidden], experts_down: [E,
+    hidden, inter] -> [T, hidden] in h's dtype, sum over j of weights[t, j] * mlp_e(h[t]) with
+    e = experts[t, j] (this rank's partial sum under tensor parallelism: the caller all-reduces).
+
+    Roundings: gate and up stay fp32 into silu(gate) * up, which is rounded once to h's dtype
+    (the grouped path rounds gate and up, then silu, then the product); down's rows times their
+    weights stay fp32 to the sum, rounded once. block_m and config (gemm_config's keys) override
+    the launch choices (tests)."""
+    t, hidden = h.shape
+    top_k = experts.shape[1]
+    num_experts, two_inter, _ = experts_gate_up.shape
+    inter = two_inter // 2
+    assert experts_gate_up.shape == (num_experts, 2 * inter, hidden), experts_gate_up.shape
+    assert experts_down.shape == (num_experts, hidden, inter), experts_down.shape
+    assert experts.shape == weights.shape == (t, top_k), (experts.shape, weights.shape)
+    assert h.stride(1) == 1 and experts_gate_up.stride(2) == 1 and experts_down.stride(2) == 1
+    assert h.dtype == experts_gate_up.dtype == experts_down.dtype, (
+        h.dtype, experts_gate_up.dtype, experts_down.dtype)
+    pairs = t * top_k
+    if block_m is None:
+        block_m = block_m_for(pairs, num_experts, h.device)
+    # route's [T, k] are views of [T, experts]; at top-1 reshape(-1) keeps the stride
+    sorted_ids, tile_expert, num_tiles = align(experts.reshape(-1), num_experts, block_m)
+    act = torch.empty((pairs, inter), dtype=h.dtype, device=h.device)
+    _gemm(h, experts_gate_up, act, None, sorted_ids, tile_expert, num_tiles, pairs=pairs,
+          n=inter, k=hidden, a_div=top_k, glu=True, block_m=block_m, config=config)
+    y = torch.empty((pairs, hidden), dtype=torch.float32, device=h.device)
+    _gemm(act, experts_down, y, weights.reshape(-1).contiguous(), sorted_ids, tile_expert, num_tiles,
+          pairs=pairs, n=hidden, k=inter, a_div=1, glu=False, block_m=block_m, config=config)
+    return y.view(t, top_k, hidden).sum(1).to(h.dtype)

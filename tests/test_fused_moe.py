@@ -1,0 +1,295 @@
+"""kernels/fused_moe.py (the MoE MLP's experts as Triton kernels, MINIVLLM_MOE_KERNEL=triton):
+the pairs' layout by expert (align) by its invariants; the whole expert part against an fp64
+loop over the pairs, against functional.moe's grouped-GEMM path and against transformers' eager
+experts; tracing under torch.compile; the engine with the flag against transformers.
+
+On CPU under TRITON_INTERPRET=1 (16 x 16 x 32 tiles: tiny shapes cover ragged N and K, several
+tiles an expert, experts without pairs), fp32 and fp16; bf16 and the GPU's block sizes run in
+benchmarks/gpu_checks.sh moe_kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from minivllm.functional import moe
+from minivllm.kernels import fused_moe as fm
+from minivllm.kernels.launch import triton_usable
+from minivllm.state import ShardSpec
+
+from triton_trace import kernel_launches_traced
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
+
+# fp32: accumulation error only; fp16: the activation's and the output's roundings on top
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+DTYPES = [pytest.param(torch.float32, id="float32"), pytest.param(torch.float16, id="float16"),
+          pytest.param(torch.bfloat16, id="bfloat16", marks=pytest.mark.skipif(
+              not torch.cuda.is_available(), reason="bf16: on the GPU (not the interpreter)"))]
+
+
+@pytest.fixture(autouse=True)
+def _needs_triton(device):
+    if not triton_usable(device):
+        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+
+
+# --- align ------------------------------------------------------------------------------------
+
+def check_layout(pair_expert: torch.Tensor, num_experts: int, block_m: int, device):
+    sorted_ids, tile_expert, num_tiles = fm.align(pair_expert.to(device), num_experts, block_m)
+    ids, te, used = sorted_ids.cpu().tolist(), tile_expert.cpu().tolist(), num_tiles.item()
+    pe = pair_expert.cpu().tolist()
+    p = len(pe)
+    tiles = fm.max_tiles(p, num_experts, block_m)
+    assert len(ids) == tiles * block_m and len(te) == tiles and num_tiles.dtype == torch.int32
+    counts = [pe.count(e) for e in range(num_experts)]
+    assert used == sum(-(-c // block_m) for c in counts) <= tiles
+    # every pair exactly once, padding P everywhere else
+    real = [i for i in ids if i != p]
+    assert sorted(real) == list(range(p)) and all(0 <= i <= p for i in ids)
+    # tiles in use: one expert each, its pairs in pair order, the experts ascending, each
+    # expert's run starting on a tile (its padding after its pairs, within its last tile)
+    runs = []
+    for t in range(used):
+        tile = ids[t * block_m:(t + 1) * block_m]
+        mine = [i for i in tile if i != p]
+        assert mine, f"tile {t} holds no pair"
+        assert all(pe[i] == te[t] for i in mine), (t, te[t], [pe[i] for i in mine])
+        assert tile[:len(mine)] == mine  # padding only at a tile's end
+        runs.append((te[t], mine))
+    assert [e for e, _ in runs] == sorted(e for e, _ in runs)
+    for e in range(num_experts):
+        got = [i for x, mine in runs if x == e for i in mine]
+        assert got == [i for i in range(p) if pe[i] == e]
+        full = [mine for x, mine in runs if x == e][:-1]
+        assert all(len(m) == block_m for m in full)  # only an expert's last tile is ragged
+    # tiles past those in use: all padding (their experts are never read)
+    assert all(i == p for i in ids[used * block_m:])
+    assert all(0 <= e < num_experts for e in te)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), num_experts=st.integers(1, 12), tokens=st.integers(1, 40),
+       block_m=st.sampled_from([16, 32]))
+def test_align_lays_out_every_pair_once_by_expert(device, data, num_experts, tokens, block_m):
+    """Any expert ids (empty experts, one expert taking every pair, more pairs than
+    ALIGN_BLOCK), routed as a token's distinct top-k or not."""
+    top_k = data.draw(st.integers(1, min(num_experts, 8)))
+    if data.draw(st.booleans()):  # distinct experts a token, as routing picks them
+        perm = st.permutations(range(num_experts)).map(lambda x: x[:top_k])
+        rows = data.draw(st.lists(perm, min_size=tokens, max_size=tokens))
+        pair_expert = torch.tensor([e for r in rows for e in r])
+    else:
+        pair_expert = torch.tensor(data.draw(st.lists(st.integers(0, num_experts - 1),
+                                                      min_size=tokens * top_k,
+                                                      max_size=tokens * top_k)))
+    check_layout(pair_expert, num_experts, block_m, device)
+
+
+def test_align_edges(device):
+    """One pair; 128 experts at top-8 (the 30B-A3B shape at one token: 8 tiles, not 128); every
+    pair on the last expert; int32 ids; runs of exactly a tile and one past; strided ids."""
+    check_layout(torch.tensor([3]), 4, 16, device)
+    ids = torch.randperm(128, generator=torch.Generator().manual_seed(0))[:8]
+    check_layout(ids, 128, 16, device)
+    assert fm.max_tiles(8, 128, 16) == 8
+    check_layout(torch.full((70,), 5), 6, 16, device)
+    check_layout(torch.tensor([1] * 16 + [0] * 17, dtype=torch.int32), 2, 16, device)
+    strided = torch.tensor([[2, 1, 0], [0, 2, 1]])[:, :1].reshape(-1)  # route's top-1 ids
+    assert strided.stride() == (3,)
+    check_layout(strided, 3, 16, device)
+
+
+# --- the expert part ----------------------------------------------------------------------------
+
+def fp64_experts(h, weights, experts, gate_up, down):
+    """sum_j weights[t, j] * down_e @ (silu(gate_e h) * up_e h), a pair at a time, in fp64."""
+    inter = gate_up.shape[1] // 2
+    out = torch.zeros(h.shape, dtype=torch.float64)
+    for t in range(h.shape[0]):
+        for j in range(experts.shape[1]):
+            e = experts[t, j].item()
+            gu = gate_up[e].double() @ h[t].double()
+            act = torch.nn.functional.silu(gu[:inter]) * gu[inter:]
+            out[t] += weights[t, j].double() * (down[e].double() @ act)
+    return out
+
+
+def moe_case(seed, tokens, num_experts, top_k, hidden, inter, dtype, device):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(tokens, hidden, generator=g)
+    router = torch.randn(num_experts, hidden, generator=g) * 0.3
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=g) * hidden ** -0.5
+    down = torch.randn(num_experts, hidden, inter, generator=g) * inter ** -0.5
+    return [x.to(device, dtype) for x in (h, router, gate_up, down)]
+
+
+def config_for(num_experts, top_k, hidden, inter, norm=True):
+    from test_moe import _moe_dict
+    from minivllm.state import ModelConfig
+
+    return ModelConfig.from_dict(_moe_dict(num_experts=num_experts, num_experts_per_tok=top_k,
+                                           hidden_size=hidden, moe_intermediate_size=inter,
+                                           norm_topk_prob=norm))
+
+
+# (experts, top_k, hidden, moe_intermediate): the tiny MoE's; ragged hidden and intermediate at
+# top-1 (hidden 70: K ragged for gate_up, N for down); every expert taken (top_k == experts)
+SHAPES = [(8, 2, 64, 32), (6, 1, 70, 33), (4, 4, 48, 40)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 2, 5, 33])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "e{}k{}h{}i{}".format(*s))
+def test_kernel_path_equals_fp64_and_the_grouped_path(device, shape, tokens, dtype):
+    """moe_mlp with kernel="triton" against a pair-by-pair fp64 loop on the same routing, and
+    against kernel="grouped". One token leaves most experts empty; 33 at top_k == experts give
+    each expert three tiles (the last ragged)."""
+    num_experts, top_k, hidden, inter = shape
+    config = config_for(*shape)
+    h, router, gate_up, down = moe_case(tokens * 10 + hidden, tokens, *shape, dtype, device)
+    with torch.no_grad():
+        got = moe.moe_mlp(h, router, gate_up, down, config, ShardSpec(), kernel="triton")
+        grouped = moe.moe_mlp(h, router, gate_up, down, config, ShardSpec(), kernel="grouped")
+        weights, experts = moe.route(h, router, top_k, True)
+    assert got.dtype == dtype and got.shape == h.shape
+    want = fp64_experts(h.cpu(), weights.cpu(), experts.cpu(), gate_up.cpu(), down.cpu())
+    scale = max(want.abs().max().item(), 1.0)
+    assert (got.cpu().double() - want).abs().max().item() <= TOL[dtype] * scale
+    assert (got.cpu().double() - grouped.cpu().double()).abs().max().item() <= \
+        2 * TOL[dtype] * scale
+
+
+@pytest.mark.parametrize("block_m, config", [(32, dict(block_n=32, block_k=16)),
+                                             (16, dict(block_n=64, block_k=64))])
+def test_other_tiles(device, block_m, config):
+    """32-pair tiles (the GPU's at 4-16 pairs an expert), wider and narrower N and K tiles."""
+    shape = (4, 3, 70, 33)
+    h, router, gate_up, down = moe_case(7, 33, *shape, torch.float32, device)
+    weights, experts = moe.route(h, router, 3, False)
+    got = fm.fused_experts(h, weights, experts, gate_up, down, block_m=block_m, config=config)
+    want = fp64_experts(h.cpu(), weights.cpu(), experts.cpu(), gate_up.cpu(), down.cpu())
+    assert (got.cpu().double() - want).abs().max().item() <= TOL[torch.float32] * max(
+        want.abs().max().item(), 1.0)
+
+
+def test_deterministic(device):
+    """The same inputs give the same bits (the per-token sum is a fixed-order reduction)."""
+    shape = (8, 2, 64, 32)
+    h, router, gate_up, down = moe_case(3, 5, *shape, torch.float32, device)
+    weights, experts = moe.route(h, router, 2, True)
+    a = fm.fused_experts(h, weights, experts, gate_up, down)
+    b = fm.fused_experts(h, weights, experts, gate_up, down)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.float16, 4e-3)],
+                         ids=["float32", "float16"])
+@pytest.mark.parametrize("tokens", [1, 5, 33])
+def test_kernel_path_equals_transformers_block(device, dtype, tol, tokens):
+    """transformers' eager experts (expert by expert, index_add_), as test_moe's oracle, norm
+    on and off."""
+    from test_moe import _block_pair
+
+    for norm in (True, False):
+        block, config = _block_pair(tokens, torch.float32, norm_topk_prob=norm)
+        block = block.to(dtype)
+        h = torch.randn(tokens, config.hidden_size,
+                        generator=torch.Generator().manual_seed(tokens)).to(dtype)
+        with torch.no_grad():
+            want = block(h[None]).float()[0] if dtype == torch.float32 else \
+                block.float()(h.float()[None])[0]
+            got = moe.moe_mlp(h.to(device), block.gate.weight.to(device, dtype),
+                              block.experts.gate_up_proj.to(device, dtype),
+                              block.experts.down_proj.to(device, dtype), config, ShardSpec(),
+                              kernel="triton")
+        assert got.dtype == dtype
+        scale = max(want.abs().max().item(), 1.0)
+        assert (got.float().cpu() - want).abs().max().item() <= tol * scale, norm
+
+
+def test_the_flag_picks_the_path(monkeypatch, device):
+    """MINIVLLM_MOE_KERNEL (read at import into moe._MOE_KERNEL) turns the kernel path on; an
+    explicit kernel= wins; autograd and steps past MAX_KERNEL_TOKENS keep the grouped GEMMs."""
+    h = torch.zeros(3, 8, device=device)
+    assert not moe._takes_kernel(h, None) or moe._MOE_KERNEL == "triton"
+    monkeypatch.setattr(moe, "_MOE_KERNEL", "triton")
+    with torch.no_grad():
+        assert moe._takes_kernel(h, None) and not moe._takes_kernel(h, "grouped")
+        assert moe._takes_kernel(torch.zeros(fm.MAX_KERNEL_TOKENS, 8, device=device), None)
+        assert not moe._takes_kernel(torch.zeros(fm.MAX_KERNEL_TOKENS + 1, 8, device=device),
+                                     None)
+        assert not moe._takes_kernel(torch.zeros(0, 8, device=device), None)
+    with torch.enable_grad():
+        assert not moe._takes_kernel(h, None)
+    monkeypatch.setattr(moe, "_MOE_KERNEL", "grouped")
+    with torch.no_grad():
+        assert not moe._takes_kernel(h, None) and moe._takes_kernel(h, "triton")
+
+
+# --- torch.compile ------------------------------------------------------------------------------
+
+TRACE_BODY = """
+from minivllm.functional import moe
+from minivllm.kernels import launch
+from minivllm.state import ModelConfig, ShardSpec
+
+launch.triton_usable = lambda device: True  # the CPU, as if a GPU (see triton_trace)
+config = ModelConfig.from_dict(dict(
+    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=101,
+    hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
+    moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True))
+shard = ShardSpec()
+
+def layer(h, router, gate_up, down):
+    return moe.moe_mlp(h * 2, router, gate_up, down, config, shard, kernel="triton") + 1
+
+torch.set_grad_enabled(False)
+trace(layer, torch.randn(5, 64), torch.randn(8, 64), torch.randn(8, 64, 64),
+      torch.randn(8, 64, 32))
+"""
+
+
+def test_traces_without_graph_breaks(device):
+    """torch.compile(fullgraph=True) traces the kernel path's three kernels into one graph."""
+    if device.type == "cuda":  # the real thing: compile, run, compare
+        torch._dynamo.reset()
+        config = config_for(8, 2, 64, 32)
+        h, router, gate_up, down = moe_case(0, 5, 8, 2, 64, 32, torch.float32, device)
+        shard = ShardSpec()
+        fn = lambda *a: moe.moe_mlp(*a, config, shard, kernel="triton")  # noqa: E731
+        with torch.no_grad():
+            got = torch.compile(fn, fullgraph=True)(h, router, gate_up, down)
+            want = fn(h, router, gate_up, down)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        return
+    counts = kernel_launches_traced(TRACE_BODY)  # on CPU: see tests/triton_trace.py
+    assert counts == {"dynamo": 3, "aot": 3}, counts
+
+
+# --- the engine ---------------------------------------------------------------------------------
+
+def test_engine_with_the_flag_equals_transformers(monkeypatch, tmp_path, device):
+    """The engine (eager, fp32) with MINIVLLM_MOE_KERNEL=triton: its greedy tokens are
+    transformers', and the kernel path ran (prompt chunks and decode steps, <= 8 tokens)."""
+    from minivllm import LLM, SamplingParams
+    from hf_tiny import make_hf_moe_model, save_checkpoint
+    from test_moe import PROMPTS, _greedy_reference
+
+    model = make_hf_moe_model(seed=5, std=0.3, mlp_only_layers=[1])
+    path = save_checkpoint(model, tmp_path / "moe")
+    want = _greedy_reference(model, PROMPTS, 6)
+    calls = []
+    real = fm.fused_experts
+    monkeypatch.setattr(fm, "fused_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(moe, "_MOE_KERNEL", "triton")
+    with LLM(path, device=device, max_num_batched_tokens=8, max_num_seqs=4, num_kv_blocks=64,
+             block_size=4, dtype="float32", enforce_eager=True) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                            use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    assert calls, "the kernel path never ran"
