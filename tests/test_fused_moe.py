@@ -9,6 +9,13 @@ benchmarks/gpu_checks.sh moe_kernel."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -19,6 +26,9 @@ from minivllm.kernels.launch import triton_usable
 from minivllm.state import ShardSpec
 
 from triton_trace import kernel_launches_traced
+
+ROOT = Path(__file__).resolve().parents[1]
+TRITON_BIN = os.path.join(os.path.dirname(__import__("triton").__file__), "backends/nvidia/bin")
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
 
@@ -100,6 +110,10 @@ def test_align_edges(device):
     strided = torch.tensor([[2, 1, 0], [0, 2, 1]])[:, :1].reshape(-1)  # route's top-1 ids
     assert strided.stride() == (3,)
     check_layout(strided, 3, 16, device)
+    routed = torch.randn(9, 6).argsort(dim=-1)[:, :4]  # [T, k], a view of [T, experts]
+    sorted_ids, _, _ = fm.align(routed.to(device), 6, 16)
+    check_layout(routed.reshape(-1), 6, 16, device)
+    assert torch.equal(sorted_ids, fm.align(routed.reshape(-1).to(device), 6, 16)[0])
 
 
 # --- the expert part ----------------------------------------------------------------------------
@@ -253,20 +267,28 @@ trace(layer, torch.randn(5, 64), torch.randn(8, 64), torch.randn(8, 64, 64),
 """
 
 
-def test_traces_without_graph_breaks(device):
-    """torch.compile(fullgraph=True) traces the kernel path's three kernels into one graph."""
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_traces_without_graph_breaks(device, dynamic):
+    """torch.compile(fullgraph=True) traces the kernel path's three kernels into one graph; with
+    the token count dynamic too (the engine's second compile of a layer makes the step's sizes
+    symbolic)."""
     if device.type == "cuda":  # the real thing: compile, run, compare
         torch._dynamo.reset()
-        config = config_for(8, 2, 64, 32)
-        h, router, gate_up, down = moe_case(0, 5, 8, 2, 64, 32, torch.float32, device)
-        shard = ShardSpec()
+        config, shard = config_for(8, 2, 64, 32), ShardSpec()
         fn = lambda *a: moe.moe_mlp(*a, config, shard, kernel="triton")  # noqa: E731
-        with torch.no_grad():
-            got = torch.compile(fn, fullgraph=True)(h, router, gate_up, down)
-            want = fn(h, router, gate_up, down)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic)
+        for tokens in (5, 9):
+            args = moe_case(tokens, tokens, 8, 2, 64, 32, torch.bfloat16, device)
+            with torch.no_grad():
+                got, want = compiled(*args), fn(*args)
+            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
         return
-    counts = kernel_launches_traced(TRACE_BODY)  # on CPU: see tests/triton_trace.py
+    body = TRACE_BODY
+    if dynamic:
+        body = body.replace("trace(layer, torch.randn(5, 64),", "h = torch.randn(5, 64)\n"
+                            "torch._dynamo.mark_dynamic(h, 0)\ntrace(layer, h,")
+        assert "mark_dynamic" in body
+    counts = kernel_launches_traced(body)  # on CPU: see tests/triton_trace.py
     assert counts == {"dynamo": 3, "aot": 3}, counts
 
 
@@ -293,3 +315,59 @@ def test_engine_with_the_flag_equals_transformers(monkeypatch, tmp_path, device)
                             use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == want
     assert calls, "the kernel path never ran"
+
+
+# --- an offline sm_90 compile -------------------------------------------------------------------
+
+COMPILE_BODY = """
+import json, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from minivllm.kernels import fused_moe as fm
+
+fm.num_sms = lambda device: 132  # an H100's, for gemm_config without a GPU
+dev, target = torch.device("cuda"), GPUTarget("cuda", 90, 32)
+GEMM = ["a_ptr", "w_ptr", "out_ptr", "rw_ptr", "sorted_ptr", "tile_expert_ptr", "num_tiles_ptr",
+        "P", "N", "K", "stride_am", "stride_we", "stride_wn", "stride_om", "stride_rt",
+        "stride_rk"]
+
+def build(fn, types, consts, **options):
+    sig = dict(types, **{c: "constexpr" for c in consts})
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target,
+                          options=options).metadata.shared
+
+out = []
+for tokens in (1, 64, 256):  # the 30B-A3B shape: 128 experts, top-8, hidden 2048, inter 768
+    pairs = tokens * 8
+    bm = fm.block_m_for(pairs, 128, dev)
+    tiles = fm.max_tiles(pairs, 128, bm)
+    out.append(build(fm._align_kernel, dict(
+        ids_ptr="*i64", sorted_ptr="*i32", tile_expert_ptr="*i32", num_tiles_ptr="*i32", P="i32",
+        E="i32", SLOTS="i32", stride_it="i32", stride_ik="i32"),
+        dict(TOP_K=8, BLOCK_M=bm, E_PAD=128, BLOCK_P=fm.ALIGN_BLOCK), num_warps=4))
+    for n, k, glu in ((768, 2048, True), (2048, 768, False)):
+        cfg = fm.gemm_config(tiles, n, k, bm, torch.bfloat16, dev)
+        types = ["*bf16", "*bf16", "*bf16" if glu else "*fp32", "*bf16"] + ["*i32"] * 3 + \\
+            ["i32"] * 9
+        out.append(build(fm._moe_gemm_kernel, dict(zip(GEMM, types)), dict(
+            A_DIV=8 if glu else 1, TOP_K=1 if glu else 8, BLOCK_M=bm, BLOCK_N=cfg["block_n"],
+            BLOCK_K=cfg["block_k"], EVEN_K=k % cfg["block_k"] == 0, GLU=glu, WEIGHTED=not glu,
+            PRECISION="tf32"), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not shutil.which("ptxas", path=TRITON_BIN), reason="no bundled ptxas")
+def test_kernels_compile_for_sm90_within_shared_memory(device):
+    """The three kernels at the launch choices a Hopper GPU gets at the 30B-A3B shape (1, 64 and
+    256 tokens: 16-, 32- and 64-pair tiles) compile to sm_90 cubins on the CPU (Triton's bundled
+    ptxas), each within an H100's 227 KB of shared memory a block."""
+    if device.type == "cuda":
+        pytest.skip("the GPU's own tests compile them")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", COMPILE_BODY], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shared = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(shared) == 9 and all(0 <= s <= 227 * 1024 for s in shared), shared

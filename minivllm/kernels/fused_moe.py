@@ -49,8 +49,10 @@ ALIGN_BLOCK = 64  # pairs (or slots) the align kernel handles at a time
 
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, P, E, SLOTS,
-                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK_P: tl.constexpr):
-    # One program. ids: [P] the expert of each pair (pair p = token p // k's choice p % k).
+                  stride_it, stride_ik, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                  E_PAD: tl.constexpr, BLOCK_P: tl.constexpr):
+    # One program. ids: [T, TOP_K] (any strides: route's are a view of [T, experts]), the
+    # expert of each pair; pair p is token p // TOP_K's choice p % TOP_K.
     # sorted: [SLOTS] the pairs by expert, each expert's run starting on a tile boundary, in
     # pair order within it; padding slots hold P. tile_expert: [SLOTS // BLOCK_M]; num_tiles:
     # [1] int32, the tiles in use (they come first). Every slot is written exactly once: pairs
@@ -61,7 +63,8 @@ def _align_kernel(ids_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, P, E, SLO
     counts = tl.zeros([E_PAD], dtype=tl.int32)
     for p0 in range(0, P, BLOCK_P):
         offs = p0 + lanes
-        e = tl.load(ids_ptr + offs, mask=offs < P, other=E_PAD).to(tl.int32)
+        e = tl.load(ids_ptr + (offs // TOP_K) * stride_it + (offs % TOP_K) * stride_ik,
+                    mask=offs < P, other=E_PAD).to(tl.int32)
         counts += tl.sum((e[None, :] == experts[:, None]).to(tl.int32), axis=1)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)  # each expert's run's end; experts >= E have none
@@ -71,7 +74,8 @@ def _align_kernel(ids_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, P, E, SLO
     seen = tl.zeros([E_PAD], dtype=tl.int32)  # each expert's pairs in earlier chunks
     for p0 in range(0, P, BLOCK_P):
         offs = p0 + lanes
-        e = tl.load(ids_ptr + offs, mask=offs < P, other=E_PAD).to(tl.int32)
+        e = tl.load(ids_ptr + (offs // TOP_K) * stride_it + (offs % TOP_K) * stride_ik,
+                    mask=offs < P, other=E_PAD).to(tl.int32)
         onehot = e[:, None] == experts[None, :]  # [BLOCK_P, E_PAD]
         base = tl.sum(tl.where(onehot, (starts + seen)[None, :], 0), axis=1)
         earlier = (e[:, None] == e[None, :]) & (lanes[None, :] < lanes[:, None])
@@ -98,34 +102,38 @@ def max_tiles(pairs: int, num_experts: int, block_m: int) -> int:
     return min(pairs, (pairs + min(num_experts, pairs) * (block_m - 1)) // block_m)
 
 
-def align(pair_expert: torch.Tensor, num_experts: int, block_m: int
+def align(experts: torch.Tensor, num_experts: int, block_m: int
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """pair_expert: [P] (int32 or int64), each pair's expert -> (sorted [tiles * block_m] int32:
-    the pair ids by expert, each expert's run padded to whole tiles with P; tile_expert [tiles]
-    int32; num_tiles [1] int32, the tiles in use, which come first), tiles = max_tiles(...)."""
-    pair_expert = pair_expert.contiguous()  # route's top-1 ids reshape to a strided view
-    p = pair_expert.shape[0]
+    """experts: [T, k] or [P] (int32 or int64, any strides), each pair's expert -> (sorted
+    [tiles * block_m] int32: the pair ids by expert, each expert's run padded to whole tiles
+    with P; tile_expert [tiles] int32; num_tiles [1] int32, the tiles in use, which come
+    first), tiles = max_tiles(P, num_experts, block_m)."""
+    if experts.dim() == 1:
+        experts = experts[:, None]
+    p = experts.numel()
     tiles = max_tiles(p, num_experts, block_m)
-    dev = pair_expert.device
+    dev = experts.device
     sorted_ids = torch.empty(tiles * block_m, dtype=torch.int32, device=dev)
     tile_expert = torch.empty(tiles, dtype=torch.int32, device=dev)
     num_tiles = torch.empty(1, dtype=torch.int32, device=dev)
-    _align_kernel[(1,)](pair_expert, sorted_ids, tile_expert, num_tiles, p, num_experts,
-                        tiles * block_m, BLOCK_M=block_m, E_PAD=max(2, next_pow2(num_experts)),
-                        BLOCK_P=ALIGN_BLOCK, num_warps=4)
+    _align_kernel[(1,)](experts, sorted_ids, tile_expert, num_tiles, p, num_experts,
+                        tiles * block_m, experts.stride(0), experts.stride(1),
+                        TOP_K=experts.shape[1], BLOCK_M=block_m,
+                        E_PAD=max(2, next_pow2(num_experts)), BLOCK_P=ALIGN_BLOCK, num_warps=4)
     return sorted_ids, tile_expert, num_tiles
 
 
 @triton.jit
 def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, rw_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr,
-                     P, N, K, stride_am, stride_we, stride_wn, stride_om,
-                     A_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GLU: tl.constexpr,
-                     WEIGHTED: tl.constexpr, PRECISION: tl.constexpr):
+                     P, N, K, stride_am, stride_we, stride_wn, stride_om, stride_rt, stride_rk,
+                     A_DIV: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     GLU: tl.constexpr, WEIGHTED: tl.constexpr, PRECISION: tl.constexpr):
     # Program (tile, pid_n): the tile's pairs (sorted[tile * BLOCK_M:][:BLOCK_M], one expert's)
     # times that expert's weight rows [pid_n * BLOCK_N, +BLOCK_N). A pair's row of a is
     # pair // A_DIV (top_k for h's token rows, 1 for act's pair rows). w: [E, N, K] (GLU: [E,
-    # 2N, K], gate rows then up rows; out = silu(gate) * up). WEIGHTED: each row times rw[pair].
+    # 2N, K], gate rows then up rows; out = silu(gate) * up). WEIGHTED: each row times its
+    # routing weight, rw: [T, TOP_K] (any strides) at (pair // TOP_K, pair % TOP_K).
     # out: [P, N], rows in pair order; padding rows (pair id P) are neither read nor written.
     tile = tl.program_id(0)
     if tile >= tl.load(num_tiles_ptr):
@@ -165,7 +173,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, rw_ptr, sorted_ptr, tile_expert_ptr,
     if GLU:
         acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up in fp32, rounded once below
     if WEIGHTED:
-        rw = tl.load(rw_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
+        rw = tl.load(rw_ptr + (pairs // TOP_K) * stride_rt + (pairs % TOP_K) * stride_rk,
+                     mask=valid, other=0.0).to(tl.float32)
         acc = acc * rw[None, :]
     out_ptrs = out_ptr + pairs[None, :].to(tl.int64) * stride_om + offs_n[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty),
@@ -200,15 +209,19 @@ def gemm_config(tiles: int, n: int, k: int, block_m: int, dtype: torch.dtype,
 
 def _gemm(a, w, out, rw, sorted_ids, tile_expert, num_tiles, *, pairs, n, k, a_div, glu,
           block_m, config):
+    """out = the tiles' products (see _moe_gemm_kernel); rw: [T, k] routing weights or None."""
     tiles = tile_expert.shape[0]
     cfg = gemm_config(tiles, n, k, block_m, a.dtype, a.device, **(config or {}))
+    weighted = rw is not None
+    if not weighted:  # never read (WEIGHTED=False): any tensor serves as the pointer
+        rw = sorted_ids[None, :]
     _moe_gemm_kernel[(tiles, triton.cdiv(n, cfg["block_n"]))](
-        a, w, out, sorted_ids if rw is None else rw, sorted_ids, tile_expert, num_tiles, pairs, n, k,
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        A_DIV=a_div, BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-        EVEN_K=k % cfg["block_k"] == 0, GLU=glu, WEIGHTED=rw is not None,  # else rw unread
-        PRECISION=dot_precision(a.dtype), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        a, w, out, rw, sorted_ids, tile_expert, num_tiles, pairs, n, k,
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0), rw.stride(0), rw.stride(1),
+        A_DIV=a_div, TOP_K=rw.shape[1] if weighted else 1, BLOCK_M=block_m,
+        BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], EVEN_K=k % cfg["block_k"] == 0,
+        GLU=glu, WEIGHTED=weighted, PRECISION=dot_precision(a.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def fused_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
@@ -236,12 +249,13 @@ def fused_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     pairs = t * top_k
     if block_m is None:
         block_m = block_m_for(pairs, num_experts, h.device)
-    # route's [T, k] are views of [T, experts]; at top-1 reshape(-1) keeps the stride
-    sorted_ids, tile_expert, num_tiles = align(experts.reshape(-1), num_experts, block_m)
+    # route's experts (and unnormalized fp32 weights) are views of [T, experts]: the kernels
+    # take their strides rather than a copy
+    sorted_ids, tile_expert, num_tiles = align(experts, num_experts, block_m)
     act = torch.empty((pairs, inter), dtype=h.dtype, device=h.device)
     _gemm(h, experts_gate_up, act, None, sorted_ids, tile_expert, num_tiles, pairs=pairs,
           n=inter, k=hidden, a_div=top_k, glu=True, block_m=block_m, config=config)
     y = torch.empty((pairs, hidden), dtype=torch.float32, device=h.device)
-    _gemm(act, experts_down, y, weights.reshape(-1).contiguous(), sorted_ids, tile_expert, num_tiles,
+    _gemm(act, experts_down, y, weights, sorted_ids, tile_expert, num_tiles,
           pairs=pairs, n=hidden, k=inter, a_div=1, glu=False, block_m=block_m, config=config)
     return y.view(t, top_k, hidden).sum(1).to(h.dtype)
