@@ -339,6 +339,25 @@ def test_tp2_engine_equals_tp1(tmp_path):
     torch.testing.assert_close(torch.tensor(lps2), torch.tensor(lps1), rtol=0, atol=1e-4)
 
 
+def test_speculative_decoding_gives_the_same_tokens(tmp_path):
+    """N-gram drafts verified through the MoE layers (several rows a sequence in one step):
+    greedy tokens equal the engine's without speculation, and drafts were accepted."""
+    model = make_hf_moe_model(seed=2, std=0.3, mlp_only_layers=[1])
+    path = save_checkpoint(model, tmp_path / "moe")
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS + [[5] * 20, [9, 4, 9, 4, 9, 4, 9]]]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    engine = dict(device="cpu", num_kv_blocks=64, dtype="float32", async_scheduling=False)
+    with LLM(path, **engine) as base:
+        want = [o.outputs[0].token_ids for o in base.generate(prompts, params, use_tqdm=False)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1}
+    with LLM(path, speculative_config=spec, **engine) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        stats = llm.stats
+    assert got == want
+    assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens > 0
+
+
 def test_persistent_decode_is_refused_for_a_moe(pair):
     _, _, path = pair
     with pytest.raises(ValueError, match="persistent_decode runs dense Qwen3 layers"):
