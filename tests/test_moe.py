@@ -268,6 +268,33 @@ def test_prefill_and_decode_logits_equal_transformers(pair):
     assert (decode.cpu() - want_decode).abs().max().item() <= 1e-4, name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_compiled_forward_equals_eager(tmp_path, dtype):
+    """The engine's compiled forward (each part traced whole, fullgraph) on a model with a sparse
+    and a dense layer: fp32 compiles the fallback (torch._grouped_mm's meta function takes bf16
+    only), bf16 the grouped GEMM; aot_eager, so the traced ops themselves run."""
+    from minivllm.runtime.compiled import compiled_forward
+
+    model = make_hf_moe_model(seed=8, std=0.3, mlp_only_layers=[1])
+    params = minivllm.load(save_checkpoint(model, tmp_path / "moe"), dtype=dtype)
+    tables, n = contiguous_tables(PROMPTS, 4)
+    batch = make_batch([SeqChunk(p, 0, t) for p, t in zip(PROMPTS, tables)], block_size=4,
+                       every_row=True)
+    want, _ = minivllm.forward(params, minivllm.init_cache(params, num_blocks=n, block_size=4),
+                               batch)
+    calls, real = [], moe.grouped_linear
+    try:
+        moe.grouped_linear = lambda *a: calls.append(moe._grouped_mm_applies(
+            a[0], a[1].transpose(1, 2))) or real(*a)
+        got, _ = compiled_forward("aot_eager")(
+            params, minivllm.init_cache(params, num_blocks=n, block_size=4), batch)
+    finally:
+        moe.grouped_linear = real
+    assert calls and all(c == (dtype == torch.bfloat16) for c in calls)
+    tol = 1e-5 if dtype == torch.float32 else 0.1
+    assert (got.float() - want.float()).abs().max().item() <= tol
+
+
 def test_gradients_equal_transformers(tmp_path):
     """torch.func.grad of a loss on the logits, through the grouped GEMMs and the routing
     weights, against transformers' autograd: the router's and every expert's gradient."""
