@@ -124,7 +124,8 @@ ARGS = st.dictionaries(st.sampled_from(["city", "days", "q"]),
 def test_a_streamed_answers_tool_calls_equal_the_whole_ones(prefix, calls, unclosed, points):
     """Content before the first block, then the blocks; the last may lack its closing tag (a
     completion that ended at EOS). Streamed in any pieces, the content and calls equal those
-    read from the whole answer, and those are the calls written."""
+    read from the whole answer, and those are the calls written; content that is only
+    whitespace is none beside calls (vLLM's server drops it)."""
     prefix = prefix.replace("<", "") if calls else prefix  # no stray tag before the blocks
     blocks = [f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>"
               for n, a in calls]
@@ -134,8 +135,21 @@ def test_a_streamed_answers_tool_calls_equal_the_whole_ones(prefix, calls, unclo
     split = tool_calls.ToolCallSplit()
     content = "".join(split.feed(piece) for piece in cut(text, points))
     tail, got = split.finish()
-    assert content + tail == (prefix if calls else text)
+    want = text if not calls else prefix if prefix.strip() else ""
+    assert content + tail == want
     assert got == [{"name": n, "arguments": json.dumps(a, ensure_ascii=False)} for n, a in calls]
+
+
+def test_whitespace_before_calls_is_no_content_but_without_calls_it_is():
+    """vLLM 0.20's server (_parse_tool_calls_from_content): beside tool calls, content that is
+    only whitespace becomes null; a broken block keeps the whole answer as content."""
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    for text, want in (("\n\n" + call, ""), (" \n", " \n"), ("\n" + call[:-3], "\n" + call[:-3]),
+                       ("\nhi\n" + call, "\nhi\n")):
+        split = tool_calls.ToolCallSplit()
+        sent = "".join(split.feed(c) for c in text)
+        tail, calls = split.finish()
+        assert sent + tail == want, text
 
 
 def test_an_answer_whose_block_is_not_a_call_is_content():

@@ -184,11 +184,14 @@ class ToolCallSplit:
     as it comes, but for an end that may begin the tag) and the rest, kept until finish()
     parses it whole: then the calls, or, where the rest holds none that parses, the rest as
     content (so that a streamed answer ends as the whole one does). Text after the first call
-    is not content (vLLM's)."""
+    is not content (vLLM's). Leading whitespace waits for the first other character: content
+    that is only whitespace is none where calls follow (vLLM's server drops it)."""
 
     def __init__(self):
         self.pending = ""
         self.rest: str | None = None  # from the first <tool_call> on, once it came
+        self.held = ""  # leading whitespace not sent yet (until a character that is not)
+        self.sent_text = False  # whether content other than whitespace was sent
 
     def feed(self, text: str) -> str:
         if self.rest is not None:
@@ -198,19 +201,31 @@ class ToolCallSplit:
         before, tag, after = text.partition(START_TAG)
         if tag:
             self.pending, self.rest = "", tag + after
-            return before
+            return self._send(before)
         keep = partial_tag(text, START_TAG)
         self.pending = text[len(text) - keep:] if keep else ""
-        return text[:len(text) - keep]
+        return self._send(text[:len(text) - keep])
+
+    def _send(self, content: str) -> str:
+        """`content` to send now, less leading whitespace held back."""
+        if self.sent_text:
+            return content
+        content, self.held = self.held + content, ""
+        if not content.strip():
+            self.held = content
+            return ""
+        self.sent_text = True
+        return content
 
     def finish(self) -> tuple[str, list[dict]]:
         """(content still to send, calls)."""
+        held, self.held = self.held, ""
         if self.rest is None:
             text, self.pending = self.pending, ""
-            return text, []
+            return held + text, []
         calls = parse_hermes(self.rest)
         if calls is None:
-            return self.rest, []
+            return held + self.rest, []
         return "", calls
 
 
