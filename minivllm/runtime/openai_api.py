@@ -590,10 +590,9 @@ def embedding_body(request_id: str, created: int, model: str, outs: list, fmt: s
     def vector(e: list[float]):
         return e if fmt == "float" else base64.b64encode(struct.pack(f"<{len(e)}f", *e)).decode()
 
-    return {"id": request_id, "object": "list", "created": created, "model": model,
-            "data": [{"index": k, "object": "embedding", "embedding": vector(o.outputs.embedding)}
-                     for k, o in enumerate(outs)],
-            "usage": _prompt_tokens(outs)}
+    return _list_body(request_id, created, model, outs,
+                      [{"index": k, "object": "embedding", "embedding": vector(o.outputs.embedding)}
+                       for k, o in enumerate(outs)])
 
 
 # -- /score, /rerank and /classify (a pooling LLM's, as vLLM's) --------------------------------
@@ -666,12 +665,18 @@ def _prompt_tokens(outs: list) -> dict:
     return {"prompt_tokens": tokens, "total_tokens": tokens}
 
 
+def _list_body(request_id: str, created: int, model: str, outs: list, data: list) -> dict:
+    """The envelope of the pooling routes' responses (embeddings, scores, classes): `data`, one
+    item per output, and the prompts' token usage."""
+    return {"id": request_id, "object": "list", "created": created, "model": model,
+            "data": data, "usage": _prompt_tokens(outs)}
+
+
 def score_body(request_id: str, created: int, model: str, outs: list) -> dict:
     """vLLM's /score response: a score per pair, in pair order."""
-    return {"id": request_id, "object": "list", "created": created, "model": model,
-            "data": [{"index": k, "object": "score", "score": o.outputs.score}
-                     for k, o in enumerate(outs)],
-            "usage": _prompt_tokens(outs)}
+    return _list_body(request_id, created, model, outs,
+                      [{"index": k, "object": "score", "score": o.outputs.score}
+                       for k, o in enumerate(outs)])
 
 
 def rerank_body(request_id: str, model: str, outs: list, documents, top_n: int) -> dict:
@@ -694,10 +699,9 @@ def classify_body(request_id: str, created: int, model: str, outs: list,
         best = max(range(len(probs)), key=probs.__getitem__)
         return labels[best] if best < len(labels) else None
 
-    return {"id": request_id, "object": "list", "created": created, "model": model,
-            "data": [{"index": k, "label": label(o.outputs.probs), "probs": o.outputs.probs,
-                      "num_classes": len(o.outputs.probs)} for k, o in enumerate(outs)],
-            "usage": _prompt_tokens(outs)}
+    return _list_body(request_id, created, model, outs,
+                      [{"index": k, "label": label(o.outputs.probs), "probs": o.outputs.probs,
+                        "num_classes": len(o.outputs.probs)} for k, o in enumerate(outs)])
 
 
 # -- /tokenize and /detokenize (vLLM's) --------------------------------------------------------

@@ -16,6 +16,7 @@ import json
 import os
 from dataclasses import dataclass, replace
 
+from ..state.classifier import ARCHITECTURE as CLASSIFIER_ARCHITECTURE
 from ..state.values import as_int
 
 RUNNERS = ("auto", "generate", "pooling")
@@ -25,8 +26,6 @@ _TASKS = {"auto": None, "generate": "generate", "embed": "pooling", "embedding":
 # What a pooling request computes (PoolingParams.task, vLLM's pooling tasks): an embedding, a
 # classifier's probabilities, or a cross-encoder's score of a pair.
 POOLING_TASKS = ("embed", "classify", "score")
-# The architecture whose checkpoints classify (state/classifier.py).
-_CLASSIFIER = "Qwen3ForSequenceClassification"
 
 _ST_MODULES = "modules.json"  # a sentence-transformers checkpoint's list of modules
 _ST_POOLING = "sentence_transformers.models.Pooling"
@@ -188,14 +187,15 @@ def resolve_runner(runner, task, model_dir: str | None, architectures=()) -> tup
         runner = implied or runner
     st = sentence_transformers_pooling(model_dir) if model_dir is not None else None
     archs = list(architectures or [])
-    pools = st is not None or "Qwen3Model" in archs or _CLASSIFIER in archs
+    pools = st is not None or "Qwen3Model" in archs or CLASSIFIER_ARCHITECTURE in archs
     if runner == "auto":
         runner = "pooling" if pools else "generate"
     if runner == "generate" and "Qwen3Model" in archs:
         raise ValueError(f"{model_dir}: a Qwen3Model checkpoint is the backbone alone, without "
                          f"an LM head: it embeds (runner='pooling') and cannot generate")
-    if runner == "generate" and _CLASSIFIER in archs:
-        raise ValueError(f"{model_dir}: its config (with any hf_overrides) names {_CLASSIFIER}, "
+    if runner == "generate" and CLASSIFIER_ARCHITECTURE in archs:
+        raise ValueError(f"{model_dir}: its config (with any hf_overrides) names "
+                         f"{CLASSIFIER_ARCHITECTURE}, "
                          f"which classifies and scores (runner='pooling') and cannot generate")
     if runner == "pooling" and st is not None and st["pooling"] != "LAST":
         raise ValueError(f"{model_dir}: its sentence-transformers config pools {st['pooling']}; "
