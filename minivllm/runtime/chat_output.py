@@ -2,7 +2,15 @@
 the answer (runtime/reasoning.py, with a reasoning parser), then the answer as content or as tool
 calls (runtime/tool_calls.py, by the request's tool_choice). One ChatOutput per completion, fed
 its text as it grows: a stream sends what each feed returns, a whole response merges the same
-pieces (merge_deltas), so the two always agree."""
+pieces (merge_deltas) of one last feed, so the two agree.
+
+"auto" tool calls stream as vLLM's do: a call's first delta carries its index, id, type and
+name (and its first arguments piece, or ""), later ones index and an arguments piece; at the
+end, what the whole answer's parse has beyond what was streamed (vLLM's "remaining call"). A
+stream cannot take back what it sent: where the answer turns out to be no call after a call
+began streaming (its JSON broken or cut by max_tokens, a hermes block after it broken, an
+unreadable qwen3_coder parameter), the stream's content still ends as the whole response's, and
+the streamed calls stay as they were (vLLM's stream keeps them too)."""
 
 from __future__ import annotations
 
@@ -32,18 +40,21 @@ class ChatOutput:
         self.answer = ""  # a "required" answer, parsed at the end
         self.named_started = False
         self.called = False  # tool calls were sent (finish_reason "tool_calls" in "auto")
+        self.streamed: list[str] = []  # each "auto" call streamed: the arguments it was sent
 
     @property
     def reasoning_parser(self) -> bool:
         return self.split is not None
 
-    def feed(self, text: str) -> dict:
+    def feed(self, text: str, last: bool = False) -> dict:
+        """The delta `text` makes; last: finish() comes next (a whole response, a stream's last
+        piece), so calls are not streamed from it: finish() sends them as parsed whole."""
         r, a = self.split.feed(text) if self.split is not None else ("", text)
-        return self._fields(r, self._answer(a))
+        return self._fields(r, self._answer(a, last))
 
     def finish(self) -> dict:
         r, a = self.split.finish() if self.split is not None else ("", "")
-        fields = self._fields(r, self._answer(a))
+        fields = self._fields(r, self._answer(a, True))
         if self.tools is not None:
             content, calls = self.tools.finish()
             self._add(fields, content, self._calls(calls))
@@ -55,10 +66,12 @@ class ChatOutput:
                 self._add(fields, "", self._calls(calls))
         return fields
 
-    def _answer(self, text: str) -> tuple[str, list[dict]]:
+    def _answer(self, text: str, last: bool = False) -> tuple[str, list[dict]]:
         """The answer's piece as (content, tool call deltas)."""
         if self.tools is not None:
-            return self.tools.feed(text), []
+            content = self.tools.feed(text)
+            events, self.tools.events = self.tools.events, []
+            return content, [] if last else self._stream(events)
         if self.tool_mode == "required":
             self.answer += text
             return "", []
@@ -71,12 +84,44 @@ class ChatOutput:
                                       "arguments": text}}]
         return text, []
 
+    def _stream(self, events: list[tuple[int, str | None, str]]) -> list[dict]:
+        """The split's call events (index, name on a call's first, arguments piece) as deltas,
+        one per call."""
+        deltas: dict[int, dict] = {}
+        for index, name, piece in events:
+            if index > 0 and not self.parallel_tool_calls:
+                continue
+            if name is not None:
+                if index != len(self.streamed):  # its calls come in order, each named once
+                    continue
+                self.streamed.append("")
+                self.called = True
+                deltas[index] = {"index": index, "id": new_call_id(), "type": "function",
+                                 "function": {"name": name, "arguments": ""}}
+            elif index >= len(self.streamed):
+                continue
+            self.streamed[index] += piece
+            delta = deltas.setdefault(index, {"index": index, "function": {"arguments": ""}})
+            delta["function"]["arguments"] += piece
+        return [d for d in deltas.values() if "id" in d or d["function"]["arguments"]]
+
     def _calls(self, calls: list[dict]) -> list[dict]:
+        """The whole answer's calls as the deltas that end them: each streamed call's arguments
+        beyond what it was sent (nothing where that is no prefix of them: the stream cannot
+        mend it), and the calls not streamed whole."""
         if not self.parallel_tool_calls:
             calls = calls[:1]
         if calls:
             self.called = True
-        return [{"index": k, **call_json(c["name"], c["arguments"])} for k, c in enumerate(calls)]
+        deltas = []
+        for k, c in enumerate(calls):
+            if k >= len(self.streamed):
+                deltas.append({"index": k, **call_json(c["name"], c["arguments"])})
+                continue
+            sent, args = self.streamed[k], c["arguments"]
+            if len(args) > len(sent) and args.startswith(sent):
+                deltas.append({"index": k, "function": {"arguments": args[len(sent):]}})
+        return deltas
 
     def _fields(self, r: str, answer: tuple[str, list[dict]]) -> dict:
         fields = {}
@@ -124,7 +169,7 @@ def message(parser: ChatOutput, text: str) -> dict:
     """A whole completion's message: role, content (None where the answer is all tool calls or
     the completion all reasoning, "" for a constrained tool call, as vLLM), the reasoning fields
     with a reasoning parser, tool_calls where any."""
-    fields = merge_deltas([parser.feed(text), parser.finish()])
+    fields = merge_deltas([parser.feed(text, last=True), parser.finish()])
     content = fields.get("content")
     if content is None:
         if parser.tool_mode == "required" or parser.tool_mode.startswith("function:"):

@@ -521,7 +521,7 @@ def chat_choice(c, req: ParsedRequest, parser: ChatOutput, *, delta: bool) -> di
     lps = (chat_logprobs(list(c.token_ids), c.logprobs, req.logprobs)
            if req.logprobs is not None and c.logprobs is not None and not hidden else None)
     if delta:
-        fields = parser.feed(c.text)
+        fields = parser.feed(c.text, last=c.finish_reason is not None)
         if c.finish_reason is not None:
             for key, value in parser.finish().items():
                 fields[key] = fields[key] + value if key in fields else value

@@ -46,7 +46,11 @@ from typing import Any
 from .reasoning import partial_tag
 
 TOOL_START = "<tool_call>"
+TOOL_END = "</tool_call>"
 FUNCTION_START = "<function="
+FUNCTION_END = "</function>"
+PARAMETER_START = "<parameter="
+PARAMETER_END = "</parameter>"
 # vLLM's patterns (its regex module reads them as re does): with DOTALL, a lazy group that ends
 # at `$` stops before a final newline, a greedy one takes it.
 _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*?)$", re.DOTALL)
@@ -195,21 +199,40 @@ def parse_qwen3_coder(text: str, tools: list[dict] | None) -> tuple[str | None, 
 
 
 class Qwen3CoderSplit:
-    """An answer, fed as it grows, split as ToolCallSplit does (the content as it comes, the
-    calls at the end) but by parse_qwen3_coder's rules: what is sent stops before the first
-    <tool_call> or <function= (either may start the calls), and leading whitespace waits for
-    the first other character (content that is only whitespace is none where calls follow).
-    finish() parses the whole answer and sends what its content has beyond what was sent, so a
-    streamed answer ends as the whole one does."""
+    """An answer, fed as it grows, split as ToolCallSplit does but by parse_qwen3_coder's rules.
+    Content: what is sent stops before the first <tool_call> or <function= (either may start the
+    calls), and leading whitespace waits for the first other character (content that is only
+    whitespace is none where calls follow). Calls stream (`events`, read by ChatOutput) from
+    the <tool_call> blocks, as vLLM's parser streams them: a function's name with "{" once its
+    ">" came, then each parameter as '"name": value' (", " before all but the first) once a
+    </parameter> or the next <parameter= ends it, typed as the whole parse types it, then the
+    rest of the function's arguments (its last parameters, "}") once </function> or the block's
+    </tool_call> ends it, from parse_function of its whole text. A <function= before any
+    <tool_call> waits for finish() (it is a call only if no block ever comes). finish() parses
+    the whole answer and sends what its content has beyond what was sent, so a streamed answer
+    ends as the whole one does."""
 
     def __init__(self, tools: list[dict] | None):
         self.tools = tools
         self.text = ""
         self.sent = 0  # the length of the content sent: never past a tag's start
         self.started = False  # a tag came: the rest waits for finish()
+        # The calls as they come: (index, name, arguments piece), name None after the first.
+        self.events: list[tuple[int, str | None, str]] = []
+        self._mode = "out"  # "out" of blocks, in a "block", a function's "head" or "body"
+        self._pos = 0  # how far into text the calls were read
+        self._index = -1  # the current function's call index
+        self._fstart = 0  # where the current function's text (after "<function=") starts
+        self._end: tuple[int, str] | None = None  # the function's end (index, tag), once seen
+        self._end_from = 0  # where to look for it next
+        self._given = ""  # the current function's arguments given out
+        self._keys: set[str] = set()  # its parameters given out
+        self._stopped = False  # the answer went where a stream cannot follow: finish() decides
 
     def feed(self, text: str) -> str:
         self.text += text
+        if not self._stopped:
+            self._read_calls()
         if self.started:
             return ""
         starts = [i for i in (self.text.find(tag, self.sent) for tag in (TOOL_START,
@@ -224,8 +247,109 @@ class Qwen3CoderSplit:
         piece, self.sent = self.text[self.sent:end], max(self.sent, end)
         return piece
 
+    def _read_calls(self) -> None:
+        text = self.text
+        while not self._stopped:
+            if self._mode == "out":
+                start = text.find(TOOL_START, self._pos)
+                if start < 0:
+                    self._pos = max(self._pos, len(text) - len(TOOL_START) + 1)
+                    return
+                self._pos, self._mode = start + len(TOOL_START), "block"
+            elif self._mode == "block":  # the block's next function, or its end
+                f, e = text.find(FUNCTION_START, self._pos), text.find(TOOL_END, self._pos)
+                if e >= 0 and (f < 0 or e < f):
+                    self._pos, self._mode = e + len(TOOL_END), "out"
+                elif f < 0:
+                    self._pos = max(self._pos, len(text) - len(TOOL_END) + 1)
+                    return
+                else:
+                    self._fstart = self._pos = self._end_from = f + len(FUNCTION_START)
+                    self._end, self._mode = None, "head"
+            elif self._mode == "head":  # the name, to its ">" inside the function
+                close, end = text.find(">", self._fstart), self._function_end()
+                if end is not None and not 0 <= close < end[0]:
+                    self._after_function()  # no name: parse_function drops it
+                elif close < 0:
+                    return
+                else:
+                    self._index += 1
+                    self._given, self._keys = "{", set()
+                    self.events.append((self._index, text[self._fstart:close], "{"))
+                    self._pos, self._mode = close + 1, "body"
+            else:
+                self._read_body()
+                if self._mode == "body":
+                    return
+
+    def _function_end(self) -> tuple[int, str] | None:
+        """Where the current function's text ends (the first </function>, or the block's
+        </tool_call>, after its start), once that came."""
+        if self._end is None:
+            found = [(i, tag) for tag in (FUNCTION_END, TOOL_END)
+                     if (i := self.text.find(tag, self._end_from)) >= 0]
+            if found:
+                self._end = min(found)
+            else:
+                self._end_from = max(self._end_from, len(self.text) - len(TOOL_END) + 1)
+        return self._end
+
+    def _after_function(self) -> None:
+        """Past the current function's end: on in its block, or out of it."""
+        i, tag = self._end
+        self._pos, self._mode = i + len(tag), "block" if tag == FUNCTION_END else "out"
+
+    def _give(self, piece: str) -> None:
+        self._given += piece
+        self.events.append((self._index, None, piece))
+
+    def _read_body(self) -> None:
+        """The function's parameters that a </parameter> or a next <parameter= ended; all of
+        it once its end came."""
+        text, end = self.text, self._function_end()
+        limit = end[0] if end is not None else len(text)
+        properties = tool_properties(self.tools, text[self._fstart:text.find(">", self._fstart)])
+        while True:
+            start = text.find(PARAMETER_START, self._pos, limit)
+            if start < 0:
+                break
+            value_start = start + len(PARAMETER_START)
+            ends = [i for i in (text.find(PARAMETER_END, value_start, limit),
+                                text.find(PARAMETER_START, value_start, limit)) if i >= 0]
+            if not ends:
+                break
+            stop = min(ends)
+            key, close, value = text[value_start:stop].partition(">")
+            if not close or key in self._keys:  # unreadable, or a value the last one replaces
+                self._stopped = True
+                return
+            try:
+                value = json.dumps(convert_value(_strip_newlines(value), key, properties),
+                                   ensure_ascii=False)
+            except (_Unreadable, TypeError, ValueError, RecursionError, MemoryError):
+                self._stopped = True
+                return
+            self._give((", " if self._keys else "") + json.dumps(key, ensure_ascii=False) +
+                       ": " + value)
+            self._keys.add(key)
+            self._pos = stop + len(PARAMETER_END) if text.startswith(PARAMETER_END, stop) \
+                else stop
+        if end is None:
+            return
+        try:
+            call = parse_function(text[self._fstart:end[0]], self.tools)
+        except (_Unreadable, RecursionError, MemoryError):
+            call = None
+        if call is None or not call["arguments"].startswith(self._given):
+            self._stopped = True
+            return
+        if len(call["arguments"]) > len(self._given):
+            self._give(call["arguments"][len(self._given):])
+        self._after_function()
+
     def finish(self) -> tuple[str, list[dict]]:
-        """(content still to send, calls)."""
+        """(content still to send, calls): all the answer's calls, those streamed too (the
+        stream sends what they lack, runtime/chat_output.py)."""
         content, calls = parse_qwen3_coder(self.text, self.tools)
         content = content or ""
         assert content.startswith(self.text[:self.sent]), "sent content the answer lacks"

@@ -21,6 +21,7 @@ import json
 import re
 import uuid
 
+from .json_stream import CallScanner
 from .qwen3_coder_tools import Qwen3CoderSplit
 from .reasoning import partial_tag
 
@@ -181,30 +182,97 @@ def parse_required(text: str) -> list[dict] | None:
 
 class ToolCallSplit:
     """An answer, fed as it grows, split into the content before its first <tool_call> (sent
-    as it comes, but for an end that may begin the tag) and the rest, kept until finish()
-    parses it whole: then the calls, or, where the rest holds none that parses, the rest as
-    content (so that a streamed answer ends as the whole one does). Text after the first call
-    is not content (vLLM's). Leading whitespace waits for the first other character: content
-    that is only whitespace is none where calls follow (vLLM's server drops it)."""
+    as it comes, but for an end that may begin the tag) and the calls. Each call streams as it
+    is generated (`events`, read by ChatOutput): its name once the JSON's "name" string closed,
+    then its arguments as json_stream.CallScanner writes them, pieces of exactly the text the
+    whole answer's parse gives (json.dumps of the value); a block whose </tool_call> came is
+    checked against json.loads of its text. finish() parses the rest whole (parse_hermes): then
+    the calls, or, where the rest holds none that parses, the rest as content (so that a streamed
+    answer's content ends as the whole one's; calls already streamed stay sent). Text after the
+    first call is not content (vLLM's). Leading whitespace waits for the first other character:
+    content that is only whitespace is none where calls follow (vLLM's server drops it)."""
 
     def __init__(self):
         self.pending = ""
         self.rest: str | None = None  # from the first <tool_call> on, once it came
         self.held = ""  # leading whitespace not sent yet (until a character that is not)
         self.sent_text = False  # whether content other than whitespace was sent
+        # The calls as they come: (index, name, arguments piece), name None after the first.
+        self.events: list[tuple[int, str | None, str]] = []
+        self._pos = 0  # how far into rest the calls were read
+        self._scanner: CallScanner | None = None  # the open block's
+        self._start = 0  # where the open block's text starts in rest
+        self._index = -1  # the open (or last) block's call index
+        self._named = False  # the open block's name was given out
+        self._given = 0  # how much of the open block's arguments was given out
+        self._stopped = False  # the answer went where a stream cannot follow: finish() decides
 
     def feed(self, text: str) -> str:
         if self.rest is not None:
             self.rest += text
+            self._read_calls()
             return ""
         text = self.pending + text
         before, tag, after = text.partition(START_TAG)
         if tag:
             self.pending, self.rest = "", tag + after
+            self._read_calls()
             return self._send(before)
         keep = partial_tag(text, START_TAG)
         self.pending = text[len(text) - keep:] if keep else ""
         return self._send(text[:len(text) - keep])
+
+    def _read_calls(self) -> None:
+        """The blocks of rest read as far as it decides them (an end that may begin
+        </tool_call> waits), their calls' pieces added to `events`."""
+        rest = self.rest
+        while not self._stopped:
+            if self._scanner is None:
+                start = rest.find(START_TAG, self._pos)
+                if start < 0:
+                    self._pos = max(self._pos, len(rest) - len(START_TAG) + 1)
+                    return
+                self._pos = self._start = start + len(START_TAG)
+                self._scanner, self._named, self._given = CallScanner(), False, 0
+                self._index += 1
+                continue
+            end = rest.find(END_TAG, self._pos)
+            upto = end if end >= 0 else len(rest) - partial_tag(rest[self._pos:], END_TAG)
+            self._scanner.feed(rest[self._pos:upto])
+            self._pos = upto
+            if end < 0:
+                self._give(self._scanner.name, self._scanner.args, self._scanner.failed)
+                return
+            self._close_block(rest[self._start:end])
+            self._pos, self._scanner = end + len(END_TAG), None
+
+    def _close_block(self, text: str) -> None:
+        """A block whose text is whole: its call as json.loads reads it."""
+        try:
+            call = json.loads(text)
+        except (ValueError, RecursionError):
+            call = None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or \
+                "arguments" not in call:
+            self._stopped = True  # no call: finish() makes the rest content
+            return
+        self._give(call["name"], json.dumps(call["arguments"], ensure_ascii=False))
+
+    def _give(self, name: str | None, args: str, failed: bool = False) -> None:
+        """The open block's call as now known: its name (None: not read yet) and arguments so
+        far, of which what was not given out yet goes to `events`."""
+        if failed or self._named and name != self._scanner.name or \
+                not args.startswith(self._scanner.args[:self._given]):
+            self._stopped = True
+            return
+        if name is None:
+            return
+        piece, self._given = args[self._given:], len(args)
+        if not self._named:
+            self._named = True
+            self.events.append((self._index, name, piece))
+        elif piece:
+            self.events.append((self._index, None, piece))
 
     def _send(self, content: str) -> str:
         """`content` to send now, less leading whitespace held back."""
@@ -218,7 +286,8 @@ class ToolCallSplit:
         return content
 
     def finish(self) -> tuple[str, list[dict]]:
-        """(content still to send, calls)."""
+        """(content still to send, calls): all the answer's calls, those streamed too (the
+        stream sends what they lack, runtime/chat_output.py)."""
         held, self.held = self.held, ""
         if self.rest is None:
             text, self.pending = self.pending, ""
