@@ -281,10 +281,14 @@ def test_the_server_reads_xml_calls_typed_by_the_requests_tools(server, llm):
     merged, reasons = streamed_message(events)
     assert merged["content"] == "Let me check.\n" and reasons == ["tool_calls"]
     assert functions(merged["tool_calls"]) == functions(choice["message"]["tool_calls"])
-    # The content came before the answer ended, the calls with its end.
+    # The content came before the answer ended, and the call's parameters one by one as they
+    # closed, before the last chunk: its name and "{" first, then each '"name": value'.
     early = [c["delta"] for ev in events[1:] for c in ev["choices"] if not c["finish_reason"]]
     assert "".join(d.get("content", "") for d in early) == "Let me check.\n"
-    assert not any("tool_calls" in d for d in early)
+    pieces = [p["function"] for d in early for p in d.get("tool_calls", ())]
+    assert pieces[0] == {"name": "get_weather", "arguments": "{"}
+    assert [p["arguments"] for p in pieces[1:4]] == [
+        f'"city": "{city}"', f', "days": {days}', f', "metric": {metric}']
 
 
 def test_the_server_without_the_tools_schema_keeps_text(server):
