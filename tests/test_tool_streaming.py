@@ -194,7 +194,9 @@ def test_hermes_arguments_stream_as_generated():
     early = [k for k, p in calls[0] if k < len(deltas) - 1 and p["function"]["arguments"]]
     assert len(early) > 20  # a piece a few characters
     first = calls[0][0][1]
-    assert first["function"] == {"name": "get_weather", "arguments": ""}  # vLLM's: name alone
+    # The name before any argument (arguments "" as in OpenAI's first delta; vLLM's hermes
+    # leaves the key out).
+    assert first["function"] == {"name": "get_weather", "arguments": ""}
     assert "".join(d.get("content", "") for d in deltas[:calls[0][0][0] + 1]) == "Let me see.\n"
     assert deltas[-1] == {}  # all of it streamed before the end
 
@@ -357,3 +359,51 @@ def test_the_server_streams_a_calls_arguments_as_generated(server):
         assert len(early) > 10
         note = json.loads(merged["tool_calls"][0]["function"]["arguments"])["note"]
         assert sum(1 for a in early if a.strip('"') and a.strip('"') in note) > 5
+
+
+# -- the hermes scanner against json.loads -----------------------------------------------------
+
+
+def _has_repeated_keys(text: str) -> bool:
+    repeated = []
+
+    def pairs(items):
+        keys = [k for k, _ in items]
+        repeated.extend([1] if len(set(keys)) < len(keys) else [])
+        return dict(items)
+
+    json.loads(text, object_pairs_hook=pairs)
+    return bool(repeated)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_the_scanner_reads_a_call_as_json_loads_does(data):
+    """Fed a call's JSON in pieces, CallScanner's arguments are always a prefix of json.dumps of
+    json.loads' (and all of it at the end), its name json.loads' name; text json.loads refuses
+    is never a whole call to it."""
+    from minivllm.runtime.json_stream import CallScanner
+
+    items = [("name", data.draw(TEXT)), ("arguments", data.draw(JSON))]
+    text = write_json(data.draw, dict(items if data.draw(st.booleans()) else items[::-1]))
+    if data.draw(st.booleans()):  # spoilt, perhaps
+        at = data.draw(st.integers(0, len(text)))
+        text = text[:at] + data.draw(st.sampled_from(
+            ["}", "]", ":", ",", '"', "\\", "0", "-", "e", ".", "true", "NaN", "\\u12", "\\ud800",
+             '"name": 1,', '"arguments": 2,'])) + text[at:]
+    try:
+        call = json.loads(text)
+    except ValueError:
+        call = None
+    scanner = CallScanner()
+    whole = isinstance(call, dict) and isinstance(call.get("name"), str) and \
+        "arguments" in call and not _has_repeated_keys(text)
+    final = json.dumps(call["arguments"], ensure_ascii=False) if whole else None
+    for piece in cut(text, data.draw(st.lists(st.integers(0, 400), max_size=10))):
+        scanner.feed(piece)
+        if whole:
+            assert not scanner.failed and final.startswith(scanner.args)
+    if whole:
+        assert scanner.done and (scanner.name, scanner.args) == (call["name"], final)
+    elif call is None:
+        assert scanner.failed or not scanner.done

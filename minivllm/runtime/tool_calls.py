@@ -241,7 +241,10 @@ class ToolCallSplit:
             self._scanner.feed(rest[self._pos:upto])
             self._pos = upto
             if end < 0:
-                self._give(self._scanner.name, self._scanner.args, self._scanner.failed)
+                if self._scanner.failed:
+                    self._stopped = True
+                else:
+                    self._give(self._scanner.name, self._scanner.args)
                 return
             self._close_block(rest[self._start:end])
             self._pos, self._scanner = end + len(END_TAG), None
@@ -256,15 +259,16 @@ class ToolCallSplit:
                 "arguments" not in call:
             self._stopped = True  # no call: finish() makes the rest content
             return
-        self._give(call["name"], json.dumps(call["arguments"], ensure_ascii=False))
+        args = json.dumps(call["arguments"], ensure_ascii=False)
+        if self._named and call["name"] != self._scanner.name or \
+                not args.startswith(self._scanner.args[:self._given]):
+            self._stopped = True  # what was given out is not this call's: finish() decides
+            return
+        self._give(call["name"], args)
 
-    def _give(self, name: str | None, args: str, failed: bool = False) -> None:
+    def _give(self, name: str | None, args: str) -> None:
         """The open block's call as now known: its name (None: not read yet) and arguments so
         far, of which what was not given out yet goes to `events`."""
-        if failed or self._named and name != self._scanner.name or \
-                not args.startswith(self._scanner.args[:self._given]):
-            self._stopped = True
-            return
         if name is None:
             return
         piece, self._given = args[self._given:], len(args)
