@@ -115,8 +115,8 @@ def write_string(draw, s: str) -> str:
         if ch in _SHORT:
             forms.append(_SHORT[ch])
         code = ord(ch)
-        forms.append(_u(code) if code < 0x10000 else
-                      _u(0xD800 + ((code - 0x10000) >> 10)) + _u(0xDC00 + ((code - 0x10000) & 0x3FF)))
+        high, low = divmod(code - 0x10000, 0x400)
+        forms.append(_u(code) if code < 0x10000 else _u(0xD800 + high) + _u(0xDC00 + low))
         out.append(draw(st.sampled_from(forms)))
     return '"' + "".join(out) + '"'
 
