@@ -113,6 +113,9 @@ class LLM:
     sequences whose sampling reads their output (penalties, multi-token bad_words, structured
     outputs, min_tokens still pending) decode without drafts. LLM.stats counts the drafted and
     accepted tokens.
+    enable_lora, max_loras, max_lora_rank: serve PEFT LoRA adapters (generate / chat / stream's
+    lora_request=LoRARequest(name, int_id, path)), up to max_loras in one batch, of rank up to
+    max_lora_rank (runtime/lora.py, state/lora.py); one device, dense models, eager forward.
     """
 
     def __init__(self, model, *, tokenizer=None, dtype="auto", max_model_len: int | None = None,
