@@ -369,6 +369,25 @@ def test_errors_before_any_work(tiny_dir, adapters, prompts, tmp_path, oracle):
     with open(os.path.join(bad_target, "adapter_config.json"), "w") as f:
         json.dump(cfg, f)
     cases.append((LoRARequest("target", 30, bad_target), r"\['embed_tokens'\] are not supported"))
+    unlisted = _bad(tmp_path, tiny_dir, "unlisted", targets=["q_proj", "o_proj"])
+    with open(os.path.join(unlisted, "adapter_config.json")) as f:
+        cfg = json.load(f)
+    cfg["target_modules"] = ["q_proj"]
+    with open(os.path.join(unlisted, "adapter_config.json"), "w") as f:
+        json.dump(cfg, f)
+    cases.append((LoRARequest("unlisted", 31, unlisted), "o_proj is not in target_modules"))
+    wrong_r = _bad(tmp_path, tiny_dir, "wrong_r")
+    with open(os.path.join(wrong_r, "adapter_config.json")) as f:
+        cfg = json.load(f)
+    cfg["r"] = 3
+    with open(os.path.join(wrong_r, "adapter_config.json"), "w") as f:
+        json.dump(cfg, f)
+    cases.append((LoRARequest("wrong_r", 32, wrong_r), r"has shape \(2, 64\), expected \(3, 64\)"))
+    head = _bad(tmp_path, tiny_dir, "head")
+    save_file({"base_model.model.lm_head.lora_A.weight": torch.ones(2, 64),
+               "base_model.model.lm_head.lora_B.weight": torch.ones(101, 2)},
+              os.path.join(head, "adapter_model.safetensors"))
+    cases.append((LoRARequest("head", 33, head), "not a LoRA A/B weight of a decoder layer"))
     for req, match in cases:
         with pytest.raises(ValueError, match=match):
             llm.generate(token_prompts(prompts[:2]), GREEDY, use_tqdm=False,
@@ -395,6 +414,14 @@ def test_lora_request_without_enable_lora_and_refused_configs(tiny_dir, adapters
     for bad in (0, -1):
         with pytest.raises(ValueError, match="lora_int_id"):
             LoRARequest("a", bad, "/x")
+    # The persistent decode kernel adds no deltas: LoRA turns it off (and the runner runs no
+    # CUDA graphs, compiled layers or fused MLP kernels: runner._compile_and_capture).
+    config = EngineConfig.create(tiny_dir, device="cpu", enable_lora=True, persistent_decode=True)
+    assert config.enable_lora and not config.persistent_decode
+    llm = lora_llm(tiny_dir)
+    runner = llm.engine.runner
+    assert runner.graphs is None and not runner.prefill_graphs
+    assert runner.small_decode_forward is None and runner.prefill_forward is forward
 
 
 def test_moe_refuses_enable_lora(tmp_path):

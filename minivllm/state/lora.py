@@ -170,7 +170,7 @@ def read_adapter_config(path: str) -> dict:
                                        f"module)")
     if cfg.get("layers_to_transform") is not None or cfg.get("layer_replication"):
         raise _adapter_error(path, "layers_to_transform / layer_replication are not supported")
-    r, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha", 8)  # PEFT's default alpha
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise _adapter_error(path, f"r must be a positive integer, got {r!r}")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
@@ -206,7 +206,9 @@ def load_adapter(path: str, config: ModelConfig, max_rank: int) -> LoRAAdapter:
     rank = cfg["r"]
     if rank > max_rank:
         raise _adapter_error(path, f"rank {rank} exceeds max_lora_rank={max_rank}")
-    alpha = float(cfg.get("lora_alpha", rank))
+    alpha = float(cfg.get("lora_alpha", 8))
+    targets = cfg["target_modules"]
+    listed = None if isinstance(targets, str) else {str(t).rsplit(".", 1)[-1] for t in targets}
     scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     file = os.path.join(path, ADAPTER_WEIGHTS)
     if not os.path.isfile(file):
@@ -231,6 +233,9 @@ def load_adapter(path: str, config: ModelConfig, max_rank: int) -> LoRAAdapter:
         if module not in MODULES or _PARENT[module] != parent:
             raise _adapter_error(path, f"tensor {key!r}: module {parent}.{module} is not "
                                        f"supported (LoRA applies to {', '.join(MODULES)})")
+        if listed is not None and module not in listed:
+            raise _adapter_error(path, f"tensor {key!r}: {module} is not in target_modules "
+                                       f"{sorted(listed)}")
         if layer >= config.num_layers:
             raise _adapter_error(path, f"tensor {key!r}: the model has {config.num_layers} layers")
         n_in, n_out = shapes[module]
