@@ -269,7 +269,8 @@ class ModelRunner:
         self.last_sampling = None  # (rows, SamplingBatch) of the last step that sampled
         self.prefill_forward = forward  # see _compile_and_capture
         self.small_decode_forward, self.small_decode_rows = None, 0  # ditto (persistent_decode)
-        self.use_prefill_graphs = self._wants_prefill_graphs(config)
+        # LoRA steps run eagerly (_compile_and_capture): no prefill graphs either.
+        self.use_prefill_graphs = not config.enable_lora and self._wants_prefill_graphs(config)
         with _logged_time("KV cache sizing"):
             self.num_blocks = self._num_blocks()
         self.cache = init_cache(self.params, num_blocks=self.num_blocks, block_size=self.block_size,
@@ -391,7 +392,6 @@ class ModelRunner:
         if flag == "0":
             return False
         applies = self.device.type == "cuda" and not self.enforce_eager and \
-            not config.enable_lora and \
             getattr(self.backend, "name", None) == "triton" and \
             self.params.shard.world_size == 1 and \
             config.max_num_batched_tokens > config.max_num_seqs
