@@ -14,7 +14,7 @@ The engine, shaped like vLLM's:
 from .functional import forward, generate
 from .runtime import (BeamSearchOutput, BeamSearchParams, BeamSearchSequence,
                       ClassificationOutput, ClassificationRequestOutput, CompletionOutput,
-                      EmbeddingOutput, EmbeddingRequestOutput, LLM, LLMEngine, Logprob,
+                      EmbeddingOutput, EmbeddingRequestOutput, LLM, LLMEngine, Logprob, LoRARequest,
                       PoolingParams, RequestOutput, SamplingParams, ScoringOutput,
                       ScoringRequestOutput, StructuredOutputsParams, WorkerDiedError)
 from .state import (Batch, KVCache, LayerParams, ModelConfig, MoELayerParams, Params, SeqChunk,
@@ -27,5 +27,5 @@ __all__ = ["forward", "generate", "Batch", "KVCache", "LayerParams", "MoELayerPa
            "CompletionOutput", "Logprob", "WorkerDiedError", "BeamSearchParams", "BeamSearchOutput",
            "BeamSearchSequence", "StructuredOutputsParams", "PoolingParams", "EmbeddingOutput",
            "EmbeddingRequestOutput", "ClassificationOutput", "ClassificationRequestOutput",
-           "ScoringOutput", "ScoringRequestOutput"]
+           "ScoringOutput", "ScoringRequestOutput", "LoRARequest"]
 __version__ = "0.1.0"

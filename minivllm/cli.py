@@ -165,6 +165,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the form of the model's tool calls: hermes (<tool_call> JSON "
                             "blocks, Qwen3's) or qwen3_coder (<tool_call><function=...> XML "
                             "blocks, Qwen3-Coder's)")
+    lora = serve.add_argument_group("LoRA adapters")
+    lora.add_argument("--enable-lora", action="store_true",
+                      help="serve LoRA adapters: a request whose \"model\" names one of "
+                           "--lora-modules runs with it")
+    lora.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                      type=_lora_module,
+                      help="PEFT LoRA adapter directories, each served under its name (also "
+                           "vLLM's JSON form '{\"name\": ..., \"path\": ...}')")
+    lora.add_argument("--max-loras", type=int, default=1,
+                      help="adapters in one batch at most (the engine's slots)")
+    lora.add_argument("--max-lora-rank", type=int, default=16,
+                      help="the largest adapter rank served")
     from .runtime.bench import add_bench_args
 
     bench = sub.add_parser("bench", help="throughput (nano-vllm's workload) or single-stream latency")
@@ -193,6 +205,20 @@ def _resolve_model(args) -> str:
     return ensure_demo_model()
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    """--lora-modules' NAME=PATH (or vLLM's JSON {"name": ..., "path": ...}) -> (name, path)."""
+    if text.lstrip().startswith("{"):
+        d = _json_object(text)
+        if not isinstance(d.get("name"), str) or not isinstance(d.get("path"), str):
+            raise argparse.ArgumentTypeError(f"a JSON LoRA module needs \"name\" and \"path\" "
+                                             f"strings, got {text!r}")
+        return d["name"], d["path"]
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"a LoRA module is NAME=PATH, got {text!r}")
+    return name, path
+
+
 def _make_llm(args, model: str):
     from .runtime.llm import LLM
 
@@ -217,6 +243,9 @@ def _make_llm(args, model: str):
         kwargs["runner"] = args.runner
     if getattr(args, "scheduling_policy", "fcfs") != "fcfs":  # serve's
         kwargs["scheduling_policy"] = args.scheduling_policy
+    if getattr(args, "enable_lora", False):  # serve's
+        kwargs.update(enable_lora=True, max_loras=args.max_loras,
+                      max_lora_rank=args.max_lora_rank)
     # An interactive CLI serves few sequences: keep the default KV cache small.
     kwargs["max_num_seqs"] = (args.max_num_seqs if args.max_num_seqs is not None
                               else 16 if demo or args.command == "chat" else 256)
@@ -378,13 +407,16 @@ def cmd_serve(args) -> int:
         args.model = args.model_tag
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("minivllm: --enable-auto-tool-choice needs --tool-call-parser")
+    if args.lora_modules and not args.enable_lora:
+        raise SystemExit("minivllm: --lora-modules needs --enable-lora")
     model = _resolve_model(args)
     llm = _make_llm(args, model)
     name = args.served_model_name or args.model or "minivllm-demo"
     server = OpenAIServer(llm, host=args.host, port=args.port, model_name=name,
                           api_key=args.api_key,
                           enable_auto_tool_choice=args.enable_auto_tool_choice,
-                          tool_call_parser=args.tool_call_parser)
+                          tool_call_parser=args.tool_call_parser,
+                          lora_modules=dict(args.lora_modules or ()))
     host, port = server.address
     print(f"minivllm: serving {name!r} at http://{host}:{port}/v1 (Ctrl-C stops)", file=sys.stderr,
           flush=True)

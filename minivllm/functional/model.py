@@ -82,10 +82,23 @@ def check_step(params: Params, cache: KVCache, batch: Batch) -> None:
     if batch.block_size != cache.block_size:
         raise ValueError(f"the batch was made for blocks of {batch.block_size} tokens, the cache "
                          f"holds blocks of {cache.block_size} (make_batch's block_size)")
+    if batch.lora_slots is not None and params.lora is None:
+        raise ValueError("the batch names LoRA slots (lora_slots) but params hold no LoRA "
+                         "weights (params.lora)")
+
+
+def uses_lora(params: Params, batch: Batch) -> bool:
+    """Whether the step runs LoRA deltas: params hold slot weights and some row names a slot.
+    Otherwise the forward is exactly the one without LoRA."""
+    return params.lora is not None and batch.lora_slots is not None
 
 
 def _layers(params: Params, cache: KVCache, batch: Batch, backend: AttentionBackend, x, residual,
             cos, sin, layer) -> tuple[torch.Tensor, torch.Tensor]:
+    if uses_lora(params, batch):  # every layer with its LoRA deltas (functional/lora.py)
+        from .lora import lora_layers
+
+        return lora_layers(params, cache, batch, backend, x, residual, cos, sin)
     config, shard = params.config, params.shard
     for lp, k_cache, v_cache in zip(params.layers, cache.k, cache.v):
         x, residual = layer(lp, x, residual, cos, sin, k_cache, v_cache, batch,
@@ -115,8 +128,15 @@ def forward(params: Params, cache: KVCache, batch: Batch, backend: AttentionBack
     layers(params, cache, batch, backend, x, residual, cos, sin) -> (x, residual), e.g. one
     persistent kernel for every layer (kernels.decode_layer.persistent_layers). What `head`
     returns is what comes back in the logits' place (kernels.decode_head.picking_head: the
-    logits and the tiles' maxima of a greedy pick)."""
+    logits and the tiles' maxima of a greedy pick).
+
+    LoRA: when params.lora holds slot weights and batch.lora_slots names each row's slot, every
+    layer adds its rows' LoRA deltas (functional.lora.lora_decoder_layer, which then runs in
+    `layer`'s place); `layers` (a kernel for the whole stack) does not take them."""
     check_step(params, cache, batch)
+    if layers is not None and uses_lora(params, batch):
+        raise ValueError("forward's `layers` (a whole-stack kernel) computes no LoRA deltas; "
+                         "a step with lora_slots runs the layers one by one")
     x, residual, cos, sin = stem(params, batch)
     if layers is not None:
         x, residual = layers(params, cache, batch, backend, x, residual, cos, sin)

@@ -7,6 +7,7 @@ from .config import EngineConfig
 from .engine import EngineStats, LLMEngine
 from .executor import WorkerDiedError
 from .llm import LLM
+from .lora import LoRARequest
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 from .runner import ModelRunner, StepInput, StepResult
@@ -19,4 +20,4 @@ __all__ = ["BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "BlockM
            "Logprob", "RequestOutput", "ModelRunner", "StepInput", "StepResult", "SamplingParams",
            "Scheduler", "SchedulerOutput", "Sequence", "StructuredOutputsParams", "WorkerDiedError",
            "EmbeddingOutput", "EmbeddingRequestOutput", "PoolingParams", "ClassificationOutput",
-           "ClassificationRequestOutput", "ScoringOutput", "ScoringRequestOutput"]
+           "ClassificationRequestOutput", "ScoringOutput", "ScoringRequestOutput", "LoRARequest"]

@@ -21,6 +21,10 @@ a sequence is never registered, so never shared; and a sequence never takes a hi
 last token (that token must be computed to produce logits), so an entirely cached prompt still
 computes one block.
 
+Sequences of a LoRA adapter compute other K/V from the same tokens: their trie hangs from a root
+of its own, -lora_int_id (node ids are positive, the base model's root 0), so that a prefix is
+shared only between sequences of one adapter (vLLM keys its prefix cache by the LoRA id too).
+
 The trie is dicts of ints and tuples of ints, no object a node: the garbage collector stops
 tracking those, so tens of thousands of cached blocks cost its passes nothing (a first form with
 an object a node made benchmarks/prefix_cache_host.py's decode phase 20-35% dearer, most of it
@@ -40,6 +44,11 @@ def ceil_div(a: int, b: int) -> int:
 
 
 ROOT = 0  # the empty prefix: the parent of every first block's node
+
+
+def root_of(seq: Sequence) -> int:
+    """The trie root of seq's prefixes: ROOT for the base model, -lora_int_id for an adapter's."""
+    return -seq.lora_id
 
 
 class _Block:
@@ -90,7 +99,7 @@ class BlockManager:
             return []
         bs, ids, blocks, trie = self.block_size, seq.token_ids, self.blocks, self.trie
         hits: list[int] = []
-        node = ROOT
+        node = -seq.lora_id  # root_of(seq)
         for i in range((seq.num_tokens - 1) // bs):
             node = trie.get((node, tuple(ids[i * bs:(i + 1) * bs])))
             if node is None:
@@ -154,7 +163,7 @@ class BlockManager:
             # The leading blocks are registered (they come first); their node is this one's
             # parent. None past the root only for a hit a rollback took back: the sequence is
             # preempted then, and registers nothing below it.
-            parent = self.blocks[table[i - 1]].node if i else ROOT
+            parent = self.blocks[table[i - 1]].node if i else root_of(seq)
             if parent is None:
                 full = i
                 break
@@ -240,7 +249,7 @@ class BlockManager:
             assert len(set(seq.block_table)) == len(seq.block_table), f"{seq} holds a block twice"
             for b in seq.block_table:
                 holders[b] += 1
-            parent = ROOT
+            parent = root_of(seq)
             for i, b in enumerate(seq.block_table[:seq.num_registered_blocks]):
                 node = self.blocks[b].node
                 if node is None:  # taken back by a rollback, and the sequence with it

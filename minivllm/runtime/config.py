@@ -73,6 +73,10 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # or "priority" (runtime/scheduler.py)
     # n-gram speculative decoding (runtime/spec_decode.py), or None
     speculative: SpeculativeConfig | None = None
+    # LoRA adapters (runtime/lora.py): up to max_loras at once, of rank up to max_lora_rank.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -86,7 +90,8 @@ class EngineConfig:
                device=None, async_scheduling=True, kv_cache_dtype="auto",
                persistent_decode=None, hf_overrides=None, runner="auto",
                task=None, scheduling_policy="fcfs",
-               speculative_config=None) -> "EngineConfig":
+               speculative_config=None, enable_lora=False, max_loras=1,
+               max_lora_rank=16) -> "EngineConfig":
         model = os.fspath(model)
         speculative = SpeculativeConfig.create(speculative_config)
         if scheduling_policy not in POLICIES:
@@ -204,6 +209,24 @@ class EngineConfig:
                         "grouped GEMMs in bf16 on a Hopper or Blackwell GPU",
                         model_config.num_experts, str(dtype).removeprefix("torch."),
                         torch.cuda.get_device_name(device))
+        enable_lora = as_flag("enable_lora", enable_lora, False)
+        max_loras = _integer("max_loras", max_loras)
+        max_lora_rank = _integer("max_lora_rank", max_lora_rank)
+        if enable_lora:
+            if tensor_parallel_size != 1:
+                raise ValueError(f"enable_lora runs on one device: LoRA under tensor parallelism "
+                                 f"is not supported (tensor_parallel_size="
+                                 f"{tensor_parallel_size})")
+            if model_config.is_moe:
+                raise ValueError("enable_lora: LoRA on a mixture-of-experts model is not "
+                                 "supported (dense Qwen3 models only)")
+            if runner == "pooling":
+                raise ValueError("enable_lora: LoRA is for generating models (runner "
+                                 "'generate'), not pooling ones")
+            if persistent_decode:
+                # The persistent decode kernel computes the layers without LoRA deltas.
+                log.info("minivllm: enable_lora turns persistent_decode off")
+                persistent_decode = False
         if max_logprobs == -1:  # as vLLM: no cap
             max_logprobs = model_config.vocab_size
         if max_num_batched_tokens is None:
@@ -220,7 +243,8 @@ class EngineConfig:
                    persistent_decode=persistent_decode, runner=runner,
                    normalize_embeddings=normalize_embeddings, classifier=classifier,
                    scheduling_policy=scheduling_policy,
-                   speculative=speculative)
+                   speculative=speculative, enable_lora=enable_lora, max_loras=max_loras,
+                   max_lora_rank=max_lora_rank)
 
 
 def persistent_decode_default(device: torch.device, tensor_parallel_size: int,

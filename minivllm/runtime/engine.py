@@ -21,6 +21,7 @@ import logging
 import os
 import random
 import reprlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,7 @@ from .executor import make_executor
 from .generation_config import FILE as GEN_FILE, eos_ids_of, read_generation_config
 from . import reasoning
 from .guide import CompiledGuide, Guide, GuideCache, row_constraint
+from .lora import LoRARequest, LoRASlots
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 from .runner import ModelRunner, PromptScores, StepInput, StepResult, trace_range
@@ -150,7 +152,12 @@ class LLMEngine:
                                    max_model_len=config.max_model_len,
                                    longest_decodes_first=config.cache_dtype in FP8_DTYPES,
                                    policy=config.scheduling_policy,
-                                   speculator=self._propose if config.speculative else None)
+                                   speculator=self._propose if config.speculative else None,
+                                   max_loras=config.max_loras if config.enable_lora else None)
+        # LoRA (runtime/lora.py): which adapter each of the runner's slots holds, and the
+        # adapters read from disk, by lora_int_id (request, adapter), least recently used first.
+        self.loras = LoRASlots(config.max_loras) if config.enable_lora else None
+        self._adapters: OrderedDict = OrderedDict()
         self.eos_ids = read_eos_ids(config.model, self.model_config, tokenizer, generation_config)
         self.rng = random.Random(config.seed)
         # Structured outputs' compiled constraints (runtime/guide.py), made at the first.
@@ -225,8 +232,42 @@ class LLMEngine:
             ids[k] = t
         return text, ids
 
-    def check_request(self, prompt: Any, params: SamplingParams) -> tuple[str | None, list[int]]:
-        """ValueError unless the request can run; returns (prompt text, prompt ids)."""
+    def check_lora(self, lora_request: LoRARequest | None):
+        """The adapter (state.lora.LoRAAdapter) of a request's lora_request, read and checked
+        once per lora_int_id (kept while recently used); None for None. ValueError when this
+        engine has no LoRA, or the adapter cannot be served (state.lora.load_adapter's)."""
+        if lora_request is None:
+            return None
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got "
+                             f"{type(lora_request).__name__}")
+        if not self.config.enable_lora:
+            raise ValueError(f"a request for LoRA adapter {lora_request.lora_name!r}, but LoRA "
+                             f"is not enabled: LLM(..., enable_lora=True) (serve --enable-lora)")
+        lid = lora_request.lora_int_id
+        known = self._adapters.get(lid)
+        if known is not None:
+            if known[0].lora_path != lora_request.lora_path:
+                raise ValueError(f"lora_int_id {lid} is adapter {known[0].lora_name!r} at "
+                                 f"{known[0].lora_path!r}, not {lora_request.lora_path!r}: one "
+                                 f"id per adapter")
+            self._adapters.move_to_end(lid)
+            return known[1]
+        from ..state.lora import load_adapter
+
+        adapter = load_adapter(lora_request.lora_path, self.model_config,
+                               self.config.max_lora_rank)
+        self._adapters[lid] = (lora_request, adapter)
+        # Those in slots are re-read only if also pushed out of here (running sequences hold
+        # their own adapter).
+        while len(self._adapters) > max(2 * self.config.max_loras, 8):
+            self._adapters.popitem(last=False)
+        return adapter
+
+    def check_request(self, prompt: Any, params: SamplingParams,
+                      lora_request: LoRARequest | None = None) -> tuple[str | None, list[int]]:
+        """ValueError unless the request can run; returns (prompt text, prompt ids).
+        lora_request: its LoRA adapter (None: the base model), read and checked here."""
         if self.config.runner == "pooling":  # vLLM's words
             raise ValueError("LLM.generate() is only supported for generative models. Try "
                              "passing `runner=\"generate\"` to use the model as a generative "
@@ -244,6 +285,7 @@ class LLMEngine:
         longest = min(len(ids) + (params.max_tokens or max_len), max_len) - 1
         self._check_fits(f"this request can never fit the KV cache: it may grow to {longest} "
                          f"tokens", longest, "lower max_tokens or raise num_kv_blocks")
+        self.check_lora(lora_request)
         return text, ids
 
     def _truncated(self, ids: list[int], keep: int | None) -> list[int]:
@@ -303,15 +345,22 @@ class LLMEngine:
         return self.vocab_size if n == -1 else n
 
     def add_requests(self, prompts: list, params: list[SamplingParams],
-                     priority: list[int] | None = None) -> list[str]:
+                     priority: list[int] | None = None,
+                     lora_requests: list[LoRARequest | None] | None = None) -> list[str]:
         """Queue requests, all or none: every one is checked before any is queued. priority:
-        one per request, lower first (the "priority" scheduling policy; None: all 0)."""
+        one per request, lower first (the "priority" scheduling policy; None: all 0).
+        lora_requests: one per request (None: the base model), or None: all the base model."""
         if len(prompts) != len(params):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         priority = self.check_priority(priority, len(prompts))
-        checked = [self.check_request(p, sp) for p, sp in zip(prompts, params)]
-        return [self.enqueue(text, ids, sp, pr)
-                for (text, ids), sp, pr in zip(checked, params, priority)]
+        if lora_requests is None:
+            lora_requests = [None] * len(prompts)
+        elif len(lora_requests) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(lora_requests)} lora requests")
+        checked = [self.check_request(p, sp, lr)
+                   for p, sp, lr in zip(prompts, params, lora_requests)]
+        return [self.enqueue(text, ids, sp, pr, lr)
+                for (text, ids), sp, pr, lr in zip(checked, params, priority, lora_requests)]
 
     def add_request(self, prompt: Any, params: SamplingParams, priority: int = 0) -> str:
         return self.add_requests([prompt], [params], [priority])[0]
@@ -336,8 +385,11 @@ class LLMEngine:
         return out
 
     def enqueue(self, text: str | None, ids: list[int], params: SamplingParams,
-                priority: int = 0) -> str:
-        """Queue a request that check_request accepted, as the (text, ids) it returned."""
+                priority: int = 0, lora_request: LoRARequest | None = None) -> str:
+        """Queue a request that check_request accepted, as the (text, ids) it returned (and
+        the lora_request it was checked with)."""
+        lora = self.check_lora(lora_request)  # read by check_request: found, not read again
+        lora_id = lora_request.lora_int_id if lora is not None else 0
         request = self._new_request(text, ids, params)
         request_id = request.request_id
         base = params.seed if params.seed is not None else self.rng.getrandbits(63)
@@ -350,7 +402,7 @@ class LLMEngine:
             seq = Sequence(self._next_seq_id, request_id, i, ids, params, seed,
                            eos_ids=self.eos_ids, bad_words=bad_words,
                            guide=Guide(compiled, phase, tags) if compiled is not None else None,
-                           priority=priority)
+                           priority=priority, lora=lora, lora_id=lora_id)
             self._next_seq_id += 1
             request.seqs.append(seq)
             self.scheduler.add(seq)
@@ -552,8 +604,27 @@ class LLMEngine:
             # A row per logits row: a chunk with d drafts samples d + 1 tokens, its row at
             # steps num_output ... num_output + d (as the steps without drafts would).
             rows, steps = self._spec_rows(sampled, rows, steps, out.drafts)
+        lora_slots = self._lora_slots(out) if self.loras is not None else None
         return StepInput(chunks, rows, tuple(fed_back), steps, scores,
-                         tuple(pooled) if out.pooled else ())
+                         tuple(pooled) if out.pooled else (), lora_slots)
+
+    def _lora_slots(self, out: SchedulerOutput) -> tuple[int, ...] | None:
+        """Each chunk's LoRA slot (-1: the base model), the step's adapters put in slots
+        first (LoRASlots: never evicting one a running sequence uses); None when no chunk uses
+        an adapter."""
+        seqs = [c.seq for c in out.chunks]
+        needed = {seq.lora_id: seq.lora for seq in seqs if seq.lora_id}
+        if not needed:
+            return None
+        in_use = [seq.lora_id for seq in self.scheduler.running if seq.lora_id]
+        slot_of, loads = self.loras.assign(needed, in_use)
+        for slot, lid in loads:
+            try:
+                self.runner.set_lora(slot, needed[lid])
+            except BaseException:
+                self.loras.forget(lid)  # its slot holds part of it: written again when needed
+                raise
+        return tuple(slot_of[seq.lora_id] if seq.lora_id else -1 for seq in seqs)
 
     @staticmethod
     def _spec_rows(sampled: list[Sequence], rows: list[SamplingRow], steps: tuple[int, ...],

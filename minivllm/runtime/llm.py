@@ -22,6 +22,7 @@ from .beam_search import BeamSearchOutput, beam_search
 from .classify import ClassificationRequestOutput, load_head
 from .engine import EngineStats, LLMEngine
 from .executor import make_executor
+from .lora import LoRARequest
 from .generation_config import (FILE as GEN_FILE, eos_ids_of, generation_config_dir,
                                 read_generation_config, sampling_defaults)
 from .outputs import CompletionOutput, RequestOutput
@@ -112,6 +113,9 @@ class LLM:
     sequences whose sampling reads their output (penalties, multi-token bad_words, structured
     outputs, min_tokens still pending) decode without drafts. LLM.stats counts the drafted and
     accepted tokens.
+    enable_lora, max_loras, max_lora_rank: serve PEFT LoRA adapters (generate / chat / stream's
+    lora_request=LoRARequest(name, int_id, path)), up to max_loras in one batch, of rank up to
+    max_lora_rank (runtime/lora.py, state/lora.py); one device, dense models, eager forward.
     """
 
     def __init__(self, model, *, tokenizer=None, dtype="auto", max_model_len: int | None = None,
@@ -125,7 +129,8 @@ class LLM:
                  generation_config="auto", override_generation_config: dict | None = None,
                  hf_overrides: dict | None = None, reasoning_parser: str | None = None,
                  runner: str = "auto", task: str | None = None,
-                 scheduling_policy: str = "fcfs", speculative_config: dict | None = None):
+                 scheduling_policy: str = "fcfs", speculative_config: dict | None = None,
+                 enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16):
         skip_tokenizer_init = as_flag("skip_tokenizer_init", skip_tokenizer_init, False)
         reasoning.check_parser(reasoning_parser)
         self.config = EngineConfig.create(
@@ -138,7 +143,8 @@ class LLM:
             async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype,
             persistent_decode=persistent_decode, hf_overrides=hf_overrides, runner=runner,
             task=task, scheduling_policy=scheduling_policy,
-            speculative_config=speculative_config)
+            speculative_config=speculative_config, enable_lora=enable_lora,
+            max_loras=max_loras, max_lora_rank=max_lora_rank)
         self._diff_sampling_param, gen = generation_defaults(
             generation_config, override_generation_config, self.config.model)
         if self._diff_sampling_param:
@@ -231,18 +237,33 @@ class LLM:
             raise ValueError(f"{n} prompts but {len(params)} sampling params")
         return params
 
-    def _add(self, prompts, sampling_params, priority=None) -> list[str]:
+    @staticmethod
+    def _lora_list(lora_request, n: int) -> list:
+        """One LoRARequest (or None) per prompt: one for all, or a list of one per prompt."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * n
+        if isinstance(lora_request, (str, bytes, dict)) or \
+                not isinstance(lora_request, Iterable):
+            raise ValueError(f"lora_request must be a LoRARequest or a list of them (None: the "
+                             f"base model), got {type(lora_request).__name__}")
+        requests = list(lora_request)
+        if len(requests) != n:
+            raise ValueError(f"{n} prompts but {len(requests)} lora requests")
+        return requests
+
+    def _add(self, prompts, sampling_params, priority=None, lora_request=None) -> list[str]:
         prompts = self._prompt_list(prompts)
         return self.engine.add_requests(prompts, self._params_list(sampling_params, len(prompts)),
-                                        priority)
+                                        priority, self._lora_list(lora_request, len(prompts)))
 
     def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = True,
-                 priority: list[int] | None = None) -> list[RequestOutput]:
+                 priority: list[int] | None = None, lora_request=None) -> list[RequestOutput]:
         """Complete every prompt (a string, or {"prompt_token_ids": [...]}, or a list of them);
         results in input order. Every request is checked (ValueError) before any is scheduled.
         priority: one integer per prompt, lower scheduled first, with
-        scheduling_policy="priority" (vLLM's)."""
-        ids = self._add(prompts, sampling_params, priority)
+        scheduling_policy="priority" (vLLM's). lora_request: a LoRARequest for every prompt, or
+        a list of one per prompt (None: the base model), with enable_lora."""
+        ids = self._add(prompts, sampling_params, priority, lora_request)
         return self._run(ids, use_tqdm)
 
     def beam_search(self, prompts, params: BeamSearchParams, *, use_tqdm: bool = False,
@@ -382,14 +403,15 @@ class LLM:
 
     def chat(self, messages, sampling_params=None, *, use_tqdm: bool = True, chat_template=None,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, lora_request=None) -> list[RequestOutput]:
         """Complete one conversation (a list of {"role", "content"} dicts) or a list of them,
         formatted by the tokenizer's chat template (with `tools`, OpenAI's function
         definitions, for a template that lists them, as Qwen3's)."""
         prompts = self.chat_prompts(messages, chat_template=chat_template,
                                     add_generation_prompt=add_generation_prompt,
                                     chat_template_kwargs=chat_template_kwargs, tools=tools)
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
     def chat_prompts(self, messages, *, chat_template=None, add_generation_prompt: bool = True,
                      chat_template_kwargs: dict | None = None, tools: list[dict] | None = None
@@ -414,7 +436,8 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return prompts
 
-    def stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
+    def stream(self, prompts, sampling_params=None, *, lora_request=None
+               ) -> Iterator[RequestOutput]:
         """Yield incremental outputs as they are produced: each RequestOutput holds, per
         completion, only the text, token ids and logprobs that are new since the last one yielded
         for that request (`finished` and finish_reason on the last). Text that could be the
@@ -422,11 +445,16 @@ class LLM:
         here, not at the first next(); the requests are queued at the first next()."""
         prompts = self._prompt_list(prompts)
         params = self._params_list(sampling_params, len(prompts))
-        checked = [self.engine.check_request(p, sp) for p, sp in zip(prompts, params)]
-        return self._stream(checked, params)
+        loras = self._lora_list(lora_request, len(prompts))
+        checked = [self.engine.check_request(p, sp, lr)
+                   for p, sp, lr in zip(prompts, params, loras)]
+        return self._stream(checked, params, loras)
 
-    def _stream(self, checked: list, params: list[SamplingParams]) -> Iterator[RequestOutput]:
-        ids = [self.engine.enqueue(text, ids, sp) for (text, ids), sp in zip(checked, params)]
+    def _stream(self, checked: list, params: list[SamplingParams],
+                loras: list | None = None) -> Iterator[RequestOutput]:
+        loras = loras or [None] * len(params)
+        ids = [self.engine.enqueue(text, ids, sp, 0, lr)
+               for (text, ids), sp, lr in zip(checked, params, loras)]
         mine = set(ids)
         # (request, index) -> progress; (request, "prompt") -> its prompt_logprobs were sent
         sent: dict[tuple[str, int | str], tuple[int, int, bool] | bool] = {}

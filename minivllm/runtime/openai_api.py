@@ -139,6 +139,8 @@ class ParsedRequest:
     # them); its prompts are the pairs LLM.score_plan makes of them.
     score_inputs: tuple | None = None
     top_n: int = 0  # a /rerank request's: the best top_n results (0: all)
+    # The LoRA adapter its "model" names (serve --lora-modules), or None: the base model.
+    lora_request: object = None
 
 
 def _structured(values: dict, tool_schema: dict | None = None) -> StructuredOutputsParams | None:

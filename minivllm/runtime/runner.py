@@ -19,6 +19,7 @@ import os
 import time
 from dataclasses import dataclass
 
+import attrs
 import torch
 from torch.profiler import record_function
 
@@ -83,6 +84,8 @@ class StepInput:
     steps: tuple[int, ...] | None = None
     scored: "PromptScores | None" = None
     pooled: tuple[int, ...] = ()
+    # Each chunk's LoRA slot (-1: the base model), or None: no chunk uses an adapter.
+    lora_slots: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -248,6 +251,15 @@ class ModelRunner:
             self.params = params if params is not None else load(
                 config.model, dtype=config.dtype, device=config.device, shard=shard,
                 config=config.model_config)
+        if config.enable_lora:
+            # The adapters' slot weights, zeros (no adapter) until the engine writes a slot
+            # (set_lora); allocated before the KV cache is sized from what is left.
+            from ..state.lora import init_lora
+
+            self.params = attrs.evolve(self.params, lora=init_lora(
+                self.params.config, max_loras=config.max_loras,
+                max_rank=config.max_lora_rank, dtype=self.params.dtype,
+                device=self.params.device))
         self.model_config = self.params.config
         self.vocab_size = self.model_config.vocab_size
         self.device = self.params.device
@@ -257,7 +269,8 @@ class ModelRunner:
         self.last_sampling = None  # (rows, SamplingBatch) of the last step that sampled
         self.prefill_forward = forward  # see _compile_and_capture
         self.small_decode_forward, self.small_decode_rows = None, 0  # ditto (persistent_decode)
-        self.use_prefill_graphs = self._wants_prefill_graphs(config)
+        # LoRA steps run eagerly (_compile_and_capture): no prefill graphs either.
+        self.use_prefill_graphs = not config.enable_lora and self._wants_prefill_graphs(config)
         with _logged_time("KV cache sizing"):
             self.num_blocks = self._num_blocks()
         self.cache = init_cache(self.params, num_blocks=self.num_blocks, block_size=self.block_size,
@@ -317,7 +330,21 @@ class ModelRunner:
             log.info("minivllm: GiB outside the allocator after each phase: %s",
                      ", ".join(f"{name} {b / GiB:.3f}" for name, b in outside))
 
+    def set_lora(self, slot: int, adapter) -> None:
+        """Write `adapter` (a state.lora.LoRAAdapter, or None: a zero delta) into LoRA slot
+        `slot`, in place (queued in stream order after the steps already launched, whose rows
+        the engine never lets use a slot it rewrites)."""
+        from ..state.lora import write_slot
+
+        write_slot(self.params.lora, slot, adapter, self.model_config)
+
     def _compile_and_capture(self, config: EngineConfig) -> None:
+        if config.enable_lora:
+            # LoRA steps run the eager forward: no decode or prefill CUDA graphs, no compiled
+            # layer, no persistent decode or fused MLP kernels (none of them adds the deltas).
+            log.info("minivllm: enable_lora: every step runs the eager forward (no CUDA graphs, "
+                     "compiled layers or fused decode kernels)")
+            return
         graphs = self.device.type == "cuda" and not self.enforce_eager
         compile_forward = os.environ.get("MINIVLLM_COMPILE", "1") != "0"
         flag = os.environ.get("MINIVLLM_FUSED_MLP")
@@ -445,11 +472,14 @@ class ModelRunner:
             table = list(range(next_block, next_block + ceil_div(n, self.block_size)))
             next_block += len(table)
             chunks.append(SeqChunk([0] * n, 0, table))
-        forward_peak = self._peak_bytes(lambda: self._run(scratch, StepInput(chunks, [])))
+        # With LoRA, every row through slot 0: the step's peak with the deltas.
+        slots = (0,) * len(chunks) if config.enable_lora else None
+        forward_peak = self._peak_bytes(
+            lambda: self._run(scratch, StepInput(chunks, [], lora_slots=slots)))
         # The decode graphs' pool keeps about a decode step's peak at the largest bucket for good
         # (their logits share it: graphs.unowned).
         decode_graphs_peak = 0
-        if not self.enforce_eager:
+        if not self.enforce_eager and not config.enable_lora:
             rows = [SeqChunk([0], 0, [0])] * config.max_num_seqs  # scratch's block 0 for all
             decode_graphs_peak = self._peak_bytes(lambda: self._run(scratch, StepInput(rows, [])))
             decode_graphs_peak += CAPTURE_CODE_BYTES
@@ -538,7 +568,7 @@ class ModelRunner:
         """The step through the forward (compiled or eager): (SampleOutput or None, the prompt
         scores' tensors or None, the pooled rows' hidden states or None, the cache)."""
         batch = make_batch(step.chunks, block_size=self.block_size, device=self.device,
-                           check=False)
+                           check=False, lora_slots=step.lora_slots)
         # Built before the forward is queued, for the same reason as in _run_decode_graph.
         sb = self._sampling_batch(step) if step.rows else None
         self._feed_back(batch.input_ids, step)

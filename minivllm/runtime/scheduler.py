@@ -162,7 +162,7 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, longest_decodes_first: bool = False, policy: str = "fcfs",
-                 speculator=None):
+                 speculator=None, max_loras: int | None = None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if policy not in POLICIES:
@@ -179,6 +179,9 @@ class Scheduler:
         if policy == "priority":
             self._sort_key, self._order = _by_priority(self._sort_key), _priority
         self.max_num_seqs = max_num_seqs
+        # LoRA: the most adapters the running sequences may use at once (the runner's slots),
+        # or None (no LoRA).
+        self.max_loras = max_loras
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.waiting: list[Sequence] = []  # by _order (arrival, or priority then arrival)
@@ -257,15 +260,26 @@ class Scheduler:
             budget -= end - start
 
         # 2. Waiting sequences, oldest first; none while memory is short (something was preempted).
-        while (not out.preempted and self.waiting and budget > 0
+        # With LoRA (max_loras set), a sequence whose adapter would make the running sequences
+        # use more than max_loras adapters waits, and the ones behind it may go first (vLLM's).
+        at, loras = 0, None
+        if self.max_loras is not None:
+            loras = {s.lora_id for s in self.running if s.lora_id}
+        while (not out.preempted and at < len(self.waiting) and budget > 0
                and len(self.running) < self.max_num_seqs):
-            seq = self.waiting[0]
+            seq = self.waiting[at]
+            if loras is not None and seq.lora_id and seq.lora_id not in loras and \
+                    len(loras) >= self.max_loras:
+                at += 1
+                continue
             hits = self.bm.match_prefix(seq) if seq.prompt_logprobs is None else []
             cached = len(hits) * self.bm.block_size
             n = min(seq.num_tokens - cached, budget)
             if not self.bm.can_allocate(seq, cached + n, hits):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(at)
+            if loras is not None and seq.lora_id:
+                loras.add(seq.lora_id)
             self.bm.allocate(seq, cached + n, hits)
             seq.num_computed = cached
             if seq.num_cached_prompt < 0:

@@ -30,8 +30,12 @@ class Sequence:
     def __init__(self, seq_id: int, request_id: str, index: int, prompt_ids: list[int],
                  params: SamplingParams, seed: int, eos_ids: tuple[int, ...] = (),
                  bad_words: tuple[tuple[int, ...], ...] = (), guide=None, pooling: bool = False,
-                 priority: int = 0):
+                 priority: int = 0, lora=None, lora_id: int = 0):
         self.seq_id = seq_id
+        # Its LoRA adapter (state.lora.LoRAAdapter) and that adapter's lora_int_id (>= 1), or
+        # None and 0: the base model. The id also keys its prefix cache (block_manager).
+        self.lora = lora
+        self.lora_id = lora_id if lora is not None else 0
         self.priority = priority  # lower first, under the scheduler's "priority" policy
         self.request_id = request_id
         self.index = index  # which of the request's n completions

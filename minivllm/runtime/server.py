@@ -3,7 +3,10 @@ POST /v1/completions and /v1/chat/completions (whole responses, or server-sent e
 "stream": true), or for a pooling LLM (runner="pooling") vLLM's routes of its model: an
 embedding model's /v1/embeddings, a classifier's /classify, and both's /score (/v1/score) and
 /rerank (/v1/rerank, /v2/rerank) where LLM.score serves them; vLLM's /tokenize and /detokenize,
-GET /v1/models, /health and /version.
+GET /v1/models, /health and /version. With LoRA modules (serve --enable-lora --lora-modules
+name=path), a completion or chat request whose "model" names a module runs with that adapter,
+and /v1/models lists the modules after the base model (each with "parent" the base model's
+name), as vLLM's.
 
 The engine is not thread-safe, so one thread owns it (EngineLoop): it takes new requests from a
 queue between steps, steps while any is unfinished, and hands each request's outputs to the
@@ -17,6 +20,7 @@ a small engine, not a production front end.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import queue
@@ -28,6 +32,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from . import reasoning, tool_calls
 from .chat_output import ChatOutput
 from .llm import LLM, _delta
+from .lora import LoRARequest
 from .openai_api import (ParsedRequest, RequestError, chat_body, chat_choice, chat_output,
                          chat_role_choice, classify_body, completion_body, completion_choice,
                          detokenize, embedding_body, error_body, new_id, now, parse_chat,
@@ -150,8 +155,9 @@ class EngineLoop:
                 ids = self.engine.add_pooling_requests(prompts, [req.params] * len(prompts))
             else:
                 priority = self.engine.check_priority([req.priority] * len(prompts), len(prompts))
-                checked = [self.engine.check_request(p, req.params) for p in prompts]
-                ids = [self.engine.enqueue(text, ids, req.params, pr)
+                lora = req.lora_request
+                checked = [self.engine.check_request(p, req.params, lora) for p in prompts]
+                ids = [self.engine.enqueue(text, ids, req.params, pr, lora)
                        for (text, ids), pr in zip(checked, priority)]
         except (ValueError, TypeError) as e:
             sub.replies.put(("error", e if isinstance(e, RequestError) else RequestError(str(e))))
@@ -289,7 +295,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Length", "0")
             self.end_headers()
         elif path == "/v1/models":
-            self._send_json(200, {"object": "list", "data": [self.app.model_card()]})
+            self._send_json(200, {"object": "list", "data": self.app.model_cards()})
         elif path == "/version":
             from .. import __version__
 
@@ -317,7 +323,12 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send_json(200, self._tokenizer_route(path, body))
                 return
             req = parse(body, self.app.defaults)
-            self._check_model(req.model)
+            lora = self._check_model(req.model)
+            if lora is not None:
+                if parse not in (parse_completion, parse_chat):
+                    raise RequestError(f"`{req.model}` is a LoRA adapter: it serves completions "
+                                       f"and chat completions only")
+                req = dataclasses.replace(req, lora_request=lora)
             if req.tool_mode == "auto" and not self.app.tool_call_parser:
                 raise RequestError('"auto" tool choice requires --enable-auto-tool-choice and '
                                    '--tool-call-parser to be set')
@@ -346,10 +357,15 @@ class _Handler(BaseHTTPRequestHandler):
             except OSError:
                 pass
 
-    def _check_model(self, name: str | None) -> None:
-        """A request may name the served model, or none (as vLLM: any other is a 404)."""
-        if name is not None and name != self.app.model_name:
+    def _check_model(self, name: str | None) -> LoRARequest | None:
+        """A request may name the served model, a LoRA module (whose LoRARequest this
+        returns), or none (as vLLM: any other is a 404)."""
+        if name is None or name == self.app.model_name:
+            return None
+        lora = self.app.lora_modules.get(name)
+        if lora is None:
             raise RequestError(f"The model `{name}` does not exist.", 404, "NotFoundError")
+        return lora
 
     def _tokenizer_route(self, path: str, body) -> dict:
         """vLLM's /tokenize (a prompt, or messages through the chat template) and /detokenize."""
@@ -403,9 +419,10 @@ class _Handler(BaseHTTPRequestHandler):
         if outs is None:
             return
         app, req, created = self.app, sub.req, now()
+        name = app.response_name(req)
         if chat:
             out = outs[0]
-            body = chat_body(new_id("chatcmpl"), created, app.model_name,
+            body = chat_body(new_id("chatcmpl"), created, name,
                              [chat_choice(c, req, app.chat_output(req, out), delta=False)
                               for c in out.outputs], usage(outs, req))
             if req.prompt_logprobs:
@@ -414,7 +431,7 @@ class _Handler(BaseHTTPRequestHandler):
             n = req.params.n
             choices = [completion_choice(out, c, req, app.decode, index=k * n + c.index)
                        for k, out in enumerate(outs) for c in out.outputs]
-            body = completion_body(new_id("cmpl"), created, app.model_name, choices,
+            body = completion_body(new_id("cmpl"), created, name, choices,
                                    usage(outs, req))
         self._send_json(200, body)
 
@@ -430,6 +447,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.close_connection = True
         app, req, created = self.app, sub.req, now()
+        name = app.response_name(req)
         make = chat_body if chat else completion_body
         request_id = new_id("chatcmpl" if chat else "cmpl")
         sent: dict = {}
@@ -455,7 +473,7 @@ class _Handler(BaseHTTPRequestHandler):
                 offsets.setdefault(key, 0)
                 if chat:
                     if first:
-                        self._event(make(request_id, created, app.model_name,
+                        self._event(make(request_id, created, name,
                                          [chat_role_choice(c.index)], running, chunk=True))
                         parsers[key] = app.chat_output(req, value)
                     choice = chat_choice(c, req, parsers[key], delta=True)
@@ -466,11 +484,11 @@ class _Handler(BaseHTTPRequestHandler):
                     choice = completion_choice(delta, c, req, app.decode, index=index,
                                                first=first, offset=offsets[key])
                     offsets[key] += len(c.text)
-                self._event(make(request_id, created, app.model_name, [choice], running,
+                self._event(make(request_id, created, name, [choice], running,
                                  chunk=True))
         else:
             if req.include_usage:
-                self._event(make(request_id, created, app.model_name, [],
+                self._event(make(request_id, created, name, [],
                                  usage([last[i] for i in sub.ids], req), chunk=True))
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
@@ -486,7 +504,8 @@ class OpenAIServer:
 
     def __init__(self, llm: LLM, *, host: str = "127.0.0.1", port: int = 8000,
                  model_name: str = "minivllm", api_key: str | None = None,
-                 enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None):
+                 enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+                 lora_modules=None):
         tool_calls.check_parser(tool_call_parser)
         if enable_auto_tool_choice and tool_call_parser is None:  # vLLM's check, at start
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (the form of the "
@@ -501,6 +520,7 @@ class OpenAIServer:
                              f"more blocks")
         self.llm = llm
         self.model_name = model_name
+        self.lora_modules = self._lora_modules(llm, model_name, lora_modules)
         self.api_key = api_key
         # tool_choice "auto" reads calls only with both (a parser alone serves the constrained
         # choices, which need none, as vLLM's).
@@ -528,6 +548,44 @@ class OpenAIServer:
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": now(), "owned_by": "minivllm",
                 "root": self.llm.config.model, "max_model_len": self.llm.config.max_model_len}
+
+    def model_cards(self) -> list[dict]:
+        """/v1/models' data: the base model, then each LoRA module, as vLLM's (root: the
+        adapter's path, parent: the base model's name)."""
+        cards = [self.model_card()]
+        for lora in self.lora_modules.values():
+            cards.append({"id": lora.lora_name, "object": "model", "created": now(),
+                          "owned_by": "minivllm", "root": lora.lora_path,
+                          "parent": lora.base_model_name or self.model_name,
+                          "max_model_len": self.llm.config.max_model_len})
+        return cards
+
+    def response_name(self, req: ParsedRequest) -> str:
+        """The "model" a response names: the LoRA module's the request asked for, else the
+        served model's."""
+        lora = req.lora_request
+        return lora.lora_name if lora is not None else self.model_name
+
+    @staticmethod
+    def _lora_modules(llm: LLM, model_name: str, modules) -> dict[str, LoRARequest]:
+        """name -> LoRARequest of serve's LoRA modules (a {name: path} dict, or LoRARequests),
+        numbered from 1 in order, each adapter read and checked now (ValueError: before the
+        server starts)."""
+        if not modules:
+            return {}
+        if not llm.config.enable_lora:
+            raise ValueError("LoRA modules need an LLM with enable_lora=True (--enable-lora)")
+        items = list(modules.items()) if isinstance(modules, dict) else \
+            [(m.lora_name, m) for m in modules]
+        out: dict[str, LoRARequest] = {}
+        for k, (name, module) in enumerate(items, start=1):
+            lora = module if isinstance(module, LoRARequest) else LoRARequest(name, k, module)
+            if name == model_name or name in out:
+                raise ValueError(f"LoRA module name {name!r} is taken (by the served model or "
+                                 f"another module)")
+            llm.engine.check_lora(lora)
+            out[name] = lora
+        return out
 
     def serve_forever(self) -> None:
         self.http.serve_forever()

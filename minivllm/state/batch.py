@@ -9,7 +9,9 @@ T tokens from B sequences, packed without padding, sequence after sequence:
   block_tables   [B, M]   int32  the blocks holding each sequence's context (-1: unused)
   logits_indices [N]      int64  rows of T that get logits (in prefill, each sequence's last)
 and, static, the block_size the slots and tables count in: forward refuses a cache of another
-(its slots would address other tokens' K/V).
+(its slots would address other tokens' K/V). Optional:
+  lora_slots     [T]      int64  each token's LoRA slot in params.lora (-1: the base model), or
+                                 None (no LoRA in this step: the forward is the one without it)
 
 The new tokens of sequence b sit at positions context_lens[b] - q_len_b ... context_lens[b] - 1;
 the earlier ones (a cached prefix or earlier chunks) are read from the cache through block_tables.
@@ -39,6 +41,7 @@ class Batch:
     block_tables: torch.Tensor
     logits_indices: torch.Tensor
     block_size: int = static()
+    lora_slots: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -208,14 +211,18 @@ def check_chunks(chunks: Sequence[SeqChunk], *, block_size: int, num_blocks: int
 
 def make_batch(chunks: Sequence[SeqChunk], *, block_size: int, device=None,
                max_blocks: int | None = None, every_row: bool = False, check: bool = True,
-               num_blocks: int | None = None, vocab_size: int | None = None) -> Batch:
+               num_blocks: int | None = None, vocab_size: int | None = None,
+               lora_slots: Sequence[int] | None = None) -> Batch:
     """Pack sequence chunks into a Batch (built on the host, then moved to `device`).
     every_row: logits for every token (teacher forcing, losses), not only each chunk's last.
 
     check: validate the chunks first (check_chunks; `num_blocks` and `vocab_size`, where given,
     bound the block ids and token ids: forward cannot check values on the device without
     waiting for it). The engine's runner passes False: its chunks come from requests checked
-    when they were added, and a decode step's host time is on its critical path."""
+    when they were added, and a decode step's host time is on its critical path.
+
+    lora_slots: one LoRA slot per chunk (-1: the base model), repeated over the chunk's tokens
+    into Batch.lora_slots; None, or every chunk -1, leaves it None."""
     if check:
         check_chunks(chunks, block_size=block_size, num_blocks=num_blocks, vocab_size=vocab_size)
     arrays = batch_arrays(chunks, block_size=block_size, max_blocks=max_blocks,
@@ -228,4 +235,13 @@ def make_batch(chunks: Sequence[SeqChunk], *, block_size: int, device=None,
         host = torch.from_numpy(np.ascontiguousarray(x))
         return host.pin_memory().to(device, non_blocking=True) if pin else host.to(device)
 
-    return Batch(**{name: t(x) for name, x in arrays.items()}, block_size=block_size)
+    slots = None
+    if lora_slots is not None:
+        if len(lora_slots) != len(chunks):
+            raise ValueError(f"{len(lora_slots)} LoRA slots for {len(chunks)} chunks")
+        per_chunk = np.asarray(lora_slots, dtype=np.int64)
+        if (per_chunk >= 0).any():
+            lens = np.diff(arrays["cu_seqlens_q"].astype(np.int64))
+            slots = t(np.repeat(per_chunk, lens))
+    return Batch(**{name: t(x) for name, x in arrays.items()}, block_size=block_size,
+                 lora_slots=slots)

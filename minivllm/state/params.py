@@ -5,6 +5,8 @@ Layout (per rank; `local` sizes are the shard's):
   layers     tuple of LayerParams, one per decoder layer
   final_norm [hidden]
   lm_head    [vocab_local, hidden] or None  None when tied to the embedding
+  lora       LoRAParams or None             the LoRA adapters' slot weights (state/lora.py), set
+                                            only by an engine with enable_lora
 LayerParams:
   input_norm [hidden]
   qkv        [(heads + 2 * kv_heads)_local * head_dim, hidden]   q rows, then k rows, then v rows
@@ -68,6 +70,9 @@ class Params:
     lm_head: torch.Tensor | None
     config: ModelConfig = static()
     shard: ShardSpec = static(factory=ShardSpec)
+    # LoRA slot weights (state/lora.LoRAParams), or None: no adapters, and then no extra leaf
+    # (a None child is not a leaf of the pytree) and exactly the forward without LoRA.
+    lora: object = None
 
     @property
     def head_weight(self) -> torch.Tensor:
