@@ -9,6 +9,8 @@
 #       throughput and single stream at the Qwen3-30B-A3B shape (mixture of experts)
 #   bash benchmarks/gpu_checks.sh moe_profile  # nvidia-h200: that shape's traced decode steps,
 #       single stream and ~256 sequences, summarized by kernel
+#   bash benchmarks/gpu_checks.sh moe_probe  # nvidia-h200 or nvidia-h100-x1: one sparse layer's
+#       MoE MLP both ways (grouped GEMMs, Triton kernels) at 1-256 tokens (benchmarks/moe_probe.py)
 #   bash benchmarks/gpu_checks.sh moe_kernel  # nvidia-h200 or nvidia-h100-x1: kernels/fused_moe.py
 #       (MINIVLLM_MOE_KERNEL=triton, the experts as Triton kernels at <= 256 tokens a step): its
 #       GPU tests, then that shape's single stream with and without, alternating, then the
@@ -325,6 +327,13 @@ moe_kernel)
     step "bench_moe_$run" $(left_or 260) "${flag[@]}" python3 -m minivllm bench \
       --shape qwen3-30b-a3b --json "$RESULTS/bench_moe_$run.json"
   done
+  ;;
+moe_probe)
+  # nvidia-h200 or nvidia-h100-x1 (~150 s on a fresh machine): where the MoE expert paths cross
+  # (session 54: MINIVLLM_MOE_KERNEL=triton +13% on the single stream, -12% on the throughput
+  # run): one Qwen3-30B-A3B sparse layer's moe_mlp, grouped GEMMs against the Triton kernels, at
+  # 1-256 tokens in CUDA graphs, with each path's kernels at 1, 32 and 256 tokens.
+  step moe_probe $(left_or 200) python3 benchmarks/moe_probe.py --json "$RESULTS/moe_probe.json"
   ;;
 moe_profile)
   # nvidia-h200 or nvidia-h100-x1 (~450 s on a fresh machine): where a Qwen3-30B-A3B-shape

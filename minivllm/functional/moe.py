@@ -8,7 +8,8 @@ fixed by the token count, so a step is one graph: no host sync, nothing data-dep
 (CUDA graphs, torch.compile); and the sum is in a fixed order, so it is deterministic (an
 index_add_ of the pairs would add in whatever order the GPU's atomics land).
 
-MINIVLLM_MOE_KERNEL=triton (read at import; opt-in, unmeasured on a GPU): steps of up to
+MINIVLLM_MOE_KERNEL=triton (read at import; opt-in: on an H100, +13% on a single stream, -12% on
+the throughput run, BENCHMARKS.md session 54): steps of up to
 kernels.fused_moe.MAX_KERNEL_TOKENS tokens on CUDA (or under TRITON_INTERPRET=1) run the experts
 as kernels/fused_moe.py's three Triton kernels instead (the pairs' layout by expert, gate_up with
 SiLU * up, down times the routing weights), then the same fixed-order per-token sum; never under
