@@ -768,6 +768,185 @@ def test_server_selects_the_adapter_by_model_name(demo_dir, tmp_path):
         thread.join(timeout=10)
 
 
+class Client:
+    """JSON calls to a server started on a thread of its own (stop() shuts it down)."""
+
+    def __init__(self, srv):
+        self.srv = srv
+        self.thread = threading.Thread(target=srv.serve_forever, daemon=True)
+        self.thread.start()
+        self.host, self.port = srv.address
+
+    def call(self, route, body=None, method=None):
+        """(status, the JSON body, or the text of a plain-text answer)."""
+        import urllib.error
+        import urllib.request
+
+        req = urllib.request.Request(f"http://{self.host}:{self.port}{route}", method=method,
+                                     data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                status, raw, kind = r.status, r.read(), r.headers.get("Content-Type", "")
+        except urllib.error.HTTPError as e:
+            status, raw, kind = e.code, e.read(), e.headers.get("Content-Type", "")
+        return status, json.loads(raw) if "json" in kind else raw.decode()
+
+    def models(self) -> dict:
+        status, models = self.call("/v1/models")
+        assert status == 200
+        return {c["id"]: c for c in models["data"]}
+
+    def stop(self):
+        self.srv.shutdown()
+        self.thread.join(timeout=10)
+
+
+def lora_server(demo_dir, **kw):
+    from minivllm.runtime.server import OpenAIServer
+
+    return Client(OpenAIServer(lora_llm(demo_dir, max_loras=1, max_model_len=256), port=0,
+                               model_name="base", **kw))
+
+
+def reference_text(demo_dir, prompt, path, max_tokens):
+    ref = lora_llm(demo_dir, max_loras=1, max_model_len=256)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    req = None if path is None else LoRARequest("ref", 1, path)
+    return ref.generate([prompt], params, use_tqdm=False, lora_request=req)[0].outputs[0].text
+
+
+def test_server_loads_and_unloads_adapters_at_runtime(demo_dir, tmp_path, monkeypatch):
+    """As vLLM's, with MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING=1 only (else no such route):
+    /v1/load_lora_adapter serves a new module (listed, and a request naming it runs it),
+    refusing a name already loaded (unless load_inplace), a missing field, the served model's
+    name and an adapter that cannot be served (400, nothing changes);
+    /v1/unload_lora_adapter removes one (no longer listed, a request naming it a 404, its slot
+    freed), an unknown name a 404; a name unloaded may be loaded again, with other weights."""
+    paths = [str(tmp_path / name) for name in ("a", "b")]
+    for seed, path in enumerate(paths):
+        write_adapter(path, demo_dir, r=4, alpha=8, targets="all-linear", seed=9 + seed, std=0.5)
+    prompt = "The quick brown fox"
+    want = {path: reference_text(demo_dir, prompt, path, 8) for path in paths}
+    assert len(set(want.values())) == 2
+    load = {"lora_name": "myad", "lora_path": paths[0]}
+    monkeypatch.delenv("MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    client = lora_server(demo_dir)
+    try:
+        assert client.call("/v1/load_lora_adapter", load)[0] == 404
+        assert client.call("/v1/unload_lora_adapter", {"lora_name": "x"})[0] == 404
+    finally:
+        client.stop()
+    monkeypatch.setenv("MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    client = lora_server(demo_dir)
+    engine = client.srv.llm.engine
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+    def text(model):
+        status, got = client.call("/v1/completions", {**body, "model": model})
+        return got["choices"][0]["text"] if status == 200 else status
+
+    try:
+        assert text("myad") == 404
+        assert client.call("/v1/load_lora_adapter", load) == (
+            200, "Success: LoRA adapter 'myad' added successfully.")
+        cards = client.models()
+        assert set(cards) == {"base", "myad"}
+        assert cards["myad"]["root"] == paths[0] and cards["myad"]["parent"] == "base"
+        assert text("myad") == want[paths[0]]
+        status, err = client.call("/v1/load_lora_adapter", load)
+        assert status == 400 and "has already been loaded" in err["error"]["message"]
+        for bad, match in [({"lora_name": "x"}, "Both 'lora_name' and 'lora_path'"),
+                           ({"lora_name": "base", "lora_path": paths[1]}, "served model"),
+                           ({"lora_name": "x", "lora_path": str(tmp_path / "none")},
+                            "no such directory"),
+                           ({"lora_name": "x", "lora_path": str(tmp_path)}, "adapter_config")]:
+            status, err = client.call("/v1/load_lora_adapter", bad)
+            assert status == 400 and match in err["error"]["message"], (bad, err)
+        assert set(client.models()) == {"base", "myad"}
+        status, err = client.call("/v1/unload_lora_adapter", {"lora_name": "nope"})
+        assert status == 404 and "cannot be found" in err["error"]["message"]
+        assert client.call("/v1/unload_lora_adapter", {})[0] == 400
+        assert client.call("/v1/load_lora_adapter", method="GET")[0] == 405
+        lid = client.srv.lora_modules["myad"].lora_int_id
+        assert lid in engine.list_loras()
+        assert client.call("/v1/unload_lora_adapter", {"lora_name": "myad"}) == (
+            200, "Success: LoRA adapter 'myad' removed successfully.")
+        assert set(client.models()) == {"base"}
+        assert text("myad") == 404
+        assert lid not in engine.list_loras() and not engine.loras.slot_of
+        # Loaded again under the name, with other weights; then those replaced in place.
+        assert client.call("/v1/load_lora_adapter", {**load, "lora_path": paths[1]})[0] == 200
+        assert text("myad") == want[paths[1]]
+        assert client.call("/v1/load_lora_adapter", {**load, "load_inplace": True})[0] == 200
+        assert text("myad") == want[paths[0]] and client.models()["myad"]["root"] == paths[0]
+        assert text("base") == reference_text(demo_dir, prompt, None, 8)
+    finally:
+        client.stop()
+
+
+def test_unloading_an_adapter_in_use_lets_its_requests_finish(demo_dir, tmp_path, monkeypatch):
+    """An adapter unloaded while a request streams with it (the engine held between steps so
+    that the request is mid-way): the request finishes with the adapter's own tokens, a new
+    request naming it is a 404, and another adapter loaded at once into the only slot
+    (max_loras=1) waits for the slot and gives its own tokens: neither is corrupted."""
+    import http.client
+
+    paths = [str(tmp_path / name) for name in ("a", "b")]
+    for seed, path in enumerate(paths):
+        write_adapter(path, demo_dir, r=4, alpha=8, targets="all-linear", seed=9 + seed, std=0.5)
+    prompt, n = "The quick brown fox", 64
+    want = [reference_text(demo_dir, prompt, path, n) for path in paths]
+    monkeypatch.setenv("MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
+    client = lora_server(demo_dir, lora_modules={"a": paths[0]})
+    engine, loop = client.srv.llm.engine, client.srv.loop
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+    entered, gate = threading.Event(), threading.Event()
+    try:
+        conn = http.client.HTTPConnection(client.host, client.port, timeout=120)
+        conn.request("POST", "/v1/completions", json.dumps({**body, "model": "a",
+                                                            "stream": True}),
+                     {"Content-Type": "application/json"})
+        stream = conn.getresponse()
+        assert stream.status == 200
+
+        def chunks():
+            while line := stream.readline():
+                if line.startswith(b"data: {"):
+                    yield json.loads(line[6:])["choices"][0]["text"]
+        texts = chunks()
+        streamed = next(texts)
+        # Hold the engine between two steps, with the request mid-way.
+        threading.Thread(target=loop.call, args=(lambda: entered.set() or gate.wait(),),
+                         daemon=True).start()
+        assert entered.wait(60)
+        lid = client.srv.lora_modules["a"].lora_int_id
+        assert any(seq.lora_id == lid for seq in engine.scheduler.running)
+        unloaded = []
+        unloader = threading.Thread(target=lambda: unloaded.append(
+            client.call("/v1/unload_lora_adapter", {"lora_name": "a"})))
+        unloader.start()
+        while "a" in client.srv.lora_modules:  # gone from the table before the engine is told
+            unloader.join(0.01)
+        assert client.call("/v1/completions", {**body, "model": "a"})[0] == 404
+        gate.set()
+        unloader.join(60)
+        assert unloaded[0][0] == 200
+        assert client.call("/v1/load_lora_adapter", {"lora_name": "b",
+                                                      "lora_path": paths[1]})[0] == 200
+        other = []
+        second = threading.Thread(target=lambda: other.append(
+            client.call("/v1/completions", {**body, "model": "b"})))
+        second.start()
+        streamed += "".join(texts)
+        second.join(120)
+        assert streamed == want[0]
+        assert other[0][0] == 200 and other[0][1]["choices"][0]["text"] == want[1]
+    finally:
+        gate.set()
+        client.stop()
+
+
 def test_server_refuses_bad_modules(demo_dir, tmp_path):
     from minivllm.runtime.server import OpenAIServer
 
