@@ -886,9 +886,9 @@ def test_server_loads_and_unloads_adapters_at_runtime(demo_dir, tmp_path, monkey
 
 
 def test_unloading_an_adapter_in_use_lets_its_requests_finish(demo_dir, tmp_path, monkeypatch):
-    """An adapter unloaded while a request streams with it (the engine held between steps so
-    that the request is mid-way): the request finishes with the adapter's own tokens, a new
-    request naming it is a 404, and another adapter loaded at once into the only slot
+    """An adapter unloaded while a request streams with it (the engine held after its fourth
+    step, so that the request is mid-way): the request finishes with the adapter's own tokens,
+    a new request naming it is a 404, and another adapter loaded at once into the only slot
     (max_loras=1) waits for the slot and gives its own tokens: neither is corrupted."""
     import http.client
 
@@ -899,9 +899,19 @@ def test_unloading_an_adapter_in_use_lets_its_requests_finish(demo_dir, tmp_path
     want = [reference_text(demo_dir, prompt, path, n) for path in paths]
     monkeypatch.setenv("MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
     client = lora_server(demo_dir, lora_modules={"a": paths[0]})
-    engine, loop = client.srv.llm.engine, client.srv.loop
+    engine = client.srv.llm.engine
     body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
-    entered, gate = threading.Event(), threading.Event()
+    entered, gate, steps = threading.Event(), threading.Event(), []
+    real_step = engine.step
+
+    def step(*args, **kw):  # the engine's thread, in EngineLoop._step
+        out = real_step(*args, **kw)
+        steps.append(1)
+        if len(steps) == 4:
+            entered.set()
+            gate.wait()
+        return out
+    engine.step = step
     try:
         conn = http.client.HTTPConnection(client.host, client.port, timeout=120)
         conn.request("POST", "/v1/completions", json.dumps({**body, "model": "a",
@@ -909,16 +919,6 @@ def test_unloading_an_adapter_in_use_lets_its_requests_finish(demo_dir, tmp_path
                      {"Content-Type": "application/json"})
         stream = conn.getresponse()
         assert stream.status == 200
-
-        def chunks():
-            while line := stream.readline():
-                if line.startswith(b"data: {"):
-                    yield json.loads(line[6:])["choices"][0]["text"]
-        texts = chunks()
-        streamed = next(texts)
-        # Hold the engine between two steps, with the request mid-way.
-        threading.Thread(target=loop.call, args=(lambda: entered.set() or gate.wait(),),
-                         daemon=True).start()
         assert entered.wait(60)
         lid = client.srv.lora_modules["a"].lora_int_id
         assert any(seq.lora_id == lid for seq in engine.scheduler.running)
@@ -938,10 +938,12 @@ def test_unloading_an_adapter_in_use_lets_its_requests_finish(demo_dir, tmp_path
         second = threading.Thread(target=lambda: other.append(
             client.call("/v1/completions", {**body, "model": "b"})))
         second.start()
-        streamed += "".join(texts)
+        streamed = "".join(json.loads(line[6:])["choices"][0]["text"]
+                           for line in iter(stream.readline, b"") if line.startswith(b"data: {"))
         second.join(120)
         assert streamed == want[0]
         assert other[0][0] == 200 and other[0][1]["choices"][0]["text"] == want[1]
+        assert lid not in engine.list_loras()  # its slot went to b
     finally:
         gate.set()
         client.stop()
