@@ -109,9 +109,9 @@ class DecodeGraphs:
         # The per-step inputs (runtime/step_inputs.py); cu_seqlens_q and logits_indices never
         # change.
         self.lora = params.lora is not None
-        self.fields = LORA_STEP_FIELDS if self.lora else STEP_FIELDS
+        fields = LORA_STEP_FIELDS if self.lora else STEP_FIELDS
         layout = batch_layout(n, n, m, lora=self.lora)
-        self.inputs = StepInputs({k: layout[k] for k in self.fields}, dev)
+        self.inputs = StepInputs({k: layout[k] for k in fields}, dev)
         self.input_ids, self.positions, self.slot_mapping, self.context_lens, \
             self.block_tables = (self.inputs.views[k] for k in STEP_FIELDS)
         # [n] each row's LoRA slot (-1: the base model, and padding), or None without LoRA.
