@@ -168,7 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     lora = serve.add_argument_group("LoRA adapters")
     lora.add_argument("--enable-lora", action="store_true",
                       help="serve LoRA adapters: a request whose \"model\" names one of "
-                           "--lora-modules runs with it")
+                           "--lora-modules runs with it (with env "
+                           "MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING=1, also one loaded by POST "
+                           "/v1/load_lora_adapter)")
     lora.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                       type=_lora_module,
                       help="PEFT LoRA adapter directories, each served under its name (also "

@@ -2,6 +2,7 @@
 (no cache write, real rows' logits unchanged). Checked here by running the padded batch eagerly,
 on every backend available (reference; triton under the interpreter)."""
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
@@ -64,8 +65,15 @@ def test_fill_puts_each_step_in_its_bucket_views(max_num_seqs, width, data):
     up and down), the bucket's views hold that step's rows (each slot and context length
     following from the row's position and table, as make_batch has them), then padding rows
     (id and position 0, slot -1, context length 1, a zero block table), whatever earlier steps
-    left; with keep_ids, every field but the ids."""
+    left; with keep_ids, every field but the ids. With LoRA, each row's adapter slot too (-1:
+    a base row, and every padding row)."""
+    from minivllm.state.lora import init_lora
+
     params = minivllm.random_params(CONFIG, seed=0, std=0.2)
+    lora = data.draw(st.booleans())
+    if lora:
+        params = attrs.evolve(params, lora=init_lora(CONFIG, max_loras=3, max_rank=2,
+                                                     dtype=CONFIG.dtype))
     block_size = 4
     cache = minivllm.init_cache(params, num_blocks=8, block_size=block_size)
     graphs = DecodeGraphs(params, cache, None, max_num_seqs=max_num_seqs, max_blocks_per_seq=width,
@@ -77,9 +85,11 @@ def test_fill_puts_each_step_in_its_bucket_views(max_num_seqs, width, data):
                   for _ in range(b)]
         pos = [data.draw(st.integers(0, len(t) * block_size - 1)) for t in tables]
         keep_ids = data.draw(st.booleans())
+        slots = data.draw(st.none() | st.lists(st.integers(-1, 2), min_size=b, max_size=b)) \
+            if lora else None
         before = graphs.input_ids.tolist()
         chunks = DecodeChunks(ids, pos, tables)
-        bs = graphs.fill(chunks, keep_ids=keep_ids)
+        bs = graphs.fill(chunks, keep_ids=keep_ids, lora_slots=slots)
         assert bs == graphs.bucket(b)
         view = graphs.batch_view(bs)
         expected = make_batch(chunks, block_size=block_size, max_blocks=width)
@@ -91,6 +101,10 @@ def test_fill_puts_each_step_in_its_bucket_views(max_num_seqs, width, data):
         assert view.context_lens.tolist() == expected.context_lens.tolist() + [1] * pad
         assert view.block_tables.tolist() == [t + [0] * (width - len(t)) for t in tables] + \
             [[0] * width] * pad
+        if lora:
+            assert view.lora_slots.tolist() == (slots or [-1] * b) + [-1] * pad
+        else:
+            assert view.lora_slots is None
 
 
 @pytest.mark.parametrize("b", [1, PYTHON_SLOTS_MAX_ROWS, PYTHON_SLOTS_MAX_ROWS + 1, 70])

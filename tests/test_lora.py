@@ -7,8 +7,12 @@ adapter_model.safetensors with random A and B, B nonzero). Covered: logits of a 
 adapters and base rows, rsLoRA's scale, "all-linear", a subset of targets, a rank below
 max_lora_rank (padding); greedy tokens of the engine against the merged models, alone and mixed;
 base rows against an engine without LoRA; LRU slots at max_loras=1 across calls and within one;
-the prefix cache kept apart per adapter; the errors; the server's model selection and
-/v1/models; the CLI's flags; LoRASlots' eviction invariant (hypothesis)."""
+the prefix cache kept apart per adapter; the compiled forward's LoRA layer (against the eager
+LoRA forward, without recompiles across mixes of adapters) and the decode graphs' static batch
+with its LoRA slots (padded, against the unpadded LoRA batch; the runner's graph path with each
+replay run eagerly; on a GPU, the captured graphs against the eager LoRA engine); the errors;
+the server's model selection, /v1/models and runtime load / unload; the CLI's flags;
+LoRASlots' eviction invariant (hypothesis)."""
 
 from __future__ import annotations
 
@@ -336,6 +340,229 @@ def test_block_manager_roots_prefixes_by_adapter():
     bm.check(seqs[:3])
 
 
+
+# -- the compiled forward and the decode graphs --------------------------------------------------
+
+SLOTS = {"all": 2, "rs": 0, "low": 3}  # slot 1 left empty
+
+
+def lora_params(tiny_dir, adapters, max_loras: int = 4):
+    """(params without LoRA, the same with slot weights holding the adapters at SLOTS)."""
+    params = minivllm.load(tiny_dir)
+    lora = init_lora(params.config, max_loras=max_loras, max_rank=MAX_RANK, dtype=params.dtype)
+    for name, slot in SLOTS.items():
+        write_slot(lora, slot, load_adapter(adapters[name][0].lora_path, params.config,
+                                            MAX_RANK), params.config)
+    return params, attrs.evolve(params, lora=lora)
+
+
+def slot_of(name):
+    return -1 if name is None else SLOTS[name]
+
+
+def test_compiled_forward_runs_lora_steps_without_recompiling(tiny_dir, adapters, prompts):
+    """compiled_forward (the engine's, as runtime/compiled.py binds it) on prefill, mixed and
+    decode steps mixing adapters and base rows: the eager LoRA forward's logits (validated
+    against transformers above), through the compiled LoRA layer. A second round of the same
+    shapes with the rows' adapters moved about compiles nothing more (the slots are values; the
+    mask's shape follows T and max_loras); a step without LoRA rows runs the compiled base
+    layer, never the LoRA one, and gives the base params' logits bit for bit."""
+    import functools
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from minivllm.runtime.compiled import compiled_forward
+
+    torch._dynamo.reset()
+    base, params = lora_params(tiny_dir, adapters)
+    counter = CompileCounterWithBackend("aot_eager")
+    fn = compiled_forward(counter)
+    lora_calls = []
+    inner = fn.keywords["lora_layer"]
+    fn = functools.partial(fn, lora_layer=lambda *a, **k: lora_calls.append(1) or inner(*a, **k))
+    p = prompts
+    steps = [  # chunks, then two rounds of each chunk's adapter
+        ([SeqChunk(p[0], 0, [0]), SeqChunk(p[1], 0, [1]), SeqChunk(p[2], 0, [2, 3])],
+         ["all", None, "rs"], ["low", "all", None]),
+        ([SeqChunk([7], len(p[0]), [0]), SeqChunk(p[3], 0, [4, 5, 6])],
+         ["low", "all"], [None, "rs"]),
+        ([SeqChunk([3], 5, [0]), SeqChunk([4], 11, [1]), SeqChunk([9], 19, [2, 3])],
+         [None, "rs", "rs"], ["all", "low", None]),
+    ]
+
+    def logits(f, prm, chunks, names):
+        slots = None if names is None else [slot_of(n) for n in names]
+        cache = minivllm.init_cache(prm, num_blocks=8, block_size=16)
+        return f(prm, cache, make_batch(chunks, block_size=16, lora_slots=slots))[0]
+
+    compiles = []
+    for round_ in (1, 2):
+        for chunks, *rounds in steps:
+            names = rounds[round_ - 1]
+            torch.testing.assert_close(logits(fn, params, chunks, names),
+                                       logits(forward, params, chunks, names),
+                                       rtol=1e-5, atol=1e-5)
+        compiles.append(counter.frame_count)
+    assert len(lora_calls) == 2 * len(steps) * params.config.num_layers
+    assert compiles[1] == compiles[0], compiles  # new mixes of adapters: no recompile
+    # Stem, LoRA layer and head: each static at its first step, then dynamic in the step's
+    # sizes; the layer once more for decode steps (is_decode is read off the shapes): at most
+    # three each, far under the recompile limit.
+    assert compiles[0] <= 9, compiles
+    chunks = steps[0][0]
+    got = logits(fn, params, chunks, None)
+    assert len(lora_calls) == 2 * len(steps) * params.config.num_layers  # the base layer ran
+    assert torch.equal(got, logits(fn, base, chunks, None))
+
+
+def test_padded_lora_decode_equals_unpadded(tiny_dir, adapters, prompts):
+    """The decode graphs' static batch with its LoRA slots (DecodeGraphs.fill, batch_view),
+    padded to a bucket, run eagerly and through the compiled forward: each real row gets the
+    unpadded LoRA batch's logits, adapters, base rows and padding mixed; padding rows run as
+    the base model (slot -1) and write no cache; one set of buffers serves any mix of adapters,
+    a step without any included, whose rows get the base layer's logits bit for bit."""
+    from minivllm.runtime.compiled import compiled_forward
+    from minivllm.runtime.graphs import DecodeGraphs
+    from minivllm.state.batch import DecodeChunks
+
+    torch._dynamo.reset()
+    _, params = lora_params(tiny_dir, adapters)
+    compiled = compiled_forward("aot_eager")
+    plan = ["all", None, "rs", "low", "low", None, "all"]  # 7 rows: the bucket of 8
+    tables = [[3 * k, 3 * k + 1, 3 * k + 2] for k in range(len(plan))]
+    p = [prompts[k % 4] for k in range(len(plan))]
+    caches = [minivllm.init_cache(params, num_blocks=24, block_size=16) for _ in range(3)]
+    prefill = make_batch([SeqChunk(x, 0, t) for x, t in zip(p, tables)], block_size=16,
+                         lora_slots=[slot_of(n) for n in plan])
+    for i in range(3):
+        first, caches[i] = forward(params, caches[i], prefill)
+    graphs = DecodeGraphs(params, caches[1], None, max_num_seqs=8, max_blocks_per_seq=3,
+                          compile_forward=False)
+    before = [t.clone() for t in pytree.tree_leaves(caches[1])]
+    tokens = first.argmax(-1).tolist()
+    mixes = [plan, [None] * 5, ["rs", "low", None, "all", None, "all", "rs"]]
+    for k, names in enumerate(mixes):
+        n = len(names)
+        chunks = DecodeChunks(tokens[:n], [len(x) + k for x in p[:n]], tables[:n])
+        slots = [slot_of(x) for x in names]
+        step_slots = None if all(s < 0 for s in slots) else tuple(slots)
+        want, caches[0] = forward(params, caches[0], make_batch(chunks, block_size=16,
+                                                                lora_slots=step_slots))
+        bs = graphs.fill(chunks, lora_slots=step_slots)
+        view = graphs.batch_view(bs)
+        assert bs == 8 and view.lora_slots.tolist() == slots + [-1] * (bs - n)
+        if step_slots is None:  # the same rows through the base layer: the same bits
+            plain = pytree.tree_map(torch.clone, caches[1])
+            base, _ = forward(params, plain, attrs.evolve(view, lora_slots=None))
+        got, _ = forward(params, caches[1], view)
+        torch.testing.assert_close(got[:n], want, rtol=1e-5, atol=1e-5)
+        again, _ = compiled(params, caches[2], view)
+        torch.testing.assert_close(again[:n], want, rtol=1e-5, atol=1e-5)
+        if step_slots is None:
+            assert torch.equal(got, base)
+        tokens = got[:n].argmax(-1).tolist() + tokens[n:]
+    for cache in caches[1:]:  # only the real rows were written
+        for a, b in zip(pytree.tree_leaves(caches[0]), pytree.tree_leaves(cache)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert any((a != b).any() for a, b in zip(pytree.tree_leaves(caches[1]), before))
+
+
+def test_engine_decode_graph_path_with_lora(tiny_dir, adapters, prompts, oracle):
+    """The runner's decode-graph path of a LoRA engine (each step's slots filled into the
+    graphs' static buffer with the rest), each "replay" run as the eager forward over the
+    static buffers so that it runs on the CPU: every prompt gets transformers' merged greedy
+    tokens, adapters and base rows mixed in each replayed bucket, with padding."""
+    from minivllm.runtime.graphs import DecodeGraphs
+
+    llm = lora_llm(tiny_dir, max_num_seqs=8)
+    runner = llm.engine.runner
+    graphs = DecodeGraphs(runner.params, runner.cache, runner.backend, max_num_seqs=8,
+                          max_blocks_per_seq=-(-llm.config.max_model_len // llm.config.block_size),
+                          compile_forward=False)
+    replayed = []
+
+    def replay(b):
+        bs = graphs.bucket(b)
+        view = graphs.batch_view(bs)
+        replayed.append((b, bs, view.lora_slots.tolist()))
+        logits, _ = forward(graphs.params, graphs.cache, view, graphs.backend)
+        return logits[:b]
+
+    graphs.replay = replay
+    runner.graphs = graphs
+    plan = [("all", 0), (None, 1), ("rs", 2), ("low", 3), ("low", 1), (None, 2), ("all", 3)]
+    got = run(llm, [prompts[i] for _, i in plan],
+              [None if name is None else adapters[name][0] for name, _ in plan])
+    assert got == [oracle(name, i) for name, i in plan]
+    assert any(b < bs for b, bs, _ in replayed) and len(replayed) >= NEW - 1
+    assert all(slots[b:] == [-1] * (bs - b) for b, bs, slots in replayed)  # padding: base
+    mixed = [s[:b] for b, _, s in replayed if -1 in s[:b]]
+    assert any(len({x for x in s if x >= 0}) > 1 for s in mixed), "no replay mixed adapters"
+
+
+def test_warm_up_compiles_the_lora_layer_too(tiny_dir, adapters):
+    """With LoRA slot weights, the warm-up runs each of its steps with the rows in a slot as
+    well, so that a compiled forward's LoRA layer compiles its variants at start-up."""
+    from minivllm.kernels import select_backend
+    from minivllm.runtime.warmup import warm_up_kernels
+
+    _, params = lora_params(tiny_dir, adapters)
+    seen = []
+
+    def forward_fn(prm, cache, batch, backend):
+        seen.append((batch.num_tokens, batch.num_seqs, batch.lora_slots is not None))
+        return None, cache
+
+    warm_up_kernels(params, select_backend("cpu", "reference"), block_size=16, max_num_seqs=2,
+                    forward_fn=forward_fn, cuda_only=False)
+    plain = [s[:2] for s in seen if not s[2]]
+    assert plain and sorted(plain) == sorted(s[:2] for s in seen if s[2])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_graphs_with_lora_equal_eager_lora_engine(tiny_dir, adapters, prompts, oracle, dtype):
+    """On a GPU: a LoRA engine with its decode CUDA graphs (captured through the LoRA layer)
+    and compiled forward gives the eager LoRA engine's greedy tokens, adapters and base rows
+    mixed; in fp32 transformers' merged ones too, and its base rows a base engine's with
+    graphs. bf16: the compiled and eager paths round differently (see
+    tests/test_gpu_graphs.py), so there every prompt's first tokens must agree and most
+    prompts throughout."""
+    plan = [("all", 0), (None, 1), ("rs", 2), ("low", 3), ("low", 1), (None, 2), ("all", 3),
+            ("rs", 0), (None, 3)]
+    requests = [None if name is None else adapters[name][0] for name, _ in plan]
+    ids = [prompts[i] for _, i in plan]
+    cuda = torch.device("cuda")
+    kw = dict(dtype=dtype, enable_lora=True, max_loras=3, max_lora_rank=MAX_RANK)
+    eager = make_llm(tiny_dir, cuda, **kw)  # eager at 16 sequences
+    fast = make_llm(tiny_dir, cuda, graphs=True, **kw)  # buckets of 2 and 4 rows
+    runner = fast.engine.runner
+    assert runner.graphs is not None and runner.graphs.lora and runner.prefill_forward is not \
+        forward
+    replays, inner = [], runner.graphs.replay
+    runner.graphs.replay = lambda b: replays.append(b) or inner(b)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=5)
+
+    def outputs(llm):
+        return [o.outputs[0] for o in llm.generate(token_prompts(ids), params, use_tqdm=False,
+                                                   lora_request=requests)]
+    want, got = outputs(eager), outputs(fast)
+    assert len(replays) >= NEW - 1
+    if dtype == "float32":
+        tokens = [c.token_ids for c in got]
+        assert tokens == [c.token_ids for c in want] == [oracle(name, i) for name, i in plan]
+        plain = make_llm(tiny_dir, cuda, graphs=True, dtype=dtype)
+        base = [k for k, (name, _) in enumerate(plan) if name is None]
+        assert [tokens[k] for k in base] == run(plain, [ids[k] for k in base])
+        return
+    for a, b in zip(got, want):  # where they part, the fast path's pick was a near-tie
+        k = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        if k is not None:
+            best = max(lp.logprob for lp in b.logprobs[k].values())
+            assert a.token_ids[k] in b.logprobs[k] and \
+                best - b.logprobs[k][a.token_ids[k]].logprob < 0.5, k
+    assert sum(a.token_ids == b.token_ids for a, b in zip(got, want)) > len(plan) // 2
+
+
 # -- errors --------------------------------------------------------------------------------------
 
 
@@ -414,8 +641,9 @@ def test_lora_request_without_enable_lora_and_refused_configs(tiny_dir, adapters
     for bad in (0, -1):
         with pytest.raises(ValueError, match="lora_int_id"):
             LoRARequest("a", bad, "/x")
-    # The persistent decode kernel adds no deltas: LoRA turns it off (and the runner runs no
-    # CUDA graphs, compiled layers or fused MLP kernels: runner._compile_and_capture).
+    # The persistent decode kernel adds no deltas: LoRA turns it off (the fused MLP kernel
+    # too: runner._compile_and_capture). On the CPU the runner compiles nothing and captures
+    # no graphs, as without LoRA (on a GPU: test_gpu_graphs_with_lora_equal_eager_lora_engine).
     config = EngineConfig.create(tiny_dir, device="cpu", enable_lora=True, persistent_decode=True)
     assert config.enable_lora and not config.persistent_decode
     llm = lora_llm(tiny_dir)
@@ -538,6 +766,187 @@ def test_server_selects_the_adapter_by_model_name(demo_dir, tmp_path):
     finally:
         srv.shutdown()
         thread.join(timeout=10)
+
+
+class Client:
+    """JSON calls to a server started on a thread of its own (stop() shuts it down)."""
+
+    def __init__(self, srv):
+        self.srv = srv
+        self.thread = threading.Thread(target=srv.serve_forever, daemon=True)
+        self.thread.start()
+        self.host, self.port = srv.address
+
+    def call(self, route, body=None, method=None):
+        """(status, the JSON body, or the text of a plain-text answer)."""
+        import urllib.error
+        import urllib.request
+
+        req = urllib.request.Request(f"http://{self.host}:{self.port}{route}", method=method,
+                                     data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                status, raw, kind = r.status, r.read(), r.headers.get("Content-Type", "")
+        except urllib.error.HTTPError as e:
+            status, raw, kind = e.code, e.read(), e.headers.get("Content-Type", "")
+        return status, json.loads(raw) if "json" in kind else raw.decode()
+
+    def models(self) -> dict:
+        status, models = self.call("/v1/models")
+        assert status == 200
+        return {c["id"]: c for c in models["data"]}
+
+    def stop(self):
+        self.srv.shutdown()
+        self.thread.join(timeout=10)
+
+
+def lora_server(demo_dir, **kw):
+    from minivllm.runtime.server import OpenAIServer
+
+    return Client(OpenAIServer(lora_llm(demo_dir, max_loras=1, max_model_len=256), port=0,
+                               model_name="base", **kw))
+
+
+def reference_text(demo_dir, prompt, path, max_tokens):
+    ref = lora_llm(demo_dir, max_loras=1, max_model_len=256)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    req = None if path is None else LoRARequest("ref", 1, path)
+    return ref.generate([prompt], params, use_tqdm=False, lora_request=req)[0].outputs[0].text
+
+
+def test_server_loads_and_unloads_adapters_at_runtime(demo_dir, tmp_path, monkeypatch):
+    """As vLLM's, with MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING=1 only (else no such route):
+    /v1/load_lora_adapter serves a new module (listed, and a request naming it runs it),
+    refusing a name already loaded (unless load_inplace), a missing field, the served model's
+    name and an adapter that cannot be served (400, nothing changes);
+    /v1/unload_lora_adapter removes one (no longer listed, a request naming it a 404, its slot
+    freed), an unknown name a 404; a name unloaded may be loaded again, with other weights."""
+    paths = [str(tmp_path / name) for name in ("a", "b")]
+    for seed, path in enumerate(paths):
+        write_adapter(path, demo_dir, r=4, alpha=8, targets="all-linear", seed=9 + seed, std=0.5)
+    prompt = "The quick brown fox"
+    want = {path: reference_text(demo_dir, prompt, path, 8) for path in paths}
+    assert len(set(want.values())) == 2
+    load = {"lora_name": "myad", "lora_path": paths[0]}
+    monkeypatch.delenv("MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    client = lora_server(demo_dir)
+    try:
+        assert client.call("/v1/load_lora_adapter", load)[0] == 404
+        assert client.call("/v1/unload_lora_adapter", {"lora_name": "x"})[0] == 404
+    finally:
+        client.stop()
+    monkeypatch.setenv("MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    client = lora_server(demo_dir)
+    engine = client.srv.llm.engine
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+    def text(model):
+        status, got = client.call("/v1/completions", {**body, "model": model})
+        return got["choices"][0]["text"] if status == 200 else status
+
+    try:
+        assert text("myad") == 404
+        assert client.call("/v1/load_lora_adapter", load) == (
+            200, "Success: LoRA adapter 'myad' added successfully.")
+        cards = client.models()
+        assert set(cards) == {"base", "myad"}
+        assert cards["myad"]["root"] == paths[0] and cards["myad"]["parent"] == "base"
+        assert text("myad") == want[paths[0]]
+        status, err = client.call("/v1/load_lora_adapter", load)
+        assert status == 400 and "has already been loaded" in err["error"]["message"]
+        for bad, match in [({"lora_name": "x"}, "Both 'lora_name' and 'lora_path'"),
+                           ({"lora_name": "base", "lora_path": paths[1]}, "served model"),
+                           ({"lora_name": "x", "lora_path": str(tmp_path / "none")},
+                            "no such directory"),
+                           ({"lora_name": "x", "lora_path": str(tmp_path)}, "adapter_config")]:
+            status, err = client.call("/v1/load_lora_adapter", bad)
+            assert status == 400 and match in err["error"]["message"], (bad, err)
+        assert set(client.models()) == {"base", "myad"}
+        status, err = client.call("/v1/unload_lora_adapter", {"lora_name": "nope"})
+        assert status == 404 and "cannot be found" in err["error"]["message"]
+        assert client.call("/v1/unload_lora_adapter", {})[0] == 400
+        assert client.call("/v1/load_lora_adapter", method="GET")[0] == 405
+        lid = client.srv.lora_modules["myad"].lora_int_id
+        assert lid in engine.list_loras()
+        assert client.call("/v1/unload_lora_adapter", {"lora_name": "myad"}) == (
+            200, "Success: LoRA adapter 'myad' removed successfully.")
+        assert set(client.models()) == {"base"}
+        assert text("myad") == 404
+        assert lid not in engine.list_loras() and not engine.loras.slot_of
+        # Loaded again under the name, with other weights; then those replaced in place.
+        assert client.call("/v1/load_lora_adapter", {**load, "lora_path": paths[1]})[0] == 200
+        assert text("myad") == want[paths[1]]
+        assert client.call("/v1/load_lora_adapter", {**load, "load_inplace": True})[0] == 200
+        assert text("myad") == want[paths[0]] and client.models()["myad"]["root"] == paths[0]
+        assert text("base") == reference_text(demo_dir, prompt, None, 8)
+    finally:
+        client.stop()
+
+
+def test_unloading_an_adapter_in_use_lets_its_requests_finish(demo_dir, tmp_path, monkeypatch):
+    """An adapter unloaded while a request streams with it (the engine held after its fourth
+    step, so that the request is mid-way): the request finishes with the adapter's own tokens,
+    a new request naming it is a 404, and another adapter loaded at once into the only slot
+    (max_loras=1) waits for the slot and gives its own tokens: neither is corrupted."""
+    import http.client
+
+    paths = [str(tmp_path / name) for name in ("a", "b")]
+    for seed, path in enumerate(paths):
+        write_adapter(path, demo_dir, r=4, alpha=8, targets="all-linear", seed=9 + seed, std=0.5)
+    prompt, n = "The quick brown fox", 64
+    want = [reference_text(demo_dir, prompt, path, n) for path in paths]
+    monkeypatch.setenv("MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
+    client = lora_server(demo_dir, lora_modules={"a": paths[0]})
+    engine = client.srv.llm.engine
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+    entered, gate, steps = threading.Event(), threading.Event(), []
+    real_step = engine.step
+
+    def step(*args, **kw):  # the engine's thread, in EngineLoop._step
+        out = real_step(*args, **kw)
+        steps.append(1)
+        if len(steps) == 4:
+            entered.set()
+            gate.wait()
+        return out
+    engine.step = step
+    try:
+        conn = http.client.HTTPConnection(client.host, client.port, timeout=120)
+        conn.request("POST", "/v1/completions", json.dumps({**body, "model": "a",
+                                                            "stream": True}),
+                     {"Content-Type": "application/json"})
+        stream = conn.getresponse()
+        assert stream.status == 200
+        assert entered.wait(60)
+        lid = client.srv.lora_modules["a"].lora_int_id
+        assert any(seq.lora_id == lid for seq in engine.scheduler.running)
+        unloaded = []
+        unloader = threading.Thread(target=lambda: unloaded.append(
+            client.call("/v1/unload_lora_adapter", {"lora_name": "a"})))
+        unloader.start()
+        while "a" in client.srv.lora_modules:  # gone from the table before the engine is told
+            unloader.join(0.01)
+        assert client.call("/v1/completions", {**body, "model": "a"})[0] == 404
+        gate.set()
+        unloader.join(60)
+        assert unloaded[0][0] == 200
+        assert client.call("/v1/load_lora_adapter", {"lora_name": "b",
+                                                      "lora_path": paths[1]})[0] == 200
+        other = []
+        second = threading.Thread(target=lambda: other.append(
+            client.call("/v1/completions", {**body, "model": "b"})))
+        second.start()
+        streamed = "".join(json.loads(line[6:])["choices"][0]["text"]
+                           for line in iter(stream.readline, b"") if line.startswith(b"data: {"))
+        second.join(120)
+        assert streamed == want[0]
+        assert other[0][0] == 200 and other[0][1]["choices"][0]["text"] == want[1]
+        assert lid not in engine.list_loras()  # its slot went to b
+    finally:
+        gate.set()
+        client.stop()
 
 
 def test_server_refuses_bad_modules(demo_dir, tmp_path):

@@ -24,7 +24,7 @@ from ..state.lora import LoRALayer
 from ..state.params import LayerParams
 from .activation import silu_and_mul
 from .layer import attention_output
-from .linear import column_linear, row_linear
+from .linear import column_linear, glu_row_linear, row_linear, sum_partials
 from .norm import add_rms_norm
 
 
@@ -43,30 +43,55 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Te
     return F.linear(h.view(t, -1), b)
 
 
+def plus(y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """y + delta in y's dtype, added in fp32 and rounded once: a 16-bit add's values, but not
+    the `mm + add` pattern that Inductor rewrites into an addmm (another GEMM call, whose kernel
+    may round otherwise): a base row's y comes back bit for bit (its delta is exactly zero)."""
+    return (y.float() + delta.float()).to(y.dtype)
+
+
+def plus_wide(y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """A row-parallel output y (its skinny GEMM's fp32 partials [split, T, out] unsummed, or
+    [T, out]) plus delta [T, out], as fp32 [T, out] for the add + RMSNorm after it to round once
+    with the residual, as it rounds the base layer's partials: a base row's values are the base
+    layer's."""
+    return sum_partials(y, torch.float32) + delta.float()
+
+
 def lora_decoder_layer(lp: LayerParams, ll: LoRALayer, mask: torch.Tensor, x: torch.Tensor,
                        residual: torch.Tensor, cos, sin, k_cache, v_cache, batch, *, config,
                        shard, backend) -> tuple[torch.Tensor, torch.Tensor]:
     """layer.decoder_layer with each linear's LoRA delta added to its output (one rank: the
-    engine refuses LoRA under tensor parallelism). Always returns down's summed output."""
+    engine refuses LoRA under tensor parallelism). mask: slot_mask of the rows' slots.
+
+    The base products are decoder_layer's own calls (o_proj's and down's unsummed skinny
+    partials, down's activation inside its GEMM), so that a base row (mask all zeros, a delta
+    of exact zeros) gets the base layer's values: the decode graphs of a LoRA engine run every
+    row through this layer. Returns down's output plus its delta as fp32 [T, hidden] (the next
+    add + RMSNorm rounds it with the residual) and the residual stream."""
     eps = config.rms_norm_eps
     h, residual = add_rms_norm(x, residual, lp.input_norm, eps)
-    qkv = column_linear(h, lp.qkv) + lora_delta(h, ll.qkv_a, ll.qkv_b, mask)
+    qkv = plus(column_linear(h, lp.qkv), lora_delta(h, ll.qkv_a, ll.qkv_b, mask))
     attn = attention_output(lp, qkv, cos, sin, k_cache, v_cache, batch, config=config,
                             shard=shard, backend=backend)
-    o = row_linear(attn, lp.o_proj, shard) + lora_delta(attn, ll.o_a, ll.o_b, mask)
+    o = plus_wide(row_linear(attn, lp.o_proj, shard, unsummed_ok=True),
+                  lora_delta(attn, ll.o_a, ll.o_b, mask))
     h, residual = add_rms_norm(o, residual, lp.post_norm, eps)
-    gate_up = column_linear(h, lp.gate_up) + lora_delta(h, ll.gate_up_a, ll.gate_up_b, mask)
-    act = silu_and_mul(gate_up)
-    return row_linear(act, lp.down, shard) + lora_delta(act, ll.down_a, ll.down_b, mask), residual
+    gate_up = plus(column_linear(h, lp.gate_up), lora_delta(h, ll.gate_up_a, ll.gate_up_b, mask))
+    down = glu_row_linear(gate_up, lp.down, shard, unsummed_ok=True)
+    return plus_wide(down, lora_delta(silu_and_mul(gate_up), ll.down_a, ll.down_b, mask)), \
+        residual
 
 
-def lora_layers(params, cache, batch, backend, x, residual, cos, sin
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every decoder layer with LoRA deltas, the rows' slots from batch.lora_slots."""
+def lora_layers(params, cache, batch, backend, x, residual, cos, sin,
+                layer=lora_decoder_layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every decoder layer with LoRA deltas, the rows' slots from batch.lora_slots. `layer`:
+    lora_decoder_layer or a compiled form of it (runtime.compiled); the mask [T, max_loras]
+    is made once here, its shape fixed by T and max_loras alone (no recompile per mix of
+    adapters: the slots are values, never guarded)."""
     lora = params.lora
     mask = slot_mask(batch.lora_slots, lora.max_loras, x.dtype)
     for lp, ll, k_cache, v_cache in zip(params.layers, lora.layers, cache.k, cache.v):
-        x, residual = lora_decoder_layer(lp, ll, mask, x, residual, cos, sin, k_cache, v_cache,
-                                         batch, config=params.config, shard=params.shard,
-                                         backend=backend)
+        x, residual = layer(lp, ll, mask, x, residual, cos, sin, k_cache, v_cache, batch,
+                            config=params.config, shard=params.shard, backend=backend)
     return x, residual

@@ -94,11 +94,12 @@ def uses_lora(params: Params, batch: Batch) -> bool:
 
 
 def _layers(params: Params, cache: KVCache, batch: Batch, backend: AttentionBackend, x, residual,
-            cos, sin, layer) -> tuple[torch.Tensor, torch.Tensor]:
+            cos, sin, layer, lora_layer=None) -> tuple[torch.Tensor, torch.Tensor]:
     if uses_lora(params, batch):  # every layer with its LoRA deltas (functional/lora.py)
-        from .lora import lora_layers
+        from .lora import lora_decoder_layer, lora_layers
 
-        return lora_layers(params, cache, batch, backend, x, residual, cos, sin)
+        return lora_layers(params, cache, batch, backend, x, residual, cos, sin,
+                           lora_layer or lora_decoder_layer)
     config, shard = params.config, params.shard
     for lp, k_cache, v_cache in zip(params.layers, cache.k, cache.v):
         x, residual = layer(lp, x, residual, cos, sin, k_cache, v_cache, batch,
@@ -117,7 +118,7 @@ def hidden_states(params: Params, cache: KVCache, batch: Batch, backend: Attenti
 
 
 def forward(params: Params, cache: KVCache, batch: Batch, backend: AttentionBackend = REFERENCE,
-            *, layer=decoder_layer, stem=stem, head=head, layers=None
+            *, layer=decoder_layer, stem=stem, head=head, layers=None, lora_layer=None
             ) -> tuple[torch.Tensor, KVCache]:
     """logits: [len(batch.logits_indices), vocab_size] fp32, and the cache with this step's K/V.
 
@@ -131,8 +132,9 @@ def forward(params: Params, cache: KVCache, batch: Batch, backend: AttentionBack
     logits and the tiles' maxima of a greedy pick).
 
     LoRA: when params.lora holds slot weights and batch.lora_slots names each row's slot, every
-    layer adds its rows' LoRA deltas (functional.lora.lora_decoder_layer, which then runs in
-    `layer`'s place); `layers` (a kernel for the whole stack) does not take them."""
+    layer adds its rows' LoRA deltas: `lora_layer` (default functional.lora.lora_decoder_layer,
+    or a compiled form of it) runs in `layer`'s place. A batch without lora_slots runs `layer`,
+    exactly the forward without LoRA. `layers` (a kernel for the whole stack) takes no deltas."""
     check_step(params, cache, batch)
     if layers is not None and uses_lora(params, batch):
         raise ValueError("forward's `layers` (a whole-stack kernel) computes no LoRA deltas; "
@@ -141,5 +143,6 @@ def forward(params: Params, cache: KVCache, batch: Batch, backend: AttentionBack
     if layers is not None:
         x, residual = layers(params, cache, batch, backend, x, residual, cos, sin)
     else:
-        x, residual = _layers(params, cache, batch, backend, x, residual, cos, sin, layer)
+        x, residual = _layers(params, cache, batch, backend, x, residual, cos, sin, layer,
+                              lora_layer)
     return head(params, x, residual, batch.logits_indices), cache

@@ -1,5 +1,6 @@
 """The pure forward under torch.compile: its three parts (stem, decoder layer, head) compiled
-one by one, for the CUDA graphs' decode steps and for prefill and mixed steps.
+one by one (and the LoRA decoder layer, for steps with adapter rows), for the CUDA graphs'
+decode steps and for prefill and mixed steps.
 
 What is compiled is one decoder layer (and the stem and head around the layers), not the whole
 forward: the 28 layers of a Qwen3 model are the same function on same-shaped weights, so one
@@ -19,6 +20,7 @@ import torch
 
 from ..functional import model
 from ..functional.layer import attention_half, decoder_layer
+from ..functional.lora import lora_decoder_layer
 from ..functional.model import forward
 
 
@@ -57,8 +59,13 @@ def compiled_forward(compile_backend="inductor", fused_mlp_rows: tuple[int, int]
 
         counter = torch.zeros(1, dtype=torch.int64, device=device)
         layer = with_fused_mlp(layer, compiled(attention_half), fused_mlp_rows, counter)
+    # A step with LoRA rows (batch.lora_slots) runs every layer through lora_decoder_layer,
+    # compiled as its own small graph: the deltas fuse with the layer's casts and adds, and its
+    # shapes depend on the step's rows and max_loras only (which adapters the rows use are
+    # values, not guarded). torch.compile is lazy: an engine without LoRA never compiles it.
     return functools.partial(forward, layer=layer, stem=compiled(model.stem),
-                             head=compiled(model.logits_head))
+                             head=compiled(model.logits_head),
+                             lora_layer=compiled(lora_decoder_layer))
 
 
 def compile_part(fn, compile_backend="inductor"):

@@ -264,6 +264,29 @@ class LLMEngine:
             self._adapters.popitem(last=False)
         return adapter
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter ahead of its requests (vLLM's add_lora): ValueError if it
+        cannot be served (check_lora's). It goes into a slot when a step first uses it."""
+        self.check_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget adapter `lora_id` (vLLM's remove_lora): its weights read from disk, and its
+        slot unless an unfinished sequence uses it. Such sequences hold the adapter (Sequence.
+        lora) and finish with it; its slot, never evicted while one of them runs, is then the
+        least recently used one's to give. False if the engine does not know the id."""
+        if self.loras is None:
+            return False
+        known = self._adapters.pop(lora_id, None) is not None
+        in_slot = lora_id in self.loras.slot_of
+        if in_slot and not any(seq.lora_id == lora_id for seq in self.scheduler.sequences):
+            self.loras.forget(lora_id)  # free for the next adapter (no step reads it)
+        return known or in_slot
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters the engine holds, read or in a slot (vLLM's list_loras)."""
+        return set() if self.loras is None else set(self._adapters) | set(self.loras.slot_of)
+
     def check_request(self, prompt: Any, params: SamplingParams,
                       lora_request: LoRARequest | None = None) -> tuple[str | None, list[int]]:
         """ValueError unless the request can run; returns (prompt text, prompt ids).

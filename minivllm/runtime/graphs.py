@@ -16,12 +16,18 @@ with each row, padding included, so there a single sequence has a bucket of its 
 Rows past the real batch are padding: slot -1 (nothing is written), context length 1 and a block
 table of zeros (block 0 exists, and the padding row's one key is its own new token), so they
 read valid memory, write none, and their logits are dropped.
+
+With LoRA (params.lora: the adapters' slot weights, written in place, so at static addresses),
+every bucket is captured through the LoRA decoder layer with one more static buffer, each row's
+LoRA slot (-1 for a base row and for padding: a delta of exact zeros). One set of graphs then
+serves any mix of adapters and base rows, a step without adapters included.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -38,6 +44,8 @@ log = logging.getLogger("minivllm")
 # The fields a decode step fills, in their packed order (ids first: a step that keeps the ids
 # copies from positions on; block tables last: it copies only its bucket's rows of them).
 STEP_FIELDS = ("input_ids", "positions", "slot_mapping", "context_lens", "block_tables")
+# With LoRA, each row's slot too, before the block tables (a step copies up to its bucket's).
+LORA_STEP_FIELDS = STEP_FIELDS[:-1] + ("lora_slots",) + STEP_FIELDS[-1:]
 
 PYTHON_SLOTS_MAX_ROWS = 32  # DecodeGraphs.fill: up to this many rows, slots are found in Python
 
@@ -100,11 +108,17 @@ class DecodeGraphs:
         dev = self.device
         # The per-step inputs (runtime/step_inputs.py); cu_seqlens_q and logits_indices never
         # change.
-        layout = batch_layout(n, n, m)
-        self.inputs = StepInputs({k: layout[k] for k in STEP_FIELDS}, dev)
+        self.lora = params.lora is not None
+        fields = LORA_STEP_FIELDS if self.lora else STEP_FIELDS
+        layout = batch_layout(n, n, m, lora=self.lora)
+        self.inputs = StepInputs({k: layout[k] for k in fields}, dev)
         self.input_ids, self.positions, self.slot_mapping, self.context_lens, \
             self.block_tables = (self.inputs.views[k] for k in STEP_FIELDS)
+        # [n] each row's LoRA slot (-1: the base model, and padding), or None without LoRA.
+        self.lora_slots = self.inputs.views.get("lora_slots")
         self.slot_mapping.fill_(-1)
+        if self.lora:
+            self.lora_slots.fill_(-1)
         # Per staging, per row: (the block table its row holds, that table's length then), or
         # None for a row of zeros (fill).
         self.tables_held = [[None] * n for _ in self.inputs.staging]
@@ -118,6 +132,8 @@ class DecodeGraphs:
         # Buckets of at most MAX_ROWS rows: every layer in one persistent kernel (decode_layer.py).
         self.small_fn, self.small_rows = self.fn, 0
         if persistent_decode:
+            if self.lora:  # EngineConfig turns it off with LoRA: the kernel adds no deltas
+                raise ValueError("persistent_decode computes no LoRA deltas")
             from ..kernels.decode_layer import MAX_ROWS, with_persistent_layers
 
             self.small_fn = with_persistent_layers(self.fn, params, cache)
@@ -145,7 +161,8 @@ class DecodeGraphs:
         return Batch(input_ids=self.input_ids[:bs], positions=self.positions[:bs],
                      slot_mapping=self.slot_mapping[:bs], cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
                      context_lens=self.context_lens[:bs], block_tables=self.block_tables[:bs],
-                     logits_indices=self.logits_indices[:bs], block_size=self.cache.block_size)
+                     logits_indices=self.logits_indices[:bs], block_size=self.cache.block_size,
+                     lora_slots=None if self.lora_slots is None else self.lora_slots[:bs])
 
     def capture(self) -> None:
         """Warm up (compiling) and capture every bucket, largest first so that the shared pool is
@@ -197,17 +214,24 @@ class DecodeGraphs:
                 return size
         return None
 
-    def fill(self, chunks: DecodeChunks, *, keep_ids: bool = False) -> int:
+    def fill(self, chunks: DecodeChunks, *, keep_ids: bool = False,
+             lora_slots: Sequence[int] | None = None) -> int:
         """Copy one decode step (B rows) into the static buffers, padding to the bucket. Returns
         the bucket size. Host work is numpy only (no tensor ops but the one copy); each row's
         slot and context length follow from its position and table. keep_ids: leave the
         device's input ids as they are (the last replay's greedy pick put them there) and copy
-        the other fields only."""
+        the other fields only. lora_slots: each row's LoRA slot (-1: the base model), None: every
+        row the base model's (graphs captured with LoRA only)."""
         b = len(chunks)
         bs = self.bucket(b)
         m = self.block_tables.shape[1]
         host = self.inputs.next_host()
         ids, pos, slot_rows, ctx, tables = (host[k] for k in STEP_FIELDS)
+        if self.lora:
+            host["lora_slots"][:b] = -1 if lora_slots is None else lora_slots
+            host["lora_slots"][b:bs] = -1
+        elif lora_slots is not None:
+            raise ValueError("a step with LoRA slots, but the graphs were captured without LoRA")
         ids[:b], pos[:b] = chunks.input_ids, chunks.positions
         ids[b:bs] = pos[b:bs] = 0
         slot_rows[b:bs] = -1

@@ -115,7 +115,8 @@ class LLM:
     accepted tokens.
     enable_lora, max_loras, max_lora_rank: serve PEFT LoRA adapters (generate / chat / stream's
     lora_request=LoRARequest(name, int_id, path)), up to max_loras in one batch, of rank up to
-    max_lora_rank (runtime/lora.py, state/lora.py); one device, dense models, eager forward.
+    max_lora_rank (runtime/lora.py, state/lora.py); one device, dense models (compiled
+    forward and decode CUDA graphs as without LoRA, no prefill graphs).
     """
 
     def __init__(self, model, *, tokenizer=None, dtype="auto", max_model_len: int | None = None,

@@ -90,5 +90,6 @@ class LoRASlots:
         return {lid: self.slot_of[lid] for lid in needed}, loads
 
     def forget(self, lid: int) -> None:
-        """Drop adapter lid's slot (its weights were never written: a failed load)."""
+        """Drop adapter lid's slot (a failed load, whose weights were not all written; an
+        unloaded adapter no sequence uses): free for the next, which is written whole."""
         self.slot_of.pop(lid, None)

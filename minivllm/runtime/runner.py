@@ -269,7 +269,8 @@ class ModelRunner:
         self.last_sampling = None  # (rows, SamplingBatch) of the last step that sampled
         self.prefill_forward = forward  # see _compile_and_capture
         self.small_decode_forward, self.small_decode_rows = None, 0  # ditto (persistent_decode)
-        # LoRA steps run eagerly (_compile_and_capture): no prefill graphs either.
+        # The prefill graphs' static batch holds no LoRA slots: with LoRA, steps with prompt
+        # tokens run the compiled forward (decode steps replay the decode graphs).
         self.use_prefill_graphs = not config.enable_lora and self._wants_prefill_graphs(config)
         with _logged_time("KV cache sizing"):
             self.num_blocks = self._num_blocks()
@@ -339,12 +340,6 @@ class ModelRunner:
         write_slot(self.params.lora, slot, adapter, self.model_config)
 
     def _compile_and_capture(self, config: EngineConfig) -> None:
-        if config.enable_lora:
-            # LoRA steps run the eager forward: no decode or prefill CUDA graphs, no compiled
-            # layer, no persistent decode or fused MLP kernels (none of them adds the deltas).
-            log.info("minivllm: enable_lora: every step runs the eager forward (no CUDA graphs, "
-                     "compiled layers or fused decode kernels)")
-            return
         graphs = self.device.type == "cuda" and not self.enforce_eager
         compile_forward = os.environ.get("MINIVLLM_COMPILE", "1") != "0"
         flag = os.environ.get("MINIVLLM_FUSED_MLP")
@@ -354,6 +349,13 @@ class ModelRunner:
             if flag is not None:
                 log.warning("minivllm: MINIVLLM_FUSED_MLP runs the dense MLP; this model's "
                             "sparse layers are mixtures of experts: ignored")
+            fused = None
+        if fused and config.enable_lora:
+            # The decode graphs of a LoRA engine run every row through the LoRA layer
+            # (graphs.DecodeGraphs), and the fused kernel adds no deltas.
+            if flag is not None:
+                log.warning("minivllm: MINIVLLM_FUSED_MLP computes no LoRA deltas: ignored with "
+                            "enable_lora")
             fused = None
         if fused and not (graphs and compile_forward):
             if flag is not None:
@@ -479,9 +481,11 @@ class ModelRunner:
         # The decode graphs' pool keeps about a decode step's peak at the largest bucket for good
         # (their logits share it: graphs.unowned).
         decode_graphs_peak = 0
-        if not self.enforce_eager and not config.enable_lora:
+        if not self.enforce_eager:
             rows = [SeqChunk([0], 0, [0])] * config.max_num_seqs  # scratch's block 0 for all
-            decode_graphs_peak = self._peak_bytes(lambda: self._run(scratch, StepInput(rows, [])))
+            slots = (0,) * len(rows) if config.enable_lora else None  # the graphs' LoRA layer
+            decode_graphs_peak = self._peak_bytes(
+                lambda: self._run(scratch, StepInput(rows, [], lora_slots=slots)))
             decode_graphs_peak += CAPTURE_CODE_BYTES
         # Start-up leaves the blocks of every dtype's heaviest sampling in the allocator's cache,
         # and they reserve more than sampling's allocated peak (1.97 GiB against 1.59 at 256
@@ -625,7 +629,7 @@ class ModelRunner:
             # After a step that took the graph's pick, the pick is in the input ids already:
             # when every row's token comes back to its own row, they need no copy.
             keep_ids = ids_in_graph and step.fed_back == same_rows(b)
-            self.graphs.fill(chunks, keep_ids=keep_ids)
+            self.graphs.fill(chunks, keep_ids=keep_ids, lora_slots=step.lora_slots)
             if not keep_ids:
                 self._feed_back(self.graphs.input_ids, step)
         with trace_range("replay"):

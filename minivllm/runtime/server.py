@@ -6,7 +6,9 @@ embedding model's /v1/embeddings, a classifier's /classify, and both's /score (/
 GET /v1/models, /health and /version. With LoRA modules (serve --enable-lora --lora-modules
 name=path), a completion or chat request whose "model" names a module runs with that adapter,
 and /v1/models lists the modules after the base model (each with "parent" the base model's
-name), as vLLM's.
+name), as vLLM's. With MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (vLLM's
+VLLM_ALLOW_RUNTIME_LORA_UPDATING), POST /v1/load_lora_adapter and /v1/unload_lora_adapter add
+and remove modules while serving (OpenAIServer.load_lora_adapter says how).
 
 The engine is not thread-safe, so one thread owns it (EngineLoop): it takes new requests from a
 queue between steps, steps while any is unfinished, and hands each request's outputs to the
@@ -21,8 +23,10 @@ a small engine, not a production front end.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
+import os
 import queue
 import select
 import socket
@@ -199,6 +203,16 @@ _ROUTES = {"/v1/completions": parse_completion, "/v1/chat/completions": parse_ch
 _SCORE_ROUTES = {"/score": parse_score, "/v1/score": parse_score, "/rerank": parse_rerank,
                  "/v1/rerank": parse_rerank, "/v2/rerank": parse_rerank}
 _TOKENIZER_ROUTES = ("/tokenize", "/detokenize")
+# Served only with RUNTIME_LORA_ENV set (elsewhere a 404: no such route, as vLLM's).
+_ADAPTER_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+RUNTIME_LORA_ENV = "MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def runtime_lora_updating(environ=None) -> bool:
+    """Whether the server takes adapters at runtime: RUNTIME_LORA_ENV is 1 or true (vLLM's
+    rule for VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+    env = os.environ if environ is None else environ
+    return env.get(RUNTIME_LORA_ENV, "0").strip().lower() in ("1", "true")
 
 
 def pooling_routes(llm: LLM) -> dict:
@@ -231,6 +245,16 @@ class _Handler(BaseHTTPRequestHandler):
         data = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _send_text(self, status: int, text: str) -> None:
+        data = text.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
         self.send_header("Content-Length", str(len(data)))
         if self.close_connection:
             self.send_header("Connection", "close")
@@ -300,7 +324,7 @@ class _Handler(BaseHTTPRequestHandler):
             from .. import __version__
 
             self._send_json(200, {"version": __version__})
-        elif path in self.app.routes:
+        elif path in self.app.routes or path in self.app.adapter_routes:
             self._error(405, f"{path} takes POST", "MethodNotAllowed")
         else:
             self._error(404, f"no route {path}", "NotFoundError")
@@ -313,12 +337,18 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             path = self.path.split("?", 1)[0]
             parse = self.app.routes.get(path)
-            if parse is None and path not in _TOKENIZER_ROUTES:
+            adapters = path in self.app.adapter_routes
+            if parse is None and path not in _TOKENIZER_ROUTES and not adapters:
                 raise RequestError(f"no route {path}", 404, "NotFoundError")
             try:
                 body = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise RequestError(f"the request body is not JSON: {e}") from None
+            if adapters:  # vLLM answers a plain-text line
+                load = path == "/v1/load_lora_adapter"
+                self._send_text(200, (self.app.load_lora_adapter if load else
+                                      self.app.unload_lora_adapter)(body))
+                return
             if parse is None:
                 self._send_json(200, self._tokenizer_route(path, body))
                 return
@@ -520,7 +550,16 @@ class OpenAIServer:
                              f"more blocks")
         self.llm = llm
         self.model_name = model_name
+        # name -> LoRARequest. Replaced whole, never changed in place, when an adapter is loaded
+        # or unloaded at runtime: the threads serving requests read it without a lock.
         self.lora_modules = self._lora_modules(llm, model_name, lora_modules)
+        self.adapter_routes = _ADAPTER_ROUTES if runtime_lora_updating() else ()
+        if self.adapter_routes:
+            log.warning("minivllm serve: LoRA adapters may be loaded and unloaded at runtime "
+                        "(%s): for local development only, as vLLM warns", RUNTIME_LORA_ENV)
+        self._adapter_lock = threading.Lock()  # one load or unload at a time
+        self._lora_ids = itertools.count(1 + max(
+            (lora.lora_int_id for lora in self.lora_modules.values()), default=0))
         self.api_key = api_key
         # tool_choice "auto" reads calls only with both (a parser alone serves the constrained
         # choices, which need none, as vLLM's).
@@ -565,6 +604,64 @@ class OpenAIServer:
         served model's."""
         lora = req.lora_request
         return lora.lora_name if lora is not None else self.model_name
+
+    def load_lora_adapter(self, body) -> str:
+        """POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace"?}, as vLLM's:
+        the adapter is read and checked on the engine's thread (a bad one is a 400 naming what
+        is wrong, and nothing changes) and then served under the name, with a new lora_int_id.
+        A name already loaded is a 400 unless load_inplace is true: the name then takes the new
+        adapter, and requests already running with the old one finish with it."""
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not (isinstance(name, str) and name and isinstance(path, str) and path):
+            raise RequestError("Both 'lora_name' and 'lora_path' must be provided.", 400,
+                               "InvalidUserInput")
+        inplace = body.get("load_inplace", False)
+        if not isinstance(inplace, bool):
+            raise RequestError(f"'load_inplace' must be a boolean, got {inplace!r}")
+        if not self.llm.config.enable_lora:
+            raise RequestError("LoRA is not enabled: serve with --enable-lora to load adapters")
+        if name == self.model_name:
+            raise RequestError(f"The lora adapter name '{name}' is the served model's name.",
+                               400, "InvalidUserInput")
+        engine = self.llm.engine
+        with self._adapter_lock:
+            old = self.lora_modules.get(name)
+            if old is not None and not inplace:
+                raise RequestError(f"The lora adapter '{name}' has already been loaded. If you "
+                                   f"want to load the adapter in place, set 'load_inplace' to "
+                                   f"True.", 400, "InvalidUserInput")
+            lora = LoRARequest(name, next(self._lora_ids), path)
+            self.loop.call(lambda: engine.add_lora(lora))  # ValueError: a 400 with its message
+            self.lora_modules = {**self.lora_modules, name: lora}
+            if old is not None:
+                self.loop.call(lambda: engine.remove_lora(old.lora_int_id))
+        log.info("minivllm serve: loaded LoRA adapter %r from %r", name, path)
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    def unload_lora_adapter(self, body) -> str:
+        """POST /v1/unload_lora_adapter {"lora_name"}, as vLLM's: the name leaves /v1/models
+        and a request naming it from now on is a 404 (an unknown name here is vLLM's 404).
+        Requests already accepted with it, running or waiting, finish with the adapter: each
+        sequence holds its weights, and a running one's slot is never given to another adapter
+        (engine.remove_lora frees the slot now only where no sequence uses it)."""
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise RequestError("'lora_name' needs to be provided to unload a LoRA adapter.", 400,
+                               "InvalidUserInput")
+        engine = self.llm.engine
+        with self._adapter_lock:
+            lora = self.lora_modules.get(name)
+            if lora is None:
+                raise RequestError(f"The lora adapter '{name}' cannot be found.", 404,
+                                   "NotFoundError")
+            self.lora_modules = {k: v for k, v in self.lora_modules.items() if k != name}
+            self.loop.call(lambda: engine.remove_lora(lora.lora_int_id))
+        log.info("minivllm serve: unloaded LoRA adapter %r", name)
+        return f"Success: LoRA adapter '{name}' removed successfully."
 
     @staticmethod
     def _lora_modules(llm: LLM, model_name: str, modules) -> dict[str, LoRARequest]:

@@ -76,6 +76,9 @@ def warm_up_kernels(params: Params, backend, *, block_size: int, max_num_seqs: i
                                      device=device)
             for dtype in dict.fromkeys((torch.float32, params.dtype)):
                 sample(torch.zeros(rows, vocab, device=device, dtype=dtype), sb)
+        # With LoRA slot weights, each step also with its rows in slot 0: a compiled forward's
+        # LoRA layer compiles its variants here too, not inside the first adapter's request.
+        lora_variants = (None,) if params.lora is None else (None, (0,))
         for num_seqs in _CLASSES:
             for width in _CLASSES:
                 tables = [list(range(s * width, (s + 1) * width)) for s in range(num_seqs)]
@@ -83,8 +86,10 @@ def warm_up_kernels(params: Params, backend, *, block_size: int, max_num_seqs: i
                 prefill = [SeqChunk([0] * tokens, 0, t) for t in tables]
                 decode = [SeqChunk([0], tokens - 1, t) for t in tables]
                 for chunks in (prefill, decode):
-                    batch = make_batch(chunks, block_size=block_size, device=device)
-                    forward_fn(params, scratch, batch, backend)
+                    for slots in lora_variants:
+                        batch = make_batch(chunks, block_size=block_size, device=device,
+                                           lora_slots=slots and slots * num_seqs)
+                        forward_fn(params, scratch, batch, backend)
         warm_up_head(params, head_of(forward_fn), max_num_seqs)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
