@@ -9,6 +9,8 @@
 #       throughput and single stream at the Qwen3-30B-A3B shape (mixture of experts)
 #   bash benchmarks/gpu_checks.sh moe_profile  # nvidia-h200: that shape's traced decode steps,
 #       single stream and ~256 sequences, summarized by kernel
+#   bash benchmarks/gpu_checks.sh lora  # nvidia-h200 or nvidia-h100-x1: the LoRA engine's GPU tests
+#       (decode graphs and compiled forward with adapters against the eager LoRA engine)
 #   bash benchmarks/gpu_checks.sh moe_probe  # nvidia-h200 or nvidia-h100-x1: one sparse layer's
 #       MoE MLP both ways (grouped GEMMs, Triton kernels) at 1-256 tokens (benchmarks/moe_probe.py)
 #   bash benchmarks/gpu_checks.sh moe_kernel  # nvidia-h200 or nvidia-h100-x1: kernels/fused_moe.py
@@ -327,6 +329,14 @@ moe_kernel)
     step "bench_moe_$run" $(left_or 260) "${flag[@]}" python3 -m minivllm bench \
       --shape qwen3-30b-a3b --json "$RESULTS/bench_moe_$run.json"
   done
+  ;;
+lora)
+  # nvidia-h200 or nvidia-h100-x1 (~150 s): session 54's LoRA engine on the GPU: its decode CUDA
+  # graphs (captured through the LoRA layer, a static slot per row) and compiled forward against
+  # the eager LoRA engine, adapters and base rows mixed; fp32 against transformers with each
+  # adapter merged too, and its base rows against a base engine's graphs.
+  STEP_LOG=$OUT/tests.txt step lora_tests $(left_or 180) python3 -m pytest $PYTEST_ARGS \
+    tests/test_lora.py -k gpu
   ;;
 moe_probe)
   # nvidia-h200 or nvidia-h100-x1 (~150 s on a fresh machine): where the MoE expert paths cross
