@@ -868,13 +868,16 @@ class LLMEngine:
         if m is None:
             return
         for seq in finished:
+            reason = seq.finish_reason
             if aborted is None:
-                if seq.finish_reason == "pooled":
+                if reason == "pooled":
                     continue
-                m.finish_sequence(seq, seq.finish_reason, now, now)
-            else:
+                last = now
+            else:  # (one a failed step ended before the abort keeps its reason)
+                if reason == "pooled":
+                    reason = aborted
                 last = self._streak_time if seq in self._streak else seq.last_token_time
-                m.finish_sequence(seq, aborted, now, last)
+            m.finish_sequence(seq, reason, now, last)
 
     def _request_done(self, request: Request) -> None:
         """A request ended (all its completions): vLLM's per-parent metrics."""
