@@ -136,7 +136,8 @@ def test_the_text_format_escapes_orders_and_accumulates():
                      'a:h_bucket{model_name="m",le="+Inf"} 8.0']
     fams = parse(text)
     assert fams["a:g"]["samples"] == [("a:g", {"x": 'q"uo\\te\nnl'}, 1.5)]
-    assert [s[2] for s in fams["a:h"]["samples"][-2:]] == [pytest.approx(0.1 + 0.5 + 0.7 + 3 + 100 + 6), 8]
+    assert [s[2] for s in fams["a:h"]["samples"][-2:]] == \
+        [pytest.approx(0.1 + 0.5 + 0.7 + 3 + 100 + 6), 8]
     assert (prom.format_value(math.inf), prom.format_value(3), prom.format_value(1234567.0),
             prom.format_value(0.25)) == ("+Inf", "3.0", "1.234567e+06", "0.25")
     assert prom.build_1_2_5_buckets(1024) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]

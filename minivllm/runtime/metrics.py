@@ -234,7 +234,8 @@ class Exposition:
         for bound, count in zip((*h.bounds, math.inf), h.counts):
             cumulative += count
             le = format_value(bound)
-            self.lines.append(f"{name}_bucket{_labels(labels + [('le', le)])} {format_value(cumulative)}")
+            self.lines.append(f"{name}_bucket{_labels(labels + [('le', le)])} "
+                              f"{format_value(cumulative)}")
         self.lines.append(f"{name}_sum{_labels(labels)} {format_value(h.sum)}")
         self.lines.append(f"{name}_count{_labels(labels)} {format_value(h.count)}")
 

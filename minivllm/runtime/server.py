@@ -3,7 +3,8 @@ POST /v1/completions and /v1/chat/completions (whole responses, or server-sent e
 "stream": true), or for a pooling LLM (runner="pooling") vLLM's routes of its model: an
 embedding model's /v1/embeddings, a classifier's /classify, and both's /score (/v1/score) and
 /rerank (/v1/rerank, /v2/rerank) where LLM.score serves them; vLLM's /tokenize and /detokenize,
-GET /v1/models, /health, /version and /metrics (vLLM's Prometheus metrics, runtime/metrics.py). With LoRA modules (serve --enable-lora --lora-modules
+GET /v1/models, /health, /version and /metrics (vLLM's Prometheus metrics, runtime/metrics.py).
+With LoRA modules (serve --enable-lora --lora-modules
 name=path), a completion or chat request whose "model" names a module runs with that adapter,
 and /v1/models lists the modules after the base model (each with "parent" the base model's
 name), as vLLM's.
