@@ -147,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the name requests give as \"model\" (default: the model's path)")
     serve.add_argument("--api-key", default=None,
                        help="answer /v1 requests only with 'Authorization: Bearer KEY'")
+    serve.add_argument("--disable-log-stats", action="store_true",
+                       help="record no metrics (GET /metrics then shows the cache config only)")
     serve.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                        help="priority: requests' 'priority' field orders them, lower first")
     serve.add_argument("--runner", choices=["auto", "generate", "pooling"], default="auto",
@@ -415,7 +417,7 @@ def cmd_serve(args) -> int:
     llm = _make_llm(args, model)
     name = args.served_model_name or args.model or "minivllm-demo"
     server = OpenAIServer(llm, host=args.host, port=args.port, model_name=name,
-                          api_key=args.api_key,
+                          api_key=args.api_key, disable_log_stats=args.disable_log_stats,
                           enable_auto_tool_choice=args.enable_auto_tool_choice,
                           tool_call_parser=args.tool_call_parser,
                           lora_modules=dict(args.lora_modules or ()))

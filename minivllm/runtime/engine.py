@@ -21,6 +21,7 @@ import logging
 import os
 import random
 import reprlib
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,7 @@ from .generation_config import FILE as GEN_FILE, eos_ids_of, read_generation_con
 from . import reasoning
 from .guide import CompiledGuide, Guide, GuideCache, row_constraint
 from .lora import LoRARequest, LoRASlots
+from .metrics import EngineMetrics
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 from .runner import ModelRunner, PromptScores, StepInput, StepResult, trace_range
@@ -164,6 +166,15 @@ class LLMEngine:
         self._guides: GuideCache | None = None
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
+        # vLLM's metrics (runtime/metrics.py; serve's /metrics), or None: not recorded (serve
+        # --disable-log-stats). The sequences the scheduler ended since they were last recorded,
+        # and the token streak: the sequences that got a token in the last step that read
+        # tokens, and when (_record_token_times).
+        self.metrics: EngineMetrics | None = EngineMetrics(config.max_model_len)
+        self._finished_seqs: list[Sequence] = []
+        self.scheduler.on_finish = self._finished_seqs.append
+        self._streak: list[Sequence] = []
+        self._streak_time = 0.0
         # Asynchronous scheduling needs a runner that can launch a step without waiting for it
         # (a ModelRunner, and the tensor-parallel executor).
         # Speculative decoding records each step before the next is scheduled (EngineConfig turns
@@ -408,12 +419,16 @@ class LLMEngine:
         return out
 
     def enqueue(self, text: str | None, ids: list[int], params: SamplingParams,
-                priority: int = 0, lora_request: LoRARequest | None = None) -> str:
+                priority: int = 0, lora_request: LoRARequest | None = None, *,
+                arrival_time: float | None = None) -> str:
         """Queue a request that check_request accepted, as the (text, ids) it returned (and
-        the lora_request it was checked with)."""
+        the lora_request it was checked with). arrival_time: when it arrived (time.monotonic();
+        default now), which its time to first token and end-to-end latency count from."""
         lora = self.check_lora(lora_request)  # read by check_request: found, not read again
         lora_id = lora_request.lora_int_id if lora is not None else 0
         request = self._new_request(text, ids, params)
+        queued = time.monotonic()
+        arrival = queued if arrival_time is None else arrival_time
         request_id = request.request_id
         base = params.seed if params.seed is not None else self.rng.getrandbits(63)
         bad_words = self._bad_words(params)
@@ -426,6 +441,7 @@ class LLMEngine:
                            eos_ids=self.eos_ids, bad_words=bad_words,
                            guide=Guide(compiled, phase, tags) if compiled is not None else None,
                            priority=priority, lora=lora, lora_id=lora_id)
+            seq.arrival_time, seq.queued_time = arrival, queued
             self._next_seq_id += 1
             request.seqs.append(seq)
             self.scheduler.add(seq)
@@ -472,14 +488,17 @@ class LLMEngine:
                          len(ids), "raise num_kv_blocks")
         return text, ids
 
-    def enqueue_pooling(self, text: str | None, ids: list[int], params: PoolingParams) -> str:
+    def enqueue_pooling(self, text: str | None, ids: list[int], params: PoolingParams, *,
+                        arrival_time: float | None = None) -> str:
         """Queue a pooling request that check_pooling_request accepted: one sequence, its
-        prompt, pooled at its last token (it samples nothing)."""
+        prompt, pooled at its last token (it samples nothing). arrival_time: as enqueue's."""
         request = self._new_request(text, ids, params)
         # The sampling parameters of a sequence that never samples: no penalties, no logprobs,
         # one token at most (its length limit is then its prompt's).
         seq = Sequence(self._next_seq_id, request.request_id, 0, ids, _NEVER_SAMPLED, 0,
                        pooling=True)
+        seq.queued_time = time.monotonic()
+        seq.arrival_time = seq.queued_time if arrival_time is None else arrival_time
         self._next_seq_id += 1
         request.seqs.append(seq)
         self.scheduler.add(seq)
@@ -491,22 +510,29 @@ class LLMEngine:
         self._next_request_id += 1
         return request
 
-    def add_pooling_requests(self, prompts: list, params: list[PoolingParams]) -> list[str]:
+    def add_pooling_requests(self, prompts: list, params: list[PoolingParams], *,
+                             arrival_time: float | None = None) -> list[str]:
         """Queue pooling requests, all or none: every one is checked before any is queued."""
         if len(prompts) != len(params):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} pooling params")
         checked = [self.check_pooling_request(p, pp) for p, pp in zip(prompts, params)]
-        return [self.enqueue_pooling(text, ids, pp) for (text, ids), pp in zip(checked, params)]
+        return [self.enqueue_pooling(text, ids, pp, arrival_time=arrival_time)
+                for (text, ids), pp in zip(checked, params)]
 
-    def _record_pooled(self, pooled: list, hidden) -> None:
+    def _record_pooled(self, pooled: list, hidden, now: float) -> int:
         """Each pooled chunk's request gets its result from its row of `hidden` ([rows, hidden]
         fp32, on the host): an embedding cut to its dimensions, normalised unless it says not
         to; a classifier's logits, activated unless it says not to (the score task takes the
-        head's cross-encoder activation)."""
+        head's cross-encoder activation). Returns the prompt tokens this counted (metrics: a
+        pooling request counts its prompt, and ends as "stop", when its result comes, as vLLM)."""
+        m, counted = self.metrics, 0
         for chunk, h in zip(pooled, hidden):
             request = self.requests.get(chunk.seq.request_id)
             if request is None:  # aborted while its step ran
                 continue
+            if m is not None:
+                counted += m.count_prompt(chunk.seq)
+                m.finish_sequence(chunk.seq, "stop", now, now)
             p, task = request.params, request.task
             if task == "embed":
                 request.pooled = pooled_embedding(
@@ -517,12 +543,19 @@ class LLMEngine:
             kind = (head.config.score_activation if task == "score"
                     else head.config.classify_activation)
             request.pooled = (activate(logits, kind) if p.activates() else logits).tolist()
+        return counted
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str, reason: str = "abort") -> None:
+        """End the request, freeing its blocks. reason: its metrics' finished_reason ("error"
+        where a failure ends it)."""
         request = self.requests.pop(request_id, None)
         if request is not None:
             for seq in request.seqs:
-                self.scheduler.finish(seq, "abort")
+                if seq.finish_reason == "pooled":  # its step ran, its result never read
+                    self._finished_seqs.append(seq)
+                self.scheduler.finish(seq, reason)
+            self._record_finished(time.monotonic(), aborted=reason)
+            self._request_done(request)
 
     def has_unfinished_requests(self) -> bool:
         # A step still in flight then holds only finished sequences' extra tokens, to be dropped,
@@ -774,15 +807,25 @@ class LLMEngine:
         """seqs: those that got a token (Scheduler.resolve's); None for a speculative step, whose
         sampled sequences are advanced but not resolved (_record_spec)."""
         with trace_range("postprocess"):
+            now = time.monotonic()
+            generated = self.stats.generation_tokens
+            pooled_prompts = 0
             if result.scores is not None:
                 self._record_scores(out.scored, result.scores)
             if result.pooled is not None:
-                self._record_pooled(out.pooled, result.pooled)
+                pooled_prompts = self._record_pooled(out.pooled, result.pooled, now)
             if seqs is None:
-                self._record_spec(out, result)
+                seqs = self._record_spec(out, result)
             else:
                 self.stats.generation_tokens += len(seqs)
                 self._postprocess(seqs, result)
+            if self.metrics is not None:
+                prompts = self._record_token_times(seqs, now) + pooled_prompts
+                if seqs or out.pooled:  # vLLM's engine steps that output something
+                    self.metrics.iteration_tokens.observe(
+                        prompts + self.stats.generation_tokens - generated)
+            if self._finished_seqs:
+                self._record_finished(now)
         if unfinished:
             touched = dict.fromkeys(c.seq.request_id for c in out.chunks)
             touched.update(dict.fromkeys(s.request_id for s in out.preempted))
@@ -801,9 +844,72 @@ class LLMEngine:
                 outputs.append(self.make_output(request))
             if request.finished:
                 del self.requests[request_id]
+                self._request_done(request)
         return outputs
 
-    def _record_spec(self, out: SchedulerOutput, result: StepResult) -> None:
+    def _record_token_times(self, seqs: list[Sequence], now: float) -> int:
+        """Metrics of a step that read a token for each of `seqs` at `now`: time to first token
+        and the prompt's tokens for those whose first it is, an inter-token latency for the
+        others. Returns the prompt tokens counted.
+
+        Once a step, not a token: the token streak is the sequences that got a token in the last
+        step that read any (self._streak, at self._streak_time). When this step's are the same
+        list (every decode step of an unchanging batch) each has the same latency, observed
+        once with their count. Otherwise sets (C loops) find those that left the streak, whose
+        last token time is then kept on the sequence, and those that joined it (a first token,
+        a return from preemption or a skipped step), handled one by one."""
+        m, prev, then = self.metrics, self._streak, self._streak_time
+        counted = 0
+        if seqs == prev:
+            if seqs:
+                m.itl.observe(now - then, len(seqs))
+        else:
+            before, current = set(prev), set(seqs)
+            for seq in before - current:
+                seq.last_token_time = then
+            joined = current - before
+            if len(seqs) > len(joined):
+                m.itl.observe(now - then, len(seqs) - len(joined))
+            for seq in joined:
+                if seq.first_token_time:
+                    m.itl.observe(now - seq.last_token_time)
+                else:
+                    seq.first_token_time = now
+                    m.ttft.observe(now - seq.arrival_time)
+                    counted += m.count_prompt(seq)
+        self._streak, self._streak_time = seqs, now
+        return counted
+
+    def _record_finished(self, now: float, aborted: str | None = None) -> None:
+        """Record the sequences the scheduler ended since the last call (vLLM's finished
+        requests): those a step ended (their last token read `now`), or with `aborted`, those
+        an abort ended now (their last token that of their streak, or the one they kept).
+        Embeddings are recorded with their result (_record_pooled)."""
+        finished = list(self._finished_seqs)
+        self._finished_seqs.clear()
+        m = self.metrics
+        if m is None:
+            return
+        for seq in finished:
+            reason = seq.finish_reason
+            if aborted is None:
+                if reason == "pooled":
+                    continue
+                last = now
+            else:  # (one a failed step ended before the abort keeps its reason)
+                if reason == "pooled":
+                    reason = aborted
+                last = self._streak_time if seq in self._streak else seq.last_token_time
+            m.finish_sequence(seq, reason, now, last)
+
+    def _request_done(self, request: Request) -> None:
+        """A request ended (all its completions): vLLM's per-parent metrics."""
+        if self.metrics is not None:
+            self.metrics.finish_request(
+                len(request.seqs), 0 if request.pooling else
+                max(s.num_known - s.prompt_len for s in request.seqs))
+
+    def _record_spec(self, out: SchedulerOutput, result: StepResult) -> list[Sequence]:
         """Record a speculative step (advanced, not resolved): each sampled sequence's tokens
         are its sampled ones up to and including the first that differs from its draft (all of
         them when every draft matched). They are recorded in rounds, one token a sequence a
@@ -825,7 +931,7 @@ class LLMEngine:
             i += len(d) + 1
         if i != len(tokens):
             raise ValueError(f"{len(tokens)} sampled tokens for {i} sampled rows")
-        got = self.scheduler.resolve(out, [toks[0] for _, toks, _ in kept])
+        got = first = self.scheduler.resolve(out, [toks[0] for _, toks, _ in kept])
         for r in range(max(len(toks) for _, toks, _ in kept)):
             if r:
                 got = []
@@ -838,6 +944,7 @@ class LLMEngine:
                 [lp[r] for seq, toks, lp in kept if seq.seq_id in alive and len(toks) > r]
             self.stats.generation_tokens += len(got)
             self._postprocess(got, StepResult(token_ids=[], logprobs=round_lps))
+        return first  # the sequences that got a token (one or more)
 
     def _count(self, out: SchedulerOutput) -> None:
         s = self.stats

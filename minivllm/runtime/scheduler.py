@@ -38,6 +38,7 @@ offered to the prefix cache only once every token in them is known.
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -188,6 +189,13 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_prompt_tokens_cached = 0  # prompt tokens taken from the prefix cache at first admission
+        # vLLM's prefix_cache_queries / _hits: the tokens of each prefix-cache lookup of a sequence
+        # never preempted (every admission attempt, as vLLM's get_computed_blocks), and the tokens
+        # it found.
+        self.num_prefix_cache_queries = 0
+        self.num_prefix_cache_hits = 0
+        # Called with each sequence that finish() ends (the engine's metrics), or None.
+        self.on_finish = None
 
     # -- queues ----------------------------------------------------------------------------------
 
@@ -217,6 +225,8 @@ class Scheduler:
             seq.num_pending = 0
         seq.status = Status.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
+        if self.on_finish is not None:
+            self.on_finish(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -274,6 +284,10 @@ class Scheduler:
                 continue
             hits = self.bm.match_prefix(seq) if seq.prompt_logprobs is None else []
             cached = len(hits) * self.bm.block_size
+            if not seq.num_preemptions and seq.prompt_logprobs is None and \
+                    self.bm.enable_prefix_caching:
+                self.num_prefix_cache_queries += seq.num_tokens
+                self.num_prefix_cache_hits += cached
             n = min(seq.num_tokens - cached, budget)
             if not self.bm.can_allocate(seq, cached + n, hits):
                 break
@@ -285,6 +299,7 @@ class Scheduler:
             if seq.num_cached_prompt < 0:
                 seq.num_cached_prompt = min(cached, seq.prompt_len)
                 self.num_prompt_tokens_cached += seq.num_cached_prompt
+                seq.scheduled_time = time.monotonic()
             seq.status = Status.RUNNING
             self.running.append(seq)
             self._schedule(out, seq, cached, n)

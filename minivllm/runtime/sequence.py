@@ -81,6 +81,15 @@ class Sequence:
             [None] if params.prompt_logprobs is not None and index == 0 else None)
         self.cumulative_logprob = 0.0
         self.num_preemptions = 0
+        # vLLM's per-request timestamps (runtime/metrics.py), the host's monotonic clock; 0: not
+        # yet. arrival: the request's receipt; queued: added to the engine; scheduled: first
+        # admitted; first_token: its first token read. last_token_time is kept only while the
+        # sequence is out of the engine's token streak (LLMEngine._record_token_times).
+        self.arrival_time = 0.0
+        self.queued_time = 0.0
+        self.scheduled_time = 0.0
+        self.first_token_time = 0.0
+        self.last_token_time = 0.0
 
     @property
     def num_tokens(self) -> int:

@@ -3,7 +3,8 @@ POST /v1/completions and /v1/chat/completions (whole responses, or server-sent e
 "stream": true), or for a pooling LLM (runner="pooling") vLLM's routes of its model: an
 embedding model's /v1/embeddings, a classifier's /classify, and both's /score (/v1/score) and
 /rerank (/v1/rerank, /v2/rerank) where LLM.score serves them; vLLM's /tokenize and /detokenize,
-GET /v1/models, /health and /version. With LoRA modules (serve --enable-lora --lora-modules
+GET /v1/models, /health, /version and /metrics (vLLM's Prometheus metrics, runtime/metrics.py).
+With LoRA modules (serve --enable-lora --lora-modules
 name=path), a completion or chat request whose "model" names a module runs with that adapter,
 and /v1/models lists the modules after the base model (each with "parent" the base model's
 name), as vLLM's. With MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (vLLM's
@@ -31,12 +32,14 @@ import queue
 import select
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from . import reasoning, tool_calls
 from .chat_output import ChatOutput
 from .llm import LLM, _delta
 from .lora import LoRARequest
+from . import metrics as prometheus
 from .openai_api import (ParsedRequest, RequestError, chat_body, chat_choice, chat_output,
                          chat_role_choice, classify_body, completion_body, completion_choice,
                          detokenize, embedding_body, error_body, new_id, now, parse_chat,
@@ -58,6 +61,7 @@ class _Submission:
 
     def __init__(self, req: ParsedRequest):
         self.req = req
+        self.arrival = time.monotonic()  # its requests' arrival (metrics: TTFT, e2e latency)
         self.finish = None
         self.ids: list[str] = []
         self.replies: queue.Queue = queue.Queue()
@@ -153,15 +157,18 @@ class EngineLoop:
             # All checked before any is queued, as LLM.generate does.
             if req.score_inputs is not None:  # the pairs' prompts, tokenized on this thread
                 plan = self.llm.score_plan(*req.score_inputs, req.params)
-                ids = self.engine.add_pooling_requests(plan.prompts, plan.params)
+                ids = self.engine.add_pooling_requests(plan.prompts, plan.params,
+                                                       arrival_time=sub.arrival)
                 sub.finish = plan.finish
             elif isinstance(req.params, PoolingParams):
-                ids = self.engine.add_pooling_requests(prompts, [req.params] * len(prompts))
+                ids = self.engine.add_pooling_requests(prompts, [req.params] * len(prompts),
+                                                       arrival_time=sub.arrival)
             else:
                 priority = self.engine.check_priority([req.priority] * len(prompts), len(prompts))
                 lora = req.lora_request
                 checked = [self.engine.check_request(p, req.params, lora) for p in prompts]
-                ids = [self.engine.enqueue(text, ids, req.params, pr, lora)
+                ids = [self.engine.enqueue(text, ids, req.params, pr, lora,
+                                           arrival_time=sub.arrival)
                        for (text, ids), pr in zip(checked, priority)]
         except (ValueError, TypeError) as e:
             sub.replies.put(("error", e if isinstance(e, RequestError) else RequestError(str(e))))
@@ -193,7 +200,7 @@ class EngineLoop:
     def _fail(self, error: Exception) -> None:
         for request_id, sub in list(self.owners.items()):
             if request_id in self.engine.requests:
-                self.engine.abort_request(request_id)
+                self.engine.abort_request(request_id, "error")
             sub.outputs.put(("error", error))
         self.owners.clear()
 
@@ -324,6 +331,8 @@ class _Handler(BaseHTTPRequestHandler):
             from .. import __version__
 
             self._send_json(200, {"version": __version__})
+        elif path == "/metrics":
+            self._metrics()
         elif path in self.app.routes or path in self.app.adapter_routes:
             self._error(405, f"{path} takes POST", "MethodNotAllowed")
         else:
@@ -396,6 +405,24 @@ class _Handler(BaseHTTPRequestHandler):
         if lora is None:
             raise RequestError(f"The model `{name}` does not exist.", 404, "NotFoundError")
         return lora
+
+    def _metrics(self) -> None:
+        """vLLM's Prometheus metrics (runtime/metrics.py): a snapshot taken between two steps,
+        rendered here."""
+        app = self.app
+        try:
+            snap = app.loop.call(lambda: prometheus.snapshot(app.llm.engine))
+        except RequestError as e:
+            self._error(e.status, str(e), e.kind)
+            return
+        data = prometheus.render(snap, app.model_name).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", prometheus.CONTENT_TYPE)
+        self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
 
     def _tokenizer_route(self, path: str, body) -> dict:
         """vLLM's /tokenize (a prompt, or messages through the chat template) and /detokenize."""
@@ -535,7 +562,7 @@ class OpenAIServer:
     def __init__(self, llm: LLM, *, host: str = "127.0.0.1", port: int = 8000,
                  model_name: str = "minivllm", api_key: str | None = None,
                  enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-                 lora_modules=None):
+                 lora_modules=None, disable_log_stats: bool = False):
         tool_calls.check_parser(tool_call_parser)
         if enable_auto_tool_choice and tool_call_parser is None:  # vLLM's check, at start
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (the form of the "
@@ -549,6 +576,8 @@ class OpenAIServer:
                              f"{config.max_model_len}: lower max_model_len or give the cache "
                              f"more blocks")
         self.llm = llm
+        if disable_log_stats:  # as vLLM's flag: no metrics recorded (/metrics has the config only)
+            llm.engine.metrics = None
         self.model_name = model_name
         # name -> LoRARequest. Replaced whole, never changed in place, when an adapter is loaded
         # or unloaded at runtime: the threads serving requests read it without a lock.
