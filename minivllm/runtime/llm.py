@@ -62,6 +62,19 @@ def generation_defaults(generation_config, override, model: str) -> tuple[dict, 
     return sampling_defaults({} if generation_config == "vllm" else gen, override, where), gen
 
 
+def _one_per_prompt(value, cls: type, n: int, name: str, plural: str) -> list:
+    """`value` for each of n prompts: one `cls` for all, or an iterable of one per prompt."""
+    if isinstance(value, cls):
+        return [value] * n
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
+        raise ValueError(f"{name} must be a {cls.__name__} or a list of them, got "
+                         f"{type(value).__name__}")
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"{n} prompts but {len(values)} {plural}")
+    return values
+
+
 class LLM:
     """An inference engine over one local Qwen3 checkpoint.
 
@@ -228,29 +241,16 @@ class LLM:
     def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:
             return [self.get_default_sampling_params()] * n
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * n
-        if isinstance(sampling_params, (str, bytes, dict)) or not isinstance(sampling_params, Iterable):
-            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
-                             f"{type(sampling_params).__name__}")
-        params = list(sampling_params)
-        if len(params) != n:
-            raise ValueError(f"{n} prompts but {len(params)} sampling params")
-        return params
+        return _one_per_prompt(sampling_params, SamplingParams, n, "sampling_params",
+                               "sampling params")
 
     @staticmethod
     def _lora_list(lora_request, n: int) -> list:
-        """One LoRARequest (or None) per prompt: one for all, or a list of one per prompt."""
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            return [lora_request] * n
-        if isinstance(lora_request, (str, bytes, dict)) or \
-                not isinstance(lora_request, Iterable):
-            raise ValueError(f"lora_request must be a LoRARequest or a list of them (None: the "
-                             f"base model), got {type(lora_request).__name__}")
-        requests = list(lora_request)
-        if len(requests) != n:
-            raise ValueError(f"{n} prompts but {len(requests)} lora requests")
-        return requests
+        """One LoRARequest (or None: the base model) per prompt: one for all, or a list of one
+        per prompt."""
+        if lora_request is None:
+            return [None] * n
+        return _one_per_prompt(lora_request, LoRARequest, n, "lora_request", "lora requests")
 
     def _add(self, prompts, sampling_params, priority=None, lora_request=None) -> list[str]:
         prompts = self._prompt_list(prompts)

@@ -248,25 +248,20 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- plumbing --------------------------------------------------------------------------------
 
-    def _send_json(self, status: int, body) -> None:
-        data = json.dumps(body).encode()
+    def _send(self, status: int, data: bytes, content_type: str) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
 
+    def _send_json(self, status: int, body) -> None:
+        self._send(status, json.dumps(body).encode(), "application/json")
+
     def _send_text(self, status: int, text: str) -> None:
-        data = text.encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "text/plain; charset=utf-8")
-        self.send_header("Content-Length", str(len(data)))
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(data)
+        self._send(status, text.encode(), "text/plain; charset=utf-8")
 
     def _error(self, status: int, message: str, kind: str = "BadRequestError") -> None:
         self._send_json(status, error_body(message, status, kind))
@@ -415,14 +410,7 @@ class _Handler(BaseHTTPRequestHandler):
         except RequestError as e:
             self._error(e.status, str(e), e.kind)
             return
-        data = prometheus.render(snap, app.model_name).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", prometheus.CONTENT_TYPE)
-        self.send_header("Content-Length", str(len(data)))
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(data)
+        self._send(200, prometheus.render(snap, app.model_name).encode(), prometheus.CONTENT_TYPE)
 
     def _tokenizer_route(self, path: str, body) -> dict:
         """vLLM's /tokenize (a prompt, or messages through the chat template) and /detokenize."""
