@@ -303,6 +303,10 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
     missing = sorted(set(expected) - set(files))
     if missing:
         hint = ""
+        if awq is None and any(n.removesuffix(".weight") + ".qweight" in files
+                               for n in missing):
+            hint = (": the checkpoint holds AWQ tensors (X.qweight, X.qzeros, X.scales) in "
+                    "their place, but config.json has no AWQ quantization_config")
         if awq is not None and any(n.rsplit(".", 1)[-1] in _AWQ_PACKED + (_AWQ_SCALES,)
                                    for n in missing):
             hint = (f": the AWQ tensors (qweight, qzeros, scales) of linears its "
