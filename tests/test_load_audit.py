@@ -134,7 +134,7 @@ def test_quantized_checkpoint_is_refused(ckpt):
     _edit_config(ckpt, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
     with pytest.raises(CheckpointError, match=r"weight_scale_inv.*quantiz.*fp8"):
         minivllm.load(ckpt)
-    _edit_config(ckpt, quantization_config={"quant_method": "awq", "bits": 4})
+    _edit_config(ckpt, quantization_config={"quant_method": "awq", "bits": 4, "group_size": 32})
     with pytest.raises(CheckpointError, match=r"missing tensor.*qweight.*the AWQ tensors"):
         minivllm.load(ckpt)
     _edit_config(ckpt, quantization_config={"quant_method": "gptq", "bits": 4})

@@ -1,5 +1,6 @@
-"""Block-FP8 checkpoints (Qwen/Qwen3-0.6B-FP8 ... Qwen3-32B-FP8): their quantization_config, and
-the dequantization of their weights as they are loaded.
+"""Quantized checkpoints: block-FP8 (Qwen/Qwen3-0.6B-FP8 ... Qwen3-32B-FP8), dequantized as they
+are loaded, and AWQ 4-bit (Qwen/Qwen3-4B-AWQ ... Qwen3-32B-AWQ), kept packed (AwqWeight, see the
+AWQ section below): their quantization_config, and the arithmetic on their weights.
 
 Such a checkpoint's config.json says
     "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
