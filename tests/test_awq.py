@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
@@ -202,7 +202,6 @@ def kernel_calls(monkeypatch):
 
 # --- 1. packing --------------------------------------------------------------------------------
 
-@settings(max_examples=25)
 @given(rows=st.integers(1, 9), packed=st.integers(1, 4), seed=st.integers(0, 2**31 - 1))
 def test_pack_and_unpack_match_the_numpy_reference(rows, packed, seed):
     q = np.random.default_rng(seed).integers(0, 16, size=(rows, 8 * packed))
@@ -212,7 +211,6 @@ def test_pack_and_unpack_match_the_numpy_reference(rows, packed, seed):
     assert np.array_equal(np_unpack(got.numpy()), q)
 
 
-@settings(max_examples=25)
 @given(groups=st.integers(1, 3), group=st.sampled_from([1, 2, 4, 32]), packed=st.integers(1, 3),
        seed=st.integers(0, 2**31 - 1))
 def test_dequantize_matches_the_numpy_reference(groups, group, packed, seed):
