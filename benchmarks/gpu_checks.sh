@@ -11,6 +11,8 @@
 #       single stream and ~256 sequences, summarized by kernel
 #   bash benchmarks/gpu_checks.sh lora  # nvidia-h200 or nvidia-h100-x1: the LoRA engine's GPU tests
 #       (decode graphs and compiled forward with adapters against the eager LoRA engine)
+#   bash benchmarks/gpu_checks.sh awq  # nvidia-h200 or nvidia-h100-x1: AWQ checkpoints' GPU tests
+#       (the Triton AWQ GEMM in bf16/fp16, compiled and in a CUDA graph; the engine's graphs)
 #   bash benchmarks/gpu_checks.sh moe_probe  # nvidia-h200 or nvidia-h100-x1: one sparse layer's
 #       MoE MLP both ways (grouped GEMMs, Triton kernels) at 1-256 tokens (benchmarks/moe_probe.py)
 #   bash benchmarks/gpu_checks.sh moe_kernel  # nvidia-h200 or nvidia-h100-x1: kernels/fused_moe.py
@@ -337,6 +339,17 @@ lora)
   # adapter merged too, and its base rows against a base engine's graphs.
   STEP_LOG=$OUT/tests.txt step lora_tests $(left_or 180) python3 -m pytest $PYTEST_ARGS \
     tests/test_lora.py -k gpu
+  ;;
+awq)
+  # nvidia-h200 or nvidia-h100-x1: AWQ 4-bit checkpoints' GPU tests (never run yet): the Triton
+  # AWQ GEMM in bf16 and fp16 at 1-300 rows and real sizes against the dequantized product,
+  # compiled (inductor, fullgraph) and replayed in a CUDA graph; the engine's decode graphs on a
+  # tiny fp16 AWQ checkpoint against its eager run, and in fp32 against transformers; then the
+  # CPU-side tests of test_awq.py on the GPU (kernel cases, logits, engine, TP=1 pieces).
+  STEP_LOG=$OUT/tests.txt step awq_gpu_tests $(left_or 300) python3 -m pytest $PYTEST_ARGS \
+    tests/test_awq.py -k gpu
+  STEP_LOG=$OUT/tests.txt step awq_tests $(left_or 240) python3 -m pytest $PYTEST_ARGS \
+    tests/test_awq.py -k "not gpu and not tp2"
   ;;
 moe_probe)
   # nvidia-h200 or nvidia-h100-x1 (~150 s on a fresh machine): where the MoE expert paths cross

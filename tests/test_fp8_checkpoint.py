@@ -24,7 +24,7 @@ intermediate 100) falls inside a block. They check:
         [i // 128, j // 128] as minivllm does;
   3. tensor parallelism: each rank's slices (2 and 4 ranks) are exactly the TP=1 weights'; TP=2
      over gloo gives TP=1's logits and greedy tokens;
-  4. quantization configs minivllm cannot load (AWQ, GPTQ, per-tensor fp8, static activation
+  4. quantization configs minivllm cannot load (8-bit AWQ, GPTQ, per-tensor fp8, static activation
      scales, e5m2, UE8M0 scales, fp8 embeddings) and a missing, mis-shaped or mistyped
      weight_scale_inv are refused with an error naming them before any weight is read.
 """
@@ -398,8 +398,8 @@ def _rewrite(path, edit):
 
 
 UNSUPPORTED = [
-    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True},
-     "quant_method 'awq'"),
+    ({"quant_method": "awq", "bits": 8, "group_size": 128, "zero_point": True},
+     "bits 8"),  # AWQ loads (test_awq.py), 4-bit only
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False},
      "quant_method 'gptq'"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized"},
@@ -437,11 +437,11 @@ def test_unsupported_quantization_is_refused_by_the_engine(ckpt, monkeypatch):
     """LLM(...) refuses it when it reads config.json, before any process starts or weight loads;
     so does load() when it is given a config (the engine's runners pass theirs)."""
     config = ModelConfig.from_json(ckpt)
-    _set_quant(ckpt, {"quant_method": "awq", "bits": 4})
-    with pytest.raises(ValueError, match="quant_method 'awq' is not supported"):
+    _set_quant(ckpt, {"quant_method": "gptq", "bits": 4})
+    with pytest.raises(ValueError, match="quant_method 'gptq' is not supported"):
         LLM(str(ckpt), device="cpu")
     reads = _count_reads(monkeypatch)
-    with pytest.raises(CheckpointError, match="quant_method 'awq' is not supported"):
+    with pytest.raises(CheckpointError, match="quant_method 'gptq' is not supported"):
         minivllm.load(ckpt, config=config)
     assert reads == []
 

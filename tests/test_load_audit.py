@@ -128,13 +128,17 @@ def test_non_float_tensor_is_refused(ckpt):
 
 def test_quantized_checkpoint_is_refused(ckpt):
     """A quantization_config used to be ignored. A block-fp8 one (Qwen3-*-FP8) now loads
-    (tests/test_fp8_checkpoint.py), but not over weights without their fp8 block scales; other
-    methods (AWQ, GPTQ, ...) are refused by name."""
+    (tests/test_fp8_checkpoint.py), but not over weights without their fp8 block scales; nor AWQ
+    (tests/test_awq.py) over weights without their qweight/qzeros/scales; other methods (GPTQ,
+    ...) are refused by name."""
     _edit_config(ckpt, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
     with pytest.raises(CheckpointError, match=r"weight_scale_inv.*quantiz.*fp8"):
         minivllm.load(ckpt)
-    _edit_config(ckpt, quantization_config={"quant_method": "awq", "bits": 4})
-    with pytest.raises(CheckpointError, match="quant_method 'awq' is not supported"):
+    _edit_config(ckpt, quantization_config={"quant_method": "awq", "bits": 4, "group_size": 32})
+    with pytest.raises(CheckpointError, match=r"missing tensor.*qweight.*the AWQ tensors"):
+        minivllm.load(ckpt)
+    _edit_config(ckpt, quantization_config={"quant_method": "gptq", "bits": 4})
+    with pytest.raises(CheckpointError, match="quant_method 'gptq' is not supported"):
         minivllm.load(ckpt)
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..state.config import ModelConfig
+from ..state.quant import AwqWeight, dequantize_awq
 from ..state.shard import ShardSpec
 from .activation import silu_and_mul
 from .parallel import all_reduce
@@ -39,8 +40,52 @@ def _skinny(x: torch.Tensor) -> bool:
     return x.shape[0] <= MAX_SKINNY_ROWS
 
 
-def column_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x: [T, in] @ weight[out_local, in].T -> [T, out_local]."""
+# AWQ weights (state/quant.AwqWeight, Qwen3-*-AWQ checkpoints) are multiplied by the Triton AWQ
+# GEMM (kernels/awq_gemm.py), which dequantizes tile by tile inside the GEMM, wherever Triton runs
+# outside autograd: on a GPU, and on a CPU under TRITON_INTERPRET=1 when not being traced by
+# torch.compile (an interpreted kernel is opaque to dynamo). Elsewhere the weight is dequantized
+# to the activation dtype and multiplied by torch (awq_torch_linear). MINIVLLM_AWQ_KERNEL=torch:
+# the torch path everywhere.
+_AWQ_KERNEL = os.environ.get("MINIVLLM_AWQ_KERNEL", "triton")
+
+
+def _awq_kernel(x: torch.Tensor) -> bool:
+    if _AWQ_KERNEL != "triton" or torch.is_grad_enabled() or x.shape[0] == 0:
+        return False
+    from ..kernels.launch import runs_ptx
+
+    return runs_ptx(x.device) or (triton_usable_here(x.device) and x.dtype != torch.bfloat16
+                                  and not torch.compiler.is_compiling())
+
+
+def triton_usable_here(device: torch.device) -> bool:
+    """Whether Triton kernels run on `device` (CUDA, or a CPU under TRITON_INTERPRET=1). Under
+    the interpreter bf16 is wrong (numpy has no bf16: its products come out garbage, the skinny
+    GEMM's too), so there bf16 activations take the torch path."""
+    from ..kernels.launch import triton_usable
+
+    return triton_usable(device)
+
+
+def awq_torch_linear(x: torch.Tensor, weight: AwqWeight) -> torch.Tensor:
+    """x: [T, in] @ the AWQ weight, dequantized to x's dtype first (dequantize_awq): the torch
+    path, and the reference the kernel is tested against."""
+    return x @ dequantize_awq(weight, x.dtype)
+
+
+def awq_matmul(x: torch.Tensor, weight: AwqWeight) -> torch.Tensor:
+    """x: [T, in] @ the AWQ weight -> [T, out] in x's dtype: the kernel or the torch path."""
+    if _awq_kernel(x):
+        from ..kernels.awq_gemm import awq_linear
+
+        return awq_linear(x, weight)
+    return awq_torch_linear(x, weight)
+
+
+def column_linear(x: torch.Tensor, weight: torch.Tensor | AwqWeight) -> torch.Tensor:
+    """x: [T, in] @ weight[out_local, in].T -> [T, out_local] (an AwqWeight: awq_matmul)."""
+    if isinstance(weight, AwqWeight):  # a static choice: the compiled layer guards on the type
+        return awq_matmul(x, weight)
     return F.linear(x, weight)
 
 
@@ -70,6 +115,8 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, shard: ShardSpec, *,
                unsummed_ok: bool = False) -> torch.Tensor:
     """x: [T, in_local] @ weight[out, in_local].T, summed over ranks -> [T, out]. unsummed_ok:
     as in glu_row_linear, the skinny GEMM's fp32 partials may come back unsummed (one rank)."""
+    if isinstance(weight, AwqWeight):
+        return all_reduce(awq_matmul(x, weight), shard)
     if _skinny(x):
         return _skinny_row_linear(x, weight, shard, glu=False, unsummed_ok=unsummed_ok)
     return all_reduce(F.linear(x, weight), shard)
@@ -83,7 +130,7 @@ def glu_row_linear(x: torch.Tensor, weight: torch.Tensor, shard: ShardSpec, *,
     unsummed_ok: on one rank, the skinny GEMM's fp32 split-K partials [split, T, out] may be
     returned unsummed, for a consumer that sums them: add_rms_norm, into whose kernel the
     compiled layer fuses the sum (see sum_partials), down's at the next layer's entry too."""
-    if _skinny(x):
+    if _skinny(x) and not isinstance(weight, AwqWeight):
         return _skinny_row_linear(x, weight, shard, glu=True, unsummed_ok=unsummed_ok)
     return row_linear(silu_and_mul(x), weight, shard)
 

@@ -179,8 +179,11 @@ class EngineConfig:
         if persistent_decode is not None and not isinstance(persistent_decode, bool):
             raise TypeError(f"persistent_decode must be True, False or None (the default for the "
                             f"device), got {persistent_decode!r}")
+        # An AWQ checkpoint's linears are packed int4 (state/quant.py): the persistent decode
+        # kernel multiplies 16-bit dense weights only.
+        awq = _is_awq(config_dict)
         if persistent_decode is None:
-            persistent_decode = not model_config.is_moe and persistent_decode_default(
+            persistent_decode = not model_config.is_moe and not awq and persistent_decode_default(
                 device, tensor_parallel_size, attention_backend, triton_usable(device),
                 model_config.head_dim, kv_cache_dtype)
         if persistent_decode:
@@ -189,6 +192,9 @@ class EngineConfig:
                                  f"{len(model_config.sparse_layers)} of this model's "
                                  f"{model_config.num_layers} are mixtures of experts (leave "
                                  f"persistent_decode unset or False)")
+            if awq:
+                raise ValueError("persistent_decode runs 16-bit dense layers; this checkpoint's "
+                                 "linears are AWQ 4-bit (leave persistent_decode unset or False)")
             from ..kernels.backends import TRITON_HEAD_DIMS, triton_takes_head_dim
             if device.type == "cuda" and not triton_takes_head_dim(model_config.head_dim):
                 lo, hi = TRITON_HEAD_DIMS
@@ -245,6 +251,14 @@ class EngineConfig:
                    scheduling_policy=scheduling_policy,
                    speculative=speculative, enable_lora=enable_lora, max_loras=max_loras,
                    max_lora_rank=max_lora_rank)
+
+
+def _is_awq(config_dict: dict) -> bool:
+    """Whether a checkpoint's config.json declares AWQ (already checked by ModelConfig)."""
+    from ..state.quant import AwqQuantization, quantization_from_config
+
+    return isinstance(quantization_from_config(config_dict), AwqQuantization) \
+        if config_dict else False
 
 
 def persistent_decode_default(device: torch.device, tensor_parallel_size: int,

@@ -325,8 +325,9 @@ class ModelConfig:
         # rather than compute the wrong function.
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={d['hidden_act']!r} is not supported (Qwen3 uses 'silu')")
-        # Block-fp8 checkpoints (Qwen3-*-FP8) load, their weights dequantized (state/quant.py);
-        # any other quantization (AWQ, GPTQ, bitsandbytes, per-tensor fp8, ...) is refused here,
+        # Block-fp8 checkpoints (Qwen3-*-FP8) load, their weights dequantized, and 4-bit AWQ
+        # ones (Qwen3-*-AWQ), kept packed (state/quant.py); any other quantization (GPTQ,
+        # bitsandbytes, per-tensor fp8, other AWQ, ...) is refused here,
         # before any weight is read, instead of failing later on its extra tensors.
         from .quant import quantization_from_config
         quantization_from_config(d)

@@ -4,7 +4,9 @@ Q/K/V are merged into one QKV weight and gate/up into one weight as they are rea
 tensor-parallel rank reads only its own slice from disk (safetensors `get_slice`), so no rank ever
 holds the full checkpoint. Block-fp8 checkpoints (Qwen3-*-FP8, state/quant.py) load too: each
 quantized weight is dequantized to the model's dtype as it is read, one tensor (one rank's slice
-of it) at a time.
+of it) at a time. AWQ checkpoints (Qwen3-*-AWQ, state/quant.py) load their quantized linears as
+AwqWeight pytrees (packed int4 weights, zero points and scales, sliced and merged along the output
+like the dense weights), which functional/linear.py multiplies without dequantizing them first.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from safetensors import safe_open
 
 from .config import ModelConfig, ceil_div, parse_dtype
 from .params import LayerParams, MoELayerParams, Params
-from .quant import Fp8BlockQuantization, dequantize_fp8_blocks, quantization_from_config
+from .quant import (AWQ_PACK, AwqQuantization, AwqWeight, Fp8BlockQuantization, cat_awq,
+                    dequantize_awq, dequantize_fp8_blocks, quantization_from_config)
 from .shard import ShardSpec
 
 
@@ -37,6 +40,9 @@ _SCALE_DTYPES = ("F32", "F16", "BF16")
 _ATTENTION_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                       "self_attn.o_proj")
 _MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+# An AWQ linear's tensors (state/quant.py): packed int32 weights and zero points, float scales.
+_AWQ_PACKED = ("qweight", "qzeros")
+_AWQ_SCALES = "scales"
 
 
 def _layer_linears(config: ModelConfig, n: int) -> list[str]:
@@ -137,12 +143,73 @@ def _quantized_weights(config: ModelConfig, prefix: str,
             if quant.quantizes(f"{prefix}layers.{n}.{linear}")]
 
 
+def _awq_modules(config: ModelConfig, prefix: str, awq: AwqQuantization | None,
+                 expected: dict[str, tuple[int, ...]], path: str) -> dict[str, tuple[int, int]]:
+    """The decoder linears an AWQ checkpoint stores quantized (not in modules_to_not_convert),
+    each with its dense [out, in] shape; a CheckpointError for a shape AWQ cannot pack (out not a
+    multiple of 8, in not of the group size)."""
+    if awq is None:
+        return {}
+    out = {}
+    for n in range(config.num_layers):
+        for linear in _layer_linears(config, n):
+            module = f"{prefix}layers.{n}.{linear}"
+            if not awq.quantizes(module):
+                continue
+            rows, cols = expected[module + ".weight"]
+            if rows % AWQ_PACK:
+                raise CheckpointError(f"{path}: {module} has {rows} outputs: AWQ packs 8 output "
+                                      f"columns per int32, so they must be a multiple of 8")
+            if cols % awq.group(cols):
+                raise CheckpointError(f"{path}: {module} has {cols} inputs, not a multiple of "
+                                      f"the AWQ group_size {awq.group_size}")
+            out[module] = (rows, cols)
+    return out
+
+
+def _check_awq_shard(config: ModelConfig, shard: ShardSpec, awq: AwqQuantization | None,
+                     awq_modules: dict[str, tuple[int, int]], prefix: str) -> None:
+    """A ValueError (CheckpointError) before any weight is read when this rank's slice of an AWQ
+    linear cuts a packed int32 (column-parallel: q/k/v, gate/up rows must start and end at
+    multiples of 8) or a group (row-parallel: o_proj's and down's input columns must be whole
+    groups; a whole-input group, group_size -1, is kept whole by every rank, as vLLM's
+    awq_marlin repeats its scales)."""
+    if awq is None or shard.world_size == 1:
+        return
+    d = config.head_dim
+    q0, q1 = shard.head_range(config)
+    k0, k1 = shard.kv_head_range(config)
+    i0, i1 = shard.intermediate_range(config)
+    where = f"tensor-parallel rank {shard.rank} of {shard.world_size}"
+    output = {"self_attn.q_proj": (q0 * d, q1 * d), "self_attn.k_proj": (k0 * d, k1 * d),
+              "self_attn.v_proj": (k0 * d, k1 * d), "mlp.gate_proj": (i0, i1),
+              "mlp.up_proj": (i0, i1)}
+    inputs = {"self_attn.o_proj": (q0 * d, q1 * d), "mlp.down_proj": (i0, i1)}
+    for module, (out_features, in_features) in awq_modules.items():
+        linear = module.removeprefix(prefix).split(".", 2)[2]
+        if linear in output:
+            a, b = output[linear]
+            if a % AWQ_PACK or b % AWQ_PACK:
+                raise CheckpointError(
+                    f"{module}: {where} takes output rows [{a}, {b}), which cuts a packed "
+                    f"int32 of its AWQ qweight (8 output columns each): the tensor-parallel "
+                    f"size must split it at multiples of 8")
+        else:
+            a, b = inputs[linear]
+            group = awq.group(in_features)
+            if group < in_features and (a % group or b % group):
+                raise CheckpointError(
+                    f"{module}: {where} takes input columns [{a}, {b}), which cuts an AWQ "
+                    f"group of {group} rows (its scales and zero points): the tensor-parallel "
+                    f"size must split the {in_features} inputs at whole groups")
+
+
 def scale_name(weight_name: str) -> str:
     """The name of a quantized weight's block scales: X.weight -> X.weight_scale_inv."""
     return weight_name + "_scale_inv"
 
 
-def _read_quantization(config_path: str) -> Fp8BlockQuantization | None:
+def _read_quantization(config_path: str) -> Fp8BlockQuantization | AwqQuantization | None:
     """config.json's quantization_config, checked (a CheckpointError naming what is
     unsupported); read whether or not load() was given a config."""
     try:
@@ -192,6 +259,12 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
         except (KeyError, ValueError) as e:
             raise CheckpointError(f"{config_path}: {e}") from e
     quant = _read_quantization(config_path)
+    awq = quant if isinstance(quant, AwqQuantization) else None
+    if awq is not None:
+        quant = None  # what follows of `quant` is block-fp8's
+        if config.is_moe:
+            raise CheckpointError(f"{config_path}: AWQ checkpoints of mixture-of-experts models "
+                                  f"are not supported (minivllm loads dense Qwen3 AWQ models)")
     shard = shard or ShardSpec()
     shard.check(config)
     dtype = parse_dtype(dtype, config.dtype)
@@ -199,6 +272,14 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
     files = _index_tensors(path)
     prefix = backbone_prefix(files)
     expected = _hf_shapes(config, prefix)
+    # AWQ: module name -> its dense [out, in] shape, for the linears stored as qweight, qzeros
+    # and scales (in place of X.weight).
+    awq_modules = _awq_modules(config, prefix, awq, expected, path)
+    for module, (out_features, in_features) in awq_modules.items():
+        del expected[module + ".weight"]
+        for suffix, shape in awq.shapes(out_features, in_features).items():
+            expected[f"{module}.{suffix}"] = shape
+    _check_awq_shard(config, shard, awq, awq_modules, prefix)
     # weight name -> its scales' name, for the weights stored in fp8 blocks.
     scales = {name: scale_name(name) for name in _quantized_weights(config, prefix, quant)}
     if quant is not None:
@@ -221,8 +302,19 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
               f"modules_to_not_convert)")
     missing = sorted(set(expected) - set(files))
     if missing:
+        hint = ""
+        if awq is None and any(n.removesuffix(".weight") + ".qweight" in files
+                               for n in missing):
+            hint = (": the checkpoint holds AWQ tensors (X.qweight, X.qzeros, X.scales) in "
+                    "their place, but config.json has no AWQ quantization_config")
+        if awq is not None and any(n.rsplit(".", 1)[-1] in _AWQ_PACKED + (_AWQ_SCALES,)
+                                   for n in missing):
+            hint = (f": the AWQ tensors (qweight, qzeros, scales) of linears its "
+                    f"quantization_config ({awq.describe()}) quantizes (a module stored "
+                    f"unquantized is listed in modules_to_not_convert)")
         raise CheckpointError(f"{path}: missing tensor(s) {', '.join(missing[:5])}"
-                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+                              + hint)
     # A config with tied embeddings (the pooling runner's) loads no head: an LM head, or a
     # Qwen3ForSequenceClassification's score (state/classifier.py reads it), is left unread.
     allowed_extra = {"lm_head.weight", "score.weight"} if config.tie_word_embeddings else set()
@@ -230,7 +322,12 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
                    if not n.endswith("rotary_emb.inv_freq"))
     if extra:
         hint = ""
-        if any(n.endswith("_scale_inv") or n.endswith("_scale") for n in extra):
+        if any(n.endswith((".qweight", ".qzeros", ".scales")) for n in extra):
+            hint = (" (AWQ tensors, but config.json has no AWQ quantization_config)"
+                    if awq is None else
+                    f" (AWQ tensors of linears its quantization_config ({awq.describe()}) does "
+                    f"not quantize: modules_to_not_convert lists them)")
+        elif any(n.endswith("_scale_inv") or n.endswith("_scale") for n in extra):
             hint = (" (quantization scales, but config.json has no quantization_config: "
                     "minivllm loads block-fp8 checkpoints whose config says so)" if quant is None
                     else f" (scales of weights its quantization_config ({quant.describe()}) "
@@ -271,11 +368,22 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
             if stored not in _SCALE_DTYPES:
                 raise CheckpointError(f"{file}: tensor {name} is stored as {stored}; block "
                                       f"scales are {'/'.join(_SCALE_DTYPES)}")
+        elif name.rsplit(".", 1)[0] in awq_modules:
+            kind = name.rsplit(".", 1)[-1]
+            want = ("I32",) if kind in _AWQ_PACKED else _SCALE_DTYPES
+            if stored not in want:
+                raise CheckpointError(f"{file}: tensor {name} is stored as {stored}; an AWQ "
+                                      f"{kind} is {'/'.join(want)}")
         # An 8-bit or integer tensor is a quantized weight whose scales are elsewhere: casting
         # it to the model dtype would load garbage silently.
         elif stored not in _FLOAT_DTYPES:
             why = ("minivllm loads unquantized F32/F16/BF16 weights and, in block-fp8 "
                    "checkpoints, fp8 decoder linears with their weight_scale_inv")
+            if awq is not None and stored == "I32":
+                why = (f"the checkpoint's quantization_config ({awq.describe()}) does not "
+                       f"quantize it" + (" (modules_to_not_convert lists it)"
+                                         if name.endswith("_proj.weight") else
+                                         ": embeddings, norms and the LM head are unquantized"))
             if quant is not None and stored == _FP8_WEIGHT_DTYPE:
                 why = (f"the checkpoint's quantization_config ({quant.describe()}) does not "
                        f"quantize it" + (" (modules_to_not_convert lists it)"
@@ -326,7 +434,49 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
                                      dtype)[r0 - a0:r1 - a0, c0 - b0:c1 - b0]
 
     def put(t):
+        if isinstance(t, AwqWeight):
+            return AwqWeight(qweight=put(t.qweight), qzeros=put(t.qzeros), scales=put(t.scales),
+                             group_size=t.group_size)
         return t.contiguous().to(device)
+
+    def read_linear(module: str, rows: tuple[int, int] | None = None,
+                    cols: tuple[int, int] | None = None):
+        """Linear `module`'s weight, this rank's output `rows` or input `cols` of it: a dense
+        [out, in] tensor, or for an AWQ module an AwqWeight of those columns or rows (whole
+        packed int32s and whole groups: _check_awq_shard made sure)."""
+        if module not in awq_modules:
+            return read(module + ".weight", rows=rows, cols=cols)
+        out_features, in_features = awq_modules[module]
+        group = awq.group(in_features)
+        qweight, qzeros, scales_ = (slices[f"{module}.{k}"] for k in ("qweight", "qzeros",
+                                                                         "scales"))
+        try:
+            if rows is not None:
+                r0, r1 = rows
+                p0, p1 = r0 // AWQ_PACK, r1 // AWQ_PACK
+                parts = qweight[:, p0:p1], qzeros[:, p0:p1], scales_[:, r0:r1]
+            elif cols is not None and group < in_features:
+                c0, c1 = cols
+                parts = qweight[c0:c1], qzeros[c0 // group:c1 // group], \
+                    scales_[c0 // group:c1 // group]
+            elif cols is not None:  # one group: every rank keeps its zeros and scales
+                group = cols[1] - cols[0]
+                parts = qweight[cols[0]:cols[1]], qzeros[:], scales_[:]
+            else:
+                parts = qweight[:], qzeros[:], scales_[:]
+        except Exception as e:
+            raise CheckpointError(f"{files[module + '.qweight']}: cannot read the AWQ tensors of "
+                                  f"{module} ({e})") from e
+        return AwqWeight(qweight=parts[0].to(work), qzeros=parts[1].to(work),
+                         scales=parts[2].to(work), group_size=group)
+
+    def merge(parts):
+        """Weights of one input stacked along the output (QKV, gate/up): AWQ ones concatenated
+        packed; a mix (modules_to_not_convert naming some of them) dequantized to `dtype`."""
+        if all(isinstance(p, AwqWeight) for p in parts):
+            return cat_awq(parts)
+        return torch.cat([dequantize_awq(p, dtype).T if isinstance(p, AwqWeight) else p
+                          for p in parts])
 
     d = config.head_dim
     q0, q1 = shard.head_range(config)
@@ -347,17 +497,17 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
     layers = []
     for n in range(config.num_layers):
         p = f"{prefix}layers.{n}."
-        qkv = torch.cat([
-            read(p + "self_attn.q_proj.weight", rows=(q0 * d, q1 * d)),
-            read(p + "self_attn.k_proj.weight", rows=(k0 * d, k1 * d)),
-            read(p + "self_attn.v_proj.weight", rows=(k0 * d, k1 * d)),
+        qkv = merge([
+            read_linear(p + "self_attn.q_proj", rows=(q0 * d, q1 * d)),
+            read_linear(p + "self_attn.k_proj", rows=(k0 * d, k1 * d)),
+            read_linear(p + "self_attn.v_proj", rows=(k0 * d, k1 * d)),
         ])
         attention = dict(
             input_norm=put(read(p + "input_layernorm.weight")),
             qkv=put(qkv),
             q_norm=put(read(p + "self_attn.q_norm.weight")),
             k_norm=put(read(p + "self_attn.k_norm.weight")),
-            o_proj=put(read(p + "self_attn.o_proj.weight", cols=(q0 * d, q1 * d))),
+            o_proj=put(read_linear(p + "self_attn.o_proj", cols=(q0 * d, q1 * d))),
             post_norm=put(read(p + "post_attention_layernorm.weight")),
         )
         if config.is_sparse_layer(n):
@@ -376,12 +526,12 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
             layers.append(MoELayerParams(**attention, router=put(read(p + "mlp.gate.weight")),
                                          experts_gate_up=gate_up, experts_down=down))
             continue
-        gate_up = torch.cat([
-            read(p + "mlp.gate_proj.weight", rows=(i0, i1)),
-            read(p + "mlp.up_proj.weight", rows=(i0, i1)),
+        gate_up = merge([
+            read_linear(p + "mlp.gate_proj", rows=(i0, i1)),
+            read_linear(p + "mlp.up_proj", rows=(i0, i1)),
         ])
         layers.append(LayerParams(**attention, gate_up=put(gate_up),
-                                  down=put(read(p + "mlp.down_proj.weight", cols=(i0, i1)))))
+                                  down=put(read_linear(p + "mlp.down_proj", cols=(i0, i1)))))
     return Params(
         embed=vocab_rows(f"{prefix}embed_tokens.weight"),
         layers=tuple(layers),

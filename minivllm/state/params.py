@@ -15,6 +15,8 @@ LayerParams:
   post_norm  [hidden]
   gate_up    [2 * intermediate_local, hidden]                     gate rows, then up rows
   down       [hidden, intermediate_local]
+  (an AWQ checkpoint's qkv, o_proj, gate_up and down are AwqWeight pytrees of that [out, in]:
+  packed int4 weights, zero points and scales, state/quant.py)
 MoELayerParams (a mixture-of-experts layer, config.sparse_layers): the attention fields as above,
 and in the MLP's place
   router          [experts, hidden]                               replicated on every rank
@@ -29,6 +31,11 @@ import torch
 
 from .config import ModelConfig
 from .pytree import pytree_class, static
+from .quant import AwqWeight
+
+# The LayerParams fields an AWQ checkpoint's linears may fill with an AwqWeight (state/quant.py)
+# in place of a dense [out, in] tensor.
+AWQ_FIELDS = ("qkv", "o_proj", "gate_up", "down")
 from .shard import ShardSpec
 
 
@@ -113,6 +120,14 @@ def expected_shapes(config: ModelConfig, shard: ShardSpec) -> dict[str, tuple[in
     }
 
 
+def has_awq(params: Params) -> bool:
+    """Whether any layer's linear is an AwqWeight (an AWQ checkpoint's): the kernels that
+    multiply 16-bit dense weights themselves (the persistent decode layer, the fused MLP) are
+    then off."""
+    return any(isinstance(getattr(lp, f, None), AwqWeight) for lp in params.layers
+               for f in AWQ_FIELDS)
+
+
 def check_layer_count(params: Params) -> None:
     """ValueError unless params holds a layer for each of its config's (what forward checks at
     every step; a zip over fewer layers would run them without a word)."""
@@ -146,6 +161,16 @@ def check_params(params: Params) -> None:
         if t is None and name == "lm_head":
             if not config.tie_word_embeddings:
                 raise ValueError("params.lm_head is None but the config's embeddings are untied")
+            continue
+        field = name.rsplit(".", 1)[-1]
+        if isinstance(t, AwqWeight) and field in AWQ_FIELDS:
+            t.check(f"params.{name}")
+            if tuple(t.shape) != shapes[field]:
+                raise ValueError(f"params.{name} is an AWQ weight of shape {tuple(t.shape)}, "
+                                 f"expected {shapes[field]}")
+            if t.device != params.device or t.scales.device != params.device:
+                raise ValueError(f"params.{name} is on {t.device}, the embedding on "
+                                 f"{params.device}: one device throughout")
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"params.{name} must be a tensor, got {type(t).__name__}")

@@ -1,5 +1,6 @@
-"""Block-FP8 checkpoints (Qwen/Qwen3-0.6B-FP8 ... Qwen3-32B-FP8): their quantization_config, and
-the dequantization of their weights as they are loaded.
+"""Quantized checkpoints: block-FP8 (Qwen/Qwen3-0.6B-FP8 ... Qwen3-32B-FP8), dequantized as they
+are loaded, and AWQ 4-bit (Qwen/Qwen3-4B-AWQ ... Qwen3-32B-AWQ), kept packed (AwqWeight, see the
+AWQ section below): their quantization_config, and the arithmetic on their weights.
 
 Such a checkpoint's config.json says
     "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -28,6 +29,7 @@ import attrs
 import torch
 
 from .config import ceil_div
+from .pytree import pytree_class, static
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -58,11 +60,7 @@ class Fp8BlockQuantization:
         "model.layers.1.mlp.up_proj", not "model.layers.11..."), as a regex with the same boundary
         ("model.layers.*.mlp" skips every MLP; "mlp.gate" does not skip "mlp.gate_proj"), or as a
         suffix ("down_proj" skips every layer's down_proj)."""
-        if self.modules_to_not_convert is None:
-            return True
-        boundary = r"(?:(?<=\.)|(?=\.|$))"
-        return not any(re.match(rf"(?:{key}){boundary}", module) or module.endswith(key)
-                       for key in self.modules_to_not_convert)
+        return converts(module, self.modules_to_not_convert)
 
     def scale_shape(self, shape: tuple[int, int]) -> tuple[int, int]:
         """The shape of weight_scale_inv for a weight of `shape`: one scale per block, the edge
@@ -70,16 +68,48 @@ class Fp8BlockQuantization:
         return ceil_div(shape[0], self.block[0]), ceil_div(shape[1], self.block[1])
 
 
+def converts(module: str, modules_to_not_convert: tuple[str, ...] | None) -> bool:
+    """Whether `module` is stored quantized given a config's modules_to_not_convert (None: every
+    decoder linear is): transformers' should_convert_module, which its fp8 and AWQ integrations
+    both use (see Fp8BlockQuantization.quantizes)."""
+    if modules_to_not_convert is None:
+        return True
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    return not any(re.match(rf"(?:{key}){boundary}", module) or module.endswith(key)
+                   for key in modules_to_not_convert)
+
+
 def _unsupported(what: str) -> ValueError:
     return ValueError(f"quantization_config {what} is not supported: minivllm loads unquantized "
-                      f"checkpoints and block-fp8 ones (quant_method 'fp8', fmt 'e4m3', "
+                      f"checkpoints, block-fp8 ones (quant_method 'fp8', fmt 'e4m3', "
                       f"activation_scheme 'dynamic', weight_block_size [128, 128], as "
-                      f"Qwen/Qwen3-*-FP8), whose weights it dequantizes at load")
+                      f"Qwen/Qwen3-*-FP8), whose weights it dequantizes at load, and AWQ ones "
+                      f"(quant_method 'awq', bits 4, zero_point true, version 'gemm', group_size "
+                      f"32, 64, 128 or -1, as Qwen/Qwen3-*-AWQ)")
 
 
-def quantization_from_config(d: dict) -> Fp8BlockQuantization | None:
-    """The block-fp8 quantization a HF config dict declares, None when it declares none; a
-    ValueError naming what is unsupported otherwise (AWQ, GPTQ, bitsandbytes, compressed-tensors,
+def _modules_to_not_convert(quant: dict) -> tuple[str, ...] | None:
+    """quantization_config's modules_to_not_convert (or MiniMax's ignored_layers), checked."""
+    skip = quant.get("modules_to_not_convert")
+    if skip is None:
+        skip = quant.get("ignored_layers")
+    if skip is None:
+        return None
+    if not isinstance(skip, (list, tuple)) or not all(isinstance(k, str) for k in skip):
+        raise _unsupported(f"modules_to_not_convert {skip!r} (it must be a list of module "
+                           f"names)")
+    for key in skip:
+        try:
+            re.compile(key)
+        except re.error as e:
+            raise _unsupported(f"modules_to_not_convert entry {key!r} ({e})") from None
+    return tuple(skip)
+
+
+def quantization_from_config(d: dict) -> Fp8BlockQuantization | AwqQuantization | None:
+    """The block-fp8 or AWQ quantization a HF config dict declares, None when it declares none; a
+    ValueError naming what is unsupported otherwise (GPTQ, bitsandbytes, compressed-tensors, AWQ
+    other than 4-bit GEMM with zero points (awq_from_config),
     per-tensor fp8 without weight_block_size, static activation scales, fp8 e5m2 or UE8M0 scales,
     fp8 embeddings). Called when config.json is read, so that a checkpoint minivllm cannot load is
     refused before any weight is read."""
@@ -89,6 +119,8 @@ def quantization_from_config(d: dict) -> Fp8BlockQuantization | None:
     if not isinstance(quant, dict):
         raise _unsupported(f"{quant!r:.80} (not a JSON object)")
     method = quant.get("quant_method")
+    if method == AWQ_METHOD:
+        return awq_from_config(quant)
     if method != _SUPPORTED_METHOD:
         raise _unsupported(f"quant_method {method!r}")
     block = quant.get("weight_block_size")
@@ -116,19 +148,7 @@ def quantization_from_config(d: dict) -> Fp8BlockQuantization | None:
                            f"embeddings)")
     # transformers takes MiniMax's "ignored_layers" where modules_to_not_convert is absent (vLLM
     # reads either).
-    skip = quant.get("modules_to_not_convert")
-    if skip is None:
-        skip = quant.get("ignored_layers")
-    if skip is not None:
-        if not isinstance(skip, (list, tuple)) or not all(isinstance(k, str) for k in skip):
-            raise _unsupported(f"modules_to_not_convert {skip!r} (it must be a list of module "
-                               f"names)")
-        for key in skip:
-            try:
-                re.compile(key)
-            except re.error as e:
-                raise _unsupported(f"modules_to_not_convert entry {key!r} ({e})") from None
-        skip = tuple(skip)
+    skip = _modules_to_not_convert(quant)
     return Fp8BlockQuantization(block=(block[0], block[1]), modules_to_not_convert=skip)
 
 
@@ -165,3 +185,180 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: 
             w[:, full * bk:].mul_(s[:, full:])
         out[r0:r1] = w  # cast to dtype (round to nearest even)
     return out
+
+
+# --- AWQ ---------------------------------------------------------------------------------------
+#
+# AutoAWQ's GEMM format (Qwen/Qwen3-4B-AWQ ... Qwen3-32B-AWQ; vLLM's "awq" and "awq_marlin"
+# methods read it): config.json says
+#     "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128,
+#                             "zero_point": true, "version": "gemm", "modules_to_not_convert": null}
+# and each quantized linear X (nn.Linear weight [out, in]) is stored as three tensors:
+#     X.qweight int32 [in, out / 8]          4-bit weights, 8 output columns per int32
+#     X.qzeros  int32 [in / group, out / 8]  4-bit zero points, packed the same way
+#     X.scales  fp16  [in / group, out]
+# with the 8 nibbles of an int32 (bits 4i..4i+3, i = 0..7) holding the columns 8j + AWQ_ORDER[i]
+# of its group of 8 (AutoAWQ's WQLinear_GEMM.from_linear). Element (i, o) of the transposed
+# weight is (q[i, o] - z[i // group, o]) * s[i // group, o], and y = x @ that. group_size -1
+# quantizes each column over the whole input (one group; vLLM's awq_marlin takes it).
+
+AWQ_METHOD = "awq"
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds column AWQ_ORDER[i] of its 8
+AWQ_PACK = 8  # 4-bit values per int32
+AWQ_GROUP_SIZES = (32, 64, 128, -1)
+
+
+@attrs.frozen
+class AwqQuantization:
+    """A checkpoint's AWQ quantization (4-bit, zero points, GEMM packing): `group_size` input
+    rows share a scale and a zero point (-1: all of them); `modules_to_not_convert` as
+    Fp8BlockQuantization's."""
+
+    group_size: int
+    modules_to_not_convert: tuple[str, ...] | None = None
+
+    def describe(self) -> str:
+        return f"quant_method 'awq', bits 4, group_size {self.group_size}"
+
+    def quantizes(self, module: str) -> bool:
+        """Whether the linear layer `module` is stored as qweight/qzeros/scales (transformers'
+        should_convert_module, which its AWQ integration applies)."""
+        return converts(module, self.modules_to_not_convert)
+
+    def group(self, in_features: int) -> int:
+        """Input rows per group of a weight with `in_features` inputs."""
+        return in_features if self.group_size == -1 else self.group_size
+
+    def shapes(self, out_features: int, in_features: int) -> dict[str, tuple[int, int]]:
+        """The stored tensors' shapes for an nn.Linear of [out_features, in_features]."""
+        groups = in_features // self.group(in_features)
+        return {"qweight": (in_features, out_features // AWQ_PACK),
+                "qzeros": (groups, out_features // AWQ_PACK),
+                "scales": (groups, out_features)}
+
+
+def _int_field(quant: dict, keys: tuple[str, ...], default=None):
+    for key in keys:
+        if key in quant:
+            return key, quant[key]
+    return keys[0], default
+
+
+def awq_from_config(quant: dict) -> AwqQuantization:
+    """An AWQ quantization_config, checked: bits 4 (or AutoAWQ's w_bit), group_size (or
+    q_group_size) 32, 64, 128 or -1, zero_point true, version (or transformers' format) "gemm"
+    (transformers' default), not the llm-awq backend's packing. A ValueError names any other."""
+    key, bits = _int_field(quant, ("bits", "w_bit"), 4)
+    if bits != 4 or isinstance(bits, bool):
+        raise _unsupported(f"{key} {bits!r} (AWQ weights are 4-bit)")
+    key, group = _int_field(quant, ("group_size", "q_group_size"), 128)
+    if isinstance(group, bool) or group not in AWQ_GROUP_SIZES:
+        raise _unsupported(f"{key} {group!r} (AWQ groups of 32, 64 or 128 input rows, or -1: "
+                           f"the whole input)")
+    zero_point = quant.get("zero_point", True)
+    if zero_point is not True:
+        raise _unsupported(f"zero_point {zero_point!r} (AWQ without zero points; minivllm "
+                           f"takes asymmetric AWQ, zero_point true)")
+    for key in ("version", "format"):
+        version = quant.get(key)
+        if version is not None and (not isinstance(version, str) or version.lower() != "gemm"):
+            raise _unsupported(f"{key} {version!r} (AWQ packing other than AutoAWQ's 'gemm': "
+                               f"GEMV, GEMV_fast, llm-awq and exllama lay the nibbles out "
+                               f"differently)")
+    backend = quant.get("backend")
+    if isinstance(backend, str) and backend.lower() == "llm-awq":
+        raise _unsupported(f"backend {backend!r} (llm-awq's packing, not AutoAWQ's 'gemm')")
+    return AwqQuantization(group_size=group, modules_to_not_convert=_modules_to_not_convert(quant))
+
+
+def _shifts(device=None) -> torch.Tensor:
+    """Bit offset of column r (0..7) of a packed group: 4 * (the nibble AWQ_ORDER puts it in)."""
+    return torch.tensor([4 * AWQ_ORDER.index(r) for r in range(AWQ_PACK)], dtype=torch.int32,
+                        device=device)
+
+
+def pack_awq(q: torch.Tensor) -> torch.Tensor:
+    """[rows, cols] integers in 0..15 (cols a multiple of 8) -> int32 [rows, cols / 8] in AWQ's
+    nibble order."""
+    rows, cols = q.shape
+    if cols % AWQ_PACK:
+        raise ValueError(f"AWQ packs 8 columns per int32: {cols} columns")
+    q = q.to(torch.int64).view(rows, cols // AWQ_PACK, AWQ_PACK) & 0xF
+    packed = (q << _shifts(q.device).to(torch.int64)).sum(-1)  # disjoint bits: sum = or
+    return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+
+
+def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [rows, cols / 8] -> int32 [rows, cols] of values 0..15 (pack_awq's inverse)."""
+    rows, n = packed.shape
+    return ((packed.unsqueeze(-1) >> _shifts(packed.device)) & 0xF).view(rows, n * AWQ_PACK)
+
+
+@pytree_class
+class AwqWeight:
+    """A linear layer's AWQ weight, in the place of its [out, in] tensor in LayerParams:
+    qweight int32 [in, out / 8], qzeros int32 [in / group, out / 8], scales [in / group, out] (as
+    stored: fp16). group_size: input rows per group of this (rank's) weight: the checkpoint's,
+    or `in` where the whole input is one group. Merged QKV and gate/up weights are concatenated
+    along the output (packed) columns, as the dense weights are along their rows."""
+
+    qweight: torch.Tensor
+    qzeros: torch.Tensor
+    scales: torch.Tensor
+    group_size: int = static()
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[1] * AWQ_PACK
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The dense weight's shape, [out, in] (nn.Linear's)."""
+        return (self.out_features, self.in_features)
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    def check(self, name: str = "AWQ weight") -> None:
+        """ValueError unless the three tensors fit one another and the group size."""
+        k, n = self.in_features, self.out_features
+        g = self.group_size
+        if not (isinstance(g, int) and g >= 1 and k % g == 0):
+            raise ValueError(f"{name}: group_size {g!r} does not divide its {k} input rows")
+        want = {"qweight": (k, n // AWQ_PACK), "qzeros": (k // g, n // AWQ_PACK),
+                "scales": (k // g, n)}
+        for field, shape in want.items():
+            t = getattr(self, field)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name}.{field} has shape {tuple(t.shape)}, expected {shape}")
+        for field in ("qweight", "qzeros"):
+            if getattr(self, field).dtype != torch.int32:
+                raise ValueError(f"{name}.{field} is {getattr(self, field).dtype}, not int32")
+        if not self.scales.is_floating_point():
+            raise ValueError(f"{name}.scales is {self.scales.dtype}, not a float dtype")
+
+
+def dequantize_awq(weight: AwqWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The weight as x @ it would multiply: [in, out] in `dtype`, (q - z) * s computed in float32
+    (exact: a 4-bit difference times an fp16 or bf16 scale) and rounded once to `dtype`. Static
+    shapes throughout (the torch path of functional.linear, under torch.compile too)."""
+    k, n, g = weight.in_features, weight.out_features, weight.group_size
+    q = unpack_awq(weight.qweight).view(k // g, g, n)
+    z = unpack_awq(weight.qzeros).unsqueeze(1)
+    s = weight.scales.to(torch.float32).unsqueeze(1)
+    return ((q - z).to(torch.float32) * s).view(k, n).to(dtype)
+
+
+def cat_awq(parts: list[AwqWeight]) -> AwqWeight:
+    """AWQ weights of the same input concatenated along the output (QKV, gate/up)."""
+    groups = {p.group_size for p in parts}
+    if len(groups) != 1:
+        raise ValueError(f"AWQ weights of group sizes {sorted(groups)} cannot be merged")
+    return AwqWeight(qweight=torch.cat([p.qweight for p in parts], dim=1),
+                     qzeros=torch.cat([p.qzeros for p in parts], dim=1),
+                     scales=torch.cat([p.scales for p in parts], dim=1), group_size=groups.pop())
