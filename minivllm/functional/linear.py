@@ -52,19 +52,12 @@ _AWQ_KERNEL = os.environ.get("MINIVLLM_AWQ_KERNEL", "triton")
 def _awq_kernel(x: torch.Tensor) -> bool:
     if _AWQ_KERNEL != "triton" or torch.is_grad_enabled() or x.shape[0] == 0:
         return False
-    from ..kernels.launch import runs_ptx
+    from ..kernels.launch import runs_ptx, triton_usable
 
-    return runs_ptx(x.device) or (triton_usable_here(x.device) and x.dtype != torch.bfloat16
+    # Under the interpreter (a CPU with TRITON_INTERPRET=1) bf16 products come out wrong (numpy
+    # has no bf16), so bf16 takes the torch path there.
+    return runs_ptx(x.device) or (triton_usable(x.device) and x.dtype != torch.bfloat16
                                   and not torch.compiler.is_compiling())
-
-
-def triton_usable_here(device: torch.device) -> bool:
-    """Whether Triton kernels run on `device` (CUDA, or a CPU under TRITON_INTERPRET=1). Under
-    the interpreter bf16 is wrong (numpy has no bf16: its products come out garbage, the skinny
-    GEMM's too), so there bf16 activations take the torch path."""
-    from ..kernels.launch import triton_usable
-
-    return triton_usable(device)
 
 
 def awq_torch_linear(x: torch.Tensor, weight: AwqWeight) -> torch.Tensor:

@@ -32,11 +32,11 @@ import torch
 from .config import ModelConfig
 from .pytree import pytree_class, static
 from .quant import AwqWeight
+from .shard import ShardSpec
 
 # The LayerParams fields an AWQ checkpoint's linears may fill with an AwqWeight (state/quant.py)
 # in place of a dense [out, in] tensor.
 AWQ_FIELDS = ("qkv", "o_proj", "gate_up", "down")
-from .shard import ShardSpec
 
 
 @pytree_class
