@@ -48,6 +48,7 @@ from minivllm.state.quant import AwqWeight, dequantize_awq, pack_awq, unpack_awq
 
 from engine_helpers import make_llm
 from hf_tiny import make_hf_model, save_checkpoint
+from test_fp8_checkpoint import _rewrite, _set_quant
 from test_load_audit import _count_reads
 from awq_tp_worker import run as tp_run
 from awq_tp_worker import worker as tp_worker
@@ -589,20 +590,6 @@ UNSUPPORTED = [
 @pytest.fixture
 def broken(ckpt64, tmp_path):
     return shutil.copytree(ckpt64[0], tmp_path / "ckpt")
-
-
-def _set_quant(path, quant):
-    cfg_path = os.path.join(path, "config.json")
-    cfg = json.load(open(cfg_path))
-    cfg["quantization_config"] = quant
-    json.dump(cfg, open(cfg_path, "w"))
-
-
-def _rewrite(path, edit):
-    file = os.path.join(path, "model.safetensors")
-    sd = load_file(file)
-    edit(sd)
-    save_file(sd, file, metadata={"format": "pt"})
 
 
 @pytest.mark.parametrize("quant,message", UNSUPPORTED, ids=[m for _, m in UNSUPPORTED])
