@@ -76,6 +76,27 @@ def test_unsupported_or_bad_patterns_are_named(pattern, match):
         RegexDFA(pattern)
 
 
+@pytest.mark.parametrize("limit", [1000, 5000])
+def test_group_depth_bound_does_not_follow_the_recursion_limit(limit):
+    """Groups nested MAX_GROUP_DEPTH deep compile and one more level is refused, whatever the
+    interpreter's recursion limit (torch.compile raises it to 2000 in its process: before the
+    bound, 300 levels compiled there and were refused elsewhere)."""
+    import sys
+
+    from minivllm.runtime.regex_fsm import MAX_GROUP_DEPTH
+
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(limit)
+    try:
+        deep = "(" * MAX_GROUP_DEPTH + "a" + ")" * MAX_GROUP_DEPTH
+        dfa = RegexDFA(deep)
+        assert dfa.fullmatch("a") and not dfa.fullmatch("aa")
+        with pytest.raises(ValueError, match="nested too deep"):
+            RegexDFA("(" + deep + ")")
+    finally:
+        sys.setrecursionlimit(before)
+
+
 # -- the engine --------------------------------------------------------------------------------
 
 

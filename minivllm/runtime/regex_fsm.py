@@ -71,10 +71,17 @@ def _literal(c: str) -> CharSet:
 # -- parsing: pattern -> tree of ("set", CharSet) / ("cat", [..]) / ("alt", [..]) / ("rep", node, lo, hi)
 
 
+# Groups nested deeper are refused: the parser and the NFA's construction recurse per level, so
+# without a bound of its own whether a pattern compiles would depend on the interpreter's
+# recursion limit (which torch.compile raises to 2000 in the process that compiles).
+MAX_GROUP_DEPTH = 100
+
+
 class _Parser:
     def __init__(self, pattern: str):
         self.p = pattern
         self.i = 0
+        self.depth = 0  # groups open at self.i
 
     def error(self, what: str):
         return ValueError(f"regex {self.p!r}: {what} (at {self.i})")
@@ -158,10 +165,14 @@ class _Parser:
             elif self.peek() == "?":
                 raise self.error("(?...) groups other than (?:...) and (?P<name>...) are not "
                                  "supported")
+            self.depth += 1
+            if self.depth > MAX_GROUP_DEPTH:
+                raise self.error(f"groups nested too deep (more than {MAX_GROUP_DEPTH})")
             node = self.alternation()
             if self.peek() != ")":
                 raise self.error("missing )")
             self.i += 1
+            self.depth -= 1
             return node
         if c == "[":
             return ("set", self.char_class())
