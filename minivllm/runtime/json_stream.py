@@ -6,7 +6,7 @@ arguments the whole answer's parse (tool_calls.parse_hermes) gives: spacing is j
 (", " and ": "), escapes are decoded and written again as json.dumps writes them (a \\u00e9 is
 "é", a \\/ is "/"), a number or literal is written when it ends (json.dumps(json.loads(it)):
 1.50 is 1.5, 1e2 is 100.0). What no prefix decides waits: a number or literal until the
-character after it, a \\uXXXX escape until its four digits, a high surrogate until the next
+character after it, a \\u escape until its four hex digits, a high surrogate until the next
 character says whether it pairs.
 
 Python's json (the C scanner's rules, strict: no control characters inside strings) is followed;

@@ -330,9 +330,7 @@ class AwqWeight:
         g = self.group_size
         if not (isinstance(g, int) and g >= 1 and k % g == 0):
             raise ValueError(f"{name}: group_size {g!r} does not divide its {k} input rows")
-        want = {"qweight": (k, n // AWQ_PACK), "qzeros": (k // g, n // AWQ_PACK),
-                "scales": (k // g, n)}
-        for field, shape in want.items():
+        for field, shape in AwqQuantization(group_size=g).shapes(n, k).items():
             t = getattr(self, field)
             if tuple(t.shape) != shape:
                 raise ValueError(f"{name}.{field} has shape {tuple(t.shape)}, expected {shape}")
