@@ -18,8 +18,9 @@
 #   bash benchmarks/gpu_checks.sh moe_kernel  # nvidia-h200 or nvidia-h100-x1: kernels/fused_moe.py
 #       (MINIVLLM_MOE_KERNEL=triton, the experts as Triton kernels at <= 256 tokens a step): its
 #       GPU tests, then that shape's single stream with and without, alternating, then the
-#       throughput run with and without, while time is left (LAT_RUNS, TPUT_RUNS pick the runs;
-#       MOE_KERNEL_TESTS=0 skips the tests)
+#       throughput run with and without, while time is left (LAT_RUNS, TPUT_RUNS pick the runs,
+#       each name ending in the MINIVLLM_MOE_KERNEL it runs: _triton or _kernel, _grouped or
+#       _base, _auto, the default; MOE_KERNEL_TESTS=0 skips the tests)
 #   bash benchmarks/gpu_checks.sh suite  # nvidia-h200: the whole test suite, six groups at once
 #   bash benchmarks/gpu_checks.sh prefill_graph  # nvidia-h200: the prefill CUDA graphs (steps with
 #       prompt tokens replayed; on by default since session 28) on (MINIVLLM_PREFILL_GRAPH=1)
@@ -169,6 +170,9 @@ PY
 PYTEST_ARGS="-p no:cacheprovider -p benchmarks.report_failures_now -v -o addopts= --tb=short"
 # Several modes run in turn (`sync engine_tests`), sharing one budget: each step's limit is capped
 # by what BUDGET_S leaves.
+moe_choice() {  # moe_choice RUN: the MINIVLLM_MOE_KERNEL a moe_kernel run's name asks for
+  case ${1#*_} in kernel|triton) echo triton ;; base|grouped) echo grouped ;; *) echo auto ;; esac
+}
 left_or() {  # left_or SECONDS: SECONDS, or what the budget has left if less
   local left=$(( BUDGET_S - SECONDS ))
   echo $(( left < $1 ? left : $1 ))
@@ -317,17 +321,16 @@ moe_kernel)
   # throughput pair.
   [ "${MOE_KERNEL_TESTS:-1}" = 1 ] && STEP_LOG=$OUT/tests.txt step moe_kernel_tests $(left_or 150) \
     python3 -m pytest $PYTEST_ARGS tests/test_fused_moe.py
+  # a run's name ends in its MINIVLLM_MOE_KERNEL: triton (kernel), grouped (base) or auto
   for run in ${LAT_RUNS-1_kernel 2_base 3_kernel 4_base}; do
     [ $(( BUDGET_S - SECONDS )) -lt 120 ] && break
-    if [ "${run#*_}" = base ]; then flag=(env -u MINIVLLM_MOE_KERNEL)
-    else flag=(env MINIVLLM_MOE_KERNEL=triton); fi
+    flag=(env MINIVLLM_MOE_KERNEL=$(moe_choice "$run"))
     step "latency_moe_$run" $(left_or 200) "${flag[@]}" python3 -m minivllm bench \
       --shape qwen3-30b-a3b --latency --json "$RESULTS/latency_moe_$run.json"
   done
   for run in ${TPUT_RUNS-1_kernel 2_base}; do
     [ $(( BUDGET_S - SECONDS )) -lt 120 ] && break
-    if [ "${run#*_}" = base ]; then flag=(env -u MINIVLLM_MOE_KERNEL)
-    else flag=(env MINIVLLM_MOE_KERNEL=triton); fi
+    flag=(env MINIVLLM_MOE_KERNEL=$(moe_choice "$run"))
     step "bench_moe_$run" $(left_or 260) "${flag[@]}" python3 -m minivllm bench \
       --shape qwen3-30b-a3b --json "$RESULTS/bench_moe_$run.json"
   done

@@ -391,6 +391,15 @@ def test_persistent_decode_is_refused_for_a_moe(pair):
         LLM(path, device="cpu", persistent_decode=True)
 
 
+def test_an_unknown_moe_kernel_is_refused_before_loading(pair, monkeypatch):
+    """MINIVLLM_MOE_KERNEL outside auto/triton/grouped: a ValueError naming the value and the
+    choices when the engine is configured, not at its first step."""
+    _, _, path = pair
+    monkeypatch.setattr(moe, "_MOE_KERNEL", "fused")
+    with pytest.raises(ValueError, match=r"MINIVLLM_MOE_KERNEL='fused' is not one of \('auto'"):
+        LLM(path, device="cpu")
+
+
 # --- block-fp8 experts ---------------------------------------------------------------------------
 
 def test_fp8_experts_load_as_their_dequantization(tmp_path):

@@ -19,8 +19,9 @@ scatter and cumsum, the gather of h's rows into a [T * k, hidden] copy, the SiLU
 the GEMMs, the index_copy back to pair order and the weighted bmm. BENCHMARKS.md session 53 left
 the single stream at ~32% of its memory floor at the Qwen3-30B-A3B shape, with ~10 small kernels
 a MoE layer suspected (unmeasured). On an H100 (session 54) these three made the single stream
-13% faster and the throughput run, whose steps hold up to 256 tokens, 12% slower: opt-in, until
-benchmarks/moe_probe.py says where the two paths cross.
+13% faster and the throughput run, whose steps hold up to 256 tokens, 12% slower; one layer in
+benchmarks/moe_probe.py (session 55) is faster this way up to 64 tokens and slower from 96, so
+functional.moe's default (auto) takes them up to 64 tokens.
 
 Every size derives from T, top_k, the expert count and the block sizes, never from the routing:
 the padded layout holds at most min(P, (P + min(E, P) * (BLOCK_M - 1)) // BLOCK_M) tiles (each

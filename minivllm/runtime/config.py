@@ -206,15 +206,25 @@ class EngineConfig:
             if not triton_usable(device):
                 raise ValueError(f"persistent_decode is a Triton kernel: it needs a CUDA device "
                                  f"(or TRITON_INTERPRET=1 on a CPU), got {device}")
+        if model_config.is_moe:
+            from ..functional import moe
+
+            if moe._MOE_KERNEL not in moe.MOE_KERNELS:  # named before the model loads
+                raise ValueError(f"MINIVLLM_MOE_KERNEL={moe._MOE_KERNEL!r} is not one of "
+                                 f"{moe.MOE_KERNELS}")
         if model_config.is_moe and device.type == "cuda" and (
                 dtype != torch.bfloat16 or torch.cuda.get_device_capability(device)[0] not in (9, 10)):
             # functional/moe.py: torch's grouped GEMM runs without a host sync in bf16 on a
-            # Hopper or Blackwell GPU only.
+            # Hopper or Blackwell GPU only; its fallback serves steps the Triton kernels do not.
+            from ..kernels.fused_moe import MAX_KERNEL_TOKENS
+
             log.warning("minivllm: this mixture-of-experts model's expert GEMMs compute every "
-                        "expert on every routed row (%d x the work) in %s on %s: they run as "
-                        "grouped GEMMs in bf16 on a Hopper or Blackwell GPU",
+                        "expert on every routed row (%d x the work) in %s on %s for steps the "
+                        "Triton MoE kernels do not take (more than %d tokens, or all with "
+                        "MINIVLLM_MOE_KERNEL=grouped): they run as grouped GEMMs in bf16 on a "
+                        "Hopper or Blackwell GPU",
                         model_config.num_experts, str(dtype).removeprefix("torch."),
-                        torch.cuda.get_device_name(device))
+                        torch.cuda.get_device_name(device), MAX_KERNEL_TOKENS)
         enable_lora = as_flag("enable_lora", enable_lora, False)
         max_loras = _integer("max_loras", max_loras)
         max_lora_rank = _integer("max_lora_rank", max_lora_rank)
