@@ -276,6 +276,29 @@ def test_kernel_matches_the_dequantized_product(device, m, k, n, group, dtype):
     check_product(awq_linear(wide[:, 8:], w), wide[:, 8:], w)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_steps_from_256_rows_dequantize_and_multiply(device, kernel_calls, dtype):
+    """functional.linear's awq_matmul: the kernel below AWQ_DEQUANTIZE_ROWS rows, the dequantized
+    weight times torch's matmul from there on (vLLM's choice at 256 tokens); both give the
+    product."""
+    from minivllm.functional import linear
+    from minivllm.kernels.launch import triton_usable
+
+    if not triton_usable(device):
+        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+    rows = linear.AWQ_DEQUANTIZE_ROWS
+    assert rows == 256
+    w = random_awq(64, 32, 32, seed=3)
+    w = AwqWeight(w.qweight.to(device), w.qzeros.to(device), w.scales.to(device), w.group_size)
+    for m, kernel in ((1, True), (rows - 1, True), (rows, False), (rows + 44, False)):
+        x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m)).to(device, dtype)
+        kernel_calls.clear()
+        with torch.no_grad():
+            out = linear.awq_matmul(x, w)
+        assert bool(kernel_calls) == kernel, m
+        check_product(out, x, w)
+
+
 def test_kernel_partials_and_tiles(device):
     """The CPU heuristic reaches the paths the cases above are meant to test; the unsummed
     partials sum to the product."""

@@ -41,16 +41,21 @@ def _skinny(x: torch.Tensor) -> bool:
 
 
 # AWQ weights (state/quant.AwqWeight, Qwen3-*-AWQ checkpoints) are multiplied by the Triton AWQ
-# GEMM (kernels/awq_gemm.py), which dequantizes tile by tile inside the GEMM, wherever Triton runs
-# outside autograd: on a GPU, and on a CPU under TRITON_INTERPRET=1 when not being traced by
-# torch.compile (an interpreted kernel is opaque to dynamo). Elsewhere the weight is dequantized
-# to the activation dtype and multiplied by torch (awq_torch_linear). MINIVLLM_AWQ_KERNEL=torch:
-# the torch path everywhere.
+# GEMM (kernels/awq_gemm.py), which dequantizes tile by tile inside the GEMM, for steps of fewer
+# than AWQ_DEQUANTIZE_ROWS rows wherever Triton runs outside autograd: on a GPU, and on a CPU
+# under TRITON_INTERPRET=1 when not being traced by torch.compile (an interpreted kernel is
+# opaque to dynamo). Elsewhere the weight is dequantized to the activation dtype and multiplied
+# by torch (awq_torch_linear). From 256 rows on (prefill) that is vLLM's choice too: the GEMM is
+# bound by its FLOPs there, where cuBLAS's tiles beat a kernel that unpacks in its inner loop,
+# and writing the dequantized weight costs what reading a few hundred rows does (not measured
+# here). MINIVLLM_AWQ_KERNEL=torch: the torch path everywhere.
 _AWQ_KERNEL = os.environ.get("MINIVLLM_AWQ_KERNEL", "triton")
+AWQ_DEQUANTIZE_ROWS = 256
 
 
 def _awq_kernel(x: torch.Tensor) -> bool:
-    if _AWQ_KERNEL != "triton" or torch.is_grad_enabled() or x.shape[0] == 0:
+    if _AWQ_KERNEL != "triton" or torch.is_grad_enabled() or \
+            not 1 <= x.shape[0] < AWQ_DEQUANTIZE_ROWS:
         return False
     from ..kernels.launch import runs_ptx, triton_usable
 

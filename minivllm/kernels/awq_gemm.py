@@ -25,8 +25,9 @@ call traces under torch.compile(fullgraph=True) and replays under CUDA graphs:
 - mid (16 < M <= 64): BLOCK_M 32 / 64, BLOCK_N 64, split as above.
 - prefill (M > 64): BLOCK_M 64 (128 past 256 rows), BLOCK_N 128, BLOCK_K 64 (or the group), no
   split; 8 warps for the 128 x 128 tiles.
-vLLM's AWQ method dequantizes the whole weight and calls cuBLAS from 256 tokens on; this kernel
-takes every M (its speed on a GPU is unmeasured).
+functional.linear takes this kernel for steps of fewer than 256 rows and, as vLLM's AWQ method
+does, dequantizes the whole weight and calls cuBLAS from 256 rows on (prefill); the prefill tiles
+serve direct calls (tests). Its speed on a GPU is unmeasured.
 """
 
 from __future__ import annotations
