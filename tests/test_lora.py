@@ -20,6 +20,7 @@ import copy
 import json
 import os
 import threading
+import time
 
 import attrs
 import pytest
@@ -299,6 +300,39 @@ def test_lru_slots_with_max_loras_1(tiny_dir, adapters, prompts, oracle):
     assert [p for _, p in loads[3:]] == [b.lora_path, a.lora_path]
     assert all(slot == 0 for slot, _ in loads)
     assert dict(llm.engine.loras.slot_of) == {a.lora_int_id: 0}
+
+
+def test_metrics_name_the_running_and_waiting_adapters(tiny_dir, adapters, prompts):
+    """/metrics' vllm:lora_requests_info (vLLM's labels: max_lora and the running and waiting
+    sequences' adapter names, each once, in the scheduler's order; the value the scrape's Unix
+    time): with one slot, the first adapter's sequences and the base one run while the other
+    adapter's wait; none once all are done. An engine without LoRA has no such family."""
+    from minivllm.runtime import metrics as prom
+    from test_metrics import parse
+
+    llm = lora_llm(tiny_dir, max_loras=1)
+    a, b = adapters["all"][0], adapters["low"][0]
+    engine = llm.engine
+    engine.add_requests(token_prompts(prompts), [GREEDY] * 4, lora_requests=[b, a, None, b])
+
+    def info():
+        before = time.time()
+        samples = parse(prom.render(prom.snapshot(engine), "m"))["vllm:lora_requests_info"][
+            "samples"]
+        assert len(samples) == 1
+        name, labels, when = samples[0]
+        assert before <= when <= time.time()
+        return labels
+    assert info() == {"max_lora": "1", "waiting_lora_adapters": "low,all",
+                      "running_lora_adapters": ""}
+    engine.step()
+    assert info() == {"max_lora": "1", "waiting_lora_adapters": "all",
+                      "running_lora_adapters": "low"}
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert info() == {"max_lora": "1", "waiting_lora_adapters": "", "running_lora_adapters": ""}
+    base = make_llm(tiny_dir, torch.device("cpu"))
+    assert "vllm:lora_requests_info" not in parse(prom.render(prom.snapshot(base.engine), "m"))
 
 
 def test_prefix_cache_is_kept_apart_per_adapter(tiny_dir, adapters, prompts, oracle):

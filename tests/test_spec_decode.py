@@ -341,3 +341,56 @@ def test_config_defaults():
     c = SpeculativeConfig.create({"method": "ngram", "num_speculative_tokens": 3})
     assert (c.prompt_lookup_max, c.prompt_lookup_min) == (5, 5)  # vLLM's defaults
     assert SpeculativeConfig.create(None) is None
+
+
+# --- vLLM's spec-decode metrics ----------------------------------------------------------------
+
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5)), max_size=30))
+def test_draft_counts_per_position(steps):
+    """LLMEngine._count_draft against counting by hand: a draft is a sequence's step with draft
+    tokens; position p counts the drafts whose first p + 1 tokens were accepted."""
+    from minivllm.runtime.engine import EngineStats, LLMEngine
+
+    steps = [(d, min(a, d)) for d, a in steps]
+    holder = types.SimpleNamespace(stats=EngineStats())
+    for drafted, accepted in steps:
+        LLMEngine._count_draft(holder, drafted, accepted)
+    s = holder.stats
+    drafts = [(d, a) for d, a in steps if d]
+    assert s.spec_drafts == len(drafts)
+    assert s.spec_draft_tokens == sum(d for d, _ in drafts)
+    assert s.spec_accepted_tokens == sum(a for _, a in drafts)
+    longest = max((a for _, a in drafts), default=0)
+    assert s.spec_accepted_per_pos == [sum(a > p for _, a in drafts) for p in range(longest)]
+
+
+def test_metrics_report_the_drafts(demo_dir, device):
+    """/metrics' spec-decode counters (vLLM's names and labels) after a speculative run: the
+    engine's counts, one per-position counter for each of the k positions, and none of the
+    family without speculation."""
+    from minivllm.runtime import metrics as prom
+    from test_metrics import parse
+
+    llm = make_llm(demo_dir, device, speculative_config=spec(4, 3, 1))
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)
+    fams = parse(prom.render(prom.snapshot(llm.engine), "m"))
+
+    def one(name):
+        (sample,) = fams[name]["samples"]
+        assert sample[1] == {"model_name": "m", "engine": "0"}
+        return sample[2]
+    s = llm.stats
+    drafts = one("vllm:spec_decode_num_drafts_total")
+    assert drafts == s.spec_drafts > 0
+    assert one("vllm:spec_decode_num_draft_tokens_total") == s.spec_draft_tokens <= 4 * drafts
+    accepted = one("vllm:spec_decode_num_accepted_tokens_total")
+    assert accepted == s.spec_accepted_tokens > 0
+    per_pos = {int(lab["position"]): v for _, lab, v in
+               fams["vllm:spec_decode_num_accepted_tokens_per_pos_total"]["samples"]}
+    assert sorted(per_pos) == [0, 1, 2, 3]
+    counts = [per_pos[p] for p in range(4)]
+    assert sum(counts) == accepted and drafts >= counts[0]
+    assert counts == sorted(counts, reverse=True)
+    plain = make_llm(demo_dir, device)
+    assert not any(n.startswith("vllm:spec_decode")
+                   for n in parse(prom.render(prom.snapshot(plain.engine), "m")))

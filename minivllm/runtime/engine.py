@@ -74,6 +74,10 @@ class EngineStats:
     # accepted (their acceptance rate is spec_accepted_tokens / spec_draft_tokens).
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # vLLM's spec-decode metrics: drafts (a sequence's step with draft tokens), and how many
+    # drafts had their token at each position accepted (index 0: the first draft token).
+    spec_drafts: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -160,6 +164,7 @@ class LLMEngine:
         # adapters read from disk, by lora_int_id (request, adapter), least recently used first.
         self.loras = LoRASlots(config.max_loras) if config.enable_lora else None
         self._adapters: OrderedDict = OrderedDict()
+        self.lora_names: dict[int, str] = {}  # lora_int_id -> the lora_name it last came with
         self.eos_ids = read_eos_ids(config.model, self.model_config, tokenizer, generation_config)
         self.rng = random.Random(config.seed)
         # Structured outputs' compiled constraints (runtime/guide.py), made at the first.
@@ -263,12 +268,14 @@ class LLMEngine:
                                  f"{known[0].lora_path!r}, not {lora_request.lora_path!r}: one "
                                  f"id per adapter")
             self._adapters.move_to_end(lid)
+            self.lora_names[lid] = lora_request.lora_name  # for the metrics' adapter lists
             return known[1]
         from ..state.lora import load_adapter
 
         adapter = load_adapter(lora_request.lora_path, self.model_config,
                                self.config.max_lora_rank)
         self._adapters[lid] = (lora_request, adapter)
+        self.lora_names[lid] = lora_request.lora_name
         # Those in slots are re-read only if also pushed out of here (running sequences hold
         # their own adapter).
         while len(self._adapters) > max(2 * self.config.max_loras, 8):
@@ -909,6 +916,20 @@ class LLMEngine:
                 len(request.seqs), 0 if request.pooling else
                 max(s.num_known - s.prompt_len for s in request.seqs))
 
+    def _count_draft(self, drafted: int, accepted: int) -> None:
+        """One sequence's speculative step: `drafted` draft tokens ran, the first `accepted` of
+        them matched (vLLM's SpecDecodingStats.observe_draft; a step without drafts is none)."""
+        stats = self.stats
+        if not drafted:
+            return
+        stats.spec_drafts += 1
+        stats.spec_draft_tokens += drafted
+        stats.spec_accepted_tokens += accepted
+        per_pos = stats.spec_accepted_per_pos
+        per_pos.extend([0] * (accepted - len(per_pos)))
+        for p in range(accepted):
+            per_pos[p] += 1
+
     def _record_spec(self, out: SchedulerOutput, result: StepResult) -> list[Sequence]:
         """Record a speculative step (advanced, not resolved): each sampled sequence's tokens
         are its sampled ones up to and including the first that differs from its draft (all of
@@ -925,8 +946,7 @@ class LLMEngine:
             a = 0
             while a < len(d) and got[a] == d[a]:
                 a += 1
-            self.stats.spec_draft_tokens += len(d)
-            self.stats.spec_accepted_tokens += a
+            self._count_draft(len(d), a)
             kept.append((seq, got[:a + 1], None if lps is None else lps[i:i + a + 1]))
             i += len(d) + 1
         if i != len(tokens):

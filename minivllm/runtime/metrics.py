@@ -30,6 +30,7 @@ failure ends counts as "error".
 from __future__ import annotations
 
 import math
+import time
 from bisect import bisect_left
 
 # vLLM's FinishReason, in its order ("repetition" is never given here).
@@ -256,11 +257,42 @@ def snapshot(engine) -> dict:
         "generation_tokens": engine.stats.generation_tokens,
         "prefix_cache_queries": sched.num_prefix_cache_queries,
         "prefix_cache_hits": sched.num_prefix_cache_hits,
+        "spec": _spec_snapshot(engine),
+        "lora": _lora_snapshot(engine),
         "cache_config": {"block_size": str(engine.config.block_size),
                          "cache_dtype": str(engine.config.cache_dtype),
                          "enable_prefix_caching": str(engine.config.enable_prefix_caching),
                          "num_gpu_blocks": str(engine.num_blocks)},
     }
+
+
+def _spec_snapshot(engine) -> dict | None:
+    """Speculative decoding's counts (EngineStats), None without it: vLLM registers its
+    spec-decode metrics only with a speculative config."""
+    spec = engine.config.speculative
+    if spec is None:
+        return None
+    stats, k = engine.stats, spec.num_speculative_tokens
+    per_pos = stats.spec_accepted_per_pos
+    return {"drafts": stats.spec_drafts, "draft_tokens": stats.spec_draft_tokens,
+            "accepted": stats.spec_accepted_tokens,
+            "per_pos": [per_pos[p] if p < len(per_pos) else 0 for p in range(k)]}
+
+
+def _lora_snapshot(engine) -> dict | None:
+    """With LoRA: max_loras and the adapters of the running and the waiting sequences, by name
+    in the scheduler's order, each once (vLLM's lora_requests_info labels); None without."""
+    if not engine.config.enable_lora:
+        return None
+
+    def names(seqs) -> str:
+        seen = dict.fromkeys(engine.lora_names.get(s.lora_id, str(s.lora_id))
+                             for s in seqs if s.lora_id)
+        return ",".join(seen)
+
+    sched = engine.scheduler
+    return {"max_lora": str(engine.config.max_loras), "running": names(sched.running),
+            "waiting": names(sched.waiting)}
 
 
 def render(snap: dict, model_name: str, engine_index: int = 0) -> str:
@@ -334,4 +366,22 @@ def render(snap: dict, model_name: str, engine_index: int = 0) -> str:
     ]
     for name, doc, h in histograms:
         out.histogram(name, doc, base, h)
+    spec = snap.get("spec")
+    if spec is not None:
+        out.counter("vllm:spec_decode_num_drafts_total", "Number of spec decoding drafts.",
+                    [(base, spec["drafts"])])
+        out.counter("vllm:spec_decode_num_draft_tokens_total", "Number of draft tokens.",
+                    [(base, spec["draft_tokens"])])
+        out.counter("vllm:spec_decode_num_accepted_tokens_total", "Number of accepted tokens.",
+                    [(base, spec["accepted"])])
+        out.counter("vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                    "Accepted tokens per draft position.",
+                    [(base + [("position", str(p))], n) for p, n in enumerate(spec["per_pos"])])
+    lora = snap.get("lora")
+    if lora is not None:
+        # vLLM's labels (no model or engine label) and value: the time of the update, as
+        # prometheus_client's set_to_current_time; one sample, this scrape's adapters.
+        out.gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                  [([("max_lora", lora["max_lora"]), ("waiting_lora_adapters", lora["waiting"]),
+                     ("running_lora_adapters", lora["running"])], time.time())])
     return out.text()
