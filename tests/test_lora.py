@@ -692,6 +692,17 @@ def test_lora_request_without_enable_lora_and_refused_configs(tiny_dir, adapters
     assert runner.small_decode_forward is None and runner.prefill_forward is forward
 
 
+
+def test_lora_request_refuses_a_path_that_is_not_a_string_or_path():
+    """lora_path is text or an os.PathLike (vLLM's str): None, a number or bytes is a TypeError
+    naming it when the LoRARequest is made, not an error from os.path when a request runs."""
+    from pathlib import Path
+
+    assert LoRARequest("a", 1, Path("/x/y")).lora_path == "/x/y"
+    for bad in (None, 5, b"/x/y"):
+        with pytest.raises(TypeError, match="lora_path"):
+            LoRARequest("a", 1, bad)
+
 def test_moe_refuses_enable_lora(tmp_path):
     from hf_tiny import make_hf_moe_model
     from minivllm.runtime.config import EngineConfig
