@@ -1027,3 +1027,15 @@ def test_cli_lora_flags(monkeypatch):
     args.model = "m"
     cli._make_llm(args, "m")
     assert seen["enable_lora"] and seen["max_loras"] == 2 and seen["max_lora_rank"] == 32
+
+
+def test_cli_refuses_a_lora_module_name_given_twice(monkeypatch):
+    """--lora-modules a=/x a=/y: vLLM refuses the second load of a name at start-up; the
+    server's module dict kept only the last path, silently."""
+    from minivllm import cli
+
+    args = cli.build_parser().parse_args(
+        ["serve", "m", "--enable-lora", "--lora-modules", "a=/x", "a=/y"])
+    monkeypatch.setattr(cli, "_resolve_model", lambda args: pytest.fail("got past the check"))
+    with pytest.raises(SystemExit, match="'a' is given twice"):
+        cli.cmd_serve(args)
