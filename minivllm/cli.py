@@ -413,6 +413,10 @@ def cmd_serve(args) -> int:
         raise SystemExit("minivllm: --enable-auto-tool-choice needs --tool-call-parser")
     if args.lora_modules and not args.enable_lora:
         raise SystemExit("minivllm: --lora-modules needs --enable-lora")
+    names = [name for name, _ in args.lora_modules or ()]
+    twice = next((name for k, name in enumerate(names) if name in names[:k]), None)
+    if twice is not None:  # as vLLM, whose second load of the name fails at start-up
+        raise SystemExit(f"minivllm: --lora-modules: the name {twice!r} is given twice")
     model = _resolve_model(args)
     llm = _make_llm(args, model)
     name = args.served_model_name or args.model or "minivllm-demo"

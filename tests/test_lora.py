@@ -665,6 +665,46 @@ def test_errors_before_any_work(tiny_dir, adapters, prompts, tmp_path, oracle):
                      lora_request=LoRARequest("x", good.lora_int_id, adapters["low"][0].lora_path))
 
 
+def test_an_id_keeps_its_adapter_after_the_read_cache_forgets_it(tiny_dir, adapters, prompts,
+                                                                  oracle):
+    """The engine keeps at most max(2 * max_loras, 8) adapters read; one pushed out of there
+    still holds its slot and its prefix-cache blocks, so the same lora_int_id with another
+    path is still refused ("one id per adapter"), never run with the first adapter's weights."""
+    llm = lora_llm(tiny_dir, max_loras=1)
+    good, other = adapters["all"][0], adapters["low"][0]
+    assert run(llm, prompts[3:4], good) == [oracle("all", 3)]
+    for k in range(10):  # push `good` out of the engine's read adapters
+        llm.engine.add_lora(LoRARequest(f"x{k}", 100 + k, other.lora_path))
+    with pytest.raises(ValueError, match="one id per adapter"):
+        run(llm, prompts[3:4], LoRARequest("x", good.lora_int_id, other.lora_path))
+    assert not llm.engine.requests
+    assert run(llm, prompts[3:4], good) == [oracle("all", 3)]
+
+
+def test_an_id_removed_then_given_another_adapter_runs_the_new_one(tiny_dir, adapters, prompts,
+                                                                   oracle):
+    """remove_lora(id) forgets the adapter: the id may then name another one (as vLLM), whose
+    requests run its own weights and take none of the first adapter's prefix-cache blocks."""
+    llm = lora_llm(tiny_dir, max_loras=2)
+    good, other = adapters["all"][0], adapters["low"][0]
+    assert run(llm, prompts[3:4], good) == [oracle("all", 3)]  # 34 tokens: two cached blocks
+    assert llm.engine.remove_lora(good.lora_int_id)
+    again = LoRARequest("again", good.lora_int_id, other.lora_path)
+    out = llm.generate(token_prompts(prompts[3:4]), GREEDY, use_tqdm=False, lora_request=again)[0]
+    assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == oracle("low", 3)
+    assert run(llm, prompts[3:4], again) == [oracle("low", 3)]
+    # Removed while its requests run: the id names no other adapter until they finish.
+    engine = llm.engine
+    engine.add_requests(token_prompts(prompts[:1]), [GREEDY], lora_requests=[again])
+    engine.step()
+    assert engine.remove_lora(again.lora_int_id)
+    with pytest.raises(ValueError, match="still run"):
+        engine.add_requests(token_prompts(prompts[:1]), [GREEDY], lora_requests=[good])
+    while engine.scheduler.has_unfinished():
+        engine.step()
+    assert run(llm, prompts[3:4], good) == [oracle("all", 3)]
+
+
 def test_lora_request_without_enable_lora_and_refused_configs(tiny_dir, adapters, prompts):
     plain = make_llm(tiny_dir, torch.device("cpu"))
     with pytest.raises(ValueError, match="enable_lora=True"):
@@ -685,6 +725,17 @@ def test_lora_request_without_enable_lora_and_refused_configs(tiny_dir, adapters
     assert runner.graphs is None and not runner.prefill_graphs
     assert runner.small_decode_forward is None and runner.prefill_forward is forward
 
+
+
+def test_lora_request_refuses_a_path_that_is_not_a_string_or_path():
+    """lora_path is text or an os.PathLike (vLLM's str): None, a number or bytes is a TypeError
+    naming it when the LoRARequest is made, not an error from os.path when a request runs."""
+    from pathlib import Path
+
+    assert LoRARequest("a", 1, Path("/x/y")).lora_path == "/x/y"
+    for bad in (None, 5, b"/x/y"):
+        with pytest.raises(TypeError, match="lora_path"):
+            LoRARequest("a", 1, bad)
 
 def test_moe_refuses_enable_lora(tmp_path):
     from hf_tiny import make_hf_moe_model
@@ -1010,3 +1061,15 @@ def test_cli_lora_flags(monkeypatch):
     args.model = "m"
     cli._make_llm(args, "m")
     assert seen["enable_lora"] and seen["max_loras"] == 2 and seen["max_lora_rank"] == 32
+
+
+def test_cli_refuses_a_lora_module_name_given_twice(monkeypatch):
+    """--lora-modules a=/x a=/y: vLLM refuses the second load of a name at start-up; the
+    server's module dict kept only the last path, silently."""
+    from minivllm import cli
+
+    args = cli.build_parser().parse_args(
+        ["serve", "m", "--enable-lora", "--lora-modules", "a=/x", "a=/y"])
+    monkeypatch.setattr(cli, "_resolve_model", lambda args: pytest.fail("got past the check"))
+    with pytest.raises(SystemExit, match="'a' is given twice"):
+        cli.cmd_serve(args)

@@ -320,6 +320,11 @@ def test_batch_logits_rows_of_a_speculative_chunk():
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}, ">= 1"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2,
       "prompt_lookup_min": 3}, "prompt_lookup_min"),
+    # A bad prompt_lookup_min given alone is named as itself, not as the max it stands for.
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0},
+     "prompt_lookup_min must be an integer >= 1, got 0"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": "3"},
+     "prompt_lookup_min must be an integer"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "model": "x"},
      "does not take"),
     ("ngram", "dict"),

@@ -219,6 +219,27 @@ class BlockManager:
         for b in list(self.free):
             self._evict(b)
 
+    def forget_root(self, root: int) -> None:
+        """Forget the registered blocks no sequence holds whose prefixes hang from trie root
+        `root` (a LoRA id's, -lora_int_id, before the id names another adapter)."""
+        top: dict[int, int | None] = {}  # node -> its root (None: unreachable, a parent gone)
+
+        def root_of_node(node: int) -> int | None:
+            path = []
+            while node is not None and node > ROOT and node not in top:
+                path.append(node)
+                key = self.node_key.get(node)
+                node = key[0] if key is not None else None
+            found = None if node is None else top.get(node, node)
+            for n in path:
+                top[n] = found
+            return found
+
+        doomed = [b for b in self.free
+                  if self.blocks[b].node is not None and root_of_node(self.blocks[b].node) == root]
+        for b in doomed:
+            self._evict(b)
+
     def _take(self, b: int) -> None:
         block = self.blocks[b]
         if block.ref == 0:

@@ -164,7 +164,10 @@ class LLMEngine:
         # adapters read from disk, by lora_int_id (request, adapter), least recently used first.
         self.loras = LoRASlots(config.max_loras) if config.enable_lora else None
         self._adapters: OrderedDict = OrderedDict()
-        self.lora_names: dict[int, str] = {}  # lora_int_id -> the lora_name it last came with
+        self._lora_ids: dict[int, LoRARequest] = {}  # id -> the adapter it names (check_lora)
+        # id -> the lora_name it last came with, for /metrics' adapter lists; unlike _lora_ids
+        # kept past remove_lora, whose adapter's running requests finish under its name.
+        self.lora_names: dict[int, str] = {}
         self.eos_ids = read_eos_ids(config.model, self.model_config, tokenizer, generation_config)
         self.rng = random.Random(config.seed)
         # Structured outputs' compiled constraints (runtime/guide.py), made at the first.
@@ -261,12 +264,15 @@ class LLMEngine:
             raise ValueError(f"a request for LoRA adapter {lora_request.lora_name!r}, but LoRA "
                              f"is not enabled: LLM(..., enable_lora=True) (serve --enable-lora)")
         lid = lora_request.lora_int_id
+        # The id's adapter, kept after its weights leave self._adapters (its slot and cached
+        # prefix blocks may still hold them) until remove_lora.
+        first = self._lora_ids.get(lid)
+        if first is not None and first.lora_path != lora_request.lora_path:
+            raise ValueError(f"lora_int_id {lid} is adapter {first.lora_name!r} at "
+                             f"{first.lora_path!r}, not {lora_request.lora_path!r}: one "
+                             f"id per adapter")
         known = self._adapters.get(lid)
         if known is not None:
-            if known[0].lora_path != lora_request.lora_path:
-                raise ValueError(f"lora_int_id {lid} is adapter {known[0].lora_name!r} at "
-                                 f"{known[0].lora_path!r}, not {lora_request.lora_path!r}: one "
-                                 f"id per adapter")
             self._adapters.move_to_end(lid)
             self.lora_names[lid] = lora_request.lora_name  # for the metrics' adapter lists
             return known[1]
@@ -274,13 +280,30 @@ class LLMEngine:
 
         adapter = load_adapter(lora_request.lora_path, self.model_config,
                                self.config.max_lora_rank)
+        if first is None:  # a new id, or one remove_lora forgot: nothing of an earlier adapter
+            self._clear_lora_id(lid, adapter.path)  # under it may serve this one
         self._adapters[lid] = (lora_request, adapter)
         self.lora_names[lid] = lora_request.lora_name
+        self._lora_ids[lid] = lora_request
         # Those in slots are re-read only if also pushed out of here (running sequences hold
         # their own adapter).
         while len(self._adapters) > max(2 * self.config.max_loras, 8):
             self._adapters.popitem(last=False)
         return adapter
+
+    def _clear_lora_id(self, lid: int, path: str) -> None:
+        """Before adapter `path` takes id lid: forget lid's slot and prefix-cache blocks (an
+        earlier adapter's, removed). ValueError while sequences of another adapter under lid
+        still run (their slot holds its weights)."""
+        users = [seq for seq in self.scheduler.sequences if seq.lora_id == lid]
+        if users:
+            if users[0].lora.path != path:
+                raise ValueError(f"lora_int_id {lid} was removed, and requests of its adapter "
+                                 f"at {users[0].lora.path!r} still run: give adapter {path!r} "
+                                 f"another id, or wait for them to finish")
+            return  # the same adapter: its slot and cached blocks hold its weights
+        self.loras.forget(lid)
+        self.block_manager.forget_root(-lid)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Read and check an adapter ahead of its requests (vLLM's add_lora): ValueError if it
@@ -296,6 +319,7 @@ class LLMEngine:
         if self.loras is None:
             return False
         known = self._adapters.pop(lora_id, None) is not None
+        known = self._lora_ids.pop(lora_id, None) is not None or known
         in_slot = lora_id in self.loras.slot_of
         if in_slot and not any(seq.lora_id == lora_id for seq in self.scheduler.sequences):
             self.loras.forget(lora_id)  # free for the next adapter (no step reads it)

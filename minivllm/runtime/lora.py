@@ -33,7 +33,12 @@ class LoRARequest:
         if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or \
                 self.lora_int_id < 1:
             raise ValueError(f"lora_int_id must be an integer >= 1, got {self.lora_int_id!r}")
-        object.__setattr__(self, "lora_path", os.fspath(self.lora_path))
+        path = os.fspath(self.lora_path) if isinstance(self.lora_path, (str, os.PathLike)) \
+            else None
+        if not isinstance(path, str):
+            raise TypeError(f"lora_path must be a string or a path (a PEFT adapter directory), "
+                            f"got {self.lora_path!r}")
+        object.__setattr__(self, "lora_path", path)
 
     # vLLM's aliases
     @property

@@ -65,6 +65,8 @@ class SpeculativeConfig:
         # As vLLM: one of the lookup bounds given stands for both where the other is missing,
         # and 5 for both where neither is.
         lo, hi = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
+        if lo is not None:  # checked as itself before it stands for a missing max
+            lo = positive("prompt_lookup_min")
         hi = positive("prompt_lookup_max", 5 if lo is None else lo)
         lo = positive("prompt_lookup_min", hi)
         if lo > hi:
