@@ -269,11 +269,15 @@ def _default_tp() -> int:
 def _model_and_sampling_params(args, **extra):
     """The model directory and the flags' SamplingParams, checked before any engine starts: a
     flag left unset takes the model's generation_config.json value (LLM's generation_defaults,
-    which reads the file only), else the command's default."""
+    which reads the file only), else the command's default. A model runner "auto" would pool
+    is refused here too: generate and chat only generate, so they take no --runner (its one
+    other value, pooling, they could not use)."""
     from .runtime.llm import generation_defaults
+    from .runtime.pooling import check_generates
     from .runtime.sampling_params import SamplingParams
 
     model = _resolve_model(args)
+    check_generates(model, _hf_overrides(args), args.command)
     model_defaults, _ = generation_defaults(args.generation_config, None, model)
     layered = {name: (getattr(args, name) if getattr(args, name) is not None
                       else model_defaults.get(name, default))

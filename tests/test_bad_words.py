@@ -106,3 +106,31 @@ def test_bad_words_need_a_tokenizer(tmp_path, device):
 def test_bad_values_are_refused(words):
     with pytest.raises(ValueError, match="bad_words"):
         SamplingParams(bad_words=words)
+
+
+def test_words_are_tokenized_once_however_many_requests_share_them(llm, monkeypatch):
+    """A request's bad words are read when it is checked and when it is queued; requests that
+    share a list (here 3 prompts, n=2, then the same list again) tokenize it once: each word
+    bare and after a space (bad_word_ids), with the ids bad_word_ids gives."""
+    tok = llm.get_tokenizer()
+    words = ["lazy dog", "jumps"]  # no other test's: the engine's cache has not seen them
+    forms = {w for word in words for w in (word, " " + word)}
+    calls = []
+    encode = tok.encode
+
+    def counting(text, *args, **kwargs):
+        if text in forms:
+            calls.append(text)
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tok, "encode", counting)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, n=2, bad_words=words)
+    prompts = [{"prompt_token_ids": [5 + i, 6, 7]} for i in range(3)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert sorted(calls) == sorted(forms)
+    llm.generate(prompts[:1], params, use_tqdm=False)
+    assert sorted(calls) == sorted(forms)
+    monkeypatch.undo()
+    banned = bad_word_ids(tuple(words), tok)
+    for seq in (c.token_ids for out in outs for c in out.outputs):
+        assert not any(holds(seq, w) for w in banned)

@@ -448,3 +448,58 @@ def test_generate_with_ngram_speculation_gives_the_same_text(capsys, device, mon
     assert spec.out == plain.out
     steps = [int(re.search(r"(\d+) steps", c.err).group(1)) for c in (plain, spec)]
     assert steps[1] < steps[0], steps  # drafts were accepted: fewer steps
+
+
+_GENERATING_COMMANDS = (["generate", "-p", "hi"], ["chat"],
+                        ["bench", "--num-seqs", "2", "--max-input-len", "100",
+                         "--max-output-len", "100", "--max-model-len", "512"])
+_POOLING_KINDS = (
+    ("sentence-transformers", "sentence-transformers (embedding) checkpoint"),
+    ("Qwen3Model", "names Qwen3Model, the backbone alone"),
+    ("Qwen3ForSequenceClassification", "names Qwen3ForSequenceClassification, a classifier"),
+    ("hf_overrides", "names Qwen3ForSequenceClassification, a classifier"),
+)
+
+
+@pytest.mark.parametrize("command, kind, reason", [
+    pytest.param(command, kind, reason, id=f"{command[0]}-{kind}")
+    for command in _GENERATING_COMMANDS for kind, reason in _POOLING_KINDS
+    if not (command[0] == "bench" and kind == "hf_overrides")])  # bench takes no --hf-overrides
+def test_generating_commands_refuse_a_pooling_checkpoint_before_an_engine_starts(
+        command, kind, reason, demo_path, tmp_path, capsys, monkeypatch):
+    """generate, chat and bench only generate: a checkpoint runner "auto" pools (an embedding
+    or a classifier) is an error naming why, before its engine loads the weights (which would
+    then refuse the first request)."""
+    import shutil
+
+    import minivllm.runtime.llm as llm
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine started")
+
+    monkeypatch.setattr(llm, "LLM", no_engine)
+    model = tmp_path / "model"
+    model.mkdir()
+    with open(os.path.join(demo_path, "config.json")) as f:
+        config = json.load(f)
+    if kind in ("Qwen3Model", "Qwen3ForSequenceClassification"):
+        config["architectures"] = [kind]
+    (model / "config.json").write_text(json.dumps(config))
+    for name in os.listdir(demo_path):  # the tokenizer's files, for chat's
+        if name.startswith("tokenizer"):
+            shutil.copy(os.path.join(demo_path, name), model)
+    if kind == "sentence-transformers":
+        (model / "modules.json").write_text(json.dumps(
+            [{"idx": 1, "name": "1", "path": "1_Pooling",
+              "type": "sentence_transformers.models.Pooling"}]))
+        (model / "1_Pooling").mkdir()
+        (model / "1_Pooling" / "config.json").write_text('{"pooling_mode_lasttoken": true}')
+    argv = [*command, "--model", str(model)]
+    if kind == "hf_overrides":
+        argv += ["--hf-overrides", '{"architectures": ["Qwen3ForSequenceClassification"]}']
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert reason in err and f"`minivllm {command[0]}` cannot run" in err
+    assert "minivllm serve --runner pooling" in err
+

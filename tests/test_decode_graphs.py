@@ -232,3 +232,55 @@ def test_each_engine_compiles_its_weights_with_static_sizes():
         assert all(symbolic[3:]), symbolic
         weights = [name for names in symbolic for name in names if "lp" in name or "params" in name]
         assert not weights, weights
+
+
+@pytest.mark.parametrize("device, enforce_eager, runner, captures", [
+    ("cuda", False, "generate", True),
+    ("cuda", False, "pooling", False),  # never decodes
+    ("cuda", True, "generate", False),
+    ("cpu", False, "generate", False),
+])
+def test_a_pooling_engine_captures_no_decode_graphs(device, enforce_eager, runner, captures):
+    from minivllm.runtime.runner import captures_decode_graphs
+
+    assert captures_decode_graphs(torch.device(device), enforce_eager, runner) == captures
+
+
+@pytest.mark.parametrize("runner", ["generate", "pooling"])
+def test_start_up_builds_decode_graphs_for_a_generating_engine_only(runner, monkeypatch):
+    """ModelRunner._compile_and_capture on a stand-in CUDA runner (the CPU captures nothing):
+    a generating engine builds and captures DecodeGraphs and prefills through their compiled
+    forward; a pooling one builds none, and its prompts still go through a compiled forward."""
+    from types import SimpleNamespace
+
+    import minivllm.runtime.runner as runner_mod
+
+    built = []
+
+    class Graphs:  # DecodeGraphs' stand-in: records that it was built and captured
+        def __init__(self, *args, **kwargs):
+            self.fn, self.captured = object(), False
+            built.append(self)
+
+        def capture(self):
+            self.captured = True
+
+    compiled = object()
+    monkeypatch.setattr(runner_mod, "DecodeGraphs", Graphs)
+    monkeypatch.setattr(runner_mod, "compiled_forward", lambda **kw: compiled)
+    monkeypatch.setattr(runner_mod, "fused_mlp_measured", lambda *a: False)
+    for flag in ("MINIVLLM_COMPILE", "MINIVLLM_COMPILE_PREFILL", "MINIVLLM_FUSED_MLP"):
+        monkeypatch.delenv(flag, raising=False)
+    params = minivllm.random_params(CONFIG, seed=0)
+    fake = SimpleNamespace(device=torch.device("cuda", 0), enforce_eager=False, params=params,
+                           model_config=CONFIG, cache=None, backend=None, block_size=4,
+                           graphs=None, prefill_forward=minivllm.forward,
+                           small_decode_forward=None, small_decode_rows=0)
+    config = SimpleNamespace(runner=runner, enable_lora=False, max_num_seqs=8, max_model_len=64,
+                             persistent_decode=False)
+    runner_mod.ModelRunner._compile_and_capture(fake, config)
+    if runner == "generate":
+        assert len(built) == 1 and built[0].captured and fake.graphs is built[0]
+        assert fake.prefill_forward is built[0].fn
+    else:
+        assert not built and fake.graphs is None and fake.prefill_forward is compiled

@@ -200,22 +200,25 @@ def test_prefill_graph_sizes_halve_down_to_512_tokens_above_the_sequences(tokens
 @pytest.mark.parametrize("flag", [None, "0", "1"])
 @pytest.mark.parametrize("setting,applies", [
     ({}, True), ({"device": torch.device("cpu")}, False), ({"enforce_eager": True}, False),
-    ({"backend": "reference"}, False), ({"world_size": 2}, False), ({"tokens": 256}, False)])
+    ({"backend": "reference"}, False), ({"world_size": 2}, False), ({"tokens": 256}, False),
+    ({"runner": "pooling"}, False)])
 def test_prefill_graphs_are_on_by_default_where_they_apply(setting, applies, flag, monkeypatch,
                                                            caplog):
     """The rule the runner applies before it sizes the KV cache (runner._wants_prefill_graphs):
     one CUDA GPU, the triton backend, not under enforce_eager, more batched tokens than
-    sequences; MINIVLLM_PREFILL_GRAPH=0 turns them off, and =1 where they cannot apply warns."""
+    sequences, a generating engine (a pooling one's prompts end in a pooled step, which no graph
+    runs); MINIVLLM_PREFILL_GRAPH=0 turns them off, and =1 where they cannot apply warns."""
     from types import SimpleNamespace
 
     from minivllm.runtime.runner import ModelRunner
 
     s = {"device": torch.device("cuda", 0), "enforce_eager": False, "backend": "triton",
-         "world_size": 1, "tokens": 8192} | setting
+         "world_size": 1, "tokens": 8192, "runner": "generate"} | setting
     runner = SimpleNamespace(device=s["device"], enforce_eager=s["enforce_eager"],
                              backend=SimpleNamespace(name=s["backend"]),
                              params=SimpleNamespace(shard=SimpleNamespace(world_size=s["world_size"])))
-    config = SimpleNamespace(max_num_batched_tokens=s["tokens"], max_num_seqs=256)
+    config = SimpleNamespace(max_num_batched_tokens=s["tokens"], max_num_seqs=256,
+                             runner=s["runner"])
     if flag is None:
         monkeypatch.delenv("MINIVLLM_PREFILL_GRAPH", raising=False)
     else:

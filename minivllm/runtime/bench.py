@@ -19,6 +19,7 @@ import torch
 
 from ..kernels.memory_read import READ_BLOCK, READ_PROGRAMS_PER_SM, stream_read
 from ..state.config import FP8_DTYPES, SHAPES, ModelConfig, config_for_shape
+from .pooling import check_generates
 from .workload import (MAX_PROMPT_ID, check_throughput_workload, check_vocabulary,
                        throughput_workload, traffic_floor_bytes)
 
@@ -433,6 +434,8 @@ def _check_workload(args, model: str) -> tuple[tuple[int, int], int]:
             raise ValueError(f"--{flag.replace('_', '-')} {path}: cannot write into {folder}")
     config = (config_for_shape(model.split(":", 1)[1]) if model.startswith("random:")
               else ModelConfig.from_json(model))
+    if not model.startswith("random:"):
+        check_generates(model, None, "bench")  # it measures generation: a pooling model cannot
     if not args.latency:
         check_vocabulary(config.vocab_size)
     limit = _or(args.max_model_len, min(BENCH_MAX_MODEL_LEN, config.max_context_len))

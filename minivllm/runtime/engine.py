@@ -17,6 +17,7 @@ call later.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -172,6 +173,12 @@ class LLMEngine:
         self.rng = random.Random(config.seed)
         # Structured outputs' compiled constraints (runtime/guide.py), made at the first.
         self._guides: GuideCache | None = None
+        # bad_words as token ids, by the words: a request's are read when it is checked and
+        # again when it is queued, and requests often share a list (one SamplingParams for a
+        # batch's prompts, a beam search's every step), so each list is tokenized once while
+        # it is among the most recent. The ids are immutable tuples, shared by the sequences.
+        self._bad_word_ids = functools.lru_cache(maxsize=64)(
+            functools.partial(bad_word_ids, tokenizer=tokenizer))
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         # vLLM's metrics (runtime/metrics.py; serve's /metrics), or None: not recorded (serve
@@ -487,7 +494,7 @@ class LLMEngine:
         return self._guides.get(params.structured_outputs.pattern)
 
     def _bad_words(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
-        return bad_word_ids(params.bad_word_texts, self.tokenizer) if params.bad_word_texts else ()
+        return self._bad_word_ids(params.bad_word_texts) if params.bad_word_texts else ()
 
     # -- pooling requests: embeddings, classifications, scores (runtime/pooling.py) --------------
 

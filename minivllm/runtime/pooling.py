@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass, replace
 
 from ..state.classifier import ARCHITECTURE as CLASSIFIER_ARCHITECTURE
+from ..state.config import read_config_dict
 from ..state.values import as_int
 
 RUNNERS = ("auto", "generate", "pooling")
@@ -187,9 +188,8 @@ def resolve_runner(runner, task, model_dir: str | None, architectures=()) -> tup
         runner = implied or runner
     st = sentence_transformers_pooling(model_dir) if model_dir is not None else None
     archs = list(architectures or [])
-    pools = st is not None or "Qwen3Model" in archs or CLASSIFIER_ARCHITECTURE in archs
     if runner == "auto":
-        runner = "pooling" if pools else "generate"
+        runner = "pooling" if _pooling_reason(st, archs) is not None else "generate"
     if runner == "generate" and "Qwen3Model" in archs:
         raise ValueError(f"{model_dir}: a Qwen3Model checkpoint is the backbone alone, without "
                          f"an LM head: it embeds (runner='pooling') and cannot generate")
@@ -201,3 +201,34 @@ def resolve_runner(runner, task, model_dir: str | None, architectures=()) -> tup
         raise ValueError(f"{model_dir}: its sentence-transformers config pools {st['pooling']}; "
                          f"minivllm pools the last token (LAST) only")
     return runner, True if st is None else st["normalize"]
+
+
+def _pooling_reason(st: dict | None, architectures) -> str | None:
+    """Why runner="auto" makes a checkpoint a pooling model, in words, or None when it
+    generates. st: sentence_transformers_pooling's answer; architectures: the merged config's."""
+    archs = list(architectures or [])
+    if st is not None:
+        return "it is a sentence-transformers (embedding) checkpoint (its modules.json)"
+    if "Qwen3Model" in archs:
+        return "its config names Qwen3Model, the backbone alone without an LM head"
+    if CLASSIFIER_ARCHITECTURE in archs:
+        return (f"its config (with any hf_overrides) names {CLASSIFIER_ARCHITECTURE}, a "
+                f"classifier")
+    return None
+
+
+def check_generates(model_dir: str, hf_overrides: dict | None, command: str) -> None:
+    """ValueError unless runner="auto" makes `model_dir` (with `hf_overrides`) a generating
+    model, for `minivllm {command}`, which only generates: said before its engine starts,
+    since a pooling engine would load the weights and then refuse the first request. A directory
+    without config.json is left to the engine, which names that problem itself."""
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        return
+    config = read_config_dict(model_dir, hf_overrides)
+    archs = config.get("architectures") if isinstance(config, dict) else None
+    reason = _pooling_reason(sentence_transformers_pooling(model_dir), archs)
+    if reason is not None:
+        raise ValueError(f"{model_dir}: {reason}: a pooling model (embeddings, classification, "
+                         f"scores), which `minivllm {command}` cannot run, as it generates "
+                         f"text; serve it with `minivllm serve --runner pooling`, or use "
+                         f"LLM(..., runner=\"pooling\").embed / .classify / .score")

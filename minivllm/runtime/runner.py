@@ -34,6 +34,7 @@ from ..state.load import load
 from ..state.params import Params, has_awq, random_params
 from ..state.shard import ShardSpec
 from .config import EngineConfig, is_random_model
+from .compiled import compiled_forward
 from .graphs import DecodeGraphs
 from .memory import (CAPTURE_CODE_BYTES, CUDA_SEGMENT_GRANULE, GiB, bytes_outside_allocator,
                      cpu_kv_budget_bytes, device_bytes_in_use, kv_block_bytes,
@@ -210,6 +211,15 @@ def fused_mlp_measured(hidden_size: int, dtype: torch.dtype, device: torch.devic
         cuda_capability(device)[0] == 9
 
 
+def captures_decode_graphs(device: torch.device, enforce_eager: bool, runner: str) -> bool:
+    """Whether a runner captures decode CUDA graphs (and may capture prefill graphs, and sets
+    aside their pool in the KV budget): on a CUDA device, not under enforce_eager, for a
+    generating engine. A pooling engine (runner "pooling") never decodes: every request of it
+    ends with its prompt (its pooled step goes through the forward, never a graph), so the
+    capture would cost start-up time and hold memory the KV cache could have."""
+    return device.type == "cuda" and not enforce_eager and runner != "pooling"
+
+
 def fused_mlp_rows(flag: str | None, measured: bool = True) -> tuple[int, int] | None:
     """MINIVLLM_FUSED_MLP's value as (LO, HI) rows of the decode graphs that run each layer's
     o_proj to down as one kernel (kernels/decode_mlp.py): "LO-HI"; "0", "off" or empty: none;
@@ -340,8 +350,11 @@ class ModelRunner:
         write_slot(self.params.lora, slot, adapter, self.model_config)
 
     def _compile_and_capture(self, config: EngineConfig) -> None:
-        graphs = self.device.type == "cuda" and not self.enforce_eager
+        graphs = captures_decode_graphs(self.device, self.enforce_eager, config.runner)
         compile_forward = os.environ.get("MINIVLLM_COMPILE", "1") != "0"
+        # Where the forward is compiled: where decode graphs are captured, and a pooling
+        # engine's on the same device, which captures none.
+        compiles = self.device.type == "cuda" and not self.enforce_eager and compile_forward
         flag = os.environ.get("MINIVLLM_FUSED_MLP")
         fused = fused_mlp_rows(flag, measured=fused_mlp_measured(
             self.model_config.hidden_size, self.params.embed.dtype, self.device))
@@ -365,7 +378,8 @@ class ModelRunner:
         if fused and not (graphs and compile_forward):
             if flag is not None:
                 log.warning("minivllm: MINIVLLM_FUSED_MLP applies to the compiled decode graphs "
-                            "only (a CUDA GPU, not enforce_eager, MINIVLLM_COMPILE not 0): ignored")
+                            "only (a generating engine on a CUDA GPU, not enforce_eager, "
+                            "MINIVLLM_COMPILE not 0): ignored")
             fused = None
         if graphs:
             self.graphs = DecodeGraphs(
@@ -378,9 +392,13 @@ class ModelRunner:
         # variants are compiled by the warm-up): on the H200 the throughput benchmark ran 22,637
         # tok/s so against 16,911 with eager prefill (BENCHMARKS.md). MINIVLLM_COMPILE_PREFILL=0:
         # eager.
-        if self.graphs is not None and self.graphs.fn is not forward and \
-                os.environ.get("MINIVLLM_COMPILE_PREFILL", "1") != "0":
+        compile_prefill = os.environ.get("MINIVLLM_COMPILE_PREFILL", "1") != "0"
+        if self.graphs is not None and self.graphs.fn is not forward and compile_prefill:
             self.prefill_forward = self.graphs.fn
+        elif self.graphs is None and compiles and compile_prefill:
+            # No decode graphs to share theirs (a pooling engine): its prompts, all it runs,
+            # still go through a compiled forward, as a generating engine's do.
+            self.prefill_forward = compiled_forward(device=self.device)
         # Eager decode steps of at most MAX_ROWS rows (no CUDA graphs: enforce_eager, a CPU
         # under the interpreter) take the persistent layer too.
         if config.persistent_decode:
@@ -398,7 +416,7 @@ class ModelRunner:
         flag = os.environ.get("MINIVLLM_PREFILL_GRAPH")
         if flag == "0":
             return False
-        applies = self.device.type == "cuda" and not self.enforce_eager and \
+        applies = captures_decode_graphs(self.device, self.enforce_eager, config.runner) and \
             getattr(self.backend, "name", None) == "triton" and \
             self.params.shard.world_size == 1 and \
             config.max_num_batched_tokens > config.max_num_seqs
@@ -486,7 +504,7 @@ class ModelRunner:
         # The decode graphs' pool keeps about a decode step's peak at the largest bucket for good
         # (their logits share it: graphs.unowned).
         decode_graphs_peak = 0
-        if not self.enforce_eager:
+        if captures_decode_graphs(self.device, self.enforce_eager, config.runner):
             rows = [SeqChunk([0], 0, [0])] * config.max_num_seqs  # scratch's block 0 for all
             slots = (0,) * len(rows) if config.enable_lora else None  # the graphs' LoRA layer
             decode_graphs_peak = self._peak_bytes(
