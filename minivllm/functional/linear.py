@@ -94,11 +94,15 @@ def _fp8_kernel(x: torch.Tensor) -> bool:
     if _FP8_KERNEL != "triton" or torch.is_grad_enabled() or \
             not 1 <= x.shape[0] < FP8_DEQUANTIZE_ROWS:
         return False
-    from ..kernels.launch import runs_ptx, triton_usable
+    from ..kernels.launch import cuda_capability, runs_ptx, triton_usable
 
-    # As _awq_kernel: bf16 under the interpreter takes the torch path (numpy has no bf16).
-    return runs_ptx(x.device) or (triton_usable(x.device) and x.dtype != torch.bfloat16
-                                  and not torch.compiler.is_compiling())
+    # Triton converts float8_e4m3fn (its fp8e4nv) on sm_89 and later only (Ada, Hopper, ...):
+    # older GPUs take the torch path, which torch converts anywhere. As _awq_kernel: bf16 under
+    # the interpreter takes the torch path (numpy has no bf16).
+    if runs_ptx(x.device):
+        return cuda_capability(x.device) >= (8, 9)
+    return triton_usable(x.device) and x.dtype != torch.bfloat16 and \
+        not torch.compiler.is_compiling()
 
 
 def fp8_torch_linear(x: torch.Tensor, weight: Fp8BlockWeight) -> torch.Tensor:
