@@ -12,6 +12,7 @@
 #   bash benchmarks/gpu_checks.sh lora  # nvidia-h200 or nvidia-h100-x1: the LoRA engine's GPU tests
 #       (decode graphs and compiled forward with adapters against the eager LoRA engine)
 #   bash benchmarks/gpu_checks.sh awq  # nvidia-h200 or nvidia-h100-x1: AWQ checkpoints' GPU tests
+#   bash benchmarks/gpu_checks.sh fp8w  # nvidia-h200 or nvidia-h100-x1: block-fp8 weights kept in fp8
 #       (the Triton AWQ GEMM in bf16/fp16, compiled and in a CUDA graph; the engine's graphs)
 #   bash benchmarks/gpu_checks.sh moe_probe  # nvidia-h200 or nvidia-h100-x1: one sparse layer's
 #       MoE MLP both ways (grouped GEMMs, Triton kernels) at 1-256 tokens (benchmarks/moe_probe.py)
@@ -353,6 +354,17 @@ awq)
     tests/test_awq.py -k gpu
   STEP_LOG=$OUT/tests.txt step awq_tests $(left_or 240) python3 -m pytest $PYTEST_ARGS \
     tests/test_awq.py -k "not gpu and not tp2"
+  ;;
+fp8w)
+  # nvidia-h200 or nvidia-h100-x1: block-fp8 checkpoints' weights kept in fp8 (never run on a GPU
+  # yet): the Triton block-fp8 GEMM in bf16 and fp16 at 1-300 rows and Qwen3-8B's layer sizes
+  # against the dequantized product, compiled (inductor, fullgraph) and replayed in a CUDA graph;
+  # the engine's decode graphs on a tiny bf16 fp8 checkpoint against its eager run, and fp8 vs
+  # dequantized weights in fp32; then the CPU-side tests of test_fp8_weights.py on the GPU.
+  STEP_LOG=$OUT/tests.txt step fp8w_gpu_tests $(left_or 300) python3 -m pytest $PYTEST_ARGS \
+    tests/test_fp8_weights.py -k gpu
+  STEP_LOG=$OUT/tests.txt step fp8w_tests $(left_or 240) python3 -m pytest $PYTEST_ARGS \
+    tests/test_fp8_weights.py -k "not gpu and not tp2"
   ;;
 moe_probe)
   # nvidia-h200 or nvidia-h100-x1 (~150 s on a fresh machine): where the MoE expert paths cross

@@ -139,12 +139,23 @@ def merged(reference, layer: int, prefix="model."):
             "q_norm": r["self_attn.q_norm.weight"], "k_norm": r["self_attn.k_norm.weight"]}
 
 
+def as_dense(t, dtype):
+    """A loaded linear as a dense tensor: an Fp8BlockWeight (kept in fp8, test_fp8_weights.py)
+    dequantized by dequantize_blocks, the independent dequantizer, and cast to `dtype`."""
+    from minivllm.state.quant import Fp8BlockWeight
+
+    if isinstance(t, Fp8BlockWeight):
+        return dequantize_blocks(t.weight.cpu(), t.scale_inv.cpu(), t.block).to(dtype)
+    return t
+
+
 def assert_params_equal(params, reference, dtype):
-    """Every tensor of `params` equals the reference, cast to `dtype`, exactly."""
+    """Every tensor of `params` equals the reference, cast to `dtype`, exactly (a linear kept in
+    fp8: its dequantization)."""
     assert params.dtype == dtype
     for n, layer in enumerate(params.layers):
         for field, want in merged(reference, n).items():
-            got, want = getattr(layer, field), want.to(dtype)
+            got, want = as_dense(getattr(layer, field), dtype), want.to(dtype)
             assert torch.equal(got, want), \
                 f"layer {n} {field}: max |diff| {(got.float() - want.float()).abs().max()}"
     vocab = reference["model.embed_tokens.weight"].shape[0]
@@ -194,6 +205,8 @@ def test_loaded_weights_equal_the_independent_dequantization(edge):
         on_cpu = minivllm.load(path, shard=ShardSpec(rank=1, world_size=2))
         for got, want in zip(torch.utils._pytree.tree_leaves(on_gpu),
                              torch.utils._pytree.tree_leaves(on_cpu)):
+            if got.dtype == torch.float8_e4m3fn:  # a weight kept in fp8: compare its bytes
+                got, want = got.view(torch.uint8), want.view(torch.uint8)
             assert got.device.type == "cuda" and torch.equal(got.cpu(), want)
 
 
@@ -350,12 +363,13 @@ def test_shards_are_slices_of_the_whole(edge, world_size):
         kv = slice(k0, k0 + kv_heads * d)
         i = slice(rank * inter // world_size, (rank + 1) * inter // world_size)
         for layer, whole in zip(part.layers, full.layers):
-            wq, wk, wv = whole.qkv.split([nq * d, nkv * d, nkv * d])
-            assert torch.equal(layer.qkv, torch.cat([wq[q], wk[kv], wv[kv]]))
-            assert torch.equal(layer.o_proj, whole.o_proj[:, q])
-            wg, wu = whole.gate_up.split([inter, inter])
-            assert torch.equal(layer.gate_up, torch.cat([wg[i], wu[i]]))
-            assert torch.equal(layer.down, whole.down[:, i])
+            dt = torch.bfloat16
+            wq, wk, wv = as_dense(whole.qkv, dt).split([nq * d, nkv * d, nkv * d])
+            assert torch.equal(as_dense(layer.qkv, dt), torch.cat([wq[q], wk[kv], wv[kv]]))
+            assert torch.equal(as_dense(layer.o_proj, dt), as_dense(whole.o_proj, dt)[:, q])
+            wg, wu = as_dense(whole.gate_up, dt).split([inter, inter])
+            assert torch.equal(as_dense(layer.gate_up, dt), torch.cat([wg[i], wu[i]]))
+            assert torch.equal(as_dense(layer.down, dt), as_dense(whole.down, dt)[:, i])
 
 
 def test_tp2_equals_tp1(tmp_path):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..state.config import ModelConfig
-from ..state.quant import AwqWeight, dequantize_awq
+from ..state.quant import AwqWeight, Fp8BlockWeight, dequantize_awq, dequantize_fp8_weight
 from ..state.shard import ShardSpec
 from .activation import silu_and_mul
 from .parallel import all_reduce
@@ -80,10 +80,59 @@ def awq_matmul(x: torch.Tensor, weight: AwqWeight) -> torch.Tensor:
     return awq_torch_linear(x, weight)
 
 
-def column_linear(x: torch.Tensor, weight: torch.Tensor | AwqWeight) -> torch.Tensor:
-    """x: [T, in] @ weight[out_local, in].T -> [T, out_local] (an AwqWeight: awq_matmul)."""
+# Block-fp8 weights (state/quant.Fp8BlockWeight, Qwen3-*-FP8 checkpoints) take the same road as
+# AWQ's: the Triton block-fp8 GEMM (kernels/fp8_gemm.py, dequantizing tile by tile) below
+# FP8_DEQUANTIZE_ROWS rows where Triton runs outside autograd, else the weight dequantized to the
+# activation dtype (dequantize_fp8_weight) times torch's matmul; the same reasons hold (vLLM's
+# block-fp8 method runs its own fp8 GEMMs throughout: not measured here against this).
+# MINIVLLM_FP8_KERNEL=torch: the torch path everywhere.
+_FP8_KERNEL = os.environ.get("MINIVLLM_FP8_KERNEL", "triton")
+FP8_DEQUANTIZE_ROWS = 256
+
+
+def _fp8_kernel(x: torch.Tensor) -> bool:
+    if _FP8_KERNEL != "triton" or torch.is_grad_enabled() or \
+            not 1 <= x.shape[0] < FP8_DEQUANTIZE_ROWS:
+        return False
+    from ..kernels.launch import cuda_capability, runs_ptx, triton_usable
+
+    # Triton converts float8_e4m3fn (its fp8e4nv) on sm_89 and later only (Ada, Hopper, ...):
+    # older GPUs take the torch path, which torch converts anywhere. As _awq_kernel: bf16 under
+    # the interpreter takes the torch path (numpy has no bf16).
+    if runs_ptx(x.device):
+        return cuda_capability(x.device) >= (8, 9)
+    return triton_usable(x.device) and x.dtype != torch.bfloat16 and \
+        not torch.compiler.is_compiling()
+
+
+def fp8_torch_linear(x: torch.Tensor, weight: Fp8BlockWeight) -> torch.Tensor:
+    """x: [T, in] @ the block-fp8 weight [out, in].T, dequantized to x's dtype first: the torch
+    path, and the reference the kernel is tested against."""
+    return F.linear(x, dequantize_fp8_weight(weight, x.dtype))
+
+
+def fp8_matmul(x: torch.Tensor, weight: Fp8BlockWeight) -> torch.Tensor:
+    """x: [T, in] @ the block-fp8 weight [out, in].T -> [T, out] in x's dtype: the kernel or the
+    torch path."""
+    if _fp8_kernel(x):
+        from ..kernels.fp8_gemm import fp8_linear
+
+        return fp8_linear(x, weight)
+    return fp8_torch_linear(x, weight)
+
+
+# The weight types that are not a dense tensor: the dense-only kernels (skinny GEMM) skip them.
+QUANTIZED = (AwqWeight, Fp8BlockWeight)
+
+
+def column_linear(x: torch.Tensor, weight: torch.Tensor | AwqWeight | Fp8BlockWeight
+                  ) -> torch.Tensor:
+    """x: [T, in] @ weight[out_local, in].T -> [T, out_local] (an AwqWeight: awq_matmul; an
+    Fp8BlockWeight: fp8_matmul)."""
     if isinstance(weight, AwqWeight):  # a static choice: the compiled layer guards on the type
         return awq_matmul(x, weight)
+    if isinstance(weight, Fp8BlockWeight):
+        return fp8_matmul(x, weight)
     return F.linear(x, weight)
 
 
@@ -113,8 +162,8 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, shard: ShardSpec, *,
                unsummed_ok: bool = False) -> torch.Tensor:
     """x: [T, in_local] @ weight[out, in_local].T, summed over ranks -> [T, out]. unsummed_ok:
     as in glu_row_linear, the skinny GEMM's fp32 partials may come back unsummed (one rank)."""
-    if isinstance(weight, AwqWeight):
-        return all_reduce(awq_matmul(x, weight), shard)
+    if isinstance(weight, QUANTIZED):
+        return all_reduce(column_linear(x, weight), shard)
     if _skinny(x):
         return _skinny_row_linear(x, weight, shard, glu=False, unsummed_ok=unsummed_ok)
     return all_reduce(F.linear(x, weight), shard)
@@ -128,7 +177,7 @@ def glu_row_linear(x: torch.Tensor, weight: torch.Tensor, shard: ShardSpec, *,
     unsummed_ok: on one rank, the skinny GEMM's fp32 split-K partials [split, T, out] may be
     returned unsummed, for a consumer that sums them: add_rms_norm, into whose kernel the
     compiled layer fuses the sum (see sum_partials), down's at the next layer's entry too."""
-    if _skinny(x) and not isinstance(weight, AwqWeight):
+    if _skinny(x) and not isinstance(weight, QUANTIZED):
         return _skinny_row_linear(x, weight, shard, glu=True, unsummed_ok=unsummed_ok)
     return row_linear(silu_and_mul(x), weight, shard)
 

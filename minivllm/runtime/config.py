@@ -179,11 +179,11 @@ class EngineConfig:
         if persistent_decode is not None and not isinstance(persistent_decode, bool):
             raise TypeError(f"persistent_decode must be True, False or None (the default for the "
                             f"device), got {persistent_decode!r}")
-        # An AWQ checkpoint's linears are packed int4 (state/quant.py): the persistent decode
-        # kernel multiplies 16-bit dense weights only.
-        awq = _is_awq(config_dict)
+        # An AWQ checkpoint's linears are packed int4, a block-fp8 one's stay fp8 (state/quant.py,
+        # state/load.keeps_fp8): the persistent decode kernel multiplies 16-bit dense weights only.
+        quantized = _quantized_linears(config_dict, model_config)
         if persistent_decode is None:
-            persistent_decode = not model_config.is_moe and not awq and persistent_decode_default(
+            persistent_decode = not model_config.is_moe and not quantized and persistent_decode_default(
                 device, tensor_parallel_size, attention_backend, triton_usable(device),
                 model_config.head_dim, kv_cache_dtype)
         if persistent_decode:
@@ -192,9 +192,10 @@ class EngineConfig:
                                  f"{len(model_config.sparse_layers)} of this model's "
                                  f"{model_config.num_layers} are mixtures of experts (leave "
                                  f"persistent_decode unset or False)")
-            if awq:
-                raise ValueError("persistent_decode runs 16-bit dense layers; this checkpoint's "
-                                 "linears are AWQ 4-bit (leave persistent_decode unset or False)")
+            if quantized:
+                raise ValueError(f"persistent_decode runs 16-bit dense layers; this checkpoint's "
+                                 f"linears are {quantized} (leave persistent_decode unset or "
+                                 f"False)")
             from ..kernels.backends import TRITON_HEAD_DIMS, triton_takes_head_dim
             if device.type == "cuda" and not triton_takes_head_dim(model_config.head_dim):
                 lo, hi = TRITON_HEAD_DIMS
@@ -263,12 +264,20 @@ class EngineConfig:
                    max_lora_rank=max_lora_rank)
 
 
-def _is_awq(config_dict: dict) -> bool:
-    """Whether a checkpoint's config.json declares AWQ (already checked by ModelConfig)."""
+def _quantized_linears(config_dict: dict, model_config) -> str | None:
+    """What a checkpoint's decoder linears are in memory when they are not dense tensors ("AWQ
+    4-bit", "block fp8 ..."), else None: config.json's quantization_config (already checked by
+    ModelConfig) and, for block fp8, whether load keeps the weights in fp8 (state/load.keeps_fp8:
+    not where MINIVLLM_FP8_WEIGHTS=dequantize)."""
+    from ..state.load import keeps_fp8
     from ..state.quant import AwqQuantization, quantization_from_config
 
-    return isinstance(quantization_from_config(config_dict), AwqQuantization) \
-        if config_dict else False
+    quant = quantization_from_config(config_dict) if config_dict else None
+    if isinstance(quant, AwqQuantization):
+        return "AWQ 4-bit"
+    if keeps_fp8(quant, model_config):
+        return "block fp8, kept in fp8 (MINIVLLM_FP8_WEIGHTS=dequantize loads them dense)"
+    return None
 
 
 def persistent_decode_default(device: torch.device, tensor_parallel_size: int,

@@ -31,7 +31,7 @@ from ..state.batch import DecodeChunks, SeqChunk, is_decode_step, make_batch
 from ..state.cache import init_cache
 from ..state.config import ceil_div
 from ..state.load import load
-from ..state.params import Params, has_awq, random_params
+from ..state.params import Params, has_quantized, random_params
 from ..state.shard import ShardSpec
 from .config import EngineConfig, is_random_model
 from .compiled import compiled_forward
@@ -363,10 +363,10 @@ class ModelRunner:
                 log.warning("minivllm: MINIVLLM_FUSED_MLP runs the dense MLP; this model's "
                             "sparse layers are mixtures of experts: ignored")
             fused = None
-        if fused and has_awq(self.params):  # the kernel multiplies 16-bit dense weights
+        if fused and has_quantized(self.params):  # the kernel multiplies 16-bit dense weights
             if flag is not None:
                 log.warning("minivllm: MINIVLLM_FUSED_MLP multiplies 16-bit dense weights; this "
-                            "model's are AWQ 4-bit: ignored")
+                            "model's are quantized (AWQ 4-bit or block fp8): ignored")
             fused = None
         if fused and config.enable_lora:
             # The decode graphs of a LoRA engine run every row through the LoRA layer

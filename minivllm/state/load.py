@@ -2,9 +2,12 @@
 
 Q/K/V are merged into one QKV weight and gate/up into one weight as they are read; each
 tensor-parallel rank reads only its own slice from disk (safetensors `get_slice`), so no rank ever
-holds the full checkpoint. Block-fp8 checkpoints (Qwen3-*-FP8, state/quant.py) load too: each
-quantized weight is dequantized to the model's dtype as it is read, one tensor (one rank's slice
-of it) at a time. AWQ checkpoints (Qwen3-*-AWQ, state/quant.py) load their quantized linears as
+holds the full checkpoint. Block-fp8 checkpoints (Qwen3-*-FP8, state/quant.py) load their
+quantized linears as Fp8BlockWeight pytrees (the fp8 weights and their block scales, sliced and
+merged along whole blocks), which functional/linear.py multiplies without dequantizing them
+first; where that cannot work (keeps_fp8, and a slice or a merge that would cut a block) a weight
+is dequantized to the model's dtype as it is read, one tensor (one rank's slice of it) at a time.
+AWQ checkpoints (Qwen3-*-AWQ, state/quant.py) load their quantized linears as
 AwqWeight pytrees (packed int4 weights, zero points and scales, sliced and merged along the output
 like the dense weights), which functional/linear.py multiplies without dequantizing them first.
 """
@@ -19,8 +22,9 @@ from safetensors import safe_open
 
 from .config import ModelConfig, ceil_div, parse_dtype
 from .params import LayerParams, MoELayerParams, Params
-from .quant import (AWQ_PACK, AwqQuantization, AwqWeight, Fp8BlockQuantization, cat_awq,
-                    dequantize_awq, dequantize_fp8_blocks, quantization_from_config)
+from .quant import (AWQ_PACK, AwqQuantization, AwqWeight, Fp8BlockQuantization, Fp8BlockWeight,
+                    cat_awq, cat_fp8, dequantize_awq, dequantize_fp8_blocks,
+                    quantization_from_config)
 from .shard import ShardSpec
 
 
@@ -204,6 +208,46 @@ def _check_awq_shard(config: ModelConfig, shard: ShardSpec, awq: AwqQuantization
                     f"size must split the {in_features} inputs at whole groups")
 
 
+# What load does with a block-fp8 checkpoint's quantized linears: "fp8" keeps them in fp8
+# (Fp8BlockWeight) where keeps_fp8 says it can, "dequantize" dequantizes them to the model's
+# dtype as they are read (minivllm's behaviour before Fp8BlockWeight: the bf16 model's memory and
+# GEMMs). load's fp8_weights argument, else MINIVLLM_FP8_WEIGHTS, else DEFAULT_FP8_WEIGHTS.
+FP8_WEIGHTS_MODES = ("fp8", "dequantize")
+# "dequantize" until the kernel's GPU tests have passed (benchmarks/gpu_checks.sh fp8w: never run
+# yet): the fp8 path is opt-in meanwhile, so that a checkpoint that loads and runs today keeps
+# doing so. Then "fp8", as vLLM serves these checkpoints.
+DEFAULT_FP8_WEIGHTS = "dequantize"
+# The Triton block-fp8 GEMM's K steps are 16-128 columns and must divide a scale block's columns
+# (kernels/fp8_gemm.block_k_for): a checkpoint whose blocks are not a multiple of 16 wide is
+# dequantized at load instead (Qwen's are 128 x 128).
+_FP8_KERNEL_K_STEP = 16
+
+
+def fp8_weights_mode(fp8_weights: str | None = None) -> str:
+    """load's fp8_weights, else MINIVLLM_FP8_WEIGHTS, else DEFAULT_FP8_WEIGHTS; a ValueError
+    naming any other value (the engine checks it when it is configured, before the model
+    loads)."""
+    mode = fp8_weights if fp8_weights is not None else \
+        os.environ.get("MINIVLLM_FP8_WEIGHTS", DEFAULT_FP8_WEIGHTS)
+    if mode not in FP8_WEIGHTS_MODES:
+        raise ValueError(f"fp8_weights (MINIVLLM_FP8_WEIGHTS) {mode!r} is not one of "
+                         f"{FP8_WEIGHTS_MODES}")
+    return mode
+
+
+def keeps_fp8(quant, config: ModelConfig, fp8_weights: str | None = None) -> bool:
+    """Whether load keeps a checkpoint's quantized linears as Fp8BlockWeight: a block-fp8
+    checkpoint (`quant`, its quantization) of a dense model (a mixture of experts' experts are
+    stacked dense tensors that functional/moe.py multiplies: its layers load dequantized, as
+    before), blocks the kernel's K step divides, and fp8_weights_mode "fp8". Any engine dtype
+    (fp32 too: the kernel and the torch path round the dequantized weight to the activation
+    dtype, as dequantizing at load does). Single weights may still be dequantized at load: a
+    tensor-parallel slice that cuts a block, a merge whose parts cut one (see load)."""
+    return (isinstance(quant, Fp8BlockQuantization) and not config.is_moe
+            and quant.block[1] % _FP8_KERNEL_K_STEP == 0
+            and fp8_weights_mode(fp8_weights) == "fp8")
+
+
 def scale_name(weight_name: str) -> str:
     """The name of a quantized weight's block scales: X.weight -> X.weight_scale_inv."""
     return weight_name + "_scale_inv"
@@ -231,7 +275,7 @@ def backbone_prefix(names) -> str:
 
 
 def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec | None = None,
-         config: ModelConfig | None = None) -> Params:
+         config: ModelConfig | None = None, fp8_weights: str | None = None) -> Params:
     """Params from a local HF checkpoint directory (config.json + safetensors, sharded or not).
 
     dtype: "auto"/None keeps the checkpoint's dtype; device: where the tensors go; shard: the
@@ -241,11 +285,16 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
     backbone's tensors may be named with or without the "model." prefix (backbone_prefix).
 
     A block-fp8 checkpoint (config.json's quantization_config {"quant_method": "fp8",
-    "weight_block_size": [128, 128], ...}: Qwen/Qwen3-*-FP8) loads with each quantized weight
-    dequantized to `dtype` (by default the checkpoint's dtype, that of its unquantized tensors:
-    bf16) as it is read; a rank reads the whole scale blocks that hold its slice, dequantizes
-    them and keeps its slice, so a shard boundary inside a block is exact. Any other
-    quantization_config is refused before any weight is read."""
+    "weight_block_size": [128, 128], ...}: Qwen/Qwen3-*-FP8) loads its quantized decoder linears
+    as Fp8BlockWeight (fp8 weights and float32 block scales; `dtype`, by default the checkpoint's
+    unquantized one, bf16, is the rest's and the activations') where keeps_fp8 says so
+    (fp8_weights: "fp8" or "dequantize", default MINIVLLM_FP8_WEIGHTS, else
+    DEFAULT_FP8_WEIGHTS). A weight is
+    dequantized to `dtype` as it is read instead where keeping it cannot work: a rank's slice
+    whose boundary cuts a scale block (it reads the whole blocks that hold its slice,
+    dequantizes them and keeps its slice, so the boundary is exact), or a merged q/k/v or
+    gate/up weight whose parts cut one (cat_fp8). Any other quantization_config is refused
+    before any weight is read."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         what = "is a file, not a directory" if os.path.exists(path) else "does not exist"
@@ -259,6 +308,7 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
         except (KeyError, ValueError) as e:
             raise CheckpointError(f"{config_path}: {e}") from e
     quant = _read_quantization(config_path)
+    keep_fp8 = keeps_fp8(quant, config, fp8_weights)
     awq = quant if isinstance(quant, AwqQuantization) else None
     if awq is not None:
         quant = None  # what follows of `quant` is block-fp8's
@@ -433,7 +483,28 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
         return dequantize_fp8_blocks(weight.to(work), scale.to(work), quant.block,
                                      dtype)[r0 - a0:r1 - a0, c0 - b0:c1 - b0]
 
+    def read_fp8_blocks(name: str, rows, cols):
+        """This rank's `rows` or `cols` of fp8 weight `name` as an Fp8BlockWeight, where they
+        are whole scale blocks (a boundary at a block multiple or at the weight's end), else
+        None."""
+        out_dim, in_dim = expected[name]
+        bn, bk = quant.block
+        r0, r1 = rows if rows is not None else (0, out_dim)
+        c0, c1 = cols if cols is not None else (0, in_dim)
+        if r0 % bn or (r1 % bn and r1 != out_dim) or c0 % bk or (c1 % bk and c1 != in_dim):
+            return None
+        try:
+            weight = slices[name][r0:r1, c0:c1]
+            scale = slices[scales[name]][r0 // bn:ceil_div(r1, bn), c0 // bk:ceil_div(c1, bk)]
+        except Exception as e:
+            raise CheckpointError(f"{files[name]}: cannot read tensor {name} or its scales "
+                                  f"({e})") from e
+        return Fp8BlockWeight(weight=weight.to(work), scale_inv=scale.to(work, torch.float32),
+                              block=quant.block)
+
     def put(t):
+        if isinstance(t, Fp8BlockWeight):
+            return Fp8BlockWeight(weight=put(t.weight), scale_inv=put(t.scale_inv), block=t.block)
         if isinstance(t, AwqWeight):
             return AwqWeight(qweight=put(t.qweight), qzeros=put(t.qzeros), scales=put(t.scales),
                              group_size=t.group_size)
@@ -444,6 +515,10 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
         """Linear `module`'s weight, this rank's output `rows` or input `cols` of it: a dense
         [out, in] tensor, or for an AWQ module an AwqWeight of those columns or rows (whole
         packed int32s and whole groups: _check_awq_shard made sure)."""
+        if keep_fp8 and module + ".weight" in scales:
+            kept = read_fp8_blocks(module + ".weight", rows, cols)
+            if kept is not None:
+                return kept
         if module not in awq_modules:
             return read(module + ".weight", rows=rows, cols=cols)
         out_features, in_features = awq_modules[module]
@@ -470,13 +545,28 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
         return AwqWeight(qweight=parts[0].to(work), qzeros=parts[1].to(work),
                          scales=parts[2].to(work), group_size=group)
 
+    def dense(p):
+        """A part of a merge as a dense [out, in] tensor in `dtype`."""
+        if isinstance(p, AwqWeight):
+            return dequantize_awq(p, dtype).T
+        if isinstance(p, Fp8BlockWeight):
+            return dequantize_fp8_blocks(p.weight, p.scale_inv, p.block, dtype)
+        return p
+
     def merge(parts):
         """Weights of one input stacked along the output (QKV, gate/up): AWQ ones concatenated
-        packed; a mix (modules_to_not_convert naming some of them) dequantized to `dtype`."""
+        packed, block-fp8 ones along their whole block rows (cat_fp8); a mix
+        (modules_to_not_convert naming some of them, a slice cutting a block) or fp8 parts that
+        would cut a block (a part before the last whose rows are not a multiple of the block's:
+        q_proj of 192 rows in 128-row blocks, say) dequantized to `dtype`: correct, though not
+        fp8 in memory."""
         if all(isinstance(p, AwqWeight) for p in parts):
             return cat_awq(parts)
-        return torch.cat([dequantize_awq(p, dtype).T if isinstance(p, AwqWeight) else p
-                          for p in parts])
+        if all(isinstance(p, Fp8BlockWeight) for p in parts):
+            merged_fp8 = cat_fp8(parts)
+            if merged_fp8 is not None:
+                return merged_fp8
+        return torch.cat([dense(p) for p in parts])
 
     d = config.head_dim
     q0, q1 = shard.head_range(config)

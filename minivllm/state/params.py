@@ -16,7 +16,8 @@ LayerParams:
   gate_up    [2 * intermediate_local, hidden]                     gate rows, then up rows
   down       [hidden, intermediate_local]
   (an AWQ checkpoint's qkv, o_proj, gate_up and down are AwqWeight pytrees of that [out, in]:
-  packed int4 weights, zero points and scales, state/quant.py)
+  packed int4 weights, zero points and scales; a block-fp8 checkpoint's are Fp8BlockWeight
+  pytrees: the fp8 [out, in] weight and its block scales; state/quant.py)
 MoELayerParams (a mixture-of-experts layer, config.sparse_layers): the attention fields as above,
 and in the MLP's place
   router          [experts, hidden]                               replicated on every rank
@@ -31,12 +32,13 @@ import torch
 
 from .config import ModelConfig
 from .pytree import pytree_class, static
-from .quant import AwqWeight
+from .quant import AwqWeight, Fp8BlockWeight
 from .shard import ShardSpec
 
-# The LayerParams fields an AWQ checkpoint's linears may fill with an AwqWeight (state/quant.py)
-# in place of a dense [out, in] tensor.
+# The LayerParams fields an AWQ checkpoint's linears may fill with an AwqWeight, and a block-fp8
+# checkpoint's with an Fp8BlockWeight (state/quant.py), in place of a dense [out, in] tensor.
 AWQ_FIELDS = ("qkv", "o_proj", "gate_up", "down")
+QUANTIZED_WEIGHTS = (AwqWeight, Fp8BlockWeight)
 
 
 @pytree_class
@@ -121,10 +123,16 @@ def expected_shapes(config: ModelConfig, shard: ShardSpec) -> dict[str, tuple[in
 
 
 def has_awq(params: Params) -> bool:
-    """Whether any layer's linear is an AwqWeight (an AWQ checkpoint's): the kernels that
-    multiply 16-bit dense weights themselves (the persistent decode layer, the fused MLP) are
-    then off."""
+    """Whether any layer's linear is an AwqWeight (an AWQ checkpoint's)."""
     return any(isinstance(getattr(lp, f, None), AwqWeight) for lp in params.layers
+               for f in AWQ_FIELDS)
+
+
+def has_quantized(params: Params) -> bool:
+    """Whether any layer's linear is an AwqWeight or an Fp8BlockWeight (a quantized checkpoint's,
+    kept quantized): the kernels that multiply 16-bit dense weights themselves (the persistent
+    decode layer, the fused MLP) are then off."""
+    return any(isinstance(getattr(lp, f, None), QUANTIZED_WEIGHTS) for lp in params.layers
                for f in AWQ_FIELDS)
 
 
@@ -163,12 +171,14 @@ def check_params(params: Params) -> None:
                 raise ValueError("params.lm_head is None but the config's embeddings are untied")
             continue
         field = name.rsplit(".", 1)[-1]
-        if isinstance(t, AwqWeight) and field in AWQ_FIELDS:
+        if isinstance(t, QUANTIZED_WEIGHTS) and field in AWQ_FIELDS:
             t.check(f"params.{name}")
+            what = "an AWQ" if isinstance(t, AwqWeight) else "a block-fp8"
             if tuple(t.shape) != shapes[field]:
-                raise ValueError(f"params.{name} is an AWQ weight of shape {tuple(t.shape)}, "
+                raise ValueError(f"params.{name} is {what} weight of shape {tuple(t.shape)}, "
                                  f"expected {shapes[field]}")
-            if t.device != params.device or t.scales.device != params.device:
+            if any(leaf.device != params.device
+                   for leaf in torch.utils._pytree.tree_leaves(t)):
                 raise ValueError(f"params.{name} is on {t.device}, the embedding on "
                                  f"{params.device}: one device throughout")
             continue

@@ -1,6 +1,6 @@
-"""Quantized checkpoints: block-FP8 (Qwen/Qwen3-0.6B-FP8 ... Qwen3-32B-FP8), dequantized as they
-are loaded, and AWQ 4-bit (Qwen/Qwen3-4B-AWQ ... Qwen3-32B-AWQ), kept packed (AwqWeight, see the
-AWQ section below): their quantization_config, and the arithmetic on their weights.
+"""Quantized checkpoints: block-FP8 (Qwen/Qwen3-0.6B-FP8 ... Qwen3-32B-FP8), kept in fp8
+(Fp8BlockWeight), and AWQ 4-bit (Qwen/Qwen3-4B-AWQ ... Qwen3-32B-AWQ), kept packed (AwqWeight,
+see the AWQ section below): their quantization_config, and the arithmetic on their weights.
 
 Such a checkpoint's config.json says
     "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -13,12 +13,17 @@ weight[i, j] * scale_inv[i // block_out, j // block_in]: the blocks at the botto
 are partial when a dimension is not a multiple of the block. Embeddings, norms and the LM head are
 stored unquantized (bf16).
 
-minivllm dequantizes each such weight when it loads it (the product in float32, then cast to the
-engine's dtype, as transformers' Fp8Dequantize computes it; partial edge blocks indexed as vLLM's
-and DeepSeek-V3's kernels index them, where transformers 5.25's Fp8Dequantize, its path without a
-GPU, derives the block from the scale grid, rows // scale_rows, and misreads them) and runs its
-usual GEMMs on the result; vLLM instead keeps the fp8 weights and runs fp8 GEMMs. Compute is
-unchanged, and so is memory: the weights take as much as the bf16 checkpoint's.
+minivllm keeps each such weight in fp8 as it is stored (Fp8BlockWeight below: the fp8 bytes and
+their scales, in the place of the dense [out, in] tensor), and functional/linear.py multiplies it
+with a Triton kernel that dequantizes tile by tile (kernels/fp8_gemm.py), or, from 256 rows and
+wherever Triton cannot run, dequantizes the whole weight (dequantize_fp8_weight) and calls torch:
+half bf16's weight memory and bytes read per decode step, as vLLM. Dequantizing, at load or at
+run time, is the product in float32, then cast to the engine's dtype, as transformers'
+Fp8Dequantize computes it; partial edge blocks are indexed as vLLM's and DeepSeek-V3's kernels
+index them (transformers 5.25's Fp8Dequantize, its path without a GPU, derives the block from the
+scale grid, rows // scale_rows, and misreads them). state/load.py still dequantizes at load
+(dequantize_fp8_blocks) where keeping fp8 cannot work (see load's docstring), and on request
+(MINIVLLM_FP8_WEIGHTS=dequantize).
 """
 
 from __future__ import annotations
@@ -83,7 +88,7 @@ def _unsupported(what: str) -> ValueError:
     return ValueError(f"quantization_config {what} is not supported: minivllm loads unquantized "
                       f"checkpoints, block-fp8 ones (quant_method 'fp8', fmt 'e4m3', "
                       f"activation_scheme 'dynamic', weight_block_size [128, 128], as "
-                      f"Qwen/Qwen3-*-FP8), whose weights it dequantizes at load, and AWQ ones "
+                      f"Qwen/Qwen3-*-FP8), whose weights it keeps in fp8, and AWQ ones "
                       f"(quant_method 'awq', bits 4, zero_point true, version 'gemm', group_size "
                       f"32, 64, 128 or -1, as Qwen/Qwen3-*-AWQ)")
 
@@ -185,6 +190,77 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: 
             w[:, full * bk:].mul_(s[:, full:])
         out[r0:r1] = w  # cast to dtype (round to nearest even)
     return out
+
+
+@pytree_class
+class Fp8BlockWeight:
+    """A linear layer's block-fp8 weight, in the place of its [out, in] tensor in LayerParams:
+    weight float8_e4m3fn [out, in] as stored, scale_inv float32 [ceil(out / block[0]),
+    ceil(in / block[1])]; element (i, j) is weight[i, j] * scale_inv[i // block[0],
+    j // block[1]] (edge blocks partial), as dequantize_fp8_blocks reads it. block: the
+    checkpoint's weight_block_size (static: the kernel's tiles and the torch path's shapes
+    depend on it). Merged QKV and gate/up weights are concatenated along the output rows (weights
+    and scale rows: cat_fp8, where every part but the last fills whole block rows)."""
+
+    weight: torch.Tensor
+    scale_inv: torch.Tensor
+    block: tuple[int, int] = static(converter=tuple)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The dense weight's shape, [out, in] (nn.Linear's)."""
+        return tuple(self.weight.shape)
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    def check(self, name: str = "fp8 weight") -> None:
+        """ValueError unless the weight is fp8 and its scales fit its block grid."""
+        if self.weight.dtype != FP8_DTYPE or self.weight.dim() != 2:
+            raise ValueError(f"{name}.weight is {self.weight.dtype} of {self.weight.dim()} "
+                             f"dimensions, not a 2-D {FP8_DTYPE}")
+        grid = Fp8BlockQuantization(block=self.block).scale_shape(self.shape)
+        if tuple(self.scale_inv.shape) != grid:
+            raise ValueError(f"{name}.scale_inv has shape {tuple(self.scale_inv.shape)}, "
+                             f"expected {grid} ({list(self.block)} blocks of {self.shape})")
+        if self.scale_inv.dtype != torch.float32:
+            raise ValueError(f"{name}.scale_inv is {self.scale_inv.dtype}, not float32")
+
+
+def dequantize_fp8_weight(w: Fp8BlockWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The dense [out, in] weight in `dtype`: weight * its block's scale in float32, cast once
+    (dequantize_fp8_blocks's values). Static shapes and no loop: the torch path of
+    functional.linear, under torch.compile too (where Inductor fuses it into one pass)."""
+    (n, k), (bn, bk) = w.shape, w.block
+    if n % bn == 0 and k % bk == 0:  # whole blocks: a broadcast, no expanded scale tensor
+        q = w.weight.to(torch.float32).view(n // bn, bn, k // bk, bk)
+        return (q * w.scale_inv[:, None, :, None]).view(n, k).to(dtype)
+    s = w.scale_inv.repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
+    return (w.weight.to(torch.float32) * s).to(dtype)
+
+
+def cat_fp8(parts: list[Fp8BlockWeight]) -> Fp8BlockWeight | None:
+    """Block-fp8 weights of the same input concatenated along the output (QKV, gate/up), or None
+    where that would break their block grids: a part before the last whose rows are not a
+    multiple of the block's (its last scale row would cover the next part's first rows). The
+    caller then dequantizes the merged weight (state/load.py)."""
+    blocks = {p.block for p in parts}
+    if len(blocks) != 1:
+        return None
+    bn = parts[0].block[0]
+    if any(p.out_features % bn for p in parts[:-1]):
+        return None
+    return Fp8BlockWeight(weight=torch.cat([p.weight for p in parts]),
+                          scale_inv=torch.cat([p.scale_inv for p in parts]), block=blocks.pop())
 
 
 # --- AWQ ---------------------------------------------------------------------------------------
