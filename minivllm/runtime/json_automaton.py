@@ -29,6 +29,8 @@ A state is (stack, lexer, whitespace run), interned to an int when first met:
   'nf' (fraction digits), 'ne' (after e / E), 'ns' (after the exponent's sign), 'nx' (exponent
   digits), or 'l' + the rest of a literal (true / false / null) still due;
 - whitespace run: the whitespace characters since the last JSON token.
+Interned states are kept for the automaton's life (as RegexDFA's are): a long string or number is
+one state, so their number follows the distinct nestings met, not the text's length.
 """
 
 from __future__ import annotations
