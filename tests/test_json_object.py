@@ -145,7 +145,8 @@ _PIECES = ['{', '}', '[', ']', ':', ',', '"a"', '"', '\\', '\\u', '\\x', '\\n', 
 _STRINGS = st.one_of(st.text(alphabet=_JSONISH, max_size=12), st.composite(_edited)(),
                      st.text(alphabet=" {}[]", max_size=40),
                      st.lists(st.sampled_from(_PIECES), max_size=16).map("".join),
-                     st.lists(st.sampled_from(_PIECES), max_size=12).map(lambda p: '{"a":' + "".join(p)))
+                     st.lists(st.sampled_from(_PIECES), max_size=12)
+                     .map(lambda p: '{"a":' + "".join(p)))
 _TAILS = ["", "}", '"}', "]}", "0}", '"]}', "}}", "]}}", ':0}', '":0}', "0]}", '0"}', "e}",
           "1}", '"}}', "ue}", "l}", "se}"]
 

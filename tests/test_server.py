@@ -542,9 +542,9 @@ def test_response_format_json_object(server, path):
     assert done > 0
     status, answer = post(server, path, {**body, "guided_regex": "a"})
     assert status == 400 and "one constraint" in answer["error"]["message"]
-    status, answer = post(server, path, {**{k: v for k, v in body.items() if k != "response_format"},
-                                         "structured_outputs": {"json_object": True,
-                                                                "regex": "a"}})
+    plain = {k: v for k, v in body.items() if k != "response_format"}
+    status, answer = post(server, path, {**plain, "structured_outputs": {"json_object": True,
+                                                                         "regex": "a"}})
     assert status == 400 and "exactly one" in answer["error"]["message"]
 
 

@@ -10,8 +10,8 @@ automaton (runtime/json_automaton.py) with the DFA's interface. Constraints are 
 (automaton state, the bytes of a character begun but not finished): tokens are walked as the
 UTF-8 bytes they add to the text, so that a character split over several tokens (an emoji in a
 byte-level BPE vocabulary) can be generated, each of its tokens allowed while some character the
-automaton takes begins with the bytes so far. A state's allowed ids are computed when it is first met, then kept. Special tokens are
-never allowed inside the output.
+automaton takes begins with the bytes so far. A state's allowed ids are computed when it is
+first met, then kept. Special tokens are never allowed inside the output.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """vLLM's `json_object` constraint: the output is one JSON object (any keys, any values, any
 nesting), as a deterministic pushdown automaton over characters with RegexDFA's interface
-(`start`, `DEAD`, `step`, `walk`, `charsets`, `accepts`, `can_continue`), so that guide.CompiledGuide
-masks tokens with it exactly as it does with a regex's DFA.
+(`start`, `DEAD`, `step`, `walk`, `charsets`, `accepts`, `can_continue`), so that
+guide.CompiledGuide masks tokens with it exactly as it does with a regex's DFA.
 
 JSON objects are not a regular language; two bounds make this automaton's state set finite, and
 so its states internable and their masks cacheable:
