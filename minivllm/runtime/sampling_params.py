@@ -109,8 +109,8 @@ class SamplingParams:
     json_object) the output must satisfy (needs a tokenizer). logprobs: the top-N logprobs (plus
     the sampled token's) per generated token (-1: the whole vocabulary's; True: 1).
     prompt_logprobs: the same for each prompt token after the first (the prompt scored by the
-    model; its first entry is None). truncate_prompt_tokens: keep only the prompt's last k tokens (-1: max_model_len; the
-    output's prompt_token_ids are those kept)."""
+    model; its first entry is None). truncate_prompt_tokens: keep only the prompt's last k
+    tokens (-1: max_model_len; the output's prompt_token_ids are those kept)."""
 
     n: int = 1
     presence_penalty: float = 0.0
