@@ -278,7 +278,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_request(server):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function"}]}, 400, r"tools\[0\] must be"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+                              "response_format": {"type": "yaml"}}, 400, "response_format"),
     ("/v1/embeddings", {"input": "x"}, 404, "no route"),
     ("/v1/completions", {"prompt": "x", "temperature": 10**400}, 400, "too large"),
     ("/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "64 bits"),
@@ -517,6 +517,35 @@ def test_structured_outputs_through_the_api(server, path, fields, pattern):
             assert c["finish_reason"] == "stop" and re.fullmatch(pattern, text), text
     status, answer = post(server, path, {**body, "guided_regex": "a", "guided_choice": ["b"]})
     assert status == 400 and "one constraint" in answer["error"]["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_response_format_json_object(server, path):
+    """As vLLM's: the content is a JSON object (json_automaton.py), for chat and completions;
+    json_object with another constraint is a 400."""
+    from minivllm.runtime.json_automaton import JsonObjectAutomaton
+
+    body = {"max_tokens": 60, "temperature": 1.0, "n": 4, "seed": 4,
+            "response_format": {"type": "json_object"}}
+    body.update({"prompt": PROMPTS[0]} if path == "/v1/completions" else
+                {"messages": [{"role": "user", "content": "Hi"}]})
+    status, answer = post(server, path, body)
+    assert status == 200, answer
+    fsm, done = JsonObjectAutomaton(), 0
+    for c in answer["choices"]:
+        text = c["text"] if "text" in c else c["message"]["content"]
+        if c["finish_reason"] == "length":  # cut short: a prefix of a JSON object
+            assert fsm.walk(fsm.start, text) != fsm.DEAD, text
+        else:
+            assert c["finish_reason"] == "stop" and isinstance(json.loads(text), dict), text
+            done += 1
+    assert done > 0
+    status, answer = post(server, path, {**body, "guided_regex": "a"})
+    assert status == 400 and "one constraint" in answer["error"]["message"]
+    plain = {k: v for k, v in body.items() if k != "response_format"}
+    status, answer = post(server, path, {**plain, "structured_outputs": {"json_object": True,
+                                                                         "regex": "a"}})
+    assert status == 400 and "exactly one" in answer["error"]["message"]
 
 
 def test_tokenize_and_detokenize_are_vllms(server, reference):

@@ -542,7 +542,11 @@ def test_constraints_by_each_of_their_names():
         pattern = _chat(**fields).params.structured_outputs.pattern
         assert re.fullmatch(pattern, '{"n": 12}') and not re.fullmatch(pattern, '{"n": "12"}')
     assert _chat(response_format={"type": "text"}).params.structured_outputs is None
-    with pytest.raises(api.RequestError, match="takes choice, regex or json"):
+    for fields in ({"response_format": {"type": "json_object"}},
+                   {"structured_outputs": {"json_object": True}}):
+        assert _chat(**fields).params.structured_outputs.key == ("json_object",)
+        assert _completion(**fields).params.structured_outputs.key == ("json_object",)
+    with pytest.raises(api.RequestError, match="takes choice, regex, json or json_object"):
         _chat(structured_outputs={"grammer": "x"})
 
 

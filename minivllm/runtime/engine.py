@@ -491,7 +491,7 @@ class LLMEngine:
             return None
         if self._guides is None:
             self._guides = GuideCache(self.tokenizer, self.vocab_size, self.eos_ids)
-        return self._guides.get(params.structured_outputs.pattern)
+        return self._guides.get(params.structured_outputs.key)
 
     def _bad_words(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
         return self._bad_word_ids(params.bad_word_texts) if params.bad_word_texts else ()

@@ -1,15 +1,17 @@
-"""Structured outputs (vLLM's `StructuredOutputsParams`: choice, regex, json): each step a guided
-sequence may sample only the tokens that keep its output a prefix of a string the constraint
-accepts, and EOS once its output is one.
+"""Structured outputs (vLLM's `StructuredOutputsParams`: choice, regex, json, json_object): each
+step a guided sequence may sample only the tokens that keep its output a prefix of a string the
+constraint accepts, and EOS once its output is one.
 
-The constraint becomes a regex (a choice is an alternation of its strings; a JSON schema becomes
-a regex as outlines builds one, for the subset `schema_regex` takes), the regex a lazily built
-DFA over characters (runtime/regex_fsm.py), and a guide state the pair (DFA state, the bytes of
-a character begun but not finished): tokens are walked as the UTF-8 bytes they add to the text,
-so that a character split over several tokens (an emoji in a byte-level BPE vocabulary) can be
-generated, each of its tokens allowed while some character the DFA takes begins with the bytes
-so far. A state's allowed ids are computed when it is first met, then kept. Special tokens are
-never allowed inside the output.
+The constraint becomes an automaton over characters: a regex's lazily built DFA
+(runtime/regex_fsm.py; a choice is an alternation of its strings, a JSON schema a regex as
+outlines builds one, for the subset `schema_regex` takes), or for json_object a bounded pushdown
+automaton (runtime/json_automaton.py) with the DFA's interface. Constraints are named by a key,
+("regex", pattern) or ("json_object",) (`automaton` builds each). A guide state is the pair
+(automaton state, the bytes of a character begun but not finished): tokens are walked as the
+UTF-8 bytes they add to the text, so that a character split over several tokens (an emoji in a
+byte-level BPE vocabulary) can be generated, each of its tokens allowed while some character the
+automaton takes begins with the bytes so far. A state's allowed ids are computed when it is
+first met, then kept. Special tokens are never allowed inside the output.
 """
 
 from __future__ import annotations
@@ -19,10 +21,26 @@ import math
 import re
 from collections import OrderedDict, defaultdict
 
+from .json_automaton import JsonObjectAutomaton
 from .reasoning import ANSWER, REASONING, UNDECIDED
 from .regex_fsm import RegexDFA
 
-State = tuple[int, bytes]  # (DFA state, the bytes of an unfinished character)
+State = tuple[int, bytes]  # (automaton state, the bytes of an unfinished character)
+
+# A constraint's key: ("regex", pattern) or JSON_OBJECT. Tuples of a kind and its argument, so
+# that no regex's key is json_object's (a bare string key could be either).
+ConstraintKey = tuple
+JSON_OBJECT: ConstraintKey = ("json_object",)
+
+
+def automaton(key: ConstraintKey):
+    """The character automaton (RegexDFA's interface) of a constraint's key; ValueError for a
+    pattern regex_fsm does not take."""
+    if key == JSON_OBJECT:
+        return JsonObjectAutomaton()
+    if len(key) == 2 and key[0] == "regex":
+        return RegexDFA(key[1])
+    raise ValueError(f"no constraint is keyed {key!r:.80}")
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -127,13 +145,15 @@ class TokenIndex:
 
 
 class CompiledGuide:
-    """A constraint's DFA over one TokenIndex, with the masks of the states met kept (the most
-    recently used MAX_STATES of them: a string of maxLength n is n states)."""
+    """A constraint's automaton over one TokenIndex, with the masks of the states met kept (the
+    most recently used MAX_STATES of them: a string of maxLength n is n states). `constraint`: a
+    regex, or a constraint's key (see `automaton`)."""
 
     MAX_STATES = 4096
 
-    def __init__(self, pattern: str, index: TokenIndex, eos_ids: tuple[int, ...]):
-        self.fsm = RegexDFA(pattern)
+    def __init__(self, constraint: str | ConstraintKey, index: TokenIndex,
+                 eos_ids: tuple[int, ...]):
+        self.fsm = automaton(("regex", constraint) if isinstance(constraint, str) else constraint)
         self.index = index
         self.eos_ids = tuple(eos_ids)
         self.start: State = (self.fsm.start, b"")
@@ -277,26 +297,27 @@ def row_constraint(guided: tuple[int, ...], guide_bans: tuple[int, ...],
 
 
 class GuideCache:
-    """Compiled constraints by regex, the most recently used kept (a server's requests often
-    repeat one)."""
+    """Compiled constraints by key (a regex stands for its key ("regex", regex)), the most
+    recently used kept (a server's requests often repeat one)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids, size: int = 64):
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, tuple(eos_ids)
         self.size = size
         self._index: TokenIndex | None = None
-        self._compiled: OrderedDict[str, CompiledGuide] = OrderedDict()
+        self._compiled: OrderedDict[ConstraintKey, CompiledGuide] = OrderedDict()
 
-    def get(self, pattern: str) -> CompiledGuide:
+    def get(self, constraint: str | ConstraintKey) -> CompiledGuide:
         """ValueError for a pattern regex_fsm does not take."""
-        compiled = self._compiled.get(pattern)
+        key = ("regex", constraint) if isinstance(constraint, str) else tuple(constraint)
+        compiled = self._compiled.get(key)
         if compiled is None:
             if self._index is None:
                 self._index = TokenIndex(self.tokenizer, self.vocab_size)
-            compiled = CompiledGuide(pattern, self._index, self.eos_ids)
-            self._compiled[pattern] = compiled
+            compiled = CompiledGuide(key, self._index, self.eos_ids)
+            self._compiled[key] = compiled
             if len(self._compiled) > self.size:
                 self._compiled.popitem(last=False)
-        self._compiled.move_to_end(pattern)
+        self._compiled.move_to_end(key)
         return compiled
 
 

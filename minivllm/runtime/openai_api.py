@@ -145,7 +145,7 @@ class ParsedRequest:
 
 def _structured(values: dict, tool_schema: dict | None = None) -> StructuredOutputsParams | None:
     """The request's constraint: vLLM's structured_outputs object, its older guided_choice /
-    guided_regex / guided_json, OpenAI's response_format json_schema, or the JSON a
+    guided_regex / guided_json, OpenAI's response_format json_schema or json_object, or the JSON a
     tool_choice of "required" or a named function asks for; at most one."""
     given = {}
     if tool_schema is not None:
@@ -165,9 +165,11 @@ def _structured(values: dict, tool_schema: dict | None = None) -> StructuredOutp
                 raise RequestError("'response_format' json_schema needs {'json_schema': "
                                    "{'schema': {...}}}")
             given["response_format"] = {"json": spec["schema"]}
+        elif kind == "json_object":
+            given["response_format"] = {"json_object": True}
         elif kind != "text":
-            raise RequestError(f"'response_format' {kind!r} is not supported ('text' and "
-                               f"'json_schema' are)")
+            raise RequestError(f"'response_format' {kind!r} is not supported ('text', "
+                               f"'json_object' and 'json_schema' are)")
     if not given:
         return None
     if len(given) > 1:
@@ -176,7 +178,8 @@ def _structured(values: dict, tool_schema: dict | None = None) -> StructuredOutp
     try:
         return StructuredOutputsParams(**spec)
     except TypeError:
-        raise RequestError(f"'{name}' takes choice, regex or json, got {sorted(spec)}") from None
+        raise RequestError(f"'{name}' takes choice, regex, json or json_object, got "
+                           f"{sorted(spec)}") from None
     except ValueError as e:
         raise RequestError(str(e)) from None
 

@@ -33,9 +33,10 @@ _REAL_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "
 class StructuredOutputsParams:
     """A constraint on the output (vLLM's `StructuredOutputsParams`; runtime/guide.py): one of
     `choice` (the output is one of these strings), `regex` (it fullmatches this pattern, Python
-    re syntax: regex_fsm.py lists the subset) or `json` (a JSON schema, a dict or its text: the
-    output is a JSON text it admits, for the subset guide.schema_regex lists). vLLM's `grammar`,
-    `json_object` and `structural_tag` are not supported."""
+    re syntax: regex_fsm.py lists the subset), `json` (a JSON schema, a dict or its text: the
+    output is a JSON text it admits, for the subset guide.schema_regex lists) or
+    `json_object=True` (the output is a JSON object, within json_automaton.py's bounds on nesting
+    and whitespace). vLLM's `grammar` and `structural_tag` are not supported."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -43,22 +44,33 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: str | None = None
-    # The constraint as one regex, filled in by __post_init__ (which checks that it parses).
-    pattern: str = field(init=False, repr=False, default="")
+    # The constraint as one regex, filled in by __post_init__ (which checks that it parses);
+    # None for json_object, which is no regex.
+    pattern: str | None = field(init=False, repr=False, default="")
+    # The constraint's key for guide.GuideCache: ("regex", pattern) or guide.JSON_OBJECT.
+    key: tuple = field(init=False, repr=False, default=())
 
     def __post_init__(self):
-        from .guide import choice_regex, schema_regex
+        from .guide import JSON_OBJECT, choice_regex, schema_regex
         from .regex_fsm import RegexDFA
 
         def bad(msg):
             raise ValueError(f"StructuredOutputsParams: {msg}")
 
-        for name in ("grammar", "json_object", "structural_tag"):
+        for name in ("grammar", "structural_tag"):
             if getattr(self, name) not in (None, False):
-                bad(f"{name} is not supported (choice, regex and json are)")
+                bad(f"{name} is not supported (choice, regex, json and json_object are)")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            bad(f"json_object must be a bool, got {self.json_object!r:.80}")
         given = [n for n in ("json", "regex", "choice") if getattr(self, n) is not None]
+        if self.json_object:  # False is vLLM's "not asked", as None
+            given.append("json_object")
         if len(given) != 1:
-            bad(f"give exactly one of json, regex and choice, got {given or 'none'}")
+            bad(f"give exactly one of json, regex, choice and json_object, got {given or 'none'}")
+        if self.json_object:
+            object.__setattr__(self, "pattern", None)
+            object.__setattr__(self, "key", JSON_OBJECT)
+            return
         if self.regex is not None and not isinstance(self.regex, str):
             bad(f"regex must be a string, got {self.regex!r:.80}")
         schema = self.json
@@ -76,6 +88,7 @@ class StructuredOutputsParams:
         except ValueError as e:
             bad(str(e))
         object.__setattr__(self, "pattern", pattern)
+        object.__setattr__(self, "key", ("regex", pattern))
 
 
 @dataclass(frozen=True)
@@ -92,12 +105,12 @@ class SamplingParams:
     added to the logits; allowed_token_ids: the only ids that may be sampled (both before the
     penalties, as vLLM; logprobs stay the model's raw ones). bad_words: words never generated
     (vLLM's: each word's last token is banned where the output ends with its others; needs a
-    tokenizer). structured_outputs: a StructuredOutputsParams (choice, regex or JSON schema) the
-    output must satisfy (needs a tokenizer). logprobs: the top-N logprobs (plus the sampled
-    token's) per generated token (-1: the whole vocabulary's; True: 1). prompt_logprobs: the same
-    for each prompt token after the first (the prompt scored by the model; its first entry is
-    None). truncate_prompt_tokens: keep only the prompt's last k tokens (-1: max_model_len; the
-    output's prompt_token_ids are those kept)."""
+    tokenizer). structured_outputs: a StructuredOutputsParams (choice, regex, JSON schema or
+    json_object) the output must satisfy (needs a tokenizer). logprobs: the top-N logprobs (plus
+    the sampled token's) per generated token (-1: the whole vocabulary's; True: 1).
+    prompt_logprobs: the same for each prompt token after the first (the prompt scored by the
+    model; its first entry is None). truncate_prompt_tokens: keep only the prompt's last k
+    tokens (-1: max_model_len; the output's prompt_token_ids are those kept)."""
 
     n: int = 1
     presence_penalty: float = 0.0
