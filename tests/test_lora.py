@@ -705,13 +705,79 @@ def test_an_id_removed_then_given_another_adapter_runs_the_new_one(tiny_dir, ada
     assert run(llm, prompts[3:4], good) == [oracle("all", 3)]
 
 
+# -- tensor parallelism ----------------------------------------------------------------------------
+
+
+def test_sharded_slots_hold_each_ranks_slice_of_the_whole_slots(tiny_dir, adapters):
+    """write_slot on a rank of two writes the rows of the fused B that the rank's q / k / v
+    heads and gate / up rows are, and the columns of o's and down's A of its heads and
+    intermediate rows (as state/load.py cuts the base weights); the other weight whole."""
+    from minivllm.state.shard import ShardSpec
+
+    config = minivllm.load(tiny_dir).config
+    d, nq, nkv = config.head_dim, config.num_heads, config.num_kv_heads
+    i = config.intermediate_size
+
+    def slots(shard):
+        lora = init_lora(config, max_loras=2, max_rank=MAX_RANK, dtype=torch.float32, shard=shard)
+        for slot, name in enumerate(("all", "rs")):
+            write_slot(lora, slot, load_adapter(adapters[name][0].lora_path, config, MAX_RANK),
+                       config, shard)
+        return lora.layers[1]
+
+    whole = slots(ShardSpec())
+    for rank in range(2):
+        got = slots(ShardSpec(rank=rank, world_size=2))
+        q = torch.arange(rank * nq // 2 * d, (rank + 1) * nq // 2 * d)
+        kv = torch.arange(rank * nkv // 2 * d, (rank + 1) * nkv // 2 * d)
+        qkv_rows = torch.cat([q, nq * d + kv, (nq + nkv) * d + kv])
+        inter = torch.arange(rank * i // 2, (rank + 1) * i // 2)
+        assert torch.equal(got.qkv_a, whole.qkv_a)
+        assert torch.equal(got.qkv_b, whole.qkv_b[qkv_rows])
+        assert torch.equal(got.gate_up_a, whole.gate_up_a)
+        assert torch.equal(got.gate_up_b, whole.gate_up_b[torch.cat([inter, i + inter])])
+        assert torch.equal(got.o_a, whole.o_a[:, q]) and torch.equal(got.o_b, whole.o_b)
+        assert torch.equal(got.down_a, whole.down_a[:, inter])
+        assert torch.equal(got.down_b, whole.down_b)
+        assert got.qkv_b.abs().sum() > 0 and got.o_a.abs().sum() > 0  # the slices hold weights
+
+
+def test_tp2_lora_engine_equals_tp1(tiny_dir, adapters, prompts, oracle):
+    """LLM(tensor_parallel_size=2, enable_lora=True) on CPU (gloo, a spawned worker): a mixed
+    batch of three adapters (all-linear; k / o / gate / up; q / v / down: deltas on the
+    column-parallel qkv and gate_up and on the row-parallel o_proj and down) and base rows gives
+    transformers' merged greedy tokens and the TP=1 LoRA engine's fp32 logprobs. max_loras=2 <
+    three adapters: slots are rewritten between steps, on both ranks."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=2)
+    plan = [("all", 0), (None, 1), ("low", 2), ("rs", 3), (None, 0), ("all", 2), ("low", 1)]
+    requests = [None if name is None else adapters[name][0] for name, _ in plan]
+
+    def outputs(llm):
+        outs = [o.outputs[0] for o in llm.generate(token_prompts([prompts[i] for _, i in plan]),
+                                                   greedy, use_tqdm=False,
+                                                   lora_request=requests)]
+        return ([o.token_ids for o in outs],
+                [[lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] for o in outs])
+
+    kw = dict(enable_lora=True, max_loras=2, max_lora_rank=MAX_RANK, num_kv_blocks=64,
+              attention_backend="reference", max_num_batched_tokens=32, device="cpu")
+    with LLM(tiny_dir, async_scheduling=False, **kw) as llm:
+        want = outputs(llm)
+    with LLM(tiny_dir, tensor_parallel_size=2, **kw) as llm:
+        from minivllm.runtime.executor import TPExecutor
+
+        assert isinstance(llm.engine.runner, TPExecutor)
+        got = outputs(llm)
+    assert got[0] == [oracle(name, i) for name, i in plan]
+    assert got[0] == want[0]
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-4)
+
+
 def test_lora_request_without_enable_lora_and_refused_configs(tiny_dir, adapters, prompts):
     plain = make_llm(tiny_dir, torch.device("cpu"))
     with pytest.raises(ValueError, match="enable_lora=True"):
         plain.generate(token_prompts(prompts[:1]), GREEDY, lora_request=adapters["all"][0])
     from minivllm.runtime.config import EngineConfig
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        EngineConfig.create(tiny_dir, device="cpu", enable_lora=True, tensor_parallel_size=2)
     for bad in (0, -1):
         with pytest.raises(ValueError, match="lora_int_id"):
             LoRARequest("a", bad, "/x")

@@ -162,11 +162,7 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, shard: ShardSpec, *,
                unsummed_ok: bool = False) -> torch.Tensor:
     """x: [T, in_local] @ weight[out, in_local].T, summed over ranks -> [T, out]. unsummed_ok:
     as in glu_row_linear, the skinny GEMM's fp32 partials may come back unsummed (one rank)."""
-    if isinstance(weight, QUANTIZED):
-        return all_reduce(column_linear(x, weight), shard)
-    if _skinny(x):
-        return _skinny_row_linear(x, weight, shard, glu=False, unsummed_ok=unsummed_ok)
-    return all_reduce(F.linear(x, weight), shard)
+    return _reduced(x, row_partial(x, weight), shard, unsummed_ok)
 
 
 def glu_row_linear(x: torch.Tensor, weight: torch.Tensor, shard: ShardSpec, *,
@@ -177,9 +173,29 @@ def glu_row_linear(x: torch.Tensor, weight: torch.Tensor, shard: ShardSpec, *,
     unsummed_ok: on one rank, the skinny GEMM's fp32 split-K partials [split, T, out] may be
     returned unsummed, for a consumer that sums them: add_rms_norm, into whose kernel the
     compiled layer fuses the sum (see sum_partials), down's at the next layer's entry too."""
-    if _skinny(x) and not isinstance(weight, QUANTIZED):
-        return _skinny_row_linear(x, weight, shard, glu=True, unsummed_ok=unsummed_ok)
-    return row_linear(silu_and_mul(x), weight, shard)
+    return _reduced(x, row_partial(x, weight, glu=True), shard, unsummed_ok)
+
+
+def row_partial(x: torch.Tensor, weight: torch.Tensor, *, glu: bool = False) -> torch.Tensor:
+    """This rank's row-parallel product before the all-reduce: x: [T, in_local] (glu: [T, 2 *
+    in_local] = (gate | up), silu(gate) * up taken first) @ weight[out, in_local].T -> [T, out]
+    in x's dtype, or the skinny GEMM's fp32 split-K partials [split, T, out] (sum_partials sums
+    them). For a caller that adds its own partial sum before the layer's one all-reduce (a
+    LoRA delta: functional/lora.py)."""
+    if isinstance(weight, QUANTIZED):
+        return column_linear(silu_and_mul(x) if glu else x, weight)
+    if _skinny(x):
+        return _skinny_partials(x, weight, glu=glu)
+    return F.linear(silu_and_mul(x) if glu else x, weight)
+
+
+def _reduced(x: torch.Tensor, partial: torch.Tensor, shard: ShardSpec, unsummed_ok: bool
+             ) -> torch.Tensor:
+    """row_partial's product summed over ranks in x's dtype; the skinny GEMM's partials left
+    unsummed where the caller allows and one rank holds the whole sum."""
+    if unsummed_ok and shard.world_size == 1 and partial.dim() == 3:
+        return partial
+    return all_reduce(sum_partials(partial, x.dtype), shard)
 
 
 def sum_partials(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -196,16 +212,6 @@ def sum_partials(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return functools.reduce(operator.add, x.unbind(0)).to(dtype)
     return x.sum(0).to(dtype)
-
-
-def _skinny_row_linear(x: torch.Tensor, weight: torch.Tensor, shard: ShardSpec, *, glu: bool,
-                       unsummed_ok: bool) -> torch.Tensor:
-    """The skinny GEMM's row-parallel product: its partials unsummed where the caller allows
-    and one rank holds the whole sum, else summed and all-reduced."""
-    partials = _skinny_partials(x, weight, glu=glu)
-    if unsummed_ok and shard.world_size == 1:
-        return partials
-    return all_reduce(sum_partials(partials, x.dtype), shard)
 
 
 def _skinny_partials(x: torch.Tensor, weight: torch.Tensor, *, glu: bool) -> torch.Tensor:

@@ -13,6 +13,11 @@ all of them: its delta is exactly zero), and the "expand" by B maps the row's ow
 output, the fused QKV / gate-up columns included (B is block diagonal over the parts). No
 gather of weights per row, no data-dependent shapes: one function of static shapes for any mix
 of adapters, as CUDA graphs and torch.compile need.
+
+Under tensor parallelism (state/lora.py: each rank holds its shard of the slot weights) a
+column-parallel module's delta is the rank's own output columns, like its base product; a
+row-parallel one's (o_proj, down) is a partial sum over the rank's input slice, added to the
+rank's base partial before the layer's one all-reduce, which then sums both (lora_row_linear).
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from ..state.lora import LoRALayer
 from ..state.params import LayerParams
 from .activation import silu_and_mul
 from .layer import attention_output
-from .linear import column_linear, glu_row_linear, row_linear, sum_partials
+from .linear import column_linear, glu_row_linear, row_linear, row_partial, sum_partials
+from .parallel import all_reduce
 from .norm import add_rms_norm
 
 
@@ -58,28 +64,49 @@ def plus_wide(y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return sum_partials(y, torch.float32) + delta.float()
 
 
+def lora_row_linear(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                    mask: torch.Tensor, shard, *, glu: bool) -> torch.Tensor:
+    """A row-parallel layer (x: [T, in_local], glu: [T, 2 * in_local] = (gate | up)) with its
+    LoRA delta: a: [S * R, in_local] (the rank's columns of A), b: [out, S * R] (whole).
+
+    One rank: the base layer's unsummed skinny partials (or [T, out]) plus the delta, fp32
+    [T, out] (plus_wide). More ranks: x_local @ A_local.T is the rank's partial sum of the rank-R
+    projection, and the mask and B are linear, so the rank's delta is a partial sum of the
+    delta too: added in fp32 to the rank's base partial, rounded once to x's dtype as the base
+    layer rounds its partial, and summed over ranks by the base layer's own all-reduce (no
+    extra communication). A base row's delta is exact zeros: it all-reduces the base layer's
+    own partials."""
+    delta = lora_delta(silu_and_mul(x) if glu else x, a, b, mask)
+    if shard.world_size == 1:
+        base = glu_row_linear(x, weight, shard, unsummed_ok=True) if glu else \
+            row_linear(x, weight, shard, unsummed_ok=True)
+        return plus_wide(base, delta)
+    partial = plus_wide(row_partial(x, weight, glu=glu), delta).to(x.dtype)
+    return all_reduce(partial, shard)
+
+
 def lora_decoder_layer(lp: LayerParams, ll: LoRALayer, mask: torch.Tensor, x: torch.Tensor,
                        residual: torch.Tensor, cos, sin, k_cache, v_cache, batch, *, config,
                        shard, backend) -> tuple[torch.Tensor, torch.Tensor]:
-    """layer.decoder_layer with each linear's LoRA delta added to its output (one rank: the
-    engine refuses LoRA under tensor parallelism). mask: slot_mask of the rows' slots.
+    """layer.decoder_layer with each linear's LoRA delta added to its output, on `shard`'s rank
+    (its shard of the slot weights: the row-parallel deltas go into the base layer's
+    all-reduce, lora_row_linear). mask: slot_mask of the rows' slots.
 
     The base products are decoder_layer's own calls (o_proj's and down's unsummed skinny
     partials, down's activation inside its GEMM), so that a base row (mask all zeros, a delta
     of exact zeros) gets the base layer's values: the decode graphs of a LoRA engine run every
     row through this layer. Returns down's output plus its delta as fp32 [T, hidden] (the next
-    add + RMSNorm rounds it with the residual) and the residual stream."""
+    add + RMSNorm rounds it with the residual; above one rank, all-reduced in the activation
+    dtype, as the base layer's) and the residual stream."""
     eps = config.rms_norm_eps
     h, residual = add_rms_norm(x, residual, lp.input_norm, eps)
     qkv = plus(column_linear(h, lp.qkv), lora_delta(h, ll.qkv_a, ll.qkv_b, mask))
     attn = attention_output(lp, qkv, cos, sin, k_cache, v_cache, batch, config=config,
                             shard=shard, backend=backend)
-    o = plus_wide(row_linear(attn, lp.o_proj, shard, unsummed_ok=True),
-                  lora_delta(attn, ll.o_a, ll.o_b, mask))
+    o = lora_row_linear(attn, lp.o_proj, ll.o_a, ll.o_b, mask, shard, glu=False)
     h, residual = add_rms_norm(o, residual, lp.post_norm, eps)
     gate_up = plus(column_linear(h, lp.gate_up), lora_delta(h, ll.gate_up_a, ll.gate_up_b, mask))
-    down = glu_row_linear(gate_up, lp.down, shard, unsummed_ok=True)
-    return plus_wide(down, lora_delta(silu_and_mul(gate_up), ll.down_a, ll.down_b, mask)), \
+    return lora_row_linear(gate_up, lp.down, ll.down_a, ll.down_b, mask, shard, glu=True), \
         residual
 
 

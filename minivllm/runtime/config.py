@@ -230,10 +230,6 @@ class EngineConfig:
         max_loras = _integer("max_loras", max_loras)
         max_lora_rank = _integer("max_lora_rank", max_lora_rank)
         if enable_lora:
-            if tensor_parallel_size != 1:
-                raise ValueError(f"enable_lora runs on one device: LoRA under tensor parallelism "
-                                 f"is not supported (tensor_parallel_size="
-                                 f"{tensor_parallel_size})")
             if model_config.is_moe:
                 raise ValueError("enable_lora: LoRA on a mixture-of-experts model is not "
                                  "supported (dense Qwen3 models only)")

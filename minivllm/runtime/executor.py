@@ -29,7 +29,7 @@ import torch
 from .config import EngineConfig
 from .distributed import (Groups, Launch, abort_groups, broadcast_step, collective_timeout,
                           destroy_groups, torchrun_env)
-from .runner import ModelRunner, StepInput, StepResult
+from .runner import ModelRunner, SetLoRA, StepInput, StepResult
 from .signals import deferred_sigint, exit_on_sigterm
 from .worker import config_for_rank, ready_key, spawned_worker, start_rank, torchrun_worker
 
@@ -297,6 +297,19 @@ class TPExecutor:
             return self.runner.launch(step)
 
         return TPPendingStep(self, self._guarded(send))
+
+    def set_lora(self, slot: int, adapter) -> None:
+        """Write `adapter` (None: a zero delta) into LoRA slot `slot` on every rank, each its
+        own slice (ModelRunner.set_lora): the workers get it between the steps around it, as
+        rank 0 writes it."""
+        if self._closer.reason is not None:
+            raise RuntimeError(f"tensor-parallel engine is stopped: {self._closer.reason}")
+
+        def send():
+            broadcast_step(SetLoRA(slot, adapter), self.groups)
+            self.runner.set_lora(slot, adapter)
+
+        self._guarded(send)
 
     def _guarded(self, fn):
         """fn() with the engine's failure handling: a lost worker is a WorkerDiedError, any

@@ -128,8 +128,9 @@ class LLM:
     accepted tokens.
     enable_lora, max_loras, max_lora_rank: serve PEFT LoRA adapters (generate / chat / stream's
     lora_request=LoRARequest(name, int_id, path)), up to max_loras in one batch, of rank up to
-    max_lora_rank (runtime/lora.py, state/lora.py); one device, dense models (compiled
-    forward and decode CUDA graphs as without LoRA, no prefill graphs).
+    max_lora_rank (runtime/lora.py, state/lora.py); dense models, on one device or under
+    tensor parallelism (each rank holds its shard of the adapters); compiled forward and decode
+    CUDA graphs as without LoRA, no prefill graphs.
     """
 
     def __init__(self, model, *, tokenizer=None, dtype="auto", max_model_len: int | None = None,

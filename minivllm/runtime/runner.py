@@ -89,6 +89,17 @@ class StepInput:
     lora_slots: tuple[int, ...] | None = None
 
 
+@dataclass(frozen=True, eq=False)
+class SetLoRA:
+    """What the tensor-parallel executor sends its workers, between StepInputs, for each LoRA
+    slot the engine (re)writes: every rank writes its own slice of `adapter` (a
+    state.lora.LoRAAdapter, read and checked once, by rank 0; None: a zero delta) into slot
+    `slot`, in the order of the steps around it, as rank 0 does."""
+
+    slot: int
+    adapter: object
+
+
 @dataclass(frozen=True)
 class PromptScores:
     """Known next tokens to score in a step (vLLM's prompt_logprobs): input row rows[i] of the
@@ -269,7 +280,7 @@ class ModelRunner:
             self.params = attrs.evolve(self.params, lora=init_lora(
                 self.params.config, max_loras=config.max_loras,
                 max_rank=config.max_lora_rank, dtype=self.params.dtype,
-                device=self.params.device))
+                device=self.params.device, shard=self.params.shard))
         self.model_config = self.params.config
         self.vocab_size = self.model_config.vocab_size
         self.device = self.params.device
@@ -343,11 +354,12 @@ class ModelRunner:
 
     def set_lora(self, slot: int, adapter) -> None:
         """Write `adapter` (a state.lora.LoRAAdapter, or None: a zero delta) into LoRA slot
-        `slot`, in place (queued in stream order after the steps already launched, whose rows
-        the engine never lets use a slot it rewrites)."""
+        `slot`, in place (this rank's slice of it: state.lora.write_slot), queued in stream order
+        after the steps already launched, whose rows the engine never lets use a slot it
+        rewrites."""
         from ..state.lora import write_slot
 
-        write_slot(self.params.lora, slot, adapter, self.model_config)
+        write_slot(self.params.lora, slot, adapter, self.model_config, self.params.shard)
 
     def _compile_and_capture(self, config: EngineConfig) -> None:
         graphs = captures_decode_graphs(self.device, self.enforce_eager, config.runner)

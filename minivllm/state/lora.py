@@ -18,7 +18,14 @@ of Params: per decoder layer one `LoRALayer` of stacked slot weights, zero-padde
   gate_up_a [S * 2 * R, hidden]             gate_up_b [2 * intermediate, S * 2 * R]
   down_a    [S * R, intermediate]           down_b  [hidden, S * R]
 
-(S slots, R = max_rank.) With these, a row's delta is F.linear(F.linear(x, A) * its slot's
+(S slots, R = max_rank.) Under tensor parallelism each rank holds its shard of these, cut as
+the base weights are (vLLM's): for the column-parallel groups (qkv, gate_up) A whole and B's
+rows of the rank's q / k / v heads and gate / up rows; for the row-parallel ones (o, down) A's
+columns of the rank's input slice (its heads, its intermediate rows) and B whole, so that a
+rank's delta is a partial sum that the base layer's all-reduce completes. The shapes above are
+then the rank's (module_shapes).
+
+With these, a row's delta is F.linear(F.linear(x, A) * its slot's
 mask, B) (functional/lora.py): the columns of other slots are zeroed, and a module an adapter
 does not target, like the padding past its rank, is zeros. Slots are written in place
 (write_slot), like the KV cache: the tensors keep their addresses for good.
@@ -36,6 +43,7 @@ import torch
 
 from .config import ModelConfig
 from .pytree import pytree_class, static
+from .shard import ShardSpec
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -75,18 +83,35 @@ class LoRAParams:
     max_rank: int = static()
 
 
-def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """Each target module's (in, out) features (a single GPU's: tensor parallelism is refused
-    with LoRA)."""
-    h, d, i = config.hidden_size, config.head_dim, config.intermediate_size
-    q, kv = config.num_heads * d, config.num_kv_heads * d
+def module_shapes(config: ModelConfig, shard: ShardSpec = ShardSpec()
+                  ) -> dict[str, tuple[int, int]]:
+    """Each target module's (in, out) features on `shard`'s rank: its slice of the column-parallel
+    modules' outputs and of the row-parallel ones' inputs (the whole model's at world size 1)."""
+    h, d = config.hidden_size, config.head_dim
+    i = config.intermediate_size // shard.world_size
+    q, kv = shard.num_heads(config) * d, shard.num_kv_heads(config) * d
     return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
-def _part_rows(config: ModelConfig, group: str) -> list[tuple[int, int]]:
-    """The output rows of each part of a group's fused weight."""
-    shapes = module_shapes(config)
+def module_slices(config: ModelConfig, shard: ShardSpec) -> dict[str, tuple[str, int, int]]:
+    """module -> (which of its LoRA weights is cut, first, end): the rows of B [out, r] that
+    `shard`'s rank holds of a column-parallel module (q / k / v: its heads' rows, gate / up: its
+    intermediate rows), the columns of A [r, in] of a row-parallel one (o: its heads' columns,
+    down: its intermediate columns), as state/load.py cuts the base weights; the other weight
+    is whole on every rank."""
+    d = config.head_dim
+    q0, q1 = shard.head_range(config)
+    k0, k1 = shard.kv_head_range(config)
+    i0, i1 = shard.intermediate_range(config)
+    return {"q_proj": ("B", q0 * d, q1 * d), "k_proj": ("B", k0 * d, k1 * d),
+            "v_proj": ("B", k0 * d, k1 * d), "o_proj": ("A", q0 * d, q1 * d),
+            "gate_proj": ("B", i0, i1), "up_proj": ("B", i0, i1), "down_proj": ("A", i0, i1)}
+
+
+def _part_rows(config: ModelConfig, group: str, shard: ShardSpec) -> list[tuple[int, int]]:
+    """The output rows of each part of a group's fused weight (on `shard`'s rank)."""
+    shapes = module_shapes(config, shard)
     names = [m for m, (g, _) in MODULES.items() if g == group]
     rows, start = [], 0
     for m in names:
@@ -96,9 +121,10 @@ def _part_rows(config: ModelConfig, group: str) -> list[tuple[int, int]]:
 
 
 def init_lora(config: ModelConfig, *, max_loras: int, max_rank: int,
-              dtype: torch.dtype, device=None) -> LoRAParams:
-    """max_loras empty (zero) slots of rank max_rank for every decoder layer."""
-    shapes = module_shapes(config)
+              dtype: torch.dtype, device=None, shard: ShardSpec = ShardSpec()) -> LoRAParams:
+    """max_loras empty (zero) slots of rank max_rank for every decoder layer, `shard`'s rank's
+    shard of them."""
+    shapes = module_shapes(config, shard)
     fields = {}
     for group, parts in GROUP_PARTS.items():
         first = next(m for m, (g, _) in MODULES.items() if g == group)
@@ -259,16 +285,19 @@ def load_adapter(path: str, config: ModelConfig, max_rank: int) -> LoRAAdapter:
 
 @torch.no_grad()
 def write_slot(lora: LoRAParams, slot: int, adapter: LoRAAdapter | None,
-               config: ModelConfig) -> LoRAParams:
+               config: ModelConfig, shard: ShardSpec = ShardSpec()) -> LoRAParams:
     """Put `adapter` (None: nothing, a zero delta) in slot `slot` of every layer, in place, and
     return `lora` (its buffers are donated, as the KV cache's: the tensors keep their addresses,
-    so that a captured graph or a compiled function would see the new weights)."""
+    so that a captured graph or a compiled function would see the new weights). `lora` is
+    `shard`'s rank's (init_lora): only that rank's slice of each weight is copied
+    (module_slices)."""
     if not 0 <= slot < lora.max_loras:
         raise ValueError(f"slot {slot} outside [0, {lora.max_loras})")
     R = lora.max_rank
     if adapter is not None and adapter.rank > R:
         raise ValueError(f"adapter rank {adapter.rank} exceeds the slots' rank {R}")
-    rows = {g: _part_rows(config, g) for g in GROUP_PARTS}
+    rows = {g: _part_rows(config, g, shard) for g in GROUP_PARTS}
+    cuts = module_slices(config, shard)
     for n, layer in enumerate(lora.layers):
         for group, parts in GROUP_PARTS.items():
             a = getattr(layer, f"{group}_a").view(lora.max_loras, parts, R, -1)
@@ -283,6 +312,11 @@ def write_slot(lora: LoRAParams, slot: int, adapter: LoRAAdapter | None,
             if ab is None:
                 continue
             A, B = ab
+            which, c0, c1 = cuts[module]
+            if which == "A":
+                A = A[:, c0:c1]
+            else:
+                B = B[c0:c1]
             r = A.shape[0]
             parts = GROUP_PARTS[group]
             a = getattr(layer, f"{group}_a").view(lora.max_loras, parts, R, -1)
