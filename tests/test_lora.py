@@ -11,6 +11,7 @@ the prefix cache kept apart per adapter; the compiled forward's LoRA layer (agai
 LoRA forward, without recompiles across mixes of adapters) and the decode graphs' static batch
 with its LoRA slots (padded, against the unpadded LoRA batch; the runner's graph path with each
 replay run eagerly; on a GPU, the captured graphs against the eager LoRA engine); the errors;
+tensor parallelism (each rank's slice of the slots; a TP=2 engine on gloo against TP=1's);
 the server's model selection, /v1/models and runtime load / unload; the CLI's flags;
 LoRASlots' eviction invariant (hypothesis)."""
 
@@ -766,11 +767,30 @@ def test_tp2_lora_engine_equals_tp1(tiny_dir, adapters, prompts, oracle):
     with LLM(tiny_dir, tensor_parallel_size=2, **kw) as llm:
         from minivllm.runtime.executor import TPExecutor
 
-        assert isinstance(llm.engine.runner, TPExecutor)
+        executor = llm.engine.runner
+        assert isinstance(executor, TPExecutor)
+        writes = []
+        real = executor.set_lora
+
+        def set_lora(slot, adapter):
+            writes.append(adapter.path)
+            real(slot, adapter)
+        executor.set_lora = set_lora
         got = outputs(llm)
+    assert len(set(writes)) == 3, writes  # three adapters in two slots: one slot rewritten
     assert got[0] == [oracle(name, i) for name, i in plan]
     assert got[0] == want[0]
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-4)
+    # The base rows are a TP=2 engine's without LoRA (its partials all-reduced unchanged).
+    base = [k for k, (name, _) in enumerate(plan) if name is None]
+    kw.pop("enable_lora"), kw.pop("max_loras"), kw.pop("max_lora_rank")
+    with LLM(tiny_dir, tensor_parallel_size=2, **kw) as llm:
+        outs = [o.outputs[0] for o in llm.generate(
+            token_prompts([prompts[plan[k][1]] for k in base]), greedy, use_tqdm=False)]
+    assert [got[0][k] for k in base] == [o.token_ids for o in outs]
+    torch.testing.assert_close([got[1][k] for k in base],
+                               [[lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]
+                                for o in outs], rtol=0, atol=1e-5)
 
 
 def test_lora_request_without_enable_lora_and_refused_configs(tiny_dir, adapters, prompts):
