@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from minivllm import SamplingParams
+from minivllm.functional.layer import decoder_layer
 from minivllm.functional.model import forward
 from minivllm.state.batch import SeqChunk, make_batch
 from minivllm.state.cache import init_cache
@@ -149,6 +150,16 @@ def test_forward_takes_input_embeds_at_masked_rows(tiny_dir):
         want0 = hf(inputs_embeds=e[None]).logits[0, -1]
         want1 = hf(torch.tensor([[7, 8]])).logits[0, -1]
     torch.testing.assert_close(logits, torch.stack([want0, want1]), atol=1e-4, rtol=1e-4)
+    # The layers take the batch less its embeddings (a compiled layer: one graph for steps
+    # with and without them).
+    seen = []
+
+    def spy_layer(lp, x, residual, cos, sin, k, v, b, **kw):
+        seen.append((b.input_embeds, b.embeds_mask))
+        return decoder_layer(lp, x, residual, cos, sin, k, v, b, **kw)
+    again, _ = forward(params, init_cache(params, num_blocks=8, block_size=4), batch,
+                       layer=spy_layer)
+    assert seen == [(None, None)] * 2 and torch.equal(again, logits)
     bad = make_batch(chunks, block_size=4)
     bad = type(bad)(**{**{k: getattr(bad, k) for k in (
         "input_ids", "positions", "slot_mapping", "cu_seqlens_q", "context_lens",
@@ -194,3 +205,22 @@ def test_embeddings_need_the_flag_and_generate(tiny_dir, device, llm_on):
         llm_on.beam_search([{"prompt_embeds": torch.zeros(2, 64)}],
                            BeamSearchParams(beam_width=2, max_tokens=3))
     assert llm.stats.steps == 0 and not llm_on.engine.requests
+
+
+def test_embeddings_with_a_lora_adapter(tiny_dir, hf_model, prompts, tmp_path):
+    """LoRA composes with embeddings (the adapters change the layers, not the stem): an
+    adapter's completion of the embedding rows is its completion of the ids, in a batch with the
+    base model's, and differs from the base model's."""
+    from minivllm import LoRARequest
+    from test_lora import write_adapter
+
+    write_adapter(tmp_path / "a", tiny_dir, r=4, alpha=8, targets="all-linear", seed=1)
+    lora = LoRARequest("a", 1, str(tmp_path / "a"))
+    llm = make_llm(tiny_dir, torch.device("cpu"), enable_prompt_embeds=True, enable_lora=True,
+                   max_lora_rank=8, block_size=4, max_num_batched_tokens=7)
+    ids = [{"prompt_token_ids": p} for p in prompts]
+    with_lora = tokens(llm.generate(ids, GREEDY, use_tqdm=False, lora_request=lora))
+    base = tokens(llm.generate(ids, GREEDY, use_tqdm=False))
+    got = llm.generate(as_embeds(hf_model, prompts) * 2, GREEDY, use_tqdm=False,
+                       lora_request=[lora] * len(prompts) + [None] * len(prompts))
+    assert tokens(got) == with_lora + base and with_lora != base

@@ -7,6 +7,7 @@ graph, where one graph of the whole 28-layer forward took minutes to compile."""
 
 from __future__ import annotations
 
+import attrs
 import torch
 
 from ..state.batch import Batch
@@ -105,6 +106,15 @@ def check_step(params: Params, cache: KVCache, batch: Batch) -> None:
                          f"{batch.embeds_mask.dtype}")
 
 
+def without_embeds(batch: Batch) -> Batch:
+    """batch less its input embeddings, which only the stem reads: the layers after it then
+    take the pytree of a step without embeddings, so that a compiled layer is the same graph
+    for both (a Batch with two more leaves would fail its guards and compile it again)."""
+    if batch.input_embeds is None:
+        return batch
+    return attrs.evolve(batch, input_embeds=None, embeds_mask=None)
+
+
 def uses_lora(params: Params, batch: Batch) -> bool:
     """Whether the step runs LoRA deltas: params hold slot weights and some row names a slot.
     Otherwise the forward is exactly the one without LoRA."""
@@ -131,6 +141,7 @@ def hidden_states(params: Params, cache: KVCache, batch: Batch, backend: Attenti
     Writes this step's K/V into `cache`. `layer` is decoder_layer or a compiled form of it."""
     check_step(params, cache, batch)
     x, residual, cos, sin = stem(params, batch)
+    batch = without_embeds(batch)
     x, residual = _layers(params, cache, batch, backend, x, residual, cos, sin, layer)
     return final_hidden(params, x, residual, rows)
 
@@ -158,6 +169,7 @@ def forward(params: Params, cache: KVCache, batch: Batch, backend: AttentionBack
         raise ValueError("forward's `layers` (a whole-stack kernel) computes no LoRA deltas; "
                          "a step with lora_slots runs the layers one by one")
     x, residual, cos, sin = stem(params, batch)
+    batch = without_embeds(batch)
     if layers is not None:
         x, residual = layers(params, cache, batch, backend, x, residual, cos, sin)
     else:
