@@ -224,3 +224,18 @@ def test_embeddings_with_a_lora_adapter(tiny_dir, hf_model, prompts, tmp_path):
     got = llm.generate(as_embeds(hf_model, prompts) * 2, GREEDY, use_tqdm=False,
                        lora_request=[lora] * len(prompts) + [None] * len(prompts))
     assert tokens(got) == with_lora + base and with_lora != base
+
+
+def test_one_row_alone_is_a_decode_shaped_step(tiny_dir, device, hf_model, prompts):
+    """A prompt of one embedding row, alone: its first step has a decode step's shape (one token
+    a sequence, each sampled: the engine's column form, the decode graphs' path on a GPU) and
+    must still take the row."""
+    llm = make_llm(tiny_dir, device, enable_prompt_embeds=True)
+    for p in ([9], [42]):
+        want = tokens(llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False))
+        assert tokens(llm.generate(as_embeds(hf_model, [p]), GREEDY, use_tqdm=False)) == want
+
+
+def test_pooling_engines_refuse_the_flag(tiny_dir):
+    with pytest.raises(ValueError, match="enable_prompt_embeds"):
+        make_llm(tiny_dir, torch.device("cpu"), enable_prompt_embeds=True, runner="pooling")

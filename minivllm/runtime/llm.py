@@ -130,6 +130,9 @@ class LLM:
     lora_request=LoRARequest(name, int_id, path)), up to max_loras in one batch, of rank up to
     max_lora_rank (runtime/lora.py, state/lora.py); one device, dense models (compiled
     forward and decode CUDA graphs as without LoRA, no prefill graphs).
+    enable_prompt_embeds: generate / stream take vLLM's {"prompt_embeds": tensor [T,
+    hidden_size]} prompts (README, "Prompt embeddings"): no prefix caching for them, no
+    prompt_logprobs or beam search; their outputs' prompt_token_ids are None.
     """
 
     def __init__(self, model, *, tokenizer=None, dtype="auto", max_model_len: int | None = None,
@@ -261,7 +264,8 @@ class LLM:
 
     def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = True,
                  priority: list[int] | None = None, lora_request=None) -> list[RequestOutput]:
-        """Complete every prompt (a string, or {"prompt_token_ids": [...]}, or a list of them);
+        """Complete every prompt (a string, {"prompt_token_ids": [...]}, {"prompt_embeds": tensor}
+        with enable_prompt_embeds, or a list of them);
         results in input order. Every request is checked (ValueError) before any is scheduled.
         priority: one integer per prompt, lower scheduled first, with
         scheduling_policy="priority" (vLLM's). lora_request: a LoRARequest for every prompt, or
