@@ -239,3 +239,22 @@ def test_one_row_alone_is_a_decode_shaped_step(tiny_dir, device, hf_model, promp
 def test_pooling_engines_refuse_the_flag(tiny_dir):
     with pytest.raises(ValueError, match="enable_prompt_embeds"):
         make_llm(tiny_dir, torch.device("cpu"), enable_prompt_embeds=True, runner="pooling")
+
+
+def test_stream_and_speculation_take_embeddings(tiny_dir, hf_model, prompts):
+    """stream() takes them (its deltas add up to generate's tokens), and n-gram speculative
+    decoding (whose lookup reads the generated ids only) leaves the greedy tokens unchanged."""
+    llm = make_llm(tiny_dir, torch.device("cpu"), enable_prompt_embeds=True, block_size=4,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                       "prompt_lookup_max": 2, "prompt_lookup_min": 1})
+    want = tokens(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                               use_tqdm=False))
+    drafted = llm.stats.spec_draft_tokens
+    assert tokens(llm.generate(as_embeds(hf_model, prompts), GREEDY, use_tqdm=False)) == want
+    assert llm.stats.spec_draft_tokens > drafted  # the embeddings' sequences did speculate
+    streamed = {}
+    for delta in llm.stream(as_embeds(hf_model, prompts), GREEDY):
+        assert delta.prompt_token_ids is None
+        for c in delta.outputs:
+            streamed.setdefault(delta.request_id, []).extend(c.token_ids)
+    assert [[t] for t in streamed.values()] == want
