@@ -258,3 +258,18 @@ def test_stream_and_speculation_take_embeddings(tiny_dir, hf_model, prompts):
         for c in delta.outputs:
             streamed.setdefault(delta.request_id, []).extend(c.token_ids)
     assert [[t] for t in streamed.values()] == want
+
+
+def test_tensor_parallel_embeddings_complete_as_their_ids(tiny_dir, hf_model, prompts):
+    """tensor_parallel_size=2 on CPU (gloo): the step's embeddings reach the worker rank (in the
+    pickled StepInput) and each rank's stem takes them after its vocab-parallel lookup's
+    all-reduce; chunked prefill of 16-token steps."""
+    from minivllm import LLM
+
+    with LLM(tiny_dir, tensor_parallel_size=2, enable_prompt_embeds=True, device="cpu",
+             attention_backend="reference", num_kv_blocks=64,
+             max_num_batched_tokens=16) as llm:
+        want = tokens(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                                   use_tqdm=False))
+        got = tokens(llm.generate(as_embeds(hf_model, prompts), GREEDY, use_tqdm=False))
+    assert got == want
