@@ -712,7 +712,8 @@ class ModelRunner:
     def _graph_step(self, step: StepInput) -> bool:
         chunks = step.chunks
         return (self.graphs is not None and len(chunks) == len(step.rows)  # all want logits
-                and step.scored is None and not step.embeds and self.graphs.bucket(len(chunks)) is not None
+                and step.scored is None and not step.embeds
+                and self.graphs.bucket(len(chunks)) is not None
                 and is_decode_step(chunks))
 
     def launch(self, step: StepInput) -> PendingStep:
