@@ -7,6 +7,7 @@ graph, where one graph of the whole 28-layer forward took minutes to compile."""
 
 from __future__ import annotations
 
+import attrs
 import torch
 
 from ..state.batch import Batch
@@ -25,8 +26,15 @@ def stem(params: Params, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torc
     """x: [T, hidden] the tokens' embeddings, residual: zeros like x, cos, sin: [T, head_dim].
 
     A zero residual rather than None: x + 0 is x exactly, and every layer then has one
-    signature, so a compiled layer is one graph for all of them."""
+    signature, so a compiled layer is one graph for all of them.
+
+    Rows with an input embedding (batch.embeds_mask; vLLM's prompt_embeds) take
+    batch.input_embeds in place of their id's embedding. A `where` over the lookup, not a lookup
+    of the other rows only: the step's shapes stay those of a step without embeddings, and under
+    tensor parallelism every rank runs the lookup's all-reduce as before."""
     x = embed(batch.input_ids, params.embed, params.config, params.shard)
+    if batch.input_embeds is not None:
+        x = torch.where(batch.embeds_mask[:, None], batch.input_embeds.to(x.dtype), x)
     cos, sin = rope_cos_sin(params.config, batch.positions)
     return x, torch.zeros_like(x), cos, sin
 
@@ -85,6 +93,26 @@ def check_step(params: Params, cache: KVCache, batch: Batch) -> None:
     if batch.lora_slots is not None and params.lora is None:
         raise ValueError("the batch names LoRA slots (lora_slots) but params hold no LoRA "
                          "weights (params.lora)")
+    if (batch.input_embeds is None) != (batch.embeds_mask is None):
+        raise ValueError("a batch's input_embeds and embeds_mask come together (or neither)")
+    if batch.input_embeds is not None and (
+            batch.input_embeds.shape != (batch.num_tokens, params.config.hidden_size)
+            or batch.embeds_mask.shape != (batch.num_tokens,)
+            or batch.embeds_mask.dtype != torch.bool):
+        raise ValueError(f"a batch of {batch.num_tokens} tokens takes input_embeds "
+                         f"[{batch.num_tokens}, {params.config.hidden_size}] and a bool "
+                         f"embeds_mask [{batch.num_tokens}], got "
+                         f"{list(batch.input_embeds.shape)} and {list(batch.embeds_mask.shape)} "
+                         f"{batch.embeds_mask.dtype}")
+
+
+def without_embeds(batch: Batch) -> Batch:
+    """batch less its input embeddings, which only the stem reads: the layers after it then
+    take the pytree of a step without embeddings, so that a compiled layer is the same graph
+    for both (a Batch with two more leaves would fail its guards and compile it again)."""
+    if batch.input_embeds is None:
+        return batch
+    return attrs.evolve(batch, input_embeds=None, embeds_mask=None)
 
 
 def uses_lora(params: Params, batch: Batch) -> bool:
@@ -113,6 +141,7 @@ def hidden_states(params: Params, cache: KVCache, batch: Batch, backend: Attenti
     Writes this step's K/V into `cache`. `layer` is decoder_layer or a compiled form of it."""
     check_step(params, cache, batch)
     x, residual, cos, sin = stem(params, batch)
+    batch = without_embeds(batch)
     x, residual = _layers(params, cache, batch, backend, x, residual, cos, sin, layer)
     return final_hidden(params, x, residual, rows)
 
@@ -140,6 +169,7 @@ def forward(params: Params, cache: KVCache, batch: Batch, backend: AttentionBack
         raise ValueError("forward's `layers` (a whole-stack kernel) computes no LoRA deltas; "
                          "a step with lora_slots runs the layers one by one")
     x, residual, cos, sin = stem(params, batch)
+    batch = without_embeds(batch)
     if layers is not None:
         x, residual = layers(params, cache, batch, backend, x, residual, cos, sin)
     else:

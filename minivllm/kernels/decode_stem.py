@@ -83,6 +83,7 @@ def stem_for(params: Params, fallback=functional_stem):
 
 
 def _stem(params: Params, batch: Batch, *, inv_freq: torch.Tensor, scale: float, fallback):
-    if batch.is_decode and batch.num_seqs <= MAX_ROWS:
+    # The kernel looks every row's id up: a step with input embeddings takes the fallback's.
+    if batch.is_decode and batch.num_seqs <= MAX_ROWS and batch.input_embeds is None:
         return decode_stem(batch.input_ids, batch.positions, params.embed, inv_freq, scale=scale)
     return fallback(params, batch)

@@ -95,7 +95,9 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Registered blocks holding seq's leading full blocks, one a block, never covering its
         last token. Changes nothing."""
-        if not self.enable_prefix_caching:
+        # A prompt of embeddings has placeholder ids: blocks keyed by them would match any other
+        # such prompt of the same length. Its blocks are never shared (nor registered, below).
+        if not self.enable_prefix_caching or seq.prompt_embeds is not None:
             return []
         bs, ids, blocks, trie = self.block_size, seq.token_ids, self.blocks, self.trie
         hits: list[int] = []
@@ -152,7 +154,8 @@ class BlockManager:
         forward step writes every token's K/V before any attention reads the cache)."""
         bs = self.block_size
         # Most steps fill no new block (a decode fills one every block_size steps).
-        if not self.enable_prefix_caching or num_tokens // bs <= seq.num_registered_blocks:
+        if not self.enable_prefix_caching or num_tokens // bs <= seq.num_registered_blocks or \
+                seq.prompt_embeds is not None:  # placeholder ids: see match_prefix
             return
         full = min(num_tokens // bs, len(seq.block_table))
         table, ids = seq.block_table, seq.token_ids

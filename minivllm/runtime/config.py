@@ -77,6 +77,8 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    # vLLM's enable_prompt_embeds: generate takes {"prompt_embeds": [T, hidden] tensor} prompts.
+    enable_prompt_embeds: bool = False
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -91,7 +93,7 @@ class EngineConfig:
                persistent_decode=None, hf_overrides=None, runner="auto",
                task=None, scheduling_policy="fcfs",
                speculative_config=None, enable_lora=False, max_loras=1,
-               max_lora_rank=16) -> "EngineConfig":
+               max_lora_rank=16, enable_prompt_embeds=False) -> "EngineConfig":
         model = os.fspath(model)
         speculative = SpeculativeConfig.create(speculative_config)
         if scheduling_policy not in POLICIES:
@@ -240,6 +242,10 @@ class EngineConfig:
                 # The persistent decode kernel computes the layers without LoRA deltas.
                 log.info("minivllm: enable_lora turns persistent_decode off")
                 persistent_decode = False
+        enable_prompt_embeds = as_flag("enable_prompt_embeds", enable_prompt_embeds, False)
+        if enable_prompt_embeds and runner == "pooling":
+            raise ValueError("enable_prompt_embeds: prompt embeddings are for generating models "
+                             "(runner 'generate'), not pooling ones")
         if max_logprobs == -1:  # as vLLM: no cap
             max_logprobs = model_config.vocab_size
         if max_num_batched_tokens is None:
@@ -257,7 +263,7 @@ class EngineConfig:
                    normalize_embeddings=normalize_embeddings, classifier=classifier,
                    scheduling_policy=scheduling_policy,
                    speculative=speculative, enable_lora=enable_lora, max_loras=max_loras,
-                   max_lora_rank=max_lora_rank)
+                   max_lora_rank=max_lora_rank, enable_prompt_embeds=enable_prompt_embeds)
 
 
 def _quantized_linears(config_dict: dict, model_config) -> str | None:

@@ -27,6 +27,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ..functional.classify import activate, classifier_logits
 from ..functional.pooling import pooled_embedding
 from ..functional.sampling import SamplingRow
@@ -50,7 +52,7 @@ from .pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 from .runner import ModelRunner, PromptScores, StepInput, StepResult, trace_range
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
-from .sequence import PENDING, Sequence, Status
+from .sequence import PENDING, PLACEHOLDER, Sequence, Status
 from .spec_decode import ngram_propose
 
 log = logging.getLogger("minivllm")
@@ -88,6 +90,9 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams | PoolingParams
     seqs: list[Sequence] = field(default_factory=list)
+    # A prompt given as embeddings (prompt_embeds): its prompt_ids are placeholders, and its
+    # output's prompt_token_ids None.
+    embeds: bool = False
     # A pooling request's result, once its step is read: the embedding, or the classifier's
     # probabilities (or score).
     pooled: list[float] | None = None
@@ -216,6 +221,9 @@ class LLMEngine:
         if isinstance(prompt, dict):
             # vLLM's prompt dicts also carry multi_modal_data, cache_salt, ...: asked for and
             # dropped without a word, they would change what the request means.
+            if "prompt_embeds" in prompt:  # check_request takes them before coming here
+                raise ValueError("prompt_embeds are taken by generate (LLM.generate, stream), "
+                                 "with enable_prompt_embeds=True; not here")
             unknown = sorted(map(str, set(prompt) - {"prompt", "prompt_token_ids"}))
             if unknown:
                 raise ValueError(f"a prompt dict holds 'prompt' and / or 'prompt_token_ids'; "
@@ -337,16 +345,23 @@ class LLMEngine:
         return set() if self.loras is None else set(self._adapters) | set(self.loras.slot_of)
 
     def check_request(self, prompt: Any, params: SamplingParams,
-                      lora_request: LoRARequest | None = None) -> tuple[str | None, list[int]]:
-        """ValueError unless the request can run; returns (prompt text, prompt ids).
-        lora_request: its LoRA adapter (None: the base model), read and checked here."""
+                      lora_request: LoRARequest | None = None
+                      ) -> tuple[str | None, list[int] | torch.Tensor]:
+        """ValueError unless the request can run; returns (prompt text, prompt ids), or for
+        {"prompt_embeds": tensor} (vLLM's EmbedsPrompt) (None, the embeddings [T, hidden] on the
+        host in the model's dtype). lora_request: its LoRA adapter (None: the base model), read
+        and checked here."""
         if self.config.runner == "pooling":  # vLLM's words
             raise ValueError("LLM.generate() is only supported for generative models. Try "
                              "passing `runner=\"generate\"` to use the model as a generative "
                              "model.")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        text, ids = self._prompt_ids(prompt)
+        if isinstance(prompt, dict) and "prompt_embeds" in prompt:
+            text, ids = None, self._prompt_embeds(prompt, params)
+        else:
+            text, ids = self._prompt_ids(prompt)
+        # On embeddings too: the last k rows, as the last k ids of a prompt of ids.
         ids = self._truncated(ids, params.truncate_prompt_tokens)
         max_len = self.config.max_model_len
         if len(ids) >= max_len:
@@ -359,6 +374,37 @@ class LLMEngine:
                          f"tokens", longest, "lower max_tokens or raise num_kv_blocks")
         self.check_lora(lora_request)
         return text, ids
+
+    def _prompt_embeds(self, prompt: dict, params: SamplingParams) -> torch.Tensor:
+        """A {"prompt_embeds": [T, hidden]} prompt's embeddings checked, on the host in the
+        model's dtype (a sequence's steps slice them chunk by chunk): ValueError / TypeError for
+        what cannot run, before any work. What vLLM refuses with them is refused here too:
+        prompt_logprobs (there are no prompt ids to score)."""
+        if not self.config.enable_prompt_embeds:
+            raise ValueError("prompt_embeds prompts need LLM(..., enable_prompt_embeds=True)")
+        unknown = sorted(map(str, set(prompt) - {"prompt_embeds"}))
+        if unknown:
+            raise ValueError(f"a prompt_embeds prompt holds 'prompt_embeds' only (vLLM's "
+                             f"EmbedsPrompt); minivllm does not take {unknown} with it")
+        embeds = prompt["prompt_embeds"]
+        if not isinstance(embeds, torch.Tensor):
+            raise TypeError(f"prompt_embeds must be a torch.Tensor [tokens, hidden_size], got "
+                            f"{type(embeds).__name__}")
+        hidden = self.config.model_config.hidden_size
+        if embeds.ndim != 2 or embeds.shape[1] != hidden:
+            raise ValueError(f"prompt_embeds must be [tokens, hidden_size={hidden}], got shape "
+                             f"{list(embeds.shape)}")
+        if embeds.shape[0] == 0:
+            raise ValueError("the prompt is empty (prompt_embeds has no rows)")
+        if not embeds.dtype.is_floating_point:
+            raise TypeError(f"prompt_embeds must be a floating-point tensor, got {embeds.dtype}")
+        embeds = embeds.detach().to("cpu", self.config.dtype).contiguous()
+        if not torch.isfinite(embeds).all():  # a NaN would spread over the whole batch's rows
+            raise ValueError(f"prompt_embeds holds non-finite values (in {self.config.dtype})")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not available with prompt_embeds (no prompt "
+                             "token ids to score)")
+        return embeds
 
     def _truncated(self, ids: list[int], keep: int | None) -> list[int]:
         """The prompt ids truncate_prompt_tokens keeps: as vLLM, the last k (-1: max_model_len)."""
@@ -464,7 +510,11 @@ class LLMEngine:
         default now), which its time to first token and end-to-end latency count from."""
         lora = self.check_lora(lora_request)  # read by check_request: found, not read again
         lora_id = lora_request.lora_int_id if lora is not None else 0
+        embeds = None
+        if isinstance(ids, torch.Tensor):  # check_request's prompt_embeds: placeholder ids
+            embeds, ids = ids, [PLACEHOLDER] * len(ids)
         request = self._new_request(text, ids, params)
+        request.embeds = embeds is not None
         queued = time.monotonic()
         arrival = queued if arrival_time is None else arrival_time
         request_id = request.request_id
@@ -472,13 +522,16 @@ class LLMEngine:
         bad_words = self._bad_words(params)
         compiled = self._guide(params)
         tags = self.think_tags
-        phase = tags.prompt_phase(ids) if tags is not None else reasoning.ANSWER
+        # A prompt of embeddings shows no tags: a completion of it starts undecided.
+        phase = (tags.prompt_phase(ids if embeds is None else []) if tags is not None
+                 else reasoning.ANSWER)
         for i in range(params.n):
             seed = base if i == 0 else (base + i * _GOLDEN) & ((1 << 64) - 1)
             seq = Sequence(self._next_seq_id, request_id, i, ids, params, seed,
                            eos_ids=self.eos_ids, bad_words=bad_words,
                            guide=Guide(compiled, phase, tags) if compiled is not None else None,
-                           priority=priority, lora=lora, lora_id=lora_id)
+                           priority=priority, lora=lora, lora_id=lora_id,
+                           prompt_embeds=embeds)
             seq.arrival_time, seq.queued_time = arrival, queued
             self._next_seq_id += 1
             request.seqs.append(seq)
@@ -612,7 +665,9 @@ class LLMEngine:
         if seq.reads_output or seq.pooling or seq.num_output < seq.params.min_tokens:
             return []
         spec = self.config.speculative
-        return ngram_propose(seq.token_ids, min(most, spec.num_speculative_tokens),
+        # A prompt of embeddings has placeholder ids: only the generated ones are context.
+        context = seq.token_ids if seq.prompt_embeds is None else seq.output_ids
+        return ngram_propose(context, min(most, spec.num_speculative_tokens),
                              spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
@@ -640,7 +695,9 @@ class LLMEngine:
             presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty, seed=seq.seed, step=0,
             output_ids=seq.output_ids if seq.penalised else (),
-            prompt_ids=seq.prompt_ids if p.repetition_penalty != 1 else (),
+            # A prompt of embeddings has no ids to penalise: only its generated ones are.
+            prompt_ids=seq.prompt_ids if p.repetition_penalty != 1 and seq.prompt_embeds is None
+            else (),
             banned_ids=banned, logit_bias=p.bias_pairs, allowed_ids=allowed,
             logprobs=self._num_logprobs(p.logprobs))
         if plain:
@@ -700,7 +757,24 @@ class LLMEngine:
             rows, steps = self._spec_rows(sampled, rows, steps, out.drafts)
         lora_slots = self._lora_slots(out) if self.loras is not None else None
         return StepInput(chunks, rows, tuple(fed_back), steps, scores,
-                         tuple(pooled) if out.pooled else (), lora_slots)
+                         tuple(pooled) if out.pooled else (), lora_slots,
+                         self._step_embeds(out))
+
+    @staticmethod
+    def _step_embeds(out: SchedulerOutput) -> tuple[tuple[int, torch.Tensor], ...]:
+        """StepInput.embeds: for each chunk computing prompt positions of a prompt given as
+        embeddings, (its first row in the step, those positions' embeddings). Such chunks are
+        among out.prefills (they compute prompt positions), which most steps have none of;
+        only then are the rows counted over every chunk (drafts included)."""
+        if not any(c.seq.prompt_embeds is not None for c in out.prefills):
+            return ()
+        pieces, row = [], 0
+        for seq, start, n, _ in out.chunks:
+            if seq.prompt_embeds is not None and start < seq.prompt_len:
+                # Generated tokens past the prompt (a recompute after preemption) keep their ids.
+                pieces.append((row, seq.prompt_embeds[start:min(start + n, seq.prompt_len)]))
+            row += n + len(out.drafts.get(seq, ()))
+        return tuple(pieces)
 
     def _lora_slots(self, out: SchedulerOutput) -> tuple[int, ...] | None:
         """Each chunk's LoRA slot (-1: the base model), the step's adapters put in slots
@@ -1026,7 +1100,10 @@ class LLMEngine:
                 continue
             # Known tokens only (Sequence.num_output counts pending ones too).
             num_known_output = seq.num_known - seq.prompt_len
-            if num_known_output == 1:  # the first: start at the prompt's last whole character
+            if num_known_output == 1 and seq.prompt_embeds is not None:
+                # A prompt of embeddings has no text: the output is decoded on its own.
+                seq.prefix_offset = seq.read_offset = seq.prompt_len
+            elif num_known_output == 1:  # the first: start at the prompt's last whole character
                 seq.prefix_offset, seq.read_offset = prompt_offsets(
                     self.tokenizer, seq.token_ids, seq.prompt_len,
                     skip_special_tokens=p.skip_special_tokens,
@@ -1108,8 +1185,11 @@ class LLMEngine:
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
         cached = [s.num_cached_prompt for s in request.seqs if s.num_cached_prompt >= 0]
         scored = request.seqs[0].prompt_logprobs
+        # A prompt of embeddings has no token ids: None, as vLLM's (its ids here are
+        # placeholders).
         return RequestOutput(request_id=request.request_id, prompt=request.prompt,
-                             prompt_token_ids=list(request.prompt_ids), outputs=outputs,
+                             prompt_token_ids=None if request.embeds else list(request.prompt_ids),
+                             outputs=outputs,
                              finished=request.finished,
                              prompt_logprobs=(list(scored) if scored is not None
                                               and len(scored) == len(request.prompt_ids) else None),

@@ -131,6 +131,9 @@ class LLM:
     max_lora_rank (runtime/lora.py, state/lora.py); dense models, on one device or under
     tensor parallelism (each rank holds its shard of the adapters); compiled forward and decode
     CUDA graphs as without LoRA, no prefill graphs.
+    enable_prompt_embeds: generate / stream take vLLM's {"prompt_embeds": tensor [T,
+    hidden_size]} prompts (README, "Prompt embeddings"): no prefix caching for them, no
+    prompt_logprobs or beam search; their outputs' prompt_token_ids are None.
     """
 
     def __init__(self, model, *, tokenizer=None, dtype="auto", max_model_len: int | None = None,
@@ -145,7 +148,8 @@ class LLM:
                  hf_overrides: dict | None = None, reasoning_parser: str | None = None,
                  runner: str = "auto", task: str | None = None,
                  scheduling_policy: str = "fcfs", speculative_config: dict | None = None,
-                 enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16):
+                 enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
+                 enable_prompt_embeds: bool = False):
         skip_tokenizer_init = as_flag("skip_tokenizer_init", skip_tokenizer_init, False)
         reasoning.check_parser(reasoning_parser)
         self.config = EngineConfig.create(
@@ -159,7 +163,8 @@ class LLM:
             persistent_decode=persistent_decode, hf_overrides=hf_overrides, runner=runner,
             task=task, scheduling_policy=scheduling_policy,
             speculative_config=speculative_config, enable_lora=enable_lora,
-            max_loras=max_loras, max_lora_rank=max_lora_rank)
+            max_loras=max_loras, max_lora_rank=max_lora_rank,
+            enable_prompt_embeds=enable_prompt_embeds)
         self._diff_sampling_param, gen = generation_defaults(
             generation_config, override_generation_config, self.config.model)
         if self._diff_sampling_param:
@@ -260,7 +265,8 @@ class LLM:
 
     def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = True,
                  priority: list[int] | None = None, lora_request=None) -> list[RequestOutput]:
-        """Complete every prompt (a string, or {"prompt_token_ids": [...]}, or a list of them);
+        """Complete every prompt (a string, {"prompt_token_ids": [...]}, {"prompt_embeds": tensor}
+        with enable_prompt_embeds, or a list of them);
         results in input order. Every request is checked (ValueError) before any is scheduled.
         priority: one integer per prompt, lower scheduled first, with
         scheduling_policy="priority" (vLLM's). lora_request: a LoRARequest for every prompt, or
@@ -289,7 +295,12 @@ class LLM:
         # Checked as one request of max_tokens tokens: the longest beam's last step must fit
         # the cache.
         whole = dataclasses.replace(step_params, max_tokens=params.max_tokens)
-        checked = [self.engine.check_request(p, whole) for p in self._prompt_list(prompts)]
+        prompts = self._prompt_list(prompts)
+        if any(isinstance(p, dict) and "prompt_embeds" in p for p in prompts):
+            # Each step re-submits every beam as a prompt of ids (prompt + beam tokens).
+            raise ValueError("beam_search does not take prompt_embeds prompts: it extends each "
+                             "beam as a prompt of token ids, and embeddings have none")
+        checked = [self.engine.check_request(p, whole) for p in prompts]
         tok = self.engine.tokenizer
 
         def step(beams: list[list[int]]) -> list[dict]:

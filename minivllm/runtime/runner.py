@@ -24,6 +24,7 @@ import torch
 from torch.profiler import record_function
 
 from ..functional.model import final_hidden, forward, logits_head, prompt_logprobs
+from ..functional.model import stem as model_stem
 from ..functional.sampling import (SampleOutput, SamplingBatch, SamplingRow, make_sampling_batch,
                                   plain_greedy, sample, with_steps)
 from ..kernels import select_backend
@@ -87,6 +88,11 @@ class StepInput:
     pooled: tuple[int, ...] = ()
     # Each chunk's LoRA slot (-1: the base model), or None: no chunk uses an adapter.
     lora_slots: tuple[int, ...] | None = None
+    # Prompt embeddings (vLLM's prompt_embeds): (row, embeds [n, hidden]) pairs, rows row ...
+    # row + n - 1 of the step (indices in the chunks' concatenated tokens) taking those input
+    # embeddings in place of their ids' (host tensors in the model's dtype). Such a step runs
+    # through _run, never a CUDA graph (whose static buffers hold ids only).
+    embeds: tuple[tuple[int, torch.Tensor], ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -607,14 +613,22 @@ class ModelRunner:
         """The step through the forward (compiled or eager): (SampleOutput or None, the prompt
         scores' tensors or None, the pooled rows' hidden states or None, the cache)."""
         batch = make_batch(step.chunks, block_size=self.block_size, device=self.device,
-                           check=False, lora_slots=step.lora_slots)
+                           check=False, lora_slots=step.lora_slots, embeds=step.embeds,
+                           hidden_size=self.model_config.hidden_size,
+                           embeds_dtype=self.params.embed.dtype)
         # Built before the forward is queued, for the same reason as in _run_decode_graph.
         sb = self._sampling_batch(step) if step.rows else None
         self._feed_back(batch.input_ids, step)
         fn = self.prefill_forward
         if self.small_decode_forward is not None and batch.is_decode and \
-                batch.num_seqs <= self.small_decode_rows:
+                batch.num_seqs <= self.small_decode_rows and not step.embeds:
             fn = self.small_decode_forward
+        if step.embeds:
+            # The eager stem (an embedding lookup and a where: two kernels): compiled, a step
+            # with embeddings (a Batch of another pytree structure) would recompile it, and
+            # such steps are prompt chunks, rare next to decode steps. Layers and head are the
+            # compiled ones, as for any step.
+            fn = functools.partial(fn, stem=model_stem)
         scores = pooled = None
         with torch.no_grad():
             if step.scored is not None or step.pooled:
@@ -710,7 +724,8 @@ class ModelRunner:
     def _graph_step(self, step: StepInput) -> bool:
         chunks = step.chunks
         return (self.graphs is not None and len(chunks) == len(step.rows)  # all want logits
-                and step.scored is None and self.graphs.bucket(len(chunks)) is not None
+                and step.scored is None and not step.embeds
+                and self.graphs.bucket(len(chunks)) is not None
                 and is_decode_step(chunks))
 
     def launch(self, step: StepInput) -> PendingStep:
@@ -720,7 +735,7 @@ class ModelRunner:
         if self._graph_step(step):
             with torch.no_grad():
                 out = self._run_decode_graph(step, ids_in_graph)
-        elif step.scored is None and not step.pooled and \
+        elif step.scored is None and not step.pooled and not step.embeds and \
                 (graph := self._prefill_graph_for(step)) is not None:
             with torch.no_grad():
                 out = self._run_prefill_graph(graph, step)

@@ -285,7 +285,7 @@ class Scheduler:
             hits = self.bm.match_prefix(seq) if seq.prompt_logprobs is None else []
             cached = len(hits) * self.bm.block_size
             if not seq.num_preemptions and seq.prompt_logprobs is None and \
-                    self.bm.enable_prefix_caching:
+                    seq.prompt_embeds is None and self.bm.enable_prefix_caching:
                 self.num_prefix_cache_queries += seq.num_tokens
                 self.num_prefix_cache_hits += cached
             n = min(seq.num_tokens - cached, budget)

@@ -14,6 +14,10 @@ import enum
 from .sampling_params import SamplingParams
 
 
+# A prompt given as embeddings holds this id at each of its positions in token_ids (never read
+# as a token: the step takes the position's embedding, and the prefix cache skips the sequence).
+PLACEHOLDER = 0
+
 # Stands in token_ids for a token that a launched step is still sampling (asynchronous scheduling:
 # the next step is scheduled before the previous one's tokens reach the host). Never a real id.
 PENDING = -1
@@ -30,8 +34,13 @@ class Sequence:
     def __init__(self, seq_id: int, request_id: str, index: int, prompt_ids: list[int],
                  params: SamplingParams, seed: int, eos_ids: tuple[int, ...] = (),
                  bad_words: tuple[tuple[int, ...], ...] = (), guide=None, pooling: bool = False,
-                 priority: int = 0, lora=None, lora_id: int = 0):
+                 priority: int = 0, lora=None, lora_id: int = 0, prompt_embeds=None):
         self.seq_id = seq_id
+        # vLLM's prompt_embeds: [prompt_len, hidden] host tensor in the model's dtype, which the
+        # prompt's steps take in place of its ids' embeddings (its prompt ids are placeholders,
+        # PLACEHOLDER each: they only give the prompt its length). Kept while the sequence
+        # lives: a preempted sequence computes its prompt again. None: a prompt of token ids.
+        self.prompt_embeds = prompt_embeds
         # Its LoRA adapter (state.lora.LoRAAdapter) and that adapter's lora_int_id (>= 1), or
         # None and 0: the base model. The id also keys its prefix cache (block_manager).
         self.lora = lora

@@ -12,6 +12,10 @@ and, static, the block_size the slots and tables count in: forward refuses a cac
 (its slots would address other tokens' K/V). Optional:
   lora_slots     [T]      int64  each token's LoRA slot in params.lora (-1: the base model), or
                                  None (no LoRA in this step: the forward is the one without it)
+  input_embeds   [T, hidden]       the rows' input embeddings where embeds_mask is set (vLLM's
+  embeds_mask    [T]      bool     prompt_embeds): the stem takes them in place of the embedding
+                                   lookup of input_ids; both None (no such row in this step: the
+                                   stem is the one without them) or both given
 
 The new tokens of sequence b sit at positions context_lens[b] - q_len_b ... context_lens[b] - 1;
 the earlier ones (a cached prefix or earlier chunks) are read from the cache through block_tables.
@@ -42,6 +46,8 @@ class Batch:
     logits_indices: torch.Tensor
     block_size: int = static()
     lora_slots: torch.Tensor | None = None
+    input_embeds: torch.Tensor | None = None
+    embeds_mask: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -212,7 +218,9 @@ def check_chunks(chunks: Sequence[SeqChunk], *, block_size: int, num_blocks: int
 def make_batch(chunks: Sequence[SeqChunk], *, block_size: int, device=None,
                max_blocks: int | None = None, every_row: bool = False, check: bool = True,
                num_blocks: int | None = None, vocab_size: int | None = None,
-               lora_slots: Sequence[int] | None = None) -> Batch:
+               lora_slots: Sequence[int] | None = None,
+               embeds: Sequence[tuple[int, torch.Tensor]] = (), hidden_size: int | None = None,
+               embeds_dtype: torch.dtype | None = None) -> Batch:
     """Pack sequence chunks into a Batch (built on the host, then moved to `device`).
     every_row: logits for every token (teacher forcing, losses), not only each chunk's last.
 
@@ -222,7 +230,11 @@ def make_batch(chunks: Sequence[SeqChunk], *, block_size: int, device=None,
     when they were added, and a decode step's host time is on its critical path.
 
     lora_slots: one LoRA slot per chunk (-1: the base model), repeated over the chunk's tokens
-    into Batch.lora_slots; None, or every chunk -1, leaves it None."""
+    into Batch.lora_slots; None, or every chunk -1, leaves it None.
+
+    embeds: (row, rows_embeds [n, hidden]) pairs: token rows row ... row + n - 1 (indices in the
+    chunks' concatenated tokens) take those input embeddings (Batch.input_embeds, in
+    embeds_dtype, and embeds_mask; embeds_rows). Empty: both stay None."""
     if check:
         check_chunks(chunks, block_size=block_size, num_blocks=num_blocks, vocab_size=vocab_size)
     arrays = batch_arrays(chunks, block_size=block_size, max_blocks=max_blocks,
@@ -243,5 +255,32 @@ def make_batch(chunks: Sequence[SeqChunk], *, block_size: int, device=None,
         if (per_chunk >= 0).any():
             lens = np.diff(arrays["cu_seqlens_q"].astype(np.int64))
             slots = t(np.repeat(per_chunk, lens))
+    input_embeds = mask = None
+    if embeds:
+        host_embeds, host_mask = embeds_rows(len(arrays["input_ids"]), embeds, hidden_size,
+                                             embeds_dtype)
+        input_embeds = host_embeds.pin_memory().to(device, non_blocking=True) if pin else \
+            host_embeds.to(device)
+        mask = t(host_mask)
     return Batch(**{name: t(x) for name, x in arrays.items()}, block_size=block_size,
-                 lora_slots=slots)
+                 lora_slots=slots, input_embeds=input_embeds, embeds_mask=mask)
+
+
+def embeds_rows(num_tokens: int, embeds: Sequence[tuple[int, torch.Tensor]], hidden_size: int,
+                dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray]:
+    """A step's input_embeds [T, hidden] (zeros outside the given rows) and embeds_mask [T]
+    (bool) on the host, from (row, rows_embeds [n, hidden]) pairs: rows row ... row + n - 1
+    take rows_embeds. ValueError for a piece of another width or past the T rows."""
+    out = torch.zeros(num_tokens, hidden_size, dtype=dtype)
+    mask = np.zeros(num_tokens, dtype=bool)
+    for row, piece in embeds:
+        n = piece.shape[0]
+        if piece.ndim != 2 or piece.shape[1] != hidden_size:
+            raise ValueError(f"input embeddings must be [rows, {hidden_size}], got "
+                             f"{list(piece.shape)}")
+        if row < 0 or row + n > num_tokens:
+            raise ValueError(f"input embeddings for rows {row}..{row + n - 1} of a step of "
+                             f"{num_tokens} tokens")
+        out[row:row + n] = piece
+        mask[row:row + n] = True
+    return out, mask
