@@ -39,7 +39,9 @@ def tiny_shape(monkeypatch):
 
 def _dense(w, dtype=torch.float32):
     """[out, in] of a quantized linear."""
-    return dequantize_awq(w, dtype).T if isinstance(w, AwqWeight) else dequantize_fp8_weight(w, dtype)
+    if isinstance(w, AwqWeight):
+        return dequantize_awq(w, dtype).T
+    return dequantize_fp8_weight(w, dtype)
 
 
 @pytest.mark.parametrize("quantization", ["awq", "fp8"])
@@ -134,8 +136,9 @@ def test_engine_runs_random_quantized_weights_with_the_dense_only_kernels_off(qu
     assert _quantized_linears({}, llm.config.model_config, quantization)
     greedy = minivllm.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     prompt = [{"prompt_token_ids": [1, 2, 3, 4, 5]}]
-    first = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
-    assert len(first) == 4 and first == llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    first, again = (llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+                    for _ in range(2))
+    assert len(first) == 4 and first == again
     # The dense-only persistent decode kernel is refused outright, as for a loaded checkpoint.
     with pytest.raises(ValueError, match="persistent_decode runs 16-bit dense layers"):
         EngineConfig.create(f"random:{tiny_shape}:{quantization}", device="cpu",

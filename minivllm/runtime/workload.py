@@ -57,10 +57,13 @@ def quantized_linear_bytes(quantization: str, out_features: int, in_features: in
     a float32 scale per RANDOM_FP8_BLOCK block."""
     if quantization == "awq":
         groups = in_features // RANDOM_AWQ_GROUP
-        return in_features * out_features // 2 + groups * out_features // 2 + groups * out_features * 2
+        # qweight: 8 4-bit values an int32; qzeros the same per group; scales fp16 per group
+        return (in_features * out_features // 2 + groups * out_features // 2
+                + groups * out_features * 2)
     if quantization == "fp8":
         bn, bk = RANDOM_FP8_BLOCK
-        return out_features * in_features + 4 * math.ceil(out_features / bn) * math.ceil(in_features / bk)
+        scales = math.ceil(out_features / bn) * math.ceil(in_features / bk)
+        return out_features * in_features + 4 * scales
     raise ValueError(f"quantization {quantization!r} is not one of {RANDOM_QUANTIZATIONS}")
 
 
