@@ -22,6 +22,11 @@
 #       throughput run with and without, while time is left (LAT_RUNS, TPUT_RUNS pick the runs,
 #       each name ending in the MINIVLLM_MOE_KERNEL it runs: _triton or _kernel, _grouped or
 #       _base, _auto, the default; MOE_KERNEL_TESTS=0 skips the tests)
+#   bash benchmarks/gpu_checks.sh quant_speed  # nvidia-h200 or nvidia-h100-x1: the Qwen3-8B
+#       shape's single stream, then its throughput run, with dense bf16 linears, block-fp8 ones
+#       (--quantization fp8, MINIVLLM_FP8_WEIGHTS=fp8) and AWQ 4-bit ones (--quantization awq),
+#       alternating, while time is left (LAT_RUNS, TPUT_RUNS pick the runs, each name ending in
+#       _dense, _fp8 or _awq)
 #   bash benchmarks/gpu_checks.sh suite  # nvidia-h200: the whole test suite, six groups at once
 #   bash benchmarks/gpu_checks.sh prefill_graph  # nvidia-h200: the prefill CUDA graphs (steps with
 #       prompt tokens replayed; on by default since session 28) on (MINIVLLM_PREFILL_GRAPH=1)
@@ -173,6 +178,13 @@ PYTEST_ARGS="-p no:cacheprovider -p benchmarks.report_failures_now -v -o addopts
 # by what BUDGET_S leaves.
 moe_choice() {  # moe_choice RUN: the MINIVLLM_MOE_KERNEL a moe_kernel run's name asks for
   case ${1#*_} in kernel|triton) echo triton ;; base|grouped) echo grouped ;; *) echo auto ;; esac
+}
+quant_flags() {  # quant_flags RUN: the bench arguments a quant_speed run's name asks for
+  case ${1##*_} in
+    fp8) echo env MINIVLLM_FP8_WEIGHTS=fp8 python3 -m minivllm bench --quantization fp8 ;;
+    awq) echo python3 -m minivllm bench --quantization awq ;;
+    *) echo python3 -m minivllm bench ;;
+  esac
 }
 left_or() {  # left_or SECONDS: SECONDS, or what the budget has left if less
   local left=$(( BUDGET_S - SECONDS ))
@@ -334,6 +346,29 @@ moe_kernel)
     flag=(env MINIVLLM_MOE_KERNEL=$(moe_choice "$run"))
     step "bench_moe_$run" $(left_or 260) "${flag[@]}" python3 -m minivllm bench \
       --shape qwen3-30b-a3b --json "$RESULTS/bench_moe_$run.json"
+  done
+  ;;
+quant_speed)
+  # nvidia-h200 or nvidia-h100-x1 (<= 560 s): what the quantized-weight paths cost and save at
+  # the Qwen3-8B shape, on random weights (no quantized checkpoint can be downloaded there):
+  # `bench --quantization fp8` holds the decoder linears as Fp8BlockWeight ([128, 128] blocks,
+  # the Triton block-fp8 GEMM below 256 rows), `--quantization awq` as AwqWeight (group 128, the
+  # Triton AWQ GEMM below 256 rows); both run without the persistent decode kernel and the fused
+  # MLP, which multiply dense 16-bit weights. The dense bf16 run is the baseline. The single
+  # stream first, then the throughput run, in turn, while time is left: a run needs >= 120 s
+  # (an 8B engine's start compiles and captures for ~1-2 min; untimed here). Likely more runs
+  # than one call holds: a second call with LAT_RUNS= takes the throughput runs. The floor each
+  # throughput run prints counts the weights' real bytes (fp8: 1 byte + scales; AWQ: 0.5 byte +
+  # zero points + scales).
+  for run in ${LAT_RUNS-1_dense 2_fp8 3_awq}; do
+    [ $(( BUDGET_S - SECONDS )) -lt 120 ] && break
+    step "latency_8b_$run" $(left_or 200) $(quant_flags "$run") --shape qwen3-8b --latency \
+      --json "$RESULTS/latency_8b_$run.json"
+  done
+  for run in ${TPUT_RUNS-1_dense 2_fp8 3_awq}; do
+    [ $(( BUDGET_S - SECONDS )) -lt 120 ] && break
+    step "bench_8b_$run" $(left_or 260) $(quant_flags "$run") --shape qwen3-8b \
+      --json "$RESULTS/bench_8b_$run.json"
   done
   ;;
 lora)

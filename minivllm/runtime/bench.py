@@ -2,6 +2,7 @@
 run, on a checkpoint or on random weights of a named shape.
 
     minivllm bench --shape qwen3-0.6b                  # throughput, random weights
+    minivllm bench --shape qwen3-8b --quantization awq # random AWQ 4-bit linears (or fp8)
     minivllm bench --model DIR --latency --json out.json
 """
 
@@ -18,7 +19,8 @@ import time
 import torch
 
 from ..kernels.memory_read import READ_BLOCK, READ_PROGRAMS_PER_SM, stream_read
-from ..state.config import FP8_DTYPES, SHAPES, ModelConfig, config_for_shape
+from ..state.config import FP8_DTYPES, SHAPES, ModelConfig
+from .config import random_model, random_quantization
 from .pooling import check_generates
 from .workload import (MAX_PROMPT_ID, check_throughput_workload, check_vocabulary,
                        throughput_workload, traffic_floor_bytes)
@@ -268,7 +270,8 @@ def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
     floor = traffic_floor_bytes(llm.engine.model_config, [len(p) for p in prompts], max_tokens,
                                 dtype_bytes=llm.config.dtype.itemsize,
                                 kv_dtype_bytes=llm.config.cache_dtype.itemsize,
-                                tensor_parallel_size=llm.config.tensor_parallel_size)
+                                tensor_parallel_size=llm.config.tensor_parallel_size,
+                                quantization=random_quantization(llm.config.model))
     return {"workload": "throughput", "num_seqs": num_seqs, "prompt_tokens": sum(map(len, prompts)),
             "output_tokens": output_tokens, "seconds": seconds,
             "output_tok_per_s": output_tokens / seconds, "floor_bytes": floor["total_bytes"],
@@ -348,6 +351,10 @@ def add_bench_args(p) -> None:
     p.add_argument("--model", help="a local Hugging Face Qwen3 checkpoint directory")
     p.add_argument("--shape", default=None, choices=sorted(SHAPES),
                    help="random weights of this shape (default qwen3-0.6b when --model is not given)")
+    p.add_argument("--quantization", default=None, choices=("awq", "fp8"),
+                   help="random weights only: the decoder linears as the engine holds an AWQ "
+                        "4-bit checkpoint's (group 128) or a block-fp8 one's ([128, 128] blocks; "
+                        "needs MINIVLLM_FP8_WEIGHTS=fp8); a checkpoint's own config decides its")
     p.add_argument("--latency", action="store_true", help="single-stream decode and time to first token")
     p.add_argument("--json", default=None, help="write the result to this JSON file")
     p.add_argument("--dtype", default="bfloat16")
@@ -432,8 +439,7 @@ def _check_workload(args, model: str) -> tuple[tuple[int, int], int]:
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if path and (not os.path.isdir(folder) or not os.access(folder, os.W_OK)):
             raise ValueError(f"--{flag.replace('_', '-')} {path}: cannot write into {folder}")
-    config = (config_for_shape(model.split(":", 1)[1]) if model.startswith("random:")
-              else ModelConfig.from_json(model))
+    config = random_model(model)[0] if model.startswith("random:") else ModelConfig.from_json(model)
     if not model.startswith("random:"):
         check_generates(model, None, "bench")  # it measures generation: a pooling model cannot
     if not args.latency:
@@ -451,7 +457,12 @@ def main(args) -> dict:
 
     if args.model and args.shape:
         raise ValueError("give --model or --shape, not both")
-    model = args.model or f"random:{args.shape or 'qwen3-0.6b'}"
+    quantization = getattr(args, "quantization", None)
+    if args.model and quantization:
+        raise ValueError("--quantization draws random weights (with --shape); a checkpoint's "
+                         "config.json decides its own quantization")
+    model = args.model or f"random:{args.shape or 'qwen3-0.6b'}" + (
+        f":{quantization}" if quantization else "")
     lengths, max_model_len = _check_workload(args, model)  # before the engine starts (slow)
     max_num_seqs = (args.max_num_seqs if args.max_num_seqs is not None
                     else LATENCY_MAX_NUM_SEQS if args.latency else 256)
@@ -484,6 +495,7 @@ def main(args) -> dict:
             result.update(read_bandwidth_tb_s=read / 1e12, read_floor_seconds=floor_s,
                           read_floor_fraction=floor_s / result["seconds"])
     result.update(shape=args.shape or (None if args.model else "qwen3-0.6b"), model=args.model,
+                  quantization=quantization,
                   max_num_seqs=max_num_seqs, kv_cache_dtype=str(llm.config.cache_dtype),
                   block_size=llm.config.block_size,
                   device=_device_name(device), tensor_parallel_size=args.tensor_parallel_size,
@@ -493,7 +505,8 @@ def main(args) -> dict:
                   startup_s=startup_s, async_scheduling=llm.engine.async_scheduling,
                   persistent_decode=llm.config.persistent_decode,
                   date=datetime.date.today().isoformat())
-    workload = result["workload"] + (", fp8 KV cache" if llm.config.cache_dtype in FP8_DTYPES else "")
+    workload = result["workload"] + (f", {quantization} weights" if quantization else "") + (
+        ", fp8 KV cache" if llm.config.cache_dtype in FP8_DTYPES else "")
     line = (f"{workload}: {result['output_tokens']} output tokens in "
             f"{result['seconds']:.2f} s = {result['output_tok_per_s']:.0f} tok/s")
     if "ttft_s" in result:

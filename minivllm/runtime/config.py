@@ -22,8 +22,42 @@ log = logging.getLogger("minivllm")
 
 
 def is_random_model(model: str) -> bool:
-    """A model named "random:SHAPE" has random weights at a known shape (minivllm.state.SHAPES)."""
+    """A model named "random:SHAPE" has random weights at a known shape (minivllm.state.SHAPES);
+    "random:SHAPE:QUANT" (QUANT "awq" or "fp8") has its decoder linears quantized as the engine
+    holds such a checkpoint's (state/params.random_params; `minivllm bench --quantization`)."""
     return model.startswith("random:")
+
+
+def random_model(model: str) -> tuple[ModelConfig, str | None]:
+    """A "random:SHAPE[:QUANT]" model's config and quantization (None: dense weights), checked
+    before any weight is drawn: a ValueError for an unknown shape or quantization, a quantized
+    mixture of experts (its experts load dense from a checkpoint), and "fp8" unless fp8 weights
+    are kept (MINIVLLM_FP8_WEIGHTS=fp8, state/load.fp8_weights_mode: otherwise a block-fp8
+    checkpoint loads dequantized, as dense bf16 weights)."""
+    from ..state.load import DEFAULT_FP8_WEIGHTS, fp8_weights_mode
+    from ..state.params import RANDOM_QUANTIZATIONS
+
+    shape, _, quantization = model.split(":", 1)[1].partition(":")
+    model_config = config_for_shape(shape)
+    if not quantization:
+        return model_config, None
+    if quantization not in RANDOM_QUANTIZATIONS:
+        raise ValueError(f"{model!r}: quantization {quantization!r} is not one of "
+                         f"{', '.join(RANDOM_QUANTIZATIONS)}")
+    if model_config.is_moe:
+        raise ValueError(f"{model!r}: quantized random weights are for dense shapes; {shape} is "
+                         f"a mixture of experts (a checkpoint's experts load dense)")
+    if quantization == "fp8" and fp8_weights_mode() != "fp8":
+        raise ValueError(f"{model!r}: fp8 weights are kept in fp8 only with "
+                         f"MINIVLLM_FP8_WEIGHTS=fp8 (now {fp8_weights_mode()!r}, default "
+                         f"{DEFAULT_FP8_WEIGHTS!r}: a block-fp8 checkpoint would load "
+                         f"dequantized, as the dense run); set it to measure the fp8 path")
+    return model_config, quantization
+
+
+def random_quantization(model: str) -> str | None:
+    """The quantization of a "random:SHAPE:QUANT" model's weights; None for any other model."""
+    return random_model(model)[1] if is_random_model(model) else None
 
 
 def _integer(name: str, value, *, least: int | None = 1, allow_none: bool = False) -> int | None:
@@ -103,11 +137,12 @@ class EngineConfig:
             raise ValueError(f"hf_overrides must be a dict of config.json keys, got "
                              f"{hf_overrides!r:.80}")
         config_dict: dict = {}
+        random_quant = None  # "random:SHAPE:QUANT"'s
         if is_random_model(model):
             # "random:qwen3-0.6b": random weights at a real shape (benchmarks); no checkpoint.
             if hf_overrides:
                 raise ValueError("hf_overrides needs a checkpoint's config.json, not random weights")
-            model_config = config_for_shape(model.split(":", 1)[1])
+            model_config, random_quant = random_model(model)
             classifier = None
         elif not os.path.isdir(model):
             what = "is a file, not a directory" if os.path.exists(model) else "does not exist"
@@ -183,7 +218,7 @@ class EngineConfig:
                             f"device), got {persistent_decode!r}")
         # An AWQ checkpoint's linears are packed int4, a block-fp8 one's stay fp8 (state/quant.py,
         # state/load.keeps_fp8): the persistent decode kernel multiplies 16-bit dense weights only.
-        quantized = _quantized_linears(config_dict, model_config)
+        quantized = _quantized_linears(config_dict, model_config, random_quant)
         if persistent_decode is None:
             persistent_decode = not model_config.is_moe and not quantized and persistent_decode_default(
                 device, tensor_parallel_size, attention_backend, triton_usable(device),
@@ -266,15 +301,22 @@ class EngineConfig:
                    max_lora_rank=max_lora_rank, enable_prompt_embeds=enable_prompt_embeds)
 
 
-def _quantized_linears(config_dict: dict, model_config) -> str | None:
+def _quantized_linears(config_dict: dict, model_config,
+                       random_quant: str | None = None) -> str | None:
     """What a checkpoint's decoder linears are in memory when they are not dense tensors ("AWQ
     4-bit", "block fp8 ..."), else None: config.json's quantization_config (already checked by
     ModelConfig) and, for block fp8, whether load keeps the weights in fp8 (state/load.keeps_fp8:
-    not where MINIVLLM_FP8_WEIGHTS=dequantize)."""
+    not where MINIVLLM_FP8_WEIGHTS=dequantize). random_quant: a "random:SHAPE:QUANT" model's
+    QUANT ("awq", "fp8"; random_model checked it), whose random weights are drawn so."""
     from ..state.load import keeps_fp8
-    from ..state.quant import AwqQuantization, quantization_from_config
+    from ..state.params import RANDOM_AWQ_GROUP, RANDOM_FP8_BLOCK
+    from ..state.quant import AwqQuantization, Fp8BlockQuantization, quantization_from_config
 
     quant = quantization_from_config(config_dict) if config_dict else None
+    if random_quant == "awq":
+        quant = AwqQuantization(group_size=RANDOM_AWQ_GROUP)
+    elif random_quant == "fp8":
+        quant = Fp8BlockQuantization(block=RANDOM_FP8_BLOCK)
     if isinstance(quant, AwqQuantization):
         return "AWQ 4-bit"
     if keeps_fp8(quant, model_config):

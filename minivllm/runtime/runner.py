@@ -34,7 +34,7 @@ from ..state.config import ceil_div
 from ..state.load import load
 from ..state.params import Params, has_quantized, random_params
 from ..state.shard import ShardSpec
-from .config import EngineConfig, is_random_model
+from .config import EngineConfig, is_random_model, random_quantization
 from .compiled import compiled_forward
 from .graphs import DecodeGraphs
 from .memory import (CAPTURE_CODE_BYTES, CUDA_SEGMENT_GRANULE, GiB, bytes_outside_allocator,
@@ -274,7 +274,8 @@ class ModelRunner:
         with _logged_time("weights"):
             if params is None and is_random_model(config.model):
                 params = random_params(config.model_config, seed=config.seed, dtype=config.dtype,
-                                       device=config.device, shard=shard)
+                                       device=config.device, shard=shard,
+                                       quantization=random_quantization(config.model))
             self.params = params if params is not None else load(
                 config.model, dtype=config.dtype, device=config.device, shard=shard,
                 config=config.model_config)

@@ -11,7 +11,8 @@ import math
 import random
 
 from ..state.config import ModelConfig
-from ..state.params import expected_shapes
+from ..state.params import (AWQ_FIELDS, RANDOM_AWQ_GROUP, RANDOM_FP8_BLOCK, RANDOM_QUANTIZATIONS,
+                            expected_shapes)
 from ..state.shard import ShardSpec
 
 
@@ -49,15 +50,38 @@ def throughput_workload(num_seqs: int = 256, max_input_len: int = 1024, max_outp
     return prompts, max_tokens
 
 
-def weight_bytes(config: ModelConfig, dtype_bytes: int = 2, shard: ShardSpec | None = None) -> int:
+def quantized_linear_bytes(quantization: str, out_features: int, in_features: int) -> int:
+    """Bytes of an [out, in] linear as random_params(quantization=...) holds it (the layout of a
+    Qwen3 AWQ or block-fp8 checkpoint's): "awq" half a byte a weight, plus int32-packed 4-bit
+    zero points and fp16 scales per group of RANDOM_AWQ_GROUP inputs; "fp8" a byte a weight plus
+    a float32 scale per RANDOM_FP8_BLOCK block."""
+    if quantization == "awq":
+        groups = in_features // RANDOM_AWQ_GROUP
+        # qweight: 8 4-bit values an int32; qzeros the same per group; scales fp16 per group
+        return (in_features * out_features // 2 + groups * out_features // 2
+                + groups * out_features * 2)
+    if quantization == "fp8":
+        bn, bk = RANDOM_FP8_BLOCK
+        scales = math.ceil(out_features / bn) * math.ceil(in_features / bk)
+        return out_features * in_features + 4 * scales
+    raise ValueError(f"quantization {quantization!r} is not one of {RANDOM_QUANTIZATIONS}")
+
+
+def weight_bytes(config: ModelConfig, dtype_bytes: int = 2, shard: ShardSpec | None = None,
+                 quantization: str | None = None) -> int:
     """Bytes of weights one decode step reads on one rank of `shard` (default: the whole model):
     all but the embedding, of which a step gathers only a few rows (a tied head reads it as the
-    head)."""
+    head). quantization "awq" or "fp8": the decoder linears (qkv, o_proj, gate_up, down) count
+    as random_params(quantization=...) holds them (quantized_linear_bytes); the rest in the
+    model's dtype."""
     shapes = expected_shapes(config, shard or ShardSpec())
+    linears = set(AWQ_FIELDS) if quantization is not None else set()
     layer = sum(math.prod(shape) for name, shape in shapes.items()
-                if name not in ("embed", "lm_head", "final_norm"))
-    return dtype_bytes * (config.num_layers * layer + math.prod(shapes["lm_head"])
-                          + math.prod(shapes["final_norm"]))
+                if name not in ("embed", "lm_head", "final_norm") and name not in linears)
+    quantized = sum(quantized_linear_bytes(quantization, *shapes[name]) for name in linears)
+    return (dtype_bytes * (config.num_layers * layer + math.prod(shapes["lm_head"])
+                           + math.prod(shapes["final_norm"]))
+            + config.num_layers * quantized)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int = 2, shard: ShardSpec | None = None) -> int:
@@ -68,18 +92,20 @@ def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int = 2, shard: ShardSp
 
 def traffic_floor_bytes(config: ModelConfig, prompt_lens: list[int], max_tokens: list[int],
                         dtype_bytes: int = 2, tensor_parallel_size: int = 1,
-                        kv_dtype_bytes: int | None = None) -> dict[str, float]:
+                        kv_dtype_bytes: int | None = None,
+                        quantization: str | None = None) -> dict[str, float]:
     """The bytes a perfect engine must move for the decode of this workload, per GPU: every
     output token reads its sequence's whole KV context once, and every decode step reads the
     weights once (at least max(max_tokens) steps, since each sequence decodes one token a step).
     At tensor_parallel_size N every GPU reads its own shard, all at once: the floor is one
     rank's bytes (rank 0's; KV heads past their count are replicated, norms always are).
-    dtype_bytes: the weights' element size; kv_dtype_bytes: the cache's (default the same)."""
+    dtype_bytes: the weights' element size; kv_dtype_bytes: the cache's (default the same);
+    quantization: "awq" or "fp8" for random_params' quantized linears (weight_bytes)."""
     shard = ShardSpec(rank=0, world_size=tensor_parallel_size)
     per_token = kv_bytes_per_token(config, kv_dtype_bytes or dtype_bytes, shard)
     kv = 0
     for p, n in zip(prompt_lens, max_tokens):
         # the j-th output token (j = 0 .. n-1) is computed over a context of p + j tokens
         kv += per_token * (n * p + n * (n - 1) // 2)
-    weights = weight_bytes(config, dtype_bytes, shard) * max(max_tokens)
+    weights = weight_bytes(config, dtype_bytes, shard, quantization) * max(max_tokens)
     return {"kv_bytes": float(kv), "weight_bytes": float(weights), "total_bytes": float(kv + weights)}

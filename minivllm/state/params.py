@@ -32,7 +32,7 @@ import torch
 
 from .config import ModelConfig
 from .pytree import pytree_class, static
-from .quant import AwqWeight, Fp8BlockWeight
+from .quant import (FP8_DTYPE, AwqWeight, Fp8BlockWeight, cat_awq, cat_fp8, pack_awq)
 from .shard import ShardSpec
 
 # The LayerParams fields an AWQ checkpoint's linears may fill with an AwqWeight, and a block-fp8
@@ -194,16 +194,77 @@ def check_params(params: Params) -> None:
                              f"{params.dtype} on {params.device}: one dtype and device throughout")
 
 
+# random_params(quantization=...): the decoder linears as the engine holds an AWQ checkpoint's
+# (Qwen/Qwen3-*-AWQ: 4-bit, group 128) or a block-fp8 one's (Qwen/Qwen3-*-FP8: [128, 128] blocks).
+RANDOM_QUANTIZATIONS = ("awq", "fp8")
+RANDOM_AWQ_GROUP = 128
+RANDOM_FP8_BLOCK = (128, 128)
+
+
+def random_quantized_linear(quantization: str, out_features: int, in_features: int,
+                            gen: torch.Generator, device: torch.device,
+                            std: float = 0.02) -> AwqWeight | Fp8BlockWeight:
+    """A random [out, in] linear as the engine holds a quantized checkpoint's, on `device`,
+    its dequantized elements of about `std`: "awq" an AwqWeight (random 4-bit values and zero
+    points, packed with pack_awq, fp16 scales, RANDOM_AWQ_GROUP input rows a group); "fp8" an
+    Fp8BlockWeight (random float8_e4m3fn values, float32 scales, RANDOM_FP8_BLOCK blocks)."""
+    if quantization == "awq":
+        group = RANDOM_AWQ_GROUP
+        if in_features % group or out_features % 8:
+            raise ValueError(f"an AWQ weight of [{out_features}, {in_features}]: its inputs must "
+                             f"be whole groups of {group} and its outputs whole int32s of 8")
+        groups = in_features // group
+        q = torch.randint(0, 16, (in_features, out_features), generator=gen, device=device)
+        z = torch.randint(0, 16, (groups, out_features), generator=gen, device=device)
+        # (q - z) of two uniform 4-bit values has a standard deviation of about 6.5
+        scales = torch.rand(groups, out_features, generator=gen, device=device).add_(0.5)
+        return AwqWeight(qweight=pack_awq(q), qzeros=pack_awq(z),
+                         scales=scales.mul_(std / 6.5).to(torch.float16), group_size=group)
+    if quantization == "fp8":
+        bn, bk = RANDOM_FP8_BLOCK
+        # values of standard deviation 64 (e4m3's range is +-448), scales that bring them to std
+        w = torch.randn(out_features, in_features, generator=gen, device=device)
+        w = w.mul_(64).clamp_(-448, 448).to(FP8_DTYPE)
+        scale = torch.rand(-(-out_features // bn), -(-in_features // bk), generator=gen,
+                           device=device).add_(0.5).mul_(std / 64)
+        return Fp8BlockWeight(weight=w, scale_inv=scale, block=RANDOM_FP8_BLOCK)
+    raise ValueError(f"quantization {quantization!r} is not one of {RANDOM_QUANTIZATIONS}")
+
+
+def _merge_quantized(parts: list, what: str):
+    """QKV or gate/up parts merged as state/load.py merges a checkpoint's (cat_awq, cat_fp8)."""
+    if isinstance(parts[0], AwqWeight):
+        return cat_awq(parts)
+    merged = cat_fp8(parts)
+    if merged is None:  # load would dequantize it: no fp8 weight to measure
+        raise ValueError(f"{what}: parts of {[p.out_features for p in parts]} rows cut "
+                         f"{list(RANDOM_FP8_BLOCK)} fp8 blocks, so a checkpoint's would load "
+                         f"dequantized")
+    return merged
+
+
 def random_params(config: ModelConfig, *, seed: int = 0, dtype: torch.dtype | str | None = None,
                   device: torch.device | str | None = None, shard: ShardSpec | None = None,
-                  std: float = 0.02) -> Params:
+                  std: float = 0.02, quantization: str | None = None) -> Params:
     """Synthetic weights at the config's real shapes (benchmarks, tests). Norm weights are near 1
     so that activations keep a realistic scale; every rank of a shard spec draws the same full
-    tensors and keeps its slice, so TP=N equals TP=1 for the same seed."""
+    tensors and keeps its slice, so TP=N equals TP=1 for the same seed.
+
+    quantization "awq" or "fp8": the decoder linears (qkv, o_proj, gate_up, down) as the engine
+    holds an AWQ or a block-fp8 checkpoint's (random_quantized_linear; q/k/v and gate/up merged
+    as load merges them), for benchmarks of those paths; each rank draws its own slice's shape
+    (the weights of TP=N are not TP=1's). Dense models only."""
     from .config import parse_dtype
 
     shard = shard or ShardSpec()
     shard.check(config)
+    if quantization is not None:
+        if quantization not in RANDOM_QUANTIZATIONS:
+            raise ValueError(f"quantization {quantization!r} is not one of "
+                             f"{RANDOM_QUANTIZATIONS}")
+        if config.is_moe:
+            raise ValueError(f"random {quantization} weights are for dense models; this one's "
+                             f"layers are mixtures of experts")
     dtype = parse_dtype(dtype, config.dtype)
     # Drawn on the target device (an 8B model's weights take minutes on a CPU): the same seed
     # gives the same weights on the same kind of device, whatever the shard.
@@ -232,6 +293,9 @@ def random_params(config: ModelConfig, *, seed: int = 0, dtype: torch.dtype | st
         return padded[v0:v1]
 
     embed = normal(v, h)
+    if quantization is not None:
+        return _random_quantized_params(config, quantization, embed, normal, norm_weight, put,
+                                        vocab_slice, gen, draw_device, device, shard, std)
     layers = []
     for n in range(config.num_layers):
         wq = normal(config.num_heads * d, h).view(config.num_heads, d, h)
@@ -261,6 +325,37 @@ def random_params(config: ModelConfig, *, seed: int = 0, dtype: torch.dtype | st
             layers.append(LayerParams(**attention, gate_up=put(torch.cat([wg[i0:i1], wu[i0:i1]])),
                                       down=put(wd[:, i0:i1])))
     final_norm = norm_weight(h)
+    lm_head = None if config.tie_word_embeddings else put(vocab_slice(normal(v, h)))
+    return Params(embed=put(vocab_slice(embed)), layers=tuple(layers), final_norm=put(final_norm),
+                  lm_head=lm_head, config=config, shard=shard)
+
+
+def _random_quantized_params(config, quantization, embed, normal, norm_weight, put, vocab_slice,
+                             gen, draw_device, device, shard, std) -> Params:
+    """random_params' quantized layers: this rank's linears drawn quantized at their local
+    shapes, the norms and the embedding / head as the dense draw makes them."""
+    h, d = config.hidden_size, config.head_dim
+    q0, q1 = shard.head_range(config)
+    k0, k1 = shard.kv_head_range(config)
+    i0, i1 = shard.intermediate_range(config)
+
+    def linear(out_features, in_features):
+        w = random_quantized_linear(quantization, out_features, in_features, gen, draw_device,
+                                    std)
+        return torch.utils._pytree.tree_map(lambda t: t.to(device).contiguous(), w)
+
+    layers = []
+    for n in range(config.num_layers):
+        where = f"layer {n}"
+        qkv = _merge_quantized([linear((q1 - q0) * d, h), linear((k1 - k0) * d, h),
+                                linear((k1 - k0) * d, h)], f"{where} qkv")
+        gate_up = _merge_quantized([linear(i1 - i0, h), linear(i1 - i0, h)], f"{where} gate_up")
+        layers.append(LayerParams(
+            input_norm=put(norm_weight(h)), qkv=qkv, q_norm=put(norm_weight(d)),
+            k_norm=put(norm_weight(d)), o_proj=linear(h, (q1 - q0) * d),
+            post_norm=put(norm_weight(h)), gate_up=gate_up, down=linear(h, i1 - i0)))
+    final_norm = norm_weight(h)
+    v = config.vocab_size
     lm_head = None if config.tie_word_embeddings else put(vocab_slice(normal(v, h)))
     return Params(embed=put(vocab_slice(embed)), layers=tuple(layers), final_norm=put(final_norm),
                   lm_head=lm_head, config=config, shard=shard)
