@@ -167,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the form of the model's tool calls: hermes (<tool_call> JSON "
                             "blocks, Qwen3's) or qwen3_coder (<tool_call><function=...> XML "
                             "blocks, Qwen3-Coder's)")
+    serve.add_argument("--enable-prompt-embeds", action="store_true",
+                       help="/v1/completions takes 'prompt_embeds': base64 strings of "
+                            "torch.save'd float tensors [tokens, hidden_size] (vLLM's flag; "
+                            "their rows reach the model as given: serve trusted clients)")
     lora = serve.add_argument_group("LoRA adapters")
     lora.add_argument("--enable-lora", action="store_true",
                       help="serve LoRA adapters: a request whose \"model\" names one of "
@@ -247,6 +251,8 @@ def _make_llm(args, model: str):
         kwargs["runner"] = args.runner
     if getattr(args, "scheduling_policy", "fcfs") != "fcfs":  # serve's
         kwargs["scheduling_policy"] = args.scheduling_policy
+    if getattr(args, "enable_prompt_embeds", False):  # serve's
+        kwargs["enable_prompt_embeds"] = True
     if getattr(args, "enable_lora", False):  # serve's
         kwargs.update(enable_lora=True, max_loras=args.max_loras,
                       max_lora_rank=args.max_lora_rank)

@@ -273,3 +273,58 @@ def test_tensor_parallel_embeddings_complete_as_their_ids(tiny_dir, hf_model, pr
                                    use_tqdm=False))
         got = tokens(llm.generate(as_embeds(hf_model, prompts), GREEDY, use_tqdm=False))
     assert got == want
+
+
+# -- the functional API: generate(params, cache, tokens, prompt_embeds=...) --------------------
+
+
+def test_functional_generate_takes_embedding_rows_as_their_ids(tiny_dir, hf_model, prompts):
+    """Prompts given as their ids' embedding rows, batched with id prompts (tokens None where
+    embeddings stand): the same tokens as all ids, greedy and seeded sampling."""
+    from minivllm.functional.generate import generate
+
+    params = load(tiny_dir, dtype=torch.float32)
+    as_rows = [i % 2 == 0 for i in range(len(prompts))]
+    tokens_in = [None if e else p for p, e in zip(prompts, as_rows)]
+    embeds = [rows_of(hf_model, p) if e else None for p, e in zip(prompts, as_rows)]
+    for kw in (dict(), dict(temperature=1.0, seed=3)):
+        want, _ = generate(params, init_cache(params, num_blocks=64, block_size=4), prompts,
+                           max_new_tokens=10, **kw)
+        got, _ = generate(params, init_cache(params, num_blocks=64, block_size=4), tokens_in,
+                          max_new_tokens=10, prompt_embeds=embeds, **kw)
+        assert got == want
+
+
+def test_functional_generate_of_arbitrary_embeddings_is_transformers(tiny_dir, hf_model):
+    """Embeddings that are no row of the table, beside an id prompt: transformers' greedy
+    inputs_embeds completion (hf_greedy), and the id prompt's own greedy completion."""
+    from minivllm.functional.generate import generate
+
+    params = load(tiny_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(13)
+    embeds = [0.3 * torch.randn(n, 64, generator=g) for n in (1, 9, 20)]
+    ids = [4, 8, 15, 16, 23, 42]
+    got, _ = generate(params, init_cache(params, num_blocks=64, block_size=4),
+                      [None, ids, None, None], max_new_tokens=12,
+                      prompt_embeds=[embeds[0], None, embeds[1], embeds[2]])
+    assert [got[0], got[2], got[3]] == [hf_greedy(hf_model, e, 12) for e in embeds]
+    assert got[1] == hf_greedy(hf_model, rows_of(hf_model, ids), 12)
+
+
+@pytest.mark.parametrize("tokens, embeds, error, match", [
+    ([[1, 2]], [torch.zeros(2, 64)], ValueError, "must be None"),
+    ([None, [1]], [torch.zeros(2, 64)], ValueError, "one entry a prompt"),
+    ([None], torch.zeros(1, 2, 64), TypeError, "a list"),
+    ([None], [torch.zeros(2, 32)], ValueError, "hidden_size=64"),
+    ([None], [torch.zeros(0, 64)], ValueError, "tokens >= 1"),
+    ([None], [torch.zeros(2, 64, dtype=torch.int64)], TypeError, "floating-point"),
+    ([None], [torch.full((2, 64), float("inf"))], ValueError, "non-finite"),
+    ([None], None, TypeError, "list of token ids"),
+])
+def test_functional_generate_refuses_bad_embeddings(tiny_dir, tokens, embeds, error, match):
+    from minivllm.functional.generate import generate
+
+    params = load(tiny_dir, dtype=torch.float32)
+    with pytest.raises(error, match=match):
+        generate(params, init_cache(params, num_blocks=8, block_size=4), tokens,
+                 max_new_tokens=2, prompt_embeds=embeds)

@@ -2,7 +2,9 @@
 completions and chat completions, whole and streamed, against the LLM API on the same checkpoint
 (greedy, and seeded sampling, which does not depend on the batch); sampling defaults from the
 model's generation_config.json; concurrent clients; a client that leaves mid-stream; bad requests
-answered 400 / 404 before they reach the engine; the CLI's `serve`."""
+answered 400 / 404 before they reach the engine; the CLI's `serve`; base64 prompt_embeds on
+/v1/completions (serve --enable-prompt-embeds) against the same ids' completions, and their
+refusals."""
 
 from __future__ import annotations
 
@@ -565,3 +567,191 @@ def test_tokenize_and_detokenize_are_vllms(server, reference):
                              ("/tokenize", {"prompt": "x", "model": "other"}, "does not exist")):
         status, answer = post(server, path, bad)
         assert status in (400, 404) and match in answer["error"]["message"]
+
+
+# -- prompt_embeds (serve --enable-prompt-embeds) ---------------------------------------------
+
+
+def b64_tensor(obj, **save_kw) -> str:
+    """A torch.save'd object as base64, as a client sends prompt_embeds (vLLM's docs)."""
+    import base64
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf, **save_kw)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def embeds_server(model_dir, device):
+    srv = OpenAIServer(make_llm(model_dir, device, max_model_len=1024, enable_prompt_embeds=True),
+                       port=0, model_name=NAME)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield srv
+    srv.shutdown()
+    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def embed_rows(model_dir, embeds_server):
+    """ids -> the checkpoint's embedding rows of them [len(ids), hidden] in the engine's dtype."""
+    import glob
+
+    import torch
+    from safetensors.torch import load_file
+
+    table = {}
+    for f in glob.glob(os.path.join(model_dir, "*.safetensors")):
+        table.update(load_file(f))
+    weight = table["model.embed_tokens.weight"].to(embeds_server.llm.config.dtype)
+    return lambda ids: weight[torch.tensor(ids)].clone()
+
+
+def test_prompt_embeds_complete_as_their_ids(embeds_server, reference, embed_rows):
+    """A prompt given as the model's own embedding rows of its ids: the token prompt's greedy
+    text and tokens (logprobs), and usage counting its T rows as T prompt tokens. An empty
+    "prompt" beside them (the openai client's required argument) adds no prompt (vLLM's)."""
+    tok = reference.get_tokenizer()
+    ids = tok.encode(PROMPTS[1])
+    want = reference.generate([{"prompt_token_ids": ids}], SamplingParams(
+        temperature=0.0, max_tokens=8, logprobs=0, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    status, body = post(embeds_server, "/v1/completions", {
+        "prompt": "", "prompt_embeds": b64_tensor(embed_rows(ids)), "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": 0, "ignore_eos": True})
+    assert status == 200, body
+    choice, = body["choices"]
+    assert choice["text"] == want.text and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == [e[t].decoded_token
+                                            for t, e in zip(want.token_ids, want.logprobs)]
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 8,
+                             "total_tokens": len(ids) + 8}
+
+
+def test_a_list_of_prompt_embeds_and_a_prompt_together(embeds_server, reference, embed_rows):
+    """Two prompts of embeddings and a text prompt in one request: the embeddings' choices first
+    in their order, then the text's (vLLM's), each the completion of the same ids; usage counts
+    every prompt's tokens, truncate_prompt_tokens keeping the last rows; streamed too."""
+    tok = reference.get_tokenizer()
+    a, b = tok.encode(PROMPTS[0]), tok.encode(PROMPTS[1])
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                            truncate_prompt_tokens=3)
+    want = [o.outputs[0].text for o in reference.generate(
+        [{"prompt_token_ids": b}, {"prompt_token_ids": a}, PROMPTS[0]], params, use_tqdm=False)]
+    request = {"prompt_embeds": [b64_tensor(embed_rows(b)), b64_tensor(embed_rows(a))],
+               "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+               "truncate_prompt_tokens": 3}
+    status, body = post(embeds_server, "/v1/completions", request)
+    assert status == 200, body
+    assert [c["text"] for c in body["choices"]] == want
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert body["usage"] == {"prompt_tokens": 9, "completion_tokens": 18, "total_tokens": 27}
+    events = stream(embeds_server, "/v1/completions",
+                    {**request, "stream_options": {"include_usage": True}})
+    texts, _ = joined(events)
+    assert [texts[k] for k in range(3)] == want
+    assert events[-1]["usage"] == body["usage"]
+
+
+def test_prompt_embeds_need_the_flag(server, embed_rows):
+    status, answer = post(server, "/v1/completions", {
+        "prompt_embeds": b64_tensor(embed_rows([1, 2])), "max_tokens": 2})
+    assert status == 400 and "--enable-prompt-embeds" in answer["error"]["message"]
+    assert not server.llm.engine.requests
+
+
+class _Reduces:
+    """A pickle that builds a valid [2, 128] tensor by calling torch.zeros on load: only an
+    unrestricted torch.load (weights_only=False) would run it."""
+
+    def __reduce__(self):
+        import torch
+
+        return torch.zeros, ((2, 128),)
+
+
+def _bad_embeds(kind: str):
+    """A request's prompt_embeds for each refusal (the demo model's hidden_size is 128)."""
+    import base64
+    import io
+    import zipfile
+
+    import torch
+
+    if kind == "compressed":  # a valid tensor's archive, its records deflated
+        raw = base64.b64decode(b64_tensor(torch.zeros(2, 128)))
+        out = io.BytesIO()
+        with zipfile.ZipFile(io.BytesIO(raw)) as src, \
+                zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
+            for info in src.infolist():
+                dst.writestr(info.filename, src.read(info))
+        return base64.b64encode(out.getvalue()).decode()
+    return {
+        "not base64": "@@not base64@@",
+        "not torch.save": base64.b64encode(b"hello").decode(),
+        "pickled code": b64_tensor(_Reduces()),
+        "a dict": b64_tensor({"x": torch.zeros(2, 128)}),
+        "two tensors": [b64_tensor(torch.zeros(2, 128)), b64_tensor([torch.zeros(2, 128)])],
+        "integers": b64_tensor(torch.zeros(2, 128, dtype=torch.int64)),
+        "float64": b64_tensor(torch.zeros(2, 128, dtype=torch.float64)),
+        "sparse": b64_tensor(torch.zeros(2, 128).to_sparse()),
+        "hidden 64": b64_tensor(torch.zeros(2, 64)),
+        "3-D": b64_tensor(torch.zeros(1, 2, 128)),
+        "1-D": b64_tensor(torch.zeros(128)),
+        "no rows": b64_tensor(torch.zeros(0, 128)),
+        "nan": b64_tensor(torch.full((2, 128), float("nan"))),
+        "too long": b64_tensor(torch.zeros(1024, 128)),
+        "too large": base64.b64encode(bytes(700 << 10)).decode(),
+        "empty list": [],
+        "a number": [3],
+    }[kind]
+
+
+@pytest.mark.parametrize("kind, extra, match", [
+    ("not base64", {}, "not valid base64"),
+    ("not torch.save", {}, "not a torch.save file"),
+    ("compressed", {}, "compressed"),
+    ("pickled code", {}, r"weights_only=True"),
+    ("a dict", {}, "single tensor, got dict"),
+    ("two tensors", {}, r"prompt_embeds\[1\].*single tensor, got list"),
+    ("integers", {}, "float32, float16 or bfloat16, got torch.int64"),
+    ("float64", {}, "got torch.float64"),
+    ("sparse", {}, "dense"),
+    ("hidden 64", {}, r"hidden_size=128\], got shape \[2, 64\]"),
+    ("3-D", {}, r"got shape \[1, 2, 128\]"),
+    ("1-D", {}, r"got shape \[128\]"),
+    ("no rows", {}, "empty"),
+    ("nan", {}, "non-finite"),
+    ("too long", {}, "max_model_len"),
+    ("too large", {}, "too large"),
+    ("empty list", {}, "non-empty array"),
+    ("a number", {}, "base64 string"),
+    ("hidden 64", {"echo": True}, "Echo is unsupported with prompt embeds"),
+    ("hidden 64", {"prompt_logprobs": 1}, "prompt_logprobs is not compatible"),
+])
+def test_bad_prompt_embeds_are_answered_400(embeds_server, kind, extra, match):
+    import re
+
+    before = embeds_server.llm.stats.generation_tokens
+    status, answer = post(embeds_server, "/v1/completions",
+                          {"prompt_embeds": _bad_embeds(kind), "max_tokens": 2, **extra})
+    assert status == 400, answer
+    assert re.search(match, answer["error"]["message"]), answer["error"]["message"]
+    assert embeds_server.llm.stats.generation_tokens == before
+    assert not embeds_server.llm.engine.requests
+
+
+def test_the_cli_flag_enables_prompt_embeds(model_dir, monkeypatch):
+    """serve --enable-prompt-embeds reaches LLM(enable_prompt_embeds=True); off without it."""
+    import minivllm.runtime.llm as llm_module
+    from minivllm import cli
+
+    seen = []
+    monkeypatch.setattr(llm_module, "LLM", lambda model, **kw: seen.append(kw))
+    for flags in (["--enable-prompt-embeds"], []):
+        args = cli.build_parser().parse_args(["serve", model_dir, *flags])
+        cli._make_llm(args, model_dir)
+    assert [kw.get("enable_prompt_embeds", False) for kw in seen] == [True, False]

@@ -20,14 +20,25 @@ from .model import forward
 from .sampling import SamplingRow, make_sampling_batch, sample
 
 
-def _check_prompts(tokens, vocab_size: int) -> list[list[int]]:
+def _check_prompts(tokens, vocab_size: int, embeds: list | None = None) -> list[list[int]]:
+    """The prompts' ids; a prompt given as embeddings (embeds[i] not None, tokens[i] None)
+    gets placeholder ids, one a row (id 0: the stem takes the embeddings at those rows)."""
     if isinstance(tokens, torch.Tensor):
         raise TypeError("tokens must be a list of prompts (lists of ints), not a tensor; "
                         "use tensor.tolist()")
     if not isinstance(tokens, (list, tuple)) or not tokens:
         raise ValueError("tokens must be a non-empty list of prompts (lists of token ids)")
+    if embeds is not None and len(embeds) != len(tokens):
+        raise ValueError(f"prompt_embeds must hold one entry a prompt ({len(tokens)}), got "
+                         f"{len(embeds)}")
     prompts = []
     for i, prompt in enumerate(tokens):
+        if embeds is not None and embeds[i] is not None:
+            if prompt is not None:
+                raise ValueError(f"prompt {i} is given as prompt_embeds: its tokens entry must "
+                                 f"be None (its ids are the embeddings' rows)")
+            prompts.append([0] * len(embeds[i]))
+            continue
         if isinstance(prompt, int) or not isinstance(prompt, (list, tuple)):
             raise TypeError(f"prompt {i} must be a list of token ids, got {type(prompt).__name__}")
         if not prompt:
@@ -43,6 +54,34 @@ def _check_prompts(tokens, vocab_size: int) -> list[list[int]]:
             ids.append(t_int)
         prompts.append(ids)
     return prompts
+
+
+def _check_embeds(prompt_embeds, hidden_size: int, dtype: torch.dtype) -> list | None:
+    """prompt_embeds (None, or per prompt None or a float tensor [T, hidden_size]) -> the
+    tensors detached in the model's dtype (None where a prompt is ids), or a named error; the
+    checks the engine makes of vLLM's {"prompt_embeds"} prompts (engine._prompt_embeds)."""
+    if prompt_embeds is None:
+        return None
+    if isinstance(prompt_embeds, torch.Tensor) or not isinstance(prompt_embeds, (list, tuple)):
+        raise TypeError("prompt_embeds must be a list with one entry a prompt (None or a tensor "
+                        "[tokens, hidden_size]), not " + type(prompt_embeds).__name__)
+    out = []
+    for i, e in enumerate(prompt_embeds):
+        if e is None:
+            out.append(None)
+            continue
+        if not isinstance(e, torch.Tensor) or not e.dtype.is_floating_point:
+            raise TypeError(f"prompt_embeds[{i}] must be a floating-point tensor, got "
+                            f"{getattr(e, 'dtype', type(e).__name__)}")
+        if e.ndim != 2 or e.shape[1] != hidden_size or e.shape[0] == 0:
+            raise ValueError(f"prompt_embeds[{i}] must be [tokens >= 1, hidden_size="
+                             f"{hidden_size}], got shape {list(e.shape)}")
+        # On the host: make_batch packs the step's rows there (one copy to the device a step).
+        e = e.detach().to("cpu", dtype)
+        if not torch.isfinite(e).all():  # a NaN would reach every row of the batch's attention
+            raise ValueError(f"prompt_embeds[{i}] holds non-finite values (in {dtype})")
+        out.append(e)
+    return out
 
 
 def _check_options(max_new_tokens, temperature, top_k, top_p, seed) -> tuple:
@@ -86,13 +125,21 @@ def _check_eos(eos_token_id, vocab_size: int) -> set[int]:
     return eos
 
 
-def generate(params: Params, cache: KVCache, tokens: Sequence[Sequence[int]], *, max_new_tokens: int,
-             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
-             backend: AttentionBackend | str | None = None) -> tuple[list[list[int]], KVCache]:
+def generate(params: Params, cache: KVCache, tokens: Sequence[Sequence[int] | None], *,
+             max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
+             top_p: float | None = None, seed: int | None = None,
+             eos_token_id: int | Sequence[int] | None = None,
+             backend: AttentionBackend | str | None = None,
+             prompt_embeds: Sequence[torch.Tensor | None] | None = None
+             ) -> tuple[list[list[int]], KVCache]:
     """Generate up to `max_new_tokens` for each prompt in `tokens` (lists of ids, any lengths,
     batched without padding). Returns each prompt's new tokens (ending with the EOS token when one
     stopped it) and the cache, which is donated: use the returned one.
+
+    prompt_embeds (vLLM's prompt embeddings): one entry a prompt, None or a float tensor
+    [T_i, hidden_size] of input embeddings that prompt i is given as instead of ids (its tokens
+    entry then None); cast to the model's dtype, they go through Batch.input_embeds /
+    embeds_mask as the engine's do. Its generated tokens are fed back as ids.
 
     Greedy when temperature == 0 (or below 1e-5, as in vLLM), else sampled with top_k / top_p;
     `seed` makes the draw reproducible (prompt i uses its own stream, independent of the other
@@ -103,7 +150,8 @@ def generate(params: Params, cache: KVCache, tokens: Sequence[Sequence[int]], *,
         max_new_tokens, temperature, top_k, top_p, seed)
     check_params(params)
     check_cache_fits(params, cache)
-    prompts = _check_prompts(tokens, params.config.vocab_size)
+    embeds = _check_embeds(prompt_embeds, params.config.hidden_size, params.dtype)
+    prompts = _check_prompts(tokens, params.config.vocab_size, embeds)
     eos = _check_eos(eos_token_id, params.config.vocab_size)
     # What leaves a backend out: an fp8 cache (flash_attn), a head_dim triton does not compile for.
     backend = select_backend(params.device, backend, cache.k[0].dtype, params.config.head_dim)
@@ -132,9 +180,16 @@ def generate(params: Params, cache: KVCache, tokens: Sequence[Sequence[int]], *,
     device, vocab = params.device, params.config.vocab_size
     outputs: list[list[int]] = [[] for _ in prompts]
     chunks = [SeqChunk(p, 0, t) for p, t in zip(prompts, tables)]
+    # The prefill's (row, embeddings [T_i, hidden]) pairs: prompt i's rows start after the
+    # prompts before it; the decode steps' inputs are all ids.
+    starts = np.cumsum([0] + [len(p) for p in prompts[:-1]]).tolist()
+    step_embeds = [(row, e) for row, e in zip(starts, embeds or []) if e is not None]
     active = list(range(len(prompts)))
     while True:
-        batch = make_batch(chunks, block_size=bs, device=device, check=False)  # checked above
+        batch = make_batch(chunks, block_size=bs, device=device, check=False,  # checked above
+                           embeds=step_embeds, hidden_size=params.config.hidden_size,
+                           embeds_dtype=params.dtype)
+        step_embeds = []
         with torch.no_grad():
             logits, cache = forward(params, cache, batch, backend)
         rows = [SamplingRow(temperature=float(temperature), top_k=min(top_k or 0, vocab),

@@ -8,18 +8,24 @@ server does the same), else vLLM's defaults. vLLM's extra fields (top_k, min_p,
 repetition_penalty, ignore_eos, min_tokens, stop_token_ids, prompt_logprobs, ...) are taken too.
 A field this server does not know is an error naming it (vLLM ignores it with a warning; here a
 typo such as "max_token" would silently change the request), except the OpenAI fields that ask
-for nothing a completion changes ("user", "metadata", ...).
+for nothing a completion changes ("user", "metadata", ...). With --enable-prompt-embeds a
+completion takes vLLM's prompt_embeds (base64 torch.save'd tensors, decode_prompt_embeds).
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
+import io
 import json
 import math
 import struct
 import time
 import uuid
+import zipfile
 from dataclasses import dataclass, field
+
+import torch
 
 from . import tool_calls
 from .chat_output import ChatOutput, message
@@ -56,7 +62,8 @@ _COMMON = {"n": int, "best_of": int, "temperature": float, "top_p": float, "top_
            "stream": bool, "stream_options": dict, "model": str, "structured_outputs": dict,
            "guided_choice": list, "guided_regex": str, "guided_json": (dict, str),
            "response_format": dict, "priority": int}
-_COMPLETION = {**_COMMON, "prompt": (str, list), "echo": bool, "logprobs": int, "suffix": str}
+_COMPLETION = {**_COMMON, "prompt": (str, list), "echo": bool, "logprobs": int, "suffix": str,
+               "prompt_embeds": (str, list)}
 _CHAT = {**_COMMON, "messages": list, "max_completion_tokens": int, "logprobs": bool,
          "top_logprobs": int, "add_generation_prompt": bool, "continue_final_message": bool,
          "chat_template": str, "chat_template_kwargs": dict, "tools": list,
@@ -240,13 +247,104 @@ def _prompt_logprobs(values: dict) -> int | None:
     return n
 
 
-def parse_completion(body, defaults: dict) -> ParsedRequest:
+@dataclass(frozen=True)
+class EmbedsLimits:
+    """What a completion's prompt_embeds must fit (serve --enable-prompt-embeds): the model's
+    hidden_size and max_model_len (rows; the engine refuses a prompt of that many, but the
+    bound on the bytes decoded is taken from it)."""
+
+    hidden_size: int
+    max_model_len: int
+
+    @property
+    def max_bytes(self) -> int:
+        """The largest torch.save payload taken: max_model_len fp32 rows and the archive's own
+        records (a few KiB: data.pkl, version, byteorder, alignment padding)."""
+        return self.max_model_len * self.hidden_size * 4 + (64 << 10)
+
+
+# vLLM's accepted dtypes for prompt_embeds (its loader asserts these three).
+_EMBEDS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def decode_prompt_embeds(data, name: str, limits: EmbedsLimits) -> torch.Tensor:
+    """One base64 string of a torch.save'd tensor [T, hidden_size] -> the tensor on the host,
+    or a RequestError naming the problem. Safe on untrusted bytes: the size is bounded before
+    decoding, the archive must hold only stored (uncompressed) records, so its bytes bound what
+    loading allocates (no zip bomb), and torch.load runs with weights_only=True (no pickled
+    code) onto the CPU (a tensor saved from a GPU is not put back there)."""
+    if not isinstance(data, str):
+        raise RequestError(f"'{name}' must be a base64 string of a torch.save'd tensor, got "
+                           f"{type(data).__name__}")
+    if len(data) > 4 * (limits.max_bytes // 3 + 1):  # before decoding: base64 is 4/3 the bytes
+        raise RequestError(f"'{name}' is too large: {len(data)} base64 characters; at most "
+                           f"max_model_len={limits.max_model_len} rows of "
+                           f"hidden_size={limits.hidden_size} fp32 are taken")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise RequestError(f"'{name}' is not valid base64") from None
+    try:
+        with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+            records = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, EOFError):
+        raise RequestError(f"'{name}' is not a torch.save file (a zip archive)") from None
+    if any(r.compress_type != zipfile.ZIP_STORED for r in records) or \
+            sum(r.file_size for r in records) > limits.max_bytes:
+        raise RequestError(f"'{name}' holds compressed or oversized records (torch.save writes "
+                           f"them stored)")
+    try:
+        tensor = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+    except Exception as e:  # the unpickler's refusals and a corrupt archive alike
+        raise RequestError(f"'{name}' could not be loaded with torch.load(weights_only=True): "
+                           f"{type(e).__name__}: {str(e)[:200]}") from None
+    if type(tensor) is not torch.Tensor:  # not a Parameter nor a dict / list of tensors
+        raise RequestError(f"'{name}' must hold a single tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise RequestError(f"'{name}' must be a dense tensor, got layout {tensor.layout}")
+    if tensor.dtype not in _EMBEDS_DTYPES:
+        raise RequestError(f"'{name}' must be float32, float16 or bfloat16, got {tensor.dtype}")
+    if tensor.ndim != 2 or tensor.shape[1] != limits.hidden_size:
+        raise RequestError(f"'{name}' must be [tokens, hidden_size={limits.hidden_size}], got "
+                           f"shape {list(tensor.shape)}")
+    return tensor
+
+
+def _embeds_prompts(value, limits: EmbedsLimits) -> list[dict]:
+    """A request's prompt_embeds (a base64 string, or a list of them) -> {"prompt_embeds"}
+    prompts, in order."""
+    if isinstance(value, str):
+        return [{"prompt_embeds": decode_prompt_embeds(value, "prompt_embeds", limits)}]
+    if not value:
+        raise RequestError("'prompt_embeds' must be a base64 string or a non-empty array of them")
+    return [{"prompt_embeds": decode_prompt_embeds(v, f"prompt_embeds[{k}]", limits)}
+            for k, v in enumerate(value)]
+
+
+def parse_completion(body, defaults: dict, embeds: EmbedsLimits | None = None) -> ParsedRequest:
     """A /v1/completions body -> ParsedRequest. defaults: the model's sampling defaults
-    (LLM.get_diff_sampling_param())."""
+    (LLM.get_diff_sampling_param()); embeds: what prompt_embeds must fit, None where they are
+    not taken (no --enable-prompt-embeds).
+
+    As vLLM's: a request gives 'prompt', 'prompt_embeds' or both (the embeddings' prompts come
+    first, then the text's); echo and prompt_logprobs are refused with embeddings (no prompt
+    ids to return or score)."""
     values = _checked_fields(body, _COMPLETION)
-    if values["prompt"] is None:
-        raise RequestError("'prompt' is required")
-    prompts = _prompts(values["prompt"], "prompt")
+    prompts = []
+    if values["prompt_embeds"] is not None:
+        if embeds is None:  # vLLM's words
+            raise RequestError("You must set `--enable-prompt-embeds` to input "
+                               "`prompt_embeds`.")
+        if values["echo"]:
+            raise RequestError("Echo is unsupported with prompt embeds.")
+        if values["prompt_logprobs"] is not None:
+            raise RequestError("prompt_logprobs is not compatible with prompt embeds.")
+        prompts = _embeds_prompts(values["prompt_embeds"], embeds)
+    if values["prompt"] is not None and values["prompt"] != "" or not prompts:
+        if values["prompt"] is None:
+            raise RequestError("'prompt' is required (or 'prompt_embeds' with "
+                               "--enable-prompt-embeds)")
+        prompts += _prompts(values["prompt"], "prompt")
     echo = bool(values["echo"])
     logprobs = values["logprobs"]
     max_tokens = values["max_tokens"] if values["max_tokens"] is not None else 16  # OpenAI's
@@ -446,8 +544,12 @@ def vllm_prompt_logprobs(entries) -> list | None:
             for e in entries]
 
 
-def usage(outs: list[RequestOutput], req: ParsedRequest | None = None) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in outs)
+def usage(outs: list[RequestOutput], req: ParsedRequest | None = None,
+          prompt_lens: dict[str, int] | None = None) -> dict:
+    """OpenAI's usage; prompt_lens: request id -> its prompt's tokens, for the outputs of
+    prompts given as embeddings (whose prompt_token_ids are None: T rows are T tokens)."""
+    prompt = sum(len(o.prompt_token_ids) if o.prompt_token_ids is not None
+                 else prompt_lens[o.request_id] for o in outs)
     completion = 0 if req is not None and req.echo_only else \
         sum(len(c.token_ids) for o in outs for c in o.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,

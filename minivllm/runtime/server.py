@@ -35,12 +35,14 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import torch
+
 from . import reasoning, tool_calls
 from .chat_output import ChatOutput
 from .llm import LLM, _delta
 from .lora import LoRARequest
 from . import metrics as prometheus
-from .openai_api import (ParsedRequest, RequestError, chat_body, chat_choice, chat_output,
+from .openai_api import (EmbedsLimits, ParsedRequest, RequestError, chat_body, chat_choice, chat_output,
                          chat_role_choice, classify_body, completion_body, completion_choice,
                          detokenize, embedding_body, error_body, new_id, now, parse_chat,
                          parse_classify, parse_completion, parse_detokenize, parse_embedding,
@@ -64,6 +66,9 @@ class _Submission:
         self.arrival = time.monotonic()  # its requests' arrival (metrics: TTFT, e2e latency)
         self.finish = None
         self.ids: list[str] = []
+        # request id -> its prompt's tokens, for prompts given as embeddings (usage counts their
+        # rows; their outputs carry no prompt_token_ids).
+        self.prompt_lens: dict[str, int] = {}
         self.replies: queue.Queue = queue.Queue()
         self.outputs: queue.Queue = queue.Queue()
 
@@ -170,6 +175,9 @@ class EngineLoop:
                 ids = [self.engine.enqueue(text, ids, req.params, pr, lora,
                                            arrival_time=sub.arrival)
                        for (text, ids), pr in zip(checked, priority)]
+                # The rows the engine keeps (after truncate_prompt_tokens), as it counts them.
+                sub.prompt_lens = {rid: len(rows) for rid, (text, rows) in zip(ids, checked)
+                                   if isinstance(rows, torch.Tensor)}
         except (ValueError, TypeError) as e:
             sub.replies.put(("error", e if isinstance(e, RequestError) else RequestError(str(e))))
             return
@@ -356,7 +364,8 @@ class _Handler(BaseHTTPRequestHandler):
             if parse is None:
                 self._send_json(200, self._tokenizer_route(path, body))
                 return
-            req = parse(body, self.app.defaults)
+            req = (parse(body, self.app.defaults, self.app.embeds_limits)
+                   if parse is parse_completion else parse(body, self.app.defaults))
             lora = self._check_model(req.model)
             if lora is not None:
                 if parse not in (parse_completion, parse_chat):
@@ -469,7 +478,7 @@ class _Handler(BaseHTTPRequestHandler):
             out = outs[0]
             body = chat_body(new_id("chatcmpl"), created, name,
                              [chat_choice(c, req, app.chat_output(req, out), delta=False)
-                              for c in out.outputs], usage(outs, req))
+                              for c in out.outputs], usage(outs, req, sub.prompt_lens))
             if req.prompt_logprobs:
                 body["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs)
         else:
@@ -477,7 +486,7 @@ class _Handler(BaseHTTPRequestHandler):
             choices = [completion_choice(out, c, req, app.decode, index=k * n + c.index)
                        for k, out in enumerate(outs) for c in out.outputs]
             body = completion_body(new_id("cmpl"), created, name, choices,
-                                   usage(outs, req))
+                                   usage(outs, req, sub.prompt_lens))
         self._send_json(200, body)
 
     def _stream(self, sub: _Submission, chat: bool) -> None:
@@ -511,7 +520,8 @@ class _Handler(BaseHTTPRequestHandler):
             delta = _delta(value, sent)
             if delta is None:
                 continue
-            running = usage(list(last.values()), req) if req.continuous_usage else None
+            running = (usage(list(last.values()), req, sub.prompt_lens)
+                       if req.continuous_usage else None)
             for c in delta.outputs:
                 key = (value.request_id, c.index)
                 first = key not in offsets
@@ -534,7 +544,8 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             if req.include_usage:
                 self._event(make(request_id, created, name, [],
-                                 usage([last[i] for i in sub.ids], req), chunk=True))
+                                 usage([last[i] for i in sub.ids], req, sub.prompt_lens),
+                                 chunk=True))
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
 
@@ -582,6 +593,10 @@ class OpenAIServer:
         # choices, which need none, as vLLM's).
         self.tool_call_parser = tool_call_parser if enable_auto_tool_choice else None
         self.defaults = llm.get_diff_sampling_param()
+        # What a completion's prompt_embeds must fit; None: they are refused (vLLM's
+        # --enable-prompt-embeds, off by default: the bytes come from clients).
+        self.embeds_limits = (EmbedsLimits(config.model_config.hidden_size, config.max_model_len)
+                              if config.enable_prompt_embeds else None)
         tok = llm.get_tokenizer()
         self.decode = tok.decode if tok is not None else None
         self.routes = pooling_routes(llm) if llm.config.runner == "pooling" else _ROUTES
