@@ -42,12 +42,12 @@ from .chat_output import ChatOutput
 from .llm import LLM, _delta
 from .lora import LoRARequest
 from . import metrics as prometheus
-from .openai_api import (EmbedsLimits, ParsedRequest, RequestError, chat_body, chat_choice, chat_output,
-                         chat_role_choice, classify_body, completion_body, completion_choice,
-                         detokenize, embedding_body, error_body, new_id, now, parse_chat,
-                         parse_classify, parse_completion, parse_detokenize, parse_embedding,
-                         parse_rerank, parse_score, parse_tokenize, render_chat, rerank_body,
-                         score_body, tokenize, usage, vllm_prompt_logprobs)
+from .openai_api import (EmbedsLimits, ParsedRequest, RequestError, chat_body, chat_choice,
+                         chat_output, chat_role_choice, classify_body, completion_body,
+                         completion_choice, detokenize, embedding_body, error_body, new_id, now,
+                         parse_chat, parse_classify, parse_completion, parse_detokenize,
+                         parse_embedding, parse_rerank, parse_score, parse_tokenize, render_chat,
+                         rerank_body, score_body, tokenize, usage, vllm_prompt_logprobs)
 from .pooling import PoolingParams
 
 log = logging.getLogger("minivllm")
