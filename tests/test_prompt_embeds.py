@@ -187,12 +187,37 @@ def llm_on(tiny_dir, device):
     ({"prompt_embeds": torch.zeros(2, 64), "prompt": "x"}, GREEDY, ValueError, "'prompt'"),
     ({"prompt_embeds": torch.zeros(2, 64)}, SamplingParams(prompt_logprobs=1), ValueError,
      "prompt_logprobs"),
+    # No data to read (meta), or not a dense tensor: named, not a torch error from the copy.
+    ({"prompt_embeds": torch.empty(2, 64, device="meta")}, GREEDY, ValueError, "meta"),
+    ({"prompt_embeds": torch.zeros(2, 64).to_sparse()}, GREEDY, TypeError, "dense"),
 ])
 def test_bad_embeddings_are_refused_before_any_work(llm_on, prompt, params, error, match):
     good = {"prompt_embeds": torch.zeros(2, 64)}
     with pytest.raises(error, match=match):
         llm_on.generate([good, prompt], params, use_tqdm=False)
     assert not llm_on.engine.requests and not llm_on.engine.scheduler.has_unfinished()
+
+
+def test_the_engine_keeps_its_own_copy_of_the_embeddings(tiny_dir, device, hf_model, prompts):
+    """A request's embeddings are copied when it is checked (as vLLM's engine takes them): a
+    caller refilling its tensor (one buffer for many requests, or NaN written after the check)
+    changes no queued request, whatever the tensor's dtype and device already were."""
+    llm = make_llm(tiny_dir, device, enable_prompt_embeds=True)
+    engine, pair = llm.engine, prompts[2:4]
+    want = tokens(llm.generate([{"prompt_token_ids": p} for p in pair], GREEDY, use_tqdm=False))
+    buf = torch.empty(len(pair[0]), 64, dtype=engine.config.dtype)
+    ids = []
+    for p in pair:
+        buf = buf.new_empty(len(p), 64) if len(p) != buf.shape[0] else buf
+        buf.copy_(rows_of(hf_model, p))
+        ids.append(engine.add_request({"prompt_embeds": buf}, GREEDY))
+        buf.fill_(float("nan"))
+    got = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = [c.token_ids for c in out.outputs]
+    assert [got[i] for i in ids] == want
 
 
 def test_embeddings_need_the_flag_and_generate(tiny_dir, device, llm_on):
