@@ -298,3 +298,31 @@ def test_tensor_parallel_embeddings_complete_as_their_ids(tiny_dir, hf_model, pr
                                    use_tqdm=False))
         got = tokens(llm.generate(as_embeds(hf_model, prompts), GREEDY, use_tqdm=False))
     assert got == want
+
+
+def test_tensor_parallel_steps_send_only_their_chunks_embeddings(tiny_dir, hf_model, monkeypatch):
+    """A chunk's embeddings are a slice of its prompt's: pickled as they are, each step's
+    StepInput would carry the whole prompt's rows (a view pickles its whole storage) to every
+    rank, once per chunk. Each step sends about its own chunk's rows."""
+    import pickle
+
+    from minivllm import LLM
+    from minivllm.runtime import executor
+
+    sent, real = [], executor.broadcast_step
+
+    def recording(step, groups):
+        if getattr(step, "embeds", None):
+            sent.append((sum(len(e) for _, e in step.embeds), len(pickle.dumps(step))))
+        return real(step, groups)
+
+    monkeypatch.setattr(executor, "broadcast_step", recording)
+    ids = torch.randint(0, 101, (120,), generator=torch.Generator().manual_seed(1)).tolist()
+    with LLM(tiny_dir, tensor_parallel_size=2, enable_prompt_embeds=True, device="cpu",
+             attention_backend="reference", num_kv_blocks=64,
+             max_num_batched_tokens=16) as llm:
+        want = tokens(llm.generate([{"prompt_token_ids": ids}], GREEDY, use_tqdm=False))
+        got = tokens(llm.generate(as_embeds(hf_model, [ids]), GREEDY, use_tqdm=False))
+    assert got == want and len(sent) == 120 // 16 + 1
+    row = 64 * 4  # fp32 rows of hidden 64
+    assert all(size < rows * row + 4096 for rows, size in sent), sent
