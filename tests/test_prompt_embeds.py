@@ -187,12 +187,37 @@ def llm_on(tiny_dir, device):
     ({"prompt_embeds": torch.zeros(2, 64), "prompt": "x"}, GREEDY, ValueError, "'prompt'"),
     ({"prompt_embeds": torch.zeros(2, 64)}, SamplingParams(prompt_logprobs=1), ValueError,
      "prompt_logprobs"),
+    # No data to read (meta), or not a dense tensor: named, not a torch error from the copy.
+    ({"prompt_embeds": torch.empty(2, 64, device="meta")}, GREEDY, ValueError, "meta"),
+    ({"prompt_embeds": torch.zeros(2, 64).to_sparse()}, GREEDY, TypeError, "dense"),
 ])
 def test_bad_embeddings_are_refused_before_any_work(llm_on, prompt, params, error, match):
     good = {"prompt_embeds": torch.zeros(2, 64)}
     with pytest.raises(error, match=match):
         llm_on.generate([good, prompt], params, use_tqdm=False)
     assert not llm_on.engine.requests and not llm_on.engine.scheduler.has_unfinished()
+
+
+def test_the_engine_keeps_its_own_copy_of_the_embeddings(tiny_dir, device, hf_model, prompts):
+    """A request's embeddings are copied when it is checked (as vLLM's engine takes them): a
+    caller refilling its tensor (one buffer for many requests, or NaN written after the check)
+    changes no queued request, whatever the tensor's dtype and device already were."""
+    llm = make_llm(tiny_dir, device, enable_prompt_embeds=True)
+    engine, pair = llm.engine, prompts[2:4]
+    want = tokens(llm.generate([{"prompt_token_ids": p} for p in pair], GREEDY, use_tqdm=False))
+    buf = torch.empty(len(pair[0]), 64, dtype=engine.config.dtype)
+    ids = []
+    for p in pair:
+        buf = buf.new_empty(len(p), 64) if len(p) != buf.shape[0] else buf
+        buf.copy_(rows_of(hf_model, p))
+        ids.append(engine.add_request({"prompt_embeds": buf}, GREEDY))
+        buf.fill_(float("nan"))
+    got = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = [c.token_ids for c in out.outputs]
+    assert [got[i] for i in ids] == want
 
 
 def test_embeddings_need_the_flag_and_generate(tiny_dir, device, llm_on):
@@ -328,3 +353,31 @@ def test_functional_generate_refuses_bad_embeddings(tiny_dir, tokens, embeds, er
     with pytest.raises(error, match=match):
         generate(params, init_cache(params, num_blocks=8, block_size=4), tokens,
                  max_new_tokens=2, prompt_embeds=embeds)
+
+
+def test_tensor_parallel_steps_send_only_their_chunks_embeddings(tiny_dir, hf_model, monkeypatch):
+    """A chunk's embeddings are a slice of its prompt's: pickled as they are, each step's
+    StepInput would carry the whole prompt's rows (a view pickles its whole storage) to every
+    rank, once per chunk. Each step sends about its own chunk's rows."""
+    import pickle
+
+    from minivllm import LLM
+    from minivllm.runtime import executor
+
+    sent, real = [], executor.broadcast_step
+
+    def recording(step, groups):
+        if getattr(step, "embeds", None):
+            sent.append((sum(len(e) for _, e in step.embeds), len(pickle.dumps(step))))
+        return real(step, groups)
+
+    monkeypatch.setattr(executor, "broadcast_step", recording)
+    ids = torch.randint(0, 101, (120,), generator=torch.Generator().manual_seed(1)).tolist()
+    with LLM(tiny_dir, tensor_parallel_size=2, enable_prompt_embeds=True, device="cpu",
+             attention_backend="reference", num_kv_blocks=64,
+             max_num_batched_tokens=16) as llm:
+        want = tokens(llm.generate([{"prompt_token_ids": ids}], GREEDY, use_tqdm=False))
+        got = tokens(llm.generate(as_embeds(hf_model, [ids]), GREEDY, use_tqdm=False))
+    assert got == want and len(sent) == 120 // 16 + 1
+    row = 64 * 4  # fp32 rows of hidden 64
+    assert all(size < rows * row + 4096 for rows, size in sent), sent

@@ -398,7 +398,14 @@ class LLMEngine:
             raise ValueError("the prompt is empty (prompt_embeds has no rows)")
         if not embeds.dtype.is_floating_point:
             raise TypeError(f"prompt_embeds must be a floating-point tensor, got {embeds.dtype}")
-        embeds = embeds.detach().to("cpu", self.config.dtype).contiguous()
+        if embeds.layout != torch.strided:
+            raise TypeError(f"prompt_embeds must be a dense tensor, got layout {embeds.layout}")
+        if embeds.is_meta:
+            raise ValueError("prompt_embeds is on the meta device: it holds no values")
+        # The engine's own copy (as vLLM's engine takes them): a caller refilling its tensor
+        # later changes no queued request, nor what was checked below.
+        embeds = embeds.detach().to("cpu", self.config.dtype, copy=True,
+                                    memory_format=torch.contiguous_format)
         if not torch.isfinite(embeds).all():  # a NaN would spread over the whole batch's rows
             raise ValueError(f"prompt_embeds holds non-finite values (in {self.config.dtype})")
         if params.prompt_logprobs is not None:

@@ -17,6 +17,7 @@ a failure), or started by torchrun on one or more hosts (`TPExecutor.torchrun`),
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import multiprocessing.connection
 import os
 import signal
@@ -214,6 +215,16 @@ class _Closer:
             self.reason = "it has been shut down"
 
 
+def _sendable(step: StepInput) -> StepInput:
+    """step as the workers get it: its prompt embeddings (slices of each prompt's, which pickle
+    their prompt's whole storage) copied to their own rows, so that a step sends its chunks'
+    rows only, not every chunk the whole prompt."""
+    if not step.embeds:
+        return step
+    return dataclasses.replace(step, embeds=tuple((row, rows.clone())
+                                                  for row, rows in step.embeds))
+
+
 class TPExecutor:
     """Rank 0 of a tensor-parallel group (see the module docstring)."""
 
@@ -293,7 +304,7 @@ class TPExecutor:
             raise WorkerDiedError(found)
 
         def send():
-            broadcast_step(step, self.groups)
+            broadcast_step(_sendable(step), self.groups)
             return self.runner.launch(step)
 
         return TPPendingStep(self, self._guarded(send))
