@@ -220,3 +220,25 @@ def test_random_model_spec_is_checked_where_the_engine_is_configured(monkeypatch
         EngineConfig.create("random:qwen3-9b:awq", device="cpu")
     with pytest.raises(ValueError, match="mixture of experts"):
         EngineConfig.create("random:qwen3-30b-a3b:fp8", device="cpu")
+
+
+def test_a_trailing_colon_names_no_quantization():
+    """"random:SHAPE:" is refused (an empty quantization), not taken as dense weights."""
+    from minivllm.runtime.config import random_model
+
+    assert random_model("random:qwen3-0.6b")[1] is None
+    with pytest.raises(ValueError, match="quantization '' is not one of"):
+        random_model("random:qwen3-0.6b:")
+
+
+@pytest.mark.parametrize("field, name", [("_AWQ_KERNEL", "MINIVLLM_AWQ_KERNEL"),
+                                         ("_FP8_KERNEL", "MINIVLLM_FP8_KERNEL")])
+def test_an_unknown_quantized_kernel_is_refused_when_configured(monkeypatch, field, name):
+    """MINIVLLM_AWQ_KERNEL / MINIVLLM_FP8_KERNEL outside triton/torch: a ValueError naming the
+    variable before any weight is drawn (not a silent torch path)."""
+    from minivllm.functional import linear
+    from minivllm.runtime.config import EngineConfig
+
+    monkeypatch.setattr(linear, field, "cuda")
+    with pytest.raises(ValueError, match=f"{name}='cuda' is not one of"):
+        EngineConfig.create("random:qwen3-0.6b", device="cpu")

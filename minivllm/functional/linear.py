@@ -50,6 +50,7 @@ def _skinny(x: torch.Tensor) -> bool:
 # and writing the dequantized weight costs what reading a few hundred rows does (not measured
 # here). MINIVLLM_AWQ_KERNEL=torch: the torch path everywhere.
 _AWQ_KERNEL = os.environ.get("MINIVLLM_AWQ_KERNEL", "triton")
+QUANTIZED_KERNELS = ("triton", "torch")  # MINIVLLM_AWQ_KERNEL's and MINIVLLM_FP8_KERNEL's
 AWQ_DEQUANTIZE_ROWS = 256
 
 

@@ -37,9 +37,9 @@ def random_model(model: str) -> tuple[ModelConfig, str | None]:
     from ..state.load import DEFAULT_FP8_WEIGHTS, fp8_weights_mode
     from ..state.params import RANDOM_QUANTIZATIONS
 
-    shape, _, quantization = model.split(":", 1)[1].partition(":")
+    shape, colon, quantization = model.split(":", 1)[1].partition(":")
     model_config = config_for_shape(shape)
-    if not quantization:
+    if not colon:
         return model_config, None
     if quantization not in RANDOM_QUANTIZATIONS:
         raise ValueError(f"{model!r}: quantization {quantization!r} is not one of "
@@ -244,6 +244,12 @@ class EngineConfig:
             if not triton_usable(device):
                 raise ValueError(f"persistent_decode is a Triton kernel: it needs a CUDA device "
                                  f"(or TRITON_INTERPRET=1 on a CPU), got {device}")
+        from ..functional import linear
+
+        for name, value in (("MINIVLLM_AWQ_KERNEL", linear._AWQ_KERNEL),
+                            ("MINIVLLM_FP8_KERNEL", linear._FP8_KERNEL)):
+            if value not in linear.QUANTIZED_KERNELS:  # named before the model loads
+                raise ValueError(f"{name}={value!r} is not one of {linear.QUANTIZED_KERNELS}")
         if model_config.is_moe:
             from ..functional import moe
 
