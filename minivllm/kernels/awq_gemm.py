@@ -15,8 +15,9 @@ scale) and rounded once to x's dtype for tl.dot: the weight a dequantize-then-ma
 so the torch path (functional.linear: dequantize_awq then a matmul) and this kernel differ only by
 the order of the fp32 sums.
 
-Tiling (awq_config), from shapes, dtype and the SM count only (no autotune, no .item()), so a
-call traces under torch.compile(fullgraph=True) and replays under CUDA graphs:
+Tiling (awq_config: kernels/dequant_tiles.py, shared with fp8_gemm), from shapes, dtype and the SM
+count only (no autotune, no .item()), so a call traces under torch.compile(fullgraph=True) and
+replays under CUDA graphs:
 - decode (M <= 16): BLOCK_M 16 (tl.dot's minimum), BLOCK_N 64 (32 when N gives too few tiles),
   BLOCK_K 128 (or the group, 32 / 64); K is split where the output tiles alone give fewer than
   WAVES programs per SM (o_proj, down), each split writing an fp32 partial [SPLIT, M, N] that the
@@ -37,9 +38,9 @@ import triton
 import triton.language as tl
 
 from ..state.quant import AWQ_PACK, AwqWeight
-from .launch import dot_precision, interpreting, next_pow2, num_sms
+from .dequant_tiles import dequant_gemm_config
+from .launch import dot_precision, next_pow2
 
-WAVES = 2  # programs per SM wanted at decode (see skinny_gemm.py)
 BLOCK_KS = (128, 64, 32, 16)  # largest first; 16 is tl.dot's minimum
 
 
@@ -111,33 +112,11 @@ def awq_config(m: int, n: int, k: int, group: int, dtype: torch.dtype, device: t
                **override) -> dict:
     """Tiles, split and launch settings for x: [m, k] @ an AWQ weight [k, n] of groups of `group`
     input rows; keys block_m, block_n, block_k, split, num_warps, num_stages, any of which
-    `override` may fix. See the module's docstring for the choices."""
+    `override` may fix: kernels/dequant_tiles.py's choices, with this format's K step."""
     if m < 1:
         raise ValueError(f"awq_linear takes at least one row, got {m}")
-    want = WAVES * num_sms(device)
-    if m <= 64:
-        block_m = 16 if m <= 16 else next_pow2(m)
-        m_tiles = triton.cdiv(m, block_m)
-        block_n = 64 if triton.cdiv(n, 64) * m_tiles >= want or n <= 32 else 32
-        block_k = _block_k(k, group, 128 if dtype.itemsize == 2 else 64)
-    else:
-        block_m = 64 if m <= 256 else 128
-        block_n = 128
-        block_k = _block_k(k, group, 64 if dtype.itemsize == 2 else 32)
-    block_m = override.get("block_m") or block_m
-    block_n = override.get("block_n") or block_n
-    block_k = override.get("block_k") or block_k
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    chunks = triton.cdiv(k, block_k)
-    split = 1 if m > 64 else max(1, min(chunks, (want + tiles // 2) // tiles))
-    split = override.get("split") or split
-    split = triton.cdiv(chunks, triton.cdiv(chunks, split))  # whole chunks, none empty
-    on_gpu = device.type == "cuda" and not interpreting()
-    big = block_m * block_n >= 128 * 128
-    return dict(block_m=block_m, block_n=block_n, block_k=block_k, split=split,
-                num_warps=override.get("num_warps") or (8 if big else 4),
-                num_stages=override.get("num_stages") or (3 if on_gpu and big else
-                                                          4 if on_gpu else 2))
+    return dequant_gemm_config(m, n, k, dtype, device, lambda most: _block_k(k, group, most),
+                               **override)
 
 
 def awq_linear(x: torch.Tensor, weight: AwqWeight, *, partials: bool = False,
