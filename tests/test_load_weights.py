@@ -173,3 +173,39 @@ def test_tensor_parallel_engine(models, dirs):
         got = run(llm)
     assert got[0] == want[0]
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-5)
+
+
+def test_the_tensors_keep_their_addresses(models, dirs):
+    """What CUDA graphs, compiled code and the persistent decode's layer table rely on: the
+    update writes into the params' own storage (checked here on the CPU; the GPU's replay of
+    the captured graphs after an update is untested)."""
+    with LLM(dirs[0], **ENGINE) as llm:
+        params = llm.engine.runner.params
+        ptrs = [t.data_ptr() for t in tree_leaves(params)]
+        llm.load_weights(models[1].state_dict().items())
+        assert llm.engine.runner.params is params
+        assert [t.data_ptr() for t in tree_leaves(params)] == ptrs
+
+
+@pytest.mark.parametrize("quantization", ["awq", "fp8"])
+def test_quantized_params_are_refused(dirs, quantization):
+    from minivllm.state.load import check_hf_weights
+    from minivllm.state.params import random_params
+
+    import attrs
+
+    # Shapes AWQ groups and fp8 blocks of 128 divide.
+    config = attrs.evolve(load(dirs[0]).config, hidden_size=128, head_dim=128,
+                          intermediate_size=128)
+    params = random_params(config, quantization=quantization, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="quantized"):
+        check_hf_weights(params, [("model.norm.weight", torch.ones(128))])
+
+
+def test_mixture_of_experts_is_refused(tmp_path):
+    from hf_tiny import make_hf_moe_model
+    from minivllm.state.load import check_hf_weights
+
+    params = load(save_checkpoint(make_hf_moe_model(seed=1), tmp_path / "moe"))
+    with pytest.raises(ValueError, match="mixture of experts"):
+        check_hf_weights(params, [("model.norm.weight", torch.ones(64))])
