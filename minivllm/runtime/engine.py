@@ -35,6 +35,7 @@ from ..functional.sampling import SamplingRow
 from ..state.batch import DecodeChunks, SeqChunk
 from ..state.classifier import ClassifierHead
 from ..state.config import FP8_DTYPES
+from ..state.load import check_hf_weights
 from ..state.values import as_int
 from .bad_words import banned_by_bad_words, bad_word_ids
 from .block_manager import BlockManager
@@ -319,6 +320,22 @@ class LLMEngine:
             return  # the same adapter: its slot and cached blocks hold its weights
         self.loras.forget(lid)
         self.block_manager.forget_root(-lid)
+
+    def load_weights(self, weights) -> None:
+        """Copy new weights (an iterable of (Hugging Face name, tensor) pairs, any subset of the
+        model's) into the model in place, then forget the prefix cache, whose blocks hold K/V the
+        old weights computed. Every pair is checked before any is copied
+        (state.load.check_hf_weights): a ValueError changes nothing. Refused while requests are
+        unfinished: their K/V so far is the old weights', their next tokens would be the new
+        ones' (vLLM lets it happen; a sequence of mixed weights is no policy's sample)."""
+        if self.has_unfinished_requests():
+            raise ValueError("load_weights while requests are unfinished would mix weights: "
+                             "their KV cache holds the old weights' keys and values, their next "
+                             "tokens would be the new weights'; finish or abort them first")
+        checked = check_hf_weights(self.runner.params, weights)
+        self.runner.load_weights(checked)
+        # No sequence holds a block now: every registered one is forgotten.
+        self.block_manager.reset_prefix_cache()
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Read and check an adapter ahead of its requests (vLLM's add_lora): ValueError if it

@@ -30,7 +30,7 @@ import torch
 from .config import EngineConfig
 from .distributed import (Groups, Launch, abort_groups, broadcast_step, collective_timeout,
                           destroy_groups, torchrun_env)
-from .runner import ModelRunner, SetLoRA, StepInput, StepResult
+from .runner import LoadWeights, ModelRunner, SetLoRA, StepInput, StepResult
 from .signals import deferred_sigint, exit_on_sigterm
 from .worker import config_for_rank, ready_key, spawned_worker, start_rank, torchrun_worker
 
@@ -319,6 +319,21 @@ class TPExecutor:
         def send():
             broadcast_step(SetLoRA(slot, adapter), self.groups)
             self.runner.set_lora(slot, adapter)
+
+        self._guarded(send)
+
+    def load_weights(self, checked: list) -> None:
+        """Copy checked (Hugging Face name, tensor) pairs into every rank's params, each rank its
+        own slice (ModelRunner.load_weights). The whole tensors travel to the workers pickled
+        over the control channel, through the host: simple, and slow for a large model (vLLM
+        broadcasts them over NCCL)."""
+        if self._closer.reason is not None:
+            raise RuntimeError(f"tensor-parallel engine is stopped: {self._closer.reason}")
+        host = [(name, t.detach().to("cpu")) for name, t in checked]
+
+        def send():
+            broadcast_step(LoadWeights(host), self.groups)
+            self.runner.load_weights(checked)
 
         self._guarded(send)
 

@@ -216,6 +216,17 @@ class LLM:
     def reset_prefix_cache(self) -> None:
         self.engine.block_manager.reset_prefix_cache()
 
+    def load_weights(self, weights) -> None:
+        """Update the model's weights in place from (Hugging Face name, tensor) pairs, e.g. a
+        trainer's state_dict().items(), any subset (TRL / OpenRLHF call vLLM's model
+        load_weights so): each tensor is cast to the model's dtype and copied into this rank's
+        slice of its param (q/k/v into the merged qkv, gate/up into gate_up; at
+        tensor_parallel_size > 1 into every rank's), and the prefix cache is reset. ValueError,
+        with nothing changed, for an unknown name, a wrong shape or a non-float tensor, and
+        while requests are unfinished; quantized and mixture-of-experts models are refused.
+        See LLMEngine.load_weights."""
+        self.engine.load_weights(weights)
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any; the LLM cannot generate afterwards. Also
         done at exit and when the LLM is garbage collected."""

@@ -31,7 +31,7 @@ from ..kernels import select_backend
 from ..state.batch import DecodeChunks, SeqChunk, is_decode_step, make_batch
 from ..state.cache import init_cache
 from ..state.config import ceil_div
-from ..state.load import load
+from ..state.load import copy_hf_weights_, load
 from ..state.params import Params, has_quantized, random_params
 from ..state.shard import ShardSpec
 from .config import EngineConfig, is_random_model, random_quantization
@@ -104,6 +104,16 @@ class SetLoRA:
 
     slot: int
     adapter: object
+
+
+@dataclass(frozen=True, eq=False)
+class LoadWeights:
+    """What the tensor-parallel executor sends its workers for LLM.load_weights, between
+    StepInputs: the checked (Hugging Face name, whole tensor on the host) pairs
+    (state.load.check_hf_weights, run once, by rank 0), of which every rank copies its own
+    slice into its params, as rank 0 does."""
+
+    weights: list
 
 
 @dataclass(frozen=True)
@@ -367,6 +377,13 @@ class ModelRunner:
         from ..state.lora import write_slot
 
         write_slot(self.params.lora, slot, adapter, self.model_config, self.params.shard)
+
+    def load_weights(self, checked: list) -> None:
+        """Copy checked (Hugging Face name, tensor) pairs (state.load.check_hf_weights) into
+        this rank's params, in place, queued in stream order after the steps already launched:
+        the compiled forward, the CUDA graphs and the persistent decode's layer table read the
+        same tensors, so they run the new weights without a recapture."""
+        copy_hf_weights_(self.params, checked)
 
     def _compile_and_capture(self, config: EngineConfig) -> None:
         graphs = captures_decode_graphs(self.device, self.enforce_eager, config.runner)

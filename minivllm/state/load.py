@@ -17,11 +17,13 @@ from __future__ import annotations
 import json
 import os
 
+import attrs
 import torch
 from safetensors import safe_open
+from torch.utils._pytree import tree_map
 
 from .config import ModelConfig, ceil_div, parse_dtype
-from .params import LayerParams, MoELayerParams, Params
+from .params import LayerParams, MoELayerParams, Params, has_quantized
 from .quant import (AWQ_PACK, AwqQuantization, AwqWeight, Fp8BlockQuantization, Fp8BlockWeight,
                     cat_awq, cat_fp8, dequantize_awq, dequantize_fp8_blocks,
                     quantization_from_config)
@@ -630,3 +632,142 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
         config=config,
         shard=shard,
     )
+
+
+# -- in-place weight updates (LLM.load_weights: an RL loop's new policy weights) -----------------
+
+
+@attrs.frozen
+class Placement:
+    """Where a Hugging Face tensor goes in one rank's Params: `field`, the path to the param
+    (("embed",), ("layers", n, "qkv"), ...); `rows`, the param's rows it fills ((start, stop), or
+    None: all of it, as a norm or o_proj is); `src_rows` / `src_cols`, this rank's slice of the
+    Hugging Face tensor (as load reads it: None, the whole)."""
+
+    field: tuple
+    rows: tuple[int, int] | None = None
+    src_rows: tuple[int, int] | None = None
+    src_cols: tuple[int, int] | None = None
+
+
+def hf_placements(config: ModelConfig, shard: ShardSpec) -> dict[str, Placement]:
+    """Every Hugging Face tensor name of a dense Qwen3 (with the "model." prefix) -> its
+    Placement in `shard`'s Params: load's layout, from the same shard ranges (q, k, v rows of
+    the merged qkv in that order; gate, then up rows of gate_up; this rank's columns of o_proj
+    and down; this rank's real rows of the vocabulary-parallel embedding and LM head, the
+    padding rows past the vocabulary left as load leaves them). A tied model has no
+    lm_head.weight. tests/test_load_weights.py checks the table against load, rank by rank."""
+    if config.is_moe:
+        raise ValueError("hf_placements covers dense Qwen3 models only (a mixture of experts' "
+                         "experts are stacked tensors: not supported)")
+    d = config.head_dim
+    q0, q1 = shard.head_range(config)
+    k0, k1 = shard.kv_head_range(config)
+    i0, i1 = shard.intermediate_range(config)
+    v0, v1 = shard.vocab_range(config)
+    nq, nkv, ni = (q1 - q0) * d, (k1 - k0) * d, i1 - i0
+    real = min(v1, config.vocab_size)
+    # A rank whose vocabulary slice is all padding reads nothing (load's vocab_rows).
+    vocab = Placement(None, rows=(0, max(real - v0, 0)), src_rows=(v0, max(real, v0)))
+    out = {"model.embed_tokens.weight": attrs.evolve(vocab, field=("embed",)),
+           "model.norm.weight": Placement(("final_norm",))}
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = attrs.evolve(vocab, field=("lm_head",))
+    for n in range(config.num_layers):
+        p = f"model.layers.{n}."
+
+        def at(field, **kw):
+            return Placement(("layers", n, field), **kw)
+        out.update({
+            p + "input_layernorm.weight": at("input_norm"),
+            p + "post_attention_layernorm.weight": at("post_norm"),
+            p + "self_attn.q_norm.weight": at("q_norm"),
+            p + "self_attn.k_norm.weight": at("k_norm"),
+            p + "self_attn.q_proj.weight": at("qkv", rows=(0, nq), src_rows=(q0 * d, q1 * d)),
+            p + "self_attn.k_proj.weight": at("qkv", rows=(nq, nq + nkv),
+                                              src_rows=(k0 * d, k1 * d)),
+            p + "self_attn.v_proj.weight": at("qkv", rows=(nq + nkv, nq + 2 * nkv),
+                                              src_rows=(k0 * d, k1 * d)),
+            p + "self_attn.o_proj.weight": at("o_proj", src_cols=(q0 * d, q1 * d)),
+            p + "mlp.gate_proj.weight": at("gate_up", rows=(0, ni), src_rows=(i0, i1)),
+            p + "mlp.up_proj.weight": at("gate_up", rows=(ni, 2 * ni), src_rows=(i0, i1)),
+            p + "mlp.down_proj.weight": at("down", src_cols=(i0, i1)),
+        })
+    return out
+
+
+def _hf_name(name: str) -> str:
+    """`name` with the backbone's "model." prefix, which a Qwen3Model's names lack
+    (backbone_prefix)."""
+    return name if name.startswith("model.") or name == "lm_head.weight" else "model." + name
+
+
+def check_hf_weights(params: Params, weights) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of `weights` (an iterable of Hugging Face names and whole,
+    unsharded tensors) to copy into `params`, every one checked first, so that a bad update
+    changes nothing: a ValueError naming the first name that is not the model's, the first
+    shape that is not the checkpoint's (_hf_shapes, what load checks), a non-tensor or a
+    non-float tensor (a quantized weight's integers would be cast to garbage, as load refuses
+    them). Skipped as load skips them: lm_head.weight of a tied model (load leaves it unread,
+    the head being the embedding) and rotary_emb.inv_freq. No NaN check (vLLM makes none: a
+    scan of every tensor is the caller's to pay for). Quantized params (AWQ, block fp8) and
+    mixtures of experts are refused whole."""
+    config = params.config
+    if has_quantized(params):
+        raise ValueError("load_weights cannot update quantized (AWQ or block-fp8) weights: "
+                         "their packed layout is not a Hugging Face tensor's")
+    if config.is_moe:
+        raise ValueError("load_weights supports dense Qwen3 models; this one is a mixture of "
+                         "experts")
+    shapes = _hf_shapes(config)
+    out = []
+    for item in weights:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise ValueError(f"load_weights takes (name, tensor) pairs, got {item!r:.80}")
+        name, tensor = item
+        full = _hf_name(name)
+        if full.endswith("rotary_emb.inv_freq") or \
+                (full == "lm_head.weight" and config.tie_word_embeddings):
+            continue
+        if full not in shapes:
+            raise ValueError(f"load_weights: {name} is not a weight of this model")
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"load_weights: {name} is a {type(tensor).__name__}, not a tensor")
+        if tuple(tensor.shape) != shapes[full]:
+            raise ValueError(f"load_weights: {name} has shape {tuple(tensor.shape)}, expected "
+                             f"{shapes[full]}")
+        if not tensor.is_floating_point():
+            raise ValueError(f"load_weights: {name} is {tensor.dtype}; weights are floats")
+        out.append((full, tensor))
+    return out
+
+
+def copy_hf_weights_(params: Params, checked: list[tuple[str, torch.Tensor]]) -> None:
+    """Copy check_hf_weights' pairs into `params` in place (copy_, cast to the params' dtype):
+    this rank's slice of each (hf_placements), into the tensors that compiled code, CUDA graphs
+    and the persistent decode's layer table hold by address, so that they see the new values
+    without a recapture. Later pairs of one name win."""
+    places = hf_placements(params.config, params.shard)
+    with torch.no_grad():
+        for name, tensor in checked:
+            place = places[name]
+            dst = params
+            for key in place.field:
+                dst = dst[key] if isinstance(key, int) else getattr(dst, key)
+            if place.rows is not None:
+                dst = dst[place.rows[0]:place.rows[1]]
+            src = tensor
+            if place.src_rows is not None:
+                src = src[place.src_rows[0]:place.src_rows[1]]
+            if place.src_cols is not None:
+                src = src[:, place.src_cols[0]:place.src_cols[1]]
+            dst.copy_(src)
+
+
+def assign_hf_weights(params: Params, weights) -> Params:
+    """The functional form: new Params, `params` with `weights` (check_hf_weights') in place of
+    its tensors; `params` is left as it was."""
+    checked = check_hf_weights(params, weights)
+    fresh = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, params)
+    copy_hf_weights_(fresh, checked)
+    return fresh

@@ -1,0 +1,211 @@
+"""LLM.load_weights: in-place weight updates from (Hugging Face name, tensor) pairs, as RL loops
+(TRL, OpenRLHF) push a trainer's weights into vLLM. The oracle is an engine (or load) built from
+the checkpoint holding the new weights: fp32 on the CPU, so tokens and logprobs match exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._pytree import tree_leaves
+
+from minivllm import LLM, SamplingParams
+from minivllm.state.load import assign_hf_weights, hf_placements, load
+from minivllm.state.shard import ShardSpec
+
+from hf_tiny import make_hf_model, save_checkpoint
+
+ENGINE = dict(num_kv_blocks=64, attention_backend="reference", device="cpu", block_size=4,
+              max_num_batched_tokens=64)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+# 23 tokens: five full blocks of 4, which the prefix cache registers.
+PROMPTS = [{"prompt_token_ids": torch.randint(0, 101, (n,), generator=torch.Generator()
+                                              .manual_seed(n)).tolist()} for n in (23, 6)]
+
+
+@pytest.fixture(scope="module")
+def models():
+    return make_hf_model(seed=1), make_hf_model(seed=2)
+
+
+@pytest.fixture(scope="module")
+def dirs(models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("loadw")
+    return tuple(save_checkpoint(m, root / name) for m, name in zip(models, "ab"))
+
+
+def run(llm, prompts=PROMPTS):
+    outs = [o.outputs[0] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    return ([o.token_ids for o in outs],
+            [[lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] for o in outs])
+
+
+def leaves(params):
+    return [t.clone() for t in tree_leaves(params) if isinstance(t, torch.Tensor)]
+
+
+def same(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_update_gives_the_new_checkpoints_engine_and_resets_the_prefix_cache(models, dirs):
+    with LLM(dirs[1], **ENGINE) as want_llm:
+        want = run(want_llm)
+        want_params = leaves(want_llm.engine.runner.params)
+    with LLM(dirs[0], **ENGINE) as llm:
+        before = run(llm)
+        run(llm)  # the long prompt again: its blocks are cached under A's weights
+        sched = llm.engine.scheduler
+        assert sched.num_prefix_cache_hits > 0  # a hit that a missing reset would reuse
+        assert before != want
+        llm.load_weights(models[1].state_dict().items())
+        assert same(leaves(llm.engine.runner.params), want_params)
+        hits = sched.num_prefix_cache_hits
+        assert run(llm) == want
+        assert sched.num_prefix_cache_hits == hits  # nothing of A's K/V was reused
+        # B's own blocks are cached and hit as usual (a cached prefix's attention sums in
+        # another order: logprobs equal to fp32 rounding).
+        again = run(llm)
+        assert sched.num_prefix_cache_hits > hits
+        assert again[0] == want[0]
+        torch.testing.assert_close(again[1], want[1], rtol=0, atol=1e-5)
+
+
+def test_partial_update_equals_the_checkpoint_with_that_tensor_changed(models, dirs, tmp_path):
+    name = "model.layers.1.self_attn.q_proj.weight"
+    new = models[1].state_dict()[name]
+    edited = make_hf_model(seed=1)
+    edited.load_state_dict({**edited.state_dict(), name: new})
+    with LLM(save_checkpoint(edited, tmp_path / "c"), **ENGINE) as want_llm:
+        want = run(want_llm)
+        want_params = leaves(want_llm.engine.runner.params)
+    with LLM(dirs[0], **ENGINE) as llm:
+        old = leaves(llm.engine.runner.params)
+        llm.load_weights([(name, new)])
+        got = leaves(llm.engine.runner.params)
+        assert same(got, want_params)
+        # Only qkv of layer 1 changed, and of it only the q rows (4 heads x 16).
+        changed = [i for i, (x, y) in enumerate(zip(old, got)) if not torch.equal(x, y)]
+        assert len(changed) == 1
+        qkv = got[changed[0]]
+        assert torch.equal(qkv[64:], old[changed[0]][64:]) and torch.equal(qkv[:64], new)
+        assert run(llm) == want
+
+
+@pytest.mark.parametrize("bad, match", [
+    (("model.layers.2.mlp.up_proj.weight", torch.zeros(96, 64)), "not a weight of this model"),
+    (("model.layers.0.mlp.up_proj.weight", torch.zeros(64, 96)), r"shape \(64, 96\), expected \(96, 64\)"),
+    (("model.norm.weight", [1.0] * 64), "list, not a tensor"),
+    (("model.norm.weight", torch.ones(64, dtype=torch.int32)), "weights are floats"),
+    ("model.norm.weight", "pairs"),
+])
+def test_a_bad_pair_changes_nothing(models, dirs, bad, match):
+    good = list(models[1].state_dict().items())
+    with LLM(dirs[0], **ENGINE) as llm:
+        old = leaves(llm.engine.runner.params)
+        before = run(llm)
+        with pytest.raises(ValueError, match=match):
+            llm.load_weights(good[:5] + [bad] + good[5:])  # good pairs on either side
+        assert same(leaves(llm.engine.runner.params), old)
+        # The same tokens, now from the prefix cache, which a refused update leaves alone.
+        hits = llm.engine.scheduler.num_prefix_cache_hits
+        assert run(llm)[0] == before[0]
+        assert llm.engine.scheduler.num_prefix_cache_hits > hits
+
+
+def test_refused_while_requests_run(models, dirs):
+    with LLM(dirs[0], **ENGINE) as llm:
+        old = leaves(llm.engine.runner.params)
+        rid = llm.engine.add_request(PROMPTS[0], GREEDY)
+        llm.engine.step()
+        with pytest.raises(ValueError, match="would mix weights"):
+            llm.load_weights(models[1].state_dict().items())
+        assert same(leaves(llm.engine.runner.params), old)
+        llm.engine.abort_request(rid)
+        llm.load_weights(models[1].state_dict().items())  # accepted once none runs
+        assert not same(leaves(llm.engine.runner.params), old)
+
+
+def test_tied_embeddings(tmp_path):
+    """A tied model's lm_head.weight is skipped, as load skips it in a checkpoint that has both:
+    the head is the embedding, which model.embed_tokens.weight updates."""
+    a, b = (make_hf_model(seed=s, tie_word_embeddings=True) for s in (1, 2))
+    assert "lm_head.weight" in b.state_dict()  # transformers lists the tied head too
+    with LLM(save_checkpoint(b, tmp_path / "b"), **ENGINE) as want_llm:
+        want = run(want_llm)
+    with LLM(save_checkpoint(a, tmp_path / "a"), **ENGINE) as llm:
+        old = leaves(llm.engine.runner.params)
+        llm.load_weights([("lm_head.weight", torch.zeros(101, 64))])
+        assert same(leaves(llm.engine.runner.params), old)
+        llm.load_weights(b.state_dict().items())
+        assert run(llm) == want
+
+
+def test_assign_hf_weights_is_pure_and_casts(models, dirs):
+    """The functional form: new Params equal to load's of the new checkpoint, in the params'
+    dtype (bf16 from fp32 tensors), the old Params untouched; names without "model." too."""
+    a = load(dirs[0], dtype=torch.bfloat16)
+    old = leaves(a)
+    pairs = [(n.removeprefix("model."), t) for n, t in models[1].state_dict().items()]
+    got = assign_hf_weights(a, pairs)
+    assert same(leaves(got), leaves(load(dirs[1], dtype=torch.bfloat16)))
+    assert same(leaves(a), old)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_placements_are_loads_layout_on_each_tensor_parallel_rank(models, dirs, rank):
+    """Each rank's slices of the update are what load reads for that rank (vocabulary 101
+    padded to 102: rank 1's last embedding row is padding, left zero)."""
+    shard = ShardSpec(rank=rank, world_size=2)
+    a = load(dirs[0], shard=shard)
+    assert hf_placements(a.config, shard)["model.layers.0.self_attn.k_proj.weight"].src_rows \
+        == (rank * 16, rank * 16 + 16)
+    got = assign_hf_weights(a, models[1].state_dict().items())
+    assert same(leaves(got), leaves(load(dirs[1], shard=shard)))
+
+
+def test_tensor_parallel_engine(models, dirs):
+    """tensor_parallel_size=2 (gloo, a spawned worker): the update reaches the worker's shard."""
+    with LLM(dirs[1], **ENGINE) as want_llm:
+        want = run(want_llm)
+    with LLM(dirs[0], tensor_parallel_size=2, **ENGINE) as llm:
+        run(llm)
+        llm.load_weights(models[1].state_dict().items())
+        got = run(llm)
+    assert got[0] == want[0]
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-5)
+
+
+def test_the_tensors_keep_their_addresses(models, dirs):
+    """What CUDA graphs, compiled code and the persistent decode's layer table rely on: the
+    update writes into the params' own storage (checked here on the CPU; the GPU's replay of
+    the captured graphs after an update is untested)."""
+    with LLM(dirs[0], **ENGINE) as llm:
+        params = llm.engine.runner.params
+        ptrs = [t.data_ptr() for t in tree_leaves(params)]
+        llm.load_weights(models[1].state_dict().items())
+        assert llm.engine.runner.params is params
+        assert [t.data_ptr() for t in tree_leaves(params)] == ptrs
+
+
+@pytest.mark.parametrize("quantization", ["awq", "fp8"])
+def test_quantized_params_are_refused(dirs, quantization):
+    from minivllm.state.load import check_hf_weights
+    from minivllm.state.params import random_params
+
+    import attrs
+
+    # Shapes AWQ groups and fp8 blocks of 128 divide.
+    config = attrs.evolve(load(dirs[0]).config, hidden_size=128, head_dim=128,
+                          intermediate_size=128)
+    params = random_params(config, quantization=quantization, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="quantized"):
+        check_hf_weights(params, [("model.norm.weight", torch.ones(128))])
+
+
+def test_mixture_of_experts_is_refused(tmp_path):
+    from hf_tiny import make_hf_moe_model
+    from minivllm.state.load import check_hf_weights
+
+    params = load(save_checkpoint(make_hf_moe_model(seed=1), tmp_path / "moe"))
+    with pytest.raises(ValueError, match="mixture of experts"):
+        check_hf_weights(params, [("model.norm.weight", torch.ones(64))])
