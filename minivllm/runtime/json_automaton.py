@@ -13,7 +13,7 @@ so its states internable and their masks cacheable:
 
 The output starts with '{' and ends with its matching '}' (no whitespace before or after: the
 sequence may only end there, through EOS). Strings and numbers may be of any length (max_tokens
-bounds them); strings take JSON's escapes (\\uXXXX with any four hex digits) and no control
+bounds them); strings take JSON's escapes (\\u followed by any four hex digits) and no control
 characters, numbers JSON's exact grammar -?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]+)?, and
 NaN / Infinity (which Python's json takes) are not JSON.
 
