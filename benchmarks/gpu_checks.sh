@@ -11,6 +11,8 @@
 #       single stream and ~256 sequences, summarized by kernel
 #   bash benchmarks/gpu_checks.sh lora  # nvidia-h200 or nvidia-h100-x1: the LoRA engine's GPU tests
 #       (decode graphs and compiled forward with adapters against the eager LoRA engine)
+#   bash benchmarks/gpu_checks.sh load_weights  # nvidia-h200 or nvidia-h100-x1: LLM.load_weights
+#       on a compiled engine with decode graphs (no recapture) against a fresh engine, bf16 and fp32
 #   bash benchmarks/gpu_checks.sh awq  # nvidia-h200 or nvidia-h100-x1: AWQ checkpoints' GPU tests
 #   bash benchmarks/gpu_checks.sh fp8w  # nvidia-h200 or nvidia-h100-x1: block-fp8 weights kept in fp8
 #       (the Triton AWQ GEMM in bf16/fp16, compiled and in a CUDA graph; the engine's graphs)
@@ -378,6 +380,17 @@ lora)
   # adapter merged too, and its base rows against a base engine's graphs.
   STEP_LOG=$OUT/tests.txt step lora_tests $(left_or 180) python3 -m pytest $PYTEST_ARGS \
     tests/test_lora.py -k gpu
+  ;;
+load_weights)
+  # nvidia-h200 or nvidia-h100-x1 (never run yet): in-place weight updates (LLM.load_weights) on a
+  # compiled engine with its decode CUDA graphs (the persistent decode at 1-2 rows, the prefill
+  # graphs where it takes them), checkpoint A updated to B's weights against a fresh engine from
+  # B: the same greedy tokens in bf16 and fp32, nothing captured again; then the CPU-side tests
+  # of test_load_weights.py on the GPU machine.
+  STEP_LOG=$OUT/tests.txt step load_weights_gpu_tests $(left_or 240) python3 -m pytest \
+    $PYTEST_ARGS tests/test_load_weights.py -k gpu
+  STEP_LOG=$OUT/tests.txt step load_weights_tests $(left_or 180) python3 -m pytest $PYTEST_ARGS \
+    tests/test_load_weights.py -k "not gpu"
   ;;
 awq)
   # nvidia-h200 or nvidia-h100-x1: AWQ 4-bit checkpoints' GPU tests (never run yet): the Triton

@@ -178,7 +178,7 @@ def test_tensor_parallel_engine(models, dirs):
 def test_the_tensors_keep_their_addresses(models, dirs):
     """What CUDA graphs, compiled code and the persistent decode's layer table rely on: the
     update writes into the params' own storage (checked here on the CPU; the GPU's replay of
-    the captured graphs after an update is untested)."""
+    the captured graphs after an update: test_gpu_graphs_run_the_new_weights_without_recapture)."""
     with LLM(dirs[0], **ENGINE) as llm:
         params = llm.engine.runner.params
         ptrs = [t.data_ptr() for t in tree_leaves(params)]
@@ -209,3 +209,59 @@ def test_mixture_of_experts_is_refused(tmp_path):
     params = load(save_checkpoint(make_hf_moe_model(seed=1), tmp_path / "moe"))
     with pytest.raises(ValueError, match="mixture of experts"):
         check_hf_weights(params, [("model.norm.weight", torch.ones(64))])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_graphs_run_the_new_weights_without_recapture(models, dirs, dtype, monkeypatch):
+    """On a GPU: an engine compiled with its decode CUDA graphs (and, where it takes them, the
+    persistent decode kernel's layer table and the prefill graphs), built from checkpoint A,
+    updated to B's weights, gives a fresh engine from B its greedy tokens, in bf16 and fp32,
+    without capturing anything again: the graphs' replays read the new weights in place.
+    Both engines run the same compiled kernels and graphs on equal weights (load_weights casts
+    as the load does), so tokens are equal exactly, logprobs too up to fp32's rounding."""
+    from engine_helpers import make_llm
+    from minivllm.runtime.graphs import DecodeGraphs
+    from minivllm.runtime.prefill_graph import PrefillGraph
+
+    captures = []
+    for cls in (DecodeGraphs, PrefillGraph):
+        inner = cls.capture
+
+        def counted(self, *a, _inner=inner, **kw):
+            captures.append(type(self).__name__)
+            return _inner(self, *a, **kw)
+        monkeypatch.setattr(cls, "capture", counted)
+    cuda = torch.device("cuda")
+    # Two prompts (the persistent decode's 1-2 rows where it applies) and four (the bucket of 4).
+    batches = [PROMPTS, PROMPTS + [{"prompt_token_ids": [7, 8, 9, 7, 8]},
+                                   {"prompt_token_ids": list(range(40, 52))}]]
+    kw = dict(dtype=dtype, block_size=16)
+
+    def runs(llm):
+        return [run(llm, b) for b in batches]
+    want_llm = make_llm(dirs[1], cuda, graphs=True, **kw)
+    assert want_llm.engine.runner.graphs is not None
+    want = runs(want_llm)
+    del want_llm
+    llm = make_llm(dirs[0], cuda, graphs=True, **kw)
+    runner = llm.engine.runner
+    assert runner.graphs is not None
+    replays, inner_replay = [], runner.graphs.replay
+    runner.graphs.replay = lambda b: replays.append(b) or inner_replay(b)
+    before = runs(llm)
+    assert [b[0] for b in before] != [w[0] for w in want]
+    captured, graphs, prefill = len(captures), runner.graphs, list(runner.prefill_graphs)
+    ptrs = [t.data_ptr() for t in tree_leaves(runner.params) if isinstance(t, torch.Tensor)]
+    llm.load_weights(models[1].state_dict().items())
+    replays.clear()
+    got = runs(llm)
+    assert len(captures) == captured  # nothing captured again
+    assert runner.graphs is graphs and runner.prefill_graphs == prefill
+    assert [t.data_ptr() for t in tree_leaves(runner.params)
+            if isinstance(t, torch.Tensor)] == ptrs
+    assert replays  # the decode steps replayed the graphs captured under A's weights
+    for (g_tokens, g_lps), (w_tokens, w_lps) in zip(got, want):
+        assert g_tokens == w_tokens
+        torch.testing.assert_close(g_lps, w_lps, rtol=0,
+                                   atol=1e-5 if dtype == "float32" else 1e-2)

@@ -413,3 +413,87 @@ def test_without_log_stats_nothing_is_recorded(llm):
         assert set(fams) == {"vllm:cache_config_info"}
     finally:
         engine.metrics = kept
+
+
+# -- LLM.get_metrics (vLLM's vllm.v1.metrics.reader) ---------------------------------------------
+
+def reader_view(families) -> list:
+    """What vLLM's reader makes of these parsed /metrics families (its get_metrics_snapshot over
+    prometheus_client's families, rewritten here over the text): a counter family is named
+    without _total, the per-position spec-decode counter is one Vector by position, a
+    histogram's buckets keyed by le."""
+    from minivllm.metrics import Counter, Gauge, Histogram, Vector
+    out = []
+    for name, f in families.items():
+        if f["type"] == "gauge":
+            out += [Gauge(name, lab, v) for _, lab, v in f["samples"]]
+        elif f["type"] == "counter":
+            short = name[:-len("_total")]
+            if short == "vllm:spec_decode_num_accepted_tokens_per_pos":
+                by_pos = {int(lab["position"]): int(v) for _, lab, v in f["samples"]}
+                rest = {k: v for k, v in f["samples"][0][1].items() if k != "position"}
+                out.append(Vector(short, rest, [by_pos[p] for p in range(len(by_pos))]))
+            else:
+                out += [Counter(short, lab, int(v)) for _, lab, v in f["samples"]]
+        else:
+            samples = f["samples"]
+            buckets = {lab["le"]: int(v) for n, lab, v in samples if n == name + "_bucket"}
+            (labels, total), = [(lab, v) for n, lab, v in samples if n == name + "_sum"]
+            count, = [int(v) for n, _, v in samples if n == name + "_count"]
+            out.append(Histogram(name, labels, count=count, sum=total, buckets=buckets))
+    return out
+
+
+def test_get_metrics_is_the_metrics_text_as_vllms_reader_reads_it(model_dir, device):  # noqa: F811
+    from minivllm.metrics import Counter, Gauge, Histogram, Metric, Vector
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1}
+    with make_llm(model_dir, device, max_model_len=256, speculative_config=spec) as llm:
+        prompts = [{"prompt_token_ids": [5, 6, 7, 8] * 4 + [5, 6]},
+                   {"prompt_token_ids": [9, 10, 11] * 5}, {"prompt_token_ids": [3, 1, 4, 1, 5]}]
+        llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                               SamplingParams(temperature=0, max_tokens=10, n=2),
+                               SamplingParams(temperature=0, max_tokens=1)], use_tqdm=False)
+        got = llm.get_metrics()
+        name = str(llm.config.model)
+        fams = parse(prom.render(prom.snapshot(llm.engine), name))
+    assert got == reader_view(fams)  # every family, label set and value
+    assert all(type(m) in (Counter, Gauge, Histogram, Vector) and isinstance(m, Metric)
+               for m in got)
+    by_name = {}
+    for m in got:
+        by_name.setdefault(m.name, []).append(m)
+        assert isinstance(m.labels, dict) and all(isinstance(v, str) for v in m.labels.values())
+        if isinstance(m, Counter):
+            assert type(m.value) is int and not m.name.endswith("_total")
+        elif isinstance(m, Gauge):
+            assert type(m.value) is float
+        elif isinstance(m, Histogram):
+            assert type(m.count) is int and type(m.sum) is float
+            assert list(m.buckets)[-1] == "+Inf" and m.buckets["+Inf"] == m.count
+            assert all(type(c) is int for c in m.buckets.values())
+            assert list(m.buckets.values()) == sorted(m.buckets.values())
+    assert {"model_name": name, "engine": "0"} == by_name["vllm:prompt_tokens"][0].labels
+    assert by_name["vllm:generation_tokens"][0].value == 24 + 2 * 10 + 1
+    assert by_name["vllm:prompt_tokens"][0].value == 18 + 2 * 15 + 5
+    assert by_name["vllm:request_success"][0].labels["finished_reason"] == "stop"
+    assert sum(c.value for c in by_name["vllm:request_success"]) == 4  # n=2: two requests
+    assert by_name["vllm:e2e_request_latency_seconds"][0].count == 4
+    assert by_name["vllm:iteration_tokens_total"][0].count > 0  # a histogram keeps _total
+    vec, = by_name["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert isinstance(vec, Vector) and len(vec.values) == 3 and vec.values[0] > 0
+    assert vec.labels == {"model_name": name, "engine": "0"}
+    assert sum(vec.values) == by_name["vllm:spec_decode_num_accepted_tokens"][0].value
+    assert "vllm:spec_decode_num_accepted_tokens_per_pos_total" not in by_name
+    cache, = by_name["vllm:cache_config_info"]
+    assert cache.value == 1.0 and cache.labels["block_size"] == "16"
+
+
+def test_get_metrics_refuses_without_log_stats(model_dir, device):  # noqa: F811
+    with make_llm(model_dir, device, disable_log_stats=True) as llm:
+        llm.generate([{"prompt_token_ids": [2, 3, 4]}], SamplingParams(max_tokens=3),
+                     use_tqdm=False)
+        assert llm.engine.metrics is None
+        with pytest.raises(RuntimeError, match="disable_log_stats=False"):
+            llm.get_metrics()
+        assert set(_snap(llm)) == {"vllm:cache_config_info"}

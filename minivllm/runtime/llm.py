@@ -134,6 +134,9 @@ class LLM:
     enable_prompt_embeds: generate / stream take vLLM's {"prompt_embeds": tensor [T,
     hidden_size]} prompts (README, "Prompt embeddings"): no prefix caching for them, no
     prompt_logprobs or beam search; their outputs' prompt_token_ids are None.
+    disable_log_stats: record no metrics (get_metrics() then refuses). Unlike vLLM's LLM, whose
+    default is True, metrics are recorded by default: the engine keeps a few counters and
+    histograms (runtime/metrics.py), cheap next to a step.
     """
 
     def __init__(self, model, *, tokenizer=None, dtype="auto", max_model_len: int | None = None,
@@ -149,7 +152,7 @@ class LLM:
                  runner: str = "auto", task: str | None = None,
                  scheduling_policy: str = "fcfs", speculative_config: dict | None = None,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
-                 enable_prompt_embeds: bool = False):
+                 enable_prompt_embeds: bool = False, disable_log_stats: bool = False):
         skip_tokenizer_init = as_flag("skip_tokenizer_init", skip_tokenizer_init, False)
         reasoning.check_parser(reasoning_parser)
         self.config = EngineConfig.create(
@@ -190,6 +193,8 @@ class LLM:
         runner = make_executor(self.config)
         self.engine = LLMEngine(self.config, tok, runner=runner, generation_config=gen,
                                 reasoning_parser=reasoning_parser, classifier=head)
+        if disable_log_stats:  # as vLLM's flag: no metrics recorded (get_metrics refuses)
+            self.engine.metrics = None
         # Requests of the calls in progress (generate, streams), and outputs one call's step
         # received for another's: see _next_outputs.
         self._owned: set[str] = set()
@@ -226,6 +231,20 @@ class LLM:
         while requests are unfinished; quantized and mixture-of-experts models are refused.
         See LLMEngine.load_weights."""
         self.engine.load_weights(weights)
+
+    def get_metrics(self) -> list:
+        """vLLM's metrics now, as vLLM's LLM.get_metrics(): a list of
+        minivllm.metrics.Counter / Gauge / Histogram / Vector (vLLM's vllm.v1.metrics.reader
+        dataclasses; runtime/metrics_reader.py), the families and values that `minivllm serve`'s
+        /metrics would show (labels model_name, this LLM's model path as vLLM's default
+        served_model_name, and engine "0"). Counters are named without _total, as vLLM's
+        reader names them. RuntimeError under disable_log_stats=True."""
+        if self.engine.metrics is None:
+            raise RuntimeError("Stat logging disabled. Set `disable_log_stats=False` argument "
+                               "to export metrics.")
+        from . import metrics, metrics_reader
+        return metrics_reader.get_metrics_snapshot(metrics.snapshot(self.engine),
+                                                   str(self.config.model))
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any; the LLM cannot generate afterwards. Also

@@ -6,7 +6,8 @@ counts), updated where it already does the work: a request's timestamps when it 
 scheduled, gets its first token and finishes; its tokens' inter-token latencies once a step, not
 a token (see LLMEngine._record_token_times). The server takes a snapshot between two steps, on the
 engine's thread, and renders it (`render`) as Prometheus' text exposition format 0.0.4, by hand:
-no dependency.
+no dependency. `families` lists a snapshot's metric families once, for both that text and
+LLM.get_metrics() (runtime/metrics_reader.py, vLLM's vllm.v1.metrics.reader dataclasses).
 
 Names, types, labels, buckets and meanings are vLLM v1's (vllm/v1/metrics/loggers.py,
 PrometheusStatLogger; vllm/v1/metrics/stats.py). As there, a request with n > 1 completions is
@@ -295,44 +296,67 @@ def _lora_snapshot(engine) -> dict | None:
             "waiting": names(sched.waiting)}
 
 
-def render(snap: dict, model_name: str, engine_index: int = 0) -> str:
-    """Prometheus' text format of a snapshot, vLLM's metrics under the labels model_name and
+# Its samples are one Vector in LLM.get_metrics (runtime/metrics_reader.py), as in vLLM's reader.
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+
+
+class Family:
+    """One metric family of a snapshot: its Prometheus name (a counter's with _total), kind
+    ("gauge", "counter" or "histogram"), help text and samples: (label pairs, value) for a
+    gauge or counter, (label pairs, Histogram) for a histogram. `families` builds the list that
+    both `render` (the /metrics text) and `metric_list` (LLM.get_metrics) read."""
+
+    __slots__ = ("name", "kind", "doc", "samples")
+
+    def __init__(self, name: str, kind: str, doc: str, samples: list):
+        self.name, self.kind, self.doc, self.samples = name, kind, doc, samples
+
+
+def families(snap: dict, model_name: str, engine_index: int = 0) -> list[Family]:
+    """vLLM's metric families of a snapshot, in /metrics' order, under the labels model_name and
     engine (vLLM's label names, in its order)."""
-    out = Exposition()
+    out: list[Family] = []
+
+    def gauge(name, doc, samples):
+        out.append(Family(name, "gauge", doc, samples))
+
+    def counter(name, doc, samples):
+        out.append(Family(name, "counter", doc, samples))
+
     base = [("model_name", model_name), ("engine", str(engine_index))]
     m: EngineMetrics | None = snap["metrics"]
-    out.gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-              [([*sorted(snap["cache_config"].items()), ("engine", str(engine_index))], 1)])
+    gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+          [([*sorted(snap["cache_config"].items()), ("engine", str(engine_index))], 1)])
     if m is None:  # serve --disable-log-stats: vLLM's logger is off, nothing is recorded
-        return out.text()
-    out.gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-              [(base, snap["running"])])
-    out.gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-              [(base, snap["waiting"])])
-    out.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-              [(base, snap["kv_cache_usage"])])
-    out.counter("vllm:prefix_cache_queries_total",
-                "Prefix cache queries, in terms of number of queried tokens.",
-                [(base, snap["prefix_cache_queries"])])
-    out.counter("vllm:prefix_cache_hits_total",
-                "Prefix cache hits, in terms of number of cached tokens.",
-                [(base, snap["prefix_cache_hits"])])
-    out.counter("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.",
-                [(base, snap["preemptions"])])
-    out.counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.",
-                [(base, m.prompt_tokens)])
-    out.counter("vllm:prompt_tokens_by_source_total", "Number of prompt tokens by source.",
-                [(base + [("source", s)], m.prompt_tokens_by_source[s]) for s in PROMPT_SOURCES])
-    out.counter("vllm:prompt_tokens_cached_total",
-                "Number of cached prompt tokens (local + external).",
-                [(base, m.prompt_tokens_cached)])
-    out.counter("vllm:prompt_tokens_recomputed_total",
-                "Number of cached tokens recomputed for forward pass.",
-                [(base, m.prompt_tokens_recomputed)])
-    out.counter("vllm:generation_tokens_total", "Number of generation tokens processed.",
-                [(base, snap["generation_tokens"])])
-    out.counter("vllm:request_success_total", "Count of successfully processed requests.",
-                [(base + [("finished_reason", r)], c) for r, c in m.request_success.items()])
+        return out
+    gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+          [(base, snap["running"])])
+    gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+          [(base, snap["waiting"])])
+    gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+          [(base, snap["kv_cache_usage"])])
+    counter("vllm:prefix_cache_queries_total",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            [(base, snap["prefix_cache_queries"])])
+    counter("vllm:prefix_cache_hits_total",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            [(base, snap["prefix_cache_hits"])])
+    counter("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.",
+            [(base, snap["preemptions"])])
+    counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.",
+            [(base, m.prompt_tokens)])
+    counter("vllm:prompt_tokens_by_source_total", "Number of prompt tokens by source.",
+            [(base + [("source", s)], m.prompt_tokens_by_source[s]) for s in PROMPT_SOURCES])
+    counter("vllm:prompt_tokens_cached_total",
+            "Number of cached prompt tokens (local + external).",
+            [(base, m.prompt_tokens_cached)])
+    counter("vllm:prompt_tokens_recomputed_total",
+            "Number of cached tokens recomputed for forward pass.",
+            [(base, m.prompt_tokens_recomputed)])
+    counter("vllm:generation_tokens_total", "Number of generation tokens processed.",
+            [(base, snap["generation_tokens"])])
+    counter("vllm:request_success_total", "Count of successfully processed requests.",
+            [(base + [("finished_reason", r)], c) for r, c in m.request_success.items()])
     histograms = [
         ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", m.prompt_len),
         ("vllm:request_generation_tokens", "Number of generation tokens processed.",
@@ -365,23 +389,34 @@ def render(snap: dict, model_name: str, engine_index: int = 0) -> str:
          m.prefill_kv_computed),
     ]
     for name, doc, h in histograms:
-        out.histogram(name, doc, base, h)
+        out.append(Family(name, "histogram", doc, [(base, h)]))
     spec = snap.get("spec")
     if spec is not None:
-        out.counter("vllm:spec_decode_num_drafts_total", "Number of spec decoding drafts.",
-                    [(base, spec["drafts"])])
-        out.counter("vllm:spec_decode_num_draft_tokens_total", "Number of draft tokens.",
-                    [(base, spec["draft_tokens"])])
-        out.counter("vllm:spec_decode_num_accepted_tokens_total", "Number of accepted tokens.",
-                    [(base, spec["accepted"])])
-        out.counter("vllm:spec_decode_num_accepted_tokens_per_pos_total",
-                    "Accepted tokens per draft position.",
-                    [(base + [("position", str(p))], n) for p, n in enumerate(spec["per_pos"])])
+        counter("vllm:spec_decode_num_drafts_total", "Number of spec decoding drafts.",
+                [(base, spec["drafts"])])
+        counter("vllm:spec_decode_num_draft_tokens_total", "Number of draft tokens.",
+                [(base, spec["draft_tokens"])])
+        counter("vllm:spec_decode_num_accepted_tokens_total", "Number of accepted tokens.",
+                [(base, spec["accepted"])])
+        counter(PER_POS, "Accepted tokens per draft position.",
+                [(base + [("position", str(p))], n) for p, n in enumerate(spec["per_pos"])])
     lora = snap.get("lora")
     if lora is not None:
         # vLLM's labels (no model or engine label) and value: the time of the update, as
         # prometheus_client's set_to_current_time; one sample, this scrape's adapters.
-        out.gauge("vllm:lora_requests_info", "Running stats on lora requests.",
-                  [([("max_lora", lora["max_lora"]), ("waiting_lora_adapters", lora["waiting"]),
-                     ("running_lora_adapters", lora["running"])], time.time())])
+        gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+              [([("max_lora", lora["max_lora"]), ("waiting_lora_adapters", lora["waiting"]),
+                 ("running_lora_adapters", lora["running"])], time.time())])
+    return out
+
+
+def render(snap: dict, model_name: str, engine_index: int = 0) -> str:
+    """Prometheus' text format of a snapshot (`families`)."""
+    out = Exposition()
+    for f in families(snap, model_name, engine_index):
+        if f.kind == "histogram":
+            for labels, h in f.samples:
+                out.histogram(f.name, f.doc, labels, h)
+        else:
+            getattr(out, f.kind)(f.name, f.doc, f.samples)
     return out.text()
