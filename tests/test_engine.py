@@ -486,6 +486,51 @@ def test_chat_uses_the_chat_template(demo_dir, device):
     assert len(two) == 2
 
 
+def test_chat_continues_the_final_message(demo_dir, device):
+    """continue_final_message (vLLM's LLM.chat): the prompt is transformers'
+    apply_chat_template(continue_final_message=True), the last message left open; the output
+    is only the continuation. With add_generation_prompt, or an empty conversation, refused."""
+    from transformers import AutoTokenizer
+
+    llm = make_llm(demo_dir, device, num_kv_blocks=32)
+    oracle = AutoTokenizer.from_pretrained(demo_dir)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    convs = [[{"role": "user", "content": "Tell me a story"},
+              {"role": "assistant", "content": "Once upon a "}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+              {"role": "assistant", "content": "Hello, my name is"}],
+             [{"role": "user", "content": "The capital of France is"}]]  # any role, as transformers
+    outs = llm.chat(convs, params, add_generation_prompt=False, continue_final_message=True,
+                    use_tqdm=False)
+    for conv, out in zip(convs, outs):
+        want = oracle.apply_chat_template(conv, continue_final_message=True, tokenize=False)
+        assert want.endswith(conv[-1]["content"]) and not want.endswith("<|im_end|>\n")
+        assert out.prompt == want
+        assert out.prompt_token_ids == oracle.encode(want, add_special_tokens=False)
+        same = llm.generate({"prompt_token_ids": out.prompt_token_ids}, params, use_tqdm=False)[0]
+        assert same.outputs[0].token_ids == out.outputs[0].token_ids
+        assert len(out.outputs[0].token_ids) == 5
+        assert not out.outputs[0].text.startswith(conv[-1]["content"])  # only the new text
+    # chat_template_kwargs' flags win over the arguments, as vLLM's LLM.chat
+    via_kwargs = llm.chat_prompts(convs[0], chat_template_kwargs={
+        "add_generation_prompt": False, "continue_final_message": True})
+    assert via_kwargs[0]["prompt"] == outs[0].prompt
+    assert llm.chat_prompts(convs[0], add_generation_prompt=False)[0]["prompt"].endswith(
+        "<|im_end|>\n")  # without the flag the turn is closed
+    with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):
+        llm.chat(convs[0], params, continue_final_message=True, use_tqdm=False)
+    with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):
+        llm.chat(convs[0], params, add_generation_prompt=True, continue_final_message=True,
+                 use_tqdm=False)
+    with pytest.raises(ValueError, match="conversation is empty"):
+        llm.chat([[]], params, add_generation_prompt=False, continue_final_message=True,
+                 use_tqdm=False)
+    with pytest.raises(ValueError, match="non-empty"):
+        llm.chat([], params, add_generation_prompt=False, continue_final_message=True,
+                 use_tqdm=False)
+    assert not llm.engine.requests
+
+
 def test_dtype_and_parallel_options(tiny_dir, device):
     assert make_llm(tiny_dir, device, dtype=torch.bfloat16).engine.runner.params.dtype == torch.bfloat16
     assert make_llm(tiny_dir, device, dtype="float16").engine.runner.cache.dtype == torch.float16

@@ -193,6 +193,30 @@ def test_chat_completions_equal_llm_chat(server, reference):
     assert texts == {0: c.text} and reasons == {0: c.finish_reason}
 
 
+def test_chat_continues_the_final_message(server, reference):
+    """continue_final_message (vLLM's chat field): the last (assistant) message is continued,
+    the response holding only the new text, whole and streamed, as LLM.chat gives it; /tokenize
+    renders the same prompt."""
+    messages = [{"role": "user", "content": "Tell me a story"},
+                {"role": "assistant", "content": "Once upon a"}]
+    body = {"model": NAME, "messages": messages, "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "continue_final_message": True, "add_generation_prompt": False}
+    status, whole = post(server, "/v1/chat/completions", body)
+    want = reference.chat(messages, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                          add_generation_prompt=False, continue_final_message=True,
+                          use_tqdm=False)[0]
+    assert want.prompt.endswith("<|im_start|>assistant\nOnce upon a")
+    assert status == 200, whole
+    assert whole["choices"][0]["message"] == {"role": "assistant",
+                                              "content": want.outputs[0].text}
+    assert whole["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+    texts, _ = joined(stream(server, "/v1/chat/completions", {**body, "stream": True}))
+    assert texts == {0: want.outputs[0].text}
+    _, tok = post(server, "/tokenize", {"messages": messages, "continue_final_message": True,
+                                        "add_generation_prompt": False})
+    assert tok["tokens"] == want.prompt_token_ids
+
+
 def test_echo_returns_the_prompt_and_its_logprobs(server, reference):
     status, body = post(server, "/v1/completions", {
         "prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1})
@@ -281,6 +305,14 @@ def test_a_client_that_leaves_mid_stream_frees_its_request(server):
                               "tools": [{"type": "function"}]}, 400, r"tools\[0\] must be"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "response_format": {"type": "yaml"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "x"}],
+                              "continue_final_message": True, "add_generation_prompt": True},
+     400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "x"}],
+                              "continue_final_message": True},
+     400, "continue_final_message and add_generation_prompt are not compatible"),
+    ("/v1/chat/completions", {"messages": [], "continue_final_message": True,
+                              "add_generation_prompt": False}, 400, "'messages' is required"),
     ("/v1/embeddings", {"input": "x"}, 404, "no route"),
     ("/v1/completions", {"prompt": "x", "temperature": 10**400}, 400, "too large"),
     ("/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "64 bits"),

@@ -583,8 +583,19 @@ def test_chat_logprobs_without_top_logprobs_are_the_tokens_own():
 
 
 def test_continue_final_message_needs_no_generation_prompt():
-    with pytest.raises(api.RequestError, match="continue_final_message"):
+    """vLLM's validator refuses both given true; add_generation_prompt left to its default
+    (true) is refused by transformers' template call, which vLLM answers 400."""
+    with pytest.raises(api.RequestError, match="continue_final_message and add_generation_prompt"):
         _chat(continue_final_message=True)
+    with pytest.raises(api.RequestError, match="Cannot set both `continue_final_message` and "
+                                               "`add_generation_prompt` to True."):
+        _chat(continue_final_message=True, add_generation_prompt=True)
+    for field in ({"messages": CHAT}, {"messages": CHAT, "add_generation_prompt": True}):
+        with pytest.raises(api.RequestError, match="continue_final_message"):
+            api.parse_tokenize({**field, "continue_final_message": True})
+    assert api.parse_tokenize({"messages": CHAT, "continue_final_message": True,
+                               "add_generation_prompt": False}).chat_options[
+                                   "continue_final_message"]
     req = _chat(continue_final_message=True, add_generation_prompt=False)
     options = req.chat_options
     assert options["continue_final_message"] and not options["add_generation_prompt"]
@@ -920,9 +931,8 @@ def test_chat_options_reach_the_template():
                               "tokenize": True}}, {})
     api.render_chat(llm, req.messages, req.chat_options)
     assert llm.calls == [{"chat_template": None, "add_generation_prompt": False,
-                          "chat_template_kwargs": {"enable_thinking": False,
-                                                   "continue_final_message": True},
-                          "tools": None}]
+                          "continue_final_message": True,
+                          "chat_template_kwargs": {"enable_thinking": False}, "tools": None}]
 
 
 def test_detokenize_takes_only_the_vocabularys_ids():

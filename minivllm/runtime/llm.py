@@ -445,21 +445,31 @@ class LLM:
         return self.engine.add_pooling_requests(prompts, params)
 
     def chat(self, messages, sampling_params=None, *, use_tqdm: bool = True, chat_template=None,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None, lora_request=None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
+             lora_request=None) -> list[RequestOutput]:
         """Complete one conversation (a list of {"role", "content"} dicts) or a list of them,
         formatted by the tokenizer's chat template (with `tools`, OpenAI's function
-        definitions, for a template that lists them, as Qwen3's)."""
+        definitions, for a template that lists them, as Qwen3's). continue_final_message
+        (with add_generation_prompt=False, as vLLM's) leaves the last message open, without
+        its end of turn, for the model to continue ("prefill"); the outputs hold only the new
+        text."""
         prompts = self.chat_prompts(messages, chat_template=chat_template,
                                     add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message,
                                     chat_template_kwargs=chat_template_kwargs, tools=tools)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
                              lora_request=lora_request)
 
     def chat_prompts(self, messages, *, chat_template=None, add_generation_prompt: bool = True,
+                     continue_final_message: bool = False,
                      chat_template_kwargs: dict | None = None, tools: list[dict] | None = None
                      ) -> list[dict]:
-        """Conversations -> prompts ({"prompt", "prompt_token_ids"}) through the chat template."""
+        """Conversations -> prompts ({"prompt", "prompt_token_ids"}) through the chat template.
+        As vLLM's LLM.chat, chat_template_kwargs' add_generation_prompt / continue_final_message
+        win over the arguments; continue_final_message renders as transformers'
+        apply_chat_template(continue_final_message=True): the text stops right after the last
+        message's content."""
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("chat needs a tokenizer, and this engine has none")
@@ -469,8 +479,19 @@ class LLM:
         kwargs = dict(chat_template_kwargs or {})
         if tools is not None:
             kwargs["tools"] = tools
+        add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
+        continue_final_message = kwargs.pop("continue_final_message", continue_final_message)
+        if continue_final_message and add_generation_prompt:
+            # transformers' refusal, which vLLM's LLM.chat passes on as a ValueError
+            raise ValueError("continue_final_message and add_generation_prompt are not "
+                             "compatible: pass add_generation_prompt=False to continue the "
+                             "final message")
+        if continue_final_message:
+            kwargs["continue_final_message"] = continue_final_message
         prompts = []
         for conv in conversations:
+            if continue_final_message and not conv:  # transformers' refusal too
+                raise ValueError("continue_final_message is set but the conversation is empty")
             text = tok.apply_chat_template(list(conv), tokenize=False, chat_template=chat_template,
                                            add_generation_prompt=add_generation_prompt,
                                            **kwargs)

@@ -424,6 +424,21 @@ def _chat_options(values: dict) -> dict:
                 tools=values["tools"])
 
 
+def _check_generation_prompt(values: dict) -> None:
+    """vLLM's refusals of continue_final_message with add_generation_prompt: its request
+    validator's when both are given true; transformers' (which vLLM answers 400) when
+    add_generation_prompt is left to its default, true."""
+    if not values["continue_final_message"]:
+        return
+    if values["add_generation_prompt"]:
+        raise RequestError("Cannot set both `continue_final_message` and "
+                           "`add_generation_prompt` to True.")
+    if values["add_generation_prompt"] is None:
+        raise RequestError("continue_final_message and add_generation_prompt are not "
+                           "compatible: add_generation_prompt defaults to true, so "
+                           "'continue_final_message' needs 'add_generation_prompt': false")
+
+
 def parse_chat(body, defaults: dict) -> ParsedRequest:
     """A /v1/chat/completions body -> ParsedRequest (see parse_completion)."""
     values = _checked_fields(body, _CHAT)
@@ -447,9 +462,8 @@ def parse_chat(body, defaults: dict) -> ParsedRequest:
     max_tokens = values["max_completion_tokens"]
     if max_tokens is None:
         max_tokens = values["max_tokens"]
+    _check_generation_prompt(values)
     options = _chat_options(values)
-    if options["continue_final_message"] and options["add_generation_prompt"]:
-        raise RequestError("'continue_final_message' needs 'add_generation_prompt': false")
     scored = _prompt_logprobs(values)
     params = _sampling(values, defaults, max_tokens=max_tokens, logprobs=logprobs,
                        prompt_logprobs=scored,
@@ -840,6 +854,7 @@ def parse_tokenize(body) -> TokenizeRequest:
         if not values["messages"]:
             raise RequestError("'messages' must not be empty")
         messages = [_message_text(m, k) for k, m in enumerate(values["messages"])]
+        _check_generation_prompt(values)
     if values["tools"] is not None:
         if messages is None:
             raise RequestError("'tools' needs 'messages'")
@@ -860,10 +875,9 @@ def render_chat(llm, messages: list, options: dict) -> dict:
     kwargs = {k: v for k, v in options["chat_template_kwargs"].items()
               if k not in ("add_generation_prompt", "continue_final_message", "chat_template",
                            "tokenize", "conversation", "tools")}
-    if options["continue_final_message"]:
-        kwargs["continue_final_message"] = True
     return llm.chat_prompts(messages, chat_template=options["chat_template"],
                             add_generation_prompt=options["add_generation_prompt"],
+                            continue_final_message=options["continue_final_message"],
                             chat_template_kwargs=kwargs, tools=options["tools"])[0]
 
 
