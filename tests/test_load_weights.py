@@ -4,15 +4,18 @@ the checkpoint holding the new weights: fp32 on the CPU, so tokens and logprobs 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch.utils._pytree import tree_leaves
 
 from minivllm import LLM, SamplingParams
-from minivllm.state.load import assign_hf_weights, hf_placements, load
+from minivllm.state.load import Placement, assign_hf_weights, hf_placements, load
 from minivllm.state.shard import ShardSpec
 
-from hf_tiny import make_hf_model, save_checkpoint
+from hf_tiny import make_hf_model, make_hf_moe_model, save_checkpoint
 
 ENGINE = dict(num_kv_blocks=64, attention_backend="reference", device="cpu", block_size=4,
               max_num_batched_tokens=64)
@@ -202,13 +205,124 @@ def test_quantized_params_are_refused(dirs, quantization):
         check_hf_weights(params, [("model.norm.weight", torch.ones(128))])
 
 
-def test_mixture_of_experts_is_refused(tmp_path):
-    from hf_tiny import make_hf_moe_model
-    from minivllm.state.load import check_hf_weights
+# --- mixture of experts (Qwen3MoeForCausalLM) ---------------------------------------------------
+# Layers 0 and 2 sparse (8 experts of moe_intermediate 32), layer 1 dense (mlp_only_layers).
+MOE = dict(mlp_only_layers=[1])
 
-    params = load(save_checkpoint(make_hf_moe_model(seed=1), tmp_path / "moe"))
-    with pytest.raises(ValueError, match="mixture of experts"):
-        check_hf_weights(params, [("model.norm.weight", torch.ones(64))])
+
+@pytest.fixture(scope="module")
+def moe_models():
+    return make_hf_moe_model(seed=1, std=0.3, **MOE), make_hf_moe_model(seed=2, std=0.3, **MOE)
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(moe_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("moelw")
+    return tuple(save_checkpoint(m, root / name) for m, name in zip(moe_models, "ab"))
+
+
+def moe_pairs(moe_models, moe_dirs, layout):
+    """B's weights as transformers 5 holds them ("fused": mlp.experts.gate_up_proj [experts,
+    2 * moe_intermediate, hidden], mlp.experts.down_proj) or as its checkpoint names them
+    ("checkpoint": mlp.experts.E.gate_proj.weight, ..., what load reads)."""
+    if layout == "fused":
+        pairs = list(moe_models[1].state_dict().items())
+        assert "model.layers.0.mlp.experts.gate_up_proj" in dict(pairs)
+        return pairs
+    pairs = list(load_file(os.path.join(moe_dirs[1], "model.safetensors")).items())
+    assert "model.layers.2.mlp.experts.7.down_proj.weight" in dict(pairs)
+    return pairs
+
+
+@pytest.mark.parametrize("layout", ["fused", "checkpoint"])
+def test_moe_update_gives_the_new_checkpoints_engine(moe_models, moe_dirs, layout):
+    with LLM(moe_dirs[1], **ENGINE) as want_llm:
+        want = run(want_llm)
+        want_params = leaves(want_llm.engine.runner.params)
+    with LLM(moe_dirs[0], **ENGINE) as llm:
+        assert llm.engine.runner.params.config.sparse_layers == (0, 2)
+        before = run(llm)
+        assert before != want
+        llm.load_weights(moe_pairs(moe_models, moe_dirs, layout))
+        assert same(leaves(llm.engine.runner.params), want_params)
+        assert run(llm) == want
+
+
+@pytest.mark.parametrize("layout", ["fused", "checkpoint"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_moe_placements_are_loads_layout_on_each_tensor_parallel_rank(moe_models, moe_dirs,
+                                                                      layout, rank):
+    """Every expert's intermediate size is cut in two (32 -> 16 a rank): each rank's gate, up
+    rows and down columns of each expert are what load reads for it."""
+    shard = ShardSpec(rank=rank, world_size=2)
+    a = load(moe_dirs[0], shard=shard)
+    places = hf_placements(a.config, shard)
+    assert places["model.layers.2.mlp.experts.3.up_proj.weight"] == Placement(
+        ("layers", 2, "experts_gate_up", 3), rows=(16, 32), src_rows=(rank * 16, rank * 16 + 16))
+    assert places["model.layers.0.mlp.experts.5.down_proj.weight"] == Placement(
+        ("layers", 0, "experts_down", 5), src_cols=(rank * 16, rank * 16 + 16))
+    assert places["model.layers.0.mlp.gate.weight"] == Placement(("layers", 0, "router"))
+    assert "model.layers.1.mlp.gate.weight" not in places  # the dense layer
+    assert places["model.layers.1.mlp.up_proj.weight"].src_rows == (rank * 48, rank * 48 + 48)
+    got = assign_hf_weights(a, moe_pairs(moe_models, moe_dirs, layout))
+    assert same(leaves(got), leaves(load(moe_dirs[1], shard=shard)))
+
+
+def test_moe_partial_update_of_one_expert(moe_models, moe_dirs):
+    """One expert's down_proj: only that expert's slice of its layer's experts_down changes."""
+    name = "model.layers.2.mlp.experts.5.down_proj.weight"
+    new = load_file(os.path.join(moe_dirs[1], "model.safetensors"))[name]
+    with LLM(moe_dirs[0], **ENGINE) as llm:
+        params = llm.engine.runner.params
+        old = leaves(params)
+        before = run(llm)
+        llm.load_weights([(name, new)])
+        got = leaves(params)
+        changed = [i for i, (x, y) in enumerate(zip(old, got)) if not torch.equal(x, y)]
+        assert len(changed) == 1
+        down = got[changed[0]]
+        assert torch.equal(down, params.layers[2].experts_down)
+        assert torch.equal(down[5], new)
+        keep = [e for e in range(8) if e != 5]
+        assert torch.equal(down[keep], old[changed[0]][keep])
+        assert run(llm) != before
+
+
+@pytest.mark.parametrize("bad, match", [
+    (("model.layers.0.mlp.experts.8.down_proj.weight", torch.zeros(64, 32)),
+     "not a weight of this model"),  # 8 experts: 0..7
+    (("model.layers.1.mlp.experts.0.up_proj.weight", torch.zeros(32, 64)),
+     "not a weight of this model"),  # layer 1 is dense
+    (("model.layers.1.mlp.experts.gate_up_proj", torch.zeros(8, 64, 64)),
+     "not a weight of this model"),
+    (("model.layers.1.mlp.gate.weight", torch.zeros(8, 64)), "not a weight of this model"),
+    (("model.layers.0.mlp.experts.3.gate_proj.weight", torch.zeros(64, 32)),
+     r"shape \(64, 32\), expected \(32, 64\)"),
+    (("model.layers.2.mlp.experts.gate_up_proj", torch.zeros(8, 32, 64)),
+     r"shape \(8, 32, 64\), expected \(8, 64, 64\)"),
+    (("model.layers.2.mlp.gate.weight", torch.zeros(6, 64)), r"expected \(8, 64\)"),
+    (("model.layers.0.mlp.experts.down_proj", torch.zeros(8, 64, 32, dtype=torch.int8)),
+     "weights are floats"),
+])
+def test_moe_a_bad_pair_changes_nothing(moe_models, moe_dirs, bad, match):
+    good = list(moe_models[1].state_dict().items())
+    with LLM(moe_dirs[0], **ENGINE) as llm:
+        old = leaves(llm.engine.runner.params)
+        with pytest.raises(ValueError, match=match):
+            llm.load_weights(good[:12] + [bad] + good[12:])  # good pairs on either side
+        assert same(leaves(llm.engine.runner.params), old)
+
+
+def test_moe_tensor_parallel_engine(moe_models, moe_dirs):
+    """tensor_parallel_size=2: the fused experts reach the worker whole, which cuts its slice."""
+    with LLM(moe_dirs[1], **ENGINE) as want_llm:
+        want = run(want_llm)
+    with LLM(moe_dirs[0], tensor_parallel_size=2, **ENGINE) as llm:
+        run(llm)
+        llm.load_weights(moe_models[1].state_dict().items())
+        got = run(llm)
+    assert got[0] == want[0]
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

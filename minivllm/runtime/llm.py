@@ -228,7 +228,9 @@ class LLM:
         slice of its param (q/k/v into the merged qkv, gate/up into gate_up; at
         tensor_parallel_size > 1 into every rank's), and the prefix cache is reset. ValueError,
         with nothing changed, for an unknown name, a wrong shape or a non-float tensor, and
-        while requests are unfinished; quantized and mixture-of-experts models are refused.
+        while requests are unfinished; quantized models are refused. A mixture of experts'
+        experts go by their checkpoint names (mlp.experts.E.gate_proj.weight, ...) or
+        transformers 5's fused ones (mlp.experts.gate_up_proj, mlp.experts.down_proj).
         See LLMEngine.load_weights."""
         self.engine.load_weights(weights)
 

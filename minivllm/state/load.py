@@ -640,9 +640,10 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
 @attrs.frozen
 class Placement:
     """Where a Hugging Face tensor goes in one rank's Params: `field`, the path to the param
-    (("embed",), ("layers", n, "qkv"), ...); `rows`, the param's rows it fills ((start, stop), or
-    None: all of it, as a norm or o_proj is); `src_rows` / `src_cols`, this rank's slice of the
-    Hugging Face tensor (as load reads it: None, the whole)."""
+    (("embed",), ("layers", n, "qkv"), ..., ("layers", n, "experts_down", e): expert e's
+    [hidden, moe_local] of the stacked experts); `rows`, the param's rows it fills ((start,
+    stop), or None: all of it, as a norm or o_proj is); `src_rows` / `src_cols`, this rank's
+    slice of the Hugging Face tensor (as load reads it: None, the whole)."""
 
     field: tuple
     rows: tuple[int, int] | None = None
@@ -651,19 +652,21 @@ class Placement:
 
 
 def hf_placements(config: ModelConfig, shard: ShardSpec) -> dict[str, Placement]:
-    """Every Hugging Face tensor name of a dense Qwen3 (with the "model." prefix) -> its
-    Placement in `shard`'s Params: load's layout, from the same shard ranges (q, k, v rows of
-    the merged qkv in that order; gate, then up rows of gate_up; this rank's columns of o_proj
-    and down; this rank's real rows of the vocabulary-parallel embedding and LM head, the
-    padding rows past the vocabulary left as load leaves them). A tied model has no
-    lm_head.weight. tests/test_load_weights.py checks the table against load, rank by rank."""
-    if config.is_moe:
-        raise ValueError("hf_placements covers dense Qwen3 models only (a mixture of experts' "
-                         "experts are stacked tensors: not supported)")
+    """Every Hugging Face tensor name of a Qwen3 or Qwen3-MoE checkpoint (with the "model."
+    prefix) -> its Placement in `shard`'s Params: load's layout, from the same shard ranges (q,
+    k, v rows of the merged qkv in that order; gate, then up rows of gate_up; this rank's columns
+    of o_proj and down; this rank's real rows of the vocabulary-parallel embedding and LM head,
+    the padding rows past the vocabulary left as load leaves them). A sparse layer's router
+    (mlp.gate) is its router whole; expert e's gate_proj and up_proj fill this rank's gate, then
+    up rows of experts_gate_up[e] (their rows of moe_intermediate_range), its down_proj this
+    rank's columns into experts_down[e] (the expert index is the field path's last step). A
+    tied model has no lm_head.weight. tests/test_load_weights.py checks the table against load,
+    rank by rank, dense and mixture of experts."""
     d = config.head_dim
     q0, q1 = shard.head_range(config)
     k0, k1 = shard.kv_head_range(config)
     i0, i1 = shard.intermediate_range(config)
+    m0, m1 = shard.moe_intermediate_range(config)
     v0, v1 = shard.vocab_range(config)
     nq, nkv, ni = (q1 - q0) * d, (k1 - k0) * d, i1 - i0
     real = min(v1, config.vocab_size)
@@ -689,11 +692,59 @@ def hf_placements(config: ModelConfig, shard: ShardSpec) -> dict[str, Placement]
             p + "self_attn.v_proj.weight": at("qkv", rows=(nq + nkv, nq + 2 * nkv),
                                               src_rows=(k0 * d, k1 * d)),
             p + "self_attn.o_proj.weight": at("o_proj", src_cols=(q0 * d, q1 * d)),
+        })
+        if config.is_sparse_layer(n):
+            nm = m1 - m0
+            out[p + "mlp.gate.weight"] = at("router")
+            for e in range(config.num_experts):
+                q = f"{p}mlp.experts.{e}."
+                out.update({
+                    q + "gate_proj.weight": Placement(("layers", n, "experts_gate_up", e),
+                                                      rows=(0, nm), src_rows=(m0, m1)),
+                    q + "up_proj.weight": Placement(("layers", n, "experts_gate_up", e),
+                                                    rows=(nm, 2 * nm), src_rows=(m0, m1)),
+                    q + "down_proj.weight": Placement(("layers", n, "experts_down", e),
+                                                      src_cols=(m0, m1)),
+                })
+            continue
+        out.update({
             p + "mlp.gate_proj.weight": at("gate_up", rows=(0, ni), src_rows=(i0, i1)),
             p + "mlp.up_proj.weight": at("gate_up", rows=(ni, 2 * ni), src_rows=(i0, i1)),
             p + "mlp.down_proj.weight": at("down", src_cols=(i0, i1)),
         })
     return out
+
+
+def _fused_expert_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """transformers 5's in-memory names of a sparse layer's experts, each all experts' one
+    tensor (its checkpoints are written, and load reads them, expert by expert):
+    model.layers.N.mlp.experts.gate_up_proj [experts, 2 * moe_intermediate, hidden], every
+    expert's gate_proj rows then its up_proj rows, and ...experts.down_proj [experts, hidden,
+    moe_intermediate]."""
+    e, h, m = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    shapes = {}
+    for n in range(config.num_layers):
+        if config.is_sparse_layer(n):
+            p = f"model.layers.{n}.mlp.experts."
+            shapes[p + "gate_up_proj"] = (e, 2 * m, h)
+            shapes[p + "down_proj"] = (e, h, m)
+    return shapes
+
+
+def _per_expert(config: ModelConfig, name: str, tensor: torch.Tensor):
+    """A fused experts tensor (_fused_expert_shapes) as the per-expert (name, view) pairs of a
+    checkpoint, which hf_placements places; any other pair as it is."""
+    p, _, last = name.rpartition(".")
+    if ".mlp.experts." in name and last == "gate_up_proj":
+        m = config.moe_intermediate_size
+        for e in range(config.num_experts):
+            yield f"{p}.{e}.gate_proj.weight", tensor[e, :m]
+            yield f"{p}.{e}.up_proj.weight", tensor[e, m:]
+    elif ".mlp.experts." in name and last == "down_proj":
+        for e in range(config.num_experts):
+            yield f"{p}.{e}.down_proj.weight", tensor[e]
+    else:
+        yield name, tensor
 
 
 def _hf_name(name: str) -> str:
@@ -710,16 +761,17 @@ def check_hf_weights(params: Params, weights) -> list[tuple[str, torch.Tensor]]:
     non-float tensor (a quantized weight's integers would be cast to garbage, as load refuses
     them). Skipped as load skips them: lm_head.weight of a tied model (load leaves it unread,
     the head being the embedding) and rotary_emb.inv_freq. No NaN check (vLLM makes none: a
-    scan of every tensor is the caller's to pay for). Quantized params (AWQ, block fp8) and
-    mixtures of experts are refused whole."""
+    scan of every tensor is the caller's to pay for). A mixture of experts' experts are named
+    as in its checkpoint (model.layers.N.mlp.experts.E.gate_proj.weight, ...) or as
+    transformers 5 holds them in memory, fused (...mlp.experts.gate_up_proj, ...down_proj:
+    _fused_expert_shapes); a fused pair stays whole here (so that tensor parallelism sends one
+    tensor) and copy_hf_weights_ cuts it. Quantized params (AWQ, block fp8) are refused
+    whole."""
     config = params.config
     if has_quantized(params):
         raise ValueError("load_weights cannot update quantized (AWQ or block-fp8) weights: "
                          "their packed layout is not a Hugging Face tensor's")
-    if config.is_moe:
-        raise ValueError("load_weights supports dense Qwen3 models; this one is a mixture of "
-                         "experts")
-    shapes = _hf_shapes(config)
+    shapes = {**_hf_shapes(config), **_fused_expert_shapes(config)}
     out = []
     for item in weights:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
@@ -749,7 +801,8 @@ def copy_hf_weights_(params: Params, checked: list[tuple[str, torch.Tensor]]) ->
     without a recapture. Later pairs of one name win."""
     places = hf_placements(params.config, params.shard)
     with torch.no_grad():
-        for name, tensor in checked:
+        for name, tensor in (pair for fused in checked
+                             for pair in _per_expert(params.config, *fused)):
             place = places[name]
             dst = params
             for key in place.field:
