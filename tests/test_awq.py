@@ -278,7 +278,7 @@ def test_kernel_matches_the_dequantized_product(device, m, k, n, group, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_steps_from_256_rows_dequantize_and_multiply(device, kernel_calls, dtype):
-    """functional.linear's awq_matmul: the kernel below AWQ_DEQUANTIZE_ROWS rows, the dequantized
+    """functional.linear's awq_matmul: the kernel below DEQUANTIZE_ROWS rows, the dequantized
     weight times torch's matmul from there on (vLLM's choice at 256 tokens); both give the
     product."""
     from minivllm.functional import linear
@@ -286,7 +286,7 @@ def test_steps_from_256_rows_dequantize_and_multiply(device, kernel_calls, dtype
 
     if not triton_usable(device):
         pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
-    rows = linear.AWQ_DEQUANTIZE_ROWS
+    rows = linear.DEQUANTIZE_ROWS
     assert rows == 256
     w = random_awq(64, 32, 32, seed=3)
     w = AwqWeight(w.qweight.to(device), w.qzeros.to(device), w.scales.to(device), w.group_size)
@@ -703,18 +703,13 @@ def test_gpu_kernel_matches_torch_path(m, k, n, group, dtype):
     check_product(awq_linear(x, w), x, w)
 
 
-@gpu
-def test_gpu_compiled_and_graphed():
-    """awq_matmul under torch.compile(fullgraph=True, inductor) and replayed in a CUDA graph
-    equals eager."""
-    from minivllm.functional.linear import awq_matmul
-
-    w = random_awq(4096, 4096, 128, seed=0)
-    w = AwqWeight(w.qweight.cuda(), w.qzeros.cuda(), w.scales.cuda(), w.group_size)
-    fn = torch.compile(lambda x, w: awq_matmul(x * 2, w) + 1, fullgraph=True)
+def check_compiled_and_graphed(matmul, w):
+    """matmul(x, w) (a quantized weight's) under torch.compile(fullgraph=True, inductor) and
+    replayed in a CUDA graph equals eager: test_fp8_weights.py's GPU test shares it."""
+    fn = torch.compile(lambda x, w: matmul(x * 2, w) + 1, fullgraph=True)
     x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
-        want = awq_matmul(x * 2, w) + 1
+        want = matmul(x * 2, w) + 1
         torch.testing.assert_close(fn(x, w), want, rtol=1e-2, atol=1e-2)
         static = x.clone()
         stream = torch.cuda.Stream()
@@ -728,6 +723,17 @@ def test_gpu_compiled_and_graphed():
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)
+
+
+@gpu
+def test_gpu_compiled_and_graphed():
+    """awq_matmul under torch.compile(fullgraph=True, inductor) and replayed in a CUDA graph
+    equals eager."""
+    from minivllm.functional.linear import awq_matmul
+
+    w = random_awq(4096, 4096, 128, seed=0)
+    w = AwqWeight(w.qweight.cuda(), w.qzeros.cuda(), w.scales.cuda(), w.group_size)
+    check_compiled_and_graphed(awq_matmul, w)
 
 
 @gpu

@@ -38,7 +38,8 @@ from minivllm.state.quant import Fp8BlockWeight, dequantize_fp8_weight
 
 from engine_helpers import make_llm
 from hf_tiny import make_hf_model, save_checkpoint
-from test_awq import PROMPTS, hf_logits, hf_tiny_device, mv_logits
+from test_awq import (PROMPTS, check_compiled_and_graphed, hf_logits, hf_tiny_device,
+                      mv_logits)
 from test_fp8_checkpoint import (ALIGNED, EDGE, LINEARS, dequantize_blocks, merged,
                                  write_fp8_checkpoint)
 from tp_worker import _free_port, _worker
@@ -170,12 +171,12 @@ def test_dequantize_fp8_weight_is_the_load_time_dequantization():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_steps_from_256_rows_dequantize_and_multiply(device, kernel_calls, dtype):
-    """functional.linear's fp8_matmul: the kernel below FP8_DEQUANTIZE_ROWS rows, the
+    """functional.linear's fp8_matmul: the kernel below DEQUANTIZE_ROWS rows, the
     dequantized weight times torch's matmul from there on; both give the product."""
     from minivllm.functional import linear
 
     triton_or_skip(device)
-    rows = linear.FP8_DEQUANTIZE_ROWS
+    rows = linear.DEQUANTIZE_ROWS
     assert rows == 256
     w = to(random_fp8(48, 160, seed=3), device)
     for m, kernel in ((1, True), (rows - 1, True), (rows, False), (rows + 44, False)):
@@ -510,24 +511,7 @@ def test_gpu_compiled_and_graphed():
     equals eager."""
     from minivllm.functional.linear import fp8_matmul
 
-    w = to(random_fp8(4096, 4096, seed=0), "cuda")
-    fn = torch.compile(lambda x, w: fp8_matmul(x * 2, w) + 1, fullgraph=True)
-    x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
-    with torch.no_grad():
-        want = fp8_matmul(x * 2, w) + 1
-        torch.testing.assert_close(fn(x, w), want, rtol=1e-2, atol=1e-2)
-        static = x.clone()
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            fn(static, w)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fn(static, w)
-        static.copy_(x)
-        graph.replay()
-        torch.cuda.synchronize()
-        torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)
+    check_compiled_and_graphed(fp8_matmul, to(random_fp8(4096, 4096, seed=0), "cuda"))
 
 
 @gpu

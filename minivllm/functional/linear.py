@@ -40,30 +40,47 @@ def _skinny(x: torch.Tensor) -> bool:
     return x.shape[0] <= MAX_SKINNY_ROWS
 
 
-# AWQ weights (state/quant.AwqWeight, Qwen3-*-AWQ checkpoints) are multiplied by the Triton AWQ
-# GEMM (kernels/awq_gemm.py), which dequantizes tile by tile inside the GEMM, for steps of fewer
-# than AWQ_DEQUANTIZE_ROWS rows wherever Triton runs outside autograd: on a GPU, and on a CPU
-# under TRITON_INTERPRET=1 when not being traced by torch.compile (an interpreted kernel is
+# AWQ weights (state/quant.AwqWeight, Qwen3-*-AWQ checkpoints) and block-fp8 ones
+# (state/quant.Fp8BlockWeight, Qwen3-*-FP8 kept in fp8) are multiplied by a Triton GEMM that
+# dequantizes tile by tile inside the GEMM (kernels/awq_gemm.py, kernels/fp8_gemm.py), for steps
+# of fewer than DEQUANTIZE_ROWS rows wherever Triton runs outside autograd: on a GPU, and on a
+# CPU under TRITON_INTERPRET=1 when not being traced by torch.compile (an interpreted kernel is
 # opaque to dynamo). Elsewhere the weight is dequantized to the activation dtype and multiplied
-# by torch (awq_torch_linear). From 256 rows on (prefill) that is vLLM's choice too: the GEMM is
-# bound by its FLOPs there, where cuBLAS's tiles beat a kernel that unpacks in its inner loop,
-# and writing the dequantized weight costs what reading a few hundred rows does (not measured
-# here). MINIVLLM_AWQ_KERNEL=torch: the torch path everywhere.
+# by torch (awq_torch_linear, fp8_torch_linear). From 256 rows on (prefill) that is vLLM's AWQ
+# choice too: the GEMM is bound by its FLOPs there, where cuBLAS's tiles beat a kernel that
+# unpacks in its inner loop, and writing the dequantized weight costs what reading a few hundred
+# rows does (not measured here; vLLM's block-fp8 method runs its own fp8 GEMMs throughout).
+# MINIVLLM_AWQ_KERNEL=torch / MINIVLLM_FP8_KERNEL=torch: the torch path everywhere.
 _AWQ_KERNEL = os.environ.get("MINIVLLM_AWQ_KERNEL", "triton")
+_FP8_KERNEL = os.environ.get("MINIVLLM_FP8_KERNEL", "triton")
 QUANTIZED_KERNELS = ("triton", "torch")  # MINIVLLM_AWQ_KERNEL's and MINIVLLM_FP8_KERNEL's
-AWQ_DEQUANTIZE_ROWS = 256
+DEQUANTIZE_ROWS = 256
+
+
+def _dequant_kernel(x: torch.Tensor, flag: str,
+                    min_capability: tuple[int, int] | None = None) -> bool:
+    """Whether a dequantizing Triton GEMM takes x here (see above): `flag` (the format's env
+    choice) "triton", no autograd, 1 .. DEQUANTIZE_ROWS - 1 rows; on a GPU of at least
+    `min_capability` (None: any), or under the interpreter outside torch.compile, where bf16
+    takes the torch path (its products come out wrong: numpy has no bf16)."""
+    if flag != "triton" or torch.is_grad_enabled() or not 1 <= x.shape[0] < DEQUANTIZE_ROWS:
+        return False
+    from ..kernels.launch import cuda_capability, runs_ptx, triton_usable
+
+    if runs_ptx(x.device):
+        return min_capability is None or cuda_capability(x.device) >= min_capability
+    return triton_usable(x.device) and x.dtype != torch.bfloat16 and \
+        not torch.compiler.is_compiling()
 
 
 def _awq_kernel(x: torch.Tensor) -> bool:
-    if _AWQ_KERNEL != "triton" or torch.is_grad_enabled() or \
-            not 1 <= x.shape[0] < AWQ_DEQUANTIZE_ROWS:
-        return False
-    from ..kernels.launch import runs_ptx, triton_usable
+    return _dequant_kernel(x, _AWQ_KERNEL)
 
-    # Under the interpreter (a CPU with TRITON_INTERPRET=1) bf16 products come out wrong (numpy
-    # has no bf16), so bf16 takes the torch path there.
-    return runs_ptx(x.device) or (triton_usable(x.device) and x.dtype != torch.bfloat16
-                                  and not torch.compiler.is_compiling())
+
+def _fp8_kernel(x: torch.Tensor) -> bool:
+    # Triton converts float8_e4m3fn (its fp8e4nv) on sm_89 and later only (Ada, Hopper, ...):
+    # older GPUs take the torch path, which torch converts anywhere.
+    return _dequant_kernel(x, _FP8_KERNEL, (8, 9))
 
 
 def awq_torch_linear(x: torch.Tensor, weight: AwqWeight) -> torch.Tensor:
@@ -79,31 +96,6 @@ def awq_matmul(x: torch.Tensor, weight: AwqWeight) -> torch.Tensor:
 
         return awq_linear(x, weight)
     return awq_torch_linear(x, weight)
-
-
-# Block-fp8 weights (state/quant.Fp8BlockWeight, Qwen3-*-FP8 checkpoints) take the same road as
-# AWQ's: the Triton block-fp8 GEMM (kernels/fp8_gemm.py, dequantizing tile by tile) below
-# FP8_DEQUANTIZE_ROWS rows where Triton runs outside autograd, else the weight dequantized to the
-# activation dtype (dequantize_fp8_weight) times torch's matmul; the same reasons hold (vLLM's
-# block-fp8 method runs its own fp8 GEMMs throughout: not measured here against this).
-# MINIVLLM_FP8_KERNEL=torch: the torch path everywhere.
-_FP8_KERNEL = os.environ.get("MINIVLLM_FP8_KERNEL", "triton")
-FP8_DEQUANTIZE_ROWS = 256
-
-
-def _fp8_kernel(x: torch.Tensor) -> bool:
-    if _FP8_KERNEL != "triton" or torch.is_grad_enabled() or \
-            not 1 <= x.shape[0] < FP8_DEQUANTIZE_ROWS:
-        return False
-    from ..kernels.launch import cuda_capability, runs_ptx, triton_usable
-
-    # Triton converts float8_e4m3fn (its fp8e4nv) on sm_89 and later only (Ada, Hopper, ...):
-    # older GPUs take the torch path, which torch converts anywhere. As _awq_kernel: bf16 under
-    # the interpreter takes the torch path (numpy has no bf16).
-    if runs_ptx(x.device):
-        return cuda_capability(x.device) >= (8, 9)
-    return triton_usable(x.device) and x.dtype != torch.bfloat16 and \
-        not torch.compiler.is_compiling()
 
 
 def fp8_torch_linear(x: torch.Tensor, weight: Fp8BlockWeight) -> torch.Tensor:

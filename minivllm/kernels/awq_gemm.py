@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from ..state.quant import AWQ_PACK, AwqWeight
-from .dequant_tiles import dequant_gemm_config
+from .dequant_tiles import dequant_gemm_config, finish, split_output
 from .launch import dot_precision, next_pow2
 
 BLOCK_KS = (128, 64, 32, 16)  # largest first; 16 is tl.dot's minimum
@@ -132,26 +132,18 @@ def awq_linear(x: torch.Tensor, weight: AwqWeight, *, partials: bool = False,
     if k != weight.in_features:
         raise ValueError(f"awq_linear: x has {k} columns, the weight {weight.in_features} inputs")
     cfg = awq_config(m, n, k, g, x.dtype, x.device, **(config or {}))
-    bk, split = cfg["block_k"], cfg["split"]
+    bk = cfg["block_k"]
     if not (g >= k or g % bk == 0):
         raise ValueError(f"awq_linear: block_k {bk} does not divide the group size {g}")
-    k_per_split = triton.cdiv(triton.cdiv(k, bk), split) * bk
-    to_workspace = partials or split > 1
-    out = torch.empty((split, m, n) if to_workspace else (m, n), device=x.device,
-                      dtype=torch.float32 if to_workspace else x.dtype)
-    grid = (triton.cdiv(m, cfg["block_m"]), triton.cdiv(n, cfg["block_n"]), split)
+    out, grid, k_per_split = split_output(x, n, cfg, partials)
     _awq_gemm_kernel[grid](
         x, weight.qweight, weight.qzeros, weight.scales, out, m, n, k, min(g, k), k_per_split,
         x.stride(0), x.stride(1), n,
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=bk,
-        EVEN_K=k % bk == 0, SPLIT=to_workspace,
+        EVEN_K=k % bk == 0, SPLIT=out.dim() == 3,
         PRECISION=dot_precision(x.dtype), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
-    if partials:
-        return out
-    if split > 1:
-        return out.sum(0).to(x.dtype)
-    return out
+    return finish(out, partials, x.dtype)
 
 
 __all__ = ["AWQ_PACK", "awq_config", "awq_linear"]

@@ -53,3 +53,26 @@ def dequant_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, device: torc
                 num_warps=override.get("num_warps") or (8 if big else 4),
                 num_stages=override.get("num_stages") or (3 if on_gpu and big else
                                                           4 if on_gpu else 2))
+
+
+def split_output(x: torch.Tensor, n: int, cfg: dict, partials: bool
+                 ) -> tuple[torch.Tensor, tuple[int, int, int], int]:
+    """For x: [m, k] times a weight of n outputs under `cfg` (dequant_gemm_config's): the output,
+    x's dtype [m, n], or where K is split or the caller wants the partials an fp32 workspace
+    [split, m, n] (the kernels' SPLIT is then out.dim() == 3); the grid (m tiles, n tiles,
+    splits); and the K columns each split takes (whole block_k steps)."""
+    m, k = x.shape
+    step, split = cfg["block_k"], cfg["split"]
+    to_workspace = partials or split > 1
+    out = torch.empty((split, m, n) if to_workspace else (m, n), device=x.device,
+                      dtype=torch.float32 if to_workspace else x.dtype)
+    grid = (triton.cdiv(m, cfg["block_m"]), triton.cdiv(n, cfg["block_n"]), split)
+    return out, grid, triton.cdiv(triton.cdiv(k, step), split) * step
+
+
+def finish(out: torch.Tensor, partials: bool, dtype: torch.dtype) -> torch.Tensor:
+    """split_output's output as the caller asked: the partials unsummed, else [m, n] in
+    `dtype` (a split K summed here, as a torch op in split order: deterministic)."""
+    if partials or out.dim() == 2:
+        return out
+    return out.sum(0).to(dtype)

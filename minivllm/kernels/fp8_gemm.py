@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ..state.quant import Fp8BlockWeight
-from .dequant_tiles import dequant_gemm_config
+from .dequant_tiles import dequant_gemm_config, finish, split_output
 from .launch import dot_precision
 
 BLOCK_KS = (128, 64, 32, 16)  # largest first; 16 is tl.dot's minimum
@@ -124,27 +124,19 @@ def fp8_linear(x: torch.Tensor, weight: Fp8BlockWeight, *, partials: bool = Fals
     if k != weight.in_features:
         raise ValueError(f"fp8_linear: x has {k} columns, the weight {weight.in_features} inputs")
     cfg = fp8_config(m, n, k, weight.block, x.dtype, x.device, **(config or {}))
-    block_k, split = cfg["block_k"], cfg["split"]
+    block_k = cfg["block_k"]
     if bk % block_k:
         raise ValueError(f"fp8_linear: block_k {block_k} does not divide the scale block's {bk} "
                          f"columns")
-    k_per_split = triton.cdiv(triton.cdiv(k, block_k), split) * block_k
-    to_workspace = partials or split > 1
-    out = torch.empty((split, m, n) if to_workspace else (m, n), device=x.device,
-                      dtype=torch.float32 if to_workspace else x.dtype)
-    grid = (triton.cdiv(m, cfg["block_m"]), triton.cdiv(n, cfg["block_n"]), split)
+    out, grid, k_per_split = split_output(x, n, cfg, partials)
     _fp8_gemm_kernel[grid](
         x, weight.weight, weight.scale_inv, out, m, n, k, bn, bk, weight.scale_inv.shape[1],
         k_per_split, x.stride(0), x.stride(1), n,
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0, SPLIT=to_workspace,
+        EVEN_K=k % block_k == 0, SPLIT=out.dim() == 3,
         PRECISION=dot_precision(x.dtype), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
-    if partials:
-        return out
-    if split > 1:
-        return out.sum(0).to(x.dtype)
-    return out
+    return finish(out, partials, x.dtype)
 
 
 __all__ = ["fp8_config", "fp8_linear", "block_k_for"]

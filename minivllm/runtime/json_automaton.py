@@ -35,7 +35,7 @@ one state, so their number follows the distinct nestings met, not the text's len
 
 from __future__ import annotations
 
-from .regex_fsm import CharSet
+from .regex_fsm import CharSet, LazyDFA
 
 MAX_DEPTH = 16  # containers open at once, the top-level object included
 MAX_WHITESPACE = 16  # consecutive whitespace characters between two JSON tokens
@@ -161,45 +161,20 @@ def _ranges(chars: list[str]) -> tuple[tuple[str, str], ...]:
     return tuple((lo, hi) for lo, hi in out)
 
 
-class JsonObjectAutomaton:
-    """next_state's automaton with its states interned to ints as met (RegexDFA's interface):
-    `DEAD` (0) is where no JSON object goes on, `start` before the first character."""
+class JsonObjectAutomaton(LazyDFA):
+    """next_state's automaton with its states interned to ints as met (regex_fsm.LazyDFA, as
+    RegexDFA): `DEAD` (0) is where no JSON object goes on, `start` before the first character."""
 
-    DEAD = 0
     # Every character but those is alike to the automaton: it goes on with a string, or with
     # nothing else (charsets covers them as one range).
     _ASCII = [chr(i) for i in range(128)]
 
     def __init__(self):
-        self._states: list[_State | None] = [None]
-        self._ids: dict[_State, int] = {}
-        self._moves: list[dict[str, int]] = [{}]
         self._charsets: dict[int, list[CharSet]] = {}
-        self.start = self._intern(_START)
+        super().__init__(_START)
 
-    def _intern(self, state: _State) -> int:
-        sid = self._ids.get(state)
-        if sid is None:
-            sid = self._ids[state] = len(self._states)
-            self._states.append(state)
-            self._moves.append({})
-        return sid
-
-    def step(self, state: int, c: str) -> int:
-        """The state after character c (DEAD when no JSON object can follow)."""
-        moves = self._moves[state]
-        nxt = moves.get(c)
-        if nxt is None:
-            after = next_state(self._states[state], c) if state != self.DEAD else None
-            nxt = moves[c] = self.DEAD if after is None else self._intern(after)
-        return nxt
-
-    def walk(self, state: int, text: str) -> int:
-        for c in text:
-            state = self.step(state, c)
-            if state == self.DEAD:
-                break
-        return state
+    def _successor(self, key: _State, c: str) -> _State | None:
+        return next_state(key, c)
 
     def charsets(self, state: int) -> list[CharSet]:
         """The characters with a move out of `state`, as one set (CompiledGuide asks it whether
@@ -209,18 +184,15 @@ class JsonObjectAutomaton:
         if sets is None:
             live = [c for c in self._ASCII if self.step(state, c) != self.DEAD]
             ranges = _ranges(live)
-            if state != self.DEAD and self._states[state][1] == "s":
+            if state != self.DEAD and self._keys[state][1] == "s":
                 ranges += (("\x80", "\U0010ffff"),)
             sets = self._charsets[state] = [CharSet(ranges=ranges)] if ranges else []
         return sets
 
     def accepts(self, state: int) -> bool:
-        return state != self.DEAD and self._states[state][1] == "$"
+        return state != self.DEAD and self._keys[state][1] == "$"
 
     def can_continue(self, state: int) -> bool:
         """Whether some character leads on from `state`: every live state but the accepting one
         (the top-level object closed: only EOS follows)."""
-        return state != self.DEAD and self._states[state][1] != "$"
-
-    def fullmatch(self, text: str) -> bool:
-        return self.accepts(self.walk(self.start, text))
+        return state != self.DEAD and self._keys[state][1] != "$"

@@ -314,11 +314,59 @@ class _NFA:
         return s, end
 
 
-class RegexDFA:
-    """The DFA of `pattern` under fullmatch, built as it is walked. States are ints: `start`,
-    `DEAD` (no string leads anywhere from it), and the rest as reached."""
+class LazyDFA:
+    """A deterministic automaton over characters whose states are built as they are walked: each
+    state's key (whatever a subclass computes states as) is interned to an int when first
+    reached, and each move is computed once (_successor) and kept. `DEAD` (0): no accepted text
+    goes on from it; `start`. RegexDFA and json_automaton.JsonObjectAutomaton share this."""
 
     DEAD = 0
+
+    def __init__(self, start_key, dead_key=None):
+        self._keys: list = [dead_key]
+        self._ids: dict = {} if dead_key is None else {dead_key: self.DEAD}
+        self._moves: list[dict[str, int]] = [{}]
+        self.start = self._intern(start_key)
+
+    def _successor(self, key, c: str):
+        """The key of the state after character c from state `key` (never DEAD's), or None where
+        nothing accepted goes on."""
+        raise NotImplementedError
+
+    def _intern(self, key) -> int:
+        sid = self._ids.get(key)
+        if sid is None:
+            sid = self._ids[key] = len(self._keys)
+            self._keys.append(key)
+            self._moves.append({})
+        return sid
+
+    def step(self, state: int, c: str) -> int:
+        """The state after character c (DEAD when nothing accepted can follow)."""
+        moves = self._moves[state]
+        nxt = moves.get(c)
+        if nxt is None:
+            after = self._successor(self._keys[state], c) if state != self.DEAD else None
+            nxt = moves[c] = self.DEAD if after is None else self._intern(after)
+        return nxt
+
+    def walk(self, state: int, text: str) -> int:
+        for c in text:
+            state = self.step(state, c)
+            if state == self.DEAD:
+                break
+        return state
+
+    def accepts(self, state: int) -> bool:
+        raise NotImplementedError
+
+    def fullmatch(self, text: str) -> bool:
+        return self.accepts(self.walk(self.start, text))
+
+
+class RegexDFA(LazyDFA):
+    """The DFA of `pattern` under fullmatch, built as it is walked. A state is the set of NFA
+    states it stands for (the empty set: DEAD)."""
 
     def __init__(self, pattern: str):
         if not isinstance(pattern, str):
@@ -333,10 +381,7 @@ class RegexDFA:
             start, self._final = self._nfa.build(_Parser(pattern).parse())
         except RecursionError:
             raise ValueError(f"regex {pattern[:40]!r}...: nested too deep") from None
-        self._sets: list[frozenset[int]] = [frozenset()]
-        self._ids: dict[frozenset[int], int] = {frozenset(): self.DEAD}
-        self._moves: list[dict[str, int]] = [{}]
-        self.start = self._intern(self._closure({start}))
+        super().__init__(self._closure({start}), dead_key=frozenset())
 
     def _closure(self, states) -> frozenset[int]:
         seen, todo = set(states), list(states)
@@ -347,40 +392,17 @@ class RegexDFA:
                     todo.append(t)
         return frozenset(seen)
 
-    def _intern(self, states: frozenset[int]) -> int:
-        sid = self._ids.get(states)
-        if sid is None:
-            sid = self._ids[states] = len(self._sets)
-            self._sets.append(states)
-            self._moves.append({})
-        return sid
-
-    def step(self, state: int, c: str) -> int:
-        """The state after character c (DEAD when no match can follow)."""
-        moves = self._moves[state]
-        nxt = moves.get(c)
-        if nxt is None:
-            targets = {t for s in self._sets[state] for cs, t in self._nfa.edges[s] if c in cs}
-            nxt = moves[c] = self._intern(self._closure(targets)) if targets else self.DEAD
-        return nxt
-
-    def walk(self, state: int, text: str) -> int:
-        for c in text:
-            state = self.step(state, c)
-            if state == self.DEAD:
-                break
-        return state
+    def _successor(self, states: frozenset[int], c: str) -> frozenset[int] | None:
+        targets = {t for s in states for cs, t in self._nfa.edges[s] if c in cs}
+        return self._closure(targets) if targets else None
 
     def charsets(self, state: int) -> list[CharSet]:
         """The character sets of the moves out of `state`."""
-        return [cs for s in self._sets[state] for cs, _ in self._nfa.edges[s]]
+        return [cs for s in self._keys[state] for cs, _ in self._nfa.edges[s]]
 
     def accepts(self, state: int) -> bool:
-        return self._final in self._sets[state]
+        return self._final in self._keys[state]
 
     def can_continue(self, state: int) -> bool:
         """Whether some character leads on from `state` (an accepting state may still)."""
-        return any(self._nfa.edges[s] for s in self._sets[state])
-
-    def fullmatch(self, text: str) -> bool:
-        return self.accepts(self.walk(self.start, text))
+        return any(self._nfa.edges[s] for s in self._keys[state])

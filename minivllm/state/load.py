@@ -466,22 +466,36 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
             raise CheckpointError(f"{files[name]}: cannot read tensor {name} ({e})") from e
         return t.to(dtype).to(work)
 
-    def read_fp8(name: str, rows, cols):
-        # The whole blocks that hold the slice (a boundary inside a block takes that block and
-        # its scale), dequantized, then cut to the slice: as dequantizing the whole tensor and
-        # slicing it, with one rank's slice (plus at most a block each side) in memory.
+    def fp8_span(name: str, rows, cols) -> tuple[int, int, int, int]:
+        """The rows r0:r1 and columns c0:c1 of fp8 weight `name` that a rank's `rows` or `cols`
+        (None: all) name."""
         out_dim, in_dim = expected[name]
-        bn, bk = quant.block
         r0, r1 = rows if rows is not None else (0, out_dim)
         c0, c1 = cols if cols is not None else (0, in_dim)
-        a0, a1 = r0 // bn * bn, min(ceil_div(r1, bn) * bn, out_dim)
-        b0, b1 = c0 // bk * bk, min(ceil_div(c1, bk) * bk, in_dim)
+        return r0, r1, c0, c1
+
+    def read_fp8_range(name: str, a0: int, a1: int, b0: int, b1: int):
+        """Rows a0:a1 and columns b0:b1 of fp8 weight `name` (on block boundaries, or the
+        tensor's end) and the scales of those blocks, as read."""
+        bn, bk = quant.block
         try:
             weight = slices[name][a0:a1, b0:b1]
             scale = slices[scales[name]][a0 // bn:ceil_div(a1, bn), b0 // bk:ceil_div(b1, bk)]
         except Exception as e:
             raise CheckpointError(f"{files[name]}: cannot read tensor {name} or its scales "
                                   f"({e})") from e
+        return weight, scale
+
+    def read_fp8(name: str, rows, cols):
+        # The whole blocks that hold the slice (a boundary inside a block takes that block and
+        # its scale), dequantized, then cut to the slice: as dequantizing the whole tensor and
+        # slicing it, with one rank's slice (plus at most a block each side) in memory.
+        out_dim, in_dim = expected[name]
+        bn, bk = quant.block
+        r0, r1, c0, c1 = fp8_span(name, rows, cols)
+        a0, a1 = r0 // bn * bn, min(ceil_div(r1, bn) * bn, out_dim)
+        b0, b1 = c0 // bk * bk, min(ceil_div(c1, bk) * bk, in_dim)
+        weight, scale = read_fp8_range(name, a0, a1, b0, b1)
         return dequantize_fp8_blocks(weight.to(work), scale.to(work), quant.block,
                                      dtype)[r0 - a0:r1 - a0, c0 - b0:c1 - b0]
 
@@ -491,16 +505,10 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
         None."""
         out_dim, in_dim = expected[name]
         bn, bk = quant.block
-        r0, r1 = rows if rows is not None else (0, out_dim)
-        c0, c1 = cols if cols is not None else (0, in_dim)
+        r0, r1, c0, c1 = fp8_span(name, rows, cols)
         if r0 % bn or (r1 % bn and r1 != out_dim) or c0 % bk or (c1 % bk and c1 != in_dim):
             return None
-        try:
-            weight = slices[name][r0:r1, c0:c1]
-            scale = slices[scales[name]][r0 // bn:ceil_div(r1, bn), c0 // bk:ceil_div(c1, bk)]
-        except Exception as e:
-            raise CheckpointError(f"{files[name]}: cannot read tensor {name} or its scales "
-                                  f"({e})") from e
+        weight, scale = read_fp8_range(name, r0, r1, c0, c1)
         return Fp8BlockWeight(weight=weight.to(work), scale_inv=scale.to(work, torch.float32),
                               block=quant.block)
 
