@@ -13,6 +13,8 @@
 #       (decode graphs and compiled forward with adapters against the eager LoRA engine)
 #   bash benchmarks/gpu_checks.sh load_weights  # nvidia-h200 or nvidia-h100-x1: LLM.load_weights
 #       on a compiled engine with decode graphs (no recapture) against a fresh engine, bf16 and fp32
+#   bash benchmarks/gpu_checks.sh embeds  # nvidia-h200 or nvidia-h100-x1: the pooling engine and
+#       prompt embeddings on the GPU (test_embed.py, test_prompt_embeds.py, test_decode_graphs.py)
 #   bash benchmarks/gpu_checks.sh awq  # nvidia-h200 or nvidia-h100-x1: AWQ checkpoints' GPU tests
 #   bash benchmarks/gpu_checks.sh fp8w  # nvidia-h200 or nvidia-h100-x1: block-fp8 weights kept in fp8
 #       (the Triton AWQ GEMM in bf16/fp16, compiled and in a CUDA graph; the engine's graphs)
@@ -391,6 +393,13 @@ load_weights)
     $PYTEST_ARGS tests/test_load_weights.py -k gpu
   STEP_LOG=$OUT/tests.txt step load_weights_tests $(left_or 180) python3 -m pytest $PYTEST_ARGS \
     tests/test_load_weights.py -k "not gpu"
+  ;;
+embeds)
+  # nvidia-h200 or nvidia-h100-x1 (never run yet): session 55's pooling engine without CUDA
+  # graphs, and prompt embeddings (their steps skip the graphs; the stem's `where`) on a CUDA
+  # engine against the token path and transformers; the decode-graph capture rules.
+  STEP_LOG=$OUT/tests.txt step embeds_tests $(left_or 240) python3 -m pytest $PYTEST_ARGS \
+    tests/test_embed.py tests/test_prompt_embeds.py tests/test_decode_graphs.py
   ;;
 awq)
   # nvidia-h200 or nvidia-h100-x1: AWQ 4-bit checkpoints' GPU tests (never run yet): the Triton
