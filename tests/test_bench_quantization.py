@@ -242,3 +242,29 @@ def test_an_unknown_quantized_kernel_is_refused_when_configured(monkeypatch, fie
     monkeypatch.setattr(linear, field, "cuda")
     with pytest.raises(ValueError, match=f"{name}='cuda' is not one of"):
         EngineConfig.create("random:qwen3-0.6b", device="cpu")
+
+
+def test_bench_of_an_awq_checkpoint_counts_its_packed_bytes_in_its_floor(tmp_path):
+    """`bench --model` on a quantized checkpoint: the floor's weights are the bytes the engine
+    holds (the packed AWQ linears, their zero points and scales), not the dense model's."""
+    import torch.utils._pytree as pytree
+    from test_awq import write_awq_checkpoint
+
+    from minivllm.runtime.workload import throughput_workload
+
+    path, _ = write_awq_checkpoint(tmp_path / "awq", vocab_size=TINY["vocab_size"])
+    out = tmp_path / "r.json"
+    assert main(["bench", "--model", str(path), "--num-seqs", "2", "--max-input-len", "100",
+                 "--max-output-len", "100", "--device", "cpu", "--dtype", "float32",
+                 "--attention-backend", "reference", "--enforce-eager", "--max-model-len", "256",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    params = minivllm.load(str(path), dtype=torch.float32)
+    assert isinstance(params.layers[0].qkv, AwqWeight)
+    held = sum(t.numel() * t.element_size()
+               for t in pytree.tree_leaves((params.layers, params.final_norm, params.lm_head)))
+    prompts, max_tokens = throughput_workload(2, 100, 100)
+    lens = [len(p) for p in prompts]
+    dense = traffic_floor_bytes(params.config, lens, max_tokens, dtype_bytes=4)
+    assert result["floor_bytes"] == dense["kv_bytes"] + held * max(max_tokens)
+    assert result["floor_bytes"] < dense["total_bytes"]

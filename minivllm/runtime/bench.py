@@ -20,10 +20,11 @@ import torch
 
 from ..kernels.memory_read import READ_BLOCK, READ_PROGRAMS_PER_SM, stream_read
 from ..state.config import FP8_DTYPES, SHAPES, ModelConfig
-from .config import random_model, random_quantization
+from .config import random_model
 from .pooling import check_generates
 from .workload import (MAX_PROMPT_ID, check_throughput_workload, check_vocabulary,
-                       throughput_workload, traffic_floor_bytes)
+                       held_weight_bytes, throughput_workload,
+                       traffic_floor_bytes)
 
 
 def _seconds_per_call(fn, device: torch.device, repeats: int) -> float:
@@ -271,7 +272,8 @@ def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
                                 dtype_bytes=llm.config.dtype.itemsize,
                                 kv_dtype_bytes=llm.config.cache_dtype.itemsize,
                                 tensor_parallel_size=llm.config.tensor_parallel_size,
-                                quantization=random_quantization(llm.config.model))
+                                # a checkpoint's linears as loaded (a Qwen3-AWQ one's packed)
+                                step_weight_bytes=held_weight_bytes(llm.engine.runner.params))
     return {"workload": "throughput", "num_seqs": num_seqs, "prompt_tokens": sum(map(len, prompts)),
             "output_tokens": output_tokens, "seconds": seconds,
             "output_tok_per_s": output_tokens / seconds, "floor_bytes": floor["total_bytes"],

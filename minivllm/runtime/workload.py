@@ -90,22 +90,39 @@ def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int = 2, shard: ShardSp
     return dtype_bytes * 2 * config.num_layers * kv_heads * config.head_dim
 
 
+def held_weight_bytes(params) -> int:
+    """Bytes of weights one decode step of `params` (a state.params.Params, one rank's shard)
+    reads, counted from the tensors it holds: the decoder layers, the final norm and the head
+    (the embedding when tied), whatever form a checkpoint's linears load in (dense, AWQ packed,
+    block fp8); not the embedding's other rows, nor LoRA slots. For random weights it equals
+    weight_bytes (tests/test_bench_quantization.py)."""
+    import torch.utils._pytree as pytree
+
+    leaves = pytree.tree_leaves((params.layers, params.final_norm, params.head_weight))
+    return sum(t.numel() * t.element_size() for t in leaves)
+
+
 def traffic_floor_bytes(config: ModelConfig, prompt_lens: list[int], max_tokens: list[int],
                         dtype_bytes: int = 2, tensor_parallel_size: int = 1,
                         kv_dtype_bytes: int | None = None,
-                        quantization: str | None = None) -> dict[str, float]:
+                        quantization: str | None = None,
+                        step_weight_bytes: int | None = None) -> dict[str, float]:
     """The bytes a perfect engine must move for the decode of this workload, per GPU: every
     output token reads its sequence's whole KV context once, and every decode step reads the
     weights once (at least max(max_tokens) steps, since each sequence decodes one token a step).
     At tensor_parallel_size N every GPU reads its own shard, all at once: the floor is one
     rank's bytes (rank 0's; KV heads past their count are replicated, norms always are).
     dtype_bytes: the weights' element size; kv_dtype_bytes: the cache's (default the same);
-    quantization: "awq" or "fp8" for random_params' quantized linears (weight_bytes)."""
+    quantization: "awq" or "fp8" for random_params' quantized linears (weight_bytes);
+    step_weight_bytes: a step's weight bytes as counted from the params held (held_weight_bytes),
+    in place of weight_bytes' count from the config."""
     shard = ShardSpec(rank=0, world_size=tensor_parallel_size)
     per_token = kv_bytes_per_token(config, kv_dtype_bytes or dtype_bytes, shard)
     kv = 0
     for p, n in zip(prompt_lens, max_tokens):
         # the j-th output token (j = 0 .. n-1) is computed over a context of p + j tokens
         kv += per_token * (n * p + n * (n - 1) // 2)
-    weights = weight_bytes(config, dtype_bytes, shard, quantization) * max(max_tokens)
+    if step_weight_bytes is None:
+        step_weight_bytes = weight_bytes(config, dtype_bytes, shard, quantization)
+    weights = step_weight_bytes * max(max_tokens)
     return {"kv_bytes": float(kv), "weight_bytes": float(weights), "total_bytes": float(kv + weights)}
