@@ -337,7 +337,7 @@ def test_requests_while_asleep(dirs):
             llm.load_weights(checkpoint_pairs(dirs[0]))
 
 
-# -- sequences of sleeps and wake-ups ---------------------------------------------------------------
+# -- sequences of sleeps and wake-ups ------------------------------------------------------------
 
 OPS = st.sampled_from([("sleep", 1), ("sleep", 2), ("wake", None), ("wake", ("weights",)),
                        ("wake", ("kv_cache",)), ("load", None), ("run", None)])
@@ -392,7 +392,7 @@ def test_any_sequence_of_sleeps_wake_ups_and_loads(shared, dirs, reference, ops)
         assert (set(sizes(cache)) == {0}) == ("kv_cache" in asleep)
 
 
-# -- tensor parallelism -----------------------------------------------------------------------------
+# -- tensor parallelism --------------------------------------------------------------------------
 
 
 def test_tensor_parallel_engine(models, dirs):

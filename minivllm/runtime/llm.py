@@ -230,10 +230,11 @@ class LLM:
         load_weights so): each tensor is cast to the model's dtype and copied into this rank's
         slice of its param (q/k/v into the merged qkv, gate/up into gate_up; at
         tensor_parallel_size > 1 into every rank's), and the prefix cache is reset. ValueError,
-        with nothing changed, for an unknown name, a wrong shape or a non-float tensor, and
-        while requests are unfinished; quantized models are refused. A mixture of experts'
-        experts go by their checkpoint names (mlp.experts.E.gate_proj.weight, ...) or
-        transformers 5's fused ones (mlp.experts.gate_up_proj, mlp.experts.down_proj).
+        with nothing changed, for an unknown name, a wrong shape or a non-float tensor,
+        while requests are unfinished and while the weights sleep (sleep mode); quantized
+        models are refused. A mixture of experts' experts go by their checkpoint names
+        (mlp.experts.E.gate_proj.weight, ...) or transformers 5's fused ones
+        (mlp.experts.gate_up_proj, mlp.experts.down_proj).
         See LLMEngine.load_weights."""
         self.engine.load_weights(weights)
 

@@ -42,6 +42,7 @@ from .memory import (CAPTURE_CODE_BYTES, CUDA_SEGMENT_GRANULE, GiB, bytes_outsid
                      kv_blocks_within, kv_budget_bytes, memory_owners, profile_lengths,
                      startup_memory_report)
 from .prefill_graph import PrefillGraph, prefill_graph_sizes
+from .sleep import offload, owned, restore
 from .warmup import warm_up_kernels
 
 log = logging.getLogger("minivllm")
@@ -316,8 +317,6 @@ class ModelRunner:
                 max_rank=config.max_lora_rank, dtype=self.params.dtype,
                 device=self.params.device, shard=self.params.shard))
         if config.enable_sleep_mode:
-            from .sleep import owned
-
             self.params = owned(self.params)  # memory-mapped weights cannot be freed
         self.asleep: dict = {}  # tag -> sleep.Offloaded, while it sleeps (runtime/sleep.py)
         self.model_config = self.params.config
@@ -411,8 +410,6 @@ class ModelRunner:
         """Free the weights' memory (level 1: copied to the host first; 2: discarded) and the KV
         cache's, keeping every tensor object (runtime/sleep.py). The CUDA graphs go first: they
         read those addresses, and their pool is freed too."""
-        from .sleep import offload
-
         self._drop_captures()
         self.last_tokens, self.ids_in_graph = None, False
         self.asleep = {"weights": offload(self.params, keep=level == 1),
@@ -424,8 +421,6 @@ class ModelRunner:
         """Take back the memory of `tags` ("weights": their bytes from the host, or zeros after
         level 2; "kv_cache": zeros). Once nothing sleeps, capture what baked the old addresses
         again (the graphs, the persistent decode's layer table), with no compile."""
-        from .sleep import restore
-
         for tag in tags:
             restore(self.asleep.pop(tag))
         if not self.asleep:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 TAGS = ("weights", "kv_cache")
 LEVELS = (1, 2)
@@ -58,8 +58,6 @@ def owned(tree):
     """tree with every tensor leaf whose storage cannot be resized (one memory-mapped from a
     checkpoint by safetensors, on the CPU) replaced by a copy in memory of its own, so that
     offload can free it. Other leaves are kept as they are (on a GPU: all of them)."""
-    from torch.utils._pytree import tree_map
-
     return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and
                     not t.untyped_storage().resizable() else t, tree)
 
