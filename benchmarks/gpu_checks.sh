@@ -13,6 +13,8 @@
 #       (decode graphs and compiled forward with adapters against the eager LoRA engine)
 #   bash benchmarks/gpu_checks.sh load_weights  # nvidia-h200 or nvidia-h100-x1: LLM.load_weights
 #       on a compiled engine with decode graphs (no recapture) against a fresh engine, bf16 and fp32
+#   bash benchmarks/gpu_checks.sh sleep  # nvidia-h200 or nvidia-h100-x1: LLM.sleep / wake_up on a
+#       compiled engine with decode graphs (memory freed, graphs captured again, same tokens)
 #   bash benchmarks/gpu_checks.sh embeds  # nvidia-h200 or nvidia-h100-x1: the pooling engine and
 #       prompt embeddings on the GPU (test_embed.py, test_prompt_embeds.py, test_decode_graphs.py)
 #   bash benchmarks/gpu_checks.sh awq  # nvidia-h200 or nvidia-h100-x1: AWQ checkpoints' GPU tests
@@ -393,6 +395,17 @@ load_weights)
     $PYTEST_ARGS tests/test_load_weights.py -k gpu
   STEP_LOG=$OUT/tests.txt step load_weights_tests $(left_or 180) python3 -m pytest $PYTEST_ARGS \
     tests/test_load_weights.py -k "not gpu"
+  ;;
+sleep)
+  # nvidia-h200 or nvidia-h100-x1 (never run yet): sleep mode on a compiled bf16 engine with its
+  # decode CUDA graphs (the persistent decode at 1-2 rows, the prefill graphs where it takes them):
+  # sleep(1) frees at least the weights' and the cache's bytes, wake_up captures the graphs again
+  # (no compile) and they replay to the greedy tokens of before; then the CPU-side tests of
+  # test_sleep.py on the GPU machine (the TP=2 one included: gloo ranks on the CPU).
+  STEP_LOG=$OUT/tests.txt step sleep_gpu_tests $(left_or 240) python3 -m pytest $PYTEST_ARGS \
+    tests/test_sleep.py -k gpu
+  STEP_LOG=$OUT/tests.txt step sleep_tests $(left_or 180) python3 -m pytest $PYTEST_ARGS \
+    tests/test_sleep.py -k "not gpu"
   ;;
 embeds)
   # nvidia-h200 or nvidia-h100-x1 (never run yet): session 55's pooling engine without CUDA

@@ -113,6 +113,9 @@ class EngineConfig:
     max_lora_rank: int = 16
     # vLLM's enable_prompt_embeds: generate takes {"prompt_embeds": [T, hidden] tensor} prompts.
     enable_prompt_embeds: bool = False
+    # vLLM's enable_sleep_mode: LLM.sleep / wake_up may free the weights' and the KV cache's
+    # device memory and take it back (runtime/sleep.py).
+    enable_sleep_mode: bool = False
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -127,7 +130,8 @@ class EngineConfig:
                persistent_decode=None, hf_overrides=None, runner="auto",
                task=None, scheduling_policy="fcfs",
                speculative_config=None, enable_lora=False, max_loras=1,
-               max_lora_rank=16, enable_prompt_embeds=False) -> "EngineConfig":
+               max_lora_rank=16, enable_prompt_embeds=False,
+               enable_sleep_mode=False) -> "EngineConfig":
         model = os.fspath(model)
         speculative = SpeculativeConfig.create(speculative_config)
         if scheduling_policy not in POLICIES:
@@ -287,6 +291,7 @@ class EngineConfig:
         if enable_prompt_embeds and runner == "pooling":
             raise ValueError("enable_prompt_embeds: prompt embeddings are for generating models "
                              "(runner 'generate'), not pooling ones")
+        enable_sleep_mode = as_flag("enable_sleep_mode", enable_sleep_mode, False)
         if max_logprobs == -1:  # as vLLM: no cap
             max_logprobs = model_config.vocab_size
         if max_num_batched_tokens is None:
@@ -304,7 +309,8 @@ class EngineConfig:
                    normalize_embeddings=normalize_embeddings, classifier=classifier,
                    scheduling_policy=scheduling_policy,
                    speculative=speculative, enable_lora=enable_lora, max_loras=max_loras,
-                   max_lora_rank=max_lora_rank, enable_prompt_embeds=enable_prompt_embeds)
+                   max_lora_rank=max_lora_rank, enable_prompt_embeds=enable_prompt_embeds,
+                   enable_sleep_mode=enable_sleep_mode)
 
 
 def _quantized_linears(config_dict: dict, model_config,

@@ -54,6 +54,7 @@ from .runner import ModelRunner, PromptScores, StepInput, StepResult, trace_rang
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import PENDING, PLACEHOLDER, Sequence, Status
+from .sleep import TAGS, check_level, check_tags
 from .spec_decode import ngram_propose
 
 log = logging.getLogger("minivllm")
@@ -210,6 +211,7 @@ class LLMEngine:
         self.undelivered: list[RequestOutput] = []
         self._next_seq_id = 0
         self._next_request_id = 0
+        self.sleeping: set[str] = set()  # the sleep mode's tags asleep (runtime/sleep.py)
         capacity = self.num_blocks * config.block_size
         if capacity < config.max_model_len:
             log.warning("minivllm: the KV cache holds %d tokens, less than max_model_len=%d; "
@@ -332,10 +334,78 @@ class LLMEngine:
             raise ValueError("load_weights while requests are unfinished would mix weights: "
                              "their KV cache holds the old weights' keys and values, their next "
                              "tokens would be the new weights'; finish or abort them first")
+        if "weights" in self.sleeping:
+            raise ValueError("load_weights while the weights sleep (their memory is freed): "
+                             "wake_up(tags=['weights']) first")
         checked = check_hf_weights(self.runner.params, weights)
         self.runner.load_weights(checked)
         # No sequence holds a block now: every registered one is forgotten.
         self.block_manager.reset_prefix_cache()
+
+    # -- sleep mode (runtime/sleep.py) -------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep: free the device memory of the weights (level 1: copied to the host
+        first; level 2: discarded, for load_weights to fill after wake_up) and of the KV cache,
+        whose prefix cache is forgotten. Refused (ValueError, nothing changed) without
+        enable_sleep_mode, for a level other than 1 or 2, and while requests are unfinished. An
+        engine asleep already stays as it is, with a warning (vLLM's)."""
+        self._check_sleep_mode("sleep")
+        check_level(level)
+        if self.sleeping:
+            log.warning("minivllm: sleep: the engine is sleeping already (%s); nothing done",
+                        ", ".join(sorted(self.sleeping)))
+            return
+        if self.has_unfinished_requests():
+            raise ValueError("sleep while requests are unfinished would lose their KV cache: "
+                             "finish or abort them first")
+        self._drain()
+        self.runner.sleep(level)
+        self.sleeping = set(TAGS)
+        # No sequence holds a block now: every registered one, whose K/V is gone, is forgotten.
+        self.block_manager.reset_prefix_cache()
+        if level == 2 and self.loras is not None:
+            # The slots' weights are discarded (zeros once awake): every adapter is written again.
+            self.loras = LoRASlots(self.config.max_loras)
+
+    def wake_up(self, tags=None) -> None:
+        """vLLM's wake_up: take back the memory of `tags` ("weights", "kv_cache"; None: all
+        that sleeps), the weights as they were (level 1) or zeros (level 2), the KV cache
+        zeroed; once both are awake, the CUDA graphs are captured again (runtime/sleep.py says
+        why). ValueError without enable_sleep_mode or for another tag; an awake engine, or a
+        tag awake already, is left as it is, with a warning (vLLM's)."""
+        self._check_sleep_mode("wake_up")
+        given, tags = tags, check_tags(tags)
+        if given is None:  # all that sleeps
+            tags = tuple(t for t in tags if t in self.sleeping) or tags
+        awake = [t for t in tags if t not in self.sleeping]
+        if awake:
+            log.warning("minivllm: wake_up: %s %s not sleeping; nothing done", ", ".join(awake),
+                        "is" if len(awake) == 1 else "are")
+            return
+        self.runner.wake_up(tags)
+        self.sleeping -= set(tags)
+
+    def is_sleeping(self) -> bool:
+        """Whether any of the weights and the KV cache sleeps (vLLM's is_sleeping)."""
+        return bool(self.sleeping)
+
+    def _check_sleep_mode(self, what: str) -> None:
+        if not self.config.enable_sleep_mode:
+            raise ValueError(f"{what} needs sleep mode: LLM(..., enable_sleep_mode=True)")
+
+    def _check_awake(self) -> None:
+        """ValueError for a request while anything sleeps (its memory is freed)."""
+        if self.sleeping:
+            raise ValueError(f"the engine is sleeping ({', '.join(sorted(self.sleeping))} "
+                             f"freed by sleep()): wake_up() before adding requests")
+
+    def _drain(self) -> None:
+        """Read the launched step whose tokens are unread (asynchronous scheduling: one for
+        finished sequences' extra tokens may remain after the last request finished), as the
+        next step() would, its outputs kept for that step()."""
+        while self.in_flight is not None or self.unread is not None:
+            self.undelivered = self.step()
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Read and check an adapter ahead of its requests (vLLM's add_lora): ValueError if it
@@ -368,6 +438,7 @@ class LLMEngine:
         {"prompt_embeds": tensor} (vLLM's EmbedsPrompt) (None, the embeddings [T, hidden] on the
         host in the model's dtype). lora_request: its LoRA adapter (None: the base model), read
         and checked here."""
+        self._check_awake()
         if self.config.runner == "pooling":  # vLLM's words
             raise ValueError("LLM.generate() is only supported for generative models. Try "
                              "passing `runner=\"generate\"` to use the model as a generative "
@@ -582,6 +653,7 @@ class LLMEngine:
         embedding requests whatever its runner, beside generations (LLM.embed, as vLLM's API,
         only under runner="pooling"); classify and score requests (params.task) need the
         classifier head of a pooling LLM that has one."""
+        self._check_awake()
         if not isinstance(params, PoolingParams):
             raise TypeError(f"pooling params must be a PoolingParams, got {type(params).__name__}")
         task = params.task or "embed"
@@ -621,6 +693,7 @@ class LLMEngine:
         return request.request_id
 
     def _new_request(self, text: str | None, ids: list[int], params) -> Request:
+        self._check_awake()
         request = Request(str(self._next_request_id), text, ids, params)
         self._next_request_id += 1
         return request

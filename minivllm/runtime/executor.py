@@ -30,7 +30,8 @@ import torch
 from .config import EngineConfig
 from .distributed import (Groups, Launch, abort_groups, broadcast_step, collective_timeout,
                           destroy_groups, torchrun_env)
-from .runner import LoadWeights, ModelRunner, SetLoRA, StepInput, StepResult
+from .runner import (LoadWeights, ModelRunner, SetLoRA, Sleep, StepInput, StepResult,
+                     WakeUp)
 from .signals import deferred_sigint, exit_on_sigterm
 from .worker import config_for_rank, ready_key, spawned_worker, start_rank, torchrun_worker
 
@@ -313,27 +314,34 @@ class TPExecutor:
         """Write `adapter` (None: a zero delta) into LoRA slot `slot` on every rank, each its
         own slice (ModelRunner.set_lora): the workers get it between the steps around it, as
         rank 0 writes it."""
-        if self._closer.reason is not None:
-            raise RuntimeError(f"tensor-parallel engine is stopped: {self._closer.reason}")
-
-        def send():
-            broadcast_step(SetLoRA(slot, adapter), self.groups)
-            self.runner.set_lora(slot, adapter)
-
-        self._guarded(send)
+        self._to_every_rank(SetLoRA(slot, adapter), lambda: self.runner.set_lora(slot, adapter))
 
     def load_weights(self, checked: list) -> None:
         """Copy checked (Hugging Face name, tensor) pairs into every rank's params, each rank its
         own slice (ModelRunner.load_weights). The whole tensors travel to the workers pickled
         over the control channel, through the host: simple, and slow for a large model (vLLM
         broadcasts them over NCCL)."""
+        host = [(name, t.detach().to("cpu")) for name, t in checked]
+        self._to_every_rank(LoadWeights(host), lambda: self.runner.load_weights(checked))
+
+    def sleep(self, level: int) -> None:
+        """Free every rank's weights and KV cache memory, each rank its own shard's
+        (ModelRunner.sleep)."""
+        self._to_every_rank(Sleep(level), lambda: self.runner.sleep(level))
+
+    def wake_up(self, tags: tuple[str, ...]) -> None:
+        """Take back every rank's memory of `tags` (ModelRunner.wake_up); the ranks capture
+        their graphs again together, their collectives matched."""
+        self._to_every_rank(WakeUp(tuple(tags)), lambda: self.runner.wake_up(tags))
+
+    def _to_every_rank(self, message, own) -> None:
+        """Send `message` to the workers, between steps, and run rank 0's part, `own()`."""
         if self._closer.reason is not None:
             raise RuntimeError(f"tensor-parallel engine is stopped: {self._closer.reason}")
-        host = [(name, t.detach().to("cpu")) for name, t in checked]
 
         def send():
-            broadcast_step(LoadWeights(host), self.groups)
-            self.runner.load_weights(checked)
+            broadcast_step(message, self.groups)
+            own()
 
         self._guarded(send)
 

@@ -184,6 +184,16 @@ class DecodeGraphs:
         log.info("minivllm: captured decode CUDA graphs for batch sizes %s in %.1f s (the first, "
                  "compile included, %.1f s)", self.buckets, time.perf_counter() - start, first)
 
+    def recapture(self) -> None:
+        """Capture every bucket again, after release(), where the weights and the cache now live
+        (runtime/sleep.py: they came back at new addresses): the persistent layers' table of
+        those addresses is built anew; the compiled forward is the one compiled before."""
+        if self.small_rows:
+            from ..kernels.decode_layer import with_persistent_layers
+
+            self.small_fn = with_persistent_layers(self.fn, self.params, self.cache)
+        self.capture()
+
     def _decode(self, bs: int) -> torch.Tensor:
         """What bucket bs's graph runs: the forward (and, when the bucket picks greedy tokens,
         the pick into greedy_tokens). Returns the logits [bs, vocab]."""

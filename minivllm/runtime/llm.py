@@ -134,6 +134,8 @@ class LLM:
     enable_prompt_embeds: generate / stream take vLLM's {"prompt_embeds": tensor [T,
     hidden_size]} prompts (README, "Prompt embeddings"): no prefix caching for them, no
     prompt_logprobs or beam search; their outputs' prompt_token_ids are None.
+    enable_sleep_mode: LLM.sleep / wake_up may free the device memory of the weights and the KV
+    cache between generations (an RL loop's trainer steps) and take it back (runtime/sleep.py).
     disable_log_stats: record no metrics (get_metrics() then refuses). Unlike vLLM's LLM, whose
     default is True, metrics are recorded by default: the engine keeps a few counters and
     histograms (runtime/metrics.py), cheap next to a step.
@@ -152,7 +154,8 @@ class LLM:
                  runner: str = "auto", task: str | None = None,
                  scheduling_policy: str = "fcfs", speculative_config: dict | None = None,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
-                 enable_prompt_embeds: bool = False, disable_log_stats: bool = False):
+                 enable_prompt_embeds: bool = False, disable_log_stats: bool = False,
+                 enable_sleep_mode: bool = False):
         skip_tokenizer_init = as_flag("skip_tokenizer_init", skip_tokenizer_init, False)
         reasoning.check_parser(reasoning_parser)
         self.config = EngineConfig.create(
@@ -167,7 +170,7 @@ class LLM:
             task=task, scheduling_policy=scheduling_policy,
             speculative_config=speculative_config, enable_lora=enable_lora,
             max_loras=max_loras, max_lora_rank=max_lora_rank,
-            enable_prompt_embeds=enable_prompt_embeds)
+            enable_prompt_embeds=enable_prompt_embeds, enable_sleep_mode=enable_sleep_mode)
         self._diff_sampling_param, gen = generation_defaults(
             generation_config, override_generation_config, self.config.model)
         if self._diff_sampling_param:
@@ -227,12 +230,32 @@ class LLM:
         load_weights so): each tensor is cast to the model's dtype and copied into this rank's
         slice of its param (q/k/v into the merged qkv, gate/up into gate_up; at
         tensor_parallel_size > 1 into every rank's), and the prefix cache is reset. ValueError,
-        with nothing changed, for an unknown name, a wrong shape or a non-float tensor, and
-        while requests are unfinished; quantized models are refused. A mixture of experts'
-        experts go by their checkpoint names (mlp.experts.E.gate_proj.weight, ...) or
-        transformers 5's fused ones (mlp.experts.gate_up_proj, mlp.experts.down_proj).
+        with nothing changed, for an unknown name, a wrong shape or a non-float tensor,
+        while requests are unfinished and while the weights sleep (sleep mode); quantized
+        models are refused. A mixture of experts' experts go by their checkpoint names
+        (mlp.experts.E.gate_proj.weight, ...) or transformers 5's fused ones
+        (mlp.experts.gate_up_proj, mlp.experts.down_proj).
         See LLMEngine.load_weights."""
         self.engine.load_weights(weights)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the device memory of the weights and the KV cache (vLLM's sleep, with
+        enable_sleep_mode=True): level 1 keeps the weights in host memory (pinned on a GPU) for
+        wake_up to bring back; level 2 discards them too, for load_weights to refill after
+        wake_up(tags=["weights"]) (until then they are zeros). The KV cache is discarded and the
+        prefix cache reset. ValueError while requests are unfinished. Requests are refused until
+        the engine is fully awake. See LLMEngine.sleep."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back the memory of `tags`, "weights" and / or "kv_cache" (None: both), as vLLM's
+        wake_up; verl's order is wake_up(["weights"]), load_weights(...), wake_up(["kv_cache"]).
+        See LLMEngine.wake_up."""
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """Whether the weights or the KV cache sleep (vLLM's is_sleeping)."""
+        return self.engine.is_sleeping()
 
     def get_metrics(self) -> list:
         """vLLM's metrics now, as vLLM's LLM.get_metrics(): a list of

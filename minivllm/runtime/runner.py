@@ -42,6 +42,7 @@ from .memory import (CAPTURE_CODE_BYTES, CUDA_SEGMENT_GRANULE, GiB, bytes_outsid
                      kv_blocks_within, kv_budget_bytes, memory_owners, profile_lengths,
                      startup_memory_report)
 from .prefill_graph import PrefillGraph, prefill_graph_sizes
+from .sleep import offload, owned, restore
 from .warmup import warm_up_kernels
 
 log = logging.getLogger("minivllm")
@@ -114,6 +115,23 @@ class LoadWeights:
     slice into its params, as rank 0 does."""
 
     weights: list
+
+
+@dataclass(frozen=True)
+class Sleep:
+    """What the tensor-parallel executor sends its workers for LLM.sleep: every rank frees its
+    own shard's memory (ModelRunner.sleep), as rank 0 does."""
+
+    level: int
+
+
+@dataclass(frozen=True)
+class WakeUp:
+    """What the tensor-parallel executor sends its workers for LLM.wake_up: every rank takes
+    back the memory of `tags` (ModelRunner.wake_up) and, once all are awake, captures its graphs
+    again, as rank 0 does (the captures run collectives: every rank must)."""
+
+    tags: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -298,6 +316,9 @@ class ModelRunner:
                 self.params.config, max_loras=config.max_loras,
                 max_rank=config.max_lora_rank, dtype=self.params.dtype,
                 device=self.params.device, shard=self.params.shard))
+        if config.enable_sleep_mode:
+            self.params = owned(self.params)  # memory-mapped weights cannot be freed
+        self.asleep: dict = {}  # tag -> sleep.Offloaded, while it sleeps (runtime/sleep.py)
         self.model_config = self.params.config
         self.vocab_size = self.model_config.vocab_size
         self.device = self.params.device
@@ -384,6 +405,50 @@ class ModelRunner:
         the compiled forward, the CUDA graphs and the persistent decode's layer table read the
         same tensors, so they run the new weights without a recapture."""
         copy_hf_weights_(self.params, checked)
+
+    def sleep(self, level: int) -> None:
+        """Free the weights' memory (level 1: copied to the host first; 2: discarded) and the KV
+        cache's, keeping every tensor object (runtime/sleep.py). The CUDA graphs go first: they
+        read those addresses, and their pool is freed too."""
+        self._drop_captures()
+        self.last_tokens, self.ids_in_graph = None, False
+        self.asleep = {"weights": offload(self.params, keep=level == 1),
+                       "kv_cache": offload(self.cache, keep=False)}
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the freed blocks back to the device, for the trainer
+
+    def wake_up(self, tags: tuple[str, ...]) -> None:
+        """Take back the memory of `tags` ("weights": their bytes from the host, or zeros after
+        level 2; "kv_cache": zeros). Once nothing sleeps, capture what baked the old addresses
+        again (the graphs, the persistent decode's layer table), with no compile."""
+        for tag in tags:
+            restore(self.asleep.pop(tag))
+        if not self.asleep:
+            self._capture_again()
+
+    def _drop_captures(self) -> None:
+        """Release the CUDA graphs' captures (and their pool), keeping their objects, compiled
+        functions and static buffers for _capture_again."""
+        if self.graphs is not None:
+            self.graphs.release()
+        for graph in self.prefill_graphs:
+            graph.release()
+
+    def _capture_again(self) -> None:
+        """After the weights and cache storages came back at new addresses: the decode graphs
+        (and their persistent layer table), the eager persistent decode's table and the prefill
+        graphs, captured anew as at start-up, through the functions compiled then."""
+        if self.graphs is not None:
+            self.graphs.recapture()
+        if self.small_decode_forward is not None:
+            from ..kernels.decode_layer import with_persistent_layers
+
+            self.small_decode_forward = with_persistent_layers(self.prefill_forward, self.params,
+                                                               self.cache)
+        pool, stream = None, None
+        for graph in self.prefill_graphs:  # largest first, one pool and stream, as at start-up
+            stream = stream or torch.cuda.Stream(self.device)
+            pool = graph.capture(pool, stream)
 
     def _compile_and_capture(self, config: EngineConfig) -> None:
         graphs = captures_decode_graphs(self.device, self.enforce_eager, config.runner)

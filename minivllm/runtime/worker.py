@@ -22,7 +22,7 @@ import torch
 from .config import EngineConfig
 from .distributed import (Groups, Launch, agree_min, collective_timeout, destroy_groups,
                           exit_now, init_groups, min_max, rank_device, receive_step, shard_spec)
-from .runner import LoadWeights, ModelRunner, SetLoRA
+from .runner import LoadWeights, ModelRunner, SetLoRA, Sleep, WakeUp
 
 
 class ShardRunner(ModelRunner):
@@ -51,13 +51,20 @@ def serve(runner: ModelRunner, groups: Groups) -> None:
     rank 0 runs, so that all take the same path (eager or CUDA graph) through the same
     collectives; the sampled tokens are rank 0's to use. A SetLoRA between steps writes this
     rank's slice of an adapter into its slot, where rank 0 wrote its own; a LoadWeights copies
-    this rank's slices of new weights into its params."""
+    this rank's slices of new weights into its params; a Sleep or WakeUp frees or takes back
+    this rank's memory (runtime/sleep.py)."""
     while (step := receive_step(groups)) is not None:
         if isinstance(step, SetLoRA):
             runner.set_lora(step.slot, step.adapter)
             continue
         if isinstance(step, LoadWeights):
             runner.load_weights(step.weights)
+            continue
+        if isinstance(step, Sleep):
+            runner.sleep(step.level)
+            continue
+        if isinstance(step, WakeUp):
+            runner.wake_up(step.tags)
             continue
         # Queued, not waited for: rank 0 paces the steps, and the collectives keep the ranks
         # in step. This rank's sampled tokens stay on its device, fed back like rank 0's.

@@ -1,0 +1,122 @@
+"""Sleep mode (vLLM's LLM.sleep / wake_up / is_sleeping): give the device's memory back between
+rollouts of an RL loop (verl, TRL colocate, OpenRLHF) while a trainer uses it, and take it again
+without building a new engine (no load from disk, no compile).
+
+Level 1 copies the weights to host memory (pinned on CUDA) and discards the KV cache; level 2
+discards both (the weights then come back through load_weights; until then their bytes are
+zeros). wake_up(tags) takes back the memory of "weights", "kv_cache" or both; the KV cache comes
+back zeroed.
+
+How: every tensor object stays (the params and cache pytrees, the compiled functions' inputs,
+the graphs' static batches), and only the memory behind it goes: each distinct storage under the
+pytree is resized to 0 bytes and, on waking, back to its size (vLLM's CuMemAllocator instead
+unmaps and remaps the same virtual addresses, which this engine's tensors, from the caching
+allocator, cannot do). A storage grown again lives at a new address, so whatever baked the old
+addresses must be rebuilt once both tags are awake (ModelRunner.wake_up): the decode and prefill
+CUDA graphs, whose kernels were captured with pointers to the weights and the cache, and the
+persistent decode's layer table (kernels/decode_layer.layer_table), a device tensor of those
+pointers. Compiled code takes the tensors as arguments and guards on their shapes, not their
+addresses: it needs nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+
+TAGS = ("weights", "kv_cache")
+LEVELS = (1, 2)
+
+
+@dataclass(eq=False)
+class Offloaded:
+    """What offload took from a pytree: its distinct storages (emptied), each one's size in bytes
+    and, if kept, a host copy of its bytes (None: discarded)."""
+
+    storages: list[torch.UntypedStorage]
+    nbytes: list[int]
+    host: list[torch.UntypedStorage] | None
+
+
+def storages(tree) -> list[torch.UntypedStorage]:
+    """The distinct non-empty storages behind tree's tensor leaves, in leaf order (a storage that
+    several leaves view, as a tied weight would, once)."""
+    seen, found = set(), []
+    for t in tree_leaves(tree):
+        if not isinstance(t, torch.Tensor):
+            continue
+        s = t.untyped_storage()
+        if s.nbytes() and s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            found.append(s)
+    return found
+
+
+def owned(tree):
+    """tree with every tensor leaf whose storage cannot be resized (one memory-mapped from a
+    checkpoint by safetensors, on the CPU) replaced by a copy in memory of its own, so that
+    offload can free it. Other leaves are kept as they are (on a GPU: all of them)."""
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and
+                    not t.untyped_storage().resizable() else t, tree)
+
+
+def offload(tree, *, keep: bool) -> Offloaded:
+    """Free the memory of every storage under tree (resize_(0): the tensors stay, with no bytes),
+    its bytes first copied to the host when `keep` (pinned memory on CUDA). Waits for the
+    device's queued work, which may still read them."""
+    found = storages(tree)
+    sizes = [s.nbytes() for s in found]
+    host = None
+    if found and found[0].device.type == "cuda":
+        torch.cuda.synchronize(found[0].device)
+    if keep:
+        pin = bool(found) and found[0].device.type == "cuda"
+        host = [torch.empty(n, dtype=torch.uint8, pin_memory=pin).untyped_storage()
+                for n in sizes]
+        for h, s in zip(host, found):
+            h.copy_(s, non_blocking=pin)
+        if pin:
+            torch.cuda.synchronize(found[0].device)
+    for s in found:
+        s.resize_(0)
+    return Offloaded(found, sizes, host)
+
+
+def restore(off: Offloaded) -> None:
+    """Give each storage offload emptied its size again (at a new address) and its bytes back:
+    the host copy, or zeros where there is none."""
+    for s, n in zip(off.storages, off.nbytes):
+        s.resize_(n)
+    if off.host is None:
+        for s in off.storages:
+            s.fill_(0)
+        return
+    for s, h in zip(off.storages, off.host):
+        s.copy_(h, non_blocking=True)
+    if off.storages and off.storages[0].device.type == "cuda":
+        torch.cuda.synchronize(off.storages[0].device)  # before the host copies are freed
+
+
+def check_level(level) -> int:
+    """level, if it is a sleep level (1 or 2), else ValueError."""
+    if isinstance(level, bool) or level not in LEVELS:
+        raise ValueError(f"sleep level must be 1 (offload the weights to the host, discard the "
+                         f"KV cache) or 2 (discard both), got {level!r}")
+    return level
+
+
+def check_tags(tags) -> tuple[str, ...]:
+    """wake_up's tags as a tuple (None: every tag), ValueError for anything but a list of
+    "weights" and / or "kv_cache"."""
+    if tags is None:
+        return TAGS
+    if isinstance(tags, str) or not isinstance(tags, (list, tuple, set, frozenset)):
+        raise ValueError(f"wake_up's tags are a list of {' and / or '.join(map(repr, TAGS))} "
+                         f"(None: all), got {tags!r}")
+    bad = [t for t in tags if t not in TAGS]
+    if bad or not tags:
+        raise ValueError(f"wake_up's tags are a non-empty list of "
+                         f"{' and / or '.join(map(repr, TAGS))} (None: all), got {list(tags)!r}")
+    return tuple(dict.fromkeys(tags))
