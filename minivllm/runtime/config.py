@@ -226,7 +226,7 @@ class EngineConfig:
         if persistent_decode is None:
             persistent_decode = not model_config.is_moe and not quantized and persistent_decode_default(
                 device, tensor_parallel_size, attention_backend, triton_usable(device),
-                model_config.head_dim, kv_cache_dtype)
+                model_config.head_dim, kv_cache_dtype, hidden_size=model_config.hidden_size)
         if persistent_decode:
             if model_config.is_moe:
                 raise ValueError(f"persistent_decode runs dense Qwen3 layers; "
@@ -336,16 +336,25 @@ def _quantized_linears(config_dict: dict, model_config,
     return None
 
 
+# The widest model the persistent decode layer is on by default for: Qwen3-0.6B's 1,024, where
+# it decodes the single stream 19% faster (session 16). At Qwen3-1.7B's 2,048 it ran 212 tok/s
+# against 496 without, at Qwen3-8B's 4,096 47 against 117 (an H100, session 56).
+PERSISTENT_DECODE_MAX_HIDDEN = 1024
+
+
 def persistent_decode_default(device: torch.device, tensor_parallel_size: int,
                               attention_backend: str | None, triton_usable: bool,
-                              head_dim: int, kv_cache_dtype: torch.dtype | None = None) -> bool:
+                              head_dim: int, kv_cache_dtype: torch.dtype | None = None, *,
+                              hidden_size: int) -> bool:
     """persistent_decode when not given: on where it runs (one CUDA GPU with Triton, a head_dim
-    the Triton kernels compile for) and the engine's attention backend is Triton's, whether
+    the Triton kernels compile for), the engine's attention backend is Triton's, whether
     asked for, named by MINIVLLM_ATTENTION_BACKEND or chosen as the best available (the kernel's
     attention is Triton's decode kernel: with another backend, steps of 1-2 rows would not run
-    it). The single stream decodes 19% faster with it (BENCHMARKS.md, session 16)."""
+    it), and where it was measured faster: models of hidden_size up to
+    PERSISTENT_DECODE_MAX_HIDDEN."""
     from ..kernels.backends import backend_name, triton_takes_head_dim
     return (device.type == "cuda" and tensor_parallel_size == 1 and triton_usable and
+            hidden_size <= PERSISTENT_DECODE_MAX_HIDDEN and
             triton_takes_head_dim(head_dim) and
             backend_name(device, attention_backend, kv_cache_dtype, head_dim) == "triton")
 
