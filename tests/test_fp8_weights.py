@@ -49,19 +49,19 @@ FIELDS = ("qkv", "o_proj", "gate_up", "down")
 
 @pytest.fixture(autouse=True)
 def fp8_weights_on(monkeypatch):
-    """The fp8 path is opt-in until its GPU tests pass (state/load.DEFAULT_FP8_WEIGHTS): every
-    test here turns it on (one that means to dequantize sets the variable again)."""
+    """Every test here keeps fp8 weights whatever the environment says (one that means to
+    dequantize sets the variable again)."""
     monkeypatch.setenv("MINIVLLM_FP8_WEIGHTS", "fp8")
 
 
-def test_the_fp8_path_is_opt_in_for_now(monkeypatch):
-    """Until benchmarks/gpu_checks.sh fp8w has passed on a GPU, a block-fp8 checkpoint loads
-    dequantized unless asked (see DEFAULT_FP8_WEIGHTS)."""
+def test_fp8_weights_stay_fp8_by_default(monkeypatch):
+    """Since benchmarks/gpu_checks.sh fp8w passed on a GPU (session 56), a block-fp8 checkpoint
+    keeps its weights in fp8 unless asked to dequantize them (see DEFAULT_FP8_WEIGHTS)."""
     from minivllm.state.load import DEFAULT_FP8_WEIGHTS, fp8_weights_mode
 
     monkeypatch.delenv("MINIVLLM_FP8_WEIGHTS")
-    assert DEFAULT_FP8_WEIGHTS == "dequantize" == fp8_weights_mode()
-    assert fp8_weights_mode("fp8") == "fp8"
+    assert DEFAULT_FP8_WEIGHTS == "fp8" == fp8_weights_mode()
+    assert fp8_weights_mode("dequantize") == "dequantize"
 # Every TP=2 boundary on a block: q/k/v 128 rows a rank (4 kv heads), the MLP 256.
 TP_ALIGNED = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
                   num_key_value_heads=4, head_dim=64)

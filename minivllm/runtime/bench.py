@@ -356,7 +356,8 @@ def add_bench_args(p) -> None:
     p.add_argument("--quantization", default=None, choices=("awq", "fp8"),
                    help="random weights only: the decoder linears as the engine holds an AWQ "
                         "4-bit checkpoint's (group 128) or a block-fp8 one's ([128, 128] blocks; "
-                        "needs MINIVLLM_FP8_WEIGHTS=fp8); a checkpoint's own config decides its")
+                        "not under MINIVLLM_FP8_WEIGHTS=dequantize); a checkpoint's own config "
+                        "decides its")
     p.add_argument("--latency", action="store_true", help="single-stream decode and time to first token")
     p.add_argument("--json", default=None, help="write the result to this JSON file")
     p.add_argument("--dtype", default="bfloat16")

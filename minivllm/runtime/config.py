@@ -31,9 +31,9 @@ def is_random_model(model: str) -> bool:
 def random_model(model: str) -> tuple[ModelConfig, str | None]:
     """A "random:SHAPE[:QUANT]" model's config and quantization (None: dense weights), checked
     before any weight is drawn: a ValueError for an unknown shape or quantization, a quantized
-    mixture of experts (its experts load dense from a checkpoint), and "fp8" unless fp8 weights
-    are kept (MINIVLLM_FP8_WEIGHTS=fp8, state/load.fp8_weights_mode: otherwise a block-fp8
-    checkpoint loads dequantized, as dense bf16 weights)."""
+    mixture of experts (its experts load dense from a checkpoint), and "fp8" where fp8 weights
+    are not kept (MINIVLLM_FP8_WEIGHTS=dequantize, state/load.fp8_weights_mode: a block-fp8
+    checkpoint would load dequantized, as dense bf16 weights)."""
     from ..state.load import DEFAULT_FP8_WEIGHTS, fp8_weights_mode
     from ..state.params import RANDOM_QUANTIZATIONS
 
