@@ -23,7 +23,7 @@ from collections import OrderedDict, defaultdict
 
 from .json_automaton import JsonObjectAutomaton
 from .reasoning import ANSWER, REASONING, UNDECIDED
-from .regex_fsm import RegexDFA
+from .regex_fsm import RegexDFA, check_pattern_length
 
 State = tuple[int, bytes]  # (automaton state, the bytes of an unfinished character)
 
@@ -371,6 +371,15 @@ def _check_keywords(schema: dict, allowed: set, where: str) -> None:
 
 
 def schema_regex(schema, defs: dict | None = None, depth: int = 0) -> str:
+    """schema's regex (_schema_regex), ValueError once any part of it is longer than
+    regex_fsm.MAX_PATTERN_CHARS: nested properties multiply (4 $refs a level over 12 levels
+    would write 4^12 copies of the innermost schema), so each part is checked as it is built."""
+    pattern = _schema_regex(schema, defs, depth)
+    check_pattern_length(pattern, "the JSON schema's regex")
+    return pattern
+
+
+def _schema_regex(schema, defs: dict | None = None, depth: int = 0) -> str:
     """A regex for the JSON texts `schema` admits, for a subset of JSON Schema: types string
     (minLength / maxLength), integer, number, boolean, null, array (items, minItems /
     maxItems), object (its properties, every one written, in order; additionalProperties
@@ -384,6 +393,10 @@ def schema_regex(schema, defs: dict | None = None, depth: int = 0) -> str:
     if isinstance(schema, bool) or not isinstance(schema, dict):
         raise ValueError(f"a JSON schema is an object, got {schema!r:.80}")
     if defs is None:
+        for key in ("definitions", "$defs"):
+            if not isinstance(schema.get(key, {}), dict):
+                raise ValueError(f"JSON schema {key} must be an object of named schemas, got "
+                                 f"{schema[key]!r:.60}")
         defs = {**schema.get("definitions", {}), **schema.get("$defs", {})}
     sub = lambda s: schema_regex(s, defs, depth + 1)  # noqa: E731
     if "$ref" in schema:
@@ -457,6 +470,10 @@ def schema_regex(schema, defs: dict | None = None, depth: int = 0) -> str:
                          "regular language)")
     if schema.get("additionalProperties", False) not in (True, False):
         raise ValueError("JSON schema additionalProperties must be true or false here")
+    required = schema.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise ValueError(f"JSON schema required must be a list of property names, got "
+                         f"{required!r:.60}")
     if not props:  # {"properties": {}}: the empty object (a function without arguments)
         if schema.get("required"):
             raise ValueError(f"JSON schema required {schema['required']} are not among the "

@@ -18,6 +18,10 @@ import re
 from dataclasses import dataclass, field
 
 MAX_NFA_STATES = 100_000  # {m,n} copies its operand: a bound on what a pattern may expand to
+# The longest pattern taken: parsing costs some microseconds a character, and a pattern this long
+# already expands past MAX_NFA_STATES for what guide.schema_regex writes (a JSON schema's regex
+# grows as the product of its nested properties: it is cut off at this length as it is built).
+MAX_PATTERN_CHARS = 200_000
 
 _CLASS_ESCAPES = {
     "d": lambda c: c.isdecimal(),
@@ -364,6 +368,13 @@ class LazyDFA:
         return self.accepts(self.walk(self.start, text))
 
 
+def check_pattern_length(pattern: str, what: str = "the regex") -> None:
+    """ValueError if `pattern` is longer than MAX_PATTERN_CHARS (before any parsing)."""
+    if len(pattern) > MAX_PATTERN_CHARS:
+        raise ValueError(f"{what} is too large: {len(pattern)} characters, more than "
+                         f"{MAX_PATTERN_CHARS}")
+
+
 class RegexDFA(LazyDFA):
     """The DFA of `pattern` under fullmatch, built as it is walked. A state is the set of NFA
     states it stands for (the empty set: DEAD)."""
@@ -371,6 +382,7 @@ class RegexDFA(LazyDFA):
     def __init__(self, pattern: str):
         if not isinstance(pattern, str):
             raise ValueError(f"a regex is a string, got {type(pattern).__name__}")
+        check_pattern_length(pattern)
         self.pattern = pattern
         try:  # what re refuses is refused here too, with re's reason
             re.compile(pattern)
