@@ -89,3 +89,13 @@ def save_checkpoint(model: Qwen3ForCausalLM, path, *, layout: str = "v5", max_sh
         with open(cfg_path, "w") as f:
             json.dump(d, f)
     return path
+
+
+def hf_greedy(model, prompt, n: int) -> list[int]:
+    """transformers' n greedy tokens after `prompt`, the whole sequence recomputed every step
+    (no cache of its own: the oracle shares nothing with the engine's paths)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].float().argmax()))
+    return ids[len(prompt):]

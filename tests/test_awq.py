@@ -47,7 +47,7 @@ from minivllm.state import ModelConfig, SeqChunk, make_batch
 from minivllm.state.quant import AwqWeight, dequantize_awq, pack_awq, unpack_awq
 
 from engine_helpers import make_llm
-from hf_tiny import make_hf_model, save_checkpoint
+from hf_tiny import hf_greedy, make_hf_model, save_checkpoint
 from test_fp8_checkpoint import _rewrite, _set_quant
 from test_load_audit import _count_reads
 from awq_tp_worker import run as tp_run
@@ -172,14 +172,6 @@ def mv_logits(params, prompts, **forward_kwargs):
                        every_row=True, device=params.device)
     with torch.no_grad():
         return minivllm.forward(params, cache, batch, **forward_kwargs)[0]
-
-
-def hf_greedy(model, prompt, n):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 @pytest.fixture(scope="module")

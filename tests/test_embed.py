@@ -20,7 +20,7 @@ from minivllm.runtime.demo import build_tokenizer
 from minivllm.runtime.pooling import EmbeddingRequestOutput, sentence_transformers_pooling
 
 from engine_helpers import make_llm
-from hf_tiny import make_hf_model, save_checkpoint
+from hf_tiny import hf_greedy, make_hf_model, save_checkpoint
 
 LENGTHS = (1, 3, 7, 16, 17, 31, 40, 100)
 TOL = dict(rtol=1e-5, atol=1e-5)  # fp32 both sides: observed differences are ~2e-7
@@ -406,14 +406,6 @@ def test_a_prompt_that_can_never_fit_the_cache(embed_dir, device):
 
 
 # -- generation and embeddings in one engine ------------------------------------------------------
-
-
-def hf_greedy(model, prompt, n):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 def drive(engine) -> dict:

@@ -14,7 +14,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.functional.sampling import SamplingRow, plain_greedy
 from minivllm.runtime.graphs import DecodeGraphs
 
-from hf_tiny import make_hf_model, save_checkpoint
+from hf_tiny import hf_greedy, make_hf_model, save_checkpoint
 
 MAX_TOKENS = 8
 
@@ -27,14 +27,6 @@ def hf_model():
 @pytest.fixture(scope="module")
 def tiny_dir(hf_model, tmp_path_factory):
     return save_checkpoint(hf_model, tmp_path_factory.mktemp("greedy") / "model")
-
-
-def hf_greedy(model, prompt, n):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].float().argmax()))
-    return ids[len(prompt):]
 
 
 def eager_graphs(llm, greedy_rows: int, monkeypatch, head_picks: bool = True) -> dict:

@@ -38,7 +38,7 @@ from minivllm.state.batch import SeqChunk, make_batch
 from minivllm.state.lora import init_lora, load_adapter, write_slot
 
 from engine_helpers import make_llm
-from hf_tiny import make_hf_model, save_checkpoint
+from hf_tiny import hf_greedy, make_hf_model, save_checkpoint
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PARENT = {m: "self_attn" if m in ALL[:4] else "mlp" for m in ALL}
@@ -92,14 +92,6 @@ def merged(hf_model, weights: dict, scale: float):
     return model
 
 
-def hf_greedy(model, prompt, n=NEW) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
 @pytest.fixture(scope="module")
 def hf_model():
     return make_hf_model(seed=0, std=0.3)
@@ -142,7 +134,7 @@ def oracle(adapters, hf_model, prompts):
     def tokens(name, i):
         if (name, i) not in cache:
             model = hf_model if name is None else adapters[name][1]
-            cache[(name, i)] = hf_greedy(model, prompts[i])
+            cache[(name, i)] = hf_greedy(model, prompts[i], NEW)
         return cache[(name, i)]
     return tokens
 
@@ -373,7 +365,6 @@ def test_block_manager_roots_prefixes_by_adapter():
     assert len(bm.match_prefix(seqs[3])) == 2  # adapter 1's blocks, only
     assert set(bm.match_prefix(seqs[3])) == set(seqs[1].block_table[:2])
     bm.check(seqs[:3])
-
 
 
 # -- the compiled forward and the decode graphs --------------------------------------------------
@@ -810,7 +801,6 @@ def test_lora_request_without_enable_lora_and_refused_configs(tiny_dir, adapters
     runner = llm.engine.runner
     assert runner.graphs is None and not runner.prefill_graphs
     assert runner.small_decode_forward is None and runner.prefill_forward is forward
-
 
 
 def test_lora_request_refuses_a_path_that_is_not_a_string_or_path():

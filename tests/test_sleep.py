@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_leaves
 from minivllm import LLM, SamplingParams
 from minivllm.runtime.sleep import offload, owned, restore, storages
 
-from hf_tiny import make_hf_model, save_checkpoint
+from hf_tiny import hf_greedy, make_hf_model, save_checkpoint
 
 ENGINE = dict(num_kv_blocks=64, attention_backend="reference", device="cpu", block_size=4,
               max_num_batched_tokens=64, enable_sleep_mode=True)
@@ -39,19 +39,10 @@ def dirs(models, tmp_path_factory):
     return tuple(save_checkpoint(m, root / name) for m, name in zip(models, "ab"))
 
 
-def hf_greedy(model, prompt, n=NEW) -> list[int]:
-    """transformers' greedy tokens, the whole sequence recomputed every step."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
 @pytest.fixture(scope="module")
 def reference(models):
     """Checkpoint A's and B's greedy tokens by transformers, per prompt."""
-    return [[hf_greedy(m, p) for p in PROMPTS] for m in models]
+    return [[hf_greedy(m, p, NEW) for p in PROMPTS] for m in models]
 
 
 def run(llm, prompts=PROMPTS):
@@ -233,7 +224,7 @@ def test_lora_slots_sleep_too(dirs, models, tmp_path):
 
     weights, scale = write_adapter(tmp_path / "ad", dirs[0], r=4, alpha=8,
                                    targets="all-linear", seed=3)
-    want = [hf_greedy(merged(models[0], weights, scale), p) for p in PROMPTS]
+    want = [hf_greedy(merged(models[0], weights, scale), p, NEW) for p in PROMPTS]
     lora = LoRARequest("ad", 1, str(tmp_path / "ad"))
     with LLM(dirs[0], enable_lora=True, max_lora_rank=8, **ENGINE) as llm:
         assert llm.engine.runner.params.lora is not None
