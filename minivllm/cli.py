@@ -171,6 +171,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="/v1/completions takes 'prompt_embeds': base64 strings of "
                             "torch.save'd float tensors [tokens, hidden_size] (vLLM's flag; "
                             "their rows reach the model as given: serve trusted clients)")
+    serve.add_argument("--enable-sleep-mode", action="store_true",
+                       help="the engine may free the weights' and the KV cache's memory and take "
+                            "it back (vLLM's flag): with env VLLM_SERVER_DEV_MODE=1, POST "
+                            "/sleep?level=1|2, POST /wake_up[?tags=weights|kv_cache], GET "
+                            "/is_sleeping")
+    serve.add_argument("--max-request-body-bytes", type=int, default=None, metavar="N",
+                       help="answer a request whose body is larger 413, unread (default 64 MiB, "
+                            "or with --enable-prompt-embeds enough for one max_model_len prompt "
+                            "of fp32 embeddings if that is more)")
     lora = serve.add_argument_group("LoRA adapters")
     lora.add_argument("--enable-lora", action="store_true",
                       help="serve LoRA adapters: a request whose \"model\" names one of "
@@ -253,6 +262,8 @@ def _make_llm(args, model: str):
         kwargs["scheduling_policy"] = args.scheduling_policy
     if getattr(args, "enable_prompt_embeds", False):  # serve's
         kwargs["enable_prompt_embeds"] = True
+    if getattr(args, "enable_sleep_mode", False):  # serve's
+        kwargs["enable_sleep_mode"] = True
     if getattr(args, "enable_lora", False):  # serve's
         kwargs.update(enable_lora=True, max_loras=args.max_loras,
                       max_lora_rank=args.max_lora_rank)
@@ -421,6 +432,8 @@ def cmd_serve(args) -> int:
         args.model = args.model_tag
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("minivllm: --enable-auto-tool-choice needs --tool-call-parser")
+    if args.max_request_body_bytes is not None and args.max_request_body_bytes < 1:
+        raise SystemExit("minivllm: --max-request-body-bytes must be a positive number of bytes")
     if args.lora_modules and not args.enable_lora:
         raise SystemExit("minivllm: --lora-modules needs --enable-lora")
     names = [name for name, _ in args.lora_modules or ()]
@@ -434,7 +447,8 @@ def cmd_serve(args) -> int:
                           api_key=args.api_key, disable_log_stats=args.disable_log_stats,
                           enable_auto_tool_choice=args.enable_auto_tool_choice,
                           tool_call_parser=args.tool_call_parser,
-                          lora_modules=dict(args.lora_modules or ()))
+                          lora_modules=dict(args.lora_modules or ()),
+                          max_request_body_bytes=args.max_request_body_bytes)
     host, port = server.address
     print(f"minivllm: serving {name!r} at http://{host}:{port}/v1 (Ctrl-C stops)", file=sys.stderr,
           flush=True)

@@ -9,7 +9,10 @@ name=path), a completion or chat request whose "model" names a module runs with 
 and /v1/models lists the modules after the base model (each with "parent" the base model's
 name), as vLLM's. With MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (vLLM's
 VLLM_ALLOW_RUNTIME_LORA_UPDATING), POST /v1/load_lora_adapter and /v1/unload_lora_adapter add
-and remove modules while serving (OpenAIServer.load_lora_adapter says how).
+and remove modules while serving (OpenAIServer.load_lora_adapter says how). With sleep mode
+(serve --enable-sleep-mode) and VLLM_SERVER_DEV_MODE=1, vLLM's development routes POST /sleep,
+POST /wake_up, GET /is_sleeping and POST /reset_prefix_cache (OpenAIServer.dev_route says how).
+A request body is read only up to a cap (serve --max-request-body-bytes): a larger one is a 413.
 
 The engine is not thread-safe, so one thread owns it (EngineLoop): it takes new requests from a
 queue between steps, steps while any is unfinished, and hands each request's outputs to the
@@ -29,11 +32,13 @@ import json
 import logging
 import os
 import queue
+import re
 import select
 import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs
 
 import torch
 
@@ -49,6 +54,7 @@ from .openai_api import (EmbedsLimits, ParsedRequest, RequestError, chat_body, c
                          parse_embedding, parse_rerank, parse_score, parse_tokenize, render_chat,
                          rerank_body, score_body, tokenize, usage, vllm_prompt_logprobs)
 from .pooling import PoolingParams
+from .sleep import check_level, check_tags
 
 log = logging.getLogger("minivllm")
 
@@ -82,6 +88,9 @@ class EngineLoop:
         self.engine = llm.engine
         self.inbox: queue.Queue = queue.Queue()
         self.owners: dict[str, _Submission] = {}  # request id -> its submission
+        # A sleep (level, reply) waiting for the running requests to finish (mode "wait"); new
+        # requests are refused meanwhile, so that it comes.
+        self.pending_sleep: tuple[int, queue.Queue] | None = None
         self.thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
         self.thread.start()
 
@@ -108,6 +117,16 @@ class EngineLoop:
             raise value
         return value
 
+    def sleep(self, level: int, mode: str) -> None:
+        """engine.sleep(level) on the engine's thread, between steps, once no request runs:
+        mode "abort" aborts the running ones first (each client answered 503), "wait" lets them
+        finish, refusing new ones meanwhile. Returns once the engine sleeps."""
+        reply: queue.Queue = queue.Queue()
+        self.inbox.put(("sleep", level, mode, reply))
+        kind, value = reply.get()
+        if kind == "error":
+            raise value
+
     def stop(self) -> None:
         self.inbox.put(_STOP)
         self.thread.join()
@@ -123,6 +142,9 @@ class EngineLoop:
             while item is not None:
                 if item is _STOP:
                     self._fail(RuntimeError("the server is shutting down"))
+                    if self.pending_sleep is not None:
+                        self.pending_sleep[1].put(("error", RequestError(
+                            "the server is shutting down", 503, "ServiceUnavailableError")))
                     return
                 try:
                     self._take(item)
@@ -137,8 +159,24 @@ class EngineLoop:
                     item = None
             if self.owners:
                 self._step()
+            if self.pending_sleep is not None and not self.owners:
+                self._sleep(*self.pending_sleep)
+                self.pending_sleep = None
 
     def _take(self, item) -> None:
+        if isinstance(item, tuple) and item[0] == "sleep":
+            _, level, mode, reply = item
+            if self.pending_sleep is not None:
+                reply.put(("error", RequestError("a sleep already waits for the running requests "
+                                                 "(mode=wait)", 409, "ConflictError")))
+            elif mode == "abort":
+                self._fail(RequestError("the request was aborted: the engine was put to sleep "
+                                        "(POST /sleep)", 503, "ServiceUnavailableError"),
+                           reason="abort")
+                self._sleep(level, reply)
+            else:
+                self.pending_sleep = (level, reply)
+            return
         if isinstance(item, tuple) and item[0] == "call":
             _, fn, reply = item
             try:
@@ -155,6 +193,13 @@ class EngineLoop:
                     self.engine.abort_request(request_id)
             return
         sub, req = item, item.req
+        if self.pending_sleep is not None or self.engine.is_sleeping():
+            state = (f"is sleeping ({', '.join(sorted(self.engine.sleeping))} freed by POST "
+                     f"/sleep)" if self.engine.is_sleeping() else
+                     "goes to sleep once the running requests finish (POST /sleep?mode=wait)")
+            sub.replies.put(("error", RequestError(f"the engine {state}: POST /wake_up first",
+                                                   503, "ServiceUnavailableError")))
+            return
         try:
             prompts = req.prompts
             if req.messages is not None:
@@ -205,10 +250,22 @@ class EngineLoop:
             if out.finished or sub.req.stream:
                 sub.outputs.put(("out", out))
 
-    def _fail(self, error: Exception) -> None:
+    def _sleep(self, level: int, reply: queue.Queue) -> None:
+        try:
+            self.engine.sleep(level)
+            reply.put(("ok", None))
+        except ValueError as e:
+            reply.put(("error", RequestError(str(e))))
+        except Exception as e:
+            log.exception("minivllm: sleep failed")
+            reply.put(("error", RequestError(f"{type(e).__name__}: {e}", 500,
+                                             "InternalServerError")))
+
+    def _fail(self, error: Exception, reason: str = "error") -> None:
+        """End every request running, each client answered `error` (reason: its metrics')."""
         for request_id, sub in list(self.owners.items()):
             if request_id in self.engine.requests:
-                self.engine.abort_request(request_id, "error")
+                self.engine.abort_request(request_id, reason)
             sub.outputs.put(("error", error))
         self.owners.clear()
 
@@ -221,6 +278,16 @@ _TOKENIZER_ROUTES = ("/tokenize", "/detokenize")
 # Served only with RUNTIME_LORA_ENV set (elsewhere a 404: no such route, as vLLM's).
 _ADAPTER_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 RUNTIME_LORA_ENV = "MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING"
+# vLLM's development routes, served only in dev mode (elsewhere a 404, as vLLM's): POST ones, and
+# GET /is_sleeping. The variable is vLLM's own name, so that scripts written for vLLM run as they
+# are; MINIVLLM_SERVER_DEV_MODE is taken too.
+_DEV_ROUTES = ("/sleep", "/wake_up", "/reset_prefix_cache")
+DEV_MODE_ENVS = ("VLLM_SERVER_DEV_MODE", "MINIVLLM_SERVER_DEV_MODE")
+# The request body's cap unless serve --max-request-body-bytes gives one (uvicorn, under vLLM's
+# server, has none; Triton's OpenAI front end takes 64 MiB by default): far more than a 128K-token
+# prompt's JSON, as text or ids; with --enable-prompt-embeds raised to what one max_model_len
+# prompt of base64 fp32 embeddings needs, where that is more.
+DEFAULT_MAX_BODY_BYTES = 64 << 20
 
 
 def runtime_lora_updating(environ=None) -> bool:
@@ -230,6 +297,13 @@ def runtime_lora_updating(environ=None) -> bool:
     return env.get(RUNTIME_LORA_ENV, "0").strip().lower() in ("1", "true")
 
 
+def server_dev_mode(environ=None) -> bool:
+    """Whether vLLM's development routes are served: VLLM_SERVER_DEV_MODE (or
+    MINIVLLM_SERVER_DEV_MODE) is 1 or true."""
+    env = os.environ if environ is None else environ
+    return any(env.get(name, "0").strip().lower() in ("1", "true") for name in DEV_MODE_ENVS)
+
+
 def pooling_routes(llm: LLM) -> dict:
     """A pooling LLM's routes, as vLLM's: an embedding model's /v1/embeddings, a classifier's
     /classify, and /score and /rerank for both, a classifier's only with one label (its score)."""
@@ -237,6 +311,14 @@ def pooling_routes(llm: LLM) -> dict:
     if head is None:
         return {"/v1/embeddings": parse_embedding, **_SCORE_ROUTES}
     return {"/classify": parse_classify, **(_SCORE_ROUTES if head.num_labels == 1 else {})}
+
+
+def _failure(error: Exception) -> tuple[int, dict]:
+    """The status and error body of a request ended by `error`: a RequestError's own (a
+    sleep's abort is a 503), else a 500 naming the engine's failure."""
+    if isinstance(error, RequestError):
+        return error.status, error_body(str(error), error.status, error.kind)
+    return 500, error_body(f"the engine failed: {error}", 500, "InternalServerError")
 
 
 class _ClientGone(Exception):
@@ -282,13 +364,21 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             raise RequestError("send the body with a Content-Length (chunked bodies are not "
                                "read)", 411, "LengthRequired")
-        try:
-            length = int(self.headers.get("Content-Length") or 0)
-            if length < 0:
-                raise ValueError
-        except ValueError:
+        values = self.headers.get_all("Content-Length") or []
+        # None: no body (HTTP/1.1's rule; `curl -X POST .../sleep` sends none), which a JSON
+        # route then refuses; else digits only (int() would take "+1", "1_0", " 1").
+        if len(set(v.strip() for v in values)) > 1 or \
+                values and not re.fullmatch(r"[0-9]+", values[0].strip()):
             self.close_connection = True
-            raise RequestError("a bad Content-Length header") from None
+            raise RequestError(f"a bad Content-Length header: {', '.join(values)!r} (one "
+                               f"non-negative integer)")
+        length = int(values[0]) if values else 0
+        cap = self.app.max_request_body_bytes
+        if length > cap:  # answered before reading: the body is never held
+            self.close_connection = True
+            raise RequestError(f"the request body is {length} bytes, more than the {cap} this "
+                               f"server takes (serve --max-request-body-bytes)", 413,
+                               "RequestEntityTooLarge")
         return self.rfile.read(length) if length else b""
 
     def _authorized(self) -> bool:
@@ -336,7 +426,11 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(200, {"version": __version__})
         elif path == "/metrics":
             self._metrics()
-        elif path in self.app.routes or path in self.app.adapter_routes:
+        elif path == "/is_sleeping" and self.app.dev_mode:
+            # Read without waiting for a step (as vLLM answers mid-generation): a set's truth.
+            self._send_json(200, {"is_sleeping": self.app.llm.engine.is_sleeping()})
+        elif (path in self.app.routes or path in self.app.adapter_routes
+              or path in _DEV_ROUTES and self.app.dev_mode):
             self._error(405, f"{path} takes POST", "MethodNotAllowed")
         else:
             self._error(404, f"no route {path}", "NotFoundError")
@@ -347,11 +441,20 @@ class _Handler(BaseHTTPRequestHandler):
             raw = self._read_body()
             if not self._authorized():
                 return
-            path = self.path.split("?", 1)[0]
+            path, _, query = self.path.partition("?")
+            if self.app.dev_mode and path in _DEV_ROUTES:  # their body, if any, is not read
+                self.app.dev_route(path, parse_qs(query, keep_blank_values=True))
+                self._send(200, b"", "text/plain; charset=utf-8")  # vLLM's empty 200
+                return
+            if self.app.dev_mode and path == "/is_sleeping":
+                raise RequestError(f"{path} takes GET", 405, "MethodNotAllowed")
             parse = self.app.routes.get(path)
             adapters = path in self.app.adapter_routes
             if parse is None and path not in _TOKENIZER_ROUTES and not adapters:
                 raise RequestError(f"no route {path}", 404, "NotFoundError")
+            if not raw:
+                raise RequestError("the request has no body: send a JSON object, with its "
+                                   "Content-Length")
             try:
                 body = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -441,7 +544,7 @@ class _Handler(BaseHTTPRequestHandler):
         while len(finished) < len(sub.ids):
             kind, value = self._next_output(sub)
             if kind == "error":
-                self._error(500, f"the engine failed: {value}", "InternalServerError")
+                self._send_json(*_failure(value))
                 return None
             finished[value.request_id] = value
         return [finished[i] for i in sub.ids]
@@ -513,7 +616,7 @@ class _Handler(BaseHTTPRequestHandler):
         while done < len(sub.ids):
             kind, value = self._next_output(sub)
             if kind == "error":
-                self._event(error_body(f"the engine failed: {value}", 500, "InternalServerError"))
+                self._event(_failure(value)[1])
                 break
             last[value.request_id] = value
             done += value.finished
@@ -561,7 +664,8 @@ class OpenAIServer:
     def __init__(self, llm: LLM, *, host: str = "127.0.0.1", port: int = 8000,
                  model_name: str = "minivllm", api_key: str | None = None,
                  enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-                 lora_modules=None, disable_log_stats: bool = False):
+                 lora_modules=None, disable_log_stats: bool = False,
+                 max_request_body_bytes: int | None = None):
         tool_calls.check_parser(tool_call_parser)
         if enable_auto_tool_choice and tool_call_parser is None:  # vLLM's check, at start
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (the form of the "
@@ -597,6 +701,23 @@ class OpenAIServer:
         # --enable-prompt-embeds, off by default: the bytes come from clients).
         self.embeds_limits = (EmbedsLimits(config.model_config.hidden_size, config.max_model_len)
                               if config.enable_prompt_embeds else None)
+        # A client must not make the server allocate what it likes: Content-Length is checked
+        # against this before the body is read. By default room for one max_model_len prompt of
+        # base64 fp32 embeddings where they are taken, and 1 MiB for the rest of the JSON.
+        if max_request_body_bytes is None:
+            need = (4 * (self.embeds_limits.max_bytes // 3 + 1) + (1 << 20)
+                    if self.embeds_limits is not None else 0)
+            max_request_body_bytes = max(DEFAULT_MAX_BODY_BYTES, need)
+        if isinstance(max_request_body_bytes, bool) or not isinstance(max_request_body_bytes, int) \
+                or max_request_body_bytes < 1:
+            raise ValueError(f"max_request_body_bytes must be a positive integer, got "
+                             f"{max_request_body_bytes!r}")
+        self.max_request_body_bytes = max_request_body_bytes
+        self.dev_mode = server_dev_mode()
+        if self.dev_mode:
+            log.warning("minivllm serve: development routes are served (/sleep, /wake_up, "
+                        "/is_sleeping, /reset_prefix_cache; VLLM_SERVER_DEV_MODE): not for "
+                        "production, as vLLM warns")
         tok = llm.get_tokenizer()
         self.decode = tok.decode if tok is not None else None
         self.routes = pooling_routes(llm) if llm.config.runner == "pooling" else _ROUTES
@@ -694,6 +815,56 @@ class OpenAIServer:
             self.loop.call(lambda: engine.remove_lora(lora.lora_int_id))
         log.info("minivllm serve: unloaded LoRA adapter %r", name)
         return f"Success: LoRA adapter '{name}' removed successfully."
+
+    def dev_route(self, path: str, query: dict[str, list[str]]) -> None:
+        """POST /sleep?level=1|2&mode=abort|wait, /wake_up?tags=weights&tags=kv_cache and
+        /reset_prefix_cache, as vLLM's (answered with an empty 200). Each runs on the engine's
+        thread between steps, as everything that touches the engine does.
+
+        /sleep with vLLM's default mode "abort" aborts the requests running (their clients get
+        a 503 naming the sleep; vLLM's get finish_reason "abort" and what was generated) and
+        sleeps; "wait" lets them finish, refusing new ones, and sleeps then (the call answers
+        once asleep). vLLM's "keep" (frozen requests, resumed on wake_up) and level 0 (a pause
+        only) are 400s: this engine's sleep discards the KV cache and it has no pause. While
+        anything sleeps, requests for the model are 503s naming /wake_up (vLLM leaves them
+        waiting, or fails); /tokenize, /detokenize, /v1/models and /metrics still answer, as
+        vLLM's. A sleep of a sleeping engine, or a wake_up of what is awake, does nothing but
+        warn (vLLM's). /reset_prefix_cache forgets the cached blocks no request holds."""
+        def last(name, default):  # a repeated parameter: its last value, as Starlette's get
+            return query.get(name, [default])[-1]
+
+        if path == "/reset_prefix_cache":
+            self.loop.call(self.llm.reset_prefix_cache)
+            log.info("minivllm serve: prefix cache reset")
+            return
+        if not self.llm.config.enable_sleep_mode:
+            raise RequestError(f"{path} needs sleep mode: serve with --enable-sleep-mode")
+        if path == "/wake_up":
+            tags = query.get("tags") or None  # none given: all that sleeps
+            try:
+                check_tags(tags)
+            except ValueError as e:
+                raise RequestError(f"query parameter 'tags': {e}") from None
+            def wake_up():
+                if self.loop.pending_sleep is not None:  # it would sleep right after
+                    raise RequestError("a sleep waits for the running requests (mode=wait): "
+                                       "wake_up once it answers", 409, "ConflictError")
+                self.llm.wake_up(tags)
+            self.loop.call(wake_up)
+            log.info("minivllm serve: woke up (%s)", ", ".join(tags or ("all",)))
+            return
+        text, mode = last("level", "1"), last("mode", "abort")
+        try:
+            level = check_level(int(text) if re.fullmatch(r"-?[0-9]+", text.strip()) else text)
+        except ValueError as e:
+            raise RequestError(f"query parameter 'level': {e}") from None
+        if mode not in ("abort", "wait"):
+            raise RequestError(f"query parameter 'mode' must be 'abort' (abort the running "
+                               f"requests, vLLM's default) or 'wait' (let them finish), got "
+                               f"{mode!r}; vLLM's 'keep' is not served: sleep discards their "
+                               f"KV cache")
+        self.loop.sleep(level, mode)
+        log.info("minivllm serve: asleep (level %d, mode %s)", level, mode)
 
     @staticmethod
     def _lora_modules(llm: LLM, model_name: str, modules) -> dict[str, LoRARequest]:
