@@ -372,16 +372,17 @@ class LLMEngine:
         """vLLM's wake_up: take back the memory of `tags` ("weights", "kv_cache"; None: all
         that sleeps), the weights as they were (level 1) or zeros (level 2), the KV cache
         zeroed; once both are awake, the CUDA graphs are captured again (runtime/sleep.py says
-        why). ValueError without enable_sleep_mode or for another tag; an awake engine, or a
-        tag awake already, is left as it is, with a warning (vLLM's)."""
+        why). ValueError without enable_sleep_mode or for another tag. A tag awake already is
+        left as it is, with a warning (vLLM's), and the others named are woken: a staged wake-up
+        that names both tags after the weights' is still whole (vLLM issue 44395's workflows)."""
         self._check_sleep_mode("wake_up")
         given, tags = tags, check_tags(tags)
-        if given is None:  # all that sleeps
-            tags = tuple(t for t in tags if t in self.sleeping) or tags
         awake = [t for t in tags if t not in self.sleeping]
-        if awake:
-            log.warning("minivllm: wake_up: %s %s not sleeping; nothing done", ", ".join(awake),
+        if awake and (given is not None or not self.sleeping):  # None: all that sleeps
+            log.warning("minivllm: wake_up: %s %s not sleeping", ", ".join(awake),
                         "is" if len(awake) == 1 else "are")
+        tags = tuple(t for t in tags if t in self.sleeping)
+        if not tags:
             return
         self.runner.wake_up(tags)
         self.sleeping -= set(tags)
