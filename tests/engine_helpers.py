@@ -5,6 +5,9 @@ fresh GPU machine within one device call."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 from minivllm import LLM
 
 
@@ -56,3 +59,16 @@ def small_cli_engines(device, monkeypatch) -> None:
         kw["max_num_batched_tokens"] = kw.get("max_num_batched_tokens") or 512
         return real(model, **kw)
     monkeypatch.setattr(llm_module, "LLM", small_llm)
+
+
+@contextlib.contextmanager
+def serving(srv):
+    """srv (a runtime.server.OpenAIServer) answering on a thread of its own; shut down and
+    joined on leaving."""
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield srv
+    finally:
+        srv.shutdown()
+        thread.join(timeout=10)

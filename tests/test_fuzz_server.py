@@ -14,7 +14,6 @@ import http.client
 import json
 import math
 import os
-import threading
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -22,7 +21,7 @@ from hypothesis import strategies as st
 
 from minivllm.runtime.server import OpenAIServer
 
-from engine_helpers import make_llm
+from engine_helpers import make_llm, serving
 from test_server import model_dir  # noqa: F401  (the fixture: the demo checkpoint, greedy)
 
 NAME = "tiny"
@@ -53,11 +52,8 @@ OBJECT = {"type": "object", "properties": {"a": {"type": "integer"}}}
 def server(model_dir, device):  # noqa: F811
     srv = OpenAIServer(make_llm(model_dir, device, max_model_len=MAX_MODEL_LEN, num_kv_blocks=16),
                        port=0, model_name=NAME)
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield srv
-    srv.shutdown()
-    thread.join(timeout=10)
+    with serving(srv):
+        yield srv
 
 
 def request(server, path: str, body) -> tuple[int, str, bytes]:

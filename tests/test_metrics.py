@@ -10,7 +10,6 @@ import json
 import math
 import re
 import socket
-import threading
 import time
 import urllib.request
 
@@ -21,7 +20,7 @@ from minivllm.runtime import metrics as prom
 from minivllm.runtime.pooling import PoolingParams
 from minivllm.runtime.server import OpenAIServer
 
-from engine_helpers import make_llm
+from engine_helpers import make_llm, serving
 from test_server import model_dir, post, stream, url  # noqa: F401  (model_dir: a fixture)
 
 NAME = 'tiny "q"\\x'  # label escaping end to end
@@ -157,11 +156,8 @@ def test_the_text_format_escapes_orders_and_accumulates():
 @pytest.fixture(scope="module")
 def server(model_dir, device):  # noqa: F811
     srv = OpenAIServer(make_llm(model_dir, device, max_model_len=1024), port=0, model_name=NAME)
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield srv
-    srv.shutdown()
-    thread.join(timeout=10)
+    with serving(srv):
+        yield srv
 
 
 def _wait_idle(server):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import threading
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -24,7 +23,7 @@ from minivllm.runtime.qwen3_coder_tools import Qwen3CoderSplit, convert_value, p
 from minivllm.runtime.sampling_params import StructuredOutputsParams
 from minivllm.runtime.server import OpenAIServer
 
-from engine_helpers import make_llm
+from engine_helpers import make_llm, serving
 from test_reasoning_tools import cut, functions, model_dir, streamed_message  # noqa: F401
 from test_server import post, stream
 
@@ -250,11 +249,8 @@ def llm(model_dir, device):  # noqa: F811 (the imported fixture)
 def server(llm):
     srv = OpenAIServer(llm, port=0, model_name="tiny", enable_auto_tool_choice=True,
                        tool_call_parser="qwen3_coder")
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield srv
-    srv.shutdown()
-    thread.join(timeout=10)
+    with serving(srv):
+        yield srv
 
 
 def test_the_server_reads_xml_calls_typed_by_the_requests_tools(server, llm):

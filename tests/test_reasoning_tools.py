@@ -27,7 +27,7 @@ from minivllm.runtime.reasoning import ANSWER, REASONING, UNDECIDED
 from minivllm.runtime.sampling_params import StructuredOutputsParams
 from minivllm.runtime.server import OpenAIServer
 
-from engine_helpers import make_llm
+from engine_helpers import make_llm, serving
 from test_server import post, stream
 
 TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
@@ -354,11 +354,8 @@ def test_a_reasoning_parser_needs_the_tags_as_tokens(device):
 def server(llm):
     srv = OpenAIServer(llm, port=0, model_name="tiny", enable_auto_tool_choice=True,
                        tool_call_parser="hermes")
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield srv
-    srv.shutdown()
-    thread.join(timeout=10)
+    with serving(srv):
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from minivllm import SamplingParams
 from minivllm.runtime.demo import ensure_demo_model
 from minivllm.runtime.server import OpenAIServer
 
-from engine_helpers import make_llm
+from engine_helpers import make_llm, serving
 
 NAME = "tiny"
 PROMPTS = ["The quick brown fox", "Hello, my name is"]
@@ -56,11 +56,8 @@ def reference(model_dir, device):
 @pytest.fixture(scope="module")
 def server(model_dir, device):
     srv = OpenAIServer(make_llm(model_dir, device, max_model_len=1024), port=0, model_name=NAME)
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield srv
-    srv.shutdown()
-    thread.join(timeout=10)
+    with serving(srv):
+        yield srv
 
 
 def url(server, path):
@@ -620,11 +617,8 @@ def b64_tensor(obj, **save_kw) -> str:
 def embeds_server(model_dir, device):
     srv = OpenAIServer(make_llm(model_dir, device, max_model_len=1024, enable_prompt_embeds=True),
                        port=0, model_name=NAME)
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield srv
-    srv.shutdown()
-    thread.join(timeout=10)
+    with serving(srv):
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -811,19 +811,14 @@ def test_a_beam_that_could_outgrow_the_cache_is_refused_before_any_step(tiny_dir
 
 @pytest.fixture(scope="module")
 def server(tiny_dir, device):
-    import threading
-
-    from engine_helpers import make_llm
+    from engine_helpers import make_llm, serving
 
     from minivllm.runtime.server import OpenAIServer
 
     srv = OpenAIServer(make_llm(tiny_dir, device, max_model_len=256), port=0, model_name="t",
                        api_key="k")
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield srv
-    srv.shutdown()
-    thread.join(timeout=10)
+    with serving(srv):
+        yield srv
 
 
 def _raw(server, request: bytes) -> tuple[int, dict, bytes]:

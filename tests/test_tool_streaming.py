@@ -14,7 +14,6 @@ regex, n=2 choices, against the whole response."""
 from __future__ import annotations
 
 import json
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -25,7 +24,7 @@ from minivllm.runtime.chat_output import ChatOutput, message
 from minivllm.runtime.reasoning import REASONING, UNDECIDED
 from minivllm.runtime.server import OpenAIServer
 
-from engine_helpers import make_llm
+from engine_helpers import make_llm, serving
 from test_reasoning_tools import cut, functions, model_dir, streamed_message  # noqa: F401
 from test_server import post, stream
 
@@ -325,11 +324,8 @@ def server(model_dir, device):  # noqa: F811 (the imported fixture)
     srv = OpenAIServer(make_llm(model_dir, device, max_model_len=1024, reasoning_parser="qwen3"),
                        port=0, model_name="tiny", enable_auto_tool_choice=True,
                        tool_call_parser="hermes")
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield srv
-    srv.shutdown()
-    thread.join(timeout=10)
+    with serving(srv):
+        yield srv
 
 
 def test_the_server_streams_a_calls_arguments_as_generated(server):
