@@ -74,6 +74,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                    help="n-gram speculative decoding (vLLM's), e.g. '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'")
+    g.add_argument("--logprobs-mode", default="raw_logprobs",
+                   choices=("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"),
+                   help="what returned logprobs are taken from (vLLM's): the model's raw "
+                        "logprobs or logits, or the processed ones the token was sampled from "
+                        "(after penalties, temperature, top-k / top-p / min-p)")
     g.add_argument("--generation-config", default="auto",
                    help="where unset sampling flags come from: auto (the model's "
                         "generation_config.json, as vLLM), vllm (minivllm's defaults) or a "
@@ -254,6 +259,8 @@ def _make_llm(args, model: str):
                   hf_overrides=_hf_overrides(args))
     if args.speculative_config is not None:
         kwargs["speculative_config"] = args.speculative_config
+    if args.logprobs_mode != "raw_logprobs":
+        kwargs["logprobs_mode"] = args.logprobs_mode
     if getattr(args, "reasoning_parser", None) is not None:  # serve's
         kwargs["reasoning_parser"] = args.reasoning_parser
     if getattr(args, "runner", "auto") != "auto":  # serve's

@@ -2,7 +2,8 @@
 
 `sample(logits, sb)` samples one token for each of B rows of logits, every row with its own
 parameters (a `SamplingBatch` of [B] tensors): penalties, greedy or temperature, min-p, top-k,
-top-p (vLLM v1's order), and the top-N logprobs of the raw logits. There is no per-row Python
+top-p (vLLM v1's order), and the top-N logprobs of the raw logits (or of the processed ones,
+or the logits themselves: vLLM's logprobs_mode, see LOGPROBS_MODES). There is no per-row Python
 loop.
 
 Randomness is counter based: a row's draws are hashes of (seeds[b], steps[b]), where `steps` is
@@ -180,7 +181,8 @@ class SamplingBatch:
     Static flags say which stages any row needs, so that a batch skips what no row asks for
     (they are read off the host values, never synchronised from the device): all_greedy,
     any_greedy; any_truncated, all_truncated (rows that sample with top-k, top-p or min-p);
-    do_top_k, do_top_p, do_min_p; num_logprobs."""
+    do_top_k, do_top_p, do_min_p; num_logprobs; logprobs_mode (one of LOGPROBS_MODES: what the
+    logprobs are taken from, the engine's for every row)."""
 
     temperature: torch.Tensor
     top_k: torch.Tensor
@@ -211,6 +213,7 @@ class SamplingBatch:
     do_top_p: bool = static(default=False)
     do_min_p: bool = static(default=False)
     num_logprobs: int = static(default=-1)  # the most logprobs any row asks for; -1: none
+    logprobs_mode: str = static(default="raw_logprobs")
 
     @property
     def num_rows(self) -> int:
@@ -242,6 +245,32 @@ def _padded(rows: Sequence[Sequence[int]], pad: int, device) -> torch.Tensor:
 
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 
+# vLLM's logprobs_mode: what a sampled token's logprob, its rank and the top-N are taken from.
+#   raw_logprobs        log_softmax of the model's logits, before anything (the default).
+#   raw_logits          the model's logits themselves (fp32).
+#   processed_logits    the logits the row actually samples from: vLLM v1's Sampler order, that is
+#                       the allowed token ids (and a structured output's constraint) -> -inf, the
+#                       banned ids (bad words, EOS / stop ids before min_tokens) -> -inf, the
+#                       logit bias, the repetition / frequency / presence penalties; then, for a
+#                       row that samples (temperature > 0), the division by its temperature,
+#                       min-p, top-k and top-p, the ids they drop set to -inf. A greedy row
+#                       (temperature 0) stops after the penalties: no temperature (vLLM divides
+#                       greedy rows by 1) and no truncation (vLLM's SamplingParams turn top-k,
+#                       top-p and min-p off at temperature 0), whatever else shares its batch.
+#   processed_logprobs  log_softmax of processed_logits: the logprobs of the distribution the
+#                       token was drawn from (what RL trainers compare against). The sampled
+#                       token's is always finite.
+# Prompt logprobs are always raw_logprobs (vLLM computes them apart from the sampler).
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
+def check_logprobs_mode(mode) -> str:
+    """mode if it is one of LOGPROBS_MODES, else a ValueError naming them."""
+    if not isinstance(mode, str) or mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {', '.join(map(repr, LOGPROBS_MODES))}, "
+                         f"got {mode!r}")
+    return mode
+
 _FLOAT_FIELDS = operator.attrgetter("temperature", "top_p", "min_p", "presence_penalty",
                                     "frequency_penalty", "repetition_penalty")
 
@@ -253,10 +282,12 @@ def _aligned_width(b: int) -> int:
 
 
 def make_sampling_batch(rows: Sequence[SamplingRow], *, vocab_size: int, device=None,
-                        steps: Sequence[int] | None = None) -> SamplingBatch:
+                        steps: Sequence[int] | None = None,
+                        logprobs_mode: str = "raw_logprobs") -> SamplingBatch:
     """Pack per-row parameters into a SamplingBatch (built on the host, then moved to `device`).
     steps: each row's step, in place of the rows' own (a caller that keeps one row per sequence
-    across steps sends only this column)."""
+    across steps sends only this column). logprobs_mode: see LOGPROBS_MODES."""
+    check_logprobs_mode(logprobs_mode)
     if not rows:
         raise ValueError("a sampling batch needs at least one row")
     if steps is not None and len(steps) != len(rows):
@@ -357,6 +388,7 @@ def make_sampling_batch(rows: Sequence[SamplingRow], *, vocab_size: int, device=
         do_top_p=do_top_p,
         do_min_p=do_min_p,
         num_logprobs=max(wanted) if wanted else -1,
+        logprobs_mode=logprobs_mode,
     )
 
 
@@ -378,11 +410,13 @@ def with_steps(sb: SamplingBatch, steps: Sequence[int], device=None) -> Sampling
 @attrs.frozen
 class SampleOutput:
     """token_ids [B] int64; when the batch asks for logprobs (else None): logprobs [B] fp32 and
-    ranks [B] int64 of the sampled token, top_ids / top_logprobs [B, N]. Logprobs are those of
-    the model's raw distribution (log_softmax of the logits, before penalties, banned ids,
-    temperature and truncation), as vLLM v1 reports them (logprobs_mode "raw_logprobs"). A rank
-    is vLLM v1's: the number of ids whose logprob is >= the sampled one's (1 = most likely; an id
-    tied with others counts them all, so the first of two tied maxima has rank 2)."""
+    ranks [B] int64 of the sampled token, top_ids / top_logprobs [B, N]. By default (logprobs_mode
+    "raw_logprobs") logprobs are those of the model's raw distribution (log_softmax of the logits,
+    before penalties, banned ids, temperature and truncation), as vLLM v1 reports them; the
+    batch's logprobs_mode may take them from the raw logits, or from the processed logits or
+    logprobs (see LOGPROBS_MODES), the values, ranks and top-N all from that one representation.
+    A rank is vLLM v1's: the number of ids whose value is >= the sampled one's (1 = most likely;
+    an id tied with others counts them all, so the first of two tied maxima has rank 2)."""
 
     token_ids: torch.Tensor
     logprobs: torch.Tensor | None = None
@@ -435,14 +469,21 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
 
 def truncated_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """Penalised logits [B, V] -> probabilities [B, V] after temperature, min-p, top-k and top-p,
+    """Penalised logits [B, V] -> probabilities [B, V]: the softmax of truncated_logits."""
+    return torch.softmax(truncated_logits(logits, sb), dim=-1)
+
+
+def truncated_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """Penalised logits [B, V] -> logits [B, V] after temperature, min-p, top-k and top-p (the ids
+    they drop at -inf),
     in vLLM v1's order (min-p is one of its argmax-invariant logits processors, which run after
     the temperature and before top-k / top-p): top-p's mass is that of the distribution left by
     min-p and top-k, renormalised. Top-k keeps every id tied with the k-th largest logit (as
     vLLM's threshold does); top-p keeps the ids before which the mass is < top_p (the top one
     always), equal logits in id order (vLLM leaves that order to its sort), and drops nothing in a
     row whose top_p is 1. A truncated row is renormalised only implicitly: sample() reads its CDF
-    up to its total. In place where a tensor is its own, for the peak's sake (apply_penalties
+    up to its total. A greedy row is divided by 1 (and truncated by its own top-k / top-p /
+    min-p: processed_logits turns those off first). In place where a tensor is its own, for the peak's sake (apply_penalties
     says why)."""
     temp = torch.where(sb.temperature > 0, sb.temperature, torch.ones_like(sb.temperature))
     x = logits / temp[:, None]
@@ -475,9 +516,7 @@ def truncated_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
             del before
         x = torch.empty_like(sorted_x).scatter_(-1, order, sorted_x)
         del sorted_x, order
-    probs = torch.softmax(x, dim=-1)
-    del x
-    return probs
+    return x
 
 
 def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor, chunk: int = 256) -> torch.Tensor:
@@ -529,9 +568,7 @@ def _sample_ids(logits: torch.Tensor, sb: SamplingBatch, gumbel: bool, kernel: b
     """[B, V] -> [B]: sample()'s tokens."""
     vocab = logits.shape[-1]
     # Without penalties the logits are read as they are (the kernel converts on the fly).
-    penalised = (sb.output_ids is not None or sb.banned_rows is not None
-                 or sb.bias_rows is not None or sb.allowed_rows is not None)
-    x = apply_penalties(logits, sb) if penalised else logits
+    x = apply_penalties(logits, sb) if _penalised(sb) else logits
     if sb.all_greedy:
         return x.argmax(dim=-1)
     inverse_cdf_all = sb.all_truncated or not gumbel
@@ -567,14 +604,43 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, *, gumbel: bool = True,
     token_ids = _sample_ids(logits, sb, gumbel, kernel)  # its [B, V] temporaries freed by now
     if sb.num_logprobs < 0:
         return SampleOutput(token_ids=token_ids)
-    return SampleOutput(token_ids, *token_logprobs(logits, token_ids, sb.num_logprobs))
+    mode = sb.logprobs_mode
+    if mode.startswith("processed"):
+        # Recomputed after the draw (its temporaries are gone): the same functions on the same
+        # values give the very logits the tokens were drawn from. Only the processed modes pay.
+        logits = processed_logits(logits, sb)
+    return SampleOutput(token_ids, *token_logprobs(logits, token_ids, sb.num_logprobs,
+                                                   as_logits=mode.endswith("logits")))
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, n: int
+def _penalised(sb: SamplingBatch) -> bool:
+    return (sb.output_ids is not None or sb.banned_rows is not None
+            or sb.bias_rows is not None or sb.allowed_rows is not None)
+
+
+def processed_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """logits [B, V] -> the fp32 logits each row samples from (logprobs_mode "processed_logits",
+    LOGPROBS_MODES says what is applied): apply_penalties, then for the rows that sample the
+    temperature and truncation of truncated_logits; greedy rows are left as penalised."""
+    x = apply_penalties(logits, sb) if _penalised(sb) else logits.float()
+    if sb.all_greedy:
+        return x
+    if sb.any_greedy:
+        # vLLM's greedy SamplingParams carry no top-k / top-p / min-p: none for these rows.
+        sampled = sb.temperature > 0
+        sb = attrs.evolve(sb, top_k=torch.where(sampled, sb.top_k, x.shape[-1]),
+                          top_p=torch.where(sampled, sb.top_p, 1.0),
+                          min_p=torch.where(sampled, sb.min_p, 0.0))
+    return truncated_logits(x, sb)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, n: int, *,
+                   as_logits: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [B, V], token_ids [B] -> each id's logprob [B] fp32 and rank [B] int64 under the
-    raw distribution, and the top min(n, V) (ids, logprobs) [B, n]: see SampleOutput."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    distribution of the logits, and the top min(n, V) (ids, logprobs) [B, n]: see SampleOutput.
+    as_logits: the same of the logits themselves (fp32), no log_softmax."""
+    logprobs = logits.float() if as_logits else torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, token_ids[:, None])  # [B, 1]
     ranks = (logprobs >= chosen).sum(dim=-1)  # vLLM v1's count: ties included
     top = torch.topk(logprobs, min(n, logprobs.shape[-1]), dim=-1)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import attrs
 import torch
 
+from ..functional.sampling import check_logprobs_mode
 from ..state.classifier import ClassifierConfig
 from ..state.config import (FP8_DTYPES, ModelConfig, config_for_shape, parse_dtype,
                             parse_kv_cache_dtype, read_config_dict)
@@ -116,6 +117,10 @@ class EngineConfig:
     # vLLM's enable_sleep_mode: LLM.sleep / wake_up may free the weights' and the KV cache's
     # device memory and take it back (runtime/sleep.py).
     enable_sleep_mode: bool = False
+    # vLLM's logprobs_mode: what returned logprobs are taken from, one of
+    # functional.sampling.LOGPROBS_MODES (raw_logprobs, raw_logits, processed_logprobs,
+    # processed_logits); it travels to every rank with the config, in each step's SamplingBatch.
+    logprobs_mode: str = "raw_logprobs"
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -131,7 +136,7 @@ class EngineConfig:
                task=None, scheduling_policy="fcfs",
                speculative_config=None, enable_lora=False, max_loras=1,
                max_lora_rank=16, enable_prompt_embeds=False,
-               enable_sleep_mode=False) -> "EngineConfig":
+               enable_sleep_mode=False, logprobs_mode="raw_logprobs") -> "EngineConfig":
         model = os.fspath(model)
         speculative = SpeculativeConfig.create(speculative_config)
         if scheduling_policy not in POLICIES:
@@ -182,6 +187,7 @@ class EngineConfig:
                                           allow_none=True)
         seed = 0 if seed is None else _integer("seed", seed, least=None)  # None: vLLM's 0
         max_logprobs = _integer("max_logprobs", max_logprobs, least=-1)  # -1: the vocabulary
+        logprobs_mode = check_logprobs_mode(logprobs_mode)
         utilization = as_real(gpu_memory_utilization)
         if utilization is None or not 0 < utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
@@ -310,7 +316,7 @@ class EngineConfig:
                    scheduling_policy=scheduling_policy,
                    speculative=speculative, enable_lora=enable_lora, max_loras=max_loras,
                    max_lora_rank=max_lora_rank, enable_prompt_embeds=enable_prompt_embeds,
-                   enable_sleep_mode=enable_sleep_mode)
+                   enable_sleep_mode=enable_sleep_mode, logprobs_mode=logprobs_mode)
 
 
 def _quantized_linears(config_dict: dict, model_config,

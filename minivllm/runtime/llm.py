@@ -136,6 +136,12 @@ class LLM:
     prompt_logprobs or beam search; their outputs' prompt_token_ids are None.
     enable_sleep_mode: LLM.sleep / wake_up may free the device memory of the weights and the KV
     cache between generations (an RL loop's trainer steps) and take it back (runtime/sleep.py).
+    logprobs_mode: vLLM's, what a request's returned logprobs (the sampled token's, its rank, the
+    top-N and cumulative_logprob, their sum) are taken from: "raw_logprobs" (the default: the
+    model's distribution), "raw_logits", "processed_logprobs" (the distribution the token was
+    drawn from: after allowed ids, bad words, min_tokens, logit bias, penalties and, at a
+    temperature above 0, temperature, min-p, top-k and top-p; what RL loops set) or
+    "processed_logits" (functional/sampling.py, LOGPROBS_MODES). prompt_logprobs stay raw.
     disable_log_stats: record no metrics (get_metrics() then refuses). Unlike vLLM's LLM, whose
     default is True, metrics are recorded by default: the engine keeps a few counters and
     histograms (runtime/metrics.py), cheap next to a step.
@@ -155,7 +161,7 @@ class LLM:
                  scheduling_policy: str = "fcfs", speculative_config: dict | None = None,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
                  enable_prompt_embeds: bool = False, disable_log_stats: bool = False,
-                 enable_sleep_mode: bool = False):
+                 enable_sleep_mode: bool = False, logprobs_mode: str = "raw_logprobs"):
         skip_tokenizer_init = as_flag("skip_tokenizer_init", skip_tokenizer_init, False)
         reasoning.check_parser(reasoning_parser)
         self.config = EngineConfig.create(
@@ -170,7 +176,8 @@ class LLM:
             task=task, scheduling_policy=scheduling_policy,
             speculative_config=speculative_config, enable_lora=enable_lora,
             max_loras=max_loras, max_lora_rank=max_lora_rank,
-            enable_prompt_embeds=enable_prompt_embeds, enable_sleep_mode=enable_sleep_mode)
+            enable_prompt_embeds=enable_prompt_embeds, enable_sleep_mode=enable_sleep_mode,
+            logprobs_mode=logprobs_mode)
         self._diff_sampling_param, gen = generation_defaults(
             generation_config, override_generation_config, self.config.model)
         if self._diff_sampling_param:

@@ -648,7 +648,8 @@ class ModelRunner:
         with torch.no_grad():
             return sample(torch.zeros(len(rows), self.vocab_size, device=self.device, dtype=dtype),
                           make_sampling_batch(rows, vocab_size=self.vocab_size,
-                                              device=self.device))
+                                              device=self.device,
+                                              logprobs_mode=self.config.logprobs_mode))
 
     def _sampling_footprint(self) -> tuple[int, int]:
         """_sampling_blocks from an emptied cache, as start-up runs it: (bytes allocated at its
@@ -782,7 +783,7 @@ class ModelRunner:
             sb = with_steps(last[1], step.steps, self.device)
         else:
             sb = make_sampling_batch(rows, vocab_size=self.vocab_size, device=self.device,
-                                     steps=step.steps)
+                                     steps=step.steps, logprobs_mode=self.config.logprobs_mode)
         self.last_sampling = (rows, sb)
         return sb
 
