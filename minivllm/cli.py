@@ -72,8 +72,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rope-scaling", type=_json_object, default=None, metavar="JSON",
                    help="the same as --hf-overrides '{\"rope_scaling\": JSON}' (vLLM's older flag)")
     g.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
-                   help="n-gram speculative decoding (vLLM's), e.g. '{\"method\": \"ngram\", "
-                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'")
+                   help="speculative decoding (vLLM's): n-gram, e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}', or a draft "
+                        "model, e.g. '{\"model\": \"DRAFT_DIR\", \"num_speculative_tokens\": 3}'")
     g.add_argument("--logprobs-mode", default="raw_logprobs",
                    choices=("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"),
                    help="what returned logprobs are taken from (vLLM's): the model's raw "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -106,7 +107,7 @@ class EngineConfig:
     # one by hf_overrides: state/classifier.py), or None: it embeds.
     classifier: ClassifierConfig | None = None
     scheduling_policy: str = "fcfs"  # or "priority" (runtime/scheduler.py)
-    # n-gram speculative decoding (runtime/spec_decode.py), or None
+    # n-gram or draft-model speculative decoding (runtime/spec_decode.py), or None
     speculative: SpeculativeConfig | None = None
     # LoRA adapters (runtime/lora.py): up to max_loras at once, of rank up to max_lora_rank.
     enable_lora: bool = False
@@ -298,6 +299,11 @@ class EngineConfig:
             raise ValueError("enable_prompt_embeds: prompt embeddings are for generating models "
                              "(runner 'generate'), not pooling ones")
         enable_sleep_mode = as_flag("enable_sleep_mode", enable_sleep_mode, False)
+        if speculative is not None and speculative.method == "draft_model":
+            speculative = check_draft_model(
+                speculative, model_config, tensor_parallel_size=tensor_parallel_size,
+                runner=runner, enable_lora=enable_lora, enable_prompt_embeds=enable_prompt_embeds,
+                enable_sleep_mode=enable_sleep_mode, max_model_len=max_model_len)
         if max_logprobs == -1:  # as vLLM: no cap
             max_logprobs = model_config.vocab_size
         if max_num_batched_tokens is None:
@@ -317,6 +323,54 @@ class EngineConfig:
                    speculative=speculative, enable_lora=enable_lora, max_loras=max_loras,
                    max_lora_rank=max_lora_rank, enable_prompt_embeds=enable_prompt_embeds,
                    enable_sleep_mode=enable_sleep_mode, logprobs_mode=logprobs_mode)
+
+
+def check_draft_model(speculative: SpeculativeConfig, target: ModelConfig, *,
+                      tensor_parallel_size: int, runner: str, enable_lora: bool,
+                      enable_prompt_embeds: bool, enable_sleep_mode: bool,
+                      max_model_len: int) -> SpeculativeConfig:
+    """A "draft_model" speculative config with its draft's ModelConfig read from its checkpoint
+    and checked against the target's and the engine's settings: ValueError naming what minivllm
+    does not serve with a draft model (tensor parallelism, LoRA, pooling, prompt embeddings,
+    sleep mode) and a draft that is not a 16-bit Qwen3 dense checkpoint of the target's
+    vocabulary and at least max_model_len of context."""
+    what = "speculative_config (draft_model)"
+    for refused, why in ((tensor_parallel_size != 1,
+                          f"tensor_parallel_size={tensor_parallel_size}: the draft runs on one "
+                          f"device only"),
+                         (enable_lora, "enable_lora: the draft computes no LoRA deltas"),
+                         (runner == "pooling", "a pooling runner: it samples nothing to draft"),
+                         (enable_prompt_embeds, "enable_prompt_embeds: the draft cannot take the "
+                                                "target's input embeddings"),
+                         (enable_sleep_mode, "enable_sleep_mode: the draft's weights and cache "
+                                             "are not offloaded")):
+        if refused:
+            raise ValueError(f"{what} is not supported with {why}")
+    path = speculative.model
+    if is_random_model(path) or not os.path.isdir(path):
+        raise ValueError(f"{what}: the draft model {path!r} is not a checkpoint directory")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"{what}: the draft model directory {path!r} has no config.json")
+    try:
+        config_dict = read_config_dict(path, None)
+        draft = ModelConfig.from_dict(config_dict)
+    except ValueError as e:
+        raise ValueError(f"{what}: the draft model {path}: {e}") from None
+    arch = tuple(config_dict.get("architectures") or ())
+    if arch and arch != ("Qwen3ForCausalLM",) or draft.is_moe:
+        raise ValueError(f"{what}: the draft model {path} must be a Qwen3 dense causal LM "
+                         f"(Qwen3ForCausalLM), got {', '.join(arch) or 'a mixture of experts'}")
+    if config_dict.get("quantization_config"):
+        raise ValueError(f"{what}: the draft model {path} is quantized; minivllm drafts with "
+                         f"16-bit dense checkpoints only")
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"{what}: the draft model's vocab_size ({draft.vocab_size}, {path}) "
+                         f"differs from the target model's ({target.vocab_size}): the draft "
+                         f"must share the target's tokenizer and vocabulary")
+    if draft.max_context_len < max_model_len:
+        raise ValueError(f"{what}: the draft model {path} takes {draft.max_context_len} tokens "
+                         f"of context, less than max_model_len={max_model_len}")
+    return dataclasses.replace(speculative, draft_config=draft)
 
 
 def _quantized_linears(config_dict: dict, model_config,

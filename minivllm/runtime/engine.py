@@ -759,14 +759,31 @@ class LLMEngine:
         """Up to `most` draft tokens for decoding seq (the scheduler's speculator): none for a
         sequence whose sampling row reads its output or changes from step to step (penalties,
         multi-token bad words, structured outputs, min_tokens not yet out), whose drafts' rows
-        would differ from the row its next tokens get."""
+        would differ from the row its next tokens get. With a draft model, as many placeholders
+        as it will draft, replaced by _draft_tokens after scheduling."""
         if seq.reads_output or seq.pooling or seq.num_output < seq.params.min_tokens:
             return []
         spec = self.config.speculative
+        if spec.method == "draft_model":
+            # Placeholders: the draft model fills them once the step's tables hold their slots
+            # (_draft_tokens).
+            return [0] * min(most, spec.num_speculative_tokens)
         # A prompt of embeddings has placeholder ids: only the generated ones are context.
         context = seq.token_ids if seq.prompt_embeds is None else seq.output_ids
         return ngram_propose(context, min(most, spec.num_speculative_tokens),
                              spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+    def _draft_tokens(self, out: SchedulerOutput) -> None:
+        """Replace the step's placeholder drafts with the draft model's (ModelRunner.propose),
+        now that the scheduler has grown each drafting sequence's table for them. A drafting
+        sequence is a decode: its last token, at position num_computed, is its one to compute."""
+        seqs = list(out.drafts)
+        proposed = self.runner.propose([seq.token_ids[-1] for seq in seqs],
+                                       [seq.num_computed for seq in seqs],
+                                       [seq.block_table for seq in seqs],
+                                       [len(out.drafts[seq]) for seq in seqs])
+        for seq, tokens in zip(seqs, proposed):
+            out.drafts[seq] = tokens
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         """seq's row for this step. Its `step` is 0: StepInput.steps carries every row's step, so
@@ -942,6 +959,9 @@ class LLMEngine:
                 raise RuntimeError("the scheduler could not schedule anything")
             return []
         try:
+            if out.drafts and getattr(self.runner, "draft_params", None) is not None:
+                with trace_range("draft"):
+                    self._draft_tokens(out)
             with trace_range("step_input"):
                 step_input = self.step_input(out)
             result = self.runner.execute(step_input)

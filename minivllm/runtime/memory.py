@@ -40,6 +40,24 @@ def kv_blocks_within(budget: int, per_block: int, tensors: int, granule: int = 1
     return per_tensor // (per_block // tensors)
 
 
+def kv_blocks_within_caches(budget: int, caches: list[tuple[int, int]], granule: int = 1) -> int:
+    """kv_blocks_within for several caches of one num_blocks (a draft model's beside the
+    target's: runtime/spec_decode.py): `caches` holds (per_block, tensors) of each, per_block
+    bytes a block takes across its `tensors` equal tensors. The most blocks N whose tensors,
+    each rounded up to `granule` bytes, fit `budget`."""
+    def need(n: int) -> int:
+        return sum(tensors * -(-n * (per_block // tensors) // granule) * granule
+                   for per_block, tensors in caches)
+    lo, hi = 0, budget // max(1, sum(per_block for per_block, _ in caches))
+    while lo < hi:  # the largest n with need(n) <= budget
+        mid = (lo + hi + 1) // 2
+        if need(mid) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def cpu_kv_budget_bytes() -> int:
     """MINIVLLM_CPU_KV_CACHE_SPACE GiB when set, else 4 GiB capped at a quarter of the RAM."""
     env = os.environ.get("MINIVLLM_CPU_KV_CACHE_SPACE")

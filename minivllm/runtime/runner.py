@@ -39,8 +39,8 @@ from .compiled import compiled_forward
 from .graphs import DecodeGraphs
 from .memory import (CAPTURE_CODE_BYTES, CUDA_SEGMENT_GRANULE, GiB, bytes_outside_allocator,
                      cpu_kv_budget_bytes, device_bytes_in_use, kv_block_bytes,
-                     kv_blocks_within, kv_budget_bytes, memory_owners, profile_lengths,
-                     startup_memory_report)
+                     kv_blocks_within, kv_blocks_within_caches, kv_budget_bytes,
+                     memory_owners, profile_lengths, startup_memory_report)
 from .prefill_graph import PrefillGraph, prefill_graph_sizes
 from .sleep import offload, owned, restore
 from .warmup import warm_up_kernels
@@ -228,6 +228,11 @@ class PendingStep:
         return StepResult(token_ids=token_ids, logprobs=logprobs, scores=scores, pooled=pooled)
 
 
+def _no_head(params, x, residual, rows):
+    """forward's head for a draft model's mirrored step (ModelRunner._mirror): no logits."""
+    return None
+
+
 @contextlib.contextmanager
 def _logged_time(what: str):
     """Log how long a start-up phase took (start-up time is part of what users wait for)."""
@@ -331,10 +336,25 @@ class ModelRunner:
         # The prefill graphs' static batch holds no LoRA slots: with LoRA, steps with prompt
         # tokens run the compiled forward (decode steps replay the decode graphs).
         self.use_prefill_graphs = not config.enable_lora and self._wants_prefill_graphs(config)
+        # Draft-model speculative decoding (runtime/spec_decode.py): the draft's weights, in
+        # the target's dtype on its device, loaded before the KV cache is sized from what is
+        # left; its own cache, of the target's blocks, is indexed by the same tables and slots.
+        self.draft_params = self.draft_cache = self.draft_backend = None
+        spec = config.speculative
+        if spec is not None and spec.method == "draft_model":
+            with _logged_time("draft model weights"):
+                self.draft_params = load(spec.model, dtype=config.dtype, device=config.device,
+                                         config=spec.draft_config)
+            self.draft_backend = select_backend(self.device, config.attention_backend,
+                                                config.cache_dtype,
+                                                self.draft_params.config.head_dim)
         with _logged_time("KV cache sizing"):
             self.num_blocks = self._num_blocks()
         self.cache = init_cache(self.params, num_blocks=self.num_blocks, block_size=self.block_size,
                                 dtype=config.cache_dtype)
+        if self.draft_params is not None:
+            self.draft_cache = init_cache(self.draft_params, num_blocks=self.num_blocks,
+                                          block_size=self.block_size, dtype=config.cache_dtype)
         self.graphs = None
         self.prefill_graphs = []  # largest first (_capture_prefill_graphs)
         self.last_tokens = None  # [rows] the last launched step's sampled ids, on the device
@@ -565,8 +585,18 @@ class ModelRunner:
         # Enough for every sequence at full length, within the memory budget.
         wanted = config.max_num_seqs * ceil_div(config.max_model_len, self.block_size)
         granule = CUDA_SEGMENT_GRANULE if self.device.type == "cuda" else 1
-        num = min(wanted, kv_blocks_within(budget, per_block, 2 * self.params.config.num_layers,
-                                           granule))
+        if self.draft_params is None:
+            within = kv_blocks_within(budget, per_block, 2 * self.params.config.num_layers,
+                                      granule)
+        else:
+            # A draft model's cache has as many blocks: a block's bytes are both caches'.
+            draft_block = kv_block_bytes(self.draft_params, self.block_size,
+                                         self.config.cache_dtype)
+            within = kv_blocks_within_caches(
+                budget, [(per_block, 2 * self.params.config.num_layers),
+                         (draft_block, 2 * self.draft_params.config.num_layers)], granule)
+            per_block += draft_block
+        num = min(wanted, within)
         if num < 1:
             rounding = f", each of its tensors rounded up to {granule} bytes" if granule > 1 else ""
             raise ValueError(f"no memory left for the KV cache (a block needs {per_block} bytes"
@@ -584,7 +614,9 @@ class ModelRunner:
         samples (the sort for top-k/top-p and the logprobs are the big ones). With prefill
         graphs the forward's share is held for good by their pool while sampling allocates
         beside it, so both are set aside rather than the larger. The decode graphs' pool, held
-        for good too, is set aside as a decode step's peak at max_num_seqs rows."""
+        for good too, is set aside as a decode step's peak at max_num_seqs rows. A draft model's
+        weights are in use already; its own forwards' peaks are not measured (they run after
+        the target's, which is larger for a smaller draft)."""
         config = self.config
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
@@ -825,8 +857,59 @@ class ModelRunner:
                 out = self._run_prefill_graph(graph, step)
         else:
             out, scores, pooled, self.cache = self._run(self.cache, step)
+        if self.draft_params is not None:
+            self._mirror(step)
         self.last_tokens = out.token_ids if out is not None else None
         return PendingStep(step.rows, out, self.device, scores, step.scored, pooled)
+
+    # -- draft-model speculative decoding (runtime/spec_decode.py) --------------------------------
+
+    def _mirror(self, step: StepInput) -> None:
+        """Run the step's tokens through the draft too, eagerly and without its logits, writing
+        their draft K/V into the same slots as the target's: the draft cache then holds, at
+        every slot, K/V of the token the target's holds."""
+        if step.fed_back or step.embeds or step.lora_slots is not None:
+            # EngineConfig refuses what would bring these (asynchronous scheduling is off
+            # under speculation; prompt embeddings and LoRA are refused with a draft model).
+            raise ValueError("a draft model's step takes no fed-back tokens, prompt embeddings "
+                             "or LoRA slots")
+        batch = make_batch(step.chunks, block_size=self.block_size, device=self.device,
+                           check=False)
+        with torch.no_grad():
+            _, self.draft_cache = forward(self.draft_params, self.draft_cache, batch,
+                                          self.draft_backend, head=_no_head)
+
+    def propose(self, tokens: list[int], positions: list[int], block_tables: list,
+                counts: list[int]) -> list[list[int]]:
+        """Greedy drafts of the draft model: for each decoding sequence b, whose last token
+        tokens[b] sits at positions[b] (in no cache yet) and whose block table holds slots up to
+        positions[b] + counts[b], counts[b] tokens d1, d2, ...: [tokens[b]]@p -> d1, [d1]@p+1 ->
+        d2, and so on, each round one decode batch of the sequences still drafting (their draft
+        K/V written at p ... p + counts[b] - 1). The tokens stay on the device until the end."""
+        n = len(tokens)
+        if not n:
+            return []
+        order = sorted(range(n), key=lambda b: -counts[b])  # those still drafting: a prefix
+        most = counts[order[0]]
+        drafts = torch.empty((n, most), dtype=torch.int64, device=self.device)
+        current = torch.tensor([tokens[b] for b in order], dtype=torch.int64).to(self.device)
+        with torch.no_grad():
+            for r in range(most):
+                rows = [b for b in order if counts[b] > r]
+                chunks = DecodeChunks([0] * len(rows), [positions[b] + r for b in rows],
+                                      [block_tables[b] for b in rows])
+                batch = make_batch(chunks, block_size=self.block_size, device=self.device,
+                                   check=False)
+                batch.input_ids.copy_(current[:len(rows)])
+                logits, self.draft_cache = forward(self.draft_params, self.draft_cache, batch,
+                                                   self.draft_backend)
+                current = logits.argmax(dim=-1)
+                drafts[:len(rows), r] = current
+        host = drafts.tolist()
+        out = [[] for _ in range(n)]
+        for row, b in enumerate(order):
+            out[b] = host[row][:counts[b]]
+        return out
 
     def execute(self, step: StepInput) -> StepResult:
         """Compute the step's tokens into the cache and sample one token per row."""

@@ -14,53 +14,96 @@ rejection sampling: outputs are those of the engine without speculation, token f
 Drafts never enter a sequence's token ids until accepted (the prefix cache registers known
 tokens only); the K/V a rejected draft wrote lies past the sequence's length and is overwritten
 by a later step before anything reads it.
+
+Draft-model speculative decoding (vLLM's {"method": "draft_model", "model": DIR,
+"num_speculative_tokens": k}; as vLLM, "model" given without "method" means "draft_model"): a
+smaller Qwen3 dense checkpoint of the same vocabulary (Qwen3-0.6B for Qwen3-8B) proposes the
+drafts, greedily, and verification is the same as above (so outputs are again those of the
+engine without speculation, token for token; only the acceptance rate depends on the draft).
+The draft has its own KV cache of the target's num_blocks and block_size, indexed by the same
+block tables and slots: no second block manager. Every forward the target runs (prefill chunks,
+decodes, verification chunks, recomputes after preemption) is run on the draft too with the same
+batch (ModelRunner._mirror), so a slot's draft K/V is always that of the token whose target K/V
+the slot holds: prefix-cache hits and recomputes hold for the draft as they do for the target.
+A decoding sequence whose last token t sits at position n (in neither cache yet) drafts after the
+scheduler has grown its table for the drafts: k one-token greedy forwards of the draft, batched
+over the step's drafting sequences, [t]@n -> d1, [d1]@n+1 -> d2, ... (ModelRunner.propose);
+then the step verifies [t, d1..dk] as a chunk, and the mirror rewrites those slots' draft K/V
+with the same tokens (and adds dk's). The draft runs eagerly (no CUDA graph, no compile); its
+speed has not been measured.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str
     num_speculative_tokens: int
-    prompt_lookup_max: int
+    prompt_lookup_max: int  # ngram's (0 for draft_model)
     prompt_lookup_min: int
+    model: str | None = None  # draft_model's checkpoint directory
+    # draft_model's ModelConfig (EngineConfig.create reads and checks it against the target's)
+    draft_config: object = None
 
     @classmethod
     def create(cls, config) -> "SpeculativeConfig | None":
         """The config from LLM's speculative_config dict (None: no speculation); ValueError
-        for anything but a well-formed "ngram" config."""
+        for anything but a well-formed "ngram" or "draft_model" config (the draft checkpoint
+        itself is read and checked by EngineConfig.create, check_draft_model)."""
         if config is None:
             return None
         if isinstance(config, SpeculativeConfig):
             return config
         if not isinstance(config, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(config).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {"method", "model", "num_speculative_tokens", "prompt_lookup_max",
+                 "prompt_lookup_min", "draft_tensor_parallel_size"}
         unknown = sorted(map(str, set(config) - known))
         if unknown:
             raise ValueError(f"speculative_config: minivllm does not take {unknown} (it takes "
                              f"{sorted(known)})")
-        method = config.get("method")
+        method, model = config.get("method"), config.get("model")
+        if method is None and model is not None:
+            method = "draft_model"  # as vLLM: a model given without a method is a draft model
         if method not in METHODS:
             raise ValueError(f"speculative_config: method must be one of {METHODS} (n-gram "
-                             f"prompt lookup), got {method!r}")
+                             f"prompt lookup, or a draft model named by \"model\"), got "
+                             f"{method!r}")
 
         def positive(name: str, default=None) -> int:
             value = config.get(name, default)
             if value is None:
-                raise ValueError(f"speculative_config: {name} is required for method 'ngram'")
+                raise ValueError(f"speculative_config: {name} is required for method {method!r}")
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"speculative_config: {name} must be an integer >= 1, got "
                                  f"{value!r}")
             return int(value)
 
+        tp = config.get("draft_tensor_parallel_size")
+        if tp is not None and (isinstance(tp, bool) or tp != 1):
+            raise ValueError(f"speculative_config: draft_tensor_parallel_size must be 1 (minivllm "
+                             f"runs the draft on one device), got {tp!r}")
+        if method == "draft_model":
+            lookup = sorted(n for n in ("prompt_lookup_max", "prompt_lookup_min") if n in config)
+            if lookup:
+                raise ValueError(f"speculative_config: method 'draft_model' does not take "
+                                 f"{lookup} (n-gram's)")
+            if not isinstance(model, (str, os.PathLike)) or not os.fspath(model):
+                raise ValueError(f"speculative_config: method 'draft_model' needs \"model\", the "
+                                 f"draft checkpoint's directory, got {model!r}")
+            k = positive("num_speculative_tokens")
+            return cls(method, k, 0, 0, model=os.fspath(model))
+        if model is not None and model != "ngram":  # vLLM's own ngram config names "ngram"
+            raise ValueError(f"speculative_config: method 'ngram' does not take a \"model\" "
+                             f"(got {model!r}); a draft model is method 'draft_model'")
         k = positive("num_speculative_tokens")
         # As vLLM: one of the lookup bounds given stands for both where the other is missing,
         # and 5 for both where neither is.

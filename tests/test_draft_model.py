@@ -1,0 +1,281 @@
+"""Draft-model speculative decoding (runtime/spec_decode.py; vLLM's speculative_config
+{"model": DRAFT, "num_speculative_tokens": k}): with the target itself as its draft every draft is
+accepted (greedy), which holds only while the draft's KV cache is kept right, through prefix-cache
+hits, preemption and chunked prefill; with another draft the outputs are still those of the engine
+without speculation, token for token (greedy and seeded sampling, rows that may not draft beside
+rows that do); what is not served is refused when the engine is configured."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from minivllm import SamplingParams
+from minivllm.runtime.config import EngineConfig
+from minivllm.runtime.spec_decode import SpeculativeConfig
+
+from engine_helpers import make_llm
+from hf_tiny import hf_greedy, make_hf_model, make_hf_moe_model, save_checkpoint
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def hf_target():
+    return make_hf_model(seed=0)
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory, hf_target):
+    root = tmp_path_factory.mktemp("draft")
+    near = make_hf_model(seed=0)  # the target's weights, slightly perturbed: partial acceptance
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in near.parameters():
+            p.add_(0.03 * torch.randn_like(p))
+    return {
+        "target": save_checkpoint(hf_target, root / "target"),
+        "near": save_checkpoint(near, root / "near"),
+        "small": save_checkpoint(make_hf_model(seed=3, num_hidden_layers=1, hidden_size=32,
+                                               head_dim=8, intermediate_size=48), root / "small"),
+        "vocab": save_checkpoint(make_hf_model(seed=0, vocab_size=103), root / "vocab"),
+        "moe": save_checkpoint(make_hf_moe_model(seed=0), root / "moe"),
+        "short": save_checkpoint(make_hf_model(seed=0, max_position_embeddings=64),
+                                 root / "short"),
+    }
+
+
+def draft(path, k=K):
+    return {"model": path, "num_speculative_tokens": k}
+
+
+PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11]},
+           {"prompt_token_ids": [1, 2, 3]},
+           {"prompt_token_ids": list(range(20, 45))},
+           {"prompt_token_ids": [7]}]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def ids(outputs):
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+def all_accepted(stats) -> bool:
+    return stats.spec_accepted_tokens == stats.spec_draft_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def base(paths, device):
+    return make_llm(paths["target"], device)
+
+
+def test_self_draft_accepts_every_draft_and_matches_transformers(paths, base, device, hf_target):
+    llm = make_llm(paths["target"], device, speculative_config=draft(paths["target"]))
+    assert not llm.engine.async_scheduling
+    assert llm.engine.runner.draft_cache.num_blocks == llm.engine.num_blocks
+    got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert ids(got) == ids(base.generate(PROMPTS, GREEDY, use_tqdm=False))
+    for prompt, out in zip(PROMPTS[:2], got):
+        assert out.outputs[0].token_ids == hf_greedy(hf_target, prompt["prompt_token_ids"], 24)
+    assert all_accepted(llm.stats), llm.stats
+    # every step of a sequence drafted k (but near max_tokens): few steps for 24 tokens each
+    assert llm.stats.spec_drafts < 4 * 24 / 2
+    assert llm.engine.block_manager.num_free == llm.engine.num_blocks
+
+
+def test_self_draft_after_a_prefix_cache_hit(paths, base, device):
+    llm = make_llm(paths["target"], device, speculative_config=draft(paths["target"]),
+                   block_size=4)
+    first = {"prompt_token_ids": list(range(30, 50))}
+    second = {"prompt_token_ids": list(range(30, 46)) + [3, 1, 4]}  # 4 full blocks shared
+    for prompt in (first, second):
+        assert ids(llm.generate([prompt], GREEDY, use_tqdm=False)) == \
+            ids(base.generate([prompt], GREEDY, use_tqdm=False))
+    assert llm.stats.prompt_tokens_cached >= 16
+    assert all_accepted(llm.stats), llm.stats
+    # and a hit on blocks that held generated tokens (drafts that were accepted)
+    out = llm.generate([first], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    third = {"prompt_token_ids": first["prompt_token_ids"] + out[:12] + [2]}
+    cached = llm.stats.prompt_tokens_cached
+    assert ids(llm.generate([third], GREEDY, use_tqdm=False)) == \
+        ids(base.generate([third], GREEDY, use_tqdm=False))
+    assert llm.stats.prompt_tokens_cached - cached >= 28
+    assert all_accepted(llm.stats), llm.stats
+
+
+def test_self_draft_under_preemption(paths, base, device):
+    llm = make_llm(paths["target"], device, speculative_config=draft(paths["target"]),
+                   block_size=4, num_kv_blocks=20, max_model_len=64)
+    prompts = [{"prompt_token_ids": [i + 1, i + 2, i + 3, i + 4, i + 5, i + 6]} for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    assert ids(llm.generate(prompts, params, use_tqdm=False)) == \
+        ids(base.generate(prompts, params, use_tqdm=False))
+    assert llm.stats.preemptions > 0
+    assert all_accepted(llm.stats), llm.stats
+    assert llm.engine.block_manager.num_free == llm.engine.num_blocks
+
+
+def test_self_draft_with_chunked_prefill(paths, base, device):
+    llm = make_llm(paths["target"], device, speculative_config=draft(paths["target"]),
+                   max_num_batched_tokens=8, block_size=4)
+    prompts = [{"prompt_token_ids": [3, 4]}, {"prompt_token_ids": list(range(40, 70))},
+               {"prompt_token_ids": list(range(60, 81))}]
+    assert ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == \
+        ids(base.generate(prompts, GREEDY, use_tqdm=False))
+    assert llm.stats.max_step_tokens <= 8
+    assert all_accepted(llm.stats), llm.stats
+
+
+SAMPLED = [
+    GREEDY,
+    SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True),
+    SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=20, n=2),
+    SamplingParams(temperature=0, max_tokens=20, logprobs=2),
+]
+
+
+@pytest.mark.parametrize("name, k", [("near", 1), ("near", 3), ("small", 4)])
+def test_other_draft_gives_identical_outputs(paths, base, device, name, k):
+    llm = make_llm(paths["target"], device, speculative_config=draft(paths[name], k))
+    for params in SAMPLED:
+        expected = base.generate(PROMPTS, params, use_tqdm=False)
+        got = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert ids(got) == ids(expected)
+        for e, g in zip(expected, got):
+            for a, b in zip(e.outputs, g.outputs):
+                assert (a.finish_reason, a.stop_reason) == (b.finish_reason, b.stop_reason)
+                if a.logprobs is not None:
+                    assert [list(x) for x in a.logprobs] == [list(y) for y in b.logprobs]
+    s = llm.stats
+    assert s.spec_draft_tokens > 0 and s.spec_accepted_tokens < s.spec_draft_tokens
+    if name == "near":
+        assert s.spec_accepted_tokens > 0
+
+
+def test_mixed_batch_of_rows_that_may_and_may_not_draft(paths, base, device):
+    llm = make_llm(paths["target"], device, speculative_config=draft(paths["near"]))
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3),
+              SamplingParams(temperature=1.0, top_p=0.8, seed=5, max_tokens=20,
+                             presence_penalty=0.5),
+              SamplingParams(temperature=0.7, seed=2, max_tokens=20, min_tokens=8)]
+    assert ids(llm.generate(PROMPTS, params, use_tqdm=False)) == \
+        ids(base.generate(PROMPTS, params, use_tqdm=False))
+    assert llm.stats.spec_draft_tokens > 0
+    # the penalised rows alone draft nothing
+    drafted = llm.stats.spec_draft_tokens
+    llm.generate(PROMPTS[:3], params[1:3] + params[1:2], use_tqdm=False)
+    assert llm.stats.spec_draft_tokens == drafted
+
+
+def test_propose_is_the_drafts_greedy_continuation(paths, device, hf_target):
+    """ModelRunner.propose with the target as its own draft: the greedy continuation, and each
+    sequence drafts its own count."""
+    llm = make_llm(paths["target"], device, speculative_config=draft(paths["target"]))
+    runner = llm.engine.runner
+    from minivllm.runtime.runner import StepInput
+    from minivllm.state.batch import SeqChunk
+
+    a, b = [5, 6, 7, 8, 9], [1, 2, 3]
+    # prefill all but the last token of each, into blocks 0-1 and 2-3
+    runner.execute(StepInput([SeqChunk(a[:-1], 0, [0, 1], False),
+                              SeqChunk(b[:-1], 0, [2, 3], False)], []))
+    got = runner.propose([a[-1], b[-1]], [len(a) - 1, len(b) - 1], [[0, 1], [2, 3]], [4, 2])
+    assert got == [hf_greedy(hf_target, a, 4), hf_greedy(hf_target, b, 2)]
+
+
+# -- refusals -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("config, match", [
+    ({"model": "x", "num_speculative_tokens": 0}, ">= 1"),
+    ({"model": "x"}, "num_speculative_tokens"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs \"model\""),
+    ({"model": "x", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "does not take"),
+    ({"model": "x", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
+     "draft_tensor_parallel_size"),
+    ({"method": "ngram", "model": "x", "num_speculative_tokens": 2}, "does not take"),
+    ({"model": "x", "num_speculative_tokens": 2, "quantization": "fp8"}, "does not take"),
+])
+def test_bad_draft_configs_refused(config, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig.create(config)
+
+
+def test_config_forms():
+    c = SpeculativeConfig.create({"model": "d", "num_speculative_tokens": 3})
+    assert (c.method, c.model, c.num_speculative_tokens) == ("draft_model", "d", 3)
+    c = SpeculativeConfig.create({"method": "draft_model", "model": "d",
+                                  "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1})
+    assert (c.method, c.num_speculative_tokens) == ("draft_model", 2)
+    c = SpeculativeConfig.create({"method": "ngram", "model": "ngram", "num_speculative_tokens": 2})
+    assert c.method == "ngram"
+
+
+@pytest.mark.parametrize("name, kwargs, match", [
+    ("vocab", {}, r"vocab_size \(103.*\(101\)"),
+    ("moe", {}, "Qwen3 dense"),
+    ("short", {"max_model_len": 128}, "max_model_len=128"),
+    ("missing", {}, "not a checkpoint directory"),
+    ("target", {"tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ("target", {"enable_lora": True}, "enable_lora"),
+    ("target", {"runner": "pooling"}, "pooling"),
+    ("target", {"enable_prompt_embeds": True}, "enable_prompt_embeds"),
+    ("target", {"enable_sleep_mode": True}, "enable_sleep_mode"),
+])
+def test_unsupported_draft_setups_refused(paths, device, tmp_path, name, kwargs, match):
+    path = paths.get(name, str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match=match):
+        EngineConfig.create(paths["target"], device="cpu", speculative_config=draft(path),
+                            **kwargs)
+
+
+def test_a_quantized_draft_is_refused(paths, tmp_path):
+    import shutil
+    q = tmp_path / "q"
+    shutil.copytree(paths["target"], q)
+    with open(q / "config.json") as f:
+        d = json.load(f)
+    d["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                "activation_scheme": "dynamic"}
+    with open(q / "config.json", "w") as f:
+        json.dump(d, f)
+    with pytest.raises(ValueError, match="quantized"):
+        EngineConfig.create(paths["target"], device="cpu", speculative_config=draft(str(q)))
+
+
+def test_kv_sizing_counts_the_drafts_cache(paths, device, monkeypatch):
+    """On the CPU budget, the blocks fit both caches."""
+    if device.type != "cpu":
+        pytest.skip("the CPU budget")
+    monkeypatch.setenv("MINIVLLM_CPU_KV_CACHE_SPACE", str(64 * 1024 / 2**30))  # 64 KiB
+    from minivllm import LLM
+    kw = dict(device="cpu", attention_backend="reference", max_model_len=64, max_num_seqs=256)
+    alone = LLM(paths["target"], **kw).engine.num_blocks
+    both = LLM(paths["target"], speculative_config=draft(paths["small"]), **kw)
+    t = both.engine.runner
+    per = lambda cache: sum(x.numel() * x.element_size() for x in (*cache.k, *cache.v))
+    assert per(t.cache) + per(t.draft_cache) <= 64 * 1024
+    assert both.engine.num_blocks < alone
+    # a draft of half the target's per-block bytes (one layer of half the heads' width)
+    assert both.engine.num_blocks == 64 * 1024 // (per(t.cache) // t.num_blocks
+                                                    + per(t.draft_cache) // t.num_blocks)
+
+
+def test_cli_passes_a_draft_model_config(paths, device, capsys, monkeypatch):
+    from engine_helpers import small_cli_engines
+    from minivllm.cli import main
+    from minivllm.runtime.demo import ensure_demo_model
+
+    small_cli_engines(device, monkeypatch)
+    demo = ensure_demo_model(os.path.join(os.path.dirname(paths["target"]), "demo"))
+    argv = ["generate", "--model", demo, "-p", "a b a b a b", "--max-tokens", "12",
+            "--temperature", "0", "--json"]
+    assert main(argv) == 0
+    plain = capsys.readouterr()
+    assert main([*argv, "--speculative-config",
+                 json.dumps({"model": demo, "num_speculative_tokens": 3})]) == 0
+    spec = capsys.readouterr()
+    assert spec.out == plain.out
