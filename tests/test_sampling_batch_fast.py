@@ -108,7 +108,8 @@ def test_the_runner_sends_only_steps_when_a_step_samples_the_very_same_rows(monk
         return make_sampling_batch(rows, **kw)
 
     monkeypatch.setattr(runner_mod, "make_sampling_batch", make)
-    runner = SimpleNamespace(last_sampling=None, vocab_size=50, device=torch.device("cpu"))
+    runner = SimpleNamespace(last_sampling=None, vocab_size=50, device=torch.device("cpu"),
+                             config=SimpleNamespace(logprobs_mode="raw_logprobs"))
     batch_for = runner_mod.ModelRunner._sampling_batch.__get__(runner)
     a, b, c = (SamplingRow(temperature=0.5, seed=s) for s in (1, 2, 3))
     cases = [([a, b], [0, 0], True), ([a, b], [1, 1], False), ([a, b], [2, 3], False),
