@@ -386,7 +386,7 @@ lora)
     tests/test_lora.py -k gpu
   ;;
 load_weights)
-  # nvidia-h200 or nvidia-h100-x1 (never run yet): in-place weight updates (LLM.load_weights) on a
+  # nvidia-h200 or nvidia-h100-x1 (passed, session 56): in-place weight updates (LLM.load_weights) on a
   # compiled engine with its decode CUDA graphs (the persistent decode at 1-2 rows, the prefill
   # graphs where it takes them), checkpoint A updated to B's weights against a fresh engine from
   # B: the same greedy tokens in bf16 and fp32, nothing captured again; then the CPU-side tests
@@ -397,7 +397,7 @@ load_weights)
     tests/test_load_weights.py -k "not gpu"
   ;;
 sleep)
-  # nvidia-h200 or nvidia-h100-x1 (never run yet): sleep mode on a compiled bf16 engine with its
+  # nvidia-h200 or nvidia-h100-x1 (passed, session 56): sleep mode on a compiled bf16 engine with its
   # decode CUDA graphs (the persistent decode at 1-2 rows, the prefill graphs where it takes them):
   # sleep(1) frees at least the weights' and the cache's bytes, wake_up captures the graphs again
   # (no compile) and they replay to the greedy tokens of before; then the CPU-side tests of
@@ -408,14 +408,14 @@ sleep)
     tests/test_sleep.py -k "not gpu"
   ;;
 embeds)
-  # nvidia-h200 or nvidia-h100-x1 (never run yet): session 55's pooling engine without CUDA
+  # nvidia-h200 or nvidia-h100-x1 (passed, session 56): session 55's pooling engine without CUDA
   # graphs, and prompt embeddings (their steps skip the graphs; the stem's `where`) on a CUDA
   # engine against the token path and transformers; the decode-graph capture rules.
   STEP_LOG=$OUT/tests.txt step embeds_tests $(left_or 240) python3 -m pytest $PYTEST_ARGS \
     tests/test_embed.py tests/test_prompt_embeds.py tests/test_decode_graphs.py
   ;;
 awq)
-  # nvidia-h200 or nvidia-h100-x1: AWQ 4-bit checkpoints' GPU tests (never run yet): the Triton
+  # nvidia-h200 or nvidia-h100-x1: AWQ 4-bit checkpoints' GPU tests (passed, sessions 55-56): the Triton
   # AWQ GEMM in bf16 and fp16 at 1-300 rows and real sizes against the dequantized product,
   # compiled (inductor, fullgraph) and replayed in a CUDA graph; the engine's decode graphs on a
   # tiny fp16 AWQ checkpoint against its eager run, and in fp32 against transformers; then the
@@ -426,7 +426,7 @@ awq)
     tests/test_awq.py -k "not gpu and not tp2"
   ;;
 fp8w)
-  # nvidia-h200 or nvidia-h100-x1: block-fp8 checkpoints' weights kept in fp8 (never run on a GPU
+  # nvidia-h200 or nvidia-h100-x1: block-fp8 checkpoints' weights kept in fp8 (passed on a GPU in session 56; before, never run on a GPU
   # yet): the Triton block-fp8 GEMM in bf16 and fp16 at 1-300 rows and Qwen3-8B's layer sizes
   # against the dequantized product, compiled (inductor, fullgraph) and replayed in a CUDA graph;
   # the engine's decode graphs on a tiny bf16 fp8 checkpoint against its eager run, and fp8 vs

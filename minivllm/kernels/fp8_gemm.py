@@ -25,8 +25,9 @@ replays under CUDA graphs, as awq_gemm's:
 - mid (16 < M <= 64): BLOCK_M 32 / 64, BLOCK_N 64, split as above.
 - prefill (M > 64): BLOCK_M 64 (128 past 256 rows), BLOCK_N 128, BLOCK_K 64, no split.
 functional.linear takes this kernel for steps of fewer than 256 rows and dequantizes the whole
-weight for torch's matmul from 256 rows on (as for AWQ). Its speed on a GPU is unmeasured, and it
-has not run on a GPU yet (tests/test_fp8_weights.py's gpu tests).
+weight for torch's matmul from 256 rows on (as for AWQ). Its GPU tests passed on an H100 (session
+56: tests/test_fp8_weights.py -k gpu); there the Qwen3-8B shape's single stream ran 222 tok/s with
+it against 117 with the weights dequantized to bf16. Its tiles are not tuned.
 """
 
 from __future__ import annotations
