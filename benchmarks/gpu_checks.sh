@@ -426,8 +426,8 @@ awq)
     tests/test_awq.py -k "not gpu and not tp2"
   ;;
 fp8w)
-  # nvidia-h200 or nvidia-h100-x1: block-fp8 checkpoints' weights kept in fp8 (passed on a GPU in session 56; before, never run on a GPU
-  # yet): the Triton block-fp8 GEMM in bf16 and fp16 at 1-300 rows and Qwen3-8B's layer sizes
+  # nvidia-h200 or nvidia-h100-x1: block-fp8 checkpoints' weights kept in fp8 (passed, session
+  # 56): the Triton block-fp8 GEMM in bf16 and fp16 at 1-300 rows and Qwen3-8B's layer sizes
   # against the dequantized product, compiled (inductor, fullgraph) and replayed in a CUDA graph;
   # the engine's decode graphs on a tiny bf16 fp8 checkpoint against its eager run, and fp8 vs
   # dequantized weights in fp32; then the CPU-side tests of test_fp8_weights.py on the GPU.
