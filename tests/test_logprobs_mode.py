@@ -307,3 +307,24 @@ def test_tp2_engine_returns_the_modes_values(tiny_dir, outputs):
             torch.testing.assert_close([e[t].logprob for e, t in zip(c.logprobs, c.token_ids)],
                                        [e[t].logprob for e, t in zip(w.logprobs, w.token_ids)],
                                        rtol=0, atol=1e-5)
+
+
+def test_beam_search_is_refused_under_a_logits_mode_and_kept_under_logprobs(tiny_dir, device):
+    """Beam search scores each beam by the sum of its tokens' returned logprobs: in a logits
+    mode those were logits, and the beams came back ranked (and scored) by summed logits, no
+    probability at all. It is refused there; in either logprobs mode (greedy steps: processed
+    = raw) the beams are those of the default engine."""
+    from minivllm.runtime.sampling_params import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=3, max_tokens=4, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+
+    def beams(llm):
+        return [[(b.tokens, round(b.cum_logprob, 4)) for b in out.sequences]
+                for out in llm.beam_search(prompts, params)]
+
+    want = beams(make_llm(tiny_dir, device))
+    assert beams(make_llm(tiny_dir, device, logprobs_mode="processed_logprobs")) == want
+    for mode in ("raw_logits", "processed_logits"):
+        with pytest.raises(ValueError, match=f"beam_search.*{mode}"):
+            make_llm(tiny_dir, device, logprobs_mode=mode).beam_search(prompts, params)

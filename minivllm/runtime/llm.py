@@ -144,6 +144,7 @@ class LLM:
     drawn from: after allowed ids, bad words, min_tokens, logit bias, penalties and, at a
     temperature above 0, temperature, min-p, top-k and top-p; what RL loops set) or
     "processed_logits" (functional/sampling.py, LOGPROBS_MODES). prompt_logprobs stay raw.
+    beam_search, which ranks beams by summed logprobs, refuses the two logits modes.
     disable_log_stats: record no metrics (get_metrics() then refuses). Unlike vLLM's LLM, whose
     default is True, metrics are recorded by default: the engine keeps a few counters and
     histograms (runtime/metrics.py), cheap next to a step.
@@ -352,6 +353,12 @@ class LLM:
                                               concurrency_limit < 1):
             raise ValueError(f"concurrency_limit must be an integer >= 1 or None, got "
                              f"{concurrency_limit!r}")
+        if self.config.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
+            # Each beam's score is a sum of the step's returned logprobs: logits summed and
+            # length-penalised would rank the beams by no probability.
+            raise ValueError(f"beam_search scores beams by their tokens' log-probabilities: it "
+                             f"needs logprobs_mode 'raw_logprobs' or 'processed_logprobs', not "
+                             f"{self.config.logprobs_mode!r} (logits)")
         step_params = params.step_params()
         if step_params.logprobs > self.config.max_logprobs:
             raise ValueError(f"beam_width={params.beam_width} takes {step_params.logprobs} "
