@@ -33,6 +33,13 @@
 #       (--quantization fp8, MINIVLLM_FP8_WEIGHTS=fp8) and AWQ 4-bit ones (--quantization awq),
 #       alternating, while time is left (LAT_RUNS, TPUT_RUNS pick the runs, each name ending in
 #       _dense, _fp8 or _awq)
+#   bash benchmarks/gpu_checks.sh spec  # nvidia-h200 or nvidia-h100-x1: speculative decoding's
+#       GPU tests (draft model in bf16 with graphs; processed logprobs in bf16), then the 0.6B
+#       shape's single stream without speculation, with a draft of its own random weights (every
+#       draft accepted: the best case) and with n-gram (random weights: mostly the
+#       overhead), k=4, while time is left; then the 8B shape with a random 0.6B draft and
+#       without (LAT_RUNS picks the runs, each name ending in _base, _self, _ngram, _8b_draft or
+#       _8b_base; SPEC_TESTS=0 skips the tests)
 #   bash benchmarks/gpu_checks.sh suite  # nvidia-h200: the whole test suite, six groups at once
 #   bash benchmarks/gpu_checks.sh prefill_graph  # nvidia-h200: the prefill CUDA graphs (steps with
 #       prompt tokens replayed; on by default since session 28) on (MINIVLLM_PREFILL_GRAPH=1)
@@ -184,6 +191,16 @@ PYTEST_ARGS="-p no:cacheprovider -p benchmarks.report_failures_now -v -o addopts
 # by what BUDGET_S leaves.
 moe_choice() {  # moe_choice RUN: the MINIVLLM_MOE_KERNEL a moe_kernel run's name asks for
   case ${1#*_} in kernel|triton) echo triton ;; base|grouped) echo grouped ;; *) echo auto ;; esac
+}
+spec_flags() {  # spec_flags RUN: sets FLAGS, the bench arguments a spec run's name asks for
+  local k4='"num_speculative_tokens": 4' draft='"model": "random:qwen3-0.6b"'
+  case ${1#*_} in
+    self) FLAGS=(--shape qwen3-0.6b --speculative-config "{$draft, $k4}") ;;
+    ngram) FLAGS=(--shape qwen3-0.6b --speculative-config "{\"method\": \"ngram\", $k4}") ;;
+    8b_draft) FLAGS=(--shape qwen3-8b --speculative-config "{$draft, $k4}") ;;
+    8b_base) FLAGS=(--shape qwen3-8b) ;;
+    *) FLAGS=(--shape qwen3-0.6b) ;;
+  esac
 }
 quant_flags() {  # quant_flags RUN: the bench arguments a quant_speed run's name asks for
   case ${1##*_} in
@@ -375,6 +392,27 @@ quant_speed)
     [ $(( BUDGET_S - SECONDS )) -lt 120 ] && break
     step "bench_8b_$run" $(left_or 260) $(quant_flags "$run") --shape qwen3-8b \
       --json "$RESULTS/bench_8b_$run.json"
+  done
+  ;;
+spec)
+  # nvidia-h200 or nvidia-h100-x1 (<= 560 s; not yet run): what speculative decoding costs and
+  # gains on the GPU. First its GPU tests: a tiny checkpoint as its own draft in bf16 with the
+  # compiled forward and CUDA graphs (greedy outputs those without speculation, >= 90% of drafts
+  # accepted: bf16 may flip near-ties), and processed_logprobs in bf16 against the reference
+  # computed from the engine's own logits. Then `bench --latency` (greedy; speculation turns
+  # asynchronous scheduling off, and the draft runs eagerly) at the 0.6B shape: without
+  # speculation (base), with a draft of random:qwen3-0.6b, the target's own weights (self: every
+  # draft accepted, the best case) and with n-gram (ngram: random weights' greedy
+  # continuations may repeat, so its acceptance is whatever they give; mostly its cost), k=4, each result with its acceptance; then,
+  # while time is left, the 8B shape with a random 0.6B draft (~none accepted: the draft's cost)
+  # and without. A run needs >= 120 s (an 8B engine's start compiles and captures for ~1-2 min).
+  [ "${SPEC_TESTS:-1}" = 1 ] && STEP_LOG=$OUT/tests.txt step spec_tests $(left_or 240) \
+    python3 -m pytest $PYTEST_ARGS tests/test_draft_model.py tests/test_logprobs_mode.py -k gpu
+  for run in ${LAT_RUNS-1_base 2_self 3_ngram 4_8b_draft 5_8b_base}; do
+    [ $(( BUDGET_S - SECONDS )) -lt 120 ] && break
+    spec_flags "$run"
+    step "latency_spec_$run" $(left_or 200) python3 -m minivllm bench "${FLAGS[@]}" --latency \
+      --json "$RESULTS/latency_spec_$run.json"
   done
   ;;
 lora)

@@ -328,3 +328,67 @@ def test_beam_search_is_refused_under_a_logits_mode_and_kept_under_logprobs(tiny
     for mode in ("raw_logits", "processed_logits"):
         with pytest.raises(ValueError, match=f"beam_search.*{mode}"):
             make_llm(tiny_dir, device, logprobs_mode=mode).beam_search(prompts, params)
+
+
+def check_processed_logprobs_against_own_logits(llm, monkeypatch):
+    """Run the mixed batch (all in one prefill step, then decode steps of every row) on `llm`
+    (processed_logprobs mode), recording the logits each sampler call was given
+    (runner.sample), and check each returned processed logprob against reference_scores computed
+    from those very logits (fp64 on the CPU): the sampler's processing on the device, apart from
+    the model's own rounding. Returns the outputs."""
+    import minivllm.runtime.runner as runner_module
+
+    calls = []
+    real = runner_module.sample
+
+    def recording(logits, sb, **kw):
+        out = real(logits, sb, **kw)
+        calls.append((logits.float().cpu(), out.token_ids.cpu()))
+        return out
+
+    monkeypatch.setattr(runner_module, "sample", recording)
+    outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                               PARAMS, use_tqdm=False)]
+    monkeypatch.setattr(runner_module, "sample", real)
+    steps = len(outs[0].token_ids)
+    assert len(calls) >= steps, "one sampler call a step: the batch in one prefill step"
+    for t, (logits, tokens) in enumerate(calls[:steps]):
+        # the batch's rows are the requests in order (checked by the tokens they sampled)
+        assert tokens[:len(PROMPTS)].tolist() == [c.token_ids[t] for c in outs], t
+        for r, (prompt, p, c) in enumerate(zip(PROMPTS, PARAMS, outs)):
+            if p.logprobs is None:
+                continue
+            ref = reference_scores(logits[r], p, prompt, c.token_ids[:t], "processed_logprobs")
+            tok, entry = c.token_ids[t], c.logprobs[t]
+            assert math.isfinite(ref[tok]), (r, t)
+            assert entry[tok].logprob == pytest.approx(ref[tok].item(), abs=2e-3), (r, t)
+            assert entry[tok].rank == int((ref >= ref[tok] - 1e-6).sum()), (r, t)
+            top = ref.topk(N)
+            for i, v in zip(top.indices.tolist(), top.values.tolist()):
+                if v > top.values[-1].item() + 1e-4:  # not at a tie with the N-th
+                    assert entry[i].logprob == pytest.approx(v, abs=2e-3), (r, t, i)
+    return outs
+
+
+def test_gpu_processed_logprobs_in_bf16_match_the_reference_from_the_engines_logits(
+        tiny_dir, monkeypatch):
+    """On CUDA in bf16 (compiled forward, CUDA graphs; the sampler's Triton kernel), the
+    processed_logprobs of the mixed batch equal reference_scores of the logits the engine's own
+    sampler was given: bf16 logits make transformers' fp32 ones the wrong reference (a top-p or
+    min-p cut may fall elsewhere), the engine's own are exact. The tolerance (2e-3) is the
+    sampler's fp32 arithmetic against the reference's fp64."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    llm = make_llm(tiny_dir, torch.device("cuda"), graphs=True, dtype="bfloat16",
+                   max_num_seqs=8, logprobs_mode="processed_logprobs")
+    assert llm.engine.runner.graphs is not None
+    outs = check_processed_logprobs_against_own_logits(llm, monkeypatch)
+    assert all(len(c.token_ids) == 6 for c in outs)
+
+
+def test_processed_logprobs_match_the_reference_from_the_engines_logits(tiny_dir, device,
+                                                                         monkeypatch):
+    """The GPU test's check on this device in the engine's float32 (its recording of the
+    sampler's logits and the row order it assumes hold)."""
+    llm = make_llm(tiny_dir, device, logprobs_mode="processed_logprobs", max_num_seqs=8)
+    check_processed_logprobs_against_own_logits(llm, monkeypatch)

@@ -4,6 +4,8 @@ run, on a checkpoint or on random weights of a named shape.
     minivllm bench --shape qwen3-0.6b                  # throughput, random weights
     minivllm bench --shape qwen3-8b --quantization awq # random AWQ 4-bit linears (or fp8)
     minivllm bench --model DIR --latency --json out.json
+    minivllm bench --shape qwen3-8b --latency \
+        --speculative-config '{"model": "random:qwen3-0.6b", "num_speculative_tokens": 4}'
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import torch
 
 from ..kernels.memory_read import READ_BLOCK, READ_PROGRAMS_PER_SM, stream_read
 from ..state.config import FP8_DTYPES, SHAPES, ModelConfig
-from .config import random_model
+from .config import check_draft_model, random_model
 from .pooling import check_generates
+from .spec_decode import SpeculativeConfig
 from .workload import (MAX_PROMPT_ID, check_throughput_workload, check_vocabulary,
                        held_weight_bytes, throughput_workload,
                        traffic_floor_bytes)
@@ -232,6 +235,22 @@ def host_and_wait(engine, log: list):
     return unwrap
 
 
+def _spec_counts(llm) -> tuple[int, int, int]:
+    """The engine's speculative-decoding counters: (drafts, draft tokens, accepted tokens)."""
+    stats = llm.engine.stats
+    return stats.spec_drafts, stats.spec_draft_tokens, stats.spec_accepted_tokens
+
+
+def spec_result(before: tuple[int, int, int], after: tuple[int, int, int]) -> dict:
+    """The acceptance of the timed run, from _spec_counts before and after it: drafts (a
+    sequence's step that drafted), draft tokens proposed, those accepted, their ratio (None where
+    nothing was drafted) and the mean accepted a draft."""
+    drafts, tokens, accepted = (b - a for a, b in zip(before, after))
+    return {"spec_drafts": drafts, "spec_draft_tokens": tokens, "spec_accepted_tokens": accepted,
+            "spec_acceptance": accepted / tokens if tokens else None,
+            "spec_accepted_per_draft": accepted / drafts if drafts else None}
+
+
 def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
                    max_output_len: int = 1024, trace: str | None = None, trace_from: int = 400,
                    step_times: str | None = None) -> dict:
@@ -253,10 +272,12 @@ def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
         # the host bounds it.
         unwrap = host_and_wait(llm.engine, waits)
         remove_hooks = timed_steps(llm.engine, log)
+    spec0 = _spec_counts(llm)
     t0 = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     _sync(device)
     seconds = time.perf_counter() - t0
+    spec = spec_result(spec0, _spec_counts(llm))
     if prof is not None:
         prof.stop()
     if step_times:
@@ -277,7 +298,7 @@ def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
     return {"workload": "throughput", "num_seqs": num_seqs, "prompt_tokens": sum(map(len, prompts)),
             "output_tokens": output_tokens, "seconds": seconds,
             "output_tok_per_s": output_tokens / seconds, "floor_bytes": floor["total_bytes"],
-            "steps": steps, "ms_per_step": 1e3 * seconds / max(steps, 1)}
+            "steps": steps, "ms_per_step": 1e3 * seconds / max(steps, 1), **spec}
 
 
 LATENCY_MAX_NUM_SEQS = 2  # the smallest decode bucket: one sequence runs padded to it either way
@@ -318,6 +339,7 @@ def run_latency(llm, *, prompt_len: int = 512, output_len: int = 256, repeats: i
         prof = traced_steps(llm.engine, trace, active=TRACE_STEPS,
                             skip=(repeats - 1) * (output_len + 1) + LATENCY_TRACE_FROM + 1)
     ttfts, decode_rates = [], []
+    spec0 = _spec_counts(llm)  # the timed streams' acceptance (greedy, as their tokens)
     for _ in range(repeats):
         _sync(device)
         t0 = time.perf_counter()
@@ -332,6 +354,7 @@ def run_latency(llm, *, prompt_len: int = 512, output_len: int = 256, repeats: i
         n = len(out[0].outputs[0].token_ids)
         ttfts.append(ttft)
         decode_rates.append((n - 1) / max(total - ttft, 1e-9))
+    spec = spec_result(spec0, _spec_counts(llm))
     if prof is not None:
         prof.stop()
     rate = statistics.median(decode_rates)
@@ -341,7 +364,8 @@ def run_latency(llm, *, prompt_len: int = 512, output_len: int = 256, repeats: i
             "seconds": output_len / rate,
             "host_us_per_step": statistics.median(host),
             "wait_us_per_step": statistics.median(wait),
-            "host_us_p10_50_90": _percentiles(host), "wait_us_p10_50_90": _percentiles(wait)}
+            "host_us_p10_50_90": _percentiles(host), "wait_us_p10_50_90": _percentiles(wait),
+            **spec}
 
 
 def _percentiles(values: list[float], ps=(0.1, 0.5, 0.9)) -> list[float]:
@@ -399,6 +423,17 @@ def add_bench_args(p) -> None:
                         "(steps --trace-from + 2 to + 9, after the profiler's 2 warm-up steps; "
                         "with --latency, steps 102-109 of the last stream); the timing then "
                         "includes the profiler's overhead")
+    from ..cli import _json_object  # here: the CLI imports bench to build its parser
+
+    p.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                   help="speculative decoding (vLLM's; it turns asynchronous scheduling off): "
+                        "n-gram, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": "
+                        "4}', or a draft model, a checkpoint directory or random weights of a "
+                        "shape, e.g. '{\"model\": \"random:qwen3-0.6b\", "
+                        "\"num_speculative_tokens\": 4}' (random weights are drawn with the "
+                        "engine's seed: a draft of the target's own shape is the target, every "
+                        "greedy draft accepted; another shape's, about none). The result records "
+                        "the config and the timed run's acceptance")
     p.add_argument("--trace-from", type=int, default=400,
                    help="where the throughput run's trace starts, its warm-up steps included "
                         "(400: ~150 sequences running; 900: ~40, the tail)")
@@ -452,6 +487,12 @@ def _check_workload(args, model: str) -> tuple[tuple[int, int], int]:
         raise ValueError(f"prompts of up to {lengths[0]} tokens and {lengths[1]} new ones do not "
                          f"fit max_model_len={limit} (the run would cut them short and "
                          f"misstate its floor); raise --max-model-len or lower the lengths")
+    speculative = SpeculativeConfig.create(getattr(args, "speculative_config", None))
+    if speculative is not None and speculative.method == "draft_model":
+        # the draft's config against the target's (a checkpoint's read, a random one's shape)
+        check_draft_model(speculative, config, tensor_parallel_size=args.tensor_parallel_size,
+                          runner="generate", enable_lora=False, enable_prompt_embeds=False,
+                          enable_sleep_mode=False, max_model_len=limit)
     return lengths, limit
 
 
@@ -467,6 +508,7 @@ def main(args) -> dict:
     model = args.model or f"random:{args.shape or 'qwen3-0.6b'}" + (
         f":{quantization}" if quantization else "")
     lengths, max_model_len = _check_workload(args, model)  # before the engine starts (slow)
+    speculative_config = getattr(args, "speculative_config", None)
     max_num_seqs = (args.max_num_seqs if args.max_num_seqs is not None
                     else LATENCY_MAX_NUM_SEQS if args.latency else 256)
     start = time.perf_counter()
@@ -476,7 +518,8 @@ def main(args) -> dict:
               attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
               kv_cache_dtype=args.kv_cache_dtype,
               tensor_parallel_size=args.tensor_parallel_size, device=args.device,
-              async_scheduling=not args.sync_scheduling, persistent_decode=args.persistent_decode)
+              async_scheduling=not args.sync_scheduling, persistent_decode=args.persistent_decode,
+              speculative_config=speculative_config)
     device = llm.config.device
     startup_s = time.perf_counter() - start
     print(f"engine started in {startup_s:.1f} s", flush=True)
@@ -507,6 +550,7 @@ def main(args) -> dict:
                   prefill_graphs=[g.num_tokens for g in getattr(llm.engine.runner, "prefill_graphs", [])],
                   startup_s=startup_s, async_scheduling=llm.engine.async_scheduling,
                   persistent_decode=llm.config.persistent_decode,
+                  speculative_config=speculative_config,
                   date=datetime.date.today().isoformat())
     workload = result["workload"] + (f", {quantization} weights" if quantization else "") + (
         ", fp8 KV cache" if llm.config.cache_dtype in FP8_DTYPES else "")
@@ -525,6 +569,16 @@ def main(args) -> dict:
             line += (f"; {result['read_floor_fraction']:.0%} of it at the read rate: "
                      f"{result['read_floor_seconds']:.2f} s at {result['read_bandwidth_tb_s']:.2f} TB/s")
         line += ")"
+    if speculative_config is not None:
+        spec = llm.config.speculative
+        what = (f"draft model {spec.model}" if spec.method == "draft_model" else "n-gram") + \
+            f", k={spec.num_speculative_tokens}"
+        if result["spec_draft_tokens"]:
+            line += (f"; speculative ({what}): {result['spec_acceptance']:.1%} of "
+                     f"{result['spec_draft_tokens']} draft tokens accepted, "
+                     f"{result['spec_accepted_per_draft']:.2f} a draft of {result['spec_drafts']}")
+        else:
+            line += f"; speculative ({what}): nothing drafted"
     print(line, flush=True)
     if args.json:
         with open(args.json, "w") as f:

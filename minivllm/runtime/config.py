@@ -347,7 +347,19 @@ def check_draft_model(speculative: SpeculativeConfig, target: ModelConfig, *,
         if refused:
             raise ValueError(f"{what} is not supported with {why}")
     path = speculative.model
-    if is_random_model(path) or not os.path.isdir(path):
+    if is_random_model(path):
+        # "random:SHAPE": random weights of a named shape (benchmarks: `minivllm bench
+        # --speculative-config`), drawn by the runner with the engine's seed, so that a draft of
+        # the target's own shape and seed holds the target's very weights (the best case).
+        try:
+            draft, quantization = random_model(path)
+        except ValueError as e:
+            raise ValueError(f"{what}: the draft model {path}: {e}") from None
+        if quantization is not None or draft.is_moe:
+            raise ValueError(f"{what}: the draft model {path} must be 16-bit dense random "
+                             f"weights (\"random:SHAPE\" of a dense shape)")
+        return _check_draft_fits(speculative, draft, target, path, max_model_len)
+    if not os.path.isdir(path):
         raise ValueError(f"{what}: the draft model {path!r} is not a checkpoint directory")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{what}: the draft model directory {path!r} has no config.json")
@@ -363,6 +375,14 @@ def check_draft_model(speculative: SpeculativeConfig, target: ModelConfig, *,
     if config_dict.get("quantization_config"):
         raise ValueError(f"{what}: the draft model {path} is quantized; minivllm drafts with "
                          f"16-bit dense checkpoints only")
+    return _check_draft_fits(speculative, draft, target, path, max_model_len)
+
+
+def _check_draft_fits(speculative: SpeculativeConfig, draft: ModelConfig, target: ModelConfig,
+                      path: str, max_model_len: int) -> SpeculativeConfig:
+    """check_draft_model's last checks, for a checkpoint's draft and a random one alike: the
+    target's vocabulary, and at least max_model_len of context."""
+    what = "speculative_config (draft_model)"
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"{what}: the draft model's vocab_size ({draft.vocab_size}, {path}) "
                          f"differs from the target model's ({target.vocab_size}): the draft "

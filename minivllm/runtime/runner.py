@@ -343,8 +343,13 @@ class ModelRunner:
         spec = config.speculative
         if spec is not None and spec.method == "draft_model":
             with _logged_time("draft model weights"):
-                self.draft_params = load(spec.model, dtype=config.dtype, device=config.device,
-                                         config=spec.draft_config)
+                if is_random_model(spec.model):
+                    # the engine's seed: a draft of the target's shape has the target's weights
+                    self.draft_params = random_params(spec.draft_config, seed=config.seed,
+                                                      dtype=config.dtype, device=config.device)
+                else:
+                    self.draft_params = load(spec.model, dtype=config.dtype,
+                                             device=config.device, config=spec.draft_config)
             self.draft_backend = select_backend(self.device, config.attention_backend,
                                                 config.cache_dtype,
                                                 self.draft_params.config.head_dim)
