@@ -278,17 +278,26 @@ def test_steps_from_256_rows_dequantize_and_multiply(device, kernel_calls, dtype
 
     if not triton_usable(device):
         pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
-    rows = linear.DEQUANTIZE_ROWS
-    assert rows == 256
     w = random_awq(64, 32, 32, seed=3)
     w = AwqWeight(w.qweight.to(device), w.qzeros.to(device), w.scales.to(device), w.group_size)
+    check_dequantize_switch(linear.awq_matmul, w, 64, check_product, kernel_calls, device, dtype)
+
+
+def check_dequantize_switch(matmul, w, k, check, kernel_calls, device, dtype):
+    """matmul(x, w) for x: [m, k] launches the Triton kernel (counted in kernel_calls) below
+    functional.linear.DEQUANTIZE_ROWS rows and not from there on, and `check` passes on both
+    sides (test_fp8_weights.py's test too)."""
+    from minivllm.functional import linear
+
+    rows = linear.DEQUANTIZE_ROWS
+    assert rows == 256
     for m, kernel in ((1, True), (rows - 1, True), (rows, False), (rows + 44, False)):
-        x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m)).to(device, dtype)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device, dtype)
         kernel_calls.clear()
         with torch.no_grad():
-            out = linear.awq_matmul(x, w)
+            out = matmul(x, w)
         assert bool(kernel_calls) == kernel, m
-        check_product(out, x, w)
+        check(out, x, w)
 
 
 def test_kernel_partials_and_tiles(device):

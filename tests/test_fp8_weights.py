@@ -38,7 +38,7 @@ from minivllm.state.quant import Fp8BlockWeight, dequantize_fp8_weight
 
 from engine_helpers import make_llm
 from hf_tiny import make_hf_model, save_checkpoint
-from test_awq import (PROMPTS, check_compiled_and_graphed, hf_logits, hf_tiny_device,
+from test_awq import (PROMPTS, check_compiled_and_graphed, check_dequantize_switch, hf_logits, hf_tiny_device,
                       mv_logits)
 from test_fp8_checkpoint import (ALIGNED, EDGE, LINEARS, dequantize_blocks, merged,
                                  write_fp8_checkpoint)
@@ -186,16 +186,8 @@ def test_steps_from_256_rows_dequantize_and_multiply(device, kernel_calls, dtype
     from minivllm.functional import linear
 
     triton_or_skip(device)
-    rows = linear.DEQUANTIZE_ROWS
-    assert rows == 256
     w = to(random_fp8(48, 160, seed=3), device)
-    for m, kernel in ((1, True), (rows - 1, True), (rows, False), (rows + 44, False)):
-        x = torch.randn(m, 160, generator=torch.Generator().manual_seed(m)).to(device, dtype)
-        kernel_calls.clear()
-        with torch.no_grad():
-            out = linear.fp8_matmul(x, w)
-        assert bool(kernel_calls) == kernel, m
-        check_product(out, x, w)
+    check_dequantize_switch(linear.fp8_matmul, w, 160, check_product, kernel_calls, device, dtype)
 
 
 TRACE_BODY = """

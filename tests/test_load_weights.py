@@ -166,8 +166,9 @@ def test_placements_are_loads_layout_on_each_tensor_parallel_rank(models, dirs, 
     assert same(leaves(got), leaves(load(dirs[1], shard=shard)))
 
 
-def test_tensor_parallel_engine(models, dirs):
-    """tensor_parallel_size=2 (gloo, a spawned worker): the update reaches the worker's shard."""
+def check_tensor_parallel_update(models, dirs):
+    """A TP=2 engine from dirs[0], updated to models[1]'s weights, runs as a TP=1 engine from
+    dirs[1]: the same tokens, logprobs within 1e-5."""
     with LLM(dirs[1], **ENGINE) as want_llm:
         want = run(want_llm)
     with LLM(dirs[0], tensor_parallel_size=2, **ENGINE) as llm:
@@ -176,6 +177,11 @@ def test_tensor_parallel_engine(models, dirs):
         got = run(llm)
     assert got[0] == want[0]
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-5)
+
+
+def test_tensor_parallel_engine(models, dirs):
+    """tensor_parallel_size=2 (gloo, a spawned worker): the update reaches the worker's shard."""
+    check_tensor_parallel_update(models, dirs)
 
 
 def test_the_tensors_keep_their_addresses(models, dirs):
@@ -315,14 +321,7 @@ def test_moe_a_bad_pair_changes_nothing(moe_models, moe_dirs, bad, match):
 
 def test_moe_tensor_parallel_engine(moe_models, moe_dirs):
     """tensor_parallel_size=2: the fused experts reach the worker whole, which cuts its slice."""
-    with LLM(moe_dirs[1], **ENGINE) as want_llm:
-        want = run(want_llm)
-    with LLM(moe_dirs[0], tensor_parallel_size=2, **ENGINE) as llm:
-        run(llm)
-        llm.load_weights(moe_models[1].state_dict().items())
-        got = run(llm)
-    assert got[0] == want[0]
-    torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-5)
+    check_tensor_parallel_update(moe_models, moe_dirs)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -14,6 +14,7 @@ arounds, back-references, \\b, flags) is a ValueError naming it.
 
 from __future__ import annotations
 
+import abc
 import re
 from dataclasses import dataclass, field
 
@@ -318,7 +319,7 @@ class _NFA:
         return s, end
 
 
-class LazyDFA:
+class LazyDFA(abc.ABC):
     """A deterministic automaton over characters whose states are built as they are walked: each
     state's key (whatever a subclass computes states as) is interned to an int when first
     reached, and each move is computed once (_successor) and kept. `DEAD` (0): no accepted text
@@ -332,10 +333,10 @@ class LazyDFA:
         self._moves: list[dict[str, int]] = [{}]
         self.start = self._intern(start_key)
 
+    @abc.abstractmethod
     def _successor(self, key, c: str):
         """The key of the state after character c from state `key` (never DEAD's), or None where
         nothing accepted goes on."""
-        raise NotImplementedError
 
     def _intern(self, key) -> int:
         sid = self._ids.get(key)
@@ -361,8 +362,9 @@ class LazyDFA:
                 break
         return state
 
+    @abc.abstractmethod
     def accepts(self, state: int) -> bool:
-        raise NotImplementedError
+        """Whether the text that led to `state` is accepted."""
 
     def fullmatch(self, text: str) -> bool:
         return self.accepts(self.walk(self.start, text))
