@@ -10,7 +10,8 @@ of CALLS calls and the graph replayed REPLAYS times; the median replay / CALLS i
 launch overhead excluded as in the engine's decode graphs. The calls rotate over enough copies of
 the weight to exceed twice the L2, so weights come from HBM as they do in a model's forward.
 TB/s = weight bytes / time. Both results are checked against an fp32 matmul (bf16 tolerance).
---sweep also times a few forced tile configs of skinny_linear at M = 2 and 16 (tuning aid).
+--sweep also times a few forced tile configs of skinny_linear at the rows of --sweep-rows (2 and 16
+by default; tuning aid), --sweep-split configs that split K as well.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ from minivllm.kernels.skinny_gemm import skinny_config, skinny_linear
 SHAPES = {  # model: {layer: (N, K)}
     "0.6b": {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024),
              "down": (1024, 3072), "lm_head": (151936, 1024)},
+    "1.7b": {"qkv": (4096, 2048), "o_proj": (2048, 2048), "gate_up": (12288, 2048),
+             "down": (2048, 6144), "lm_head": (151936, 2048)},
+    "4b": {"qkv": (6144, 2560), "o_proj": (2560, 4096), "gate_up": (19456, 2560),
+           "down": (2560, 9728), "lm_head": (151936, 2560)},
     "8b": {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096),
            "down": (4096, 12288), "lm_head": (151936, 4096)},
 }
@@ -40,6 +45,10 @@ DT = torch.bfloat16
 TOL = 1e-2  # max |out - ref| / max |ref|: bf16 output rounding is 2^-9 relative
 SWEEP = [dict(block_n=bn, block_k=bk, num_stages=st)
          for bn, bk, st in itertools.product((16, 32, 64), (128, 256), (3, 4))]
+# --sweep-split: K split too (the skinny GEMM's default splits only where N alone gives fewer
+# than two programs an SM; at K >= 4096 each unsplit program streams 128+ KB of one tile column)
+SWEEP_SPLIT = [dict(block_n=bn, block_k=bk, split=sp, num_stages=4)
+               for bn, bk, sp in itertools.product((16, 32, 64), (64, 128), (2, 4, 8))]
 
 
 def log(*a):
@@ -118,6 +127,9 @@ def main() -> int:
     ap.add_argument("--tp", default="1,2")
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--sweep", action="store_true", help="also time forced tile configs")
+    ap.add_argument("--sweep-split", action="store_true", help="sweep split-K configs as well")
+    ap.add_argument("--sweep-rows", default="2,16", help="the rows --sweep times")
+    ap.add_argument("--layers", default=None, help="only these layers (comma-separated)")
     args = ap.parse_args()
     if (gpu := cuda_and_l2("bench_linear.py")) is None:
         return 2
@@ -125,6 +137,9 @@ def main() -> int:
     props = torch.cuda.get_device_properties(dev)
     rows = [int(r) for r in args.rows.split(",")]
     models, tps = args.models.split(","), [int(t) for t in args.tp.split(",")]
+    sweep_rows = {int(r) for r in args.sweep_rows.split(",")}
+    sweep = SWEEP + (SWEEP_SPLIT if args.sweep_split else [])
+    only = set(args.layers.split(",")) if args.layers else None
     log(f"{props.name}, {props.multi_processor_count} SMs, L2 {l2 / 2**20:.0f} MB, {DT}, "
         f"{CALLS} calls per graph, median of {REPLAYS} replays")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -134,6 +149,8 @@ def main() -> int:
     log(hdr)
     log("-" * len(hdr))
     for model, tp, layer, n, k in shapes(models, tps):
+        if only is not None and layer not in only:
+            continue
         nbytes = n * k * DT.itemsize
         ws = weight_copies(n, k, l2, gen)
         copies = len(ws)
@@ -150,9 +167,9 @@ def main() -> int:
             row = dict(model=model, tp=tp, layer=layer, n=n, k=k, m=m, cublas_us=t_cublas,
                        skinny_us=t_skinny, cublas_tbs=nbytes / t_cublas / 1e6,
                        skinny_tbs=nbytes / t_skinny / 1e6, rel_err=errs, config=cfg)
-            if args.sweep and m in (2, 16):
+            if args.sweep and m in sweep_rows:
                 row["sweep"] = []
-                for over in SWEEP:
+                for over in sweep:
                     c = skinny_config(m, n, k, DT, dev, **over)
                     us = graph_us(lambda i: skinny_linear(x, ws[i % copies], config=over))
                     row["sweep"].append(dict(config=c, us=us, tbs=nbytes / us / 1e6))
@@ -170,7 +187,8 @@ def main() -> int:
         del ws
         torch.cuda.empty_cache()
 
-    log("\nOne decoder layer's GEMMs (" + " + ".join(LAYER) + "), us: cuBLAS / skinny / best of each")
+    log("\nOne decoder layer's GEMMs (" + " + ".join(LAYER) + "), us: cuBLAS / skinny / best of each "
+        "(the sweep's best included where swept)")
     summary = []
     for model, tp in itertools.product(models, tps):
         for m in rows:
@@ -178,7 +196,8 @@ def main() -> int:
             if len(sel) != len(LAYER):
                 continue
             c, s = sum(r["cublas_us"] for r in sel), sum(r["skinny_us"] for r in sel)
-            b = sum(min(r["cublas_us"], r["skinny_us"]) for r in sel)
+            b = sum(min(r["cublas_us"], r["skinny_us"], r.get("sweep_best", {}).get("us", 1e9))
+                    for r in sel)
             summary.append(dict(model=model, tp=tp, m=m, cublas_us=c, skinny_us=s, best_us=b))
             log(f"  {model:>5} tp{tp} M={m:>2}: {c:7.1f} / {s:7.1f} / {b:7.1f}")
     for f in failures:

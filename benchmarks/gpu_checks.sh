@@ -40,6 +40,11 @@
 #       overhead), k=4, while time is left; then the 8B shape with a random 0.6B draft and
 #       without (LAT_RUNS picks the runs, each name ending in _base, _self, _ngram, _8b_draft or
 #       _8b_base; SPEC_TESTS=0 skips the tests)
+#   bash benchmarks/gpu_checks.sh wide  # nvidia-h200 or nvidia-h100-x1: why wider dense models'
+#       single stream runs far from its floor (8B at ~57% on the H100, session 56): the decode
+#       GEMMs of the 1.7B, 4B and 8B shapes at 1-2 rows, cuBLAS, the skinny GEMM's default and
+#       its tile and split-K sweep (bench_linear.py), then the 8B shape's traced single stream
+#       summarized by kernel
 #   bash benchmarks/gpu_checks.sh suite  # nvidia-h200: the whole test suite, six groups at once
 #   bash benchmarks/gpu_checks.sh prefill_graph  # nvidia-h200: the prefill CUDA graphs (steps with
 #       prompt tokens replayed; on by default since session 28) on (MINIVLLM_PREFILL_GRAPH=1)
@@ -281,9 +286,9 @@ tp8b)
   ;;
 ab)
   # nvidia-h200 (<= 450 s): single stream new, old, new, then throughput new, old (session 7's
-  # final A/B). The first engine start of a call compiles everything (~100 s). TP=2 (on
-  # nvidia-h200-x2): throughput only, new, old, new, old, at tensor-parallel size 2 (TP=2 ran
-  # 22,234 tok/s in session 21 against 23,945 in session 6's run).
+  # final A/B), at the 0.6B shape or AB_SHAPE's. The first engine start of a call compiles
+  # everything (~100 s). TP=2 (on nvidia-h200-x2): throughput only, new, old, new, old, at
+  # tensor-parallel size 2 (TP=2 ran 22,234 tok/s in session 21 against 23,945 in session 6's).
   if [ ! -d "${OLD:-}/minivllm" ]; then
     echo "ab: set OLD to an unpacked tree to compare against (OLD=dbg/old)" >&2
     exit 2
@@ -299,7 +304,7 @@ ab)
     # PYTHONPATH's "." is the tree the run starts in: each side imports its own minivllm
     [ "$kind" = throughput ] && flag="-tp ${TP:-1}"
     (cd "$tree" && step "${i}_${kind}_$side" 170 python3 -m minivllm \
-      bench --shape qwen3-0.6b $flag --json "$RESULTS/${i}_${kind}_$side.json")
+      bench --shape "${AB_SHAPE:-qwen3-0.6b}" $flag --json "$RESULTS/${i}_${kind}_$side.json")
   done
   ;;
 attention_tail)
@@ -480,6 +485,16 @@ moe_probe)
   # run): one Qwen3-30B-A3B sparse layer's moe_mlp, grouped GEMMs against the Triton kernels, at
   # 1-256 tokens in CUDA graphs, with each path's kernels at 1, 32 and 256 tokens.
   step moe_probe $(left_or 200) python3 benchmarks/moe_probe.py --json "$RESULTS/moe_probe.json"
+  ;;
+wide)
+  # nvidia-h200 or nvidia-h100-x1 (<= 420 s): see the header.
+  step linear_wide $(left_or 200) python3 benchmarks/bench_linear.py --models 1.7b,4b,8b --tp 1 \
+    --rows 1,2 --sweep --sweep-split --sweep-rows 2 --layers qkv,o_proj,gate_up,down \
+    --json "$RESULTS/linear_wide.json"
+  step trace_8b_latency $(left_or 220) python3 -m minivllm bench --shape qwen3-8b --latency \
+    --trace "$OUT/trace_8b_latency.json" --json "$RESULTS/trace_8b_latency.json"
+  python3 benchmarks/trace_summary.py "$OUT/trace_8b_latency.json" --top 40 | tee -a "$OUT/logs.txt"
+  rm -f "$OUT/trace_8b_latency.json"
   ;;
 moe_profile)
   # nvidia-h200 or nvidia-h100-x1 (~450 s on a fresh machine): where a Qwen3-30B-A3B-shape
