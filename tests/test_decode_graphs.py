@@ -246,24 +246,28 @@ def test_a_pooling_engine_captures_no_decode_graphs(device, enforce_eager, runne
     assert captures_decode_graphs(torch.device(device), enforce_eager, runner) == captures
 
 
-@pytest.mark.parametrize("runner", ["generate", "pooling"])
-def test_start_up_builds_decode_graphs_for_a_generating_engine_only(runner, monkeypatch):
+@pytest.mark.parametrize("runner, draft", [("generate", False), ("pooling", False),
+                                           ("generate", True)])
+def test_start_up_builds_decode_graphs_for_a_generating_engine_only(runner, draft, monkeypatch):
     """ModelRunner._compile_and_capture on a stand-in CUDA runner (the CPU captures nothing):
     a generating engine builds and captures DecodeGraphs and prefills through their compiled
-    forward; a pooling one builds none, and its prompts still go through a compiled forward."""
+    forward; a pooling one builds none, and its prompts still go through a compiled forward.
+    With a draft model, the draft's DecodeGraphs are captured into the target's pool on its
+    stream, and its mirrored steps run their compiled forward, without a head."""
     from types import SimpleNamespace
 
     import minivllm.runtime.runner as runner_mod
 
     built = []
 
-    class Graphs:  # DecodeGraphs' stand-in: records that it was built and captured
+    class Graphs:  # DecodeGraphs' stand-in: records how it was built and captured
         def __init__(self, *args, **kwargs):
-            self.fn, self.captured = object(), False
+            self.fn, self.args, self.captured = (lambda *a, **kw: None), args, None
+            self.pool, self.stream = object(), object()
             built.append(self)
 
-        def capture(self):
-            self.captured = True
+        def capture(self, pool=None, stream=None):
+            self.captured = (pool, stream)
 
     compiled = object()
     monkeypatch.setattr(runner_mod, "DecodeGraphs", Graphs)
@@ -275,12 +279,22 @@ def test_start_up_builds_decode_graphs_for_a_generating_engine_only(runner, monk
     fake = SimpleNamespace(device=torch.device("cuda", 0), enforce_eager=False, params=params,
                            model_config=CONFIG, cache=None, backend=None, block_size=4,
                            graphs=None, prefill_forward=minivllm.forward,
-                           small_decode_forward=None, small_decode_rows=0)
+                           small_decode_forward=None, small_decode_rows=0,
+                           draft_params=object() if draft else None, draft_cache=None,
+                           draft_backend=None, draft_graphs=None, draft_forward=None)
     config = SimpleNamespace(runner=runner, enable_lora=False, max_num_seqs=8, max_model_len=64,
                              persistent_decode=False)
     runner_mod.ModelRunner._compile_and_capture(fake, config)
     if runner == "generate":
-        assert len(built) == 1 and built[0].captured and fake.graphs is built[0]
-        assert fake.prefill_forward is built[0].fn
+        assert len(built) == 1 + draft and built[0].captured == (None, None)
+        assert fake.graphs is built[0] and fake.prefill_forward is built[0].fn
+        if draft:
+            target, graphs = built
+            assert fake.draft_graphs is graphs and graphs.args[0] is fake.draft_params
+            assert graphs.captured == (target.pool, target.stream)
+            assert fake.draft_forward.func is graphs.fn
+            assert fake.draft_forward.keywords == {"head": runner_mod._no_head}
+        else:
+            assert fake.draft_graphs is None and fake.draft_forward is None
     else:
         assert not built and fake.graphs is None and fake.prefill_forward is compiled

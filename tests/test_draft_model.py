@@ -12,10 +12,13 @@ import os
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 
-from minivllm import SamplingParams
+from minivllm import SamplingParams, forward
 from minivllm.runtime.config import EngineConfig
+from minivllm.runtime.graphs import DecodeGraphs
 from minivllm.runtime.spec_decode import SpeculativeConfig
+from minivllm.state.config import ceil_div
 
 from engine_helpers import make_llm
 from hf_tiny import hf_greedy, make_hf_model, make_hf_moe_model, save_checkpoint
@@ -187,6 +190,65 @@ def test_propose_is_the_drafts_greedy_continuation(paths, device, hf_target):
     assert got == [hf_greedy(hf_target, a, 4), hf_greedy(hf_target, b, 2)]
 
 
+class EagerDecodeGraphs(DecodeGraphs):
+    """The draft's DecodeGraphs with each replay run by the eager forward over the buffers that
+    fill wrote, padded to the bucket, as a captured graph would run them (CUDA graphs need a
+    GPU); records each replay's (rows, bucket)."""
+
+    def __init__(self, runner):
+        super().__init__(runner.draft_params, runner.draft_cache, runner.draft_backend,
+                         max_num_seqs=runner.config.max_num_seqs,
+                         max_blocks_per_seq=ceil_div(runner.config.max_model_len,
+                                                     runner.block_size),
+                         compile_forward=False)
+        self.replayed = []
+
+    def replay(self, b):
+        bs = self.bucket(b)
+        self.replayed.append((b, bs))
+        logits, _ = forward(self.params, self.cache, self.batch_view(bs), self.backend)
+        return logits[:b]
+
+
+def test_draft_graphs_give_the_eager_drafts_and_draft_cache(paths, device):
+    """propose's rounds and a decode step's mirror through the draft's decode graphs (their
+    fill, device-side ids and replay: EagerDecodeGraphs) give the eager draft's tokens, token for
+    token, and its draft cache: with uneven counts (the rows shrink round by round, a prefix of
+    the sequences sorted by count) and rows padded to their bucket."""
+    from minivllm.runtime.runner import StepInput
+    from minivllm.state.batch import DecodeChunks, SeqChunk
+
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [1, 2, 3], list(range(20, 37)), [7, 8, 9],
+               [40, 41, 42, 43]]
+    counts = [3, 1, 5, 2, 3]  # rounds of 5, 4, 3, 1 and 1 rows
+    tables = [list(range(6 * i, 6 * i + 6)) for i in range(len(prompts))]  # 24 slots each
+    runners = []
+    for graphs in (False, True):
+        llm = make_llm(paths["target"], device, speculative_config=draft(paths["near"], 5),
+                       block_size=4, max_num_seqs=8, max_model_len=128)
+        runner = llm.engine.runner
+        assert runner.draft_graphs is None  # eager here: no CUDA graphs
+        if graphs:
+            runner.draft_graphs = EagerDecodeGraphs(runner)
+        # All but the last two tokens as prompts; the next to last as a decode step (its
+        # draft mirrored through the graphs); the last drafts.
+        runner.execute(StepInput([SeqChunk(p[:-2], 0, t, False) for p, t in zip(prompts, tables)],
+                                 []))
+        runner.execute(StepInput(DecodeChunks([p[-2] for p in prompts],
+                                              [len(p) - 2 for p in prompts], tables), []))
+        got = runner.propose([p[-1] for p in prompts], [len(p) - 1 for p in prompts], tables,
+                             counts)
+        assert [len(d) for d in got] == counts
+        runners.append((runner, got))
+    (eager, want), (graphed, got) = runners
+    assert got == want
+    assert graphed.draft_graphs.replayed == [(5, 8), (5, 8), (4, 4), (3, 4), (1, 2), (1, 2)]
+    for a, b in zip(pytree.tree_leaves(eager.draft_cache), pytree.tree_leaves(graphed.draft_cache)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    graphed.release_graphs()  # the draft's too
+    assert graphed.draft_graphs is None
+
+
 # -- refusals -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("config, match", [
@@ -283,8 +345,10 @@ def test_cli_passes_a_draft_model_config(paths, device, capsys, monkeypatch):
 
 def test_gpu_self_draft_in_bf16_with_compiled_forward_and_graphs(paths):
     """On CUDA in bf16, the default compiled forward and CUDA graphs (the decode graphs, the
-    prefill graphs; the draft itself runs eagerly): with the target as its own draft, greedy
-    outputs equal the same engine's without speculation, and nearly every draft is accepted.
+    prefill graphs; the draft's own decode graphs, captured into the target's pool, for every
+    drafted token, and its compiled forward for mirrored steps): with the target as its own
+    draft, greedy outputs equal the same engine's without speculation, and nearly every draft is
+    accepted.
     Not every one: in bf16 the verification's batched chunk [t, d1..dk] and the draft's one-token
     decode forwards round differently, which may flip a near-tie between the top two logits (a
     draft rejected, the verification's token kept); hence >= 0.9, not 1.0. The outputs are the
@@ -300,12 +364,21 @@ def test_gpu_self_draft_in_bf16_with_compiled_forward_and_graphs(paths):
     del plain
     torch.cuda.empty_cache()
     llm = make_llm(paths["target"], cuda, speculative_config=draft(paths["target"]), **kw)
-    assert llm.engine.runner.graphs is not None and llm.config.dtype == torch.bfloat16
+    runner = llm.engine.runner
+    assert runner.graphs is not None and llm.config.dtype == torch.bfloat16
+    graphs = runner.draft_graphs
+    assert graphs is not None and sorted(graphs.graphs) == graphs.buckets
+    assert graphs.pool == runner.graphs.pool
+    assert runner.draft_forward.keywords["layer"] is graphs.fn.keywords["layer"]  # compiled
+    replayed, replay = [], graphs.replay
+    graphs.replay = lambda b: replayed.append(b) or replay(b)
     got = ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     for i, (g, w) in enumerate(zip(got, want)):
         first = next((j for j, (a, b) in enumerate(zip(g[0], w[0])) if a != b), None)
         assert g == w, f"prompt {i}: first difference at output position {first}"
     stats = llm.stats
     assert stats.spec_draft_tokens > 0
+    # every drafted token a row of a propose round's replay (decode steps' mirrors add more)
+    assert sum(replayed) >= stats.spec_draft_tokens
     acceptance = stats.spec_accepted_tokens / stats.spec_draft_tokens
     assert acceptance >= 0.9, (acceptance, stats)

@@ -156,6 +156,7 @@ class DecodeGraphs:
         self.greedy_tokens = torch.zeros(n, dtype=torch.int64, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = self.stream = None  # the graphs' memory pool and capture stream (capture)
 
     def batch_view(self, bs: int) -> Batch:
         return Batch(input_ids=self.input_ids[:bs], positions=self.positions[:bs],
@@ -164,12 +165,17 @@ class DecodeGraphs:
                      logits_indices=self.logits_indices[:bs], block_size=self.cache.block_size,
                      lora_slots=None if self.lora_slots is None else self.lora_slots[:bs])
 
-    def capture(self) -> None:
+    def capture(self, pool=None, stream: torch.cuda.Stream | None = None) -> None:
         """Warm up (compiling) and capture every bucket, largest first so that the shared pool is
-        sized by it. The buffers hold padding rows throughout, so nothing is written to the cache."""
-        pool = None
+        sized by it. The buffers hold padding rows throughout, so nothing is written to the cache.
+        pool, stream: another DecodeGraphs' (its .pool, .stream) to capture into, whose graphs
+        then replay one at a time with these (see unowned): a draft model's decode graphs share
+        the target's (ModelRunner._compile_and_capture). The stream must be the pool's: the
+        caching allocator hands a freed block only to the stream it was used on
+        (PrefillGraph.capture)."""
         start = time.perf_counter()
-        stream = torch.cuda.Stream(self.device)  # one for all buckets: PrefillGraph.capture
+        stream = stream or torch.cuda.Stream(self.device)  # one for all buckets
+        self.stream = stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.no_grad():
             for bs in reversed(self.buckets):
@@ -179,6 +185,7 @@ class DecodeGraphs:
                 del logits  # back to the pool for the next bucket's capture (unowned)
                 if len(self.graphs) == 1:
                     first = time.perf_counter() - start
+        self.pool = pool
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         log.info("minivllm: captured decode CUDA graphs for batch sizes %s in %.1f s (the first, "

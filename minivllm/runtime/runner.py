@@ -233,6 +233,19 @@ def _no_head(params, x, residual, rows):
     return None
 
 
+def replay_draft_round(graphs: DecodeGraphs, chunks: DecodeChunks,
+                       ids: torch.Tensor) -> torch.Tensor:
+    """One round of ModelRunner.propose replayed from the draft's decode graphs: the greedy next
+    token [rows] of each of chunks' rows, whose input ids are `ids` [rows] on the device (copied
+    device to device, with no host sync; chunks' own ids are not read). The padding rows up to
+    the bucket keep the ids they held (tokens written before, or the buffer's zeros): valid ids,
+    whose logits are dropped."""
+    rows = len(chunks)
+    graphs.fill(chunks, keep_ids=True)
+    graphs.input_ids[:rows].copy_(ids)
+    return graphs.replay(rows).argmax(dim=-1)
+
+
 @contextlib.contextmanager
 def _logged_time(what: str):
     """Log how long a start-up phase took (start-up time is part of what users wait for)."""
@@ -340,6 +353,9 @@ class ModelRunner:
         # the target's dtype on its device, loaded before the KV cache is sized from what is
         # left; its own cache, of the target's blocks, is indexed by the same tables and slots.
         self.draft_params = self.draft_cache = self.draft_backend = None
+        # The draft's forward for mirrored steps (_mirror: no logits), compiled where the
+        # target's is (_compile_and_capture).
+        self.draft_forward = functools.partial(forward, head=_no_head)
         spec = config.speculative
         if spec is not None and spec.method == "draft_model":
             with _logged_time("draft model weights"):
@@ -360,7 +376,7 @@ class ModelRunner:
         if self.draft_params is not None:
             self.draft_cache = init_cache(self.draft_params, num_blocks=self.num_blocks,
                                           block_size=self.block_size, dtype=config.cache_dtype)
-        self.graphs = None
+        self.graphs = self.draft_graphs = None  # decode graphs: the target's, the draft's
         self.prefill_graphs = []  # largest first (_capture_prefill_graphs)
         self.last_tokens = None  # [rows] the last launched step's sampled ids, on the device
         self.ids_in_graph = False  # whether the graphs' input ids hold last_tokens already
@@ -379,6 +395,15 @@ class ModelRunner:
                 warm_up_kernels(self.params, self.backend, block_size=self.block_size,
                                 cache_dtype=config.cache_dtype,
                                 max_num_seqs=config.max_num_seqs, forward_fn=self.prefill_forward)
+                if self.draft_params is not None:
+                    # Through the mirror's own forward, whose head (_no_head) computes nothing:
+                    # the draft's logits come from its decode graphs (propose; eagerly only where
+                    # the whole engine is eager), so its LM head needs no warm-up at the row
+                    # counts of prompt steps.
+                    warm_up_kernels(self.draft_params, self.draft_backend,
+                                    block_size=self.block_size, cache_dtype=config.cache_dtype,
+                                    max_num_seqs=config.max_num_seqs,
+                                    forward_fn=self.draft_forward)
             mark("kernel warm-up")
             if self.device.type == "cuda":
                 # The warm-up's freed blocks, kept by the caching allocator, are not the KV
@@ -514,6 +539,17 @@ class ModelRunner:
                 compile_forward=compile_forward, persistent_decode=config.persistent_decode,
                 fused_mlp_rows=fused)
             self.graphs.capture()
+            if self.draft_params is not None:
+                # propose's rounds replay these: into the target's pool, on its stream, so that
+                # they take no memory of their own (the pool holds the larger of the two decode
+                # steps' peaks: _cuda_kv_budget). Compiled layers only: persistent_decode is
+                # the target's setting, checked against its shape (EngineConfig), not the draft's.
+                self.draft_graphs = DecodeGraphs(
+                    self.draft_params, self.draft_cache, self.draft_backend,
+                    max_num_seqs=config.max_num_seqs,
+                    max_blocks_per_seq=ceil_div(config.max_model_len, self.block_size),
+                    compile_forward=compile_forward)
+                self.draft_graphs.capture(self.graphs.pool, self.graphs.stream)
         # Prefill and mixed steps run through the same compiled decoder layer (its prefill
         # variants are compiled by the warm-up): on the H200 the throughput benchmark ran 22,637
         # tok/s so against 16,911 with eager prefill (BENCHMARKS.md). MINIVLLM_COMPILE_PREFILL=0:
@@ -525,6 +561,10 @@ class ModelRunner:
             # No decode graphs to share theirs (a pooling engine): its prompts, all it runs,
             # still go through a compiled forward, as a generating engine's do.
             self.prefill_forward = compiled_forward(device=self.device)
+        if self.draft_graphs is not None and self.prefill_forward is not forward:
+            # The draft's steps mirrored from the target's through the draft's own compiled
+            # forward (compiled_forward's code copies: no dynamo caches shared with the target's).
+            self.draft_forward = functools.partial(self.draft_graphs.fn, head=_no_head)
         # Eager decode steps of at most MAX_ROWS rows (no CUDA graphs: enforce_eager, a CPU
         # under the interpreter) take the persistent layer too.
         if config.persistent_decode:
@@ -569,9 +609,10 @@ class ModelRunner:
     def release_graphs(self) -> None:
         """Drop the CUDA graphs (the runner then runs every step eagerly): a tensor-parallel
         rank must do so before it leaves its process group (DecodeGraphs.release)."""
-        if self.graphs is not None:
-            self.graphs.release()
-            self.graphs = None
+        for graphs in (self.graphs, self.draft_graphs):
+            if graphs is not None:
+                graphs.release()
+        self.graphs = self.draft_graphs = None
         for graph in self.prefill_graphs:
             graph.release()
         self.prefill_graphs = []
@@ -620,8 +661,12 @@ class ModelRunner:
         graphs the forward's share is held for good by their pool while sampling allocates
         beside it, so both are set aside rather than the larger. The decode graphs' pool, held
         for good too, is set aside as a decode step's peak at max_num_seqs rows. A draft model's
-        weights are in use already; its own forwards' peaks are not measured (they run after
-        the target's, which is larger for a smaller draft)."""
+        weights are in use already. Its decode graphs are captured into the target's pool (their
+        replays and the target's take turns on one stream: graphs.unowned), which then holds the
+        larger of the two decode steps' peaks, and load executables and compiled kernels of
+        their own (CAPTURE_CODE_BYTES more). Its other forwards' peaks (mirrored prompt and
+        verification steps) are not measured: they run after the target's, which is larger for
+        a smaller draft."""
         config = self.config
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
@@ -647,6 +692,9 @@ class ModelRunner:
             slots = (0,) * len(rows) if config.enable_lora else None  # the graphs' LoRA layer
             decode_graphs_peak = self._peak_bytes(
                 lambda: self._run(scratch, StepInput(rows, [], lora_slots=slots)))
+            if self.draft_params is not None:  # its decode graphs share the pool: see above
+                decode_graphs_peak = max(decode_graphs_peak, self._draft_decode_peak(rows)) + \
+                    CAPTURE_CODE_BYTES
             decode_graphs_peak += CAPTURE_CODE_BYTES
         # Start-up leaves the blocks of every dtype's heaviest sampling in the allocator's cache,
         # and they reserve more than sampling's allocated peak (1.97 GiB against 1.59 at 256
@@ -665,6 +713,16 @@ class ModelRunner:
         return kv_budget_bytes(total, config.gpu_memory_utilization, in_use, forward_peak,
                                max(sampling_peak, sampling_blocks), decode_graphs_peak,
                                graphs_hold_forward=self.use_prefill_graphs)
+
+    def _draft_decode_peak(self, rows: list[SeqChunk]) -> int:
+        """The bytes the draft's eager forward allocates at its peak over the decode step `rows`
+        (each in block 0 of a scratch cache of its own)."""
+        scratch = init_cache(self.draft_params, num_blocks=1, block_size=self.block_size,
+                             dtype=self.config.cache_dtype)
+        batch = make_batch(rows, block_size=self.block_size, device=self.device, check=False)
+        with torch.no_grad():
+            return self._peak_bytes(
+                lambda: forward(self.draft_params, scratch, batch, self.draft_backend))
 
     def _sampled_dtypes(self) -> tuple[torch.dtype, ...]:
         """The logits dtypes serving samples: fp32 from model.head, the activation dtype from the
@@ -870,19 +928,26 @@ class ModelRunner:
     # -- draft-model speculative decoding (runtime/spec_decode.py) --------------------------------
 
     def _mirror(self, step: StepInput) -> None:
-        """Run the step's tokens through the draft too, eagerly and without its logits, writing
-        their draft K/V into the same slots as the target's: the draft cache then holds, at
-        every slot, K/V of the token the target's holds."""
+        """Run the step's tokens through the draft too, without its logits, writing their draft
+        K/V into the same slots as the target's: the draft cache then holds, at every slot, K/V
+        of the token the target's holds. A decode step replays the draft's decode graphs where
+        it has them (their logits left unread; the target's, in the same pool, are read by the
+        step's sampling, queued before); any other step runs draft_forward."""
         if step.fed_back or step.embeds or step.lora_slots is not None:
             # EngineConfig refuses what would bring these (asynchronous scheduling is off
             # under speculation; prompt embeddings and LoRA are refused with a draft model).
             raise ValueError("a draft model's step takes no fed-back tokens, prompt embeddings "
                              "or LoRA slots")
-        batch = make_batch(step.chunks, block_size=self.block_size, device=self.device,
-                           check=False)
         with torch.no_grad():
-            _, self.draft_cache = forward(self.draft_params, self.draft_cache, batch,
-                                          self.draft_backend, head=_no_head)
+            if self.draft_graphs is not None and is_decode_step(step.chunks):
+                self.draft_graphs.fill(step.chunks if isinstance(step.chunks, DecodeChunks)
+                                       else DecodeChunks.of(step.chunks))
+                self.draft_graphs.replay(len(step.chunks))
+                return
+            batch = make_batch(step.chunks, block_size=self.block_size, device=self.device,
+                               check=False)
+            _, self.draft_cache = self.draft_forward(self.draft_params, self.draft_cache, batch,
+                                                     self.draft_backend)
 
     def propose(self, tokens: list[int], positions: list[int], block_tables: list,
                 counts: list[int]) -> list[list[int]]:
@@ -890,7 +955,9 @@ class ModelRunner:
         tokens[b] sits at positions[b] (in no cache yet) and whose block table holds slots up to
         positions[b] + counts[b], counts[b] tokens d1, d2, ...: [tokens[b]]@p -> d1, [d1]@p+1 ->
         d2, and so on, each round one decode batch of the sequences still drafting (their draft
-        K/V written at p ... p + counts[b] - 1). The tokens stay on the device until the end."""
+        K/V written at p ... p + counts[b] - 1): replayed from the draft's decode graphs where it
+        has them (replay_draft_round), else through its eager forward. The tokens stay on the
+        device until the end."""
         n = len(tokens)
         if not n:
             return []
@@ -903,12 +970,15 @@ class ModelRunner:
                 rows = [b for b in order if counts[b] > r]
                 chunks = DecodeChunks([0] * len(rows), [positions[b] + r for b in rows],
                                       [block_tables[b] for b in rows])
-                batch = make_batch(chunks, block_size=self.block_size, device=self.device,
-                                   check=False)
-                batch.input_ids.copy_(current[:len(rows)])
-                logits, self.draft_cache = forward(self.draft_params, self.draft_cache, batch,
-                                                   self.draft_backend)
-                current = logits.argmax(dim=-1)
+                if self.draft_graphs is not None:
+                    current = replay_draft_round(self.draft_graphs, chunks, current[:len(rows)])
+                else:
+                    batch = make_batch(chunks, block_size=self.block_size, device=self.device,
+                                       check=False)
+                    batch.input_ids.copy_(current[:len(rows)])
+                    logits, self.draft_cache = forward(self.draft_params, self.draft_cache,
+                                                       batch, self.draft_backend)
+                    current = logits.argmax(dim=-1)
                 drafts[:len(rows), r] = current
         host = drafts.tolist()
         out = [[] for _ in range(n)]

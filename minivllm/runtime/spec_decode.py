@@ -29,8 +29,12 @@ A decoding sequence whose last token t sits at position n (in neither cache yet)
 scheduler has grown its table for the drafts: k one-token greedy forwards of the draft, batched
 over the step's drafting sequences, [t]@n -> d1, [d1]@n+1 -> d2, ... (ModelRunner.propose);
 then the step verifies [t, d1..dk] as a chunk, and the mirror rewrites those slots' draft K/V
-with the same tokens (and adds dk's). The draft runs eagerly (no CUDA graph, no compile); its
-speed has not been measured.
+with the same tokens (and adds dk's). Where the target captures decode CUDA graphs, the draft
+has decode graphs of its own, captured into the target's graph memory pool (the graphs of one
+pool replay one at a time on one stream): propose's rounds replay them, as do mirrored decode
+steps, and other mirrored steps run the draft's own compiled forward where the target's is
+compiled; elsewhere (CPU, enforce_eager) the draft runs eagerly. Its speed has not been
+measured.
 """
 
 from __future__ import annotations
