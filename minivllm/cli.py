@@ -29,6 +29,8 @@ def _json_object(text: str) -> dict:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    except RecursionError:
+        raise argparse.ArgumentTypeError("JSON nested too deep") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
     return value

@@ -118,7 +118,8 @@ def test_bench_refuses_a_bad_config_before_starting_an_engine(shapes, spec, matc
     assert match in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("text", ["{not json", "[1, 2]"])
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]",
+                                  '{"a": ' + "[" * 5000 + "]" * 5000 + "}"])  # json recurses
 def test_bench_refuses_what_is_not_a_json_object(text, capsys, monkeypatch):
     import minivllm.runtime.llm as llm
 

@@ -364,6 +364,16 @@ def test_the_fixed_request_is_unchanged_after_the_fuzzing(server, baseline):
     ("/v1/completions", {"prompt": "x", "guided_json": {"type": "integer", "definitions": [1]}},
      "definitions must be an object"),
     ("/v1/completions", {"prompt": "x", "guided_regex": "a" * 300_000}, "regex is too large"),
+    # Found by review (session 57): nesting past the recursion of Python's json decoder or of
+    # re's parser was a RecursionError, answered 500.
+    ("/v1/completions", b'{"prompt": "x", "a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+     "nests too deep"),
+    ("/v1/completions", {"prompt": "x", "guided_regex": "(" * 5000 + ")" * 5000},
+     "nested too deep"),
+    ("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+            "name": "f", "arguments": "[" * 5000 + "]" * 5000}}]}]}, "is not JSON"),
 ])
 def test_fuzz_findings(server, baseline, path, body, match):
     import re

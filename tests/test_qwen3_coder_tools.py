@@ -73,6 +73,7 @@ def test_the_formats_example_with_content_before():
     ("opts", '{"a": {"b": [1, null]}}', {"a": {"b": [1, None]}}),  # nested JSON
     ("opts", "{'a': True}", {"a": True}),  # a Python literal where JSON fails
     ("opts", "{a: 1}", "{a: 1}"),  # neither: the text
+    ("opts", "[" * 5000 + "]" * 5000, "[" * 5000 + "]" * 5000),  # past json's recursion: text
     ("hours", "[9, 12]", [9, 12]), ("hours", "(9, 12)", [9, 12]),  # a tuple: an array
     ("note", '{"x": 1}', {"x": 1}),  # anyOf without a type reads as an object
     ("note", "plain", "plain"),

@@ -259,6 +259,23 @@ def test_bad_constraints_are_refused(kwargs, match):
         StructuredOutputsParams(**kwargs)
 
 
+@pytest.mark.parametrize("pattern, reason", [
+    ("(" + "a" * 100_000, "missing ), unterminated subpattern"),  # re refuses it
+    ("(" * 50_000 + ")" * 50_000, "nested too deep"),  # re takes it; the parser's recursion not
+])
+def test_a_refused_long_regex_is_quoted_by_its_head(pattern, reason):
+    """A refused regex of up to 200,000 characters is quoted in the error by its first 80 and
+    its length, not whole (the message goes back to a client), with the reason; a short one
+    whole."""
+    with pytest.raises(ValueError) as e:
+        RegexDFA(pattern)
+    message = str(e.value)
+    assert reason in message and f"({len(pattern)} characters)" in message
+    assert repr(pattern[:80]) in message and len(message) < 300
+    with pytest.raises(ValueError, match=re.escape(repr("a(b") + ": missing )")):
+        RegexDFA("a(b")
+
+
 def test_a_constraint_needs_a_tokenizer(tmp_path, device):
     from hf_tiny import make_hf_model, save_checkpoint
 

@@ -407,7 +407,7 @@ def _history_calls(calls, k: int) -> list[dict]:
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments) if arguments.strip() else {}
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # broken, or nested too deep
                 raise RequestError(f"messages[{k}].tool_calls[{j}].function.arguments is not "
                                    f"JSON: {arguments!r:.80}") from None
         out.append({**call, "function": {**fn, "arguments": arguments}})

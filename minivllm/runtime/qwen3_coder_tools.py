@@ -112,13 +112,13 @@ def _literal(value: str, container: bool):
     if container:
         try:
             return json.loads(value)
-        except ValueError:  # JSONDecodeError
+        except (ValueError, RecursionError):  # JSONDecodeError, or nested too deep
             pass
     try:
         with warnings.catch_warnings():  # model text is no source code: its warnings are noise
             warnings.simplefilter("ignore", SyntaxWarning)
             return ast.literal_eval(value)
-    except (ValueError, SyntaxError, TypeError):
+    except (ValueError, SyntaxError, TypeError, RecursionError, MemoryError):
         return value
 
 

@@ -370,6 +370,17 @@ class LazyDFA(abc.ABC):
         return self.accepts(self.walk(self.start, text))
 
 
+SHOWN_PATTERN_CHARS = 80  # an error quotes at most this much of a pattern (it may be 200,000)
+
+
+def shown_pattern(pattern: str) -> str:
+    """The pattern as an error message quotes it: repr'd, cut to its first SHOWN_PATTERN_CHARS
+    characters (with the length it has) when longer."""
+    if len(pattern) <= SHOWN_PATTERN_CHARS:
+        return repr(pattern)
+    return f"{pattern[:SHOWN_PATTERN_CHARS]!r}... ({len(pattern)} characters)"
+
+
 def check_pattern_length(pattern: str, what: str = "the regex") -> None:
     """ValueError if `pattern` is longer than MAX_PATTERN_CHARS (before any parsing)."""
     if len(pattern) > MAX_PATTERN_CHARS:
@@ -389,12 +400,14 @@ class RegexDFA(LazyDFA):
         try:  # what re refuses is refused here too, with re's reason
             re.compile(pattern)
         except re.error as e:
-            raise ValueError(f"regex {pattern!r}: {e}") from None
+            raise ValueError(f"regex {shown_pattern(pattern)}: {e}") from None
+        except RecursionError:  # re's parser recurses per group: ~1,000 nested groups
+            raise ValueError(f"regex {shown_pattern(pattern)}: nested too deep") from None
         self._nfa = _NFA()
         try:
             start, self._final = self._nfa.build(_Parser(pattern).parse())
         except RecursionError:
-            raise ValueError(f"regex {pattern[:40]!r}...: nested too deep") from None
+            raise ValueError(f"regex {shown_pattern(pattern)}: nested too deep") from None
         super().__init__(self._closure({start}), dead_key=frozenset())
 
     def _closure(self, states) -> frozenset[int]:

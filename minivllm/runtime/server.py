@@ -459,6 +459,8 @@ class _Handler(BaseHTTPRequestHandler):
                 body = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise RequestError(f"the request body is not JSON: {e}") from None
+            except RecursionError:  # json's decoder recurses per array or object: ~1,000 deep
+                raise RequestError("the request body's JSON nests too deep") from None
             if adapters:  # vLLM answers a plain-text line
                 load = path == "/v1/load_lora_adapter"
                 self._send_text(200, (self.app.load_lora_adapter if load else

@@ -155,7 +155,7 @@ def parse_hermes(text: str) -> list[dict] | None:
     for closed, open_ in _BLOCK.findall(text):
         try:
             call = json.loads(closed or open_)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # broken JSON, or nested past json's recursion
             return None
         if not isinstance(call, dict) or not isinstance(call.get("name"), str) or \
                 "arguments" not in call:
@@ -170,7 +170,7 @@ def parse_required(text: str) -> list[dict] | None:
     the answer is not one (a completion cut short by max_tokens)."""
     try:
         items = json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # as parse_hermes
         return None
     if not isinstance(items, list) or not all(
             isinstance(i, dict) and isinstance(i.get("name"), str) and "parameters" in i
