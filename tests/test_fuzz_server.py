@@ -349,6 +349,11 @@ def test_the_fixed_request_is_unchanged_after_the_fuzzing(server, baseline):
     assert fixed_answers(server) == baseline
 
 
+NESTED = {"type": "integer"}  # a tool's parameters 800 arrays deep
+for _ in range(800):
+    NESTED = {"type": "array", "items": NESTED}
+
+
 @pytest.mark.parametrize("path, body, match", [
     # The bugs the fuzzing found: each was answered after seconds to minutes of CPU (and at more
     # levels the server's memory), or answered 400 with a message about something else
@@ -374,6 +379,10 @@ def test_the_fixed_request_is_unchanged_after_the_fuzzing(server, baseline):
         {"role": "user", "content": "x"},
         {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
             "name": "f", "arguments": "[" * 5000 + "]" * 5000}}]}]}, "is not JSON"),
+    # within json's depth, past the chat template's (its tojson): 400 "RecursionError: ..."
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice":
+     "none", "tools": [{"type": "function", "function": {"name": "f", "parameters": NESTED}}]},
+     "tools nest too deep for the chat template"),
 ])
 def test_fuzz_findings(server, baseline, path, body, match):
     import re

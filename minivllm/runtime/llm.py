@@ -533,9 +533,14 @@ class LLM:
         for conv in conversations:
             if continue_final_message and not conv:  # transformers' refusal too
                 raise ValueError("continue_final_message is set but the conversation is empty")
-            text = tok.apply_chat_template(list(conv), tokenize=False, chat_template=chat_template,
-                                           add_generation_prompt=add_generation_prompt,
-                                           **kwargs)
+            try:
+                text = tok.apply_chat_template(list(conv), tokenize=False,
+                                               chat_template=chat_template,
+                                               add_generation_prompt=add_generation_prompt,
+                                               **kwargs)
+            except RecursionError:  # the template's tojson over a deeply nested tool schema, say
+                raise ValueError("the conversation or its tools nest too deep for the chat "
+                                 "template to render (past Python's recursion limit)") from None
             # The template writes any special tokens itself.
             ids = tok.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
