@@ -17,20 +17,10 @@ from minivllm.functional.sampling import (LOGPROBS_MODES, SamplingRow, make_samp
                                           sample)
 
 from engine_helpers import make_llm
-from hf_tiny import make_hf_model, save_checkpoint
+from test_engine import hf_model, tiny_dir  # noqa: F401 (fixtures: seed 0, std 0.3)
 
 MODES = LOGPROBS_MODES
 N = 3  # top logprobs asked
-
-
-@pytest.fixture(scope="module")
-def hf_model():
-    return make_hf_model(seed=0, std=0.3)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(hf_model, tmp_path_factory):
-    return save_checkpoint(hf_model, tmp_path_factory.mktemp("tiny") / "model")
 
 
 PROMPTS = [[5, 17, 33, 2, 41, 8], [60, 3, 3, 90, 12], [7, 70, 21, 14], [1, 2, 3, 4, 5, 6, 7],

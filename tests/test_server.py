@@ -770,14 +770,19 @@ def test_bad_prompt_embeds_are_answered_400(embeds_server, kind, extra, match):
     assert not embeds_server.llm.engine.requests
 
 
-def test_the_cli_flag_enables_prompt_embeds(model_dir, monkeypatch):
-    """serve --enable-prompt-embeds reaches LLM(enable_prompt_embeds=True); off without it."""
+def serve_flag_reaches_llm(model_dir, monkeypatch, flag: str) -> list[bool]:
+    """LLM's keyword for `serve --FLAG` (its dashes as underscores) as the CLI passes it, with
+    the flag and without (False where not passed), LLM itself stubbed out."""
     import minivllm.runtime.llm as llm_module
     from minivllm import cli
 
     seen = []
     monkeypatch.setattr(llm_module, "LLM", lambda model, **kw: seen.append(kw))
-    for flags in (["--enable-prompt-embeds"], []):
-        args = cli.build_parser().parse_args(["serve", model_dir, *flags])
-        cli._make_llm(args, model_dir)
-    assert [kw.get("enable_prompt_embeds", False) for kw in seen] == [True, False]
+    for flags in ([f"--{flag}"], []):
+        cli._make_llm(cli.build_parser().parse_args(["serve", model_dir, *flags]), model_dir)
+    return [kw.get(flag.replace("-", "_"), False) for kw in seen]
+
+
+def test_the_cli_flag_enables_prompt_embeds(model_dir, monkeypatch):
+    """serve --enable-prompt-embeds reaches LLM(enable_prompt_embeds=True); off without it."""
+    assert serve_flag_reaches_llm(model_dir, monkeypatch, "enable-prompt-embeds") == [True, False]

@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 from minivllm.runtime.server import DEFAULT_MAX_BODY_BYTES, OpenAIServer
 
 from engine_helpers import make_llm
-from test_server import NAME, PROMPTS, model_dir, url  # noqa: F401 (model_dir: a fixture)
+from test_server import (NAME, PROMPTS, model_dir,  # noqa: F401 (model_dir: a fixture)
+                         serve_flag_reaches_llm, url)
 
 GREEDY = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0,
           "ignore_eos": True}
@@ -280,15 +281,9 @@ def test_the_default_cap(model_dir, device, monkeypatch):  # noqa: F811
 def test_the_cli_flags(model_dir, monkeypatch):  # noqa: F811
     """serve --enable-sleep-mode reaches LLM(enable_sleep_mode=True), off without it;
     --max-request-body-bytes the server."""
-    import minivllm.runtime.llm as llm_module
     from minivllm import cli
 
-    seen = []
-    monkeypatch.setattr(llm_module, "LLM", lambda model, **kw: seen.append(kw))
-    for flags in (["--enable-sleep-mode"], []):
-        args = cli.build_parser().parse_args(["serve", model_dir, *flags])
-        cli._make_llm(args, model_dir)
-    assert [kw.get("enable_sleep_mode", False) for kw in seen] == [True, False]
+    assert serve_flag_reaches_llm(model_dir, monkeypatch, "enable-sleep-mode") == [True, False]
     args = cli.build_parser().parse_args(["serve", model_dir, "--max-request-body-bytes", "9"])
     assert args.max_request_body_bytes == 9
 

@@ -233,6 +233,12 @@ def _no_head(params, x, residual, rows):
     return None
 
 
+def decode_columns(chunks) -> DecodeChunks:
+    """A decode step's chunks as DecodeChunks (what DecodeGraphs.fill takes), as they are if so
+    already."""
+    return chunks if isinstance(chunks, DecodeChunks) else DecodeChunks.of(chunks)
+
+
 def replay_draft_round(graphs: DecodeGraphs, chunks: DecodeChunks,
                        ids: torch.Tensor) -> torch.Tensor:
     """One round of ModelRunner.propose replayed from the draft's decode graphs: the greedy next
@@ -849,8 +855,7 @@ class ModelRunner:
         # read in stream order before the next replay rewrites it).
         greedy = self.graphs.picks_greedy(b) and all(map(plain_greedy, step.rows))
         with trace_range("prepare_decode"):
-            chunks = step.chunks if isinstance(step.chunks, DecodeChunks) else \
-                DecodeChunks.of(step.chunks)
+            chunks = decode_columns(step.chunks)
             # The sampling batch's copies go first: queued behind the replay, copies from pageable
             # memory would make the host wait for the whole forward before sampling could start.
             sb = None if greedy else self._sampling_batch(step)
@@ -940,8 +945,7 @@ class ModelRunner:
                              "or LoRA slots")
         with torch.no_grad():
             if self.draft_graphs is not None and is_decode_step(step.chunks):
-                self.draft_graphs.fill(step.chunks if isinstance(step.chunks, DecodeChunks)
-                                       else DecodeChunks.of(step.chunks))
+                self.draft_graphs.fill(decode_columns(step.chunks))
                 self.draft_graphs.replay(len(step.chunks))
                 return
             batch = make_batch(step.chunks, block_size=self.block_size, device=self.device,

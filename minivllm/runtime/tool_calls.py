@@ -145,6 +145,25 @@ def call_json(name: str, arguments: str) -> dict:
             "function": {"name": name, "arguments": arguments}}
 
 
+def _loads(text: str):
+    """json.loads(text), or None where the text is no JSON (broken, or nested past the
+    decoder's recursion): a model may write anything."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _hermes_call(text: str) -> dict | None:
+    """A <tool_call> block's text as a call (a JSON object with a string "name" and an
+    "arguments" value), or None where it is not one."""
+    call = _loads(text)
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or \
+            "arguments" not in call:
+        return None
+    return call
+
+
 def parse_hermes(text: str) -> list[dict] | None:
     """The calls in an answer from its first <tool_call> on, as [{"name", "arguments"}]
     (arguments a JSON text); None where a block is not a call (its JSON broken, or without a
@@ -153,12 +172,8 @@ def parse_hermes(text: str) -> list[dict] | None:
     that stopped at its EOS right after the JSON)."""
     calls = []
     for closed, open_ in _BLOCK.findall(text):
-        try:
-            call = json.loads(closed or open_)
-        except (ValueError, RecursionError):  # broken JSON, or nested past json's recursion
-            return None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or \
-                "arguments" not in call:
+        call = _hermes_call(closed or open_)
+        if call is None:
             return None
         calls.append({"name": call["name"],
                       "arguments": json.dumps(call["arguments"], ensure_ascii=False)})
@@ -168,10 +183,7 @@ def parse_hermes(text: str) -> list[dict] | None:
 def parse_required(text: str) -> list[dict] | None:
     """The calls of a "required" answer (a JSON array of {"name", "parameters"}); None where
     the answer is not one (a completion cut short by max_tokens)."""
-    try:
-        items = json.loads(text)
-    except (ValueError, RecursionError):  # as parse_hermes
-        return None
+    items = _loads(text)
     if not isinstance(items, list) or not all(
             isinstance(i, dict) and isinstance(i.get("name"), str) and "parameters" in i
             for i in items):
@@ -250,13 +262,9 @@ class ToolCallSplit:
             self._pos, self._scanner = end + len(END_TAG), None
 
     def _close_block(self, text: str) -> None:
-        """A block whose text is whole: its call as json.loads reads it."""
-        try:
-            call = json.loads(text)
-        except (ValueError, RecursionError):
-            call = None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or \
-                "arguments" not in call:
+        """A block whose text is whole: its call as parse_hermes reads it."""
+        call = _hermes_call(text)
+        if call is None:
             self._stopped = True  # no call: finish() makes the rest content
             return
         args = json.dumps(call["arguments"], ensure_ascii=False)
