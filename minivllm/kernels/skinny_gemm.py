@@ -141,7 +141,7 @@ def skinny_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devi
       877/866 against 789/787 tok/s at 16 x 256 (BENCHMARKS.md, session 6). Also where 16-wide
       tiles nearly fill the GPU (N = 4096: 256 tiles, 1.94 an SM; Qwen3-8B's o_proj and down):
       unsplit, each program streams a 16-row column of K = 4,096-12,288 in 8 KB tiles, and
-      split 4 at 64 wide was 13-18% faster there (session 3's sweep; session 57's engine A/B).
+      split 4 at 64 wide was 13-18% faster there (session 3's sweep; the engine A/B is owed).
     - block_k: 8-16 KB weight tiles (128 16-bit elements a row, 256 when block_n = 16, 64 when
       split; half as many in fp32): >= 128 bytes per weight row per load keeps the reads
       coalesced, and 3 tiles in flight per program (num_stages = 4) keep ~50-100 KB in flight
