@@ -17,7 +17,7 @@ ACC_TOL = 1e-5
 ROUNDING = {torch.float32: 0.0, torch.float16: 2.0**-11}  # half an ulp, relative
 ROWS = (1, 2, 3, 7, 16)
 # (N, K): ragged N and K; ragged N with whole K chunks; split-K with a ragged and a whole K.
-SHAPES = ((100, 70), (257, 128), (24, 600), (48, 1024))
+SHAPES = ((200, 70), (257, 128), (24, 600), (48, 1024))
 
 
 @pytest.fixture(autouse=True)
@@ -60,13 +60,13 @@ def test_small_shapes_cover_the_paths(device):
     if device.type == "cuda":
         pytest.skip("the split choices depend on the SM count")
     cfg = {nk: skinny_config(2, *nk, torch.float32, device) for nk in SHAPES}
-    assert cfg[(100, 70)]["split"] == 1 and 70 % cfg[(100, 70)]["block_k"] != 0
+    assert cfg[(200, 70)]["split"] == 1 and 70 % cfg[(200, 70)]["block_k"] != 0
     assert cfg[(257, 128)]["split"] == 1 and 257 % cfg[(257, 128)]["block_n"] != 0
     assert cfg[(24, 600)]["split"] > 1 and cfg[(48, 1024)]["split"] > 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("n,k", [(100, 70), (24, 600)])
+@pytest.mark.parametrize("n,k", [(200, 70), (24, 600)])
 def test_strided_rows(device, n, k, dtype):
     """x as views: columns of a wider tensor (row stride > K), and every other row of one."""
     wide = rand(16, k + 13, dtype=dtype, device=device, seed=1)
@@ -107,8 +107,8 @@ def test_glu_matches_fp64(device, m, n, k, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_glu_strided(device, dtype):
     """glu=True on views: columns of a wider tensor (row stride > 2K), every other row, and a
-    transposed x (column stride != 1); split-K with a ragged K (24, 600) and unsplit (100, 70)."""
-    for n, k in ((24, 600), (100, 70)):
+    transposed x (column stride != 1); split-K with a ragged K (24, 600) and unsplit (200, 70)."""
+    for n, k in ((24, 600), (200, 70)):
         wide = rand(16, 2 * k + 13, dtype=dtype, device=device, seed=8)
         w = rand(n, k, dtype=dtype, device=device, seed=9)
         xt = rand(2 * k, 3, dtype=dtype, device=device, seed=10).T
@@ -140,9 +140,9 @@ def test_no_rows(device):
 @pytest.mark.parametrize("m,m_pad", [(17, None), (40, 16), (70, 32), (130, None)])
 def test_more_rows_in_m_tiles(device, m, m_pad, glu):
     """Past MAX_SKINNY_ROWS the kernel tiles M (m_pad rows a program, ragged last tile), plain
-    and with the SiLU folded in, split-K (24, 600) and not (100, 70), partials included."""
+    and with the SiLU folded in, split-K (24, 600) and not (200, 70), partials included."""
     assert m > MAX_SKINNY_ROWS
-    for n, k in ((24, 600), (100, 70)):
+    for n, k in ((24, 600), (200, 70)):
         x = rand(m, 2 * k if glu else k, dtype=torch.float32, device=device, seed=m + n)
         w = rand(n, k, dtype=torch.float32, device=device, seed=k)
         cfg = dict(m_pad=m_pad) if m_pad else None

@@ -138,9 +138,10 @@ def skinny_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devi
       for a quarter of the weight bytes. On the H200 at 1-16 rows, alone in a CUDA graph
       (benchmarks/sweep_decode_gemm.py): down (glu) 4.9-5.1 us against 8.8-10.8 at 16 x 256
       and 7.8-8.0 at 32 x 128, o_proj 3.6 against 4.3-4.4 and 3.8; single stream in the engine
-      877/866 against 789/787 tok/s at 16 x 256 (BENCHMARKS.md, session 6). Round, not ceil:
-      N = 4096 (256 tiles at 16, 1.94 per SM) runs unsplit; a guess that the partials' round
-      trip and second launch cost more than 3% fewer programs (unmeasured).
+      877/866 against 789/787 tok/s at 16 x 256 (BENCHMARKS.md, session 6). Also where 16-wide
+      tiles nearly fill the GPU (N = 4096: 256 tiles, 1.94 an SM; Qwen3-8B's o_proj and down):
+      unsplit, each program streams a 16-row column of K = 4,096-12,288 in 8 KB tiles, and
+      split 4 at 64 wide was 13-18% faster there (session 3's sweep; the engine A/B is owed).
     - block_k: 8-16 KB weight tiles (128 16-bit elements a row, 256 when block_n = 16, 64 when
       split; half as many in fp32): >= 128 bytes per weight row per load keeps the reads
       coalesced, and 3 tiles in flight per program (num_stages = 4) keep ~50-100 KB in flight
@@ -159,8 +160,10 @@ def skinny_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devi
     split_k = False  # K will be split (below): 64 x 64 tiles rather than 16 x 256
     if not block_n:
         block_n = next((b for b in BLOCK_NS if triton.cdiv(n, b) * m_tiles >= want), None)
+        # None fills the GPU from N alone: split K into 64-wide tiles' ranges (below), unless
+        # K is one such range.
+        split_k = block_n is None and k > 64 * 2 // dtype.itemsize
         if block_n is None:
-            split_k = _splits_wanted(want, triton.cdiv(n, BLOCK_NS[-1]) * m_tiles) > 1
             block_n = 64 if split_k else BLOCK_NS[-1]
     elsize = dtype.itemsize
     bk = (64 if split_k else 256 if block_n == 16 else 128) * 2 // elsize
