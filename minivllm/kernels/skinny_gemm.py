@@ -140,8 +140,9 @@ def skinny_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devi
       and 7.8-8.0 at 32 x 128, o_proj 3.6 against 4.3-4.4 and 3.8; single stream in the engine
       877/866 against 789/787 tok/s at 16 x 256 (BENCHMARKS.md, session 6). Also where 16-wide
       tiles nearly fill the GPU (N = 4096: 256 tiles, 1.94 an SM; Qwen3-8B's o_proj and down):
-      unsplit, each program streams a 16-row column of K = 4,096-12,288 in 8 KB tiles, and
-      split 4 at 64 wide was 13-18% faster there (session 3's sweep; the engine A/B is owed).
+      unsplit, each program streamed a 16-row column of K = 4,096-12,288 in 8 KB tiles; split,
+      the 8B single stream went from 134-135 to 208-209 tok/s on the H200 (BENCHMARKS.md,
+      session 58: a step's device time 6.7-7.0 ms -> 4.4).
     - block_k: 8-16 KB weight tiles (128 16-bit elements a row, 256 when block_n = 16, 64 when
       split; half as many in fp32): >= 128 bytes per weight row per load keeps the reads
       coalesced, and 3 tiles in flight per program (num_stages = 4) keep ~50-100 KB in flight
