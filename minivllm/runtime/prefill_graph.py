@@ -176,8 +176,9 @@ class PrefillGraph:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         self.graph = graph
-        log.info("minivllm: captured the prefill CUDA graph of %d tokens, %d sequences in %.1f s",
-                 self.num_tokens, self.num_seqs, time.perf_counter() - start)
+        log.info("minivllm: captured the prefill CUDA graph of %d tokens, %d sequences, %d logits "
+                 "rows%s in %.1f s", self.num_tokens, self.num_seqs, self.num_logits,
+                 "" if self.logits is not None else " (no head)", time.perf_counter() - start)
         return graph.pool()
 
     def replay(self, n: int) -> torch.Tensor | None:
