@@ -348,7 +348,9 @@ def test_models_and_health(server):
 
 def test_the_cli_serves_until_interrupted(model_dir, tmp_path):
     """`minivllm serve DIR --port 0` says where it serves, answers, and exits 0 on Ctrl-C."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # a CPU engine: the CLI's check, not the GPU's
+    # A CPU engine: the CLI's check, not the GPU's. The fault handler writes every thread's stack
+    # on SIGABRT: what a server that does not stop was waiting on (CI saw one, once, in session 58).
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "minivllm", "serve", model_dir, "--port", "0",
                              "--served-model-name", "cli", "--num-kv-blocks", "32",
                              "--max-model-len", "512", "--api-key", "k",
@@ -367,7 +369,13 @@ def test_the_cli_serves_until_interrupted(model_dir, tmp_path):
         with urllib.request.urlopen(req, timeout=120) as r:
             assert len(json.loads(r.read())["choices"]) == 1
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            tail = proc.communicate(timeout=30)[1][-8000:]
+            pytest.fail(f"the server did not exit within 60 s of Ctrl-C; its threads:\n{tail}")
+        assert code == 0
     finally:
         if proc.poll() is None:
             proc.kill()
