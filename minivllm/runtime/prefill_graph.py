@@ -106,7 +106,7 @@ class PrefillGraph:
         self.min_tokens = num_tokens // 2 if min_tokens is None else min_tokens
         self.max_blocks, self.block_size = max_blocks_per_seq, block_size
         self.device = params.device
-        self.inputs = inputs or StepInputs(
+        self.inputs = inputs if inputs is not None else StepInputs(
             batch_layout(num_tokens, max_num_seqs, max_blocks_per_seq, num_logits=num_logits),
             self.device)
         self.batch = Batch(**self.inputs.views, block_size=block_size)
