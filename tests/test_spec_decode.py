@@ -134,6 +134,30 @@ def test_verification_graphs_give_identical_outputs(base, demo_dir, device, conf
     assert any(n > t // (k + 1) for t, n, _ in replays)
 
 
+def test_more_rows_than_sequences_are_sampled_in_slices(base, demo_dir, device, monkeypatch):
+    """At max_num_seqs 2 and k = 4 a verification step samples up to 10 rows, max_num_seqs at a
+    time (the memory start-up set aside for sampling): outputs, logprobs included, equal the
+    engine's without speculation."""
+    from minivllm.runtime import runner as runner_module
+
+    sliced, real = [], runner_module.sample_in_slices
+
+    def recorded(logits, batches, size):
+        sliced.append((logits.shape[0], len(batches), size))
+        return real(logits, batches, size)
+    monkeypatch.setattr(runner_module, "sample_in_slices", recorded)
+    llm = make_llm(demo_dir, device, speculative_config=spec(4, 3, 1), max_num_seqs=2)
+    mixed = [SamplingParams(temperature=0, max_tokens=30, logprobs=3 if i % 2 else None)
+             for i in range(len(PROMPTS))]  # slices with logprobs and without, joined
+    for params in cases(base) + [mixed]:
+        assert_same(base.generate(PROMPTS, params, use_tqdm=False),
+                    llm.generate(PROMPTS, params, use_tqdm=False))
+    assert llm.stats.spec_accepted_tokens > 0
+    mine = [(rows, batches) for rows, batches, size in sliced if size == 2]  # not base's
+    assert any(batches > 1 for _, batches in mine)
+    assert all(-(-rows // 2) == batches for rows, batches in mine), mine
+
+
 def watch_mid_draft_stops(llm) -> list:
     """Record each sequence that a stop (a token or a stop string) ends at a token after the first
     of a speculative step's (an accepted draft's round): the truncation under test."""

@@ -229,6 +229,19 @@ class PendingStep:
         return StepResult(token_ids=token_ids, logprobs=logprobs, scores=scores, pooled=pooled)
 
 
+def sample_in_slices(logits: torch.Tensor, batches: list[SamplingBatch], size: int
+                     ) -> SampleOutput:
+    """sample() over logits' rows [B, vocab], `size` rows at a time, batches[i] the i-th slice's
+    (of one num_logprobs: their top-N columns are joined). A row's draw reads its own row only
+    (its seed and step), so this is sample() over all the rows at once, at the memory of `size`
+    rows."""
+    if len(batches) == 1:
+        return sample(logits, batches[0])
+    outs = [sample(logits[i * size:(i + 1) * size], sb) for i, sb in enumerate(batches)]
+    return SampleOutput(*(None if parts[0] is None else torch.cat(parts)
+                          for parts in zip(*(attrs.astuple(o, recurse=False) for o in outs))))
+
+
 def _no_head(params, x, residual, rows):
     """forward's head for a draft model's mirrored step (ModelRunner._mirror): no logits."""
     return None
@@ -856,7 +869,7 @@ class ModelRunner:
                            hidden_size=self.model_config.hidden_size,
                            embeds_dtype=self.params.embed.dtype)
         # Built before the forward is queued, for the same reason as in _run_decode_graph.
-        sb = self._sampling_batch(step) if step.rows else None
+        sbs = self._sampling_batches(step) if step.rows else None
         self._feed_back(batch.input_ids, step)
         fn = self.prefill_forward
         if self.small_decode_forward is not None and batch.is_decode and \
@@ -875,7 +888,7 @@ class ModelRunner:
             logits, cache = fn(self.params, cache, batch, self.backend)
             if step.scored is not None or step.pooled:
                 logits, scores, pooled = logits
-            out = sample(logits, sb) if sb is not None else None
+            out = sample_in_slices(logits, sbs, self.config.max_num_seqs) if sbs else None
         return out, scores, pooled, cache
 
     def _extra_head(self, step: StepInput):
@@ -941,6 +954,21 @@ class ModelRunner:
         self.last_sampling = (rows, sb)
         return sb
 
+    def _sampling_batches(self, step: StepInput) -> list[SamplingBatch]:
+        """The step's sampling batch; for a step of more rows than max_num_seqs (a speculative
+        step's, a row per logits row: up to (k + 1) * max_num_seqs), one batch per max_num_seqs
+        rows, sampled in turn (sample_in_slices): start-up set aside sampling's memory at
+        max_num_seqs rows (_sampling_footprint), which all the rows at once would outgrow."""
+        size = self.config.max_num_seqs
+        if len(step.rows) <= size:
+            return [self._sampling_batch(step)]
+        batches = [make_sampling_batch(
+            step.rows[i:i + size], vocab_size=self.vocab_size, device=self.device,
+            steps=None if step.steps is None else step.steps[i:i + size],
+            logprobs_mode=self.config.logprobs_mode) for i in range(0, len(step.rows), size)]
+        widest = max(sb.num_logprobs for sb in batches)  # every slice's top-N as wide: joined
+        return [attrs.evolve(sb, num_logprobs=widest) for sb in batches]
+
     def _prefill_graph_for(self, step: StepInput) -> PrefillGraph | None:
         """The smallest verification graph the step fits, else the smallest prefill graph (None:
         run it through the compiled forward)."""
@@ -953,12 +981,12 @@ class ModelRunner:
         """A step with prompt tokens replayed from a prefill graph, padded to its shape."""
         with trace_range("prepare_prefill"):
             # Before the replay, as in _run_decode_graph: the sampling batch's copies.
-            sb = self._sampling_batch(step) if step.rows else None
+            sbs = self._sampling_batches(step) if step.rows else None
             n = graph.fill(step.chunks)
             self._feed_back(graph.batch.input_ids, step)
         with trace_range("replay"):
             logits = graph.replay(n)
-        return sample(logits, sb) if sb is not None else None
+        return sample_in_slices(logits, sbs, self.config.max_num_seqs) if sbs else None
 
     def _graph_step(self, step: StepInput) -> bool:
         chunks = step.chunks
