@@ -34,7 +34,8 @@
 #       alternating, while time is left (LAT_RUNS, TPUT_RUNS pick the runs, each name ending in
 #       _dense, _fp8 or _awq)
 #   bash benchmarks/gpu_checks.sh spec  # nvidia-h200 or nvidia-h100-x1: speculative decoding's
-#       GPU tests (draft model in bf16 with graphs; processed logprobs in bf16), then the 0.6B
+#       GPU tests (draft model in bf16 with graphs; n-gram's verification graphs in fp32;
+#       processed logprobs in bf16), then the 0.6B
 #       shape's single stream without speculation, with a draft of its own random weights (every
 #       draft accepted: the best case) and with n-gram (random weights: mostly the
 #       overhead), k=4, while time is left; then the 8B shape with a random 0.6B draft and
@@ -405,14 +406,16 @@ spec)
   # compiled forward and CUDA graphs (greedy outputs those without speculation, >= 90% of drafts
   # accepted: bf16 may flip near-ties), and processed_logprobs in bf16 against the reference
   # computed from the engine's own logits. Then `bench --latency` (greedy; speculation turns
-  # asynchronous scheduling off, and the draft runs eagerly) at the 0.6B shape: without
+  # asynchronous scheduling off) at the 0.6B shape: without
   # speculation (base), with a draft of random:qwen3-0.6b, the target's own weights (self: every
   # draft accepted, the best case) and with n-gram (ngram: random weights' greedy
   # continuations may repeat, so its acceptance is whatever they give; mostly its cost), k=4, each result with its acceptance; then,
   # while time is left, the 8B shape with a random 0.6B draft (~none accepted: the draft's cost)
   # and without. A run needs >= 120 s (an 8B engine's start compiles and captures for ~1-2 min).
-  [ "${SPEC_TESTS:-1}" = 1 ] && STEP_LOG=$OUT/tests.txt step spec_tests $(left_or 240) \
-    python3 -m pytest $PYTEST_ARGS tests/test_draft_model.py tests/test_logprobs_mode.py -k gpu
+  # (Session 58: the draft model's test 149 s, the logprobs one 25 s on a fresh machine.)
+  [ "${SPEC_TESTS:-1}" = 1 ] && STEP_LOG=$OUT/tests.txt step spec_tests $(left_or 330) \
+    python3 -m pytest $PYTEST_ARGS tests/test_draft_model.py tests/test_spec_decode.py \
+    tests/test_logprobs_mode.py -k gpu
   for run in ${LAT_RUNS-1_base 2_self 3_ngram 4_8b_draft 5_8b_base}; do
     [ $(( BUDGET_S - SECONDS )) -lt 120 ] && break
     spec_flags "$run"

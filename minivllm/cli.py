@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -460,6 +461,10 @@ def cmd_serve(args) -> int:
                           lora_modules=dict(args.lora_modules or ()),
                           max_request_body_bytes=args.max_request_body_bytes)
     host, port = server.address
+    # SIGTERM (kill, docker stop, a supervisor) stops the server as Ctrl-C does: the socket
+    # closed, the engine (and any workers) shut down, exit 0; by default it ended the process
+    # at once.
+    signal.signal(signal.SIGTERM, _interrupt)
     print(f"minivllm: serving {name!r} at http://{host}:{port}/v1 (Ctrl-C stops)", file=sys.stderr,
           flush=True)
     try:
@@ -470,6 +475,12 @@ def cmd_serve(args) -> int:
         server.http.server_close()
         llm.shutdown()
     return 0
+
+
+def _interrupt(signum, frame):
+    """A signal handler that stops the main thread as Ctrl-C does."""
+    signal.signal(signum, signal.SIG_DFL)  # a second one ends the process at once
+    raise KeyboardInterrupt
 
 
 def cmd_chat(args) -> int:

@@ -72,3 +72,66 @@ def serving(srv):
     finally:
         srv.shutdown()
         thread.join(timeout=10)
+
+
+def ungraphed_verifications(runner) -> list:
+    """Record each verification step (a speculative chunk, with logits at several rows, beside
+    decodes and others: no prompt chunk, which can make a step too large for the graphs) that
+    runs through the forward rather than a verification graph."""
+    seen, run = [], runner._run
+
+    def watched(cache, step):
+        if any(c.num_logits > 1 for c in step.chunks) and \
+                all(c.want_logits and c.num_logits == len(c.token_ids) for c in step.chunks):
+            seen.append(step)
+        return run(cache, step)
+    runner._run = watched
+    return seen
+
+
+def stand_in_verify_graphs(runner, replays: list) -> None:
+    """Give `runner` the verification graphs (and a draft model's mirrors over their inputs) that
+    ModelRunner._capture_prefill_graphs captures on a GPU, each replay run instead by the eager
+    forward over the graph's padded buffers (the CPU has no CUDA graphs): the runner's choice of
+    graph, fill, replay and mirror are then the GPU's. Records (tokens, logits rows read, "target"
+    or "draft") for each replay."""
+    from minivllm import forward
+    from minivllm.runtime.prefill_graph import PrefillGraph, verify_graph_shapes
+    from minivllm.runtime.runner import _no_head
+    from minivllm.state.config import ceil_div
+
+    config = runner.config
+    shape = dict(max_blocks_per_seq=ceil_div(config.max_model_len, runner.block_size),
+                 block_size=runner.block_size, min_tokens=1)
+
+    def target(tokens, seqs):
+        graph = PrefillGraph(runner.params, runner.cache, runner.backend, runner.prefill_forward,
+                             num_tokens=tokens, max_num_seqs=seqs, num_logits=tokens, **shape)
+
+        def replay(n):
+            replays.append((tokens, n, "target"))
+            logits, runner.cache = forward(runner.params, runner.cache, graph.batch,
+                                           runner.backend)
+            return logits[:n]
+
+        graph.replay = replay
+        return graph
+
+    def mirror(graph, tokens, seqs):
+        draft = PrefillGraph(runner.draft_params, runner.draft_cache, runner.draft_backend,
+                             runner.draft_forward, num_tokens=tokens, max_num_seqs=seqs,
+                             num_logits=tokens, inputs=graph.inputs, **shape)
+
+        def replay(n):
+            replays.append((tokens, n, "draft"))
+            _, runner.draft_cache = forward(runner.draft_params, runner.draft_cache, draft.batch,
+                                            runner.draft_backend, head=_no_head)
+
+        draft.replay = replay
+        return draft
+
+    shapes = verify_graph_shapes(config.speculative.num_speculative_tokens, config.max_num_seqs)
+    runner.verify_graphs = [target(t, s) for t, s in shapes]
+    if runner.draft_params is not None:
+        runner.verify_mirrors = {g: mirror(g, t, s)
+                                 for g, (t, s) in zip(runner.verify_graphs, shapes)}

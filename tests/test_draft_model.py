@@ -20,7 +20,7 @@ from minivllm.runtime.graphs import DecodeGraphs
 from minivllm.runtime.spec_decode import SpeculativeConfig
 from minivllm.state.config import ceil_div
 
-from engine_helpers import make_llm
+from engine_helpers import make_llm, stand_in_verify_graphs, ungraphed_verifications
 from hf_tiny import hf_greedy, make_hf_model, make_hf_moe_model, save_checkpoint
 
 K = 3
@@ -156,6 +156,33 @@ def test_other_draft_gives_identical_outputs(paths, base, device, name, k):
     assert s.spec_draft_tokens > 0 and s.spec_accepted_tokens < s.spec_draft_tokens
     if name == "near":
         assert s.spec_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("name", ["near", "small"])
+def test_verification_graphs_and_the_drafts_mirrors(paths, base, device, name):
+    """Verification steps through the runner's verification graphs, and their mirrors through the
+    draft's graphs over the same filled buffers (stand_in_verify_graphs: each replay the eager
+    forward over the padded buffers, as a CUDA graph would run it): outputs equal the engine's
+    without speculation, and the drafts equal the eager speculative engine's (their acceptance,
+    position by position), so the mirrors wrote the draft cache the eager mirror writes."""
+    kw = dict(speculative_config=draft(paths[name]), max_num_seqs=8)
+    eager = make_llm(paths["target"], device, **kw)
+    llm = make_llm(paths["target"], device, **kw)
+    replays = []
+    stand_in_verify_graphs(llm.engine.runner, replays)
+    ungraphed = ungraphed_verifications(llm.engine.runner)
+    for params in SAMPLED[:2]:
+        want = ids(eager.generate(PROMPTS, params, use_tqdm=False))
+        assert ids(llm.generate(PROMPTS, params, use_tqdm=False)) == want
+        assert want == ids(base.generate(PROMPTS, params, use_tqdm=False))
+    s, e = llm.stats, eager.stats
+    assert s.spec_draft_tokens > 0
+    assert (s.spec_drafts, s.spec_draft_tokens, s.spec_accepted_per_pos) == \
+        (e.spec_drafts, e.spec_draft_tokens, e.spec_accepted_per_pos)
+    assert not ungraphed
+    # each target replay followed by its mirror's, of the same graph
+    assert [t for t, _, who in replays if who == "target"] == \
+        [t for t, _, who in replays if who == "draft"] and replays[0][2] == "target"
 
 
 def test_mixed_batch_of_rows_that_may_and_may_not_draft(paths, base, device):
@@ -372,6 +399,15 @@ def test_gpu_self_draft_in_bf16_with_compiled_forward_and_graphs(paths):
     assert runner.draft_forward.keywords["layer"] is graphs.fn.keywords["layer"]  # compiled
     replayed, replay = [], graphs.replay
     graphs.replay = lambda b: replayed.append(b) or replay(b)
+    # verification steps replay the verification graphs, their mirrors the draft's, all in the
+    # prefill graphs' pool
+    assert runner.verify_graphs and set(runner.verify_mirrors) == set(runner.verify_graphs)
+    pool = runner.prefill_graphs[0].graph.pool()
+    assert all(g.graph.pool() == pool for g in runner._captured_steps())
+    mirrored = []
+    for graph, mirror in runner.verify_mirrors.items():
+        mirror.replay = lambda n, m=mirror, r=mirror.replay: mirrored.append(m) or r(n)
+    ungraphed = ungraphed_verifications(runner)
     got = ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     for i, (g, w) in enumerate(zip(got, want)):
         first = next((j for j, (a, b) in enumerate(zip(g[0], w[0])) if a != b), None)
@@ -382,3 +418,4 @@ def test_gpu_self_draft_in_bf16_with_compiled_forward_and_graphs(paths):
     assert sum(replayed) >= stats.spec_draft_tokens
     acceptance = stats.spec_accepted_tokens / stats.spec_draft_tokens
     assert acceptance >= 0.9, (acceptance, stats)
+    assert mirrored and not ungraphed

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 import minivllm
 from minivllm import LLM, SamplingParams
 from minivllm.kernels import available_backends, select_backend
-from minivllm.runtime.prefill_graph import PrefillGraph, prefill_graph_sizes
+from minivllm.runtime.prefill_graph import (PrefillGraph, logits_rows, prefill_graph_sizes,
+                                            verify_graph_shapes)
 from minivllm.runtime.step_inputs import batch_layout, packed_offsets, packed_views
 from minivllm.state import ModelConfig, SeqChunk, make_batch
 
@@ -26,9 +27,10 @@ PAGE = 4
 
 
 @st.composite
-def steps(draw, max_seqs: int, max_tokens: int):
+def steps(draw, max_seqs: int, max_tokens: int, spec: bool = False):
     """A step's chunks: prompts, prompt chunks after a cached prefix, and decode rows, on
-    disjoint blocks; some chunks want no logits (a chunk of a prompt that goes on)."""
+    disjoint blocks; some chunks want no logits (a chunk of a prompt that goes on). spec: chunks
+    that want logits may want them at several rows (a speculative step's verification)."""
     chunks, next_block, tokens = [], 0, 0
     for _ in range(draw(st.integers(1, max_seqs))):
         new = draw(st.integers(1, max(1, min(9, max_tokens - tokens))))
@@ -39,25 +41,33 @@ def steps(draw, max_seqs: int, max_tokens: int):
         table = list(range(next_block, next_block + blocks))
         next_block += blocks
         ids = draw(st.lists(st.integers(0, CONFIG.vocab_size - 1), min_size=new, max_size=new))
-        chunks.append(SeqChunk(ids, cached, table, want_logits=draw(st.booleans()) or new == 1))
+        want = draw(st.booleans()) or new == 1
+        rows = draw(st.integers(1, new)) if spec and want else 1
+        chunks.append(SeqChunk(ids, cached, table, want_logits=want, num_logits=rows))
         tokens += new
     return chunks, next_block
 
 
 @pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn], ids=["model_dtype", "fp8"])
 @pytest.mark.parametrize("backend_name", available_backends("cpu"))
+@pytest.mark.parametrize("kind", ["prefill", "verify"])
 @settings(max_examples=12, deadline=None)
 @given(data=st.data())
-def test_padded_prefill_equals_unpadded(backend_name, cache_dtype, data):
+def test_padded_prefill_equals_unpadded(backend_name, cache_dtype, kind, data):
+    """kind "verify": a verification graph's shape (a logits row for every token, any step of at
+    most its tokens) and steps whose chunks want logits at several rows."""
     backend = select_backend("cpu", backend_name, cache_dtype)
     params = minivllm.random_params(CONFIG, seed=0, std=0.2)
     max_seqs, max_blocks = 5, 6
-    chunks, blocks_used = data.draw(steps(max_seqs, 36))
+    verify = kind == "verify"
+    chunks, blocks_used = data.draw(steps(max_seqs, 36, spec=verify))
     tokens = sum(len(c.token_ids) for c in chunks)
     num_tokens = data.draw(st.integers(max(tokens, max_seqs + 1), 2 * tokens + max_seqs + 1))
+    shape = dict(num_logits=num_tokens, min_tokens=1) if verify else {}
     graph = PrefillGraph(params, None, backend, minivllm.forward, num_tokens=num_tokens,
-                         max_num_seqs=max_seqs, max_blocks_per_seq=max_blocks, block_size=PAGE)
-    if tokens < num_tokens // 2:
+                         max_num_seqs=max_seqs, max_blocks_per_seq=max_blocks, block_size=PAGE,
+                         **shape)
+    if tokens < num_tokens // 2 and not verify or logits_rows(chunks) > graph.num_logits:
         assert not graph.fits(chunks)
         return
     assert graph.fits(chunks)
@@ -73,15 +83,15 @@ def test_padded_prefill_equals_unpadded(backend_name, cache_dtype, data):
     caches = [minivllm.KVCache(k=tuple(c.clone() for c in cache.k),
                                v=tuple(c.clone() for c in cache.v)) for _ in range(2)]
     # A step filled before, of other sizes: what it leaves in the buffers must not matter.
-    other, _ = data.draw(steps(max_seqs, num_tokens))
+    other, _ = data.draw(steps(max_seqs, num_tokens, spec=verify))
     if graph.fits(other):
         graph.fill(other)
     want, caches[0] = minivllm.forward(params, caches[0], make_batch(chunks, block_size=PAGE),
                                        backend)
     n = graph.fill(chunks)
-    assert n == len(want) == sum(c.want_logits for c in chunks)
+    assert n == len(want) == logits_rows(chunks)
     got, caches[1] = minivllm.forward(params, caches[1], graph.batch, backend)
-    assert got.shape[0] == max_seqs
+    assert got.shape[0] == graph.num_logits
     torch.testing.assert_close(got[:n], want, rtol=tol, atol=tol)
     # The real tokens' slots hold the same K/V (within the GEMMs' rounding, which varies with
     # the row count); every other slot is as it was: the padding wrote nothing.
@@ -126,6 +136,44 @@ def test_fill_pads_every_field_and_rejects_what_does_not_fit():
     with pytest.raises(ValueError, match="more tokens than sequences"):
         PrefillGraph(params, None, None, None, num_tokens=4, max_num_seqs=4,
                      max_blocks_per_seq=2, block_size=PAGE)
+
+
+def test_a_verification_graphs_fill_and_its_mirror_over_the_same_buffers():
+    """A verification graph's shape (runtime/runner.py: a logits row for every token, any number
+    of tokens up to its own): each chunk's last num_logits rows are its logits rows, padded with
+    row 0; a graph made over its inputs (a draft model's mirror) reads what it filled."""
+    params = minivllm.random_params(CONFIG, seed=0)
+    graph = PrefillGraph(params, None, None, None, num_tokens=8, max_num_seqs=2, num_logits=8,
+                         min_tokens=1, max_blocks_per_seq=2, block_size=PAGE)
+    mirror = PrefillGraph(params, None, None, None, num_tokens=8, max_num_seqs=2, num_logits=8,
+                          min_tokens=1, max_blocks_per_seq=2, block_size=PAGE,
+                          inputs=graph.inputs)
+    chunks = [SeqChunk([5, 6, 7, 8], 3, [4, 1], True, 4), SeqChunk([9, 1], 6, [0, 3], True, 2)]
+    assert graph.fill(chunks) == 6
+    b = graph.batch
+    assert b.logits_indices.tolist() == [0, 1, 2, 3, 4, 5, 0, 0]
+    assert b.slot_mapping.tolist() == [19, 4, 5, 6, 14, 15, -1, -1]
+    assert graph.fill(chunks[1:]) == 2 and b.logits_indices.tolist() == [0, 1] + [0] * 6
+    assert graph.fill([SeqChunk([3], 0, [2])]) == 1  # one token: under any prefill graph's half
+    for name, field in mirror.inputs.views.items():
+        assert getattr(mirror.batch, name).data_ptr() == getattr(b, name).data_ptr(), name
+    for bad in ([SeqChunk([1] * 5, 0, [0, 1], True, 5)] * 2,  # 10 tokens
+                [SeqChunk([1] * 2, 0, [0], True, 2)] * 3):  # 3 sequences
+        assert not graph.fits(bad)
+    narrow = PrefillGraph(params, None, None, None, num_tokens=8, max_num_seqs=2, num_logits=3,
+                          min_tokens=1, max_blocks_per_seq=2, block_size=PAGE)
+    assert narrow.fits([SeqChunk([1] * 4, 0, [0], True, 3)])
+    assert not narrow.fits([SeqChunk([1] * 4, 0, [0], True, 4)])
+    with pytest.raises(ValueError, match="4 logits rows does not fit .* 3 logits rows"):
+        narrow.fill([SeqChunk([1] * 4, 0, [0], True, 4)])
+
+
+@pytest.mark.parametrize("k,seqs,shapes", [
+    (4, 256, [(5, 1), (10, 2), (20, 4), (40, 8), (80, 16), (160, 32), (320, 64)]),
+    (3, 8, [(4, 1), (8, 2), (16, 4), (32, 8)]), (1, 3, [(2, 1), (4, 2), (6, 3)]),
+    (4, 1, [(5, 1)]), (511, 4, [(512, 1)]), (600, 4, [])])
+def test_verify_graph_shapes_double_the_sequences_up_to_512_tokens(k, seqs, shapes):
+    assert verify_graph_shapes(k, seqs) == shapes
 
 
 @given(st.integers(1, 40), st.integers(1, 9), st.integers(1, 7))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import types
 
 import pytest
+import torch
 from hypothesis import given, settings, strategies as st
 
 from minivllm import SamplingParams
@@ -16,7 +17,7 @@ from minivllm.runtime.prefill_graph import PrefillGraph
 from minivllm.runtime.spec_decode import SpeculativeConfig, ngram_propose
 from minivllm.state.batch import SeqChunk, batch_arrays, is_decode_step
 
-from engine_helpers import make_llm
+from engine_helpers import make_llm, stand_in_verify_graphs, ungraphed_verifications
 from hf_tiny import make_hf_model, save_checkpoint
 
 
@@ -110,6 +111,51 @@ def test_outputs_identical_to_no_speculation(base, demo_dir, device, config):
     s = llm.stats
     assert s.spec_draft_tokens > 0 and 0 < s.spec_accepted_tokens <= s.spec_draft_tokens
     assert llm.engine.block_manager.num_free == llm.engine.num_blocks
+
+
+@pytest.mark.parametrize("config", [spec(1, 1, 1), spec(4, 3, 1)])
+def test_verification_graphs_give_identical_outputs(base, demo_dir, device, config):
+    """Verification steps through the runner's verification graphs (stand_in_verify_graphs: the
+    runner's own choice of graph, padded fill and logits rows; each replay run by the eager
+    forward over the graph's buffers, as a CUDA graph would run them): every step with drafts
+    takes one, and the outputs are the engine's without speculation."""
+    llm = make_llm(demo_dir, device, speculative_config=config, max_num_seqs=8)
+    replays = []
+    stand_in_verify_graphs(llm.engine.runner, replays)
+    ungraphed = ungraphed_verifications(llm.engine.runner)
+    for params in cases(base)[::3]:
+        assert_same(base.generate(PROMPTS, params, use_tqdm=False),
+                    llm.generate(PROMPTS, params, use_tqdm=False))
+    assert llm.stats.spec_draft_tokens > 0 and llm.stats.spec_accepted_tokens > 0
+    assert not ungraphed
+    # graphs of every size up to 8 sequences took steps, some of several logits rows a sequence
+    k = config["num_speculative_tokens"]
+    assert {t for t, _, _ in replays} == {b * (k + 1) for b in (1, 2, 4, 8)}, replays
+    assert any(n > t // (k + 1) for t, n, _ in replays)
+
+
+def test_more_rows_than_sequences_are_sampled_in_slices(base, demo_dir, device, monkeypatch):
+    """At max_num_seqs 2 and k = 4 a verification step samples up to 10 rows, max_num_seqs at a
+    time (the memory start-up set aside for sampling): outputs, logprobs included, equal the
+    engine's without speculation."""
+    from minivllm.runtime import runner as runner_module
+
+    sliced, real = [], runner_module.sample_in_slices
+
+    def recorded(logits, batches, size):
+        sliced.append((logits.shape[0], len(batches), size))
+        return real(logits, batches, size)
+    monkeypatch.setattr(runner_module, "sample_in_slices", recorded)
+    llm = make_llm(demo_dir, device, speculative_config=spec(4, 3, 1), max_num_seqs=2)
+    mixed = [SamplingParams(temperature=0, max_tokens=30, logprobs=3 if i % 2 else None)
+             for i in range(len(PROMPTS))]  # slices with logprobs and without, joined
+    for params in cases(base) + [mixed]:
+        assert_same(base.generate(PROMPTS, params, use_tqdm=False),
+                    llm.generate(PROMPTS, params, use_tqdm=False))
+    assert llm.stats.spec_accepted_tokens > 0
+    mine = [(rows, batches) for rows, batches, size in sliced if size == 2]  # not base's
+    assert any(batches > 1 for _, batches in mine)
+    assert all(-(-rows // 2) == batches for rows, batches in mine), mine
 
 
 def watch_mid_draft_stops(llm) -> list:
@@ -293,9 +339,14 @@ def test_batch_logits_rows_of_a_speculative_chunk():
     arrays = batch_arrays(chunks, block_size=4)
     assert arrays["logits_indices"].tolist() == [0, 1, 2, 4, 6, 7]
     assert not is_decode_step(chunks[:1])
-    fake = types.SimpleNamespace(num_seqs=8, num_tokens=8, max_blocks=4)
+    # a graph fits a speculative chunk by its logits rows: 3 here
+    fake = types.SimpleNamespace(num_seqs=8, num_tokens=8, min_tokens=1, max_blocks=4,
+                                 num_logits=2)
     assert not PrefillGraph.fits(fake, chunks[:1])
     assert PrefillGraph.fits(fake, [SeqChunk([1, 2, 3, 4], 0, [0])])
+    fake.num_logits = 3
+    assert PrefillGraph.fits(fake, chunks[:1])
+    assert not PrefillGraph.fits(fake, chunks)  # 6 rows
     # the decode graphs' selection: a speculative step (more rows than chunks, chunks of several
     # tokens) is never a graph step, while the same chunks' plain decode is
     from minivllm.functional.sampling import SamplingRow
@@ -399,3 +450,31 @@ def test_metrics_report_the_drafts(demo_dir, device):
     plain = make_llm(demo_dir, device)
     assert not any(n.startswith("vllm:spec_decode")
                    for n in parse(prom.render(prom.snapshot(plain.engine), "m")))
+
+
+def test_gpu_ngram_verification_graphs_in_fp32(demo_dir):
+    """On CUDA with the compiled forward and CUDA graphs: every verification step replays a
+    verification graph, and the outputs equal the same engine's without speculation (fp32: the
+    verification's chunk and the decode graphs round alike enough that no near-tie flips)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cuda = torch.device("cuda")
+    kw = dict(graphs=True, dtype="float32", max_num_seqs=8)
+    params = [SamplingParams(temperature=0, max_tokens=40),
+              SamplingParams(temperature=0.8, top_k=40, seed=7, max_tokens=30, n=2)]
+    plain = make_llm(demo_dir, cuda, **kw)
+    want = [plain.generate(PROMPTS, p, use_tqdm=False) for p in params]
+    del plain
+    torch.cuda.empty_cache()
+    llm = make_llm(demo_dir, cuda, speculative_config=spec(4, 3, 1), **kw)
+    runner = llm.engine.runner
+    assert runner.graphs is not None and runner.verify_graphs
+    assert [g.num_tokens for g in runner.verify_graphs] == [5, 10, 20, 40]
+    assert all(g.graph is not None for g in runner.verify_graphs)
+    replayed = []
+    for graph in runner.verify_graphs:
+        graph.replay = lambda n, g=graph, r=graph.replay: replayed.append(g.num_tokens) or r(n)
+    ungraphed = ungraphed_verifications(runner)
+    for p, w in zip(params, want):
+        assert_same(w, llm.generate(PROMPTS, p, use_tqdm=False))
+    assert llm.stats.spec_accepted_tokens > 0 and replayed and not ungraphed

@@ -22,6 +22,14 @@ is padded:
     row by row, so what they hold reaches no real row; their logits are not asked for.
   - logits rows past the real ones read row 0 and are dropped.
 Padding tokens cost GPU time like real ones, so only steps of at least half of T take the graph.
+
+Speculative decoding's verification steps (runtime/spec_decode.py: each drafting sequence's last
+token and its k drafts as one chunk, with logits at all k + 1 rows) take graphs of the same kind
+at other shapes (verify_graph_shapes): S sequences (1, 2, 4, ... up to max_num_seqs) of k + 1
+tokens each, with a logits row for every token, the smallest that fits. Through the compiled
+forward region by region such a step cost the host 15-20 ms at the 0.6B shape against ~0.7 ms on
+the device (BENCHMARKS.md, session 58). A draft model's mirror of the step (ModelRunner._mirror)
+replays a graph of the draft's forward captured over the same input buffers.
 """
 
 from __future__ import annotations
@@ -53,45 +61,75 @@ def prefill_graph_sizes(max_num_batched_tokens: int, max_num_seqs: int) -> list[
     return sizes
 
 
+# Tokens: the largest verification graph's bound, as vLLM's default largest CUDA graph (512
+# tokens). A verification graph holds a logits row for every token ([512, vocab]: 0.16 GiB at
+# Qwen3's vocabulary in bf16), and past ~100 sequences a step's device time dwarfs its launches.
+MAX_VERIFY_GRAPH_TOKENS = 512
+
+
+def verify_graph_shapes(num_speculative_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
+    """The (tokens, sequences) of the verification graphs, smallest first: 1, 2, 4, ... sequences
+    (and max_num_seqs) of num_speculative_tokens + 1 tokens each, up to MAX_VERIFY_GRAPH_TOKENS
+    tokens."""
+    per_seq = num_speculative_tokens + 1
+    seqs = [b for b in (1 << i for i in range(max_num_seqs.bit_length())) if b < max_num_seqs]
+    seqs.append(max_num_seqs)
+    return [(b * per_seq, b) for b in seqs if b * per_seq <= MAX_VERIFY_GRAPH_TOKENS]
+
+
+def logits_rows(chunks: Sequence[SeqChunk]) -> int:
+    """How many logits rows a step asks for (batch_arrays' logits_indices)."""
+    return sum(c.num_logits for c in chunks if c.want_logits)
+
+
 class PrefillGraph:
     """Static input buffers (runtime/step_inputs.py) and the graph of one padded step.
     fits(chunks) says whether a step can take it, fill(chunks) copies the step in, replay(n) runs
     it and returns its first n logits rows (a view of the graph's output: read it before the next
-    replay)."""
+    replay).
+
+    num_logits: logits rows (max_num_seqs if None); min_tokens: the fewest tokens a step must
+    bring to take the graph (half of num_tokens if None). inputs: another graph's StepInputs, whose
+    fill this graph's replay then reads (a draft model's mirror of a verification graph); such a
+    graph is never filled itself."""
 
     def __init__(self, params, cache, backend, forward_fn, *, num_tokens: int, max_num_seqs: int,
-                 max_blocks_per_seq: int, block_size: int):
+                 max_blocks_per_seq: int, block_size: int, num_logits: int | None = None,
+                 min_tokens: int | None = None, inputs: StepInputs | None = None):
         if num_tokens <= max_num_seqs:
             # Batch.is_decode reads T == B off the shapes: a padded step must not look like one.
             raise ValueError(f"a prefill graph needs more tokens than sequences, got "
                              f"{num_tokens} tokens for {max_num_seqs} sequences")
         self.params, self.cache, self.backend, self.fn = params, cache, backend, forward_fn
         self.num_tokens, self.num_seqs = num_tokens, max_num_seqs
+        self.num_logits = max_num_seqs if num_logits is None else num_logits
+        self.min_tokens = num_tokens // 2 if min_tokens is None else min_tokens
         self.max_blocks, self.block_size = max_blocks_per_seq, block_size
         self.device = params.device
-        self.inputs = StepInputs(batch_layout(num_tokens, max_num_seqs, max_blocks_per_seq),
-                                 self.device)
+        self.inputs = inputs if inputs is not None else StepInputs(
+            batch_layout(num_tokens, max_num_seqs, max_blocks_per_seq, num_logits=num_logits),
+            self.device)
         self.batch = Batch(**self.inputs.views, block_size=block_size)
         self.graph = None
         self.logits = None
 
     def fits(self, chunks: Sequence[SeqChunk]) -> bool:
-        """Whether the step fits the graph's shape; a speculative step (a chunk with logits at
-        several rows: runtime/spec_decode.py) never does: its logits rows could outnumber the
-        graph's, and it runs through the forward."""
+        """Whether the step fits the graph's shape: sequences, tokens, block tables and logits
+        rows (a speculative step's chunks have several: runtime/spec_decode.py)."""
         tokens = sum(len(c.token_ids) for c in chunks)
-        return (0 < len(chunks) <= self.num_seqs and self.num_tokens // 2 <= tokens <= self.num_tokens
-                and all(len(c.block_table) <= self.max_blocks and c.num_logits == 1
-                        for c in chunks))
+        return (0 < len(chunks) <= self.num_seqs and self.min_tokens <= tokens <= self.num_tokens
+                and all(len(c.block_table) <= self.max_blocks for c in chunks)
+                and logits_rows(chunks) <= self.num_logits)
 
     def fill(self, chunks: Sequence[SeqChunk]) -> int:
         """Copy one step into the static buffers, padded (see the module's docstring). Returns
         how many logits rows are real. No chunks: padding only (what capture runs)."""
         if chunks and not self.fits(chunks):
-            raise ValueError(f"a step of {len(chunks)} sequences and "
-                             f"{sum(len(c.token_ids) for c in chunks)} tokens does not fit the "
-                             f"prefill graph ({self.num_seqs} sequences, "
-                             f"{self.num_tokens // 2}-{self.num_tokens} tokens)")
+            raise ValueError(f"a step of {len(chunks)} sequences, "
+                             f"{sum(len(c.token_ids) for c in chunks)} tokens and "
+                             f"{logits_rows(chunks)} logits rows does not fit the prefill graph "
+                             f"({self.num_seqs} sequences, {self.min_tokens}-{self.num_tokens} "
+                             f"tokens, {self.num_logits} logits rows)")
         host = self.inputs.next_host()
         if chunks:
             real = batch_arrays(chunks, block_size=self.block_size, max_blocks=self.max_blocks)
@@ -133,18 +171,19 @@ class PrefillGraph:
                 lambda: self.fn(self.params, self.cache, self.batch, self.backend), stream, pool)
         # The logits go back to the pool for the next capture (graphs.unowned): five graphs'
         # [max_num_seqs, vocab] fp32 logits held side by side were 0.72 GiB at the 0.6B shape.
-        self.logits = unowned(logits)
+        self.logits = None if logits is None else unowned(logits)  # None: a headless mirror
         del logits
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         self.graph = graph
-        log.info("minivllm: captured the prefill CUDA graph of %d tokens, %d sequences in %.1f s",
-                 self.num_tokens, self.num_seqs, time.perf_counter() - start)
+        log.info("minivllm: captured the prefill CUDA graph of %d tokens, %d sequences, %d logits "
+                 "rows%s in %.1f s", self.num_tokens, self.num_seqs, self.num_logits,
+                 "" if self.logits is not None else " (no head)", time.perf_counter() - start)
         return graph.pool()
 
-    def replay(self, n: int) -> torch.Tensor:
+    def replay(self, n: int) -> torch.Tensor | None:
         self.graph.replay()
-        return self.logits[:n]
+        return None if self.logits is None else self.logits[:n]
 
     def release(self) -> None:
         if self.graph is not None:

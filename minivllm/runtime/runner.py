@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import itertools
 import logging
 import operator
 import os
@@ -41,7 +42,7 @@ from .memory import (CAPTURE_CODE_BYTES, CUDA_SEGMENT_GRANULE, GiB, bytes_outsid
                      cpu_kv_budget_bytes, device_bytes_in_use, kv_block_bytes,
                      kv_blocks_within, kv_blocks_within_caches, kv_budget_bytes,
                      memory_owners, profile_lengths, startup_memory_report)
-from .prefill_graph import PrefillGraph, prefill_graph_sizes
+from .prefill_graph import PrefillGraph, prefill_graph_sizes, verify_graph_shapes
 from .sleep import offload, owned, restore
 from .warmup import warm_up_kernels
 
@@ -228,6 +229,19 @@ class PendingStep:
         return StepResult(token_ids=token_ids, logprobs=logprobs, scores=scores, pooled=pooled)
 
 
+def sample_in_slices(logits: torch.Tensor, batches: list[SamplingBatch], size: int
+                     ) -> SampleOutput:
+    """sample() over logits' rows [B, vocab], `size` rows at a time, batches[i] the i-th slice's
+    (of one num_logprobs: their top-N columns are joined). A row's draw reads its own row only
+    (its seed and step), so this is sample() over all the rows at once, at the memory of `size`
+    rows."""
+    if len(batches) == 1:
+        return sample(logits, batches[0])
+    outs = [sample(logits[i * size:(i + 1) * size], sb) for i, sb in enumerate(batches)]
+    return SampleOutput(*(None if parts[0] is None else torch.cat(parts)
+                          for parts in zip(*(attrs.astuple(o, recurse=False) for o in outs))))
+
+
 def _no_head(params, x, residual, rows):
     """forward's head for a draft model's mirrored step (ModelRunner._mirror): no logits."""
     return None
@@ -384,6 +398,8 @@ class ModelRunner:
                                           block_size=self.block_size, dtype=config.cache_dtype)
         self.graphs = self.draft_graphs = None  # decode graphs: the target's, the draft's
         self.prefill_graphs = []  # largest first (_capture_prefill_graphs)
+        self.verify_graphs = []  # speculation's verification steps', smallest first (ditto)
+        self.verify_mirrors = {}  # a verification graph -> the draft's over its inputs (ditto)
         self.last_tokens = None  # [rows] the last launched step's sampled ids, on the device
         self.ids_in_graph = False  # whether the graphs' input ids hold last_tokens already
         marks, outside = [], []  # per phase: device bytes in use; of them, outside the allocator
@@ -487,8 +503,15 @@ class ModelRunner:
         functions and static buffers for _capture_again."""
         if self.graphs is not None:
             self.graphs.release()
-        for graph in self.prefill_graphs:
+        for graph in self._captured_steps():
             graph.release()
+
+    def _captured_steps(self) -> list[PrefillGraph]:
+        """The prefill graphs, the verification graphs and their draft mirrors, in the order they
+        are captured (into one pool: each kind largest first, the largest of all first)."""
+        verify = self.verify_graphs[::-1]
+        return self.prefill_graphs + verify + [self.verify_mirrors[g] for g in verify
+                                               if g in self.verify_mirrors]
 
     def _capture_again(self) -> None:
         """After the weights and cache storages came back at new addresses: the decode graphs
@@ -502,7 +525,7 @@ class ModelRunner:
             self.small_decode_forward = with_persistent_layers(self.prefill_forward, self.params,
                                                                self.cache)
         pool, stream = None, None
-        for graph in self.prefill_graphs:  # largest first, one pool and stream, as at start-up
+        for graph in self._captured_steps():  # one pool and stream, in order, as at start-up
             stream = stream or torch.cuda.Stream(self.device)
             pool = graph.capture(pool, stream)
 
@@ -599,18 +622,40 @@ class ModelRunner:
 
     def _capture_prefill_graphs(self, config: EngineConfig) -> None:
         """Steps with prompt tokens replay the smallest CUDA graph of prefill_graph_sizes whose
-        shape they fill at least half (_wants_prefill_graphs says where)."""
+        shape they fill at least half (_wants_prefill_graphs says where). Under speculation,
+        verification steps replay the smallest of verify_graph_shapes they fit, and a draft
+        model's mirror of such a step the draft's graph over the same inputs; all in one pool
+        (the graphs replay one at a time on one stream, each output read before the next)."""
         if not self.use_prefill_graphs or self.graphs is None:
             return
+        max_blocks = ceil_div(config.max_model_len, self.block_size)
         # One stream for the pool's captures (PrefillGraph.capture says why).
         pool, stream = None, torch.cuda.Stream(self.device)
         for tokens in prefill_graph_sizes(config.max_num_batched_tokens, config.max_num_seqs):
             graph = PrefillGraph(self.params, self.cache, self.backend, self.prefill_forward,
                                  num_tokens=tokens, max_num_seqs=config.max_num_seqs,
-                                 max_blocks_per_seq=ceil_div(config.max_model_len, self.block_size),
-                                 block_size=self.block_size)
+                                 max_blocks_per_seq=max_blocks, block_size=self.block_size)
             pool = graph.capture(pool, stream)
             self.prefill_graphs.append(graph)
+        if config.speculative is None:
+            return
+        shapes = verify_graph_shapes(config.speculative.num_speculative_tokens,
+                                     config.max_num_seqs)
+        for tokens, seqs in reversed(shapes):  # largest first: it sizes the pool
+            graph = PrefillGraph(self.params, self.cache, self.backend, self.prefill_forward,
+                                 num_tokens=tokens, max_num_seqs=seqs, num_logits=tokens,
+                                 min_tokens=1, max_blocks_per_seq=max_blocks,
+                                 block_size=self.block_size)
+            pool = graph.capture(pool, stream)
+            self.verify_graphs.insert(0, graph)
+            if self.draft_params is not None:
+                mirror = PrefillGraph(self.draft_params, self.draft_cache, self.draft_backend,
+                                      self.draft_forward, num_tokens=tokens, max_num_seqs=seqs,
+                                      num_logits=tokens, min_tokens=1,
+                                      max_blocks_per_seq=max_blocks, block_size=self.block_size,
+                                      inputs=graph.inputs)
+                pool = mirror.capture(pool, stream)
+                self.verify_mirrors[graph] = mirror
 
     def release_graphs(self) -> None:
         """Drop the CUDA graphs (the runner then runs every step eagerly): a tensor-parallel
@@ -619,9 +664,9 @@ class ModelRunner:
             if graphs is not None:
                 graphs.release()
         self.graphs = self.draft_graphs = None
-        for graph in self.prefill_graphs:
+        for graph in self._captured_steps():
             graph.release()
-        self.prefill_graphs = []
+        self.prefill_graphs, self.verify_graphs, self.verify_mirrors = [], [], {}
 
     # -- sizing the KV cache ---------------------------------------------------------------------
 
@@ -672,7 +717,8 @@ class ModelRunner:
         larger of the two decode steps' peaks, and load executables and compiled kernels of
         their own (CAPTURE_CODE_BYTES more). Its other forwards' peaks (mirrored prompt and
         verification steps) are not measured: they run after the target's, which is larger for
-        a smaller draft."""
+        a smaller draft. Under speculation, the prefill graphs' pool also holds the verification
+        graphs' (a logits row a token): the forward's share is the larger of the two peaks."""
         config = self.config
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
@@ -690,6 +736,10 @@ class ModelRunner:
         slots = (0,) * len(chunks) if config.enable_lora else None
         forward_peak = self._peak_bytes(
             lambda: self._run(scratch, StepInput(chunks, [], lora_slots=slots)))
+        verify = self._largest_verify_step(blocks)
+        if verify:  # held by the same pool as the prefill graphs' (_capture_prefill_graphs)
+            forward_peak = max(forward_peak, self._peak_bytes(
+                lambda: self._run(scratch, StepInput(verify, []))))
         # The decode graphs' pool keeps about a decode step's peak at the largest bucket for good
         # (their logits share it: graphs.unowned).
         decode_graphs_peak = 0
@@ -719,6 +769,23 @@ class ModelRunner:
         return kv_budget_bytes(total, config.gpu_memory_utilization, in_use, forward_peak,
                                max(sampling_peak, sampling_blocks), decode_graphs_peak,
                                graphs_hold_forward=self.use_prefill_graphs)
+
+    def _largest_verify_step(self, blocks: int) -> list[SeqChunk]:
+        """The chunks of the largest verification graph's step, in a scratch cache of `blocks`
+        blocks (every sequence on the same ones), or none where no verification graph will be
+        captured. Its logits (a row a token) may outweigh the prefill graphs' peak."""
+        spec = self.config.speculative
+        if spec is None or not self.use_prefill_graphs or not captures_decode_graphs(
+                self.device, self.enforce_eager, self.config.runner):
+            return []
+        shapes = verify_graph_shapes(spec.num_speculative_tokens, self.config.max_num_seqs)
+        if not shapes:
+            return []
+        tokens, seqs = shapes[-1]
+        per_seq = tokens // seqs
+        table = list(range(min(blocks, ceil_div(per_seq, self.block_size))))
+        per_seq = min(per_seq, len(table) * self.block_size)
+        return [SeqChunk([0] * per_seq, 0, table, num_logits=per_seq)] * seqs
 
     def _draft_decode_peak(self, rows: list[SeqChunk]) -> int:
         """The bytes the draft's eager forward allocates at its peak over the decode step `rows`
@@ -802,7 +869,7 @@ class ModelRunner:
                            hidden_size=self.model_config.hidden_size,
                            embeds_dtype=self.params.embed.dtype)
         # Built before the forward is queued, for the same reason as in _run_decode_graph.
-        sb = self._sampling_batch(step) if step.rows else None
+        sbs = self._sampling_batches(step) if step.rows else None
         self._feed_back(batch.input_ids, step)
         fn = self.prefill_forward
         if self.small_decode_forward is not None and batch.is_decode and \
@@ -821,7 +888,7 @@ class ModelRunner:
             logits, cache = fn(self.params, cache, batch, self.backend)
             if step.scored is not None or step.pooled:
                 logits, scores, pooled = logits
-            out = sample(logits, sb) if sb is not None else None
+            out = sample_in_slices(logits, sbs, self.config.max_num_seqs) if sbs else None
         return out, scores, pooled, cache
 
     def _extra_head(self, step: StepInput):
@@ -887,9 +954,25 @@ class ModelRunner:
         self.last_sampling = (rows, sb)
         return sb
 
+    def _sampling_batches(self, step: StepInput) -> list[SamplingBatch]:
+        """The step's sampling batch; for a step of more rows than max_num_seqs (a speculative
+        step's, a row per logits row: up to (k + 1) * max_num_seqs), one batch per max_num_seqs
+        rows, sampled in turn (sample_in_slices): start-up set aside sampling's memory at
+        max_num_seqs rows (_sampling_footprint), which all the rows at once would outgrow."""
+        size = self.config.max_num_seqs
+        if len(step.rows) <= size:
+            return [self._sampling_batch(step)]
+        batches = [make_sampling_batch(
+            step.rows[i:i + size], vocab_size=self.vocab_size, device=self.device,
+            steps=None if step.steps is None else step.steps[i:i + size],
+            logprobs_mode=self.config.logprobs_mode) for i in range(0, len(step.rows), size)]
+        widest = max(sb.num_logprobs for sb in batches)  # every slice's top-N as wide: joined
+        return [attrs.evolve(sb, num_logprobs=widest) for sb in batches]
+
     def _prefill_graph_for(self, step: StepInput) -> PrefillGraph | None:
-        """The smallest prefill graph the step fits (None: run it through the compiled forward)."""
-        for graph in reversed(self.prefill_graphs):
+        """The smallest verification graph the step fits, else the smallest prefill graph (None:
+        run it through the compiled forward)."""
+        for graph in itertools.chain(self.verify_graphs, reversed(self.prefill_graphs)):
             if graph.fits(step.chunks):
                 return graph
         return None
@@ -898,12 +981,12 @@ class ModelRunner:
         """A step with prompt tokens replayed from a prefill graph, padded to its shape."""
         with trace_range("prepare_prefill"):
             # Before the replay, as in _run_decode_graph: the sampling batch's copies.
-            sb = self._sampling_batch(step) if step.rows else None
+            sbs = self._sampling_batches(step) if step.rows else None
             n = graph.fill(step.chunks)
             self._feed_back(graph.batch.input_ids, step)
         with trace_range("replay"):
             logits = graph.replay(n)
-        return sample(logits, sb) if sb is not None else None
+        return sample_in_slices(logits, sbs, self.config.max_num_seqs) if sbs else None
 
     def _graph_step(self, step: StepInput) -> bool:
         chunks = step.chunks
@@ -915,7 +998,7 @@ class ModelRunner:
     def launch(self, step: StepInput) -> PendingStep:
         """Queue the step's forward and sampling on the device and return without waiting."""
         ids_in_graph, self.ids_in_graph = self.ids_in_graph, False
-        scores = pooled = None
+        scores = pooled = graph = None
         if self._graph_step(step):
             with torch.no_grad():
                 out = self._run_decode_graph(step, ids_in_graph)
@@ -926,24 +1009,29 @@ class ModelRunner:
         else:
             out, scores, pooled, self.cache = self._run(self.cache, step)
         if self.draft_params is not None:
-            self._mirror(step)
+            self._mirror(step, self.verify_mirrors.get(graph))
         self.last_tokens = out.token_ids if out is not None else None
         return PendingStep(step.rows, out, self.device, scores, step.scored, pooled)
 
     # -- draft-model speculative decoding (runtime/spec_decode.py) --------------------------------
 
-    def _mirror(self, step: StepInput) -> None:
+    def _mirror(self, step: StepInput, graph: PrefillGraph | None = None) -> None:
         """Run the step's tokens through the draft too, without its logits, writing their draft
         K/V into the same slots as the target's: the draft cache then holds, at every slot, K/V
         of the token the target's holds. A decode step replays the draft's decode graphs where
         it has them (their logits left unread; the target's, in the same pool, are read by the
-        step's sampling, queued before); any other step runs draft_forward."""
+        step's sampling, queued before); a step the target replayed from a verification graph
+        replays `graph`, the draft's over the same filled inputs; any other step runs
+        draft_forward."""
         if step.fed_back or step.embeds or step.lora_slots is not None:
             # EngineConfig refuses what would bring these (asynchronous scheduling is off
             # under speculation; prompt embeddings and LoRA are refused with a draft model).
             raise ValueError("a draft model's step takes no fed-back tokens, prompt embeddings "
                              "or LoRA slots")
         with torch.no_grad():
+            if graph is not None:
+                graph.replay(0)
+                return
             if self.draft_graphs is not None and is_decode_step(step.chunks):
                 self.draft_graphs.fill(decode_columns(step.chunks))
                 self.draft_graphs.replay(len(step.chunks))

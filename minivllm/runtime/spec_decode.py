@@ -32,9 +32,10 @@ then the step verifies [t, d1..dk] as a chunk, and the mirror rewrites those slo
 with the same tokens (and adds dk's). Where the target captures decode CUDA graphs, the draft
 has decode graphs of its own, captured into the target's graph memory pool (the graphs of one
 pool replay one at a time on one stream): propose's rounds replay them, as do mirrored decode
-steps, and other mirrored steps run the draft's own compiled forward where the target's is
-compiled; elsewhere (CPU, enforce_eager) the draft runs eagerly. Its speed has not been
-measured.
+steps; a verification step the target replays from a verification graph (runtime/prefill_graph.py)
+is mirrored by the draft's graph over the same inputs; other mirrored steps run the draft's own
+compiled forward where the target's is compiled; elsewhere (CPU, enforce_eager) the draft runs
+eagerly.
 """
 
 from __future__ import annotations

@@ -13,15 +13,15 @@ import torch
 ALIGN = 16  # bytes: each field starts aligned (Triton and Inductor specialise on it)
 
 
-def batch_layout(num_tokens: int, num_seqs: int, max_blocks: int, *, lora: bool = False
-                 ) -> dict[str, tuple]:
+def batch_layout(num_tokens: int, num_seqs: int, max_blocks: int, *, lora: bool = False,
+                 num_logits: int | None = None) -> dict[str, tuple]:
     """Batch's fields at a static shape, in Batch's order: name -> (dtype, shape). lora: with
-    Batch.lora_slots (each token's LoRA slot)."""
+    Batch.lora_slots (each token's LoRA slot). num_logits: logits rows (num_seqs if None)."""
     t, s = num_tokens, num_seqs
     layout = dict(input_ids=(torch.int64, (t,)), positions=(torch.int64, (t,)),
                   slot_mapping=(torch.int64, (t,)), cu_seqlens_q=(torch.int32, (s + 1,)),
                   context_lens=(torch.int32, (s,)), block_tables=(torch.int32, (s, max_blocks)),
-                  logits_indices=(torch.int64, (s,)))
+                  logits_indices=(torch.int64, (s if num_logits is None else num_logits,)))
     if lora:
         layout["lora_slots"] = (torch.int64, (t,))
     return layout
