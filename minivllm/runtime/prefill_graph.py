@@ -68,7 +68,8 @@ def verify_graph_shapes(num_speculative_tokens: int, max_num_seqs: int,
     (and max_num_seqs) of num_speculative_tokens + 1 tokens each, up to max_num_batched_tokens
     (no step is larger). All of them, unlike vLLM's 512-token default bound on its graphs: a
     step without one costs the host 15-20 ms at any size (BENCHMARKS.md, session 58), more than
-    the device's time for 256 sequences; the largest's logits ([1280, vocab] at 256 sequences
+    the device's time for 256 sequences (~7 ms at the 0.6B shape, estimated from a decode step's
+    attention and the GEMMs' rate; unmeasured); the largest's logits ([1280, vocab] at 256 sequences
     and k = 4: 0.36 GiB at Qwen3's vocabulary in bf16) are in the KV budget's measured peak."""
     per_seq = num_speculative_tokens + 1
     seqs = [b for b in (1 << i for i in range(max_num_seqs.bit_length())) if b < max_num_seqs]
