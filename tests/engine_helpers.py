@@ -130,7 +130,8 @@ def stand_in_verify_graphs(runner, replays: list) -> None:
         draft.replay = replay
         return draft
 
-    shapes = verify_graph_shapes(config.speculative.num_speculative_tokens, config.max_num_seqs)
+    shapes = verify_graph_shapes(config.speculative.num_speculative_tokens, config.max_num_seqs,
+                                 config.max_num_batched_tokens)
     runner.verify_graphs = [target(t, s) for t, s in shapes]
     if runner.draft_params is not None:
         runner.verify_mirrors = {g: mirror(g, t, s)

@@ -168,12 +168,14 @@ def test_a_verification_graphs_fill_and_its_mirror_over_the_same_buffers():
         narrow.fill([SeqChunk([1] * 4, 0, [0], True, 4)])
 
 
-@pytest.mark.parametrize("k,seqs,shapes", [
-    (4, 256, [(5, 1), (10, 2), (20, 4), (40, 8), (80, 16), (160, 32), (320, 64)]),
-    (3, 8, [(4, 1), (8, 2), (16, 4), (32, 8)]), (1, 3, [(2, 1), (4, 2), (6, 3)]),
-    (4, 1, [(5, 1)]), (511, 4, [(512, 1)]), (600, 4, [])])
-def test_verify_graph_shapes_double_the_sequences_up_to_512_tokens(k, seqs, shapes):
-    assert verify_graph_shapes(k, seqs) == shapes
+@pytest.mark.parametrize("k,seqs,tokens,shapes", [
+    (4, 256, 8192, [(5, 1), (10, 2), (20, 4), (40, 8), (80, 16), (160, 32), (320, 64), (640, 128),
+                    (1280, 256)]),
+    (4, 256, 512, [(5, 1), (10, 2), (20, 4), (40, 8), (80, 16), (160, 32), (320, 64)]),
+    (3, 8, 8192, [(4, 1), (8, 2), (16, 4), (32, 8)]), (1, 3, 100, [(2, 1), (4, 2), (6, 3)]),
+    (4, 1, 8192, [(5, 1)]), (511, 4, 512, [(512, 1)]), (600, 4, 512, [])])
+def test_verify_graph_shapes_double_the_sequences_within_the_step_tokens(k, seqs, tokens, shapes):
+    assert verify_graph_shapes(k, seqs, tokens) == shapes
 
 
 @given(st.integers(1, 40), st.integers(1, 9), st.integers(1, 7))

@@ -26,7 +26,8 @@ Padding tokens cost GPU time like real ones, so only steps of at least half of T
 Speculative decoding's verification steps (runtime/spec_decode.py: each drafting sequence's last
 token and its k drafts as one chunk, with logits at all k + 1 rows) take graphs of the same kind
 at other shapes (verify_graph_shapes): S sequences (1, 2, 4, ... up to max_num_seqs) of k + 1
-tokens each, with a logits row for every token, the smallest that fits. Through the compiled
+tokens each, within max_num_batched_tokens, with a logits row for every token, the smallest that
+fits. Through the compiled
 forward region by region such a step cost the host 15-20 ms at the 0.6B shape against ~0.7 ms on
 the device (BENCHMARKS.md, session 58). A draft model's mirror of the step (ModelRunner._mirror)
 replays a graph of the draft's forward captured over the same input buffers.
@@ -61,20 +62,19 @@ def prefill_graph_sizes(max_num_batched_tokens: int, max_num_seqs: int) -> list[
     return sizes
 
 
-# Tokens: the largest verification graph's bound, as vLLM's default largest CUDA graph (512
-# tokens). A verification graph holds a logits row for every token ([512, vocab]: 0.16 GiB at
-# Qwen3's vocabulary in bf16), and past ~100 sequences a step's device time dwarfs its launches.
-MAX_VERIFY_GRAPH_TOKENS = 512
-
-
-def verify_graph_shapes(num_speculative_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
+def verify_graph_shapes(num_speculative_tokens: int, max_num_seqs: int,
+                        max_num_batched_tokens: int) -> list[tuple[int, int]]:
     """The (tokens, sequences) of the verification graphs, smallest first: 1, 2, 4, ... sequences
-    (and max_num_seqs) of num_speculative_tokens + 1 tokens each, up to MAX_VERIFY_GRAPH_TOKENS
-    tokens."""
+    (and max_num_seqs) of num_speculative_tokens + 1 tokens each, up to max_num_batched_tokens
+    (no step is larger). All of them, unlike vLLM's 512-token default bound on its graphs: a
+    step without one costs the host 15-20 ms at any size (BENCHMARKS.md, session 58), more than
+    the device's time for 256 sequences (~7 ms at the 0.6B shape, estimated from a decode step's
+    attention and the GEMMs' rate; unmeasured); the largest's logits ([1280, vocab] at 256 sequences
+    and k = 4: 0.36 GiB at Qwen3's vocabulary in bf16) are in the KV budget's measured peak."""
     per_seq = num_speculative_tokens + 1
     seqs = [b for b in (1 << i for i in range(max_num_seqs.bit_length())) if b < max_num_seqs]
     seqs.append(max_num_seqs)
-    return [(b * per_seq, b) for b in seqs if b * per_seq <= MAX_VERIFY_GRAPH_TOKENS]
+    return [(b * per_seq, b) for b in seqs if b * per_seq <= max_num_batched_tokens]
 
 
 def logits_rows(chunks: Sequence[SeqChunk]) -> int:

@@ -640,7 +640,7 @@ class ModelRunner:
         if config.speculative is None:
             return
         shapes = verify_graph_shapes(config.speculative.num_speculative_tokens,
-                                     config.max_num_seqs)
+                                     config.max_num_seqs, config.max_num_batched_tokens)
         for tokens, seqs in reversed(shapes):  # largest first: it sizes the pool
             graph = PrefillGraph(self.params, self.cache, self.backend, self.prefill_forward,
                                  num_tokens=tokens, max_num_seqs=seqs, num_logits=tokens,
@@ -778,7 +778,8 @@ class ModelRunner:
         if spec is None or not self.use_prefill_graphs or not captures_decode_graphs(
                 self.device, self.enforce_eager, self.config.runner):
             return []
-        shapes = verify_graph_shapes(spec.num_speculative_tokens, self.config.max_num_seqs)
+        shapes = verify_graph_shapes(spec.num_speculative_tokens, self.config.max_num_seqs,
+                                     self.config.max_num_batched_tokens)
         if not shapes:
             return []
         tokens, seqs = shapes[-1]
