@@ -405,7 +405,7 @@ def test_gpu_self_draft_in_bf16_with_compiled_forward_and_graphs(paths):
     pool = runner.prefill_graphs[0].graph.pool()
     assert all(g.graph.pool() == pool for g in runner._captured_steps())
     mirrored = []
-    for graph, mirror in runner.verify_mirrors.items():
+    for mirror in runner.verify_mirrors.values():
         mirror.replay = lambda n, m=mirror, r=mirror.replay: mirrored.append(m) or r(n)
     ungraphed = ungraphed_verifications(runner)
     got = ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
