@@ -91,48 +91,29 @@ def ungraphed_verifications(runner) -> list:
 
 def stand_in_verify_graphs(runner, replays: list) -> None:
     """Give `runner` the verification graphs (and a draft model's mirrors over their inputs) that
-    ModelRunner._capture_prefill_graphs captures on a GPU, each replay run instead by the eager
-    forward over the graph's padded buffers (the CPU has no CUDA graphs): the runner's choice of
-    graph, fill, replay and mirror are then the GPU's. Records (tokens, logits rows read, "target"
-    or "draft") for each replay."""
-    from minivllm import forward
-    from minivllm.runtime.prefill_graph import PrefillGraph, verify_graph_shapes
-    from minivllm.runtime.runner import _no_head
-    from minivllm.state.config import ceil_div
+    it captures on a GPU (ModelRunner._make_verify_graphs), each replay run instead by the graph's
+    forward over its padded buffers (the CPU has no CUDA graphs): the runner's choice of graph,
+    fill, replay and mirror are then the GPU's. Records (tokens, logits rows read, "target" or
+    "draft") for each replay."""
+    graphs, mirrors = runner._make_verify_graphs()
 
-    config = runner.config
-    shape = dict(max_blocks_per_seq=ceil_div(config.max_model_len, runner.block_size),
-                 block_size=runner.block_size, min_tokens=1)
-
-    def target(tokens, seqs):
-        graph = PrefillGraph(runner.params, runner.cache, runner.backend, runner.prefill_forward,
-                             num_tokens=tokens, max_num_seqs=seqs, num_logits=tokens, **shape)
-
+    def target(graph):
         def replay(n):
-            replays.append((tokens, n, "target"))
-            logits, runner.cache = forward(runner.params, runner.cache, graph.batch,
-                                           runner.backend)
+            replays.append((graph.num_tokens, n, "target"))
+            logits, runner.cache = graph.fn(runner.params, runner.cache, graph.batch,
+                                            runner.backend)
             return logits[:n]
-
         graph.replay = replay
-        return graph
 
-    def mirror(graph, tokens, seqs):
-        draft = PrefillGraph(runner.draft_params, runner.draft_cache, runner.draft_backend,
-                             runner.draft_forward, num_tokens=tokens, max_num_seqs=seqs,
-                             num_logits=tokens, inputs=graph.inputs, **shape)
-
+    def draft(mirror):
         def replay(n):
-            replays.append((tokens, n, "draft"))
-            _, runner.draft_cache = forward(runner.draft_params, runner.draft_cache, draft.batch,
-                                            runner.draft_backend, head=_no_head)
+            replays.append((mirror.num_tokens, n, "draft"))
+            _, runner.draft_cache = mirror.fn(runner.draft_params, runner.draft_cache,
+                                              mirror.batch, runner.draft_backend)
+        mirror.replay = replay
 
-        draft.replay = replay
-        return draft
-
-    shapes = verify_graph_shapes(config.speculative.num_speculative_tokens, config.max_num_seqs,
-                                 config.max_num_batched_tokens)
-    runner.verify_graphs = [target(t, s) for t, s in shapes]
-    if runner.draft_params is not None:
-        runner.verify_mirrors = {g: mirror(g, t, s)
-                                 for g, (t, s) in zip(runner.verify_graphs, shapes)}
+    for graph in graphs:
+        target(graph)
+    for mirror in mirrors.values():
+        draft(mirror)
+    runner.verify_graphs, runner.verify_mirrors = graphs, mirrors

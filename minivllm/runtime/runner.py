@@ -507,11 +507,13 @@ class ModelRunner:
             graph.release()
 
     def _captured_steps(self) -> list[PrefillGraph]:
-        """The prefill graphs, the verification graphs and their draft mirrors, in the order they
-        are captured (into one pool: each kind largest first, the largest of all first)."""
-        verify = self.verify_graphs[::-1]
-        return self.prefill_graphs + verify + [self.verify_mirrors[g] for g in verify
-                                               if g in self.verify_mirrors]
+        """The prefill graphs, then the verification graphs, each followed by its draft mirror,
+        in the order they are captured into one pool (largest first: the first sizes it)."""
+        steps = list(self.prefill_graphs)
+        for graph in reversed(self.verify_graphs):
+            steps += [graph] + ([self.verify_mirrors[graph]] if graph in self.verify_mirrors
+                                else [])
+        return steps
 
     def _capture_again(self) -> None:
         """After the weights and cache storages came back at new addresses: the decode graphs
@@ -637,25 +639,34 @@ class ModelRunner:
                                  max_blocks_per_seq=max_blocks, block_size=self.block_size)
             pool = graph.capture(pool, stream)
             self.prefill_graphs.append(graph)
-        if config.speculative is None:
-            return
-        shapes = verify_graph_shapes(config.speculative.num_speculative_tokens,
-                                     config.max_num_seqs, config.max_num_batched_tokens)
-        for tokens, seqs in reversed(shapes):  # largest first: it sizes the pool
-            graph = PrefillGraph(self.params, self.cache, self.backend, self.prefill_forward,
-                                 num_tokens=tokens, max_num_seqs=seqs, num_logits=tokens,
-                                 min_tokens=1, max_blocks_per_seq=max_blocks,
-                                 block_size=self.block_size)
+        self.verify_graphs, self.verify_mirrors = self._make_verify_graphs()
+        for graph in self._captured_steps()[len(self.prefill_graphs):]:
             pool = graph.capture(pool, stream)
-            self.verify_graphs.insert(0, graph)
+
+    def _verify_shapes(self) -> list[tuple[int, int]]:
+        """verify_graph_shapes under speculation (none without)."""
+        config = self.config
+        if config.speculative is None:
+            return []
+        return verify_graph_shapes(config.speculative.num_speculative_tokens,
+                                   config.max_num_seqs, config.max_num_batched_tokens)
+
+    def _make_verify_graphs(self) -> tuple[list[PrefillGraph], dict]:
+        """The verification graphs, smallest first, and a draft model's mirror of each (a graph
+        of the draft's forward over the same inputs), not yet captured."""
+        shape = dict(min_tokens=1, block_size=self.block_size,
+                     max_blocks_per_seq=ceil_div(self.config.max_model_len, self.block_size))
+        graphs, mirrors = [], {}
+        for tokens, seqs in self._verify_shapes():
+            graph = PrefillGraph(self.params, self.cache, self.backend, self.prefill_forward,
+                                 num_tokens=tokens, max_num_seqs=seqs, num_logits=tokens, **shape)
+            graphs.append(graph)
             if self.draft_params is not None:
-                mirror = PrefillGraph(self.draft_params, self.draft_cache, self.draft_backend,
-                                      self.draft_forward, num_tokens=tokens, max_num_seqs=seqs,
-                                      num_logits=tokens, min_tokens=1,
-                                      max_blocks_per_seq=max_blocks, block_size=self.block_size,
-                                      inputs=graph.inputs)
-                pool = mirror.capture(pool, stream)
-                self.verify_mirrors[graph] = mirror
+                mirrors[graph] = PrefillGraph(
+                    self.draft_params, self.draft_cache, self.draft_backend, self.draft_forward,
+                    num_tokens=tokens, max_num_seqs=seqs, num_logits=tokens, inputs=graph.inputs,
+                    **shape)
+        return graphs, mirrors
 
     def release_graphs(self) -> None:
         """Drop the CUDA graphs (the runner then runs every step eagerly): a tensor-parallel
@@ -774,13 +785,9 @@ class ModelRunner:
         """The chunks of the largest verification graph's step, in a scratch cache of `blocks`
         blocks (every sequence on the same ones), or none where no verification graph will be
         captured. Its logits (a row a token) may outweigh the prefill graphs' peak."""
-        spec = self.config.speculative
-        if spec is None or not self.use_prefill_graphs or not captures_decode_graphs(
+        shapes = self._verify_shapes()
+        if not shapes or not self.use_prefill_graphs or not captures_decode_graphs(
                 self.device, self.enforce_eager, self.config.runner):
-            return []
-        shapes = verify_graph_shapes(spec.num_speculative_tokens, self.config.max_num_seqs,
-                                     self.config.max_num_batched_tokens)
-        if not shapes:
             return []
         tokens, seqs = shapes[-1]
         per_seq = tokens // seqs
