@@ -296,6 +296,24 @@ def test_bench_latency_runs_one_stream_with_one_decode_bucket(tmp_path):
         assert len(result[key]) == 3 and result[key] == sorted(result[key]) and result[key][0] >= 0
 
 
+def test_bench_latency_trace_records_a_speculative_stream(tmp_path):
+    """`bench --latency --trace` with speculation writes its trace: 8 steps of the last stream,
+    which takes fewer steps than it has tokens (the window used to be counted in tokens, so a
+    speculative run ended before it and wrote nothing)."""
+    from hf_tiny import make_hf_model, save_checkpoint
+
+    model = save_checkpoint(make_hf_model(max_position_embeddings=1024), tmp_path / "model")
+    trace, result_path = tmp_path / "trace.json", tmp_path / "r.json"
+    assert main(["bench", "--model", model, "--latency", "--dtype", "float32",
+                 "--max-model-len", "1024", "--json", str(result_path), "--trace", str(trace),
+                 "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}']) == 0
+    result = json.loads(result_path.read_text())
+    assert result["spec_accepted_per_draft"] > 0  # steps of several tokens
+    events = json.loads(trace.read_text())["traceEvents"]
+    steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
+    assert len(steps) == 8
+
+
 def test_host_and_wait_splits_each_step_into_host_work_and_the_wait():
     """bench's host_and_wait: each engine.step call's seconds, the part of them spent in the
     launched steps' result() (the wait for the device) and the part in runner.launch;

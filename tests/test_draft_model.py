@@ -227,23 +227,35 @@ class EagerDecodeGraphs(DecodeGraphs):
                          max_num_seqs=runner.config.max_num_seqs,
                          max_blocks_per_seq=ceil_div(runner.config.max_model_len,
                                                      runner.block_size),
-                         compile_forward=False)
+                         compile_forward=False,
+                         persistent_decode=runner.config.draft_persistent_decode)
         self.replayed = []
 
     def replay(self, b):
         bs = self.bucket(b)
         self.replayed.append((b, bs))
-        logits, _ = forward(self.params, self.cache, self.batch_view(bs), self.backend)
-        return logits[:b]
+        # What the bucket's graph captured: the forward, the persistent decode's kernel and its
+        # greedy pick into greedy_tokens in the persistent buckets.
+        return self._decode(bs)[:b]
 
 
-def test_draft_graphs_give_the_eager_drafts_and_draft_cache(paths, device):
+@pytest.mark.parametrize("persistent", [False, True], ids=["compiled_layers", "persistent"])
+def test_draft_graphs_give_the_eager_drafts_and_draft_cache(paths, device, persistent):
     """propose's rounds and a decode step's mirror through the draft's decode graphs (their
     fill, device-side ids and replay: EagerDecodeGraphs) give the eager draft's tokens, token for
     token, and its draft cache: with uneven counts (the rows shrink round by round, a prefix of
-    the sequences sorted by count) and rows padded to their bucket."""
+    the sequences sorted by count) and rows padded to their bucket. persistent: the draft's
+    graphs of 1-2 rows run the persistent decode kernel (EngineConfig.draft_persistent_decode),
+    whose in-graph greedy pick is what those rounds draft."""
+    from minivllm.kernels import available_backends
     from minivllm.runtime.runner import StepInput
     from minivllm.state.batch import DecodeChunks, SeqChunk
+
+    kw = {}
+    if persistent:
+        if "triton" not in available_backends(device):
+            pytest.skip("no Triton on this device")
+        kw = dict(attention_backend="triton", persistent_decode=True)
 
     prompts = [[5, 6, 7, 8, 9, 10, 11], [1, 2, 3], list(range(20, 37)), [7, 8, 9],
                [40, 41, 42, 43]]
@@ -252,11 +264,16 @@ def test_draft_graphs_give_the_eager_drafts_and_draft_cache(paths, device):
     runners = []
     for graphs in (False, True):
         llm = make_llm(paths["target"], device, speculative_config=draft(paths["near"], 5),
-                       block_size=4, max_num_seqs=8, max_model_len=128)
+                       block_size=4, max_num_seqs=8, max_model_len=128, **kw)
         runner = llm.engine.runner
         assert runner.draft_graphs is None  # eager here: no CUDA graphs
+        assert llm.config.draft_persistent_decode == persistent
         if graphs:
             runner.draft_graphs = EagerDecodeGraphs(runner)
+            picks = []  # each round's rows and whether it drafts the graph's own greedy pick
+            picks_greedy = runner.draft_graphs.picks_greedy
+            runner.draft_graphs.picks_greedy = \
+                lambda b, f=picks_greedy: picks.append((b, f(b))) or picks[-1][1]
         # All but the last two tokens as prompts; the next to last as a decode step (its
         # draft mirrored through the graphs); the last drafts.
         runner.execute(StepInput([SeqChunk(p[:-2], 0, t, False) for p, t in zip(prompts, tables)],
@@ -269,9 +286,13 @@ def test_draft_graphs_give_the_eager_drafts_and_draft_cache(paths, device):
         runners.append((runner, got))
     (eager, want), (graphed, got) = runners
     assert got == want
-    assert graphed.draft_graphs.replayed == [(5, 8), (5, 8), (4, 4), (3, 4), (1, 2), (1, 2)]
+    one = 1 if persistent else 2  # a persistent decode's bucket of one row
+    assert graphed.draft_graphs.replayed == [(5, 8), (5, 8), (4, 4), (3, 4), (1, one), (1, one)]
+    assert picks == [(5, False), (4, False), (3, False), (1, persistent), (1, persistent)]
+    # The persistent kernel's K/V are its own fp32 sums, in another order than the forward's.
+    tol = 1e-4 if persistent else 1e-5
     for a, b in zip(pytree.tree_leaves(eager.draft_cache), pytree.tree_leaves(graphed.draft_cache)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
     graphed.release_graphs()  # the draft's too
     assert graphed.draft_graphs is None
 
@@ -291,6 +312,42 @@ def test_draft_graphs_give_the_eager_drafts_and_draft_cache(paths, device):
 def test_bad_draft_configs_refused(config, match):
     with pytest.raises(ValueError, match=match):
         SpeculativeConfig.create(config)
+
+
+def test_draft_persistent_decode_follows_the_drafts_shape(paths, monkeypatch):
+    """A draft's decode graphs run the persistent decode kernel as persistent_decode says: never
+    when it is False, wherever the kernel takes the draft when True, and when not given where a
+    target of the draft's shape would by default, whatever the target's: a Qwen3-0.6B draft of
+    an 8B target (which does not take it) has it."""
+    from minivllm import config_for_shape
+    from minivllm.kernels import backends
+    from minivllm.kernels.launch import triton_usable
+    from minivllm.runtime.config import draft_takes_persistent_decode
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv("MINIVLLM_ATTENTION_BACKEND", raising=False)
+    monkeypatch.setattr(backends, "available_backends", lambda device: ["triton", "reference"])
+    small, large = config_for_shape("qwen3-0.6b"), config_for_shape("qwen3-8b")
+
+    def takes(asked, draft, device=cuda, backend=None, usable=True):
+        return draft_takes_persistent_decode(asked, draft, device, backend, None, usable)
+
+    assert takes(None, small) and not takes(None, large)  # measured faster up to 1,024 wide
+    assert takes(True, large)  # asked for: wherever the kernel runs
+    assert not takes(False, small)
+    assert not takes(None, small, backend="reference")  # the kernel's attention is Triton's
+    assert not takes(None, small, usable=False) and not takes(True, small, usable=False)
+    assert not takes(None, small, device=cpu)  # the interpreter: only when asked
+    cfg = EngineConfig.create(paths["target"], device="cpu",
+                              speculative_config=draft(paths["small"]))
+    assert not cfg.persistent_decode and not cfg.draft_persistent_decode
+    if triton_usable(cpu):
+        cfg = EngineConfig.create(paths["target"], device="cpu", attention_backend="triton",
+                                  persistent_decode=True, speculative_config=draft(paths["near"]))
+        assert cfg.persistent_decode and cfg.draft_persistent_decode
+        # no draft, nothing to decide
+        assert not EngineConfig.create(paths["target"], device="cpu", attention_backend="triton",
+                                       persistent_decode=True).draft_persistent_decode
 
 
 def test_config_forms():
@@ -395,6 +452,8 @@ def test_gpu_self_draft_in_bf16_with_compiled_forward_and_graphs(paths):
     assert runner.graphs is not None and llm.config.dtype == torch.bfloat16
     graphs = runner.draft_graphs
     assert graphs is not None and sorted(graphs.graphs) == graphs.buckets
+    # the tiny draft's shape takes the persistent decode (1-2 rows, greedy picks in the graph)
+    assert llm.config.draft_persistent_decode and graphs.picks_greedy(1) and 1 in graphs.buckets
     assert graphs.pool == runner.graphs.pool
     assert runner.draft_forward.keywords["layer"] is graphs.fn.keywords["layer"]  # compiled
     replayed, replay = [], graphs.replay

@@ -613,6 +613,14 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, *, gumbel: bool = True,
                                                    as_logits=mode.endswith("logits")))
 
 
+def needs_vocab_rows(sb: SamplingBatch) -> bool:
+    """Whether sample(logits, sb) on CUDA allocates temporaries of the logits' size [B, V]:
+    penalties' copy, truncation's sort, logprobs' log-softmax. Without them it takes the arg-max
+    or the Gumbel kernel's pass alone, whose temporaries are a few values a row, so any number
+    of rows fits the memory set aside for sampling (runtime.runner._sampling_batches)."""
+    return _penalised(sb) or sb.any_truncated or sb.num_logprobs >= 0
+
+
 def _penalised(sb: SamplingBatch) -> bool:
     return (sb.output_ids is not None or sb.banned_rows is not None
             or sb.bias_rows is not None or sb.allowed_rows is not None)

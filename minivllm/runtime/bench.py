@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import random
 import statistics
@@ -99,9 +100,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def traced_steps(engine, path: str, *, skip: int, active: int):
+def traced_steps(engine, path: str, *, skip: int, active: int, counting=None):
     """Wrap engine.step so that steps skip..skip+active-1 are recorded by torch.profiler (CPU and
-    CUDA) into a Chrome trace at `path`. Returns the profiler (stop it after the run)."""
+    CUDA) into a Chrome trace at `path`. Returns the profiler (stop it after the run).
+    counting: a function saying whether a step counts (default: all do): steps while it says no
+    neither advance the window nor are recorded."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -112,12 +115,22 @@ def traced_steps(engine, path: str, *, skip: int, active: int):
 
     def step(**kw):
         out = inner(**kw)
-        prof.step()
+        if counting is None or counting():
+            prof.step()
         return out
 
     engine.step = step
     prof.start()
     return prof
+
+
+def _check_trace_written(path: str) -> None:
+    """Say so where a run ended before its traced window (a speculative run takes fewer steps
+    than it has tokens), instead of leaving no file and no word."""
+    if not os.path.exists(path):
+        logging.getLogger("minivllm").warning(
+            "minivllm bench: the run ended before the traced steps; no trace was written to %s",
+            path)
 
 
 def timed_steps(engine, log: list):
@@ -280,6 +293,7 @@ def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
     spec = spec_result(spec0, _spec_counts(llm))
     if prof is not None:
         prof.stop()
+        _check_trace_written(trace)
     if step_times:
         remove_hooks()
         unwrap()
@@ -305,7 +319,9 @@ LATENCY_MAX_NUM_SEQS = 2  # the smallest decode bucket: one sequence runs padded
 BENCH_MAX_MODEL_LEN = 4096  # nano-vllm's bench
 TRACE_STEPS = 8  # steps a --trace records
 TRACE_WARMUP = 2  # steps the profiler runs, unrecorded, before them
-LATENCY_TRACE_FROM = 100  # --latency --trace: the last stream's decode steps from this one
+# --latency --trace: the last stream's decode steps from this one, or from the middle of a
+# shorter stream (speculation decodes several tokens a step).
+LATENCY_TRACE_FROM = 100
 
 
 def run_latency(llm, *, prompt_len: int = 512, output_len: int = 256, repeats: int = 3,
@@ -334,18 +350,23 @@ def run_latency(llm, *, prompt_len: int = 512, output_len: int = 256, repeats: i
     finally:
         unwrap()
     decode = log[2:] or log
-    prof = None
-    if trace:  # from step 100 of the last repeat's stream (each repeat runs 1 + output_len steps)
-        prof = traced_steps(llm.engine, trace, active=TRACE_STEPS,
-                            skip=(repeats - 1) * (output_len + 1) + LATENCY_TRACE_FROM + 1)
+    prof, tracing = None, [False]
+    if trace:
+        # Steps of the last repeat's stream only, counted from its prompt's step: a stream
+        # with speculation takes fewer steps than tokens, as many as the untimed one took, give
+        # or take what its drafts' acceptance changes (hence its middle, where it is short).
+        start = min(LATENCY_TRACE_FROM, max(len(log) - TRACE_WARMUP - TRACE_STEPS, 0) // 2)
+        prof = traced_steps(llm.engine, trace, active=TRACE_STEPS, skip=start,
+                            counting=lambda: tracing[0])
     ttfts, decode_rates = [], []
     spec0 = _spec_counts(llm)  # the timed streams' acceptance (greedy, as their tokens)
-    for _ in range(repeats):
+    for i in range(repeats):
         _sync(device)
         t0 = time.perf_counter()
         llm.generate([prompt()], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
         _sync(device)
         ttft = time.perf_counter() - t0
+        tracing[0] = i == repeats - 1
         t0 = time.perf_counter()
         out = llm.generate([prompt()], SamplingParams(max_tokens=output_len, temperature=0.0,
                                                       ignore_eos=True), use_tqdm=False)
@@ -357,6 +378,7 @@ def run_latency(llm, *, prompt_len: int = 512, output_len: int = 256, repeats: i
     spec = spec_result(spec0, _spec_counts(llm))
     if prof is not None:
         prof.stop()
+        _check_trace_written(trace)
     rate = statistics.median(decode_rates)
     host, wait = [1e6 * (s - w) for s, w, _ in decode], [1e6 * w for _, w, _ in decode]
     return {"workload": "latency", "prompt_tokens": prompt_len, "output_tokens": output_len,

@@ -99,6 +99,9 @@ class EngineConfig:
     async_scheduling: bool = True
     kv_cache_dtype: torch.dtype | None = None  # None: dtype
     persistent_decode: bool = False  # decode steps of 1-2 rows: every layer in one persistent kernel
+    # The same for a draft model's decode graphs (propose's rounds, a decode step's mirror),
+    # decided by the draft's shape: a 0.6B draft of an 8B target takes it where the target cannot.
+    draft_persistent_decode: bool = False
     # "generate", or "pooling" (embeddings: runtime/pooling.py; the model's config then has tied
     # embeddings, so that no LM head is loaded); normalize_embeddings: PoolingParams' default.
     runner: str = "generate"
@@ -227,6 +230,7 @@ class EngineConfig:
         if persistent_decode is not None and not isinstance(persistent_decode, bool):
             raise TypeError(f"persistent_decode must be True, False or None (the default for the "
                             f"device), got {persistent_decode!r}")
+        persistent_asked = persistent_decode  # before the target's default resolves it
         # An AWQ checkpoint's linears are packed int4, a block-fp8 one's stay fp8 (state/quant.py,
         # state/load.keeps_fp8): the persistent decode kernel multiplies 16-bit dense weights only.
         quantized = _quantized_linears(config_dict, model_config, random_quant)
@@ -304,6 +308,11 @@ class EngineConfig:
                 speculative, model_config, tensor_parallel_size=tensor_parallel_size,
                 runner=runner, enable_lora=enable_lora, enable_prompt_embeds=enable_prompt_embeds,
                 enable_sleep_mode=enable_sleep_mode, max_model_len=max_model_len)
+        draft_persistent_decode = False
+        if speculative is not None and speculative.draft_config is not None:
+            draft_persistent_decode = draft_takes_persistent_decode(
+                persistent_asked, speculative.draft_config, device, attention_backend,
+                kv_cache_dtype, triton_usable(device))
         if max_logprobs == -1:  # as vLLM: no cap
             max_logprobs = model_config.vocab_size
         if max_num_batched_tokens is None:
@@ -317,7 +326,8 @@ class EngineConfig:
                    attention_backend=attention_backend, seed=seed,
                    enable_prefix_caching=enable_prefix_caching, max_logprobs=max_logprobs,
                    async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype,
-                   persistent_decode=persistent_decode, runner=runner,
+                   persistent_decode=persistent_decode,
+                   draft_persistent_decode=draft_persistent_decode, runner=runner,
                    normalize_embeddings=normalize_embeddings, classifier=classifier,
                    scheduling_policy=scheduling_policy,
                    speculative=speculative, enable_lora=enable_lora, max_loras=max_loras,
@@ -437,6 +447,24 @@ def persistent_decode_default(device: torch.device, tensor_parallel_size: int,
             hidden_size <= PERSISTENT_DECODE_MAX_HIDDEN and
             triton_takes_head_dim(head_dim) and
             backend_name(device, attention_backend, kv_cache_dtype, head_dim) == "triton")
+
+
+def draft_takes_persistent_decode(asked: bool | None, draft: ModelConfig, device: torch.device,
+                                  attention_backend: str | None, kv_cache_dtype,
+                                  triton_usable: bool) -> bool:
+    """Whether a draft model's decode graphs run persistent_decode's kernel: as the engine's
+    persistent_decode says (False: never; True: wherever the kernel takes the draft, which
+    check_draft_model has made a dense 16-bit model on one device), and when not given by the
+    draft's own shape, as persistent_decode_default decides it for a target (so a Qwen3-0.6B
+    draft of an 8B target, which does not take it, has it)."""
+    if asked is False:
+        return False
+    if asked is None:
+        return persistent_decode_default(device, 1, attention_backend, triton_usable,
+                                         draft.head_dim, kv_cache_dtype,
+                                         hidden_size=draft.hidden_size)
+    from ..kernels.backends import triton_takes_head_dim
+    return triton_usable and (device.type != "cuda" or triton_takes_head_dim(draft.head_dim))
 
 
 def _device(device) -> torch.device:

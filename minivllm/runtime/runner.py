@@ -27,7 +27,7 @@ from torch.profiler import record_function
 from ..functional.model import final_hidden, forward, logits_head, prompt_logprobs
 from ..functional.model import stem as model_stem
 from ..functional.sampling import (SampleOutput, SamplingBatch, SamplingRow, make_sampling_batch,
-                                  plain_greedy, sample, with_steps)
+                                  needs_vocab_rows, plain_greedy, sample, with_steps)
 from ..kernels import select_backend
 from ..state.batch import DecodeChunks, SeqChunk, is_decode_step, make_batch
 from ..state.cache import init_cache
@@ -259,11 +259,15 @@ def replay_draft_round(graphs: DecodeGraphs, chunks: DecodeChunks,
     token [rows] of each of chunks' rows, whose input ids are `ids` [rows] on the device (copied
     device to device, with no host sync; chunks' own ids are not read). The padding rows up to
     the bucket keep the ids they held (tokens written before, or the buffer's zeros): valid ids,
-    whose logits are dropped."""
+    whose logits are dropped. A bucket that picks the greedy tokens in its graph (the persistent
+    decode's) gives them (a view of graphs.greedy_tokens, valid until the next replay)."""
     rows = len(chunks)
     graphs.fill(chunks, keep_ids=True)
     graphs.input_ids[:rows].copy_(ids)
-    return graphs.replay(rows).argmax(dim=-1)
+    logits = graphs.replay(rows)
+    if graphs.picks_greedy(rows):
+        return graphs.greedy_tokens[:rows]
+    return logits.argmax(dim=-1)
 
 
 @contextlib.contextmanager
@@ -573,13 +577,15 @@ class ModelRunner:
             if self.draft_params is not None:
                 # propose's rounds replay these: into the target's pool, on its stream, so that
                 # they take no memory of their own (the pool holds the larger of the two decode
-                # steps' peaks: _cuda_kv_budget). Compiled layers only: persistent_decode is
-                # the target's setting, checked against its shape (EngineConfig), not the draft's.
+                # steps' peaks: _cuda_kv_budget). The persistent decode where the draft's shape
+                # takes it (EngineConfig.draft_persistent_decode), whose graphs also pick the
+                # greedy tokens a round drafts (replay_draft_round).
                 self.draft_graphs = DecodeGraphs(
                     self.draft_params, self.draft_cache, self.draft_backend,
                     max_num_seqs=config.max_num_seqs,
                     max_blocks_per_seq=ceil_div(config.max_model_len, self.block_size),
-                    compile_forward=compile_forward)
+                    compile_forward=compile_forward,
+                    persistent_decode=config.draft_persistent_decode)
                 self.draft_graphs.capture(self.graphs.pool, self.graphs.stream)
         # Prefill and mixed steps run through the same compiled decoder layer (its prefill
         # variants are compiled by the warm-up): on the H200 the throughput benchmark ran 22,637
@@ -964,12 +970,19 @@ class ModelRunner:
 
     def _sampling_batches(self, step: StepInput) -> list[SamplingBatch]:
         """The step's sampling batch; for a step of more rows than max_num_seqs (a speculative
-        step's, a row per logits row: up to (k + 1) * max_num_seqs), one batch per max_num_seqs
-        rows, sampled in turn (sample_in_slices): start-up set aside sampling's memory at
-        max_num_seqs rows (_sampling_footprint), which all the rows at once would outgrow."""
+        step's, a row per logits row: up to (k + 1) * max_num_seqs) whose sampling allocates
+        temporaries of the logits' size (needs_vocab_rows: penalties, top-k/p, logprobs), one
+        batch per max_num_seqs rows, sampled in turn (sample_in_slices): start-up set aside
+        sampling's memory at max_num_seqs rows (_sampling_footprint), which all the rows at once
+        would outgrow. Greedy and plain temperature rows are sampled at once: slices would only
+        add launches and host work (at max_num_seqs 2, bench's single stream, three a step)."""
         size = self.config.max_num_seqs
         if len(step.rows) <= size:
             return [self._sampling_batch(step)]
+        whole = make_sampling_batch(step.rows, vocab_size=self.vocab_size, device=self.device,
+                                    steps=step.steps, logprobs_mode=self.config.logprobs_mode)
+        if not needs_vocab_rows(whole):
+            return [whole]
         batches = [make_sampling_batch(
             step.rows[i:i + size], vocab_size=self.vocab_size, device=self.device,
             steps=None if step.steps is None else step.steps[i:i + size],
