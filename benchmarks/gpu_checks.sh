@@ -401,7 +401,7 @@ quant_speed)
   done
   ;;
 spec)
-  # nvidia-h200 or nvidia-h100-x1 (<= 560 s; not yet run): what speculative decoding costs and
+  # nvidia-h200 or nvidia-h100-x1 (<= 560 s; ran in sessions 58-59): what speculative decoding costs and
   # gains on the GPU. First its GPU tests: a tiny checkpoint as its own draft in bf16 with the
   # compiled forward and CUDA graphs (greedy outputs those without speculation, >= 90% of drafts
   # accepted: bf16 may flip near-ties), and processed_logprobs in bf16 against the reference
@@ -412,7 +412,8 @@ spec)
   # continuations may repeat, so its acceptance is whatever they give; mostly its cost), k=4, each result with its acceptance; then,
   # while time is left, the 8B shape with a random 0.6B draft (~none accepted: the draft's cost)
   # and without. A run needs >= 120 s (an 8B engine's start compiles and captures for ~1-2 min).
-  # (Session 58: the draft model's test 149 s, the logprobs one 25 s on a fresh machine.)
+  # (Session 59, a fresh H100: the tests 275 s in all (draft model 124, n-gram 113, logprobs 21);
+  # a latency run's engine starts in 55-160 s, its compiles cold; a run needs its 200 s.)
   [ "${SPEC_TESTS:-1}" = 1 ] && STEP_LOG=$OUT/tests.txt step spec_tests $(left_or 330) \
     python3 -m pytest $PYTEST_ARGS tests/test_draft_model.py tests/test_spec_decode.py \
     tests/test_logprobs_mode.py -k gpu

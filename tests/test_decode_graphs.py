@@ -253,7 +253,9 @@ def test_start_up_builds_decode_graphs_for_a_generating_engine_only(runner, draf
     a generating engine builds and captures DecodeGraphs and prefills through their compiled
     forward; a pooling one builds none, and its prompts still go through a compiled forward.
     With a draft model, the draft's DecodeGraphs are captured into the target's pool on its
-    stream, and its mirrored steps run their compiled forward, without a head."""
+    stream, with the persistent decode as draft_persistent_decode says (the target's as
+    persistent_decode does), and its mirrored steps run their compiled forward, without a
+    head."""
     from types import SimpleNamespace
 
     import minivllm.runtime.runner as runner_mod
@@ -263,6 +265,7 @@ def test_start_up_builds_decode_graphs_for_a_generating_engine_only(runner, draf
     class Graphs:  # DecodeGraphs' stand-in: records how it was built and captured
         def __init__(self, *args, **kwargs):
             self.fn, self.args, self.captured = (lambda *a, **kw: None), args, None
+            self.kwargs = kwargs
             self.pool, self.stream = object(), object()
             built.append(self)
 
@@ -283,7 +286,7 @@ def test_start_up_builds_decode_graphs_for_a_generating_engine_only(runner, draf
                            draft_params=object() if draft else None, draft_cache=None,
                            draft_backend=None, draft_graphs=None, draft_forward=None)
     config = SimpleNamespace(runner=runner, enable_lora=False, max_num_seqs=8, max_model_len=64,
-                             persistent_decode=False)
+                             persistent_decode=False, draft_persistent_decode=True)
     runner_mod.ModelRunner._compile_and_capture(fake, config)
     if runner == "generate":
         assert len(built) == 1 + draft and built[0].captured == (None, None)
@@ -292,6 +295,7 @@ def test_start_up_builds_decode_graphs_for_a_generating_engine_only(runner, draf
             target, graphs = built
             assert fake.draft_graphs is graphs and graphs.args[0] is fake.draft_params
             assert graphs.captured == (target.pool, target.stream)
+            assert graphs.kwargs["persistent_decode"] and not target.kwargs["persistent_decode"]
             assert fake.draft_forward.func is graphs.fn
             assert fake.draft_forward.keywords == {"head": runner_mod._no_head}
         else:

@@ -99,7 +99,9 @@ class LLM:
     "auto" by fp8's rounding of the cached tokens). persistent_decode: decode steps of 1-2
     sequences run every decoder layer in one persistent Triton kernel (kernels/decode_layer.py;
     one GPU); None: on for one CUDA GPU when the attention backend is "triton" (asked for, named
-    by MINIVLLM_ATTENTION_BACKEND or chosen as the best). generation_config: where the sampling
+    by MINIVLLM_ATTENTION_BACKEND or chosen as the best) and the model is at most 1,024 wide; a
+    draft model's decode graphs take it by the same rule for the draft's shape (False: neither
+    does). generation_config: where the sampling
     defaults of requests that pass no SamplingParams come from (vLLM's): "auto" the model's
     generation_config.json (Qwen3: temperature 0.6, top_p 0.95, top_k 20), "vllm" none (plain
     SamplingParams()), or a directory holding one; override_generation_config: a dict of
