@@ -309,9 +309,28 @@ def test_bench_latency_trace_records_a_speculative_stream(tmp_path):
                  "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}']) == 0
     result = json.loads(result_path.read_text())
     assert result["spec_accepted_per_draft"] > 0  # steps of several tokens
+    assert "draft_us_p10_50_90" not in result  # n-gram: no draft model's rounds
     events = json.loads(trace.read_text())["traceEvents"]
     steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
     assert len(steps) == 8
+
+
+def test_bench_latency_splits_out_a_draft_models_rounds(tmp_path, capsys):
+    """`bench --latency` with a draft model (here the model itself: every greedy draft agrees)
+    reports the host's time a step in the draft's rounds (propose, its read-back included)."""
+    from hf_tiny import make_hf_model, save_checkpoint
+
+    model = save_checkpoint(make_hf_model(max_position_embeddings=1024), tmp_path / "model")
+    result_path = tmp_path / "r.json"
+    assert main(["bench", "--model", model, "--latency", "--dtype", "float32",
+                 "--max-model-len", "1024", "--max-output-len", "64", "--json", str(result_path),
+                 "--speculative-config",
+                 json.dumps({"model": model, "num_speculative_tokens": 3})]) == 0
+    result = json.loads(result_path.read_text())
+    assert result["spec_acceptance"] == 1.0
+    draft = result["draft_us_p10_50_90"]
+    assert len(draft) == 3 and draft == sorted(draft) and draft[1] > 0
+    assert f"drafting {draft[1]:.0f} us of it" in capsys.readouterr().out
 
 
 def test_host_and_wait_splits_each_step_into_host_work_and_the_wait():
@@ -349,9 +368,10 @@ def test_host_and_wait_splits_each_step_into_host_work_and_the_wait():
     unwrap()
     engine.step()
     assert len(log) == 2
-    for seconds, waited, launching in log:
+    for seconds, waited, launching, drafting in log:
         assert 0.02 <= waited < seconds and seconds - waited >= 0.015
         assert 0.005 <= launching < 0.02  # not the host work after it (0.01), nor the wait
+        assert drafting == 0  # no draft model's propose
 
 
 @pytest.mark.parametrize("flag,value", [("--num-seqs", "0"), ("--max-input-len", "64"),

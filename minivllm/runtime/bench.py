@@ -208,14 +208,23 @@ def timed_steps(engine, log: list):
 
 def host_and_wait(engine, log: list):
     """Wrap engine.step to append, for each call, (its seconds, the seconds of it spent waiting
-    for the device's sampled tokens, the seconds of it in runner.launch): the rest is the host's
-    own work for a step, which with asynchronous scheduling overlaps the device's, and launch's
-    share of it is where the host meets CUDA (copies, the replay, the sampler's launches), so a
-    call that blocks there shows apart from the Python around it. Returns a function that
-    unwraps."""
+    for the device's sampled tokens, the seconds of it in runner.launch, the seconds of it in a
+    draft model's runner.propose): the rest is the host's own work for a step, which with
+    asynchronous scheduling overlaps the device's, and launch's share of it is where the host
+    meets CUDA (copies, the replay, the sampler's launches), so a call that blocks there shows
+    apart from the Python around it. propose's share includes its wait for the draft's rounds
+    on the device (it reads the drafts back). Returns a function that unwraps."""
     runner = engine.runner
     inner_step, inner_launch = engine.step, runner.launch
-    waited, launching = [0.0], [0.0]
+    inner_propose = getattr(runner, "propose", None)
+    waited, launching, drafting = [0.0], [0.0], [0.0]
+
+    def propose(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return inner_propose(*args, **kwargs)
+        finally:
+            drafting[0] += time.perf_counter() - t0
 
     def launch(step_input):
         t0 = time.perf_counter()
@@ -234,16 +243,20 @@ def host_and_wait(engine, log: list):
         return pending
 
     def step(**kw):
-        waited[0] = launching[0] = 0.0
+        waited[0] = launching[0] = drafting[0] = 0.0
         t0 = time.perf_counter()
         out = inner_step(**kw)
-        log.append((time.perf_counter() - t0, waited[0], launching[0]))
+        log.append((time.perf_counter() - t0, waited[0], launching[0], drafting[0]))
         return out
 
     engine.step, runner.launch = step, launch
+    if inner_propose is not None:
+        runner.propose = propose
 
     def unwrap():
         engine.step, runner.launch = inner_step, inner_launch
+        if inner_propose is not None:
+            runner.propose = inner_propose
 
     return unwrap
 
@@ -297,7 +310,7 @@ def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
     if step_times:
         remove_hooks()
         unwrap()
-        for record, (_, wait, launch) in zip(log, waits, strict=True):
+        for record, (_, wait, launch, _) in zip(log, waits, strict=True):
             record["wait_s"], record["launch_s"] = wait, launch
         with open(step_times, "w") as f:
             json.dump(log, f)
@@ -380,14 +393,18 @@ def run_latency(llm, *, prompt_len: int = 512, output_len: int = 256, repeats: i
         prof.stop()
         _check_trace_written(trace)
     rate = statistics.median(decode_rates)
-    host, wait = [1e6 * (s - w) for s, w, _ in decode], [1e6 * w for _, w, _ in decode]
+    host = [1e6 * (s - w) for s, w, _, _ in decode]
+    wait, draft = [1e6 * w for _, w, _, _ in decode], [1e6 * d for _, _, _, d in decode]
+    # A draft model's steps: the part of the host's time in propose (the draft's rounds, read
+    # back), the rest of it scheduling, building and launching the verification step.
+    drafting = {"draft_us_p10_50_90": _percentiles(draft)} if any(draft) else {}
     return {"workload": "latency", "prompt_tokens": prompt_len, "output_tokens": output_len,
             "ttft_s": statistics.median(ttfts), "output_tok_per_s": rate,
             "seconds": output_len / rate,
             "host_us_per_step": statistics.median(host),
             "wait_us_per_step": statistics.median(wait),
             "host_us_p10_50_90": _percentiles(host), "wait_us_p10_50_90": _percentiles(wait),
-            **spec}
+            **drafting, **spec}
 
 
 def _percentiles(values: list[float], ps=(0.1, 0.5, 0.9)) -> list[float]:
@@ -580,8 +597,10 @@ def main(args) -> dict:
             f"{result['seconds']:.2f} s = {result['output_tok_per_s']:.0f} tok/s")
     if "ttft_s" in result:
         line += (f", time to first token {result['ttft_s'] * 1e3:.1f} ms; a decode step: host "
-                 f"{result['host_us_per_step']:.0f} us, waiting for the device "
-                 f"{result['wait_us_per_step']:.0f} us (medians)")
+                 f"{result['host_us_per_step']:.0f} us"
+                 + (f" (drafting {result['draft_us_p10_50_90'][1]:.0f} us of it)"
+                    if "draft_us_p10_50_90" in result else "")
+                 + f", waiting for the device {result['wait_us_per_step']:.0f} us (medians)")
     if "floor_fraction" in result:
         line += (f" ({result['floor_fraction']:.0%} of the memory-traffic floor: "
                  f"{result['floor_seconds']:.2f} s at {result['copy_bandwidth_tb_s']:.2f} TB/s"
