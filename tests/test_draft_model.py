@@ -132,6 +132,21 @@ def test_self_draft_with_chunked_prefill(paths, base, device):
     assert all_accepted(llm.stats), llm.stats
 
 
+def test_self_draft_over_an_fp8_cache_accepts_every_draft(paths, device):
+    """With kv_cache_dtype="fp8" the verification chunk reads its earlier tokens from the cache,
+    fp8-rounded, as the draft's one-token rounds and the plain engine's decode steps do: every
+    greedy self-draft agrees, and outputs equal the plain fp8 engine's, under chunked prefill
+    too (it had parted from them where the chunk read them at full precision)."""
+    kw = dict(kv_cache_dtype="fp8", attention_backend="reference")
+    plain = make_llm(paths["target"], device, **kw)
+    llm = make_llm(paths["target"], device, speculative_config=draft(paths["target"]),
+                   max_num_batched_tokens=16, **kw)
+    prompts = PROMPTS + [{"prompt_token_ids": [92, 51, 90] * 3}, {"prompt_token_ids": [39, 38]}]
+    assert ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == \
+        ids(plain.generate(prompts, GREEDY, use_tqdm=False))
+    assert all_accepted(llm.stats), llm.stats
+
+
 SAMPLED = [
     GREEDY,
     SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True),

@@ -147,10 +147,12 @@ def test_triton_backend_writes_and_attends_as_the_reference_backend(device):
 
 @pytest.mark.parametrize("backend_name", ["reference", "triton"])
 def test_an_fp8_cache_is_an_fp32_cache_with_its_entries_rounded_to_fp8(device, backend_name):
-    """A prompt in two chunks: the second reads the first from the cache. With an fp8 cache its
-    logits equal those of an fp32 cache whose entries were rounded to fp8 after the first chunk
-    (the oracle: plain torch rounding, the reference backend), and differ from the unrounded
-    fp32 cache's by fp8's rounding only."""
+    """A prompt in two chunks, each token reading every earlier one from the cache (its own
+    chunk's too: written before attention) and its own K/V as computed, as a decode step does.
+    With an fp8 cache its logits equal those of the same prompt decoded one token a step over
+    an fp32 cache whose entries are rounded to fp8 after each step (the oracle: plain torch
+    rounding, the reference backend): chunked prefill, a verification chunk and decoding give
+    the same values. They differ from the unrounded fp32 cache's by fp8's rounding only."""
     if backend_name == "triton" and not triton_usable(device):
         pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
     params = minivllm.random_params(CONFIG, seed=0, std=0.3, device=device)
@@ -158,11 +160,9 @@ def test_an_fp8_cache_is_an_fp32_cache_with_its_entries_rounded_to_fp8(device, b
     ids = torch.randint(0, CONFIG.vocab_size, (23,), generator=torch.Generator().manual_seed(0)).tolist()
     table = list(range(6))
 
-    def run(cache, then=None, attention=backend):
+    def run(cache, attention=backend):
         first = make_batch([SeqChunk(ids[:15], 0, table)], block_size=4, device=device)
         _, cache = minivllm.forward(params, cache, first, attention)
-        if then is not None:
-            cache = then(cache)
         second = make_batch([SeqChunk(ids[15:], 15, table)], block_size=4, device=device)
         logits, cache = minivllm.forward(params, cache, second, attention)
         return logits
@@ -172,9 +172,15 @@ def test_an_fp8_cache_is_an_fp32_cache_with_its_entries_rounded_to_fp8(device, b
             c.copy_(c.clamp(-448, 448).to(FP8).float())
         return cache
 
+    def decoded_with_rounding(cache):
+        for pos, token in enumerate(ids):
+            step = make_batch([SeqChunk([token], pos, table)], block_size=4, device=device)
+            logits, cache = minivllm.forward(params, cache, step, REFERENCE)
+            cache = round_to_fp8(cache)
+        return logits
+
     got = run(minivllm.init_cache(params, num_blocks=8, block_size=4, dtype="fp8"))
-    want = run(minivllm.init_cache(params, num_blocks=8, block_size=4), then=round_to_fp8,
-               attention=REFERENCE)
+    want = decoded_with_rounding(minivllm.init_cache(params, num_blocks=8, block_size=4))
     exact = run(minivllm.init_cache(params, num_blocks=8, block_size=4), attention=REFERENCE)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert 1e-4 < (got - exact).abs().max() < 0.2 * exact.abs().max()

@@ -486,3 +486,29 @@ def test_gpu_ngram_verification_graphs_in_fp32(demo_dir):
     for p, w in zip(params, want):
         assert_same(w, llm.generate(PROMPTS, p, use_tqdm=False))
     assert llm.stats.spec_accepted_tokens > 0 and replayed and not ungraphed
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_fp8_kv_cache_outputs_equal_the_plain_engines(tmp_path_factory, device, backend):
+    """With kv_cache_dtype="fp8" a verification chunk [t, d1..dk] reads its earlier tokens' K/V
+    from the cache, fp8-rounded, as a decode step reads them (only each query's own token as
+    computed): greedy and seeded outputs equal the engine's without speculation. Before, the
+    chunk attended to them at full precision and outputs parted from the plain engine's at
+    fp8's rounding (the first prompt at its 15th token; with "auto" none)."""
+    from minivllm.kernels import available_backends
+
+    if backend not in available_backends(device):
+        pytest.skip(f"no {backend} backend on this device")
+    path = save_checkpoint(make_hf_model(seed=0), tmp_path_factory.mktemp("fp8spec") / "model")
+    prompts = [{"prompt_token_ids": [92, 51, 90] * 3}, {"prompt_token_ids": [39, 38]}] + [
+        {"prompt_token_ids": [(7 * i + j * j) % 97 + 3 for j in range(6)] * 2}
+        for i in range(4)]
+    kw = dict(kv_cache_dtype="fp8", attention_backend=backend, num_kv_blocks=128)
+    plain = make_llm(path, device, **kw)
+    llm = make_llm(path, device, speculative_config=spec(4, 3, 1), **kw)
+    for params in (SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                   SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True)):
+        want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == want
+    assert llm.stats.spec_accepted_tokens > 0

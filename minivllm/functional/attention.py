@@ -93,7 +93,8 @@ def gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Ten
 class ReferenceBackend:
     """Pure PyTorch, vectorised over the batch with static shapes: the CPU path, the oracle for
     every other backend, and differentiable with respect to q, k and v (the cached prefix is read
-    from the cache, the new tokens' keys and values are used as computed)."""
+    from the cache, the new tokens' keys and values are used as computed; with an fp8 cache, as a
+    decode step reads them: all but the query's own token from the cache)."""
 
     name = "reference"
 
@@ -124,6 +125,15 @@ def reference_attention(q, k, v, k_cache, v_cache, batch: Batch, scale: float) -
     s_new = torch.einsum("thgd,uhd->thgu", qf, k.float()) * scale
     idx = torch.arange(t, device=q.device)
     new_mask = (seq[:, None] == seq[None, :]) & (idx[None, :] <= idx[:, None])  # [T, T]
+    if k_cache.dtype in FP8_DTYPES:
+        # As a decode step reads them: every earlier token from the cache, this step's too
+        # (written above, fp8-rounded), and only the query's own token as computed. So a
+        # verification chunk [t, d1..dk], or a prompt in chunks, sees the values the engine
+        # decoding one token a step would (fp8's rounding is far coarser than the compute
+        # dtype's: speculation's outputs differed from the plain engine's).
+        own = prefix_lens[seq] + idx - batch.cu_seqlens_q[:-1].long()[seq]  # [T] positions
+        ctx_mask = ctx_pos[None, :] < own[:, None]
+        new_mask = idx[None, :] == idx[:, None]
 
     scores = torch.cat([s_ctx, s_new], dim=-1)
     mask = torch.cat([ctx_mask, new_mask], dim=-1)[:, None, None, :]

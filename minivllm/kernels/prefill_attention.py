@@ -4,7 +4,10 @@ prefill and fresh prompts (and mixed batches: a decode row is a chunk of length 
 Sequence b brings q_len_b = cu_seqlens_q[b+1] - cu_seqlens_q[b] new tokens at positions
 prefix_b .. context_lens[b] - 1, where prefix_b = context_lens[b] - q_len_b tokens are read from
 the cache through block_tables; the new tokens' keys and values are read from k/v (packed, like q),
-so the result matches the reference even for rows whose cache write was skipped (slot -1).
+so the result matches the reference even for rows whose cache write was skipped (slot -1). With
+an fp8 cache, a new token's earlier new tokens are read from the cache too (written before the
+kernel, so fp8-rounded), and only its own from k/v, as a decode step reads them: a chunk then
+gives what one token a step would (functional.attention.reference_attention does the same).
 
   q: [T, heads, head_dim], k/v: [T, kv_heads, head_dim], out: [T, heads, head_dim]
   k_cache/v_cache: [num_blocks, PAGE, kv_heads, head_dim], block_tables: [B, M] int32
@@ -23,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..state.config import FP8_DTYPES
 from .launch import dot_precision, next_pow2, runs_ptx
 from .paged import load_rows, page_rows
 
@@ -55,7 +59,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, cu_pt
                     stride_bt, stride_ot, stride_oh,
                     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, PACK: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_N: tl.constexpr, PACK: tl.constexpr, PRECISION: tl.constexpr,
+                    CHUNK_FROM_CACHE: tl.constexpr):
     """Program (pid, hp): PACK query heads hp * PACK ... of one KV head over TOK = BLOCK_M // PACK
     tokens; tile row r is token r // PACK, head r % PACK, so each K/V tile serves PACK heads."""
     scale_log2 = tl.cast(scale_log2, tl.float32)  # fp64 under torch.compile; the softmax state is fp32
@@ -94,20 +99,54 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, cu_pt
     q = load_rows(q_ptr + rows_q[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                   mask_m, mask_d, True, D_MASKED).to(dt)
 
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-
-    # 1. The cached prefix: every query sees all of it; only the last tile needs a bound.
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     head_off = kvh * HEAD_DIM
     prefix_full = (prefix // BLOCK_N) * BLOCK_N
-    for n0 in range(0, prefix_full, BLOCK_N):
+    if CHUNK_FROM_CACHE:
+        # An fp8 cache: each query's own token as computed, folded in first (its K/V then need
+        # no registers past this), and every earlier token from the cache, this step's too.
+        own_k = load_rows(k_ptr + rows_q[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+                          mask_m, mask_d, True, D_MASKED).to(dt)
+        m_i = tl.sum(q.to(tl.float32) * own_k.to(tl.float32), axis=1) * scale_log2
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+        acc = load_rows(v_ptr + rows_q[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+                        mask_m, mask_d, True, D_MASKED).to(dt).to(tl.float32)
+        # Cache tiles wholly before the tile's first own position need no mask.
+        cached_full = ((prefix + m0) // BLOCK_N) * BLOCK_N
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        cached_full = prefix_full
+
+    # 1. The cached prefix: every query sees all of it; only the last tile needs a bound.
+    for n0 in range(0, cached_full, BLOCK_N):
         rows = page_rows(bt_row, n0, offs_n, offs_n < BLOCK_N, PAGE, BLOCK_N, ROW) + head_off
         kt = load_rows(k_cache_ptr + rows[:, None] + offs_d[None, :], offs_n, mask_d, False, D_MASKED)
         vt = load_rows(v_cache_ptr + rows[:, None] + offs_d[None, :], offs_n, mask_d, False, D_MASKED)
         acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, q, kt.to(dt), vt.to(dt), mask_m[:, None],
                                              scale_log2, False, PRECISION)
+    if CHUNK_FROM_CACHE:
+        # The rest before each row's own position, masked by it.
+        end = prefix + tl.minimum(q_len, m0 + TOK) - 1  # the last row's own position
+        own_pos = prefix + tok
+        for n0 in range(cached_full, end, BLOCK_N):
+            pos = n0 + offs_n
+            mask_n = pos < end
+            rows = page_rows(bt_row, n0, offs_n, mask_n, PAGE, BLOCK_N, ROW) + head_off
+            kt = load_rows(k_cache_ptr + rows[:, None] + offs_d[None, :], mask_n, mask_d, True,
+                           D_MASKED)
+            vt = load_rows(v_cache_ptr + rows[:, None] + offs_d[None, :], mask_n, mask_d, True,
+                           D_MASKED)
+            valid = pos[None, :] < own_pos[:, None]
+            acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, q, kt.to(dt), vt.to(dt), valid,
+                                                 scale_log2, True, PRECISION)
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + rows_q[:, None] * stride_ot + head[:, None] * stride_oh
+                 + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=mask_m[:, None] & mask_d[None, :])
+        return
+
     if prefix_full < prefix:
         mask_n = (prefix_full + offs_n) < prefix
         rows = page_rows(bt_row, prefix_full, offs_n, mask_n, PAGE, BLOCK_N, ROW) + head_off
@@ -194,6 +233,6 @@ def varlen_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         block_tables.stride(0), out.stride(0), out.stride(1),
         KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), PAGE=page,
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], PACK=pack,
-        PRECISION=dot_precision(q.dtype), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        PRECISION=dot_precision(q.dtype), CHUNK_FROM_CACHE=k_cache.dtype in FP8_DTYPES,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
