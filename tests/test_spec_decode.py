@@ -512,3 +512,26 @@ def test_fp8_kv_cache_outputs_equal_the_plain_engines(tmp_path_factory, device, 
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got == want
     assert llm.stats.spec_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(method="ngram", num_speculative_tokens=0, prompt_lookup_max=3, prompt_lookup_min=1),
+     "num_speculative_tokens must be an integer >= 1"),
+    (dict(method="ngram", num_speculative_tokens=4, prompt_lookup_max=1, prompt_lookup_min=3),
+     "prompt_lookup_min \\(3\\) must be <= prompt_lookup_max \\(1\\)"),
+    (dict(method="eagle", num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1),
+     "method must be one of"),
+    (dict(method="draft_model", num_speculative_tokens=2, prompt_lookup_max=0,
+          prompt_lookup_min=0, model=None), "needs \"model\""),
+])
+def test_a_speculative_config_object_is_checked_as_its_dict_is(fields, match):
+    """LLM(speculative_config=SpeculativeConfig(...)) is refused where the same dict is, before
+    an engine starts (an instance used to pass unchecked: k = 0 and min > max ran without
+    drafting, "eagle" ran n-gram, a draft model without a model died in an AttributeError)."""
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig.create(SpeculativeConfig(**fields))
+    ok = SpeculativeConfig.create(SpeculativeConfig("ngram", 3, 4, 2))
+    assert (ok.method, ok.num_speculative_tokens, ok.prompt_lookup_max, ok.prompt_lookup_min) == \
+        ("ngram", 3, 4, 2)
+    draft = SpeculativeConfig.create(SpeculativeConfig("draft_model", 2, 0, 0, model="d"))
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "d", 2)

@@ -66,7 +66,18 @@ class SpeculativeConfig:
         if config is None:
             return None
         if isinstance(config, SpeculativeConfig):
-            return config
+            # A hand-built instance is checked as its dict is (it skipped every check: k = 0,
+            # min > max and unknown methods ran); the draft's ModelConfig is read again by
+            # EngineConfig.create.
+            fields = {"method": config.method,
+                      "num_speculative_tokens": config.num_speculative_tokens}
+            if config.model is not None:
+                fields["model"] = config.model
+            if config.method != "draft_model" or config.prompt_lookup_max or \
+                    config.prompt_lookup_min:
+                fields |= {"prompt_lookup_max": config.prompt_lookup_max,
+                           "prompt_lookup_min": config.prompt_lookup_min}
+            config = fields
         if not isinstance(config, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(config).__name__}")
         known = {"method", "model", "num_speculative_tokens", "prompt_lookup_max",
