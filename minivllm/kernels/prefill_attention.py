@@ -141,45 +141,42 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, cu_pt
             valid = pos[None, :] < own_pos[:, None]
             acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, q, kt.to(dt), vt.to(dt), valid,
                                                  scale_log2, True, PRECISION)
-        out = acc / l_i[:, None]
-        tl.store(out_ptr + rows_q[:, None] * stride_ot + head[:, None] * stride_oh
-                 + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=mask_m[:, None] & mask_d[None, :])
-        return
+    else:
+        if prefix_full < prefix:
+            mask_n = (prefix_full + offs_n) < prefix
+            rows = page_rows(bt_row, prefix_full, offs_n, mask_n, PAGE, BLOCK_N, ROW) + head_off
+            kt = load_rows(k_cache_ptr + rows[:, None] + offs_d[None, :], mask_n, mask_d, True,
+                           D_MASKED)
+            vt = load_rows(v_cache_ptr + rows[:, None] + offs_d[None, :], mask_n, mask_d, True,
+                           D_MASKED)
+            acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, q, kt.to(dt), vt.to(dt),
+                                                 mask_n[None, :], scale_log2, True, PRECISION)
 
-    if prefix_full < prefix:
-        mask_n = (prefix_full + offs_n) < prefix
-        rows = page_rows(bt_row, prefix_full, offs_n, mask_n, PAGE, BLOCK_N, ROW) + head_off
-        kt = load_rows(k_cache_ptr + rows[:, None] + offs_d[None, :], mask_n, mask_d, True, D_MASKED)
-        vt = load_rows(v_cache_ptr + rows[:, None] + offs_d[None, :], mask_n, mask_d, True, D_MASKED)
-        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, q, kt.to(dt), vt.to(dt), mask_n[None, :],
-                                             scale_log2, True, PRECISION)
-
-    # 2. This step's tokens, causal. Key tiles that end at or before the tile's first token need
-    # no mask.
-    k_base = k_ptr + q_start.to(tl.int64) * stride_kt + kvh * stride_kh
-    v_base = v_ptr + q_start.to(tl.int64) * stride_vt + kvh * stride_vh
-    unmasked_end = (m0 // BLOCK_N) * BLOCK_N
-    for n0 in range(0, unmasked_end, BLOCK_N):
-        rows_k = (n0 + offs_n).to(tl.int64)
-        kt = load_rows(k_base + rows_k[:, None] * stride_kt + offs_d[None, :], offs_n, mask_d, False,
-                       D_MASKED)
-        vt = load_rows(v_base + rows_k[:, None] * stride_vt + offs_d[None, :], offs_n, mask_d, False,
-                       D_MASKED)
-        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, q, kt.to(dt), vt.to(dt),
-                                             mask_m[:, None], scale_log2, False, PRECISION)
-    end = tl.minimum(q_len, m0 + TOK)
-    for n0 in range(unmasked_end, end, BLOCK_N):
-        cols = n0 + offs_n
-        mask_n = cols < q_len
-        rows_k = cols.to(tl.int64)
-        kt = load_rows(k_base + rows_k[:, None] * stride_kt + offs_d[None, :], mask_n, mask_d, True,
-                       D_MASKED)
-        vt = load_rows(v_base + rows_k[:, None] * stride_vt + offs_d[None, :], mask_n, mask_d, True,
-                       D_MASKED)
-        valid = (cols[None, :] <= tok[:, None]) & mask_n[None, :]
-        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, q, kt.to(dt), vt.to(dt), valid,
-                                             scale_log2, True, PRECISION)
+        # 2. This step's tokens, causal. Key tiles that end at or before the tile's first token
+        # need no mask.
+        k_base = k_ptr + q_start.to(tl.int64) * stride_kt + kvh * stride_kh
+        v_base = v_ptr + q_start.to(tl.int64) * stride_vt + kvh * stride_vh
+        unmasked_end = (m0 // BLOCK_N) * BLOCK_N
+        for n0 in range(0, unmasked_end, BLOCK_N):
+            rows_k = (n0 + offs_n).to(tl.int64)
+            kt = load_rows(k_base + rows_k[:, None] * stride_kt + offs_d[None, :], offs_n, mask_d,
+                           False, D_MASKED)
+            vt = load_rows(v_base + rows_k[:, None] * stride_vt + offs_d[None, :], offs_n, mask_d,
+                           False, D_MASKED)
+            acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, q, kt.to(dt), vt.to(dt),
+                                                 mask_m[:, None], scale_log2, False, PRECISION)
+        end = tl.minimum(q_len, m0 + TOK)
+        for n0 in range(unmasked_end, end, BLOCK_N):
+            cols = n0 + offs_n
+            mask_n = cols < q_len
+            rows_k = cols.to(tl.int64)
+            kt = load_rows(k_base + rows_k[:, None] * stride_kt + offs_d[None, :], mask_n, mask_d,
+                           True, D_MASKED)
+            vt = load_rows(v_base + rows_k[:, None] * stride_vt + offs_d[None, :], mask_n, mask_d,
+                           True, D_MASKED)
+            valid = (cols[None, :] <= tok[:, None]) & mask_n[None, :]
+            acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, q, kt.to(dt), vt.to(dt), valid,
+                                                 scale_log2, True, PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows_q[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
