@@ -56,6 +56,8 @@
 #       utilization 0.3 stays under it, prefill graphs on and off (session 29's call 3 also ran
 #       the throughput run with an fp8 cache: in 9968491)
 #   bash benchmarks/gpu_checks.sh fp8_ab  # nvidia-h200: throughput, bf16 and fp8 cache alternating
+#   bash benchmarks/gpu_checks.sh fp8_cache  # nvidia-h200 or nvidia-h100-x1: the fp8 KV cache's GPU
+#       tests (session 59: every token before a query read from the cache)
 #   bash benchmarks/gpu_checks.sh sync  # nvidia-h200: decode steps never synchronize but to read
 #       their tokens (sync debug mode), bf16 and fp8 caches
 #   bash benchmarks/gpu_checks.sh sync engine_tests  # modes given together run in turn, in one
@@ -649,11 +651,24 @@ fp8_ab)
   # 31: the fp8 run at 41% of its floor is likely bound by the host at large batches).
   for run in ${RUNS:-1_bf16 2_fp8 3_bf16 4_fp8}; do
     dtype=auto kv_bytes=2; [ "${run##*_}" = fp8 ] && dtype=fp8 kv_bytes=1
-    step "bench_$run" 250 python3 -m minivllm bench --shape qwen3-0.6b --kv-cache-dtype $dtype \
+    [ $(( BUDGET_S - SECONDS )) -lt 60 ] && break
+    step "bench_$run" $(left_or 250) python3 -m minivllm bench --shape qwen3-0.6b --kv-cache-dtype $dtype \
       --json "$RESULTS/bench_$run.json" --step-times "$OUT/steps_$run.json"
     python3 benchmarks/step_floor.py "$OUT/steps_$run.json" --kv-bytes $kv_bytes | \
       tee -a "$OUT/logs.txt"
   done
+  ;;
+fp8_cache)
+  # nvidia-h200 or nvidia-h100-x1 (<= 560 s): session 59 made the reference backend and the Triton
+  # prefill kernel read every token before a query from an fp8 cache (this step's too, written
+  # before attention), as decoding reads them. Its GPU tests first: the fp8 cache against its
+  # oracle (one token a step over a cache rounded after each), the graphs against eager with an
+  # fp8 cache, speculation over an fp8 cache against the plain engine. Its prompt steps changed:
+  # the throughput runs follow in the same budget with `RUNS="1_fp8 2_bf16" ... fp8_cache fp8_ab`.
+  STEP_LOG=$OUT/tests.txt step fp8_tests $(left_or 240) python3 -m pytest $PYTEST_ARGS \
+    tests/test_fp8_cache.py "tests/test_gpu_graphs.py::test_graphs_and_async_scheduling_equal_eager[bfloat16-fp8-cache]" \
+    "tests/test_spec_decode.py::test_fp8_kv_cache_outputs_equal_the_plain_engines" \
+    "tests/test_draft_model.py::test_self_draft_over_an_fp8_cache_accepts_every_draft"
   ;;
 host_ab)
   # nvidia-h200 (<= 590 s on a fresh machine): host cuts against OLD (an unpacked tree: git
