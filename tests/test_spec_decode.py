@@ -137,15 +137,16 @@ def test_verification_graphs_give_identical_outputs(base, demo_dir, device, conf
 def test_more_rows_than_sequences_are_sampled_in_slices(base, demo_dir, device, monkeypatch):
     """At max_num_seqs 2 and k = 4 a verification step samples up to 10 rows: max_num_seqs at a
     time (the memory start-up set aside for sampling) where a row's sampling allocates the
-    logits' size (logprobs, top-k/p, penalties), all at once where none does (greedy, plain
-    temperature: slices would only cost launches). Outputs, logprobs included, equal the
-    engine's without speculation."""
+    logits' size (logprobs, top-k/p, penalties), all at once where none does (plain
+    temperature: slices would only cost launches), and by their arg-max with no sampling batch
+    where every row is plain greedy. Outputs, logprobs included, equal the engine's without
+    speculation."""
     from minivllm.runtime import runner as runner_module
 
     sliced, real = [], runner_module.sample_in_slices
 
-    def recorded(logits, batches, size):
-        sliced.append((logits.shape[0], len(batches), size))
+    def recorded(logits, batches, size):  # n: batches, 0 for the arg-max (None)
+        sliced.append((logits.shape[0], 0 if batches is None else len(batches), size))
         return real(logits, batches, size)
     monkeypatch.setattr(runner_module, "sample_in_slices", recorded)
     llm = make_llm(demo_dir, device, speculative_config=spec(4, 3, 1), max_num_seqs=2)
@@ -153,16 +154,19 @@ def test_more_rows_than_sequences_are_sampled_in_slices(base, demo_dir, device, 
              for i in range(len(PROMPTS))]  # slices with logprobs and without, joined
     light = [SamplingParams(temperature=t, seed=i, max_tokens=30)
              for i, t in enumerate([0, 0.8] * len(PROMPTS))][:len(PROMPTS)]
-    for params, heavy in [(p, None) for p in cases(base)] + [(mixed, True), (light, False)]:
+    greedy = SamplingParams(temperature=0, max_tokens=30)
+    for params, kind in [(p, None) for p in cases(base)] + [
+            (mixed, "heavy"), (light, "light"), (greedy, "greedy")]:
         sliced.clear()
         assert_same(base.generate(PROMPTS, params, use_tqdm=False),
                     llm.generate(PROMPTS, params, use_tqdm=False))
         mine = [(rows, n) for rows, n, size in sliced if size == 2 and rows > 2]  # not base's
-        if heavy is not None:
+        if kind is not None:
             assert mine, "no step sampled more rows than max_num_seqs"
-            # the mixed case: steps of only greedy rows without logprobs come whole
-            assert all(n in (1, -(-rows // 2)) for rows, n in mine), mine
-            assert any(n > 1 for _, n in mine) == heavy, mine
+            # the mixed case: steps of only greedy rows without logprobs take the arg-max
+            assert all(n in (0, 1, -(-rows // 2)) for rows, n in mine), mine
+            assert any(n > 1 for _, n in mine) == (kind == "heavy"), mine
+            assert all(n == 0 for _, n in mine) == (kind == "greedy"), mine
     assert llm.stats.spec_accepted_tokens > 0
 
 

@@ -229,12 +229,15 @@ class PendingStep:
         return StepResult(token_ids=token_ids, logprobs=logprobs, scores=scores, pooled=pooled)
 
 
-def sample_in_slices(logits: torch.Tensor, batches: list[SamplingBatch], size: int
+def sample_in_slices(logits: torch.Tensor, batches: list[SamplingBatch] | None, size: int
                      ) -> SampleOutput:
     """sample() over logits' rows [B, vocab], `size` rows at a time, batches[i] the i-th slice's
     (of one num_logprobs: their top-N columns are joined). A row's draw reads its own row only
     (its seed and step), so this is sample() over all the rows at once, at the memory of `size`
-    rows."""
+    rows. batches None: every row is plain greedy (plain_greedy), whose token sample() takes as
+    the arg-max of the logits as they are: that, with no sampling batch built."""
+    if batches is None:
+        return SampleOutput(token_ids=logits.argmax(dim=-1))
     if len(batches) == 1:
         return sample(logits, batches[0])
     outs = [sample(logits[i * size:(i + 1) * size], sb) for i, sb in enumerate(batches)]
@@ -883,7 +886,7 @@ class ModelRunner:
                            hidden_size=self.model_config.hidden_size,
                            embeds_dtype=self.params.embed.dtype)
         # Built before the forward is queued, for the same reason as in _run_decode_graph.
-        sbs = self._sampling_batches(step) if step.rows else None
+        sbs = self._sampling_batches(step)
         self._feed_back(batch.input_ids, step)
         fn = self.prefill_forward
         if self.small_decode_forward is not None and batch.is_decode and \
@@ -902,7 +905,7 @@ class ModelRunner:
             logits, cache = fn(self.params, cache, batch, self.backend)
             if step.scored is not None or step.pooled:
                 logits, scores, pooled = logits
-            out = sample_in_slices(logits, sbs, self.config.max_num_seqs) if sbs else None
+            out = sample_in_slices(logits, sbs, self.config.max_num_seqs) if step.rows else None
         return out, scores, pooled, cache
 
     def _extra_head(self, step: StepInput):
@@ -934,12 +937,14 @@ class ModelRunner:
         # All rows plain greedy, in a graph that picks their arg-max itself: no sampling batch,
         # nothing launched after the replay (the tokens are a view of the graph's static buffer,
         # read in stream order before the next replay rewrites it).
-        greedy = self.graphs.picks_greedy(b) and all(map(plain_greedy, step.rows))
+        plain = all(map(plain_greedy, step.rows))
+        greedy = plain and self.graphs.picks_greedy(b)
         with trace_range("prepare_decode"):
             chunks = decode_columns(step.chunks)
             # The sampling batch's copies go first: queued behind the replay, copies from pageable
             # memory would make the host wait for the whole forward before sampling could start.
-            sb = None if greedy else self._sampling_batch(step)
+            # Plain greedy rows need none (their arg-max, in the graph or after it).
+            sb = None if plain else self._sampling_batch(step)
             # After a step that took the graph's pick, the pick is in the input ids already:
             # when every row's token comes back to its own row, they need no copy.
             keep_ids = ids_in_graph and step.fed_back == same_rows(b)
@@ -952,7 +957,7 @@ class ModelRunner:
             self.ids_in_graph = True
             return SampleOutput(token_ids=self.graphs.greedy_tokens[:b])
         with trace_range("sample"):
-            return sample(logits, sb)
+            return sample_in_slices(logits, None if plain else [sb], b)
 
     def _sampling_batch(self, step: StepInput) -> SamplingBatch:
         """The step's sampling batch. When its rows are the very objects of the last batch's, in
@@ -968,14 +973,19 @@ class ModelRunner:
         self.last_sampling = (rows, sb)
         return sb
 
-    def _sampling_batches(self, step: StepInput) -> list[SamplingBatch]:
-        """The step's sampling batch; for a step of more rows than max_num_seqs (a speculative
+    def _sampling_batches(self, step: StepInput) -> list[SamplingBatch] | None:
+        """What sample_in_slices takes for the step's rows: None where there are none, or where
+        every row is plain greedy (their arg-max; a greedy speculative step's verification rows,
+        k + 1 a sequence, are new rows every step: their batch was built and sent each time).
+        Else the step's sampling batch; for a step of more rows than max_num_seqs (a speculative
         step's, a row per logits row: up to (k + 1) * max_num_seqs) whose sampling allocates
         temporaries of the logits' size (needs_vocab_rows: penalties, top-k/p, logprobs), one
         batch per max_num_seqs rows, sampled in turn (sample_in_slices): start-up set aside
         sampling's memory at max_num_seqs rows (_sampling_footprint), which all the rows at once
         would outgrow. Greedy and plain temperature rows are sampled at once: slices would only
         add launches and host work (at max_num_seqs 2, bench's single stream, three a step)."""
+        if not step.rows or all(map(plain_greedy, step.rows)):
+            return None
         size = self.config.max_num_seqs
         if len(step.rows) <= size:
             return [self._sampling_batch(step)]
@@ -1002,12 +1012,12 @@ class ModelRunner:
         """A step with prompt tokens replayed from a prefill graph, padded to its shape."""
         with trace_range("prepare_prefill"):
             # Before the replay, as in _run_decode_graph: the sampling batch's copies.
-            sbs = self._sampling_batches(step) if step.rows else None
+            sbs = self._sampling_batches(step)
             n = graph.fill(step.chunks)
             self._feed_back(graph.batch.input_ids, step)
         with trace_range("replay"):
             logits = graph.replay(n)
-        return sample_in_slices(logits, sbs, self.config.max_num_seqs) if sbs else None
+        return sample_in_slices(logits, sbs, self.config.max_num_seqs) if step.rows else None
 
     def _graph_step(self, step: StepInput) -> bool:
         chunks = step.chunks
