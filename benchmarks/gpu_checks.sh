@@ -40,7 +40,7 @@
 #       draft accepted: the best case) and with n-gram (random weights: mostly the
 #       overhead), k=4, while time is left; then the 8B shape with a random 0.6B draft and
 #       without (LAT_RUNS picks the runs, each name ending in _base, _self, _ngram, _8b_draft or
-#       _8b_base; SPEC_TESTS=0 skips the tests)
+#       _8b_base; SPEC_TESTS=0 skips the tests; SPEC_TRACE=1 traces each run and summarizes it)
 #   bash benchmarks/gpu_checks.sh wide  # nvidia-h200 or nvidia-h100-x1: why wider dense models'
 #       single stream runs far from its floor (8B at ~57% on the H100, session 56): the decode
 #       GEMMs of the 1.7B, 4B and 8B shapes at 1-2 rows, cuBLAS, the skinny GEMM's default and
@@ -419,11 +419,20 @@ spec)
   [ "${SPEC_TESTS:-1}" = 1 ] && STEP_LOG=$OUT/tests.txt step spec_tests $(left_or 330) \
     python3 -m pytest $PYTEST_ARGS tests/test_draft_model.py tests/test_spec_decode.py \
     tests/test_logprobs_mode.py -k gpu
+  # SPEC_TRACE=1: each run traced (bench --trace: 8 of the last stream's steps, the profiler on,
+  # so its tok/s is not comparable), the trace summarized into logs.txt by kernel and by the
+  # host's named ranges and CUDA calls, then deleted.
   for run in ${LAT_RUNS-1_base 2_self 3_ngram 4_8b_draft 5_8b_base}; do
     [ $(( BUDGET_S - SECONDS )) -lt 120 ] && break
     spec_flags "$run"
+    trace=(); [ "${SPEC_TRACE:-0}" = 1 ] && trace=(--trace "/tmp/trace_spec_$run.json")
     step "latency_spec_$run" $(left_or 200) python3 -m minivllm bench "${FLAGS[@]}" --latency \
-      --json "$RESULTS/latency_spec_$run.json"
+      "${trace[@]}" --json "$RESULTS/latency_spec_$run.json"
+    if [ -f "/tmp/trace_spec_$run.json" ]; then
+      python3 benchmarks/trace_summary.py "/tmp/trace_spec_$run.json" --top 30 | \
+        tee -a "$OUT/logs.txt"
+      rm -f "/tmp/trace_spec_$run.json"
+    fi
   done
   ;;
 lora)

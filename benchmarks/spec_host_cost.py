@@ -41,8 +41,13 @@ def one_hot_logits(ids: torch.Tensor) -> torch.Tensor:
 
 
 def stub(llm) -> None:
-    """The runner's decode and verification graphs, each replay a one-hot of the next token."""
+    """The runner's decode and verification graphs, each replay a one-hot of the next token (and
+    the prompt step's forward: the stream stays on the cycle from its first token)."""
     r = llm.engine.runner
+
+    def prefill_forward(params, cache, batch, backend, **kw):  # the prompt's step
+        return one_hot_logits(batch.input_ids[batch.logits_indices]), cache
+    r.prefill_forward = prefill_forward
     g = DecodeGraphs(r.params, r.cache, r.backend, max_num_seqs=r.config.max_num_seqs,
                      max_blocks_per_seq=ceil_div(r.config.max_model_len, r.block_size),
                      compile_forward=False)

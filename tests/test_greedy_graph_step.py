@@ -1,6 +1,6 @@
 """A decode step whose rows are all plain greedy takes the arg-max that the decode graph picks
-itself (DecodeGraphs.greedy_tokens) and builds no sampling batch; any other step samples as
-before. On CPU there are no CUDA graphs, so the graphs here replay their function eagerly
+itself (DecodeGraphs.greedy_tokens) where its bucket picks, else the logits' arg-max after the
+replay, and builds no sampling batch either way; any other step samples as before. On CPU there are no CUDA graphs, so the graphs here replay their function eagerly
 (DecodeGraphs._decode, which is what capture records); tests/test_gpu_graphs.py has the captured
 graphs. The oracle is transformers' greedy decoding."""
 
@@ -38,7 +38,7 @@ def eager_graphs(llm, greedy_rows: int, monkeypatch, head_picks: bool = True) ->
                           max_blocks_per_seq=8, compile_forward=False)
     assert graphs.head_picks  # hidden 64 in fp32 fits the head kernel
     graphs.greedy_rows, graphs.head_picks = greedy_rows, head_picks
-    counts = {"replays": 0, "sampling_batches": 0}
+    counts = {"replays": 0, "sampling_batches": 0, "argmax_after": 0}
 
     def replay(b):
         counts["replays"] += 1
@@ -49,6 +49,13 @@ def eager_graphs(llm, greedy_rows: int, monkeypatch, head_picks: bool = True) ->
     # A step's sampling batch is built afresh, or the last one's with new steps (with_steps).
     for name in ("make_sampling_batch", "with_steps"):
         monkeypatch.setattr(runner_module, name, counting(getattr(runner_module, name), counts))
+    # A step of plain greedy rows without the graph's pick: the arg-max of its logits.
+    sample_in_slices = runner_module.sample_in_slices
+
+    def counting_slices(logits, batches, size):
+        counts["argmax_after"] += batches is None
+        return sample_in_slices(logits, batches, size)
+    monkeypatch.setattr(runner_module, "sample_in_slices", counting_slices)
     return counts
 
 
@@ -73,18 +80,19 @@ def test_plain_greedy_steps_take_the_graphs_pick(tiny_dir, hf_model, monkeypatch
 
     # One and two sequences: every decode step is a graph step of a bucket that picks.
     for batch in ([prompts[0]], prompts[:2]):
-        counts.update(replays=0, sampling_batches=0)
+        counts.update(replays=0, sampling_batches=0, argmax_after=0)
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want[:len(batch)]
         assert counts["replays"] >= MAX_TOKENS - 1
-        # Only the prefill steps built a sampling batch (one or two of them, not one a step).
-        assert counts["sampling_batches"] <= len(batch)
+        # No step built a sampling batch; only the prompt steps (one or two) took the arg-max
+        # after their forward.
+        assert counts["sampling_batches"] == 0 and counts["argmax_after"] <= len(batch)
 
-    # Three sequences: bucket 4 does not pick, so every step samples.
-    counts.update(replays=0, sampling_batches=0)
+    # Three sequences: bucket 4 does not pick, so every step takes the arg-max after the replay.
+    counts.update(replays=0, sampling_batches=0, argmax_after=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
-    assert counts["sampling_batches"] >= MAX_TOKENS
+    assert counts["sampling_batches"] == 0 and counts["argmax_after"] >= MAX_TOKENS
 
     # Greedy with logprobs is not plain: it samples, and its logprobs are there.
     counts.update(replays=0, sampling_batches=0)
