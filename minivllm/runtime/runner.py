@@ -975,8 +975,9 @@ class ModelRunner:
 
     def _sampling_batches(self, step: StepInput) -> list[SamplingBatch] | None:
         """What sample_in_slices takes for the step's rows: None where there are none, or where
-        every row is plain greedy (their arg-max; a greedy speculative step's verification rows,
-        k + 1 a sequence, are new rows every step: their batch was built and sent each time).
+        every row is plain greedy (their arg-max: a greedy speculative step's verification rows,
+        k + 1 a sequence, are new rows every step, whose batch would be built and sent each time
+        for the arg-max alone).
         Else the step's sampling batch; for a step of more rows than max_num_seqs (a speculative
         step's, a row per logits row: up to (k + 1) * max_num_seqs) whose sampling allocates
         temporaries of the logits' size (needs_vocab_rows: penalties, top-k/p, logprobs), one
