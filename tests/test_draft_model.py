@@ -147,6 +147,34 @@ def test_self_draft_over_an_fp8_cache_accepts_every_draft(paths, device):
     assert all_accepted(llm.stats), llm.stats
 
 
+def test_a_steps_tokens_are_on_their_way_before_the_drafts_mirror(paths, base, device,
+                                                                   monkeypatch):
+    """runner.launch queues the step's token copies and their event (PendingStep) before the
+    draft's mirror of the step, so that reading the tokens does not wait for the mirror: the
+    host records them and schedules the next step while it runs (on the GPU; the next draft
+    round follows it in stream order). Every step with a draft model: pending, then mirror."""
+    from minivllm.runtime import runner as runner_module
+
+    want = ids(base.generate(PROMPTS, GREEDY, use_tqdm=False))
+    order = []
+    real_pending = runner_module.PendingStep
+
+    def pending(*args, **kwargs):
+        order.append("pending")
+        return real_pending(*args, **kwargs)
+    monkeypatch.setattr(runner_module, "PendingStep", pending)
+    llm = make_llm(paths["target"], device, speculative_config=draft(paths["target"]))
+    real_mirror = llm.engine.runner._mirror
+
+    def mirror(*args, **kwargs):
+        order.append("mirror")
+        return real_mirror(*args, **kwargs)
+    monkeypatch.setattr(llm.engine.runner, "_mirror", mirror)
+    assert ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
+    assert order and order == ["pending", "mirror"] * (len(order) // 2)
+    assert all_accepted(llm.stats), llm.stats
+
+
 SAMPLED = [
     GREEDY,
     SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True),

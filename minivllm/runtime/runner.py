@@ -1040,10 +1040,14 @@ class ModelRunner:
                 out = self._run_prefill_graph(graph, step)
         else:
             out, scores, pooled, self.cache = self._run(self.cache, step)
+        pending = PendingStep(step.rows, out, self.device, scores, step.scored, pooled)
         if self.draft_params is not None:
+            # Queued after the tokens' copy and its event: the host reads the tokens, records
+            # them and schedules the next step while the draft's mirror runs (~a target step's
+            # time at a self-sized draft); the next step's draft rounds follow it in stream order.
             self._mirror(step, self.verify_mirrors.get(graph))
         self.last_tokens = out.token_ids if out is not None else None
-        return PendingStep(step.rows, out, self.device, scores, step.scored, pooled)
+        return pending
 
     # -- draft-model speculative decoding (runtime/spec_decode.py) --------------------------------
 
