@@ -1092,7 +1092,12 @@ class ModelRunner:
         order = sorted(range(n), key=lambda b: -counts[b])  # those still drafting: a prefix
         most = counts[order[0]]
         drafts = torch.empty((n, most), dtype=torch.int64, device=self.device)
-        current = torch.tensor([tokens[b] for b in order], dtype=torch.int64).to(self.device)
+        current = torch.tensor([tokens[b] for b in order], dtype=torch.int64)
+        if self.device.type == "cuda":
+            # Pinned: a copy from pageable memory would make the host wait here for the work
+            # queued before it (the last step's mirror) instead of queueing the rounds behind it.
+            current = current.pin_memory()
+        current = current.to(self.device, non_blocking=True)
         with torch.no_grad():
             for r in range(most):
                 rows = [b for b in order if counts[b] > r]
