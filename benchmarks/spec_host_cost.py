@@ -5,9 +5,9 @@ off, so each step's host work (schedule, propose, the step's inputs, sampling ba
 launch, the tokens' read-back and their recording) adds to the device's time instead of hiding
 under it. This runs the engine's GPU path on the CPU with the forward stubbed: the decode graphs
 and the verification graphs are the runner's own (DecodeGraphs, _make_verify_graphs), their
-replays replaced by logits whose arg-max is the next token of a cycle, so a prompt that repeats
-the cycle has every n-gram draft accepted (the step shape of a repetitive stream). Sampling runs
-for real.
+replays (and the prompt step's forward) replaced by logits whose arg-max is the next token of a
+cycle, so a prompt that repeats the cycle has every n-gram draft accepted (the step shape of a
+repetitive stream). Sampling runs for real.
 
 usage: python benchmarks/spec_host_cost.py [--k 4] [--tokens 256] [--prof] [--runs 5]
 """
@@ -79,8 +79,8 @@ def make(model_dir, k: int):
 
 
 def run(llm, tokens: int):
-    """Host ms a step of one stream of `tokens` greedy tokens after a cyclic 512-token prompt
-    (its prompt step excluded), and the acceptance."""
+    """Host ms of each step of one stream of `tokens` greedy tokens after a cyclic 512-token
+    prompt (its prompt step excluded)."""
     eng = llm.engine
     prompt = [FIRST + i % PERIOD for i in range(512)]
     eng.add_requests([{"prompt_token_ids": prompt}],
