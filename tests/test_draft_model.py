@@ -152,7 +152,8 @@ def test_a_steps_tokens_are_on_their_way_before_the_drafts_mirror(paths, base, d
     """runner.launch queues the step's token copies and their event (PendingStep) before the
     draft's mirror of the step, so that reading the tokens does not wait for the mirror: the
     host records them and schedules the next step while it runs (on the GPU; the next draft
-    round follows it in stream order). Every step with a draft model: pending, then mirror."""
+    round follows it in stream order). Every mirror comes right after its step's pending; steps
+    of verification chunks only have none."""
     from minivllm.runtime import runner as runner_module
 
     want = ids(base.generate(PROMPTS, GREEDY, use_tqdm=False))
@@ -171,7 +172,46 @@ def test_a_steps_tokens_are_on_their_way_before_the_drafts_mirror(paths, base, d
         return real_mirror(*args, **kwargs)
     monkeypatch.setattr(llm.engine.runner, "_mirror", mirror)
     assert ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
-    assert order and order == ["pending", "mirror"] * (len(order) // 2)
+    assert order[0] == "pending" and "mirror" in order
+    assert all(order[i - 1] == "pending" for i, x in enumerate(order) if x == "mirror")
+    assert all_accepted(llm.stats), llm.stats
+
+
+def test_verification_only_steps_are_not_mirrored_and_catch_up_writes_the_last_draft(
+        paths, base, device, monkeypatch):
+    """A step whose every chunk verifies drafts [t, d1..dk] is not mirrored: propose's rounds
+    wrote the draft K/V of t, d1..d(k-1) at their positions already. Only dk's is missing, and
+    only matters where every draft was accepted (elsewhere its slot lies past the sequence's
+    length): catch_up writes it, one draft round over those sequences. Any other step is
+    mirrored. With the target as its own draft every draft is then still accepted (here and in
+    the self-draft tests above, prefix-cache hits, preemption, chunked prefill and an fp8 cache
+    among them; without catch_up they fail)."""
+    from minivllm.state.batch import is_verification_step
+
+    want = ids(base.generate(PROMPTS, GREEDY, use_tqdm=False))
+    llm = make_llm(paths["target"], device, speculative_config=draft(paths["target"]))
+    runner, steps, caught = llm.engine.runner, [], []
+    launch, mirror, catch_up = runner.launch, runner._mirror, runner.catch_up
+
+    def recorded_launch(step):
+        steps.append([is_verification_step(step.chunks), False])
+        return launch(step)
+
+    def recorded_mirror(*args, **kwargs):
+        steps[-1][1] = True
+        return mirror(*args, **kwargs)
+
+    def recorded_catch_up(tokens, positions, tables):
+        caught.append((steps[-1][0], list(positions)))
+        return catch_up(tokens, positions, tables)
+    monkeypatch.setattr(runner, "launch", recorded_launch)
+    monkeypatch.setattr(runner, "_mirror", recorded_mirror)
+    monkeypatch.setattr(runner, "catch_up", recorded_catch_up)
+    assert ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
+    assert all(mirrored != verifying for verifying, mirrored in steps), steps
+    # steps of both kinds, and catch_up called after verification-only steps
+    assert any(verifying for verifying, _ in steps) and not all(v for v, _ in steps)
+    assert any(verifying for verifying, _ in caught)
     assert all_accepted(llm.stats), llm.stats
 
 
@@ -223,9 +263,11 @@ def test_verification_graphs_and_the_drafts_mirrors(paths, base, device, name):
     assert (s.spec_drafts, s.spec_draft_tokens, s.spec_accepted_per_pos) == \
         (e.spec_drafts, e.spec_draft_tokens, e.spec_accepted_per_pos)
     assert not ungraphed
-    # each target replay followed by its mirror's, of the same graph
-    assert [t for t, _, who in replays if who == "target"] == \
-        [t for t, _, who in replays if who == "draft"] and replays[0][2] == "target"
+    # each mirror's replay right after its step's target replay, of the same graph; steps of
+    # verification chunks only are not mirrored
+    assert replays[0][2] == "target"
+    assert all(replays[i - 1][::2] == (t, "target")
+               for i, (t, _, who) in enumerate(replays) if who == "draft")
 
 
 def test_mixed_batch_of_rows_that_may_and_may_not_draft(paths, base, device):
@@ -473,7 +515,8 @@ def test_cli_passes_a_draft_model_config(paths, device, capsys, monkeypatch):
 def test_gpu_self_draft_in_bf16_with_compiled_forward_and_graphs(paths):
     """On CUDA in bf16, the default compiled forward and CUDA graphs (the decode graphs, the
     prefill graphs; the draft's own decode graphs, captured into the target's pool, for every
-    drafted token, and its compiled forward for mirrored steps): with the target as its own
+    drafted token and catch_up's rounds, and its compiled forward for mirrored steps): with the
+    target as its own
     draft, greedy outputs equal the same engine's without speculation, and nearly every draft is
     accepted.
     Not every one: in bf16 the verification's batched chunk [t, d1..dk] and the draft's one-token
@@ -506,9 +549,6 @@ def test_gpu_self_draft_in_bf16_with_compiled_forward_and_graphs(paths):
     assert runner.verify_graphs and set(runner.verify_mirrors) == set(runner.verify_graphs)
     pool = runner.prefill_graphs[0].graph.pool()
     assert all(g.graph.pool() == pool for g in runner._captured_steps())
-    mirrored = []
-    for mirror in runner.verify_mirrors.values():
-        mirror.replay = lambda n, m=mirror, r=mirror.replay: mirrored.append(m) or r(n)
     ungraphed = ungraphed_verifications(runner)
     got = ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     for i, (g, w) in enumerate(zip(got, want)):
@@ -520,4 +560,6 @@ def test_gpu_self_draft_in_bf16_with_compiled_forward_and_graphs(paths):
     assert sum(replayed) >= stats.spec_draft_tokens
     acceptance = stats.spec_accepted_tokens / stats.spec_draft_tokens
     assert acceptance >= 0.9, (acceptance, stats)
-    assert mirrored and not ungraphed
+    # (steps of verification chunks only are not mirrored: catch_up's rounds are among the draft
+    # graphs' replays above; test_verification_graphs_and_the_drafts_mirrors has the mirrors)
+    assert not ungraphed

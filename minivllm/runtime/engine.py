@@ -1162,6 +1162,7 @@ class LLMEngine:
         sequence drops the ones after it."""
         tokens, lps = result.token_ids, result.logprobs
         kept, i = [], 0  # per sampled chunk: (seq, its tokens, their logprobs or None)
+        behind = []  # (last draft, its position, table) where every draft was accepted
         for chunk in out.sampled:
             seq = chunk.seq
             d = out.drafts.get(seq, ())
@@ -1171,9 +1172,15 @@ class LLMEngine:
                 a += 1
             self._count_draft(len(d), a)
             kept.append((seq, got[:a + 1], None if lps is None else lps[i:i + a + 1]))
+            if d and a == len(d):
+                behind.append((d[-1], chunk.start + len(d), seq.block_table))
             i += len(d) + 1
         if i != len(tokens):
             raise ValueError(f"{len(tokens)} sampled tokens for {i} sampled rows")
+        if behind and getattr(self.runner, "draft_params", None) is not None:
+            # Before any sequence ends and frees its blocks: the slot's K/V is queued ahead of
+            # whatever reuses it.
+            self.runner.catch_up(*map(list, zip(*behind)))
         got = first = self.scheduler.resolve(out, [toks[0] for _, toks, _ in kept])
         for r in range(max(len(toks) for _, toks, _ in kept)):
             if r:

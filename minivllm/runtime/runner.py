@@ -29,7 +29,8 @@ from ..functional.model import stem as model_stem
 from ..functional.sampling import (SampleOutput, SamplingBatch, SamplingRow, make_sampling_batch,
                                   needs_vocab_rows, plain_greedy, sample, with_steps)
 from ..kernels import select_backend
-from ..state.batch import DecodeChunks, SeqChunk, is_decode_step, make_batch
+from ..state.batch import (DecodeChunks, SeqChunk, is_decode_step, is_verification_step,
+                           make_batch)
 from ..state.cache import init_cache
 from ..state.config import ceil_div
 from ..state.load import copy_hf_weights_, load
@@ -407,6 +408,7 @@ class ModelRunner:
         self.prefill_graphs = []  # largest first (_capture_prefill_graphs)
         self.verify_graphs = []  # speculation's verification steps', smallest first (ditto)
         self.verify_mirrors = {}  # a verification graph -> the draft's over its inputs (ditto)
+        self.mirrored = True  # whether the last launched step was mirrored (launch, catch_up)
         self.last_tokens = None  # [rows] the last launched step's sampled ids, on the device
         self.ids_in_graph = False  # whether the graphs' input ids hold last_tokens already
         marks, outside = [], []  # per phase: device bytes in use; of them, outside the allocator
@@ -1042,10 +1044,15 @@ class ModelRunner:
             out, scores, pooled, self.cache = self._run(self.cache, step)
         pending = PendingStep(step.rows, out, self.device, scores, step.scored, pooled)
         if self.draft_params is not None:
-            # Queued after the tokens' copy and its event: the host reads the tokens, records
-            # them and schedules the next step while the draft's mirror runs (~a target step's
-            # time at a self-sized draft); the next step's draft rounds follow it in stream order.
-            self._mirror(step, self.verify_mirrors.get(graph))
+            # A step of verification chunks only is not mirrored: propose's rounds wrote the
+            # draft K/V of each chunk's tokens but its last draft, which catch_up writes where
+            # every draft was accepted (elsewhere its slot lies past the sequence's length).
+            self.mirrored = not is_verification_step(step.chunks)
+            if self.mirrored:
+                # Queued after the tokens' copy and its event: the host reads the tokens,
+                # records them and schedules the next step while the mirror runs; the next
+                # step's draft rounds follow it in stream order.
+                self._mirror(step, self.verify_mirrors.get(graph))
         self.last_tokens = out.token_ids if out is not None else None
         return pending
 
@@ -1077,14 +1084,46 @@ class ModelRunner:
             _, self.draft_cache = self.draft_forward(self.draft_params, self.draft_cache, batch,
                                                      self.draft_backend)
 
+    def _on_device(self, tokens: list[int]) -> torch.Tensor:
+        """tokens as an int64 tensor on the device, copied from pinned memory without blocking:
+        from pageable memory the host would wait for the work queued before the copy (the last
+        step's verification or mirror) instead of queueing the draft's rounds behind it."""
+        host = torch.tensor(tokens, dtype=torch.int64)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
+
+    def _draft_round(self, chunks: DecodeChunks, ids: torch.Tensor) -> torch.Tensor:
+        """One decode round of the draft over chunks' rows, their input ids `ids` [rows] on the
+        device (chunks' own ids are not read): their K/V written into the draft cache, their
+        greedy next tokens returned. Replayed from the draft's decode graphs where it has them
+        (replay_draft_round), else through its eager forward."""
+        if self.draft_graphs is not None:
+            return replay_draft_round(self.draft_graphs, chunks, ids)
+        batch = make_batch(chunks, block_size=self.block_size, device=self.device, check=False)
+        batch.input_ids.copy_(ids)
+        logits, self.draft_cache = forward(self.draft_params, self.draft_cache, batch,
+                                           self.draft_backend)
+        return logits.argmax(dim=-1)
+
+    def catch_up(self, tokens: list[int], positions: list[int], block_tables: list) -> None:
+        """After a verification step that was not mirrored (launch): the draft K/V of each
+        sequence b whose every draft was accepted, for its last draft tokens[b] at positions[b],
+        which propose's rounds did not write (the round that drafted it took the draft before
+        it). One draft round, its tokens unread; nothing where the step was mirrored."""
+        if self.mirrored or not tokens:
+            return
+        chunks = DecodeChunks([0] * len(tokens), list(positions), list(block_tables))
+        with torch.no_grad():
+            self._draft_round(chunks, self._on_device(tokens))
+
     def propose(self, tokens: list[int], positions: list[int], block_tables: list,
                 counts: list[int]) -> list[list[int]]:
         """Greedy drafts of the draft model: for each decoding sequence b, whose last token
         tokens[b] sits at positions[b] (in no cache yet) and whose block table holds slots up to
         positions[b] + counts[b], counts[b] tokens d1, d2, ...: [tokens[b]]@p -> d1, [d1]@p+1 ->
         d2, and so on, each round one decode batch of the sequences still drafting (their draft
-        K/V written at p ... p + counts[b] - 1): replayed from the draft's decode graphs where it
-        has them (replay_draft_round), else through its eager forward. The tokens stay on the
+        K/V written at p ... p + counts[b] - 1), each a _draft_round. The tokens stay on the
         device until the end."""
         n = len(tokens)
         if not n:
@@ -1092,26 +1131,13 @@ class ModelRunner:
         order = sorted(range(n), key=lambda b: -counts[b])  # those still drafting: a prefix
         most = counts[order[0]]
         drafts = torch.empty((n, most), dtype=torch.int64, device=self.device)
-        current = torch.tensor([tokens[b] for b in order], dtype=torch.int64)
-        if self.device.type == "cuda":
-            # Pinned: a copy from pageable memory would make the host wait here for the work
-            # queued before it (the last step's mirror) instead of queueing the rounds behind it.
-            current = current.pin_memory()
-        current = current.to(self.device, non_blocking=True)
+        current = self._on_device([tokens[b] for b in order])
         with torch.no_grad():
             for r in range(most):
                 rows = [b for b in order if counts[b] > r]
                 chunks = DecodeChunks([0] * len(rows), [positions[b] + r for b in rows],
                                       [block_tables[b] for b in rows])
-                if self.draft_graphs is not None:
-                    current = replay_draft_round(self.draft_graphs, chunks, current[:len(rows)])
-                else:
-                    batch = make_batch(chunks, block_size=self.block_size, device=self.device,
-                                       check=False)
-                    batch.input_ids.copy_(current[:len(rows)])
-                    logits, self.draft_cache = forward(self.draft_params, self.draft_cache,
-                                                       batch, self.draft_backend)
-                    current = logits.argmax(dim=-1)
+                current = self._draft_round(chunks, current[:len(rows)])
                 drafts[:len(rows), r] = current
         host = drafts.tolist()
         out = [[] for _ in range(n)]

@@ -23,19 +23,24 @@ engine without speculation, token for token; only the acceptance rate depends on
 The draft has its own KV cache of the target's num_blocks and block_size, indexed by the same
 block tables and slots: no second block manager. Every forward the target runs (prefill chunks,
 decodes, verification chunks, recomputes after preemption) is run on the draft too with the same
-batch (ModelRunner._mirror), so a slot's draft K/V is always that of the token whose target K/V
-the slot holds: prefix-cache hits and recomputes hold for the draft as they do for the target.
-A decoding sequence whose last token t sits at position n (in neither cache yet) drafts after the
-scheduler has grown its table for the drafts: k one-token greedy forwards of the draft, batched
-over the step's drafting sequences, [t]@n -> d1, [d1]@n+1 -> d2, ... (ModelRunner.propose);
-then the step verifies [t, d1..dk] as a chunk, and the mirror rewrites those slots' draft K/V
-with the same tokens (and adds dk's). Where the target captures decode CUDA graphs, the draft
-has decode graphs of its own, captured into the target's graph memory pool (the graphs of one
-pool replay one at a time on one stream): propose's rounds replay them, as do mirrored decode
-steps; a verification step the target replays from a verification graph (runtime/prefill_graph.py)
-is mirrored by the draft's graph over the same inputs; other mirrored steps run the draft's own
-compiled forward where the target's is compiled; elsewhere (CPU, enforce_eager) the draft runs
-eagerly.
+batch (ModelRunner._mirror), so a slot's draft K/V is that of the token whose target K/V the slot
+holds (at every position up to a sequence's length): prefix-cache hits and recomputes hold for
+the draft as they do for the target. A decoding sequence whose last token t sits at position n
+(in neither cache yet) drafts after the scheduler has grown its table for the drafts: k
+one-token greedy forwards of the draft, batched over the step's drafting sequences, [t]@n -> d1,
+[d1]@n+1 -> d2, ... (ModelRunner.propose), which write the draft K/V of t, d1..d(k-1); then the
+step verifies [t, d1..dk] as a chunk. A step of such chunks only is not mirrored (the mirror
+would rewrite those slots with the same tokens): of an accepted prefix t, d1..da only dk's K/V
+can be missing, where a = k, and ModelRunner.catch_up writes it with one more draft forward
+(LLMEngine._record_spec, before any sequence ends); past a sequence's length a slot is
+overwritten before anything reads it. A step with other chunks (prompts, rows without drafts) is
+mirrored whole. Where the target captures decode CUDA graphs, the draft has decode graphs of
+its own, captured into the target's graph memory pool (the graphs of one pool replay one at a
+time on one stream): propose's and catch_up's rounds replay them, as do mirrored decode steps;
+a mirrored verification step the target replays from a verification graph
+(runtime/prefill_graph.py) is mirrored by the draft's graph over the same inputs; other mirrored
+steps run the draft's own compiled forward where the target's is compiled; elsewhere (CPU,
+enforce_eager) the draft runs eagerly.
 """
 
 from __future__ import annotations

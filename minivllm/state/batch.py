@@ -87,6 +87,13 @@ def is_decode_step(chunks: Sequence[SeqChunk]) -> bool:
         all(len(c.token_ids) == 1 and c.want_logits for c in chunks)
 
 
+def is_verification_step(chunks: Sequence[SeqChunk]) -> bool:
+    """Whether every chunk is a speculative verification chunk: a decoding sequence's last token
+    and its drafts, with a logits row each (num_logits > 1)."""
+    return not isinstance(chunks, DecodeChunks) and bool(chunks) and \
+        all(c.num_logits > 1 for c in chunks)
+
+
 class DecodeChunks(abc.Sequence):
     """A decode step's chunks held as columns: each sequence brings one new token, at
     `positions[b]` (the tokens cached before it), and wants its logits. The engine builds a
