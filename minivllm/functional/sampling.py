@@ -36,6 +36,7 @@ import attrs
 import numpy as np
 import torch
 
+from ..state.batch import host_to_device
 from ..state.pytree import pytree_class, static
 
 
@@ -226,21 +227,13 @@ def _as_int64(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-def _to_device(host: torch.Tensor, device) -> torch.Tensor:
-    """Pinned and non-blocking on CUDA: a copy from pageable memory would make the host wait for
-    the work already queued (asynchronous scheduling needs it not to)."""
-    if device is not None and torch.device(device).type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
-
-
 def _padded(rows: Sequence[Sequence[int]], pad: int, device) -> torch.Tensor:
     width = max(1, max(len(r) for r in rows))
     out = torch.full((len(rows), width), pad, dtype=torch.int64)
     for b, r in enumerate(rows):
         if len(r):
             out[b, : len(r)] = torch.as_tensor(list(r), dtype=torch.int64)
-    return _to_device(out, device)
+    return host_to_device(out, device)
 
 
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
@@ -294,7 +287,7 @@ def make_sampling_batch(rows: Sequence[SamplingRow], *, vocab_size: int, device=
         raise ValueError(f"{len(steps)} steps for {len(rows)} rows")
 
     def t(values, dtype):
-        return _to_device(torch.tensor(values, dtype=dtype), device)
+        return host_to_device(torch.tensor(values, dtype=dtype), device)
 
     # The float parameters as one [B, 6] array, read per row in one C-level call. The flags are
     # decided on the float64 (Python) values, the tensor holds their float32 rounding; each is a
@@ -352,12 +345,12 @@ def make_sampling_batch(rows: Sequence[SamplingRow], *, vocab_size: int, device=
     width = _aligned_width(b)
     floats = np.zeros((6, width), dtype=np.float32)
     floats[:, :b] = f64.T
-    floats = _to_device(torch.from_numpy(floats), device)[:, :b]
+    floats = host_to_device(torch.from_numpy(floats), device)[:, :b]
     ints = np.zeros((3, width), dtype=np.int64)
     ints[0, :b] = top_k
     ints[1, :b] = [_as_int64(r.seed) for r in rows]
     ints[2, :b] = [r.step for r in rows] if steps is None else steps
-    ints = _to_device(torch.from_numpy(ints), device)[:, :b]
+    ints = host_to_device(torch.from_numpy(ints), device)[:, :b]
     temperature_t, top_p_t, min_p_t, presence_t, frequency_t, repetition_t = floats.unbind(0)
     top_k_t, seeds, steps_t = ints.unbind(0)
     return SamplingBatch(
@@ -401,7 +394,7 @@ def with_steps(sb: SamplingBatch, steps: Sequence[int], device=None) -> Sampling
     b = len(steps)
     column = np.zeros(_aligned_width(b), dtype=np.int64)
     column[:b] = steps
-    return attrs.evolve(sb, steps=_to_device(torch.from_numpy(column), device)[:b])
+    return attrs.evolve(sb, steps=host_to_device(torch.from_numpy(column), device)[:b])
 
 
 # ----------------------------------------------------------------------------------------------

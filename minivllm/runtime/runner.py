@@ -29,8 +29,8 @@ from ..functional.model import stem as model_stem
 from ..functional.sampling import (SampleOutput, SamplingBatch, SamplingRow, make_sampling_batch,
                                   needs_vocab_rows, plain_greedy, sample, with_steps)
 from ..kernels import select_backend
-from ..state.batch import (DecodeChunks, SeqChunk, is_decode_step, is_verification_step,
-                           make_batch)
+from ..state.batch import (DecodeChunks, SeqChunk, host_to_device, is_decode_step,
+                           is_verification_step, make_batch)
 from ..state.cache import init_cache
 from ..state.config import ceil_div
 from ..state.load import copy_hf_weights_, load
@@ -874,11 +874,8 @@ class ModelRunner:
             # Row k's token is input k (a decode step whose batch did not change): one copy.
             input_ids[:n].copy_(self.last_tokens[:n])
             return
-        pairs = torch.tensor(step.fed_back, dtype=torch.int64).T  # [2, n]: (input index, row)
-        if self.device.type == "cuda":
-            pairs = pairs.pin_memory()
-        pairs = pairs.to(self.device, non_blocking=True)
-        input_ids[pairs[0]] = self.last_tokens[pairs[1]]
+        pairs = host_to_device(torch.tensor(step.fed_back, dtype=torch.int64).T, self.device)
+        input_ids[pairs[0]] = self.last_tokens[pairs[1]]  # pairs [2, n]: (input index, row)
 
     def _run(self, cache, step: StepInput):
         """The step through the forward (compiled or eager): (SampleOutput or None, the prompt
@@ -1084,15 +1081,6 @@ class ModelRunner:
             _, self.draft_cache = self.draft_forward(self.draft_params, self.draft_cache, batch,
                                                      self.draft_backend)
 
-    def _on_device(self, tokens: list[int]) -> torch.Tensor:
-        """tokens as an int64 tensor on the device, copied from pinned memory without blocking:
-        from pageable memory the host would wait for the work queued before the copy (the last
-        step's verification or mirror) instead of queueing the draft's rounds behind it."""
-        host = torch.tensor(tokens, dtype=torch.int64)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        return host.to(self.device, non_blocking=True)
-
     def _draft_round(self, chunks: DecodeChunks, ids: torch.Tensor) -> torch.Tensor:
         """One decode round of the draft over chunks' rows, their input ids `ids` [rows] on the
         device (chunks' own ids are not read): their K/V written into the draft cache, their
@@ -1113,9 +1101,11 @@ class ModelRunner:
         it). One draft round, its tokens unread; nothing where the step was mirrored."""
         if self.mirrored or not tokens:
             return
-        chunks = DecodeChunks([0] * len(tokens), list(positions), list(block_tables))
+        chunks = DecodeChunks([0] * len(tokens), positions, block_tables)
         with torch.no_grad():
-            self._draft_round(chunks, self._on_device(tokens))
+            # without blocking: queued behind the verification step (host_to_device)
+            self._draft_round(chunks, host_to_device(torch.tensor(tokens, dtype=torch.int64),
+                                                     self.device))
 
     def propose(self, tokens: list[int], positions: list[int], block_tables: list,
                 counts: list[int]) -> list[list[int]]:
@@ -1131,7 +1121,9 @@ class ModelRunner:
         order = sorted(range(n), key=lambda b: -counts[b])  # those still drafting: a prefix
         most = counts[order[0]]
         drafts = torch.empty((n, most), dtype=torch.int64, device=self.device)
-        current = self._on_device([tokens[b] for b in order])
+        # without blocking: the rounds queue behind the last step's work (host_to_device)
+        current = host_to_device(torch.tensor([tokens[b] for b in order], dtype=torch.int64),
+                                 self.device)
         with torch.no_grad():
             for r in range(most):
                 rows = [b for b in order if counts[b] > r]

@@ -76,6 +76,15 @@ class SeqChunk(NamedTuple):
     num_logits: int = 1
 
 
+def host_to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """host copied to `device`: pinned and non-blocking on CUDA, since a copy from pageable
+    memory makes the host wait for the work already queued (asynchronous scheduling, and a draft
+    model's rounds queued behind the last step, need it not to)."""
+    if device is not None and torch.device(device).type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 def slot_of(block_table: Sequence[int], position: int, block_size: int) -> int:
     """The cache slot of a sequence's token at `position`."""
     return block_table[position // block_size] * block_size + position % block_size
@@ -246,13 +255,8 @@ def make_batch(chunks: Sequence[SeqChunk], *, block_size: int, device=None,
         check_chunks(chunks, block_size=block_size, num_blocks=num_blocks, vocab_size=vocab_size)
     arrays = batch_arrays(chunks, block_size=block_size, max_blocks=max_blocks,
                           every_row=every_row)
-    # Pinned and non-blocking on CUDA: a copy from pageable memory would make the host wait for
-    # the work already queued, which asynchronous scheduling relies on the host not doing.
-    pin = device is not None and torch.device(device).type == "cuda"
-
     def t(x: np.ndarray):
-        host = torch.from_numpy(np.ascontiguousarray(x))
-        return host.pin_memory().to(device, non_blocking=True) if pin else host.to(device)
+        return host_to_device(torch.from_numpy(np.ascontiguousarray(x)), device)
 
     slots = None
     if lora_slots is not None:
@@ -266,8 +270,7 @@ def make_batch(chunks: Sequence[SeqChunk], *, block_size: int, device=None,
     if embeds:
         host_embeds, host_mask = embeds_rows(len(arrays["input_ids"]), embeds, hidden_size,
                                              embeds_dtype)
-        input_embeds = host_embeds.pin_memory().to(device, non_blocking=True) if pin else \
-            host_embeds.to(device)
+        input_embeds = host_to_device(host_embeds, device)
         mask = t(host_mask)
     return Batch(**{name: t(x) for name, x in arrays.items()}, block_size=block_size,
                  lora_slots=slots, input_embeds=input_embeds, embeds_mask=mask)
