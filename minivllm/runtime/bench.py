@@ -393,12 +393,11 @@ def run_latency(llm, *, prompt_len: int = 512, output_len: int = 256, repeats: i
         prof.stop()
         _check_trace_written(trace)
     rate = statistics.median(decode_rates)
-    host = [1e6 * (s - w) for s, w, _, _ in decode]
-    wait, draft = [1e6 * w for _, w, _, _ in decode], [1e6 * d for _, _, _, d in decode]
-    launch = [1e6 * x for _, _, x, _ in decode]  # the host's time in runner.launch: copies,
-    # replays, launches, where a call that blocks on the device would show
-    # A draft model's steps: the part of the host's time in propose (the draft's rounds, read
-    # back), the rest of it scheduling, building and launching the verification step.
+    # us a step: in all, waiting for the device, in runner.launch (copies, replays, launches:
+    # where a call that blocks on the device would show) and in a draft model's propose (its
+    # rounds, read back; the rest of the host's time schedules, builds and launches the step)
+    total, wait, launch, draft = ([1e6 * x for x in column] for column in zip(*decode))
+    host = [t - w for t, w in zip(total, wait)]
     drafting = {"draft_us_p10_50_90": _percentiles(draft)} if any(draft) else {}
     return {"workload": "latency", "prompt_tokens": prompt_len, "output_tokens": output_len,
             "ttft_s": statistics.median(ttfts), "output_tok_per_s": rate,
