@@ -419,9 +419,10 @@ spec)
   # and without. A run needs >= 120 s (an 8B engine's start compiles and captures for ~1-2 min).
   # (Session 59, a fresh H100: the tests 275 s in all (draft model 124, n-gram 113, logprobs 21);
   # a latency run's engine starts in 55-160 s, its compiles cold; a run needs its 200 s.)
+  # SPEC_TEST_ARGS: other test files or ids (and -k) in place of the three files' GPU tests
   [ "${SPEC_TESTS:-1}" = 1 ] && STEP_LOG=$OUT/tests.txt step spec_tests $(left_or 330) \
-    python3 -m pytest $PYTEST_ARGS tests/test_draft_model.py tests/test_spec_decode.py \
-    tests/test_logprobs_mode.py -k gpu
+    python3 -m pytest $PYTEST_ARGS ${SPEC_TEST_ARGS:-tests/test_draft_model.py \
+    tests/test_spec_decode.py tests/test_logprobs_mode.py -k gpu}
   # SPEC_TRACE=1: each run traced (bench --trace: 8 of the last stream's steps, the profiler on,
   # so its tok/s is not comparable), the trace summarized into logs.txt by kernel and by the
   # host's named ranges and CUDA calls, then deleted.

@@ -286,6 +286,50 @@ def test_mixed_batch_of_rows_that_may_and_may_not_draft(paths, base, device):
     assert llm.stats.spec_draft_tokens == drafted
 
 
+def test_drafts_stay_on_the_device_until_the_steps_result(paths, base, device, monkeypatch):
+    """The verification step is built and launched while the draft's rounds may still run: its
+    chunks hold placeholders where the drafts go, its inputs take propose's device tensor itself
+    (StepInput.drafts, .drafted), and the drafts come back to the host with the step's sampled
+    tokens (StepResult.drafts), as the rows propose computed; outputs those of the engine
+    without speculation, every draft accepted (the target as its own draft)."""
+    want = ids(base.generate(PROMPTS, GREEDY, use_tqdm=False))
+    llm = make_llm(paths["target"], device, speculative_config=draft(paths["target"]))
+    runner, seen = llm.engine.runner, []
+    propose, launch = runner.propose, runner.launch
+
+    def recorded_propose(*args):
+        seen.append([propose(*args)])
+        return seen[-1][0]
+
+    def recorded_launch(step):
+        if step.drafts is not None:
+            seen[-1].append(step)
+        pending = launch(step)
+        if step.drafts is not None:
+            seen[-1].append(pending.result())
+            pending.result = lambda: seen[-1][2]
+        return pending
+    monkeypatch.setattr(runner, "propose", recorded_propose)
+    monkeypatch.setattr(runner, "launch", recorded_launch)
+    assert ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
+    assert all_accepted(llm.stats)
+    assert seen and all(len(s) == 3 for s in seen)  # each proposal went to one step
+    for drafts, step, result in seen:
+        assert step.drafts is drafts
+        assert result.drafts == drafts.tolist()
+        tokens = [t for c in step.chunks for t in c.token_ids]
+        places, offset, flat = [], 0, []  # each drafting chunk's draft inputs, their ids'
+        for c in step.chunks:
+            offset += len(c.token_ids)
+            if c.num_logits > 1:  # drafts' rows in the chunks' order
+                places += range(offset - (c.num_logits - 1), offset)
+                row = len(flat) and flat[-1] // drafts.shape[1] + 1
+                flat += range(row * drafts.shape[1], row * drafts.shape[1] + c.num_logits - 1)
+        assert [i for i, _ in step.drafted] == places
+        assert {tokens[i] for i in places} == {0}  # placeholders
+        assert [j for _, j in step.drafted] == flat
+
+
 def test_propose_is_the_drafts_greedy_continuation(paths, device, hf_target):
     """ModelRunner.propose with the target as its own draft: the greedy continuation, and each
     sequence drafts its own count."""
@@ -299,7 +343,9 @@ def test_propose_is_the_drafts_greedy_continuation(paths, device, hf_target):
     runner.execute(StepInput([SeqChunk(a[:-1], 0, [0, 1], False),
                               SeqChunk(b[:-1], 0, [2, 3], False)], []))
     got = runner.propose([a[-1], b[-1]], [len(a) - 1, len(b) - 1], [[0, 1], [2, 3]], [4, 2])
-    assert got == [hf_greedy(hf_target, a, 4), hf_greedy(hf_target, b, 2)]
+    assert got.shape == (2, 4)
+    assert [row[:n] for row, n in zip(got.tolist(), [4, 2])] == \
+        [hf_greedy(hf_target, a, 4), hf_greedy(hf_target, b, 2)]
 
 
 class EagerDecodeGraphs(DecodeGraphs):
@@ -367,7 +413,8 @@ def test_draft_graphs_give_the_eager_drafts_and_draft_cache(paths, device, persi
                                               [len(p) - 2 for p in prompts], tables), []))
         got = runner.propose([p[-1] for p in prompts], [len(p) - 1 for p in prompts], tables,
                              counts)
-        assert [len(d) for d in got] == counts
+        assert got.shape == (len(prompts), max(counts))
+        got = [row[:n] for row, n in zip(got.tolist(), counts)]
         runners.append((runner, got))
     (eager, want), (graphed, got) = runners
     assert got == want

@@ -212,8 +212,9 @@ def host_and_wait(engine, log: list):
     draft model's runner.propose): the rest is the host's own work for a step, which with
     asynchronous scheduling overlaps the device's, and launch's share of it is where the host
     meets CUDA (copies, the replay, the sampler's launches), so a call that blocks there shows
-    apart from the Python around it. propose's share includes its wait for the draft's rounds
-    on the device (it reads the drafts back). Returns a function that unwraps."""
+    apart from the Python around it. propose's share is the host's queueing of the draft's
+    rounds: they run on the device while the host builds and launches the verification step,
+    whose wait for its tokens includes them. Returns a function that unwraps."""
     runner = engine.runner
     inner_step, inner_launch = engine.step, runner.launch
     inner_propose = getattr(runner, "propose", None)

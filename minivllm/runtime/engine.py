@@ -760,12 +760,13 @@ class LLMEngine:
         sequence whose sampling row reads its output or changes from step to step (penalties,
         multi-token bad words, structured outputs, min_tokens not yet out), whose drafts' rows
         would differ from the row its next tokens get. With a draft model, as many placeholders
-        as it will draft, replaced by _draft_tokens after scheduling."""
+        as it will draft: the step's inputs take the draft's tokens on the device
+        (_draft_tokens), and out.drafts gets them with the step's result (_take_drafts)."""
         if seq.reads_output or seq.pooling or seq.num_output < seq.params.min_tokens:
             return []
         spec = self.config.speculative
         if spec.method == "draft_model":
-            # Placeholders: the draft model fills them once the step's tables hold their slots
+            # Placeholders: the draft model drafts once the step's tables hold their slots
             # (_draft_tokens).
             return [0] * min(most, spec.num_speculative_tokens)
         # A prompt of embeddings has placeholder ids: only the generated ones are context.
@@ -773,17 +774,25 @@ class LLMEngine:
         return ngram_propose(context, min(most, spec.num_speculative_tokens),
                              spec.prompt_lookup_min, spec.prompt_lookup_max)
 
-    def _draft_tokens(self, out: SchedulerOutput) -> None:
-        """Replace the step's placeholder drafts with the draft model's (ModelRunner.propose),
-        now that the scheduler has grown each drafting sequence's table for them. A drafting
-        sequence is a decode: its last token, at position num_computed, is its one to compute."""
+    def _draft_tokens(self, out: SchedulerOutput) -> torch.Tensor:
+        """The draft model's drafts for the step's placeholders (ModelRunner.propose), now that
+        the scheduler has grown each drafting sequence's table for them: [len(out.drafts), k] on
+        the device, a row per drafting sequence in out.drafts' order, queued and not waited for
+        (the step reads them on the device; _take_drafts puts them in out.drafts after it). A
+        drafting sequence is a decode: its last token, at position num_computed, is its one to
+        compute."""
         seqs = list(out.drafts)
-        proposed = self.runner.propose([seq.token_ids[-1] for seq in seqs],
-                                       [seq.num_computed for seq in seqs],
-                                       [seq.block_table for seq in seqs],
-                                       [len(out.drafts[seq]) for seq in seqs])
-        for seq, tokens in zip(seqs, proposed):
-            out.drafts[seq] = tokens
+        return self.runner.propose([seq.token_ids[-1] for seq in seqs],
+                                   [seq.num_computed for seq in seqs],
+                                   [seq.block_table for seq in seqs],
+                                   [len(out.drafts[seq]) for seq in seqs])
+
+    @staticmethod
+    def _take_drafts(out: SchedulerOutput, result: StepResult) -> None:
+        """Replace the step's placeholder drafts with the draft model's, which came back with its
+        sampled tokens (rows in out.drafts' order, as _draft_tokens gave them)."""
+        for seq, row in zip(out.drafts, result.drafts):
+            out.drafts[seq] = row[:len(out.drafts[seq])]
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         """seq's row for this step. Its `step` is 0: StepInput.steps carries every row's step, so
@@ -819,16 +828,19 @@ class LLMEngine:
             seq.sampling_row = row
         return row
 
-    def step_input(self, out: SchedulerOutput, prev: SchedulerOutput | None = None) -> StepInput:
+    def step_input(self, out: SchedulerOutput, prev: SchedulerOutput | None = None,
+                   draft_ids: torch.Tensor | None = None) -> StepInput:
         """The runner's view of a scheduled step. prev: the launched step whose tokens are still
-        pending; a chunk ending in one of them has it fed back from the device.
+        pending; a chunk ending in one of them has it fed back from the device. draft_ids: a
+        draft model's drafts (_draft_tokens), still on the device: out.drafts holds
+        placeholders, which the step's inputs take from there (StepInput.drafted).
 
         The chunks hold the sequences' live block tables, not copies: the runner consumes a
         StepInput before launch() / execute() return (see StepInput), and tables change only
         after that, when the next step is scheduled."""
         # Runs for each sequence each step: chunks unpacked, properties read as what they compute.
         sampled = [c.seq for c in out.sampled]
-        scores = None
+        scores, drafted = None, []
         prev_row = {} if prev is None else {c.seq: r for r, c in enumerate(prev.sampled)}
         if out.num_tokens == len(out.chunks) == len(sampled):
             # A decode step (one token a sequence, each sampled): as columns, and a sequence
@@ -845,8 +857,13 @@ class LLMEngine:
                       SeqChunk(seq.token_ids[start:start + n], start, seq.block_table, want)
                       for seq, start, n, want in out.chunks]
             fed_back, offset, scored, pooled = [], 0, [], []
+            if draft_ids is not None:
+                draft_row = {seq: i * draft_ids.shape[1] for i, seq in enumerate(drafts)}
             for seq, start, n, _ in out.chunks:
                 if drafts and seq in drafts:  # a decode's: no prompt to score, nothing pooled
+                    if draft_ids is not None:  # its placeholders' ids, from the device
+                        first = draft_row[seq]
+                        drafted += [(offset + n + r, first + r) for r in range(len(drafts[seq]))]
                     offset += n + len(drafts[seq])
                     continue
                 if seq.prompt_logprobs is not None:
@@ -873,7 +890,7 @@ class LLMEngine:
         lora_slots = self._lora_slots(out) if self.loras is not None else None
         return StepInput(chunks, rows, tuple(fed_back), steps, scores,
                          tuple(pooled) if out.pooled else (), lora_slots,
-                         self._step_embeds(out))
+                         self._step_embeds(out), draft_ids, tuple(drafted))
 
     @staticmethod
     def _step_embeds(out: SchedulerOutput) -> tuple[tuple[int, torch.Tensor], ...]:
@@ -958,16 +975,21 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could not schedule anything")
             return []
+        draft_ids = None
         try:
             if out.drafts and getattr(self.runner, "draft_params", None) is not None:
+                # Queued, not waited for: the host builds and launches the step while the
+                # draft's rounds run.
                 with trace_range("draft"):
-                    self._draft_tokens(out)
+                    draft_ids = self._draft_tokens(out)
             with trace_range("step_input"):
-                step_input = self.step_input(out)
+                step_input = self.step_input(out, draft_ids=draft_ids)
             result = self.runner.execute(step_input)
         except BaseException:  # an error or Ctrl-C: the step is not recorded, so it runs again
             self.scheduler.abandon(out)
             raise
+        if draft_ids is not None:
+            self._take_drafts(out, result)
         self._count(out)
         self.scheduler.bm.commit()
         if out.drafts:  # a speculative step's tokens are recorded one at a time (_record_spec)

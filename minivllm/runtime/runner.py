@@ -68,6 +68,11 @@ class StepInput:
     where it stands as a placeholder) is row r of the previous step's sampled tokens, taken from
     the device.
 
+    drafts, drafted: a draft model's tokens still on the device (ModelRunner.propose's [n, k]
+    ids), and (i, j) pairs: input token i of this step (a placeholder) is element j of
+    drafts.view(-1). The step is built and launched while the draft's rounds run; the drafts
+    reach the host with the step's sampled tokens (StepResult.drafts).
+
     steps: each row's step (tokens its sequence has generated), in place of the rows' own when
     given: the engine reuses a sequence's row from step to step and sends only this column.
 
@@ -96,6 +101,8 @@ class StepInput:
     # embeddings in place of their ids' (host tensors in the model's dtype). Such a step runs
     # through _run, never a CUDA graph (whose static buffers hold ids only).
     embeds: tuple[tuple[int, torch.Tensor], ...] = ()
+    drafts: torch.Tensor | None = None
+    drafted: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -170,6 +177,7 @@ class StepResult:
     logprobs: list[TokenLogprobs] | None = None  # per row, when any row asked for logprobs
     scores: list[TokenLogprobs] | None = None  # per PromptScores row, when the step had any
     pooled: torch.Tensor | None = None  # [len(StepInput.pooled), hidden] fp32 on the host
+    drafts: list[list[int]] | None = None  # StepInput.drafts' rows, when the step had them
 
 
 def _logprob_rows(lps, ranks, top_ids, top_lps, counts) -> list[TokenLogprobs]:
@@ -184,10 +192,11 @@ class PendingStep:
 
     def __init__(self, rows: list[SamplingRow], out: SampleOutput | None, device: torch.device,
                  scores: tuple | None = None, scored: PromptScores | None = None,
-                 pooled: torch.Tensor | None = None):
+                 pooled: torch.Tensor | None = None, drafts: torch.Tensor | None = None):
         self.rows = rows
         self.scored = scored
         self.pooled = pooled is not None
+        self.drafts = drafts is not None
         self.event = None
         self.host = None
         if out is None and scores is None and pooled is None:
@@ -197,6 +206,8 @@ class PendingStep:
         if out is not None and out.logprobs is not None:
             tensors += [out.logprobs, out.ranks, out.top_ids, out.top_logprobs]
         tensors += list(scores or ())
+        if drafts is not None:  # next to last
+            tensors.append(drafts)
         if pooled is not None:  # last
             tensors.append(pooled)
         if device.type == "cuda":
@@ -217,17 +228,18 @@ class PendingStep:
             if self.event is not None:
                 self.event.synchronize()
             token_ids = self.host[0].tolist() if self.num_sampled else []
-        host = self.host[:-1] if self.pooled else self.host
-        pooled = self.host[-1] if self.pooled else None
+        host, pooled = (self.host[:-1], self.host[-1]) if self.pooled else (self.host, None)
+        host, drafts = (host[:-1], host[-1].tolist()) if self.drafts else (host, None)
         scores = None
         if self.scored is not None:
             columns = (t.tolist() for t in host[self.num_sampled:])
             scores = _logprob_rows(*columns, [self.scored.n] * len(self.scored.rows))
         if self.num_sampled <= 1:
-            return StepResult(token_ids=token_ids, scores=scores, pooled=pooled)
+            return StepResult(token_ids=token_ids, scores=scores, pooled=pooled, drafts=drafts)
         columns = (t.tolist() for t in host[1:self.num_sampled])
         logprobs = _logprob_rows(*columns, [row.logprobs or 0 for row in self.rows])
-        return StepResult(token_ids=token_ids, logprobs=logprobs, scores=scores, pooled=pooled)
+        return StepResult(token_ids=token_ids, logprobs=logprobs, scores=scores, pooled=pooled,
+                          drafts=drafts)
 
 
 def sample_in_slices(logits: torch.Tensor, batches: list[SamplingBatch] | None, size: int
@@ -863,8 +875,12 @@ class ModelRunner:
     # -- one step --------------------------------------------------------------------------------
 
     def _feed_back(self, input_ids: torch.Tensor, step: StepInput) -> None:
-        """Write the previous step's sampled tokens into this step's input ids (device to device,
-        in stream order: no wait for the previous step)."""
+        """Write the tokens still on the device into this step's input ids: the previous step's
+        sampled tokens (fed_back) and a draft model's drafts (drafted); device to device, in
+        stream order: no wait for the work that computes them."""
+        if step.drafted:
+            pairs = host_to_device(torch.tensor(step.drafted, dtype=torch.int64).T, self.device)
+            input_ids[pairs[0]] = step.drafts.view(-1)[pairs[1]]  # [2, n]: (input, draft)
         if not step.fed_back:
             return
         if self.last_tokens is None:
@@ -1039,7 +1055,8 @@ class ModelRunner:
                 out = self._run_prefill_graph(graph, step)
         else:
             out, scores, pooled, self.cache = self._run(self.cache, step)
-        pending = PendingStep(step.rows, out, self.device, scores, step.scored, pooled)
+        pending = PendingStep(step.rows, out, self.device, scores, step.scored, pooled,
+                              step.drafts)
         if self.draft_params is not None:
             # A step of verification chunks only is not mirrored: propose's rounds wrote the
             # draft K/V of each chunk's tokens but its last draft, which catch_up writes where
@@ -1078,6 +1095,7 @@ class ModelRunner:
                 return
             batch = make_batch(step.chunks, block_size=self.block_size, device=self.device,
                                check=False)
+            self._feed_back(batch.input_ids, step)  # the drafts (no fed-back tokens here)
             _, self.draft_cache = self.draft_forward(self.draft_params, self.draft_cache, batch,
                                                      self.draft_backend)
 
@@ -1108,16 +1126,18 @@ class ModelRunner:
                                                      self.device))
 
     def propose(self, tokens: list[int], positions: list[int], block_tables: list,
-                counts: list[int]) -> list[list[int]]:
+                counts: list[int]) -> torch.Tensor:
         """Greedy drafts of the draft model: for each decoding sequence b, whose last token
         tokens[b] sits at positions[b] (in no cache yet) and whose block table holds slots up to
         positions[b] + counts[b], counts[b] tokens d1, d2, ...: [tokens[b]]@p -> d1, [d1]@p+1 ->
         d2, and so on, each round one decode batch of the sequences still drafting (their draft
-        K/V written at p ... p + counts[b] - 1), each a _draft_round. The tokens stay on the
-        device until the end."""
+        K/V written at p ... p + counts[b] - 1), each a _draft_round. Queued without waiting:
+        returns drafts [n, max(counts)] on the device (row b's first counts[b] are b's), which
+        the verification step reads in stream order (StepInput.drafts) and brings back to the
+        host with its sampled tokens."""
         n = len(tokens)
         if not n:
-            return []
+            return torch.empty((0, 0), dtype=torch.int64, device=self.device)
         order = sorted(range(n), key=lambda b: -counts[b])  # those still drafting: a prefix
         most = counts[order[0]]
         drafts = torch.empty((n, most), dtype=torch.int64, device=self.device)
@@ -1131,11 +1151,12 @@ class ModelRunner:
                                       [block_tables[b] for b in rows])
                 current = self._draft_round(chunks, current[:len(rows)])
                 drafts[:len(rows), r] = current
-        host = drafts.tolist()
-        out = [[] for _ in range(n)]
+        if order == list(range(n)):  # counts not increasing: the rows are in b's order already
+            return drafts
+        place = [0] * n  # b's row in the order drafted
         for row, b in enumerate(order):
-            out[b] = host[row][:counts[b]]
-        return out
+            place[b] = row
+        return drafts[host_to_device(torch.tensor(place, dtype=torch.int64), self.device)]
 
     def execute(self, step: StepInput) -> StepResult:
         """Compute the step's tokens into the cache and sample one token per row."""

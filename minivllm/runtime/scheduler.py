@@ -24,8 +24,9 @@ With a speculator (n-gram speculative decoding, runtime/spec_decode.py), a decod
 also compute draft tokens after its one token: they count in the step's budget and its table is
 grown for them (only where no preemption is needed), they stay out of its token_ids
 (SchedulerOutput.drafts), and those the step accepts are appended one at a time (accept()).
-(A draft model's speculator gives placeholders, which the engine replaces with the draft's
-tokens once this step's tables hold their slots: LLMEngine._draft_tokens.)
+(A draft model's speculator gives placeholders: the draft drafts once this step's tables hold
+their slots, on the device, and the engine puts its tokens in their place when the step's result
+brings them back: LLMEngine._draft_tokens, _take_drafts.)
 
 A step is recorded either at once (`update(out, tokens)`), or in two halves for asynchronous
 scheduling: `advance(out)` right after the step is launched, which marks its tokens computed and

@@ -29,7 +29,9 @@ the draft as they do for the target. A decoding sequence whose last token t sits
 (in neither cache yet) drafts after the scheduler has grown its table for the drafts: k
 one-token greedy forwards of the draft, batched over the step's drafting sequences, [t]@n -> d1,
 [d1]@n+1 -> d2, ... (ModelRunner.propose), which write the draft K/V of t, d1..d(k-1); then the
-step verifies [t, d1..dk] as a chunk. A step of such chunks only is not mirrored (the mirror
+step verifies [t, d1..dk] as a chunk. The rounds are queued, not waited for: the host builds and
+launches that step while they run, its inputs take the drafts on the device, and the drafts reach
+the host with its sampled tokens, to be compared with them. A step of such chunks only is not mirrored (the mirror
 would rewrite those slots with the same tokens): of an accepted prefix t, d1..da only dk's K/V
 can be missing, where a = k, and ModelRunner.catch_up writes it with one more draft forward
 (LLMEngine._record_spec, before any sequence ends); past a sequence's length a slot is
