@@ -1151,7 +1151,7 @@ class ModelRunner:
                                       [block_tables[b] for b in rows])
                 current = self._draft_round(chunks, current[:len(rows)])
                 drafts[:len(rows), r] = current
-        if order == list(range(n)):  # counts not increasing: the rows are in b's order already
+        if order == list(range(n)):  # counts non-increasing already: rows in b's order
             return drafts
         place = [0] * n  # b's row in the order drafted
         for row, b in enumerate(order):
