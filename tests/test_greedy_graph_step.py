@@ -1,8 +1,8 @@
 """A decode step whose rows are all plain greedy takes the arg-max that the decode graph picks
 itself (DecodeGraphs.greedy_tokens) where its bucket picks, else the logits' arg-max after the
-replay, and builds no sampling batch either way; any other step samples as before. On CPU there are no CUDA graphs, so the graphs here replay their function eagerly
-(DecodeGraphs._decode, which is what capture records); tests/test_gpu_graphs.py has the captured
-graphs. The oracle is transformers' greedy decoding."""
+replay, and builds no sampling batch either way; any other step samples as before. On CPU there
+are no CUDA graphs, so the graphs here replay their function eagerly (DecodeGraphs._decode, which
+is what capture records); tests/test_gpu_graphs.py has the captured graphs. The oracle is transformers' greedy decoding."""
 
 from __future__ import annotations
 

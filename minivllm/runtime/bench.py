@@ -395,8 +395,8 @@ def run_latency(llm, *, prompt_len: int = 512, output_len: int = 256, repeats: i
         _check_trace_written(trace)
     rate = statistics.median(decode_rates)
     # us a step: in all, waiting for the device, in runner.launch (copies, replays, launches:
-    # where a call that blocks on the device would show) and in a draft model's propose (its
-    # rounds, read back; the rest of the host's time schedules, builds and launches the step)
+    # where a call that blocks on the device would show) and in a draft model's propose (queueing
+    # its rounds; the rest of the host's time schedules, builds and launches the step)
     total, wait, launch, draft = ([1e6 * x for x in column] for column in zip(*decode))
     host = [t - w for t, w in zip(total, wait)]
     drafting = {"draft_us_p10_50_90": _percentiles(draft)} if any(draft) else {}

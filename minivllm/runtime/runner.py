@@ -878,9 +878,8 @@ class ModelRunner:
         """Write the tokens still on the device into this step's input ids: the previous step's
         sampled tokens (fed_back) and a draft model's drafts (drafted); device to device, in
         stream order: no wait for the work that computes them."""
-        if step.drafted:
-            pairs = host_to_device(torch.tensor(step.drafted, dtype=torch.int64).T, self.device)
-            input_ids[pairs[0]] = step.drafts.view(-1)[pairs[1]]  # [2, n]: (input, draft)
+        if step.drafted:  # (input index, index into the drafts)
+            self._scatter(input_ids, step.drafted, step.drafts.view(-1))
         if not step.fed_back:
             return
         if self.last_tokens is None:
@@ -890,8 +889,13 @@ class ModelRunner:
             # Row k's token is input k (a decode step whose batch did not change): one copy.
             input_ids[:n].copy_(self.last_tokens[:n])
             return
-        pairs = host_to_device(torch.tensor(step.fed_back, dtype=torch.int64).T, self.device)
-        input_ids[pairs[0]] = self.last_tokens[pairs[1]]  # pairs [2, n]: (input index, row)
+        self._scatter(input_ids, step.fed_back, self.last_tokens)  # (input index, row)
+
+    def _scatter(self, input_ids: torch.Tensor, pairs: tuple[tuple[int, int], ...],
+                 source: torch.Tensor) -> None:
+        """input_ids[i] = source[j] for each (i, j) of pairs, on the device in stream order."""
+        index = host_to_device(torch.tensor(pairs, dtype=torch.int64).T, self.device)  # [2, n]
+        input_ids[index[0]] = source[index[1]]
 
     def _run(self, cache, step: StepInput):
         """The step through the forward (compiled or eager): (SampleOutput or None, the prompt

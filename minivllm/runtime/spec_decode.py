@@ -31,11 +31,11 @@ one-token greedy forwards of the draft, batched over the step's drafting sequenc
 [d1]@n+1 -> d2, ... (ModelRunner.propose), which write the draft K/V of t, d1..d(k-1); then the
 step verifies [t, d1..dk] as a chunk. The rounds are queued, not waited for: the host builds and
 launches that step while they run, its inputs take the drafts on the device, and the drafts reach
-the host with its sampled tokens, to be compared with them. A step of such chunks only is not mirrored (the mirror
-would rewrite those slots with the same tokens): of an accepted prefix t, d1..da only dk's K/V
-can be missing, where a = k, and ModelRunner.catch_up writes it with one more draft forward
-(LLMEngine._record_spec, before any sequence ends); past a sequence's length a slot is
-overwritten before anything reads it. A step with other chunks (prompts, rows without drafts) is
+the host with its sampled tokens, to be compared with them. A step of such chunks only is not
+mirrored (the mirror would rewrite those slots with the same tokens): of an accepted prefix t,
+d1..da only dk's K/V can be missing, where a = k, and ModelRunner.catch_up writes it with one more
+draft forward (LLMEngine._record_spec, before any sequence ends); past a sequence's length a slot
+is overwritten before anything reads it. A step with other chunks (prompts, rows without drafts) is
 mirrored whole. Where the target captures decode CUDA graphs, the draft has decode graphs of
 its own, captured into the target's graph memory pool (the graphs of one pool replay one at a
 time on one stream): propose's and catch_up's rounds replay them, as do mirrored decode steps;
