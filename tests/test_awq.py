@@ -248,6 +248,7 @@ KERNEL_CASES = [  # (m, k, n, group)
     (17, 256, 48, 128),   # past a 16-row tile
     (70, 128, 136, 64),   # prefill tiles (64 x 128)
     (5, 96, 32, -1),      # one group: K = 96, not a multiple of the 64 step
+    (2, 256, 136, 64),    # decode's 128-column tiles, the last one 17 - 16 ints wide
 ]
 
 
@@ -315,6 +316,10 @@ def test_kernel_partials_and_tiles(device):
     assert cfg[KERNEL_CASES[3]]["block_m"] == 64 and cfg[KERNEL_CASES[3]]["block_n"] == 128
     assert cfg[KERNEL_CASES[4]]["block_k"] == 64  # 96 = 64 + a masked 32
     assert cfg[KERNEL_CASES[1]]["block_k"] == 32  # the group
+    assert cfg[KERNEL_CASES[5]]["block_n"] == 128 and cfg[KERNEL_CASES[0]]["block_n"] == 32
+    # every key may be fixed by the caller (block_k was once refused: a TypeError)
+    fixed = dict(block_m=32, block_n=32, block_k=32, split=2, num_warps=8, num_stages=1)
+    assert awq_config(2, 64, 256, 64, torch.float32, device, **fixed) == fixed
     w = random_awq(256, 64, 64, seed=0)
     x = torch.randn(2, 256)
     parts = awq_linear(x, w, partials=True)

@@ -159,6 +159,9 @@ def test_kernel_partials_and_tiles(device):
     assert cfg[KERNEL_CASES[2]]["block_m"] == 32
     assert cfg[KERNEL_CASES[3]]["block_m"] == 64 and cfg[KERNEL_CASES[3]]["block_k"] == 32
     assert cfg[KERNEL_CASES[4]]["block_k"] == 32  # the block's columns
+    # every key may be fixed by the caller (block_k was once refused: a TypeError)
+    fixed = dict(block_m=32, block_n=32, block_k=32, split=2, num_warps=8, num_stages=1)
+    assert fp8_config(2, 64, 384, (128, 128), torch.float32, device, **fixed) == fixed
     w = random_fp8(64, 384, seed=0)
     x = torch.randn(2, 384)
     parts = fp8_linear(x, w, partials=True)

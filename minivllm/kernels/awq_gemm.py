@@ -5,21 +5,24 @@
   W[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]; out: [M, N] in x.dtype, fp32 accumulation.
 
 Each program owns a [BLOCK_M, BLOCK_N] tile of the output and walks K in BLOCK_K steps. A step
-loads the packed weights of its [BLOCK_K, BLOCK_N] tile ([BLOCK_K, BLOCK_N / 8] int32: the eight
-columns of a packed int32 load the same address, which a warp's load coalesces into one
-transaction), takes out each column's nibble (AWQ's order puts column r of a group of 8 at bits
-4 * [0, 4, 1, 5, 2, 6, 3, 7][r]), and dequantizes it with the step's one row of zero points and
-scales: BLOCK_K divides the group size G (or the whole input is one group), so a K step never
-straddles two groups. (q - z) * s is computed in fp32 (exact: a 4-bit difference times an fp16
-scale) and rounded once to x's dtype for tl.dot: the weight a dequantize-then-matmul would use,
-so the torch path (functional.linear: dequantize_awq then a matmul) and this kernel differ only by
-the order of the fp32 sums.
+loads the packed weights of its tile as they lie, [BLOCK_K, BLOCK_N / 8] int32 (each int once,
+contiguous along a row), takes each int's eight nibbles out in registers as its eight columns
+(AWQ's order puts column r of a group of 8 at bits 4 * [0, 4, 1, 5, 2, 6, 3, 7][r]), and
+dequantizes them with the step's one row of zero points and scales: BLOCK_K divides the group
+size G (or the whole input is one group), so a K step never straddles two groups. (q - z) * s is
+computed in fp32 (exact: a 4-bit difference times an fp16 scale) and rounded once to x's dtype
+for tl.dot: the weight a dequantize-then-matmul would use, so the torch path (functional.linear:
+dequantize_awq then a matmul) and this kernel differ only by the order of the fp32 sums.
+Until session 62 the step loaded [BLOCK_K, BLOCK_N] ints, the eight columns of an int each
+loading its address: 8-17x slower at decode on an H100 (benchmarks/quant_gemm_probe.py; the 8B
+shape's single stream ran at 14 tok/s).
 
 Tiling (awq_config: kernels/dequant_tiles.py, shared with fp8_gemm), from shapes, dtype and the SM
 count only (no autotune, no .item()), so a call traces under torch.compile(fullgraph=True) and
 replays under CUDA graphs:
-- decode (M <= 16): BLOCK_M 16 (tl.dot's minimum), BLOCK_N 64 (32 when N gives too few tiles),
-  BLOCK_K 128 (or the group, 32 / 64); K is split where the output tiles alone give fewer than
+- decode (M <= 16): BLOCK_M 16 (tl.dot's minimum), BLOCK_N 128 where N's 128-column tiles are
+  fewer than half the programs wanted (qkv, o_proj, down: K is split to make up the rest), else
+  64 (32 when N gives too few tiles), BLOCK_K 128 (or the group, 32 / 64); K is split where the output tiles alone give fewer than
   WAVES programs per SM (o_proj, down), each split writing an fp32 partial [SPLIT, M, N] that the
   caller sums in torch (a fixed order: deterministic; under torch.compile the sum fuses into what
   follows). At decode the packed weights (a quarter of fp16's bytes) are what is read.
@@ -28,7 +31,7 @@ replays under CUDA graphs:
   split; 8 warps for the 128 x 128 tiles.
 functional.linear takes this kernel for steps of fewer than 256 rows and, as vLLM's AWQ method
 does, dequantizes the whole weight and calls cuBLAS from 256 rows on (prefill); the prefill tiles
-serve direct calls (tests). Its speed on a GPU is unmeasured.
+serve direct calls (tests).
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ import triton
 import triton.language as tl
 
 from ..state.quant import AWQ_PACK, AwqWeight
-from .dequant_tiles import dequant_gemm_config, finish, split_output
-from .launch import dot_precision, next_pow2
+from .dequant_tiles import WAVES, dequant_gemm_config, finish, split_output
+from .launch import dot_precision, next_pow2, num_sms
 
 BLOCK_KS = (128, 64, 32, 16)  # largest first; 16 is tl.dot's minimum
 
@@ -52,38 +55,39 @@ def _awq_gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, out_ptr, M, N, K, G, k_per_sp
     # Program (pid_m, pid_n, pid_k): rows [pid_m * BLOCK_M, +BLOCK_M) and columns
     # [pid_n * BLOCK_N, +BLOCK_N) of the output, over K range [pid_k * k_per_split, +k_per_split).
     # With SPLIT, out_ptr is the fp32 workspace [splits, M, N].
+    BP: tl.constexpr = BLOCK_N // 8  # the tile's packed int32 columns
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_p = pid_n * BP + tl.arange(0, BP)
     offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    # Columns past N are clamped onto column N - 1 (read, never stored): the weight loads need no
-    # mask along N.
-    cols = tl.minimum(offs_n, N - 1)
-    packed = cols // 8
-    r = cols % 8
-    shift = ((r // 2) + (r % 2) * 4) * 4  # AWQ's nibble of column r, in bits
+    r = tl.arange(0, 8)
+    shifts = ((r // 2) + (r % 2) * 4) * 4  # [8]: AWQ's nibble of an int's column r, in bits
     NP = N // 8  # int32s per packed row
+    mask_m = offs_m < M
+    mask_p = offs_p < NP
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :] * stride_xk
-    w_ptrs = qw_ptr + (k_start + offs_k).to(tl.int64)[:, None] * NP + packed[None, :]
+    w_ptrs = qw_ptr + (k_start + offs_k).to(tl.int64)[:, None] * NP + offs_p[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
-            qw = tl.load(w_ptrs)
+            qw = tl.load(w_ptrs, mask=mask_p[None, :], other=0)  # [BLOCK_K, BP]
             x_mask = mask_m[:, None]
         else:
             mask_k = (k0 + offs_k) < k_end
-            qw = tl.load(w_ptrs, mask=mask_k[:, None], other=0)
+            qw = tl.load(w_ptrs, mask=mask_k[:, None] & mask_p[None, :], other=0)
             x_mask = mask_m[:, None] & mask_k[None, :]
         x = tl.load(x_ptrs, mask=x_mask, other=0.0)
         g = k0 // G  # the step's group: BLOCK_K divides G, or K is one group
-        z = (tl.load(qz_ptr + g * NP + packed) >> shift) & 0xF
-        s = tl.load(s_ptr + g * N + cols).to(tl.float32)
-        q = (qw >> shift[None, :]) & 0xF
+        qz = tl.load(qz_ptr + g * NP + offs_p, mask=mask_p, other=0)  # [BP]
+        z = tl.reshape((qz[:, None] >> shifts[None, :]) & 0xF, (BLOCK_N,))
+        s = tl.load(s_ptr + g * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        # each int's eight nibbles as its eight columns: [BLOCK_K, BP, 8] -> [BLOCK_K, BLOCK_N]
+        q = tl.reshape((qw[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_K, BLOCK_N))
         w = ((q - z[None, :]).to(tl.float32) * s[None, :]).to(x_ptr.dtype.element_ty)
         acc = tl.dot(x, w, acc, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
         x_ptrs += BLOCK_K * stride_xk
@@ -115,6 +119,12 @@ def awq_config(m: int, n: int, k: int, group: int, dtype: torch.dtype, device: t
     `override` may fix: kernels/dequant_tiles.py's choices, with this format's K step."""
     if m < 1:
         raise ValueError(f"awq_linear takes at least one row, got {m}")
+    if m <= 16 and n >= 128 and "block_n" not in override and \
+            2 * triton.cdiv(n, 128) < WAVES * num_sms(device):
+        # Measured at decode on an H100 (session 62, the 8B shape's linears at 2 and 16 rows):
+        # 128-column tiles with K split beat 64-column ones by 1.3-1.5x for qkv, o_proj and
+        # down; gate_up's 192 such tiles, unsplit, lose to its 384 of 64 columns.
+        override = {**override, "block_n": 128}
     return dequant_gemm_config(m, n, k, dtype, device, lambda most: _block_k(k, group, most),
                                **override)
 

@@ -25,20 +25,20 @@ WAVES = 2  # programs per SM wanted at decode (see skinny_gemm.py)
 
 
 def dequant_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
-                        block_k: Callable[[int], int], **override) -> dict:
+                        k_step: Callable[[int], int], **override) -> dict:
     """block_m, block_n, block_k, split, num_warps, num_stages for x: [m, k] @ a weight of n
-    outputs (m >= 1), any of which `override` may fix. block_k(most): the format's K step, at
+    outputs (m >= 1), any of which `override` may fix. k_step(most): the format's K step, at
     most `most` (a divisor of AWQ's group, of fp8's scale block)."""
     want = WAVES * num_sms(device)
     if m <= 64:
         block_m = 16 if m <= 16 else next_pow2(m)
         m_tiles = triton.cdiv(m, block_m)
         block_n = 64 if triton.cdiv(n, 64) * m_tiles >= want or n <= 32 else 32
-        step = block_k(128 if dtype.itemsize == 2 else 64)
+        step = k_step(128 if dtype.itemsize == 2 else 64)
     else:
         block_m = 64 if m <= 256 else 128
         block_n = 128
-        step = block_k(64 if dtype.itemsize == 2 else 32)
+        step = k_step(64 if dtype.itemsize == 2 else 32)
     block_m = override.get("block_m") or block_m
     block_n = override.get("block_n") or block_n
     step = override.get("block_k") or step
