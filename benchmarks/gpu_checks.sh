@@ -28,6 +28,8 @@
 #       throughput run with and without, while time is left (LAT_RUNS, TPUT_RUNS pick the runs,
 #       each name ending in the MINIVLLM_MOE_KERNEL it runs: _triton or _kernel, _grouped or
 #       _base, _auto, the default; MOE_KERNEL_TESTS=0 skips the tests)
+#   bash benchmarks/gpu_checks.sh quant_probe  # nvidia-h200 or nvidia-h100-x1: the 8B shape's decode
+#       linears dense, fp8 and AWQ (its tiles, its cheaper dequantizations), quant_gemm_probe.py
 #   bash benchmarks/gpu_checks.sh quant_speed  # nvidia-h200 or nvidia-h100-x1: the Qwen3-8B
 #       shape's single stream, then its throughput run, with dense bf16 linears, block-fp8 ones
 #       (--quantization fp8, MINIVLLM_FP8_WEIGHTS=fp8) and AWQ 4-bit ones (--quantization awq),
@@ -504,6 +506,14 @@ moe_probe)
   # run): one Qwen3-30B-A3B sparse layer's moe_mlp, grouped GEMMs against the Triton kernels, at
   # 1-256 tokens in CUDA graphs, with each path's kernels at 1, 32 and 256 tokens.
   step moe_probe $(left_or 200) python3 benchmarks/moe_probe.py --json "$RESULTS/moe_probe.json"
+  ;;
+quant_probe)
+  # nvidia-h200 or nvidia-h100-x1 (~40 s on a fresh machine; session 62): the Qwen3-8B shape's
+  # four decode linears at 1, 2 and 16 rows: cuBLAS dense, block fp8, the AWQ kernel at its
+  # tiles and others, and awq_dequant_variants.py's two cheaper dequantizations
+  # (QUANT_PROBE_ROWS: other row counts). Then quant_speed's runs, if given after it.
+  step quant_probe $(left_or 150) python3 benchmarks/quant_gemm_probe.py \
+    --rows "${QUANT_PROBE_ROWS:-1,2,16}" --json "$RESULTS/quant_gemm_probe.json"
   ;;
 wide)
   # nvidia-h200 or nvidia-h100-x1 (<= 420 s): see the header.

@@ -7,9 +7,11 @@ tok/s, block-fp8 224, AWQ 14 (72 ms a step, the device's). This times one call o
 layer's four linears (qkv, o, gate_up, down) at a few row counts, in a CUDA graph of calls over
 weight copies that exceed the L2 together: cuBLAS on the dense weight, kernels/fp8_gemm.py, and
 kernels/awq_gemm.py at its own tiles and at others (the 128-column tiles and K splits that its
-decode rule picks or not, 256 columns, 8 warps, 2 or 3 stages). Session 62's first run of it
-compared the AWQ kernel then (each int loaded once for each of its eight columns) with the
-kernel that loads each int once, now awq_gemm.py's: 8-17x faster (BENCHMARKS.md).
+decode rule picks or not, 256 columns, 8 warps, 2 or 3 stages), and the two cheaper
+dequantizations of benchmarks/awq_dequant_variants.py at its tiles (magic32, exact). Session
+62's first run of it compared the AWQ kernel then (each int loaded once for each of its eight
+columns) with the kernel that loads each int once, now awq_gemm.py's: 8-17x faster
+(BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import sys
 
 import torch
 
+from benchmarks.awq_dequant_variants import awq_variant
 from benchmarks.bench_linear import graph_us
 from minivllm.kernels.awq_gemm import awq_config, awq_linear
 from minivllm.kernels.fp8_gemm import fp8_linear
@@ -45,6 +48,8 @@ def variants(dense, fp8, awq, split_128: int):
         "awq_warps8": awq_with(num_warps=8),
         "awq_stages2": awq_with(num_stages=2),
         "awq_stages3": awq_with(num_stages=3),
+        "awq_magic32": lambda x, i: awq_variant(x, awq[i], "magic32"),
+        "awq_exact": lambda x, i: awq_variant(x, awq[i], "exact"),
     }
 
 
