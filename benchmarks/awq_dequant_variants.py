@@ -1,22 +1,26 @@
-"""Two cheaper ways for kernels/awq_gemm.py to turn a nibble into a weight, for
+"""Three cheaper ways for kernels/awq_gemm.py to turn a nibble into a weight, for
 quant_gemm_probe.py to time against it (session 62: not yet run on a GPU).
 
 At decode the AWQ kernel reads a quarter of the dense weight's bytes yet ran no faster than
 cuBLAS on the dense weight (gate_up at 2 rows: 69 us for 50 MB, ~0.7 TB/s on an H100): it is
 bound by the instructions that unpack each weight, and two of them are conversions, which a
 Hopper SM issues at a quarter of the rate of its other arithmetic (int32 -> fp32 for q - z, fp32
--> x's dtype for the product). Both variants take the nibble out as awq_gemm.py does (a shift
+-> x's dtype for the product). All variants take the nibble out as awq_gemm.py does (a shift
 and a mask) and differ after it:
 - "magic32": OR the nibble into the bits of 2^23 (0x4B000000) and read them as fp32: 2^23 + q,
   exactly; minus 2^23 + z, times the scale: the same fp32 value as awq_gemm.py's (q - z) * s,
   rounded once to x's dtype, so the same weights and products. One conversion a weight, not two.
-- "exact": no conversion per weight. OR the nibble into the bits of 128 (bf16 0x4300) or 1024
-  (fp16 0x6400) and read them as x's dtype: 128 + q exactly; minus 128 + z: q - z exactly, a
-  small integer. The tile's partial product x @ (q - z) (fp32 accumulation) is multiplied by the
-  scale once per column after tl.dot (the K step lies in one group). The weights are then the
-  exact (q - z) * s, not rounded to x's dtype: other numerics than the torch path's
-  (dequantize_awq rounds each weight), closer to the checkpoint's. fp32 inputs take 2^23 as the
-  magic number.
+- "half": OR the nibble into the bits of 1024 (fp16 0x6400) or 128 (bf16 0x4300) and read them
+  as x's dtype: 1024 + q (128 + q) exactly; minus 1024 + z: q - z exactly; times the scale in
+  x's dtype (Marlin's way: two weights an instruction, no conversion). In fp16, the dtype of
+  Qwen's AWQ checkpoints, the scales are exact and the product correctly rounded: the same
+  weights as awq_gemm.py's. In bf16 the fp16 scale is rounded to bf16 first (other weights:
+  two roundings). fp32 inputs take magic32's path.
+- "exact": as "half" up to q - z, then the tile's partial product x @ (q - z) (fp32
+  accumulation) multiplied by the scale once per column after tl.dot (the K step lies in one
+  group). The weights are then the exact (q - z) * s, not rounded to x's dtype: other numerics
+  than the torch path's (dequantize_awq rounds each weight), closer to the checkpoint's. fp32
+  inputs take 2^23 as the magic number.
 awq_variant(x, weight, mode) takes awq_gemm.py's tiles and split (awq_config).
 """
 
@@ -30,7 +34,7 @@ from minivllm.kernels.awq_gemm import awq_config
 from minivllm.kernels.dequant_tiles import finish, split_output
 from minivllm.kernels.launch import dot_precision
 
-MODES = ("magic32", "exact")
+MODES = ("magic32", "half", "exact")  # the kernel's MODE: their index
 
 
 @triton.jit
@@ -38,7 +42,7 @@ def _awq_variant_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, out_ptr, M, N, K, G, k_per
                         stride_xm, stride_xk, stride_om,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EVEN_K: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                        EXACT: tl.constexpr):
+                        MODE: tl.constexpr):
     # awq_gemm.py's program; only the weights' dequantization differs (module docstring).
     BP: tl.constexpr = BLOCK_N // 8
     pid_m = tl.program_id(0)
@@ -73,23 +77,27 @@ def _awq_variant_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, out_ptr, M, N, K, G, k_per
         z = tl.reshape((qz[:, None] >> shifts[None, :]) & 0xF, (BLOCK_N,))  # [BLOCK_N] int32
         s = tl.load(s_ptr + g * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
         nib = (qw[:, :, None] >> shifts[None, None, :]) & 0xF  # [BLOCK_K, BP, 8] int32
-        if EXACT:
+        if MODE != 0 and xdt != tl.float32:  # half, exact: q - z exactly in x's dtype
             if xdt == tl.bfloat16:
                 q = (nib | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 128 + q
                 zq = (z + 128).to(tl.bfloat16)
-            elif xdt == tl.float16:
+            else:
                 q = (nib | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)  # 1024 + q
                 zq = (z + 1024).to(tl.float16)
+            w = tl.reshape(q, (BLOCK_K, BLOCK_N)) - zq[None, :]
+            if MODE == 1:
+                w = w * s.to(xdt)[None, :]
+                acc = tl.dot(x, w, acc, input_precision=PRECISION)
             else:
-                q = (nib | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + q
-                zq = (z | 0x4B000000).to(tl.float32, bitcast=True)
-            w = tl.reshape(q, (BLOCK_K, BLOCK_N)) - zq[None, :]  # q - z, exactly
-            acc += tl.dot(x, w, input_precision=PRECISION) * s[None, :]
-        else:
-            q = (nib | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + q
+                acc += tl.dot(x, w, input_precision=PRECISION) * s[None, :]
+        else:  # magic32 (and fp32 inputs): 2^23 + q, minus 2^23 + z, in fp32
+            q = (nib | 0x4B000000).to(tl.float32, bitcast=True)
             zq = (z | 0x4B000000).to(tl.float32, bitcast=True)
-            w = ((tl.reshape(q, (BLOCK_K, BLOCK_N)) - zq[None, :]) * s[None, :]).to(xdt)
-            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+            w = tl.reshape(q, (BLOCK_K, BLOCK_N)) - zq[None, :]
+            if MODE == 2:
+                acc += tl.dot(x, w, input_precision=PRECISION) * s[None, :]
+            else:
+                acc = tl.dot(x, (w * s[None, :]).to(xdt), acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * NP
     mask = mask_m[:, None] & (offs_n < N)[None, :]
@@ -116,5 +124,5 @@ def awq_variant(x: torch.Tensor, weight, mode: str, **override) -> torch.Tensor:
         x.stride(0), x.stride(1), n,
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=bk,
         EVEN_K=k % bk == 0, SPLIT=out.dim() == 3, PRECISION=dot_precision(x.dtype),
-        EXACT=mode == "exact", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        MODE=MODES.index(mode), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return finish(out, False, x.dtype)

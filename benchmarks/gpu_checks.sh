@@ -28,8 +28,9 @@
 #       throughput run with and without, while time is left (LAT_RUNS, TPUT_RUNS pick the runs,
 #       each name ending in the MINIVLLM_MOE_KERNEL it runs: _triton or _kernel, _grouped or
 #       _base, _auto, the default; MOE_KERNEL_TESTS=0 skips the tests)
-#   bash benchmarks/gpu_checks.sh quant_probe  # nvidia-h200 or nvidia-h100-x1: the 8B shape's decode
-#       linears dense, fp8 and AWQ (its tiles, its cheaper dequantizations), quant_gemm_probe.py
+#   bash benchmarks/gpu_checks.sh quant_probe  # nvidia-h200 or nvidia-h100-x1: the 8B shape's
+#       decode linears dense, fp8 and AWQ (its tiles, its cheaper dequantizations):
+#       quant_gemm_probe.py, bf16 and fp16
 #   bash benchmarks/gpu_checks.sh quant_speed  # nvidia-h200 or nvidia-h100-x1: the Qwen3-8B
 #       shape's single stream, then its throughput run, with dense bf16 linears, block-fp8 ones
 #       (--quantization fp8, MINIVLLM_FP8_WEIGHTS=fp8) and AWQ 4-bit ones (--quantization awq),
@@ -435,7 +436,9 @@ spec)
     step "latency_spec_$run" $(left_or 200) python3 -m minivllm bench "${FLAGS[@]}" --latency \
       "${trace[@]}" --json "$RESULTS/latency_spec_$run.json"
     if [ -f "/tmp/trace_spec_$run.json" ]; then
-      python3 benchmarks/trace_summary.py "/tmp/trace_spec_$run.json" --top 30 | \
+      # --steps 8: bench's traced steps. The sampler's kernel, which counts steps otherwise,
+      # runs once a forward, and a speculative step runs k + 2 (session 62's trace: 48 for 8).
+      python3 benchmarks/trace_summary.py "/tmp/trace_spec_$run.json" --steps 8 --top 30 | \
         tee -a "$OUT/logs.txt"
       rm -f "/tmp/trace_spec_$run.json"
     fi
@@ -508,12 +511,14 @@ moe_probe)
   step moe_probe $(left_or 200) python3 benchmarks/moe_probe.py --json "$RESULTS/moe_probe.json"
   ;;
 quant_probe)
-  # nvidia-h200 or nvidia-h100-x1 (~40 s on a fresh machine; session 62): the Qwen3-8B shape's
-  # four decode linears at 1, 2 and 16 rows: cuBLAS dense, block fp8, the AWQ kernel at its
-  # tiles and others, and awq_dequant_variants.py's two cheaper dequantizations
-  # (QUANT_PROBE_ROWS: other row counts). Then quant_speed's runs, if given after it.
-  step quant_probe $(left_or 150) python3 benchmarks/quant_gemm_probe.py \
-    --rows "${QUANT_PROBE_ROWS:-1,2,16}" --json "$RESULTS/quant_gemm_probe.json"
+  # nvidia-h200 or nvidia-h100-x1 (~80 s on a fresh machine; session 62): the Qwen3-8B shape's
+  # four decode linears at 1, 2 and 16 rows, in bf16 then fp16 (Qwen's AWQ checkpoints' dtype):
+  # cuBLAS dense, block fp8, the AWQ kernel at its tiles and others, and
+  # awq_dequant_variants.py's cheaper dequantizations (QUANT_PROBE_ROWS: other row counts).
+  for dtype in bfloat16 float16; do
+    step "quant_probe_$dtype" $(left_or 150) python3 benchmarks/quant_gemm_probe.py \
+      --rows "${QUANT_PROBE_ROWS:-1,2,16}" --dtype $dtype --json "$RESULTS/quant_probe_$dtype.json"
+  done
   ;;
 wide)
   # nvidia-h200 or nvidia-h100-x1 (<= 420 s): see the header.

@@ -1,6 +1,7 @@
 """Why is the AWQ engine's single stream so slow? The quantized decode GEMMs at the Qwen3-8B shape.
 
-    PYTHONPATH=. python benchmarks/quant_gemm_probe.py [--rows 1,2,16] [--json PATH]
+    PYTHONPATH=. python benchmarks/quant_gemm_probe.py [--rows 1,2,16] [--dtype float16]
+        [--json PATH]
 
 Session 62 (BENCHMARKS.md) ran `bench --shape qwen3-8b --latency` on an H100: dense bf16 158
 tok/s, block-fp8 224, AWQ 14 (72 ms a step, the device's). This times one call of each of the
@@ -8,7 +9,8 @@ layer's four linears (qkv, o, gate_up, down) at a few row counts, in a CUDA grap
 weight copies that exceed the L2 together: cuBLAS on the dense weight, kernels/fp8_gemm.py, and
 kernels/awq_gemm.py at its own tiles and at others (the 128-column tiles and K splits that its
 decode rule picks or not, 256 columns, 8 warps, 2 or 3 stages), and the two cheaper
-dequantizations of benchmarks/awq_dequant_variants.py at its tiles (magic32, exact). Session
+dequantizations of benchmarks/awq_dequant_variants.py at its tiles (magic32, half, exact), in
+bf16 or fp16 (--dtype; fp16 is the dtype of Qwen's AWQ checkpoints). Session
 62's first run of it compared the AWQ kernel then (each int loaded once for each of its eight
 columns) with the kernel that loads each int once, now awq_gemm.py's: 8-17x faster
 (BENCHMARKS.md).
@@ -49,6 +51,7 @@ def variants(dense, fp8, awq, split_128: int):
         "awq_stages2": awq_with(num_stages=2),
         "awq_stages3": awq_with(num_stages=3),
         "awq_magic32": lambda x, i: awq_variant(x, awq[i], "magic32"),
+        "awq_half": lambda x, i: awq_variant(x, awq[i], "half"),
         "awq_exact": lambda x, i: awq_variant(x, awq[i], "exact"),
     }
 
@@ -56,12 +59,13 @@ def variants(dense, fp8, awq, split_128: int):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1,2,16")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("quant_gemm_probe.py: needs a CUDA GPU; nothing to do here.")
         return 2
-    dev, dt = torch.device("cuda"), torch.bfloat16
+    dev, dt = torch.device("cuda"), getattr(torch, args.dtype)
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = [int(r) for r in args.rows.split(",")]
     results = []
@@ -70,7 +74,7 @@ def main() -> int:
                  for _ in range(COPIES)]
         fp8 = [random_quantized_linear("fp8", n, k, gen, dev) for _ in range(COPIES)]
         awq = [random_quantized_linear("awq", n, k, gen, dev) for _ in range(COPIES)]
-        print(f"{name} [{n}, {k}]")
+        print(f"{name} [{n}, {k}], {args.dtype}")
         for m in rows:
             x = torch.randn(m, k, device=dev, dtype=dt, generator=gen)
             line = []
@@ -82,7 +86,7 @@ def main() -> int:
                     print(f"  {vname} at {m} rows failed: {type(e).__name__}: {e}"[:300])
                     continue
                 results.append({"shape": name, "n": n, "k": k, "rows": m, "variant": vname,
-                                "us": us})
+                                "dtype": args.dtype, "us": us})
                 line.append(f"{vname} {us:.1f}")
             print(f"  {m} rows (us): " + ", ".join(line), flush=True)
     if args.json:
