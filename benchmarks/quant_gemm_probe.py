@@ -8,7 +8,7 @@ tok/s, block-fp8 224, AWQ 14 (72 ms a step, the device's). This times one call o
 layer's four linears (qkv, o, gate_up, down) at a few row counts, in a CUDA graph of calls over
 weight copies that exceed the L2 together: cuBLAS on the dense weight, kernels/fp8_gemm.py, and
 kernels/awq_gemm.py at its own tiles and at others (the 128-column tiles and K splits that its
-decode rule picks or not, 256 columns, 8 warps, 2 or 3 stages), and the two cheaper
+decode rule picks or not, 256 columns, 8 warps, 2 or 3 stages), and the three cheaper
 dequantizations of benchmarks/awq_dequant_variants.py at its tiles (magic32, half, exact), in
 bf16 or fp16 (--dtype; fp16 is the dtype of Qwen's AWQ checkpoints). Session
 62's first run of it compared the AWQ kernel then (each int loaded once for each of its eight
