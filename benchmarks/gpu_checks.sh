@@ -35,7 +35,7 @@
 #       shape's single stream, then its throughput run, with dense bf16 linears, block-fp8 ones
 #       (--quantization fp8, MINIVLLM_FP8_WEIGHTS=fp8) and AWQ 4-bit ones (--quantization awq),
 #       alternating, while time is left (LAT_RUNS, TPUT_RUNS pick the runs, each name ending in
-#       _dense, _fp8 or _awq)
+#       _dense, _fp8 or _awq; _awq16 and _dense16 run in fp16, AWQ checkpoints' dtype)
 #   bash benchmarks/gpu_checks.sh spec  # nvidia-h200 or nvidia-h100-x1: speculative decoding's
 #       GPU tests (draft model in bf16 with graphs; n-gram's verification graphs in fp32;
 #       processed logprobs in bf16), then the 0.6B
@@ -218,6 +218,9 @@ quant_flags() {  # quant_flags RUN: the bench arguments a quant_speed run's name
   case ${1##*_} in
     fp8) echo env MINIVLLM_FP8_WEIGHTS=fp8 python3 -m minivllm bench --quantization fp8 ;;
     awq) echo python3 -m minivllm bench --quantization awq ;;
+    # fp16: the dtype Qwen's AWQ checkpoints run in (their config.json's)
+    awq16) echo python3 -m minivllm bench --quantization awq --dtype float16 ;;
+    dense16) echo python3 -m minivllm bench --dtype float16 ;;
     *) echo python3 -m minivllm bench ;;
   esac
 }
