@@ -156,6 +156,11 @@ def test_bench_latency_with_awq_records_its_quantization(tiny_shape, tmp_path):
     result = json.loads(out.read_text())
     assert result["quantization"] == "awq" and result["shape"] == tiny_shape
     assert result["output_tok_per_s"] > 0 and result["persistent_decode"] is False
+    # The single stream's floor: its 4 tokens each read the packed weights once and the
+    # context so far (16, 17, 18, 19 tokens of 2 layers' K and V, 1 KV head of 128, bf16).
+    config = minivllm.state.config_for_shape(tiny_shape)
+    kv = sum(16 + j for j in range(4)) * 2 * 2 * 1 * 128 * 2
+    assert result["floor_bytes"] == 4 * weight_bytes(config, 2, ShardSpec(), "awq") + kv
 
 
 def test_bench_throughput_with_fp8_counts_fp8_bytes_in_its_floor(tiny_shape, tmp_path):

@@ -400,9 +400,17 @@ def run_latency(llm, *, prompt_len: int = 512, output_len: int = 256, repeats: i
     total, wait, launch, draft = ([1e6 * x for x in column] for column in zip(*decode))
     host = [t - w for t, w in zip(total, wait)]
     drafting = {"draft_us_p10_50_90": _percentiles(draft)} if any(draft) else {}
+    # The floor of the stream's output_len tokens decoded one a step: each step reads the
+    # weights once and the stream's context so far (speculation may beat it: several tokens a
+    # step for one read of the target's weights; the draft's reads are not counted).
+    floor = traffic_floor_bytes(llm.engine.model_config, [prompt_len], [output_len],
+                                dtype_bytes=llm.config.dtype.itemsize,
+                                kv_dtype_bytes=llm.config.cache_dtype.itemsize,
+                                tensor_parallel_size=llm.config.tensor_parallel_size,
+                                step_weight_bytes=held_weight_bytes(llm.engine.runner.params))
     return {"workload": "latency", "prompt_tokens": prompt_len, "output_tokens": output_len,
             "ttft_s": statistics.median(ttfts), "output_tok_per_s": rate,
-            "seconds": output_len / rate,
+            "seconds": output_len / rate, "floor_bytes": floor["total_bytes"],
             "host_us_per_step": statistics.median(host),
             "wait_us_per_step": statistics.median(wait),
             "host_us_p10_50_90": _percentiles(host), "wait_us_p10_50_90": _percentiles(wait),
@@ -571,16 +579,16 @@ def main(args) -> dict:
                                 max_output_len=lengths[1], trace=args.trace,
                                 trace_from=args.trace_from,
                                 step_times=args.step_times)
-        bandwidth = copy_bandwidth(device)
-        if bandwidth:
-            floor_s = result["floor_bytes"] / bandwidth
-            result.update(copy_bandwidth_tb_s=bandwidth / 1e12, floor_seconds=floor_s,
-                          floor_fraction=floor_s / result["seconds"])
-        read = read_bandwidth(device)
-        if read:
-            floor_s = result["floor_bytes"] / read
-            result.update(read_bandwidth_tb_s=read / 1e12, read_floor_seconds=floor_s,
-                          read_floor_fraction=floor_s / result["seconds"])
+    bandwidth = copy_bandwidth(device)
+    if bandwidth:
+        floor_s = result["floor_bytes"] / bandwidth
+        result.update(copy_bandwidth_tb_s=bandwidth / 1e12, floor_seconds=floor_s,
+                      floor_fraction=floor_s / result["seconds"])
+    read = read_bandwidth(device)
+    if read:
+        floor_s = result["floor_bytes"] / read
+        result.update(read_bandwidth_tb_s=read / 1e12, read_floor_seconds=floor_s,
+                      read_floor_fraction=floor_s / result["seconds"])
     result.update(shape=args.shape or (None if args.model else "qwen3-0.6b"), model=args.model,
                   quantization=quantization,
                   max_num_seqs=max_num_seqs, kv_cache_dtype=str(llm.config.cache_dtype),
