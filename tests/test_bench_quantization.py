@@ -273,3 +273,24 @@ def test_bench_of_an_awq_checkpoint_counts_its_packed_bytes_in_its_floor(tmp_pat
     dense = traffic_floor_bytes(params.config, lens, max_tokens, dtype_bytes=4)
     assert result["floor_bytes"] == dense["kv_bytes"] + held * max(max_tokens)
     assert result["floor_bytes"] < dense["total_bytes"]
+
+
+def test_bench_keeps_its_result_when_measuring_the_bandwidth_runs_out_of_memory(
+        tiny_shape, tmp_path, monkeypatch, caplog):
+    """The bandwidth copies after the run need 2-4 GiB beside the engine's memory: where they
+    do not fit, the result is still written, without the floor's share."""
+    from minivllm.runtime import bench
+
+    def no_memory(device):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(bench, "copy_bandwidth", no_memory)
+    out = tmp_path / "r.json"
+    assert main(["bench", "--shape", tiny_shape, "--latency", "--device", "cpu", "--dtype",
+                 "float32", "--attention-backend", "reference", "--enforce-eager",
+                 "--max-input-len", "8", "--max-output-len", "3", "--max-model-len", "32",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["output_tok_per_s"] > 0 and result["floor_bytes"] > 0
+    assert "floor_fraction" not in result and "read_floor_fraction" not in result
+    assert "no memory left to measure the GPU's bandwidth" in caplog.text
