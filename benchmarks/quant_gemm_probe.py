@@ -6,14 +6,14 @@
 Session 62 (BENCHMARKS.md) ran `bench --shape qwen3-8b --latency` on an H100: dense bf16 158
 tok/s, block-fp8 224, AWQ 14 (72 ms a step, the device's). This times one call of each of the
 layer's four linears (qkv, o, gate_up, down) at a few row counts, in a CUDA graph of calls over
-weight copies that exceed the L2 together: cuBLAS on the dense weight, kernels/fp8_gemm.py, and
-kernels/awq_gemm.py at its own tiles and at others (the 128-column tiles and K splits that its
-decode rule picks or not, 256 columns, 8 warps, 2 or 3 stages), and the three cheaper
-dequantizations of benchmarks/awq_dequant_variants.py at its tiles (magic32, half, exact), in
-bf16 or fp16 (--dtype; fp16 is the dtype of Qwen's AWQ checkpoints). Session
-62's first run of it compared the AWQ kernel then (each int loaded once for each of its eight
-columns) with the kernel that loads each int once, now awq_gemm.py's: 8-17x faster
-(BENCHMARKS.md).
+weight copies that exceed the L2 together: cuBLAS on the dense weight; kernels/fp8_gemm.py at
+its tiles and at 64 and 128 columns; kernels/awq_gemm.py at its own tiles and at others (the
+128-column tiles and K splits that its decode rule picks or not, 256 columns, 8 warps, 2 or 3
+stages); and the three cheaper dequantizations of benchmarks/awq_dequant_variants.py at its
+tiles (magic32, half, exact); in bf16 or fp16 (--dtype; fp16 is the dtype of Qwen's AWQ
+checkpoints). Session 62's first run of it compared the AWQ kernel then (each int loaded once
+for each of its eight columns) with the kernel that loads each int once, now awq_gemm.py's:
+8-17x faster (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ def variants(dense, fp8, awq, split_128: int):
     return {
         "dense": lambda x, i: torch.nn.functional.linear(x, dense[i]),
         "fp8": lambda x, i: fp8_linear(x, fp8[i]),
+        # the shared tile rule gives qkv, o_proj and down 32-column tiles, as it gave AWQ's
+        "fp8_n64": lambda x, i: fp8_linear(x, fp8[i], config={"block_n": 64}),
+        "fp8_n128": lambda x, i: fp8_linear(x, fp8[i], config={"block_n": 128}),
         "awq": awq_with(),
         "awq_n64": awq_with(block_n=64),
         "awq_n128": awq_with(block_n=128),
