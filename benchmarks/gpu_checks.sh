@@ -28,6 +28,8 @@
 #       throughput run with and without, while time is left (LAT_RUNS, TPUT_RUNS pick the runs,
 #       each name ending in the MINIVLLM_MOE_KERNEL it runs: _triton or _kernel, _grouped or
 #       _base, _auto, the default; MOE_KERNEL_TESTS=0 skips the tests)
+#   bash benchmarks/gpu_checks.sh features  # nvidia-h200 or nvidia-h100-x1: each sampling feature's
+#       tok/s beside plain sampling's on one engine (feature_speed.py)
 #   bash benchmarks/gpu_checks.sh quant_probe  # nvidia-h200 or nvidia-h100-x1: the 8B shape's
 #       decode linears dense, fp8 and AWQ (its tiles, its cheaper dequantizations):
 #       quant_gemm_probe.py, bf16 and fp16
@@ -512,6 +514,13 @@ moe_probe)
   # run): one Qwen3-30B-A3B sparse layer's moe_mlp, grouped GEMMs against the Triton kernels, at
   # 1-256 tokens in CUDA graphs, with each path's kernels at 1, 32 and 256 tokens.
   step moe_probe $(left_or 200) python3 benchmarks/moe_probe.py --json "$RESULTS/moe_probe.json"
+  ;;
+features)
+  # nvidia-h200 or nvidia-h100-x1 (~2 min on a fresh machine; session 62): each sampling feature's
+  # tok/s beside plain sampling's on one 0.6B engine, 64 prompts of 256 random ids, 128 tokens
+  # each (benchmarks/feature_speed.py; FEATURE_ARGS: other options)
+  step feature_speed $(left_or 300) python3 benchmarks/feature_speed.py ${FEATURE_ARGS:-} \
+    --json "$RESULTS/feature_speed.json"
   ;;
 quant_probe)
   # nvidia-h200 or nvidia-h100-x1 (~80 s on a fresh machine; session 62): the Qwen3-8B shape's

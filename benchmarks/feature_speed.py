@@ -1,0 +1,126 @@
+"""Does a sampling feature cost far more than it should? One engine, one batch of prompts, each
+feature's output tok/s beside plain sampling's.
+
+    PYTHONPATH=. python benchmarks/feature_speed.py [--model random:qwen3-0.6b] [--num-seqs 64]
+        [--prompt-len 256] [--output-len 128] [--features sample,logprobs,...] [--json PATH]
+
+Session 62 timed the AWQ engine's single stream for the first time: 14 tok/s, 11x below the dense
+model's, on a path whose GPU tests had passed. The sampling features have passed theirs, most on
+the CPU, and were never timed on a GPU either. This runs each over the same prompts (random ids,
+ignore_eos, fixed lengths, so every feature decodes the same steps) on one engine and prints its
+output tok/s and its ratio to plain sampling (temperature 0.6, nano-vllm's), which runs first and
+last: their difference bounds what a ratio means. A feature well below 1 is a lead, not a
+verdict: logprobs, prompt logprobs and beams read more back from the device each step by design.
+n4 samples 4 completions of a quarter of the prompts, beam4 searches 4 beams of a quarter of them
+(the same sequences in flight).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+
+import torch
+
+from minivllm import LLM, BeamSearchParams, SamplingParams
+
+PLAIN = dict(temperature=0.6)
+
+
+def feature_params(vocab: int, output_len: int) -> dict[str, dict]:
+    """name -> the SamplingParams fields a feature adds to plain sampling's."""
+    spread = list(range(0, min(vocab, 20_000), 200))  # 100 ids across the vocabulary
+    return {
+        "sample": {},
+        "greedy": dict(temperature=0.0),
+        "top_p_top_k": dict(top_p=0.9, top_k=50),
+        "min_p": dict(min_p=0.05),
+        "penalties": dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1),
+        "logit_bias": dict(logit_bias={i: 1.0 for i in spread}),
+        "allowed_token_ids": dict(allowed_token_ids=list(range(min(vocab, 1000)))),
+        "min_tokens": dict(min_tokens=output_len, stop_token_ids=spread[:10]),
+        "seeded": "seeded",  # a seed per request
+        "logprobs": dict(logprobs=5),
+        "prompt_logprobs": dict(prompt_logprobs=1),
+        "n4": "n4",
+        "beam4": "beam4",
+    }
+
+
+def run_feature(llm: LLM, name: str, extra, prompts: list[dict], output_len: int
+                ) -> tuple[int, float]:
+    """(output tokens, seconds) of one feature's run over `prompts`."""
+    base = dict(PLAIN, max_tokens=output_len, ignore_eos=True)
+    if name == "beam4":
+        few = prompts[:max(1, len(prompts) // 4)]
+        params = BeamSearchParams(beam_width=4, max_tokens=output_len, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = llm.beam_search(few, params)
+        seconds = time.perf_counter() - t0
+        lens = {len(p["prompt_token_ids"]) for p in few}
+        return sum(len(b.tokens) - min(lens) for o in outs for b in o.sequences), seconds
+    if extra == "n4":
+        few = prompts[:max(1, len(prompts) // 4)]
+        params = [SamplingParams(**base, n=4)] * len(few)
+    elif extra == "seeded":
+        few, params = prompts, [SamplingParams(**base, seed=i) for i in range(len(prompts))]
+    else:
+        few, params = prompts, [SamplingParams(**{**base, **extra})] * len(prompts)
+    t0 = time.perf_counter()
+    outs = llm.generate(few, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    return sum(len(c.token_ids) for o in outs for c in o.outputs), seconds
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="random:qwen3-0.6b")
+    ap.add_argument("--num-seqs", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--features", default=None, help="comma-separated (default: all)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    known = list(feature_params(1, 1))
+    names = args.features.split(",") if args.features else known
+    unknown = [n for n in names if n not in known]
+    if unknown:  # before the engine starts
+        raise ValueError(f"unknown features {unknown}; known: {', '.join(known)}")
+    llm = LLM(args.model, max_num_seqs=args.num_seqs, device=args.device,
+              max_model_len=args.prompt_len + args.output_len + 16,
+              enforce_eager=args.enforce_eager)
+    vocab = llm.engine.vocab_size
+    features = feature_params(vocab, args.output_len)
+    rng = random.Random(0)
+    ids = min(vocab, 10_000)
+    prompts = [{"prompt_token_ids": [rng.randrange(ids) for _ in range(args.prompt_len)]}
+               for _ in range(args.num_seqs)]
+    run_feature(llm, "sample", {}, prompts[:2], 4)  # warm-up
+    order = ["sample"] + [n for n in names if n != "sample"] + ["sample"]
+    results = []
+    for i, name in enumerate(order):
+        tokens, seconds = run_feature(llm, name, features[name], prompts, args.output_len)
+        results.append({"feature": name, "output_tokens": tokens, "seconds": seconds,
+                        "output_tok_per_s": tokens / seconds, "run": i})
+    plain = [r["output_tok_per_s"] for r in results if r["feature"] == "sample"]
+    for r in results:
+        r["ratio_to_plain"] = r["output_tok_per_s"] / plain[0]
+        print(f"{r['feature']:18s} {r['output_tokens']:7d} tokens {r['seconds']:7.2f} s "
+              f"{r['output_tok_per_s']:9.0f} tok/s  {r['ratio_to_plain']:.2f}", flush=True)
+    print(f"plain sampling first and last: {plain[0]:.0f} and {plain[-1]:.0f} tok/s "
+          f"({torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "num_seqs": args.num_seqs,
+                       "prompt_len": args.prompt_len, "output_len": args.output_len,
+                       "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
