@@ -7,7 +7,8 @@ feature's output tok/s beside plain sampling's.
 Session 62 timed the AWQ engine's single stream for the first time: 14 tok/s, 11x below the dense
 model's, on a path whose GPU tests had passed. The sampling features have passed theirs, most on
 the CPU, and were never timed on a GPU either. This runs each over the same prompts (random ids,
-ignore_eos, fixed lengths, so every feature decodes the same steps) on one engine and prints its
+ignore_eos, fixed lengths, so every feature decodes the same steps; their prefill, done once
+before, served by the prefix cache) on one engine and prints its
 output tok/s and its ratio to plain sampling (temperature 0.6, nano-vllm's), which runs first and
 last: their difference bounds what a ratio means. A feature well below 1 is a lead, not a
 verdict: logprobs, prompt logprobs and beams read more back from the device each step by design.
@@ -100,7 +101,9 @@ def main(argv=None) -> int:
     ids = min(vocab, 10_000)
     prompts = [{"prompt_token_ids": [rng.randrange(ids) for _ in range(args.prompt_len)]}
                for _ in range(args.num_seqs)]
-    run_feature(llm, "sample", {}, prompts[:2], 4)  # warm-up
+    # Untimed: the prompts' prefill (the prefix cache then serves every timed run's prompts, so
+    # that the runs differ by their decode steps only) and the engine's first steps.
+    run_feature(llm, "sample", {}, prompts, args.output_len)
     order = ["sample"] + [n for n in names if n != "sample"] + ["sample"]
     results = []
     for i, name in enumerate(order):
