@@ -13,20 +13,26 @@ output tok/s and its ratio to plain sampling (temperature 0.6, nano-vllm's), whi
 last: their difference bounds what a ratio means. A feature well below 1 is a lead, not a
 verdict: logprobs, prompt logprobs and beams read more back from the device each step by design.
 n4 samples 4 completions of a quarter of the prompts, beam4 searches 4 beams of a quarter of them
-(the same sequences in flight).
+(the same sequences in flight). --lora-rank R starts the engine with LoRA enabled (plain
+sampling then runs through its adapter-aware layers, without an adapter) and adds "lora": every
+request with one random adapter of rank R on all seven linears (its prefill done once before
+too: the prefix cache keeps each adapter's apart); run without it to compare the plain figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
+import tempfile
 import time
 
 import torch
+from safetensors.torch import save_file
 
-from minivllm import LLM, BeamSearchParams, SamplingParams
+from minivllm import LLM, BeamSearchParams, LoRARequest, SamplingParams
 
 PLAIN = dict(temperature=0.6)
 
@@ -51,10 +57,37 @@ def feature_params(vocab: int, output_len: int) -> dict[str, dict]:
     }
 
 
+def write_random_adapter(path: str, config, rank: int, seed: int = 0) -> str:
+    """A PEFT LoRA directory at `path` for a model of `config` (a ModelConfig): random A [rank,
+    in] and B [out, rank] (std 0.01) for every layer's seven linears."""
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_heads * d, config.num_kv_heads * d
+    dims = {"self_attn": {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)},
+            "mlp": {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for n in range(config.num_layers):
+        for parent, modules in dims.items():
+            for m, (n_in, n_out) in modules.items():
+                key = f"base_model.model.model.layers.{n}.{parent}.{m}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) * 0.01
+                tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.01
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(dict(peft_type="LORA", r=rank, lora_alpha=2 * rank, target_modules="all-linear",
+                       bias="none", lora_dropout=0.0, task_type="CAUSAL_LM"), f)
+    return path
+
+
 def run_feature(llm: LLM, name: str, extra, prompts: list[dict], output_len: int
                 ) -> tuple[int, float]:
     """(output tokens, seconds) of one feature's run over `prompts`."""
     base = dict(PLAIN, max_tokens=output_len, ignore_eos=True)
+    if isinstance(extra, LoRARequest):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(**base), use_tqdm=False, lora_request=extra)
+        return sum(len(c.token_ids) for o in outs for c in o.outputs), time.perf_counter() - t0
     if name == "beam4":
         few = prompts[:max(1, len(prompts) // 4)]
         params = BeamSearchParams(beam_width=4, max_tokens=output_len, ignore_eos=True)
@@ -85,18 +118,25 @@ def main(argv=None) -> int:
     ap.add_argument("--features", default=None, help="comma-separated (default: all)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--lora-rank", type=int, default=0,
+                    help="enable LoRA and add the feature \"lora\" (an adapter of this rank)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    known = list(feature_params(1, 1))
+    known = list(feature_params(1, 1)) + (["lora"] if args.lora_rank else [])
     names = args.features.split(",") if args.features else known
     unknown = [n for n in names if n not in known]
     if unknown:  # before the engine starts
         raise ValueError(f"unknown features {unknown}; known: {', '.join(known)}")
     llm = LLM(args.model, max_num_seqs=args.num_seqs, device=args.device,
               max_model_len=args.prompt_len + args.output_len + 16,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, enable_lora=args.lora_rank > 0,
+              max_lora_rank=args.lora_rank or 16)
     vocab = llm.engine.vocab_size
     features = feature_params(vocab, args.output_len)
+    if args.lora_rank:
+        path = write_random_adapter(tempfile.mkdtemp(prefix="feature_speed_lora_"),
+                                    llm.engine.model_config, args.lora_rank)
+        features["lora"] = LoRARequest("feature_speed", 1, path)
     rng = random.Random(0)
     ids = min(vocab, 10_000)
     prompts = [{"prompt_token_ids": [rng.randrange(ids) for _ in range(args.prompt_len)]}
@@ -104,6 +144,8 @@ def main(argv=None) -> int:
     # Untimed: the prompts' prefill (the prefix cache then serves every timed run's prompts, so
     # that the runs differ by their decode steps only) and the engine's first steps.
     run_feature(llm, "sample", {}, prompts, args.output_len)
+    if "lora" in names:
+        run_feature(llm, "lora", features["lora"], prompts, args.output_len)
     order = ["sample"] + [n for n in names if n != "sample"] + ["sample"]
     results = []
     for i, name in enumerate(order):
@@ -120,7 +162,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "num_seqs": args.num_seqs,
-                       "prompt_len": args.prompt_len, "output_len": args.output_len,
+                       "lora_rank": args.lora_rank, "prompt_len": args.prompt_len, "output_len": args.output_len,
                        "results": results}, f, indent=1)
     return 0
 

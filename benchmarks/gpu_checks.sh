@@ -516,11 +516,15 @@ moe_probe)
   step moe_probe $(left_or 200) python3 benchmarks/moe_probe.py --json "$RESULTS/moe_probe.json"
   ;;
 features)
-  # nvidia-h200 or nvidia-h100-x1 (~2 min on a fresh machine; session 62): each sampling feature's
+  # nvidia-h200 or nvidia-h100-x1 (~3 min on a fresh machine; session 62): each sampling feature's
   # tok/s beside plain sampling's on one 0.6B engine, 64 prompts of 256 random ids, 128 tokens
-  # each (benchmarks/feature_speed.py; FEATURE_ARGS: other options)
+  # each (benchmarks/feature_speed.py; FEATURE_ARGS: other options); then an engine with LoRA
+  # enabled, plain sampling without an adapter and with one of rank 16 (the plain figures of
+  # the two engines: what enabling LoRA costs requests without one)
   step feature_speed $(left_or 300) python3 benchmarks/feature_speed.py ${FEATURE_ARGS:-} \
     --json "$RESULTS/feature_speed.json"
+  step feature_speed_lora $(left_or 200) python3 benchmarks/feature_speed.py ${FEATURE_ARGS:-} \
+    --lora-rank 16 --features greedy,lora --json "$RESULTS/feature_speed_lora.json"
   ;;
 quant_probe)
   # nvidia-h200 or nvidia-h100-x1 (~80 s on a fresh machine; session 62): the Qwen3-8B shape's

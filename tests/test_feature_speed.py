@@ -27,3 +27,32 @@ def test_every_feature_decodes_the_same_tokens(tmp_path):
 def test_an_unknown_feature_is_refused_before_the_engine_starts(tmp_path):
     with pytest.raises(ValueError, match="unknown features \\['nucleus'\\]"):
         main(["--model", str(tmp_path / "no-such-model"), "--features", "greedy,nucleus"])
+
+
+def test_lora_runs_every_request_with_the_random_adapter(tmp_path):
+    """--lora-rank: the engine takes the adapter written for the model's shape, and the lora
+    feature's requests run with it: their greedy tokens differ from the base model's."""
+    import minivllm
+    from benchmarks.feature_speed import write_random_adapter
+
+    path = save_checkpoint(make_hf_model(vocab_size=300), tmp_path / "model")
+    out = tmp_path / "r.json"
+    assert main(["--model", path, "--num-seqs", "4", "--prompt-len", "8", "--output-len", "3",
+                 "--device", "cpu", "--enforce-eager", "--lora-rank", "4",
+                 "--features", "greedy,lora", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["feature"] for r in results] == ["sample", "greedy", "lora", "sample"]
+    assert all(r["output_tokens"] == 4 * 3 for r in results)
+    llm = minivllm.LLM(path, device="cpu", enforce_eager=True, enable_lora=True,
+                       max_lora_rank=4)
+    adapter = write_random_adapter(str(tmp_path / "lora"), llm.engine.model_config, 4)
+    # a large scale, so that the delta moves the greedy tokens of a random tiny model
+    cfg = json.loads((tmp_path / "lora" / "adapter_config.json").read_text())
+    cfg["lora_alpha"] = 4000
+    (tmp_path / "lora" / "adapter_config.json").write_text(json.dumps(cfg))
+    prompt = [{"prompt_token_ids": list(range(10, 30))}]
+    greedy = minivllm.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    base = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    tuned = llm.generate(prompt, greedy, use_tqdm=False,
+                         lora_request=minivllm.LoRARequest("a", 1, adapter))[0].outputs[0].token_ids
+    assert list(base) != list(tuned)
