@@ -10,7 +10,7 @@ import json
 import re
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from minivllm import SamplingParams
@@ -410,3 +410,47 @@ def test_surrogates_begin_no_character():
 
     assert not CharSet(ranges=(("\ud800", "\udfff"),)).meets(0xD000, 0xDFFF)
     assert CharSet(ranges=(("\ud800", "\ue000"),)).meets(0xD000, 0xE000)
+
+
+# Characters of 1-4 UTF-8 bytes, digits, spaces, quotes and escapes' classes, for the vocabularies
+# below; a token is 1-6 of them, or a lone byte of a multi-byte one (part of a character).
+_CHARS = list("ab z09_\"{}:,.-\\") + ["\u00e9", "\u4e2d", "\U0001F642", "\u00a0", "\u0663"]
+_PATTERNS = [r"[a-z ]{2,9}", r"(ab|a\u4e2d)+\"?", r"\d{1,3}(\.\d+)?", r"[^\"\\]{0,5}\"",
+             "\u00e9+|\U0001F642{2}", r"\w+\s\W", r"[^a-z0-9]*z", r"[\d\-]{1,4}|[^\sa]+",
+             ("json_object",),
+             # 65 character sets out of the start: more than one integer's bits (char_classes)
+             "|".join(chr(0x100 + i) for i in range(63)) + "|[ab z]+|\u00e9+",
+             schema_regex({"type": "object", "properties": {"a": {"type": "string"},
+                                                             "b": {"type": "integer"}}})]
+
+
+@settings(max_examples=40, deadline=None)
+@example(["ab", "a0", " z", "0", "\"", "\u00e9", "\u00e9".encode()[:1]], _PATTERNS[-2], [1, 2, 3])
+@given(st.lists(st.one_of(st.lists(st.sampled_from(_CHARS), min_size=1, max_size=6).map("".join),
+                          st.sampled_from(_CHARS).map(lambda c: c.encode()[:1])),
+                min_size=1, max_size=60, unique=True),
+       st.sampled_from(_PATTERNS), st.lists(st.integers(0, 10_000), max_size=12))
+def test_allowed_ids_of_a_random_vocabulary_are_the_tokens_that_walk_it(tokens, pattern, picks):
+    """The whole vocabulary walked at once (CompiledGuide._text_allowed, by classes of
+    characters the automaton moves alike) against each token's bytes walked one by one, at each
+    state of a random walk through allowed tokens: random byte-level vocabularies, regexes with
+    class escapes, negated sets and multi-byte characters, json_object, a schema."""
+    from test_session51_mutants import ByteLevelTok
+
+    vocab = [t.encode() if isinstance(t, str) else t for t in tokens]
+    if len(set(vocab)) < len(vocab):
+        return
+    index = TokenIndex(ByteLevelTok(vocab), len(vocab))
+    eos = (len(vocab) + 5,)
+    guide = CompiledGuide(pattern, index, eos)
+    state = guide.start
+    for pick in [*picks, None]:
+        want = {i for i, b in index.bytes.items() if guide.walk(state, b) is not None}
+        if guide.accepts(state) or not want:
+            want |= set(eos)
+        got = guide.allowed(state, len(vocab) + 10)
+        assert list(got) == sorted(want)
+        nexts = sorted(want - set(eos))
+        if pick is None or not nexts:
+            break
+        state = guide.walk(state, index.bytes[nexts[pick % len(nexts)]])

@@ -35,6 +35,8 @@ one state, so their number follows the distinct nestings met, not the text's len
 
 from __future__ import annotations
 
+import numpy as np
+
 from .regex_fsm import CharSet, LazyDFA
 
 MAX_DEPTH = 16  # containers open at once, the top-level object included
@@ -188,6 +190,11 @@ class JsonObjectAutomaton(LazyDFA):
                 ranges += (("\x80", "\U0010ffff"),)
             sets = self._charsets[state] = [CharSet(ranges=ranges)] if ranges else []
         return sets
+
+    def char_classes(self, state: int, codes: np.ndarray, chars: list[str],
+                     escapes: dict) -> np.ndarray:
+        # each ASCII character its own class, every other character one (see _ASCII)
+        return np.minimum(codes, len(self._ASCII))
 
     def accepts(self, state: int) -> bool:
         return state != self.DEAD and self._keys[state][1] == "$"

@@ -18,6 +18,8 @@ import abc
 import re
 from dataclasses import dataclass, field
 
+import numpy as np
+
 MAX_NFA_STATES = 100_000  # {m,n} copies its operand: a bound on what a pattern may expand to
 # The longest pattern taken: parsing costs some microseconds a character, and a pattern this long
 # already expands past MAX_NFA_STATES for what guide.schema_regex writes (a JSON schema's regex
@@ -46,6 +48,20 @@ class CharSet:
             _CLASS_ESCAPES[k.lower()](c) != k.isupper() for k in self.classes)
         return hit != self.negated
 
+
+    def members(self, codes: np.ndarray, chars: list[str], escapes: dict) -> np.ndarray:
+        """Which of `chars` (their code points `codes`) it holds, as a bool array. `escapes`: the
+        caller's memo of each class escape's members among the same chars."""
+        hit = np.zeros(len(codes), dtype=bool)
+        for lo, hi in self.ranges:
+            hit |= (codes >= ord(lo)) & (codes <= ord(hi))
+        for k in self.classes:
+            base = escapes.get(k.lower())
+            if base is None:
+                test = _CLASS_ESCAPES[k.lower()]
+                base = escapes[k.lower()] = np.fromiter(map(test, chars), bool, len(chars))
+            hit |= ~base if k.isupper() else base
+        return ~hit if self.negated else hit
 
     def meets(self, lo: int, hi: int) -> bool:
         """Whether it holds a character of code point lo..hi (surrogates aside)."""
@@ -355,6 +371,13 @@ class LazyDFA(abc.ABC):
             nxt = moves[c] = self.DEAD if after is None else self._intern(after)
         return nxt
 
+    @abc.abstractmethod
+    def char_classes(self, state: int, codes: np.ndarray, chars: list[str],
+                     escapes: dict) -> np.ndarray:
+        """For each of `chars` (code points `codes`) a class id, such that characters of one
+        class move from `state` to one state: the caller asks step() once a class.
+        `escapes`: the caller's memo for CharSet.members."""
+
     def walk(self, state: int, text: str) -> int:
         for c in text:
             state = self.step(state, c)
@@ -426,6 +449,19 @@ class RegexDFA(LazyDFA):
     def charsets(self, state: int) -> list[CharSet]:
         """The character sets of the moves out of `state`."""
         return [cs for s in self._keys[state] for cs, _ in self._nfa.edges[s]]
+
+    def char_classes(self, state: int, codes: np.ndarray, chars: list[str],
+                     escapes: dict) -> np.ndarray:
+        # A character's successor is the closure of the NFA moves whose sets hold it: which of
+        # the state's sets hold it decides it.
+        sets = list(dict.fromkeys(self.charsets(state)))
+        if not sets:
+            return np.zeros(len(codes), dtype=np.int64)
+        held = np.stack([cs.members(codes, chars, escapes) for cs in sets], axis=1)
+        if len(sets) < 63:  # the sets holding a character as the bits of one integer
+            return held @ (np.int64(1) << np.arange(len(sets), dtype=np.int64))
+        _, classes = np.unique(np.packbits(held, axis=1), axis=0, return_inverse=True)
+        return classes.reshape(-1)
 
     def accepts(self, state: int) -> bool:
         return self._final in self._keys[state]
