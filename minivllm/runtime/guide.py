@@ -11,7 +11,9 @@ automaton (runtime/json_automaton.py) with the DFA's interface. Constraints are 
 UTF-8 bytes they add to the text, so that a character split over several tokens (an emoji in a
 byte-level BPE vocabulary) can be generated, each of its tokens allowed while some character the
 automaton takes begins with the bytes so far. A state's allowed ids are computed when it is
-first met, then kept. Special tokens are never allowed inside the output.
+first met, then kept: the whole vocabulary walked at once (CompiledGuide._text_allowed), the
+automaton asked each move once per class of characters it moves alike (char_classes). Special
+tokens are never allowed inside the output.
 """
 
 from __future__ import annotations
