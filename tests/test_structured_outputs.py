@@ -454,3 +454,13 @@ def test_allowed_ids_of_a_random_vocabulary_are_the_tokens_that_walk_it(tokens, 
         if pick is None or not nexts:
             break
         state = guide.walk(state, index.bytes[nexts[pick % len(nexts)]])
+
+
+def test_a_state_with_no_token_and_no_eos_id_gives_an_empty_mask():
+    """Nothing leads on and the model names no EOS id: the mask is empty both ways (as before
+    the vocabulary was walked at once, when an empty list came back), not an error."""
+    from test_session51_mutants import ByteLevelTok
+
+    index = TokenIndex(ByteLevelTok([b"a", b"b"]), 2)
+    guide = CompiledGuide("q", index, ())
+    assert guide.mask(guide.start, 4) == ((), ())
