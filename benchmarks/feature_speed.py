@@ -162,7 +162,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "num_seqs": args.num_seqs,
-                       "lora_rank": args.lora_rank, "prompt_len": args.prompt_len, "output_len": args.output_len,
+                       "lora_rank": args.lora_rank, "prompt_len": args.prompt_len,
+                       "output_len": args.output_len,
                        "results": results}, f, indent=1)
     return 0
 
