@@ -123,3 +123,26 @@ def test_the_runner_sends_only_steps_when_a_step_samples_the_very_same_rows(monk
     n = len(built)
     batch_for(StepInput([], [b], (), None))  # no steps column: the rows' own, always built
     assert len(built) == n + 1
+
+
+def test_banned_and_allowed_pairs_are_each_rows_ids_in_order():
+    """The (row, id) pairs filled in C (_row_pairs) against the rows' lists walked in Python:
+    rows with none, one or many ids, in any mix, and the allowed rows' flags."""
+    rng = random.Random(1)
+    vocab = 400
+    for _ in range(100):
+        rows = [SamplingRow(temperature=0.6,
+                            banned_ids=tuple(rng.sample(range(vocab), rng.choice([0, 0, 1, 40]))),
+                            allowed_ids=tuple(sorted(rng.sample(range(vocab),
+                                                                rng.choice([0, 0, 1, 90])))))
+                for _ in range(rng.randint(1, 7))]
+        sb = make_sampling_batch(rows, vocab_size=vocab)
+        for rows_t, ids_t, field in ((sb.banned_rows, sb.banned_ids, "banned_ids"),
+                                     (sb.allowed_row_ids, sb.allowed_ids, "allowed_ids")):
+            want = [(b, i) for b, r in enumerate(rows) for i in getattr(r, field)]
+            if not want:
+                assert rows_t is None and ids_t is None
+                continue
+            assert list(zip(rows_t.tolist(), ids_t.tolist())) == want
+        if sb.allowed_rows is not None:
+            assert sb.allowed_rows.tolist() == [bool(r.allowed_ids) for r in rows]

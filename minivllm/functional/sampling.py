@@ -29,6 +29,7 @@ Both `functional.generate` and the engine sample with `sample`.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Sequence
 
@@ -227,6 +228,17 @@ def _as_int64(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
+def _row_pairs(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(row, id) pairs of per-row id lists, as two int64 arrays: the rows repeated by their
+    lists' lengths and the lists chained, each filled in C. A structured output's row bans or
+    allows tens of thousands of ids every step: a Python tuple per pair took 70 ms for 8 rows of
+    40,000 at a 151k vocabulary, these 3.6 (session 62)."""
+    counts = [len(ids) for ids in lists]
+    total = sum(counts)
+    rows = np.repeat(np.arange(len(lists), dtype=np.int64), counts)
+    return rows, np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=total)
+
+
 def _padded(rows: Sequence[Sequence[int]], pad: int, device) -> torch.Tensor:
     width = max(1, max(len(r) for r in rows))
     out = torch.full((len(rows), width), pad, dtype=torch.int64)
@@ -315,10 +327,9 @@ def make_sampling_batch(rows: Sequence[SamplingRow], *, vocab_size: int, device=
             prompt_ids = _padded([r.prompt_ids if p else ()
                                   for r, p in zip(rows, repeated.tolist())], vocab_size, device)
     banned_rows = banned_ids = None
-    pairs = [(row, tok) for row, r in enumerate(rows) for tok in r.banned_ids]
-    if pairs:
-        banned_rows = t([row for row, _ in pairs], torch.int64)
-        banned_ids = t([tok for _, tok in pairs], torch.int64)
+    if any(r.banned_ids for r in rows):
+        banned_rows, banned_ids = (t(a, torch.int64) for a in
+                                   _row_pairs([r.banned_ids for r in rows]))
     bias_rows = bias_ids = bias_values = None
     biased = [(row, tok, value) for row, r in enumerate(rows) for tok, value in r.logit_bias]
     if biased:
@@ -326,11 +337,10 @@ def make_sampling_batch(rows: Sequence[SamplingRow], *, vocab_size: int, device=
         bias_ids = t([tok for _, tok, _ in biased], torch.int64)
         bias_values = t([value for _, _, value in biased], torch.float32)
     allowed_rows = allowed_row_ids = allowed_ids = None
-    allowed = [(row, tok) for row, r in enumerate(rows) for tok in r.allowed_ids]
-    if allowed:
+    if any(r.allowed_ids for r in rows):
         allowed_rows = t([bool(r.allowed_ids) for r in rows], torch.bool)
-        allowed_row_ids = t([row for row, _ in allowed], torch.int64)
-        allowed_ids = t([tok for _, tok in allowed], torch.int64)
+        allowed_row_ids, allowed_ids = (t(a, torch.int64) for a in
+                                        _row_pairs([r.allowed_ids for r in rows]))
     wanted = [r.logprobs for r in rows if r.logprobs is not None]
     num_greedy = np.count_nonzero(temperature == 0)
     num_truncated = 0  # rows that sample (temperature > 0) with top-k, top-p or min-p
