@@ -10,8 +10,11 @@ and without a leading space, capitalized words, numbers, punctuation runs, CJK r
 distinct characters) and runs of spaces up to 64. It times, for a JSON schema (a string with a
 maxLength, an integer, an array of strings), json_object and the regex [a-z ]{5,40}: the first
 visit of one state of each kind (the median of 5 fresh guides), and the masks of every state a
-typical output walks through, one character at a time. Session 62 (BENCHMARKS.md) measured
-these before and after the guide walked the whole vocabulary at once.
+typical output walks through, one character at a time; then a step's sampling batch of 64 rows,
+16 of them guided (8 in the regex's state, whose mask bans ids, 8 in the integer's, whose mask
+allows them), as the engine builds it every step. Session 62 (BENCHMARKS.md) measured these
+before and after the guide walked the whole vocabulary at once and the batch's pairs were
+filled in C.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import statistics
 import sys
 import time
 
+from minivllm.functional.sampling import SamplingRow, make_sampling_batch
 from minivllm.runtime.guide import JSON_OBJECT, CompiledGuide, TokenIndex, schema_regex
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
@@ -143,6 +147,22 @@ def main(argv=None) -> int:
         total, slowest = walk_ms(key, index, eos, vocab_size, text)
         result["walk_ms"][label] = {"states": len(text), "total": total, "slowest": slowest}
         print(f"{label}: the masks of {len(text)} states {total:.0f} ms, the slowest {slowest:.1f}")
+    banning = CompiledGuide(regex, index, eos)
+    banned = banning.mask(banning.walk(banning.start, b"abcdefg"), vocab_size)[1]
+    allowing = CompiledGuide(schema, index, eos)
+    allowed = allowing.mask(allowing.walk(allowing.start, b'{"name": "x", "age": 4'),
+                            vocab_size)[0]
+    rows = ([SamplingRow(temperature=0.7, seed=i, banned_ids=banned) for i in range(8)]
+            + [SamplingRow(temperature=0.7, seed=i, allowed_ids=allowed) for i in range(8)]
+            + [SamplingRow(temperature=0.7, seed=i) for i in range(48)])
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        make_sampling_batch(rows, vocab_size=vocab_size)
+        times.append(time.perf_counter() - start)
+    ms = result["sampling_batch_ms"] = 1e3 * statistics.median(times)
+    print(f"a sampling batch of 64 rows, 8 banning {len(banned)} ids and 8 allowing "
+          f"{len(allowed)}: {ms:.1f} ms")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

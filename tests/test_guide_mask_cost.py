@@ -24,4 +24,4 @@ def test_a_small_run_writes_every_measurement(tmp_path):
     result = json.loads(out.read_text())
     assert len(result["first_visit_ms"]) == 4 and len(result["walk_ms"]) == 3
     assert all(v > 0 for v in result["first_visit_ms"].values())
-    assert result["walk_ms"]["schema"]["states"] == 56
+    assert result["walk_ms"]["schema"]["states"] == 56 and result["sampling_batch_ms"] > 0
