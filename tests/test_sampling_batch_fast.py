@@ -146,3 +146,29 @@ def test_banned_and_allowed_pairs_are_each_rows_ids_in_order():
             assert list(zip(rows_t.tolist(), ids_t.tolist())) == want
         if sb.allowed_rows is not None:
             assert sb.allowed_rows.tolist() == [bool(r.allowed_ids) for r in rows]
+
+
+def test_penalised_rows_ids_are_each_rows_ids_padded_on_the_right():
+    """output_ids / prompt_ids of the penalised rows (others all padding), each row's ids in
+    order then the vocabulary size as padding, against the rows walked in Python."""
+    rng = random.Random(2)
+    vocab = 300
+    for _ in range(100):
+        rows = [SamplingRow(temperature=0.6, presence_penalty=rng.choice([0.0, 0.5]),
+                            repetition_penalty=rng.choice([1.0, 1.1]),
+                            output_ids=tuple(rng.randrange(vocab)
+                                             for _ in range(rng.choice([0, 1, 7, 30]))),
+                            prompt_ids=tuple(rng.randrange(vocab)
+                                             for _ in range(rng.choice([0, 1, 12]))))
+                for _ in range(rng.randint(1, 6))]
+        sb = make_sampling_batch(rows, vocab_size=vocab)
+        for field, on in (("output_ids", lambda r: r.presence_penalty != 0
+                           or r.repetition_penalty != 1),
+                          ("prompt_ids", lambda r: r.repetition_penalty != 1)):
+            got = getattr(sb, field)
+            lists = [list(getattr(r, field)) if on(r) else [] for r in rows]
+            if not any(on(r) for r in rows):
+                assert got is None
+                continue
+            width = max(1, max(map(len, lists)))
+            assert got.tolist() == [ids + [vocab] * (width - len(ids)) for ids in lists]

@@ -240,12 +240,14 @@ def _row_pairs(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _padded(rows: Sequence[Sequence[int]], pad: int, device) -> torch.Tensor:
-    width = max(1, max(len(r) for r in rows))
-    out = torch.full((len(rows), width), pad, dtype=torch.int64)
-    for b, r in enumerate(rows):
-        if len(r):
-            out[b, : len(r)] = torch.as_tensor(list(r), dtype=torch.int64)
-    return host_to_device(out, device)
+    """The rows' ids as one [B, longest] int64 tensor, each row padded with `pad` on its right;
+    filled as _row_pairs' pairs (a tensor a row took 16 ms for 256 penalised rows of ~560 output
+    and ~560 prompt ids, every step; session 62)."""
+    which, ids = _row_pairs(rows)
+    counts = np.bincount(which, minlength=len(rows))
+    out = np.full((len(rows), max(1, int(counts.max(initial=0)))), pad, dtype=np.int64)
+    out[which, np.arange(len(ids)) - np.repeat(np.cumsum(counts) - counts, counts)] = ids
+    return host_to_device(torch.from_numpy(out), device)
 
 
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
