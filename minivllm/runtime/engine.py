@@ -260,6 +260,10 @@ class LLMEngine:
         ids = list(ids)
         if not ids:
             raise ValueError("the prompt is empty (no tokens)")
+        # Plain ints (the common case) are checked by min / max at C speed: a beam search
+        # submits each beam's whole prefix again every step. Anything else goes one by one.
+        if all(type(t) is int for t in ids) and 0 <= min(ids) and max(ids) < self.vocab_size:
+            return text, ids
         for k, given_id in enumerate(ids):
             t = as_int(given_id)  # ints, and numpy / torch integer scalars
             if t is None:
