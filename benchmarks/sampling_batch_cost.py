@@ -5,9 +5,10 @@
 A penalised row (presence, frequency or repetition penalty) sends its output ids, and with a
 repetition penalty its prompt's, every step it samples: the engine rebuilds its row each step.
 This times make_sampling_batch (the median of 5) for `--rows` penalised rows of 100-1,024 output
-and 100-1,024 prompt ids drawn from a 151,000-id vocabulary, seed 0; guide_mask_cost.py times
-structured outputs' rows. Session 62 (BENCHMARKS.md) measured it before and after the lists were
-padded from one chained array.
+and 100-1,024 prompt ids drawn from a 151,000-id vocabulary, seed 0, with the ids as int64 arrays
+(the engine's rows since session 63: Sequence.output_array, prompt_array) and as tuples;
+guide_mask_cost.py times structured outputs' rows. Sessions 62-63 (BENCHMARKS.md) measured it
+before and after the lists were padded from one chained array, then a row at a time.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import random
 import statistics
 import sys
 import time
+
+import numpy as np
 
 from minivllm.functional.sampling import SamplingRow, make_sampling_batch
 
@@ -34,18 +37,23 @@ def main(argv=None) -> int:
     def ids():
         return tuple(rng.randrange(VOCAB) for _ in range(rng.randint(100, 1024)))
 
-    rows = [SamplingRow(temperature=0.7, seed=i, presence_penalty=0.5, repetition_penalty=1.1,
-                        output_ids=ids(), prompt_ids=ids()) for i in range(args.rows)]
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        make_sampling_batch(rows, vocab_size=VOCAB)
-        times.append(time.perf_counter() - start)
-    ms = 1e3 * statistics.median(times)
-    print(f"{args.rows} penalised rows of 100-1024 output and prompt ids: {ms:.1f} ms")
+    lists = [(ids(), ids()) for _ in range(args.rows)]
+    result = {"rows": args.rows}
+    for form, kind in (("arrays", lambda x: np.array(x, dtype=np.int64)), ("tuples", tuple)):
+        rows = [SamplingRow(temperature=0.7, seed=i, presence_penalty=0.5, repetition_penalty=1.1,
+                            output_ids=kind(out), prompt_ids=kind(prompt))
+                for i, (out, prompt) in enumerate(lists)]
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            make_sampling_batch(rows, vocab_size=VOCAB)
+            times.append(time.perf_counter() - start)
+        result[f"ms_{form}"] = ms = 1e3 * statistics.median(times)
+        print(f"{args.rows} penalised rows of 100-1024 output and prompt ids as {form}: "
+              f"{ms:.2f} ms")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": args.rows, "ms": ms}, f, indent=1)
+            json.dump(result, f, indent=1)
     return 0
 
 

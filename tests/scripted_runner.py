@@ -15,8 +15,10 @@ def lp_of(step: int) -> float:
 
 class Scripted:
     """Samples scripts[row.seed][k] as a sequence's k-th generated token (k from 0); records each
-    step (steps_seen), each sampled row (rows) and its banned ids (banned[(seed, k)]), and fails
-    if the script samples an id the row bans (the sampler never would)."""
+    step (steps_seen), each sampled row (rows), the output ids its penalties see (output_ids:
+    the row's, and a pending one from the last step's tokens, StepInput.pending_ids, as the real
+    runner completes them on the device) and its banned ids (banned[(seed, k)]), and fails if
+    the script samples an id the row bans (the sampler never would)."""
 
     def __init__(self, config, scripts: dict[int, list[int]]):
         self.model_config = config.model_config
@@ -24,12 +26,21 @@ class Scripted:
         self.scripts = scripts
         self.steps_seen = []
         self.rows = []
+        self.output_ids = []
+        self.last_tokens = None
         self.banned: dict[tuple[int, int], tuple[int, ...]] = {}
 
     def execute(self, step):
         self.steps_seen.append(step)
         tokens, lps = [], []
+        pending = {row: (column, r) for row, column, r in step.pending_ids}
         for k, row in enumerate(step.rows):
+            seen = tuple(int(i) for i in row.output_ids)
+            if k in pending:
+                column, r = pending[k]
+                assert column == len(seen), "a pending id goes right after the row's known ids"
+                seen += (self.last_tokens[r],)
+            self.output_ids.append(seen)
             n = step.steps[k] if step.steps is not None else row.step
             t = self.scripts[row.seed][n]
             self.banned[(row.seed, n)] = tuple(row.banned_ids)
@@ -38,6 +49,7 @@ class Scripted:
             tokens.append(t)
             lps.append(TokenLogprobs(lp_of(n), 1, [t], [lp_of(n)]))
         want = any(r.logprobs is not None for r in step.rows)
+        self.last_tokens = tokens
         return StepResult(tokens, lps if want else None)
 
 

@@ -50,16 +50,19 @@ def run_all(engine):
                                              (dict(repetition_penalty=1.3), True)])
 def test_penalised_rows_see_every_generated_id_and_the_prompt_for_repetition(tiny_dir, kw, sees_prompt,
                                                                              asynchronous):
-    """Penalties act on the ids generated so far (all of them, none pending), the repetition
-    penalty on the prompt's too: the k-th sampled row holds script[:k] and, for repetition, the
-    prompt."""
+    """Penalties act on the ids generated so far (all of them: with asynchronous scheduling the
+    pending one is taken from the last step's tokens), the repetition penalty on the prompt's
+    too: the k-th sampled row sees script[:k] and, for repetition, the prompt; asynchronously,
+    each row after the first holds all but the last, which is pending."""
     script = [5, 6, 7, 8, 9]
     prompt = [1, 2, 3, 4, 2]
     eng, runner = scripted_engine(tiny_dir, {3: script}, asynchronous=asynchronous)
     eng.add_request({"prompt_token_ids": prompt}, SamplingParams(seed=3, max_tokens=5, **kw))
     out = run_all(eng)["0"]
     assert out.outputs[0].token_ids == script
-    assert [tuple(r.output_ids) for r in runner.rows] == [tuple(script[:k]) for k in range(5)]
+    assert runner.output_ids == [tuple(script[:k]) for k in range(5)]
+    held = [tuple(script[:k - 1 if asynchronous and k else k]) for k in range(5)]
+    assert [tuple(r.output_ids) for r in runner.rows] == held
     assert [tuple(r.prompt_ids) for r in runner.rows] == [tuple(prompt) if sees_prompt else ()] * 5
 
 

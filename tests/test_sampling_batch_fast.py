@@ -4,11 +4,15 @@ with_steps and the runner's reuse of the last batch must equal a batch made afre
 import random
 
 import attrs
+import numpy as np
 import pytest
 import torch
 
-from minivllm.functional.sampling import SamplingRow, make_sampling_batch, with_steps
+from minivllm import SamplingParams
+from minivllm.functional.sampling import (SamplingRow, apply_penalties, make_sampling_batch,
+                                          with_pending_ids, with_steps)
 from minivllm.runtime.runner import StepInput
+from minivllm.runtime.sequence import PENDING, Sequence
 
 
 def _row(rng: random.Random) -> SamplingRow:
@@ -153,13 +157,16 @@ def test_penalised_rows_ids_are_each_rows_ids_padded_on_the_right():
     order then the vocabulary size as padding, against the rows walked in Python."""
     rng = random.Random(2)
     vocab = 300
+
+    def ids(n):  # a tuple or, as the engine's rows hold them, an int64 array
+        got = tuple(rng.randrange(vocab) for _ in range(n))
+        return np.array(got, dtype=np.int64) if rng.random() < 0.5 else got
+
     for _ in range(100):
         rows = [SamplingRow(temperature=0.6, presence_penalty=rng.choice([0.0, 0.5]),
                             repetition_penalty=rng.choice([1.0, 1.1]),
-                            output_ids=tuple(rng.randrange(vocab)
-                                             for _ in range(rng.choice([0, 1, 7, 30]))),
-                            prompt_ids=tuple(rng.randrange(vocab)
-                                             for _ in range(rng.choice([0, 1, 12]))))
+                            output_ids=ids(rng.choice([0, 1, 7, 30])),
+                            prompt_ids=ids(rng.choice([0, 1, 12])))
                 for _ in range(rng.randint(1, 6))]
         sb = make_sampling_batch(rows, vocab_size=vocab)
         for field, on in (("output_ids", lambda r: r.presence_penalty != 0
@@ -172,3 +179,63 @@ def test_penalised_rows_ids_are_each_rows_ids_padded_on_the_right():
                 continue
             width = max(1, max(map(len, lists)))
             assert got.tolist() == [ids + [vocab] * (width - len(ids)) for ids in lists]
+
+
+def test_pending_ids_penalise_as_the_whole_output_would():
+    """with_pending_ids: rows built from their known ids, each pending row's last id taken from
+    the previous step's tokens (on the device, in any order of rows), penalise the logits exactly
+    as rows holding every id; the other rows are untouched."""
+    rng = random.Random(4)
+    vocab = 60
+    for _ in range(60):
+        b = rng.randint(1, 6)
+        full = [tuple(rng.randrange(vocab) for _ in range(rng.choice([1, 2, 9]))) for _ in range(b)]
+        pending = sorted(rng.sample(range(b), rng.randint(1, b)))
+        tokens = torch.randint(vocab, (b + 3,))
+        order = rng.sample(range(b + 3), b)  # row k's pending token is tokens[order[k]]
+        full = [ids[:-1] + (int(tokens[order[k]]),) if k in pending else ids
+                for k, ids in enumerate(full)]
+        params = [dict(presence_penalty=rng.choice([0.0, 0.5]),
+                       frequency_penalty=rng.choice([0.0, 0.7]),
+                       repetition_penalty=rng.choice([1.0, 1.3])) for _ in range(b)]
+        params[pending[0]]["frequency_penalty"] = 0.7  # a penalised row that has one pending
+
+        def rows(known):
+            return [SamplingRow(temperature=0.6, output_ids=ids[:-1] if known and k in pending
+                                else ids, prompt_ids=(1, 2), **p)
+                    for k, (ids, p) in enumerate(zip(full, params))]
+
+        triples = [(k, len(full[k]) - 1, order[k]) for k in pending
+                   if any(v != d for v, d in zip(params[k].values(), (0.0, 0.0, 1.0)))]
+        got = with_pending_ids(make_sampling_batch(rows(True), vocab_size=vocab), triples,
+                               tokens, vocab)
+        want = make_sampling_batch(rows(False), vocab_size=vocab)
+        logits = torch.randn(b, vocab)
+        assert torch.equal(apply_penalties(logits, got), apply_penalties(logits, want))
+    with pytest.raises(ValueError, match="without penalised rows"):
+        with_pending_ids(make_sampling_batch([SamplingRow()], vocab_size=vocab), [(0, 0, 0)],
+                         tokens, vocab)
+
+
+def test_a_sequences_output_array_is_its_known_output_ids():
+    """Sequence.output_array (a buffer extended as ids become known) against output_ids, through
+    tokens appended known and pending, pendings resolved, and the views handed out earlier."""
+    rng = random.Random(5)
+    for _ in range(50):
+        seq = Sequence(0, "r", 0, [rng.randrange(9) for _ in range(rng.randint(1, 5))],
+                       SamplingParams(presence_penalty=0.5), 0)
+        views = []
+        for _ in range(rng.randint(1, 60)):
+            if seq.num_pending and rng.random() < 0.6:  # the oldest pending token resolved
+                seq.token_ids[seq.num_known] = rng.randrange(9)
+                seq.num_pending -= 1
+            elif rng.random() < 0.3:
+                seq.token_ids.append(PENDING)
+                seq.num_pending += 1
+            elif not seq.num_pending:
+                seq.token_ids.append(rng.randrange(9))
+            got = seq.output_array()
+            assert got.dtype == np.int64 and got.tolist() == seq.output_ids
+            views.append((got, list(seq.output_ids)))
+        assert all(v.tolist() == ids for v, ids in views)  # never rewritten under a holder
+        assert seq.prompt_array().tolist() == seq.prompt_ids

@@ -766,7 +766,8 @@ class LLMEngine:
         would differ from the row its next tokens get. With a draft model, as many placeholders
         as it will draft: the step's inputs take the draft's tokens on the device
         (_draft_tokens), and out.drafts gets them with the step's result (_take_drafts)."""
-        if seq.reads_output or seq.pooling or seq.num_output < seq.params.min_tokens:
+        if seq.reads_output or seq.penalised or seq.pooling or \
+                seq.num_output < seq.params.min_tokens:
             return []
         spec = self.config.speculative
         if spec.method == "draft_model":
@@ -804,7 +805,7 @@ class LLMEngine:
         sequence and reused (building one costs more than the rest of a decode step's host work
         for that sequence)."""
         p = seq.params
-        plain = not seq.reads_output and seq.num_output >= p.min_tokens
+        plain = not (seq.reads_output or seq.penalised) and seq.num_output >= p.min_tokens
         if plain and seq.sampling_row is not None:
             return seq.sampling_row
         banned = ()
@@ -822,10 +823,11 @@ class LLMEngine:
             min_p=p.min_p,  # top_k past the vocabulary is off (and may not fit in int64)
             presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty, seed=seq.seed, step=0,
-            output_ids=seq.output_ids if seq.penalised else (),
+            # Known ids only: a pending one the runner takes on the device (StepInput.pending_ids).
+            output_ids=seq.output_array() if seq.penalised else (),
             # A prompt of embeddings has no ids to penalise: only its generated ones are.
-            prompt_ids=seq.prompt_ids if p.repetition_penalty != 1 and seq.prompt_embeds is None
-            else (),
+            prompt_ids=seq.prompt_array() if p.repetition_penalty != 1 and
+            seq.prompt_embeds is None else (),
             banned_ids=banned, logit_bias=p.bias_pairs, allowed_ids=allowed,
             logprobs=self._num_logprobs(p.logprobs))
         if plain:
@@ -892,9 +894,13 @@ class LLMEngine:
             # steps num_output ... num_output + d (as the steps without drafts would).
             rows, steps = self._spec_rows(sampled, rows, steps, out.drafts)
         lora_slots = self._lora_slots(out) if self.loras is not None else None
+        # A penalised row holds its known output ids: a pending one comes from the device.
+        pending_ids = tuple([(r, seq.num_known - seq.prompt_len, prev_row[seq])
+                             for r, seq in enumerate(sampled) if seq.penalised and
+                             seq.num_pending]) if prev_row else ()
         return StepInput(chunks, rows, tuple(fed_back), steps, scores,
                          tuple(pooled) if out.pooled else (), lora_slots,
-                         self._step_embeds(out), draft_ids, tuple(drafted))
+                         self._step_embeds(out), draft_ids, tuple(drafted), pending_ids)
 
     @staticmethod
     def _step_embeds(out: SchedulerOutput) -> tuple[tuple[int, torch.Tensor], ...]:
@@ -1006,7 +1012,8 @@ class LLMEngine:
     def _step_async(self, unfinished: bool) -> list[RequestOutput]:
         prev = self.in_flight
         if prev is not None and any(s.reads_output for s in self.scheduler.running):
-            # Penalties and bad words read the generated ids on the host: the pending ones first.
+            # Multi-token bad words and structured outputs read the generated ids on the host:
+            # the pending ones first. (Penalties count them on the device: StepInput.pending_ids.)
             self.in_flight = None
             return self._resolve(prev, unfinished)
         with trace_range("schedule"):

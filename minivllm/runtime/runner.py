@@ -27,7 +27,8 @@ from torch.profiler import record_function
 from ..functional.model import final_hidden, forward, logits_head, prompt_logprobs
 from ..functional.model import stem as model_stem
 from ..functional.sampling import (SampleOutput, SamplingBatch, SamplingRow, make_sampling_batch,
-                                  needs_vocab_rows, plain_greedy, sample, with_steps)
+                                  needs_vocab_rows, plain_greedy, sample, with_pending_ids,
+                                  with_steps)
 from ..kernels import select_backend
 from ..state.batch import (DecodeChunks, SeqChunk, host_to_device, is_decode_step,
                            is_verification_step, make_batch)
@@ -73,6 +74,10 @@ class StepInput:
     drafts.view(-1). The step is built and launched while the draft's rounds run; the drafts
     reach the host with the step's sampled tokens (StepResult.drafts).
 
+    pending_ids: (row, column, r) triples for penalised rows whose sequence's last token the
+    previous step is still sampling: the row's output ids (its known ones) take row r of that
+    step's sampled tokens at `column` (their count), on the device.
+
     steps: each row's step (tokens its sequence has generated), in place of the rows' own when
     given: the engine reuses a sequence's row from step to step and sends only this column.
 
@@ -103,6 +108,7 @@ class StepInput:
     embeds: tuple[tuple[int, torch.Tensor], ...] = ()
     drafts: torch.Tensor | None = None
     drafted: tuple[tuple[int, int], ...] = ()
+    pending_ids: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -989,6 +995,13 @@ class ModelRunner:
         else:
             sb = make_sampling_batch(rows, vocab_size=self.vocab_size, device=self.device,
                                      steps=step.steps, logprobs_mode=self.config.logprobs_mode)
+            if step.pending_ids:
+                # Asynchronous scheduling built the penalised rows while their sequences' last
+                # tokens were still being sampled: taken from the device, in stream order.
+                if self.last_tokens is None:
+                    raise ValueError("a step takes pending ids but no step was launched before it")
+                sb = with_pending_ids(sb, step.pending_ids, self.last_tokens, self.vocab_size,
+                                      self.device)
         self.last_sampling = (rows, sb)
         return sb
 
@@ -1009,6 +1022,8 @@ class ModelRunner:
         size = self.config.max_num_seqs
         if len(step.rows) <= size:
             return [self._sampling_batch(step)]
+        if step.pending_ids:  # (speculative steps, the only ones this wide, are synchronous)
+            raise ValueError("a step of more rows than max_num_seqs has no pending ids")
         whole = make_sampling_batch(step.rows, vocab_size=self.vocab_size, device=self.device,
                                     steps=step.steps, logprobs_mode=self.config.logprobs_mode)
         if not needs_vocab_rows(whole):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import enum
 
+import numpy as np
+
 from .sampling_params import SamplingParams
 
 
@@ -58,18 +60,23 @@ class Sequence:
         self.num_computed = 0
         self.num_pending = 0  # trailing PENDING entries of token_ids (tokens still being sampled)
         self.max_num_tokens = 0  # where it ends by length (the scheduler sets it: length_limit)
-        # Penalties read the generated ids themselves, so a penalised sequence never runs with a
-        # pending token (the engine resolves the previous step before scheduling it).
+        # Penalties read the generated ids: its sampling row sends them each step, as arrays
+        # (output_array, prompt_array); a pending one is taken on the device (ModelRunner).
         self.penalised = (params.presence_penalty != 0 or params.frequency_penalty != 0
                           or params.repetition_penalty != 1)
+        self._output_buffer = np.empty(0, dtype=np.int64)  # output_array's; [:_output_filled]
+        self._output_filled = 0
+        self._prompt_array = None
         self.bad_words = bad_words  # token ids of each (runtime/bad_words.py)
         self.guide = guide  # its structured output's place (runtime/guide.py), or None
         # An embedding's sequence (runtime/pooling.py): it ends with its prompt, whose last
         # token's hidden state the step that computes it returns, sampling nothing.
         self.pooling = pooling
-        # Whether its sampling row depends on its generated ids: the same holds for those.
-        self.reads_output = (self.penalised or any(len(w) > 1 for w in bad_words)
-                             or guide is not None)
+        # Whether its sampling row is decided by its generated ids on the host (multi-token bad
+        # words, a structured output's constraint): it never runs with a pending token (the
+        # engine resolves the previous step before scheduling it). Penalties only count the
+        # ids, which the device completes: not these.
+        self.reads_output = any(len(w) > 1 for w in bad_words) or guide is not None
         # The engine's SamplingRow for it, once only the step changes from step to step.
         self.sampling_row = None
         self.block_table: list[int] = []
@@ -123,6 +130,31 @@ class Sequence:
     @property
     def prompt_ids(self) -> list[int]:
         return self.token_ids[: self.prompt_len]
+
+    def output_array(self) -> np.ndarray:
+        """output_ids as int64, a view (later calls only write past it). A penalised row
+        sends these every step (~1,000 ids a row at 256 rows: numpy copies an array's at C
+        speed, a list's an int at a time): the ids are copied once into a buffer kept across
+        steps, which each call extends with those known since the last (known ids never change;
+        should the known ones shrink, those past them are copied again)."""
+        n = self.num_known - self.prompt_len
+        have = self._output_filled = min(self._output_filled, n)
+        if n > have:
+            buffer = self._output_buffer
+            if n > len(buffer):
+                buffer = np.empty(max(n, 2 * len(buffer), 16), dtype=np.int64)
+                buffer[:have] = self._output_buffer[:have]
+                self._output_buffer = buffer
+            start = self.prompt_len
+            buffer[have:n] = self.token_ids[start + have:start + n]
+            self._output_filled = n
+        return self._output_buffer[:n]
+
+    def prompt_array(self) -> np.ndarray:
+        """prompt_ids as int64, made once (a repetition penalty sends them every step)."""
+        if self._prompt_array is None:
+            self._prompt_array = np.array(self.token_ids[:self.prompt_len], dtype=np.int64)
+        return self._prompt_array
 
     @property
     def num_uncomputed(self) -> int:
