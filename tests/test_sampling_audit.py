@@ -201,6 +201,42 @@ def test_truncated_distribution_equals_vllms_for_every_row_of_a_batch(batch):
         np.testing.assert_allclose(got[b], want, rtol=1e-5, atol=1e-7)
 
 
+@settings(max_examples=80)
+@given(st.integers(1, 4).flatmap(lambda b: st.lists(truncated_rows(12), min_size=b, max_size=b)),
+       st.lists(st.integers(1, 11), min_size=4, max_size=4))
+def test_truncation_by_candidates_equals_vllms_for_every_row_of_a_batch(batch, top_ks):
+    """Every row with a top-k below the vocabulary: top-k and top-p run on that many candidates
+    a row (sb.top_k_bound), not on a sort of the vocabulary; the grid's ties at the k-th value
+    (the tied ids kept in id order by top-p's mass) and its -inf entries included."""
+    rows = [SamplingRow(**(kw | {"top_k": k})) for (_, kw), k in zip(batch, top_ks)]
+    sb = make_sampling_batch(rows, vocab_size=12)
+    assert sb.top_k_bound == max(top_ks[:len(batch)])
+    got = probs_of([lg for lg, _ in batch], rows)
+    for b, ((lg, kw), k) in enumerate(zip(batch, top_ks)):
+        want = ref_probs(lg, **(kw | {"top_k": k}))
+        assert ((got[b] > 0) == (want > 0)).all(), (b, lg, kw, k, got[b], want)
+        np.testing.assert_allclose(got[b], want, rtol=1e-5, atol=1e-7)
+
+
+def test_top_p_over_many_ids_tied_at_the_kth_value_keeps_the_lowest_ids():
+    """Top-k 2 over a row whose 2nd value is shared by 6 ids: all 7 survive top-k (more than
+    the 2 candidates), and top-p keeps the top id and then as many tied ids, lowest first, as
+    its mass needs: 0.5 of the top's 0.25 leaves 0.25 / 0.125 = 2 (the third's mass before it,
+    0.5, reaches top_p)."""
+    logits = [-10.0] * 10
+    logits[5] = 0.0  # mass 1 / 4 of the survivors, each tied id's 1 / 8
+    for i in (1, 2, 4, 6, 8, 9):
+        logits[i] = np.log(0.5)
+    rows = [SamplingRow(top_k=2, top_p=0.5), SamplingRow(top_k=2), SamplingRow(top_k=2, top_p=0.9)]
+    assert make_sampling_batch(rows, vocab_size=10).top_k_bound == 2
+    got = probs_of([logits] * 3, rows)
+    for row, g in zip(rows, got):
+        want = ref_probs(logits, top_k=2, top_p=row.top_p)
+        np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-7)
+    assert (got[0] > 0).tolist() == [False, True, True, False, False, True] + [False] * 4
+    assert (got[1] > 0).sum() == 7
+
+
 # ----------------------------------------------------------------------------------------------
 # Sampled frequencies against the reference distribution, on both paths and in mixed batches.
 
