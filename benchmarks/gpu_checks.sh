@@ -529,8 +529,8 @@ features)
 quant_probe)
   # nvidia-h200 or nvidia-h100-x1 (~80 s on a fresh machine; session 62): the Qwen3-8B shape's
   # four decode linears at 1, 2 and 16 rows, in bf16 then fp16 (Qwen's AWQ checkpoints' dtype):
-  # cuBLAS dense, block fp8, the AWQ kernel at its tiles and others, and
-  # awq_dequant_variants.py's cheaper dequantizations (QUANT_PROBE_ROWS: other row counts).
+  # cuBLAS dense, block fp8, the AWQ kernel at its tiles and others (QUANT_PROBE_ROWS: other
+  # row counts).
   for dtype in bfloat16 float16; do
     step "quant_probe_$dtype" $(left_or 150) python3 benchmarks/quant_gemm_probe.py \
       --rows "${QUANT_PROBE_ROWS:-1,2,16}" --dtype $dtype --json "$RESULTS/quant_probe_$dtype.json"

@@ -9,11 +9,12 @@ layer's four linears (qkv, o, gate_up, down) at a few row counts, in a CUDA grap
 weight copies that exceed the L2 together: cuBLAS on the dense weight; kernels/fp8_gemm.py at
 its tiles and at 64 and 128 columns; kernels/awq_gemm.py at its own tiles and at others (the
 128-column tiles and K splits that its decode rule picks or not, 256 columns, 8 warps, 2 or 3
-stages); and the three cheaper dequantizations of benchmarks/awq_dequant_variants.py at its
-tiles (magic32, half, exact); in bf16 or fp16 (--dtype; fp16 is the dtype of Qwen's AWQ
-checkpoints). Session 62's first run of it compared the AWQ kernel then (each int loaded once
-for each of its eight columns) with the kernel that loads each int once, now awq_gemm.py's:
-8-17x faster (BENCHMARKS.md).
+stages); in bf16 or fp16 (--dtype; fp16 is the dtype of Qwen's AWQ checkpoints). Session 62's
+first run of it compared the AWQ kernel then (each int loaded once for each of its eight
+columns) with the kernel that loads each int once, now awq_gemm.py's: 8-17x faster. Session 63's
+timed three cheaper dequantizations of a nibble (one conversion a weight, or none, or the scale
+applied after tl.dot): all within 8% of the kernel's, so the unpacking's arithmetic is not what
+bounds it (BENCHMARKS.md); they were removed.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import sys
 
 import torch
 
-from benchmarks.awq_dequant_variants import awq_variant
 from benchmarks.bench_linear import graph_us
 from minivllm.kernels.awq_gemm import awq_config, awq_linear
 from minivllm.kernels.fp8_gemm import fp8_linear
@@ -53,9 +53,6 @@ def variants(dense, fp8, awq, split_128: int):
         "awq_warps8": awq_with(num_warps=8),
         "awq_stages2": awq_with(num_stages=2),
         "awq_stages3": awq_with(num_stages=3),
-        "awq_magic32": lambda x, i: awq_variant(x, awq[i], "magic32"),
-        "awq_half": lambda x, i: awq_variant(x, awq[i], "half"),
-        "awq_exact": lambda x, i: awq_variant(x, awq[i], "exact"),
     }
 
 

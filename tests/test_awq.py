@@ -763,29 +763,3 @@ def test_gpu_engine_graphs_equal_eager(tmp_path):
         tokens = [list(o.outputs[0].token_ids)
                   for o in llm.generate(prompts, params, use_tqdm=False)]
     assert tokens == [hf_greedy(hf, p, 8) for p in PROMPTS]
-
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("m,k,n,group", KERNEL_CASES)
-def test_probe_variants_of_the_kernel(device, m, k, n, group, dtype):
-    """benchmarks/awq_dequant_variants.py, timed by quant_gemm_probe.py: "magic32", and
-    "half" in fp16 and fp32, give the kernel's outputs bit for bit (the same weights, the same
-    sums); "exact" the product with the weights unrounded, (q - z) * s, within fp32
-    accumulation and the output's rounding."""
-    from benchmarks.awq_dequant_variants import awq_variant
-    from minivllm.kernels.awq_gemm import awq_linear
-    from minivllm.kernels.launch import triton_usable
-
-    if not triton_usable(device):
-        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
-    w = random_awq(k, n, group, seed=m + k)
-    w = AwqWeight(w.qweight.to(device), w.qzeros.to(device), w.scales.to(device), w.group_size)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device, dtype)
-    assert torch.equal(awq_variant(x, w, "magic32"), awq_linear(x, w))
-    assert torch.equal(awq_variant(x, w, "half"), awq_linear(x, w))
-    exact = dequantize(w.qweight.cpu(), w.qzeros.cpu(), w.scales.cpu()).T.double()
-    ref = x.cpu().double() @ exact
-    half_ulp = {torch.float32: 0.0, torch.float16: 2.0**-11}[dtype]
-    bound = 1e-5 * (x.cpu().double().abs() @ exact.abs()) + half_ulp * ref.abs()
-    assert ((awq_variant(x, w, "exact").cpu().double() - ref).abs() <= bound).all()
