@@ -9,9 +9,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from minivllm.functional.sampling import MAX_TOP_K_BOUND, make_sampling_batch
 from minivllm.runtime.graphs import unowned
 from minivllm.runtime.memory import (GiB, allocator_pools, allocator_report, kv_blocks_within,
                                      kv_budget_bytes, profile_lengths, startup_memory_report)
+from minivllm.runtime.runner import heaviest_row
 
 
 def test_the_kv_budget_sets_aside_what_the_graphs_pools_keep():
@@ -155,5 +157,11 @@ def test_the_budgets_sampling_turns_every_stage_on(tmp_path, monkeypatch):
     assert sb.output_ids is not None and sb.prompt_ids is not None and sb.banned_rows is not None
     assert bool((sb.presence_penalty != 0).all() and (sb.frequency_penalty != 0).all()
                 and (sb.repetition_penalty != 1).all())
-    assert sb.do_top_k and sb.do_top_p and sb.do_min_p and sb.all_truncated
+    # the sort of the vocabulary (top-p with no top-k: this vocabulary of 1,000 ids or fewer
+    # has no top-k past the candidates' bound, the sort's top-k at a real vocabulary's)
+    assert sb.top_k_bound == 0 and sb.do_top_p and sb.do_min_p and sb.all_truncated
+    vocab = llm.engine.runner.vocab_size
+    assert vocab <= MAX_TOP_K_BOUND + 1 and not sb.do_top_k
+    big = make_sampling_batch([heaviest_row(7, 151_936)], vocab_size=151_936)
+    assert big.do_top_k and big.top_k_bound == 0 and big.do_top_p and big.do_min_p
     assert out.top_logprobs.shape == (6, 7)

@@ -610,7 +610,7 @@ def _top_k_top_p_by_candidates(x: torch.Tensor, sb: SamplingBatch) -> torch.Tens
     last_id = ids.gather(1, last)
     column = torch.arange(x.shape[-1], device=x.device)[None, :]
     g_drop = (x > kth) & ((x < last_val) | ((x == last_val) & (column > last_id)))
-    t_drop = tied & ((tied.cumsum(dim=-1) - 1) >= n_tied)  # rank in id order
+    t_drop = tied & (tied.cumsum(dim=-1, dtype=torch.int32) > n_tied)  # 1 + rank in id order
     x.masked_fill_(cut & (g_drop | t_drop), neg_inf)
     return x
 

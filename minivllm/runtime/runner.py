@@ -26,7 +26,8 @@ from torch.profiler import record_function
 
 from ..functional.model import final_hidden, forward, logits_head, prompt_logprobs
 from ..functional.model import stem as model_stem
-from ..functional.sampling import (SampleOutput, SamplingBatch, SamplingRow, make_sampling_batch,
+from ..functional.sampling import (MAX_TOP_K_BOUND, SampleOutput, SamplingBatch, SamplingRow,
+                                  make_sampling_batch,
                                   needs_vocab_rows, plain_greedy, sample, with_pending_ids,
                                   with_steps)
 from ..kernels import select_backend
@@ -347,12 +348,14 @@ def fused_mlp_rows(flag: str | None, measured: bool = True) -> tuple[int, int] |
     return int(lo), int(hi)
 
 
-def heaviest_row(max_logprobs: int) -> SamplingRow:
+def heaviest_row(max_logprobs: int, vocab_size: int) -> SamplingRow:
     """The heaviest sampling row serving can ask for, every stage on: the penalties (with their
     [rows, vocab] counts), banned ids, allowed ids (a [rows, vocab] mask) and a logit bias, the
-    sort for top-k / top-p, min-p and the most logprobs.
-    The KV budget sets aside what max_num_seqs of them take."""
-    return SamplingRow(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, presence_penalty=0.5,
+    sort of the vocabulary for top-k / top-p (a top-k past MAX_TOP_K_BOUND, or none where the
+    vocabulary has no such: a smaller one truncates on candidates, which take less), min-p and
+    the most logprobs. The KV budget sets aside what max_num_seqs of them take."""
+    top_k = MAX_TOP_K_BOUND + 1 if vocab_size > MAX_TOP_K_BOUND + 1 else 0
+    return SamplingRow(temperature=1.0, top_p=0.9, top_k=top_k, min_p=0.05, presence_penalty=0.5,
                        frequency_penalty=0.5, repetition_penalty=1.1, output_ids=(0,),
                        prompt_ids=(0,), banned_ids=(0,), logit_bias=((0, 1.0),),
                        allowed_ids=(0, 1), logprobs=max_logprobs)
@@ -849,7 +852,8 @@ class ModelRunner:
 
     def _heaviest_sampling(self, dtype: torch.dtype) -> SampleOutput:
         """Sample max_num_seqs rows of `dtype` logits with every stage on (heaviest_row)."""
-        rows = [heaviest_row(self.config.max_logprobs)] * self.config.max_num_seqs
+        rows = [heaviest_row(self.config.max_logprobs, self.vocab_size)] * \
+            self.config.max_num_seqs
         with torch.no_grad():
             return sample(torch.zeros(len(rows), self.vocab_size, device=self.device, dtype=dtype),
                           make_sampling_batch(rows, vocab_size=self.vocab_size,
