@@ -21,6 +21,9 @@ ENGINE = dict(num_kv_blocks=64, attention_backend="reference", max_num_batched_t
               device="cpu")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
 SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, ignore_eos=True, n=2, seed=7)
+# Penalised: asynchronously each rank completes the rows' ids with its own last tokens.
+PENALISED = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_tokens=12, ignore_eos=True,
+                           seed=3, presence_penalty=1.5, repetition_penalty=1.3)
 
 
 @pytest.fixture(scope="module")
@@ -36,13 +39,15 @@ def prompts():
 
 
 def run(llm, prompts):
-    """What the engine produced: greedy tokens and logprobs, and seeded samples."""
+    """What the engine produced: greedy tokens and logprobs, and seeded samples (penalised
+    ones too)."""
     greedy = llm.generate(prompts, GREEDY, use_tqdm=False)
     sampled = llm.generate(prompts[:2], SAMPLED, use_tqdm=False)
+    penalised = llm.generate(prompts[1:3], PENALISED, use_tqdm=False)
     return ([o.outputs[0].token_ids for o in greedy],
             [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
              for o in greedy],
-            [[c.token_ids for c in o.outputs] for o in sampled])
+            [[c.token_ids for c in o.outputs] for o in sampled + penalised])
 
 
 @pytest.fixture(scope="module")
