@@ -239,3 +239,53 @@ def test_a_sequences_output_array_is_its_known_output_ids():
             views.append((got, list(seq.output_ids)))
         assert all(v.tolist() == ids for v, ids in views)  # never rewritten under a holder
         assert seq.prompt_array().tolist() == seq.prompt_ids
+
+
+def _dense_penalties(logits: torch.Tensor, sb) -> torch.Tensor:
+    """apply_penalties' former dense form (until session 63): [B, V + 1] counts by scatter_add,
+    then every logit divided / multiplied by its row's penalty or 1 and 0 subtracted elsewhere."""
+    x = logits.to(torch.float32, copy=True)
+    vocab = x.shape[-1]
+
+    def counts(ids):
+        c = torch.zeros(ids.shape[0], vocab + 1)
+        c.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+        return c[:, :vocab]
+    if sb.bias_rows is not None:
+        x.index_put_((sb.bias_rows, sb.bias_ids), sb.bias_values, accumulate=True)
+    out_counts = counts(sb.output_ids)
+    in_output = out_counts > 0
+    seen = in_output if sb.prompt_ids is None else in_output | (counts(sb.prompt_ids) > 0)
+    rep = sb.repetition_penalty[:, None]
+    positive = x > 0
+    x.div_(torch.where(seen & positive, rep, 1.0))
+    x.mul_(torch.where(seen & ~positive, rep, 1.0))
+    x.sub_(sb.frequency_penalty[:, None] * out_counts)
+    x.sub_(sb.presence_penalty[:, None] * in_output.float())
+    return x
+
+
+def test_penalties_on_the_rows_ids_equal_the_dense_form():
+    """apply_penalties rewrites only the logits of each row's ids (id_runs): the dense form's
+    values everywhere (ids repeated in output and prompt, rows without penalties or ids,
+    negative, zero and -inf logits, a logit bias first), compared as values (+0.0 == -0.0)."""
+    rng = random.Random(6)
+    vocab = 40
+    for _ in range(200):
+        b = rng.randint(1, 5)
+        rows = [SamplingRow(temperature=0.6,
+                            presence_penalty=rng.choice([0.0, 0.5, -0.7]),
+                            frequency_penalty=rng.choice([0.0, 0.3, -0.2]),
+                            repetition_penalty=rng.choice([1.0, 1.3, 0.8]),
+                            output_ids=tuple(rng.randrange(vocab) for _ in range(rng.choice([0, 1, 5, 30]))),
+                            prompt_ids=tuple(rng.randrange(vocab) for _ in range(rng.choice([0, 3, 12]))),
+                            logit_bias=tuple((rng.randrange(vocab), 1.5) for _ in range(rng.choice([0, 2]))))
+                for _ in range(b)]
+        sb = make_sampling_batch(rows, vocab_size=vocab)
+        if sb.output_ids is None:
+            continue
+        logits = torch.randn(b, vocab) * 3
+        logits[torch.rand(b, vocab) < 0.1] = 0.0
+        logits[torch.rand(b, vocab) < 0.05] = float("-inf")
+        got, want = apply_penalties(logits, sb), _dense_penalties(logits, sb)
+        assert ((got == want) | (got.isnan() & want.isnan())).all()

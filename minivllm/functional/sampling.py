@@ -463,11 +463,27 @@ class SampleOutput:
     top_logprobs: torch.Tensor | None = None
 
 
-def token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """ids: [B, L] int64 padded with vocab_size -> counts [B, vocab_size] fp32."""
-    counts = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.float32, device=ids.device)
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
-    return counts[:, :vocab_size]
+def id_runs(ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids: [B, L] int64 padded with vocab_size -> (each row's ids sorted [B, L], `last` [B, L]
+    bool: the last entry of each distinct id's run, padding excluded, `count` [B, L]: how many
+    times that id occurs in its row, at its last entry). Fixed shapes throughout: no host sync."""
+    ids, _ = ids.sort(dim=-1)
+    pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    new_run = torch.ones_like(ids, dtype=torch.bool)
+    new_run[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    start = torch.where(new_run, pos, 0).cummax(dim=-1).values
+    last = torch.ones_like(new_run)
+    last[:, :-1] = new_run[:, 1:]
+    return ids, last & (ids < vocab_size), pos - start + 1
+
+
+def _update_at(flat: torch.Tensor, index: torch.Tensor, keep: torch.Tensor, fn) -> None:
+    """flat[index] = fn(flat[index]) where keep (the kept indices unique); the others write to
+    flat's last element, a spare that nothing reads. index, keep: [B, L]; fn maps [B, L] to
+    [B, L]."""
+    spare = flat.shape[0] - 1
+    index = torch.where(keep, index, spare)
+    flat[index] = fn(flat[index])
 
 
 def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
@@ -477,9 +493,17 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     or the output; then the frequency penalty subtracts per output occurrence and the presence
     penalty once per id present in the output. Banned ids go to -inf. Worked in place on one
     copy: each [B, V] temporary is ~150 MB at 256 rows of a 151,936-id vocabulary, and the KV
-    budget sets the sampling's peak aside."""
-    x = logits.to(torch.float32, copy=True)
-    vocab = x.shape[-1]
+    budget sets the sampling's peak aside.
+
+    The penalties touch only the rows' own ids (~1,000 a row, of 151,936): each row's ids are
+    sorted and run-length counted (id_runs) and only those logits are read and rewritten, each
+    by the same float32 operations as the dense form ([B, V] counts, then a division or product
+    by 1 and subtractions of 0 for every other id) applies to it: the same values (that form
+    could turn a -0.0 elsewhere into +0.0), at a dozen passes over [B, V] fewer (session 63)."""
+    b, vocab = logits.shape
+    flat = torch.empty(b * vocab + 1, dtype=torch.float32, device=logits.device)  # + a spare
+    x = flat[:-1].view(b, vocab)
+    x.copy_(logits)
     if sb.allowed_rows is not None:
         keep = ~sb.allowed_rows[:, None].expand_as(x).clone()  # rows without a list keep all
         keep[sb.allowed_row_ids, sb.allowed_ids] = True
@@ -488,19 +512,16 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     if sb.bias_rows is not None:
         x.index_put_((sb.bias_rows, sb.bias_ids), sb.bias_values, accumulate=True)
     if sb.output_ids is not None:
-        out_counts = token_counts(sb.output_ids, vocab)  # [B, V]
-        in_output = out_counts > 0
-        seen = in_output if sb.prompt_ids is None else \
-            in_output | (token_counts(sb.prompt_ids, vocab) > 0)
+        base = torch.arange(b, device=x.device)[:, None] * vocab  # [B, 1] each row's offset
+        seen = sb.output_ids if sb.prompt_ids is None else \
+            torch.cat([sb.output_ids, sb.prompt_ids], dim=1)
+        ids, last, _ = id_runs(seen, vocab)  # each id of prompt or output once
         rep = sb.repetition_penalty[:, None]
-        positive = x > 0
-        # x / rep where seen and positive, x * rep where seen and not: the out-of-place form's
-        # rounding (dividing or multiplying by 1 elsewhere is exact).
-        x.div_(torch.where(seen & positive, rep, 1.0))
-        x.mul_(torch.where(seen & ~positive, rep, 1.0))
-        del seen, positive
-        x.sub_(sb.frequency_penalty[:, None] * out_counts)
-        x.sub_(sb.presence_penalty[:, None] * in_output.float())
+        _update_at(flat, base + ids, last, lambda v: torch.where(v > 0, v / rep, v * rep))
+        ids, last, count = id_runs(sb.output_ids, vocab)
+        freq = sb.frequency_penalty[:, None] * count  # [B, L] fp32: count is exact
+        pres = sb.presence_penalty[:, None]
+        _update_at(flat, base + ids, last, lambda v: (v - freq) - pres)
     if sb.banned_rows is not None:
         x.index_put_((sb.banned_rows, sb.banned_ids), x.new_full((), float("-inf")))
     return x
