@@ -27,9 +27,8 @@ from torch.profiler import record_function
 from ..functional.model import final_hidden, forward, logits_head, prompt_logprobs
 from ..functional.model import stem as model_stem
 from ..functional.sampling import (MAX_TOP_K_BOUND, SampleOutput, SamplingBatch, SamplingRow,
-                                  make_sampling_batch,
-                                  needs_vocab_rows, plain_greedy, sample, with_pending_ids,
-                                  with_steps)
+                                  make_sampling_batch, needs_vocab_rows, plain_greedy, sample,
+                                  with_pending_ids, with_steps)
 from ..kernels import select_backend
 from ..state.batch import (DecodeChunks, SeqChunk, host_to_device, is_decode_step,
                            is_verification_step, make_batch)
@@ -349,8 +348,8 @@ def fused_mlp_rows(flag: str | None, measured: bool = True) -> tuple[int, int] |
 
 
 def heaviest_row(max_logprobs: int, vocab_size: int) -> SamplingRow:
-    """The heaviest sampling row serving can ask for, every stage on: the penalties (with their
-    [rows, vocab] counts), banned ids, allowed ids (a [rows, vocab] mask) and a logit bias, the
+    """The heaviest sampling row serving can ask for, every stage on: the penalties (the logits'
+    fp32 copy; their ids sorted and counted), banned ids, allowed ids (a [rows, vocab] mask) and a logit bias, the
     sort of the vocabulary for top-k / top-p (a top-k past MAX_TOP_K_BOUND, or none where the
     vocabulary has no such: a smaller one truncates on candidates, which take less), min-p and
     the most logprobs. The KV budget sets aside what max_num_seqs of them take."""
