@@ -271,15 +271,20 @@ def test_penalties_on_the_rows_ids_equal_the_dense_form():
     negative, zero and -inf logits, a logit bias first), compared as values (+0.0 == -0.0)."""
     rng = random.Random(6)
     vocab = 40
+
+    def ids(n):
+        return tuple(rng.randrange(vocab) for _ in range(n))
+
     for _ in range(200):
         b = rng.randint(1, 5)
         rows = [SamplingRow(temperature=0.6,
                             presence_penalty=rng.choice([0.0, 0.5, -0.7]),
                             frequency_penalty=rng.choice([0.0, 0.3, -0.2]),
                             repetition_penalty=rng.choice([1.0, 1.3, 0.8]),
-                            output_ids=tuple(rng.randrange(vocab) for _ in range(rng.choice([0, 1, 5, 30]))),
-                            prompt_ids=tuple(rng.randrange(vocab) for _ in range(rng.choice([0, 3, 12]))),
-                            logit_bias=tuple((rng.randrange(vocab), 1.5) for _ in range(rng.choice([0, 2]))))
+                            output_ids=ids(rng.choice([0, 1, 5, 30])),
+                            prompt_ids=ids(rng.choice([0, 3, 12])),
+                            logit_bias=tuple((rng.randrange(vocab), 1.5)
+                                             for _ in range(rng.choice([0, 2]))))
                 for _ in range(b)]
         sb = make_sampling_batch(rows, vocab_size=vocab)
         if sb.output_ids is None:

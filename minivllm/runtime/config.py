@@ -122,7 +122,7 @@ class EngineConfig:
     # device memory and take it back (runtime/sleep.py).
     enable_sleep_mode: bool = False
     # vLLM's logprobs_mode: what returned logprobs are taken from, one of
-    # functional.sampling.LOGPROBS_MODES (raw_logprobs, raw_logits, processed_logprobs,
+    # functional.sampling_batch.LOGPROBS_MODES (raw_logprobs, raw_logits, processed_logprobs,
     # processed_logits); it travels to every rank with the config, in each step's SamplingBatch.
     logprobs_mode: str = "raw_logprobs"
 

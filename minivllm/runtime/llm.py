@@ -145,7 +145,7 @@ class LLM:
     model's distribution), "raw_logits", "processed_logprobs" (the distribution the token was
     drawn from: after allowed ids, bad words, min_tokens, logit bias, penalties and, at a
     temperature above 0, temperature, min-p, top-k and top-p; what RL loops set) or
-    "processed_logits" (functional/sampling.py, LOGPROBS_MODES). prompt_logprobs stay raw.
+    "processed_logits" (functional/sampling_batch.py, LOGPROBS_MODES). prompt_logprobs stay raw.
     beam_search, which ranks beams by summed logprobs, refuses the two logits modes.
     disable_log_stats: record no metrics (get_metrics() then refuses). Unlike vLLM's LLM, whose
     default is True, metrics are recorded by default: the engine keeps a few counters and
