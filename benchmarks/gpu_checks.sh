@@ -30,8 +30,8 @@
 #       _base, _auto, the default; MOE_KERNEL_TESTS=0 skips the tests)
 #   bash benchmarks/gpu_checks.sh features  # nvidia-h200 or nvidia-h100-x1: each sampling feature's
 #       tok/s beside plain sampling's on one engine (feature_speed.py)
-#   bash benchmarks/gpu_checks.sh truncation  # nvidia-h200 or nvidia-h100-x1: a truncated sampling
-#       step's stages at 64 and 256 rows of Qwen3's vocabulary (truncation_probe.py)
+#   bash benchmarks/gpu_checks.sh sampler_stages  # nvidia-h200 or nvidia-h100-x1: each sampling
+#       feature's stages at 64 and 256 rows of Qwen3's vocabulary (sampler_stages.py)
 #   bash benchmarks/gpu_checks.sh quant_probe  # nvidia-h200 or nvidia-h100-x1: the 8B shape's
 #       decode linears dense, fp8 and AWQ (its tiles, its cheaper dequantizations):
 #       quant_gemm_probe.py, bf16 and fp16
@@ -528,12 +528,12 @@ features)
   step feature_speed_lora $(left_or 200) python3 benchmarks/feature_speed.py ${FEATURE_ARGS:-} \
     --lora-rank 16 --features greedy,lora --json "$RESULTS/feature_speed_lora.json"
   ;;
-truncation)
-  # nvidia-h200 or nvidia-h100-x1 (~1 min; session 63): top-k 20 / top-p 0.95, top-p alone and
-  # min-p rows' sample() and its stages, with the Gumbel kernel over truncated logits beside
-  # softmax + inverse CDF (the lever after session 63's candidates).
-  step truncation_probe $(left_or 150) python3 benchmarks/truncation_probe.py \
-    --json "$RESULTS/truncation_probe.json"
+sampler_stages)
+  # nvidia-h200 or nvidia-h100-x1 (~1-2 min; session 63): plain, top-k 20 / top-p 0.95, top-p,
+  # min-p, penalised and allowed-ids rows: sample() and its stages, with the Gumbel kernel over
+  # truncated logits beside softmax + inverse CDF (the lever after session 63's candidates).
+  step sampler_stages $(left_or 200) python3 benchmarks/sampler_stages.py \
+    --json "$RESULTS/sampler_stages.json"
   ;;
 quant_probe)
   # nvidia-h200 or nvidia-h100-x1 (~80 s on a fresh machine; session 62): the Qwen3-8B shape's

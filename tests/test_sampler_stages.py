@@ -1,4 +1,4 @@
-"""benchmarks/truncation_probe.py runs (small, on this machine's clock), and the lever it times
+"""benchmarks/sampler_stages.py runs (small, on this machine's clock), and the lever it times
 is sound: the Gumbel kernel over truncated logits (temperature 1) draws only the ids truncation
 keeps, with their renormalised probabilities."""
 
@@ -14,15 +14,17 @@ from minivllm.functional.sampling import (SamplingRow, _gumbel_pass, make_sampli
                                           truncated_logits)
 
 
-def test_truncation_probe_runs_small(tmp_path):
-    from benchmarks.truncation_probe import SETTINGS, main
+def test_sampler_stages_runs_small(tmp_path):
+    from benchmarks.sampler_stages import SETTINGS, main
 
     out = tmp_path / "t.json"
     assert main(["--rows", "3", "--vocab", "300", "--iters", "1", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
-    assert [r["setting"] for r in rows] == list(SETTINGS)
-    assert all(r["sample_ms"] > 0 and r["gumbel_kernel_ms"] > 0 for r in rows)
-    assert ("topk_ms" in rows[0]) and "topk_ms" not in rows[1]  # candidates for top-k only
+    by = {r["setting"]: r for r in rows}
+    assert list(by) == list(SETTINGS) and all(r["sample_ms"] > 0 for r in rows)
+    assert "topk_ms" in by["top_k20_top_p095"] and "topk_ms" not in by["top_p095"]
+    assert "gumbel_kernel_ms" in by["min_p005"] and "gumbel_kernel_ms" not in by["plain"]
+    assert "penalties_ms" in by["penalties"] and "penalties_ms" in by["allowed_ids"]
 
 
 def test_gumbel_over_truncated_logits_draws_the_truncated_distribution():
