@@ -202,7 +202,11 @@ def make_sampling_batch(rows: Sequence[SamplingRow], *, vocab_size: int, device=
         raise ValueError(f"{len(steps)} steps for {len(rows)} rows")
 
     def t(values, dtype):
-        return host_to_device(torch.tensor(values, dtype=dtype), device)
+        # An array's buffer as it is: torch.tensor reads an ndarray element by element (2.2 ms
+        # for the 64,000 (row, id) pairs of 64 rows allowing 1,000 ids, from_numpy 9 us).
+        host = torch.from_numpy(values).to(dtype) if isinstance(values, np.ndarray) else \
+            torch.tensor(values, dtype=dtype)
+        return host_to_device(host, device)
 
     # The float parameters as one [B, 6] array, read per row in one C-level call. The flags are
     # decided on the float64 (Python) values, the tensor holds their float32 rounding; each is a
