@@ -12,9 +12,10 @@ maxLength, an integer, an array of strings), json_object and the regex [a-z ]{5,
 visit of one state of each kind (the median of 5 fresh guides), and the masks of every state a
 typical output walks through, one character at a time; then a step's sampling batch of 64 rows,
 16 of them guided (8 in the regex's state, whose mask bans ids, 8 in the integer's, whose mask
-allows them), as the engine builds it every step. Session 62 (BENCHMARKS.md) measured these
-before and after the guide walked the whole vocabulary at once and the batch's pairs were
-filled in C.
+allows them), as the engine built it every step until session 63 (the masks as id lists) and
+as it builds it since (packed bitmasks, CompiledGuide.bits). Session 62 (BENCHMARKS.md)
+measured these before and after the guide walked the whole vocabulary at once and the batch's
+pairs were filled in C.
 """
 
 from __future__ import annotations
@@ -152,17 +153,27 @@ def main(argv=None) -> int:
     allowing = CompiledGuide(schema, index, eos)
     allowed = allowing.mask(allowing.walk(allowing.start, b'{"name": "x", "age": 4'),
                             vocab_size)[0]
-    rows = ([SamplingRow(temperature=0.7, seed=i, banned_ids=banned) for i in range(8)]
-            + [SamplingRow(temperature=0.7, seed=i, allowed_ids=allowed) for i in range(8)]
-            + [SamplingRow(temperature=0.7, seed=i) for i in range(48)])
-    times = []
-    for _ in range(7):
-        start = time.perf_counter()
-        make_sampling_batch(rows, vocab_size=vocab_size)
-        times.append(time.perf_counter() - start)
-    ms = result["sampling_batch_ms"] = 1e3 * statistics.median(times)
-    print(f"a sampling batch of 64 rows, 8 banning {len(banned)} ids and 8 allowing "
-          f"{len(allowed)}: {ms:.1f} ms")
+    banning_bits = banning.bits(banning.walk(banning.start, b"abcdefg"), vocab_size)
+    allowing_bits = allowing.bits(allowing.walk(allowing.start, b'{"name": "x", "age": 4'),
+                                  vocab_size)
+    forms = {"ids": ([dict(banned_ids=banned)] * 8 + [dict(allowed_ids=allowed)] * 8),
+             "bits": ([dict(allowed_bits=banning_bits)] * 8 + [dict(allowed_bits=allowing_bits)]
+                      * 8)}
+    for form, guided in forms.items():
+        rows = ([SamplingRow(temperature=0.7, seed=i, **kw) for i, kw in enumerate(guided)]
+                + [SamplingRow(temperature=0.7, seed=i) for i in range(48)])
+        times = []
+        for _ in range(7):
+            start = time.perf_counter()
+            make_sampling_batch(rows, vocab_size=vocab_size)
+            times.append(time.perf_counter() - start)
+        ms = 1e3 * statistics.median(times)
+        if form == "ids":
+            result["sampling_batch_ms"] = ms
+        else:
+            result["sampling_batch_bits_ms"] = ms
+        print(f"a sampling batch of 64 rows, 8 banning {len(banned)} ids and 8 allowing "
+              f"{len(allowed)}, as {form}: {ms:.2f} ms")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

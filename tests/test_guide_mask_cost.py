@@ -25,6 +25,7 @@ def test_a_small_run_writes_every_measurement(tmp_path):
     assert len(result["first_visit_ms"]) == 4 and len(result["walk_ms"]) == 3
     assert all(v > 0 for v in result["first_visit_ms"].values())
     assert result["walk_ms"]["schema"]["states"] == 56 and result["sampling_batch_ms"] > 0
+    assert result["sampling_batch_bits_ms"] > 0
 
 
 def test_sampling_batch_cost_runs_small(tmp_path):

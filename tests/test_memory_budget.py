@@ -155,6 +155,7 @@ def test_the_budgets_sampling_turns_every_stage_on(tmp_path, monkeypatch):
     (sb,) = batches
     assert sb.temperature.shape == (6,) and out.token_ids.shape == (6,)
     assert sb.output_ids is not None and sb.prompt_ids is not None and sb.banned_rows is not None
+    assert sb.allowed_rows is not None and sb.allowed_bits is not None
     assert bool((sb.presence_penalty != 0).all() and (sb.frequency_penalty != 0).all()
                 and (sb.repetition_penalty != 1).all())
     # the sort of the vocabulary (top-p with no top-k: this vocabulary of 1,000 ids or fewer

@@ -14,6 +14,7 @@ import json
 import re
 import threading
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -318,6 +319,12 @@ def test_a_guide_waits_for_the_reasoning_to_end(llm):
     assert undecided.mask([start, 4], vocab) == ((), ())  # it thinks
     plain = Guide(compiled, UNDECIDED, tags)
     assert plain.mask(digits[:1], vocab) == compiled.mask(compiled.walk(compiled.start, b"1"), vocab)
+    # The packed form the engine's rows take says the same, phase by phase.
+    assert Guide(compiled, REASONING, tags).bits([5, 9, start], vocab) is None
+    bits = Guide(compiled, UNDECIDED, tags).bits([], vocab)
+    assert set(np.flatnonzero(np.unpackbits(bits, bitorder="little"))) == set(first_allowed)
+    assert Guide(compiled, UNDECIDED, tags).bits([start, 4], vocab) is None
+    assert compiled.bits(compiled.start, vocab).flags.writeable is False  # the copy was set
     with pytest.raises(ValueError, match="reasoning tags"):
         Guide(compiled, REASONING)
 

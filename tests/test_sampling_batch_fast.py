@@ -10,7 +10,7 @@ import torch
 
 from minivllm import SamplingParams
 from minivllm.functional.sampling import (SamplingRow, apply_penalties, make_sampling_batch,
-                                          with_pending_ids, with_steps)
+                                          plain_greedy, with_pending_ids, with_steps)
 from minivllm.runtime.runner import StepInput
 from minivllm.runtime.sequence import PENDING, Sequence
 
@@ -294,3 +294,32 @@ def test_penalties_on_the_rows_ids_equal_the_dense_form():
         logits[torch.rand(b, vocab) < 0.05] = float("-inf")
         got, want = apply_penalties(logits, sb), _dense_penalties(logits, sb)
         assert ((got == want) | (got.isnan() & want.isnan())).all()
+
+
+def test_a_packed_constraint_allows_what_the_same_ids_allow():
+    """A row's allowed_bits (a structured output's packed mask) masks the logits as the same ids
+    given as allowed_ids; rows without bits keep every id; with both, an id must be in both.
+    A vocabulary not a multiple of 8 leaves pad bits past it unread."""
+    from minivllm.runtime.guide import pack_ids
+
+    rng = random.Random(7)
+    vocab = 45
+    for _ in range(60):
+        b = rng.randint(1, 5)
+        ids = [tuple(sorted(rng.sample(range(vocab), rng.randint(1, 20)))) for _ in range(b)]
+        packed = [rng.random() < 0.7 for _ in range(b)]
+        both = [rng.random() < 0.2 for _ in range(b)]
+        extra = [tuple(sorted(rng.sample(range(vocab), 25))) for _ in range(b)]
+        bits_rows = [SamplingRow(temperature=0.7, allowed_bits=pack_ids(np.array(i), vocab) if p
+                                 else None, allowed_ids=e if x else ())
+                     for i, p, x, e in zip(ids, packed, both, extra)]
+        id_rows = [SamplingRow(temperature=0.7, allowed_ids=tuple(sorted(set(i) & set(e)))
+                               if p and x else i if p else e if x else ())
+                   for i, p, x, e in zip(ids, packed, both, extra)]
+        if any(p and x and not set(i) & set(e) for i, p, x, e in zip(ids, packed, both, extra)):
+            continue  # nothing allowed by both: no ids list says that
+        logits = torch.randn(b, vocab)
+        got = apply_penalties(logits, make_sampling_batch(bits_rows, vocab_size=vocab))
+        want = apply_penalties(logits, make_sampling_batch(id_rows, vocab_size=vocab))
+        assert torch.equal(got, want)
+    assert not plain_greedy(SamplingRow(temperature=0.0, allowed_bits=pack_ids(np.arange(3), 9)))

@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from minivllm import SamplingParams
 from minivllm.runtime.demo import ensure_demo_model
-from minivllm.runtime.guide import CompiledGuide, TokenIndex, schema_regex
+from minivllm.runtime.guide import JSON_OBJECT, CompiledGuide, TokenIndex, schema_regex
 from minivllm.runtime.regex_fsm import RegexDFA
 from minivllm.runtime.sampling_params import StructuredOutputsParams
 
@@ -297,17 +298,20 @@ def test_constraints_refuse_ignore_eos_and_min_tokens():
 
 
 def test_row_constraints_combine_with_the_requests_own():
-    from minivllm.runtime.guide import row_constraint
+    from minivllm.runtime.guide import bits_constraint, pack_ids
 
-    # The constraint within allowed_token_ids; alone where they share no id.
-    assert row_constraint((1, 2, 3), (), (2, 3, 9), ()) == ((2, 3), ())
-    assert row_constraint((1, 2), (), (8, 9), ()) == ((1, 2), ())
-    # A guide given as banned ids: allowed_token_ids less them, or the bans where none is left.
-    assert row_constraint((), (5, 6), (4, 5), ()) == ((4,), ())
-    assert row_constraint((), (5, 6), (5,), (7,)) == ((), (7, 5, 6))
-    assert row_constraint((), (5, 6), (), (7,)) == ((), (7, 5, 6))
-    # Banned ids (bad words) stay banned.
-    assert row_constraint((2,), (), (), (2, 3)) == ((2,), (2, 3))
+    vocab = 20
+    bits = pack_ids(np.array([1, 2, 3, 19, 25]), vocab)  # 25: past the vocabulary, dropped
+    assert bits.shape == (3,) and np.flatnonzero(
+        np.unpackbits(bits, bitorder="little")).tolist() == [1, 2, 3, 19]
+    # The constraint within allowed_token_ids (the ids alone then); alone where they share none.
+    assert bits_constraint(bits, (2, 3, 9)) == (None, (2, 3))
+    got, allowed = bits_constraint(bits, (8, 9))
+    assert got is bits and allowed == ()
+    got, allowed = bits_constraint(bits, ())
+    assert got is bits and allowed == ()
+    # No constraint (None: inside the reasoning, or nothing allowed): the request's own ids.
+    assert bits_constraint(None, (4, 5)) == (None, (4, 5))
 
 
 def test_characters_split_over_tokens_are_generated(llm):
@@ -356,6 +360,25 @@ def test_a_sentencepiece_tokenizers_spaces_are_kept(demo_dir, device, tmp_path):
         fsm = RegexDFA(pattern)
         assert (re.fullmatch(pattern, c.text) if c.finish_reason == "stop"
                 else fsm.walk(fsm.start, c.text) != fsm.DEAD), c.text
+
+
+def test_a_guides_packed_mask_allows_its_ids_and_nothing_else(llm):
+    """CompiledGuide.bits, the engine's form of a state's constraint, unpacks to the ids mask()
+    allows (given as the allowed ids or as the vocabulary less the banned), state by state
+    through a JSON object; None (no restriction) exactly where mask() gives two empty lists."""
+    vocab = llm.engine.vocab_size
+    index = TokenIndex(llm.get_tokenizer(), vocab)
+    guide = CompiledGuide(JSON_OBJECT, index, llm.engine.eos_ids)
+    text = b'{"name": "x", "age": 42}'
+    for k in range(len(text) + 1):
+        state = guide.walk(guide.start, text[:k])
+        allowed, banned = guide.mask(state, vocab)
+        bits = guide.bits(state, vocab)
+        if not allowed and not banned:
+            assert bits is None
+            continue
+        want = set(allowed) if allowed else set(range(vocab)) - set(banned)
+        assert set(np.flatnonzero(np.unpackbits(bits, bitorder="little"))) == want, text[:k]
 
 
 def test_a_guide_keeps_a_bounded_number_of_states(llm, monkeypatch):

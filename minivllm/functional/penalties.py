@@ -1,6 +1,6 @@
 """Penalties and logits processors on a batch's logits, before temperature and truncation
-(vLLM v1's order): allowed ids, logit bias, the repetition / frequency / presence penalties on
-each row's own ids, banned ids."""
+(vLLM v1's order): allowed ids (and a structured output's packed constraint), logit bias, the
+repetition / frequency / presence penalties on each row's own ids, banned ids."""
 
 from __future__ import annotations
 
@@ -54,6 +54,11 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         keep = ~sb.allowed_rows[:, None].expand_as(x).clone()  # rows without a list keep all
         keep[sb.allowed_row_ids, sb.allowed_ids] = True
         x.masked_fill_(~keep, float("-inf"))
+        del keep
+    if sb.allowed_bits is not None:  # packed, id i at bit i % 8 of byte i // 8
+        shifts = torch.arange(8, dtype=torch.uint8, device=x.device)
+        keep = (sb.allowed_bits[:, :, None] >> shifts).bitwise_and_(1).view(b, -1)[:, :vocab]
+        x.masked_fill_(keep == 0, float("-inf"))
         del keep
     if sb.bias_rows is not None:
         x.index_put_((sb.bias_rows, sb.bias_ids), sb.bias_values, accumulate=True)

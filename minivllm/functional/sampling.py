@@ -242,7 +242,8 @@ def needs_vocab_rows(sb: SamplingBatch) -> bool:
 
 def _penalised(sb: SamplingBatch) -> bool:
     return (sb.output_ids is not None or sb.banned_rows is not None
-            or sb.bias_rows is not None or sb.allowed_rows is not None)
+            or sb.bias_rows is not None or sb.allowed_rows is not None
+            or sb.allowed_bits is not None)
 
 
 def processed_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:

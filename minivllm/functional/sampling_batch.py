@@ -17,8 +17,8 @@ import torch
 from ..state.batch import host_to_device
 from ..state.pytree import pytree_class, static
 
-@attrs.frozen
-class SamplingRow:
+@attrs.frozen(eq=False)  # compared by identity: its ids may be numpy arrays (and the engine
+class SamplingRow:      # reuses a row object while only the step changes)
     """One row's sampling parameters, as host values (see make_sampling_batch).
 
     temperature 0 (or below SAMPLING_EPS, as in vLLM) is greedy, and temperatures above
@@ -29,7 +29,9 @@ class SamplingRow:
     sampled (EOS before min_tokens); `logit_bias` ((id, bias) pairs) is added to the logits and
     `allowed_ids`, when given, are the only ids that can be sampled (vLLM's logit_bias and
     allowed_token_ids: both act before the penalties, as vLLM's logits processors do);
-    `logprobs` asks for the top-N logprobs (None: none)."""
+    `allowed_bits`, when given, is a structured output's constraint as a packed bitmask (uint8
+    [ceil(vocab / 8)], id i at bit i % 8 of byte i // 8: runtime.guide.pack_ids), applied as
+    allowed_ids are; `logprobs` asks for the top-N logprobs (None: none)."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -45,6 +47,7 @@ class SamplingRow:
     banned_ids: Sequence[int] = ()
     logit_bias: Sequence[tuple[int, float]] = ()
     allowed_ids: Sequence[int] = ()
+    allowed_bits: np.ndarray | None = None
     logprobs: int | None = None
 
 
@@ -53,7 +56,8 @@ def plain_greedy(row: SamplingRow) -> bool:
     penalty, no banned id and no logprobs (top-k, top-p and min-p do not touch a greedy row)."""
     return (row.temperature < SAMPLING_EPS and row.presence_penalty == 0
             and row.frequency_penalty == 0 and row.repetition_penalty == 1 and not row.banned_ids
-            and not row.logit_bias and not row.allowed_ids and row.logprobs is None)
+            and not row.logit_bias and not len(row.allowed_ids) and row.allowed_bits is None
+            and row.logprobs is None)
 
 
 @pytree_class
@@ -71,6 +75,8 @@ class SamplingBatch:
     bias_rows, bias_ids [J] int64, bias_values [J] fp32, or None  (row, id, bias) added to logits
     allowed_rows [B] bool, allowed_row_ids, allowed_ids [A] int64, or None  rows that may sample
                        only their (row, id) pairs
+    allowed_bits       [B, ceil(V / 8)] uint8 or None  packed allowed ids (all ones: a row
+                       without): a structured output's constraint
     Static flags say which stages any row needs, so that a batch skips what no row asks for
     (they are read off the host values, never synchronised from the device): all_greedy,
     any_greedy; any_truncated, all_truncated (rows that sample with top-k, top-p or min-p);
@@ -96,6 +102,7 @@ class SamplingBatch:
     allowed_rows: torch.Tensor | None = None
     allowed_row_ids: torch.Tensor | None = None
     allowed_ids: torch.Tensor | None = None
+    allowed_bits: torch.Tensor | None = None
     all_greedy: bool = static(default=False)
     any_greedy: bool = static(default=True)
     # Rows sampled with top-k, top-p or min-p (temperature > 0) take the inverse-CDF path, the
@@ -243,6 +250,13 @@ def make_sampling_batch(rows: Sequence[SamplingRow], *, vocab_size: int, device=
         bias_rows = t([row for row, _, _ in biased], torch.int64)
         bias_ids = t([tok for _, tok, _ in biased], torch.int64)
         bias_values = t([value for _, _, value in biased], torch.float32)
+    allowed_bits = None
+    if any(r.allowed_bits is not None for r in rows):
+        packed = np.full((b, -(-vocab_size // 8)), 0xFF, dtype=np.uint8)  # a row without: all
+        for row, r in zip(packed, rows):
+            if r.allowed_bits is not None:
+                row[:] = r.allowed_bits
+        allowed_bits = host_to_device(torch.from_numpy(packed), device)
     allowed_rows = allowed_row_ids = allowed_ids = None
     if any(r.allowed_ids for r in rows):
         allowed_rows = t([bool(r.allowed_ids) for r in rows], torch.bool)
@@ -297,6 +311,7 @@ def make_sampling_batch(rows: Sequence[SamplingRow], *, vocab_size: int, device=
         allowed_rows=allowed_rows,
         allowed_row_ids=allowed_row_ids,
         allowed_ids=allowed_ids,
+        allowed_bits=allowed_bits,
         all_greedy=num_greedy == b,
         any_greedy=num_greedy > 0,
         any_truncated=num_truncated > 0,

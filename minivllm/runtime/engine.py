@@ -45,7 +45,7 @@ from .detokenizer import detokenize_incrementally, find_stop_string, prompt_offs
 from .executor import make_executor
 from .generation_config import FILE as GEN_FILE, eos_ids_of, read_generation_config
 from . import reasoning
-from .guide import CompiledGuide, Guide, GuideCache, row_constraint
+from .guide import CompiledGuide, Guide, GuideCache, bits_constraint
 from .lora import LoRARequest, LoRASlots
 from .metrics import EngineMetrics
 from .outputs import CompletionOutput, Logprob, RequestOutput
@@ -814,10 +814,10 @@ class LLMEngine:
                            if i < self.vocab_size)
         if seq.bad_words:
             banned += banned_by_bad_words(seq.bad_words, seq.output_ids)
-        allowed = p.allowed_ids
-        if seq.guide is not None:  # structured outputs: the constraint's ids
-            allowed, banned = row_constraint(*seq.guide.mask(seq.output_ids, self.vocab_size),
-                                             allowed, banned)
+        allowed, bits = p.allowed_ids, None
+        if seq.guide is not None:  # structured outputs: the constraint, packed
+            bits, allowed = bits_constraint(seq.guide.bits(seq.output_ids, self.vocab_size),
+                                            allowed)
         row = SamplingRow(
             temperature=p.temperature, top_k=min(p.top_k, self.vocab_size), top_p=p.top_p,
             min_p=p.min_p,  # top_k past the vocabulary is off (and may not fit in int64)
@@ -828,7 +828,7 @@ class LLMEngine:
             # A prompt of embeddings has no ids to penalise: only its generated ones are.
             prompt_ids=seq.prompt_array() if p.repetition_penalty != 1 and
             seq.prompt_embeds is None else (),
-            banned_ids=banned, logit_bias=p.bias_pairs, allowed_ids=allowed,
+            banned_ids=banned, logit_bias=p.bias_pairs, allowed_ids=allowed, allowed_bits=bits,
             logprobs=self._num_logprobs(p.logprobs))
         if plain:
             seq.sampling_row = row

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 
 import attrs
+import numpy as np
 import torch
 from torch.profiler import record_function
 
@@ -40,6 +41,7 @@ from ..state.shard import ShardSpec
 from .config import EngineConfig, is_random_model, random_quantization
 from .compiled import compiled_forward
 from .graphs import DecodeGraphs
+from .guide import pack_ids
 from .memory import (CAPTURE_CODE_BYTES, CUDA_SEGMENT_GRANULE, GiB, bytes_outside_allocator,
                      cpu_kv_budget_bytes, device_bytes_in_use, kv_block_bytes,
                      kv_blocks_within, kv_blocks_within_caches, kv_budget_bytes,
@@ -350,7 +352,7 @@ def fused_mlp_rows(flag: str | None, measured: bool = True) -> tuple[int, int] |
 def heaviest_row(max_logprobs: int, vocab_size: int) -> SamplingRow:
     """The heaviest sampling row serving can ask for, every stage on: the penalties (the
     logits' fp32 copy; their ids sorted and counted), banned ids, allowed ids (a [rows, vocab]
-    mask) and a logit bias, the sort of the vocabulary for top-k / top-p (a top-k past
+    mask), a structured output's packed mask (unpacked to [rows, vocab]) and a logit bias, the sort of the vocabulary for top-k / top-p (a top-k past
     MAX_TOP_K_BOUND, or none where the vocabulary has no such: a smaller one truncates on
     candidates, which take less), min-p and the most logprobs. The KV budget sets aside what
     max_num_seqs of them take."""
@@ -358,7 +360,8 @@ def heaviest_row(max_logprobs: int, vocab_size: int) -> SamplingRow:
     return SamplingRow(temperature=1.0, top_p=0.9, top_k=top_k, min_p=0.05, presence_penalty=0.5,
                        frequency_penalty=0.5, repetition_penalty=1.1, output_ids=(0,),
                        prompt_ids=(0,), banned_ids=(0,), logit_bias=((0, 1.0),),
-                       allowed_ids=(0, 1), logprobs=max_logprobs)
+                       allowed_ids=(0, 1), allowed_bits=pack_ids(np.arange(2), vocab_size),
+                       logprobs=max_logprobs)
 
 
 class ModelRunner:
