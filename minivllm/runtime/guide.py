@@ -271,8 +271,9 @@ class CompiledGuide:
 
     def mask(self, state: State, vocab_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(allowed, banned): the allowed ids as one of the two, the shorter, the other empty
-        (inside a JSON string nearly every id is allowed: its few banned ones are the cheaper
-        row for the sampler to build, and to keep)."""
+        (inside a JSON string nearly every id is allowed: its few banned ones are the shorter
+        list). The ids form, which the engine's rows took until session 63 and which bits()
+        packs; kept for reading a state's constraint (tests, benchmarks/guide_mask_cost.py)."""
         masks = self._masks.get(state)
         if masks is None:
             allowed = self._allowed(state)
