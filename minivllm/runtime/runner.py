@@ -352,10 +352,10 @@ def fused_mlp_rows(flag: str | None, measured: bool = True) -> tuple[int, int] |
 def heaviest_row(max_logprobs: int, vocab_size: int) -> SamplingRow:
     """The heaviest sampling row serving can ask for, every stage on: the penalties (the
     logits' fp32 copy; their ids sorted and counted), banned ids, allowed ids (a [rows, vocab]
-    mask), a structured output's packed mask (unpacked to [rows, vocab]) and a logit bias, the sort of the vocabulary for top-k / top-p (a top-k past
-    MAX_TOP_K_BOUND, or none where the vocabulary has no such: a smaller one truncates on
-    candidates, which take less), min-p and the most logprobs. The KV budget sets aside what
-    max_num_seqs of them take."""
+    mask), a structured output's packed mask (unpacked to [rows, vocab]), a logit bias, the
+    sort of the vocabulary for top-k / top-p (a top-k past MAX_TOP_K_BOUND, or none where the
+    vocabulary has no such: a smaller one truncates on candidates, which take less), min-p and
+    the most logprobs. The KV budget sets aside what max_num_seqs of them take."""
     top_k = MAX_TOP_K_BOUND + 1 if vocab_size > MAX_TOP_K_BOUND + 1 else 0
     return SamplingRow(temperature=1.0, top_p=0.9, top_k=top_k, min_p=0.05, presence_penalty=0.5,
                        frequency_penalty=0.5, repetition_penalty=1.1, output_ids=(0,),
