@@ -221,3 +221,28 @@ def test_decode_steps_never_make_the_host_wait_but_for_the_tokens(deep_dir, kv_c
     # ~38 replays (the longest request decodes 40 tokens), through buckets 16 down to 2
     buckets = {engine.runner.graphs.bucket(b) for b in replays}
     assert len(replays) >= 30 and len(buckets) >= 4, replays
+
+
+def test_penalised_and_truncated_rows_under_graphs_and_async_equal_eager(deep_dir):
+    """fp32, seeded sampling: penalised rows (their pending token added to their ids on the
+    device, StepInput.pending_ids, under asynchronous scheduling and the decode graphs), top-k /
+    top-p rows (truncated on candidates) and rows with allowed_token_ids and a logit bias give
+    the tokens of the synchronous eager engine, token for token (session 63)."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [{"prompt_token_ids": torch.randint(0, 257, (n,), generator=g).tolist()}
+               for n in (1, 5, 17, 33, 64, 100, 3, 40)]
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=24, ignore_eos=True,
+                             presence_penalty=0.7, frequency_penalty=0.3, repetition_penalty=1.3)
+              for i in range(3)]
+    params += [SamplingParams(temperature=0.8, seed=10 + i, max_tokens=24, ignore_eos=True,
+                              top_k=20, top_p=0.9) for i in range(3)]
+    params += [SamplingParams(temperature=0.8, seed=20 + i, max_tokens=24, ignore_eos=True,
+                              allowed_token_ids=list(range(0, 257, 3)), logit_bias={4: 2.0})
+               for i in range(2)]
+
+    def run(**kw):
+        llm = LLM(deep_dir, dtype="float32", num_kv_blocks=256, max_num_seqs=32, **kw)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    want = run(enforce_eager=True, async_scheduling=False)
+    assert run() == want
