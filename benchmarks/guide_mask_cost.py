@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/guide_mask_cost.py [--vocab 151000] [--json PATH]
 
 A guided sequence's allowed ids at a state of its constraint are computed the first time any
-sequence reaches that state (runtime/guide.py, CompiledGuide.mask), on the engine's thread, so
+sequence reaches that state (runtime/guide.py, CompiledGuide.bits), on the engine's thread, so
 the whole batch waits for it. No Qwen3 tokenizer can be downloaded here, so this builds a
 byte-level vocabulary of that size (GPT-2's alphabet, as Qwen's): the 256 bytes, then words with
 and without a leading space, capitalized words, numbers, punctuation runs, CJK runs (~8,000
@@ -101,10 +101,10 @@ def first_visit_ms(key, index, eos, vocab_size: int, prefix: str, repeats: int =
     times = []
     for _ in range(repeats):
         guide = CompiledGuide(key, index, eos)
-        guide.mask(guide.start, vocab_size)
+        guide.bits(guide.start, vocab_size)
         state = guide.walk(guide.start, prefix.encode())
         start = time.perf_counter()
-        guide.mask(state, vocab_size)
+        guide.bits(state, vocab_size)
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
 
@@ -115,7 +115,7 @@ def walk_ms(key, index, eos, vocab_size: int, text: str) -> tuple[float, float]:
     state, times = guide.start, []
     for ch in text:
         start = time.perf_counter()
-        guide.mask(state, vocab_size)
+        guide.bits(state, vocab_size)
         times.append(time.perf_counter() - start)
         state = guide.walk(state, ch.encode())
     return 1e3 * sum(times), 1e3 * max(times)

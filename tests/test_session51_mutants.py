@@ -10,6 +10,7 @@ import math
 import random
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -289,11 +290,11 @@ def test_the_masks_kept_are_the_most_recently_used(fake_tok, fake_index, monkeyp
     monkeypatch.setattr(CompiledGuide, "MAX_STATES", 2)
     guide = CompiledGuide("[a-z]{0,6}", fake_index, (EOS,))
     s = [guide.walk(guide.start, b"a" * k) for k in range(3)]
-    guide.mask(s[0], len(fake_tok))
-    guide.mask(s[1], len(fake_tok))
-    guide.mask(s[0], len(fake_tok))  # used again: s[1] is now the least recently used
-    guide.mask(s[2], len(fake_tok))
-    assert set(guide._masks) == {s[0], s[2]}
+    guide.bits(s[0], len(fake_tok))
+    guide.bits(s[1], len(fake_tok))
+    guide.bits(s[0], len(fake_tok))  # used again: s[1] is now the least recently used
+    guide.bits(s[2], len(fake_tok))
+    assert set(guide._bits) == {s[0], s[2]}
 
 
 def test_a_guide_keeps_its_state_past_a_token_it_could_not_take(fake_tok, fake_index):
@@ -303,8 +304,8 @@ def test_a_guide_keeps_its_state_past_a_token_it_could_not_take(fake_tok, fake_i
     guide = Guide(compiled)
     ids = [fake_tok.id(b"a"), fake_tok.id(b"z")]
     assert guide.advance(ids) == compiled.walk(compiled.start, b"a")
-    assert guide.mask(ids + [fake_tok.id(b"a")], len(fake_tok)) == \
-        compiled.mask(compiled.walk(compiled.start, b"aa"), len(fake_tok))
+    assert np.array_equal(guide.bits(ids + [fake_tok.id(b"a")], len(fake_tok)),
+                          compiled.bits(compiled.walk(compiled.start, b"aa"), len(fake_tok)))
 
 
 def test_the_guide_cache_keeps_the_most_recently_used_patterns(fake_tok):

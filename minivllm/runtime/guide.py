@@ -171,8 +171,7 @@ class CompiledGuide:
         self.index = index
         self.eos_ids = tuple(eos_ids)
         self.start: State = (self.fsm.start, b"")
-        self._masks: OrderedDict[State, tuple[tuple[int, ...], tuple[int, ...]]] = OrderedDict()
-        self._bits: OrderedDict[State, np.ndarray | None] = OrderedDict()
+        self._bits: OrderedDict[State, np.ndarray | None] = OrderedDict()  # bits(), by state
         self._begins: dict[tuple[int, bytes], bool] = {}
         # an automaton state's moves on index.chars; the class escapes' members among them
         self._rows: dict[int, np.ndarray] = {}
@@ -271,23 +270,15 @@ class CompiledGuide:
 
     def mask(self, state: State, vocab_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(allowed, banned): the allowed ids as one of the two, the shorter, the other empty
-        (inside a JSON string nearly every id is allowed: its few banned ones are the shorter
-        list). The ids form, which the engine's rows took until session 63 and which bits()
-        packs; kept for reading a state's constraint (tests, benchmarks/guide_mask_cost.py)."""
-        masks = self._masks.get(state)
-        if masks is None:
-            allowed = self._allowed(state)
-            if len(allowed) <= vocab_size // 2:
-                masks = (tuple(allowed.tolist()), ())
-            else:
-                banned = np.ones(vocab_size, dtype=bool)
-                banned[allowed[allowed < vocab_size]] = False
-                masks = ((), tuple(np.flatnonzero(banned).tolist()))
-            self._masks[state] = masks
-            if len(self._masks) > self.MAX_STATES:
-                self._masks.popitem(last=False)
-        self._masks.move_to_end(state)
-        return masks
+        (inside a JSON string nearly every id is allowed). A state's constraint as id lists, for
+        reading it (tests, benchmarks); computed anew each call: the engine's rows take bits(),
+        which keeps them."""
+        allowed = self._allowed(state)
+        if len(allowed) <= vocab_size // 2:
+            return tuple(allowed.tolist()), ()
+        banned = np.ones(vocab_size, dtype=bool)
+        banned[allowed[allowed < vocab_size]] = False
+        return (), tuple(np.flatnonzero(banned).tolist())
 
     def bits(self, state: State, vocab_size: int) -> np.ndarray | None:
         """The allowed ids as a packed bitmask (pack_ids: ~19 KB at a 151,936-id vocabulary, a
@@ -346,19 +337,6 @@ class Guide:
                 self.state = self.compiled.walk(self.state, b) or self.state
         self.consumed = len(output_ids)
         return self.state
-
-    def mask(self, output_ids: list[int], vocab_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """CompiledGuide.mask after `output_ids`; nothing banned inside the reasoning."""
-        state = self.advance(output_ids)
-        if self.phase == REASONING:
-            return (), ()
-        allowed, banned = self.compiled.mask(state, vocab_size)
-        if self.phase == UNDECIDED:  # the answer's first token, or <think>
-            start = self.tags.start
-            if allowed:
-                return tuple(sorted({*allowed, start})), ()
-            return (), tuple(i for i in banned if i != start)
-        return allowed, banned
 
     def bits(self, output_ids: list[int], vocab_size: int) -> np.ndarray | None:
         """CompiledGuide.bits after `output_ids` (None: no restriction, as inside the
