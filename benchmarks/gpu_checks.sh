@@ -32,6 +32,9 @@
 #       tok/s beside plain sampling's on one engine (feature_speed.py)
 #   bash benchmarks/gpu_checks.sh sampler_stages  # nvidia-h200 or nvidia-h100-x1: each sampling
 #       feature's stages at 64 and 256 rows of Qwen3's vocabulary (sampler_stages.py)
+#   bash benchmarks/gpu_checks.sh sampling_tests  # nvidia-h200 or nvidia-h100-x1: the sampling,
+#       structured-output and graph tests (asynchronous scheduling with penalised rows;
+#       SAMPLING_TESTS=0 skips the first, GRAPH_TESTS=EXPR picks graph tests by -k)
 #   bash benchmarks/gpu_checks.sh quant_probe  # nvidia-h200 or nvidia-h100-x1: the 8B shape's
 #       decode linears dense, fp8 and AWQ (its tiles, its cheaper dequantizations):
 #       quant_gemm_probe.py, bf16 and fp16
@@ -527,6 +530,18 @@ features)
     --json "$RESULTS/feature_speed.json"
   step feature_speed_lora $(left_or 200) python3 benchmarks/feature_speed.py ${FEATURE_ARGS:-} \
     --lora-rank 16 --features greedy,lora --json "$RESULTS/feature_speed_lora.json"
+  ;;
+sampling_tests)
+  # nvidia-h200 or nvidia-h100-x1 (~4 min; session 64): the sampling and structured-output tests
+  # on the GPU after session 63's sparse penalties, top-k candidates and packed masks, then
+  # test_gpu_graphs.py (its penalised / truncated / allowed-ids rows under graphs and
+  # asynchronous scheduling against the synchronous eager engine).
+  if [ "${SAMPLING_TESTS:-1}" != 0 ]; then
+    STEP_LOG=$OUT/tests.txt step sampling_tests $(left_or 240) python3 -m pytest $PYTEST_ARGS \
+      tests/test_sampling*.py tests/test_structured_outputs.py tests/test_sampler_stages.py
+  fi
+  STEP_LOG=$OUT/tests.txt step graph_tests $(left_or 480) python3 -m pytest $PYTEST_ARGS \
+    tests/test_gpu_graphs.py ${GRAPH_TESTS:+-k "$GRAPH_TESTS"}
   ;;
 sampler_stages)
   # nvidia-h200 or nvidia-h100-x1 (~1-2 min; session 63): plain, top-k 20 / top-p 0.95, top-p,
