@@ -6,21 +6,23 @@
 Session 63 (BENCHMARKS.md) timed the engine at 256 sequences on an H100: plain sampling 45,500
 tok/s, top-k 50 with top-p 0.9 26,300 (after the candidates replaced the sort of the
 vocabulary; 21,700 before), min-p 36,300, penalties 33,900 (before their sparse form), and at 64
-sequences allowed_token_ids 0.75 of plain. This times, on fp32 logits [B, V] drawn at random,
+sequences allowed_token_ids 0.75 of plain. This times, on logits [B, V] drawn at random (--dtype),
 each setting's whole sample() and its stages:
   settings   plain (temperature 0.6), top_k20_top_p095 (Qwen3's generation config), top_p095,
              min_p005, penalties (presence, frequency and repetition, ~560 output and ~560
              prompt ids a row), allowed_ids (1,000 ids a row)
-  sample          sample(logits, sb), as the engine calls it (the batch made before)
+  sample          sample(logits, sb), as the engine calls it (the batch made before): since
+                  session 64 a truncated row's draw is the Gumbel kernel over the ids truncation
+                  keeps (kernels.truncated_sample), its truncated logits never written
   make_batch      make_sampling_batch, host and copies (penalties and allowed ids send ids)
   penalties       apply_penalties (settings with ids or penalties)
   sample_sort     top-k / top-p with the candidates off (sb.top_k_bound 0): the sort
-  truncate        truncated_logits (temperature, min-p, top-k / top-p)
+  inverse_cdf     sample(gumbel=False): the truncated logits written out, their softmax and
+                  inverse CDF (session 63's draw for truncated rows)
+  truncate        truncated_logits (temperature, min-p, top-k / top-p), written out
   topk            torch.topk of the candidates alone
-  softmax         truncated_probs' softmax of the truncated logits
-  inverse_cdf     sample_from_probs of those probabilities
-  gumbel_kernel   the lever not yet taken: the Gumbel kernel over the truncated logits (their
-                  temperature already divided), one pass in place of softmax and inverse_cdf
+  bounds          truncation.cut_bounds: the candidates, the ties' count, the numbers a row
+  cut_kernel      kernels.truncated_sample.cut_gumbel_argmax alone (the bounds made before)
 On a CUDA GPU with CUDA events (median of --iters after warm-up); elsewhere with the host's
 clock (a smoke run: tests/test_sampler_stages.py). Prints a line a setting; --json writes them.
 """
@@ -37,9 +39,9 @@ import attrs
 import numpy as np
 import torch
 
-from minivllm.functional.sampling import (SamplingRow, apply_penalties, make_sampling_batch,
-                                          sample, sample_from_probs, truncated_logits,
-                                          uniform_from_counter)
+from minivllm.functional.sampling import (SamplingRow, apply_penalties, cut_bounds,
+                                          make_sampling_batch, sample, truncated_logits,
+                                          truncated_rows)
 
 SETTINGS = {"plain": {},
             "top_k20_top_p095": dict(top_k=20, top_p=0.95),
@@ -86,8 +88,6 @@ def timed_ms(fn, iters: int, device: torch.device) -> float:
 
 def stages(logits: torch.Tensor, rows: list[SamplingRow], name: str) -> dict:
     """stage -> a call of that stage on these logits and rows (none writes `logits`)."""
-    from minivllm.functional.sampling import _gumbel_pass
-
     vocab, device = logits.shape[-1], logits.device
     sb = make_sampling_batch(rows, vocab_size=vocab, device=device)
     found = {"sample": lambda: sample(logits, sb),
@@ -96,19 +96,21 @@ def stages(logits: torch.Tensor, rows: list[SamplingRow], name: str) -> dict:
         found["penalties"] = lambda: apply_penalties(logits, sb)
     if name not in TRUNCATING:
         return found
-    cut = truncated_logits(logits.clone(), sb)
-    probs = torch.softmax(cut, dim=-1)
-    uniforms = uniform_from_counter(sb.seeds, sb.steps)
-    unit = attrs.evolve(sb, temperature=torch.ones_like(sb.temperature))
     found |= {
         "sample_sort": lambda: sample(logits, attrs.evolve(sb, top_k_bound=0)),
-        "truncate": lambda: truncated_logits(logits.clone(), sb),
-        "softmax": lambda: torch.softmax(cut, dim=-1),
-        "inverse_cdf": lambda: sample_from_probs(probs, uniforms),
-        "gumbel_kernel": lambda: _gumbel_pass(cut, unit, logits.is_cuda),
+        "inverse_cdf": lambda: sample(logits, sb, gumbel=False),
+        "truncate": lambda: truncated_logits(logits.float(), sb),
     }
     if sb.top_k_bound:
         found["topk"] = lambda: logits.topk(sb.top_k_bound, dim=-1)
+    if device.type == "cuda" and (sb.top_k_bound or not (sb.do_top_k or sb.do_top_p)):
+        from minivllm.kernels.truncated_sample import count_ties, cut_gumbel_argmax
+
+        cut_rows = truncated_rows(sb, vocab)
+        found["bounds"] = lambda: cut_bounds(logits, sb, cut_rows, count_ties)
+        bounds = cut_bounds(logits, sb, cut_rows, count_ties)
+        found["cut_kernel"] = lambda: cut_gumbel_argmax(logits, sb.temperature, sb.seeds,
+                                                        sb.steps, *bounds)
     return found
 
 
@@ -117,16 +119,21 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="64,256")
     ap.add_argument("--vocab", type=int, default=151_936)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the logits' (the engine samples fp32 from model.head, the activation "
+                         "dtype from the compiled forward's head)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     results = []
     for b in [int(r) for r in args.rows.split(",")]:
         gen = torch.Generator(device=device).manual_seed(b)
-        logits = torch.randn(b, args.vocab, device=device, generator=gen) * 4
+        logits = (torch.randn(b, args.vocab, device=device, generator=gen) * 4).to(
+            getattr(torch, args.dtype))
         for name in SETTINGS:
             rows = rows_for(name, b, args.vocab)
-            line = {"rows": b, "vocab": args.vocab, "setting": name, "device": str(device)}
+            line = {"rows": b, "vocab": args.vocab, "setting": name, "device": str(device),
+                    "dtype": args.dtype}
             for stage, fn in stages(logits, rows, name).items():
                 line[f"{stage}_ms"] = timed_ms(fn, args.iters, device)
             results.append(line)

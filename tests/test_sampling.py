@@ -313,10 +313,16 @@ def test_static_flags_route_the_paths(monkeypatch):
         m.setattr(sampling, "truncated_probs", boom)
         m.setattr(sampling, "sample_from_probs", boom)
         sample(logits, sb)
-    # ... and a batch of truncated rows only (greedy aside) takes no Gumbel pass.
+    # ... a batch with truncated rows draws by Gumbel-max too (no CDF) ...
+    with monkeypatch.context() as m:
+        m.setattr(sampling, "sample_from_probs", boom)
+        sample(logits, sbt)
+        sample(logits[:1], make_sampling_batch(truncated[:1], vocab_size=vocab))
+    # ... and gumbel=False takes no Gumbel pass.
     with monkeypatch.context() as m:
         m.setattr(sampling, "_gumbel_pass", boom)
-        sample(logits[:1], make_sampling_batch(truncated[:1], vocab_size=vocab))
+        m.setattr(sampling, "_truncated_gumbel", boom)
+        sample(logits, sbt, gumbel=False)
         sample(logits, make_sampling_batch(plain, vocab_size=vocab), gumbel=False)
 
 

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from minivllm.functional.sampling import SamplingRow, make_sampling_batch, sample
+from minivllm.runtime.runner import heaviest_row
 
 
 class LiveBytes(TorchDispatchMode):
@@ -76,16 +77,21 @@ def test_live_bytes_counts_what_stays_alive():
 
 def test_the_heaviest_sampling_keeps_about_six_fp32_rows_by_vocab_alive():
     """Every stage on, fp32 and bf16 logits: at most 6.25 [B, V] fp32 temporaries at once (8.6
-    when each stage made a new tensor)."""
+    when each stage made a new tensor), with top-k / top-p on candidates (top-k 50) and on a
+    sort of the vocabulary (the runner's heaviest row: top-k past MAX_TOP_K_BOUND). With the
+    draw's kernels, as on the GPU whose memory this is about (the torch reference of the
+    Gumbel pass, the CPU's, writes its [B, V] noise out)."""
     rows, vocab = 16, 20_000
     unit = rows * vocab * 4
-    batch = make_sampling_batch([HEAVIEST] * rows, vocab_size=vocab)
-    for dtype in (torch.float32, torch.bfloat16):
-        logits = torch.randn(rows, vocab).to(dtype)
-        with LiveBytes() as m:
-            out = sample(logits, batch, kernel=False)
-        assert out.token_ids.shape == (rows,) and out.top_ids.shape == (rows, 20)
-        assert m.peak <= 6.25 * unit, f"{dtype}: {m.peak / unit:.2f} [B, V] fp32 temporaries"
+    for row in (HEAVIEST, heaviest_row(20, vocab)):
+        batch = make_sampling_batch([row] * rows, vocab_size=vocab)
+        assert bool(batch.top_k_bound) == (row is HEAVIEST)
+        for dtype in (torch.float32, torch.bfloat16):
+            logits = torch.randn(rows, vocab).to(dtype)
+            with LiveBytes() as m:
+                out = sample(logits, batch, kernel=True)
+            assert out.token_ids.shape == (rows,) and out.top_ids.shape == (rows, 20)
+            assert m.peak <= 6.25 * unit, f"{dtype}: {m.peak / unit:.2f} [B, V] fp32 temporaries"
 
 
 def test_sampling_never_writes_the_callers_logits():

@@ -126,6 +126,12 @@ def test_verification_graphs_give_identical_outputs(base, demo_dir, device, conf
     for params in cases(base)[::3]:
         assert_same(base.generate(PROMPTS, params, use_tqdm=False),
                     llm.generate(PROMPTS, params, use_tqdm=False))
+    # Steps of 1, 2 and 4 sequences whatever the sampled cases' lengths (drawn tokens decide
+    # when their sequences stop): that many greedy sequences that never stop early.
+    for n in (1, 2, 4):
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        assert_same(base.generate(PROMPTS[:n], params, use_tqdm=False),
+                    llm.generate(PROMPTS[:n], params, use_tqdm=False))
     assert llm.stats.spec_draft_tokens > 0 and llm.stats.spec_accepted_tokens > 0
     assert not ungraphed
     # graphs of every size up to 8 sequences took steps, some of several logits rows a sequence

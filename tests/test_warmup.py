@@ -83,3 +83,30 @@ def test_warm_up_samples_logits_in_every_dtype_serving_gives_the_sampler(monkeyp
     warmup.warm_up_kernels(params, select_backend("cpu", "reference"), block_size=4,
                            max_num_seqs=8, cuda_only=False)
     assert set(seen) == {torch.float32, torch.bfloat16}, seen
+
+
+def test_warm_up_samples_truncated_rows_on_both_kernel_variants(monkeypatch):
+    """The truncated rows' draw (kernels.truncated_sample) compiles a variant with top-p and
+    one without, per logits dtype: the warm-up samples a batch of each in both dtypes, rows
+    whose top-k / top-p take the candidates (the kernel's batches), not a sort."""
+    import minivllm
+    import minivllm.runtime.warmup as warmup
+    from minivllm.kernels import select_backend
+    from minivllm.state import ModelConfig
+
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+    params = minivllm.random_params(config, seed=0)
+    seen = set()
+    real_sample = warmup.sample
+
+    def sample(logits, sb):
+        if sb.any_truncated:
+            assert sb.top_k_bound or not (sb.do_top_k or sb.do_top_p)
+            seen.add((logits.dtype, sb.do_top_p))
+        return real_sample(logits, sb)
+
+    monkeypatch.setattr(warmup, "sample", sample)
+    warmup.warm_up_kernels(params, select_backend("cpu", "reference"), block_size=4,
+                           max_num_seqs=8, cuda_only=False)
+    assert seen == {(d, p) for d in (torch.float32, torch.bfloat16) for p in (True, False)}, seen

@@ -38,7 +38,7 @@ from .penalties import apply_penalties, id_runs  # noqa: F401  (re-exported)
 from .sampling_batch import (LOGPROBS_MODES, MAX_TOP_K_BOUND, SAMPLING_EPS,  # noqa: F401
                              SamplingBatch, SamplingRow, check_logprobs_mode,
                              make_sampling_batch, plain_greedy, with_pending_ids, with_steps)
-from .truncation import truncated_logits, truncated_probs, truncated_rows  # noqa: F401
+from .truncation import cut_bounds, truncated_logits, truncated_probs, truncated_rows  # noqa: F401
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,26 +185,33 @@ def _gumbel_pass(logits: torch.Tensor, sb: SamplingBatch, kernel: bool) -> torch
 def _sample_ids(logits: torch.Tensor, sb: SamplingBatch, gumbel: bool, kernel: bool
                 ) -> torch.Tensor:
     """[B, V] -> [B]: sample()'s tokens."""
-    vocab = logits.shape[-1]
     # Without penalties the logits are read as they are (the kernel converts on the fly).
     x = apply_penalties(logits, sb) if _penalised(sb) else logits
     if sb.all_greedy:
         return x.argmax(dim=-1)
-    inverse_cdf_all = sb.all_truncated or not gumbel
-    inverse_cdf_any = sb.any_truncated or not gumbel
-    # Greedy rows take the arg-max inside the Gumbel pass (their noise is off).
-    direct = None if inverse_cdf_all else _gumbel_pass(x, sb, kernel)
-    if not inverse_cdf_any:
-        return direct
-    drawn = sample_from_probs(truncated_probs(x.float(), sb),
-                              uniform_from_counter(sb.seeds, sb.steps))
-    if direct is not None:
-        # A mixed batch computes both and picks per row, so that a row's token does not depend
-        # on what the other rows ask for.
-        return torch.where(truncated_rows(sb, vocab), drawn, direct)
-    if sb.any_greedy:
-        return torch.where(sb.temperature > 0, drawn, x.argmax(dim=-1))
-    return drawn
+    if not gumbel:
+        drawn = sample_from_probs(truncated_probs(x.float(), sb),
+                                  uniform_from_counter(sb.seeds, sb.steps))
+        return torch.where(sb.temperature > 0, drawn, x.argmax(dim=-1)) if sb.any_greedy else drawn
+    if sb.any_truncated:
+        return _truncated_gumbel(x, sb, kernel)
+    return _gumbel_pass(x, sb, kernel)  # greedy rows take the arg-max inside (their noise is off)
+
+
+def _truncated_gumbel(x: torch.Tensor, sb: SamplingBatch, kernel: bool) -> torch.Tensor:
+    """[B, V] -> [B]: _gumbel_pass's draw over the ids truncated_logits keeps, in the rows that
+    truncate (truncated_rows); the other rows, greedy ones included, draw as _gumbel_pass does,
+    so that a row's token does not depend on what the other rows ask for. The kernel tests each
+    id against a few numbers a row (truncation.cut_bounds); the torch reference, and the batches
+    whose top-k / top-p sort the vocabulary, write the truncated logits out and mask by them."""
+    rows = truncated_rows(sb, x.shape[-1])
+    if kernel and (sb.top_k_bound or not (sb.do_top_k or sb.do_top_p)):
+        from ..kernels.truncated_sample import count_ties, cut_gumbel_argmax
+
+        lo, top_p_cut = cut_bounds(x, sb, rows, count_ties)
+        return cut_gumbel_argmax(x, sb.temperature, sb.seeds, sb.steps, lo, top_p_cut)
+    dropped = rows[:, None] & (truncated_logits(x.float(), sb) == float("-inf"))
+    return _gumbel_pass(x.float().masked_fill(dropped, float("-inf")), sb, kernel)
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch, *, gumbel: bool = True,

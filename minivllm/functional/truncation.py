@@ -65,26 +65,50 @@ def truncated_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 def _top_k_top_p_by_candidates(x: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """truncated_logits' top-k and top-p (in place on x [B, V]) without sorting the vocabulary,
     for a batch whose sampled rows with top-p all have a top-k <= K = sb.top_k_bound: the same
-    ids kept, in exact arithmetic. Qwen3's generation config asks for top-k 20 and top-p 0.95.
-
-    K candidates a row (torch.topk) hold every id above the row's k-th largest value `kth` (fewer
-    than k), G, followed by some of the ids tied at kth, T (t of them, at least one). Top-k keeps
-    G and T (x >= kth). truncated_logits' order for top-p is G by value then id, then T by id;
-    G sorted among the candidates gives each member the mass before it, and the j-th of T (from
-    0) has mass M_G + j * q before it (M_G: G's mass, q: one tied id's), so T's first
-    n = ceil((top_p - M_G) / q) ids stay (none where G reaches top_p), by their rank in id
-    order. Rows without a top-k (k past K) have top_p 1 by the batch's condition, or are greedy
-    (sample() overrides their draw; processed_logits turns their truncation off): no cut."""
+    ids kept, in exact arithmetic (_kth and _top_p_bounds say how)."""
     neg_inf = float("-inf")
-    bound = sb.top_k_bound
-    k = sb.top_k[:, None]
-    has_k = k <= bound  # [B, 1]
-    vals, ids = x.topk(bound, dim=-1)  # [B, K], largest first (ties in no set order)
-    kth = torch.where(has_k, vals.gather(1, (k.clamp(max=bound) - 1)), neg_inf)  # [B, 1]
+    vals, ids = x.topk(sb.top_k_bound, dim=-1)  # [B, K], largest first (ties in no set order)
+    kth, has_k = _kth(vals, sb)
     if sb.do_top_k:
         x.masked_fill_(x < kth, neg_inf)  # ids tied with the k-th value stay
     if not sb.do_top_p:
         return x
+    tied = (x == kth) & (kth > neg_inf)  # [B, V] T (none where fewer than k ids are finite)
+    cut, last_val, last_id, n_tied = _top_p_bounds(vals, ids, kth, has_k,
+                                                   tied.sum(dim=-1, keepdim=True), sb)
+    column = torch.arange(x.shape[-1], device=x.device)[None, :]
+    g_drop = (x > kth) & ((x < last_val) | ((x == last_val) & (column > last_id)))
+    t_drop = tied & (tied.cumsum(dim=-1, dtype=torch.int32) > n_tied)  # 1 + rank in id order
+    x.masked_fill_(cut & (g_drop | t_drop), neg_inf)
+    return x
+
+
+def _kth(vals: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row's candidates' values [B, K] (its K largest, largest first) -> its k-th largest
+    value kth [B, 1] (-inf in a row without a top-k, k past K) and whether it has one [B, 1]."""
+    k = sb.top_k[:, None]
+    has_k = k <= sb.top_k_bound
+    kth = torch.where(has_k, vals.gather(1, k.clamp(max=sb.top_k_bound) - 1), float("-inf"))
+    return kth, has_k
+
+
+def _top_p_bounds(vals: torch.Tensor, ids: torch.Tensor, kth: torch.Tensor, has_k: torch.Tensor,
+                  t: torch.Tensor, sb: SamplingBatch
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Which ids top-p keeps among those top-k keeps, as four numbers a row [B, 1] (cut: whether
+    top-p may cut the row; last_val, last_id; n_tied), from its K candidates (vals, ids: the K
+    largest values and their ids, in any order among equal values), kth and has_k (_kth) and t,
+    the number of its ids equal to kth (the whole row's).
+
+    The candidates hold every id above kth (fewer than k), G, followed by some of the ids tied
+    at kth, T (t of them, at least one where kth is finite). truncated_logits' order for top-p is
+    G by value then id, then T by id; G sorted among the candidates gives each member the mass
+    before it, and the j-th of T (from 0) has mass M_G + j * q before it (M_G: G's mass, q: one
+    tied id's), so T's first n_tied = ceil((top_p - M_G) / q) ids stay (none where G reaches
+    top_p), by their rank in id order. G's ids after its last kept one, (last_val, last_id) in
+    the order value down, id up, go (every G id where G keeps none: last_val +inf). Rows without
+    a top-k (k past K) have top_p 1 by the batch's condition, or are greedy (sample() overrides
+    their draw; processed_logits turns their truncation off): no cut."""
     cut = has_k & (sb.top_p < 1)[:, None]  # rows top-p may cut
     top_p = torch.where(cut, sb.top_p[:, None], float("inf"))
     # The candidates by value, ties by id: sorted by id, then stably by value (K a row).
@@ -92,8 +116,6 @@ def _top_k_top_p_by_candidates(x: torch.Tensor, sb: SamplingBatch) -> torch.Tens
     vals, ids = vals.gather(1, by_id), ids.gather(1, by_id)
     vals, by_value = vals.sort(dim=-1, descending=True, stable=True)
     ids = ids.gather(1, by_value)
-    tied = (x == kth) & (kth > neg_inf)  # [B, V] T (none where fewer than k ids are finite)
-    t = tied.sum(dim=-1, keepdim=True)
     top = vals[:, :1]
     in_g = vals > kth  # [B, K] G, a prefix of the candidates
     w = torch.where(in_g, (vals - top).exp(), 0.0)
@@ -105,17 +127,51 @@ def _top_k_top_p_by_candidates(x: torch.Tensor, sb: SamplingBatch) -> torch.Tens
     q = w_tied / z
     n_tied = torch.where((mass_g < top_p) & (t > 0),
                          ((top_p - mass_g) / q).ceil().clamp(max=t.to(q.dtype)), 0.0)
-    # G's last kept id (value, id): G ids after it in the order (smaller value, or equal and a
-    # larger id) go. Where G keeps none, every G id goes.
     last = (keep_g.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
-    any_g = keep_g[:, :1]
-    last_val = torch.where(any_g, vals.gather(1, last), float("inf"))
-    last_id = ids.gather(1, last)
-    column = torch.arange(x.shape[-1], device=x.device)[None, :]
-    g_drop = (x > kth) & ((x < last_val) | ((x == last_val) & (column > last_id)))
-    t_drop = tied & (tied.cumsum(dim=-1, dtype=torch.int32) > n_tied)  # 1 + rank in id order
-    x.masked_fill_(cut & (g_drop | t_drop), neg_inf)
-    return x
+    last_val = torch.where(keep_g[:, :1], vals.gather(1, last), float("inf"))
+    return cut, last_val, ids.gather(1, last), n_tied
+
+
+def cut_bounds(logits: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor, count_ties
+               ) -> tuple[torch.Tensor, tuple | None]:
+    """What kernels.truncated_sample.cut_gumbel_argmax needs to keep, in the rows `rows` [B]
+    bool, the ids truncated_logits keeps, without writing them: lo [B] (the ids with
+    logits / T < lo go: min-p's floor, top-k's k-th value; -inf in the other rows) and, where
+    top-p may cut, (kth, cut, last_val, last_id, n_tied, ties_before) (_top_p_bounds; ties_before
+    [B, n]: the ids equal to kth in the kernel's chunks before each, from count_ties(logits,
+    temperature, kth)). For a batch without top-k and top-p, or whose top-k / top-p run on
+    candidates (sb.top_k_bound), which the sort's batches cannot.
+
+    logits [B, V] in any float dtype (penalised or not): torch.topk of the raw values, then the
+    division, gives the values truncated_logits' topk of the divided ones gives (a division by a
+    positive T keeps their order, and IEEE rounding is per value), and every id above the k-th
+    value among the candidates, which is all _top_p_bounds asks of them."""
+    assert sb.top_k_bound or not (sb.do_top_k or sb.do_top_p), "the sort's batches: truncated_logits"
+    neg_inf = float("-inf")
+    temp = torch.where(sb.temperature > 0, sb.temperature, torch.ones_like(sb.temperature))[:, None]
+    lo = torch.full_like(temp, neg_inf)  # [B, 1]
+    if sb.top_k_bound:
+        vals, ids = logits.topk(sb.top_k_bound, dim=-1)
+        vals = vals.float() / temp
+        row_max = vals[:, :1]
+    elif sb.do_min_p:
+        row_max = logits.amax(dim=-1, keepdim=True).float() / temp
+    if sb.do_min_p:
+        lo = row_max + torch.log(sb.min_p)[:, None]  # truncated_logits' floor, the same sum
+        if sb.top_k_bound:
+            vals = vals.masked_fill(vals < lo, neg_inf)  # the candidates min-p leaves
+    top_p_cut = None
+    if sb.top_k_bound:
+        kth, has_k = _kth(vals, sb)
+        lo = torch.maximum(lo, kth)
+        if sb.do_top_p:
+            counts = count_ties(logits, sb.temperature, kth[:, 0].contiguous())  # [B, n]
+            cut, last_val, last_id, n_tied = _top_p_bounds(
+                vals, ids, kth, has_k, counts.sum(dim=-1, keepdim=True), sb)
+            ties_before = counts.cumsum(dim=-1, dtype=torch.int32) - counts
+            top_p_cut = tuple(c[:, 0].contiguous() for c in
+                              (kth, cut & rows[:, None], last_val, last_id, n_tied)) + (ties_before,)
+    return torch.where(rows, lo[:, 0], neg_inf), top_p_cut
 
 
 def truncated_rows(sb: SamplingBatch, vocab: int) -> torch.Tensor:
