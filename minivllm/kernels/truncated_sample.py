@@ -1,6 +1,6 @@
 """The Gumbel-max draw of rows that top-k, top-p and min-p truncate, without writing their
 truncated logits: each program tests its ids against a few numbers a row that say which ids
-truncation keeps (functional.truncation.CutBounds) and takes the arg-max of the kept ones.
+truncation keeps (functional.truncation.cut_bounds) and takes the arg-max of the kept ones.
 
 For each row b the token is argmax over the kept ids v of
     logits[b, v] + T * g[b, v]   (T > 0; T = 0: the plain arg-max, nothing dropped)
