@@ -146,7 +146,8 @@ def cut_bounds(logits: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor, coun
     division, gives the values truncated_logits' topk of the divided ones gives (a division by a
     positive T keeps their order, and IEEE rounding is per value), and every id above the k-th
     value among the candidates, which is all _top_p_bounds asks of them."""
-    assert sb.top_k_bound or not (sb.do_top_k or sb.do_top_p), "the sort's batches: truncated_logits"
+    assert sb.top_k_bound or not (sb.do_top_k or sb.do_top_p), \
+        "the sort's batches: truncated_logits"
     neg_inf = float("-inf")
     temp = torch.where(sb.temperature > 0, sb.temperature, torch.ones_like(sb.temperature))[:, None]
     lo = torch.full_like(temp, neg_inf)  # [B, 1]
@@ -169,8 +170,8 @@ def cut_bounds(logits: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor, coun
             cut, last_val, last_id, n_tied = _top_p_bounds(
                 vals, ids, kth, has_k, counts.sum(dim=-1, keepdim=True), sb)
             ties_before = counts.cumsum(dim=-1, dtype=torch.int32) - counts
-            top_p_cut = tuple(c[:, 0].contiguous() for c in
-                              (kth, cut & rows[:, None], last_val, last_id, n_tied)) + (ties_before,)
+            per_row = (kth, cut & rows[:, None], last_val, last_id, n_tied)
+            top_p_cut = tuple(c[:, 0].contiguous() for c in per_row) + (ties_before,)
     return torch.where(rows, lo[:, 0], neg_inf), top_p_cut
 
 
