@@ -57,8 +57,8 @@ def rows_for(name: str, b: int, vocab: int) -> list[SamplingRow]:
     kw = SETTINGS[name]
     rng = np.random.default_rng(0)
     if kw == "allowed_ids":
-        return [SamplingRow(temperature=0.6, seed=i,
-                            allowed_ids=tuple(range(min(vocab, 1000)))) for i in range(b)]
+        allowed = np.arange(min(vocab, 1000), dtype=np.int64)  # as the engine's rows hold them
+        return [SamplingRow(temperature=0.6, seed=i, allowed_ids=allowed) for i in range(b)]
     if "presence_penalty" in kw:
         return [SamplingRow(temperature=0.6, seed=i, **kw,
                             output_ids=rng.integers(0, vocab, 560),

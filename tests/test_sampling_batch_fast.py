@@ -131,14 +131,20 @@ def test_the_runner_sends_only_steps_when_a_step_samples_the_very_same_rows(monk
 
 def test_banned_and_allowed_pairs_are_each_rows_ids_in_order():
     """The (row, id) pairs filled in C (_row_pairs) against the rows' lists walked in Python:
-    rows with none, one or many ids, in any mix, and the allowed rows' flags."""
+    rows with none, one or many ids, in any mix, as tuples or as int64 arrays (the engine's
+    allowed ids, copied whole), and the allowed rows' flags."""
     rng = random.Random(1)
     vocab = 400
+
+    def ids(counts):
+        chosen = tuple(sorted(rng.sample(range(vocab), rng.choice(counts))))
+        return np.array(chosen, dtype=np.int64) if rng.random() < 0.5 else chosen
+
     for _ in range(100):
-        rows = [SamplingRow(temperature=0.6,
-                            banned_ids=tuple(rng.sample(range(vocab), rng.choice([0, 0, 1, 40]))),
-                            allowed_ids=tuple(sorted(rng.sample(range(vocab),
-                                                                rng.choice([0, 0, 1, 90])))))
+        arrays = rng.random() < 0.5  # every row's allowed ids an array, or a mix
+        rows = [SamplingRow(temperature=0.6, banned_ids=ids([0, 0, 1, 40]),
+                            allowed_ids=np.array(ids([0, 0, 1, 90]), dtype=np.int64) if arrays
+                            else ids([0, 0, 1, 90]))
                 for _ in range(rng.randint(1, 7))]
         sb = make_sampling_batch(rows, vocab_size=vocab)
         for rows_t, ids_t, field in ((sb.banned_rows, sb.banned_ids, "banned_ids"),
@@ -149,7 +155,7 @@ def test_banned_and_allowed_pairs_are_each_rows_ids_in_order():
                 continue
             assert list(zip(rows_t.tolist(), ids_t.tolist())) == want
         if sb.allowed_rows is not None:
-            assert sb.allowed_rows.tolist() == [bool(r.allowed_ids) for r in rows]
+            assert sb.allowed_rows.tolist() == [len(r.allowed_ids) > 0 for r in rows]
 
 
 def test_penalised_rows_ids_are_each_rows_ids_padded_on_the_right():

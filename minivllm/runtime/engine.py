@@ -27,6 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..functional.classify import activate, classifier_logits
@@ -814,7 +815,10 @@ class LLMEngine:
                            if i < self.vocab_size)
         if seq.bad_words:
             banned += banned_by_bad_words(seq.bad_words, seq.output_ids)
-        allowed, bits = p.allowed_ids, None
+        # As an array, which make_sampling_batch copies whole (made once: a row without
+        # penalties is kept for the sequence's later steps).
+        allowed = np.asarray(p.allowed_ids, dtype=np.int64) if p.allowed_ids else ()
+        bits = None
         if seq.guide is not None:  # structured outputs: the constraint, packed
             bits, allowed = bits_constraint(seq.guide.bits(seq.output_ids, self.vocab_size),
                                             allowed)

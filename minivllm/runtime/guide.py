@@ -22,6 +22,7 @@ import json
 import math
 import re
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -361,12 +362,12 @@ def pack_ids(ids: np.ndarray, vocab_size: int) -> np.ndarray:
     return np.packbits(mask, bitorder="little")
 
 
-def bits_constraint(bits: np.ndarray | None, allowed: tuple[int, ...]
-                    ) -> tuple[np.ndarray | None, tuple[int, ...]]:
+def bits_constraint(bits: np.ndarray | None, allowed: Sequence[int]
+                    ) -> tuple[np.ndarray | None, Sequence[int]]:
     """A sampling row's (allowed_bits, allowed_ids) with a guide's bitmask over the request's
     own allowed_token_ids: the allowed ids inside the constraint where any is, else the
     constraint alone (it wins: an empty allowed list would allow everything)."""
-    if bits is None or not allowed:
+    if bits is None or not len(allowed):
         return bits, allowed
     inside = tuple(i for i in allowed if i < 8 * len(bits) and bits[i >> 3] >> (i & 7) & 1)
     return (None, inside) if inside else (bits, ())
