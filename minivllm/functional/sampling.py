@@ -210,8 +210,9 @@ def _truncated_gumbel(x: torch.Tensor, sb: SamplingBatch, kernel: bool) -> torch
 
         lo, top_p_cut = cut_bounds(x, sb, rows, count_ties)
         return cut_gumbel_argmax(x, sb.temperature, sb.seeds, sb.steps, lo, top_p_cut)
-    dropped = rows[:, None] & (truncated_logits(x.float(), sb) == float("-inf"))
-    return _gumbel_pass(x.float().masked_fill(dropped, float("-inf")), sb, kernel)
+    x = x.float()  # once (truncated_logits writes only its own tensors)
+    dropped = rows[:, None] & (truncated_logits(x, sb) == float("-inf"))
+    return _gumbel_pass(x.masked_fill(dropped, float("-inf")), sb, kernel)
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch, *, gumbel: bool = True,

@@ -56,8 +56,8 @@ def plain_greedy(row: SamplingRow) -> bool:
     penalty, no banned id and no logprobs (top-k, top-p and min-p do not touch a greedy row)."""
     return (row.temperature < SAMPLING_EPS and row.presence_penalty == 0
             and row.frequency_penalty == 0 and row.repetition_penalty == 1
-            and not len(row.banned_ids) and not row.logit_bias and not len(row.allowed_ids) and row.allowed_bits is None
-            and row.logprobs is None)
+            and not len(row.banned_ids) and not row.logit_bias and not len(row.allowed_ids)
+            and row.allowed_bits is None and row.logprobs is None)
 
 
 @pytree_class
