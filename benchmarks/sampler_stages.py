@@ -22,6 +22,7 @@ each setting's whole sample() and its stages:
   truncate        truncated_logits (temperature, min-p, top-k / top-p), written out
   topk            torch.topk of the candidates alone
   bounds          truncation.cut_bounds: the candidates, the ties' count, the numbers a row
+                  (kernels.truncated_sample.candidate_bounds)
   cut_kernel      kernels.truncated_sample.cut_gumbel_argmax alone (the bounds made before)
 On a CUDA GPU with CUDA events (median of --iters after warm-up); elsewhere with the host's
 clock (a smoke run: tests/test_sampler_stages.py). Prints a line a setting; --json writes them.
@@ -104,11 +105,11 @@ def stages(logits: torch.Tensor, rows: list[SamplingRow], name: str) -> dict:
     if sb.top_k_bound:
         found["topk"] = lambda: logits.topk(sb.top_k_bound, dim=-1)
     if device.type == "cuda" and (sb.top_k_bound or not (sb.do_top_k or sb.do_top_p)):
-        from minivllm.kernels.truncated_sample import count_ties, cut_gumbel_argmax
+        from minivllm.kernels.truncated_sample import cut_gumbel_argmax
 
         cut_rows = truncated_rows(sb, vocab)
-        found["bounds"] = lambda: cut_bounds(logits, sb, cut_rows, count_ties)
-        bounds = cut_bounds(logits, sb, cut_rows, count_ties)
+        found["bounds"] = lambda: cut_bounds(logits, sb, cut_rows)
+        bounds = cut_bounds(logits, sb, cut_rows)
         found["cut_kernel"] = lambda: cut_gumbel_argmax(logits, sb.temperature, sb.seeds,
                                                         sb.steps, *bounds)
     return found

@@ -6,8 +6,6 @@ ids over many chunks. On CPU under Triton's interpreter (tests/conftest.py)."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -17,7 +15,7 @@ from minivllm.functional.sampling import (SamplingRow, _truncated_gumbel, cut_bo
                                           make_sampling_batch, sample, truncated_logits,
                                           truncated_rows)
 from minivllm.kernels.sample_kernel import gumbel_argmax
-from minivllm.kernels.truncated_sample import count_ties, cut_gumbel_argmax
+from minivllm.kernels.truncated_sample import cut_gumbel_argmax
 
 VOCAB = 300
 TILINGS = [(16, 32), (64, 64), (32, 128), (1024, None)]
@@ -35,8 +33,7 @@ def _reference(logits: torch.Tensor, sb, tiling) -> torch.Tensor:
 def _kernel(logits: torch.Tensor, sb, tiling) -> torch.Tensor:
     block, chunk = tiling
     rows = truncated_rows(sb, logits.shape[-1])
-    lo, top_p_cut = cut_bounds(logits, sb, rows,
-                               functools.partial(count_ties, block=block, chunk=chunk))
+    lo, top_p_cut = cut_bounds(logits, sb, rows, block=block, chunk=chunk)
     return cut_gumbel_argmax(logits, sb.temperature, sb.seeds, sb.steps, lo, top_p_cut,
                              block=block, chunk=chunk)
 
@@ -93,8 +90,7 @@ def test_tied_ids_past_top_ps_mass_go_in_id_order_across_chunks():
     n = 120
     rows = [SamplingRow(temperature=1.0, top_k=2, top_p=0.2, seed=s) for s in range(n)]
     sb = make_sampling_batch(rows, vocab_size=vocab)
-    lo, cut = cut_bounds(row.expand(n, -1), sb, truncated_rows(sb, vocab),
-                         functools.partial(count_ties, block=16, chunk=32))
+    lo, cut = cut_bounds(row.expand(n, -1), sb, truncated_rows(sb, vocab), block=16, chunk=32)
     # mass: top e / (e + 60), each tied 1 / (e + 60); kept: those with mass before < 0.2
     e = torch.tensor(1.0).exp().item()
     keep = int(torch.tensor((0.2 - e / (e + 60)) * (e + 60)).ceil())

@@ -206,9 +206,9 @@ def _truncated_gumbel(x: torch.Tensor, sb: SamplingBatch, kernel: bool) -> torch
     whose top-k / top-p sort the vocabulary, write the truncated logits out and mask by them."""
     rows = truncated_rows(sb, x.shape[-1])
     if kernel and (sb.top_k_bound or not (sb.do_top_k or sb.do_top_p)):
-        from ..kernels.truncated_sample import count_ties, cut_gumbel_argmax
+        from ..kernels.truncated_sample import cut_gumbel_argmax
 
-        lo, top_p_cut = cut_bounds(x, sb, rows, count_ties)
+        lo, top_p_cut = cut_bounds(x, sb, rows)
         return cut_gumbel_argmax(x, sb.temperature, sb.seeds, sb.steps, lo, top_p_cut)
     x = x.float()  # once (truncated_logits writes only its own tensors)
     dropped = rows[:, None] & (truncated_logits(x, sb) == float("-inf"))

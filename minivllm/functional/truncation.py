@@ -132,47 +132,35 @@ def _top_p_bounds(vals: torch.Tensor, ids: torch.Tensor, kth: torch.Tensor, has_
     return cut, last_val, ids.gather(1, last), n_tied
 
 
-def cut_bounds(logits: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor, count_ties
+def cut_bounds(logits: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor, **tiling
                ) -> tuple[torch.Tensor, tuple | None]:
     """What kernels.truncated_sample.cut_gumbel_argmax needs to keep, in the rows `rows` [B]
     bool, the ids truncated_logits keeps, without writing them: lo [B] (the ids with
     logits / T < lo go: min-p's floor, top-k's k-th value; -inf in the other rows) and, where
-    top-p may cut, (kth, cut, last_val, last_id, n_tied, ties_before) (_top_p_bounds; ties_before
-    [B, n]: the ids equal to kth in the kernel's chunks before each, from count_ties(logits,
-    temperature, kth)). For a batch without top-k and top-p, or whose top-k / top-p run on
-    candidates (sb.top_k_bound), which the sort's batches cannot.
+    top-p may cut, (kth, cut, last_val, last_id, n_tied, ties_before) (_top_p_bounds' numbers;
+    ties_before [B, n]: the ids equal to kth in the kernel's chunks before each). For a batch
+    without top-k and top-p, or whose top-k / top-p run on candidates (sb.top_k_bound), which
+    the sort's batches cannot. `tiling`: the kernels' block and chunk, for tests.
 
     logits [B, V] in any float dtype (penalised or not): torch.topk of the raw values, then the
     division, gives the values truncated_logits' topk of the divided ones gives (a division by a
     positive T keeps their order, and IEEE rounding is per value), and every id above the k-th
-    value among the candidates, which is all _top_p_bounds asks of them."""
+    value among the candidates, which is all _top_p_bounds asks of them; kernels.truncated_sample
+    .candidate_bounds does _kth's and _top_p_bounds' arithmetic a row in one program."""
     assert sb.top_k_bound or not (sb.do_top_k or sb.do_top_p), \
         "the sort's batches: truncated_logits"
-    neg_inf = float("-inf")
-    temp = torch.where(sb.temperature > 0, sb.temperature, torch.ones_like(sb.temperature))[:, None]
-    lo = torch.full_like(temp, neg_inf)  # [B, 1]
-    if sb.top_k_bound:
-        vals, ids = logits.topk(sb.top_k_bound, dim=-1)
-        vals = vals.float() / temp
-        row_max = vals[:, :1]
-    elif sb.do_min_p:
-        row_max = logits.amax(dim=-1, keepdim=True).float() / temp
-    if sb.do_min_p:
-        lo = row_max + torch.log(sb.min_p)[:, None]  # truncated_logits' floor, the same sum
-        if sb.top_k_bound:
-            vals = vals.masked_fill(vals < lo, neg_inf)  # the candidates min-p leaves
-    top_p_cut = None
-    if sb.top_k_bound:
-        kth, has_k = _kth(vals, sb)
-        lo = torch.maximum(lo, kth)
-        if sb.do_top_p:
-            counts = count_ties(logits, sb.temperature, kth[:, 0].contiguous())  # [B, n]
-            cut, last_val, last_id, n_tied = _top_p_bounds(
-                vals, ids, kth, has_k, counts.sum(dim=-1, keepdim=True), sb)
-            ties_before = counts.cumsum(dim=-1, dtype=torch.int32) - counts
-            per_row = (kth, cut & rows[:, None], last_val, last_id, n_tied)
-            top_p_cut = tuple(c[:, 0].contiguous() for c in per_row) + (ties_before,)
-    return torch.where(rows, lo[:, 0], neg_inf), top_p_cut
+    log_min_p = torch.log(sb.min_p) if sb.do_min_p else None  # truncated_logits' floor's term
+    if not sb.top_k_bound:  # min-p alone (or nothing): its floor, truncated_logits' same sum
+        if log_min_p is None:
+            return torch.full_like(sb.temperature, float("-inf")), None
+        temp = torch.where(sb.temperature > 0, sb.temperature, torch.ones_like(sb.temperature))
+        floor = logits.amax(dim=-1).float() / temp + log_min_p
+        return torch.where(rows, floor, float("-inf")), None
+    from ..kernels.truncated_sample import candidate_bounds
+
+    vals, ids = logits.topk(sb.top_k_bound, dim=-1)
+    return candidate_bounds(logits, vals, ids, sb.temperature, sb.top_k, sb.top_p, log_min_p, rows,
+                            top_p_cut=sb.do_top_p, **tiling)
 
 
 def truncated_rows(sb: SamplingBatch, vocab: int) -> torch.Tensor:
