@@ -75,7 +75,7 @@ def test_live_bytes_counts_what_stays_alive():
     del e
 
 
-def test_the_heaviest_sampling_keeps_about_six_fp32_rows_by_vocab_alive():
+def test_the_heaviest_sampling_keeps_about_six_fp32_rows_by_vocab_alive(device):
     """Every stage on, fp32 and bf16 logits: at most 6.25 [B, V] fp32 temporaries at once (8.6
     when each stage made a new tensor), with top-k / top-p on candidates (top-k 50) and on a
     sort of the vocabulary (the runner's heaviest row: top-k past MAX_TOP_K_BOUND). With the
@@ -84,10 +84,10 @@ def test_the_heaviest_sampling_keeps_about_six_fp32_rows_by_vocab_alive():
     rows, vocab = 16, 20_000
     unit = rows * vocab * 4
     for row in (HEAVIEST, heaviest_row(20, vocab)):
-        batch = make_sampling_batch([row] * rows, vocab_size=vocab)
+        batch = make_sampling_batch([row] * rows, vocab_size=vocab, device=device)
         assert bool(batch.top_k_bound) == (row is HEAVIEST)
         for dtype in (torch.float32, torch.bfloat16):
-            logits = torch.randn(rows, vocab).to(dtype)
+            logits = torch.randn(rows, vocab).to(dtype).to(device)
             with LiveBytes() as m:
                 out = sample(logits, batch, kernel=True)
             assert out.token_ids.shape == (rows,) and out.top_ids.shape == (rows, 20)

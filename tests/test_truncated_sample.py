@@ -70,16 +70,17 @@ def batches(draw):
 
 @settings(max_examples=40)
 @given(batches(), st.sampled_from(TILINGS), st.sampled_from([torch.float32, torch.float16]))
-def test_kernel_draws_the_token_of_the_gumbel_kernel_over_truncated_logits(batch, tiling, dtype):
+def test_kernel_draws_the_token_of_the_gumbel_kernel_over_truncated_logits(device, batch, tiling,
+                                                                          dtype):
     logits, rows = batch
-    logits = logits.to(dtype)
-    sb = make_sampling_batch(rows, vocab_size=VOCAB)
+    logits = logits.to(dtype).to(device)
+    sb = make_sampling_batch(rows, vocab_size=VOCAB, device=device)
     if (sb.do_top_k or sb.do_top_p) and not sb.top_k_bound:
         return  # a sort's batch: not the kernel's (none here: every top-p row has a top-k)
     assert _kernel(logits, sb, tiling).tolist() == _reference(logits, sb, tiling).tolist()
 
 
-def test_tied_ids_past_top_ps_mass_go_in_id_order_across_chunks():
+def test_tied_ids_past_top_ps_mass_go_in_id_order_across_chunks(device):
     """One id above 60 ids tied at the k-th value, spread over every chunk: top-p keeps the
     top id and as many tied ids, lowest first, as its mass needs. With each tied id far more
     likely than the others, the draw names the kept tied ids only, and over many seeds each."""
@@ -87,9 +88,10 @@ def test_tied_ids_past_top_ps_mass_go_in_id_order_across_chunks():
     row = torch.full((vocab,), -30.0)
     row[tied] = 0.0
     row[100] = 1.0
+    row = row.to(device)
     n = 120
     rows = [SamplingRow(temperature=1.0, top_k=2, top_p=0.2, seed=s) for s in range(n)]
-    sb = make_sampling_batch(rows, vocab_size=vocab)
+    sb = make_sampling_batch(rows, vocab_size=vocab, device=device)
     lo, cut = cut_bounds(row.expand(n, -1), sb, truncated_rows(sb, vocab), block=16, chunk=32)
     # mass: top e / (e + 60), each tied 1 / (e + 60); kept: those with mass before < 0.2
     e = torch.tensor(1.0).exp().item()

@@ -79,7 +79,8 @@ def _tie_count_kernel(logits_ptr, temp_ptr, vals_ptr, top_k_ptr, log_min_p_ptr, 
                       MIN_P: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    _, kth = _candidate_floor_kth(vals_ptr, temp_ptr, top_k_ptr, log_min_p_ptr, row, K, MIN_P)
+    # [1]: a name for the floor, unused, would be a loop-carried variable of the loop below
+    kth = _candidate_floor_kth(vals_ptr, temp_ptr, top_k_ptr, log_min_p_ptr, row, K, MIN_P)[1]
     offs = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], tl.int32)
     for off in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
