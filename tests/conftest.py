@@ -1,5 +1,6 @@
 """Test setup: Triton's interpreter on machines without a GPU (set before triton is imported),
-and a device fixture that is "cuda" when a GPU is present (the GPU run of the suite)."""
+its launches recorded for the compile check at the suite's end, and a device fixture that is
+"cuda" when a GPU is present (the GPU run of the suite)."""
 
 import os
 
@@ -10,6 +11,12 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # Every interpreted launch is kept for test_zz_kernels_compile.py (tests/kernel_launches.py).
+    from kernel_launches import install  # noqa: E402
+
+    install()
 
 settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True)
 settings.register_profile("dev", deadline=None, max_examples=25)

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ..state.config import FP8_DTYPES
-from .launch import cuda_capability, dot_precision, next_pow2, num_sms, runs_ptx
+from .launch import cuda_capability, dot_block, dot_precision, next_pow2, num_sms, runs_ptx
 from .paged import load_rows, page_rows
 
 LOG2E = 1.4426950408889634
@@ -451,8 +451,8 @@ def _launch_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
         eps, out, part_out, part_lse, scale_log2, num_splits,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         block_tables.stride(0), cos.stride(0), out.stride(0), out.stride(1),
-        KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_G=max(16, next_pow2(group)),
-        BLOCK_D=next_pow2(head_dim), PAGE=page, BLOCK_N=block_n, SPLIT=num_splits > 1,
+        KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_G=dot_block(group),
+        BLOCK_D=dot_block(head_dim), PAGE=page, BLOCK_N=block_n, SPLIT=num_splits > 1,
         STORE=store, NORM_ROPE=norm_rope,
         PRECISION=dot_precision(torch.float16 if f16_dots else q.dtype),
         HEADS_FASTEST=heads_fastest, F16_DOTS=f16_dots, FP8_CACHE=fp8_cache, PTX_WIDEN=ptx_widen,

@@ -63,7 +63,7 @@ from ..state.cache import KVCache
 from ..state.config import FP8_DTYPES, ModelConfig
 from ..state.params import LayerParams, Params
 from .decode_attention import LOG2E, MAX_SPLITS, _decode_unit, _first_tile, _merge_unit
-from .launch import cuda_capability, dot_precision, next_pow2, num_sms, runs_ptx
+from .launch import cuda_capability, dot_block, dot_precision, next_pow2, num_sms, runs_ptx
 
 MAX_ROWS = 2  # the single stream's decode bucket
 PHASES = 6
@@ -614,7 +614,7 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
         M=m, H=hidden, INTER=inter, HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=d, SPLITS=splits,
         PAGE=k_cache0.shape[1], BLOCK_N=64 if runs_ptx(dev) else 16,
         **columns, **rows, BLOCK_H=next_pow2(hidden),
-        BLOCK_D=next_pow2(d), BLOCK_G=max(16, next_pow2(heads // kv_heads)),
+        BLOCK_D=next_pow2(d), BLOCK_G=dot_block(heads // kv_heads),
         BLOCK_S=max(2, next_pow2(splits)),
         PRECISION=dot_precision(torch.float16 if f16_dots else dt), F16_DOTS=f16_dots,
         FP8_CACHE=fp8, PTX_WIDEN=int(fp8 and f16_dots and cuda_capability(dev) >= (8, 9)),

@@ -61,3 +61,9 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def dot_block(n: int) -> int:
+    """A block that spans a dimension of tl.dot: a power of two, at least the 16 a GPU's MMA
+    takes (the interpreter takes less; tests/test_zz_kernels_compile.py checks the compiler)."""
+    return max(16, next_pow2(n))

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..state.config import FP8_DTYPES
-from .launch import dot_precision, next_pow2, runs_ptx
+from .launch import dot_block, dot_precision, runs_ptx
 from .paged import load_rows, page_rows
 
 LOG2E = 1.4426950408889634
@@ -228,7 +228,7 @@ def varlen_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         scale * LOG2E, num_seqs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), PAGE=page,
+        KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=dot_block(head_dim), PAGE=page,
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], PACK=pack,
         PRECISION=dot_precision(q.dtype), CHUNK_FROM_CACHE=k_cache.dtype in FP8_DTYPES,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
