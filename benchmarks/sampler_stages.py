@@ -21,6 +21,7 @@ each setting's whole sample() and its stages:
                   inverse CDF (session 63's draw for truncated rows)
   truncate        truncated_logits (temperature, min-p, top-k / top-p), written out
   topk            torch.topk of the candidates alone
+  candidates      kernels.top_candidates of the same (what cut_bounds takes on a GPU)
   bounds          truncation.cut_bounds: the candidates, the ties' count, the numbers a row
                   (kernels.truncated_sample.candidate_bounds)
   cut_kernel      kernels.truncated_sample.cut_gumbel_argmax alone (the bounds made before)
@@ -43,6 +44,7 @@ import torch
 from minivllm.functional.sampling import (SamplingRow, apply_penalties, cut_bounds,
                                           make_sampling_batch, sample, truncated_logits,
                                           truncated_rows)
+from minivllm.kernels.top_candidates import top_candidates
 
 SETTINGS = {"plain": {},
             "top_k20_top_p095": dict(top_k=20, top_p=0.95),
@@ -104,6 +106,7 @@ def stages(logits: torch.Tensor, rows: list[SamplingRow], name: str) -> dict:
     }
     if sb.top_k_bound:
         found["topk"] = lambda: logits.topk(sb.top_k_bound, dim=-1)
+        found["candidates"] = lambda: top_candidates(logits, sb.top_k_bound)
     if device.type == "cuda" and (sb.top_k_bound or not (sb.do_top_k or sb.do_top_p)):
         from minivllm.kernels.truncated_sample import cut_gumbel_argmax
 

@@ -142,11 +142,13 @@ def cut_bounds(logits: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor, **ti
     without top-k and top-p, or whose top-k / top-p run on candidates (sb.top_k_bound), which
     the sort's batches cannot. `tiling`: the kernels' block and chunk, for tests.
 
-    logits [B, V] in any float dtype (penalised or not): torch.topk of the raw values, then the
-    division, gives the values truncated_logits' topk of the divided ones gives (a division by a
-    positive T keeps their order, and IEEE rounding is per value), and every id above the k-th
-    value among the candidates, which is all _top_p_bounds asks of them; kernels.truncated_sample
-    .candidate_bounds does _kth's and _top_p_bounds' arithmetic a row in one program."""
+    logits [B, V] in any float dtype (penalised or not): the top-k of the raw values
+    (kernels.top_candidates), then the division, gives the values truncated_logits' topk of the
+    divided ones gives (a division by a positive T keeps their order, and IEEE rounding is per
+    value), and every id above the k-th value among the candidates, which is all _top_p_bounds
+    asks of them (which of the ids tied at the k-th value are among them does not matter: the
+    kernels count those); kernels.truncated_sample.candidate_bounds does _kth's and
+    _top_p_bounds' arithmetic a row in one program."""
     assert sb.top_k_bound or not (sb.do_top_k or sb.do_top_p), \
         "the sort's batches: truncated_logits"
     log_min_p = torch.log(sb.min_p) if sb.do_min_p else None  # truncated_logits' floor's term
@@ -156,9 +158,10 @@ def cut_bounds(logits: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor, **ti
         temp = torch.where(sb.temperature > 0, sb.temperature, torch.ones_like(sb.temperature))
         floor = logits.amax(dim=-1).float() / temp + log_min_p
         return torch.where(rows, floor, float("-inf")), None
+    from ..kernels.top_candidates import top_candidates
     from ..kernels.truncated_sample import candidate_bounds
 
-    vals, ids = logits.topk(sb.top_k_bound, dim=-1)
+    vals, ids = top_candidates(logits, sb.top_k_bound)  # [B, K] fp32, int64
     return candidate_bounds(logits, vals, ids, sb.temperature, sb.top_k, sb.top_p, log_min_p, rows,
                             top_p_cut=sb.do_top_p, **tiling)
 

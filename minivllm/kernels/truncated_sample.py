@@ -60,7 +60,7 @@ def _scaled(logits_ptr, temp_ptr, row, v, mask, stride_row):
 def _candidate_floor_kth(vals_ptr, temp_ptr, top_k_ptr, log_min_p_ptr, row, K,
                          MIN_P: tl.constexpr):
     """A row's min-p floor and k-th largest value (-inf: none) on x = logits / T, from its K
-    candidates (torch.topk's values, largest first): truncation.cut_bounds' arithmetic."""
+    candidates (their values, largest first): truncation.cut_bounds' arithmetic."""
     t = tl.load(temp_ptr + row)
     t = tl.where(t > 0, t, 1.0)
     base = vals_ptr + row.to(tl.int64) * K
@@ -199,8 +199,8 @@ def candidate_bounds(logits: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor
                      log_min_p: torch.Tensor | None, rows: torch.Tensor, *, top_p_cut: bool,
                      block: int = BLOCK, chunk: int | None = None):
     """truncation.cut_bounds for a batch that truncates on candidates, as two kernels (three
-    launches in all where torch took ~40 small ones): logits [B, V]; vals / ids [B, K] its
-    torch.topk; temperature, top_k, top_p [B]; log_min_p [B] fp32 (torch.log(min_p), the very
+    launches in all where torch took ~40 small ones): logits [B, V]; vals / ids [B, K] its top-k
+    (any float dtype; kernels.top_candidates); temperature, top_k, top_p [B]; log_min_p [B] fp32 (torch.log(min_p), the very
     floor truncated_logits adds) or None without min-p; rows [B] bool, the rows that truncate.
     -> (lo, top_p_cut) for cut_gumbel_argmax with the same tiling."""
     b, v = logits.shape
