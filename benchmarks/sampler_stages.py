@@ -21,7 +21,8 @@ each setting's whole sample() and its stages:
                   inverse CDF (session 63's draw for truncated rows)
   truncate        truncated_logits (temperature, min-p, top-k / top-p), written out
   topk            torch.topk of the candidates alone
-  candidates      kernels.top_candidates of the same (what cut_bounds takes on a GPU)
+  candidates      kernels.top_candidates' Triton passes for the same (cut_bounds takes them on a
+                  GPU where top_candidates.ON_GPU_BY_DEFAULT)
   bounds          truncation.cut_bounds: the candidates, the ties' count, the numbers a row
                   (kernels.truncated_sample.candidate_bounds)
   cut_kernel      kernels.truncated_sample.cut_gumbel_argmax alone (the bounds made before)
@@ -106,7 +107,7 @@ def stages(logits: torch.Tensor, rows: list[SamplingRow], name: str) -> dict:
     }
     if sb.top_k_bound:
         found["topk"] = lambda: logits.topk(sb.top_k_bound, dim=-1)
-        found["candidates"] = lambda: top_candidates(logits, sb.top_k_bound)
+        found["candidates"] = lambda: top_candidates(logits, sb.top_k_bound, kernel=True)
     if device.type == "cuda" and (sb.top_k_bound or not (sb.do_top_k or sb.do_top_p)):
         from minivllm.kernels.truncated_sample import cut_gumbel_argmax
 

@@ -6,6 +6,8 @@ ids over many chunks. On CPU under Triton's interpreter (tests/conftest.py)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -78,6 +80,40 @@ def test_kernel_draws_the_token_of_the_gumbel_kernel_over_truncated_logits(devic
     if (sb.do_top_k or sb.do_top_p) and not sb.top_k_bound:
         return  # a sort's batch: not the kernel's (none here: every top-p row has a top-k)
     assert _kernel(logits, sb, tiling).tolist() == _reference(logits, sb, tiling).tolist()
+
+
+def test_the_draw_over_the_top_candidates_kernels_candidates(device, monkeypatch):
+    """cut_bounds with kernels.top_candidates' Triton passes for the candidates (off by default
+    until timed on a GPU): the bounds torch.topk's candidates give, and the reference's tokens,
+    on rows whose k-th value is tied and whose top-p cuts within ids tied above it."""
+    from minivllm.kernels import top_candidates as module
+
+    by_torch = module.top_candidates
+    by_kernels = functools.partial(by_torch, kernel=True, chunk=64)
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randint(-4, 4, (6, VOCAB), generator=gen).float() * 0.5
+    logits[:, [7, 50, 120, 200, 260]] = 4.0  # above the k-th value, tied where top-p cuts:
+    logits[:, [9, 99, 150]] = 3.5  # the last kept id decides
+    logits = logits.to(device)
+    rows = [SamplingRow(temperature=0.6, top_k=20, top_p=0.95, seed=1),
+            SamplingRow(temperature=1.0, top_k=5, seed=2), SamplingRow(temperature=0.0),
+            SamplingRow(temperature=1.3, top_k=40, top_p=0.3, min_p=0.1, seed=3),
+            SamplingRow(temperature=0.9, top_k=1, top_p=0.5, seed=4),
+            SamplingRow(temperature=0.7, min_p=0.2, seed=5)]
+    sb = make_sampling_batch(rows, vocab_size=VOCAB, device=device)
+    bounds = []
+    for candidates in (by_torch, by_kernels):
+        monkeypatch.setattr(module, "top_candidates", candidates)
+        lo, cut = cut_bounds(logits, sb, truncated_rows(sb, VOCAB), block=16, chunk=32)
+        bounds.append([lo, *cut])
+    cut = bounds[0][2].bool()
+    assert cut.tolist() == [True, False, False, True, True, False]  # the rows with top-p
+    for field, (by_topk, by_kernel) in enumerate(zip(*bounds)):
+        if field in (1, 3, 4, 5):  # kth, last_val, last_id, n_tied: read in the rows cut only
+            by_topk, by_kernel = by_topk[cut], by_kernel[cut]
+        assert torch.equal(by_topk, by_kernel), field
+    for tiling in ((16, 32), (1024, None)):
+        assert _kernel(logits, sb, tiling).tolist() == _reference(logits, sb, tiling).tolist()
 
 
 def test_tied_ids_past_top_ps_mass_go_in_id_order_across_chunks(device):

@@ -26,6 +26,10 @@ from .launch import next_pow2, runs_ptx
 MAX_K = 64
 CHUNK = 4096
 NUM_WARPS = 8
+# Whether a GPU takes the kernels by default (kernel=None). Off until sampler_stages' 'candidates'
+# stage has timed them against its 'topk' on a GPU: session 65 wrote them with its device time
+# spent (compiled for sm_90 here by tests/test_zz_kernels_compile.py, run under the interpreter).
+ON_GPU_BY_DEFAULT = False
 # The key of an id past the row's end: -inf's ordered bits above an id part of 0.
 _PAD_KEY = tl.constexpr(-((0x7F800000 + 1) << 32))
 
@@ -71,14 +75,16 @@ def _merge_top_kernel(keys_ptr, vals_ptr, ids_ptr, num_keys, k, K: tl.constexpr,
 def top_candidates(logits: torch.Tensor, k: int, *, kernel: bool | None = None,
                    chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(values [B, k] fp32, ids [B, k] int64): each row's k largest logits, largest first; with
-    the kernels, ties by id (lowest first). kernel: None, the kernels on a GPU only (the
-    interpreter's bitonic top-k takes ~1 s a chunk), torch.topk elsewhere and for k above
-    MAX_K. chunk: ids a program of the first pass (default CHUNK, or the row's length's next
-    power of two if shorter)."""
+    the kernels, ties by id (lowest first). kernel: None, the kernels on a GPU where
+    ON_GPU_BY_DEFAULT (never under the interpreter, whose bitonic top-k takes ~1 s a chunk);
+    torch.topk otherwise and for k above MAX_K. chunk: ids a program of the first pass (default
+    CHUNK, or the row's length's next power of two if shorter)."""
     b, v = logits.shape
     if not 0 < k <= v:
         raise ValueError(f"k must be in [1, {v}] (the row's length), got {k}")
-    if not (runs_ptx(logits.device) if kernel is None else kernel) or k > MAX_K:
+    if kernel is None:
+        kernel = ON_GPU_BY_DEFAULT and runs_ptx(logits.device)
+    if not kernel or k > MAX_K:
         vals, ids = logits.topk(k, dim=-1)
         return vals.float(), ids
     assert v < 2**31 - 1, "ids are int32 inside the kernel"

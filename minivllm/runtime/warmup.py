@@ -76,9 +76,8 @@ def warm_up_kernels(params: Params, backend, *, block_size: int, max_num_seqs: i
                                      device=device)
             for dtype in dict.fromkeys((torch.float32, params.dtype)):
                 sample(torch.zeros(rows, vocab, device=device, dtype=dtype), sb)
-        # The truncated rows' draw (kernels.truncated_sample: one compile for every row count;
-        # top-k 20's candidates, kernels.top_candidates, one for every k from 17 to 32): with
-        # top-p (Qwen3's generation config) and without (min-p), each logits dtype.
+        # The truncated rows' draw (kernels.truncated_sample: one compile for every row count):
+        # with top-p (Qwen3's generation config) and without (min-p), each logits dtype.
         for truncation in (dict(top_k=20, top_p=0.95), dict(min_p=0.05)):
             sb = make_sampling_batch([SamplingRow(temperature=1.0, **truncation)], vocab_size=vocab,
                                      device=device)
