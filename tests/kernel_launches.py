@@ -61,15 +61,16 @@ def record(fn, args: tuple, kwargs: dict) -> None:
 
 
 def install() -> None:
-    """Record every launch of an interpreted kernel from now on (before the launch runs, so a
-    launch that fails under the interpreter is recorded too)."""
+    """Record every launch of an interpreted kernel that runs through from now on (one that
+    raises, as a test of bad input may want, is not compiled)."""
     from triton.runtime.interpreter import InterpretedFunction
 
     run = InterpretedFunction.run
 
     def recording_run(self, *args, grid, warmup, **kwargs):
+        out = run(self, *args, grid=grid, warmup=warmup, **kwargs)
         record(self, args, kwargs)
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        return out
 
     InterpretedFunction.run = recording_run
 

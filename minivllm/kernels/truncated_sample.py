@@ -16,8 +16,8 @@ and, in rows that top-p may cut (`cut`):
 The rank of a tied id counts the tied ids up to it: within a program a running sum over its
 blocks, plus the tied ids of the chunks before it, counted by a first pass.
 
-The numbers come from each row's torch.topk candidates (candidate_bounds: a ties-counting pass
-over the row, then one program a row doing truncation._kth's and _top_p_bounds' arithmetic).
+The numbers come from each row's top-k candidates (candidate_bounds: a ties-counting pass over
+the row, then one program a row doing truncation._kth's and _top_p_bounds' arithmetic).
 They are those numbers in exact arithmetic; the kernel sums the candidates' mass in another
 order than torch, so a row whose top-p boundary falls within rounding of a candidate's mass
 may keep one id more or less than truncated_logits would (as truncated_logits' own sort and
@@ -200,8 +200,9 @@ def candidate_bounds(logits: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor
                      block: int = BLOCK, chunk: int | None = None):
     """truncation.cut_bounds for a batch that truncates on candidates, as two kernels (three
     launches in all where torch took ~40 small ones): logits [B, V]; vals / ids [B, K] its top-k
-    (any float dtype; kernels.top_candidates); temperature, top_k, top_p [B]; log_min_p [B] fp32 (torch.log(min_p), the very
-    floor truncated_logits adds) or None without min-p; rows [B] bool, the rows that truncate.
+    (vals in any float dtype: kernels.top_candidates'); temperature, top_k, top_p [B];
+    log_min_p [B] fp32 (torch.log(min_p), the very floor truncated_logits adds) or None without
+    min-p; rows [B] bool, the rows that truncate.
     -> (lo, top_p_cut) for cut_gumbel_argmax with the same tiling."""
     b, v = logits.shape
     k = vals.shape[1]
