@@ -11,7 +11,9 @@ kept once: its kernel, the Triton type of each argument as the JIT would special
 dtype, i32 / i64, an int 1 made a constant), its constexprs and num_warps / num_stages.
 tests/test_zz_kernels_compile.py, last in the suite, hands them to this file run as a script,
 in a child process without the interpreter (where the kernels are JITFunctions), which compiles
-each for sm_90 (one process a core) and prints the failures.
+each for sm_90 (one process a core) and prints the failures. What only a GPU launches (inline
+PTX, cooperative grids, its tiles) the interpreter never runs: `as_on_a_gpu` makes the wrappers
+choose as on an H100 and records their launches without running them, for the same check.
 """
 
 from __future__ import annotations
@@ -60,6 +62,28 @@ def record(fn, args: tuple, kwargs: dict) -> None:
     LAUNCHES.setdefault(json.dumps(launch, sort_keys=True), launch)
 
 
+DRY_RUN = False  # record launches without running them (as_on_a_gpu)
+
+
+def as_on_a_gpu(monkeypatch) -> None:
+    """From now on (a monkeypatch's scope) the kernel wrappers choose as on an H100 (runs_ptx
+    true: inline PTX, cooperative grids, the GPU's tiles; 132 SMs; capability 9.0) and every
+    launch is recorded, not run: the interpreter cannot run those variants (PTX, programs that
+    wait on each other), so their outputs stay unwritten. For the compile check only."""
+    import minivllm.kernels.launch as launch
+
+    as_on_h100 = [(launch.runs_ptx, lambda device: True), (launch.num_sms, lambda device: 132),
+                  (launch.cuda_capability, lambda device: (9, 0))]
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] not in ("minivllm", "benchmarks") or module is None:
+            continue
+        for attr, value in list(vars(module).items()):
+            for original, replacement in as_on_h100:
+                if value is original:  # wherever a module imported it by name
+                    monkeypatch.setattr(module, attr, replacement)
+    monkeypatch.setattr(sys.modules[__name__], "DRY_RUN", True)
+
+
 def install() -> None:
     """Record every launch of an interpreted kernel that runs through from now on (one that
     raises, as a test of bad input may want, is not compiled)."""
@@ -68,7 +92,7 @@ def install() -> None:
     run = InterpretedFunction.run
 
     def recording_run(self, *args, grid, warmup, **kwargs):
-        out = run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        out = None if DRY_RUN else run(self, *args, grid=grid, warmup=warmup, **kwargs)
         record(self, args, kwargs)
         return out
 
