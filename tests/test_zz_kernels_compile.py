@@ -59,13 +59,16 @@ def test_a_kernel_the_interpreter_runs_and_the_compiler_rejects_is_reported(tmp_
 def test_the_gpu_variants_of_the_main_paths_compile_for_hopper(tmp_path, monkeypatch):
     """What only a GPU launches (inline PTX, cooperative grids, the GPU's tiles), chosen as on an
     H100 (kernel_launches.as_on_a_gpu) and compiled, not run: the Qwen3-0.6B shape's forward
-    (two layers) with the Triton backend, prefill and decode, its persistent decode layers, and
-    sample() at Qwen3's vocabulary with each kind of row."""
+    (two layers) with the Triton backend, prefill and decode, its persistent decode layers, over
+    a bf16 cache and an fp8 one; its decode head and a skinny decode GEMM; and sample() at
+    Qwen3's vocabulary with each kind of row."""
     from minivllm import random_params
     from minivllm.functional.model import forward
     from minivllm.functional.sampling import SamplingRow, make_sampling_batch, sample
     from minivllm.kernels.backends import select_backend
+    from minivllm.kernels.decode_head import picking_head
     from minivllm.kernels.decode_layer import with_persistent_layers
+    from minivllm.kernels.skinny_gemm import skinny_linear
     from minivllm.kernels.top_candidates import top_candidates
     from minivllm.state.batch import SeqChunk, make_batch
     from minivllm.state.cache import init_cache
@@ -74,16 +77,22 @@ def test_the_gpu_variants_of_the_main_paths_compile_for_hopper(tmp_path, monkeyp
     before = set(kernel_launches.LAUNCHES)
     config = ModelConfig(**{**SHAPES["qwen3-0.6b"], "num_layers": 2})
     params = random_params(config, dtype=torch.bfloat16)
-    cache = init_cache(params, num_blocks=64, block_size=16)
+    caches = [init_cache(params, num_blocks=64, block_size=16, dtype=d) for d in (None, "fp8")]
     kernel_launches.as_on_a_gpu(monkeypatch)
     backend = select_backend("cpu", "triton")
     tables = [list(range(4 * s, 4 * s + 4)) for s in range(8)]
     prefill = make_batch([SeqChunk([1] * 40, 0, t) for t in tables[:2]], block_size=16)
-    for batch in (prefill, *(make_batch([SeqChunk([1], 40, t) for t in tables[:n]],
-                                        block_size=16) for n in (1, 8))):
-        forward(params, cache, batch, backend)
-        if batch.is_decode:
-            with_persistent_layers(forward, params, cache)(params, cache, batch, backend)
+    for cache in caches:
+        for batch in (prefill, *(make_batch([SeqChunk([1], 40, t) for t in tables[:n]],
+                                            block_size=16) for n in (1, 8))):
+            forward(params, cache, batch, backend)
+            if batch.is_decode:
+                with_persistent_layers(forward, params, cache)(params, cache, batch, backend)
+    for rows in (1, 8):
+        x = torch.zeros(rows, config.hidden_size, dtype=torch.bfloat16)
+        picking_head(params, x, x, torch.arange(rows))
+        skinny_linear(x, torch.zeros(config.intermediate_size, config.hidden_size,
+                                     dtype=torch.bfloat16))
     vocab = config.vocab_size
     kinds = [dict(), dict(temperature=0.0), dict(top_k=20, top_p=0.95), dict(min_p=0.05),
              dict(top_k=50, top_p=0.9, presence_penalty=0.5, output_ids=(1, 2))]
@@ -96,7 +105,10 @@ def test_the_gpu_variants_of_the_main_paths_compile_for_hopper(tmp_path, monkeyp
         top_candidates(logits, 20, kernel=True)
     mine = [kernel_launches.LAUNCHES.pop(k) for k in set(kernel_launches.LAUNCHES) - before]
     names = {launch["name"] for launch in mine}
-    assert {"_decode_stack_kernel", "_cut_partial_argmax_kernel", "_chunk_top_kernel"} <= names
+    assert {"_decode_stack_kernel", "_decode_head_kernel", "_skinny_kernel",
+            "_cut_partial_argmax_kernel", "_chunk_top_kernel"} <= names
+    fp8 = [launch for launch in mine if launch["constexprs"].get("FP8_CACHE")]
+    assert {launch["name"] for launch in fp8} >= {"_decode_kernel", "_decode_stack_kernel"}
     proc = _compile(mine, tmp_path)
     assert proc.returncode == 0, f"{len(mine)} launches; failures:\n{proc.stdout[-8000:]}" \
                                  f"\n{proc.stderr[-2000:]}"
