@@ -60,19 +60,25 @@ def test_the_gpu_variants_of_the_main_paths_compile_for_hopper(tmp_path, monkeyp
     """What only a GPU launches (inline PTX, cooperative grids, the GPU's tiles), chosen as on an
     H100 (kernel_launches.as_on_a_gpu) and compiled, not run: the Qwen3-0.6B shape's forward
     (two layers) with the Triton backend, prefill and decode, its persistent decode layers, over
-    a bf16 cache and an fp8 one; its decode head and a skinny decode GEMM; and sample() at
-    Qwen3's vocabulary with each kind of row."""
+    a bf16 cache and an fp8 one; its decode head, decode MLP and decode GEMMs (skinny, block
+    fp8, AWQ); an MoE layer's experts; and sample() at Qwen3's vocabulary with each kind of
+    row."""
     from minivllm import random_params
     from minivllm.functional.model import forward
     from minivllm.functional.sampling import SamplingRow, make_sampling_batch, sample
     from minivllm.kernels.backends import select_backend
     from minivllm.kernels.decode_head import picking_head
     from minivllm.kernels.decode_layer import with_persistent_layers
+    from minivllm.kernels.awq_gemm import awq_linear
+    from minivllm.kernels.decode_mlp import decode_mlp
+    from minivllm.kernels.fp8_gemm import fp8_linear
+    from minivllm.kernels.fused_moe import fused_experts
     from minivllm.kernels.skinny_gemm import skinny_linear
     from minivllm.kernels.top_candidates import top_candidates
     from minivllm.state.batch import SeqChunk, make_batch
     from minivllm.state.cache import init_cache
     from minivllm.state.config import SHAPES, ModelConfig
+    from minivllm.state.quant import AwqWeight, Fp8BlockWeight
 
     before = set(kernel_launches.LAUNCHES)
     config = ModelConfig(**{**SHAPES["qwen3-0.6b"], "num_layers": 2})
@@ -88,11 +94,27 @@ def test_the_gpu_variants_of_the_main_paths_compile_for_hopper(tmp_path, monkeyp
             forward(params, cache, batch, backend)
             if batch.is_decode:
                 with_persistent_layers(forward, params, cache)(params, cache, batch, backend)
-    for rows in (1, 8):
-        x = torch.zeros(rows, config.hidden_size, dtype=torch.bfloat16)
-        picking_head(params, x, x, torch.arange(rows))
-        skinny_linear(x, torch.zeros(config.intermediate_size, config.hidden_size,
-                                     dtype=torch.bfloat16))
+    hidden, inter, bf16 = config.hidden_size, config.intermediate_size, torch.bfloat16
+    fp8 = Fp8BlockWeight(torch.zeros(inter, hidden).to(torch.float8_e4m3fn),
+                         torch.ones(inter // 128, hidden // 128), (128, 128))
+    awq = AwqWeight(torch.zeros(hidden, inter // 8, dtype=torch.int32),
+                    torch.zeros(hidden // 128, inter // 8, dtype=torch.int32),
+                    torch.ones(hidden // 128, inter, dtype=torch.float16), 128)
+    experts = 8
+    for rows in (1, 8, 64):
+        x = torch.zeros(rows, hidden, dtype=bf16)
+        if rows <= 8:
+            picking_head(params, x, x, torch.arange(rows))
+            skinny_linear(x, torch.zeros(inter, hidden, dtype=bf16))
+            fp8_linear(x, fp8)
+            awq_linear(x.half(), awq)
+            layer = params.layers[0]
+            attn = torch.zeros(rows, config.num_heads * config.head_dim, dtype=bf16)
+            decode_mlp(attn, x, layer.o_proj, layer.post_norm, layer.gate_up, layer.down, 1e-6)
+        top = torch.stack([torch.arange(rows) % experts, (torch.arange(rows) + 1) % experts], 1)
+        fused_experts(x, torch.ones(rows, 2, dtype=bf16), top,
+                      torch.zeros(experts, 2 * 768, hidden, dtype=bf16),
+                      torch.zeros(experts, hidden, 768, dtype=bf16))
     vocab = config.vocab_size
     kinds = [dict(), dict(temperature=0.0), dict(top_k=20, top_p=0.95), dict(min_p=0.05),
              dict(top_k=50, top_p=0.9, presence_penalty=0.5, output_ids=(1, 2))]
@@ -105,7 +127,8 @@ def test_the_gpu_variants_of_the_main_paths_compile_for_hopper(tmp_path, monkeyp
         top_candidates(logits, 20, kernel=True)
     mine = [kernel_launches.LAUNCHES.pop(k) for k in set(kernel_launches.LAUNCHES) - before]
     names = {launch["name"] for launch in mine}
-    assert {"_decode_stack_kernel", "_decode_head_kernel", "_skinny_kernel",
+    assert {"_decode_stack_kernel", "_decode_head_kernel", "_skinny_kernel", "_fp8_gemm_kernel",
+            "_awq_gemm_kernel", "_decode_mlp_kernel", "_moe_gemm_kernel",
             "_cut_partial_argmax_kernel", "_chunk_top_kernel"} <= names
     fp8 = [launch for launch in mine if launch["constexprs"].get("FP8_CACHE")]
     assert {launch["name"] for launch in fp8} >= {"_decode_kernel", "_decode_stack_kernel"}
