@@ -33,7 +33,8 @@
 #   bash benchmarks/gpu_checks.sh sampler_stages  # nvidia-h200 or nvidia-h100-x1: each sampling
 #       feature's stages at 64 and 256 rows of Qwen3's vocabulary (sampler_stages.py)
 #   bash benchmarks/gpu_checks.sh sampling_tests  # nvidia-h200 or nvidia-h100-x1: the sampling,
-#       structured-output and graph tests (asynchronous scheduling with penalised rows;
+#       truncated-draw, top-candidates, structured-output and graph tests (asynchronous
+#       scheduling with penalised rows;
 #       SAMPLING_TESTS=0 skips the first, GRAPH_TESTS=EXPR picks graph tests by -k)
 #   bash benchmarks/gpu_checks.sh quant_probe  # nvidia-h200 or nvidia-h100-x1: the 8B shape's
 #       decode linears dense, fp8 and AWQ (its tiles, its cheaper dequantizations):
@@ -538,7 +539,8 @@ sampling_tests)
   # asynchronous scheduling against the synchronous eager engine).
   if [ "${SAMPLING_TESTS:-1}" != 0 ]; then
     STEP_LOG=$OUT/tests.txt step sampling_tests $(left_or 240) python3 -m pytest $PYTEST_ARGS \
-      tests/test_sampling*.py tests/test_structured_outputs.py tests/test_sampler_stages.py
+      tests/test_sampling*.py tests/test_structured_outputs.py tests/test_sampler_stages.py \
+      tests/test_truncated_sample.py tests/test_top_candidates.py
   fi
   STEP_LOG=$OUT/tests.txt step graph_tests $(left_or 480) python3 -m pytest $PYTEST_ARGS \
     tests/test_gpu_graphs.py ${GRAPH_TESTS:+-k "$GRAPH_TESTS"}
@@ -546,7 +548,8 @@ sampling_tests)
 sampler_stages)
   # nvidia-h200 or nvidia-h100-x1 (~1-2 min; session 63): plain, top-k 20 / top-p 0.95, top-p,
   # min-p, penalised and allowed-ids rows: sample() and its stages, with the Gumbel kernel over
-  # truncated logits beside softmax + inverse CDF (the lever after session 63's candidates).
+  # truncated logits beside softmax + inverse CDF (the lever after session 63's candidates);
+  # since session 65 kernels.top_candidates ('candidates') beside torch.topk ('topk').
   step sampler_stages $(left_or 200) python3 benchmarks/sampler_stages.py \
     --json "$RESULTS/sampler_stages.json"
   ;;
