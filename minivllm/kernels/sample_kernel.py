@@ -88,6 +88,23 @@ def _gumbel(bits, FAST_LOG: tl.constexpr = False):
 
 
 @triton.jit
+def _keep_better(s, v, best, best_id):
+    """Per-lane running (max, first id of it) of scores s at ids v: lanes see increasing ids,
+    so a strict > keeps the first; the lanes are reduced once at the end (_store_chunk_best)."""
+    better = s > best
+    return tl.where(better, s, best), tl.where(better, v, best_id)
+
+
+@triton.jit
+def _store_chunk_best(best, best_id, val_ptr, idx_ptr, slot):
+    """A chunk's max over its lanes and the first id holding it, at `slot`. An all -inf chunk
+    (banned ids) still names an in-range id, its first, as torch.argmax would."""
+    m = tl.max(best, axis=0)
+    tl.store(val_ptr + slot, m)
+    tl.store(idx_ptr + slot, tl.min(tl.where(best == m, best_id, 2147483647), axis=0))
+
+
+@triton.jit
 def _partial_argmax_kernel(logits_ptr, temp_ptr, seeds_ptr, steps_ptr, val_ptr, idx_ptr,
                            V, stride_row, num_chunks,
                            CHUNK: tl.constexpr, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr,
@@ -101,8 +118,6 @@ def _partial_argmax_kernel(logits_ptr, temp_ptr, seeds_ptr, steps_ptr, val_ptr, 
     base = logits_ptr + row.to(tl.int64) * stride_row
     start = chunk * CHUNK
     offs = tl.arange(0, BLOCK)
-    # Per-lane running (max, first id of it): lanes see increasing ids, so a strict > keeps the
-    # first; the lanes are reduced once at the end, not every step.
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_id = start + offs
     for off in range(start, start + CHUNK, BLOCK):
@@ -112,14 +127,8 @@ def _partial_argmax_kernel(logits_ptr, temp_ptr, seeds_ptr, steps_ptr, val_ptr, 
         if not GREEDY:
             g = _gumbel(_counter_bits(key, v), FAST_LOG)
             x = tl.where(t > 0, x + t * g, x)
-        better = x > best
-        best = tl.where(better, x, best)
-        best_id = tl.where(better, v, best_id)
-    m = tl.max(best, axis=0)
-    # An all -inf chunk (banned ids) still names an in-range id: `start`, as torch.argmax would.
-    first = tl.min(tl.where(best == m, best_id, 2147483647), axis=0)
-    tl.store(val_ptr + row * num_chunks + chunk, m)
-    tl.store(idx_ptr + row * num_chunks + chunk, first)
+        best, best_id = _keep_better(x, v, best, best_id)
+    _store_chunk_best(best, best_id, val_ptr, idx_ptr, row * num_chunks + chunk)
 
 
 @triton.jit

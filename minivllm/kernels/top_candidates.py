@@ -35,12 +35,26 @@ _PAD_KEY = tl.constexpr(-((0x7F800000 + 1) << 32))
 
 
 @triton.jit
-def _keys(x, ids, valid):
-    """int64 keys that order as (x descending, id ascending); lanes not `valid`: _PAD_KEY."""
+def value_id_keys(x, ids, valid):
+    """int64 keys that order as (x descending, id ascending) (x fp32, ids < 2^31 - 1); lanes
+    not `valid`: _PAD_KEY, below all. Also the truncated draw's bounds kernel's."""
     bits = (x + 0.0).to(tl.int32, bitcast=True)  # -0.0 made +0.0
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     key = (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - ids).to(tl.int64)
     return tl.where(valid, key, _PAD_KEY)
+
+
+@triton.jit
+def key_values(key):
+    """The fp32 values of value_id_keys' keys."""
+    ordered = (key >> 32).to(tl.int32)
+    return tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def key_ids(key):
+    """The int64 ids of value_id_keys' keys (2^31 - 1 for _PAD_KEY)."""
+    return 0x7FFFFFFF - (key & 0x7FFFFFFF)
 
 
 @triton.jit
@@ -52,7 +66,7 @@ def _chunk_top_kernel(logits_ptr, keys_ptr, V, stride_row, num_chunks, CHUNK: tl
     valid = ids < V
     x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + ids, mask=valid,
                 other=float("-inf")).to(tl.float32)
-    top = tl.topk(_keys(x, ids, valid), K)
+    top = tl.topk(value_id_keys(x, ids, valid), K)
     tl.store(keys_ptr + (row.to(tl.int64) * num_chunks + chunk) * K + tl.arange(0, K), top)
 
 
@@ -64,12 +78,10 @@ def _merge_top_kernel(keys_ptr, vals_ptr, ids_ptr, num_keys, k, K: tl.constexpr,
     keys = tl.load(keys_ptr + row.to(tl.int64) * num_keys + offs, mask=offs < num_keys,
                    other=_PAD_KEY)
     top = tl.topk(keys, K)
-    ordered = (top >> 32).to(tl.int32)
-    bits = tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered)
     out = row.to(tl.int64) * k + tl.arange(0, K)
     first_k = tl.arange(0, K) < k
-    tl.store(vals_ptr + out, bits.to(tl.float32, bitcast=True), mask=first_k)
-    tl.store(ids_ptr + out, 0x7FFFFFFF - (top & 0x7FFFFFFF), mask=first_k)
+    tl.store(vals_ptr + out, key_values(top), mask=first_k)
+    tl.store(ids_ptr + out, key_ids(top), mask=first_k)
 
 
 def top_candidates(logits: torch.Tensor, k: int, *, kernel: bool | None = None,

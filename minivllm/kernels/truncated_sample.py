@@ -39,7 +39,9 @@ import triton.language as tl
 from ..functional.sampling_batch import MAX_TOP_K_BOUND
 from .launch import next_pow2, runs_ptx
 from .sample_kernel import (BLOCK, MAX_TEMPERATURE, NUM_WARPS, _check_fast_log, _counter_bits,
-                            _counter_key, _final_argmax_kernel, _gumbel, chunk_size)
+                            _counter_key, _final_argmax_kernel, _gumbel, _keep_better,
+                            _store_chunk_best, chunk_size)
+from .top_candidates import key_ids, value_id_keys
 
 # Candidates a row the bounds kernel sorts on a GPU: one compile for every top-k up to the bound
 # (a 1,024-key sort is a few microseconds a row). The interpreter sorts the next power of two of
@@ -48,21 +50,24 @@ MAX_CANDIDATES = MAX_TOP_K_BOUND
 
 
 @triton.jit
-def _scaled(logits_ptr, temp_ptr, row, v, mask, stride_row):
-    """A block of the row's logits (fp32) and the same divided by its temperature (1 when 0)."""
+def _divisor(temp_ptr, row):
+    """What the row's logits are divided by: its temperature, 1 when 0 (greedy)."""
     t = tl.load(temp_ptr + row)
-    l = tl.load(logits_ptr + row.to(tl.int64) * stride_row + v, mask=mask,
-                other=float("-inf")).to(tl.float32)
-    return l, tl.math.div_rn(l, tl.where(t > 0, t, 1.0))
+    return tl.where(t > 0, t, 1.0)
 
 
 @triton.jit
-def _candidate_floor_kth(vals_ptr, temp_ptr, top_k_ptr, log_min_p_ptr, row, K,
-                         MIN_P: tl.constexpr):
-    """A row's min-p floor and k-th largest value (-inf: none) on x = logits / T, from its K
-    candidates (their values, largest first): truncation.cut_bounds' arithmetic."""
-    t = tl.load(temp_ptr + row)
-    t = tl.where(t > 0, t, 1.0)
+def _scaled(logits_ptr, divisor, row, v, mask, stride_row):
+    """A block of the row's logits (fp32) and the same divided by `divisor` (_divisor's)."""
+    l = tl.load(logits_ptr + row.to(tl.int64) * stride_row + v, mask=mask,
+                other=float("-inf")).to(tl.float32)
+    return l, tl.math.div_rn(l, divisor)
+
+
+@triton.jit
+def _candidate_floor_kth(vals_ptr, t, top_k_ptr, log_min_p_ptr, row, K, MIN_P: tl.constexpr):
+    """A row's min-p floor and k-th largest value (-inf: none) on x = logits / t (t: _divisor's),
+    from its K candidates (their values, largest first): truncation.cut_bounds' arithmetic."""
     base = vals_ptr + row.to(tl.int64) * K
     k = tl.load(top_k_ptr + row)
     kth = tl.math.div_rn(tl.load(base + tl.minimum(k, K) - 1).to(tl.float32), t)
@@ -79,14 +84,15 @@ def _tie_count_kernel(logits_ptr, temp_ptr, vals_ptr, top_k_ptr, log_min_p_ptr, 
                       MIN_P: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
+    divisor = _divisor(temp_ptr, row)
     # [1]: a name for the floor, unused, would be a loop-carried variable of the loop below
-    kth = _candidate_floor_kth(vals_ptr, temp_ptr, top_k_ptr, log_min_p_ptr, row, K, MIN_P)[1]
+    kth = _candidate_floor_kth(vals_ptr, divisor, top_k_ptr, log_min_p_ptr, row, K, MIN_P)[1]
     offs = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], tl.int32)
     for off in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
         v = off + offs
         mask = v < V
-        _, x = _scaled(logits_ptr, temp_ptr, row, v, mask, stride_row)
+        _, x = _scaled(logits_ptr, divisor, row, v, mask, stride_row)
         acc += ((x == kth) & (x > float("-inf")) & mask).to(tl.int32)  # kth -inf: none
     tl.store(count_ptr + row * num_chunks + chunk, tl.sum(acc, axis=0))
 
@@ -98,25 +104,20 @@ def _bounds_kernel(vals_ptr, ids_ptr, temp_ptr, top_k_ptr, top_p_ptr, log_min_p_
                    BLOCK_N: tl.constexpr, MIN_P: tl.constexpr, TOP_P: tl.constexpr):
     """One program a row: truncation._kth and _top_p_bounds on its K candidates."""
     row = tl.program_id(0)
-    floor, kth = _candidate_floor_kth(vals_ptr, temp_ptr, top_k_ptr, log_min_p_ptr, row, K, MIN_P)
+    divisor = _divisor(temp_ptr, row)
+    floor, kth = _candidate_floor_kth(vals_ptr, divisor, top_k_ptr, log_min_p_ptr, row, K, MIN_P)
     truncated = tl.load(rows_ptr + row) != 0
     tl.store(lo_ptr + row, tl.where(truncated, tl.maximum(floor, kth), float("-inf")))
     if TOP_P:
-        t_row = tl.load(temp_ptr + row)
         offs = tl.arange(0, BLOCK_K)
         in_k = offs < K
         x = tl.math.div_rn(tl.load(vals_ptr + row.to(tl.int64) * K + offs, mask=in_k,
-                                   other=float("-inf")).to(tl.float32),
-                           tl.where(t_row > 0, t_row, 1.0))
+                                   other=float("-inf")).to(tl.float32), divisor)
         if MIN_P:
             x = tl.where(x < floor, float("-inf"), x)
-        ids = tl.load(ids_ptr + row.to(tl.int64) * K + offs, mask=in_k, other=2147483647)
-        # The candidates by value down, id up: one int64 key a candidate, the value's bits
-        # (-0.0 made +0.0, then an order-keeping map to int32, reversed) above the id.
-        bits = (x + 0.0).to(tl.int32, bitcast=True)
-        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-        key = ((~ordered).to(tl.int64) << 32) | ids.to(tl.int64)
-        ids = (tl.sort(key) & 0xFFFFFFFF).to(tl.int64)
+        ids = tl.load(ids_ptr + row.to(tl.int64) * K + offs, mask=in_k, other=0)
+        # The candidates by value down, id up (top_candidates' keys; padding lanes last).
+        ids = key_ids(tl.sort(value_id_keys(x, ids, in_k), descending=True))
         x = tl.sort(x, descending=True)
         # The ties' count: the whole row's, and that of the chunks before each.
         n_offs = tl.arange(0, BLOCK_N)
@@ -158,6 +159,7 @@ def _cut_partial_argmax_kernel(logits_ptr, temp_ptr, seeds_ptr, steps_ptr, lo_pt
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     t = tl.minimum(tl.load(temp_ptr + row), MAX_TEMPERATURE)
+    divisor = _divisor(temp_ptr, row)
     key = _counter_key(tl.load(seeds_ptr + row), tl.load(steps_ptr + row))
     lo = tl.load(lo_ptr + row)
     if TOP_P:
@@ -174,7 +176,7 @@ def _cut_partial_argmax_kernel(logits_ptr, temp_ptr, seeds_ptr, steps_ptr, lo_pt
     for off in range(start, start + CHUNK, BLOCK):
         v = off + offs
         mask = v < V
-        l, x = _scaled(logits_ptr, temp_ptr, row, v, mask, stride_row)
+        l, x = _scaled(logits_ptr, divisor, row, v, mask, stride_row)
         drop = x < lo
         if TOP_P:
             tied = (x == kth) & (x > float("-inf")) & mask  # kth -inf: none
@@ -184,14 +186,8 @@ def _cut_partial_argmax_kernel(logits_ptr, temp_ptr, seeds_ptr, steps_ptr, lo_pt
             drop = drop | (cut & (((x > kth) & past) | (tied & (rank.to(tl.float32) > n_tied))))
         g = _gumbel(_counter_bits(key, v), FAST_LOG)
         s = tl.where(t > 0, l + t * g, l)
-        s = tl.where(drop, float("-inf"), s)
-        better = s > best
-        best = tl.where(better, s, best)
-        best_id = tl.where(better, v, best_id)
-    m = tl.max(best, axis=0)
-    first = tl.min(tl.where(best == m, best_id, 2147483647), axis=0)
-    tl.store(val_ptr + row * num_chunks + chunk, m)
-    tl.store(idx_ptr + row * num_chunks + chunk, first)
+        best, best_id = _keep_better(tl.where(drop, float("-inf"), s), v, best, best_id)
+    _store_chunk_best(best, best_id, val_ptr, idx_ptr, row * num_chunks + chunk)
 
 
 def candidate_bounds(logits: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor,
