@@ -10,7 +10,8 @@
 #   bash benchmarks/gpu_checks.sh moe_profile  # nvidia-h200: that shape's traced decode steps,
 #       single stream and ~256 sequences, summarized by kernel
 #   bash benchmarks/gpu_checks.sh lora  # nvidia-h200 or nvidia-h100-x1: the LoRA engine's GPU tests
-#       (decode graphs and compiled forward with adapters against the eager LoRA engine)
+#       (decode graphs and compiled forward with adapters against the eager LoRA engine), then
+#       plain sampling's tok/s with LoRA enabled and without
 #   bash benchmarks/gpu_checks.sh load_weights  # nvidia-h200 or nvidia-h100-x1: LLM.load_weights
 #       on a compiled engine with decode graphs (no recapture) against a fresh engine, bf16 and fp32
 #   bash benchmarks/gpu_checks.sh sleep  # nvidia-h200 or nvidia-h100-x1: LLM.sleep / wake_up on a
@@ -460,8 +461,17 @@ lora)
   # graphs (captured through the LoRA layer, a static slot per row) and compiled forward against
   # the eager LoRA engine, adapters and base rows mixed; fp32 against transformers with each
   # adapter merged too, and its base rows against a base engine's graphs.
+  # Since session 66 its steps without adapter rows replay the base model's graphs: then plain
+  # sampling on an engine without LoRA and on one with it, without an adapter and with one of
+  # rank 16 (feature_speed.py; LORA_SPEED=0 skips them).
   STEP_LOG=$OUT/tests.txt step lora_tests $(left_or 180) python3 -m pytest $PYTEST_ARGS \
     tests/test_lora.py -k gpu
+  if [ "${LORA_SPEED:-1}" != 0 ]; then
+    step feature_speed_plain $(left_or 150) python3 benchmarks/feature_speed.py \
+      --features greedy --json "$RESULTS/feature_speed_plain.json"
+    step feature_speed_lora $(left_or 200) python3 benchmarks/feature_speed.py --lora-rank 16 \
+      --features greedy,lora --json "$RESULTS/feature_speed_lora.json"
+  fi
   ;;
 load_weights)
   # nvidia-h200 or nvidia-h100-x1 (passed, session 56): in-place weight updates (LLM.load_weights) on a
@@ -540,7 +550,7 @@ sampling_tests)
   if [ "${SAMPLING_TESTS:-1}" != 0 ]; then
     STEP_LOG=$OUT/tests.txt step sampling_tests $(left_or 240) python3 -m pytest $PYTEST_ARGS \
       tests/test_sampling*.py tests/test_structured_outputs.py tests/test_sampler_stages.py \
-      tests/test_truncated_sample.py tests/test_top_candidates.py
+      tests/test_truncated_sample.py tests/test_top_candidates.py tests/test_sample_kernel.py
   fi
   STEP_LOG=$OUT/tests.txt step graph_tests $(left_or 480) python3 -m pytest $PYTEST_ARGS \
     tests/test_gpu_graphs.py ${GRAPH_TESTS:+-k "$GRAPH_TESTS"}

@@ -246,16 +246,21 @@ def test_a_pooling_engine_captures_no_decode_graphs(device, enforce_eager, runne
     assert captures_decode_graphs(torch.device(device), enforce_eager, runner) == captures
 
 
-@pytest.mark.parametrize("runner, draft", [("generate", False), ("pooling", False),
-                                           ("generate", True)])
-def test_start_up_builds_decode_graphs_for_a_generating_engine_only(runner, draft, monkeypatch):
+@pytest.mark.parametrize("runner, draft, lora", [("generate", False, False),
+                                                 ("pooling", False, False),
+                                                 ("generate", True, False),
+                                                 ("generate", False, True)])
+def test_start_up_builds_decode_graphs_for_a_generating_engine_only(runner, draft, lora,
+                                                                     monkeypatch):
     """ModelRunner._compile_and_capture on a stand-in CUDA runner (the CPU captures nothing):
     a generating engine builds and captures DecodeGraphs and prefills through their compiled
     forward; a pooling one builds none, and its prompts still go through a compiled forward.
     With a draft model, the draft's DecodeGraphs are captured into the target's pool on its
     stream, with the persistent decode as draft_persistent_decode says (the target's as
     persistent_decode does), and its mirrored steps run their compiled forward, without a
-    head."""
+    head. With LoRA, the graphs with adapters (no persistent decode, the base graphs' compiled
+    forward) are captured first, into a pool of their own, and the base model's graphs (no
+    slots, the persistent decode as persistent_decode says) into theirs."""
     from types import SimpleNamespace
 
     import minivllm.runtime.runner as runner_mod
@@ -281,16 +286,32 @@ def test_start_up_builds_decode_graphs_for_a_generating_engine_only(runner, draf
     params = minivllm.random_params(CONFIG, seed=0)
     fake = SimpleNamespace(device=torch.device("cuda", 0), enforce_eager=False, params=params,
                            model_config=CONFIG, cache=None, backend=None, block_size=4,
-                           graphs=None, prefill_forward=minivllm.forward,
+                           graphs=None, lora_graphs=None, prefill_forward=minivllm.forward,
                            small_decode_forward=None, small_decode_rows=0,
                            draft_params=object() if draft else None, draft_cache=None,
                            draft_backend=None, draft_graphs=None, draft_forward=None)
-    config = SimpleNamespace(runner=runner, enable_lora=False, max_num_seqs=8, max_model_len=64,
-                             persistent_decode=False, draft_persistent_decode=True)
+    import minivllm.kernels.decode_layer as decode_layer  # the eager steps' persistent decode
+
+    monkeypatch.setattr(decode_layer, "with_persistent_layers", lambda fn, *a: fn)
+    for name in ("_decode_graph_sets", "_capture_decode_graphs"):
+        setattr(fake, name, getattr(runner_mod.ModelRunner, name).__get__(fake))
+    config = SimpleNamespace(runner=runner, enable_lora=lora, max_num_seqs=8, max_model_len=64,
+                             persistent_decode=lora, draft_persistent_decode=True)
     runner_mod.ModelRunner._compile_and_capture(fake, config)
+    if lora:
+        base, with_slots = built
+        assert fake.graphs is base and fake.lora_graphs is with_slots
+        assert with_slots.captured == (None, None)
+        assert base.captured == (with_slots.pool, with_slots.stream)
+        assert not base.kwargs["adapters"] and base.kwargs["persistent_decode"]
+        assert with_slots.kwargs["adapters"] and with_slots.kwargs["fn"] is base.fn
+        assert not with_slots.kwargs.get("persistent_decode")
+        assert fake.prefill_forward is base.fn and fake.draft_graphs is None
+        return
     if runner == "generate":
         assert len(built) == 1 + draft and built[0].captured == (None, None)
         assert fake.graphs is built[0] and fake.prefill_forward is built[0].fn
+        assert fake.lora_graphs is None
         if draft:
             target, graphs = built
             assert fake.draft_graphs is graphs and graphs.args[0] is fake.draft_params

@@ -493,36 +493,49 @@ def test_padded_lora_decode_equals_unpadded(tiny_dir, adapters, prompts):
 
 
 def test_engine_decode_graph_path_with_lora(tiny_dir, adapters, prompts, oracle):
-    """The runner's decode-graph path of a LoRA engine (each step's slots filled into the
-    graphs' static buffer with the rest), each "replay" run as the eager forward over the
-    static buffers so that it runs on the CPU: every prompt gets transformers' merged greedy
-    tokens, adapters and base rows mixed in each replayed bucket, with padding."""
+    """The runner's decode-graph path of a LoRA engine: a step with adapter rows fills each
+    row's slot into the LoRA graphs' static buffer with the rest, a step of base rows only the
+    base graphs' (no slots: the forward without LoRA), each "replay" run as the eager forward
+    over the static buffers so that it runs on the CPU. Every prompt gets transformers' merged
+    greedy tokens, adapters and base rows mixed in each replayed LoRA bucket, with padding; the
+    base rows' last steps, after the adapters' rows ended, replay the base graphs."""
     from minivllm.runtime.graphs import DecodeGraphs
 
     llm = lora_llm(tiny_dir, max_num_seqs=8)
     runner = llm.engine.runner
-    graphs = DecodeGraphs(runner.params, runner.cache, runner.backend, max_num_seqs=8,
-                          max_blocks_per_seq=-(-llm.config.max_model_len // llm.config.block_size),
-                          compile_forward=False)
-    replayed = []
+    replayed = {True: [], False: []}
 
-    def replay(b):
-        bs = graphs.bucket(b)
-        view = graphs.batch_view(bs)
-        replayed.append((b, bs, view.lora_slots.tolist()))
-        logits, _ = forward(graphs.params, graphs.cache, view, graphs.backend)
-        return logits[:b]
+    def decode_graphs(adapters):
+        graphs = DecodeGraphs(runner.params, runner.cache, runner.backend, max_num_seqs=8,
+                              max_blocks_per_seq=-(-llm.config.max_model_len //
+                                                   llm.config.block_size),
+                              compile_forward=False, adapters=adapters)
 
-    graphs.replay = replay
-    runner.graphs = graphs
+        def replay(b):
+            bs = graphs.bucket(b)
+            view = graphs.batch_view(bs)
+            slots = None if view.lora_slots is None else view.lora_slots.tolist()
+            replayed[adapters].append((b, bs, slots))
+            logits, _ = forward(graphs.params, graphs.cache, view, graphs.backend)
+            return logits[:b]
+        graphs.replay = replay
+        return graphs
+    runner.graphs, runner.lora_graphs = decode_graphs(False), decode_graphs(True)
     plan = [("all", 0), (None, 1), ("rs", 2), ("low", 3), ("low", 1), (None, 2), ("all", 3)]
-    got = run(llm, [prompts[i] for _, i in plan],
-              [None if name is None else adapters[name][0] for name, _ in plan])
-    assert got == [oracle(name, i) for name, i in plan]
-    assert any(b < bs for b, bs, _ in replayed) and len(replayed) >= NEW - 1
-    assert all(slots[b:] == [-1] * (bs - b) for b, bs, slots in replayed)  # padding: base
-    mixed = [s[:b] for b, _, s in replayed if -1 in s[:b]]
+    short = 3  # the adapters' requests end first: the base rows' steps after them
+    params = [SamplingParams(temperature=0.0, max_tokens=NEW if name is None else short,
+                             ignore_eos=True) for name, _ in plan]
+    got = [o.outputs[0].token_ids for o in llm.generate(
+        token_prompts([prompts[i] for _, i in plan]), params, use_tqdm=False,
+        lora_request=[None if name is None else adapters[name][0] for name, _ in plan])]
+    assert got == [oracle(name, i)[:NEW if name is None else short] for name, i in plan]
+    with_slots, base = replayed[True], replayed[False]
+    assert any(b < bs for b, bs, _ in with_slots) and len(with_slots) >= short - 1
+    assert all(slots[b:] == [-1] * (bs - b) for b, bs, slots in with_slots)  # padding: base
+    mixed = [s[:b] for b, _, s in with_slots if -1 in s[:b]]
     assert any(len({x for x in s if x >= 0}) > 1 for s in mixed), "no replay mixed adapters"
+    assert all(any(x >= 0 for x in s[:b]) for b, _, s in with_slots)
+    assert len(base) >= NEW - short and all(slots is None and b == 2 for b, _, slots in base)
 
 
 def test_warm_up_compiles_the_lora_layer_too(tiny_dir, adapters):
@@ -547,12 +560,13 @@ def test_warm_up_compiles_the_lora_layer_too(tiny_dir, adapters):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_graphs_with_lora_equal_eager_lora_engine(tiny_dir, adapters, prompts, oracle, dtype):
-    """On a GPU: a LoRA engine with its decode CUDA graphs (captured through the LoRA layer)
-    and compiled forward gives the eager LoRA engine's greedy tokens, adapters and base rows
-    mixed; in fp32 transformers' merged ones too, and its base rows a base engine's with
-    graphs. bf16: the compiled and eager paths round differently (see
-    tests/test_gpu_graphs.py), so there every prompt's first tokens must agree and most
-    prompts throughout."""
+    """On a GPU: a LoRA engine with its decode CUDA graphs (captured through the LoRA layer,
+    and the base model's for steps without adapter rows) and compiled forward gives the eager
+    LoRA engine's greedy tokens, adapters and base rows mixed; in fp32 transformers' merged
+    ones too, and its base rows a base engine's with graphs. bf16: the compiled and eager paths
+    round differently (see tests/test_gpu_graphs.py), so there every prompt's first tokens must
+    agree and most prompts throughout. Base prompts alone then replay the base graphs and the
+    prefill graphs only, and give a base engine's tokens bit for bit (the same kernels)."""
     plan = [("all", 0), (None, 1), ("rs", 2), ("low", 3), ("low", 1), (None, 2), ("all", 3),
             ("rs", 0), (None, 3)]
     requests = [None if name is None else adapters[name][0] for name, _ in plan]
@@ -562,23 +576,30 @@ def test_gpu_graphs_with_lora_equal_eager_lora_engine(tiny_dir, adapters, prompt
     eager = make_llm(tiny_dir, cuda, **kw)  # eager at 16 sequences
     fast = make_llm(tiny_dir, cuda, graphs=True, **kw)  # buckets of 2 and 4 rows
     runner = fast.engine.runner
-    assert runner.graphs is not None and runner.graphs.lora and runner.prefill_forward is not \
-        forward
-    replays, inner = [], runner.graphs.replay
-    runner.graphs.replay = lambda b: replays.append(b) or inner(b)
+    assert runner.lora_graphs.lora and not runner.graphs.lora and runner.prefill_graphs
+    assert runner.prefill_forward is runner.graphs.fn is runner.lora_graphs.fn is not forward
+    replays = {}
+    for graphs in (runner.graphs, runner.lora_graphs, *runner.prefill_graphs):
+        replays[graphs], inner = [], graphs.replay
+        graphs.replay = lambda b, seen=replays[graphs], inner=inner: seen.append(b) or inner(b)
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=5)
 
     def outputs(llm):
         return [o.outputs[0] for o in llm.generate(token_prompts(ids), params, use_tqdm=False,
                                                    lora_request=requests)]
     want, got = outputs(eager), outputs(fast)
-    assert len(replays) >= NEW - 1
+    assert len(replays[runner.lora_graphs]) >= NEW - 1
+    plain = make_llm(tiny_dir, cuda, graphs=True, dtype=dtype)
+    base = [ids[k] for k, (name, _) in enumerate(plan) if name is None]
+    before = {g: len(seen) for g, seen in replays.items()}
+    assert run(fast, base) == run(plain, base)
+    assert len(replays[runner.lora_graphs]) == before[runner.lora_graphs]
+    assert len(replays[runner.graphs]) >= before[runner.graphs] + NEW - 1
+    assert sum(len(replays[g]) - before[g] for g in runner.prefill_graphs) > 0
     if dtype == "float32":
         tokens = [c.token_ids for c in got]
         assert tokens == [c.token_ids for c in want] == [oracle(name, i) for name, i in plan]
-        plain = make_llm(tiny_dir, cuda, graphs=True, dtype=dtype)
-        base = [k for k, (name, _) in enumerate(plan) if name is None]
-        assert [tokens[k] for k in base] == run(plain, [ids[k] for k in base])
+        assert [t for t, (name, _) in zip(tokens, plan) if name is None] == run(plain, base)
         return
     for a, b in zip(got, want):  # where they part, the fast path's pick was a near-tie
         k = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
@@ -788,19 +809,35 @@ def test_lora_request_without_enable_lora_and_refused_configs(tiny_dir, adapters
     plain = make_llm(tiny_dir, torch.device("cpu"))
     with pytest.raises(ValueError, match="enable_lora=True"):
         plain.generate(token_prompts(prompts[:1]), GREEDY, lora_request=adapters["all"][0])
-    from minivllm.runtime.config import EngineConfig
     for bad in (0, -1):
         with pytest.raises(ValueError, match="lora_int_id"):
             LoRARequest("a", bad, "/x")
-    # The persistent decode kernel adds no deltas: LoRA turns it off (the fused MLP kernel
-    # too: runner._compile_and_capture). On the CPU the runner compiles nothing and captures
-    # no graphs, as without LoRA (on a GPU: test_gpu_graphs_with_lora_equal_eager_lora_engine).
-    config = EngineConfig.create(tiny_dir, device="cpu", enable_lora=True, persistent_decode=True)
-    assert config.enable_lora and not config.persistent_decode
+    # On the CPU the runner compiles nothing and captures no graphs, as without LoRA (on a GPU:
+    # test_gpu_graphs_with_lora_equal_eager_lora_engine).
     llm = lora_llm(tiny_dir)
     runner = llm.engine.runner
-    assert runner.graphs is None and not runner.prefill_graphs
+    assert runner.graphs is None and runner.lora_graphs is None and not runner.prefill_graphs
     assert runner.small_decode_forward is None and runner.prefill_forward is forward
+
+
+def test_persistent_decode_runs_a_lora_engines_steps_without_adapters(tiny_dir, adapters,
+                                                                      prompts, oracle):
+    """The persistent decode kernel adds no LoRA deltas: a LoRA engine keeps it for its decode
+    steps of base rows only (here eager, under the interpreter), and runs every step with an
+    adapter row through the LoRA layers. Each prompt gets transformers' merged tokens."""
+    from minivllm.kernels.decode_layer import MAX_ROWS
+
+    llm = lora_llm(tiny_dir, persistent_decode=True, max_num_seqs=MAX_ROWS)
+    runner = llm.engine.runner
+    assert llm.config.persistent_decode and runner.small_decode_forward is not None
+    small, seen = runner.small_decode_forward, []
+    runner.small_decode_forward = lambda params, cache, batch, backend: \
+        seen.append(batch.lora_slots) or small(params, cache, batch, backend)
+    plan = [(None, 1), ("rs", 2), (None, 3), (None, 0), ("all", 3), ("low", 0)]
+    got = run(llm, [prompts[i] for _, i in plan],
+              [None if name is None else adapters[name][0] for name, _ in plan])
+    assert got == [oracle(name, i) for name, i in plan]
+    assert seen and all(slots is None for slots in seen)  # the base rows' steps only
 
 
 def test_lora_request_refuses_a_path_that_is_not_a_string_or_path():

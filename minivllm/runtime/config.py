@@ -98,7 +98,9 @@ class EngineConfig:
     max_logprobs: int
     async_scheduling: bool = True
     kv_cache_dtype: torch.dtype | None = None  # None: dtype
-    persistent_decode: bool = False  # decode steps of 1-2 rows: every layer in one persistent kernel
+    # Decode steps of 1-2 rows: every layer in one persistent kernel (with LoRA: steps without
+    # adapter rows; the kernel adds no deltas).
+    persistent_decode: bool = False
     # The same for a draft model's decode graphs (propose's rounds, a decode step's mirror),
     # decided by the draft's shape: a 0.6B draft of an 8B target takes it where the target cannot.
     draft_persistent_decode: bool = False
@@ -294,10 +296,6 @@ class EngineConfig:
             if runner == "pooling":
                 raise ValueError("enable_lora: LoRA is for generating models (runner "
                                  "'generate'), not pooling ones")
-            if persistent_decode:
-                # The persistent decode kernel computes the layers without LoRA deltas.
-                log.info("minivllm: enable_lora turns persistent_decode off")
-                persistent_decode = False
         enable_prompt_embeds = as_flag("enable_prompt_embeds", enable_prompt_embeds, False)
         if enable_prompt_embeds and runner == "pooling":
             raise ValueError("enable_prompt_embeds: prompt embeddings are for generating models "

@@ -19,8 +19,11 @@ read valid memory, write none, and their logits are dropped.
 
 With LoRA (params.lora: the adapters' slot weights, written in place, so at static addresses),
 every bucket is captured through the LoRA decoder layer with one more static buffer, each row's
-LoRA slot (-1 for a base row and for padding: a delta of exact zeros). One set of graphs then
-serves any mix of adapters and base rows, a step without adapters included.
+LoRA slot (-1 for a base row and for padding: a delta of exact zeros). Such a set serves any mix
+of adapters and base rows. A LoRA engine also captures a set of the base model's graphs
+(adapters=False: no slots, the forward without LoRA, the persistent decode where the engine
+takes it) for its steps without adapter rows, as vLLM's cudagraph_specialize_lora does: through
+the LoRA layer they ran at 57% of an engine without LoRA (BENCHMARKS.md session 63).
 """
 
 from __future__ import annotations
@@ -100,7 +103,15 @@ class DecodeGraphs:
 
     def __init__(self, params: Params, cache: KVCache, backend, *, max_num_seqs: int,
                  max_blocks_per_seq: int, compile_forward: bool = True,
-                 persistent_decode: bool = False, fused_mlp_rows: tuple[int, int] | None = None):
+                 persistent_decode: bool = False, fused_mlp_rows: tuple[int, int] | None = None,
+                 adapters: bool | None = None, fn=None):
+        """adapters: whether the graphs take each row's LoRA slot (None: whether params hold
+        LoRA slot weights; False with them: the base model's graphs of a LoRA engine). fn: the
+        forward to capture, another set's .fn, whose compiled code this set then shares (None:
+        compiled here unless compile_forward is False)."""
+        if adapters and params.lora is None:
+            raise ValueError("DecodeGraphs(adapters=True) needs params with LoRA slot weights "
+                             "(params.lora)")
         self.params, self.cache, self.backend = params, cache, backend
         self.device = params.device
         self.buckets = decode_buckets(max_num_seqs, single=persistent_decode)
@@ -108,7 +119,7 @@ class DecodeGraphs:
         dev = self.device
         # The per-step inputs (runtime/step_inputs.py); cu_seqlens_q and logits_indices never
         # change.
-        self.lora = params.lora is not None
+        self.lora = params.lora is not None if adapters is None else adapters
         fields = LORA_STEP_FIELDS if self.lora else STEP_FIELDS
         layout = batch_layout(n, n, m, lora=self.lora)
         self.inputs = StepInputs({k: layout[k] for k in fields}, dev)
@@ -127,12 +138,14 @@ class DecodeGraphs:
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
         # fused_mlp_rows (lo, hi): the compiled layer's o_proj to down as one persistent kernel
         # in decode steps of lo-hi rows (kernels/decode_mlp.py; runner.FUSED_MLP_ROWS by default).
-        self.fn = compiled_forward(fused_mlp_rows=fused_mlp_rows, device=dev) \
-            if compile_forward else forward
+        if fn is None:
+            fn = compiled_forward(fused_mlp_rows=fused_mlp_rows, device=dev) \
+                if compile_forward else forward
+        self.fn = fn
         # Buckets of at most MAX_ROWS rows: every layer in one persistent kernel (decode_layer.py).
         self.small_fn, self.small_rows = self.fn, 0
         if persistent_decode:
-            if self.lora:  # EngineConfig turns it off with LoRA: the kernel adds no deltas
+            if self.lora:  # the kernel adds no deltas: a LoRA engine's base graphs take it
                 raise ValueError("persistent_decode computes no LoRA deltas")
             from ..kernels.decode_layer import MAX_ROWS, with_persistent_layers
 
@@ -191,15 +204,16 @@ class DecodeGraphs:
         log.info("minivllm: captured decode CUDA graphs for batch sizes %s in %.1f s (the first, "
                  "compile included, %.1f s)", self.buckets, time.perf_counter() - start, first)
 
-    def recapture(self) -> None:
+    def recapture(self, pool=None, stream: torch.cuda.Stream | None = None) -> None:
         """Capture every bucket again, after release(), where the weights and the cache now live
         (runtime/sleep.py: they came back at new addresses): the persistent layers' table of
-        those addresses is built anew; the compiled forward is the one compiled before."""
+        those addresses is built anew; the compiled forward is the one compiled before. pool,
+        stream: as for capture."""
         if self.small_rows:
             from ..kernels.decode_layer import with_persistent_layers
 
             self.small_fn = with_persistent_layers(self.fn, self.params, self.cache)
-        self.capture()
+        self.capture(pool, stream)
 
     def _decode(self, bs: int) -> torch.Tensor:
         """What bucket bs's graph runs: the forward (and, when the bucket picks greedy tokens,

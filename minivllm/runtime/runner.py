@@ -399,8 +399,8 @@ class ModelRunner:
         self.prefill_forward = forward  # see _compile_and_capture
         self.small_decode_forward, self.small_decode_rows = None, 0  # ditto (persistent_decode)
         # The prefill graphs' static batch holds no LoRA slots: with LoRA, steps with prompt
-        # tokens run the compiled forward (decode steps replay the decode graphs).
-        self.use_prefill_graphs = not config.enable_lora and self._wants_prefill_graphs(config)
+        # tokens and adapter rows run the compiled forward (_prefill_graph_for).
+        self.use_prefill_graphs = self._wants_prefill_graphs(config)
         # Draft-model speculative decoding (runtime/spec_decode.py): the draft's weights, in
         # the target's dtype on its device, loaded before the KV cache is sized from what is
         # left; its own cache, of the target's blocks, is indexed by the same tables and slots.
@@ -428,13 +428,16 @@ class ModelRunner:
         if self.draft_params is not None:
             self.draft_cache = init_cache(self.draft_params, num_blocks=self.num_blocks,
                                           block_size=self.block_size, dtype=config.cache_dtype)
-        self.graphs = self.draft_graphs = None  # decode graphs: the target's, the draft's
+        # Decode graphs: the target's (with LoRA, the base model's), a LoRA engine's for steps
+        # with adapter rows, the draft model's.
+        self.graphs = self.lora_graphs = self.draft_graphs = None
         self.prefill_graphs = []  # largest first (_capture_prefill_graphs)
         self.verify_graphs = []  # speculation's verification steps', smallest first (ditto)
         self.verify_mirrors = {}  # a verification graph -> the draft's over its inputs (ditto)
         self.mirrored = True  # whether the last launched step was mirrored (launch, catch_up)
         self.last_tokens = None  # [rows] the last launched step's sampled ids, on the device
-        self.ids_in_graph = False  # whether the graphs' input ids hold last_tokens already
+        # The decode graphs whose input ids hold last_tokens already (their greedy pick), or None.
+        self.ids_in_graph = None
         marks, outside = [], []  # per phase: device bytes in use; of them, outside the allocator
 
         def mark(phase: str) -> None:
@@ -516,7 +519,7 @@ class ModelRunner:
         cache's, keeping every tensor object (runtime/sleep.py). The CUDA graphs go first: they
         read those addresses, and their pool is freed too."""
         self._drop_captures()
-        self.last_tokens, self.ids_in_graph = None, False
+        self.last_tokens, self.ids_in_graph = None, None
         self.asleep = {"weights": offload(self.params, keep=level == 1),
                        "kv_cache": offload(self.cache, keep=False)}
         if self.device.type == "cuda":
@@ -534,10 +537,24 @@ class ModelRunner:
     def _drop_captures(self) -> None:
         """Release the CUDA graphs' captures (and their pool), keeping their objects, compiled
         functions and static buffers for _capture_again."""
-        if self.graphs is not None:
-            self.graphs.release()
+        for graphs in self._decode_graph_sets():
+            graphs.release()
         for graph in self._captured_steps():
             graph.release()
+
+    def _decode_graph_sets(self) -> list[DecodeGraphs]:
+        """The decode graphs, in the order they are captured into one pool (the first sizes it):
+        a LoRA engine's graphs with adapters (the larger step), the target's, the draft's."""
+        return [g for g in (self.lora_graphs, self.graphs, self.draft_graphs) if g is not None]
+
+    def _capture_decode_graphs(self, again: bool = False) -> None:
+        """Capture (again: recapture, after sleep) every set of decode graphs, all into the first
+        one's pool on its stream: their replays take turns on that stream (graphs.unowned), so
+        the pool holds the largest of their steps' peaks, not their sum."""
+        pool = stream = None
+        for graphs in self._decode_graph_sets():
+            (graphs.recapture if again else graphs.capture)(pool, stream)
+            pool, stream = graphs.pool, graphs.stream
 
     def _captured_steps(self) -> list[PrefillGraph]:
         """The prefill graphs, then the verification graphs, each followed by its draft mirror,
@@ -552,8 +569,7 @@ class ModelRunner:
         """After the weights and cache storages came back at new addresses: the decode graphs
         (and their persistent layer table), the eager persistent decode's table and the prefill
         graphs, captured anew as at start-up, through the functions compiled then."""
-        if self.graphs is not None:
-            self.graphs.recapture()
+        self._capture_decode_graphs(again=True)
         if self.small_decode_forward is not None:
             from ..kernels.decode_layer import with_persistent_layers
 
@@ -583,13 +599,6 @@ class ModelRunner:
                 log.warning("minivllm: MINIVLLM_FUSED_MLP multiplies 16-bit dense weights; this "
                             "model's are quantized (AWQ 4-bit or block fp8): ignored")
             fused = None
-        if fused and config.enable_lora:
-            # The decode graphs of a LoRA engine run every row through the LoRA layer
-            # (graphs.DecodeGraphs), and the fused kernel adds no deltas.
-            if flag is not None:
-                log.warning("minivllm: MINIVLLM_FUSED_MLP computes no LoRA deltas: ignored with "
-                            "enable_lora")
-            fused = None
         if fused and not (graphs and compile_forward):
             if flag is not None:
                 log.warning("minivllm: MINIVLLM_FUSED_MLP applies to the compiled decode graphs "
@@ -597,25 +606,31 @@ class ModelRunner:
                             "MINIVLLM_COMPILE not 0): ignored")
             fused = None
         if graphs:
+            max_blocks = ceil_div(config.max_model_len, self.block_size)
+            # With LoRA, the base model's graphs (no slots, the forward without deltas: the
+            # persistent decode and the fused MLP where the engine takes them) serve the steps
+            # without adapter rows; the LoRA graphs, through the same compiled forward, the rest.
             self.graphs = DecodeGraphs(
                 self.params, self.cache, self.backend, max_num_seqs=config.max_num_seqs,
-                max_blocks_per_seq=ceil_div(config.max_model_len, self.block_size),
-                compile_forward=compile_forward, persistent_decode=config.persistent_decode,
-                fused_mlp_rows=fused)
-            self.graphs.capture()
+                max_blocks_per_seq=max_blocks, compile_forward=compile_forward,
+                persistent_decode=config.persistent_decode, fused_mlp_rows=fused,
+                adapters=False)
+            if config.enable_lora:
+                self.lora_graphs = DecodeGraphs(
+                    self.params, self.cache, self.backend, max_num_seqs=config.max_num_seqs,
+                    max_blocks_per_seq=max_blocks, adapters=True, fn=self.graphs.fn)
             if self.draft_params is not None:
-                # propose's rounds replay these: into the target's pool, on its stream, so that
-                # they take no memory of their own (the pool holds the larger of the two decode
-                # steps' peaks: _cuda_kv_budget). The persistent decode where the draft's shape
-                # takes it (EngineConfig.draft_persistent_decode), whose graphs also pick the
-                # greedy tokens a round drafts (replay_draft_round).
+                # propose's rounds replay these, in the target's pool (_capture_decode_graphs),
+                # so that they take no memory of their own (the pool holds the larger of the two
+                # decode steps' peaks: _cuda_kv_budget). The persistent decode where the draft's
+                # shape takes it (EngineConfig.draft_persistent_decode), whose graphs also pick
+                # the greedy tokens a round drafts (replay_draft_round).
                 self.draft_graphs = DecodeGraphs(
                     self.draft_params, self.draft_cache, self.draft_backend,
-                    max_num_seqs=config.max_num_seqs,
-                    max_blocks_per_seq=ceil_div(config.max_model_len, self.block_size),
+                    max_num_seqs=config.max_num_seqs, max_blocks_per_seq=max_blocks,
                     compile_forward=compile_forward,
                     persistent_decode=config.draft_persistent_decode)
-                self.draft_graphs.capture(self.graphs.pool, self.graphs.stream)
+            self._capture_decode_graphs()
         # Prefill and mixed steps run through the same compiled decoder layer (its prefill
         # variants are compiled by the warm-up): on the H200 the throughput benchmark ran 22,637
         # tok/s so against 16,911 with eager prefill (BENCHMARKS.md). MINIVLLM_COMPILE_PREFILL=0:
@@ -706,10 +721,9 @@ class ModelRunner:
     def release_graphs(self) -> None:
         """Drop the CUDA graphs (the runner then runs every step eagerly): a tensor-parallel
         rank must do so before it leaves its process group (DecodeGraphs.release)."""
-        for graphs in (self.graphs, self.draft_graphs):
-            if graphs is not None:
-                graphs.release()
-        self.graphs = self.draft_graphs = None
+        for graphs in self._decode_graph_sets():
+            graphs.release()
+        self.graphs = self.lora_graphs = self.draft_graphs = None
         for graph in self._captured_steps():
             graph.release()
         self.prefill_graphs, self.verify_graphs, self.verify_mirrors = [], [], {}
@@ -797,7 +811,8 @@ class ModelRunner:
             if self.draft_params is not None:  # its decode graphs share the pool: see above
                 decode_graphs_peak = max(decode_graphs_peak, self._draft_decode_peak(rows)) + \
                     CAPTURE_CODE_BYTES
-            decode_graphs_peak += CAPTURE_CODE_BYTES
+            # A LoRA engine's base graphs share it too; their step is the same without deltas.
+            decode_graphs_peak += CAPTURE_CODE_BYTES * (2 if config.enable_lora else 1)
         # Start-up leaves the blocks of every dtype's heaviest sampling in the allocator's cache,
         # and they reserve more than sampling's allocated peak (1.97 GiB against 1.59 at 256
         # rows of 151,936 on the H200, session 31): a freed block too small for a later request
@@ -922,7 +937,8 @@ class ModelRunner:
         self._feed_back(batch.input_ids, step)
         fn = self.prefill_forward
         if self.small_decode_forward is not None and batch.is_decode and \
-                batch.num_seqs <= self.small_decode_rows and not step.embeds:
+                batch.num_seqs <= self.small_decode_rows and not step.embeds and \
+                step.lora_slots is None:  # the persistent kernel adds no LoRA deltas
             fn = self.small_decode_forward
         if step.embeds:
             # The eager stem (an embedding lookup and a where: two kernels): compiled, a step
@@ -961,16 +977,17 @@ class ModelRunner:
                     None if pooled is None else final_hidden(params, x, residual, pooled).float())
         return extra_head
 
-    def _run_decode_graph(self, step: StepInput, ids_in_graph: bool = False):
-        """A decode step (one new token for every sequence) replayed from its CUDA graph.
-        ids_in_graph: the last launched step took its graph's greedy pick, which is then in the
-        graphs' input ids already."""
+    def _run_decode_graph(self, step: StepInput, ids_in_graph: DecodeGraphs | None = None):
+        """A decode step (one new token for every sequence) replayed from its CUDA graph: the
+        LoRA graphs' where a row names an adapter, else the target's. ids_in_graph: the graphs
+        whose greedy pick the last launched step took, which is then in their input ids."""
         b = len(step.chunks)
+        graphs = self.graphs if step.lora_slots is None else self.lora_graphs
         # All rows plain greedy, in a graph that picks their arg-max itself: no sampling batch,
         # nothing launched after the replay (the tokens are a view of the graph's static buffer,
         # read in stream order before the next replay rewrites it).
         plain = all(map(plain_greedy, step.rows))
-        greedy = plain and self.graphs.picks_greedy(b)
+        greedy = plain and graphs.picks_greedy(b)
         with trace_range("prepare_decode"):
             chunks = decode_columns(step.chunks)
             # The sampling batch's copies go first: queued behind the replay, copies from pageable
@@ -979,15 +996,15 @@ class ModelRunner:
             sb = None if plain else self._sampling_batch(step)
             # After a step that took the graph's pick, the pick is in the input ids already:
             # when every row's token comes back to its own row, they need no copy.
-            keep_ids = ids_in_graph and step.fed_back == same_rows(b)
-            self.graphs.fill(chunks, keep_ids=keep_ids, lora_slots=step.lora_slots)
+            keep_ids = ids_in_graph is graphs and step.fed_back == same_rows(b)
+            graphs.fill(chunks, keep_ids=keep_ids, lora_slots=step.lora_slots)
             if not keep_ids:
-                self._feed_back(self.graphs.input_ids, step)
+                self._feed_back(graphs.input_ids, step)
         with trace_range("replay"):
-            logits = self.graphs.replay(b)
+            logits = graphs.replay(b)
         if greedy:
-            self.ids_in_graph = True
-            return SampleOutput(token_ids=self.graphs.greedy_tokens[:b])
+            self.ids_in_graph = graphs
+            return SampleOutput(token_ids=graphs.greedy_tokens[:b])
         with trace_range("sample"):
             return sample_in_slices(logits, None if plain else [sb], b)
 
@@ -1044,7 +1061,10 @@ class ModelRunner:
 
     def _prefill_graph_for(self, step: StepInput) -> PrefillGraph | None:
         """The smallest verification graph the step fits, else the smallest prefill graph (None:
-        run it through the compiled forward)."""
+        run it through the compiled forward, as a step with LoRA rows: the graphs take no
+        slots)."""
+        if step.lora_slots is not None:
+            return None
         for graph in itertools.chain(self.verify_graphs, reversed(self.prefill_graphs)):
             if graph.fits(step.chunks):
                 return graph
@@ -1070,7 +1090,7 @@ class ModelRunner:
 
     def launch(self, step: StepInput) -> PendingStep:
         """Queue the step's forward and sampling on the device and return without waiting."""
-        ids_in_graph, self.ids_in_graph = self.ids_in_graph, False
+        ids_in_graph, self.ids_in_graph = self.ids_in_graph, None
         scores = pooled = graph = None
         if self._graph_step(step):
             with torch.no_grad():
