@@ -179,6 +179,44 @@ def test_compiled_forward_recompiles_a_bounded_number_of_times_over_the_buckets(
     assert counter.frame_count <= 7
 
 
+def test_a_lora_engines_two_sets_of_graphs_share_one_compiled_forward():
+    """A LoRA engine's graphs with adapters and its base model's graphs run one compiled
+    forward (runner._compile_and_capture): every bucket of both, the LoRA set first as start-up
+    captures them, compiles the LoRA layer, stem and head as the base set alone compiles its
+    parts (3, 2, 2: see above), and the base set then only its own layer's 3: stem and head
+    serve both. Each set's logits are the eager forward's over its batch."""
+    from torch._dynamo.testing import CompileCounter
+
+    from minivllm.runtime.compiled import compiled_forward
+    from minivllm.state.lora import init_lora
+
+    torch._dynamo.reset()
+    params = minivllm.random_params(CONFIG, seed=0)
+    params = attrs.evolve(params, lora=init_lora(CONFIG, max_loras=2, max_rank=4,
+                                                 dtype=params.dtype, device=params.device,
+                                                 shard=params.shard))
+    cache = minivllm.init_cache(params, num_blocks=64, block_size=4)
+    backend = select_backend("cpu", "reference")
+    counter = CompileCounter()
+    fn = compiled_forward(counter)
+    shape = dict(max_num_seqs=256, max_blocks_per_seq=8, fn=fn)
+    with_slots = DecodeGraphs(params, cache, backend, adapters=True, **shape)
+    base = DecodeGraphs(params, cache, backend, adapters=False, **shape)
+    frames = []
+    for graphs in (with_slots, base):
+        for bs in reversed(graphs.buckets):
+            view = graphs.batch_view(bs)
+            assert (view.lora_slots is None) == (graphs is base)
+            expected, _ = minivllm.forward(params, cache, view, backend)
+            got, _ = graphs.fn(params, cache, view, backend)
+            torch.testing.assert_close(got, expected)
+        frames.append(counter.frame_count)
+    assert frames[0] <= 7 and frames[1] - frames[0] <= 3
+    with pytest.raises(ValueError, match="adapters=True"):
+        DecodeGraphs(minivllm.random_params(CONFIG, seed=0), cache, backend, adapters=True,
+                     **shape)
+
+
 def test_compiled_layer_serves_prefill_and_mixed_steps_too():
     """Prefill and mixed steps run through the same compiled layer as decode (the default):
     its logits equal the eager forward's on steps of several shapes."""

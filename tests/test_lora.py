@@ -587,15 +587,14 @@ def test_gpu_graphs_with_lora_equal_eager_lora_engine(tiny_dir, adapters, prompt
     def outputs(llm):
         return [o.outputs[0] for o in llm.generate(token_prompts(ids), params, use_tqdm=False,
                                                    lora_request=requests)]
-    want, got = outputs(eager), outputs(fast)
-    assert len(replays[runner.lora_graphs]) >= NEW - 1
+    # First, before the prefix cache holds them: the base prompts alone.
     plain = make_llm(tiny_dir, cuda, graphs=True, dtype=dtype)
     base = [ids[k] for k, (name, _) in enumerate(plan) if name is None]
-    before = {g: len(seen) for g, seen in replays.items()}
     assert run(fast, base) == run(plain, base)
-    assert len(replays[runner.lora_graphs]) == before[runner.lora_graphs]
-    assert len(replays[runner.graphs]) >= before[runner.graphs] + NEW - 1
-    assert sum(len(replays[g]) - before[g] for g in runner.prefill_graphs) > 0
+    assert not replays[runner.lora_graphs] and len(replays[runner.graphs]) >= NEW - 1
+    assert sum(len(replays[g]) for g in runner.prefill_graphs) > 0
+    want, got = outputs(eager), outputs(fast)
+    assert len(replays[runner.lora_graphs]) >= NEW - 1
     if dtype == "float32":
         tokens = [c.token_ids for c in got]
         assert tokens == [c.token_ids for c in want] == [oracle(name, i) for name, i in plan]
