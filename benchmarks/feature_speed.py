@@ -127,10 +127,13 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in known]
     if unknown:  # before the engine starts
         raise ValueError(f"unknown features {unknown}; known: {', '.join(known)}")
+    start = time.perf_counter()
     llm = LLM(args.model, max_num_seqs=args.num_seqs, device=args.device,
               max_model_len=args.prompt_len + args.output_len + 16,
               enforce_eager=args.enforce_eager, enable_lora=args.lora_rank > 0,
               max_lora_rank=args.lora_rank or 16)
+    start = time.perf_counter() - start
+    print(f"engine start {start:.1f} s", flush=True)
     vocab = llm.engine.vocab_size
     features = feature_params(vocab, args.output_len)
     if args.lora_rank:
@@ -163,7 +166,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "num_seqs": args.num_seqs,
                        "lora_rank": args.lora_rank, "prompt_len": args.prompt_len,
-                       "output_len": args.output_len,
+                       "output_len": args.output_len, "engine_start_s": start,
                        "results": results}, f, indent=1)
     return 0
 

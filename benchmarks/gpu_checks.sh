@@ -11,7 +11,8 @@
 #       single stream and ~256 sequences, summarized by kernel
 #   bash benchmarks/gpu_checks.sh lora  # nvidia-h200 or nvidia-h100-x1: the LoRA engine's GPU tests
 #       (decode graphs and compiled forward with adapters against the eager LoRA engine), then
-#       plain sampling's tok/s with LoRA enabled and without
+#       plain sampling's tok/s with LoRA enabled and without (LORA_TESTS=0: the speed only;
+#       OLD=dir: that tree's LoRA engine too)
 #   bash benchmarks/gpu_checks.sh load_weights  # nvidia-h200 or nvidia-h100-x1: LLM.load_weights
 #       on a compiled engine with decode graphs (no recapture) against a fresh engine, bf16 and fp32
 #   bash benchmarks/gpu_checks.sh sleep  # nvidia-h200 or nvidia-h100-x1: LLM.sleep / wake_up on a
@@ -463,14 +464,23 @@ lora)
   # adapter merged too, and its base rows against a base engine's graphs.
   # Since session 66 its steps without adapter rows replay the base model's graphs: then plain
   # sampling on an engine without LoRA and on one with it, without an adapter and with one of
-  # rank 16 (feature_speed.py; LORA_SPEED=0 skips them).
-  STEP_LOG=$OUT/tests.txt step lora_tests $(left_or 180) python3 -m pytest $PYTEST_ARGS \
-    tests/test_lora.py -k gpu
+  # rank 16 (feature_speed.py, which prints each engine's start-up time; LORA_SPEED=0 skips
+  # them), and with OLD=dir (another tree, unpacked there) the LoRA run of that tree too, run
+  # from its directory (session 66's LoRA engine started in over 200 s on a cold H100).
+  if [ "${LORA_TESTS:-1}" != 0 ]; then
+    STEP_LOG=$OUT/tests.txt step lora_tests $(left_or 180) python3 -m pytest $PYTEST_ARGS \
+      tests/test_lora.py -k gpu
+  fi
   if [ "${LORA_SPEED:-1}" != 0 ]; then
     step feature_speed_plain $(left_or 150) python3 benchmarks/feature_speed.py \
       --features greedy --json "$RESULTS/feature_speed_plain.json"
-    step feature_speed_lora $(left_or 200) python3 benchmarks/feature_speed.py --lora-rank 16 \
+    step feature_speed_lora $(left_or 300) python3 benchmarks/feature_speed.py --lora-rank 16 \
       --features greedy,lora --json "$RESULTS/feature_speed_lora.json"
+    if [ -n "${OLD:-}" ]; then
+      (cd "$OLD" && PYTHONPATH=/tmp/site:. step feature_speed_lora_old $(left_or 300) python3 \
+        benchmarks/feature_speed.py --lora-rank 16 --features greedy,lora \
+        --json "$RESULTS/feature_speed_lora_old.json")
+    fi
   fi
   ;;
 load_weights)
