@@ -23,13 +23,6 @@ def test_the_kv_budget_sets_aside_what_the_graphs_pools_keep():
     assert kv_budget_bytes(**(kw | {"sampling_peak": 400}), graphs_hold_forward=False) == 400
     # Prefill graphs: their pool keeps the forward's, and sampling's comes beside it.
     assert kv_budget_bytes(**kw, graphs_hold_forward=True) == 900 - 100 - 500
-    # A LoRA engine's steps with adapter rows run their forward beside that pool: the larger of
-    # that forward's peak and sampling's comes beside it.
-    assert kv_budget_bytes(**kw, graphs_hold_forward=True, forward_beside_graphs=True) == \
-        900 - 100 - 600
-    assert kv_budget_bytes(**(kw | {"sampling_peak": 400}), graphs_hold_forward=True,
-                           forward_beside_graphs=True) == 900 - 100 - 700
-    assert kv_budget_bytes(**kw, graphs_hold_forward=False, forward_beside_graphs=True) == 500
     # The decode graphs' pool is kept beside either.
     assert kv_budget_bytes(**kw, decode_graphs_peak=50, graphs_hold_forward=False) == 450
     assert kv_budget_bytes(**kw, decode_graphs_peak=50, graphs_hold_forward=True) == 250

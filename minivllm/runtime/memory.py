@@ -86,20 +86,15 @@ def bytes_outside_allocator(device: torch.device) -> int:
 
 def kv_budget_bytes(total: int, utilization: float, in_use: int, forward_peak: int,
                     sampling_peak: int, decode_graphs_peak: int = 0, *,
-                    graphs_hold_forward: bool, forward_beside_graphs: bool = False) -> int:
+                    graphs_hold_forward: bool) -> int:
     """What the KV cache may take: total * utilization, less what is in use and what the
     largest step needs. Without prefill graphs the forward's activations are freed before
     sampling allocates, so the larger of the two peaks is enough; with them the graphs' pool
-    keeps the forward's for good, and sampling's comes on top. forward_beside_graphs: some
-    steps with prompt tokens run their forward outside the prefill graphs (a LoRA engine's
-    steps with adapter rows), so beside the pool comes that forward's peak or sampling's.
-    decode_graphs_peak: what the decode graphs' pool keeps for good (a decode step's peak at
-    max_num_seqs rows; 0 without decode graphs)."""
-    if graphs_hold_forward:
-        beside = max(sampling_peak, forward_peak) if forward_beside_graphs else sampling_peak
-        activations = forward_peak + beside
-    else:
-        activations = max(forward_peak, sampling_peak)
+    keeps the forward's for good, and sampling's comes on top. decode_graphs_peak: what the
+    decode graphs' pool keeps for good (a decode step's peak at max_num_seqs rows; 0 without
+    decode graphs)."""
+    activations = forward_peak + sampling_peak if graphs_hold_forward else \
+        max(forward_peak, sampling_peak)
     return int(total * utilization - in_use - activations - decode_graphs_peak)
 
 

@@ -829,8 +829,7 @@ class ModelRunner:
                  decode_graphs_peak / GiB)
         return kv_budget_bytes(total, config.gpu_memory_utilization, in_use, forward_peak,
                                max(sampling_peak, sampling_blocks), decode_graphs_peak,
-                               graphs_hold_forward=self.use_prefill_graphs,
-                               forward_beside_graphs=config.enable_lora)
+                               graphs_hold_forward=self.use_prefill_graphs)
 
     def _largest_verify_step(self, blocks: int) -> list[SeqChunk]:
         """The chunks of the largest verification graph's step, in a scratch cache of `blocks`
