@@ -538,6 +538,48 @@ def test_engine_decode_graph_path_with_lora(tiny_dir, adapters, prompts, oracle)
     assert len(base) >= NEW - short and all(slots is None and b == 2 for b, _, slots in base)
 
 
+def test_engine_prefill_graph_path_with_lora(tiny_dir, adapters, prompts, oracle):
+    """The runner's prefill-graph path of a LoRA engine: a step with prompt tokens and adapter
+    rows fills each token's slot into a prefill graph with slots, a step without them the
+    base model's graph, each "replay" run as the eager forward over the graph's padded
+    buffers (the CPU has no graphs). Every prompt gets transformers' merged greedy tokens."""
+    from minivllm.runtime.prefill_graph import PrefillGraph
+
+    llm = lora_llm(tiny_dir, max_num_seqs=4, max_num_batched_tokens=64)
+    runner = llm.engine.runner
+    replays = []
+
+    def stand_in(tokens, adapters):
+        graph = PrefillGraph(runner.params, runner.cache, runner.backend, runner.prefill_forward,
+                             num_tokens=tokens, max_num_seqs=4, adapters=adapters,
+                             max_blocks_per_seq=-(-llm.config.max_model_len //
+                                                  llm.config.block_size),
+                             block_size=llm.config.block_size)
+
+        def replay(n):  # what the captured graph would run
+            slots = graph.batch.lora_slots
+            replays.append((adapters, tokens, None if slots is None else slots.tolist()))
+            logits, runner.cache = forward(runner.params, runner.cache, graph.batch,
+                                           runner.backend)
+            return logits[:n]
+        graph.replay = replay
+        return graph
+    runner.prefill_graphs = [stand_in(64, False), stand_in(32, False)]  # largest first
+    runner.lora_prefill_graphs = [stand_in(64, True), stand_in(32, True)]
+    base = [(None, 3), (None, 2)]
+    mixed = [("all", 3), (None, 1), ("rs", 2), ("low", 0), (None, 0), ("low", 1)]
+    for plan in (base, mixed):
+        got = run(llm, [prompts[i] for _, i in plan],
+                  [None if name is None else adapters[name][0] for name, _ in plan])
+        assert got == [oracle(name, i) for name, i in plan]
+        if plan is base:
+            assert replays and all(not a and s is None for a, _, s in replays), replays
+            seen = len(replays)
+    assert replays[seen:] and all(a for a, _, _ in replays[seen:]), replays
+    slots = [s for _, _, s in replays[seen:]]
+    assert any(len({x for x in s if x >= 0}) > 1 and -1 in s for s in slots), slots
+
+
 def test_warm_up_compiles_the_lora_layer_too(tiny_dir, adapters):
     """With LoRA slot weights, the warm-up runs each of its steps with the rows in a slot as
     well, so that a compiled forward's LoRA layer compiles its variants at start-up."""
@@ -565,8 +607,9 @@ def test_gpu_graphs_with_lora_equal_eager_lora_engine(tiny_dir, adapters, prompt
     LoRA engine's greedy tokens, adapters and base rows mixed; in fp32 transformers' merged
     ones too, and its base rows a base engine's with graphs. bf16: the compiled and eager paths
     round differently (see tests/test_gpu_graphs.py), so there every prompt's first tokens must
-    agree and most prompts throughout. Base prompts alone then replay the base graphs and the
-    prefill graphs only, and give a base engine's tokens bit for bit (the same kernels)."""
+    agree and most prompts throughout. Base prompts alone replay the base decode and prefill
+    graphs only, and give a base engine's tokens bit for bit (the same kernels); prompt steps
+    with adapter rows replay the prefill graphs with slots."""
     plan = [("all", 0), (None, 1), ("rs", 2), ("low", 3), ("low", 1), (None, 2), ("all", 3),
             ("rs", 0), (None, 3)]
     requests = [None if name is None else adapters[name][0] for name, _ in plan]
@@ -579,7 +622,9 @@ def test_gpu_graphs_with_lora_equal_eager_lora_engine(tiny_dir, adapters, prompt
     assert runner.lora_graphs.lora and not runner.graphs.lora and runner.prefill_graphs
     assert runner.prefill_forward is runner.graphs.fn is runner.lora_graphs.fn is not forward
     replays = {}
-    for graphs in (runner.graphs, runner.lora_graphs, *runner.prefill_graphs):
+    assert len(runner.lora_prefill_graphs) == len(runner.prefill_graphs)
+    for graphs in (runner.graphs, runner.lora_graphs, *runner.prefill_graphs,
+                   *runner.lora_prefill_graphs):
         replays[graphs], inner = [], graphs.replay
         graphs.replay = lambda b, seen=replays[graphs], inner=inner: seen.append(b) or inner(b)
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=5)
@@ -593,8 +638,12 @@ def test_gpu_graphs_with_lora_equal_eager_lora_engine(tiny_dir, adapters, prompt
     assert run(fast, base) == run(plain, base)
     assert not replays[runner.lora_graphs] and len(replays[runner.graphs]) >= NEW - 1
     assert sum(len(replays[g]) for g in runner.prefill_graphs) > 0
+    assert not any(replays[g] for g in runner.lora_prefill_graphs)
     want, got = outputs(eager), outputs(fast)
     assert len(replays[runner.lora_graphs]) >= NEW - 1
+    # The first step's four prompts (69 tokens, the prefix cache holding none of them whole)
+    # fill at least half of the 128-token graph.
+    assert sum(len(replays[g]) for g in runner.lora_prefill_graphs) > 0
     if dtype == "float32":
         tokens = [c.token_ids for c in got]
         assert tokens == [c.token_ids for c in want] == [oracle(name, i) for name, i in plan]

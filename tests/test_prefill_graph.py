@@ -6,6 +6,7 @@ runner gives the graph to triton's only; here under the interpreter), and throug
 whose runner takes the padded buffers for its full steps; the graph's capture and replay are
 checked on the GPU (tests/test_gpu_graphs.py)."""
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
@@ -136,6 +137,36 @@ def test_fill_pads_every_field_and_rejects_what_does_not_fit():
     with pytest.raises(ValueError, match="more tokens than sequences"):
         PrefillGraph(params, None, None, None, num_tokens=4, max_num_seqs=4,
                      max_blocks_per_seq=2, block_size=PAGE)
+
+
+def test_a_graph_with_adapters_fills_each_tokens_lora_slot():
+    """A LoRA engine's prefill graph with slots: each chunk's slot over its tokens, -1 for the
+    padding tokens (and for every token of a step given none); a graph without adapters
+    refuses slots, and one with them needs LoRA slot weights and buffers of its own."""
+    from minivllm.state.lora import init_lora
+
+    params = minivllm.random_params(CONFIG, seed=0)
+    lora = attrs.evolve(params, lora=init_lora(CONFIG, max_loras=2, max_rank=2,
+                                               dtype=params.dtype, device=params.device,
+                                               shard=params.shard))
+    shape = dict(num_tokens=12, max_num_seqs=3, max_blocks_per_seq=2, block_size=PAGE)
+    graph = PrefillGraph(lora, None, None, None, adapters=True, **shape)
+    chunks = [SeqChunk([5, 6, 7], 2, [4, 1]), SeqChunk([9], 6, [0, 3]),
+              SeqChunk([1, 2], 0, [2])]
+    assert graph.fill(chunks, lora_slots=[1, -1, 0]) == 3
+    assert graph.batch.lora_slots.tolist() == [1, 1, 1, -1, 0, 0] + [-1] * 6
+    assert graph.fill(chunks[:1] + [SeqChunk([3, 3, 3], 0, [2])]) == 2
+    assert graph.batch.lora_slots.tolist() == [-1] * 12
+    with pytest.raises(ValueError, match="2 LoRA slots for 3 chunks"):
+        graph.fill(chunks, lora_slots=[0, 1])
+    plain = PrefillGraph(lora, None, None, None, **shape)
+    assert plain.batch.lora_slots is None
+    with pytest.raises(ValueError, match="captured without adapters"):
+        plain.fill(chunks, lora_slots=[0, 0, 0])
+    with pytest.raises(ValueError, match="LoRA slot weights"):
+        PrefillGraph(params, None, None, None, adapters=True, **shape)
+    with pytest.raises(ValueError, match="inputs of its own"):
+        PrefillGraph(lora, None, None, None, adapters=True, inputs=plain.inputs, **shape)
 
 
 def test_a_verification_graphs_fill_and_its_mirror_over_the_same_buffers():

@@ -134,8 +134,8 @@ class LLM:
     lora_request=LoRARequest(name, int_id, path)), up to max_loras in one batch, of rank up to
     max_lora_rank (runtime/lora.py, state/lora.py); dense models, on one device or under
     tensor parallelism (each rank holds its shard of the adapters); compiled forward and decode
-    CUDA graphs as without LoRA (steps without adapter rows replay the base engine's graphs,
-    prefill graphs included; those with them a set of decode graphs with the deltas).
+    CUDA graphs as without LoRA (steps without adapter rows replay the base engine's graphs;
+    those with them a second set, decode and prefill, with the deltas).
     enable_prompt_embeds: generate / stream take vLLM's {"prompt_embeds": tensor [T,
     hidden_size]} prompts (README, "Prompt embeddings"): no prefix caching for them, no
     prompt_logprobs or beam search; their outputs' prompt_token_ids are None.

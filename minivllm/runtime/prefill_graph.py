@@ -31,6 +31,10 @@ fits. Through the compiled
 forward region by region such a step cost the host 15-20 ms at the 0.6B shape against ~0.7 ms on
 the device (BENCHMARKS.md, session 58). A draft model's mirror of the step (ModelRunner._mirror)
 replays a graph of the draft's forward captured over the same input buffers.
+
+A LoRA engine keeps a second set of these graphs, captured through the LoRA decoder layer with
+one more static input, each token's LoRA slot (-1 for base rows and padding: a delta of exact
+zeros), for its steps with adapter rows; steps without them take the base model's graphs.
 """
 
 from __future__ import annotations
@@ -91,24 +95,30 @@ class PrefillGraph:
     num_logits: logits rows (max_num_seqs if None); min_tokens: the fewest tokens a step must
     bring to take the graph (half of num_tokens if None). inputs: another graph's StepInputs, whose
     fill this graph's replay then reads (a draft model's mirror of a verification graph); such a
-    graph is never filled itself."""
+    graph is never filled itself. adapters: the graph takes each token's LoRA slot (params must
+    hold LoRA slot weights)."""
 
     def __init__(self, params, cache, backend, forward_fn, *, num_tokens: int, max_num_seqs: int,
                  max_blocks_per_seq: int, block_size: int, num_logits: int | None = None,
-                 min_tokens: int | None = None, inputs: StepInputs | None = None):
+                 min_tokens: int | None = None, inputs: StepInputs | None = None,
+                 adapters: bool = False):
         if num_tokens <= max_num_seqs:
             # Batch.is_decode reads T == B off the shapes: a padded step must not look like one.
             raise ValueError(f"a prefill graph needs more tokens than sequences, got "
                              f"{num_tokens} tokens for {max_num_seqs} sequences")
+        if adapters and (params.lora is None or inputs is not None):
+            raise ValueError("a prefill graph with adapters needs params with LoRA slot weights "
+                             "(params.lora) and inputs of its own")
         self.params, self.cache, self.backend, self.fn = params, cache, backend, forward_fn
+        self.adapters = adapters
         self.num_tokens, self.num_seqs = num_tokens, max_num_seqs
         self.num_logits = max_num_seqs if num_logits is None else num_logits
         self.min_tokens = num_tokens // 2 if min_tokens is None else min_tokens
         self.max_blocks, self.block_size = max_blocks_per_seq, block_size
         self.device = params.device
         self.inputs = inputs if inputs is not None else StepInputs(
-            batch_layout(num_tokens, max_num_seqs, max_blocks_per_seq, num_logits=num_logits),
-            self.device)
+            batch_layout(num_tokens, max_num_seqs, max_blocks_per_seq, num_logits=num_logits,
+                         lora=adapters), self.device)
         self.batch = Batch(**self.inputs.views, block_size=block_size)
         self.graph = None
         self.logits = None
@@ -121,9 +131,15 @@ class PrefillGraph:
                 and all(len(c.block_table) <= self.max_blocks for c in chunks)
                 and logits_rows(chunks) <= self.num_logits)
 
-    def fill(self, chunks: Sequence[SeqChunk]) -> int:
+    def fill(self, chunks: Sequence[SeqChunk], lora_slots: Sequence[int] | None = None) -> int:
         """Copy one step into the static buffers, padded (see the module's docstring). Returns
-        how many logits rows are real. No chunks: padding only (what capture runs)."""
+        how many logits rows are real. No chunks: padding only (what capture runs). lora_slots:
+        each chunk's LoRA slot (-1: the base model), for a graph with adapters (None: all -1)."""
+        if lora_slots is not None and not self.adapters:
+            raise ValueError("a step with LoRA slots, but the prefill graph was captured without "
+                             "adapters")
+        if lora_slots is not None and len(lora_slots) != len(chunks):
+            raise ValueError(f"{len(lora_slots)} LoRA slots for {len(chunks)} chunks")
         if chunks and not self.fits(chunks):
             raise ValueError(f"a step of {len(chunks)} sequences, "
                              f"{sum(len(c.token_ids) for c in chunks)} tokens and "
@@ -152,6 +168,10 @@ class PrefillGraph:
         host["block_tables"][b:] = 0
         host["logits_indices"][:n] = real["logits_indices"]
         host["logits_indices"][n:] = 0
+        if self.adapters:
+            host["lora_slots"][t:] = -1
+            host["lora_slots"][:t] = -1 if lora_slots is None else np.repeat(
+                np.asarray(lora_slots, dtype=np.int64), [len(c.token_ids) for c in chunks])
         self.inputs.send()
         return n
 

@@ -398,8 +398,6 @@ class ModelRunner:
         self.last_sampling = None  # (rows, SamplingBatch) of the last step that sampled
         self.prefill_forward = forward  # see _compile_and_capture
         self.small_decode_forward, self.small_decode_rows = None, 0  # ditto (persistent_decode)
-        # The prefill graphs' static batch holds no LoRA slots: with LoRA, steps with prompt
-        # tokens and adapter rows run the compiled forward (_prefill_graph_for).
         self.use_prefill_graphs = self._wants_prefill_graphs(config)
         # Draft-model speculative decoding (runtime/spec_decode.py): the draft's weights, in
         # the target's dtype on its device, loaded before the KV cache is sized from what is
@@ -432,6 +430,7 @@ class ModelRunner:
         # with adapter rows, the draft model's.
         self.graphs = self.lora_graphs = self.draft_graphs = None
         self.prefill_graphs = []  # largest first (_capture_prefill_graphs)
+        self.lora_prefill_graphs = []  # the same, with LoRA slots: for steps with adapter rows
         self.verify_graphs = []  # speculation's verification steps', smallest first (ditto)
         self.verify_mirrors = {}  # a verification graph -> the draft's over its inputs (ditto)
         self.mirrored = True  # whether the last launched step was mirrored (launch, catch_up)
@@ -557,9 +556,10 @@ class ModelRunner:
             pool, stream = graphs.pool, graphs.stream
 
     def _captured_steps(self) -> list[PrefillGraph]:
-        """The prefill graphs, then the verification graphs, each followed by its draft mirror,
-        in the order they are captured into one pool (largest first: the first sizes it)."""
-        steps = list(self.prefill_graphs)
+        """The prefill graphs (a LoRA engine's with slots first: the larger steps), then the
+        verification graphs, each followed by its draft mirror, in the order they are captured
+        into one pool (largest first: the first sizes it)."""
+        steps = self.lora_prefill_graphs + self.prefill_graphs
         for graph in reversed(self.verify_graphs):
             steps += [graph] + ([self.verify_mirrors[graph]] if graph in self.verify_mirrors
                                 else [])
@@ -676,22 +676,30 @@ class ModelRunner:
         """Steps with prompt tokens replay the smallest CUDA graph of prefill_graph_sizes whose
         shape they fill at least half (_wants_prefill_graphs says where). Under speculation,
         verification steps replay the smallest of verify_graph_shapes they fit, and a draft
-        model's mirror of such a step the draft's graph over the same inputs; all in one pool
-        (the graphs replay one at a time on one stream, each output read before the next)."""
+        model's mirror of such a step the draft's graph over the same inputs. A LoRA engine's
+        steps with adapter rows replay graphs of the same sizes with each token's slot. All in
+        one pool (the graphs replay one at a time on one stream, each output read before the
+        next)."""
         if not self.use_prefill_graphs or self.graphs is None:
             return
-        max_blocks = ceil_div(config.max_model_len, self.block_size)
+        self.prefill_graphs = self._make_prefill_graphs(adapters=False)
+        if config.enable_lora:
+            self.lora_prefill_graphs = self._make_prefill_graphs(adapters=True)
+        self.verify_graphs, self.verify_mirrors = self._make_verify_graphs()
         # One stream for the pool's captures (PrefillGraph.capture says why).
         pool, stream = None, torch.cuda.Stream(self.device)
-        for tokens in prefill_graph_sizes(config.max_num_batched_tokens, config.max_num_seqs):
-            graph = PrefillGraph(self.params, self.cache, self.backend, self.prefill_forward,
-                                 num_tokens=tokens, max_num_seqs=config.max_num_seqs,
-                                 max_blocks_per_seq=max_blocks, block_size=self.block_size)
+        for graph in self._captured_steps():
             pool = graph.capture(pool, stream)
-            self.prefill_graphs.append(graph)
-        self.verify_graphs, self.verify_mirrors = self._make_verify_graphs()
-        for graph in self._captured_steps()[len(self.prefill_graphs):]:
-            pool = graph.capture(pool, stream)
+
+    def _make_prefill_graphs(self, adapters: bool) -> list[PrefillGraph]:
+        """A prefill graph of each of prefill_graph_sizes, largest first, not yet captured."""
+        config = self.config
+        return [PrefillGraph(self.params, self.cache, self.backend, self.prefill_forward,
+                             num_tokens=tokens, max_num_seqs=config.max_num_seqs,
+                             max_blocks_per_seq=ceil_div(config.max_model_len, self.block_size),
+                             block_size=self.block_size, adapters=adapters)
+                for tokens in prefill_graph_sizes(config.max_num_batched_tokens,
+                                                  config.max_num_seqs)]
 
     def _verify_shapes(self) -> list[tuple[int, int]]:
         """verify_graph_shapes under speculation (none without)."""
@@ -726,7 +734,8 @@ class ModelRunner:
         self.graphs = self.lora_graphs = self.draft_graphs = None
         for graph in self._captured_steps():
             graph.release()
-        self.prefill_graphs, self.verify_graphs, self.verify_mirrors = [], [], {}
+        self.prefill_graphs, self.lora_prefill_graphs = [], []
+        self.verify_graphs, self.verify_mirrors = [], {}
 
     # -- sizing the KV cache ---------------------------------------------------------------------
 
@@ -1061,11 +1070,11 @@ class ModelRunner:
 
     def _prefill_graph_for(self, step: StepInput) -> PrefillGraph | None:
         """The smallest verification graph the step fits, else the smallest prefill graph (None:
-        run it through the compiled forward, as a step with LoRA rows: the graphs take no
-        slots)."""
-        if step.lora_slots is not None:
-            return None
-        for graph in itertools.chain(self.verify_graphs, reversed(self.prefill_graphs)):
+        run it through the compiled forward). A step with LoRA rows: the smallest prefill graph
+        with slots it fits."""
+        graphs = reversed(self.lora_prefill_graphs) if step.lora_slots is not None else \
+            itertools.chain(self.verify_graphs, reversed(self.prefill_graphs))
+        for graph in graphs:
             if graph.fits(step.chunks):
                 return graph
         return None
@@ -1075,7 +1084,7 @@ class ModelRunner:
         with trace_range("prepare_prefill"):
             # Before the replay, as in _run_decode_graph: the sampling batch's copies.
             sbs = self._sampling_batches(step)
-            n = graph.fill(step.chunks)
+            n = graph.fill(step.chunks, lora_slots=step.lora_slots)
             self._feed_back(graph.batch.input_ids, step)
         with trace_range("replay"):
             logits = graph.replay(n)
