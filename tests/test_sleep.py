@@ -425,7 +425,7 @@ def test_gpu_sleep_frees_the_memory_and_the_graphs_replay_after_wake_up(dirs, mo
     captures = []
     inner = DecodeGraphs.capture
     monkeypatch.setattr(DecodeGraphs, "capture",
-                        lambda self: captures.append(1) or inner(self))
+                        lambda self, *a, **kw: captures.append(1) or inner(self, *a, **kw))
     cuda = torch.device("cuda")
     batches = [PROMPTS, PROMPTS + [[7, 8, 9, 7, 8], list(range(40, 52))]]
     llm = make_llm(dirs[0], cuda, graphs=True, dtype="bfloat16", block_size=16,
