@@ -580,6 +580,22 @@ def test_engine_prefill_graph_path_with_lora(tiny_dir, adapters, prompts, oracle
     assert any(len({x for x in s if x >= 0}) > 1 and -1 in s for s in slots), slots
 
 
+def test_ngram_speculation_in_a_lora_engine_gives_each_adapters_tokens(tiny_dir, adapters,
+                                                                       prompts, oracle):
+    """n-gram speculative decoding in a LoRA engine: each verification step's chunks carry
+    their rows' slots (a drafted chunk's k + 1 tokens all its adapter's), so greedy outputs are
+    transformers' merged tokens, adapters and base rows mixed, with drafts proposed and some
+    accepted."""
+    llm = lora_llm(tiny_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                 "prompt_lookup_max": 2,
+                                                 "prompt_lookup_min": 1})
+    plan = [("all", 3), (None, 2), ("rs", 3), ("low", 1), (None, 3)]
+    got = run(llm, [prompts[i] for _, i in plan],
+              [None if name is None else adapters[name][0] for name, _ in plan])
+    assert got == [oracle(name, i) for name, i in plan]
+    assert llm.stats.spec_draft_tokens > 0 and llm.stats.spec_accepted_tokens > 0, llm.stats
+
+
 def test_warm_up_compiles_the_lora_layer_too(tiny_dir, adapters):
     """With LoRA slot weights, the warm-up runs each of its steps with the rows in a slot as
     well, so that a compiled forward's LoRA layer compiles its variants at start-up."""
