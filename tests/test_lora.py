@@ -885,13 +885,15 @@ def test_lora_request_without_enable_lora_and_refused_configs(tiny_dir, adapters
 
 
 def test_persistent_decode_runs_a_lora_engines_steps_without_adapters(tiny_dir, adapters,
-                                                                      prompts, oracle):
+                                                                      prompts, oracle, device):
     """The persistent decode kernel adds no LoRA deltas: a LoRA engine keeps it for its decode
-    steps of base rows only (here eager, under the interpreter), and runs every step with an
-    adapter row through the LoRA layers. Each prompt gets transformers' merged tokens."""
+    steps of base rows only (here eager: under the interpreter on a CPU), and runs every step
+    with an adapter row through the LoRA layers. Each prompt gets transformers' merged
+    tokens."""
     from minivllm.kernels.decode_layer import MAX_ROWS
 
-    llm = lora_llm(tiny_dir, persistent_decode=True, max_num_seqs=MAX_ROWS)
+    llm = make_llm(tiny_dir, device, dtype="float32", enable_lora=True, max_loras=3,
+                   max_lora_rank=MAX_RANK, persistent_decode=True, max_num_seqs=MAX_ROWS)
     runner = llm.engine.runner
     assert llm.config.persistent_decode and runner.small_decode_forward is not None
     small, seen = runner.small_decode_forward, []
