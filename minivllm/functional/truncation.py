@@ -161,7 +161,7 @@ def cut_bounds(logits: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor, **ti
     from ..kernels.top_candidates import top_candidates
     from ..kernels.truncated_sample import candidate_bounds
 
-    vals, ids = top_candidates(logits, sb.top_k_bound)  # [B, K] fp32, int64
+    vals, ids = top_candidates(logits, sb.top_k_bound)  # [B, K] (any float dtype), int64
     return candidate_bounds(logits, vals, ids, sb.temperature, sb.top_k, sb.top_p, log_min_p, rows,
                             top_p_cut=sb.do_top_p, **tiling)
 

@@ -87,8 +87,10 @@ def _merge_top_kernel(keys_ptr, vals_ptr, ids_ptr, num_keys, k, K: tl.constexpr,
 
 def top_candidates(logits: torch.Tensor, k: int, *, kernel: bool | None = None,
                    chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values [B, k] fp32, ids [B, k] int64): each row's k largest logits, largest first; with
-    the kernels, ties by id (lowest first). kernel: None, the kernels on a GPU where
+    """(values [B, k], ids [B, k] int64): each row's k largest logits, largest first; with the
+    kernels, values in fp32 and ties by id (lowest first); from torch.topk, values in the
+    logits' dtype (a cast would be one more launch a decode step for the compiled head's bf16
+    logits: candidate_bounds reads any float dtype). kernel: None, the kernels on a GPU where
     ON_GPU_BY_DEFAULT (never under the interpreter, whose bitonic top-k takes ~1 s a chunk);
     torch.topk otherwise and for k above MAX_K. chunk: ids a program of the first pass (default
     CHUNK, or the row's length's next power of two if shorter)."""
@@ -98,8 +100,7 @@ def top_candidates(logits: torch.Tensor, k: int, *, kernel: bool | None = None,
     if kernel is None:
         kernel = ON_GPU_BY_DEFAULT and runs_ptx(logits.device)
     if not kernel or k > MAX_K:
-        vals, ids = logits.topk(k, dim=-1)
-        return vals.float(), ids
+        return logits.topk(k, dim=-1)
     assert v < 2**31 - 1, "ids are int32 inside the kernel"
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
