@@ -109,6 +109,15 @@ def run_feature(llm: LLM, name: str, extra, prompts: list[dict], output_len: int
     return sum(len(c.token_ids) for o in outs for c in o.outputs), seconds
 
 
+def device_allocs(device: torch.device) -> int | None:
+    """The caching allocator's cudaMalloc calls so far (None off CUDA): a run that makes any
+    waits on them (session 67: a LoRA engine's plain sampling ran 10% behind the engine
+    without LoRA while its greedy runs were level; this tells whether memory is why)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.memory_stats(device)["num_device_alloc"]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="random:qwen3-0.6b")
@@ -152,14 +161,19 @@ def main(argv=None) -> int:
     order = ["sample"] + [n for n in names if n != "sample"] + ["sample"]
     results = []
     for i, name in enumerate(order):
+        allocs = device_allocs(llm.engine.config.device)
         tokens, seconds = run_feature(llm, name, features[name], prompts, args.output_len)
+        allocs = None if allocs is None else device_allocs(llm.engine.config.device) - allocs
         results.append({"feature": name, "output_tokens": tokens, "seconds": seconds,
-                        "output_tok_per_s": tokens / seconds, "run": i})
+                        "output_tok_per_s": tokens / seconds, "run": i,
+                        "cuda_mallocs": allocs})
     plain = [r["output_tok_per_s"] for r in results if r["feature"] == "sample"]
     for r in results:
         r["ratio_to_plain"] = r["output_tok_per_s"] / plain[0]
+        mallocs = "" if r["cuda_mallocs"] is None else f"  cudaMalloc calls {r['cuda_mallocs']}"
         print(f"{r['feature']:18s} {r['output_tokens']:7d} tokens {r['seconds']:7.2f} s "
-              f"{r['output_tok_per_s']:9.0f} tok/s  {r['ratio_to_plain']:.2f}", flush=True)
+              f"{r['output_tok_per_s']:9.0f} tok/s  {r['ratio_to_plain']:.2f}{mallocs}",
+              flush=True)
     print(f"plain sampling first and last: {plain[0]:.0f} and {plain[-1]:.0f} tok/s "
           f"({torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'})")
     if args.json:

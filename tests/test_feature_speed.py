@@ -24,6 +24,7 @@ def test_every_feature_decodes_the_same_tokens(tmp_path):
     assert sorted(names[1:-1]) == sorted(set(feature_params(300, 3)) - {"sample"})
     assert all(r["output_tokens"] == 4 * 3 for r in results), results
     assert results[0]["ratio_to_plain"] == 1.0
+    assert all(r["cuda_mallocs"] is None for r in results)  # counted on CUDA only
 
 
 def test_an_unknown_feature_is_refused_before_the_engine_starts(tmp_path):
