@@ -13,10 +13,12 @@ output tok/s and its ratio to plain sampling (temperature 0.6, nano-vllm's), whi
 last: their difference bounds what a ratio means. A feature well below 1 is a lead, not a
 verdict: logprobs, prompt logprobs and beams read more back from the device each step by design.
 n4 samples 4 completions of a quarter of the prompts, beam4 searches 4 beams of a quarter of them
-(the same sequences in flight). --lora-rank R starts the engine with LoRA enabled (plain
-sampling then runs through its adapter-aware layers, without an adapter) and adds "lora": every
+(the same sequences in flight). --lora-rank R starts the engine with LoRA enabled (its steps
+without adapter rows, plain sampling's, replay the base model's graphs) and adds "lora": every
 request with one random adapter of rank R on all seven linears (its prefill done once before
-too: the prefix cache keeps each adapter's apart); run without it to compare the plain figures.
+too: the prefix cache keeps each adapter's apart, and the KV cache has room for both sets of
+prompts); run without it to compare the plain figures. Each run records the share of its
+prompt tokens the prefix cache held (all full blocks, unless something evicted them).
 """
 
 from __future__ import annotations
@@ -80,14 +82,19 @@ def write_random_adapter(path: str, config, rank: int, seed: int = 0) -> str:
     return path
 
 
+BLOCK_SIZE = 16  # the engine's default KV block
+
+
 def run_feature(llm: LLM, name: str, extra, prompts: list[dict], output_len: int
-                ) -> tuple[int, float]:
-    """(output tokens, seconds) of one feature's run over `prompts`."""
+                ) -> tuple[int, float, float]:
+    """(output tokens, seconds, the share of its prompts' tokens the prefix cache held) of one
+    feature's run over `prompts`."""
     base = dict(PLAIN, max_tokens=output_len, ignore_eos=True)
     if isinstance(extra, LoRARequest):
         t0 = time.perf_counter()
         outs = llm.generate(prompts, SamplingParams(**base), use_tqdm=False, lora_request=extra)
-        return sum(len(c.token_ids) for o in outs for c in o.outputs), time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        return sum(len(c.token_ids) for o in outs for c in o.outputs), seconds, cached_share(outs)
     if name == "beam4":
         few = prompts[:max(1, len(prompts) // 4)]
         params = BeamSearchParams(beam_width=4, max_tokens=output_len, ignore_eos=True)
@@ -95,7 +102,8 @@ def run_feature(llm: LLM, name: str, extra, prompts: list[dict], output_len: int
         outs = llm.beam_search(few, params)
         seconds = time.perf_counter() - t0
         lens = {len(p["prompt_token_ids"]) for p in few}
-        return sum(len(b.tokens) - min(lens) for o in outs for b in o.sequences), seconds
+        return (sum(len(b.tokens) - min(lens) for o in outs for b in o.sequences), seconds,
+                float("nan"))  # beam search's outputs carry no cached count
     if extra == "n4":
         few = prompts[:max(1, len(prompts) // 4)]
         params = [SamplingParams(**base, n=4)] * len(few)
@@ -106,7 +114,12 @@ def run_feature(llm: LLM, name: str, extra, prompts: list[dict], output_len: int
     t0 = time.perf_counter()
     outs = llm.generate(few, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
-    return sum(len(c.token_ids) for o in outs for c in o.outputs), seconds
+    return sum(len(c.token_ids) for o in outs for c in o.outputs), seconds, cached_share(outs)
+
+
+def cached_share(outs) -> float:
+    """The share of the requests' prompt tokens that the prefix cache held when they came."""
+    return sum(o.num_cached_tokens for o in outs) / sum(len(o.prompt_token_ids) for o in outs)
 
 
 def device_allocs(device: torch.device) -> int | None:
@@ -137,8 +150,16 @@ def main(argv=None) -> int:
     if unknown:  # before the engine starts
         raise ValueError(f"unknown features {unknown}; known: {', '.join(known)}")
     start = time.perf_counter()
+    max_model_len = args.prompt_len + args.output_len + 16
+    # Room for every sequence twice over: the engine's own sizing (every sequence at full
+    # length, where memory allows) holds one set of the prompts' blocks and the runs' outputs,
+    # and with LoRA the adapter's run caches the same prompts under its own key; in one set's
+    # room each switch between the base model and the adapter evicted the other's prompts, and
+    # the next run prefilled them again in its timed seconds (session 67: plain sampling in the
+    # LoRA engine 10% behind, greedy, run after another base run, level).
+    num_kv_blocks = 2 * args.num_seqs * -(-max_model_len // BLOCK_SIZE)
     llm = LLM(args.model, max_num_seqs=args.num_seqs, device=args.device,
-              max_model_len=args.prompt_len + args.output_len + 16,
+              max_model_len=max_model_len, block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks,
               enforce_eager=args.enforce_eager, enable_lora=args.lora_rank > 0,
               max_lora_rank=args.lora_rank or 16)
     start = time.perf_counter() - start
@@ -162,17 +183,19 @@ def main(argv=None) -> int:
     results = []
     for i, name in enumerate(order):
         allocs = device_allocs(llm.engine.config.device)
-        tokens, seconds = run_feature(llm, name, features[name], prompts, args.output_len)
+        tokens, seconds, cached = run_feature(llm, name, features[name], prompts,
+                                              args.output_len)
         allocs = None if allocs is None else device_allocs(llm.engine.config.device) - allocs
         results.append({"feature": name, "output_tokens": tokens, "seconds": seconds,
                         "output_tok_per_s": tokens / seconds, "run": i,
-                        "cuda_mallocs": allocs})
+                        "cuda_mallocs": allocs, "cached_prompt_share": cached})
     plain = [r["output_tok_per_s"] for r in results if r["feature"] == "sample"]
     for r in results:
         r["ratio_to_plain"] = r["output_tok_per_s"] / plain[0]
         mallocs = "" if r["cuda_mallocs"] is None else f"  cudaMalloc calls {r['cuda_mallocs']}"
         print(f"{r['feature']:18s} {r['output_tokens']:7d} tokens {r['seconds']:7.2f} s "
-              f"{r['output_tok_per_s']:9.0f} tok/s  {r['ratio_to_plain']:.2f}{mallocs}",
+              f"{r['output_tok_per_s']:9.0f} tok/s  {r['ratio_to_plain']:.2f}  prompts cached "
+              f"{r['cached_prompt_share']:.0%}{mallocs}",
               flush=True)
     print(f"plain sampling first and last: {plain[0]:.0f} and {plain[-1]:.0f} tok/s "
           f"({torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'})")
