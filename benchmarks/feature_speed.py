@@ -86,7 +86,7 @@ BLOCK_SIZE = 16  # the engine's default KV block
 
 
 def run_feature(llm: LLM, name: str, extra, prompts: list[dict], output_len: int
-                ) -> tuple[int, float, float]:
+                ) -> tuple[int, float, float | None]:
     """(output tokens, seconds, the share of its prompts' tokens the prefix cache held) of one
     feature's run over `prompts`."""
     base = dict(PLAIN, max_tokens=output_len, ignore_eos=True)
@@ -103,7 +103,7 @@ def run_feature(llm: LLM, name: str, extra, prompts: list[dict], output_len: int
         seconds = time.perf_counter() - t0
         lens = {len(p["prompt_token_ids"]) for p in few}
         return (sum(len(b.tokens) - min(lens) for o in outs for b in o.sequences), seconds,
-                float("nan"))  # beam search's outputs carry no cached count
+                None)  # beam search's outputs carry no cached count
     if extra == "n4":
         few = prompts[:max(1, len(prompts) // 4)]
         params = [SamplingParams(**base, n=4)] * len(few)
@@ -192,10 +192,11 @@ def main(argv=None) -> int:
     plain = [r["output_tok_per_s"] for r in results if r["feature"] == "sample"]
     for r in results:
         r["ratio_to_plain"] = r["output_tok_per_s"] / plain[0]
+        cached = "" if r["cached_prompt_share"] is None else \
+            f"  prompts cached {r['cached_prompt_share']:.0%}"
         mallocs = "" if r["cuda_mallocs"] is None else f"  cudaMalloc calls {r['cuda_mallocs']}"
         print(f"{r['feature']:18s} {r['output_tokens']:7d} tokens {r['seconds']:7.2f} s "
-              f"{r['output_tok_per_s']:9.0f} tok/s  {r['ratio_to_plain']:.2f}  prompts cached "
-              f"{r['cached_prompt_share']:.0%}{mallocs}",
+              f"{r['output_tok_per_s']:9.0f} tok/s  {r['ratio_to_plain']:.2f}{cached}{mallocs}",
               flush=True)
     print(f"plain sampling first and last: {plain[0]:.0f} and {plain[-1]:.0f} tok/s "
           f"({torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'})")

@@ -25,6 +25,9 @@ def test_every_feature_decodes_the_same_tokens(tmp_path):
     assert all(r["output_tokens"] == 4 * 3 for r in results), results
     assert results[0]["ratio_to_plain"] == 1.0
     assert all(r["cuda_mallocs"] is None for r in results)  # counted on CUDA only
+    # Prompts of 8 tokens fill no block: nothing to find cached (beam search counts none).
+    assert {r["feature"] for r in results if r["cached_prompt_share"] is None} == {"beam4"}
+    assert all(r["cached_prompt_share"] == 0 for r in results if r["feature"] != "beam4")
 
 
 def test_an_unknown_feature_is_refused_before_the_engine_starts(tmp_path):
