@@ -103,3 +103,33 @@ def test_an_fp8_cache_through_the_interpreters_triton_is_warned_of(monkeypatch, 
             select_backend("cpu", "triton", dtype)
         select_backend("cpu", "reference", FP8)
     assert [r.message.count("rounds to fp8 wrongly") for r in caplog.records] == [1]
+
+
+def test_compiled_code_reads_the_sm_count_without_dynamos_lru_cache_warning(monkeypatch):
+    """num_sms inside a compiled forward (the decode head's and the sampler's launches) on a GPU:
+    Dynamo ignores an lru_cache wrapper with a UserWarning, which every engine start printed
+    (session 67). Traced, it reads the property itself, to the same constant; eagerly it keeps
+    the cache. CUDA's two calls are stood in for, so that this runs on the CPU."""
+    import collections
+    import warnings
+
+    from minivllm.kernels import launch
+
+    props = collections.namedtuple("Props", "multi_processor_count")(132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    launch._cuda_sms.cache_clear()
+    try:
+        torch._dynamo.reset()
+        torch._dynamo.utils.warn_once_cache.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn = torch.compile(lambda x: x * launch.num_sms(torch.device("cuda")), fullgraph=True,
+                               backend="eager")  # Dynamo alone: Inductor reads the GPU too
+            assert fn(torch.ones(2)).tolist() == [132.0, 132.0]
+        assert not [w for w in caught if "lru_cache" in str(w.message)]
+        assert launch.num_sms(torch.device("cuda", 0)) == 132
+        assert launch._cuda_sms.cache_info().currsize == 1  # the eager call's
+    finally:
+        launch._cuda_sms.cache_clear()
+        torch._dynamo.reset()

@@ -50,7 +50,12 @@ def num_sms(device: torch.device) -> int:
     tiny shapes still take the split-KV paths."""
     if device.type != "cuda":
         return 4
-    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.compiler.is_compiling():
+        # Dynamo traces the property read to a constant, as it did through the lru_cache
+        # wrapper, which it ignores with a UserWarning at every engine start.
+        return torch.cuda.get_device_properties(index).multi_processor_count
+    return _cuda_sms(index)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
