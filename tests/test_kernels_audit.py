@@ -105,11 +105,14 @@ def test_an_fp8_cache_through_the_interpreters_triton_is_warned_of(monkeypatch, 
     assert [r.message.count("rounds to fp8 wrongly") for r in caplog.records] == [1]
 
 
-def test_compiled_code_reads_the_sm_count_without_dynamos_lru_cache_warning(monkeypatch):
-    """num_sms inside a compiled forward (the decode head's and the sampler's launches) on a GPU:
-    Dynamo ignores an lru_cache wrapper with a UserWarning, which every engine start printed
-    (session 67). Traced, it reads the property itself, to the same constant; eagerly it keeps
-    the cache. CUDA's two calls are stood in for, so that this runs on the CPU."""
+@pytest.mark.parametrize("name", ["num_sms", "cuda_capability"])
+def test_compiled_code_reads_the_gpus_properties_without_dynamos_lru_cache_warning(name,
+                                                                                    monkeypatch):
+    """num_sms and cuda_capability inside a compiled forward (the decode head's and the
+    sampler's launches) on a GPU: Dynamo ignores an lru_cache wrapper with a UserWarning, which
+    every engine start printed (session 67). Traced, they read the property themselves, to the
+    same constant; eagerly they keep the cache. CUDA's calls are stood in for, so that this
+    runs on the CPU (and the interpreter, which would make cuda_capability (0, 0), is off)."""
     import collections
     import warnings
 
@@ -117,19 +120,24 @@ def test_compiled_code_reads_the_sm_count_without_dynamos_lru_cache_warning(monk
 
     props = collections.namedtuple("Props", "multi_processor_count")(132)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    launch._cuda_sms.cache_clear()
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    read, cached = getattr(launch, name), {"num_sms": launch._cuda_sms,
+                                           "cuda_capability": launch._cuda_capability}[name]
+    want = {"num_sms": 132, "cuda_capability": (9, 0)}[name]
+    cached.cache_clear()
     try:
         torch._dynamo.reset()
         torch._dynamo.utils.warn_once_cache.clear()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            fn = torch.compile(lambda x: x * launch.num_sms(torch.device("cuda")), fullgraph=True,
-                               backend="eager")  # Dynamo alone: Inductor reads the GPU too
-            assert fn(torch.ones(2)).tolist() == [132.0, 132.0]
+            fn = torch.compile(lambda x: x * torch.tensor(read(torch.device("cuda"))),
+                               fullgraph=True, backend="eager")  # Inductor reads the GPU too
+            assert fn(torch.ones(())).tolist() == torch.tensor(want).float().tolist()
         assert not [w for w in caught if "lru_cache" in str(w.message)]
-        assert launch.num_sms(torch.device("cuda", 0)) == 132
-        assert launch._cuda_sms.cache_info().currsize == 1  # the eager call's
+        assert read(torch.device("cuda", 0)) == want
+        assert cached.cache_info().currsize == 1  # the eager call's
     finally:
-        launch._cuda_sms.cache_clear()
+        cached.cache_clear()
         torch._dynamo.reset()

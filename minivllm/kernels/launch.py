@@ -42,7 +42,10 @@ def cuda_capability(device: torch.device) -> tuple[int, int]:
     """(major, minor) of a CUDA device; (0, 0) for any other, the interpreter's included."""
     if not runs_ptx(device):
         return (0, 0)
-    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.compiler.is_compiling():  # as num_sms, below
+        return torch.cuda.get_device_capability(index)
+    return _cuda_capability(index)
 
 
 def num_sms(device: torch.device) -> int:
