@@ -466,7 +466,10 @@ lora)
   # sampling on an engine without LoRA and on one with it, without an adapter and with one of
   # rank 16 (feature_speed.py, which prints each engine's start-up time; LORA_SPEED=0 skips
   # them), and with OLD=dir (another tree, unpacked there) the LoRA run of that tree too, run
-  # from its directory (session 66's LoRA engine started in over 200 s on a cold H100).
+  # from its directory (session 66's LoRA engine started in over 200 s on a cold H100; session
+  # 67's, on an H200 after the tests, in 136 s against 72 without LoRA). Session 67's LoRA runs
+  # were taken before feature_speed.py gave the KV cache room for both sets of prompts: their
+  # plain-sampling and adapter figures include prefilling the prompts again.
   if [ "${LORA_TESTS:-1}" != 0 ]; then
     STEP_LOG=$OUT/tests.txt step lora_tests $(left_or 180) python3 -m pytest $PYTEST_ARGS \
       tests/test_lora.py -k gpu
