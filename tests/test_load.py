@@ -71,6 +71,35 @@ def test_shards_read_their_slices(model, ckpt, world_size):
     torch.testing.assert_close(q, full.layers[0].qkv[: config.num_heads * d])
 
 
+def test_each_rank_holds_its_even_split_of_every_tensor(model, ckpt):
+    """Two ranks of the tiny model (4 query heads, 2 KV heads, 96 intermediate, 101 ids padded
+    to 102), checked against the Hugging Face tensors split by hand: q, k and v rows of the
+    rank's heads in that order, gate then up rows of its half, o_proj's and down's columns,
+    its 51 rows of the embedding and LM head (the last one's padding row zero)."""
+    sd, d = model.state_dict(), 16
+    for r in range(2):
+        shard = minivllm.load(ckpt, shard=ShardSpec(rank=r, world_size=2))
+        for n, layer in enumerate(shard.layers):
+            p = f"model.layers.{n}."
+
+            def rows(name, per):
+                return sd[p + name][r * per:(r + 1) * per]
+            torch.testing.assert_close(layer.qkv, torch.cat([
+                rows("self_attn.q_proj.weight", 2 * d), rows("self_attn.k_proj.weight", d),
+                rows("self_attn.v_proj.weight", d)]), rtol=0, atol=0)
+            torch.testing.assert_close(layer.o_proj, sd[p + "self_attn.o_proj.weight"][
+                :, r * 2 * d:(r + 1) * 2 * d], rtol=0, atol=0)
+            torch.testing.assert_close(layer.gate_up, torch.cat([
+                rows("mlp.gate_proj.weight", 48), rows("mlp.up_proj.weight", 48)]), rtol=0, atol=0)
+            torch.testing.assert_close(layer.down, sd[p + "mlp.down_proj.weight"][
+                :, r * 48:(r + 1) * 48], rtol=0, atol=0)
+            torch.testing.assert_close(layer.input_norm, sd[p + "input_layernorm.weight"])
+        for got, name in ((shard.embed, "model.embed_tokens.weight"),
+                          (shard.lm_head, "lm_head.weight")):
+            want = torch.cat([sd[name], torch.zeros(1, 64)])[r * 51:(r + 1) * 51]
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_random_params_match_expected_shapes():
     config = minivllm.config_for_shape("qwen3-0.6b", num_layers=1, vocab_size=1000)
     params = minivllm.random_params(config, seed=0, dtype="float32")

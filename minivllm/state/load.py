@@ -174,7 +174,7 @@ def _awq_modules(config: ModelConfig, prefix: str, awq: AwqQuantization | None,
 
 
 def _check_awq_shard(config: ModelConfig, shard: ShardSpec, awq: AwqQuantization | None,
-                     awq_modules: dict[str, tuple[int, int]], prefix: str) -> None:
+                     awq_modules: dict[str, tuple[int, int]]) -> None:
     """A ValueError (CheckpointError) before any weight is read when this rank's slice of an AWQ
     linear cuts a packed int32 (column-parallel: q/k/v, gate/up rows must start and end at
     multiples of 8) or a group (row-parallel: o_proj's and down's input columns must be whole
@@ -182,26 +182,19 @@ def _check_awq_shard(config: ModelConfig, shard: ShardSpec, awq: AwqQuantization
     awq_marlin repeats its scales)."""
     if awq is None or shard.world_size == 1:
         return
-    d = config.head_dim
-    q0, q1 = shard.head_range(config)
-    k0, k1 = shard.kv_head_range(config)
-    i0, i1 = shard.intermediate_range(config)
+    places = hf_placements(config, shard)  # this rank's rows (column-parallel) or columns
     where = f"tensor-parallel rank {shard.rank} of {shard.world_size}"
-    output = {"self_attn.q_proj": (q0 * d, q1 * d), "self_attn.k_proj": (k0 * d, k1 * d),
-              "self_attn.v_proj": (k0 * d, k1 * d), "mlp.gate_proj": (i0, i1),
-              "mlp.up_proj": (i0, i1)}
-    inputs = {"self_attn.o_proj": (q0 * d, q1 * d), "mlp.down_proj": (i0, i1)}
     for module, (out_features, in_features) in awq_modules.items():
-        linear = module.removeprefix(prefix).split(".", 2)[2]
-        if linear in output:
-            a, b = output[linear]
+        place = places[_hf_name(module + ".weight")]
+        if place.src_rows is not None:
+            a, b = place.src_rows
             if a % AWQ_PACK or b % AWQ_PACK:
                 raise CheckpointError(
                     f"{module}: {where} takes output rows [{a}, {b}), which cuts a packed "
                     f"int32 of its AWQ qweight (8 output columns each): the tensor-parallel "
                     f"size must split it at multiples of 8")
         else:
-            a, b = inputs[linear]
+            a, b = place.src_cols
             group = awq.group(in_features)
             if group < in_features and (a % group or b % group):
                 raise CheckpointError(
@@ -331,7 +324,7 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
         del expected[module + ".weight"]
         for suffix, shape in awq.shapes(out_features, in_features).items():
             expected[f"{module}.{suffix}"] = shape
-    _check_awq_shard(config, shard, awq, awq_modules, prefix)
+    _check_awq_shard(config, shard, awq, awq_modules)
     # weight name -> its scales' name, for the weights stored in fp8 blocks.
     scales = {name: scale_name(name) for name in _quantized_weights(config, prefix, quant)}
     if quant is not None:
@@ -578,36 +571,39 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
                 return merged_fp8
         return torch.cat([dense(p) for p in parts])
 
-    d = config.head_dim
-    q0, q1 = shard.head_range(config)
-    k0, k1 = shard.kv_head_range(config)
-    i0, i1 = shard.intermediate_range(config)
-    m0, m1 = shard.moe_intermediate_range(config)
-    v0, v1 = shard.vocab_range(config)
+    # This rank's slice of every tensor: the table LLM.load_weights copies by (one place for the
+    # shard ranges and the merged layouts).
+    places = hf_placements(config, shard)
+
+    def sliced(name: str) -> dict:
+        """read's or read_linear's rows= and cols= for `name` (a weight, with load's prefix)."""
+        place = places[_hf_name(name)]
+        return dict(rows=place.src_rows, cols=place.src_cols)
+
+    def linear(module: str):
+        return read_linear(module, **sliced(module + ".weight"))
 
     def vocab_rows(name):
         # Rows past the real vocabulary are zero padding (the vocabulary is padded to a multiple
         # of the world size); a rank reads only the real rows it owns.
+        v0, v1 = shard.vocab_range(config)
         out = torch.zeros(v1 - v0, config.hidden_size, dtype=dtype, device=work)
-        real_end = min(v1, config.vocab_size)
-        if real_end > v0:
-            out[: real_end - v0] = read(name, rows=(v0, real_end))
+        rows = places[_hf_name(name)].rows
+        if rows[1] > 0:
+            out[:rows[1]] = read(name, **sliced(name))
         return put(out)
 
     layers = []
     for n in range(config.num_layers):
         p = f"{prefix}layers.{n}."
-        qkv = merge([
-            read_linear(p + "self_attn.q_proj", rows=(q0 * d, q1 * d)),
-            read_linear(p + "self_attn.k_proj", rows=(k0 * d, k1 * d)),
-            read_linear(p + "self_attn.v_proj", rows=(k0 * d, k1 * d)),
-        ])
+        qkv = merge([linear(p + "self_attn.q_proj"), linear(p + "self_attn.k_proj"),
+                     linear(p + "self_attn.v_proj")])
         attention = dict(
             input_norm=put(read(p + "input_layernorm.weight")),
             qkv=put(qkv),
             q_norm=put(read(p + "self_attn.q_norm.weight")),
             k_norm=put(read(p + "self_attn.k_norm.weight")),
-            o_proj=put(read_linear(p + "self_attn.o_proj", cols=(q0 * d, q1 * d))),
+            o_proj=put(linear(p + "self_attn.o_proj")),
             post_norm=put(read(p + "post_attention_layernorm.weight")),
         )
         if config.is_sparse_layer(n):
@@ -615,23 +611,22 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
             # stacked expert by expert: [experts, 2 * moe_local, hidden], [experts, hidden,
             # moe_local]. Filled in place, so that one expert's slices at a time are extra.
             e = f"{p}mlp.experts."
+            m0, m1 = shard.moe_intermediate_range(config)
             gate_up = torch.empty(config.num_experts, 2 * (m1 - m0), config.hidden_size,
                                   dtype=dtype, device=device)
             down = torch.empty(config.num_experts, config.hidden_size, m1 - m0, dtype=dtype,
                                device=device)
             for x in range(config.num_experts):
-                gate_up[x, :m1 - m0] = read(f"{e}{x}.gate_proj.weight", rows=(m0, m1))
-                gate_up[x, m1 - m0:] = read(f"{e}{x}.up_proj.weight", rows=(m0, m1))
-                down[x] = read(f"{e}{x}.down_proj.weight", cols=(m0, m1))
+                gate, up, down_x = (f"{e}{x}.{w}_proj.weight" for w in ("gate", "up", "down"))
+                gate_up[x, :m1 - m0] = read(gate, **sliced(gate))
+                gate_up[x, m1 - m0:] = read(up, **sliced(up))
+                down[x] = read(down_x, **sliced(down_x))
             layers.append(MoELayerParams(**attention, router=put(read(p + "mlp.gate.weight")),
                                          experts_gate_up=gate_up, experts_down=down))
             continue
-        gate_up = merge([
-            read_linear(p + "mlp.gate_proj", rows=(i0, i1)),
-            read_linear(p + "mlp.up_proj", rows=(i0, i1)),
-        ])
+        gate_up = merge([linear(p + "mlp.gate_proj"), linear(p + "mlp.up_proj")])
         layers.append(LayerParams(**attention, gate_up=put(gate_up),
-                                  down=put(read_linear(p + "mlp.down_proj", cols=(i0, i1)))))
+                                  down=put(linear(p + "mlp.down_proj"))))
     return Params(
         embed=vocab_rows(f"{prefix}embed_tokens.weight"),
         layers=tuple(layers),
@@ -661,15 +656,17 @@ class Placement:
 
 def hf_placements(config: ModelConfig, shard: ShardSpec) -> dict[str, Placement]:
     """Every Hugging Face tensor name of a Qwen3 or Qwen3-MoE checkpoint (with the "model."
-    prefix) -> its Placement in `shard`'s Params: load's layout, from the same shard ranges (q,
+    prefix) -> its Placement in `shard`'s Params: load's layout (load reads each rank's slice
+    by this table, and LLM.load_weights copies by it), from the shard ranges (q,
     k, v rows of the merged qkv in that order; gate, then up rows of gate_up; this rank's columns
     of o_proj and down; this rank's real rows of the vocabulary-parallel embedding and LM head,
     the padding rows past the vocabulary left as load leaves them). A sparse layer's router
     (mlp.gate) is its router whole; expert e's gate_proj and up_proj fill this rank's gate, then
     up rows of experts_gate_up[e] (their rows of moe_intermediate_range), its down_proj this
     rank's columns into experts_down[e] (the expert index is the field path's last step). A
-    tied model has no lm_head.weight. tests/test_load_weights.py checks the table against load,
-    rank by rank, dense and mixture of experts."""
+    tied model has no lm_head.weight. tests/test_load_weights.py checks the table's target rows
+    against load's params, rank by rank, dense and mixture of experts; test_load.py checks
+    load's slices against the Hugging Face tensors split by hand."""
     d = config.head_dim
     q0, q1 = shard.head_range(config)
     k0, k1 = shard.kv_head_range(config)
