@@ -378,7 +378,8 @@ for _ in range(800):
     ("/v1/chat/completions", {"messages": [
         {"role": "user", "content": "x"},
         {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
-            "name": "f", "arguments": "[" * 5000 + "]" * 5000}}]}]}, "is not JSON"),
+            # past any version's C recursion limit (3.12 parses 5,000 levels: its limit is 8,000)
+            "name": "f", "arguments": "[" * 100_000 + "]" * 100_000}}]}]}, "is not JSON"),
     # within json's depth, past the chat template's (its tojson): 400 "RecursionError: ..."
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice":
      "none", "tools": [{"type": "function", "function": {"name": "f", "parameters": NESTED}}]},

@@ -157,8 +157,9 @@ def test_an_answer_whose_block_is_not_a_call_is_content():
     for text in ('<tool_call>\n{"name": "f", "arguments": {"a": }\n</tool_call>',  # broken JSON
                  '<tool_call>\n{"arguments": {}}\n</tool_call>',  # no name
                  'hi <tool_call>["f"]</tool_call>',
-                 # nested past json's recursion: a model may write anything
-                 '<tool_call>{"name": "f", "arguments": ' + "[" * 5000 + "]" * 5000 +
+                 # nested past json's recursion (3.12's C limit is 8,000): a model may write
+                 # anything
+                 '<tool_call>{"name": "f", "arguments": ' + "[" * 100_000 + "]" * 100_000 +
                  '}</tool_call>'):
         split = tool_calls.ToolCallSplit()
         sent = split.feed(text)
@@ -180,7 +181,7 @@ def test_tool_choice_schemas_hold_the_answer_to_the_tools():
     assert named.fullmatch('{"city": "Paris", "days": 2}') and not named.fullmatch("{}")
     assert tool_calls.choice_schema("auto", TOOLS) is None
     assert tool_calls.parse_required('[{"name": "get_time", "parameters": {}') is None
-    assert tool_calls.parse_required("[" * 5000 + "]" * 5000) is None  # past json's recursion
+    assert tool_calls.parse_required("[" * 100_000 + "]" * 100_000) is None  # past json's depth
 
 
 @pytest.mark.parametrize("tools, choice, match", [
