@@ -689,7 +689,8 @@ suite)
   # and the serial files need a second call (SUITE_GROUPS="1 2 4 6 serial", or by file with
   # SUITE_FILES_<group>): the engine tests compile for 45-120 s each under this load. Each
   # test's time is in the logs. The call returns 8 files (6 groups, serial, results.json): the
-  # compile caches do not come back.
+  # compile caches do not come back. SUITE_FROM=FILE runs group 6's files from FILE on instead,
+  # spread over the six groups (the serial group as it is).
   declare -A groups=(
     [1]="tests/test_engine.py tests/test_greedy_graph_step.py"
     [2]="tests/test_gpu_graphs.py tests/test_prefill_graph.py tests/test_decode_graphs.py
@@ -708,6 +709,17 @@ suite)
   rest=$(ls tests/test_*.py | while read -r f; do case " $taken " in *" $f "*) ;; *) echo "$f" ;; esac; done)
   groups[6]=$(echo $rest)
   groups[serial]=$serial
+  if [ -n "${SUITE_FROM:-}" ]; then
+    # SUITE_FROM=FILE: group 6's files from FILE on (alphabetically), dealt out over groups 1-6
+    # in turn (session 67's call was cut in group 6's tests/test_fp8_weights.py: from it on,
+    # 57 files)
+    i=0
+    for g in 1 2 3 4 5 6; do groups[$g]=""; done
+    for f in $(echo $rest | tr ' ' '\n' | awk -v from="$SUITE_FROM" '$0 >= from'); do
+      g=$(( i % 6 + 1 )) i=$(( i + 1 ))
+      groups[$g]="${groups[$g]} $f"
+    done
+  fi
   for g in "${!groups[@]}"; do  # SUITE_FILES_<group>: other files (or node ids) for that group
     override=SUITE_FILES_$g
     [ -n "${!override:-}" ] && groups[$g]=${!override}
