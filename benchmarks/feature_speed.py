@@ -123,9 +123,8 @@ def cached_share(outs) -> float:
 
 
 def device_allocs(device: torch.device) -> int | None:
-    """The caching allocator's cudaMalloc calls so far (None off CUDA): a run that makes any
-    waits on them (session 67: a LoRA engine's plain sampling ran 10% behind the engine
-    without LoRA while its greedy runs were level; this tells whether memory is why)."""
+    """The caching allocator's cudaMalloc calls so far (None off CUDA): a timed run that makes
+    any waits on them, which its figure would not show otherwise."""
     if device.type != "cuda":
         return None
     return torch.cuda.memory_stats(device)["num_device_alloc"]
