@@ -35,6 +35,7 @@ import torch
 from safetensors.torch import save_file
 
 from minivllm import LLM, BeamSearchParams, LoRARequest, SamplingParams
+from minivllm.state.config import ceil_div
 
 PLAIN = dict(temperature=0.6)
 
@@ -156,7 +157,7 @@ def main(argv=None) -> int:
     # room each switch between the base model and the adapter evicted the other's prompts, and
     # the next run prefilled them again in its timed seconds (session 67: plain sampling in the
     # LoRA engine 10% behind, greedy, run after another base run, level).
-    num_kv_blocks = 2 * args.num_seqs * -(-max_model_len // BLOCK_SIZE)
+    num_kv_blocks = 2 * args.num_seqs * ceil_div(max_model_len, BLOCK_SIZE)
     llm = LLM(args.model, max_num_seqs=args.num_seqs, device=args.device,
               max_model_len=max_model_len, block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks,
               enforce_eager=args.enforce_eager, enable_lora=args.lora_rank > 0,

@@ -588,9 +588,9 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
         # of the world size); a rank reads only the real rows it owns.
         v0, v1 = shard.vocab_range(config)
         out = torch.zeros(v1 - v0, config.hidden_size, dtype=dtype, device=work)
-        rows = places[_hf_name(name)].rows
-        if rows[1] > 0:
-            out[:rows[1]] = read(name, **sliced(name))
+        place = places[_hf_name(name)]
+        if place.rows[1] > 0:
+            out[:place.rows[1]] = read(name, rows=place.src_rows)
         return put(out)
 
     layers = []
