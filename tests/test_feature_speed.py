@@ -43,15 +43,18 @@ def test_lora_runs_every_request_with_the_random_adapter(tmp_path):
 
     path = save_checkpoint(make_hf_model(vocab_size=300), tmp_path / "model")
     out = tmp_path / "r.json"
-    assert main(["--model", path, "--num-seqs", "4", "--prompt-len", "40", "--output-len", "3",
-                 "--device", "cpu", "--enforce-eager", "--lora-rank", "4",
+    # Outputs long enough to fill blocks of their own, many enough to evict (session 68 found
+    # the adapter's run at 36% of its prompts cached on the H200; here 80% without the priming)
+    assert main(["--model", path, "--num-seqs", "32", "--prompt-len", "128", "--output-len",
+                 "64", "--device", "cpu", "--enforce-eager", "--lora-rank", "4",
                  "--features", "greedy,lora", "--json", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
     assert [r["feature"] for r in results] == ["sample", "greedy", "lora", "sample"]
-    assert all(r["output_tokens"] == 4 * 3 for r in results)
-    # Every timed run finds its prompts' full blocks (32 of 40 tokens) in the prefix cache, the
-    # base model's and the adapter's alike: the runs differ by their decode steps only.
-    assert [r["cached_prompt_share"] for r in results] == [32 / 40] * 4
+    assert all(r["output_tokens"] == 32 * 64 for r in results)
+    # Every timed run finds its prompts' full blocks (all but the last of 128 tokens' 8, which
+    # the prompt's last token is computed in) in the prefix cache, the base model's and the
+    # adapter's alike: the runs differ by their decode steps only.
+    assert [r["cached_prompt_share"] for r in results] == [112 / 128] * 4
     llm = minivllm.LLM(path, device="cpu", enforce_eager=True, enable_lora=True,
                        max_lora_rank=4)
     adapter = write_random_adapter(str(tmp_path / "lora"), llm.engine.model_config, 4)
