@@ -361,3 +361,41 @@ def test_start_up_builds_decode_graphs_for_a_generating_engine_only(runner, draf
             assert fake.draft_graphs is None and fake.draft_forward is None
     else:
         assert not built and fake.graphs is None and fake.prefill_forward is compiled
+
+
+def test_a_moe_models_single_sequence_has_a_bucket_of_its_own():
+    """A mixture of experts pads no single sequence to 2 rows (the padding row's experts would
+    be read as well as the sequence's): its graphs have a bucket of 1. The compiled forward
+    over every bucket, 1 last as capture takes them, equals the eager forward, and the bucket
+    of 1 costs at most one compile more of each compiled part."""
+    from torch._dynamo.testing import CompileCounter
+
+    from minivllm.runtime.compiled import compiled_forward
+
+    moe = attrs.evolve(CONFIG, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                       sparse_layers=(1,))
+    backend = select_backend("cpu", "reference")
+    dense_params = minivllm.random_params(CONFIG, seed=0)
+    dense = DecodeGraphs(dense_params, minivllm.init_cache(dense_params, num_blocks=64,
+                                                           block_size=4),
+                         backend, max_num_seqs=32, max_blocks_per_seq=8, compile_forward=False)
+    assert dense.buckets[0] == 2
+    torch._dynamo.reset()
+    params = minivllm.random_params(moe, seed=0, std=0.2)
+    cache = minivllm.init_cache(params, num_blocks=64, block_size=4)
+    graphs = DecodeGraphs(params, cache, backend, max_num_seqs=32, max_blocks_per_seq=8,
+                          compile_forward=False)
+    assert graphs.buckets == [1] + dense.buckets
+    frames = []
+    for buckets in (graphs.buckets[1:], graphs.buckets):
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        fn = compiled_forward(counter)
+        for bs in reversed(buckets):
+            expected, _ = minivllm.forward(params, cache, graphs.batch_view(bs), backend)
+            got, _ = fn(params, cache, graphs.batch_view(bs), backend)
+            torch.testing.assert_close(got, expected)
+        frames.append(counter.frame_count)
+    # one static compile of each compiled part for the bucket of 1: the dense and the sparse
+    # layer, the stem and the head
+    assert frames[1] - frames[0] <= 4, frames

@@ -472,9 +472,10 @@ def test_bf16_on_a_hopper_gpu_takes_the_grouped_gemm(monkeypatch):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graphs_and_compiled_layer_equal_eager_on_the_gpu(tmp_path, dtype):
     """The compiled layers (a sparse and a dense one: two graphs of one function), the decode
-    CUDA graphs and the prefill graphs against the eager engine. fp32 (the fallback's
-    products): the same tokens. bf16 (CUTLASS's grouped GEMM, compiled): each shared position's
-    logprob within bf16's reach (see test_gpu_graphs), the first token everywhere the same."""
+    CUDA graphs (a single sequence's bucket of 1 too) and the prefill graphs against the eager
+    engine. fp32 (the fallback's products): the same tokens. bf16 (CUTLASS's grouped GEMM,
+    compiled): each shared position's logprob within bf16's reach (see test_gpu_graphs), the
+    first token everywhere the same."""
     model = make_hf_moe_model(seed=1, std=0.3, num_hidden_layers=4, hidden_size=128,
                               intermediate_size=256, moe_intermediate_size=64,
                               num_attention_heads=8, num_key_value_heads=2, head_dim=32,
@@ -493,6 +494,10 @@ def test_graphs_and_compiled_layer_equal_eager_on_the_gpu(tmp_path, dtype):
     fast, got = run()
     assert eager.engine.runner.graphs is None and fast.engine.runner.graphs is not None
     assert fast.engine.runner.small_decode_forward is None  # no persistent decode for a MoE
+    # A single sequence replays the bucket of 1 row (no padding row's experts to read).
+    assert fast.engine.runner.graphs.buckets[0] == 1
+    for llm, outs in ((eager, want), (fast, got)):
+        outs += [o.outputs[0] for o in llm.generate(prompts[2:3], params, use_tqdm=False)]
     if dtype == "float32":
         assert [c.token_ids for c in got] == [c.token_ids for c in want]
         return

@@ -9,9 +9,13 @@ addresses, which never change, since the cache is donated and written in place.
 The forward's parts are compiled by runtime.compiled (one decoder layer, the stem and the head).
 The smallest bucket is 2, so that the compiled layer sees only batches of 2 or more and one
 dynamic-batch compile (after a first static one) serves every bucket; a single sequence is
-padded to 2 rows, which costs nothing measurable. With persistent_decode the buckets of 1 and 2
+padded to 2 rows, which costs a dense model nothing measurable. With persistent_decode the buckets of 1 and 2
 rows run every layer as one persistent kernel (kernels/decode_layer.py) instead, whose work grows
-with each row, padding included, so there a single sequence has a bucket of its own.
+with each row, padding included, so there a single sequence has a bucket of its own. So does a
+mixture-of-experts model's: its padding row routes to experts of its own, and at one sequence
+that doubles the expert weights a step reads (8 of 128 experts become ~16 at Qwen3-30B-A3B's
+shape, whose expert GEMMs ran at ~80% of that doubled floor on the H200 in session 68), for one
+more compile of the layer.
 
 Rows past the real batch are padding: slot -1 (nothing is written), context length 1 and a block
 table of zeros (block 0 exists, and the padding row's one key is its own new token), so they
@@ -87,7 +91,7 @@ def decode_buckets(max_num_seqs: int, single: bool = False) -> list[int]:
     single: 1 too (the persistent decode layers, whose work grows with every row, padding
     included: 42.7 against 31.3 us a layer at 2 rows and 1 on the H200, BENCHMARKS.md session
     15; the compiled layer, which the bucket of 1 row would make compile once more, is not
-    used there)."""
+    used there; and a mixture of experts, whose padding row reads experts of its own)."""
     sizes = [b for b in ((1,) if single else ()) + (2, 4, 8) if b < max_num_seqs]
     sizes += list(range(16, max_num_seqs, 16))
     sizes.append(max_num_seqs)
@@ -114,7 +118,8 @@ class DecodeGraphs:
                              "(params.lora)")
         self.params, self.cache, self.backend = params, cache, backend
         self.device = params.device
-        self.buckets = decode_buckets(max_num_seqs, single=persistent_decode)
+        self.buckets = decode_buckets(max_num_seqs,
+                                      single=persistent_decode or params.config.is_moe)
         n, m = self.buckets[-1], max_blocks_per_seq
         dev = self.device
         # The per-step inputs (runtime/step_inputs.py); cu_seqlens_q and logits_indices never
