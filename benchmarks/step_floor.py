@@ -18,11 +18,13 @@ bounds them). A .gz file is read as gzip."""
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import json
 import statistics
 
-from minivllm.runtime.workload import kv_bytes_per_token, throughput_workload, weight_bytes
+from minivllm.runtime.workload import (expert_bytes, expert_share_read, kv_bytes_per_token,
+                                       throughput_workload, weight_bytes)
 from minivllm.state.config import config_for_shape
 
 BANDS = ((151, 256), (61, 150), (17, 60), (1, 16))
@@ -38,11 +40,13 @@ def check_workload(records: list[dict], num_seqs: int) -> None:
 
 
 def step_floors(records: list[dict], prompt_lens: list[int], max_tokens: list[int],
-                kv_per_token: int, weights: int, bandwidth: float) -> list[tuple]:
+                kv_per_token: int, weights: int, bandwidth: float, experts: int = 0,
+                expert_share=None) -> list[tuple]:
     """(sequences running, measured s, floor s, s waiting for the device or None, s in
     runner.launch or None) for each decode step, i.e. each step from the first with nothing
     waiting. At decode step j a sequence with n output tokens is running if j + 1 < n (its first
-    token came from prefill) and holds p + j tokens of KV."""
+    token came from prefill) and holds p + j tokens of KV. experts: the part of `weights` that
+    is a mixture of experts' experts, of which a step of B sequences reads expert_share(B)."""
     start = next((i for i, r in enumerate(records) if r["waiting"] == 0), None)
     if start is None:
         raise ValueError("no step without waiting sequences: is this a throughput run's record?")
@@ -50,8 +54,10 @@ def step_floors(records: list[dict], prompt_lens: list[int], max_tokens: list[in
     for j, record in enumerate(records[start:]):
         running = [(p, n) for p, n in zip(prompt_lens, max_tokens) if j + 1 < n]
         kv = sum((p + j) * kv_per_token for p, _ in running)
-        out.append((len(running), record["s"], (kv + weights) / bandwidth, record.get("wait_s"),
-                    record.get("launch_s")))
+        step_weights = weights if not experts else \
+            weights - experts + experts * expert_share(len(running))
+        out.append((len(running), record["s"], (kv + step_weights) / bandwidth,
+                    record.get("wait_s"), record.get("launch_s")))
     return out
 
 
@@ -112,7 +118,8 @@ def main():
         raise SystemExit(f"step_floor: {e}") from None
     floors = step_floors(records, [len(p) for p in prompts], max_tokens,
                          kv_bytes_per_token(config, args.kv_bytes),
-                         weight_bytes(config), args.tb_s * 1e12)
+                         weight_bytes(config), args.tb_s * 1e12, experts=expert_bytes(config),
+                         expert_share=functools.partial(expert_share_read, config))
     print(f"{'sequences':>10} {'steps':>6} {'measured s':>11} {'floor s':>8} {'of floor':>9} "
           f"{'lost ms/step':>13} {'waiting':>8} {'host ms':>8} {'launch ms':>10}")
     for r in bands(floors):

@@ -23,6 +23,15 @@ def test_floors_follow_the_running_sequences():
     assert band["host_ms"] is None and band["launch_ms"] is None
 
 
+def test_a_mixture_of_experts_step_reads_the_share_of_experts_its_sequences_route_to():
+    """experts: the part of the weights of which a step reads expert_share(sequences running)."""
+    records = [{"s": 1.0, "waiting": 0}] * 3
+    floors = step_floors(records, [10, 20], [2, 3], kv_per_token=1, weights=100, bandwidth=1.0,
+                         experts=60, expert_share=lambda b: b / 4)
+    # running: 2, 1, 0 sequences; KV 10+20, 21, none; weights 40 + 60 * b / 4
+    assert [f[2] for f in floors] == [30 + 40 + 30, 21 + 40 + 15, 0 + 40 + 0]
+
+
 def test_bands_give_the_share_of_time_spent_waiting_for_the_device():
     records = [{"s": 1.0, "waiting": 0, "wait_s": 0.5}, {"s": 0.5, "waiting": 0, "wait_s": 0.0},
                {"s": 0.5, "waiting": 0, "wait_s": 0.25}]

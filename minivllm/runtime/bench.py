@@ -27,7 +27,7 @@ from .config import check_draft_model, random_model
 from .pooling import check_generates
 from .spec_decode import SpeculativeConfig
 from .workload import (MAX_PROMPT_ID, check_throughput_workload, check_vocabulary,
-                       held_weight_bytes, throughput_workload,
+                       held_expert_bytes, held_weight_bytes, throughput_workload,
                        traffic_floor_bytes)
 
 
@@ -322,7 +322,8 @@ def run_throughput(llm, *, num_seqs: int = 256, max_input_len: int = 1024,
                                 kv_dtype_bytes=llm.config.cache_dtype.itemsize,
                                 tensor_parallel_size=llm.config.tensor_parallel_size,
                                 # a checkpoint's linears as loaded (a Qwen3-AWQ one's packed)
-                                step_weight_bytes=held_weight_bytes(llm.engine.runner.params))
+                                step_weight_bytes=held_weight_bytes(llm.engine.runner.params),
+                                step_expert_bytes=held_expert_bytes(llm.engine.runner.params))
     return {"workload": "throughput", "num_seqs": num_seqs, "prompt_tokens": sum(map(len, prompts)),
             "output_tokens": output_tokens, "seconds": seconds,
             "output_tok_per_s": output_tokens / seconds, "floor_bytes": floor["total_bytes"],
@@ -401,13 +402,15 @@ def run_latency(llm, *, prompt_len: int = 512, output_len: int = 256, repeats: i
     host = [t - w for t, w in zip(total, wait)]
     drafting = {"draft_us_p10_50_90": _percentiles(draft)} if any(draft) else {}
     # The floor of the stream's output_len tokens decoded one a step: each step reads the
-    # weights once and the stream's context so far (speculation may beat it: several tokens a
-    # step for one read of the target's weights; the draft's reads are not counted).
+    # weights once (of a sparse layer's experts, the token's top k) and the stream's context so
+    # far (speculation may beat it: several tokens a step for one read of the target's weights;
+    # the draft's reads are not counted).
     floor = traffic_floor_bytes(llm.engine.model_config, [prompt_len], [output_len],
                                 dtype_bytes=llm.config.dtype.itemsize,
                                 kv_dtype_bytes=llm.config.cache_dtype.itemsize,
                                 tensor_parallel_size=llm.config.tensor_parallel_size,
-                                step_weight_bytes=held_weight_bytes(llm.engine.runner.params))
+                                step_weight_bytes=held_weight_bytes(llm.engine.runner.params),
+                                step_expert_bytes=held_expert_bytes(llm.engine.runner.params))
     return {"workload": "latency", "prompt_tokens": prompt_len, "output_tokens": output_len,
             "ttft_s": statistics.median(ttfts), "output_tok_per_s": rate,
             "seconds": output_len / rate, "floor_bytes": floor["total_bytes"],

@@ -7,13 +7,18 @@ ids `randint(0, 10000)` with lengths `randint(100, 1024)` drawn first, then one
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 
+import attrs
+
 from ..state.config import ModelConfig
 from ..state.params import (AWQ_FIELDS, RANDOM_AWQ_GROUP, RANDOM_FP8_BLOCK, RANDOM_QUANTIZATIONS,
-                            expected_shapes)
+                            MoELayerParams, expected_shapes, layer_class)
 from ..state.shard import ShardSpec
+
+EXPERT_FIELDS = ("experts_gate_up", "experts_down")  # a sparse layer's weights read by routing
 
 
 MIN_LEN = 100  # nano-vllm's least prompt and output length
@@ -69,19 +74,35 @@ def quantized_linear_bytes(quantization: str, out_features: int, in_features: in
 
 def weight_bytes(config: ModelConfig, dtype_bytes: int = 2, shard: ShardSpec | None = None,
                  quantization: str | None = None) -> int:
-    """Bytes of weights one decode step reads on one rank of `shard` (default: the whole model):
-    all but the embedding, of which a step gathers only a few rows (a tied head reads it as the
-    head). quantization "awq" or "fp8": the decoder linears (qkv, o_proj, gate_up, down) count
-    as random_params(quantization=...) holds them (quantized_linear_bytes); the rest in the
-    model's dtype."""
+    """Bytes of the weights on one rank of `shard` (default: the whole model) that a decode step
+    may read: all but the embedding, of which a step gathers only a few rows (a tied head reads
+    it as the head); every expert of a sparse layer (expert_bytes: the part a step's routing
+    picks from). quantization "awq" or "fp8": the decoder linears (qkv, o_proj, gate_up, down)
+    count as random_params(quantization=...) holds them (quantized_linear_bytes); the rest in
+    the model's dtype."""
     shapes = expected_shapes(config, shard or ShardSpec())
     linears = set(AWQ_FIELDS) if quantization is not None else set()
-    layer = sum(math.prod(shape) for name, shape in shapes.items()
-                if name not in ("embed", "lm_head", "final_norm") and name not in linears)
-    quantized = sum(quantized_linear_bytes(quantization, *shapes[name]) for name in linears)
-    return (dtype_bytes * (config.num_layers * layer + math.prod(shapes["lm_head"])
-                           + math.prod(shapes["final_norm"]))
-            + config.num_layers * quantized)
+    total = dtype_bytes * (math.prod(shapes["lm_head"]) + math.prod(shapes["final_norm"]))
+    for n in range(config.num_layers):
+        for name in attrs.fields_dict(layer_class(config, n)):
+            total += (quantized_linear_bytes(quantization, *shapes[name]) if name in linears
+                      else dtype_bytes * math.prod(shapes[name]))
+    return total
+
+
+def expert_bytes(config: ModelConfig, dtype_bytes: int = 2, shard: ShardSpec | None = None) -> int:
+    """Bytes of all the sparse layers' experts on one rank of `shard` (0 for a dense model)."""
+    shapes = expected_shapes(config, shard or ShardSpec())
+    per_layer = dtype_bytes * sum(math.prod(shapes[name]) for name in EXPERT_FIELDS)
+    return per_layer * len(config.sparse_layers)
+
+
+def expert_share_read(config: ModelConfig, tokens: int) -> float:
+    """The expected share of a sparse layer's experts that `tokens` tokens route to, each to
+    num_experts_per_tok distinct ones of num_experts, uniformly and independently (as random
+    weights route, near enough; a trained router's preferences read fewer): 1 - (1 - k/E)^T."""
+    k, e = config.num_experts_per_tok, config.num_experts
+    return 1.0 - (1.0 - k / e) ** tokens
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int = 2, shard: ShardSpec | None = None) -> int:
@@ -102,20 +123,31 @@ def held_weight_bytes(params) -> int:
     return sum(t.numel() * t.element_size() for t in leaves)
 
 
+def held_expert_bytes(params) -> int:
+    """The sparse layers' experts' part of held_weight_bytes(params)."""
+    return sum(getattr(layer, name).numel() * getattr(layer, name).element_size()
+               for layer in params.layers if isinstance(layer, MoELayerParams)
+               for name in EXPERT_FIELDS)
+
+
 def traffic_floor_bytes(config: ModelConfig, prompt_lens: list[int], max_tokens: list[int],
                         dtype_bytes: int = 2, tensor_parallel_size: int = 1,
                         kv_dtype_bytes: int | None = None,
                         quantization: str | None = None,
-                        step_weight_bytes: int | None = None) -> dict[str, float]:
+                        step_weight_bytes: int | None = None,
+                        step_expert_bytes: int | None = None) -> dict[str, float]:
     """The bytes a perfect engine must move for the decode of this workload, per GPU: every
     output token reads its sequence's whole KV context once, and every decode step reads the
-    weights once (at least max(max_tokens) steps, since each sequence decodes one token a step).
+    weights once (at least max(max_tokens) steps, since each sequence decodes one token a step),
+    a sparse layer's experts only in the share its step's tokens route to (expert_share_read
+    of the sequences still decoding at that step: a single stream reads num_experts_per_tok).
     At tensor_parallel_size N every GPU reads its own shard, all at once: the floor is one
     rank's bytes (rank 0's; KV heads past their count are replicated, norms always are).
     dtype_bytes: the weights' element size; kv_dtype_bytes: the cache's (default the same);
     quantization: "awq" or "fp8" for random_params' quantized linears (weight_bytes);
-    step_weight_bytes: a step's weight bytes as counted from the params held (held_weight_bytes),
-    in place of weight_bytes' count from the config."""
+    step_weight_bytes, step_expert_bytes: all the weights' bytes and the experts' part of them
+    as counted from the params held (held_weight_bytes, held_expert_bytes), in place of
+    weight_bytes' and expert_bytes' counts from the config."""
     shard = ShardSpec(rank=0, world_size=tensor_parallel_size)
     per_token = kv_bytes_per_token(config, kv_dtype_bytes or dtype_bytes, shard)
     kv = 0
@@ -124,5 +156,13 @@ def traffic_floor_bytes(config: ModelConfig, prompt_lens: list[int], max_tokens:
         kv += per_token * (n * p + n * (n - 1) // 2)
     if step_weight_bytes is None:
         step_weight_bytes = weight_bytes(config, dtype_bytes, shard, quantization)
-    weights = step_weight_bytes * max(max_tokens)
+    if step_expert_bytes is None:
+        step_expert_bytes = expert_bytes(config, dtype_bytes, shard)
+    steps = max(max_tokens)
+    weights = (step_weight_bytes - step_expert_bytes) * steps
+    if step_expert_bytes:
+        ends = sorted(max_tokens)  # step j decodes the sequences whose max_tokens exceed j
+        weights += step_expert_bytes * sum(
+            expert_share_read(config, len(ends) - bisect.bisect_right(ends, j))
+            for j in range(steps))
     return {"kv_bytes": float(kv), "weight_bytes": float(weights), "total_bytes": float(kv + weights)}
