@@ -24,8 +24,8 @@
 #       (the Triton AWQ GEMM in bf16/fp16, compiled and in a CUDA graph; the engine's graphs)
 #   bash benchmarks/gpu_checks.sh moe_probe  # nvidia-h200 or nvidia-h100-x1: one sparse layer's
 #       MoE MLP both ways (grouped GEMMs, Triton kernels) at 1-256 tokens (benchmarks/moe_probe.py)
-#   bash benchmarks/gpu_checks.sh moe_align  # nvidia-h200 or nvidia-h100-x1: the MoE align kernel's
-#       launch choices at 1-64 tokens (benchmarks/moe_align_probe.py)
+#   bash benchmarks/gpu_checks.sh moe_launch  # nvidia-h200 or nvidia-h100-x1: the MoE kernels'
+#       launch choices: align at 1-64 tokens, the expert GEMMs at 1-32 (moe_launch_probe.py)
 #   bash benchmarks/gpu_checks.sh moe_kernel  # nvidia-h200 or nvidia-h100-x1: kernels/fused_moe.py
 #       (MINIVLLM_MOE_KERNEL=triton, the experts as Triton kernels at <= 256 tokens a step): its
 #       GPU tests, then that shape's single stream with and without, alternating, then the
@@ -546,12 +546,15 @@ moe_probe)
   # 1-256 tokens in CUDA graphs, with each path's kernels at 1, 32 and 256 tokens.
   step moe_probe $(left_or 200) python3 benchmarks/moe_probe.py --json "$RESULTS/moe_probe.json"
   ;;
-moe_align)
-  # nvidia-h200 or nvidia-h100-x1 (~2 min): the MoE align kernel's pair chunk and warps at 1-64
-  # tokens (session 68's trace: 13.4 us a layer at the single stream, ~13% of its step), each
-  # choice's layout checked against the default's (benchmarks/moe_align_probe.py).
-  step moe_align $(left_or 200) python3 benchmarks/moe_align_probe.py \
-    --json "$RESULTS/moe_align.json"
+moe_launch)
+  # nvidia-h200 or nvidia-h100-x1 (<= 560 s): kernels/fused_moe.py's launch choices at the
+  # Qwen3-30B-A3B shape, never made on a GPU (session 68's trace of the single stream: the align
+  # kernel 13.4 us a layer, ~13% of the step; the expert GEMMs ~80% of their read): the align
+  # kernel's pair chunk and warps at 1-64 tokens, then the expert GEMMs' tiles, warps and stages
+  # at 1, 2, 8 and 32 tokens, each checked against the default launch
+  # (benchmarks/moe_launch_probe.py; MOE_LAUNCH_ARGS: other options).
+  step moe_launch $(left_or 560) python3 benchmarks/moe_launch_probe.py \
+    --budget-s $(( $(left_or 560) - 150 )) --json "$RESULTS/moe_launch.json" ${MOE_LAUNCH_ARGS:-}
   ;;
 features)
   # nvidia-h200 or nvidia-h100-x1 (~3 min on a fresh machine; session 62): each sampling feature's

@@ -1,0 +1,188 @@
+"""How fast can kernels/fused_moe.py's kernels be? Their launch choices, by step size.
+
+    PYTHONPATH=. python benchmarks/moe_launch_probe.py [--tokens 1,2,4,...]
+        [--gemm-tokens 1,2,8,32] [--budget-s S] [--json PATH]
+
+Session 68 traced the Qwen3-30B-A3B shape's single stream on an H200. The align kernel (one
+program that lays the step's (token, expert) pairs out by expert) took 13.4 us a layer: 48
+launches a step, ~0.64 ms of a 4.8 ms step, for 16 pairs. Its pair chunk (BLOCK_P, ALIGN_BLOCK
+in the module) and its warps were never chosen on a GPU, and neither were the expert GEMMs'
+tiles (gemm_config: "guesses from skinny_gemm's reasoning").
+
+This times the align kernel at each step size of --tokens for every chunk of 16-128 pairs and
+1-8 warps, and checks that every choice lays the pairs out as the default does. Then it times
+each expert GEMM (gate/up with SiLU, down with the routing weights) at each step size of
+--gemm-tokens over a grid of tiles, warps and stages, each output checked against the default
+launch's, with the bytes of the experts read and their rate. Every call is timed in a CUDA graph
+of calls (launch overhead out, as in the engine's graphs); the GEMMs' calls rotate over 4 layers'
+experts (4.8 GB), so their weights come from HBM. --budget-s stops the GEMM grid where it has
+got to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+
+import torch
+
+from benchmarks.bench_linear import graph_us
+from minivllm.kernels import fused_moe
+from minivllm.kernels.launch import next_pow2
+from minivllm.state.config import config_for_shape
+
+CHUNKS = (16, 32, 64, 128)
+WARPS = (1, 2, 4, 8)
+GEMM_GRID = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st) for bn, bk, w, st in
+             itertools.product((16, 32, 64), (64, 128, 256), (2, 4, 8), (3, 4))]
+LAYERS = 4  # layers' experts the GEMM calls rotate over: 4 x 1.2 GB, many times the L2
+
+
+def align_with(experts: torch.Tensor, num_experts: int, block_m: int, chunk: int, warps: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fused_moe.align with the pair chunk and warps given (the module's launch otherwise)."""
+    p = experts.numel()
+    tiles = fused_moe.max_tiles(p, num_experts, block_m)
+    dev = experts.device
+    sorted_ids = torch.empty(tiles * block_m, dtype=torch.int32, device=dev)
+    tile_expert = torch.empty(tiles, dtype=torch.int32, device=dev)
+    num_tiles = torch.empty(1, dtype=torch.int32, device=dev)
+    fused_moe._align_kernel[(1,)](
+        experts, sorted_ids, tile_expert, num_tiles, p, num_experts, tiles * block_m,
+        experts.stride(0), experts.stride(1), TOP_K=experts.shape[1], BLOCK_M=block_m,
+        E_PAD=max(2, next_pow2(num_experts)), BLOCK_P=chunk, num_warps=warps)
+    return sorted_ids, tile_expert, num_tiles
+
+
+def probe_align(tokens: list[int], num_experts: int, top_k: int, dev, gen) -> list[dict]:
+    """µs of an align call per launch choice (None where its layout differs from the default's)
+    at each step size."""
+    default = (fused_moe.ALIGN_BLOCK, 4)
+    print(f"align: µs a call (CUDA graph of 20); default chunk {default[0]}, {default[1]} warps",
+          flush=True)
+    results = []
+    for t in tokens:
+        # route's experts: a view of [T, experts]'s top-k indices (strided, int64)
+        experts = torch.randn(t, num_experts, device=dev, generator=gen).topk(top_k).indices
+        block_m = fused_moe.block_m_for(t * top_k, num_experts, dev)
+        want = align_with(experts, num_experts, block_m, *default)
+        row = {"tokens": t, "pairs": t * top_k, "block_m": block_m, "us": {}}
+        for chunk, warps in itertools.product(CHUNKS, WARPS):
+            got = align_with(experts, num_experts, block_m, chunk, warps)
+            same = all(torch.equal(a, b) for a, b in zip(got, want))
+            us = graph_us(lambda i, c=chunk, w=warps: align_with(experts, num_experts, block_m,
+                                                                  c, w))
+            row["us"][f"{chunk}x{warps}"] = us if same else None
+        base = row["us"][f"{default[0]}x{default[1]}"]
+        ok = {k: v for k, v in row["us"].items() if v is not None}
+        best = min(ok, key=ok.get)
+        wrong = sorted(set(row["us"]) - set(ok))
+        print(f"{t:>4} tokens ({t * top_k} pairs, block_m {block_m}): default {base:.2f} us, "
+              f"best {best} {ok[best]:.2f} us" + (f"; DIFFERENT LAYOUT: {wrong}" if wrong else ""),
+              flush=True)
+        print("      " + "  ".join(f"{k} {v:.2f}" for k, v in ok.items()), flush=True)
+        results.append(row)
+    return results
+
+
+def probe_gemms(tokens: list[int], config, dev, gen, deadline: float) -> list[dict]:
+    """Each expert GEMM's µs per launch choice of GEMM_GRID at each step size (None where the
+    output strays from the default launch's)."""
+    dt = torch.bfloat16
+    hidden, inter = config.hidden_size, config.moe_intermediate_size
+    num_experts, top_k = config.num_experts, config.num_experts_per_tok
+    layers = [(torch.randn(num_experts, 2 * inter, hidden, device=dev, dtype=dt, generator=gen)
+               * 0.02,
+               torch.randn(num_experts, hidden, inter, device=dev, dtype=dt, generator=gen) * 0.02)
+              for _ in range(LAYERS)]
+    expert_mb = {"gate_up": 2 * inter * hidden * 2 / 1e6, "down": hidden * inter * 2 / 1e6}
+    print(f"expert GEMMs: µs a call (CUDA graph of {LAYERS * 5} calls over {LAYERS} layers)",
+          flush=True)
+    results = []
+    for t in tokens:
+        h = torch.randn(t, hidden, device=dev, dtype=dt, generator=gen)
+        scores = torch.randn(t, num_experts, device=dev, generator=gen)
+        top = scores.softmax(-1).topk(top_k)
+        weights, experts = top.values, top.indices
+        pairs = t * top_k
+        block_m = fused_moe.block_m_for(pairs, num_experts, dev)
+        sorted_ids, tile_expert, num_tiles = fused_moe.align(experts, num_experts, block_m)
+        distinct = len(torch.unique(experts))
+        act = torch.empty((pairs, inter), dtype=dt, device=dev)
+        y = torch.empty((pairs, hidden), dtype=torch.float32, device=dev)
+
+        def gate_up(i, cfg):
+            fused_moe._gemm(h, layers[i % LAYERS][0], act, None, sorted_ids, tile_expert,
+                            num_tiles, pairs=pairs, n=inter, k=hidden, a_div=top_k, glu=True,
+                            block_m=block_m, config=cfg)
+            return act
+
+        def down(i, cfg):
+            fused_moe._gemm(act, layers[i % LAYERS][1], y, weights, sorted_ids, tile_expert,
+                            num_tiles, pairs=pairs, n=hidden, k=inter, a_div=1, glu=False,
+                            block_m=block_m, config=cfg)
+            return y
+
+        for name, fn in (("gate_up", gate_up), ("down", down)):
+            want = fn(0, None).float().clone()
+            scale = want.abs().max().item() or 1.0
+            row = {"tokens": t, "gemm": name, "experts": distinct,
+                   "MB": distinct * expert_mb[name], "default_us": graph_us(lambda i: fn(i, None),
+                                                                            calls=LAYERS * 5),
+                   "us": {}}
+            for cfg in GEMM_GRID:
+                if time.monotonic() > deadline:
+                    break
+                key = "n{block_n}k{block_k}w{num_warps}s{num_stages}".format(**cfg)
+                err = (fn(0, cfg).float() - want).abs().max().item() / scale
+                row["us"][key] = (graph_us(lambda i, c=cfg: fn(i, c), calls=LAYERS * 5)
+                                  if err < 1e-2 else None)
+            ok = {k: v for k, v in row["us"].items() if v is not None}
+            wrong = sorted(set(row["us"]) - set(ok))
+            best = min(ok, key=ok.get) if ok else None
+            rate = row["MB"] / row["default_us"] * 1e-3  # TB/s
+            print(f"{t:>4} tokens {name:>7}: {distinct} experts, {row['MB']:.1f} MB; default "
+                  f"{row['default_us']:.2f} us ({rate:.2f} TB/s)"
+                  + (f", best {best} {ok[best]:.2f} us ({row['MB'] / ok[best] * 1e-3:.2f} TB/s)"
+                     if best else "")
+                  + (f"; {len(ok)} of {len(GEMM_GRID)} timed" if len(row["us"]) < len(GEMM_GRID)
+                     else "") + (f"; OUTPUT DIFFERS: {wrong}" if wrong else ""), flush=True)
+            fastest = sorted(ok.items(), key=lambda kv: kv[1])[:5]
+            print("      " + "  ".join(f"{k} {v:.2f}" for k, v in fastest), flush=True)
+            results.append(row)
+    return results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
+    ap.add_argument("--gemm-tokens", default="1,2,8,32")
+    ap.add_argument("--budget-s", type=float, default=400.0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("moe_launch_probe.py: needs a CUDA GPU; nothing to do here.")
+        return 2
+    deadline = time.monotonic() + args.budget_s
+    dev = torch.device("cuda")
+    config = config_for_shape("qwen3-30b-a3b")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    print(f"{torch.cuda.get_device_name(dev)}; {config.num_experts} experts, "
+          f"top-{config.num_experts_per_tok}", flush=True)
+    ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
+    align = probe_align(ints(args.tokens), config.num_experts, config.num_experts_per_tok, dev,
+                        gen)
+    gemms = probe_gemms(ints(args.gemm_tokens), config, dev, gen, deadline)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(dev),
+                       "align_default": [fused_moe.ALIGN_BLOCK, 4], "align": align,
+                       "gemms": gemms}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
