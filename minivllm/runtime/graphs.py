@@ -8,14 +8,14 @@ addresses, which never change, since the cache is donated and written in place.
 
 The forward's parts are compiled by runtime.compiled (one decoder layer, the stem and the head).
 The smallest bucket is 2, so that the compiled layer sees only batches of 2 or more and one
-dynamic-batch compile (after a first static one) serves every bucket; a single sequence is
-padded to 2 rows, which costs a dense model nothing measurable. With persistent_decode the buckets of 1 and 2
-rows run every layer as one persistent kernel (kernels/decode_layer.py) instead, whose work grows
-with each row, padding included, so there a single sequence has a bucket of its own. So does a
-mixture-of-experts model's: its padding row routes to experts of its own, and at one sequence
-that doubles the expert weights a step reads (8 of 128 experts become ~16 at Qwen3-30B-A3B's
-shape, whose expert GEMMs ran at ~80% of that doubled floor on the H200 in session 68), for one
-more compile of the layer.
+dynamic-batch compile (after a first static one) serves every bucket; a single sequence is padded
+to 2 rows, which costs a dense model nothing measurable. With persistent_decode the buckets of 1
+and 2 rows run every layer as one persistent kernel (kernels/decode_layer.py) instead, whose work
+grows with each row, padding included, so there a single sequence has a bucket of its own. So does
+a mixture-of-experts model's: its padding row routes to experts of its own, and at one sequence
+that doubles the expert weights a step reads (8 of 128 experts become ~16 at Qwen3-30B-A3B's shape,
+whose expert GEMMs ran at ~80% of that doubled floor on the H200 in session 68), for one more
+compile of the layer.
 
 Rows past the real batch are padding: slot -1 (nothing is written), context length 1 and a block
 table of zeros (block 0 exists, and the padding row's one key is its own new token), so they

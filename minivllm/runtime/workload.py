@@ -18,11 +18,10 @@ from ..state.params import (AWQ_FIELDS, RANDOM_AWQ_GROUP, RANDOM_FP8_BLOCK, RAND
                             MoELayerParams, expected_shapes, layer_class)
 from ..state.shard import ShardSpec
 
-EXPERT_FIELDS = ("experts_gate_up", "experts_down")  # a sparse layer's weights read by routing
-
 
 MIN_LEN = 100  # nano-vllm's least prompt and output length
 MAX_PROMPT_ID = 10000  # nano-vllm's prompt ids: randint(0, MAX_PROMPT_ID)
+EXPERT_FIELDS = ("experts_gate_up", "experts_down")  # a sparse layer's weights read by routing
 
 
 def check_throughput_workload(num_seqs: int, max_input_len: int, max_output_len: int) -> None:
