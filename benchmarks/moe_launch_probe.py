@@ -31,7 +31,6 @@ import torch
 
 from benchmarks.bench_linear import graph_us
 from minivllm.kernels import fused_moe
-from minivllm.kernels.launch import next_pow2
 from minivllm.state.config import config_for_shape
 
 CHUNKS = (16, 32, 64, 128)
@@ -39,22 +38,6 @@ WARPS = (1, 2, 4, 8)
 GEMM_GRID = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st) for bn, bk, w, st in
              itertools.product((16, 32, 64), (64, 128, 256), (2, 4, 8), (3, 4))]
 LAYERS = 4  # layers' experts the GEMM calls rotate over: 4 x 1.2 GB, many times the L2
-
-
-def align_with(experts: torch.Tensor, num_experts: int, block_m: int, chunk: int, warps: int
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fused_moe.align with the pair chunk and warps given (the module's launch otherwise)."""
-    p = experts.numel()
-    tiles = fused_moe.max_tiles(p, num_experts, block_m)
-    dev = experts.device
-    sorted_ids = torch.empty(tiles * block_m, dtype=torch.int32, device=dev)
-    tile_expert = torch.empty(tiles, dtype=torch.int32, device=dev)
-    num_tiles = torch.empty(1, dtype=torch.int32, device=dev)
-    fused_moe._align_kernel[(1,)](
-        experts, sorted_ids, tile_expert, num_tiles, p, num_experts, tiles * block_m,
-        experts.stride(0), experts.stride(1), TOP_K=experts.shape[1], BLOCK_M=block_m,
-        E_PAD=max(2, next_pow2(num_experts)), BLOCK_P=chunk, num_warps=warps)
-    return sorted_ids, tile_expert, num_tiles
 
 
 def probe_align(tokens: list[int], num_experts: int, top_k: int, dev, gen) -> list[dict]:
@@ -68,13 +51,13 @@ def probe_align(tokens: list[int], num_experts: int, top_k: int, dev, gen) -> li
         # route's experts: a view of [T, experts]'s top-k indices (strided, int64)
         experts = torch.randn(t, num_experts, device=dev, generator=gen).topk(top_k).indices
         block_m = fused_moe.block_m_for(t * top_k, num_experts, dev)
-        want = align_with(experts, num_experts, block_m, *default)
+        want = fused_moe.align(experts, num_experts, block_m)
         row = {"tokens": t, "pairs": t * top_k, "block_m": block_m, "us": {}}
         for chunk, warps in itertools.product(CHUNKS, WARPS):
-            got = align_with(experts, num_experts, block_m, chunk, warps)
+            got = fused_moe.align(experts, num_experts, block_m, block_p=chunk, num_warps=warps)
             same = all(torch.equal(a, b) for a, b in zip(got, want))
-            us = graph_us(lambda i, c=chunk, w=warps: align_with(experts, num_experts, block_m,
-                                                                  c, w))
+            us = graph_us(lambda i, c=chunk, w=warps: fused_moe.align(
+                experts, num_experts, block_m, block_p=c, num_warps=w))
             row["us"][f"{chunk}x{warps}"] = us if same else None
         base = row["us"][f"{default[0]}x{default[1]}"]
         ok = {k: v for k, v in row["us"].items() if v is not None}

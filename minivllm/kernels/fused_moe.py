@@ -105,12 +105,13 @@ def max_tiles(pairs: int, num_experts: int, block_m: int) -> int:
     return min(pairs, (pairs + min(num_experts, pairs) * (block_m - 1)) // block_m)
 
 
-def align(experts: torch.Tensor, num_experts: int, block_m: int
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def align(experts: torch.Tensor, num_experts: int, block_m: int, *, block_p: int = ALIGN_BLOCK,
+          num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """experts: [T, k] or [P] (int32 or int64, any strides), each pair's expert -> (sorted
     [tiles * block_m] int32: the pair ids by expert, each expert's run padded to whole tiles
     with P; tile_expert [tiles] int32; num_tiles [1] int32, the tiles in use, which come
-    first), tiles = max_tiles(P, num_experts, block_m)."""
+    first), tiles = max_tiles(P, num_experts, block_m). block_p, num_warps: the kernel's pair
+    chunk and warps (benchmarks/moe_launch_probe.py times others)."""
     if experts.dim() == 1:
         experts = experts[:, None]
     p = experts.numel()
@@ -122,7 +123,8 @@ def align(experts: torch.Tensor, num_experts: int, block_m: int
     _align_kernel[(1,)](experts, sorted_ids, tile_expert, num_tiles, p, num_experts,
                         tiles * block_m, experts.stride(0), experts.stride(1),
                         TOP_K=experts.shape[1], BLOCK_M=block_m,
-                        E_PAD=max(2, next_pow2(num_experts)), BLOCK_P=ALIGN_BLOCK, num_warps=4)
+                        E_PAD=max(2, next_pow2(num_experts)), BLOCK_P=block_p,
+                        num_warps=num_warps)
     return sorted_ids, tile_expert, num_tiles
 
 
