@@ -17,6 +17,13 @@ launch's, with the bytes of the experts read and their rate. Every call is timed
 of calls (launch overhead out, as in the engine's graphs); the GEMMs' calls rotate over 4 layers'
 experts (4.8 GB), so their weights come from HBM. --budget-s stops the GEMM grid where it has
 got to.
+
+Session 69 (H100, benchmarks/results/2026-12-07_s69_c2_moe_launch_align.txt, ..._c3_*): the
+align kernel took 10.1 us at 1 token and 112 us at 64 in its default launch, most of it in its
+third pass (each slot's run searched over every expert); no launch choice took back more than
+14%, so the kernel itself was rewritten (its padding stored where it lies). The GEMMs' defaults
+were within a few percent of the grid's best at 1-32 tokens but for 512-byte rows at block_n 16,
+since then 256 as at the other widths.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import sys
 import time
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 from benchmarks.bench_linear import graph_us
 from minivllm.kernels import fused_moe
@@ -120,16 +128,21 @@ def probe_gemms(tokens: list[int], config, dev, gen, deadline: float) -> list[di
                 if time.monotonic() > deadline:
                     break
                 key = "n{block_n}k{block_k}w{num_warps}s{num_stages}".format(**cfg)
-                err = (fn(0, cfg).float() - want).abs().max().item() / scale
+                try:
+                    err = (fn(0, cfg).float() - want).abs().max().item() / scale
+                except OutOfResources:  # its tiles and stages need more shared memory than
+                    # an SM has (session 69: block_n 64, block_k 256, 4 stages)
+                    row["us"][key] = "no room"
+                    continue
                 row["us"][key] = (graph_us(lambda i, c=cfg: fn(i, c), calls=LAYERS * 5)
                                   if err < 1e-2 else None)
-            ok = {k: v for k, v in row["us"].items() if v is not None}
-            wrong = sorted(set(row["us"]) - set(ok))
+            ok = {k: v for k, v in row["us"].items() if isinstance(v, float)}
+            wrong = sorted(k for k, v in row["us"].items() if v is None)
             best = min(ok, key=ok.get) if ok else None
-            rate = row["MB"] / row["default_us"] * 1e-3  # TB/s
+            rate = row["MB"] / row["default_us"]  # MB a us is TB/s
             print(f"{t:>4} tokens {name:>7}: {distinct} experts, {row['MB']:.1f} MB; default "
                   f"{row['default_us']:.2f} us ({rate:.2f} TB/s)"
-                  + (f", best {best} {ok[best]:.2f} us ({row['MB'] / ok[best] * 1e-3:.2f} TB/s)"
+                  + (f", best {best} {ok[best]:.2f} us ({row['MB'] / ok[best]:.2f} TB/s)"
                      if best else "")
                   + (f"; {len(ok)} of {len(GEMM_GRID)} timed" if len(row["us"]) < len(GEMM_GRID)
                      else "") + (f"; OUTPUT DIFFERS: {wrong}" if wrong else ""), flush=True)
