@@ -47,8 +47,10 @@ def _needs_triton(device):
 
 # --- align ------------------------------------------------------------------------------------
 
-def check_layout(pair_expert: torch.Tensor, num_experts: int, block_m: int, device):
-    sorted_ids, tile_expert, num_tiles = fm.align(pair_expert.to(device), num_experts, block_m)
+def check_layout(pair_expert: torch.Tensor, num_experts: int, block_m: int, device,
+                 block_p: int = fm.ALIGN_BLOCK):
+    sorted_ids, tile_expert, num_tiles = fm.align(pair_expert.to(device), num_experts, block_m,
+                                                  block_p=block_p)
     ids, te, used = sorted_ids.cpu().tolist(), tile_expert.cpu().tolist(), num_tiles.item()
     pe = pair_expert.cpu().tolist()
     p = len(pe)
@@ -82,10 +84,11 @@ def check_layout(pair_expert: torch.Tensor, num_experts: int, block_m: int, devi
 
 @settings(max_examples=40, deadline=None)
 @given(data=st.data(), num_experts=st.integers(1, 12), tokens=st.integers(1, 40),
-       block_m=st.sampled_from([16, 32]))
-def test_align_lays_out_every_pair_once_by_expert(device, data, num_experts, tokens, block_m):
-    """Any expert ids (empty experts, one expert taking every pair, more pairs than
-    ALIGN_BLOCK), routed as a token's distinct top-k or not."""
+       block_m=st.sampled_from([16, 32]), block_p=st.sampled_from([4, 16, fm.ALIGN_BLOCK]))
+def test_align_lays_out_every_pair_once_by_expert(device, data, num_experts, tokens, block_m,
+                                                  block_p):
+    """Any expert ids (empty experts, one expert taking every pair, more pairs and tiles than
+    the kernel's chunk), routed as a token's distinct top-k or not."""
     top_k = data.draw(st.integers(1, min(num_experts, 8)))
     if data.draw(st.booleans()):  # distinct experts a token, as routing picks them
         perm = st.permutations(range(num_experts)).map(lambda x: x[:top_k])
@@ -95,7 +98,7 @@ def test_align_lays_out_every_pair_once_by_expert(device, data, num_experts, tok
         pair_expert = torch.tensor(data.draw(st.lists(st.integers(0, num_experts - 1),
                                                       min_size=tokens * top_k,
                                                       max_size=tokens * top_k)))
-    check_layout(pair_expert, num_experts, block_m, device)
+    check_layout(pair_expert, num_experts, block_m, device, block_p)
 
 
 def test_align_edges(device):
@@ -105,6 +108,11 @@ def test_align_edges(device):
     ids = torch.randperm(128, generator=torch.Generator().manual_seed(0))[:8]
     check_layout(ids, 128, 16, device)
     assert fm.max_tiles(8, 128, 16) == 8
+    # 64 tokens at that shape: 152 tiles (3 chunks of them), 2,432 slots (5 chunks of the tail)
+    routed = torch.rand(64, 128, generator=torch.Generator().manual_seed(1)).topk(8).indices
+    assert fm.max_tiles(512, 128, 16) == 152 > 2 * fm.ALIGN_BLOCK
+    assert 152 * 16 > 4 * fm.ALIGN_STORE_BLOCK
+    check_layout(routed.reshape(-1), 128, 16, device)
     check_layout(torch.full((70,), 5), 6, 16, device)
     check_layout(torch.tensor([1] * 16 + [0] * 17, dtype=torch.int32), 2, 16, device)
     strided = torch.tensor([[2, 1, 0], [0, 2, 1]])[:, :1].reshape(-1)  # route's top-1 ids
@@ -379,8 +387,9 @@ for tokens in (1, 64, 256):  # the 30B-A3B shape: 128 experts, top-8, hidden 204
     tiles = fm.max_tiles(pairs, 128, bm)
     out.append(build(fm._align_kernel, dict(
         ids_ptr="*i64", sorted_ptr="*i32", tile_expert_ptr="*i32", num_tiles_ptr="*i32", P="i32",
-        E="i32", SLOTS="i32", stride_it="i32", stride_ik="i32"),
-        dict(TOP_K=8, BLOCK_M=bm, E_PAD=128, BLOCK_P=fm.ALIGN_BLOCK), num_warps=4))
+        E="i32", SLOTS="i32", TILES="i32", stride_it="i32", stride_ik="i32"),
+        dict(TOP_K=8, BLOCK_M=bm, E_PAD=128, BLOCK_P=fm.ALIGN_BLOCK,
+             BLOCK_S=fm.ALIGN_STORE_BLOCK), num_warps=4))
     for n, k, glu in ((768, 2048, True), (2048, 768, False)):
         cfg = fm.gemm_config(tiles, n, k, bm, torch.bfloat16, dev)
         types = ["*bf16", "*bf16", "*bf16" if glu else "*fp32", "*bf16"] + ["*i32"] * 3 + \\

@@ -32,8 +32,8 @@ torch.compile(fullgraph=True) as user-defined Triton kernels (as skinny_gemm's d
 
 The GEMM tiles are computed transposed (acc[BLOCK_N, BLOCK_M] = w @ x.T, "swap AB", as
 skinny_gemm): at one pair a tile (the single stream: each of 8 experts gets one token) the weight
-is the MMA's large operand. Block sizes (gemm_config) are guesses from skinny_gemm's reasoning,
-not tuned on a GPU.
+is the MMA's large operand. Block sizes (gemm_config) follow skinny_gemm's reasoning, checked
+against a sweep on an H100 (session 69).
 """
 
 from __future__ import annotations
@@ -47,19 +47,21 @@ from .launch import dot_precision, next_pow2, num_sms, runs_ptx
 MAX_KERNEL_TOKENS = 256  # functional.moe takes this path up to this many tokens (decode steps)
 WAVES = 2  # programs per SM wanted, as skinny_gemm
 BLOCK_NS = (64, 32, 16)
-ALIGN_BLOCK = 64  # pairs (or slots) the align kernel handles at a time
+ALIGN_BLOCK = 64  # pairs (or tiles) the align kernel handles at a time
+ALIGN_STORE_BLOCK = 512  # slots past every run the align kernel fills with padding at a time
 
 
 @triton.jit
-def _align_kernel(ids_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, P, E, SLOTS,
+def _align_kernel(ids_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, P, E, SLOTS, TILES,
                   stride_it, stride_ik, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                  E_PAD: tl.constexpr, BLOCK_P: tl.constexpr):
+                  E_PAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr):
     # One program. ids: [T, TOP_K] (any strides: route's are a view of [T, experts]), the
     # expert of each pair; pair p is token p // TOP_K's choice p % TOP_K.
     # sorted: [SLOTS] the pairs by expert, each expert's run starting on a tile boundary, in
-    # pair order within it; padding slots hold P. tile_expert: [SLOTS // BLOCK_M]; num_tiles:
-    # [1] int32, the tiles in use (they come first). Every slot is written exactly once: pairs
-    # by pass 2, padding by pass 3 (no two stores to one address, so no barrier between them).
+    # pair order within it; padding slots hold P. tile_expert: [TILES]; num_tiles: [1] int32,
+    # the tiles in use (they come first). Every slot is written exactly once: pairs by pass 2,
+    # each run's padding and the slots past every run by pass 3 (no two stores to one address,
+    # so no barrier between them).
     experts = tl.arange(0, E_PAD)
     lanes = tl.arange(0, BLOCK_P)
     # Pass 1: each expert's pair count (ids past P load as E_PAD, which no expert matches).
@@ -72,7 +74,8 @@ def _align_kernel(ids_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, P, E, SLO
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)  # each expert's run's end; experts >= E have none
     starts = ends - padded
-    tl.store(num_tiles_ptr, tl.sum(padded, 0) // BLOCK_M)
+    used = tl.sum(padded, 0)  # slots in use
+    tl.store(num_tiles_ptr, used // BLOCK_M)
     # Pass 2: pair p goes to its expert's start + the pairs of that expert before it.
     seen = tl.zeros([E_PAD], dtype=tl.int32)  # each expert's pairs in earlier chunks
     for p0 in range(0, P, BLOCK_P):
@@ -85,19 +88,23 @@ def _align_kernel(ids_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, P, E, SLO
         rank = tl.sum(earlier.to(tl.int32), axis=1)  # same expert, earlier in this chunk
         tl.store(sorted_ptr + base + rank, offs, mask=offs < P)
         seen += tl.sum(onehot.to(tl.int32), axis=0)
-    # Pass 3: each slot's run (the experts ending at or before it), padding where the slot is
-    # past its run's pairs (slots past every run: run E_PAD, count 0); a tile's expert is its
-    # first slot's run (clamped to E - 1 past the runs: those tiles exit unread).
-    for s0 in range(0, SLOTS, BLOCK_P):
-        slots = s0 + lanes
-        run = tl.sum((ends[None, :] <= slots[:, None]).to(tl.int32), axis=1)  # [BLOCK_P]
-        mine = run[:, None] == experts[None, :]
-        run_start = tl.sum(tl.where(mine, starts[None, :], 0), axis=1)
-        run_count = tl.sum(tl.where(mine, counts[None, :], 0), axis=1)
-        inside = slots < SLOTS
-        tl.store(sorted_ptr + slots, P + slots * 0, mask=inside & (slots - run_start >= run_count))
-        tl.store(tile_expert_ptr + slots // BLOCK_M, tl.minimum(run, E - 1),
-                 mask=inside & (slots % BLOCK_M == 0))
+    # Pass 3: padding, by where it lies rather than by searching each slot's run (that search,
+    # [slots, experts] a chunk, was most of the kernel's time: session 69): an expert's run
+    # pads the padded - counts (< BLOCK_M) slots right after its pairs; the slots from `used`
+    # on belong to no run. A tile's expert is its first slot's run: the experts whose runs end
+    # at or before it (clamped to E - 1 past the runs: those tiles exit unread).
+    pads = tl.arange(0, BLOCK_M)
+    pad_slots = (starts + counts)[:, None] + pads[None, :]  # [E_PAD, BLOCK_M]
+    tl.store(sorted_ptr + pad_slots, P + pad_slots * 0,
+             mask=pads[None, :] < (padded - counts)[:, None])
+    tail = tl.arange(0, BLOCK_S)
+    for s0 in range(0, SLOTS, BLOCK_S):
+        slots = s0 + tail
+        tl.store(sorted_ptr + slots, P + slots * 0, mask=(slots >= used) & (slots < SLOTS))
+    for t0 in range(0, TILES, BLOCK_P):
+        tiles = t0 + lanes
+        run = tl.sum((ends[None, :] <= (tiles * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(tile_expert_ptr + tiles, tl.minimum(run, E - 1), mask=tiles < TILES)
 
 
 def max_tiles(pairs: int, num_experts: int, block_m: int) -> int:
@@ -121,10 +128,10 @@ def align(experts: torch.Tensor, num_experts: int, block_m: int, *, block_p: int
     tile_expert = torch.empty(tiles, dtype=torch.int32, device=dev)
     num_tiles = torch.empty(1, dtype=torch.int32, device=dev)
     _align_kernel[(1,)](experts, sorted_ids, tile_expert, num_tiles, p, num_experts,
-                        tiles * block_m, experts.stride(0), experts.stride(1),
+                        tiles * block_m, tiles, experts.stride(0), experts.stride(1),
                         TOP_K=experts.shape[1], BLOCK_M=block_m,
                         E_PAD=max(2, next_pow2(num_experts)), BLOCK_P=block_p,
-                        num_warps=num_warps)
+                        BLOCK_S=ALIGN_STORE_BLOCK, num_warps=num_warps)
     return sorted_ids, tile_expert, num_tiles
 
 
@@ -199,15 +206,20 @@ def gemm_config(tiles: int, n: int, k: int, block_m: int, dtype: torch.dtype,
     """block_n, block_k, num_warps, num_stages of a GEMM of `tiles` tiles into n columns over k.
     On a GPU, as skinny_gemm's unsplit tiles: the largest block_n of 64/32/16 that gives WAVES
     programs an SM from the grid (which counts every tile the layout may hold), 256-byte weight
-    rows a load (512 at block_n 16), num_stages 4 for 16-bit (3 for fp32 or 64-pair tiles, for
-    shared memory). Under the interpreter 16 x 32 tiles, so tiny test shapes cover the edges."""
+    rows a load, num_stages 4 for 16-bit (3 for fp32 or 64-pair tiles, for shared memory).
+    Session 69's sweep at the 30B-A3B shape (H100, benchmarks/moe_launch_probe.py) found the
+    rest within a few percent of the best launch at 1-32 tokens; at block_n 16, 512-byte rows,
+    the earlier guess, were up to 11% slower than 256 in 5 of its 8 cases and at most 2.5%
+    faster in the others (the single stream's gate_up, the one default at block_n 16: 23.1
+    against 21.2 us). Under the interpreter 16 x 32 tiles, so tiny test shapes cover the
+    edges."""
     if not runs_ptx(device):
         cfg = dict(block_n=16, block_k=32, num_warps=1, num_stages=1)
         return cfg | override
     want = WAVES * num_sms(device)
     block_n = next((b for b in BLOCK_NS if tiles * triton.cdiv(n, b) >= want), BLOCK_NS[-1])
     elsize = dtype.itemsize
-    block_k = min((512 if block_n == 16 else 256) // elsize, max(16, next_pow2(k)))
+    block_k = min(256 // elsize, max(16, next_pow2(k)))
     stages = 4 if elsize == 2 and block_m < 64 else 3
     return dict(block_n=block_n, block_k=block_k, num_warps=4, num_stages=stages) | override
 
