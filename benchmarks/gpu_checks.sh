@@ -25,7 +25,8 @@
 #   bash benchmarks/gpu_checks.sh moe_probe  # nvidia-h200 or nvidia-h100-x1: one sparse layer's
 #       MoE MLP both ways (grouped GEMMs, Triton kernels) at 1-256 tokens (benchmarks/moe_probe.py)
 #   bash benchmarks/gpu_checks.sh moe_launch  # nvidia-h200 or nvidia-h100-x1: the MoE kernels'
-#       launch choices: align at 1-64 tokens, the expert GEMMs at 1-32 (moe_launch_probe.py)
+#       launch choices: align at 1-64 tokens, the expert GEMMs at 1-32 (moe_launch_probe.py;
+#       OLD=dir: that tree's align kernel first)
 #   bash benchmarks/gpu_checks.sh moe_kernel  # nvidia-h200 or nvidia-h100-x1: kernels/fused_moe.py
 #       (MINIVLLM_MOE_KERNEL=triton, the experts as Triton kernels at <= 256 tokens a step): its
 #       GPU tests, then that shape's single stream with and without, alternating, then the
@@ -552,7 +553,13 @@ moe_launch)
   # kernel 13.4 us a layer, ~13% of the step; the expert GEMMs ~80% of their read): the align
   # kernel's pair chunk and warps at 1-64 tokens, then the expert GEMMs' tiles, warps and stages
   # at 1, 2, 8 and 32 tokens, each checked against the default launch
-  # (benchmarks/moe_launch_probe.py; MOE_LAUNCH_ARGS: other options).
+  # (benchmarks/moe_launch_probe.py; MOE_LAUNCH_ARGS: other options). OLD=dir (another tree,
+  # unpacked there): that tree's align kernel first, from its own directory (session 69
+  # rewrote the kernel: 33fb84b has the one before).
+  if [ -n "${OLD:-}" ]; then
+    (cd "$OLD" && step moe_launch_old_align 150 python3 benchmarks/moe_launch_probe.py \
+      --gemm-tokens "" --json "$RESULTS/moe_launch_old_align.json")
+  fi
   step moe_launch $(left_or 560) python3 benchmarks/moe_launch_probe.py \
     --budget-s $(( $(left_or 560) - 150 )) --json "$RESULTS/moe_launch.json" ${MOE_LAUNCH_ARGS:-}
   ;;
