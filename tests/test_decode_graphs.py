@@ -19,13 +19,22 @@ CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_la
                      num_kv_heads=2, head_dim=8, dtype=torch.float32)
 
 
+@pytest.mark.parametrize("fine", [False, True])
 @pytest.mark.parametrize("single", [False, True])
-def test_buckets_cover_every_batch_size(single):
-    for n in (1, 3, 8, 17, 256):
-        buckets = decode_buckets(n, single=single)
+def test_buckets_cover_every_batch_size(single, fine):
+    for n in (1, 3, 8, 17, 100, 256):
+        buckets = decode_buckets(n, single=single, fine=fine)
         assert buckets[-1] == n and buckets == sorted(set(buckets))
         assert all(any(b >= k for b in buckets) for k in range(1, n + 1))
         assert (buckets[0] == 1) == (single or n == 1)
+        # the most padding rows a batch of k can get (a mixture of experts reads their experts)
+        pad = [min(b for b in buckets if b >= k) - k for k in range(2, n + 1)]
+        if fine:  # none up to 8 rows, at most 7 up to 64, then at most 15
+            assert all(p == 0 for p in pad[:7]) and all(p < 8 for p in pad[:63])
+            assert set(decode_buckets(n, single=single)) <= set(buckets)
+        elif n >= 5:  # 5 rows padded to 8
+            assert max(pad[:7]) == 3
+        assert all(p < 16 for p in pad)
 
 
 @pytest.mark.parametrize("backend_name", available_backends("cpu"))
@@ -365,9 +374,10 @@ def test_start_up_builds_decode_graphs_for_a_generating_engine_only(runner, draf
 
 def test_a_moe_models_single_sequence_has_a_bucket_of_its_own():
     """A mixture of experts pads no single sequence to 2 rows (the padding row's experts would
-    be read as well as the sequence's): its graphs have a bucket of 1. The compiled forward
-    over every bucket, 1 last as capture takes them, equals the eager forward, and the bucket
-    of 1 costs at most one compile more of each compiled part."""
+    be read as well as the sequence's): its graphs have a bucket of 1, and finer buckets above
+    it. The compiled forward over every bucket, 1 last as capture takes them, equals the eager
+    forward, and the MoE buckets cost at most one compile more of each compiled part (the bucket
+    of 1's) than the dense model's."""
     from torch._dynamo.testing import CompileCounter
 
     from minivllm.runtime.compiled import compiled_forward
@@ -385,9 +395,11 @@ def test_a_moe_models_single_sequence_has_a_bucket_of_its_own():
     cache = minivllm.init_cache(params, num_blocks=64, block_size=4)
     graphs = DecodeGraphs(params, cache, backend, max_num_seqs=32, max_blocks_per_seq=8,
                           compile_forward=False)
-    assert graphs.buckets == [1] + dense.buckets
+    # and finer ones (each padding row reads experts of its own)
+    assert graphs.buckets == [1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32]
+    assert set(dense.buckets) < set(graphs.buckets)
     frames = []
-    for buckets in (graphs.buckets[1:], graphs.buckets):
+    for buckets in (dense.buckets, graphs.buckets):
         torch._dynamo.reset()
         counter = CompileCounter()
         fn = compiled_forward(counter)

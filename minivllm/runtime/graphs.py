@@ -13,9 +13,13 @@ to 2 rows, which costs a dense model nothing measurable. With persistent_decode 
 and 2 rows run every layer as one persistent kernel (kernels/decode_layer.py) instead, whose work
 grows with each row, padding included, so there a single sequence has a bucket of its own. So does
 a mixture-of-experts model's: its padding row routes to experts of its own, and at one sequence
-that doubles the expert weights a step reads (8 of 128 experts become ~16 at Qwen3-30B-A3B's shape,
-whose expert GEMMs ran at ~80% of that doubled floor on the H200 in session 68), for one more
-compile of the layer.
+that doubles the expert weights a step reads (8 of 128 experts become ~16 at Qwen3-30B-A3B's shape;
+the bucket of 1 made its single stream 1.32x faster on an H100, BENCHMARKS.md session 69), for one
+more compile of the layer. For the same reason a mixture of experts gets finer buckets: every size
+up to 8 rows, then every 8 up to 64 (vLLM's capture sizes step by 8). At uniform routing B rows
+read 1 - (1 - k/E)^B of a layer's experts: 5 rows padded to 8 would read 46% more expert bytes at
+that shape, 17 padded to 32 31% more (to 24: 18%). A bucket costs a capture (~1 s at that shape)
+and no compile: the layer's one dynamic-batch compile serves them all.
 
 Rows past the real batch are padding: slot -1 (nothing is written), context length 1 and a block
 table of zeros (block 0 exists, and the padding row's one key is its own new token), so they
@@ -86,14 +90,18 @@ def unowned(t: torch.Tensor) -> torch.Tensor:
         storage, t.storage_offset(), t.size(), t.stride())
 
 
-def decode_buckets(max_num_seqs: int, single: bool = False) -> list[int]:
+def decode_buckets(max_num_seqs: int, single: bool = False, fine: bool = False) -> list[int]:
     """Padded batch sizes: 2, 4, 8, then every 16 up to max_num_seqs (which is always one).
     single: 1 too (the persistent decode layers, whose work grows with every row, padding
     included: 42.7 against 31.3 us a layer at 2 rows and 1 on the H200, BENCHMARKS.md session
     15; the compiled layer, which the bucket of 1 row would make compile once more, is not
-    used there; and a mixture of experts, whose padding row reads experts of its own)."""
-    sizes = [b for b in ((1,) if single else ()) + (2, 4, 8) if b < max_num_seqs]
+    used there; and a mixture of experts, whose padding row reads experts of its own). fine:
+    every size from 2 to 8 and every 8 from 8 to 64 too (a mixture of experts: see above)."""
+    small = range(2, 9) if fine else (2, 4, 8)
+    sizes = [b for b in ((1,) if single else ()) + tuple(small) if b < max_num_seqs]
     sizes += list(range(16, max_num_seqs, 16))
+    if fine:
+        sizes += [b for b in range(8, 65, 8) if b < max_num_seqs]
     sizes.append(max_num_seqs)
     return sorted(set(sizes))
 
@@ -119,7 +127,8 @@ class DecodeGraphs:
         self.params, self.cache, self.backend = params, cache, backend
         self.device = params.device
         self.buckets = decode_buckets(max_num_seqs,
-                                      single=persistent_decode or params.config.is_moe)
+                                      single=persistent_decode or params.config.is_moe,
+                                      fine=params.config.is_moe)
         n, m = self.buckets[-1], max_blocks_per_seq
         dev = self.device
         # The per-step inputs (runtime/step_inputs.py); cu_seqlens_q and logits_indices never
