@@ -105,7 +105,8 @@
 #       trained checkpoint, teacher-forced and through the engines
 #   OLD=dbg/old bash benchmarks/gpu_checks.sh ab  # nvidia-h200: this tree against OLD (another
 #       commit, unpacked there: git archive REV | tar -x -C dbg/old), alternating in one call
-#       (AB_SHAPE: another shape; AB_SPEC: a --speculative-config for every run; RUNS: the order)
+#       (AB_SHAPE: another shape; AB_SPEC: a --speculative-config for every run; AB_ARGS: more
+#       bench options for every run, e.g. "--num-seqs 5"; RUNS: the order)
 #   TP=2 OLD=dbg/old bash benchmarks/gpu_checks.sh ab  # nvidia-h200-x2: the same at TP=2
 #   bash benchmarks/gpu_checks.sh green  # nvidia-h200: two_stream_probe.py's halves ping-pong on
 #       two green contexts (GEMMs on G SMs, attention on the rest), then the attention sweep
@@ -329,7 +330,7 @@ ab)
     # AB_SPEC: a --speculative-config for every run (a draft model's or n-gram's single stream)
     (cd "$tree" && step "${i}_${kind}_$side" 170 python3 -m minivllm \
       bench --shape "${AB_SHAPE:-qwen3-0.6b}" $flag ${AB_SPEC:+--speculative-config "$AB_SPEC"} \
-      --json "$RESULTS/${i}_${kind}_$side.json")
+      ${AB_ARGS:-} --json "$RESULTS/${i}_${kind}_$side.json")
   done
   ;;
 attention_tail)
