@@ -19,7 +19,8 @@ more compile of the layer. For the same reason a mixture of experts gets finer b
 up to 8 rows, then every 8 up to 64 (vLLM's capture sizes step by 8). At uniform routing B rows
 read 1 - (1 - k/E)^B of a layer's experts: 5 rows padded to 8 would read 46% more expert bytes at
 that shape, 17 padded to 32 31% more (to 24: 18%). A bucket costs a capture (~1 s at that shape)
-and no compile: the layer's one dynamic-batch compile serves them all.
+and no compile of the layer, whose one dynamic-batch compile serves them all (at most Triton's
+variants of the MoE kernels for the new sizes).
 
 Rows past the real batch are padding: slot -1 (nothing is written), context length 1 and a block
 table of zeros (block 0 exists, and the padding row's one key is its own new token), so they
