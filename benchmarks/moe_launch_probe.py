@@ -21,7 +21,9 @@ got to.
 Session 69 (H100, benchmarks/results/2026-12-07_s69_c2_moe_launch_align.txt, ..._c3_*): the
 align kernel took 10.1 us at 1 token and 112 us at 64 in its default launch, most of it in its
 third pass (each slot's run searched over every expert); no launch choice took back more than
-14%, so the kernel itself was rewritten (its padding stored where it lies). The GEMMs' defaults
+14%, so the kernel itself was rewritten (its padding stored where it lies; from
+ALIGN_COUNT_FROM chunks of pairs a count kernel and a program a chunk, whose time does not grow
+with the step as one program's does; --tokens now goes to 256). The GEMMs' defaults
 were within a few percent of the grid's best at 1-32 tokens but for 512-byte rows at block_n 16,
 since then 256 as at the other widths.
 """
@@ -50,10 +52,12 @@ LAYERS = 4  # layers' experts the GEMM calls rotate over: 4 x 1.2 GB, many times
 
 def probe_align(tokens: list[int], num_experts: int, top_k: int, dev, gen) -> list[dict]:
     """µs of an align call per launch choice (None where its layout differs from the default's)
-    at each step size."""
+    at each step size: each pair chunk and warps, counted in a kernel of a program a chunk
+    (key "CxW") and by the one program (key "CxW one", where the default counts in a kernel)."""
     default = (fused_moe.ALIGN_BLOCK, 4)
-    print(f"align: µs a call (CUDA graph of 20); default chunk {default[0]}, {default[1]} warps",
-          flush=True)
+    one = 10**9  # count_from no step reaches: the one program counts
+    print(f"align: µs a call (CUDA graph of 20); default chunk {default[0]}, {default[1]} warps, "
+          f"counted by a kernel from {fused_moe.ALIGN_COUNT_FROM} chunks", flush=True)
     results = []
     for t in tokens:
         # route's experts: a view of [T, experts]'s top-k indices (strided, int64)
@@ -61,12 +65,18 @@ def probe_align(tokens: list[int], num_experts: int, top_k: int, dev, gen) -> li
         block_m = fused_moe.block_m_for(t * top_k, num_experts, dev)
         want = fused_moe.align(experts, num_experts, block_m)
         row = {"tokens": t, "pairs": t * top_k, "block_m": block_m, "us": {}}
-        for chunk, warps in itertools.product(CHUNKS, WARPS):
-            got = fused_moe.align(experts, num_experts, block_m, block_p=chunk, num_warps=warps)
+        for chunk, warps, count_from in itertools.product(CHUNKS, WARPS,
+                                                          (fused_moe.ALIGN_COUNT_FROM, one)):
+            counted = -(-t * top_k // chunk) >= fused_moe.ALIGN_COUNT_FROM
+            if count_from == one and not counted:
+                continue  # the one program already
+            got = fused_moe.align(experts, num_experts, block_m, block_p=chunk, num_warps=warps,
+                                  count_from=count_from)
             same = all(torch.equal(a, b) for a, b in zip(got, want))
-            us = graph_us(lambda i, c=chunk, w=warps: fused_moe.align(
-                experts, num_experts, block_m, block_p=c, num_warps=w))
-            row["us"][f"{chunk}x{warps}"] = us if same else None
+            us = graph_us(lambda i, c=chunk, w=warps, f=count_from: fused_moe.align(
+                experts, num_experts, block_m, block_p=c, num_warps=w, count_from=f))
+            key = f"{chunk}x{warps}" + (" one" if count_from == one else "")
+            row["us"][key] = us if same else None
         base = row["us"][f"{default[0]}x{default[1]}"]
         ok = {k: v for k, v in row["us"].items() if v is not None}
         best = min(ok, key=ok.get)
@@ -154,7 +164,7 @@ def probe_gemms(tokens: list[int], config, dev, gen, deadline: float) -> list[di
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
+    ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--gemm-tokens", default="1,2,8,32")
     ap.add_argument("--budget-s", type=float, default=400.0)
     ap.add_argument("--json", default=None)
@@ -175,7 +185,8 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(dev),
-                       "align_default": [fused_moe.ALIGN_BLOCK, 4], "align": align,
+                       "align_default": [fused_moe.ALIGN_BLOCK, 4, fused_moe.ALIGN_COUNT_FROM],
+                       "align": align,
                        "gemms": gemms}, f, indent=1)
     return 0
 

@@ -48,9 +48,9 @@ def _needs_triton(device):
 # --- align ------------------------------------------------------------------------------------
 
 def check_layout(pair_expert: torch.Tensor, num_experts: int, block_m: int, device,
-                 block_p: int = fm.ALIGN_BLOCK):
+                 block_p: int = fm.ALIGN_BLOCK, count_from: int = fm.ALIGN_COUNT_FROM):
     sorted_ids, tile_expert, num_tiles = fm.align(pair_expert.to(device), num_experts, block_m,
-                                                  block_p=block_p)
+                                                  block_p=block_p, count_from=count_from)
     ids, te, used = sorted_ids.cpu().tolist(), tile_expert.cpu().tolist(), num_tiles.item()
     pe = pair_expert.cpu().tolist()
     p = len(pe)
@@ -84,11 +84,13 @@ def check_layout(pair_expert: torch.Tensor, num_experts: int, block_m: int, devi
 
 @settings(max_examples=40, deadline=None)
 @given(data=st.data(), num_experts=st.integers(1, 12), tokens=st.integers(1, 40),
-       block_m=st.sampled_from([16, 32]), block_p=st.sampled_from([4, 16, fm.ALIGN_BLOCK]))
+       block_m=st.sampled_from([16, 32]), block_p=st.sampled_from([4, 16, fm.ALIGN_BLOCK]),
+       count_from=st.sampled_from([1, fm.ALIGN_COUNT_FROM, 10**9]))
 def test_align_lays_out_every_pair_once_by_expert(device, data, num_experts, tokens, block_m,
-                                                  block_p):
+                                                  block_p, count_from):
     """Any expert ids (empty experts, one expert taking every pair, more pairs and tiles than
-    the kernel's chunk), routed as a token's distinct top-k or not."""
+    the kernels' chunk), routed as a token's distinct top-k or not; counted by a kernel of a
+    program a chunk (from 1 chunk on) or by the one program (never), and as by default."""
     top_k = data.draw(st.integers(1, min(num_experts, 8)))
     if data.draw(st.booleans()):  # distinct experts a token, as routing picks them
         perm = st.permutations(range(num_experts)).map(lambda x: x[:top_k])
@@ -98,7 +100,7 @@ def test_align_lays_out_every_pair_once_by_expert(device, data, num_experts, tok
         pair_expert = torch.tensor(data.draw(st.lists(st.integers(0, num_experts - 1),
                                                       min_size=tokens * top_k,
                                                       max_size=tokens * top_k)))
-    check_layout(pair_expert, num_experts, block_m, device, block_p)
+    check_layout(pair_expert, num_experts, block_m, device, block_p, count_from)
 
 
 def test_align_edges(device):
@@ -112,7 +114,8 @@ def test_align_edges(device):
     routed = torch.rand(64, 128, generator=torch.Generator().manual_seed(1)).topk(8).indices
     assert fm.max_tiles(512, 128, 16) == 152 > 2 * fm.ALIGN_BLOCK
     assert 152 * 16 > 4 * fm.ALIGN_STORE_BLOCK
-    check_layout(routed.reshape(-1), 128, 16, device)
+    for count_from in (fm.ALIGN_COUNT_FROM, 10**9):  # 8 programs a chunk each; one program
+        check_layout(routed.reshape(-1), 128, 16, device, count_from=count_from)
     check_layout(torch.full((70,), 5), 6, 16, device)
     check_layout(torch.tensor([1] * 16 + [0] * 17, dtype=torch.int32), 2, 16, device)
     strided = torch.tensor([[2, 1, 0], [0, 2, 1]])[:, :1].reshape(-1)  # route's top-1 ids
@@ -385,11 +388,19 @@ for tokens in (1, 64, 256):  # the 30B-A3B shape: 128 experts, top-8, hidden 204
     pairs = tokens * 8
     bm = fm.block_m_for(pairs, 128, dev)
     tiles = fm.max_tiles(pairs, 128, bm)
+    chunks = triton.cdiv(pairs, fm.ALIGN_BLOCK)
+    counted = chunks >= fm.ALIGN_COUNT_FROM
+    if counted:
+        out.append(build(fm._align_count_kernel, dict(
+            ids_ptr="*i64", chunk_counts_ptr="*i32", P="i32", stride_it="i32", stride_ik="i32"),
+            dict(TOP_K=8, E_PAD=128, BLOCK_P=fm.ALIGN_BLOCK), num_warps=4))
     out.append(build(fm._align_kernel, dict(
-        ids_ptr="*i64", sorted_ptr="*i32", tile_expert_ptr="*i32", num_tiles_ptr="*i32", P="i32",
-        E="i32", SLOTS="i32", TILES="i32", stride_it="i32", stride_ik="i32"),
+        ids_ptr="*i64", chunk_counts_ptr="*i32", sorted_ptr="*i32", tile_expert_ptr="*i32",
+        num_tiles_ptr="*i32", P="i32", E="i32", SLOTS="i32", TILES="i32", stride_it="i32",
+        stride_ik="i32"),
         dict(TOP_K=8, BLOCK_M=bm, E_PAD=128, BLOCK_P=fm.ALIGN_BLOCK,
-             BLOCK_S=fm.ALIGN_STORE_BLOCK), num_warps=4))
+             BLOCK_S=fm.ALIGN_STORE_BLOCK, COUNTED=counted,
+             C_PAD=triton.next_power_of_2(chunks) if counted else 1), num_warps=4))
     for n, k, glu in ((768, 2048, True), (2048, 768, False)):
         cfg = fm.gemm_config(tiles, n, k, bm, torch.bfloat16, dev)
         types = ["*bf16", "*bf16", "*bf16" if glu else "*fp32", "*bf16"] + ["*i32"] * 3 + \\
@@ -404,7 +415,7 @@ print(json.dumps(out))
 
 @pytest.mark.skipif(not shutil.which("ptxas", path=TRITON_BIN), reason="no bundled ptxas")
 def test_kernels_compile_for_sm90_within_shared_memory(device):
-    """The three kernels at the launch choices a Hopper GPU gets at the 30B-A3B shape (1, 64 and
+    """The kernels at the launch choices a Hopper GPU gets at the 30B-A3B shape (1, 64 and
     256 tokens: 16-, 32- and 64-pair tiles) compile to sm_90 cubins on the CPU (Triton's bundled
     ptxas), each within an H100's 227 KB of shared memory a block."""
     if device.type == "cuda":
@@ -415,4 +426,5 @@ def test_kernels_compile_for_sm90_within_shared_memory(device):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     shared = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(shared) == 9 and all(0 <= s <= 227 * 1024 for s in shared), shared
+    # 1 token: align in one program; 64 and 256: the count kernel too; two GEMMs each
+    assert len(shared) == 11 and all(0 <= s <= 227 * 1024 for s in shared), shared

@@ -1,7 +1,8 @@
 """The mixture-of-experts MLP's expert part at decode-sized batches as three Triton kernels, in the
 manner of vLLM's fused_moe (its moe_align_block_size and fused_moe_kernel; written here anew):
 
-  1  align (one program): the (token, expert) pairs' ids laid out by expert, each expert's run
+  1  align (one program; from ALIGN_COUNT_FROM chunks of pairs, a count kernel and then a
+     program a chunk): the (token, expert) pairs' ids laid out by expert, each expert's run
      padded to whole BLOCK_M tiles (padding slots hold the id P = T * top_k, "no pair"); the
      expert of each tile; the number of tiles in use, as a device tensor
   2  gate_up: a program takes a tile (BLOCK_M pairs of one expert) and BLOCK_N columns of the
@@ -49,36 +50,68 @@ WAVES = 2  # programs per SM wanted, as skinny_gemm
 BLOCK_NS = (64, 32, 16)
 ALIGN_BLOCK = 64  # pairs (or tiles) the align kernel handles at a time
 ALIGN_STORE_BLOCK = 512  # slots past every run the align kernel fills with padding at a time
+ALIGN_COUNT_FROM = 3  # chunks of pairs from which align counts them in a kernel of its own
 
 
 @triton.jit
-def _align_kernel(ids_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, P, E, SLOTS, TILES,
-                  stride_it, stride_ik, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                  E_PAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr):
-    # One program. ids: [T, TOP_K] (any strides: route's are a view of [T, experts]), the
-    # expert of each pair; pair p is token p // TOP_K's choice p % TOP_K.
+def _align_count_kernel(ids_ptr, chunk_counts_ptr, P, stride_it, stride_ik, TOP_K: tl.constexpr,
+                        E_PAD: tl.constexpr, BLOCK_P: tl.constexpr):
+    # Program c: chunk_counts[c, e] = the pairs of chunk c (pairs [c * BLOCK_P, +BLOCK_P)) that
+    # chose expert e, for every e < E_PAD (ids past P load as E_PAD, which no expert matches).
+    c = tl.program_id(0)
+    experts = tl.arange(0, E_PAD)
+    offs = c * BLOCK_P + tl.arange(0, BLOCK_P)
+    e = tl.load(ids_ptr + (offs // TOP_K) * stride_it + (offs % TOP_K) * stride_ik,
+                mask=offs < P, other=E_PAD).to(tl.int32)
+    counts = tl.sum((e[None, :] == experts[:, None]).to(tl.int32), axis=1)
+    tl.store(chunk_counts_ptr + c * E_PAD + experts, counts)
+
+
+@triton.jit
+def _align_kernel(ids_ptr, chunk_counts_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, P, E,
+                  SLOTS, TILES, stride_it, stride_ik, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                  E_PAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+                  COUNTED: tl.constexpr, C_PAD: tl.constexpr):
+    # ids: [T, TOP_K] (any strides: route's are a view of [T, experts]), the expert of each
+    # pair; pair p is token p // TOP_K's choice p % TOP_K.
     # sorted: [SLOTS] the pairs by expert, each expert's run starting on a tile boundary, in
     # pair order within it; padding slots hold P. tile_expert: [TILES]; num_tiles: [1] int32,
     # the tiles in use (they come first). Every slot is written exactly once: pairs by pass 2,
     # each run's padding and the slots past every run by pass 3 (no two stores to one address,
-    # so no barrier between them).
+    # so no barrier between them, and none between programs).
+    # COUNTED: a program per chunk of BLOCK_P pairs, _align_count_kernel's chunk_counts [C,
+    # E_PAD] read whole (C <= C_PAD chunks); the program places its chunk's pairs and its share
+    # of pass 3. Otherwise one program does every chunk in turn (chunk_counts unread).
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
     experts = tl.arange(0, E_PAD)
     lanes = tl.arange(0, BLOCK_P)
-    # Pass 1: each expert's pair count (ids past P load as E_PAD, which no expert matches).
-    counts = tl.zeros([E_PAD], dtype=tl.int32)
-    for p0 in range(0, P, BLOCK_P):
-        offs = p0 + lanes
-        e = tl.load(ids_ptr + (offs // TOP_K) * stride_it + (offs % TOP_K) * stride_ik,
-                    mask=offs < P, other=E_PAD).to(tl.int32)
-        counts += tl.sum((e[None, :] == experts[:, None]).to(tl.int32), axis=1)
+    if COUNTED:
+        # Pass 1 from the table: every expert's count, and the pairs of each expert in the
+        # chunks before this program's.
+        chunks = tl.arange(0, C_PAD)
+        table = tl.load(chunk_counts_ptr + chunks[:, None] * E_PAD + experts[None, :],
+                        mask=(chunks < tl.cdiv(P, BLOCK_P))[:, None], other=0)
+        counts = tl.sum(table, axis=0)
+        seen = tl.sum(tl.where((chunks < pid)[:, None], table, 0), axis=0)
+        first, last = pid * BLOCK_P, pid * BLOCK_P + BLOCK_P
+    else:
+        # Pass 1: each expert's pair count (ids past P load as E_PAD, which no expert matches).
+        counts = tl.zeros([E_PAD], dtype=tl.int32)
+        for p0 in range(0, P, BLOCK_P):
+            offs = p0 + lanes
+            e = tl.load(ids_ptr + (offs // TOP_K) * stride_it + (offs % TOP_K) * stride_ik,
+                        mask=offs < P, other=E_PAD).to(tl.int32)
+            counts += tl.sum((e[None, :] == experts[:, None]).to(tl.int32), axis=1)
+        seen = tl.zeros([E_PAD], dtype=tl.int32)  # each expert's pairs in earlier chunks
+        first, last = 0, P
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)  # each expert's run's end; experts >= E have none
     starts = ends - padded
     used = tl.sum(padded, 0)  # slots in use
-    tl.store(num_tiles_ptr, used // BLOCK_M)
+    tl.store(num_tiles_ptr, used // BLOCK_M, mask=pid == 0)
     # Pass 2: pair p goes to its expert's start + the pairs of that expert before it.
-    seen = tl.zeros([E_PAD], dtype=tl.int32)  # each expert's pairs in earlier chunks
-    for p0 in range(0, P, BLOCK_P):
+    for p0 in range(first, last, BLOCK_P):
         offs = p0 + lanes
         e = tl.load(ids_ptr + (offs // TOP_K) * stride_it + (offs % TOP_K) * stride_ik,
                     mask=offs < P, other=E_PAD).to(tl.int32)
@@ -90,18 +123,19 @@ def _align_kernel(ids_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, P, E, SLO
         seen += tl.sum(onehot.to(tl.int32), axis=0)
     # Pass 3: padding, by where it lies rather than by searching each slot's run (that search,
     # [slots, experts] a chunk, was most of the kernel's time: session 69): an expert's run
-    # pads the padded - counts (< BLOCK_M) slots right after its pairs; the slots from `used`
-    # on belong to no run. A tile's expert is its first slot's run: the experts whose runs end
-    # at or before it (clamped to E - 1 past the runs: those tiles exit unread).
+    # pads the padded - counts (< BLOCK_M) slots right after its pairs (program 0 stores them);
+    # the slots from `used` on belong to no run. A tile's expert is its first slot's run: the
+    # experts whose runs end at or before it (clamped to E - 1 past the runs: those tiles exit
+    # unread). The programs take the slots and tiles in turns of BLOCK_S and BLOCK_P.
     pads = tl.arange(0, BLOCK_M)
     pad_slots = (starts + counts)[:, None] + pads[None, :]  # [E_PAD, BLOCK_M]
     tl.store(sorted_ptr + pad_slots, P + pad_slots * 0,
-             mask=pads[None, :] < (padded - counts)[:, None])
+             mask=(pads[None, :] < (padded - counts)[:, None]) & (pid == 0))
     tail = tl.arange(0, BLOCK_S)
-    for s0 in range(0, SLOTS, BLOCK_S):
+    for s0 in range(pid * BLOCK_S, SLOTS, programs * BLOCK_S):
         slots = s0 + tail
         tl.store(sorted_ptr + slots, P + slots * 0, mask=(slots >= used) & (slots < SLOTS))
-    for t0 in range(0, TILES, BLOCK_P):
+    for t0 in range(pid * BLOCK_P, TILES, programs * BLOCK_P):
         tiles = t0 + lanes
         run = tl.sum((ends[None, :] <= (tiles * BLOCK_M)[:, None]).to(tl.int32), axis=1)
         tl.store(tile_expert_ptr + tiles, tl.minimum(run, E - 1), mask=tiles < TILES)
@@ -113,25 +147,37 @@ def max_tiles(pairs: int, num_experts: int, block_m: int) -> int:
 
 
 def align(experts: torch.Tensor, num_experts: int, block_m: int, *, block_p: int = ALIGN_BLOCK,
-          num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          num_warps: int = 4, count_from: int = ALIGN_COUNT_FROM
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """experts: [T, k] or [P] (int32 or int64, any strides), each pair's expert -> (sorted
     [tiles * block_m] int32: the pair ids by expert, each expert's run padded to whole tiles
     with P; tile_expert [tiles] int32; num_tiles [1] int32, the tiles in use, which come
-    first), tiles = max_tiles(P, num_experts, block_m). block_p, num_warps: the kernel's pair
-    chunk and warps (benchmarks/moe_launch_probe.py times others)."""
+    first), tiles = max_tiles(P, num_experts, block_m). block_p, num_warps: the kernels' pair
+    chunk and warps; count_from: the chunks from which the pairs are counted by a kernel of a
+    program a chunk and placed by another (below, one program does every chunk in turn: its
+    time grows with P, one more launch's does not) (benchmarks/moe_launch_probe.py times
+    others)."""
     if experts.dim() == 1:
         experts = experts[:, None]
     p = experts.numel()
     tiles = max_tiles(p, num_experts, block_m)
     dev = experts.device
+    e_pad = max(2, next_pow2(num_experts))
+    chunks = triton.cdiv(p, block_p)
+    counted = chunks >= count_from
     sorted_ids = torch.empty(tiles * block_m, dtype=torch.int32, device=dev)
     tile_expert = torch.empty(tiles, dtype=torch.int32, device=dev)
     num_tiles = torch.empty(1, dtype=torch.int32, device=dev)
-    _align_kernel[(1,)](experts, sorted_ids, tile_expert, num_tiles, p, num_experts,
-                        tiles * block_m, tiles, experts.stride(0), experts.stride(1),
-                        TOP_K=experts.shape[1], BLOCK_M=block_m,
-                        E_PAD=max(2, next_pow2(num_experts)), BLOCK_P=block_p,
-                        BLOCK_S=ALIGN_STORE_BLOCK, num_warps=num_warps)
+    chunk_counts = torch.empty((chunks if counted else 1, e_pad), dtype=torch.int32, device=dev)
+    if counted:
+        _align_count_kernel[(chunks,)](experts, chunk_counts, p, experts.stride(0),
+                                       experts.stride(1), TOP_K=experts.shape[1], E_PAD=e_pad,
+                                       BLOCK_P=block_p, num_warps=num_warps)
+    _align_kernel[(chunks if counted else 1,)](
+        experts, chunk_counts, sorted_ids, tile_expert, num_tiles, p, num_experts,
+        tiles * block_m, tiles, experts.stride(0), experts.stride(1), TOP_K=experts.shape[1],
+        BLOCK_M=block_m, E_PAD=e_pad, BLOCK_P=block_p, BLOCK_S=ALIGN_STORE_BLOCK,
+        COUNTED=counted, C_PAD=next_pow2(chunks) if counted else 1, num_warps=num_warps)
     return sorted_ids, tile_expert, num_tiles
 
 
