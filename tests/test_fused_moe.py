@@ -48,7 +48,7 @@ def _needs_triton(device):
 # --- align ------------------------------------------------------------------------------------
 
 def check_layout(pair_expert: torch.Tensor, num_experts: int, block_m: int, device,
-                 block_p: int = fm.ALIGN_BLOCK, count_from: int = fm.ALIGN_COUNT_FROM):
+                 block_p: int = fm.ALIGN_BLOCK, count_from: int | None = None):
     sorted_ids, tile_expert, num_tiles = fm.align(pair_expert.to(device), num_experts, block_m,
                                                   block_p=block_p, count_from=count_from)
     ids, te, used = sorted_ids.cpu().tolist(), tile_expert.cpu().tolist(), num_tiles.item()
@@ -85,7 +85,7 @@ def check_layout(pair_expert: torch.Tensor, num_experts: int, block_m: int, devi
 @settings(max_examples=40, deadline=None)
 @given(data=st.data(), num_experts=st.integers(1, 12), tokens=st.integers(1, 40),
        block_m=st.sampled_from([16, 32]), block_p=st.sampled_from([4, 16, fm.ALIGN_BLOCK]),
-       count_from=st.sampled_from([1, fm.ALIGN_COUNT_FROM, 10**9]))
+       count_from=st.sampled_from([1, None, 10**9]))
 def test_align_lays_out_every_pair_once_by_expert(device, data, num_experts, tokens, block_m,
                                                   block_p, count_from):
     """Any expert ids (empty experts, one expert taking every pair, more pairs and tiles than
@@ -114,7 +114,7 @@ def test_align_edges(device):
     routed = torch.rand(64, 128, generator=torch.Generator().manual_seed(1)).topk(8).indices
     assert fm.max_tiles(512, 128, 16) == 152 > 2 * fm.ALIGN_BLOCK
     assert 152 * 16 > 4 * fm.ALIGN_STORE_BLOCK
-    for count_from in (fm.ALIGN_COUNT_FROM, 10**9):  # 8 programs a chunk each; one program
+    for count_from in (None, 10**9):  # 8 chunks: a program each; one program
         check_layout(routed.reshape(-1), 128, 16, device, count_from=count_from)
     check_layout(torch.full((70,), 5), 6, 16, device)
     check_layout(torch.tensor([1] * 16 + [0] * 17, dtype=torch.int32), 2, 16, device)
@@ -314,12 +314,17 @@ trace(layer, torch.randn(5, 64), torch.randn(8, 64), torch.randn(8, 64, 64),
 """
 
 
+@pytest.mark.parametrize("counted", [False, True], ids=["one_program", "count_kernel"])
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-def test_traces_without_graph_breaks(device, dynamic):
-    """torch.compile(fullgraph=True) traces the kernel path's three kernels into one graph; with
-    the token count dynamic too (the engine's second compile of a layer makes the step's sizes
-    symbolic)."""
+def test_traces_without_graph_breaks(device, monkeypatch, dynamic, counted):
+    """torch.compile(fullgraph=True) traces the kernel path's three kernels into one graph (four
+    where align counts the pairs in a kernel of its own, whose grid and table follow the token
+    count); with the token count dynamic too (the engine's second compile of a layer makes the
+    step's sizes symbolic: a launch choice taken from the exact count would make it specialize,
+    which mark_dynamic turns into an error)."""
+    count_from = 1 if counted else 10**9  # every step counted by the kernel, or none
     if device.type == "cuda":  # the real thing: compile, run, compare
+        monkeypatch.setattr(fm, "ALIGN_COUNT_FROM", count_from)
         torch._dynamo.reset()
         config, shard = config_for(8, 2, 64, 32), ShardSpec()
         fn = lambda *a: moe.moe_mlp(*a, config, shard, kernel="triton")  # noqa: E731
@@ -330,13 +335,17 @@ def test_traces_without_graph_breaks(device, dynamic):
                 got, want = compiled(*args), fn(*args)
             torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
         return
-    body = TRACE_BODY
+    body = TRACE_BODY.replace("shard = ShardSpec()\n", "shard = ShardSpec()\n"
+                              f"from minivllm.kernels import fused_moe\n"
+                              f"fused_moe.ALIGN_COUNT_FROM = {count_from}\n")
+    assert "ALIGN_COUNT_FROM" in body
     if dynamic:
         body = body.replace("trace(layer, torch.randn(5, 64),", "h = torch.randn(5, 64)\n"
                             "torch._dynamo.mark_dynamic(h, 0)\ntrace(layer, h,")
         assert "mark_dynamic" in body
     counts = kernel_launches_traced(body)  # on CPU: see tests/triton_trace.py
-    assert counts == {"dynamo": 3, "aot": 3}, counts
+    want = 4 if counted else 3
+    assert counts == {"dynamo": want, "aot": want}, counts
 
 
 # --- the engine ---------------------------------------------------------------------------------
@@ -399,8 +408,8 @@ for tokens in (1, 64, 256):  # the 30B-A3B shape: 128 experts, top-8, hidden 204
         num_tiles_ptr="*i32", P="i32", E="i32", SLOTS="i32", TILES="i32", stride_it="i32",
         stride_ik="i32"),
         dict(TOP_K=8, BLOCK_M=bm, E_PAD=128, BLOCK_P=fm.ALIGN_BLOCK,
-             BLOCK_S=fm.ALIGN_STORE_BLOCK, COUNTED=counted,
-             C_PAD=triton.next_power_of_2(chunks) if counted else 1), num_warps=4))
+             BLOCK_S=fm.ALIGN_STORE_BLOCK, COUNTED=counted, ROWS=fm.ALIGN_COUNT_ROWS),
+        num_warps=4))
     for n, k, glu in ((768, 2048, True), (2048, 768, False)):
         cfg = fm.gemm_config(tiles, n, k, bm, torch.bfloat16, dev)
         types = ["*bf16", "*bf16", "*bf16" if glu else "*fp32", "*bf16"] + ["*i32"] * 3 + \\

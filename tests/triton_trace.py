@@ -6,7 +6,9 @@ CPU a child process imports them without the interpreter, tells torch a Triton d
 traces with fullgraph=True (any graph break raises) and runs AOT autograd over the graph, as the
 aot_eager backend does, then stops before running it (a JIT kernel cannot run without a GPU;
 the interpreted kernels' numerics are what the tests check). Without a GPU, Triton's mutation
-analysis cannot lower the kernel and treats every argument as written (a logged warning).
+analysis cannot lower the kernel and treats every argument as written (a logged warning). A
+size marked dynamic (torch._dynamo.mark_dynamic) that the trace specializes, or pins by an
+equality guard, fails the trace.
 """
 
 import json
@@ -33,6 +35,15 @@ def keep(gm, example_inputs):
 
 def backend(gm, example_inputs):
     graphs["dynamo"] = gm
+    # A size marked dynamic that the trace fixed to a number (dynamo would raise
+    # ConstraintViolationError when it installs its guards, which Traced pre-empts), or an
+    # expression of it that a guard pins to one value (a launch choice from next_pow2 of a
+    # step's size, say): the compiled graph would serve one size, or one class of sizes, only.
+    env = torch._guards.TracingContext.try_get().fake_mode.shape_env
+    fixed = {str(k): str(v) for k, v in env.replacements.items() if v.is_number}
+    fixed.update({str(g.expr): "guard" for g in env.guards if type(g.expr).__name__ == "Equality"
+                  and g.expr.free_symbols})
+    assert not fixed, f"sizes marked dynamic were specialized: {fixed}"
     aot_autograd(fw_compiler=keep)(gm, example_inputs)
     raise Traced
 

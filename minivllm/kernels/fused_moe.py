@@ -51,6 +51,7 @@ BLOCK_NS = (64, 32, 16)
 ALIGN_BLOCK = 64  # pairs (or tiles) the align kernel handles at a time
 ALIGN_STORE_BLOCK = 512  # slots past every run the align kernel fills with padding at a time
 ALIGN_COUNT_FROM = 3  # chunks of pairs from which align counts them in a kernel of its own
+ALIGN_COUNT_ROWS = 16  # chunks' counts the placing programs read at a time
 
 
 @triton.jit
@@ -71,7 +72,7 @@ def _align_count_kernel(ids_ptr, chunk_counts_ptr, P, stride_it, stride_ik, TOP_
 def _align_kernel(ids_ptr, chunk_counts_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr, P, E,
                   SLOTS, TILES, stride_it, stride_ik, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                   E_PAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
-                  COUNTED: tl.constexpr, C_PAD: tl.constexpr):
+                  COUNTED: tl.constexpr, ROWS: tl.constexpr):
     # ids: [T, TOP_K] (any strides: route's are a view of [T, experts]), the expert of each
     # pair; pair p is token p // TOP_K's choice p % TOP_K.
     # sorted: [SLOTS] the pairs by expert, each expert's run starting on a tile boundary, in
@@ -80,8 +81,10 @@ def _align_kernel(ids_ptr, chunk_counts_ptr, sorted_ptr, tile_expert_ptr, num_ti
     # each run's padding and the slots past every run by pass 3 (no two stores to one address,
     # so no barrier between them, and none between programs).
     # COUNTED: a program per chunk of BLOCK_P pairs, _align_count_kernel's chunk_counts [C,
-    # E_PAD] read whole (C <= C_PAD chunks); the program places its chunk's pairs and its share
-    # of pass 3. Otherwise one program does every chunk in turn (chunk_counts unread).
+    # E_PAD] read ROWS rows at a time (a constexpr of its own: one taken from the chunk count,
+    # a size of the step, would make torch.compile guard on it and compile the layer again for
+    # each value); the program places its chunk's pairs and takes its turn of pass 3.
+    # Otherwise one program does every chunk in turn (chunk_counts unread).
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     experts = tl.arange(0, E_PAD)
@@ -89,11 +92,15 @@ def _align_kernel(ids_ptr, chunk_counts_ptr, sorted_ptr, tile_expert_ptr, num_ti
     if COUNTED:
         # Pass 1 from the table: every expert's count, and the pairs of each expert in the
         # chunks before this program's.
-        chunks = tl.arange(0, C_PAD)
-        table = tl.load(chunk_counts_ptr + chunks[:, None] * E_PAD + experts[None, :],
-                        mask=(chunks < tl.cdiv(P, BLOCK_P))[:, None], other=0)
-        counts = tl.sum(table, axis=0)
-        seen = tl.sum(tl.where((chunks < pid)[:, None], table, 0), axis=0)
+        counts = tl.zeros([E_PAD], dtype=tl.int32)
+        seen = tl.zeros([E_PAD], dtype=tl.int32)
+        rows = tl.arange(0, ROWS)
+        for c0 in range(0, programs, ROWS):
+            chunks = c0 + rows
+            table = tl.load(chunk_counts_ptr + chunks[:, None] * E_PAD + experts[None, :],
+                            mask=(chunks < programs)[:, None], other=0)  # [ROWS, E_PAD]
+            counts += tl.sum(table, axis=0)
+            seen += tl.sum(tl.where((chunks < pid)[:, None], table, 0), axis=0)
         first, last = pid * BLOCK_P, pid * BLOCK_P + BLOCK_P
     else:
         # Pass 1: each expert's pair count (ids past P load as E_PAD, which no expert matches).
@@ -147,7 +154,7 @@ def max_tiles(pairs: int, num_experts: int, block_m: int) -> int:
 
 
 def align(experts: torch.Tensor, num_experts: int, block_m: int, *, block_p: int = ALIGN_BLOCK,
-          num_warps: int = 4, count_from: int = ALIGN_COUNT_FROM
+          num_warps: int = 4, count_from: int | None = None
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """experts: [T, k] or [P] (int32 or int64, any strides), each pair's expert -> (sorted
     [tiles * block_m] int32: the pair ids by expert, each expert's run padded to whole tiles
@@ -155,8 +162,8 @@ def align(experts: torch.Tensor, num_experts: int, block_m: int, *, block_p: int
     first), tiles = max_tiles(P, num_experts, block_m). block_p, num_warps: the kernels' pair
     chunk and warps; count_from: the chunks from which the pairs are counted by a kernel of a
     program a chunk and placed by another (below, one program does every chunk in turn: its
-    time grows with P, one more launch's does not) (benchmarks/moe_launch_probe.py times
-    others)."""
+    time grows with P, one more launch's does not; None: ALIGN_COUNT_FROM)
+    (benchmarks/moe_launch_probe.py times others)."""
     if experts.dim() == 1:
         experts = experts[:, None]
     p = experts.numel()
@@ -164,7 +171,7 @@ def align(experts: torch.Tensor, num_experts: int, block_m: int, *, block_p: int
     dev = experts.device
     e_pad = max(2, next_pow2(num_experts))
     chunks = triton.cdiv(p, block_p)
-    counted = chunks >= count_from
+    counted = chunks >= (ALIGN_COUNT_FROM if count_from is None else count_from)
     sorted_ids = torch.empty(tiles * block_m, dtype=torch.int32, device=dev)
     tile_expert = torch.empty(tiles, dtype=torch.int32, device=dev)
     num_tiles = torch.empty(1, dtype=torch.int32, device=dev)
@@ -177,7 +184,7 @@ def align(experts: torch.Tensor, num_experts: int, block_m: int, *, block_p: int
         experts, chunk_counts, sorted_ids, tile_expert, num_tiles, p, num_experts,
         tiles * block_m, tiles, experts.stride(0), experts.stride(1), TOP_K=experts.shape[1],
         BLOCK_M=block_m, E_PAD=e_pad, BLOCK_P=block_p, BLOCK_S=ALIGN_STORE_BLOCK,
-        COUNTED=counted, C_PAD=next_pow2(chunks) if counted else 1, num_warps=num_warps)
+        COUNTED=counted, ROWS=ALIGN_COUNT_ROWS, num_warps=num_warps)
     return sorted_ids, tile_expert, num_tiles
 
 
