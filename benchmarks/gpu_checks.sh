@@ -25,7 +25,7 @@
 #   bash benchmarks/gpu_checks.sh moe_probe  # nvidia-h200 or nvidia-h100-x1: one sparse layer's
 #       MoE MLP both ways (grouped GEMMs, Triton kernels) at 1-256 tokens (benchmarks/moe_probe.py)
 #   bash benchmarks/gpu_checks.sh moe_launch  # nvidia-h200 or nvidia-h100-x1: the MoE kernels'
-#       launch choices: align at 1-64 tokens, the expert GEMMs at 1-32 (moe_launch_probe.py;
+#       launch choices: align at 1-256 tokens, the expert GEMMs at 1-32 (moe_launch_probe.py;
 #       OLD=dir: that tree's align kernel first)
 #   bash benchmarks/gpu_checks.sh moe_kernel  # nvidia-h200 or nvidia-h100-x1: kernels/fused_moe.py
 #       (MINIVLLM_MOE_KERNEL=triton, the experts as Triton kernels at <= 256 tokens a step): its
@@ -552,8 +552,8 @@ moe_launch)
   # nvidia-h200 or nvidia-h100-x1 (<= 560 s): kernels/fused_moe.py's launch choices at the
   # Qwen3-30B-A3B shape, never made on a GPU (session 68's trace of the single stream: the align
   # kernel 13.4 us a layer, ~13% of the step; the expert GEMMs ~80% of their read): the align
-  # kernel's pair chunk and warps at 1-64 tokens, then the expert GEMMs' tiles, warps and stages
-  # at 1, 2, 8 and 32 tokens, each checked against the default launch
+  # kernel's pair chunk and warps (and its two forms) at 1-256 tokens, then the expert GEMMs'
+  # tiles, warps and stages at 1, 2, 8 and 32 tokens, each checked against the default launch
   # (benchmarks/moe_launch_probe.py; MOE_LAUNCH_ARGS: other options). OLD=dir (another tree,
   # unpacked there): that tree's align kernel first, from its own directory (session 69
   # rewrote the kernel: 33fb84b has the one before).
