@@ -350,9 +350,11 @@ def test_traces_without_graph_breaks(device, monkeypatch, dynamic, counted):
 
 # --- the engine ---------------------------------------------------------------------------------
 
-def test_engine_with_the_flag_equals_transformers(monkeypatch, tmp_path, device):
+@pytest.mark.parametrize("count_from", [None, 1], ids=["default", "count_kernel"])
+def test_engine_with_the_flag_equals_transformers(monkeypatch, tmp_path, device, count_from):
     """The engine (eager, fp32) with MINIVLLM_MOE_KERNEL=triton: its greedy tokens are
-    transformers', and the kernel path ran (prompt chunks and decode steps, <= 8 tokens)."""
+    transformers', and the kernel path ran (prompt chunks and decode steps, <= 8 tokens); with
+    align's count kernel in every step too (its steps here are under 3 chunks)."""
     from minivllm import LLM, SamplingParams
     from hf_tiny import make_hf_moe_model, save_checkpoint
     from test_moe import PROMPTS, _greedy_reference
@@ -364,6 +366,8 @@ def test_engine_with_the_flag_equals_transformers(monkeypatch, tmp_path, device)
     real = fm.fused_experts
     monkeypatch.setattr(fm, "fused_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(moe, "_MOE_KERNEL", "triton")
+    if count_from is not None:
+        monkeypatch.setattr(fm, "ALIGN_COUNT_FROM", count_from)
     with LLM(path, device=device, max_num_batched_tokens=8, max_num_seqs=4, num_kv_blocks=64,
              block_size=4, dtype="float32", enforce_eager=True) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
