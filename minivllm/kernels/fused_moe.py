@@ -55,17 +55,29 @@ ALIGN_COUNT_ROWS = 16  # chunks' counts the placing programs read at a time
 
 
 @triton.jit
+def _pair_experts(ids_ptr, offs, P, stride_it, stride_ik, TOP_K: tl.constexpr,
+                  E_PAD: tl.constexpr):
+    # The experts of pairs offs (int32; pairs past P load as E_PAD, which no expert matches).
+    return tl.load(ids_ptr + (offs // TOP_K) * stride_it + (offs % TOP_K) * stride_ik,
+                   mask=offs < P, other=E_PAD).to(tl.int32)
+
+
+@triton.jit
+def _expert_counts(e, experts):
+    # [E_PAD]: how many of the experts e are each of experts.
+    return tl.sum((e[None, :] == experts[:, None]).to(tl.int32), axis=1)
+
+
+@triton.jit
 def _align_count_kernel(ids_ptr, chunk_counts_ptr, P, stride_it, stride_ik, TOP_K: tl.constexpr,
                         E_PAD: tl.constexpr, BLOCK_P: tl.constexpr):
     # Program c: chunk_counts[c, e] = the pairs of chunk c (pairs [c * BLOCK_P, +BLOCK_P)) that
-    # chose expert e, for every e < E_PAD (ids past P load as E_PAD, which no expert matches).
+    # chose expert e, for every e < E_PAD.
     c = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
-    offs = c * BLOCK_P + tl.arange(0, BLOCK_P)
-    e = tl.load(ids_ptr + (offs // TOP_K) * stride_it + (offs % TOP_K) * stride_ik,
-                mask=offs < P, other=E_PAD).to(tl.int32)
-    counts = tl.sum((e[None, :] == experts[:, None]).to(tl.int32), axis=1)
-    tl.store(chunk_counts_ptr + c * E_PAD + experts, counts)
+    e = _pair_experts(ids_ptr, c * BLOCK_P + tl.arange(0, BLOCK_P), P, stride_it, stride_ik,
+                      TOP_K, E_PAD)
+    tl.store(chunk_counts_ptr + c * E_PAD + experts, _expert_counts(e, experts))
 
 
 @triton.jit
@@ -103,13 +115,11 @@ def _align_kernel(ids_ptr, chunk_counts_ptr, sorted_ptr, tile_expert_ptr, num_ti
             seen += tl.sum(tl.where((chunks < pid)[:, None], table, 0), axis=0)
         first, last = pid * BLOCK_P, pid * BLOCK_P + BLOCK_P
     else:
-        # Pass 1: each expert's pair count (ids past P load as E_PAD, which no expert matches).
+        # Pass 1: each expert's pair count.
         counts = tl.zeros([E_PAD], dtype=tl.int32)
         for p0 in range(0, P, BLOCK_P):
-            offs = p0 + lanes
-            e = tl.load(ids_ptr + (offs // TOP_K) * stride_it + (offs % TOP_K) * stride_ik,
-                        mask=offs < P, other=E_PAD).to(tl.int32)
-            counts += tl.sum((e[None, :] == experts[:, None]).to(tl.int32), axis=1)
+            e = _pair_experts(ids_ptr, p0 + lanes, P, stride_it, stride_ik, TOP_K, E_PAD)
+            counts += _expert_counts(e, experts)
         seen = tl.zeros([E_PAD], dtype=tl.int32)  # each expert's pairs in earlier chunks
         first, last = 0, P
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -120,8 +130,7 @@ def _align_kernel(ids_ptr, chunk_counts_ptr, sorted_ptr, tile_expert_ptr, num_ti
     # Pass 2: pair p goes to its expert's start + the pairs of that expert before it.
     for p0 in range(first, last, BLOCK_P):
         offs = p0 + lanes
-        e = tl.load(ids_ptr + (offs // TOP_K) * stride_it + (offs % TOP_K) * stride_ik,
-                    mask=offs < P, other=E_PAD).to(tl.int32)
+        e = _pair_experts(ids_ptr, offs, P, stride_it, stride_ik, TOP_K, E_PAD)
         onehot = e[:, None] == experts[None, :]  # [BLOCK_P, E_PAD]
         base = tl.sum(tl.where(onehot, (starts + seen)[None, :], 0), axis=1)
         earlier = (e[:, None] == e[None, :]) & (lanes[None, :] < lanes[:, None])
@@ -175,12 +184,13 @@ def align(experts: torch.Tensor, num_experts: int, block_m: int, *, block_p: int
     sorted_ids = torch.empty(tiles * block_m, dtype=torch.int32, device=dev)
     tile_expert = torch.empty(tiles, dtype=torch.int32, device=dev)
     num_tiles = torch.empty(1, dtype=torch.int32, device=dev)
-    chunk_counts = torch.empty((chunks if counted else 1, e_pad), dtype=torch.int32, device=dev)
+    programs = chunks if counted else 1
+    chunk_counts = torch.empty((programs, e_pad), dtype=torch.int32, device=dev)
     if counted:
         _align_count_kernel[(chunks,)](experts, chunk_counts, p, experts.stride(0),
                                        experts.stride(1), TOP_K=experts.shape[1], E_PAD=e_pad,
                                        BLOCK_P=block_p, num_warps=num_warps)
-    _align_kernel[(chunks if counted else 1,)](
+    _align_kernel[(programs,)](
         experts, chunk_counts, sorted_ids, tile_expert, num_tiles, p, num_experts,
         tiles * block_m, tiles, experts.stride(0), experts.stride(1), TOP_K=experts.shape[1],
         BLOCK_M=block_m, E_PAD=e_pad, BLOCK_P=block_p, BLOCK_S=ALIGN_STORE_BLOCK,
