@@ -562,7 +562,7 @@ moe_launch)
   # unpacked there): that tree's align kernel first, from its own directory (session 69
   # rewrote the kernel: 33fb84b has the one before).
   if [ -n "${OLD:-}" ]; then
-    (cd "$OLD" && step moe_launch_old_align 150 python3 benchmarks/moe_launch_probe.py \
+    (cd "$OLD" && step moe_launch_old_align $(left_or 150) python3 benchmarks/moe_launch_probe.py \
       --gemm-tokens "" --json "$RESULTS/moe_launch_old_align.json")
   fi
   step moe_launch $(left_or 560) python3 benchmarks/moe_launch_probe.py \
