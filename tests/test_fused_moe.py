@@ -240,54 +240,44 @@ def test_the_flag_picks_the_path(monkeypatch, device):
     kernel= wins; autograd and steps past MAX_KERNEL_TOKENS keep the grouped GEMMs; a name
     outside MOE_KERNELS is refused with the choices named."""
     h = torch.zeros(3, 8, device=device)
-    w = torch.zeros(2, 16, 8, device=device)
     assert moe._MOE_KERNEL in moe.MOE_KERNELS
     monkeypatch.setattr(moe, "_MOE_KERNEL", "triton")
     with torch.no_grad():
-        assert moe._takes_kernel(h, w, None) and not moe._takes_kernel(h, w, "grouped")
-        assert moe._takes_kernel(torch.zeros(fm.MAX_KERNEL_TOKENS, 8, device=device), w, None)
+        assert moe._takes_kernel(h, None) and not moe._takes_kernel(h, "grouped")
+        assert moe._takes_kernel(torch.zeros(fm.MAX_KERNEL_TOKENS, 8, device=device), None)
         assert not moe._takes_kernel(torch.zeros(fm.MAX_KERNEL_TOKENS + 1, 8, device=device),
-                                     w, None)
-        assert not moe._takes_kernel(torch.zeros(0, 8, device=device), w, None)
+                                     None)
+        assert not moe._takes_kernel(torch.zeros(0, 8, device=device), None)
     with torch.enable_grad():
-        assert not moe._takes_kernel(h, w, None)
+        assert not moe._takes_kernel(h, None)
     monkeypatch.setattr(moe, "_MOE_KERNEL", "grouped")
     with torch.no_grad():
-        assert not moe._takes_kernel(h, w, None) and moe._takes_kernel(h, w, "triton")
+        assert not moe._takes_kernel(h, None) and moe._takes_kernel(h, "triton")
         # auto takes the kernels on a GPU only, never under the CPU's interpreter
-        assert moe._takes_kernel(h, w, "auto") == (device.type == "cuda")
+        assert moe._takes_kernel(h, "auto") == (device.type == "cuda")
     monkeypatch.setattr(moe, "_MOE_KERNEL", "fused")
     with pytest.raises(ValueError, match="'fused' is not one of"):
-        moe._takes_kernel(h, w, None)
+        moe._takes_kernel(h, None)
     with torch.enable_grad(), pytest.raises(ValueError, match="MINIVLLM_MOE_KERNEL"):
-        moe._takes_kernel(h, w, None)
+        moe._takes_kernel(h, None)
 
 
-def test_auto_takes_the_kernels_for_few_tokens_or_where_grouped_gemm_loops():
-    """auto's rule, every case: the kernels at 1..AUTO_KERNEL_TOKENS tokens on a GPU; up to
-    MAX_KERNEL_TOKENS where the grouped GEMM would fall back to its loop over experts; never on
-    the CPU, under autograd, at 0 tokens or past MAX_KERNEL_TOKENS."""
-    auto, most = moe.AUTO_KERNEL_TOKENS, fm.MAX_KERNEL_TOKENS
-    assert 1 <= auto < most
-    for tokens in (0, 1, auto, auto + 1, most, most + 1):
+def test_auto_takes_the_kernels_on_a_gpu_up_to_their_limit():
+    """auto's rule, every case: the kernels at 1..MAX_KERNEL_TOKENS tokens on a GPU; never on the
+    CPU, under autograd, at 0 tokens or past MAX_KERNEL_TOKENS. triton: wherever Triton runs and
+    the step fits; grouped: never."""
+    most = fm.MAX_KERNEL_TOKENS
+    for tokens in (0, 1, 64, 65, most, most + 1):
         for on_gpu in (False, True):
-            for grouped in (False, True):
-                for grad in (False, True):
-                    got = moe.kernel_path("auto", tokens, on_gpu=on_gpu, triton_usable=True,
-                                          grouped_applies=grouped, grad=grad)
-                    small = 1 <= tokens <= auto
-                    fits = 1 <= tokens <= most
-                    want = on_gpu and not grad and fits and (small or not grouped)
-                    assert got == want, (tokens, on_gpu, grouped, grad)
-                    # triton: wherever Triton runs and the step fits; grouped: never
-                    assert moe.kernel_path("triton", tokens, on_gpu=on_gpu, triton_usable=True,
-                                           grouped_applies=grouped, grad=grad) == (
-                        fits and not grad)
-                    assert not moe.kernel_path("grouped", tokens, on_gpu=on_gpu,
-                                               triton_usable=True, grouped_applies=grouped,
-                                               grad=grad)
-    assert not moe.kernel_path("triton", 3, on_gpu=False, triton_usable=False,
-                               grouped_applies=True)
+            for grad in (False, True):
+                fits = 1 <= tokens <= most
+                got = moe.kernel_path("auto", tokens, on_gpu=on_gpu, triton_usable=True, grad=grad)
+                assert got == (on_gpu and not grad and fits), (tokens, on_gpu, grad)
+                assert moe.kernel_path("triton", tokens, on_gpu=on_gpu, triton_usable=True,
+                                       grad=grad) == (fits and not grad)
+                assert not moe.kernel_path("grouped", tokens, on_gpu=on_gpu, triton_usable=True,
+                                           grad=grad)
+    assert not moe.kernel_path("triton", 3, on_gpu=False, triton_usable=False)
 
 
 # --- torch.compile ------------------------------------------------------------------------------

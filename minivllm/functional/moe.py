@@ -8,17 +8,18 @@ fixed by the token count, so a step is one graph: no host sync, nothing data-dep
 (CUDA graphs, torch.compile); and the sum is in a fixed order, so it is deterministic (an
 index_add_ of the pairs would add in whatever order the GPU's atomics land).
 
-Steps of few tokens on a GPU run the experts as kernels/fused_moe.py's three Triton kernels
-instead (the pairs' layout by expert, gate_up with SiLU * up, down times the routing weights),
-then the same fixed-order per-token sum; never under autograd (the kernels have no backward).
+Steps of up to 256 tokens on a GPU (decode) run the experts as kernels/fused_moe.py's three
+Triton kernels instead (the pairs' layout by expert, gate_up with SiLU * up, down times the
+routing weights), then the same fixed-order per-token sum; never under autograd (the kernels have
+no backward).
 MINIVLLM_MOE_KERNEL (read at import) picks:
-  auto (default)  the kernels on CUDA for steps of at most AUTO_KERNEL_TOKENS tokens, and up to
-                  kernels.fused_moe.MAX_KERNEL_TOKENS where the grouped GEMM does not apply (fp16
-                  or fp32 on a GPU, or one before Hopper: its fallback is a loop over experts);
-                  the grouped GEMMs otherwise. benchmarks/moe_probe.py on an H100 (BENCHMARKS.md
-                  session 55): one Qwen3-30B-A3B layer's experts take 74 against 108 us at 1 token
-                  and 544 against 559 at 64 with the kernels, 652 against 567 at 96 and 784
-                  against 600 at 256.
+  auto (default)  the kernels on CUDA for every step of up to kernels.fused_moe.MAX_KERNEL_TOKENS
+                  tokens, the grouped GEMMs for larger steps and on the CPU. On an H100
+                  (BENCHMARKS.md session 72, benchmarks/moe_probe.py) one Qwen3-30B-A3B layer's
+                  experts take 67 against 109 us at 1 token, 439 against 553 at 64 and 470
+                  against 595 at 256 with the kernels; the throughput run 2,938 against 2,657
+                  tok/s with the kernels to 256 tokens against to 64 (session 55's kernels lost
+                  from 96 tokens, before session 69's align rewrite).
   triton          the kernels for every step of up to MAX_KERNEL_TOKENS tokens, on CUDA or under
                   TRITON_INTERPRET=1 (tests)
   grouped         never the kernels
@@ -38,7 +39,6 @@ from .parallel import all_reduce
 
 _MOE_KERNEL = os.environ.get("MINIVLLM_MOE_KERNEL", "auto")
 MOE_KERNELS = ("auto", "triton", "grouped")
-AUTO_KERNEL_TOKENS = 64  # where the two paths cross on an H100 lies between 64 and 96 tokens
 
 
 def route(h: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool
@@ -90,12 +90,11 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
 
 
 def kernel_path(kernel: str, tokens: int, *, on_gpu: bool, triton_usable: bool,
-                grouped_applies: bool, grad: bool = False) -> bool:
+                grad: bool = False) -> bool:
     """Whether a step of `tokens` tokens takes kernels/fused_moe.py's path under `kernel` (one of
     MOE_KERNELS, see the module's doc): on_gpu, the tensors are on CUDA; triton_usable, Triton
-    runs on their device (CUDA or the interpreter); grouped_applies, the grouped GEMM takes
-    them (_grouped_mm_applies) rather than its loop over experts; grad, autograd records (the
-    kernels have no backward)."""
+    runs on their device (CUDA or the interpreter); grad, autograd records (the kernels have no
+    backward)."""
     if kernel not in MOE_KERNELS:
         raise ValueError(f"MoE kernel {kernel!r} is not one of {MOE_KERNELS} "
                          "(MINIVLLM_MOE_KERNEL or moe_mlp's kernel=)")
@@ -106,18 +105,16 @@ def kernel_path(kernel: str, tokens: int, *, on_gpu: bool, triton_usable: bool,
     if kernel == "triton":
         return triton_usable
     # auto: on a GPU only; under the interpreter the CPU keeps the grouped path unless asked
-    return on_gpu and (tokens <= AUTO_KERNEL_TOKENS or not grouped_applies)
+    return on_gpu
 
 
-def _takes_kernel(h: torch.Tensor, experts_gate_up: torch.Tensor, kernel: str | None
-                  ) -> bool:
+def _takes_kernel(h: torch.Tensor, kernel: str | None) -> bool:
     """kernel_path for moe_mlp's operands: kernel, else MINIVLLM_MOE_KERNEL's. Shapes and
     devices only: under torch.compile a guard, no sync."""
     from ..kernels import launch
 
     return kernel_path(kernel or _MOE_KERNEL, h.shape[0], on_gpu=h.is_cuda,
                        triton_usable=launch.triton_usable(h.device),
-                       grouped_applies=_grouped_mm_applies(h, experts_gate_up.transpose(1, 2)),
                        grad=torch.is_grad_enabled())
 
 
@@ -131,7 +128,7 @@ def moe_mlp(h: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.Tensor
     kernel: "auto", "triton" or "grouped" (see the module's doc), None for
     MINIVLLM_MOE_KERNEL's."""
     weights, experts = route(h, router, config.num_experts_per_tok, config.norm_topk_prob)
-    if _takes_kernel(h, experts_gate_up, kernel):
+    if _takes_kernel(h, kernel):
         from ..kernels.fused_moe import fused_experts
 
         out = fused_experts(h, weights, experts, experts_gate_up, experts_down)

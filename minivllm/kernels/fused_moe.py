@@ -20,9 +20,11 @@ scatter and cumsum, the gather of h's rows into a [T * k, hidden] copy, the SiLU
 the GEMMs, the index_copy back to pair order and the weighted bmm. BENCHMARKS.md session 53 left
 the single stream at ~32% of its memory floor at the Qwen3-30B-A3B shape, with ~10 small kernels
 a MoE layer suspected (unmeasured). On an H100 (session 54) these three made the single stream
-13% faster and the throughput run, whose steps hold up to 256 tokens, 12% slower; one layer in
-benchmarks/moe_probe.py (session 55) is faster this way up to 64 tokens and slower from 96, so
-functional.moe's default (auto) takes them up to 64 tokens.
+13% faster and the throughput run, whose steps hold up to 256 tokens, 12% slower. Since session
+69's align kernel (a count kernel, then a program a chunk of pairs), one layer in
+benchmarks/moe_probe.py on an H100 is faster this way at every size from 1 to 256 tokens (470
+against 595 us at 256, session 72), so functional.moe's default (auto) takes them for every step
+of up to MAX_KERNEL_TOKENS tokens on a GPU.
 
 Every size derives from T, top_k, the expert count and the block sizes, never from the routing:
 the padded layout holds at most min(P, (P + min(E, P) * (BLOCK_M - 1)) // BLOCK_M) tiles (each
