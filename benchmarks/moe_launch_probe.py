@@ -5,9 +5,9 @@
 
 Session 68 traced the Qwen3-30B-A3B shape's single stream on an H200. The align kernel (one
 program that lays the step's (token, expert) pairs out by expert) took 13.4 us a layer: 48
-launches a step, ~0.64 ms of a 4.8 ms step, for 16 pairs. Its pair chunk (BLOCK_P, ALIGN_BLOCK
-in the module) and its warps were never chosen on a GPU, and neither were the expert GEMMs'
-tiles (gemm_config: "guesses from skinny_gemm's reasoning").
+launches a step, ~0.64 ms of a 4.8 ms step, for 16 pairs. Its pair chunk (BLOCK_P,
+align_block_for in the module) and its warps were never chosen on a GPU, and neither were the
+expert GEMMs' tiles (gemm_config: "guesses from skinny_gemm's reasoning").
 
 This times the align kernel at each step size of --tokens for every chunk of 16-128 pairs and
 1-8 warps, and checks that every choice lays the pairs out as the default does. Then it times
@@ -26,6 +26,10 @@ ALIGN_COUNT_FROM chunks of pairs a count kernel and a program a chunk, whose tim
 with the step as one program's does; --tokens now goes to 256). The GEMMs' defaults
 were within a few percent of the grid's best at 1-32 tokens but for 512-byte rows at block_n 16,
 since then 256 as at the other widths.
+
+Session 72 (H100, benchmarks/results/2026-12-07_s72_c2_*): the rewritten kernel's chunk of 64
+pairs was 1-5 us a call behind the best launch at 1-64 tokens; align_block_for now picks 16 pairs
+to 64 tokens and 32 above (the default column below is its choice at each size).
 """
 
 from __future__ import annotations
@@ -54,17 +58,18 @@ def probe_align(tokens: list[int], num_experts: int, top_k: int, dev, gen) -> li
     """µs of an align call per launch choice (None where its layout differs from the default's)
     at each step size: each pair chunk and warps, counted in a kernel of a program a chunk
     (key "CxW") and by the one program (key "CxW one", where the default counts in a kernel)."""
-    default = (fused_moe.ALIGN_BLOCK, 4)
     one = 10**9  # count_from no step reaches: the one program counts
-    print(f"align: µs a call (CUDA graph of 20); default chunk {default[0]}, {default[1]} warps, "
+    print(f"align: µs a call (CUDA graph of 20); default chunk align_block_for's, 4 warps, "
           f"counted by a kernel from {fused_moe.ALIGN_COUNT_FROM} chunks", flush=True)
     results = []
     for t in tokens:
         # route's experts: a view of [T, experts]'s top-k indices (strided, int64)
         experts = torch.randn(t, num_experts, device=dev, generator=gen).topk(top_k).indices
         block_m = fused_moe.block_m_for(t * top_k, num_experts, dev)
+        default = (fused_moe.align_block_for(t * top_k, num_experts), 4)
         want = fused_moe.align(experts, num_experts, block_m)
-        row = {"tokens": t, "pairs": t * top_k, "block_m": block_m, "us": {}}
+        row = {"tokens": t, "pairs": t * top_k, "block_m": block_m, "chunk": default[0],
+               "us": {}}
         for chunk, warps, count_from in itertools.product(CHUNKS, WARPS,
                                                           (fused_moe.ALIGN_COUNT_FROM, one)):
             counted = -(-t * top_k // chunk) >= fused_moe.ALIGN_COUNT_FROM
@@ -81,7 +86,8 @@ def probe_align(tokens: list[int], num_experts: int, top_k: int, dev, gen) -> li
         ok = {k: v for k, v in row["us"].items() if v is not None}
         best = min(ok, key=ok.get)
         wrong = sorted(set(row["us"]) - set(ok))
-        print(f"{t:>4} tokens ({t * top_k} pairs, block_m {block_m}): default {base:.2f} us, "
+        print(f"{t:>4} tokens ({t * top_k} pairs, block_m {block_m}, chunk {default[0]}): "
+              f"default {base:.2f} us, "
               f"best {best} {ok[best]:.2f} us" + (f"; DIFFERENT LAYOUT: {wrong}" if wrong else ""),
               flush=True)
         print("      " + "  ".join(f"{k} {v:.2f}" for k, v in ok.items()), flush=True)
@@ -185,7 +191,7 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(dev),
-                       "align_default": [fused_moe.ALIGN_BLOCK, 4, fused_moe.ALIGN_COUNT_FROM],
+                       "align_default": ["align_block_for", 4, fused_moe.ALIGN_COUNT_FROM],
                        "align": align,
                        "gemms": gemms}, f, indent=1)
     return 0

@@ -48,7 +48,7 @@ def _needs_triton(device):
 # --- align ------------------------------------------------------------------------------------
 
 def check_layout(pair_expert: torch.Tensor, num_experts: int, block_m: int, device,
-                 block_p: int = fm.ALIGN_BLOCK, count_from: int | None = None):
+                 block_p: int | None = None, count_from: int | None = None):
     sorted_ids, tile_expert, num_tiles = fm.align(pair_expert.to(device), num_experts, block_m,
                                                   block_p=block_p, count_from=count_from)
     ids, te, used = sorted_ids.cpu().tolist(), tile_expert.cpu().tolist(), num_tiles.item()
@@ -84,13 +84,14 @@ def check_layout(pair_expert: torch.Tensor, num_experts: int, block_m: int, devi
 
 @settings(max_examples=40, deadline=None)
 @given(data=st.data(), num_experts=st.integers(1, 12), tokens=st.integers(1, 40),
-       block_m=st.sampled_from([16, 32]), block_p=st.sampled_from([4, 16, fm.ALIGN_BLOCK]),
+       block_m=st.sampled_from([16, 32]), block_p=st.sampled_from([4, 16, 32, None]),
        count_from=st.sampled_from([1, None, 10**9]))
 def test_align_lays_out_every_pair_once_by_expert(device, data, num_experts, tokens, block_m,
                                                   block_p, count_from):
     """Any expert ids (empty experts, one expert taking every pair, more pairs and tiles than
-    the kernels' chunk), routed as a token's distinct top-k or not; counted by a kernel of a
-    program a chunk (from 1 chunk on) or by the one program (never), and as by default."""
+    the kernels' chunk), routed as a token's distinct top-k or not; at chunks of 4 to 32 pairs
+    and align_block_for's; counted by a kernel of a program a chunk (from 1 chunk on) or by the
+    one program (never), and as by default."""
     top_k = data.draw(st.integers(1, min(num_experts, 8)))
     if data.draw(st.booleans()):  # distinct experts a token, as routing picks them
         perm = st.permutations(range(num_experts)).map(lambda x: x[:top_k])
@@ -110,12 +111,16 @@ def test_align_edges(device):
     ids = torch.randperm(128, generator=torch.Generator().manual_seed(0))[:8]
     check_layout(ids, 128, 16, device)
     assert fm.max_tiles(8, 128, 16) == 8
-    # 64 tokens at that shape: 152 tiles (3 chunks of them), 2,432 slots (5 chunks of the tail)
+    # 64 tokens at that shape: 152 tiles (10 chunks of them), 2,432 slots (5 chunks of the tail)
     routed = torch.rand(64, 128, generator=torch.Generator().manual_seed(1)).topk(8).indices
-    assert fm.max_tiles(512, 128, 16) == 152 > 2 * fm.ALIGN_BLOCK
+    assert fm.align_block_for(512, 128) == 16 and fm.align_block_for(513, 128) == 32
+    assert fm.max_tiles(512, 128, 16) == 152 > 9 * 16
     assert 152 * 16 > 4 * fm.ALIGN_STORE_BLOCK
-    for count_from in (None, 10**9):  # 8 chunks: a program each; one program
+    for count_from in (None, 10**9):  # 32 chunks: a program each; one program
         check_layout(routed.reshape(-1), 128, 16, device, count_from=count_from)
+    # 65 tokens: chunks of 32 pairs, block_m 32 on a GPU (block_m_for's next size)
+    routed = torch.rand(65, 128, generator=torch.Generator().manual_seed(2)).topk(8).indices
+    check_layout(routed.reshape(-1), 128, 32, device)
     check_layout(torch.full((70,), 5), 6, 16, device)
     check_layout(torch.tensor([1] * 16 + [0] * 17, dtype=torch.int32), 2, 16, device)
     strided = torch.tensor([[2, 1, 0], [0, 2, 1]])[:, :1].reshape(-1)  # route's top-1 ids
@@ -391,17 +396,17 @@ for tokens in (1, 64, 256):  # the 30B-A3B shape: 128 experts, top-8, hidden 204
     pairs = tokens * 8
     bm = fm.block_m_for(pairs, 128, dev)
     tiles = fm.max_tiles(pairs, 128, bm)
-    chunks = triton.cdiv(pairs, fm.ALIGN_BLOCK)
-    counted = chunks >= fm.ALIGN_COUNT_FROM
+    block_p = fm.align_block_for(pairs, 128)
+    counted = triton.cdiv(pairs, block_p) >= fm.ALIGN_COUNT_FROM
     if counted:
         out.append(build(fm._align_count_kernel, dict(
             ids_ptr="*i64", chunk_counts_ptr="*i32", P="i32", stride_it="i32", stride_ik="i32"),
-            dict(TOP_K=8, E_PAD=128, BLOCK_P=fm.ALIGN_BLOCK), num_warps=4))
+            dict(TOP_K=8, E_PAD=128, BLOCK_P=block_p), num_warps=4))
     out.append(build(fm._align_kernel, dict(
         ids_ptr="*i64", chunk_counts_ptr="*i32", sorted_ptr="*i32", tile_expert_ptr="*i32",
         num_tiles_ptr="*i32", P="i32", E="i32", SLOTS="i32", TILES="i32", stride_it="i32",
         stride_ik="i32"),
-        dict(TOP_K=8, BLOCK_M=bm, E_PAD=128, BLOCK_P=fm.ALIGN_BLOCK,
+        dict(TOP_K=8, BLOCK_M=bm, E_PAD=128, BLOCK_P=block_p,
              BLOCK_S=fm.ALIGN_STORE_BLOCK, COUNTED=counted, ROWS=fm.ALIGN_COUNT_ROWS),
         num_warps=4))
     for n, k, glu in ((768, 2048, True), (2048, 768, False)):

@@ -50,7 +50,6 @@ from .launch import dot_precision, next_pow2, num_sms, runs_ptx
 MAX_KERNEL_TOKENS = 256  # functional.moe takes this path up to this many tokens (decode steps)
 WAVES = 2  # programs per SM wanted, as skinny_gemm
 BLOCK_NS = (64, 32, 16)
-ALIGN_BLOCK = 64  # pairs (or tiles) the align kernel handles at a time
 ALIGN_STORE_BLOCK = 512  # slots past every run the align kernel fills with padding at a time
 ALIGN_COUNT_FROM = 3  # chunks of pairs from which align counts them in a kernel of its own
 ALIGN_COUNT_ROWS = 16  # chunks' counts the placing programs read at a time
@@ -164,21 +163,33 @@ def max_tiles(pairs: int, num_experts: int, block_m: int) -> int:
     return min(pairs, (pairs + min(num_experts, pairs) * (block_m - 1)) // block_m)
 
 
-def align(experts: torch.Tensor, num_experts: int, block_m: int, *, block_p: int = ALIGN_BLOCK,
+def align_block_for(pairs: int, num_experts: int) -> int:
+    """The pairs (and tiles) the align kernels handle at a time: 16 while experts average at most
+    4 pairs, else 32. The boundary is block_m_for's first, so that a compiled layer's guards split
+    its steps no further. benchmarks/moe_launch_probe.py on an H100 at 128 experts, top-8
+    (session 72; one call in a CUDA graph of 20), against the chunk of 64 before: 3.5 against 6.4
+    us at 1 token, 5.2 against 10.2 at 16, 6.3 against 8.3 at 64 (16); 7.5 against 8.5 at 128
+    and 9.4 against 9.5 at 256 (32), where 16 reads 8.5 and 12.1. 4 warps: 8 were up to 0.3 us
+    faster at 1-4 tokens and 2 us slower from 8."""
+    return 16 if pairs <= 4 * num_experts else 32
+
+
+def align(experts: torch.Tensor, num_experts: int, block_m: int, *, block_p: int | None = None,
           num_warps: int = 4, count_from: int | None = None
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """experts: [T, k] or [P] (int32 or int64, any strides), each pair's expert -> (sorted
     [tiles * block_m] int32: the pair ids by expert, each expert's run padded to whole tiles
     with P; tile_expert [tiles] int32; num_tiles [1] int32, the tiles in use, which come
     first), tiles = max_tiles(P, num_experts, block_m). block_p, num_warps: the kernels' pair
-    chunk and warps; count_from: the chunks from which the pairs are counted by a kernel of a
-    program a chunk and placed by another (below, one program does every chunk in turn: its
-    time grows with P, one more launch's does not; None: ALIGN_COUNT_FROM)
-    (benchmarks/moe_launch_probe.py times others)."""
+    chunk (None: align_block_for's) and warps; count_from: the chunks from which the pairs are
+    counted by a kernel of a program a chunk and placed by another (below, one program does
+    every chunk in turn: its time grows with P, one more launch's does not; None:
+    ALIGN_COUNT_FROM) (benchmarks/moe_launch_probe.py times others)."""
     if experts.dim() == 1:
         experts = experts[:, None]
     p = experts.numel()
     tiles = max_tiles(p, num_experts, block_m)
+    block_p = align_block_for(p, num_experts) if block_p is None else block_p
     dev = experts.device
     e_pad = max(2, next_pow2(num_experts))
     chunks = triton.cdiv(p, block_p)
