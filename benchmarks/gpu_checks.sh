@@ -550,7 +550,10 @@ moe_probe)
   # (session 54: MINIVLLM_MOE_KERNEL=triton +13% on the single stream, -12% on the throughput
   # run): one Qwen3-30B-A3B sparse layer's moe_mlp, grouped GEMMs against the Triton kernels, at
   # 1-256 tokens in CUDA graphs, with each path's kernels at 1, 32 and 256 tokens.
-  step moe_probe $(left_or 200) python3 benchmarks/moe_probe.py --json "$RESULTS/moe_probe.json"
+  # MOE_PROBE_ARGS: other options (MOE_PROBE_ARGS="--compiled --tokens 1,8,64,256 --kernels
+  # 1,64": the layer as the engine compiles it, what routing costs there; session 72)
+  step moe_probe $(left_or 200) python3 benchmarks/moe_probe.py --json "$RESULTS/moe_probe.json" \
+    ${MOE_PROBE_ARGS:-}
   ;;
 moe_launch)
   # nvidia-h200 or nvidia-h100-x1 (<= 560 s): kernels/fused_moe.py's launch choices at the

@@ -9,6 +9,13 @@ moe_mlp (routing included) both ways at each token count, in a CUDA graph of cal
 copies whose experts exceed the L2 many times (as a forward reads them), and reports each call's
 microseconds, the bytes of the distinct experts it must read, and their rate. With --kernels
 the kernels one call launches and their device time (torch.profiler) at a few token counts.
+
+--compiled times moe_mlp under torch.compile(fullgraph=True), as the engine's layers run it: the
+eager call's routing is ~10 small aten kernels (softmax, a radix sort, the normalization, copies;
+session 72's H100 list: ~36 of the Triton path's 67 us at 1 token outside the expert GEMMs),
+which Inductor fuses, so only the compiled list says what routing costs the engine (its router
+GEMM included: cuBLAS, 5.0 us eagerly for 0.5 MB). Each token count compiles anew (static
+shapes): give it a few, e.g. --tokens 1,8,64,256.
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="1,2,4,8,16,32,48,64,96,128,160,192,256")
     ap.add_argument("--kernels", default="1,32,256", help="token counts to list kernels at")
+    ap.add_argument("--compiled", action="store_true",
+                    help="moe_mlp under torch.compile(fullgraph=True), as the engine runs it")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -60,7 +69,12 @@ def main() -> int:
                torch.randn(experts_n, hidden, inter, device=dev, dtype=dt, generator=gen) * 0.02)
               for _ in range(LAYERS)]
     expert_bytes = 3 * hidden * inter * 2
-    print(f"{torch.cuda.get_device_name(dev)}; µs a layer's moe_mlp, CUDA graphs of "
+    mlp = moe_mlp
+    if args.compiled:  # a compile per (token count, path): more than dynamo's default 8
+        torch._dynamo.config.recompile_limit = 64
+        mlp = torch.compile(moe_mlp, fullgraph=True, dynamic=False)
+    print(f"{torch.cuda.get_device_name(dev)}; µs a layer's moe_mlp"
+          f"{' (compiled)' if args.compiled else ''}, CUDA graphs of "
           f"{LAYERS * 5} calls over {LAYERS} layers", flush=True)
     print(f"{'tokens':>6} {'experts':>7} {'MB':>7} {'grouped':>8} {'triton':>8} "
           f"{'GB/s g':>7} {'GB/s t':>7} {'max err':>8}", flush=True)
@@ -73,7 +87,7 @@ def main() -> int:
             for kernel in ("grouped", "triton"):
                 def call(i, kernel=kernel):
                     r, gu, dn = layers[i % LAYERS]
-                    return moe_mlp(h, r, gu, dn, config, shard, kernel=kernel)
+                    return mlp(h, r, gu, dn, config, shard, kernel=kernel)
                 outs[kernel] = call(0).float()
                 row[kernel] = graph_us(call, calls=LAYERS * 5)
             experts = sum(len(torch.unique(torch.topk(h.float() @ r.float().t(), top_k).indices))
@@ -88,7 +102,7 @@ def main() -> int:
             if str(t) in args.kernels.split(","):
                 for kernel in ("grouped", "triton"):
                     r, gu, dn = layers[0]
-                    ks = kernel_times(lambda: moe_mlp(h, r, gu, dn, config, shard, kernel=kernel))
+                    ks = kernel_times(lambda: mlp(h, r, gu, dn, config, shard, kernel=kernel))
                     print(f"  {kernel} at {t} tokens: {len(ks)} kernels, "
                           f"{sum(us for _, us in ks):.1f} µs", flush=True)
                     for name, us in ks:
@@ -96,7 +110,8 @@ def main() -> int:
                     row[f"{kernel}_kernels"] = ks
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(dev), "results": results}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(dev), "compiled": args.compiled,
+                       "results": results}, f, indent=1)
     return 0
 
 
