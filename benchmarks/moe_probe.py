@@ -11,7 +11,7 @@ microseconds, the bytes of the distinct experts it must read, and their rate. Wi
 the kernels one call launches and their device time (torch.profiler) at a few token counts.
 
 --compiled times moe_mlp under torch.compile(fullgraph=True), as the engine's layers run it: the
-eager call's routing is ~10 small aten kernels (softmax, a radix sort, the normalization, copies;
+eager call's routing is 11 small aten kernels (softmax, a radix sort, the normalization, copies;
 session 72's H100 list at 1 token: 22 of the Triton path's 66 us, the expert GEMMs 32),
 which Inductor fuses, so only the compiled list says what routing costs the engine (its router
 GEMM included: cuBLAS, 5.0 us eagerly for 0.5 MB). Each token count compiles anew (static
