@@ -53,6 +53,9 @@ BLOCK_NS = (64, 32, 16)
 ALIGN_STORE_BLOCK = 512  # slots past every run the align kernel fills with padding at a time
 ALIGN_COUNT_FROM = 3  # chunks of pairs from which align counts them in a kernel of its own
 ALIGN_COUNT_ROWS = 16  # chunks' counts the placing programs read at a time
+# pairs an expert on average up to which tiles (block_m_for) and align's chunks (align_block_for)
+# are small: one bound for both, so that a compiled layer guards on one step size, not two
+FEW_PAIRS_AN_EXPERT = 4
 
 
 @triton.jit
@@ -171,7 +174,7 @@ def align_block_for(pairs: int, num_experts: int) -> int:
     us at 1 token, 5.2 against 10.2 at 16, 6.3 against 8.3 at 64 (16); 7.5 against 8.5 at 128
     and 9.4 against 9.5 at 256 (32), where 16 reads 8.5 and 12.1. 4 warps: 8 were up to 0.3 us
     faster at 1-4 tokens and 2 us slower from 8."""
-    return 16 if pairs <= 4 * num_experts else 32
+    return 16 if pairs <= FEW_PAIRS_AN_EXPERT * num_experts else 32
 
 
 def align(experts: torch.Tensor, num_experts: int, block_m: int, *, block_p: int | None = None,
@@ -272,7 +275,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, rw_ptr, sorted_ptr, tile_expert_ptr,
 def block_m_for(pairs: int, num_experts: int, device: torch.device) -> int:
     """Pairs a tile: 16 (tl.dot's least) while experts average at most 4 pairs, 32 to 16, else
     64: fewer tiles an expert (its weights read once a tile) against padding. A guess."""
-    if not runs_ptx(device) or pairs <= 4 * num_experts:
+    if not runs_ptx(device) or pairs <= FEW_PAIRS_AN_EXPERT * num_experts:
         return 16
     return 32 if pairs <= 16 * num_experts else 64
 
