@@ -391,7 +391,7 @@ moe_kernel)
   # runs than one call holds: a second call with MOE_KERNEL_TESTS=0 LAT_RUNS= takes the
   # throughput pair.
   [ "${MOE_KERNEL_TESTS:-1}" = 1 ] && STEP_LOG=$OUT/tests.txt step moe_kernel_tests $(left_or 150) \
-    python3 -m pytest $PYTEST_ARGS tests/test_fused_moe.py
+    python3 -m pytest $PYTEST_ARGS tests/test_fused_moe.py tests/test_moe_route.py
   # a run's name ends in its MINIVLLM_MOE_KERNEL: triton (kernel), grouped (base) or auto
   for run in ${LAT_RUNS-1_kernel 2_base 3_kernel 4_base}; do
     [ $(( BUDGET_S - SECONDS )) -lt 120 ] && break

@@ -213,7 +213,7 @@ def test_decoder_wiring_equals_cublas_path(device, monkeypatch):
         calls.append(x.shape)
         return x.shape[0] <= MAX_SKINNY_ROWS
 
-    monkeypatch.setattr(linear, "_skinny", forced)
+    monkeypatch.setattr(linear, "skinny_applies", forced)
     inputs = []  # each layer's x: [T, hidden], or the previous layer's partials [split, T, hidden]
 
     def layer(lp, x, *args, **kwargs):

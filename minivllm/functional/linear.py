@@ -32,7 +32,8 @@ from .parallel import all_reduce
 _SKINNY = os.environ.get("MINIVLLM_SKINNY_GEMM", "1") != "0"
 
 
-def _skinny(x: torch.Tensor) -> bool:
+def skinny_applies(x: torch.Tensor) -> bool:
+    """Whether a product of x's rows takes the skinny GEMM (on a GPU, a few rows, no autograd)."""
     if not (_SKINNY and x.is_cuda) or torch.is_grad_enabled():
         return False
     from ..kernels.skinny_gemm import MAX_SKINNY_ROWS
@@ -177,7 +178,7 @@ def row_partial(x: torch.Tensor, weight: torch.Tensor, *, glu: bool = False) -> 
     LoRA delta: functional/lora.py)."""
     if isinstance(weight, QUANTIZED):
         return column_linear(silu_and_mul(x) if glu else x, weight)
-    if _skinny(x):
+    if skinny_applies(x):
         return _skinny_partials(x, weight, glu=glu)
     return F.linear(silu_and_mul(x) if glu else x, weight)
 

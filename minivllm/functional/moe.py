@@ -127,12 +127,16 @@ def moe_mlp(h: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.Tensor
     intermediate size, so the partial sums end in one all-reduce, as the dense MLP's.
     kernel: "auto", "triton" or "grouped" (see the module's doc), None for
     MINIVLLM_MOE_KERNEL's."""
-    weights, experts = route(h, router, config.num_experts_per_tok, config.norm_topk_prob)
+    top_k, normalize = config.num_experts_per_tok, config.norm_topk_prob
     if _takes_kernel(h, kernel):
         from ..kernels.fused_moe import fused_experts
+        from ..kernels.moe_route import fused_route
+        from .linear import skinny_applies
 
+        weights, experts = fused_route(h, router, top_k, normalize, skinny=skinny_applies(h))
         out = fused_experts(h, weights, experts, experts_gate_up, experts_down)
     else:
+        weights, experts = route(h, router, top_k, normalize)
         out = grouped_experts(h, weights, experts, experts_gate_up, experts_down,
                               config.num_experts)
     return all_reduce(out, shard)

@@ -1,0 +1,105 @@
+"""A MoE step's routing in one kernel: each token's router logits -> its top_k experts and their
+weights, as functional.moe.route computes them (softmax in fp32, the top_k in descending order,
+optionally renormalized to sum to one).
+
+  logits: [S, T, E], S partial sums of the router's product (the skinny GEMM's fp32 split-K
+          partials, summed here in a fixed order) or S = 1 for a finished product
+  -> weights [T, top_k] in the activation's dtype, experts [T, top_k] int64
+
+Why a kernel: torch.compile leaves routing as the router GEMM (cuBLAS) and three Inductor
+kernels (softmax with the sort, the slice, the renormalization); on an H100 at one token that is
+5.0 + 2.8 + 1.1 + 1.1 us of a sparse layer's ~46 (benchmarks/moe_probe.py --compiled, BENCHMARKS.md
+session 73). For a few rows the router's product goes to the skinny split-K GEMM (0.5 MB of
+weight over ~64 programs, not one cuBLAS tile's handful) and its partials come here unsummed.
+
+The experts are ranked by their logits after the rounding to the activation's dtype that
+F.linear's output takes, the lower index first among equal logits (torch.sort(stable=True) over
+the softmax, and vLLM's topk_softmax, rank equal probabilities that way). The softmax is
+monotonic, so the order is route's wherever distinct logits keep distinct fp32 probabilities,
+which is everywhere a logit is not within ~1e-5 of zero against a max far from it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .launch import next_pow2
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_ls, stride_lt,
+                  SPLITS: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                  E_PAD: tl.constexpr, NORMALIZE: tl.constexpr, LOGIT_DT: tl.constexpr):
+    # A program a token: its E logits fit one program's registers (128 experts: 1 a thread).
+    t = tl.program_id(0).to(tl.int64)
+    offs_e = tl.arange(0, E_PAD)
+    mask_e = offs_e < E
+    row = logits_ptr + t * stride_lt + offs_e
+    acc = tl.zeros([E_PAD], tl.float32)
+    for s in tl.static_range(SPLITS):
+        acc += tl.load(row + s * stride_ls, mask=mask_e, other=0.0).to(tl.float32)
+    logits = tl.where(mask_e, acc.to(LOGIT_DT).to(tl.float32), float("-inf"))
+    # Ranked on the logits, each pick masked to -inf after it; padding lanes are -inf from the
+    # start, so with top_k <= E (the wrapper's check) they are never picked.
+    offs_k = tl.arange(0, K_PAD)
+    picked = tl.full([K_PAD], float("-inf"), tl.float32)
+    ids = tl.zeros([K_PAD], tl.int32)
+    rest = logits
+    for j in tl.static_range(TOP_K):
+        best = tl.max(rest, 0)
+        pick = tl.min(tl.where(rest == best, offs_e, E_PAD), 0)
+        picked = tl.where(offs_k == j, best, picked)
+        ids = tl.where(offs_k == j, pick, ids)
+        rest = tl.where(offs_e == pick, float("-inf"), rest)
+    top = tl.max(logits, 0)  # the first pick; finite since E >= 1
+    denom = tl.sum(tl.exp(logits - top), 0)  # the softmax's, over every expert
+    w = tl.exp(picked - top) / denom  # [K_PAD]: 0 on padding lanes (exp(-inf))
+    if NORMALIZE:
+        w = w / tl.sum(w, 0)
+    mask_k = offs_k < TOP_K
+    tl.store(weights_ptr + t * TOP_K + offs_k, w.to(weights_ptr.dtype.element_ty), mask=mask_k)
+    tl.store(ids_ptr + t * TOP_K + offs_k, ids.to(tl.int64), mask=mask_k)
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def route_from_logits(logits: torch.Tensor, top_k: int, normalize: bool, dtype: torch.dtype
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [S, T, E] (S partial sums, any float dtype, each [T, E] row-major) -> weights
+    [T, top_k] in `dtype`, experts [T, top_k] int64. The logits are summed over S in fp32 and
+    rounded to `dtype` (F.linear's output in the activation's dtype), then ranked."""
+    s, t, e = logits.shape
+    if not 1 <= top_k <= e:
+        raise ValueError(f"top_k must be in [1, {e}] (the experts), got {top_k}")
+    if dtype not in _TL_DTYPES:
+        raise TypeError(f"routing's dtype must be one of {list(_TL_DTYPES)}, got {dtype}")
+    assert logits.stride(2) == 1, "each token's logits must be contiguous"
+    weights = torch.empty((t, top_k), device=logits.device, dtype=dtype)
+    experts = torch.empty((t, top_k), device=logits.device, dtype=torch.int64)
+    if t == 0:
+        return weights, experts
+    e_pad = next_pow2(e)
+    _route_kernel[(t,)](
+        logits, weights, experts, e, logits.stride(0), logits.stride(1), SPLITS=s,
+        TOP_K=top_k, K_PAD=next_pow2(top_k), E_PAD=e_pad, NORMALIZE=normalize,
+        LOGIT_DT=_TL_DTYPES[dtype], num_warps=max(1, min(4, e_pad // 32)))
+    return weights, experts
+
+
+def fused_route(h: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool, *,
+                skinny: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """functional.moe.route's result in two kernels: h: [T, hidden], router: [experts, hidden]
+    -> (weights [T, top_k] in h's dtype, experts [T, top_k] int64). skinny: the router's product
+    by the skinny GEMM, its fp32 split-K partials summed by the routing kernel (a few rows);
+    otherwise F.linear's."""
+    if skinny:
+        from .skinny_gemm import skinny_linear
+
+        logits = skinny_linear(h, router, partials=True)  # [S, T, E] fp32
+    else:
+        logits = F.linear(h, router)[None]  # [1, T, E] in h's dtype
+    return route_from_logits(logits, top_k, normalize, h.dtype)
