@@ -560,7 +560,8 @@ moe_launch)
   # Qwen3-30B-A3B shape, never made on a GPU (session 68's trace of the single stream: the align
   # kernel 13.4 us a layer, ~13% of the step; the expert GEMMs ~80% of their read): the align
   # kernel's pair chunk and warps (and its two forms) at 1-256 tokens, then the expert GEMMs'
-  # tiles, warps and stages at 1, 2, 8 and 32 tokens, each checked against the default launch
+  # tiles, warps and stages at 1, 2, 8 and 32 tokens, each checked against the default launch;
+  # first the routing kernel's (kernels/moe_route.py) at 1-256 tokens
   # (benchmarks/moe_launch_probe.py; MOE_LAUNCH_ARGS: other options). OLD=dir (another tree,
   # unpacked there): that tree's align kernel first, from its own directory (session 69
   # rewrote the kernel: 33fb84b has the one before).

@@ -1,7 +1,7 @@
 """How fast can kernels/fused_moe.py's kernels be? Their launch choices, by step size.
 
     PYTHONPATH=. python benchmarks/moe_launch_probe.py [--tokens 1,2,4,...]
-        [--gemm-tokens 1,2,8,32] [--budget-s S] [--json PATH]
+        [--gemm-tokens 1,2,8,32] [--route-tokens 1,8,...] [--budget-s S] [--json PATH]
 
 Session 68 traced the Qwen3-30B-A3B shape's single stream on an H200. The align kernel (one
 program that lays the step's (token, expert) pairs out by expert) took 13.4 us a layer: 48
@@ -168,10 +168,44 @@ def probe_gemms(tokens: list[int], config, dev, gen, deadline: float) -> list[di
     return results
 
 
+def probe_route(tokens: list[int], config, dev, gen) -> list[dict]:
+    """µs of a step's routing (kernels/moe_route.py: the router's product, by the skinny GEMM up
+    to 16 rows, and the routing kernel) per launch choice at each step size, each checked to
+    pick the default's experts, against route (torch) compiled as the engine compiles it."""
+    from minivllm.functional.moe import route
+    from minivllm.kernels import moe_route
+    from minivllm.kernels.skinny_gemm import MAX_SKINNY_ROWS
+
+    hidden, e, k = config.hidden_size, config.num_experts, config.num_experts_per_tok
+    router = torch.randn(e, hidden, device=dev, generator=gen, dtype=torch.bfloat16) * 0.02
+    compiled = torch.compile(lambda h: route(h, router, k, True), fullgraph=True)
+    print("routing: µs a call (CUDA graph of 20); keys: skinny splits (0: F.linear) x warps",
+          flush=True)
+    results = []
+    for t in tokens:
+        h = torch.randn(t, hidden, device=dev, generator=gen, dtype=torch.bfloat16)
+        skinny = t <= MAX_SKINNY_ROWS
+        want = moe_route.fused_route(h, router, k, True, skinny=skinny)[1]
+        row = {"tokens": t, "skinny": skinny, "torch_compiled": graph_us(lambda i: compiled(h)),
+               "us": {}}
+        for split, warps in itertools.product((8, 16, 0) if skinny else (0,), (1, 2, 4)):
+            cfg = {"split": split} if split else None
+            fn = lambda i, c=cfg, w=warps: moe_route.fused_route(  # noqa: E731
+                h, router, k, True, skinny=skinny, skinny_config=c, num_warps=w)
+            same = torch.equal(fn(0)[1], want)
+            row["us"][f"{split or 'default'}x{warps}"] = graph_us(fn) if same else None
+        print(f"{t:>4} tokens: torch compiled {row['torch_compiled']:.2f} us; " + "  ".join(
+            f"{key} {us:.2f}" if us is not None else f"{key} DIFFERENT"
+            for key, us in row["us"].items()), flush=True)
+        results.append(row)
+    return results
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--gemm-tokens", default="1,2,8,32")
+    ap.add_argument("--route-tokens", default="1,8,16,64,256")
     ap.add_argument("--budget-s", type=float, default=400.0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -185,6 +219,7 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name(dev)}; {config.num_experts} experts, "
           f"top-{config.num_experts_per_tok}", flush=True)
     ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
+    route = probe_route(ints(args.route_tokens), config, dev, gen)
     align = probe_align(ints(args.tokens), config.num_experts, config.num_experts_per_tok, dev,
                         gen)
     gemms = probe_gemms(ints(args.gemm_tokens), config, dev, gen, deadline)
@@ -192,6 +227,7 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(dev),
                        "align_default": ["align_block_for", 4, fused_moe.ALIGN_COUNT_FROM],
+                       "route": route,
                        "align": align,
                        "gemms": gemms}, f, indent=1)
     return 0

@@ -67,11 +67,15 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_ls, stride_lt,
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
-def route_from_logits(logits: torch.Tensor, top_k: int, normalize: bool, dtype: torch.dtype
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def route_from_logits(logits: torch.Tensor, top_k: int, normalize: bool, dtype: torch.dtype, *,
+                      num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [S, T, E] (S partial sums, any float dtype, each [T, E] row-major) -> weights
     [T, top_k] in `dtype`, experts [T, top_k] int64. The logits are summed over S in fp32 and
-    rounded to `dtype` (F.linear's output in the activation's dtype), then ranked."""
+    rounded to `dtype` (F.linear's output in the activation's dtype), then ranked.
+
+    One warp a token by default (num_warps overrides it: benchmarks): the top_k picks are 2 *
+    top_k reductions over E, in one warp shuffles alone, in more a shared-memory round trip and
+    a barrier each."""
     s, t, e = logits.shape
     if not 1 <= top_k <= e:
         raise ValueError(f"top_k must be in [1, {e}] (the experts), got {top_k}")
@@ -86,20 +90,21 @@ def route_from_logits(logits: torch.Tensor, top_k: int, normalize: bool, dtype: 
     _route_kernel[(t,)](
         logits, weights, experts, e, logits.stride(0), logits.stride(1), SPLITS=s,
         TOP_K=top_k, K_PAD=next_pow2(top_k), E_PAD=e_pad, NORMALIZE=normalize,
-        LOGIT_DT=_TL_DTYPES[dtype], num_warps=max(1, min(4, e_pad // 32)))
+        LOGIT_DT=_TL_DTYPES[dtype], num_warps=num_warps or 1)
     return weights, experts
 
 
 def fused_route(h: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool, *,
-                skinny: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                skinny: bool, skinny_config: dict | None = None, num_warps: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """functional.moe.route's result in two kernels: h: [T, hidden], router: [experts, hidden]
     -> (weights [T, top_k] in h's dtype, experts [T, top_k] int64). skinny: the router's product
     by the skinny GEMM, its fp32 split-K partials summed by the routing kernel (a few rows);
-    otherwise F.linear's."""
+    otherwise F.linear's. skinny_config and num_warps override launch choices (benchmarks)."""
     if skinny:
         from .skinny_gemm import skinny_linear
 
-        logits = skinny_linear(h, router, partials=True)  # [S, T, E] fp32
+        logits = skinny_linear(h, router, partials=True, config=skinny_config)  # [S, T, E] fp32
     else:
         logits = F.linear(h, router)[None]  # [1, T, E] in h's dtype
-    return route_from_logits(logits, top_k, normalize, h.dtype)
+    return route_from_logits(logits, top_k, normalize, h.dtype, num_warps=num_warps)
