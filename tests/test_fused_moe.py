@@ -315,10 +315,11 @@ trace(layer, torch.randn(5, 64), torch.randn(8, 64), torch.randn(8, 64, 64),
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 def test_traces_without_graph_breaks(device, monkeypatch, dynamic, counted):
     """torch.compile(fullgraph=True) traces the kernel path's five kernels into one graph (the
-    router's skinny GEMM, routing, align, two GEMMs; six where align counts the pairs in a kernel
-    of its own, whose grid and table follow the token count); with the token count dynamic too (the engine's second compile of a layer makes the
-    step's sizes symbolic: a launch choice taken from the exact count would make it specialize,
-    which mark_dynamic turns into an error)."""
+    router's skinny GEMM, routing, align, two GEMMs; six where align counts the pairs in a
+    kernel of its own, whose grid and table follow the token count); with the token count
+    dynamic too (the engine's second compile of a layer makes the step's sizes symbolic: a
+    launch choice taken from the exact count would make it specialize, which mark_dynamic
+    turns into an error)."""
     count_from = 1 if counted else 10**9  # every step counted by the kernel, or none
     if device.type == "cuda":  # the real thing: compile, run, compare
         monkeypatch.setattr(fm, "ALIGN_COUNT_FROM", count_from)

@@ -8,9 +8,12 @@ optionally renormalized to sum to one).
 
 Why a kernel: torch.compile leaves routing as the router GEMM (cuBLAS) and three Inductor
 kernels (softmax with the sort, the slice, the renormalization); on an H100 at one token that is
-5.0 + 2.8 + 1.1 + 1.1 us of a sparse layer's ~46 (benchmarks/moe_probe.py --compiled, BENCHMARKS.md
-session 73). For a few rows the router's product goes to the skinny split-K GEMM (0.5 MB of
-weight over ~64 programs, not one cuBLAS tile's handful) and its partials come here unsummed.
+5.0 + 2.8 + 1.1 + 1.1 us of a sparse layer's ~46 (benchmarks/moe_probe.py --compiled,
+BENCHMARKS.md session 73). For a few rows the router's product goes to the skinny split-K GEMM
+(0.5 MB of weight over ~64 programs, not one cuBLAS tile's handful) and its partials come here
+unsummed. On an H100 (benchmarks/moe_launch_probe.py, session 73) a step's routing took 4.8
+against compiled torch's 8.5 us at 1 token, 7.6 against 10.1 at 256; the Qwen3-30B-A3B single
+stream went from 246 to 263 tok/s.
 
 The experts are ranked by their logits after the rounding to the activation's dtype that
 F.linear's output takes, the lower index first among equal logits (torch.sort(stable=True) over
