@@ -10,8 +10,9 @@ index_add_ of the pairs would add in whatever order the GPU's atomics land).
 
 Steps of up to 256 tokens on a GPU (decode) run the experts as kernels/fused_moe.py's three
 Triton kernels instead (the pairs' layout by expert, gate_up with SiLU * up, down times the
-routing weights), then the same fixed-order per-token sum; never under autograd (the kernels have
-no backward).
+routing weights), then the same fixed-order per-token sum, and route with kernels/moe_route.py
+(one kernel; the router's product by the skinny GEMM at up to 16 tokens); never under autograd
+(the kernels have no backward).
 MINIVLLM_MOE_KERNEL (read at import) picks:
   auto (default)  the kernels on CUDA for every step of up to kernels.fused_moe.MAX_KERNEL_TOKENS
                   tokens, the grouped GEMMs for larger steps and on the CPU. On an H100
