@@ -4,8 +4,9 @@
                                                    [--rows 1,2,4,8,16] [--sweep]
 
 x: [M, K] @ weight: [N, K].T in bf16 for M in --rows, over Qwen3-0.6B's and Qwen3-8B's layer
-shapes (qkv, o_proj, gate_up, down, lm_head) and their tensor-parallel-2 slices (column-parallel
-qkv/gate_up/lm_head halve N, row-parallel o_proj/down halve K). Each op is captured in a CUDA graph
+shapes (qkv, o_proj, gate_up, down, lm_head; --models also takes 1.7b, 4b and 30b-a3b, whose
+dense linears and router are listed) and their tensor-parallel-2 slices (column-parallel
+qkv/gate_up/lm_head halve N, row-parallel o_proj/down halve K, the router whole). Each op is captured in a CUDA graph
 of CALLS calls and the graph replayed REPLAYS times; the median replay / CALLS is the time per call,
 launch overhead excluded as in the engine's decode graphs. The calls rotate over enough copies of
 the weight to exceed twice the L2, so weights come from HBM as they do in a model's forward.
@@ -37,8 +38,13 @@ SHAPES = {  # model: {layer: (N, K)}
            "down": (2560, 9728), "lm_head": (151936, 2560)},
     "8b": {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096),
            "down": (4096, 12288), "lm_head": (151936, 4096)},
+    # Qwen3-30B-A3B's dense linears (its MLPs are experts: kernels/fused_moe.py); the router is
+    # the MoE layer's product of 128 columns (kernels/moe_route.py takes it to the skinny GEMM)
+    "30b-a3b": {"qkv": (5120, 2048), "o_proj": (2048, 4096), "router": (128, 2048),
+                "lm_head": (151936, 2048)},
 }
 ROW_PARALLEL = ("o_proj", "down")  # split on K under tensor parallelism; the others on N
+REPLICATED = ("router",)  # whole on every rank
 LAYER = ("qkv", "o_proj", "gate_up", "down")  # one decoder layer's GEMMs, summed in the summary
 CALLS, REPLAYS = 20, 10
 DT = torch.bfloat16
@@ -115,7 +121,7 @@ def shapes(models, tps):
             for layer, (n, k) in SHAPES[model].items():
                 if layer in ROW_PARALLEL:
                     k //= tp
-                else:
+                elif layer not in REPLICATED:
                     n //= tp
                 yield model, tp, layer, n, k
 
