@@ -11,18 +11,10 @@ from hypothesis import given, settings, strategies as st
 
 from minivllm.functional import moe
 from minivllm.kernels import moe_route
-from minivllm.kernels.launch import triton_usable
 from minivllm.kernels.skinny_gemm import skinny_linear
 
-DTYPES = [pytest.param(torch.float32, id="float32"), pytest.param(torch.float16, id="float16"),
-          pytest.param(torch.bfloat16, id="bfloat16", marks=pytest.mark.skipif(
-              not torch.cuda.is_available(), reason="bf16: on the GPU (not the interpreter)"))]
-
-
-@pytest.fixture(autouse=True)
-def _needs_triton(device):
-    if not triton_usable(device):
-        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+# the MoE kernels' dtypes (bf16 on the GPU only) and their autouse skip without Triton
+from test_fused_moe import DTYPES, _needs_triton  # noqa: F401
 
 
 def router_case(tokens, experts, hidden, dtype, device, seed=0, tie_rows=0):
