@@ -78,6 +78,20 @@ def test_partials_are_summed_then_rounded(device):
     torch.testing.assert_close(w.float().cpu(), p[None].to(torch.float16).float())
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter
+def test_nan_logits_pick_experts_in_range(device):
+    """A token whose logits are NaN (a hidden state gone NaN) still gets expert ids in [0, E):
+    the expert GEMMs index their weights by them. The other tokens route as route does."""
+    logits = torch.randn(1, 3, 6, device=device)
+    logits[0, 1] = float("nan")
+    logits[0, 2, 0] = float("nan")
+    w, e = moe_route.route_from_logits(logits, 4, True, torch.float32)
+    assert ((e >= 0) & (e < 6)).all(), e
+    want_w, want_e = torch.softmax(logits[0, 0], 0).sort(descending=True, stable=True)
+    assert e[0].tolist() == want_e[:4].tolist()
+    torch.testing.assert_close(w[0], want_w[:4] / want_w[:4].sum())
+
+
 def test_bad_input(device):
     logits = torch.zeros(1, 2, 4, device=device)
     with pytest.raises(ValueError, match="top_k"):

@@ -36,7 +36,7 @@ from .launch import next_pow2
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_ls, stride_lt,
                   SPLITS: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                   E_PAD: tl.constexpr, NORMALIZE: tl.constexpr, LOGIT_DT: tl.constexpr):
-    # A program a token: its E logits fit one program's registers (128 experts: 1 a thread).
+    # A program a token: its E logits fit one warp's registers (128 experts: 4 a thread).
     t = tl.program_id(0).to(tl.int64)
     offs_e = tl.arange(0, E_PAD)
     mask_e = offs_e < E
@@ -53,7 +53,10 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_ls, stride_lt,
     rest = logits
     for j in tl.static_range(TOP_K):
         best = tl.max(rest, 0)
-        pick = tl.min(tl.where(rest == best, offs_e, E_PAD), 0)
+        # A row of NaN logits matches no lane: its pick would be E_PAD, past the experts, which
+        # the GEMMs would read out of bounds. Clamped, it is a valid expert (the output is NaN
+        # as the torch path's; other tokens are untouched).
+        pick = tl.minimum(tl.min(tl.where(rest == best, offs_e, E_PAD), 0), E - 1)
         picked = tl.where(offs_k == j, best, picked)
         ids = tl.where(offs_k == j, pick, ids)
         rest = tl.where(offs_e == pick, float("-inf"), rest)
