@@ -34,7 +34,7 @@ to 64 tokens and 32 above (the default column below is its choice at each size).
 Session 73 (H100, benchmarks/results/2026-12-07_s73_c3_*): routing (kernels/moe_route.py) at
 1-256 tokens, against `route` compiled: one warp a token beat two and four at every size (4.8
 against 6.0-6.9 us at 1 token; compiled torch 8.5); the router's skinny split of 8 or 16 was
-~0.2 us under the default 32.
+~0.2 us under the skinny GEMM's own 32 (in that call's keys "default"), so moe_route takes 8.
 """
 
 from __future__ import annotations
@@ -184,7 +184,8 @@ def probe_route(tokens: list[int], config, dev, gen) -> list[dict]:
     hidden, e, k = config.hidden_size, config.num_experts, config.num_experts_per_tok
     router = torch.randn(e, hidden, device=dev, generator=gen, dtype=torch.bfloat16) * 0.02
     compiled = torch.compile(lambda h: route(h, router, k, True), fullgraph=True)
-    print("routing: µs a call (CUDA graph of 20); keys: skinny splits (0: F.linear) x warps",
+    print(f"routing: µs a call (CUDA graph of 20); keys: the router's skinny split (default "
+          f"{moe_route.ROUTER_SPLIT}; 'linear': F.linear, past {MAX_SKINNY_ROWS} rows) x warps",
           flush=True)
     results = []
     for t in tokens:
@@ -193,12 +194,12 @@ def probe_route(tokens: list[int], config, dev, gen) -> list[dict]:
         want = moe_route.fused_route(h, router, k, True, skinny=skinny)[1]
         row = {"tokens": t, "skinny": skinny, "torch_compiled": graph_us(lambda i: compiled(h)),
                "us": {}}
-        for split, warps in itertools.product((8, 16, 0) if skinny else (0,), (1, 2, 4)):
-            cfg = {"split": split} if split else None
+        for split, warps in itertools.product((8, 16, 32) if skinny else (0,), (1, 2, 4)):
+            cfg = {"split": split} if split else None  # the default: moe_route.ROUTER_SPLIT
             fn = lambda i, c=cfg, w=warps: moe_route.fused_route(  # noqa: E731
                 h, router, k, True, skinny=skinny, skinny_config=c, num_warps=w)
             same = torch.equal(fn(0)[1], want)
-            row["us"][f"{split or 'default'}x{warps}"] = graph_us(fn) if same else None
+            row["us"][f"{split or 'linear'}x{warps}"] = graph_us(fn) if same else None
         print(f"{t:>4} tokens: torch compiled {row['torch_compiled']:.2f} us; " + "  ".join(
             f"{key} {us:.2f}" if us is not None else f"{key} DIFFERENT"
             for key, us in row["us"].items()), flush=True)

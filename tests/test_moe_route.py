@@ -11,7 +11,6 @@ from hypothesis import given, settings, strategies as st
 
 from minivllm.functional import moe
 from minivllm.kernels import moe_route
-from minivllm.kernels.skinny_gemm import skinny_linear
 
 # the MoE kernels' dtypes (bf16 on the GPU only) and their autouse skip without Triton
 from test_fused_moe import DTYPES, _needs_triton  # noqa: F401
@@ -54,11 +53,14 @@ def test_skinny_partials_route_as_the_product(device, dtype, tokens, monkeypatch
     from minivllm.kernels import skinny_gemm
 
     monkeypatch.setattr(skinny_gemm, "num_sms", lambda device: 132)
-    h, router = router_case(tokens, 128, 256, dtype, device, seed=tokens)
+    h, router = router_case(tokens, 128, 1024, dtype, device, seed=tokens)
     logits = torch.nn.functional.linear(h.float(), router.float())  # [T, E], the fp32 product
-    partials = skinny_linear(h, router, partials=True)
-    assert partials.shape[0] > 1, "the router's product is split: the partials are summed here"
+    splits = []
+    real = skinny_gemm.skinny_linear
+    monkeypatch.setattr(skinny_gemm, "skinny_linear",
+                        lambda *a, **k: (splits.append(len(out := real(*a, **k))), out)[1])
     got_w, got_e = moe_route.fused_route(h, router, 8, True, skinny=True)
+    assert splits == [moe_route.ROUTER_SPLIT] and splits[0] > 1, splits  # partials summed here
     want_w, want_e = moe.route(h, router, 8, True)
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     torch.testing.assert_close(logits.gather(1, got_e), logits.gather(1, want_e), rtol=tol,
@@ -134,7 +136,7 @@ from minivllm.kernels import moe_route as mr
 sig = dict(logits_ptr="*fp32", weights_ptr="*bf16", ids_ptr="*i64", E="i32", stride_ls="i32",
            stride_lt="i32")
 out = []
-for splits, experts, top_k in ((32, 128, 8), (1, 128, 8), (1, 60, 4)):
+for splits, experts, top_k in ((mr.ROUTER_SPLIT, 128, 8), (32, 128, 8), (1, 128, 8), (1, 60, 4)):
     consts = dict(SPLITS=splits, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
                   E_PAD=triton.next_power_of_2(experts), NORMALIZE=True, LOGIT_DT=tl.bfloat16)
     src = ASTSource(fn=mr._route_kernel, signature=dict(sig, **{c: "constexpr" for c in consts}),
@@ -146,9 +148,9 @@ print(json.dumps(out))
 
 
 def test_compiles_for_sm90(device):
-    """The kernel at the 30B-A3B shape's launches (the skinny GEMM's 32 partials, or one
-    product; 128 experts, top-8) and at 60 experts (padded to 64) compiles to sm_90 on the CPU
-    (Triton's bundled ptxas)."""
+    """The kernel at the 30B-A3B shape's launches (the skinny GEMM's ROUTER_SPLIT partials, 32,
+    or one product; 128 experts, top-8) and at 60 experts (padded to 64) compiles to sm_90 on
+    the CPU (Triton's bundled ptxas)."""
     import json
     import os
     import shutil

@@ -71,6 +71,11 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_ls, stride_lt,
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+# K ranges of the router's skinny product. The skinny GEMM's own choice (32 at 128 experts,
+# hidden 2048: two programs an SM) left the routing kernel 32 partial rows to sum; 8 took
+# 4.61-4.74 against 4.81-5.00 us a step's routing at 1-16 tokens on an H100, 16 about the same
+# (benchmarks/moe_launch_probe.py, BENCHMARKS.md session 73).
+ROUTER_SPLIT = 8
 
 
 def route_from_logits(logits: torch.Tensor, top_k: int, normalize: bool, dtype: torch.dtype, *,
@@ -110,7 +115,8 @@ def fused_route(h: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bo
     if skinny:
         from .skinny_gemm import skinny_linear
 
-        logits = skinny_linear(h, router, partials=True, config=skinny_config)  # [S, T, E] fp32
+        logits = skinny_linear(h, router, partials=True,  # [S, T, E] fp32
+                               config=skinny_config or {"split": ROUTER_SPLIT})
     else:
         logits = F.linear(h, router)[None]  # [1, T, E] in h's dtype
     return route_from_logits(logits, top_k, normalize, h.dtype, num_warps=num_warps)
