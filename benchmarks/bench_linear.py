@@ -6,10 +6,11 @@
 x: [M, K] @ weight: [N, K].T in bf16 for M in --rows, over Qwen3-0.6B's and Qwen3-8B's layer
 shapes (qkv, o_proj, gate_up, down, lm_head; --models also takes 1.7b, 4b and 30b-a3b, whose
 dense linears and router are listed) and their tensor-parallel-2 slices (column-parallel
-qkv/gate_up/lm_head halve N, row-parallel o_proj/down halve K, the router whole). Each op is captured in a CUDA graph
-of CALLS calls and the graph replayed REPLAYS times; the median replay / CALLS is the time per call,
-launch overhead excluded as in the engine's decode graphs. The calls rotate over enough copies of
-the weight to exceed twice the L2, so weights come from HBM as they do in a model's forward.
+qkv/gate_up/lm_head halve N, row-parallel o_proj/down halve K, the router whole). Each op is
+captured in a CUDA graph of CALLS calls and the graph replayed REPLAYS times; the median replay /
+CALLS is the time per call, launch overhead excluded as in the engine's decode graphs. The calls
+rotate over enough copies of the weight to exceed twice the L2, so weights come from HBM as they
+do in a model's forward.
 TB/s = weight bytes / time. Both results are checked against an fp32 matmul (bf16 tolerance).
 --sweep also times a few forced tile configs of skinny_linear at the rows of --sweep-rows (2 and 16
 by default; tuning aid), --sweep-split configs that split K as well.

@@ -128,7 +128,6 @@ def test_moe_mlp_kernel_path_takes_it(device, monkeypatch):
 
 COMPILE_BODY = """
 import json, triton
-import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from minivllm.kernels import moe_route as mr
@@ -138,7 +137,7 @@ sig = dict(logits_ptr="*fp32", weights_ptr="*bf16", ids_ptr="*i64", E="i32", str
 out = []
 for splits, experts, top_k in ((mr.ROUTER_SPLIT, 128, 8), (32, 128, 8), (1, 128, 8), (1, 60, 4)):
     consts = dict(SPLITS=splits, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
-                  E_PAD=triton.next_power_of_2(experts), NORMALIZE=True, LOGIT_DT=tl.bfloat16)
+                  E_PAD=triton.next_power_of_2(experts), NORMALIZE=True)
     src = ASTSource(fn=mr._route_kernel, signature=dict(sig, **{c: "constexpr" for c in consts}),
                     constexprs=consts)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))

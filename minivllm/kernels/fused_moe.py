@@ -345,8 +345,8 @@ def fused_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     pairs = t * top_k
     if block_m is None:
         block_m = block_m_for(pairs, num_experts, h.device)
-    # route's experts (and unnormalized fp32 weights) are views of [T, experts]: the kernels
-    # take their strides rather than a copy
+    # experts and weights may be views (functional.moe.route's are of [T, experts]; the kernel
+    # path's moe_route writes them whole): the kernels take their strides rather than a copy
     sorted_ids, tile_expert, num_tiles = align(experts, num_experts, block_m)
     act = torch.empty((pairs, inter), dtype=h.dtype, device=h.device)
     _gemm(h, experts_gate_up, act, None, sorted_ids, tile_expert, num_tiles, pairs=pairs,

@@ -35,7 +35,7 @@ from .launch import next_pow2
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_ls, stride_lt,
                   SPLITS: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                  E_PAD: tl.constexpr, NORMALIZE: tl.constexpr, LOGIT_DT: tl.constexpr):
+                  E_PAD: tl.constexpr, NORMALIZE: tl.constexpr):
     # A program a token: its E logits fit one warp's registers (128 experts: 4 a thread).
     t = tl.program_id(0).to(tl.int64)
     offs_e = tl.arange(0, E_PAD)
@@ -44,7 +44,8 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_ls, stride_lt,
     acc = tl.zeros([E_PAD], tl.float32)
     for s in tl.static_range(SPLITS):
         acc += tl.load(row + s * stride_ls, mask=mask_e, other=0.0).to(tl.float32)
-    logits = tl.where(mask_e, acc.to(LOGIT_DT).to(tl.float32), float("-inf"))
+    # rounded to the weights' dtype, the activation's: F.linear's output would be in it
+    logits = tl.where(mask_e, acc.to(weights_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
     # Ranked on the logits, each pick masked to -inf after it; padding lanes are -inf from the
     # start, so with top_k <= E (the wrapper's check) they are never picked.
     offs_k = tl.arange(0, K_PAD)
@@ -70,7 +71,6 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_ls, stride_lt,
     tl.store(ids_ptr + t * TOP_K + offs_k, ids.to(tl.int64), mask=mask_k)
 
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 # K ranges of the router's skinny product. The skinny GEMM's own choice (32 at 128 experts,
 # hidden 2048: two programs an SM) left the routing kernel 32 partial rows to sum; 8 took
 # 4.61-4.74 against 4.81-5.00 us a step's routing at 1-16 tokens on an H100, 16 about the same
@@ -90,8 +90,8 @@ def route_from_logits(logits: torch.Tensor, top_k: int, normalize: bool, dtype: 
     s, t, e = logits.shape
     if not 1 <= top_k <= e:
         raise ValueError(f"top_k must be in [1, {e}] (the experts), got {top_k}")
-    if dtype not in _TL_DTYPES:
-        raise TypeError(f"routing's dtype must be one of {list(_TL_DTYPES)}, got {dtype}")
+    if not dtype.is_floating_point:
+        raise TypeError(f"routing's dtype must be a floating-point one, got {dtype}")
     assert logits.stride(2) == 1, "each token's logits must be contiguous"
     weights = torch.empty((t, top_k), device=logits.device, dtype=dtype)
     experts = torch.empty((t, top_k), device=logits.device, dtype=torch.int64)
@@ -101,7 +101,7 @@ def route_from_logits(logits: torch.Tensor, top_k: int, normalize: bool, dtype: 
     _route_kernel[(t,)](
         logits, weights, experts, e, logits.stride(0), logits.stride(1), SPLITS=s,
         TOP_K=top_k, K_PAD=next_pow2(top_k), E_PAD=e_pad, NORMALIZE=normalize,
-        LOGIT_DT=_TL_DTYPES[dtype], num_warps=num_warps or 1)
+        num_warps=num_warps or 1)
     return weights, experts
 
 
