@@ -121,21 +121,21 @@ def probe_gemms(tokens: list[int], config, dev, gen, deadline: float) -> list[di
         weights, experts = top.values, top.indices
         pairs = t * top_k
         block_m = fused_moe.block_m_for(pairs, num_experts, dev)
-        sorted_ids, tile_expert, num_tiles = fused_moe.align(experts, num_experts, block_m)
+        # the default's layout: align's, or at one token a tile a pair (takes_pair_tiles)
+        layout = None if fused_moe.takes_pair_tiles(t) else \
+            fused_moe.align(experts, num_experts, block_m)
         distinct = len(torch.unique(experts))
         act = torch.empty((pairs, inter), dtype=dt, device=dev)
         y = torch.empty((pairs, hidden), dtype=torch.float32, device=dev)
 
         def gate_up(i, cfg):
-            fused_moe._gemm(h, layers[i % LAYERS][0], act, None, sorted_ids, tile_expert,
-                            num_tiles, pairs=pairs, n=inter, k=hidden, a_div=top_k, glu=True,
-                            block_m=block_m, config=cfg)
+            fused_moe._gemm(h, layers[i % LAYERS][0], act, None, experts, layout, n=inter,
+                            k=hidden, a_div=top_k, glu=True, block_m=block_m, config=cfg)
             return act
 
         def down(i, cfg):
-            fused_moe._gemm(act, layers[i % LAYERS][1], y, weights, sorted_ids, tile_expert,
-                            num_tiles, pairs=pairs, n=hidden, k=inter, a_div=1, glu=False,
-                            block_m=block_m, config=cfg)
+            fused_moe._gemm(act, layers[i % LAYERS][1], y, weights, experts, layout, n=hidden,
+                            k=inter, a_div=1, glu=False, block_m=block_m, config=cfg)
             return y
 
         for name, fn in (("gate_up", gate_up), ("down", down)):

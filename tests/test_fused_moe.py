@@ -215,6 +215,56 @@ def test_deterministic(device):
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "e{}k{}h{}i{}".format(*s))
+def test_one_token_skips_align_for_its_own_layout_bit_for_bit(device, monkeypatch, shape, dtype):
+    """At one token each pair is a tile of its own (takes_pair_tiles): no align launch, and the
+    same bits as align's layout (routing's experts are distinct, so align puts each pair alone
+    in its tile too); two tokens keep align."""
+    num_experts, top_k, hidden, inter = shape
+    assert fm.takes_pair_tiles(1) and not fm.takes_pair_tiles(2)
+    for seed in range(3):
+        h, router, gate_up, down = moe_case(seed, 1, *shape, dtype, device)
+        weights, experts = moe.route(h, router, top_k, True)
+        with_align = fm.fused_experts(h, weights, experts, gate_up, down, pair_tiles=False)
+        real_align = fm.align
+        monkeypatch.setattr(fm, "align", lambda *a, **k: pytest.fail("align ran at one token"))
+        got = fm.fused_experts(h, weights, experts, gate_up, down)
+        monkeypatch.setattr(fm, "align", real_align)
+        assert torch.equal(got, with_align), seed
+        want = fp64_experts(h.cpu(), weights.cpu(), experts.cpu(), gate_up.cpu(), down.cpu())
+        assert (got.cpu().double() - want).abs().max().item() <= TOL[dtype] * max(
+            want.abs().max().item(), 1.0)
+    h, router, gate_up, down = moe_case(9, 2, *shape, dtype, device)
+    calls = []
+    monkeypatch.setattr(fm, "align", lambda *a, **k: calls.append(1) or real_align(*a, **k))
+    fm.fused_experts(h, *moe.route(h, router, top_k, True), gate_up, down)
+    assert calls == [1]
+
+
+@settings(max_examples=15, deadline=None)
+@given(data=st.data(), tokens=st.integers(1, 6))
+def test_pair_tiles_compute_any_routing(device, data, tokens):
+    """A tile a pair is right for any expert ids, not only one token's distinct ones: pairs
+    sharing an expert, within a token or across tokens, strided ids (a view of [T, experts]),
+    against the fp64 loop and against align's layout."""
+    num_experts, top_k, hidden, inter = 4, 3, 48, 40
+    h, router, gate_up, down = moe_case(tokens, tokens, num_experts, top_k, hidden, inter,
+                                        torch.float32, device)
+    ids = data.draw(st.lists(st.integers(0, num_experts - 1), min_size=tokens * top_k,
+                             max_size=tokens * top_k))
+    wide = torch.zeros(tokens, top_k + 2, dtype=torch.int64)
+    wide[:, :top_k] = torch.tensor(ids).view(tokens, top_k)
+    experts = wide.to(device)[:, :top_k]  # strided: [T, k] of [T, k + 2]
+    weights = torch.rand(tokens, top_k, generator=torch.Generator().manual_seed(tokens)).to(device)
+    got = fm.fused_experts(h, weights, experts, gate_up, down, pair_tiles=True)
+    want = fp64_experts(h.cpu(), weights.cpu(), experts.cpu(), gate_up.cpu(), down.cpu())
+    scale = max(want.abs().max().item(), 1.0)
+    assert (got.cpu().double() - want).abs().max().item() <= TOL[torch.float32] * scale
+    aligned = fm.fused_experts(h, weights, experts, gate_up, down, pair_tiles=False)
+    assert (got - aligned).abs().max().item() <= TOL[torch.float32] * scale
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.float16, 4e-3)],
                          ids=["float32", "float16"])
 @pytest.mark.parametrize("tokens", [1, 5, 33])
@@ -346,6 +396,25 @@ def test_traces_without_graph_breaks(device, monkeypatch, dynamic, counted):
     assert counts == {"dynamo": want, "aot": want}, counts
 
 
+def test_one_token_traces_four_kernels(device):
+    """A step of one token (the single stream's) traces without align: the router's skinny
+    GEMM, routing and the two GEMMs on a tile a pair; on a GPU, compiled (dynamic, as the
+    engine's second compile) against eager."""
+    if device.type == "cuda":
+        torch._dynamo.reset()
+        config, shard = config_for(8, 2, 64, 32), ShardSpec()
+        fn = lambda *a: moe.moe_mlp(*a, config, shard, kernel="triton")  # noqa: E731
+        compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+        args = moe_case(1, 1, 8, 2, 64, 32, torch.bfloat16, device)
+        with torch.no_grad():
+            assert torch.equal(compiled(*args), fn(*args))
+        return
+    body = TRACE_BODY.replace("trace(layer, torch.randn(5, 64),", "trace(layer, torch.randn(1, 64),")
+    assert "randn(1, 64)" in body
+    counts = kernel_launches_traced(body)  # on CPU: see tests/triton_trace.py
+    assert counts == {"dynamo": 4, "aot": 4}, counts
+
+
 # --- the engine ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("count_from", [None, 1], ids=["default", "count_kernel"])
@@ -385,9 +454,9 @@ from minivllm.kernels import fused_moe as fm
 
 fm.num_sms = lambda device: 132  # an H100's, for gemm_config without a GPU
 dev, target = torch.device("cuda"), GPUTarget("cuda", 90, 32)
-GEMM = ["a_ptr", "w_ptr", "out_ptr", "rw_ptr", "sorted_ptr", "tile_expert_ptr", "num_tiles_ptr",
-        "P", "N", "K", "stride_am", "stride_we", "stride_wn", "stride_om", "stride_rt",
-        "stride_rk"]
+GEMM = ["a_ptr", "w_ptr", "out_ptr", "rw_ptr", "ids_ptr", "sorted_ptr", "tile_expert_ptr",
+        "num_tiles_ptr", "P", "N", "K", "stride_am", "stride_we", "stride_wn", "stride_om",
+        "stride_rt", "stride_rk", "stride_it", "stride_ik"]
 
 def build(fn, types, consts, **options):
     sig = dict(types, **{c: "constexpr" for c in consts})
@@ -401,25 +470,30 @@ for tokens in (1, 64, 256):  # the 30B-A3B shape: 128 experts, top-8, hidden 204
     tiles = fm.max_tiles(pairs, 128, bm)
     block_p = fm.align_block_for(pairs, 128)
     counted = triton.cdiv(pairs, block_p) >= fm.ALIGN_COUNT_FROM
-    if counted:
-        out.append(build(fm._align_count_kernel, dict(
-            ids_ptr="*i64", chunk_counts_ptr="*i32", P="i32", stride_it="i32", stride_ik="i32"),
-            dict(TOP_K=8, E_PAD=128, BLOCK_P=block_p), num_warps=4))
-    out.append(build(fm._align_kernel, dict(
-        ids_ptr="*i64", chunk_counts_ptr="*i32", sorted_ptr="*i32", tile_expert_ptr="*i32",
-        num_tiles_ptr="*i32", P="i32", E="i32", SLOTS="i32", TILES="i32", stride_it="i32",
-        stride_ik="i32"),
-        dict(TOP_K=8, BLOCK_M=bm, E_PAD=128, BLOCK_P=block_p,
-             BLOCK_S=fm.ALIGN_STORE_BLOCK, COUNTED=counted, ROWS=fm.ALIGN_COUNT_ROWS),
-        num_warps=4))
+    pair_tiles = fm.takes_pair_tiles(tokens)  # no align at one token: a tile a pair
+    if pair_tiles:
+        tiles = pairs
+    else:
+        if counted:
+            out.append(build(fm._align_count_kernel, dict(
+                ids_ptr="*i64", chunk_counts_ptr="*i32", P="i32", stride_it="i32",
+                stride_ik="i32"), dict(TOP_K=8, E_PAD=128, BLOCK_P=block_p), num_warps=4))
+        out.append(build(fm._align_kernel, dict(
+            ids_ptr="*i64", chunk_counts_ptr="*i32", sorted_ptr="*i32", tile_expert_ptr="*i32",
+            num_tiles_ptr="*i32", P="i32", E="i32", SLOTS="i32", TILES="i32", stride_it="i32",
+            stride_ik="i32"),
+            dict(TOP_K=8, BLOCK_M=bm, E_PAD=128, BLOCK_P=block_p,
+                 BLOCK_S=fm.ALIGN_STORE_BLOCK, COUNTED=counted, ROWS=fm.ALIGN_COUNT_ROWS),
+            num_warps=4))
     for n, k, glu in ((768, 2048, True), (2048, 768, False)):
         cfg = fm.gemm_config(tiles, n, k, bm, torch.bfloat16, dev)
-        types = ["*bf16", "*bf16", "*bf16" if glu else "*fp32", "*bf16"] + ["*i32"] * 3 + \\
-            ["i32"] * 9
+        types = ["*bf16", "*bf16", "*bf16" if glu else "*fp32", "*bf16", "*i64"] + \\
+            ["*i32"] * 3 + ["i32"] * 11
         out.append(build(fm._moe_gemm_kernel, dict(zip(GEMM, types)), dict(
-            A_DIV=8 if glu else 1, TOP_K=1 if glu else 8, BLOCK_M=bm, BLOCK_N=cfg["block_n"],
+            A_DIV=8 if glu else 1, TOP_K=8, BLOCK_M=bm, BLOCK_N=cfg["block_n"],
             BLOCK_K=cfg["block_k"], EVEN_K=k % cfg["block_k"] == 0, GLU=glu, WEIGHTED=not glu,
-            PRECISION="tf32"), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+            PAIR_TILES=pair_tiles, PRECISION="tf32"), num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"]))
 print(json.dumps(out))
 """
 
@@ -437,5 +511,5 @@ def test_kernels_compile_for_sm90_within_shared_memory(device):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     shared = json.loads(proc.stdout.strip().splitlines()[-1])
-    # 1 token: align in one program; 64 and 256: the count kernel too; two GEMMs each
-    assert len(shared) == 11 and all(0 <= s <= 227 * 1024 for s in shared), shared
+    # 1 token: a tile a pair, no align; 64 and 256: align and its count kernel; two GEMMs each
+    assert len(shared) == 10 and all(0 <= s <= 227 * 1024 for s in shared), shared

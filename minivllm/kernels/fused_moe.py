@@ -4,7 +4,8 @@ manner of vLLM's fused_moe (its moe_align_block_size and fused_moe_kernel; writt
   1  align (one program; from ALIGN_COUNT_FROM chunks of pairs, a count kernel and then a
      program a chunk): the (token, expert) pairs' ids laid out by expert, each expert's run
      padded to whole BLOCK_M tiles (padding slots hold the id P = T * top_k, "no pair"); the
-     expert of each tile; the number of tiles in use, as a device tensor
+     expert of each tile; the number of tiles in use, as a device tensor. Not at one token,
+     where each pair is a tile of its own (takes_pair_tiles)
   2  gate_up: a program takes a tile (BLOCK_M pairs of one expert) and BLOCK_N columns of the
      intermediate size, gathers the pairs' tokens' rows of h itself, multiplies them by that
      expert's gate and up rows, and writes silu(gate) * up for its pairs, rows in pair order:
@@ -215,25 +216,35 @@ def align(experts: torch.Tensor, num_experts: int, block_m: int, *, block_p: int
 
 
 @triton.jit
-def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, rw_ptr, sorted_ptr, tile_expert_ptr, num_tiles_ptr,
-                     P, N, K, stride_am, stride_we, stride_wn, stride_om, stride_rt, stride_rk,
+def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, rw_ptr, ids_ptr, sorted_ptr, tile_expert_ptr,
+                     num_tiles_ptr, P, N, K, stride_am, stride_we, stride_wn, stride_om,
+                     stride_rt, stride_rk, stride_it, stride_ik,
                      A_DIV: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                     GLU: tl.constexpr, WEIGHTED: tl.constexpr, PRECISION: tl.constexpr):
+                     GLU: tl.constexpr, WEIGHTED: tl.constexpr, PAIR_TILES: tl.constexpr,
+                     PRECISION: tl.constexpr):
     # Program (tile, pid_n): the tile's pairs (sorted[tile * BLOCK_M:][:BLOCK_M], one expert's)
     # times that expert's weight rows [pid_n * BLOCK_N, +BLOCK_N). A pair's row of a is
     # pair // A_DIV (top_k for h's token rows, 1 for act's pair rows). w: [E, N, K] (GLU: [E,
     # 2N, K], gate rows then up rows; out = silu(gate) * up). WEIGHTED: each row times its
     # routing weight, rw: [T, TOP_K] (any strides) at (pair // TOP_K, pair % TOP_K).
+    # PAIR_TILES: no align layout; tile p is pair p alone, its expert read from ids: [T, TOP_K]
+    # (any strides), and the grid holds P tiles (see fused_experts).
     # out: [P, N], rows in pair order; padding rows (pair id P) are neither read nor written.
     tile = tl.program_id(0)
-    if tile >= tl.load(num_tiles_ptr):
-        return
+    slots = tl.arange(0, BLOCK_M)
+    if PAIR_TILES:
+        pairs = tl.where(slots == 0, tile, P)
+        expert = tl.load(ids_ptr + (tile // TOP_K) * stride_it + (tile % TOP_K) * stride_ik
+                         ).to(tl.int64)
+    else:
+        if tile >= tl.load(num_tiles_ptr):
+            return
+        pairs = tl.load(sorted_ptr + tile * BLOCK_M + slots)
+        expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
     pid_n = tl.program_id(1)
-    pairs = tl.load(sorted_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pairs < P
     rows = tl.where(valid, pairs // A_DIV, 0).to(tl.int64)
-    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     # Weight rows past N are clamped onto row N - 1 (read, never stored), as skinny_gemm's.
@@ -272,6 +283,20 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, rw_ptr, sorted_ptr, tile_expert_ptr,
              mask=(offs_n < N)[:, None] & valid[None, :])
 
 
+def takes_pair_tiles(tokens: int) -> bool:
+    """Whether a step of `tokens` tokens skips align and gives each pair a tile of its own
+    (PAIR_TILES). At one token that is align's layout anyway: routing's top_k experts are
+    distinct, so each pair has an expert, and a tile, to itself; the GEMMs then read each
+    pair's expert from the routing's ids, and a step launches one kernel fewer (align took
+    3.2 us of a sparse layer's ~46 at one token on an H100, BENCHMARKS.md session 73). The
+    tiles' products are align's, bit for bit (the same pair in a tile's first slot, the same
+    expert); only their order differs, and each pair writes its own rows. (With tiles a pair,
+    any routing is computed right: pairs sharing an expert would read its weights once a
+    pair.) One token only: torch.compile specializes a step size of 1, so the choice adds no
+    guard to a compiled layer."""
+    return tokens == 1
+
+
 def block_m_for(pairs: int, num_experts: int, device: torch.device) -> int:
     """Pairs a tile: 16 (tl.dot's least) while experts average at most 4 pairs, 32 to 16, else
     64: fewer tiles an expert (its weights read once a tile) against padding. A guess."""
@@ -303,26 +328,31 @@ def gemm_config(tiles: int, n: int, k: int, block_m: int, dtype: torch.dtype,
     return dict(block_n=block_n, block_k=block_k, num_warps=4, num_stages=stages) | override
 
 
-def _gemm(a, w, out, rw, sorted_ids, tile_expert, num_tiles, *, pairs, n, k, a_div, glu,
-          block_m, config):
-    """out = the tiles' products (see _moe_gemm_kernel); rw: [T, k] routing weights or None."""
-    tiles = tile_expert.shape[0]
+def _gemm(a, w, out, rw, experts, layout, *, n, k, a_div, glu, block_m, config):
+    """out = the tiles' products (see _moe_gemm_kernel); rw: [T, k] routing weights or None;
+    experts: [T, k], each pair's expert; layout: align's (sorted_ids, tile_expert, num_tiles),
+    or None for a tile a pair (PAIR_TILES)."""
+    pairs = experts.numel()
+    sorted_ids, tile_expert, num_tiles = layout or (experts, experts, experts)  # unread if None
+    tiles = pairs if layout is None else tile_expert.shape[0]
     cfg = gemm_config(tiles, n, k, block_m, a.dtype, a.device, **(config or {}))
     weighted = rw is not None
-    if not weighted:  # never read (WEIGHTED=False): any tensor serves as the pointer
-        rw = sorted_ids[None, :]
+    if not weighted:  # never read (WEIGHTED=False): any [T, k] tensor serves as the pointer
+        rw = experts
     _moe_gemm_kernel[(tiles, triton.cdiv(n, cfg["block_n"]))](
-        a, w, out, rw, sorted_ids, tile_expert, num_tiles, pairs, n, k,
+        a, w, out, rw, experts, sorted_ids, tile_expert, num_tiles, pairs, n, k,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0), rw.stride(0), rw.stride(1),
-        A_DIV=a_div, TOP_K=rw.shape[1] if weighted else 1, BLOCK_M=block_m,
-        BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], EVEN_K=k % cfg["block_k"] == 0,
-        GLU=glu, WEIGHTED=weighted, PRECISION=dot_precision(a.dtype),
+        experts.stride(0), experts.stride(1), A_DIV=a_div, TOP_K=experts.shape[1],
+        BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        EVEN_K=k % cfg["block_k"] == 0, GLU=glu, WEIGHTED=weighted,
+        PAIR_TILES=layout is None, PRECISION=dot_precision(a.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def fused_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                   experts_gate_up: torch.Tensor, experts_down: torch.Tensor, *,
-                  block_m: int | None = None, config: dict | None = None) -> torch.Tensor:
+                  block_m: int | None = None, config: dict | None = None,
+                  pair_tiles: bool | None = None) -> torch.Tensor:
     """The expert part of functional.moe.moe_mlp: h: [T, hidden], weights: [T, k] (h's dtype or
     fp32), experts: [T, k] int, experts_gate_up: [E, 2 * inter, hidden], experts_down: [E,
     hidden, inter] -> [T, hidden] in h's dtype, sum over j of weights[t, j] * mlp_e(h[t]) with
@@ -331,7 +361,8 @@ def fused_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     Roundings: gate and up stay fp32 into silu(gate) * up, which is rounded once to h's dtype
     (the grouped path rounds gate and up, then silu, then the product); down's rows times their
     weights stay fp32 to the sum, rounded once. block_m and config (gemm_config's keys) override
-    the launch choices (tests)."""
+    the launch choices (tests); pair_tiles: a tile a pair without align's layout, or align's
+    (None: takes_pair_tiles's choice)."""
     t, hidden = h.shape
     top_k = experts.shape[1]
     num_experts, two_inter, _ = experts_gate_up.shape
@@ -347,11 +378,13 @@ def fused_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
         block_m = block_m_for(pairs, num_experts, h.device)
     # experts and weights may be views (functional.moe.route's are of [T, experts]; the kernel
     # path's moe_route writes them whole): the kernels take their strides rather than a copy
-    sorted_ids, tile_expert, num_tiles = align(experts, num_experts, block_m)
+    if pair_tiles is None:
+        pair_tiles = takes_pair_tiles(t)
+    layout = None if pair_tiles else align(experts, num_experts, block_m)
     act = torch.empty((pairs, inter), dtype=h.dtype, device=h.device)
-    _gemm(h, experts_gate_up, act, None, sorted_ids, tile_expert, num_tiles, pairs=pairs,
-          n=inter, k=hidden, a_div=top_k, glu=True, block_m=block_m, config=config)
+    _gemm(h, experts_gate_up, act, None, experts, layout, n=inter, k=hidden, a_div=top_k,
+          glu=True, block_m=block_m, config=config)
     y = torch.empty((pairs, hidden), dtype=torch.float32, device=h.device)
-    _gemm(act, experts_down, y, weights, sorted_ids, tile_expert, num_tiles,
-          pairs=pairs, n=hidden, k=inter, a_div=1, glu=False, block_m=block_m, config=config)
+    _gemm(act, experts_down, y, weights, experts, layout, n=hidden, k=inter, a_div=1, glu=False,
+          block_m=block_m, config=config)
     return y.view(t, top_k, hidden).sum(1).to(h.dtype)
