@@ -20,7 +20,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from minivllm.functional import moe
+from minivllm.functional import layer as layer_module, moe
 from minivllm.kernels import fused_moe as fm
 from minivllm.kernels.launch import triton_usable
 from minivllm.state import ShardSpec
@@ -265,6 +265,37 @@ def test_pair_tiles_compute_any_routing(device, data, tokens):
     assert (got - aligned).abs().max().item() <= TOL[torch.float32] * scale
 
 
+@torch.no_grad()  # the kernel path has no backward: with autograd on, moe_mlp takes grouped
+def test_unsummed_terms_are_the_summed_output(device, monkeypatch):
+    """moe_mlp(unsummed_ok=True) where the skinny GEMM applies (patched in on the CPU, as on a
+    GPU at <= 16 rows): the top_k weighted expert products, fp32 [top_k, T, hidden], which
+    sum_partials sums to the summed output; past the skinny rows, with unsummed_ok False and on
+    the grouped path: [T, hidden] as before."""
+    from minivllm.functional import linear
+
+    monkeypatch.setattr(linear, "skinny_applies", lambda x: x.shape[0] <= 4)
+    shape = (8, 2, 64, 32)
+    config = config_for(*shape)
+    for tokens in (1, 3, 5):
+        h, router, gate_up, down = moe_case(tokens, tokens, *shape, torch.float32, device)
+        run = lambda **k: moe.moe_mlp(h, router, gate_up, down, config, ShardSpec(),  # noqa
+                                      **k)
+        summed = run(kernel="triton")
+        assert summed.shape == (tokens, 64)
+        got = run(kernel="triton", unsummed_ok=True)
+        if tokens > 4:  # the skinny GEMM's rows: the summed form
+            assert torch.equal(got, summed)
+            continue
+        assert got.shape == (2, tokens, 64) and got.dtype == torch.float32
+        torch.testing.assert_close(linear.sum_partials(got, h.dtype), summed, rtol=1e-6,
+                                   atol=1e-6)
+        weights, experts = moe.route(h, router, 2, True)
+        for j in range(2):  # term j: the weighted product of each token's j-th expert
+            one = fm.fused_experts(h, weights[:, j:j + 1], experts[:, j:j + 1], gate_up, down)
+            torch.testing.assert_close(got[j], one, rtol=1e-5, atol=1e-5)
+        assert run(kernel="grouped", unsummed_ok=True).shape == (tokens, 64)
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.float16, 4e-3)],
                          ids=["float32", "float16"])
 @pytest.mark.parametrize("tokens", [1, 5, 33])
@@ -417,11 +448,15 @@ def test_one_token_traces_four_kernels(device):
 
 # --- the engine ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("count_from", [None, 1], ids=["default", "count_kernel"])
-def test_engine_with_the_flag_equals_transformers(monkeypatch, tmp_path, device, count_from):
+@pytest.mark.parametrize("count_from, unsummed", [(None, False), (1, False), (None, True)],
+                         ids=["default", "count_kernel", "unsummed"])
+def test_engine_with_the_flag_equals_transformers(monkeypatch, tmp_path, device, count_from,
+                                                  unsummed):
     """The engine (eager, fp32) with MINIVLLM_MOE_KERNEL=triton: its greedy tokens are
     transformers', and the kernel path ran (prompt chunks and decode steps, <= 8 tokens); with
-    align's count kernel in every step too (its steps here are under 3 chunks)."""
+    align's count kernel in every step too (its steps here are under 3 chunks); with the
+    skinny GEMM applying as on a GPU (patched in), so that sparse layers hand their unsummed
+    expert terms to the next layer's add + RMSNorm and to the final norm."""
     from minivllm import LLM, SamplingParams
     from hf_tiny import make_hf_moe_model, save_checkpoint
     from test_moe import PROMPTS, _greedy_reference
@@ -435,6 +470,15 @@ def test_engine_with_the_flag_equals_transformers(monkeypatch, tmp_path, device,
     monkeypatch.setattr(moe, "_MOE_KERNEL", "triton")
     if count_from is not None:
         monkeypatch.setattr(fm, "ALIGN_COUNT_FROM", count_from)
+    if unsummed:
+        from minivllm.functional import linear
+
+        monkeypatch.setattr(linear, "skinny_applies", lambda x: x.shape[0] <= 16 and
+                            not torch.is_grad_enabled())
+        real_moe_mlp = moe.moe_mlp
+        shapes = []
+        monkeypatch.setattr(layer_module, "moe_mlp", lambda *a, **k: (
+            lambda out: shapes.append(out.dim()) or out)(real_moe_mlp(*a, **k)))
     with LLM(path, device=device, max_num_batched_tokens=8, max_num_seqs=4, num_kv_blocks=64,
              block_size=4, dtype="float32", enforce_eager=True) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
@@ -442,6 +486,8 @@ def test_engine_with_the_flag_equals_transformers(monkeypatch, tmp_path, device,
                             use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == want
     assert calls, "the kernel path never ran"
+    if unsummed:
+        assert shapes and set(shapes) == {3}, shapes  # every sparse layer's terms unsummed
 
 
 # --- an offline sm_90 compile -------------------------------------------------------------------

@@ -73,10 +73,12 @@ def mlp_block(lp: LayerParams, x: torch.Tensor, residual: torch.Tensor, shard: S
 
 def moe_block(lp: MoELayerParams, x: torch.Tensor, residual: torch.Tensor, config: ModelConfig,
               shard: ShardSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """mlp_block for a mixture-of-experts layer: (the experts' weighted sum [T, hidden],
+    """mlp_block for a mixture-of-experts layer: (the experts' weighted sum [T, hidden], or at a
+    few rows on one GPU its unsummed fp32 terms [top_k, T, hidden] (moe_mlp's unsummed_ok),
     x + residual)."""
     h, residual = add_rms_norm(x, residual, lp.post_norm, config.rms_norm_eps)
-    return moe_mlp(h, lp.router, lp.experts_gate_up, lp.experts_down, config, shard), residual
+    return moe_mlp(h, lp.router, lp.experts_gate_up, lp.experts_down, config, shard,
+                   unsummed_ok=True), residual
 
 
 def attention_half(lp: LayerParams, x: torch.Tensor, residual: torch.Tensor | None,
@@ -95,11 +97,13 @@ def decoder_layer(lp: LayerParams | MoELayerParams, x: torch.Tensor, residual: t
                   cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   batch: Batch, *, config: ModelConfig, shard: ShardSpec, backend: AttentionBackend
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pre-norm attention then MLP (a sparse layer's: the mixture of experts). x: the previous block's output, residual: the stream it adds
-    to (None for the first layer). Returns (this layer's MLP output, the residual stream).
+    """Pre-norm attention then MLP (a sparse layer's: the mixture of experts). x: the previous
+    block's output, residual: the stream it adds to (None for the first layer). Returns (this
+    layer's MLP output, the residual stream).
 
     The MLP output may be down's unsummed fp32 split-K partials [split, T, hidden] (decode of a
-    few rows on one GPU): the next layer's add + RMSNorm, or the final norm, sums them. Either
+    few rows on one GPU; a sparse layer's: its top_k weighted expert products): the next
+    layer's add + RMSNorm, or the final norm, sums them. Either
     form is accepted as x. (Compiled, the sum fuses into that add + RMSNorm's kernel, as o_proj's
     does into the one after it: sum_partials writes it as additions. A kernel running the add +
     RMSNorm inside qkv's and gate_up's GEMMs was measured slower, BENCHMARKS.md session 6.)"""

@@ -121,21 +121,30 @@ def _takes_kernel(h: torch.Tensor, kernel: str | None) -> bool:
 
 def moe_mlp(h: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.Tensor,
             experts_down: torch.Tensor, config: ModelConfig, shard: ShardSpec, *,
-            kernel: str | None = None) -> torch.Tensor:
+            kernel: str | None = None, unsummed_ok: bool = False) -> torch.Tensor:
     """h: [T, hidden] (the post-attention RMSNorm's output) -> [T, hidden], the weighted sum of
     each token's experts' MLPs. experts_gate_up: [experts, 2 * moe_local, hidden],
     experts_down: [experts, hidden, moe_local]; each rank holds every expert's slice of the
     intermediate size, so the partial sums end in one all-reduce, as the dense MLP's.
     kernel: "auto", "triton" or "grouped" (see the module's doc), None for
-    MINIVLLM_MOE_KERNEL's."""
+    MINIVLLM_MOE_KERNEL's. unsummed_ok: on one rank, where the kernel path runs and the skinny
+    GEMM applies (a few rows on a GPU, as glu_row_linear's unsummed_ok), the top_k weighted
+    expert products may come back unsummed, fp32 [top_k, T, hidden], for a consumer that sums
+    them (add_rms_norm, final_hidden): compiled, the sum then fuses into that consumer's kernel
+    instead of taking one of its own (see sum_partials)."""
     top_k, normalize = config.num_experts_per_tok, config.norm_topk_prob
     if _takes_kernel(h, kernel):
         from ..kernels.fused_moe import fused_experts
         from ..kernels.moe_route import fused_route
         from .linear import skinny_applies
 
-        weights, experts = fused_route(h, router, top_k, normalize, skinny=skinny_applies(h))
-        out = fused_experts(h, weights, experts, experts_gate_up, experts_down)
+        skinny = skinny_applies(h)
+        weights, experts = fused_route(h, router, top_k, normalize, skinny=skinny)
+        unsummed = unsummed_ok and skinny and shard.world_size == 1
+        out = fused_experts(h, weights, experts, experts_gate_up, experts_down,
+                            unsummed=unsummed)
+        if unsummed:
+            return out
     else:
         weights, experts = route(h, router, top_k, normalize)
         out = grouped_experts(h, weights, experts, experts_gate_up, experts_down,

@@ -352,7 +352,7 @@ def _gemm(a, w, out, rw, experts, layout, *, n, k, a_div, glu, block_m, config):
 def fused_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                   experts_gate_up: torch.Tensor, experts_down: torch.Tensor, *,
                   block_m: int | None = None, config: dict | None = None,
-                  pair_tiles: bool | None = None) -> torch.Tensor:
+                  pair_tiles: bool | None = None, unsummed: bool = False) -> torch.Tensor:
     """The expert part of functional.moe.moe_mlp: h: [T, hidden], weights: [T, k] (h's dtype or
     fp32), experts: [T, k] int, experts_gate_up: [E, 2 * inter, hidden], experts_down: [E,
     hidden, inter] -> [T, hidden] in h's dtype, sum over j of weights[t, j] * mlp_e(h[t]) with
@@ -362,7 +362,9 @@ def fused_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     (the grouped path rounds gate and up, then silu, then the product); down's rows times their
     weights stay fp32 to the sum, rounded once. block_m and config (gemm_config's keys) override
     the launch choices (tests); pair_tiles: a tile a pair without align's layout, or align's
-    (None: takes_pair_tiles's choice)."""
+    (None: takes_pair_tiles's choice); unsummed: the k weighted products unsummed, fp32
+    [k, T, hidden] (a view), for a consumer that sums them (functional.moe.moe_mlp's
+    unsummed_ok)."""
     t, hidden = h.shape
     top_k = experts.shape[1]
     num_experts, two_inter, _ = experts_gate_up.shape
@@ -387,4 +389,6 @@ def fused_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     y = torch.empty((pairs, hidden), dtype=torch.float32, device=h.device)
     _gemm(act, experts_down, y, weights, experts, layout, n=hidden, k=inter, a_div=1, glu=False,
           block_m=block_m, config=config)
+    if unsummed:
+        return y.view(t, top_k, hidden).transpose(0, 1)
     return y.view(t, top_k, hidden).sum(1).to(h.dtype)
