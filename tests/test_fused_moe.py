@@ -477,8 +477,8 @@ def test_engine_with_the_flag_equals_transformers(monkeypatch, tmp_path, device,
                             not torch.is_grad_enabled())
         real_moe_mlp = moe.moe_mlp
         shapes = []
-        monkeypatch.setattr(layer_module, "moe_mlp", lambda *a, **k: (
-            lambda out: shapes.append(out.dim()) or out)(real_moe_mlp(*a, **k)))
+        monkeypatch.setattr(layer_module, "moe_mlp", lambda h, *a, **k: (
+            lambda out: shapes.append((h.shape[0], out.dim())) or out)(real_moe_mlp(h, *a, **k)))
     with LLM(path, device=device, max_num_batched_tokens=8, max_num_seqs=4, num_kv_blocks=64,
              block_size=4, dtype="float32", enforce_eager=True) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
@@ -486,8 +486,10 @@ def test_engine_with_the_flag_equals_transformers(monkeypatch, tmp_path, device,
                             use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == want
     assert calls, "the kernel path never ran"
-    if unsummed:
-        assert shapes and set(shapes) == {3}, shapes  # every sparse layer's terms unsummed
+    if unsummed:  # every sparse layer's terms unsummed at the skinny GEMM's rows (on a GPU
+        # the engine's warm-up also runs larger steps, which keep the summed form)
+        assert shapes and all(dim == 3 for rows, dim in shapes if rows <= 16), shapes
+        assert all(dim == 2 for rows, dim in shapes if rows > 16), shapes
 
 
 # --- an offline sm_90 compile -------------------------------------------------------------------
