@@ -10,9 +10,10 @@ from hypothesis import given, strategies as st
 import minivllm
 from minivllm.functional.rope import rope_cos_sin
 from minivllm.kernels import select_backend
-from minivllm.kernels.decode_layer import (BLOCK_K, CHUNK_WEIGHTS, LOADS_OFF, MAX_ROWS,
-                                           PHASES, chunk_columns, decode_layer,
-                                           decode_stack, layer_table, with_persistent_layers)
+from minivllm.kernels.decode_layer import (CHUNK_WEIGHTS, HELD_WEIGHTS, LOADS_OFF, MAX_ROWS,
+                                           MIN_COLUMNS, PHASES, chunk_columns, decode_layer,
+                                           decode_stack, layer_table, load_columns,
+                                           with_persistent_layers)
 from minivllm.kernels.launch import num_sms, runs_ptx, triton_usable
 from minivllm.state import ModelConfig, SeqChunk, make_batch
 from minivllm.state.shard import ShardSpec
@@ -62,15 +63,50 @@ def rel(a, b):
 
 
 @given(rows_log2=st.integers(0, 9), k=st.integers(1, 20000))
-def test_chunk_columns_widen_loads_within_the_register_budget(rows_log2, k):
+def test_chunk_columns_fill_the_register_budget(rows_log2, k):
     block_rows = 2 ** rows_log2
     got = chunk_columns(block_rows, k)
     padded = 1 << (k - 1).bit_length()
     assert got & (got - 1) == 0 and got <= padded  # a power of two, never past the padded row
-    assert got >= min(BLOCK_K, padded)  # never narrower than the measured baseline
-    if got > BLOCK_K:  # widened: within the budget, and as wide as the budget or the row allows
-        assert block_rows * got <= CHUNK_WEIGHTS
-        assert got == padded or block_rows * got * 2 > CHUNK_WEIGHTS
+    assert got >= min(MIN_COLUMNS, padded)
+    # within the budget (or at the least width), and as wide as the budget or the row allows
+    assert block_rows * got <= CHUNK_WEIGHTS or got == MIN_COLUMNS
+    assert got == padded or block_rows * got * 2 > CHUNK_WEIGHTS or got == MIN_COLUMNS
+
+
+def _row_blocks(shape: str, programs: int = 132) -> tuple:
+    """(bn_qkv, bn_h, bn_i, hidden, att, inter): decode_stack's row blocks at a shape, as on an
+    H100, and the GEMVs' input widths."""
+    from minivllm.kernels.launch import next_pow2
+    from minivllm.state.config import SHAPES
+
+    c = SHAPES[shape]
+    hidden, heads, d, inter = c["hidden_size"], c["num_heads"], c["head_dim"], \
+        c["intermediate_size"]
+    qkv = (heads + 2 * c["num_kv_heads"]) * d
+    return (next_pow2(-(-qkv // programs)), next_pow2(-(-hidden // programs)),
+            next_pow2(-(-inter // programs)), hidden, heads * d, inter)
+
+
+@pytest.mark.parametrize("shape", ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b"])
+def test_load_columns_hold_what_the_merge_phase_can(shape):
+    """Qwen3-0.6B's loads are the measured ones (a row block a load, sessions 16-19); at every
+    width o_proj's, gate's and up's first loads, held together from the merge phase on, stay
+    within HELD_WEIGHTS, and each load within CHUNK_WEIGHTS (session 74: at Qwen3-1.7B's width
+    the earlier rule's spilled, benchmarks/stack_spills.py)."""
+    bn_qkv, bn_h, bn_i, hidden, att, inter = _row_blocks(shape)
+    got = load_columns(bn_qkv, bn_h, bn_i, hidden, att, inter)
+    if shape == "qwen3-0.6b":
+        assert got == dict(BK_H=1024, BK_ATT=2048, BK_I=4096)
+    assert bn_h * got["BK_ATT"] + 2 * bn_i * got["BK_H"] <= HELD_WEIGHTS
+    for bn, bk in ((bn_qkv, got["BK_H"]), (bn_i, got["BK_H"]), (bn_h, got["BK_ATT"]),
+                   (bn_h, got["BK_I"])):
+        assert bn * bk <= CHUNK_WEIGHTS and bk >= MIN_COLUMNS
+    # as wide as that allows: doubling either shared load would break the hold
+    assert bn_h * 2 * got["BK_ATT"] + 2 * bn_i * got["BK_H"] > HELD_WEIGHTS or \
+        got["BK_ATT"] == chunk_columns(bn_h, att)
+    assert bn_h * got["BK_ATT"] + 4 * bn_i * got["BK_H"] > HELD_WEIGHTS or \
+        got["BK_H"] == min(chunk_columns(bn_qkv, hidden), chunk_columns(bn_i, hidden))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

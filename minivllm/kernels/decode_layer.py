@@ -69,12 +69,20 @@ MAX_ROWS = 2  # the single stream's decode bucket
 PHASES = 6
 LAYER_PHASES = tl.constexpr(PHASES)  # the same, for the kernels
 TABLE_COLUMNS = tl.constexpr(10)  # layer_table: 8 weights, then the K and V caches
-BLOCK_K = 1024  # GEMV columns a load, at least (fewer only where a weight has fewer)
-# A load may widen past BLOCK_K while it holds at most this many weights (64 KB of bf16, 64
-# registers a thread at 8 warps): at Qwen3-0.6B's shape o_proj (8 rows x 2048) and down
-# (8 x 4096) then take their row block in one load, 28.4-28.5 against 29.5 us a layer
-# (BENCHMARKS.md session 17); qkv and gate/up (32 rows x 1024) already did.
+# A GEMV load's weights (64 KB of bf16, 64 registers a thread at 8 warps), its columns as many
+# as that allows: at Qwen3-0.6B's shape o_proj (8 rows x 2048) and down (8 x 4096) then take
+# their row block in one load, 28.4-28.5 against 29.5 us a layer (BENCHMARKS.md session 17);
+# qkv and gate/up (32 rows x 1024) already did. Until session 74 a load was at least 1,024
+# columns wide whatever its rows: at Qwen3-1.7B's gate/up (64 rows) twice this (HELD_WEIGHTS).
 CHUNK_WEIGHTS = 32768
+MIN_COLUMNS = 128  # 256 bytes a row of 16-bit weights
+# o_proj's, gate's and up's first loads are held together from the merge phase on
+# (gate_up_early): at most this many weights, Qwen3-0.6B's 8 x 2048 + 2 x 32 x 1024, whose stack
+# compiles for sm_90 without spills at one row. At Qwen3-1.7B's width the loads of the earlier
+# rule (16 x 2048 + 2 x 64 x 1024) spilled 1,776 bytes a thread; with load_columns' 44 (Qwen3-4B
+# 4,348 -> 112; Qwen3-8B 5,652 -> 1,578, its 4,096-wide rows then unrolled in 32 loads of 128:
+# BENCHMARKS.md session 74, benchmarks/stack_spills.py). Not yet timed on a GPU.
+HELD_WEIGHTS = 81920
 SPLIT_TOKENS = 64  # attention: tokens a split, about (the single stream's contexts are ~600)
 # decode_stack's weight-load placement flags, every one off (its defaults turn three on)
 LOADS_OFF = dict(prefetch_next=False, gate_up_early=False, arrive_first=False, kv_early=False)
@@ -507,9 +515,25 @@ def layer_table(layers: Sequence[LayerParams], k_caches: Sequence[torch.Tensor],
 
 def chunk_columns(block_rows: int, k: int) -> int:
     """Columns of a GEMV's weight load for a program's block of block_rows (a power of two)
-    rows of a [*, k] weight: BLOCK_K, or wider while the load holds at most CHUNK_WEIGHTS
-    weights, never wider than the padded row."""
-    return min(next_pow2(k), max(BLOCK_K, CHUNK_WEIGHTS // block_rows))
+    rows of a [*, k] weight: as many as hold CHUNK_WEIGHTS weights, at least MIN_COLUMNS, never
+    more than the padded row."""
+    return min(next_pow2(k), max(MIN_COLUMNS, CHUNK_WEIGHTS // block_rows))
+
+
+def load_columns(bn_qkv: int, bn_h: int, bn_i: int, hidden: int, att: int, inter: int
+                 ) -> dict[str, int]:
+    """The stack's GEMV loads (BK_H: qkv's and gate/up's, which share the hidden-wide chunk;
+    BK_ATT: o_proj's; BK_I: down's) for row blocks of bn_* rows: chunk_columns' each, then the
+    hidden-wide and o_proj's halved, the larger share first, until o_proj's load and gate's
+    and up's hold at most HELD_WEIGHTS weights together (see there)."""
+    bk_h = min(chunk_columns(bn_qkv, hidden), chunk_columns(bn_i, hidden))
+    bk_att = chunk_columns(bn_h, att)
+    while bn_h * bk_att + 2 * bn_i * bk_h > HELD_WEIGHTS and max(bk_h, bk_att) > MIN_COLUMNS:
+        if 2 * bn_i * bk_h >= bn_h * bk_att and bk_h > MIN_COLUMNS:
+            bk_h //= 2
+        else:
+            bk_att //= 2
+    return dict(BK_H=bk_h, BK_ATT=bk_att, BK_I=chunk_columns(bn_h, inter))
 
 
 def check_counter(counter: torch.Tensor | None, device: torch.device) -> None:
@@ -601,11 +625,9 @@ def decode_stack(table: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, c
     rows = dict(R_QKV=-(-qkv_size // programs), R_H=-(-hidden // programs),
                 R_I=-(-inter // programs))
     rows |= {f"BN_{k[2:]}": next_pow2(v) for k, v in list(rows.items())}
-    if block_k is None:  # qkv and gate/up share the hidden-wide chunk
-        columns = dict(BK_H=min(chunk_columns(rows["BN_QKV"], hidden),
-                                chunk_columns(rows["BN_I"], hidden)),
-                       BK_ATT=chunk_columns(rows["BN_H"], heads * d),
-                       BK_I=chunk_columns(rows["BN_H"], inter))
+    if block_k is None:
+        columns = load_columns(rows["BN_QKV"], rows["BN_H"], rows["BN_I"], hidden, heads * d,
+                               inter)
     else:
         columns = dict(BK_H=min(block_k, next_pow2(hidden)),
                        BK_ATT=min(block_k, next_pow2(heads * d)),
