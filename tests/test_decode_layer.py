@@ -88,6 +88,22 @@ def _row_blocks(shape: str, programs: int = 132) -> tuple:
             next_pow2(-(-inter // programs)), hidden, heads * d, inter)
 
 
+@given(logs=st.tuples(*[st.integers(0, 10)] * 3), widths=st.tuples(*[st.integers(1, 30000)] * 3))
+def test_load_columns_never_narrow_a_load_past_the_least(logs, widths):
+    """Any row blocks and widths: each load a power of two within its padded row, never
+    halved below MIN_COLUMNS; the hold within HELD_WEIGHTS unless both shared loads are at
+    their least."""
+    bn_qkv, bn_h, bn_i = (2 ** x for x in logs)
+    hidden, att, inter = widths
+    got = load_columns(bn_qkv, bn_h, bn_i, hidden, att, inter)
+    for key, k in (("BK_H", hidden), ("BK_ATT", att), ("BK_I", inter)):
+        padded = 1 << (k - 1).bit_length()
+        bk = got[key]
+        assert bk & (bk - 1) == 0 and min(MIN_COLUMNS, padded) <= bk <= padded, (key, bk)
+    assert bn_h * got["BK_ATT"] + 2 * bn_i * got["BK_H"] <= HELD_WEIGHTS or \
+        max(got["BK_H"], got["BK_ATT"]) <= MIN_COLUMNS
+
+
 @pytest.mark.parametrize("shape", ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b"])
 def test_load_columns_hold_what_the_merge_phase_can(shape):
     """Qwen3-0.6B's loads are the measured ones (a row block a load, sessions 16-19); at every

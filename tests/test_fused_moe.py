@@ -440,7 +440,8 @@ def test_one_token_traces_four_kernels(device):
         with torch.no_grad():
             assert torch.equal(compiled(*args), fn(*args))
         return
-    body = TRACE_BODY.replace("trace(layer, torch.randn(5, 64),", "trace(layer, torch.randn(1, 64),")
+    body = TRACE_BODY.replace("trace(layer, torch.randn(5, 64),",
+                              "trace(layer, torch.randn(1, 64),")
     assert "randn(1, 64)" in body
     counts = kernel_launches_traced(body)  # on CPU: see tests/triton_trace.py
     assert counts == {"dynamo": 4, "aot": 4}, counts

@@ -529,7 +529,7 @@ def load_columns(bn_qkv: int, bn_h: int, bn_i: int, hidden: int, att: int, inter
     bk_h = min(chunk_columns(bn_qkv, hidden), chunk_columns(bn_i, hidden))
     bk_att = chunk_columns(bn_h, att)
     while bn_h * bk_att + 2 * bn_i * bk_h > HELD_WEIGHTS and max(bk_h, bk_att) > MIN_COLUMNS:
-        if 2 * bn_i * bk_h >= bn_h * bk_att and bk_h > MIN_COLUMNS:
+        if bk_h > MIN_COLUMNS and (2 * bn_i * bk_h >= bn_h * bk_att or bk_att <= MIN_COLUMNS):
             bk_h //= 2
         else:
             bk_att //= 2

@@ -14,7 +14,8 @@ manner of vLLM's fused_moe (its moe_align_block_size and fused_moe_kernel; writt
      y [P, hidden]
 
 then y.view(T, top_k, hidden).sum(1), a torch reduction over each token's k rows in a fixed order
-(deterministic, no atomics), cast to h's dtype.
+(deterministic, no atomics), cast to h's dtype; or (unsummed, a few rows on one GPU) y's k rows
+left to the next add + RMSNorm, which sums them inside its own kernel (functional.moe.moe_mlp).
 
 What this replaces in functional.moe.moe_mlp's grouped-GEMM path: the argsort, the expert counts'
 scatter and cumsum, the gather of h's rows into a [T * k, hidden] copy, the SiLU-and-mul between
