@@ -66,21 +66,15 @@ def record(shapes: list[str]) -> list[dict]:
 
 def compile_and_count(launches: list[dict]) -> list[dict]:
     """Each launch compiled for sm_90: its loads' columns, registers and spill bytes a thread."""
-    import importlib
-
     import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+
+    from kernel_launches import compile_for_sm90, constexprs
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
     rows = []
     for launch in launches:
-        fn = getattr(importlib.import_module(launch["module"]), launch["name"])
-        consts = {k: tl.dtype(v["dtype"]) if isinstance(v, dict) else v
-                  for k, v in launch["constexprs"].items()}
-        kernel = triton.compile(ASTSource(fn, launch["signature"], consts),
-                                target=GPUTarget("cuda", 90, 32), options=launch["options"])
+        consts = constexprs(launch)
+        kernel = compile_for_sm90(launch)
         with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
             f.write(kernel.asm["ptx"])
         out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],

@@ -105,21 +105,32 @@ def _root_cause(e: BaseException) -> BaseException:
     return e
 
 
-def compile_one(launch: dict) -> str | None:
-    """Compile one launch for sm_90 (run without TRITON_INTERPRET). -> None, or what failed."""
+def constexprs(launch: dict) -> dict:
+    """A recorded launch's constexprs as the compiler takes them (dtypes back from their names)."""
+    import triton.language as tl
+
+    return {k: tl.dtype(v["dtype"]) if isinstance(v, dict) else v
+            for k, v in launch["constexprs"].items()}
+
+
+def compile_for_sm90(launch: dict):
+    """One recorded launch compiled for sm_90 (run without TRITON_INTERPRET): Triton's compiled
+    kernel (its PTX in .asm["ptx"])."""
     import importlib
 
     import triton
-    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     fn = getattr(importlib.import_module(launch["module"]), launch["name"])
-    constexprs = {k: tl.dtype(v["dtype"]) if isinstance(v, dict) else v
-                  for k, v in launch["constexprs"].items()}
+    return triton.compile(ASTSource(fn, launch["signature"], constexprs(launch)),
+                          target=GPUTarget("cuda", 90, 32), options=launch["options"])
+
+
+def compile_one(launch: dict) -> str | None:
+    """Compile one launch for sm_90 (run without TRITON_INTERPRET). -> None, or what failed."""
     try:
-        triton.compile(ASTSource(fn, launch["signature"], constexprs),
-                       target=GPUTarget("cuda", 90, 32), options=launch["options"])
+        compile_for_sm90(launch)
     except Exception as e:  # every failure, each named; the compiler raises many kinds
         root = _root_cause(e)
         return (f"{launch['module']}.{launch['name']} {launch['constexprs']}:\n"
