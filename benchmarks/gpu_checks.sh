@@ -185,6 +185,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 LOGS=/tmp/minivllm-logs
 mkdir -p "$LOGS"
 RESULTS=/tmp/minivllm-results
+# A warm machine keeps /tmp from call to call: the outermost script starts an empty folder, so
+# that results.json holds this call's steps only (session 75's calls returned earlier ones too)
+[ "$MINIVLLM_CACHE_PACKED_BY" = $$ ] && rm -rf "$RESULTS"
 mkdir -p "$RESULTS"
 step() {  # step NAME SECONDS COMMAND...: its output is appended to $STEP_LOG as it comes
   local name=$1 limit=$2; shift 2
@@ -329,8 +332,10 @@ ab)
     [ "$kind" = throughput ] && flag="-tp ${TP:-1}"
     # AB_SPEC: a --speculative-config for every run (a draft model's or n-gram's single stream)
     # A run's limit: 170 s, the first 260 (a cold start compiles everything: a Qwen3-30B-A3B
-    # engine started in 156 s on a fresh H100, session 69, and its run was cut at 170)
-    limit=170; [ $i = 1 ] && limit=260
+    # engine started in 156 s on a fresh H100, session 69, and its run was cut at 170).
+    # AB_LIMIT_S / AB_FIRST_LIMIT_S: others (session 75: that shape's throughput run, ~46 s
+    # after a cold start of 228 s, was cut at 260; the older tree's, compiling its own, at 170)
+    limit=${AB_LIMIT_S:-170}; [ $i = 1 ] && limit=${AB_FIRST_LIMIT_S:-260}
     [ $(( BUDGET_S - SECONDS )) -lt 30 ] && { echo "== ${i}_${kind}_$side: no time left"; break; }
     (cd "$tree" && step "${i}_${kind}_$side" $(left_or $limit) python3 -m minivllm \
       bench --shape "${AB_SHAPE:-qwen3-0.6b}" $flag ${AB_SPEC:+--speculative-config "$AB_SPEC"} \

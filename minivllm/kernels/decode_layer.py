@@ -81,7 +81,10 @@ MIN_COLUMNS = 128  # 256 bytes a row of 16-bit weights
 # compiles for sm_90 without spills at one row. At Qwen3-1.7B's width the loads of the earlier
 # rule (16 x 2048 + 2 x 64 x 1024) spilled 1,776 bytes a thread; with load_columns' 44 (Qwen3-4B
 # 4,348 -> 112; Qwen3-8B 5,652 -> 1,578, its 4,096-wide rows then unrolled in 32 loads of 128:
-# BENCHMARKS.md session 74, benchmarks/stack_spills.py). Not yet timed on a GPU.
+# BENCHMARKS.md session 74, benchmarks/stack_spills.py). Qwen3-1.7B's single stream with the stack
+# on an H100: 368 tok/s against 214 with the earlier rule, still under the compiled layers' 496
+# (session 75): ~71 us a layer for its 101 MB of weights (~1.4 TB/s of the H100's ~3.0), where the
+# compiled layers take ~44 (~2.3): at this width the GEMVs' reading rate, not launches, decides.
 HELD_WEIGHTS = 81920
 SPLIT_TOKENS = 64  # attention: tokens a split, about (the single stream's contexts are ~600)
 # decode_stack's weight-load placement flags, every one off (its defaults turn three on)
