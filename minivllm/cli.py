@@ -37,6 +37,32 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def _port(text: str) -> int:
+    """serve's --port: a TCP port, 0 for any free one (socket's bind refused the others with
+    an OverflowError, after the model had loaded)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is in [0, 65535] (0: any free one), got {port}")
+    return port
+
+
+def _check_address(host: str, port: int) -> None:
+    """serve's address bound and let go before the model loads, as the server binds it (IPv4,
+    SO_REUSEADDR): a port taken or a host not this machine's is named now, not as a traceback
+    after the weights loaded."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        raise SystemExit(f"minivllm: cannot serve at {host}:{port}: {e}") from None
+
+
 def _hf_overrides(args) -> dict | None:
     overrides = dict(args.hf_overrides or {})
     if args.rope_scaling is not None:
@@ -151,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the checkpoint directory (as --model)")
     _add_model_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=_port, default=8000)
     serve.add_argument("--served-model-name", default=None,
                        help="the name requests give as \"model\" (default: the model's path)")
     serve.add_argument("--api-key", default=None,
@@ -451,6 +477,7 @@ def cmd_serve(args) -> int:
     twice = next((name for k, name in enumerate(names) if name in names[:k]), None)
     if twice is not None:  # as vLLM, whose second load of the name fails at start-up
         raise SystemExit(f"minivllm: --lora-modules: the name {twice!r} is given twice")
+    _check_address(args.host, args.port)
     model = _resolve_model(args)
     llm = _make_llm(args, model)
     name = args.served_model_name or args.model or "minivllm-demo"

@@ -61,15 +61,22 @@ _COMMON = {"n": int, "best_of": int, "temperature": float, "top_p": float, "top_
            "truncate_prompt_tokens": int, "max_tokens": int, "prompt_logprobs": int,
            "stream": bool, "stream_options": dict, "model": str, "structured_outputs": dict,
            "guided_choice": list, "guided_regex": str, "guided_json": (dict, str),
-           "response_format": dict, "priority": int}
+           "response_format": dict, "priority": int, "use_beam_search": bool,
+           "length_penalty": float, "return_tokens_as_token_ids": bool}
 _COMPLETION = {**_COMMON, "prompt": (str, list), "echo": bool, "logprobs": int, "suffix": str,
                "prompt_embeds": (str, list)}
 _CHAT = {**_COMMON, "messages": list, "max_completion_tokens": int, "logprobs": bool,
          "top_logprobs": int, "add_generation_prompt": bool, "continue_final_message": bool,
          "chat_template": str, "chat_template_kwargs": dict, "tools": list,
          "tool_choice": (str, dict), "include_reasoning": bool, "parallel_tool_calls": bool}
-# Fields that take only their default here.
-_UNSUPPORTED = {"suffix": None}
+# Fields that take only their default here (vLLM's extra fields among them: a client that
+# sends their defaults, as some send every field, is served).
+_UNSUPPORTED = {"suffix": None, "use_beam_search": False, "length_penalty": 1.0,
+                "return_tokens_as_token_ids": False}
+
+# vLLM's bound on n (VLLM_MAX_N_SEQUENCES' default): the engine makes a sequence per
+# completion before any step, so n=2**40 held its thread (and every other request) for good.
+MAX_N = 16384
 
 _JSON_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
                list: "an array", dict: "an object"}
@@ -104,9 +111,39 @@ def _typed(body: dict, name: str, kind) -> object:
     raise RequestError(f"'{name}' must be {names}, got {value!r:.80}")
 
 
+def _lone_surrogate(body) -> str | None:
+    """Where the body holds a string with a lone surrogate (JSON's "\\ud800" escape without its
+    pair: no text, which the tokenizer refuses with a message naming neither), e.g.
+    "messages[0].content"; None if nowhere. A walk, not recursion: bodies nest ~1,000 deep."""
+    try:  # the common case at the C encoder's speed
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+        return None
+    except (UnicodeEncodeError, RecursionError):
+        pass
+    stack = [(body, "")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return where or "the body"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((key, where or "the body"))  # a key: the object holding it
+                stack.append((item, f"{where}.{key}" if where else key))
+        elif isinstance(value, list):
+            stack.extend((item, f"{where}[{k}]") for k, item in enumerate(value))
+    return None
+
+
 def _checked_fields(body, known: dict) -> dict:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    bad = _lone_surrogate(body)
+    if bad is not None:  # vLLM's pydantic refuses it too (not a valid string)
+        raise RequestError(f"'{bad}' is not valid Unicode text: it holds a lone surrogate (a "
+                           f"\\uD800-\\uDFFF escape without its pair)")
     unknown = sorted(set(body) - set(known) - _IGNORED)
     if unknown:
         raise RequestError(f"unknown fields {unknown}")
@@ -194,6 +231,8 @@ def _structured(values: dict, tool_schema: dict | None = None) -> StructuredOutp
 def _sampling(values: dict, defaults: dict, *, max_tokens, logprobs, prompt_logprobs,
               tool_schema: dict | None = None) -> SamplingParams:
     n = values["n"] if values["n"] is not None else 1
+    if n > MAX_N:
+        raise RequestError(f"'n' must be at most {MAX_N} (vLLM's VLLM_MAX_N_SEQUENCES), got {n}")
     if values["best_of"] is not None and values["best_of"] != n:
         raise RequestError("best_of other than n is not supported (nor by vLLM's V1 engine)")
     kwargs = {name: values[name] for name in (

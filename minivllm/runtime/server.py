@@ -275,6 +275,7 @@ _ROUTES = {"/v1/completions": parse_completion, "/v1/chat/completions": parse_ch
 _SCORE_ROUTES = {"/score": parse_score, "/v1/score": parse_score, "/rerank": parse_rerank,
                  "/v1/rerank": parse_rerank, "/v2/rerank": parse_rerank}
 _TOKENIZER_ROUTES = ("/tokenize", "/detokenize")
+_GET_ROUTES = ("/health", "/ping", "/v1/models", "/version", "/metrics")
 # Served only with RUNTIME_LORA_ENV set (elsewhere a 404: no such route, as vLLM's).
 _ADAPTER_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 RUNTIME_LORA_ENV = "MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING"
@@ -345,7 +346,8 @@ class _Handler(BaseHTTPRequestHandler):
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":  # HEAD: GET's status and headers alone
+            self.wfile.write(data)
 
     def _send_json(self, status: int, body) -> None:
         self._send(status, json.dumps(body).encode(), "application/json")
@@ -410,6 +412,36 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- routes --------------------------------------------------------------------------------
 
+    def _method(self, path: str) -> str | None:
+        """The method `path` takes ("GET" or "POST"), None where it is no route."""
+        app = self.app
+        if path in _GET_ROUTES or path == "/is_sleeping" and app.dev_mode:
+            return "GET"
+        if (path in app.routes or path in _TOKENIZER_ROUTES or path in app.adapter_routes
+                or path in _DEV_ROUTES and app.dev_mode):
+            return "POST"
+        return None
+
+    def _other_method(self) -> None:
+        """PUT, DELETE, PATCH, OPTIONS: OpenAI's error body, a 405 on a route and a 404
+        elsewhere (as vLLM's), not http.server's HTML 501. Their body is not read: the
+        connection closes after the answer."""
+        self.close_connection = True
+        if not self._authorized():
+            return
+        path = self.path.split("?", 1)[0]
+        method = self._method(path)
+        if method is None:
+            self._error(404, f"no route {path}", "NotFoundError")
+        else:
+            self._error(405, f"{path} takes {method}", "MethodNotAllowed")
+
+    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _other_method
+
+    def do_HEAD(self) -> None:
+        """GET's answer without its body (Starlette, under vLLM, serves HEAD so)."""
+        self.do_GET()
+
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
         if not self._authorized():
@@ -429,8 +461,7 @@ class _Handler(BaseHTTPRequestHandler):
         elif path == "/is_sleeping" and self.app.dev_mode:
             # Read without waiting for a step (as vLLM answers mid-generation): a set's truth.
             self._send_json(200, {"is_sleeping": self.app.llm.engine.is_sleeping()})
-        elif (path in self.app.routes or path in self.app.adapter_routes
-              or path in _DEV_ROUTES and self.app.dev_mode):
+        elif self._method(path) == "POST":
             self._error(405, f"{path} takes POST", "MethodNotAllowed")
         else:
             self._error(404, f"no route {path}", "NotFoundError")
@@ -446,7 +477,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self.app.dev_route(path, parse_qs(query, keep_blank_values=True))
                 self._send(200, b"", "text/plain; charset=utf-8")  # vLLM's empty 200
                 return
-            if self.app.dev_mode and path == "/is_sleeping":
+            if self._method(path) == "GET":
                 raise RequestError(f"{path} takes GET", 405, "MethodNotAllowed")
             parse = self.app.routes.get(path)
             adapters = path in self.app.adapter_routes
@@ -669,6 +700,10 @@ class OpenAIServer:
                  lora_modules=None, disable_log_stats: bool = False,
                  max_request_body_bytes: int | None = None):
         tool_calls.check_parser(tool_call_parser)
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            # bind's own refusal is an OverflowError
+            raise ValueError(f"port must be an integer in [0, 65535] (0: any free one), got "
+                             f"{port!r}")
         if enable_auto_tool_choice and tool_call_parser is None:  # vLLM's check, at start
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (the form of the "
                              "calls tool_choice 'auto' reads from the answer)")
@@ -723,8 +758,10 @@ class OpenAIServer:
         tok = llm.get_tokenizer()
         self.decode = tok.decode if tok is not None else None
         self.routes = pooling_routes(llm) if llm.config.runner == "pooling" else _ROUTES
-        self.loop = EngineLoop(llm)
+        # Bound first: an address that cannot be served (taken, a host not this machine's)
+        # fails before the engine's thread starts, which nothing would stop then.
         self.http = ThreadingHTTPServer((host, port), _Handler)
+        self.loop = EngineLoop(llm)
         self.http.daemon_threads = True
         self.http.app = self  # type: ignore[attr-defined]
 
