@@ -134,6 +134,18 @@ def read_eos_ids(model_dir: str, model_config, tokenizer, generation_config: dic
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
+def check_lora_ids(lora_requests) -> None:
+    """ValueError where one call's lora requests give one lora_int_id two adapters: checked
+    before any request is queued, since enqueue binds each id to its adapter in turn."""
+    seen: dict[int, LoRARequest] = {}
+    for lr in lora_requests:
+        if isinstance(lr, LoRARequest):
+            first = seen.setdefault(lr.lora_int_id, lr)
+            if first.lora_path != lr.lora_path:
+                raise ValueError(f"lora_int_id {lr.lora_int_id} names adapter "
+                                 f"{first.lora_path!r} and {lr.lora_path!r}: one id per adapter")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None, runner: ModelRunner | None = None,
                  generation_config: dict | None = None, reasoning_parser: str | None = None,
@@ -174,6 +186,9 @@ class LLMEngine:
         self.loras = LoRASlots(config.max_loras) if config.enable_lora else None
         self._adapters: OrderedDict = OrderedDict()
         self._lora_ids: dict[int, LoRARequest] = {}  # id -> the adapter it names (check_lora)
+        # (id, path) -> adapters read by check_request's check, not yet bound to their id: a
+        # call refused later binds nothing; enqueue takes them from here (never read twice).
+        self._lora_reads: OrderedDict = OrderedDict()
         # id -> the lora_name it last came with, for /metrics' adapter lists; unlike _lora_ids
         # kept past remove_lora, whose adapter's running requests finish under its name.
         self.lora_names: dict[int, str] = {}
@@ -274,10 +289,12 @@ class LLMEngine:
             ids[k] = t
         return text, ids
 
-    def check_lora(self, lora_request: LoRARequest | None):
+    def check_lora(self, lora_request: LoRARequest | None, *, bind: bool = True):
         """The adapter (state.lora.LoRAAdapter) of a request's lora_request, read and checked
         once per lora_int_id (kept while recently used); None for None. ValueError when this
-        engine has no LoRA, or the adapter cannot be served (state.lora.load_adapter's)."""
+        engine has no LoRA, or the adapter cannot be served (state.lora.load_adapter's).
+        bind=False (check_request's): checked only, the id not bound to the adapter, so that a
+        call refused after this check leaves the engine as it was."""
         if lora_request is None:
             return None
         if not isinstance(lora_request, LoRARequest):
@@ -296,15 +313,24 @@ class LLMEngine:
                              f"id per adapter")
         known = self._adapters.get(lid)
         if known is not None:
-            self._adapters.move_to_end(lid)
-            self.lora_names[lid] = lora_request.lora_name  # for the metrics' adapter lists
+            if bind:
+                self._adapters.move_to_end(lid)
+                self.lora_names[lid] = lora_request.lora_name  # for the metrics' adapter lists
             return known[1]
         from ..state.lora import load_adapter
 
-        adapter = load_adapter(lora_request.lora_path, self.model_config,
-                               self.config.max_lora_rank)
+        key = (lid, lora_request.lora_path)
+        adapter = self._lora_reads.pop(key, None) if bind else self._lora_reads.get(key)
+        if adapter is None:
+            adapter = load_adapter(lora_request.lora_path, self.model_config,
+                                   self.config.max_lora_rank)
         if first is None:  # a new id, or one remove_lora forgot: nothing of an earlier adapter
-            self._clear_lora_id(lid, adapter.path)  # under it may serve this one
+            self._clear_lora_id(lid, adapter.path, forget=bind)  # under it may serve this one
+        if not bind:
+            self._lora_reads[key] = adapter
+            while len(self._lora_reads) > max(2 * self.config.max_loras, 8):
+                self._lora_reads.popitem(last=False)
+            return adapter
         self._adapters[lid] = (lora_request, adapter)
         self.lora_names[lid] = lora_request.lora_name
         self._lora_ids[lid] = lora_request
@@ -314,10 +340,10 @@ class LLMEngine:
             self._adapters.popitem(last=False)
         return adapter
 
-    def _clear_lora_id(self, lid: int, path: str) -> None:
+    def _clear_lora_id(self, lid: int, path: str, *, forget: bool = True) -> None:
         """Before adapter `path` takes id lid: forget lid's slot and prefix-cache blocks (an
-        earlier adapter's, removed). ValueError while sequences of another adapter under lid
-        still run (their slot holds its weights)."""
+        earlier adapter's, removed; not with forget=False, a check only). ValueError while
+        sequences of another adapter under lid still run (their slot holds its weights)."""
         users = [seq for seq in self.scheduler.sequences if seq.lora_id == lid]
         if users:
             if users[0].lora.path != path:
@@ -325,6 +351,8 @@ class LLMEngine:
                                  f"at {users[0].lora.path!r} still run: give adapter {path!r} "
                                  f"another id, or wait for them to finish")
             return  # the same adapter: its slot and cached blocks hold its weights
+        if not forget:
+            return
         self.loras.forget(lid)
         self.block_manager.forget_root(-lid)
 
@@ -427,6 +455,8 @@ class LLMEngine:
         if self.loras is None:
             return False
         known = self._adapters.pop(lora_id, None) is not None
+        for key in [k for k in self._lora_reads if k[0] == lora_id]:
+            del self._lora_reads[key]
         known = self._lora_ids.pop(lora_id, None) is not None or known
         in_slot = lora_id in self.loras.slot_of
         if in_slot and not any(seq.lora_id == lora_id for seq in self.scheduler.sequences):
@@ -466,7 +496,7 @@ class LLMEngine:
         longest = min(len(ids) + (params.max_tokens or max_len), max_len) - 1
         self._check_fits(f"this request can never fit the KV cache: it may grow to {longest} "
                          f"tokens", longest, "lower max_tokens or raise num_kv_blocks")
-        self.check_lora(lora_request)
+        self.check_lora(lora_request, bind=False)  # bound by enqueue, once the call is accepted
         return text, ids
 
     def _prompt_embeds(self, prompt: dict, params: SamplingParams) -> torch.Tensor:
@@ -576,6 +606,7 @@ class LLMEngine:
             lora_requests = [None] * len(prompts)
         elif len(lora_requests) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(lora_requests)} lora requests")
+        check_lora_ids(lora_requests)
         checked = [self.check_request(p, sp, lr)
                    for p, sp, lr in zip(prompts, params, lora_requests)]
         return [self.enqueue(text, ids, sp, pr, lr)

@@ -20,7 +20,7 @@ from .distributed import torchrun_env
 from . import reasoning
 from .beam_search import BeamSearchOutput, beam_search
 from .classify import ClassificationRequestOutput, load_head
-from .engine import EngineStats, LLMEngine
+from .engine import EngineStats, LLMEngine, check_lora_ids
 from .executor import make_executor
 from .lora import LoRARequest
 from .generation_config import (FILE as GEN_FILE, eos_ids_of, generation_config_dir,
@@ -520,6 +520,12 @@ class LLM:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise TypeError(f"chat_template must be a Jinja template string or None, got "
+                            f"{type(chat_template).__name__}")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise TypeError(f"chat_template_kwargs must be a dict or None, got "
+                            f"{type(chat_template_kwargs).__name__}")
         kwargs = dict(chat_template_kwargs or {})
         if tools is not None:
             kwargs["tools"] = tools
@@ -544,6 +550,10 @@ class LLM:
             except RecursionError:  # the template's tojson over a deeply nested tool schema, say
                 raise ValueError("the conversation or its tools nest too deep for the chat "
                                  "template to render (past Python's recursion limit)") from None
+            except (ValueError, TypeError):
+                raise
+            except Exception as e:  # jinja's TemplateError (raise_exception), a 1/0: vLLM's
+                raise ValueError(f"the chat template failed: {type(e).__name__}: {e}") from e
             # The template writes any special tokens itself.
             ids = tok.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
@@ -559,8 +569,11 @@ class LLM:
         prompts = self._prompt_list(prompts)
         params = self._params_list(sampling_params, len(prompts))
         loras = self._lora_list(lora_request, len(prompts))
+        check_lora_ids(loras)
         checked = [self.engine.check_request(p, sp, lr)
                    for p, sp, lr in zip(prompts, params, loras)]
+        for lr in loras:  # all accepted: their ids are bound now, as a generate's would be
+            self.engine.check_lora(lr)
         return self._stream(checked, params, loras)
 
     def _stream(self, checked: list, params: list[SamplingParams],
