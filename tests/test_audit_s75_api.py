@@ -117,3 +117,14 @@ def test_an_accepted_stream_binds_its_ids_at_once(lora_setup):
     with pytest.raises(ValueError, match="one id per adapter"):
         lora_tokens(llm, LoRARequest("b", 1, b))
     assert [t for out in stream for c in out.outputs for t in c.token_ids] == want
+
+
+def test_n_past_vllms_bound_is_refused_before_any_work():
+    """SamplingParams(n=2**70) was taken, and enqueue then made sequences until the process
+    ran out of memory; vLLM's SamplingParams refuses n past VLLM_MAX_N_SEQUENCES (16384)."""
+    from minivllm.runtime.sampling_params import MAX_N
+
+    assert MAX_N == 16384 and SamplingParams(n=MAX_N).n == MAX_N
+    for n in (MAX_N + 1, 2**70):
+        with pytest.raises(ValueError, match=r"n must be an integer in \[1, 16384\]"):
+            SamplingParams(n=n)

@@ -202,6 +202,7 @@ def test_stream_json_gives_what_json_gives_with_logprobs_and_stop_reason(capsys)
     (["--device", "nonsense"], "unknown device 'nonsense'"),
     (["--top-p", "1.5"], "top_p"),
     (["--n", "0"], "n must be"),
+    (["--n", "99999999999"], "n must be an integer in [1, 16384]"),  # ran out of memory
     (["--generation-config", "nope"], "'nope' is not a directory"),
     (["--chat-template", "{{ x }"], "--chat-template: not a valid Jinja template"),
     (["--speculative-config", '{"method": "eagle"}'], "method must be one of"),

@@ -31,7 +31,7 @@ from . import tool_calls
 from .chat_output import ChatOutput, message
 from .outputs import Logprob, RequestOutput
 from .pooling import PoolingParams
-from .sampling_params import SamplingParams, StructuredOutputsParams
+from .sampling_params import MAX_N, SamplingParams, StructuredOutputsParams
 
 
 class RequestError(ValueError):
@@ -73,10 +73,6 @@ _CHAT = {**_COMMON, "messages": list, "max_completion_tokens": int, "logprobs": 
 # sends their defaults, as some send every field, is served).
 _UNSUPPORTED = {"suffix": None, "use_beam_search": False, "length_penalty": 1.0,
                 "return_tokens_as_token_ids": False}
-
-# vLLM's bound on n (VLLM_MAX_N_SEQUENCES' default): the engine makes a sequence per
-# completion before any step, so n=2**40 held its thread (and every other request) for good.
-MAX_N = 16384
 
 _JSON_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
                list: "an array", dict: "an object"}

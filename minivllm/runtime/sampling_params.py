@@ -23,6 +23,9 @@ def _is_number(x) -> bool:
 
 # Fields taken as Python ints / floats when given as numpy or torch scalars (the checks below
 # then see plain numbers, and so does everything downstream).
+# vLLM's bound on n (VLLM_MAX_N_SEQUENCES' default): a request makes its n sequences before
+# any step, so n = 2**40 held the engine (and every request behind it) until memory ran out.
+MAX_N = 16384
 _INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
                "truncate_prompt_tokens")
 _REAL_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
@@ -156,8 +159,9 @@ class SamplingParams:
                 value = convert(getattr(self, name))
                 if value is not None:
                     object.__setattr__(self, name, value)
-        if not _is_int(self.n) or self.n < 1:
-            bad(f"n must be an integer >= 1, got {self.n!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            bad(f"n must be an integer in [1, {MAX_N}] (vLLM's VLLM_MAX_N_SEQUENCES bound), "
+                f"got {self.n!r:.40}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _is_number(v) or not -2.0 <= v <= 2.0:
