@@ -18,6 +18,7 @@ LoRASlots' eviction invariant (hypothesis)."""
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import threading
@@ -263,6 +264,44 @@ def test_chat_and_stream_take_a_lora_request(tiny_dir, adapters, prompts, oracle
         llm.chat([{"role": "user", "content": "hi"}], GREEDY, lora_request=req)
 
 
+def test_beam_search_runs_each_prompts_beams_under_its_adapter(tiny_dir, hf_model, adapters,
+                                                               prompts):
+    """vLLM's LLM.beam_search(prompts, params, lora_request): each prompt's search equals one
+    written here (test_beam_search's) over transformers with that prompt's adapter merged; one
+    LoRARequest for every prompt too. Until session 75 beam_search took no lora_request."""
+    from minivllm import BeamSearchParams
+    from test_beam_search import reference_beam_search
+
+    def reference(model, prompt):
+        @functools.lru_cache(maxsize=None)
+        def next_logprobs(tokens):
+            with torch.no_grad():
+                return torch.log_softmax(model(torch.tensor([tokens])).logits[0, -1].float(), -1)
+        # length penalty 0 and EOS ignored: a beam's score is its summed logprob, whatever EOS
+        return reference_beam_search(next_logprobs, prompt, width=2, max_tokens=4, eos=-1,
+                                     length_penalty=0.0, ignore_eos=True)
+
+    llm = lora_llm(tiny_dir, max_loras=2)
+    params = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True, length_penalty=0.0)
+    names = ["all", None, "low"]
+    chosen = prompts[:3]
+    outs = llm.beam_search(token_prompts(chosen), params,
+                           [None if n is None else adapters[n][0] for n in names])
+    for out, prompt, name in zip(outs, chosen, names, strict=True):
+        want = reference(hf_model if name is None else adapters[name][1], prompt)
+        assert [b.tokens for b in out.sequences] == [t for t, _ in want]
+        assert [b.cum_logprob for b in out.sequences] == \
+            pytest.approx([c for _, c in want], abs=1e-4)
+    # the adapters change the search here, so a search run on the base model would fail above
+    assert reference(hf_model, chosen[0]) != reference(adapters["all"][1], chosen[0])
+    one = llm.beam_search(token_prompts(chosen[2:]), params, adapters["rs"][0])
+    assert [b.tokens for b in one[0].sequences] == \
+        [t for t, _ in reference(adapters["rs"][1], chosen[2])]
+    with pytest.raises(ValueError, match="lora"):
+        llm.beam_search(token_prompts(chosen), params, [adapters["rs"][0]])
+    assert not llm.engine.requests
+
+
 def test_lru_slots_with_max_loras_1(tiny_dir, adapters, prompts, oracle):
     """One slot, two adapters alternating across calls and mixed in one call: each call's
     outputs are the merged oracle's; the slot is rewritten only when another adapter needs it,
@@ -393,7 +432,6 @@ def test_compiled_forward_runs_lora_steps_without_recompiling(tiny_dir, adapters
     shapes with the rows' adapters moved about compiles nothing more (the slots are values; the
     mask's shape follows T and max_loras); a step without LoRA rows runs the compiled base
     layer, never the LoRA one, and gives the base params' logits bit for bit."""
-    import functools
 
     from torch._dynamo.testing import CompileCounterWithBackend
     from minivllm.runtime.compiled import compiled_forward

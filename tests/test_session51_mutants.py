@@ -454,8 +454,9 @@ def scripted(table, calls=None):
     """A step function: a beam's candidates by its last token ({last: {id: logprob}}), in the
     table's order; `calls` records each step's beams. A step with no beam is an error (the
     engine refuses an empty batch)."""
-    def step(beams):
+    def step(beams, prompt_of):
         assert beams, "a step with no beam"
+        assert len(prompt_of) == len(beams)
         if calls is not None:
             calls.append([list(b) for b in beams])
         return [{t: Logprob(lp, k + 1) for k, (t, lp) in enumerate(table[b[-1]].items())}

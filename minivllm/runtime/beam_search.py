@@ -23,8 +23,9 @@ from typing import Callable, Sequence
 
 from .outputs import Logprob
 
-# One step: the beams' token lists -> per beam its candidates' logprobs ({id: Logprob}).
-StepFn = Callable[[list[list[int]]], list[dict[int, Logprob]]]
+# One step: the beams' token lists, and the prompt each extends (its index in beam_search's
+# prompts: the LoRA adapter it runs under, say) -> per beam its candidates' logprobs.
+StepFn = Callable[[list[list[int]], list[int]], list[dict[int, Logprob]]]
 
 
 @dataclass
@@ -92,6 +93,7 @@ def beam_search(step: StepFn, prompts: Sequence[list[int]], *, beam_width: int, 
     eos = frozenset(eos_ids)
     key = lambda b: beam_score(b, eos, length_penalty)  # noqa: E731
     searches = [_Search([BeamSearchSequence(tokens=list(p))]) for p in prompts]
+    index = {id(s): k for k, s in enumerate(searches)}
     limit = concurrency_limit or max(len(searches), 1)
     for start in range(0, len(searches), limit):
         group = searches[start:start + limit]
@@ -107,7 +109,7 @@ def beam_search(step: StepFn, prompts: Sequence[list[int]], *, beam_width: int, 
             running = [(s, b) for s in group for b in s.beams]
             if not running:
                 break
-            candidates = step([b.tokens for _, b in running])
+            candidates = step([b.tokens for _, b in running], [index[id(s)] for s, _ in running])
             children: dict[int, list[BeamSearchSequence]] = {id(s): [] for s in group}
             for (s, beam), cands in zip(running, candidates):
                 open_, ended = extend(beam, cands, eos, ignore_eos)

@@ -342,13 +342,15 @@ class LLM:
         ids = self._add(prompts, sampling_params, priority, lora_request)
         return self._run(ids, use_tqdm)
 
-    def beam_search(self, prompts, params: BeamSearchParams, *, use_tqdm: bool = False,
-                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request=None, *,
+                    use_tqdm: bool = False, concurrency_limit: int | None = None
+                    ) -> list[BeamSearchOutput]:
         """Beam search from each prompt (vLLM's `LLM.beam_search`; runtime/beam_search.py):
         per prompt, in input order, its best params.beam_width beams, best first. A beam ends at
         an EOS id (unless params.ignore_eos), after params.max_tokens tokens, or at max_model_len.
-        concurrency_limit: search this many prompts at a time (None: all at once). Every prompt
-        is checked (ValueError) before any step runs."""
+        lora_request: as generate's (one for every prompt, or a list of one per prompt; each
+        prompt's beams run under its adapter). concurrency_limit: search this many prompts at a
+        time (None: all at once). Every prompt is checked (ValueError) before any step runs."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         if concurrency_limit is not None and (isinstance(concurrency_limit, bool) or
@@ -374,12 +376,16 @@ class LLM:
             # Each step re-submits every beam as a prompt of ids (prompt + beam tokens).
             raise ValueError("beam_search does not take prompt_embeds prompts: it extends each "
                              "beam as a prompt of token ids, and embeddings have none")
-        checked = [self.engine.check_request(p, whole) for p in prompts]
+        loras = self._lora_list(lora_request, len(prompts))
+        check_lora_ids(loras)
+        checked = [self.engine.check_request(p, whole, lr) for p, lr in zip(prompts, loras)]
         tok = self.engine.tokenizer
 
-        def step(beams: list[list[int]]) -> list[dict]:
+        def step(beams: list[list[int]], prompt_of: list[int]) -> list[dict]:
             outs = self.generate([{"prompt_token_ids": b} for b in beams], step_params,
-                                 use_tqdm=False)
+                                 use_tqdm=False,
+                                 lora_request=None if lora_request is None else
+                                 [loras[k] for k in prompt_of])
             return [o.outputs[0].logprobs[0] for o in outs]
 
         def progress(steps: range):
