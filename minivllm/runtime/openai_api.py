@@ -175,6 +175,9 @@ class ParsedRequest:
     parallel_tool_calls: bool = True
     encoding_format: str = "float"  # an embedding request's
     priority: int = 0  # lower first, under the "priority" scheduling policy
+    # An embedding or classification request's: False tokenizes its texts without the
+    # tokenizer's special tokens (vLLM's field; token ids are taken as given).
+    add_special_tokens: bool = True
     # A /score or /rerank request's (data_1, data_2) (LLM.score's forms: texts or lists of
     # them); its prompts are the pairs LLM.score_plan makes of them.
     score_inputs: tuple | None = None
@@ -704,7 +707,8 @@ def chat_body(request_id: str, created: int, model: str, choices: list[dict],
 # -- /v1/embeddings (a pooling LLM's) ----------------------------------------------------------
 
 _EMBEDDING = {"model": str, "input": (str, list), "encoding_format": str, "dimensions": int,
-              "truncate_prompt_tokens": int, "normalize": bool, "use_activation": bool}
+              "truncate_prompt_tokens": int, "normalize": bool, "use_activation": bool,
+              "priority": int, "add_special_tokens": bool}
 
 
 def _prompts(value, name: str) -> list:
@@ -728,7 +732,7 @@ def parse_embedding(body, defaults: dict | None = None) -> ParsedRequest:
     if values["input"] is None:
         raise RequestError("'input' is required")
     prompts = _prompts(values["input"], "input")
-    fmt = values["encoding_format"] or "float"
+    fmt = "float" if values["encoding_format"] is None else values["encoding_format"]
     if fmt not in ("float", "base64"):
         raise RequestError(f"'encoding_format' must be 'float' or 'base64', got {fmt!r}")
     try:
@@ -738,7 +742,7 @@ def parse_embedding(body, defaults: dict | None = None) -> ParsedRequest:
     except ValueError as e:
         raise RequestError(str(e)) from None
     return ParsedRequest(params=params, prompts=prompts, model=values["model"] or None,
-                         encoding_format=fmt)
+                         encoding_format=fmt, **_pooling_options(values))
 
 
 def embedding_body(request_id: str, created: int, model: str, outs: list, fmt: str) -> dict:
@@ -753,13 +757,23 @@ def embedding_body(request_id: str, created: int, model: str, outs: list, fmt: s
 
 # -- /score, /rerank and /classify (a pooling LLM's, as vLLM's) --------------------------------
 
-_POOLED = {"model": str, "truncate_prompt_tokens": int, "use_activation": bool}
+# vLLM's pooling requests all carry priority (0 unless the scheduling policy is "priority").
+_POOLED = {"model": str, "truncate_prompt_tokens": int, "use_activation": bool, "priority": int}
 # /score's forms (vLLM's ScoreRequest): one of these pairs of fields gives (data_1, data_2).
 _SCORE_PAIRS = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"),
                 ("text_1", "text_2"))
 _SCORE = {**_POOLED, **{name: (str, list) for pair in _SCORE_PAIRS for name in pair}}
 _RERANK = {**_POOLED, "query": str, "documents": (str, list), "top_n": int}
-_CLASSIFY = {**_POOLED, "input": (str, list)}
+_CLASSIFY = {**_POOLED, "input": (str, list), "add_special_tokens": bool}
+
+
+def _pooling_options(values: dict) -> dict:
+    """A pooling request's priority and add_special_tokens (where it takes them), for
+    ParsedRequest; the server refuses a priority its pooling requests cannot have."""
+    options = {"priority": values["priority"] or 0}
+    if values.get("add_special_tokens") is not None:
+        options["add_special_tokens"] = values["add_special_tokens"]
+    return options
 
 
 def _pooling_params(values: dict, task: str | None = None) -> PoolingParams:
@@ -789,7 +803,8 @@ def parse_score(body, defaults: dict | None = None) -> ParsedRequest:
                            f"'data_1' and 'data_2', or 'text_1' and 'text_2'; got "
                            f"{sorted(given)}")
     return ParsedRequest(params=_pooling_params(values), model=values["model"] or None,
-                         score_inputs=tuple(_texts(values[name], name) for name in pair))
+                         score_inputs=tuple(_texts(values[name], name) for name in pair),
+                         **_pooling_options(values))
 
 
 def parse_rerank(body, defaults: dict | None = None) -> ParsedRequest:
@@ -803,7 +818,7 @@ def parse_rerank(body, defaults: dict | None = None) -> ParsedRequest:
         raise RequestError(f"'top_n' must be >= 0 (0: every document), got {top_n}")
     return ParsedRequest(params=_pooling_params(values), model=values["model"] or None,
                          score_inputs=(values["query"], _texts(values["documents"], "documents")),
-                         top_n=top_n)
+                         top_n=top_n, **_pooling_options(values))
 
 
 def parse_classify(body, defaults: dict | None = None) -> ParsedRequest:
@@ -813,7 +828,7 @@ def parse_classify(body, defaults: dict | None = None) -> ParsedRequest:
         raise RequestError("'input' is required")
     return ParsedRequest(params=_pooling_params(values, "classify"),
                          prompts=_prompts(values["input"], "input"),
-                         model=values["model"] or None)
+                         model=values["model"] or None, **_pooling_options(values))
 
 
 def _prompt_tokens(outs: list) -> dict:

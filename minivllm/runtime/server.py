@@ -79,6 +79,25 @@ class _Submission:
         self.outputs: queue.Queue = queue.Queue()
 
 
+def _refuse_pooling_priority(engine, priority: int) -> None:
+    """ValueError for a pooling request's priority other than 0: vLLM's error where the
+    scheduling policy is not "priority", else because the engine queues pooling requests first
+    come, first served (they take no priority), which would not honour it."""
+    engine.check_priority([priority], 1)
+    raise ValueError(f"Got priority {priority}, but pooling requests (embeddings, scores, "
+                     f"classes) are served first come, first served: send priority 0")
+
+
+def _without_special_tokens(tokenizer, prompts: list) -> list:
+    """A pooling request's text prompts tokenized without the tokenizer's special tokens
+    (add_special_tokens false, vLLM's); token ids, and texts where there is no tokenizer (the
+    engine names that), are left as they are."""
+    if tokenizer is None:
+        return prompts
+    return [{"prompt": p, "prompt_token_ids": tokenizer.encode(p, add_special_tokens=False)}
+            if isinstance(p, str) else p for p in prompts]
+
+
 class EngineLoop:
     """Runs `llm`'s engine on a thread of its own; other threads submit requests and read their
     outputs through queues."""
@@ -205,12 +224,16 @@ class EngineLoop:
             if req.messages is not None:
                 prompts = [render_chat(self.llm, req.messages, req.chat_options)]
             # All checked before any is queued, as LLM.generate does.
+            if isinstance(req.params, PoolingParams) and req.priority:
+                _refuse_pooling_priority(self.engine, req.priority)
             if req.score_inputs is not None:  # the pairs' prompts, tokenized on this thread
                 plan = self.llm.score_plan(*req.score_inputs, req.params)
                 ids = self.engine.add_pooling_requests(plan.prompts, plan.params,
                                                        arrival_time=sub.arrival)
                 sub.finish = plan.finish
             elif isinstance(req.params, PoolingParams):
+                if not req.add_special_tokens:
+                    prompts = _without_special_tokens(self.engine.tokenizer, prompts)
                 ids = self.engine.add_pooling_requests(prompts, [req.params] * len(prompts),
                                                        arrival_time=sub.arrival)
             else:
