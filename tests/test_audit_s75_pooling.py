@@ -122,3 +122,39 @@ def test_add_special_tokens_false_embeds_the_text_without_them(server, hf_model,
             "empty")
     assert parse_classify({"input": "x", "add_special_tokens": False}).add_special_tokens is False
     assert embeddings(server, GOOD) == before
+
+
+# -- /v1/completions' add_special_tokens (vLLM's: true by default) -----------------------------
+
+@pytest.fixture(scope="module")
+def generating_server(hf_model, tok, tmp_path_factory, device):
+    from hf_tiny import save_checkpoint
+
+    path = save_checkpoint(hf_model, tmp_path_factory.mktemp("gen") / "model")
+    tok.save_pretrained(path)
+    llm = make_llm(path, device, max_model_len=64)
+    with serving(OpenAIServer(llm, port=0, model_name="gen")) as srv:
+        yield srv
+
+
+def test_a_completion_without_special_tokens_is_the_texts_ids_alone(generating_server, tok):
+    """add_special_tokens false was refused as an unknown field; now the text's ids without
+    the appended EOS are the prompt: the same greedy tokens as a request giving those ids."""
+    srv = generating_server
+    base = {"prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0.0,
+            "ignore_eos": True}
+    bare = tok.encode(base["prompt"], add_special_tokens=False)
+
+    def complete(body):
+        status, got = post(srv, "/v1/completions", body)
+        assert status == 200, got
+        return got["usage"]["prompt_tokens"], got["choices"][0]["text"]
+
+    with_eos = complete(base)
+    assert with_eos[0] == len(bare) + 1
+    assert complete({**base, "add_special_tokens": True}) == with_eos
+    without = complete({**base, "add_special_tokens": False})
+    assert without == complete({**base, "prompt": bare})
+    assert without[0] == len(bare) and without[1] != with_eos[1]  # the EOS changed the answer
+    refused(srv, "/v1/completions", {**base, "add_special_tokens": "no"}, "'add_special_tokens'")
+    assert complete(base) == with_eos

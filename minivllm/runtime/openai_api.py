@@ -64,7 +64,7 @@ _COMMON = {"n": int, "best_of": int, "temperature": float, "top_p": float, "top_
            "response_format": dict, "priority": int, "use_beam_search": bool,
            "length_penalty": float, "return_tokens_as_token_ids": bool}
 _COMPLETION = {**_COMMON, "prompt": (str, list), "echo": bool, "logprobs": int, "suffix": str,
-               "prompt_embeds": (str, list)}
+               "prompt_embeds": (str, list), "add_special_tokens": bool}
 _CHAT = {**_COMMON, "messages": list, "max_completion_tokens": int, "logprobs": bool,
          "top_logprobs": int, "add_generation_prompt": bool, "continue_final_message": bool,
          "chat_template": str, "chat_template_kwargs": dict, "tools": list,
@@ -175,8 +175,8 @@ class ParsedRequest:
     parallel_tool_calls: bool = True
     encoding_format: str = "float"  # an embedding request's
     priority: int = 0  # lower first, under the "priority" scheduling policy
-    # An embedding or classification request's: False tokenizes its texts without the
-    # tokenizer's special tokens (vLLM's field; token ids are taken as given).
+    # A completion, embedding or classification request's: False tokenizes its texts without
+    # the tokenizer's special tokens (vLLM's field; token ids are taken as given).
     add_special_tokens: bool = True
     # A /score or /rerank request's (data_1, data_2) (LLM.score's forms: texts or lists of
     # them); its prompts are the pairs LLM.score_plan makes of them.
@@ -403,7 +403,8 @@ def parse_completion(body, defaults: dict, embeds: EmbedsLimits | None = None) -
                          include_usage=include_usage, continuous_usage=continuous,
                          prompts=prompts, echo=echo, echo_only=echo_only, logprobs=logprobs,
                          prompt_logprobs=scored is not None, model=values["model"] or None,
-                         priority=values["priority"] or 0)
+                         priority=values["priority"] or 0,
+                         add_special_tokens=values["add_special_tokens"] is not False)
 
 
 def _message_text(message, k: int) -> dict:

@@ -89,7 +89,7 @@ def _refuse_pooling_priority(engine, priority: int) -> None:
 
 
 def _without_special_tokens(tokenizer, prompts: list) -> list:
-    """A pooling request's text prompts tokenized without the tokenizer's special tokens
+    """A request's text prompts tokenized without the tokenizer's special tokens
     (add_special_tokens false, vLLM's); token ids, and texts where there is no tokenizer (the
     engine names that), are left as they are."""
     if tokenizer is None:
@@ -238,6 +238,8 @@ class EngineLoop:
                                                        arrival_time=sub.arrival)
             else:
                 priority = self.engine.check_priority([req.priority] * len(prompts), len(prompts))
+                if not req.add_special_tokens:  # a completion's (chat's prompts are rendered)
+                    prompts = _without_special_tokens(self.engine.tokenizer, prompts)
                 lora = req.lora_request
                 checked = [self.engine.check_request(p, req.params, lora) for p in prompts]
                 ids = [self.engine.enqueue(text, ids, req.params, pr, lora,
