@@ -770,9 +770,25 @@ class LLMEngine:
             request.pooled = (activate(logits, kind) if p.activates() else logits).tolist()
         return counted
 
-    def abort_request(self, request_id: str, reason: str = "abort") -> None:
-        """End the request, freeing its blocks. reason: its metrics' finished_reason ("error"
-        where a failure ends it)."""
+    def abort_request(self, request_id: str | list[str], reason: str = "abort") -> None:
+        """End the request, or each of an iterable of request ids (vLLM's abort_request takes
+        both), freeing its blocks. An id the engine does not hold (unknown, finished, aborted
+        already) is skipped, as vLLM's; TypeError, before any is aborted, for an id that is no
+        string (an int matched no id and was skipped: the request ran on). reason: its metrics'
+        finished_reason ("error" where a failure ends it)."""
+        ids = [request_id] if isinstance(request_id, str) else request_id
+        try:
+            ids = list(ids)
+        except TypeError:
+            raise TypeError(f"request_id must be a string or an iterable of strings, got "
+                            f"{type(request_id).__name__}") from None
+        for i in ids:
+            if not isinstance(i, str):
+                raise TypeError(f"a request id is a string, got {type(i).__name__} {i!r:.40}")
+        for i in ids:
+            self._abort_one(i, reason)
+
+    def _abort_one(self, request_id: str, reason: str) -> None:
         request = self.requests.pop(request_id, None)
         if request is not None:
             for seq in request.seqs:
