@@ -266,3 +266,15 @@ def test_random_lifecycles_free_every_block_and_keep_every_output(tiny_dir, devi
     run = LifecycleMachine.TestCase
     run.settings = settings(run.settings, max_examples=20, stateful_step_count=30)
     run().runTest()
+
+
+def test_a_bad_prompt_id_is_named_in_a_bounded_message():
+    """A nested list among the ids was named by its whole repr: a 400 of megabytes."""
+    import torch
+
+    from minivllm.runtime.demo import ensure_demo_model
+
+    llm = engine_helpers.make_llm(ensure_demo_model(), torch.device("cpu"))
+    with pytest.raises(ValueError, match="not an int token id") as e:
+        llm.generate({"prompt_token_ids": [1, list(range(100_000))]}, use_tqdm=False)
+    assert len(str(e.value)) < 200 and not llm.engine.requests

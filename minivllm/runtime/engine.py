@@ -283,7 +283,9 @@ class LLMEngine:
         for k, given_id in enumerate(ids):
             t = as_int(given_id)  # ints, and numpy / torch integer scalars
             if t is None:
-                raise ValueError(f"prompt_token_ids holds {given_id!r}, not an int token id")
+                # a bounded repr: a nested list of a million ids is no error message
+                raise ValueError(f"prompt_token_ids holds {given_id!r:.80}, not an int token "
+                                 f"id")
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {self.vocab_size})")
             ids[k] = t
