@@ -439,6 +439,20 @@ def _literal(value) -> str:
         raise ValueError(f"JSON schema value {value!r:.60} is not JSON") from None
 
 
+def _json_equal(a, b) -> bool:
+    """Whether two JSON values are equal as JSON Schema compares them (const against enum):
+    numbers by value (1 is 1.0), booleans only to booleans (true is not 1)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_json_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_json_equal(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
 def _check_keywords(schema: dict, allowed: set, where: str) -> None:
     extra = sorted(set(schema) - allowed - _ANNOTATIONS)
     if extra:
@@ -487,9 +501,15 @@ def _schema_regex(schema, defs: dict | None = None, depth: int = 0) -> str:
     kind = schema.get("type")
     if "const" in schema or "enum" in schema:
         _check_keywords(schema, {"const", "enum", "type"}, "enum / const")
-        values = [schema["const"]] if "const" in schema else schema["enum"]
-        if not isinstance(values, list) or not values:
+        values = schema.get("enum", [])
+        if "enum" in schema and (not isinstance(values, list) or not values):
             raise ValueError("JSON schema enum must be a non-empty list")
+        if "const" in schema:  # with an enum too, the value must be among its values
+            const = schema["const"]
+            if "enum" in schema and not any(_json_equal(const, v) for v in values):
+                raise ValueError(f"JSON schema const {const!r:.60} is not among the enum "
+                                 f"values {values!r:.60}: no value is admitted")
+            values = [const]
         kinds = kind if isinstance(kind, list) else [kind] if kind else []
         if kinds and not all(any(isinstance(v, _PYTHON_TYPES.get(k, ())) and
                                  not (k in ("integer", "number") and isinstance(v, bool))
@@ -522,6 +542,8 @@ def _schema_regex(schema, defs: dict | None = None, depth: int = 0) -> str:
     _check_keywords(schema, _KEYWORDS[kind] | {"type"}, kind)
     if kind == "string":
         lo, hi = _count(schema, "minLength", 0), _count(schema, "maxLength", None)
+        if hi is not None and hi < lo:
+            raise ValueError(f"JSON schema maxLength {hi} < minLength {lo}")
         return f'"{_STRING_CHAR}{{{lo},{"" if hi is None else hi}}}"'
     if kind == "integer":
         return _INTEGER
