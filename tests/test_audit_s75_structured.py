@@ -46,3 +46,19 @@ def test_a_string_schema_whose_max_length_is_below_its_min_length_is_named():
             "s": {"type": ["string", "null"], "minLength": 1, "maxLength": 0}}})
     dfa = RegexDFA(schema_regex({"type": "string", "minLength": 2, "maxLength": 2}))
     assert dfa.fullmatch('"ab"') and not dfa.fullmatch('"a"') and not dfa.fullmatch('"abc"')
+
+
+def test_a_tools_required_parameters_without_properties_are_refused():
+    """{"type": "object", "required": ["a"]} with no properties was held to the empty object,
+    which its own required breaks: a constrained answer that could never satisfy its schema."""
+    from minivllm.runtime.tool_calls import choice_schema
+
+    def tool(params):
+        return {"type": "function", "function": {"name": "f", "parameters": params}}
+
+    bad = tool({"type": "object", "required": ["a"]})
+    for choice in ("function:f", "required"):
+        with pytest.raises(ValueError, match=r"tool 'f': its parameters require \['a'\]"):
+            choice_schema(choice, [bad])
+    assert choice_schema("function:f", [tool({"type": "object"})]) == \
+        {"type": "object", "properties": {}}  # no required: a function without arguments

@@ -101,6 +101,10 @@ def _parameters(tool: dict) -> dict:
     params = tool["function"].get("parameters")
     if not params or (params.get("type") == "object" and "properties" not in params
                       and not params.get("additionalProperties")):
+        if params and params.get("required"):  # the empty object would break its own required
+            raise ValueError(f"tool {tool['function']['name']!r}: its parameters require "
+                             f"{params['required']!r:.60} but give no 'properties' to hold "
+                             f"the answer to")
         return NO_ARGUMENTS
     return params
 
