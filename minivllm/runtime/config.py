@@ -143,7 +143,7 @@ class EngineConfig:
                speculative_config=None, enable_lora=False, max_loras=1,
                max_lora_rank=16, enable_prompt_embeds=False,
                enable_sleep_mode=False, logprobs_mode="raw_logprobs") -> "EngineConfig":
-        model = os.fspath(model)
+        model = os.fsdecode(model)  # a str, for a str, bytes or os.PathLike path
         speculative = SpeculativeConfig.create(speculative_config)
         if scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(map(repr, POLICIES))}, "

@@ -72,6 +72,15 @@ def parse_dtype(dtype: Any, default: torch.dtype | None = None) -> torch.dtype:
     raise TypeError(f"dtype must be a torch.dtype or a string, got {type(dtype).__name__}")
 
 
+def _config_dtype(key: str, name: Any) -> torch.dtype:
+    """config.json's dtype (or torch_dtype) `name` as a torch dtype; a ValueError that names the
+    key, so that it is not taken for LLM's own dtype argument."""
+    try:
+        return parse_dtype(name)
+    except ValueError as e:
+        raise ValueError(f"config {key}: {e}") from None
+
+
 def _freeze(value: Any) -> Any:
     """Dicts and lists to sorted tuples, so that the config stays hashable (it is treedef context)."""
     if isinstance(value, dict):
@@ -124,6 +133,9 @@ def _yarn_scaling(scaling: dict, max_position_embeddings) -> dict:
     out["original_max_position_embeddings"] = int(original)
     factor = number("factor")
     out["factor"] = factor if factor is not None else max_position_embeddings / original
+    if int(out["original_max_position_embeddings"] * out["factor"]) < 1:
+        raise ValueError(f"yarn rope scaling's context, original_max_position_embeddings x "
+                         f"factor ({original} x {out['factor']}), is less than one position")
     for key in ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
         number(key)
     if not isinstance(out.setdefault("truncate", True), bool):
@@ -147,7 +159,7 @@ def _positive_number(key: str, value: Any, kind: type) -> Any:
     """`value` (config key `key`) as a positive float or int; a ValueError naming the key
     otherwise (float(None) would be a TypeError that names nothing)."""
     if (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
-            or (kind is int and not float(value).is_integer())):
+            or not math.isfinite(value) or (kind is int and not float(value).is_integer())):
         raise ValueError(f"config {key} must be a positive {kind.__name__}, got {value!r}")
     return kind(value)
 
@@ -223,11 +235,14 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 # Named as config.json names it too, when that differs (num_hidden_layers, ...).
                 hf = _HF_NAMES.get(name)
                 label = f"{name} ({hf} in config.json)" if hf else name
                 raise ValueError(f"config {label} must be a positive integer, got {value!r}")
+        if self.head_dim % 2:  # an odd one would fail deep in the attention, after the load
+            raise ValueError(f"config head_dim must be even (RoPE rotates its two halves), got "
+                             f"{self.head_dim}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) is not a multiple of "
@@ -301,8 +316,14 @@ class ModelConfig:
                                "num_hidden_layers", "num_attention_heads") if k not in d]
         if missing:
             raise ValueError(f"the model config lacks {', '.join(missing)}")
+        archs = d.get("architectures")
+        if archs is not None and not (isinstance(archs, list)
+                                      and all(isinstance(a, str) for a in archs)):
+            # A string would be read letter by letter, a number not at all.
+            raise ValueError(f"config architectures must be a list of class names, got "
+                             f"{archs!r:.80}")
         # Without architectures, the model_type's causal LM (as transformers' Auto classes).
-        archs = d.get("architectures") or [
+        archs = archs or [
             "Qwen3MoeForCausalLM" if d.get("model_type") == "qwen3_moe" else "Qwen3ForCausalLM"]
         for arch in archs:
             if arch not in SUPPORTED_ARCHITECTURES:
@@ -372,7 +393,11 @@ class ModelConfig:
             ok = all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in sizes)
             head_dim = sizes[0] // sizes[1] if ok else None
         # transformers 5 writes "dtype", 4 "torch_dtype"; a null one defers to the other.
+        dtype_key = "dtype" if d.get("dtype") else "torch_dtype"
         dtype_name = d.get("dtype") or d.get("torch_dtype") or "bfloat16"
+        if not isinstance(dtype_name, (str, torch.dtype)):
+            raise ValueError(f"config {dtype_key} must be a dtype name such as \"bfloat16\", got "
+                             f"{dtype_name!r:.80}")
         if isinstance(dtype_name, str) and dtype_name.removeprefix("torch.") in ("float64",
                                                                                  "double"):
             dtype_name = "float32"  # stored wider than minivllm computes: load narrows it
@@ -391,7 +416,7 @@ class ModelConfig:
             max_position_embeddings=_positive_number(
                 "max_position_embeddings", d.get("max_position_embeddings", 40960), int),
             tie_word_embeddings=bool(tie),
-            dtype=parse_dtype(dtype_name),
+            dtype=_config_dtype(dtype_key, dtype_name),
             bos_token_id=_token_ids("bos_token_id", d.get("bos_token_id"), many=False),
             eos_token_id=_freeze(_token_ids("eos_token_id", d.get("eos_token_id"), many=True)),
             **experts,

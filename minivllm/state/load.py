@@ -313,6 +313,11 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
     shard = shard or ShardSpec()
     shard.check(config)
     dtype = parse_dtype(dtype, config.dtype)
+    if device is not None:  # named now, not by the first tensor's .to(device)
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"unknown device {device!r}: {e}") from None
 
     files = _index_tensors(path)
     prefix = backbone_prefix(files)

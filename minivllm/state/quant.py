@@ -328,7 +328,8 @@ def awq_from_config(quant: dict) -> AwqQuantization:
     if bits != 4 or isinstance(bits, bool):
         raise _unsupported(f"{key} {bits!r} (AWQ weights are 4-bit)")
     key, group = _int_field(quant, ("group_size", "q_group_size"), 128)
-    if isinstance(group, bool) or group not in AWQ_GROUP_SIZES:
+    # An int: 64.0 equals 64, but as a slice bound it failed once the weights were being read.
+    if isinstance(group, bool) or not isinstance(group, int) or group not in AWQ_GROUP_SIZES:
         raise _unsupported(f"{key} {group!r} (AWQ groups of 32, 64 or 128 input rows, or -1: "
                            f"the whole input)")
     zero_point = quant.get("zero_point", True)
