@@ -14,6 +14,8 @@ import os
 import time
 from typing import Iterable, Iterator
 
+import torch
+
 from ..state.values import as_flag
 from .config import EngineConfig, is_random_model
 from .distributed import torchrun_env
@@ -234,8 +236,18 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats
 
-    def reset_prefix_cache(self) -> None:
-        self.engine.block_manager.reset_prefix_cache()
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's reset_prefix_cache): True. While unfinished
+        requests hold blocks, whose K/V would stay cached past the reset, nothing is forgotten
+        and it returns False with a warning, as vLLM's."""
+        bm = self.engine.block_manager
+        held = bm.num_blocks - bm.num_free
+        if held:
+            log.warning("minivllm: reset_prefix_cache: %d blocks are held by unfinished "
+                        "requests; nothing reset (finish or abort them first)", held)
+            return False
+        bm.reset_prefix_cache()
+        return True
 
     def load_weights(self, weights) -> None:
         """Update the model's weights in place from (Hugging Face name, tensor) pairs, e.g. a
@@ -249,7 +261,7 @@ class LLM:
         (mlp.experts.E.gate_proj.weight, ...) or transformers 5's fused ones
         (mlp.experts.gate_up_proj, mlp.experts.down_proj).
         See LLMEngine.load_weights."""
-        self.engine.load_weights(weights)
+        self.engine.load_weights(_copyable(weights))
 
     def sleep(self, level: int = 1) -> None:
         """Free the device memory of the weights and the KV cache (vLLM's sleep, with
@@ -652,6 +664,21 @@ class LLM:
             if bar:
                 bar.close()
         return [final[i] for i in ids]
+
+
+def _copyable(weights) -> Iterator:
+    """load_weights' pairs, each tensor checked, as they pass into the engine's check of every
+    pair before any is copied, to hold values that copy_ can read: ValueError for a meta tensor
+    (no data) or a sparse or mkldnn one (copy_ into a dense param fails), which would otherwise
+    fail the copy part-way, the weights before it new and the rest old."""
+    for item in weights:
+        tensor = item[1] if isinstance(item, tuple) and len(item) == 2 else None
+        if isinstance(tensor, torch.Tensor) and (tensor.is_meta or
+                                                 tensor.layout != torch.strided):
+            what = "meta" if tensor.is_meta else str(tensor.layout).removeprefix("torch.")
+            raise ValueError(f"load_weights: {item[0]} is a {what} tensor; weights are dense "
+                             f"tensors holding their values")
+        yield item
 
 
 def _delta(out: RequestOutput, sent: dict) -> RequestOutput | None:

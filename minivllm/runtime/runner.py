@@ -510,26 +510,39 @@ class ModelRunner:
         """Copy checked (Hugging Face name, tensor) pairs (state.load.check_hf_weights) into
         this rank's params, in place, queued in stream order after the steps already launched:
         the compiled forward, the CUDA graphs and the persistent decode's layer table read the
-        same tensors, so they run the new weights without a recapture."""
-        copy_hf_weights_(self.params, checked)
+        same tensors, so they run the new weights without a recapture. A copy that fails after
+        the checks (nothing a check foresaw) is a RuntimeError saying the weights may be mixed."""
+        try:
+            copy_hf_weights_(self.params, checked)
+        except Exception as e:
+            raise RuntimeError(f"load_weights failed while copying the checked weights "
+                               f"({type(e).__name__}: {e}): the model may now hold some of the "
+                               f"new weights and the old rest; load the whole set again") from e
 
     def sleep(self, level: int) -> None:
         """Free the weights' memory (level 1: copied to the host first; 2: discarded) and the KV
-        cache's, keeping every tensor object (runtime/sleep.py). The CUDA graphs go first: they
-        read those addresses, and their pool is freed too."""
+        cache's, keeping every tensor object (runtime/sleep.py). The CUDA graphs, which read those
+        addresses, are released too, with their pool: after the offloads, so that a sleep that
+        fails (no host memory for the weights' copy) frees nothing and leaves them captured."""
+        asleep = {"weights": offload(self.params, keep=level == 1),
+                  "kv_cache": offload(self.cache, keep=False)}
         self._drop_captures()
         self.last_tokens, self.ids_in_graph = None, None
-        self.asleep = {"weights": offload(self.params, keep=level == 1),
-                       "kv_cache": offload(self.cache, keep=False)}
+        self.asleep = asleep
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the freed blocks back to the device, for the trainer
 
     def wake_up(self, tags: tuple[str, ...]) -> None:
         """Take back the memory of `tags` ("weights": their bytes from the host, or zeros after
         level 2; "kv_cache": zeros). Once nothing sleeps, capture what baked the old addresses
-        again (the graphs, the persistent decode's layer table), with no compile."""
+        again (the graphs, the persistent decode's layer table), with no compile. A tag is
+        forgotten only once restored: a restore that fails (the device's memory still taken, say)
+        keeps it, and its host copy, for a wake_up to try again, which skips the tags restored."""
         for tag in tags:
-            restore(self.asleep.pop(tag))
+            off = self.asleep.get(tag)
+            if off is not None:  # None: restored by a wake_up that failed at another tag
+                restore(off)
+                del self.asleep[tag]
         if not self.asleep:
             self._capture_again()
 

@@ -893,14 +893,15 @@ class OpenAIServer:
         anything sleeps, requests for the model are 503s naming /wake_up (vLLM leaves them
         waiting, or fails); /tokenize, /detokenize, /v1/models and /metrics still answer, as
         vLLM's. A sleep of a sleeping engine, or a wake_up of what is awake, does nothing but
-        warn (vLLM's). /reset_prefix_cache forgets the cached blocks no request holds."""
+        warn (vLLM's). /reset_prefix_cache forgets every cached block, or, while requests
+        hold blocks, nothing (LLM.reset_prefix_cache's False, as vLLM's)."""
         def last(name, default):  # a repeated parameter: its last value, as Starlette's get
             return query.get(name, [default])[-1]
 
         if path == "/reset_prefix_cache":
-            self.loop.call(self.llm.reset_prefix_cache)
-            log.info("minivllm serve: prefix cache reset")
-            return
+            if self.loop.call(self.llm.reset_prefix_cache):
+                log.info("minivllm serve: prefix cache reset")
+            return  # an empty 200 either way, as vLLM's (LLM.reset_prefix_cache warned)
         if not self.llm.config.enable_sleep_mode:
             raise RequestError(f"{path} needs sleep mode: serve with --enable-sleep-mode")
         if path == "/wake_up":
