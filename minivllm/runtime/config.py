@@ -316,6 +316,14 @@ class EngineConfig:
         if max_num_batched_tokens is None:
             # CPU: the reference attention's memory grows with tokens x context, keep steps small.
             max_num_batched_tokens = 8192 if device.type == "cuda" else 512
+        if speculative is not None and \
+                speculative.num_speculative_tokens >= max_num_batched_tokens:
+            # A step verifies a sequence's k drafts and its token as one chunk: a larger k never
+            # drafts k, and /metrics would render a per-position series for each of them.
+            raise ValueError(f"speculative_config: num_speculative_tokens "
+                             f"({speculative.num_speculative_tokens}) must be below "
+                             f"max_num_batched_tokens ({max_num_batched_tokens}): a step "
+                             f"verifies the drafts and the sequence's token as one chunk")
         return cls(model=model, model_config=model_config, dtype=dtype, device=device,
                    max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                    max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,

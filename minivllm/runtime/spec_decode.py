@@ -53,6 +53,8 @@ from dataclasses import dataclass
 import numpy as np
 
 METHODS = ("ngram", "draft_model")
+# The "model" (and "method") vLLM takes for n-gram speculation.
+NGRAM_NAMES = ("ngram", "[ngram]")
 
 
 @dataclass(frozen=True)
@@ -93,9 +95,14 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: minivllm does not take {unknown} (it takes "
                              f"{sorted(known)})")
+        # As vLLM's SpeculativeConfig fields: None stands for a key not given (its defaults).
+        config = {key: value for key, value in config.items() if value is not None}
         method, model = config.get("method"), config.get("model")
         if method is None and model is not None:
-            method = "draft_model"  # as vLLM: a model given without a method is a draft model
+            # as vLLM: a model given without a method is a draft model, but for "ngram"
+            method = "ngram" if model in NGRAM_NAMES else "draft_model"
+        if method == "[ngram]":  # vLLM's other spelling
+            method = "ngram"
         if method not in METHODS:
             raise ValueError(f"speculative_config: method must be one of {METHODS} (n-gram "
                              f"prompt lookup, or a draft model named by \"model\"), got "
@@ -124,7 +131,7 @@ class SpeculativeConfig:
                                  f"draft checkpoint's directory, got {model!r}")
             k = positive("num_speculative_tokens")
             return cls(method, k, 0, 0, model=os.fspath(model))
-        if model is not None and model != "ngram":  # vLLM's own ngram config names "ngram"
+        if model is not None and model not in NGRAM_NAMES:  # vLLM's ngram config names one
             raise ValueError(f"speculative_config: method 'ngram' does not take a \"model\" "
                              f"(got {model!r}); a draft model is method 'draft_model'")
         k = positive("num_speculative_tokens")
