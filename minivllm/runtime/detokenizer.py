@@ -15,6 +15,10 @@ DecodeStream, primed with the prompt, does) instead of dropping it.
 from __future__ import annotations
 
 
+# How far before its 5 tokens of context prompt_offsets looks for a character's start.
+_LOOK_BACK = 8
+
+
 def _decode_kwargs(skip_special_tokens: bool, spaces_between_special_tokens: bool) -> dict:
     """tokenizer.decode's keywords (spaces_between_special_tokens only when off: fast tokenizers
     take no such argument otherwise)."""
@@ -44,13 +48,28 @@ def prompt_offsets(tokenizer, ids: list[int], prompt_len: int, *, skip_special_t
     """The (prefix_offset, read_offset) to start detokenizing the output at: read_offset is the
     prompt's end, or, when the prompt ends inside a character (its text ends in U+FFFD), the
     token boundary before that character, so that the output's text starts with the whole
-    character once a generated token completes it. Looks back a few tokens only (a character is
-    at most 4 bytes); a prompt ending in more invalid bytes than that keeps its end."""
+    character once a generated token completes it. prefix_offset is 5 tokens before it, or
+    where the character there starts (its text does not start with U+FFFD, as vLLM primes its
+    DecodeStream with a prompt suffix whose text holds none): a byte-fallback tokenizer decodes a
+    run of byte tokens that is not valid UTF-8 as a whole to U+FFFD throughout, so a window
+    starting inside a character of such a run took a whole last character for an unfinished
+    one (the output's text began with it again) and the output's bytes that continue the run
+    for U+FFFD. Looks back a few tokens only (a character is at most 4 bytes); a prompt ending
+    in more invalid bytes than that keeps its end."""
     kwargs = _decode_kwargs(skip_special_tokens, spaces_between_special_tokens)
     lowest = max(prompt_len - 4, 0)
     for read in range(prompt_len, lowest - 1, -1):
+        if read == 0:
+            return 0, 0
         prefix = max(read - 5, 0)
-        if read == 0 or not tokenizer.decode(ids[prefix:read], **kwargs).endswith("\ufffd"):
+        text = tokenizer.decode(ids[prefix:read], **kwargs)
+        for start in range(prefix - 1, max(prefix - _LOOK_BACK, 0) - 1, -1):
+            if not text.startswith("\ufffd"):
+                break
+            window = tokenizer.decode(ids[start:read], **kwargs)
+            if not window.startswith("\ufffd"):
+                prefix, text = start, window
+        if not text.endswith("\ufffd"):
             return prefix, read
     return max(prompt_len - 5, 0), prompt_len
 
