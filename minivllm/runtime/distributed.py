@@ -6,8 +6,8 @@ Two groups. The default group carries the forward's collectives (NCCL on CUDA, g
 under a bounded timeout (MINIVLLM_DIST_TIMEOUT seconds, default 600). A gloo "control" group
 carries each step's StepInput from rank 0, pickled on the host (the GPU stream is never
 involved); the workers wait on it between steps for as long as the user leaves the engine idle,
-so its timeout is unbounded. A dead peer still ends either wait at once: gloo sees the closed
-socket.
+so its timeout is unbounded, but rank 0's sends on it are bounded (a worker that is stuck, not
+dead, stops reading). A dead peer still ends either wait at once: gloo sees the closed socket.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ from ..state.shard import ShardSpec
 
 # How long a worker may wait for rank 0's next step: the engine may sit idle for days.
 IDLE_TIMEOUT = datetime.timedelta(days=365)
+# How long rank 0 waits for the workers to take its stop message: a worker between steps takes
+# it at once; one that does not is stuck, and is terminated.
+STOP_TIMEOUT = datetime.timedelta(seconds=10)
 
 
 def collective_timeout() -> datetime.timedelta:
@@ -177,17 +180,29 @@ def min_max(n: int, device: torch.device) -> tuple[int, int]:
     return int(t[0]), -int(t[1])
 
 
+def _send(tensor: torch.Tensor, groups: Groups, timeout: datetime.timedelta) -> None:
+    """Rank 0's broadcast of `tensor` on the control group, failing after `timeout`. The
+    group's own timeout (IDLE_TIMEOUT) bounds the workers' wait for a step; a worker that is
+    stuck rather than dead (its socket open, its buffer full) must not hold rank 0's send as
+    long."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, timeout
+    groups.control.broadcast([tensor], opts).wait()
+
+
 def broadcast_step(step, groups: Groups) -> None:
-    """Rank 0: send a StepInput (or None: stop) to every rank: [length: 8 bytes][pickle]."""
+    """Rank 0: send a StepInput (or None: stop) to every rank: [length: 8 bytes][pickle]. A
+    step not taken within the collective timeout (the stop message: STOP_TIMEOUT) raises."""
+    timeout = STOP_TIMEOUT if step is None else collective_timeout()
     data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
     fit = min(len(data), STEP_BUFFER_BYTES - 8)
     view = groups.buffer.numpy()
     view[:8] = np.frombuffer(len(data).to_bytes(8, "little"), dtype=np.uint8)
     view[8:8 + fit] = np.frombuffer(data, dtype=np.uint8, count=fit)
-    dist.broadcast(groups.buffer, src=0, group=groups.control)
+    _send(groups.buffer, groups, timeout)
     if fit < len(data):
         rest = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, offset=fit).copy())
-        dist.broadcast(rest, src=0, group=groups.control)
+        _send(rest, groups, timeout)
 
 
 def receive_step(groups: Groups):

@@ -193,8 +193,8 @@ class _Closer:
         if self.in_step:
             try:
                 broadcast_step(None, self.groups)
-            except Exception:
-                pass  # a worker is gone already; stop() below deals with the rest
+            except Exception:  # a worker is gone, or stuck: stop() below ends it without grace
+                self.in_step = False
         # Seen on two H200s: rank 0 never returned from destroy_process_group. Two causes are
         # known, both met here. A live CUDA graph that captured NCCL collectives makes the
         # group's destruction hang (pytorch/pytorch#115388), so the graphs go first, on every
