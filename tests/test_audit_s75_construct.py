@@ -13,16 +13,7 @@ from minivllm import LLM, CheckpointError, SamplingParams
 from minivllm.runtime.config import EngineConfig
 from minivllm.state.quant import quantization_from_config
 from hf_tiny import make_hf_model, save_checkpoint
-
-
-@pytest.fixture(scope="module")
-def model():
-    return make_hf_model(seed=3)
-
-
-@pytest.fixture
-def ckpt(model, tmp_path):
-    return save_checkpoint(model, tmp_path / "ckpt")
+from test_load import ckpt, model  # noqa: F401  (the fixtures: a tiny checkpoint written fresh)
 
 
 def _edit_config(path, **changes):
