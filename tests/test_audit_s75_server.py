@@ -12,7 +12,8 @@ import threading
 
 import pytest
 
-from minivllm.runtime.openai_api import MAX_N, RequestError, parse_chat, parse_completion
+from minivllm.runtime.openai_api import RequestError, parse_chat, parse_completion
+from minivllm.runtime.sampling_params import MAX_N
 from minivllm.runtime.server import OpenAIServer
 
 from engine_helpers import make_llm, serving
@@ -79,14 +80,14 @@ def assert_refused(server, baseline, path: str, body, match: str) -> None:
 def test_n_past_vllms_bound_is_refused_when_parsed(parse, body):
     """n=2**40 was taken: the engine's thread then made a sequence per completion before any
     step, forever, and every other request waited on it."""
-    with pytest.raises(RequestError, match=f"'n' must be at most {MAX_N}"):
+    with pytest.raises(RequestError, match=rf"n must be an integer in \[1, {MAX_N}\]"):
         parse({**body, "n": 2**40}, {})
     assert parse({**body, "n": MAX_N}, {}).params.n == MAX_N  # vLLM's bound itself is taken
 
 
 def test_n_past_vllms_bound_is_answered_400_and_the_server_goes_on(server, baseline):
     assert_refused(server, baseline, "/v1/completions",
-                   {"prompt": "x", "n": MAX_N + 1, "max_tokens": 1}, f"at most {MAX_N}")
+                   {"prompt": "x", "n": MAX_N + 1, "max_tokens": 1}, f"in [1, {MAX_N}]")
 
 
 # -- lone surrogates -----------------------------------------------------------------------------

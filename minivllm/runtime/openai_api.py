@@ -31,7 +31,7 @@ from . import tool_calls
 from .chat_output import ChatOutput, message
 from .outputs import Logprob, RequestOutput
 from .pooling import PoolingParams
-from .sampling_params import MAX_N, SamplingParams, StructuredOutputsParams
+from .sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class RequestError(ValueError):
@@ -230,8 +230,6 @@ def _structured(values: dict, tool_schema: dict | None = None) -> StructuredOutp
 def _sampling(values: dict, defaults: dict, *, max_tokens, logprobs, prompt_logprobs,
               tool_schema: dict | None = None) -> SamplingParams:
     n = values["n"] if values["n"] is not None else 1
-    if n > MAX_N:
-        raise RequestError(f"'n' must be at most {MAX_N} (vLLM's VLLM_MAX_N_SEQUENCES), got {n}")
     if values["best_of"] is not None and values["best_of"] != n:
         raise RequestError("best_of other than n is not supported (nor by vLLM's V1 engine)")
     kwargs = {name: values[name] for name in (

@@ -21,11 +21,11 @@ def _is_number(x) -> bool:
     return isinstance(x, float)
 
 
-# Fields taken as Python ints / floats when given as numpy or torch scalars (the checks below
-# then see plain numbers, and so does everything downstream).
 # vLLM's bound on n (VLLM_MAX_N_SEQUENCES' default): a request makes its n sequences before
 # any step, so n = 2**40 held the engine (and every request behind it) until memory ran out.
 MAX_N = 16384
+# Fields taken as Python ints / floats when given as numpy or torch scalars (the checks below
+# then see plain numbers, and so does everything downstream).
 _INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
                "truncate_prompt_tokens")
 _REAL_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
