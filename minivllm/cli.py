@@ -38,15 +38,18 @@ def _json_object(text: str) -> dict:
 
 
 def _port(text: str) -> int:
-    """serve's --port: a TCP port, 0 for any free one (socket's bind refused the others with
-    an OverflowError, after the model had loaded)."""
+    """serve's --port: a TCP port, 0 for any free one, by the server's own rule (socket's bind
+    refused the others with an OverflowError, after the model had loaded)."""
     try:
         port = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is in [0, 65535] (0: any free one), got {port}")
-    return port
+    from .runtime.server import check_port  # serve imports the server anyway
+
+    try:
+        return check_port(port)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _check_address(host: str, port: int) -> None:

@@ -62,13 +62,14 @@ _COMMON = {"n": int, "best_of": int, "temperature": float, "top_p": float, "top_
            "stream": bool, "stream_options": dict, "model": str, "structured_outputs": dict,
            "guided_choice": list, "guided_regex": str, "guided_json": (dict, str),
            "response_format": dict, "priority": int, "use_beam_search": bool,
-           "length_penalty": float, "return_tokens_as_token_ids": bool}
+           "length_penalty": float, "return_tokens_as_token_ids": bool, "request_id": str}
 _COMPLETION = {**_COMMON, "prompt": (str, list), "echo": bool, "logprobs": int, "suffix": str,
                "prompt_embeds": (str, list), "add_special_tokens": bool}
 _CHAT = {**_COMMON, "messages": list, "max_completion_tokens": int, "logprobs": bool,
          "top_logprobs": int, "add_generation_prompt": bool, "continue_final_message": bool,
          "chat_template": str, "chat_template_kwargs": dict, "tools": list,
-         "tool_choice": (str, dict), "include_reasoning": bool, "parallel_tool_calls": bool}
+         "tool_choice": (str, dict), "include_reasoning": bool, "parallel_tool_calls": bool,
+         "echo": bool}
 # Fields that take only their default here (vLLM's extra fields among them: a client that
 # sends their defaults, as some send every field, is served).
 _UNSUPPORTED = {"suffix": None, "use_beam_search": False, "length_penalty": 1.0,
@@ -156,7 +157,10 @@ class ParsedRequest:
     {"prompt_token_ids"}) for a completion; None for a chat, whose conversation (`messages`,
     rendered by the tokenizer's chat template with `chat_options`) is its one prompt.
     logprobs: top logprobs a token in the response (-1: all the engine gives); echo_only: echo
-    with max_tokens 0 (the prompt scored, nothing generated in the response)."""
+    with max_tokens 0 (the prompt scored, nothing generated in the response).
+    request_id: the id a response carries after its prefix ("chatcmpl-{request_id}"), vLLM's
+    field or X-Request-Id header; None: a new one. It names the response only: the engine's
+    own ids stay unique, so two requests may give the same one."""
 
     params: SamplingParams
     stream: bool = False
@@ -184,6 +188,12 @@ class ParsedRequest:
     top_n: int = 0  # a /rerank request's: the best top_n results (0: all)
     # The LoRA adapter its "model" names (serve --lora-modules), or None: the base model.
     lora_request: object = None
+    request_id: str | None = None
+    # A chat response's role, vLLM's: the assistant's, or without add_generation_prompt the
+    # last message's; chat_echo: with echo, the last message's content where it has that role,
+    # which the response's content starts with (vLLM's echo).
+    role: str = "assistant"
+    chat_echo: str = ""
 
 
 def _structured(values: dict, tool_schema: dict | None = None) -> StructuredOutputsParams | None:
@@ -402,7 +412,8 @@ def parse_completion(body, defaults: dict, embeds: EmbedsLimits | None = None) -
                          prompts=prompts, echo=echo, echo_only=echo_only, logprobs=logprobs,
                          prompt_logprobs=scored is not None, model=values["model"] or None,
                          priority=values["priority"] or 0,
-                         add_special_tokens=values["add_special_tokens"] is not False)
+                         add_special_tokens=values["add_special_tokens"] is not False,
+                         request_id=values["request_id"])
 
 
 def _message_text(message, k: int) -> dict:
@@ -483,9 +494,14 @@ def parse_chat(body, defaults: dict) -> ParsedRequest:
     if not messages:
         raise RequestError("'messages' is required and must not be empty")
     messages = [_message_text(m, k) for k, m in enumerate(messages)]
+    choice = values["tool_choice"]
+    if values["tools"] == [] and choice in ("auto", "required"):
+        # vLLM serves an empty tools list as none: "required" becomes "none", and "auto" reads
+        # no calls (its parser runs only where the request has tools).
+        choice = "none"
     try:
         tools = tool_calls.check_tools(values["tools"]) if values["tools"] is not None else None
-        tool_mode = tool_calls.check_tool_choice(values["tool_choice"], tools)
+        tool_mode = tool_calls.check_tool_choice(choice, tools)
     except ValueError as e:
         raise RequestError(str(e)) from None
     if tool_mode == "auto":
@@ -501,6 +517,10 @@ def parse_chat(body, defaults: dict) -> ParsedRequest:
         max_tokens = values["max_tokens"]
     _check_generation_prompt(values)
     options = _chat_options(values)
+    # vLLM's response role, and its echo of the last message where that has the role.
+    last = messages[-1]
+    role = "assistant" if options["add_generation_prompt"] else last["role"]
+    echo = last["content"] if values["echo"] and last["role"] == role else ""
     scored = _prompt_logprobs(values)
     params = _sampling(values, defaults, max_tokens=max_tokens, logprobs=logprobs,
                        prompt_logprobs=scored,
@@ -514,14 +534,16 @@ def parse_chat(body, defaults: dict) -> ParsedRequest:
                          tool_mode=tool_mode,
                          include_reasoning=True if include_reasoning is None else include_reasoning,
                          parallel_tool_calls=True if parallel is None else parallel,
-                         priority=values["priority"] or 0)
+                         priority=values["priority"] or 0, request_id=values["request_id"],
+                         role=role, chat_echo=echo)
 
 
 # -- responses ---------------------------------------------------------------------------------
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, base: str | None = None) -> str:
+    """A response's id: the request's own (vLLM's request_id) after the prefix, else a new one."""
+    return f"{prefix}-{base or uuid.uuid4().hex}"
 
 
 def now() -> int:
@@ -687,14 +709,22 @@ def chat_choice(c, req: ParsedRequest, parser: ChatOutput, *, delta: bool) -> di
             return None
         return {"index": c.index, "delta": fields, "logprobs": lps,
                 "finish_reason": _finish_reason(c, parser), "stop_reason": c.stop_reason}
-    return {"index": c.index, "message": message(parser, c.text), "logprobs": lps,
+    msg = {**message(parser, c.text), "role": req.role}
+    if req.chat_echo:  # vLLM's: prepended even to an answer of tool calls alone
+        msg["content"] = req.chat_echo + (msg["content"] or "")
+    return {"index": c.index, "message": msg, "logprobs": lps,
             "finish_reason": _finish_reason(c, parser), "stop_reason": c.stop_reason}
 
 
-def chat_role_choice(index: int) -> dict:
+def chat_role_choice(index: int, role: str = "assistant") -> dict:
     """The first chunk of each streamed chat completion: its role (vLLM's)."""
-    return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+    return {"index": index, "delta": {"role": role, "content": ""}, "logprobs": None,
             "finish_reason": None}
+
+
+def chat_echo_choice(index: int, text: str) -> dict:
+    """The chunk after the role's with echo: the last message's content (vLLM's)."""
+    return {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
 
 
 def chat_body(request_id: str, created: int, model: str, choices: list[dict],
@@ -707,7 +737,11 @@ def chat_body(request_id: str, created: int, model: str, choices: list[dict],
 
 _EMBEDDING = {"model": str, "input": (str, list), "encoding_format": str, "dimensions": int,
               "truncate_prompt_tokens": int, "normalize": bool, "use_activation": bool,
-              "priority": int, "add_special_tokens": bool}
+              "priority": int, "add_special_tokens": bool, "request_id": str}
+# vLLM's EmbeddingChatRequest: messages instead of input, through the chat template.
+_EMBEDDING_CHAT = {"messages": list, "add_generation_prompt": bool,
+                   "continue_final_message": bool, "chat_template": str,
+                   "chat_template_kwargs": dict}
 
 
 def _prompts(value, name: str) -> list:
@@ -724,13 +758,38 @@ def _prompts(value, name: str) -> list:
                        f"ids or an array of such arrays, and not empty")
 
 
+def _embedding_chat(values: dict) -> tuple[list, dict]:
+    """A chat embedding's (messages, chat options), as vLLM's EmbeddingChatRequest: no
+    generation prompt unless asked for (an embedding continues nothing)."""
+    if not values["messages"]:
+        raise RequestError("'messages' must not be empty")
+    messages = [_message_text(m, k) for k, m in enumerate(values["messages"])]
+    if values["continue_final_message"] and values["add_generation_prompt"]:  # vLLM's words
+        raise RequestError("Cannot set both `continue_final_message` and "
+                           "`add_generation_prompt` to True.")
+    options = _chat_options({**values, "tools": None,
+                             "add_generation_prompt": bool(values["add_generation_prompt"])})
+    return messages, options
+
+
 def parse_embedding(body, defaults: dict | None = None) -> ParsedRequest:
     """A /v1/embeddings body -> ParsedRequest whose params are PoolingParams (`defaults`, the
-    sampling defaults, are not read: an embedding samples nothing)."""
-    values = _checked_fields(body, _EMBEDDING)
-    if values["input"] is None:
-        raise RequestError("'input' is required")
-    prompts = _prompts(values["input"], "input")
+    sampling defaults, are not read: an embedding samples nothing). Its input is 'input', or
+    'messages' rendered by the chat template (vLLM's EmbeddingChatRequest, whose text is
+    tokenized without the tokenizer's special tokens unless add_special_tokens is true)."""
+    values = _checked_fields(body, {**_EMBEDDING, **_EMBEDDING_CHAT})
+    if (values["input"] is None) == (values["messages"] is None):
+        raise RequestError("give 'input' or 'messages' (a conversation, through the chat "
+                           "template), one of them")
+    prompts, messages, options = None, None, {}
+    if values["messages"] is not None:
+        messages, options = _embedding_chat(values)
+        values = {**values, "add_special_tokens": values["add_special_tokens"] is True}
+    else:
+        given = sorted(name for name in _EMBEDDING_CHAT if values[name] is not None)
+        if given:
+            raise RequestError(f"{given} need 'messages' (they render a conversation)")
+        prompts = _prompts(values["input"], "input")
     fmt = "float" if values["encoding_format"] is None else values["encoding_format"]
     if fmt not in ("float", "base64"):
         raise RequestError(f"'encoding_format' must be 'float' or 'base64', got {fmt!r}")
@@ -740,8 +799,10 @@ def parse_embedding(body, defaults: dict | None = None) -> ParsedRequest:
                                truncate_prompt_tokens=values["truncate_prompt_tokens"])
     except ValueError as e:
         raise RequestError(str(e)) from None
-    return ParsedRequest(params=params, prompts=prompts, model=values["model"] or None,
-                         encoding_format=fmt, **_pooling_options(values))
+    return ParsedRequest(params=params, prompts=prompts, messages=messages,
+                         chat_options=options, model=values["model"] or None,
+                         encoding_format=fmt, request_id=values["request_id"],
+                         **_pooling_options(values))
 
 
 def embedding_body(request_id: str, created: int, model: str, outs: list, fmt: str) -> dict:

@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP server over one LLM, as `vllm serve` (`minivllm serve`):
 POST /v1/completions and /v1/chat/completions (whole responses, or server-sent events with
 "stream": true), or for a pooling LLM (runner="pooling") vLLM's routes of its model: an
-embedding model's /v1/embeddings, a classifier's /classify, and both's /score (/v1/score) and
+embedding model's /v1/embeddings (of input, or of messages through the chat template), a
+classifier's /classify, and both's /score (/v1/score) and
 /rerank (/v1/rerank, /v2/rerank) where LLM.score serves them; vLLM's /tokenize and /detokenize,
 GET /v1/models, /health, /version and /metrics (vLLM's Prometheus metrics, runtime/metrics.py).
 With LoRA modules (serve --enable-lora --lora-modules
@@ -48,8 +49,9 @@ from .llm import LLM, _delta
 from .lora import LoRARequest
 from . import metrics as prometheus
 from .openai_api import (EmbedsLimits, ParsedRequest, RequestError, chat_body, chat_choice,
-                         chat_output, chat_role_choice, classify_body, completion_body,
-                         completion_choice, detokenize, embedding_body, error_body, new_id, now,
+                         chat_echo_choice, chat_output, chat_role_choice, classify_body,
+                         completion_body, completion_choice, detokenize, embedding_body,
+                         error_body, new_id, now,
                          parse_chat, parse_classify, parse_completion, parse_detokenize,
                          parse_embedding, parse_rerank, parse_score, parse_tokenize, render_chat,
                          rerank_body, score_body, tokenize, usage, vllm_prompt_logprobs)
@@ -222,7 +224,9 @@ class EngineLoop:
         try:
             prompts = req.prompts
             if req.messages is not None:
-                prompts = [render_chat(self.llm, req.messages, req.chat_options)]
+                prompt = render_chat(self.llm, req.messages, req.chat_options)
+                # A chat embedding's text is tokenized as an input's, by its add_special_tokens.
+                prompts = [prompt["prompt"] if isinstance(req.params, PoolingParams) else prompt]
             # All checked before any is queued, as LLM.generate does.
             if isinstance(req.params, PoolingParams) and req.priority:
                 _refuse_pooling_priority(self.engine, req.priority)
@@ -314,6 +318,15 @@ DEV_MODE_ENVS = ("VLLM_SERVER_DEV_MODE", "MINIVLLM_SERVER_DEV_MODE")
 # prompt's JSON, as text or ids; with --enable-prompt-embeds raised to what one max_model_len
 # prompt of base64 fp32 embeddings needs, where that is more.
 DEFAULT_MAX_BODY_BYTES = 64 << 20
+
+
+def check_port(port) -> int:
+    """The port to serve at, or ValueError: bind's own refusal of one out of range is an
+    OverflowError. `minivllm serve --port` is checked by this too, before the model loads."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port must be an integer in [0, 65535] (0: any free one), got "
+                         f"{port!r}")
+    return port
 
 
 def runtime_lora_updating(environ=None) -> bool:
@@ -527,6 +540,11 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             req = (parse(body, self.app.defaults, self.app.embeds_limits)
                    if parse is parse_completion else parse(body, self.app.defaults))
+            # As vLLM's: the X-Request-Id header wins over the body's request_id. Either names
+            # the response alone (the engine numbers its requests itself: no two collide).
+            header = self.headers.get("X-Request-Id")
+            if header:
+                req = dataclasses.replace(req, request_id=header)
             lora = self._check_model(req.model)
             if lora is not None:
                 if parse not in (parse_completion, parse_chat):
@@ -610,7 +628,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _embeddings(self, sub: _Submission) -> None:
         outs = self._finished(sub)
         if outs is not None:
-            self._send_json(200, embedding_body(new_id("embd"), now(), self.app.model_name, outs,
+            self._send_json(200, embedding_body(new_id("embd", sub.req.request_id), now(),
+                                                self.app.model_name, outs,
                                                 sub.req.encoding_format))
 
     def _pooled(self, sub: _Submission, parse) -> None:
@@ -620,13 +639,14 @@ class _Handler(BaseHTTPRequestHandler):
             return
         app, req = self.app, sub.req
         if parse is parse_classify:
-            body = classify_body(new_id("classify"), now(), app.model_name, outs,
-                                 app.llm.config.classifier.labels)
+            body = classify_body(new_id("classify", req.request_id), now(), app.model_name,
+                                 outs, app.llm.config.classifier.labels)
         elif parse is parse_score:
-            body = score_body(new_id("score"), now(), app.model_name, sub.finish(outs))
+            body = score_body(new_id("score", req.request_id), now(), app.model_name,
+                              sub.finish(outs))
         else:
-            body = rerank_body(new_id("rerank"), app.model_name, sub.finish(outs),
-                               req.score_inputs[1], req.top_n)
+            body = rerank_body(new_id("rerank", req.request_id), app.model_name,
+                               sub.finish(outs), req.score_inputs[1], req.top_n)
         self._send_json(200, body)
 
     def _whole(self, sub: _Submission, chat: bool) -> None:
@@ -637,7 +657,7 @@ class _Handler(BaseHTTPRequestHandler):
         name = app.response_name(req)
         if chat:
             out = outs[0]
-            body = chat_body(new_id("chatcmpl"), created, name,
+            body = chat_body(new_id("chatcmpl", req.request_id), created, name,
                              [chat_choice(c, req, app.chat_output(req, out), delta=False)
                               for c in out.outputs], usage(outs, req, sub.prompt_lens))
             if req.prompt_logprobs:
@@ -646,7 +666,7 @@ class _Handler(BaseHTTPRequestHandler):
             n = req.params.n
             choices = [completion_choice(out, c, req, app.decode, index=k * n + c.index)
                        for k, out in enumerate(outs) for c in out.outputs]
-            body = completion_body(new_id("cmpl"), created, name, choices,
+            body = completion_body(new_id("cmpl", req.request_id), created, name, choices,
                                    usage(outs, req, sub.prompt_lens))
         self._send_json(200, body)
 
@@ -664,7 +684,7 @@ class _Handler(BaseHTTPRequestHandler):
         app, req, created = self.app, sub.req, now()
         name = app.response_name(req)
         make = chat_body if chat else completion_body
-        request_id = new_id("chatcmpl" if chat else "cmpl")
+        request_id = new_id("chatcmpl" if chat else "cmpl", req.request_id)
         sent: dict = {}
         offsets: dict[tuple[str, int], int] = {}  # a completion's text sent so far
         parsers: dict[tuple[str, int], object] = {}  # a chat completion's ChatOutput
@@ -690,7 +710,12 @@ class _Handler(BaseHTTPRequestHandler):
                 if chat:
                     if first:
                         self._event(make(request_id, created, name,
-                                         [chat_role_choice(c.index)], running, chunk=True))
+                                         [chat_role_choice(c.index, req.role)], running,
+                                         chunk=True))
+                        if req.chat_echo:
+                            self._event(make(request_id, created, name,
+                                             [chat_echo_choice(c.index, req.chat_echo)],
+                                             running, chunk=True))
                         parsers[key] = app.chat_output(req, value)
                     choice = chat_choice(c, req, parsers[key], delta=True)
                     if choice is None:
@@ -725,10 +750,7 @@ class OpenAIServer:
                  lora_modules=None, disable_log_stats: bool = False,
                  max_request_body_bytes: int | None = None):
         tool_calls.check_parser(tool_call_parser)
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-            # bind's own refusal is an OverflowError
-            raise ValueError(f"port must be an integer in [0, 65535] (0: any free one), got "
-                             f"{port!r}")
+        check_port(port)
         if enable_auto_tool_choice and tool_call_parser is None:  # vLLM's check, at start
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (the form of the "
                              "calls tool_choice 'auto' reads from the answer)")
