@@ -70,9 +70,10 @@ CALL_REGEX = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(P
 
 def reference_reasoning(text: str, phase: str) -> tuple[str, str]:
     """(reasoning, answer) by the rules in runtime/reasoning.py, on the whole text."""
-    if phase == UNDECIDED:
-        phase, text = (REASONING, text[len("<think>"):]) if text.startswith("<think>") \
-            else (ANSWER, text)
+    if phase != ANSWER and text.startswith("<think>"):  # a leading <think> opens (or repeats)
+        phase, text = REASONING, text[len("<think>"):]
+    elif phase == UNDECIDED:
+        phase = ANSWER
     if phase == ANSWER:
         return "", text
     end = text.find("</think>")

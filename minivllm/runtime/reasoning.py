@@ -83,24 +83,28 @@ def partial_tag(text: str, tag: str) -> int:
 
 class ReasoningSplit:
     """A completion's text, fed as it grows, split into (reasoning, answer) pieces. The tags
-    themselves are in neither. Feeding the whole text at once and then finish() gives the same
-    split as feeding it piece by piece."""
+    themselves are in neither: a <think> the completion opens with is dropped also where the
+    prompt already opened the reasoning (vLLM's qwen3 parser strips it, as a model may write it
+    again). Feeding the whole text at once and then finish() gives the same split as feeding it
+    piece by piece."""
 
     def __init__(self, phase: str):
         self.phase = phase
         self.pending = ""  # text that may be the start of the tag the phase waits for
+        self.opening = phase in (UNDECIDED, REASONING)  # a leading <think> may still come
 
     def feed(self, text: str) -> tuple[str, str]:
         text = self.pending + text
         self.pending = ""
-        if self.phase == UNDECIDED:
+        if self.opening:
             if text.startswith(START_TAG):
                 self.phase, text = REASONING, text[len(START_TAG):]
             elif START_TAG.startswith(text):  # empty, or the tag's beginning
                 self.pending = text
                 return "", ""
-            else:
+            elif self.phase == UNDECIDED:
                 self.phase = ANSWER
+            self.opening = False
         if self.phase == REASONING:
             before, tag, after = text.partition(END_TAG)
             if not tag:
