@@ -22,7 +22,9 @@ count the parent once. Times are the host's monotonic clock, in seconds:
     step's several tokens are one interval, as vLLM's); time per output token: decode time over
     tokens - 1.
 Prompt tokens (prompt_tokens_total and its breakdown) count when a request's first token (a
-pooling request's result) comes, once, as vLLM's; generation tokens as they are read.
+pooling request's result) comes, once, as vLLM's; generation tokens as they are read. A request
+without max_tokens observes max_model_len - prompt_len in request_params_max_tokens: the
+max_tokens vLLM's input processor gives it.
 Unlike vLLM 0.13 (issue #31503), a request that ends by an abort (the client left) counts in
 request_success{finished_reason="abort"} and the per-request histograms; one that an engine
 failure ends counts as "error".
@@ -93,6 +95,7 @@ class EngineMetrics:
 
     def __init__(self, max_model_len: int):
         tokens = build_1_2_5_buckets(max_model_len)
+        self.max_model_len = max_model_len
         self.request_success = dict.fromkeys(FINISH_REASONS, 0)
         self.prompt_tokens = 0
         self.prompt_tokens_cached = 0
@@ -139,8 +142,14 @@ class EngineMetrics:
         self.prompt_len.observe(seq.prompt_len)
         self.generation_len.observe(generated)
         self.prefill_kv_computed.observe(seq.prompt_len - max(seq.num_cached_prompt, 0))
-        if not seq.pooling and seq.params.max_tokens:
-            self.max_tokens.observe(seq.params.max_tokens)
+        if not seq.pooling:
+            # vLLM's processor gives a request without max_tokens max_model_len - prompt_len
+            # before it is queued: that is the max_tokens its histogram observes.
+            max_tokens = seq.params.max_tokens
+            if max_tokens is None:
+                max_tokens = self.max_model_len - seq.prompt_len
+            if max_tokens:
+                self.max_tokens.observe(max_tokens)
         scheduled = seq.scheduled_time
         if not scheduled:  # never scheduled: vLLM has no phase times for it
             return
