@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import urllib.parse
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -413,8 +414,10 @@ def choice_regex(choices) -> str:
     return "|".join(re.escape(c) for c in choices)
 
 
+# Keywords that hold an output to nothing: "discriminator" (OpenAPI's, pydantic writes it beside
+# a tagged union's oneOf) only names the property whose const already tells the branches apart.
 _ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
-                "deprecated", "readOnly", "writeOnly", "$defs", "definitions"}
+                "deprecated", "readOnly", "writeOnly", "$defs", "definitions", "discriminator"}
 _KEYWORDS = {  # what each kind of schema may say here; any other keyword is refused
     "string": {"minLength", "maxLength"},
     "integer": set(), "number": set(), "boolean": set(), "null": set(),
@@ -425,6 +428,16 @@ _PYTHON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean
                  "null": type(None), "array": list, "object": dict}
 
 
+def _of_type(value, kind: str) -> bool:
+    """Whether a JSON value is of a JSON Schema type: booleans are no numbers, and an integer
+    is a number whose fraction is zero (JSON Schema's, from draft 6: 1.0 is the integer 1)."""
+    if kind in ("integer", "number") and isinstance(value, bool):
+        return False
+    if kind == "integer" and isinstance(value, float):
+        return value.is_integer()  # False for inf / nan too
+    return isinstance(value, _PYTHON_TYPES.get(kind, ()))
+
+
 def _count(schema: dict, key: str, default):
     value = schema.get(key, default)
     if value is not default and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
@@ -432,11 +445,18 @@ def _count(schema: dict, key: str, default):
     return value
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _literal(value) -> str:
+    """The regex of one JSON text: `value` as json.dumps writes it, a string's characters as
+    themselves (an e-acute as itself, not as \\u00e9: as xgrammar writes them, and as a model
+    would) but for JSON's escapes and lone surrogates (no UTF-8 text spells one: \\udXXX)."""
     try:
-        return re.escape(json.dumps(value, allow_nan=False))
+        text = json.dumps(value, allow_nan=False, ensure_ascii=False)
     except (TypeError, ValueError):
         raise ValueError(f"JSON schema value {value!r:.60} is not JSON") from None
+    return re.escape(_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text))
 
 
 def _json_equal(a, b) -> bool:
@@ -461,6 +481,18 @@ def _check_keywords(schema: dict, allowed: set, where: str) -> None:
                          f"{ {k: sorted(v) for k, v in _KEYWORDS.items() if v} })")
 
 
+def _resolve(ref, defs: dict) -> dict:
+    """The schema a local $ref names: #/$defs/NAME or #/definitions/NAME, NAME a JSON pointer's
+    token in a URI fragment (percent-escapes decoded, then ~1 is / and ~0 is ~)."""
+    for prefix, named in defs.items():
+        if isinstance(ref, str) and ref.startswith(prefix) and "/" not in ref[len(prefix):]:
+            name = urllib.parse.unquote(ref[len(prefix):]).replace("~1", "/").replace("~0", "~")
+            if name in named:
+                return named[name]
+    raise ValueError(f"JSON schema $ref {ref!r:.80}: only local #/$defs/NAME (or "
+                     f"#/definitions/NAME) refs to a schema there are taken")
+
+
 def schema_regex(schema, defs: dict | None = None, depth: int = 0) -> str:
     """schema's regex (_schema_regex), ValueError once any part of it is longer than
     regex_fsm.MAX_PATTERN_CHARS: nested properties multiply (4 $refs a level over 12 levels
@@ -474,31 +506,37 @@ def _schema_regex(schema, defs: dict | None = None, depth: int = 0) -> str:
     """A regex for the JSON texts `schema` admits, for a subset of JSON Schema: types string
     (minLength / maxLength), integer, number, boolean, null, array (items, minItems /
     maxItems), object (its properties, every one written, in order; additionalProperties
-    false or true, as only the listed ones are written; empty properties: {}), enum, const, anyOf, oneOf (as anyOf),
-    a one-schema allOf, a list of types, and local $ref to $defs / definitions; annotations
-    (title, description, ...) are ignored. Any other keyword is a ValueError that names it
+    false or true, as only the listed ones are written; empty properties: {}), enum, const
+    (an integer's 1.0 is 1, written so), anyOf, oneOf (as anyOf), a one-schema allOf, a list
+    of types, and local $ref to $defs / definitions; annotations (title, description,
+    discriminator, ...) are ignored. Any other keyword is a ValueError that names it
     (minimum, pattern, format, ...: an output would not be held to it), as is an object without
     properties (any JSON object is not a regular language)."""
     if depth > 32:
         raise ValueError("the JSON schema nests too deep (a recursive $ref?)")
-    if isinstance(schema, bool) or not isinstance(schema, dict):
+    if schema is True:  # JSON Schema's "anything", as {}: any JSON value is no regular language
+        raise ValueError("JSON schema true (any JSON value) is not supported: give a type, "
+                         "enum, const, anyOf or $ref")
+    if schema is False:
+        raise ValueError("JSON schema false admits no value")
+    if not isinstance(schema, dict):
         raise ValueError(f"a JSON schema is an object, got {schema!r:.80}")
-    if defs is None:
+    if defs is None:  # each $ref's own place: #/$defs/A is not #/definitions/A
         for key in ("definitions", "$defs"):
             if not isinstance(schema.get(key, {}), dict):
                 raise ValueError(f"JSON schema {key} must be an object of named schemas, got "
                                  f"{schema[key]!r:.60}")
-        defs = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+        defs = {f"#/{key}/": schema.get(key, {}) for key in ("$defs", "definitions")}
     sub = lambda s: schema_regex(s, defs, depth + 1)  # noqa: E731
     if "$ref" in schema:
         _check_keywords(schema, {"$ref"}, "$ref")
-        ref = schema["$ref"]
-        name = next((ref[len(p):] for p in ("#/$defs/", "#/definitions/")
-                     if isinstance(ref, str) and ref.startswith(p)), None)
-        if name is None or "/" in name or name not in defs:
-            raise ValueError(f"JSON schema $ref {ref!r}: only local #/$defs/NAME refs are taken")
-        return sub(defs[name])
+        return sub(_resolve(schema["$ref"], defs))
     kind = schema.get("type")
+    kinds = kind if isinstance(kind, list) else [] if kind is None else [kind]
+    if "type" in schema and (not kinds or not all(isinstance(k, str) and k in _KEYWORDS
+                                                  for k in kinds)):
+        raise ValueError(f"JSON schema type {kind!r:.60} is no JSON type or list of them "
+                         f"(string, integer, number, boolean, null, array, object)")
     if "const" in schema or "enum" in schema:
         _check_keywords(schema, {"const", "enum", "type"}, "enum / const")
         values = schema.get("enum", [])
@@ -510,12 +548,13 @@ def _schema_regex(schema, defs: dict | None = None, depth: int = 0) -> str:
                 raise ValueError(f"JSON schema const {const!r:.60} is not among the enum "
                                  f"values {values!r:.60}: no value is admitted")
             values = [const]
-        kinds = kind if isinstance(kind, list) else [kind] if kind else []
-        if kinds and not all(any(isinstance(v, _PYTHON_TYPES.get(k, ())) and
-                                 not (k in ("integer", "number") and isinstance(v, bool))
-                                 for k in kinds) for v in values):
+        if kinds and not all(any(_of_type(v, k) for k in kinds) for v in values):
             raise ValueError(f"JSON schema enum / const values {values!r:.60} are not all of "
                              f"type {kind}")
+        if "integer" in kinds:  # 1.0 of an integer enum written 1 (a draft 4 integer too),
+            # where the float is that integer exactly (1e30 is not 10**30: written 1e+30)
+            values = [int(v) if isinstance(v, float) and v.is_integer() and abs(v) <= 2 ** 53
+                      else v for v in values]
         return "(?:" + "|".join(_literal(v) for v in values) + ")"
     for key in ("anyOf", "oneOf", "allOf"):
         if key in schema:
@@ -526,8 +565,6 @@ def _schema_regex(schema, defs: dict | None = None, depth: int = 0) -> str:
                                  + (" of one schema here" if key == "allOf" else ""))
             return "(?:" + "|".join(sub(s) for s in options) + ")"
     if isinstance(kind, list):
-        if not kind or not all(k in _KEYWORDS for k in kind):
-            raise ValueError(f"JSON schema type {kind!r} names no type this subset takes")
         _check_keywords(schema, set().union(*(_KEYWORDS[k] for k in kind)) | {"type"},
                         f"type {kind}")
         # Each type with its own keywords ({"type": ["string", "null"], "maxLength": 5}).

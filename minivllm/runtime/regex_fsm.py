@@ -8,8 +8,9 @@ accepts fullmatches the pattern with Python's re, which the tests check.
 Supported: literals and escapes (\\. \\n \\t \\xhh \\uhhhh ...), `.` (any character but a newline),
 classes `[a-z_]` and `[^...]`, \\d \\w \\s and their negations (Unicode-aware, as re's), groups
 `(...)`, `(?:...)`, `(?P<name>...)`, alternation `|`, the quantifiers * + ? {m} {m,} {m,n} (lazy
-forms alike: the language is the same), and ^ / $ at the pattern's ends. Anything else (look-
-arounds, back-references, \\b, flags) is a ValueError naming it.
+forms alike: the language is the same), and ^ / $ at the ends of the pattern or of its
+alternatives (^a$|^b$, where they hold under fullmatch). Anything else (look-arounds,
+back-references, \\b, flags) is a ValueError naming it.
 """
 
 from __future__ import annotations
@@ -121,6 +122,33 @@ class _Parser:
         node = self.alternation()
         if self.peek() is not None:
             raise self.error(f"unbalanced {self.peek()!r}")
+        return self.anchored(node, True, True)
+
+    def anchored(self, node, first: bool, last: bool):
+        """`node` with its anchors gone, each checked to hold wherever it is met: ^ where nothing
+        can come before it (first), $ where nothing can come after it (last) under fullmatch, as
+        at the ends of each of the pattern's alternatives (^a$|^b$, (^a|b$)); elsewhere (a^b,
+        (a$)?, a$b: re's ^ and $ assert a position there, not matched here) a ValueError."""
+        kind = node[0]
+        if kind in ("bol", "eol"):
+            if not (first if kind == "bol" else last):
+                self.i = node[1]
+                raise self.error(f"{'^' if kind == 'bol' else '$'} is supported only where "
+                                 f"nothing can come {'before' if kind == 'bol' else 'after'} it "
+                                 f"(the start or end of the pattern, or of one of its "
+                                 f"alternatives)")
+            return ("cat", [])
+        if kind == "alt":
+            return ("alt", [self.anchored(n, first, last) for n in node[1]])
+        if kind == "cat":
+            items = node[1]
+            lead = next((k for k, n in enumerate(items) if n[0] != "bol"), len(items))
+            trail = len(items) - 1 - next(
+                (k for k, n in enumerate(reversed(items)) if n[0] != "eol"), len(items))
+            return ("cat", [self.anchored(n, first and k <= lead, last and k >= trail)
+                            for k, n in enumerate(items)])
+        if kind == "rep":
+            return ("rep", self.anchored(node[1], False, False), node[2], node[3])
         return node
 
     def alternation(self):
@@ -151,7 +179,7 @@ class _Parser:
                 self.i += 1
             elif self.peek() == "+":
                 raise self.error("possessive quantifiers are not supported")
-            if node[0] == "rep" or node == ("cat", []):
+            if node[0] in ("rep", "bol", "eol") or node == ("cat", []):
                 raise self.error("a quantifier needs something to repeat")
             node = ("rep", node, lo, hi)
 
@@ -201,14 +229,8 @@ class _Parser:
             return ("set", ANY_BUT_NEWLINE)
         if c == "\\":
             return ("set", self.escape(in_class=False))
-        if c == "^":
-            if self.i != 1:
-                raise self.error("^ is supported at the pattern's start only")
-            return ("cat", [])
-        if c == "$":
-            if self.i != len(self.p):
-                raise self.error("$ is supported at the pattern's end only")
-            return ("cat", [])
+        if c in "^$":  # an anchor: checked where it stands once the whole pattern is read
+            return ("bol" if c == "^" else "eol", self.i - 1)
         if c in "*+?":
             raise self.error(f"nothing to repeat with {c!r}")
         if c == ")":
@@ -282,10 +304,17 @@ class _Parser:
 class _NFA:
     eps: list[list[int]] = field(default_factory=list)
     edges: list[list[tuple[CharSet, int]]] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)  # the counts of the {m,n} being built
 
     def state(self) -> int:
         if len(self.eps) >= MAX_NFA_STATES:
-            raise ValueError(f"the regex expands to more than {MAX_NFA_STATES} states")
+            # named by its largest count: a JSON schema's maxLength / maxItems is one, and the
+            # user never wrote the regex
+            count = max(self.counts, default=0)
+            why = (f": a repetition {{m,n}} is n copies of what it repeats, and one here counts "
+                   f"to {count} (a JSON schema's maxLength, maxItems, minLength or minItems is "
+                   f"written as one)") if count > 1 else ""
+            raise ValueError(f"the regex expands to more than {MAX_NFA_STATES} states{why}")
         self.eps.append([])
         self.edges.append([])
         return len(self.eps) - 1
@@ -312,6 +341,13 @@ class _NFA:
                 self.eps[b].append(e)
             return s, e
         _, item, lo, hi = node
+        self.counts.append(max(lo, hi or 0))
+        try:
+            return self._repeat(item, lo, hi)
+        finally:
+            self.counts.pop()
+
+    def _repeat(self, item, lo: int, hi: int | None) -> tuple[int, int]:
         s = e = self.state()
         for _ in range(lo):
             a, b = self.build(item)
