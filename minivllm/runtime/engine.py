@@ -419,8 +419,26 @@ class LLMEngine:
         tags = tuple(t for t in tags if t in self.sleeping)
         if not tags:
             return
-        self.runner.wake_up(tags)
+        try:
+            self.runner.wake_up(tags)
+        except BaseException:
+            self.sleeping = self._asleep_after_failure(tags)
+            raise
         self.sleeping -= set(tags)
+
+    def _asleep_after_failure(self, tags: tuple[str, ...]) -> set[str]:
+        """What sleeps after runner.wake_up(tags) raised: the tags the runner has not restored
+        (it forgets a tag once its memory is back: ModelRunner.asleep; a TPExecutor's is rank
+        0's, the engine stopped by then, as after any failure of its), so that a retry wakes
+        only those and load_weights takes weights that are back. Where the runner restored
+        every tag and failed after (capturing its graphs again), the call's tags stay asleep:
+        steps must wait for a wake_up that captures them (the runner does so once nothing
+        sleeps). A runner that does not say keeps them all asleep."""
+        asleep = getattr(self.runner, "asleep", None)
+        if not isinstance(asleep, dict):
+            return set(self.sleeping)
+        left = {t for t in self.sleeping if t in asleep}
+        return left or set(tags)
 
     def is_sleeping(self) -> bool:
         """Whether any of the weights and the KV cache sleeps (vLLM's is_sleeping)."""
@@ -1107,6 +1125,9 @@ class LLMEngine:
         except KeyboardInterrupt:  # while waiting: the next step() reads the tokens
             self.unread = launched
             raise
+        except BaseException:  # a device or worker error: the tokens are lost for good
+            self._lose(out)
+            raise
         with trace_range("update"):
             seqs = self.scheduler.resolve(out, result.token_ids)
         if result.logprobs is not None and len(seqs) != len(result.logprobs):
@@ -1118,6 +1139,42 @@ class LLMEngine:
                                 scores=result.scores, pooled=result.pooled)
         return self._finish_step(out, seqs, result, unfinished)
 
+    def _lose(self, out: SchedulerOutput) -> None:
+        """Launched step `out`'s result raised (a device or worker error): its tokens, and those
+        of the step launched after it (self.in_flight, whose inputs took out's from the device),
+        are lost. Undo both, as the synchronous path's Scheduler.abandon undoes a step that never
+        ran, so that later steps run their sequences again and give what they would have given:
+        each sequence they scheduled that has not ended drops its pending tokens and is
+        preempted (recomputed from its prompt, its blocks freed); an embedding they ended waits
+        again; and the prefix cache forgets every block no sequence holds now, among them those
+        whose K/V the lost steps were to write (registered when they were scheduled, and held by
+        their sequences only). A later abort finds every request in place."""
+        lost = [out]
+        if self.in_flight is not None:
+            lost.append(self.in_flight[0])
+            self.in_flight = None
+        sched, seen = self.scheduler, set()
+        for step in lost:
+            for chunk in step.chunks:
+                seq = chunk.seq
+                if seq.seq_id in seen:
+                    continue
+                seen.add(seq.seq_id)
+                if seq.num_pending:  # (a sequence preempted since keeps them too)
+                    del seq.token_ids[-seq.num_pending:]
+                    seq.num_pending = 0
+                if seq.status is Status.RUNNING:
+                    sched._preempt(seq)
+                elif seq.finish_reason == "pooled" and \
+                        getattr(self.requests.get(seq.request_id), "pooled", 0) is None:
+                    # Ended by its step (Scheduler.advance), its result never read.
+                    if seq in self._finished_seqs:
+                        self._finished_seqs.remove(seq)
+                    seq.finish_reason, seq.num_computed = None, 0
+                    seq.num_preemptions += 1
+                    sched.add(seq)
+        self.block_manager.reset_prefix_cache()
+
     def _finish_step(self, out: SchedulerOutput, seqs: list[Sequence] | None, result: StepResult,
                      unfinished: bool) -> list[RequestOutput]:
         """seqs: those that got a token (Scheduler.resolve's); None for a speculative step, whose
@@ -1126,13 +1183,14 @@ class LLMEngine:
             now = time.monotonic()
             generated = self.stats.generation_tokens
             pooled_prompts = 0
+            spec = seqs is None
+            if spec:  # first: a failure before it records anything leaves nothing recorded
+                seqs = self._record_spec(out, result)
             if result.scores is not None:
                 self._record_scores(out.scored, result.scores)
             if result.pooled is not None:
                 pooled_prompts = self._record_pooled(out.pooled, result.pooled, now)
-            if seqs is None:
-                seqs = self._record_spec(out, result)
-            else:
+            if not spec:
                 self.stats.generation_tokens += len(seqs)
                 self._postprocess(seqs, result)
             if self.metrics is not None:
@@ -1245,7 +1303,9 @@ class LLMEngine:
         them when every draft matched). They are recorded in rounds, one token a sequence a
         round, each round as a step without speculation records its tokens (stop tokens and
         lengths, then logprobs, detokenization and stop strings), so that a token that ends a
-        sequence drops the ones after it."""
+        sequence drops the ones after it. Until the first round is resolved nothing is
+        recorded: a failure before (the draft's catch_up, on a failed device) undoes the step
+        (_lose), as the synchronous path's abandon undoes one that never ran."""
         tokens, lps = result.token_ids, result.logprobs
         kept, i = [], 0  # per sampled chunk: (seq, its tokens, their logprobs or None)
         behind = []  # (last draft, its position, table) where every draft was accepted
@@ -1261,12 +1321,16 @@ class LLMEngine:
             if d and a == len(d):
                 behind.append((d[-1], chunk.start + len(d), seq.block_table))
             i += len(d) + 1
-        if i != len(tokens):
-            raise ValueError(f"{len(tokens)} sampled tokens for {i} sampled rows")
-        if behind and getattr(self.runner, "draft_params", None) is not None:
-            # Before any sequence ends and frees its blocks: the slot's K/V is queued ahead of
-            # whatever reuses it.
-            self.runner.catch_up(*map(list, zip(*behind)))
+        try:
+            if i != len(tokens):
+                raise ValueError(f"{len(tokens)} sampled tokens for {i} sampled rows")
+            if behind and getattr(self.runner, "draft_params", None) is not None:
+                # Before any sequence ends and frees its blocks: the slot's K/V is queued ahead
+                # of whatever reuses it.
+                self.runner.catch_up(*map(list, zip(*behind)))
+        except BaseException:
+            self._lose(out)
+            raise
         got = first = self.scheduler.resolve(out, [toks[0] for _, toks, _ in kept])
         for r in range(max(len(toks) for _, toks, _ in kept)):
             if r:

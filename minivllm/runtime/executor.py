@@ -334,6 +334,12 @@ class TPExecutor:
         their graphs again together, their collectives matched."""
         self._to_every_rank(WakeUp(tuple(tags)), lambda: self.runner.wake_up(tags))
 
+    @property
+    def asleep(self) -> dict:
+        """The sleep mode's tags rank 0 holds asleep (ModelRunner.asleep): the engine's view
+        after a wake_up failed, which stops the executor (any failure does)."""
+        return self.runner.asleep
+
     def _to_every_rank(self, message, own) -> None:
         """Send `message` to the workers, between steps, and run rank 0's part, `own()`."""
         if self._closer.reason is not None:

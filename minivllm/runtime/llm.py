@@ -414,14 +414,16 @@ class LLM:
                            progress=progress if use_tqdm else None)
 
     def embed(self, prompts, pooling_params=None, *, truncate_prompt_tokens: int | None = None,
-              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+              use_tqdm: bool = True, lora_request=None) -> list[EmbeddingRequestOutput]:
         """An embedding per prompt (vLLM's LLM.embed; runtime/pooling.py), in input order: the
         final-normed hidden state at the prompt's last token, cut to pooling_params.dimensions and
         L2-normalised unless pooling_params.normalize is False. prompts as generate's;
         pooling_params: a PoolingParams, a list of them (one per prompt) or None (the default);
         truncate_prompt_tokens: set over every request's (keep the last k tokens; -1:
-        max_model_len). Only an LLM of runner="pooling" that is no classifier embeds. Every
-        prompt is checked (ValueError / TypeError) before any step runs."""
+        max_model_len). Only an LLM of runner="pooling" that is no classifier embeds.
+        lora_request: vLLM's argument; None only, as a pooling LLM serves no LoRA adapter
+        (_check_pooling_lora). Every prompt is checked (ValueError / TypeError) before any step
+        runs."""
         if self.config.runner != "pooling":  # vLLM's words, with minivllm's way out
             raise ValueError("Embedding API is not supported by this model: it runs as a "
                              "generative model. Try passing `runner=\"pooling\"` to use the "
@@ -430,19 +432,20 @@ class LLM:
             raise ValueError("Embedding API is not supported by this model: it is a classifier "
                              "(Qwen3ForSequenceClassification); LLM.classify and LLM.score "
                              "serve it.")
-        ids = self._add_pooling(prompts, pooling_params, truncate_prompt_tokens, "embed")
+        ids = self._add_pooling(prompts, pooling_params, truncate_prompt_tokens, "embed",
+                                lora_request)
         return self._run(ids, use_tqdm)
 
     def classify(self, prompts, pooling_params=None, *,
                  truncate_prompt_tokens: int | None = None,
-                 use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
+                 use_tqdm: bool = True, lora_request=None) -> list[ClassificationRequestOutput]:
         """Class probabilities per prompt (vLLM's LLM.classify; runtime/classify.py), in input
         order: the classifier head on the final-normed hidden state at the prompt's last token,
         softmax over the labels (a sigmoid for one label; none for problem_type "regression",
         a sigmoid per label for "multi_label_classification"), or the logits with
-        PoolingParams(use_activation=False). prompts, pooling_params and truncate_prompt_tokens
-        as embed's. Only an LLM of runner="pooling" whose model is a classifier classifies.
-        Every prompt is checked (ValueError / TypeError) before any step runs."""
+        PoolingParams(use_activation=False). prompts, pooling_params, truncate_prompt_tokens and
+        lora_request as embed's. Only an LLM of runner="pooling" whose model is a classifier
+        classifies. Every prompt is checked (ValueError / TypeError) before any step runs."""
         if self.config.runner != "pooling":
             raise ValueError("LLM.classify() is only supported for pooling models. Try passing "
                              "`runner=\"pooling\"` to use the model as a pooling model.")
@@ -451,12 +454,13 @@ class LLM:
                              "Qwen3ForSequenceClassification checkpoint classifies, as does a "
                              "Qwen3ForCausalLM one with hf_overrides naming that architecture "
                              "and classifier_from_token.")
-        ids = self._add_pooling(prompts, pooling_params, truncate_prompt_tokens, "classify")
+        ids = self._add_pooling(prompts, pooling_params, truncate_prompt_tokens, "classify",
+                                lora_request)
         return self._run(ids, use_tqdm)
 
     def score(self, data_1, data_2, /, *, pooling_params: PoolingParams | None = None,
               truncate_prompt_tokens: int | None = None,
-              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+              use_tqdm: bool = True, lora_request=None) -> list[ScoringRequestOutput]:
         """A score per pair (vLLM's LLM.score; runtime/scoring.py): data_1 a text (or
         {"prompt": text}, or {"prompt_token_ids": ids}, decoded to its text as vLLM did) or a
         list of them, data_2 likewise; one data_1 is paired with every data_2 (1:N), else the
@@ -465,8 +469,9 @@ class LLM:
         reranker P(yes) = sigmoid(logit_yes - logit_no) at its last token. An embedding model
         scores the cosine of the two texts' embeddings. pooling_params: use_activation (False:
         the raw logit), and for an embedding model its embedding's fields;
-        truncate_prompt_tokens: keep each prompt's last k tokens. Every input is checked
-        (ValueError / TypeError) before any step runs."""
+        truncate_prompt_tokens: keep each prompt's last k tokens; lora_request as embed's. Every
+        input is checked (ValueError / TypeError) before any step runs."""
+        self._check_pooling_lora(lora_request)
         plan = self.score_plan(data_1, data_2, pooling_params, truncate_prompt_tokens)
         ids = self.engine.add_pooling_requests(plan.prompts, plan.params)
         return plan.finish(self._run(ids, use_tqdm))
@@ -484,11 +489,12 @@ class LLM:
         return plan_scores(data_1, data_2, params, tokenizer=self.engine.tokenizer,
                            head=self.config.classifier)
 
-    def _add_pooling(self, prompts, pooling_params, truncate_prompt_tokens, task: str
-                     ) -> list[str]:
+    def _add_pooling(self, prompts, pooling_params, truncate_prompt_tokens, task: str,
+                     lora_request=None) -> list[str]:
         """Queue one pooling request of `task` per prompt (embed's and classify's), all checked
         first."""
         prompts = self._prompt_list(prompts)
+        self._check_pooling_lora(lora_request, len(prompts))
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             params = [pooling_params or PoolingParams()] * len(prompts)
         elif isinstance(pooling_params, (list, tuple)):
@@ -505,6 +511,38 @@ class LLM:
         # anything else is left for the engine's check to name.
         params = [p.for_task(task) if isinstance(p, PoolingParams) else p for p in params]
         return self.engine.add_pooling_requests(prompts, params)
+
+    @staticmethod
+    def _check_pooling_lora(lora_request, n: int | None = None) -> None:
+        """A pooling call's lora_request (vLLM's: a LoRARequest, a list of one or None per
+        prompt, or None), checked before any work: TypeError for anything else, ValueError for a
+        list of another length than the n prompts (score's pairs are counted after: None), and
+        ValueError for any adapter at all. minivllm's LoRA serves generating models only (a
+        pooling LLM cannot enable_lora): an adapter the embeddings would silently leave out is
+        refused."""
+        if lora_request is None:
+            return
+        if isinstance(lora_request, LoRARequest):
+            loras = [lora_request]
+        elif isinstance(lora_request, (str, bytes, dict)) or \
+                not isinstance(lora_request, Iterable):
+            raise TypeError(f"lora_request must be a LoRARequest, a list of them or None, got "
+                            f"{type(lora_request).__name__}")
+        else:
+            loras = list(lora_request)
+            for lr in loras:
+                if lr is not None and not isinstance(lr, LoRARequest):
+                    raise TypeError(f"lora_request's items must be LoRARequests or None, got "
+                                    f"{type(lr).__name__}")
+            if n is not None and len(loras) != n:
+                raise ValueError(f"{n} prompts but {len(loras)} lora requests")
+        named = next((lr for lr in loras if lr is not None), None)
+        if named is not None:
+            raise ValueError(f"LoRA adapter {named.lora_name!r} asked of a pooling call: "
+                             f"minivllm serves LoRA adapters to generating models only "
+                             f"(generate, chat, stream with enable_lora=True; a pooling LLM "
+                             f"cannot enable it); embed, classify and score take "
+                             f"lora_request=None")
 
     def chat(self, messages, sampling_params=None, *, use_tqdm: bool = True, chat_template=None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -647,9 +685,12 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(ids)
         final: dict[str, RequestOutput] = {}
-        bar = _Progress(len(ids), self.engine.stats) if use_tqdm else None
+        bar = None
         self._owned |= pending
         try:
+            # Inside: a bar that cannot be made (tqdm.auto's "IProgress not found" in a notebook
+            # without ipywidgets) left the queued requests running on in the engine.
+            bar = _Progress(len(ids), self.engine.stats) if use_tqdm else None
             while pending:
                 for out in self._next_outputs(pending, unfinished=False):
                     if out.finished:

@@ -152,6 +152,9 @@ def sentence_transformers_pooling(model_dir: str) -> dict | None:
         others = [m.get("type") for m in modules if m.get("type") not in _ST_TAKEN]
         with open(os.path.join(model_dir, pooling.get("path", ""), "config.json")) as f:
             modes = json.load(f)
+        if not isinstance(modes, dict):  # its items are read below, out of this try
+            raise ValueError(f"its Pooling config.json holds a {type(modes).__name__}, not an "
+                             f"object")
     except (OSError, ValueError, AttributeError, TypeError) as e:
         raise ValueError(f"{model_dir}: cannot read its sentence-transformers pooling config "
                          f"({type(e).__name__}: {e})") from None
