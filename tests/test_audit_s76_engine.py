@@ -17,27 +17,19 @@ from torch.utils._pytree import tree_leaves
 from minivllm import LLM, LoRARequest, PoolingParams, SamplingParams
 
 import engine_helpers
-from hf_tiny import make_hf_model, save_checkpoint
+from hf_tiny import make_hf_model
+from test_audit_s75_lifecycle import BS, make_llm as lifecycle_llm, tiny_dir  # noqa: F401
 from test_embed import write_embedding_layout
 from test_rerank import seq_cls_model
 
-BS = 4
 BASE = [7, 3, 9, 1, 4, 4, 8, 2, 6, 5, 0, 11]
 GREEDY = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=6, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return save_checkpoint(make_hf_model(seed=0, std=0.3),
-                           tmp_path_factory.mktemp("tiny") / "model")
-
-
 def make_llm(path, device, **kw):
-    kw.setdefault("block_size", BS)
-    kw.setdefault("skip_tokenizer_init", True)
     kw.setdefault("num_kv_blocks", 32)
-    return engine_helpers.make_llm(path, device, **kw)
+    return lifecycle_llm(path, device, **kw)
 
 
 # -- a step whose tokens are lost ------------------------------------------------------------------
