@@ -417,7 +417,7 @@ def test_an_empty_array_schema_leads_nowhere_past_its_bracket():
     ({"type": "number", "const": False}, "not all of type"),
     ({"allOf": [{"type": "integer"}, {"type": "null"}]}, "allOf"),
     ({"type": "object", "properties": {"a": {"type": "null"}},
-      "additionalProperties": {"type": "string"}}, "additionalProperties"),
+      "additionalProperties": "string"}, "additionalProperties"),  # a schema is taken
     ({"type": "array", "minItems": 3, "maxItems": 2}, "maxItems"),
     ({"$ref": "#/$defs/A", "$defs": {"A": {"$ref": "#/$defs/A"}}}, "nests too deep"),
     ({"$ref": "#/$defs/L", "$defs": {"L": {"type": "array", "items": {"$ref": "#/$defs/L"}}}},

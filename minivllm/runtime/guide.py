@@ -30,6 +30,8 @@ import numpy as np
 from .json_automaton import JsonObjectAutomaton
 from .reasoning import ANSWER, REASONING, UNDECIDED
 from .regex_fsm import RegexDFA, check_pattern_length
+from .schema_bounds import (BOUNDS, bounds_of, describe_bounds, holds, integer_bounds_regex,
+                            number_bounds_regex)
 
 State = tuple[int, bytes]  # (automaton state, the bytes of an unfinished character)
 
@@ -420,7 +422,7 @@ _ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id",
                 "deprecated", "readOnly", "writeOnly", "$defs", "definitions", "discriminator"}
 _KEYWORDS = {  # what each kind of schema may say here; any other keyword is refused
     "string": {"minLength", "maxLength"},
-    "integer": set(), "number": set(), "boolean": set(), "null": set(),
+    "integer": set(BOUNDS), "number": set(BOUNDS), "boolean": set(), "null": set(),
     "array": {"items", "minItems", "maxItems"},
     "object": {"properties", "required", "additionalProperties"},
 }
@@ -484,11 +486,11 @@ def _check_keywords(schema: dict, allowed: set, where: str) -> None:
 def _resolve(ref, defs: dict) -> dict:
     """The schema a local $ref names: #/$defs/NAME or #/definitions/NAME, NAME a JSON pointer's
     token in a URI fragment (percent-escapes decoded, then ~1 is / and ~0 is ~)."""
-    for prefix, named in defs.items():
+    for prefix, section in defs.items():
         if isinstance(ref, str) and ref.startswith(prefix) and "/" not in ref[len(prefix):]:
             name = urllib.parse.unquote(ref[len(prefix):]).replace("~1", "/").replace("~0", "~")
-            if name in named:
-                return named[name]
+            if name in section:
+                return section[name]
     raise ValueError(f"JSON schema $ref {ref!r:.80}: only local #/$defs/NAME (or "
                      f"#/definitions/NAME) refs to a schema there are taken")
 
@@ -504,14 +506,16 @@ def schema_regex(schema, defs: dict | None = None, depth: int = 0) -> str:
 
 def _schema_regex(schema, defs: dict | None = None, depth: int = 0) -> str:
     """A regex for the JSON texts `schema` admits, for a subset of JSON Schema: types string
-    (minLength / maxLength), integer, number, boolean, null, array (items, minItems /
-    maxItems), object (its properties, every one written, in order; additionalProperties
-    false or true, as only the listed ones are written; empty properties: {}), enum, const
-    (an integer's 1.0 is 1, written so), anyOf, oneOf (as anyOf), a one-schema allOf, a list
-    of types, and local $ref to $defs / definitions; annotations (title, description,
-    discriminator, ...) are ignored. Any other keyword is a ValueError that names it
-    (minimum, pattern, format, ...: an output would not be held to it), as is an object without
-    properties (any JSON object is not a regular language)."""
+    (minLength / maxLength), integer and number (minimum, maximum, exclusiveMinimum,
+    exclusiveMaximum: exactly the texts within them, a bounded number without exponent, as
+    xgrammar writes it), boolean, null, array (items, minItems / maxItems), object (its
+    properties, every one written, in order; additionalProperties false, true or a schema, as
+    only the listed ones are written; empty properties: {}), enum, const (an integer's 1.0 is 1,
+    written so; bounds beside them keep the values within), anyOf, oneOf (as anyOf), a
+    one-schema allOf, a list of types, and local $ref to $defs / definitions; annotations
+    (title, description, discriminator, ...) are ignored. Any other keyword is a ValueError that
+    names it (multipleOf, pattern, format, ...: an output would not be held to it), as is an
+    object without properties (any JSON object is not a regular language)."""
     if depth > 32:
         raise ValueError("the JSON schema nests too deep (a recursive $ref?)")
     if schema is True:  # JSON Schema's "anything", as {}: any JSON value is no regular language
@@ -538,7 +542,7 @@ def _schema_regex(schema, defs: dict | None = None, depth: int = 0) -> str:
         raise ValueError(f"JSON schema type {kind!r:.60} is no JSON type or list of them "
                          f"(string, integer, number, boolean, null, array, object)")
     if "const" in schema or "enum" in schema:
-        _check_keywords(schema, {"const", "enum", "type"}, "enum / const")
+        _check_keywords(schema, {"const", "enum", "type", *BOUNDS}, "enum / const")
         values = schema.get("enum", [])
         if "enum" in schema and (not isinstance(values, list) or not values):
             raise ValueError("JSON schema enum must be a non-empty list")
@@ -551,6 +555,14 @@ def _schema_regex(schema, defs: dict | None = None, depth: int = 0) -> str:
         if kinds and not all(any(_of_type(v, k) for k in kinds) for v in values):
             raise ValueError(f"JSON schema enum / const values {values!r:.60} are not all of "
                              f"type {kind}")
+        bounds = bounds_of(schema)  # numbers beyond them are no values of the schema
+        kept = [v for v in values if not _of_type(v, "number") or
+                isinstance(v, float) and not math.isfinite(v) or  # refused as no JSON below
+                all(holds(v, key, b) for key, b in bounds.items())]
+        if not kept:
+            raise ValueError(f"JSON schema enum / const values {values!r:.60} are all outside "
+                             f"{describe_bounds(bounds)}: no value is admitted")
+        values = kept
         if "integer" in kinds:  # 1.0 of an integer enum written 1 (a draft 4 integer too),
             # where the float is that integer exactly (1e30 is not 10**30: written 1e+30)
             values = [int(v) if isinstance(v, float) and v.is_integer() and abs(v) <= 2 ** 53
@@ -582,10 +594,11 @@ def _schema_regex(schema, defs: dict | None = None, depth: int = 0) -> str:
         if hi is not None and hi < lo:
             raise ValueError(f"JSON schema maxLength {hi} < minLength {lo}")
         return f'"{_STRING_CHAR}{{{lo},{"" if hi is None else hi}}}"'
-    if kind == "integer":
-        return _INTEGER
-    if kind == "number":
-        return _NUMBER
+    if kind in ("integer", "number"):
+        bounds = bounds_of(schema)
+        if not bounds:
+            return _INTEGER if kind == "integer" else _NUMBER
+        return (integer_bounds_regex if kind == "integer" else number_bounds_regex)(bounds)
     if kind == "boolean":
         return "(?:true|false)"
     if kind == "null":
@@ -604,8 +617,10 @@ def _schema_regex(schema, defs: dict | None = None, depth: int = 0) -> str:
     if not isinstance(props, dict):
         raise ValueError("JSON schema objects need 'properties' (any JSON object is not a "
                          "regular language)")
-    if schema.get("additionalProperties", False) not in (True, False):
-        raise ValueError("JSON schema additionalProperties must be true or false here")
+    # Only the listed properties are written: any additionalProperties holds (a schema too).
+    if not isinstance(schema.get("additionalProperties", False), (bool, dict)):
+        raise ValueError(f"JSON schema additionalProperties must be true, false or a schema, "
+                         f"got {schema['additionalProperties']!r:.60}")
     required = schema.get("required", [])
     if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
         raise ValueError(f"JSON schema required must be a list of property names, got "
