@@ -21,11 +21,14 @@ def rope_inv_freq(config: ModelConfig, device=None) -> torch.Tensor:
     if scaling["rope_type"] == "yarn":
         return _yarn_inv_freq(config.rope_theta ** exponents, dim, config.rope_theta, scaling)
     # Llama 3: keep high frequencies, divide low ones by `factor`, interpolate in between.
+    # Without original_max_position_embeddings: max_position_embeddings, as transformers
+    # (ModelConfig.from_dict fills it in; a ModelConfig built in code may leave it out).
     factor = float(scaling["factor"])
     scaling = {**LLAMA3_DEFAULTS, **scaling}
     low_freq_factor = float(scaling["low_freq_factor"])
     high_freq_factor = float(scaling["high_freq_factor"])
-    old_len = float(scaling["original_max_position_embeddings"])
+    old_len = float(scaling.get("original_max_position_embeddings",
+                                config.max_position_embeddings))
     low_freq_wavelen = old_len / low_freq_factor
     high_freq_wavelen = old_len / high_freq_factor
     wavelen = 2 * math.pi / inv_freq

@@ -90,25 +90,46 @@ def _freeze(value: Any) -> Any:
     return value
 
 
-# Llama-3 RoPE scaling's parameters where a config leaves them out (Llama 3.1's values).
-LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 8192}
+# Llama-3 RoPE scaling's frequency factors where a ModelConfig built in code leaves them out
+# (Llama 3.1's values; functional.rope). A config.json must give them: from_dict refuses one
+# without them, as transformers and vLLM do (a KeyError there).
+LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
+# transformers' Qwen3Config and Qwen3MoeConfig's max_position_embeddings, where config.json has
+# none (vLLM reads the same: its max_model_len, and YaRN's default original length).
+DEFAULT_MAX_POSITIONS = 32768
 
 
-def _check_llama3_scaling(scaling: dict) -> None:
-    """ValueError unless `scaling` holds what Llama-3 RoPE scaling computes with (functional.rope):
-    a factor, and frequency factors low < high (their difference divides)."""
+def _llama3_scaling(scaling: dict, max_position_embeddings: int) -> dict:
+    """Llama-3 RoPE scaling's parameters checked, as functional.rope computes with them: a
+    factor, frequency factors low < high (their difference divides), and
+    original_max_position_embeddings (default max_position_embeddings, as transformers'
+    standardize_rope_params fills it in). low_freq_factor and high_freq_factor have no default:
+    transformers and vLLM refuse a config without them."""
+    out = dict(scaling)
+    out.setdefault("original_max_position_embeddings", max_position_embeddings)
+
     def number(key):
-        value = scaling.get(key, LLAMA3_DEFAULTS.get(key))
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        value = out.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
+                or not math.isfinite(value):
             raise ValueError(f"llama3 rope scaling needs {key} > 0, got {value!r}")
         return value
 
     number("factor")
-    number("original_max_position_embeddings")
+    original = number("original_max_position_embeddings")
+    if original != int(original):
+        raise ValueError(f"llama3 rope scaling needs original_max_position_embeddings, a "
+                         f"positive integer, got {original!r}")
+    out["original_max_position_embeddings"] = int(original)
+    absent = [k for k in ("low_freq_factor", "high_freq_factor") if k not in scaling]
+    if absent:
+        raise ValueError(f"llama3 rope scaling needs {' and '.join(absent)} (transformers and "
+                         f"vLLM have no default for them)")
     if not number("low_freq_factor") < number("high_freq_factor"):
         raise ValueError(f"llama3 rope scaling needs low_freq_factor < high_freq_factor, got "
-                         f"{scaling.get('low_freq_factor')!r} and {scaling.get('high_freq_factor')!r}")
+                         f"{out['low_freq_factor']!r} and {out['high_freq_factor']!r}")
+    return out
 
 
 def _yarn_scaling(scaling: dict, max_position_embeddings) -> dict:
@@ -196,6 +217,59 @@ def _experts(d: dict) -> dict:
     return dict(num_experts=num_experts, num_experts_per_tok=d["num_experts_per_tok"],
                 moe_intermediate_size=d["moe_intermediate_size"], norm_topk_prob=bool(norm),
                 sparse_layers=sparse)
+
+
+def _rope(d: dict, max_positions: int) -> tuple[Any, dict | None]:
+    """config.json's RoPE: (rope_theta, the scaling dict checked, or None for plain RoPE).
+
+    As transformers reads a config (5: `rope_scaling or rope_parameters`; vLLM on 4 sets
+    rope_parameters to rope_scaling), a non-empty rope_scaling is the scaling, over any
+    rope_parameters: hf_overrides {"rope_scaling": ...} replaces a transformers-5 file's
+    scaling ({"rope_type": "default"} turns it off). rope_theta: the scaling dict's own, else
+    rope_parameters', else the top-level key, else 1e4. (transformers 5 drops rope_parameters'
+    rope_theta where rope_scaling wins; that loses Qwen3's 1e6 for 1e4, and is not followed.)
+    Refused: per-layer-type (nested) parameters, and a partial_rotary_factor other than 1 (vLLM
+    rotates that share of each head, transformers' Qwen3 the whole head)."""
+    rope_params = d.get("rope_parameters")
+    rope_theta = d.get("rope_theta")
+    rope_scaling = d.get("rope_scaling")
+    for key, value in (("rope_parameters", rope_params), ("rope_scaling", rope_scaling)):
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"config {key} must be a JSON object, got {value!r}")
+        nested = [k for k, v in (value or {}).items() if isinstance(v, dict)]
+        if nested:
+            raise ValueError(f"config {key} gives RoPE parameters per layer type "
+                             f"({', '.join(nested)}): minivllm runs one RoPE for every layer")
+    partial = [v for v in (d.get("partial_rotary_factor"), (rope_params or {}).get(
+        "partial_rotary_factor"), (rope_scaling or {}).get("partial_rotary_factor"))
+               if v is not None]
+    if any(v != 1 for v in partial):
+        raise ValueError(f"config partial_rotary_factor {partial[0]!r} is not supported: "
+                         f"minivllm rotates the whole head (partial_rotary_factor 1)")
+    if rope_params:
+        rope_params = dict(rope_params)
+        rope_theta = rope_params.pop("rope_theta", rope_theta)
+    if rope_scaling:
+        rope_scaling = dict(rope_scaling)
+        rope_theta = rope_scaling.pop("rope_theta", rope_theta)
+    else:
+        rope_scaling = rope_params or None
+    if rope_theta is None:
+        rope_theta = 10000.0
+    if rope_scaling is None:
+        return rope_theta, None
+    rope_scaling.pop("partial_rotary_factor", None)
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    rope_scaling["rope_type"] = kind
+    rope_scaling.pop("type", None)
+    if kind == "default":
+        return rope_theta, None
+    if kind == "yarn":  # Qwen3's long context (its model card: factor 4 over 32,768)
+        return rope_theta, _yarn_scaling(rope_scaling, max_positions)
+    if kind == "llama3":
+        return rope_theta, _llama3_scaling(rope_scaling, max_positions)
+    raise ValueError(f"unsupported rope scaling type {kind!r}: minivllm supports 'yarn' and "
+                     f"'llama3'")
 
 
 # ModelConfig field -> its config.json key, where they differ (for error messages).
@@ -342,6 +416,16 @@ class ModelConfig:
             raise ValueError("attention_bias=True is not supported (Qwen3 checkpoints have none)")
         if d.get("use_sliding_window", False):
             raise ValueError("use_sliding_window=True is not supported")
+        # vLLM reads both (its Qwen3 layers: is_causal false is bidirectional attention, as
+        # gte-Qwen embedding models ask; a dual_chunk_attention_config, Qwen's 1M-token
+        # config, is dual-chunk attention and its RoPE): minivllm computes neither, so a config
+        # that asks for one is refused rather than run as a causal, plain-RoPE model.
+        if "is_causal" in d and d["is_causal"] is not True:
+            raise ValueError(f"is_causal={d['is_causal']!r} (bidirectional attention, as vLLM "
+                             f"runs it) is not supported: minivllm's attention is causal")
+        if d.get("dual_chunk_attention_config"):
+            raise ValueError("dual_chunk_attention_config (dual-chunk attention, Qwen's 1M-token "
+                             "context) is not supported")
         # The MLP computes silu(gate) * up whatever the config says: refuse any other activation
         # rather than compute the wrong function.
         if d.get("hidden_act", "silu") != "silu":
@@ -353,33 +437,9 @@ class ModelConfig:
         from .quant import quantization_from_config
         quantization_from_config(d)
 
-        rope_params = d.get("rope_parameters")
-        rope_theta = d.get("rope_theta")
-        rope_scaling = d.get("rope_scaling")
-        for key, value in (("rope_parameters", rope_params), ("rope_scaling", rope_scaling)):
-            if value is not None and not isinstance(value, dict):
-                raise ValueError(f"config {key} must be a JSON object, got {value!r}")
-        if rope_params is not None:
-            rope_params = dict(rope_params)
-            rope_theta = rope_params.pop("rope_theta", rope_theta)
-            if rope_params.get("rope_type", rope_params.get("type", "default")) != "default":
-                rope_scaling = rope_params
-        if rope_scaling is not None:
-            rope_scaling = dict(rope_scaling)
-            kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-            rope_scaling["rope_type"] = kind
-            rope_scaling.pop("type", None)
-            if kind == "default":
-                rope_scaling = None
-            elif kind == "yarn":  # Qwen3's long context (its model card: factor 4 over 32,768)
-                rope_scaling = _yarn_scaling(rope_scaling, d.get("max_position_embeddings", 40960))
-            elif kind != "llama3":
-                raise ValueError(f"unsupported rope scaling type {kind!r}: minivllm supports "
-                                 f"'yarn' and 'llama3'")
-            else:
-                _check_llama3_scaling(rope_scaling)
-        if rope_theta is None:
-            rope_theta = 10000.0
+        max_positions = _positive_number(
+            "max_position_embeddings", d.get("max_position_embeddings", DEFAULT_MAX_POSITIONS), int)
+        rope_theta, rope_scaling = _rope(d, max_positions)
 
         tie = d.get("tie_word_embeddings", False)
         if tie not in (True, False):  # bool("false") would be True: a silently tied head
@@ -413,8 +473,7 @@ class ModelConfig:
             rms_norm_eps=_positive_number("rms_norm_eps", d.get("rms_norm_eps", 1e-6), float),
             rope_theta=_positive_number("rope_theta", rope_theta, float),
             rope_scaling=_freeze(rope_scaling),
-            max_position_embeddings=_positive_number(
-                "max_position_embeddings", d.get("max_position_embeddings", 40960), int),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(tie),
             dtype=_config_dtype(dtype_key, dtype_name),
             bos_token_id=_token_ids("bos_token_id", d.get("bos_token_id"), many=False),

@@ -101,6 +101,16 @@ def _index_tensors(path: str) -> dict[str, str]:
     return files
 
 
+# RoPE buffers some checkpoints hold, which load skips as vLLM's Qwen2/Qwen3 load_weights does
+# (minivllm computes RoPE from the config): rotary_emb.inv_freq (older transformers saved it),
+# rotary_emb.cos_cached and sin_cached (ColossalAI-trained checkpoints).
+_ROTARY_BUFFERS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def _rotary_buffer(name: str) -> bool:
+    return name.endswith(_ROTARY_BUFFERS)
+
+
 def _open(file: str):
     try:
         return safe_open(file, framework="pt", device="cpu")
@@ -369,7 +379,7 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
     # Qwen3ForSequenceClassification's score (state/classifier.py reads it), is left unread.
     allowed_extra = {"lm_head.weight", "score.weight"} if config.tie_word_embeddings else set()
     extra = sorted(n for n in set(files) - set(expected) - allowed_extra
-                   if not n.endswith("rotary_emb.inv_freq"))
+                   if not _rotary_buffer(n))
     if extra:
         hint = ""
         if any(n.endswith((".qweight", ".qzeros", ".scales")) for n in extra):
@@ -770,13 +780,13 @@ def check_hf_weights(params: Params, weights) -> list[tuple[str, torch.Tensor]]:
     shape that is not the checkpoint's (_hf_shapes, what load checks), a non-tensor or a
     non-float tensor (a quantized weight's integers would be cast to garbage, as load refuses
     them). Skipped as load skips them: lm_head.weight of a tied model (load leaves it unread,
-    the head being the embedding) and rotary_emb.inv_freq. No NaN check (vLLM makes none: a
-    scan of every tensor is the caller's to pay for). A mixture of experts' experts are named
-    as in its checkpoint (model.layers.N.mlp.experts.E.gate_proj.weight, ...) or as
-    transformers 5 holds them in memory, fused (...mlp.experts.gate_up_proj, ...down_proj:
-    _fused_expert_shapes); a fused pair stays whole here (so that tensor parallelism sends one
-    tensor) and copy_hf_weights_ cuts it. Quantized params (AWQ, block fp8) are refused
-    whole."""
+    the head being the embedding) and the rotary buffers (_rotary_buffer). No NaN check (vLLM
+    makes none: a scan of every tensor is the caller's to pay for). A mixture of experts'
+    experts are named as in its checkpoint (model.layers.N.mlp.experts.E.gate_proj.weight, ...)
+    or as transformers 5 holds them in memory, fused (...mlp.experts.gate_up_proj,
+    ...down_proj: _fused_expert_shapes); a fused pair stays whole here (so that tensor
+    parallelism sends one tensor) and copy_hf_weights_ cuts it. Quantized params (AWQ, block
+    fp8) are refused whole."""
     config = params.config
     if has_quantized(params):
         raise ValueError("load_weights cannot update quantized (AWQ or block-fp8) weights: "
@@ -788,7 +798,7 @@ def check_hf_weights(params: Params, weights) -> list[tuple[str, torch.Tensor]]:
             raise ValueError(f"load_weights takes (name, tensor) pairs, got {item!r:.80}")
         name, tensor = item
         full = _hf_name(name)
-        if full.endswith("rotary_emb.inv_freq") or \
+        if _rotary_buffer(full) or \
                 (full == "lm_head.weight" and config.tie_word_embeddings):
             continue
         if full not in shapes:
