@@ -45,7 +45,10 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Te
     """x: [T, in], a: [S * P * R, in], b: [out, S * P * R], mask: [T, S] -> [T, out], each
     row's own slot's B @ A @ x."""
     t, s = mask.shape
-    h = F.linear(x, a).view(t, s, -1) * mask.unsqueeze(2)
+    # A where, not a product: another slot's projection that overflows (an fp16 adapter's
+    # inf; inf * 0 is nan) stays out of this row, as it stays out of a base row.
+    h = F.linear(x, a).view(t, s, -1)
+    h = torch.where(mask.unsqueeze(2) != 0, h, h.new_zeros(()))
     return F.linear(h.view(t, -1), b)
 
 

@@ -324,8 +324,9 @@ class LLMEngine:
         key = (lid, lora_request.lora_path)
         adapter = self._lora_reads.pop(key, None) if bind else self._lora_reads.get(key)
         if adapter is None:
+            # In the slots' dtype: a weight past its range (inf there) would spoil every row
             adapter = load_adapter(lora_request.lora_path, self.model_config,
-                                   self.config.max_lora_rank)
+                                   self.config.max_lora_rank, dtype=self.config.dtype)
         if first is None:  # a new id, or one remove_lora forgot: nothing of an earlier adapter
             self._clear_lora_id(lid, adapter.path, forget=bind)  # under it may serve this one
         if not bind:

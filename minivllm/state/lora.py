@@ -163,10 +163,24 @@ def _adapter_error(path: str, what: str) -> ValueError:
     return ValueError(f"LoRA adapter {path!r}: {what}")
 
 
+# PEFT LoraConfig fields that, when set, make an adapter's tensors mean something other than
+# W + scale * B @ A on every token: served as plain LoRA they would give other outputs, so they
+# are refused (the tensors of some would be refused too, but by a less telling name or shape).
+_CHANGED_MEANING = {
+    "alora_invocation_tokens": "Activated LoRA: the adapter applies only from its invocation "
+                               "tokens on, the tokens before them run the base model",
+    "use_qalora": "QA-LoRA: A reads the input pooled over groups of qalora_group_size",
+    "use_bdlora": "BD-LoRA: block-diagonal A or B factors",
+    "arrow_config": "Arrow: a router mixes LoRA experts per token",
+    "lora_bias": "a bias on lora_B",
+}
+
+
 def read_adapter_config(path: str) -> dict:
     """adapter_config.json of a PEFT LoRA directory, checked for what minivllm can serve."""
     if not os.path.isdir(path):
-        raise _adapter_error(path, "no such directory (a PEFT adapter directory holds "
+        what = "a file, not a directory" if os.path.exists(path) else "no such directory"
+        raise _adapter_error(path, f"{what} (a PEFT adapter directory holds "
                                    f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
     cfg_path = os.path.join(path, ADAPTER_CONFIG)
     if not os.path.isfile(cfg_path):
@@ -196,6 +210,10 @@ def read_adapter_config(path: str) -> dict:
                                        f"module)")
     if cfg.get("layers_to_transform") is not None or cfg.get("layer_replication"):
         raise _adapter_error(path, "layers_to_transform / layer_replication are not supported")
+    for key, what in _CHANGED_MEANING.items():
+        if cfg.get(key):
+            raise _adapter_error(path, f"{key}={cfg[key]!r} is not supported ({what}; only plain "
+                                       f"LoRA, W + scale * B @ A on every token, is)")
     r, alpha = cfg.get("r"), cfg.get("lora_alpha", 8)  # PEFT's default alpha
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise _adapter_error(path, f"r must be a positive integer, got {r!r}")
@@ -221,13 +239,19 @@ def read_adapter_config(path: str) -> dict:
     return cfg
 
 
-def load_adapter(path: str, config: ModelConfig, max_rank: int) -> LoRAAdapter:
+def load_adapter(path: str, config: ModelConfig, max_rank: int,
+                 dtype: torch.dtype | None = None) -> LoRAAdapter:
     """Read and check the PEFT adapter at `path` for a model of `config`: ValueError naming what
     does not fit (a rank above max_rank, a missing file, an unsupported module, DoRA, a tensor of
-    the wrong shape, ...)."""
+    the wrong shape, a weight that is not finite, ...). dtype: the slots' (the model's) dtype,
+    if given: A and the scaled B must be finite in it too.
+
+    Finite weights are what keeps adapters apart: a row's delta multiplies every slot's B by
+    zeros but its own (functional/lora.py), and 0 * inf is nan, so a slot holding an inf or a
+    nan would spoil every row of the batch, the base model's too."""
     from safetensors import safe_open
 
-    path = os.fspath(path)
+    path = os.path.expanduser(os.fspath(path))  # "~/adapter", as vLLM's get_adapter_absolute_path
     cfg = read_adapter_config(path)
     rank = cfg["r"]
     if rank > max_rank:
@@ -236,6 +260,9 @@ def load_adapter(path: str, config: ModelConfig, max_rank: int) -> LoRAAdapter:
     targets = cfg["target_modules"]
     listed = None if isinstance(targets, str) else {str(t).rsplit(".", 1)[-1] for t in targets}
     scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    if not math.isfinite(scale):
+        raise _adapter_error(path, f"lora_alpha {cfg.get('lora_alpha')!r} is not finite")
+    limit = torch.finfo(dtype).max if dtype is not None and dtype.is_floating_point else None
     file = os.path.join(path, ADAPTER_WEIGHTS)
     if not os.path.isfile(file):
         bins = os.path.isfile(os.path.join(path, "adapter_model.bin"))
@@ -256,6 +283,11 @@ def load_adapter(path: str, config: ModelConfig, max_rank: int) -> LoRAAdapter:
                                        f"layer's linear module (embeddings, the LM head and "
                                        f"biases are not supported)")
         layer, parent, module, which = int(m[1]), m[2], m[3], m[4]
+        if which in parts.get((layer, module), {}):
+            # Two names of one weight (lora_A.weight and lora_A.default.weight, or two adapter
+            # names in one file): keeping either would silently drop the other.
+            raise _adapter_error(path, f"tensor {key!r}: layer {layer}'s {module} has a second "
+                                       f"lora_{which} weight (one adapter per directory)")
         if module not in MODULES or _PARENT[module] != parent:
             raise _adapter_error(path, f"tensor {key!r}: module {parent}.{module} is not "
                                        f"supported (LoRA applies to {', '.join(MODULES)})")
@@ -277,7 +309,16 @@ def load_adapter(path: str, config: ModelConfig, max_rank: int) -> LoRAAdapter:
         if set(ab) != {"A", "B"}:
             missing = "B" if "A" in ab else "A"
             raise _adapter_error(path, f"layer {layer}'s {module} has no lora_{missing} weight")
-        weights[(layer, module)] = (ab["A"].contiguous(), (ab["B"] * scale).contiguous())
+        a, b = ab["A"].contiguous(), (ab["B"] * scale).contiguous()
+        for which, w in (("A", a), ("B", b)):
+            big = w.abs().max().item()
+            if math.isfinite(big) and (limit is None or big <= limit):
+                continue
+            what = "holds nan or inf" if not math.isfinite(big) else \
+                f"reaches {big:g}{' (times the scale)' if which == 'B' else ''}, past {dtype}"
+            raise _adapter_error(path, f"layer {layer}'s {module} lora_{which} {what}: it would "
+                                       f"spoil the other adapters' and the base model's rows")
+        weights[(layer, module)] = (a, b)
     if not weights:
         raise _adapter_error(path, f"{ADAPTER_WEIGHTS} holds no LoRA weights")
     return LoRAAdapter(path=path, rank=rank, scale=scale, weights=weights)
