@@ -140,8 +140,17 @@ def reference_attention(q, k, v, k_cache, v_cache, batch: Batch, scale: float) -
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     l = k_ctx.shape[1]
+    # A masked value must weigh nothing, and 0 * nan is nan: a slot past the context (a freed
+    # block's stale nan) or another sequence's non-finite token would spoil every row. The
+    # context's are zeroed; the new tokens' are cleaned, and a row that attends a non-finite one
+    # of its own sequence is made nan (as its own attention would be).
+    v_ctx = torch.where(ctx_mask[:, :, None, None], v_ctx, 0.0)
+    vf = v.float()
+    finite = torch.isfinite(vf).flatten(1).all(1)  # [T]
+    attends_bad = (new_mask & ~finite[None, :]).any(1)  # [T]
     out = torch.einsum("thgl,tlhd->thgd", probs[..., :l], v_ctx) + torch.einsum(
-        "thgu,uhd->thgd", probs[..., l:], v.float())
+        "thgu,uhd->thgd", probs[..., l:], torch.where(finite[:, None, None], vf, 0.0))
+    out = torch.where(attends_bad[:, None, None, None], float("nan"), out)
     return out.reshape(t, hq, d).to(q.dtype)
 
 
