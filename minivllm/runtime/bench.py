@@ -376,15 +376,17 @@ def run_latency(llm, *, prompt_len: int = 512, output_len: int = 256, repeats: i
     ttfts, decode_rates = [], []
     spec0 = _spec_counts(llm)  # the timed streams' acceptance (greedy, as their tokens)
     for i in range(repeats):
+        # Each prompt drawn before its clock starts: the time is from submission on.
+        first, stream = [prompt()], [prompt()]
         _sync(device)
         t0 = time.perf_counter()
-        llm.generate([prompt()], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+        llm.generate(first, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
         _sync(device)
         ttft = time.perf_counter() - t0
         tracing[0] = i == repeats - 1
         t0 = time.perf_counter()
-        out = llm.generate([prompt()], SamplingParams(max_tokens=output_len, temperature=0.0,
-                                                      ignore_eos=True), use_tqdm=False)
+        out = llm.generate(stream, SamplingParams(max_tokens=output_len, temperature=0.0,
+                                                  ignore_eos=True), use_tqdm=False)
         _sync(device)
         total = time.perf_counter() - t0
         n = len(out[0].outputs[0].token_ids)
@@ -529,6 +531,8 @@ def _check_workload(args, model: str) -> tuple[tuple[int, int], int]:
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if path and (not os.path.isdir(folder) or not os.access(folder, os.W_OK)):
             raise ValueError(f"--{flag.replace('_', '-')} {path}: cannot write into {folder}")
+        if path and os.path.isdir(path):  # open(path, "w") would fail after the run
+            raise ValueError(f"--{flag.replace('_', '-')} {path}: is a directory, not a file")
     config = random_model(model)[0] if model.startswith("random:") else ModelConfig.from_json(model)
     if not model.startswith("random:"):
         check_generates(model, None, "bench")  # it measures generation: a pooling model cannot

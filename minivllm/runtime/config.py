@@ -219,6 +219,10 @@ class EngineConfig:
         check_tensor_parallel(model_config, tensor_parallel_size, device, torchrun_env())
         if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
             raise ValueError(f"device {str(device)!r}: there are {torch.cuda.device_count()} CUDA GPUs")
+        # The backend's name, or its ValueError, now: the runner picks it once the weights are
+        # in (an unknown or unavailable name was named only after an 8B checkpoint had loaded).
+        from ..kernels.backends import backend_name
+        backend_name(device, attention_backend, kv_cache_dtype, model_config.head_dim)
         limit = model_config.max_context_len
         if max_model_len is None:
             max_model_len = limit
