@@ -64,15 +64,19 @@ _INT_BOUND = st.one_of(
 
 
 @st.composite
-def _integer_schemas(draw):
+def _bounded_schemas(draw, kind: str, bound):
     keys = draw(st.sets(st.sampled_from(["minimum", "exclusiveMinimum", "maximum",
                                          "exclusiveMaximum"]), min_size=1))
-    schema = {"type": "integer"}
+    schema = {"type": kind}
     for key in sorted(keys):
-        schema[key] = draw(_INT_BOUND)
-    if draw(st.booleans()) and {"minimum", "maximum"} <= keys:  # equal bounds: one integer
+        schema[key] = draw(bound)
+    if draw(st.booleans()) and {"minimum", "maximum"} <= keys:  # equal bounds: one value
         schema["maximum"] = schema["minimum"]
     return schema
+
+
+def _integer_schemas():
+    return _bounded_schemas("integer", _INT_BOUND)
 
 
 def _integer_candidates(schema, extra) -> set[int]:
@@ -153,16 +157,8 @@ _NUMBER_BOUND = st.one_of(
     st.sampled_from([0, 0.0, 0.1, 0.5, 1e-7, -1e-7, 1e20, 0.3, 2.675, 1e15 + 0.5]))
 
 
-@st.composite
-def _number_schemas(draw):
-    keys = draw(st.sets(st.sampled_from(["minimum", "exclusiveMinimum", "maximum",
-                                         "exclusiveMaximum"]), min_size=1))
-    schema = {"type": "number"}
-    for key in sorted(keys):
-        schema[key] = draw(_NUMBER_BOUND)
-    if draw(st.booleans()) and {"minimum", "maximum"} <= keys:
-        schema["maximum"] = schema["minimum"]
-    return schema
+def _number_schemas():
+    return _bounded_schemas("number", _NUMBER_BOUND)
 
 
 def _plain(d: Decimal) -> str:

@@ -260,29 +260,39 @@ def _check_digits(bounds: dict, *ends) -> None:
                              f"{MAX_BOUND_DIGITS} digits are not supported")
 
 
-def integer_bounds_regex(bounds: dict) -> str:
-    """The integers within the bounds; a fractional bound rounded inward (minimum 1.5: 2 on),
-    read both as written and as a double (maximum 1e30: neither 10**30 + 1 nor the double's
-    1000000000000000019884624838656 is in)."""
+def _interval(bounds: dict, end_of, what: str) -> tuple:
+    """(lo, hi) of the values within every bound (None: unbounded), each bound's end given by
+    end_of(key, value); ValueError where none is within them or an end is too long."""
     lo = hi = None
     for key, value in bounds.items():
-        readings = (Fraction(value), _written(value))
-        if key == "minimum":
-            end = max(math.ceil(x) for x in readings)
-        elif key == "exclusiveMinimum":
-            end = max(math.floor(x) for x in readings) + 1
-        elif key == "maximum":
-            end = min(math.floor(x) for x in readings)
-        else:
-            end = min(math.ceil(x) for x in readings) - 1
+        end = end_of(key, value)
         if key.endswith("inimum"):
             lo = end if lo is None else max(lo, end)
         else:
             hi = end if hi is None else min(hi, end)
     if lo is not None and hi is not None and lo > hi:
-        raise ValueError(f"JSON schema {describe_bounds(bounds)}: no integer is within them")
+        raise ValueError(f"JSON schema {describe_bounds(bounds)}: no {what} is within them")
     _check_digits(bounds, lo, hi)
-    return _integer_range(lo, hi)
+    return lo, hi
+
+
+def _integer_end(key: str, value) -> int:
+    """The first (minimum, exclusiveMinimum) or last integer within one bound; a fractional
+    bound rounded inward (minimum 1.5: 2 on), read both as written and as a double (maximum
+    1e30: neither 10**30 + 1 nor the double's 1000000000000000019884624838656 is in)."""
+    readings = (Fraction(value), _written(value))
+    if key == "minimum":
+        return max(math.ceil(x) for x in readings)
+    if key == "exclusiveMinimum":
+        return max(math.floor(x) for x in readings) + 1
+    if key == "maximum":
+        return min(math.floor(x) for x in readings)
+    return min(math.ceil(x) for x in readings) - 1
+
+
+def integer_bounds_regex(bounds: dict) -> str:
+    """The integers within the bounds (see _integer_end)."""
+    return _integer_range(*_interval(bounds, _integer_end, "integer"))
 
 
 def _number_end(key: str, value):
@@ -308,14 +318,4 @@ def _number_end(key: str, value):
 def number_bounds_regex(bounds: dict) -> str:
     """The texts without exponent (as xgrammar writes a bounded number) of the numbers within
     the bounds (see _number_end)."""
-    lo = hi = None
-    for key, value in bounds.items():
-        end = _number_end(key, value)
-        if key.endswith("inimum"):
-            lo = end if lo is None else max(lo, end)
-        else:
-            hi = end if hi is None else min(hi, end)
-    if lo is not None and hi is not None and lo > hi:
-        raise ValueError(f"JSON schema {describe_bounds(bounds)}: no number is within them")
-    _check_digits(bounds, lo, hi)
-    return _number_range(lo, hi)
+    return _number_range(*_interval(bounds, _number_end, "number"))
