@@ -21,6 +21,7 @@ from .config import EngineConfig, is_random_model
 from .distributed import torchrun_env
 from . import reasoning
 from .beam_search import BeamSearchOutput, beam_search
+from .chat_messages import read_conversations
 from .classify import ClassificationRequestOutput, load_head
 from .engine import EngineStats, LLMEngine, check_lora_ids
 from .executor import make_executor
@@ -565,26 +566,28 @@ class LLM:
                      continue_final_message: bool = False,
                      chat_template_kwargs: dict | None = None, tools: list[dict] | None = None
                      ) -> list[dict]:
-        """Conversations -> prompts ({"prompt", "prompt_token_ids"}) through the chat template.
-        As vLLM's LLM.chat, chat_template_kwargs' add_generation_prompt / continue_final_message
-        win over the arguments; continue_final_message renders as transformers'
-        apply_chat_template(continue_final_message=True): the text stops right after the last
-        message's content."""
+        """Conversations -> prompts ({"prompt", "prompt_token_ids"}) through the chat template,
+        each message read as vLLM's parser reads it (chat_messages.chat_message: text parts joined, string
+        tool-call arguments parsed; a malformed message raises before any is rendered). As
+        vLLM's LLM.chat, chat_template_kwargs' chat_template / tools / add_generation_prompt /
+        continue_final_message win over the arguments; continue_final_message renders as
+        transformers' apply_chat_template(continue_final_message=True): the text stops right
+        after the last message's content."""
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("chat needs a tokenizer, and this engine has none")
-        if not isinstance(messages, (list, tuple)) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
-        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        if chat_template is not None and not isinstance(chat_template, str):
-            raise TypeError(f"chat_template must be a Jinja template string or None, got "
-                            f"{type(chat_template).__name__}")
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise TypeError(f"chat_template_kwargs must be a dict or None, got "
                             f"{type(chat_template_kwargs).__name__}")
         kwargs = dict(chat_template_kwargs or {})
+        # vLLM's LLM.chat updates its template arguments with chat_template_kwargs: theirs win.
+        chat_template = kwargs.pop("chat_template", chat_template)
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise TypeError(f"chat_template must be a Jinja template string or None, got "
+                            f"{type(chat_template).__name__}")
         if tools is not None:
-            kwargs["tools"] = tools
+            kwargs.setdefault("tools", tools)
+        conversations = read_conversations(messages)
         add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
         continue_final_message = kwargs.pop("continue_final_message", continue_final_message)
         if continue_final_message and add_generation_prompt:
@@ -599,7 +602,7 @@ class LLM:
             if continue_final_message and not conv:  # transformers' refusal too
                 raise ValueError("continue_final_message is set but the conversation is empty")
             try:
-                text = tok.apply_chat_template(list(conv), tokenize=False,
+                text = tok.apply_chat_template(conv, tokenize=False,
                                                chat_template=chat_template,
                                                add_generation_prompt=add_generation_prompt,
                                                **kwargs)

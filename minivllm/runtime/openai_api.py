@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import tool_calls
+from .chat_messages import chat_message
 from .chat_output import ChatOutput, message
 from .outputs import Logprob, RequestOutput
 from .pooling import PoolingParams
@@ -417,49 +418,12 @@ def parse_completion(body, defaults: dict, embeds: EmbedsLimits | None = None) -
 
 
 def _message_text(message, k: int) -> dict:
-    if not isinstance(message, dict):
-        raise RequestError(f"messages[{k}] must be an object with 'role' and 'content'")
-    role, content = message.get("role"), message.get("content")
-    if not isinstance(role, str):
-        raise RequestError(f"messages[{k}].role must be a string")
-    if isinstance(content, list):  # OpenAI's content parts: text ones only here
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or \
-                    not isinstance(part.get("text"), str):
-                raise RequestError(f"messages[{k}].content: only text parts are supported")
-            parts.append(part["text"])
-        content = "\n".join(parts)
-    if content is None:
-        content = ""
-    if not isinstance(content, str):
-        raise RequestError(f"messages[{k}].content must be a string or an array of text parts")
-    message = {**message, "content": content}
-    if message.get("tool_calls") is not None:
-        message["tool_calls"] = _history_calls(message["tool_calls"], k)
-    return message
-
-
-def _history_calls(calls, k: int) -> list[dict]:
-    """An assistant message's earlier tool calls, their arguments as objects for the chat
-    template (Qwen3's writes them as JSON; vLLM parses them the same way)."""
-    if not isinstance(calls, list):
-        raise RequestError(f"messages[{k}].tool_calls must be an array")
-    out = []
-    for j, call in enumerate(calls):
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise RequestError(f"messages[{k}].tool_calls[{j}] must be {{'id', 'type': "
-                               f"'function', 'function': {{'name', 'arguments'}}}}")
-        arguments = fn.get("arguments") or {}  # null and "" are no arguments (vLLM's)
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except (json.JSONDecodeError, RecursionError):  # broken, or nested too deep
-                raise RequestError(f"messages[{k}].tool_calls[{j}].function.arguments is not "
-                                   f"JSON: {arguments!r:.80}") from None
-        out.append({**call, "function": {**fn, "arguments": arguments}})
-    return out
+    """messages[k] as the chat template reads it (chat_messages.chat_message, vLLM's parser); its errors
+    a 400."""
+    try:
+        return chat_message(message, f"messages[{k}]")
+    except (ValueError, TypeError) as e:
+        raise RequestError(str(e)) from None
 
 
 def _chat_options(values: dict) -> dict:
