@@ -567,8 +567,9 @@ class LLM:
                      chat_template_kwargs: dict | None = None, tools: list[dict] | None = None
                      ) -> list[dict]:
         """Conversations -> prompts ({"prompt", "prompt_token_ids"}) through the chat template,
-        each message read as vLLM's parser reads it (chat_messages.chat_message: text parts joined, string
-        tool-call arguments parsed; a malformed message raises before any is rendered). As
+        each message read as vLLM's parser reads it (chat_messages.chat_message: text parts
+        joined, string tool-call arguments parsed; a malformed message raises before any is
+        rendered). As
         vLLM's LLM.chat, chat_template_kwargs' chat_template / tools / add_generation_prompt /
         continue_final_message win over the arguments; continue_final_message renders as
         transformers' apply_chat_template(continue_final_message=True): the text stops right
