@@ -136,6 +136,7 @@ def awq_linear(x: torch.Tensor, weight: AwqWeight, *, partials: bool = False,
 
     partials=True: the fp32 partial products [split, M, N] (split >= 1), unsummed, for a caller
     that sums them itself. Otherwise a split K is summed here, as a torch op (in split order)."""
+    weight.check("awq_linear's weight")  # short zeros or scales would be read past their end
     m, k = x.shape
     n, g = weight.out_features, weight.group_size
     if m < 1:
@@ -147,9 +148,11 @@ def awq_linear(x: torch.Tensor, weight: AwqWeight, *, partials: bool = False,
     if not (g >= k or g % bk == 0):
         raise ValueError(f"awq_linear: block_k {bk} does not divide the group size {g}")
     out, grid, k_per_split = split_output(x, n, cfg, partials)
+    # contiguous(): the loaded tensors themselves (no copy); a view's copy, as the kernel reads
+    # rows of N / 8 words (the torch path reads a view where it lies)
+    qw, qz, s = (t.contiguous() for t in (weight.qweight, weight.qzeros, weight.scales))
     _awq_gemm_kernel[grid](
-        x, weight.qweight, weight.qzeros, weight.scales, out, m, n, k, min(g, k), k_per_split,
-        x.stride(0), x.stride(1), n,
+        x, qw, qz, s, out, m, n, k, min(g, k), k_per_split, x.stride(0), x.stride(1), n,
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=bk,
         EVEN_K=k % bk == 0, SPLIT=out.dim() == 3,
         PRECISION=dot_precision(x.dtype), num_warps=cfg["num_warps"],

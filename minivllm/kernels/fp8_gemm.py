@@ -113,10 +113,12 @@ def fp8_config(m: int, n: int, k: int, block: tuple[int, int], dtype: torch.dtyp
 def fp8_linear(x: torch.Tensor, weight: Fp8BlockWeight, *, partials: bool = False,
                config: dict | None = None) -> torch.Tensor:
     """x: [M, K] @ the block-fp8 weight [N, K].T -> [M, N] in x.dtype (fp32 accumulation),
-    M >= 1. The weight must be contiguous (as loaded).
+    M >= 1. The kernel reads the weight and its scales as contiguous (as load makes them): a
+    view (a column slice, say) is copied first, so that it computes what the torch path does.
 
     partials=True: the fp32 partial products [split, M, N] (split >= 1), unsummed, for a caller
     that sums them itself. Otherwise a split K is summed here, as a torch op (in split order)."""
+    weight.check_grid("fp8_linear's weight")  # a short scale grid would be read past its end
     m, k = x.shape
     n = weight.out_features
     bn, bk = weight.block
@@ -130,9 +132,10 @@ def fp8_linear(x: torch.Tensor, weight: Fp8BlockWeight, *, partials: bool = Fals
         raise ValueError(f"fp8_linear: block_k {block_k} does not divide the scale block's {bk} "
                          f"columns")
     out, grid, k_per_split = split_output(x, n, cfg, partials)
+    # contiguous(): the loaded tensors themselves (no copy); a view's copy
+    w, s = weight.weight.contiguous(), weight.scale_inv.contiguous()
     _fp8_gemm_kernel[grid](
-        x, weight.weight, weight.scale_inv, out, m, n, k, bn, bk, weight.scale_inv.shape[1],
-        k_per_split, x.stride(0), x.stride(1), n,
+        x, w, s, out, m, n, k, bn, bk, s.shape[1], k_per_split, x.stride(0), x.stride(1), n,
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=block_k,
         EVEN_K=k % block_k == 0, SPLIT=out.dim() == 3,
         PRECISION=dot_precision(x.dtype), num_warps=cfg["num_warps"],

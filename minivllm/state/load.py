@@ -375,11 +375,13 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
         raise CheckpointError(f"{path}: missing tensor(s) {', '.join(missing[:5])}"
                               + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
                               + hint)
-    # A config with tied embeddings (the pooling runner's) loads no head: an LM head, or a
+    # A config with tied embeddings (the pooling runner's) loads no head: an LM head (every
+    # lm_head.* tensor, a quantized one's scales too, as vLLM's Qwen3 skips the prefix), or a
     # Qwen3ForSequenceClassification's score (state/classifier.py reads it), is left unread.
-    allowed_extra = {"lm_head.weight", "score.weight"} if config.tie_word_embeddings else set()
-    extra = sorted(n for n in set(files) - set(expected) - allowed_extra
-                   if not _rotary_buffer(n))
+    tied = config.tie_word_embeddings
+    extra = sorted(n for n in set(files) - set(expected)
+                   if not _rotary_buffer(n)
+                   and not (tied and (n == "score.weight" or n.startswith("lm_head."))))
     if extra:
         hint = ""
         if any(n.endswith((".qweight", ".qzeros", ".scales")) for n in extra):

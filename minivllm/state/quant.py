@@ -223,15 +223,24 @@ class Fp8BlockWeight:
     def device(self) -> torch.device:
         return self.weight.device
 
-    def check(self, name: str = "fp8 weight") -> None:
-        """ValueError unless the weight is fp8 and its scales fit its block grid."""
+    def check_grid(self, name: str = "fp8 weight") -> None:
+        """ValueError unless the weight is a 2-D fp8 tensor and its scales are its block grid:
+        what dequantize_fp8_weight and kernels/fp8_gemm.py need to read it (a short grid would
+        broadcast, or be read past its end, without a word). Shapes and dtypes only: free under
+        torch.compile, where the checks are settled once, at tracing."""
         if self.weight.dtype != FP8_DTYPE or self.weight.dim() != 2:
             raise ValueError(f"{name}.weight is {self.weight.dtype} of {self.weight.dim()} "
                              f"dimensions, not a 2-D {FP8_DTYPE}")
-        grid = Fp8BlockQuantization(block=self.block).scale_shape(self.shape)
+        grid = (ceil_div(self.weight.shape[0], self.block[0]),
+                ceil_div(self.weight.shape[1], self.block[1]))
         if tuple(self.scale_inv.shape) != grid:
             raise ValueError(f"{name}.scale_inv has shape {tuple(self.scale_inv.shape)}, "
                              f"expected {grid} ({list(self.block)} blocks of {self.shape})")
+
+    def check(self, name: str = "fp8 weight") -> None:
+        """ValueError unless the weight is fp8 and its scales fit its block grid, in float32
+        (as load holds them)."""
+        self.check_grid(name)
         if self.scale_inv.dtype != torch.float32:
             raise ValueError(f"{name}.scale_inv is {self.scale_inv.dtype}, not float32")
 
@@ -240,6 +249,7 @@ def dequantize_fp8_weight(w: Fp8BlockWeight, dtype: torch.dtype) -> torch.Tensor
     """The dense [out, in] weight in `dtype`: weight * its block's scale in float32, cast once
     (dequantize_fp8_blocks's values). Static shapes and no loop: the torch path of
     functional.linear, under torch.compile too (where Inductor fuses it into one pass)."""
+    w.check_grid()
     (n, k), (bn, bk) = w.shape, w.block
     if n % bn == 0 and k % bk == 0:  # whole blocks: a broadcast, no expanded scale tensor
         q = w.weight.to(torch.float32).view(n // bn, bn, k // bk, bk)
@@ -366,9 +376,11 @@ def pack_awq(q: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [rows, cols / 8] -> int32 [rows, cols] of values 0..15 (pack_awq's inverse)."""
+    """int32 [rows, cols / 8] -> int32 [rows, cols] of values 0..15 (pack_awq's inverse). Any
+    strides (reshape: the elementwise result keeps a transposed input's layout, which view
+    cannot flatten)."""
     rows, n = packed.shape
-    return ((packed.unsqueeze(-1) >> _shifts(packed.device)) & 0xF).view(rows, n * AWQ_PACK)
+    return ((packed.unsqueeze(-1) >> _shifts(packed.device)) & 0xF).reshape(rows, n * AWQ_PACK)
 
 
 @pytree_class
@@ -402,18 +414,25 @@ class AwqWeight:
         return self.qweight.device
 
     def check(self, name: str = "AWQ weight") -> None:
-        """ValueError unless the three tensors fit one another and the group size."""
+        """ValueError unless the three tensors fit one another and the group size: what
+        dequantize_awq and kernels/awq_gemm.py need to read them (short zero points or scales
+        would broadcast, or be read past their end, and int8 words would unpack to other
+        nibbles, without a word). Shapes and dtypes only: free under torch.compile, where the
+        checks are settled once, at tracing."""
+        for field in ("qweight", "qzeros"):
+            t = getattr(self, field)
+            if t.dtype != torch.int32 or t.dim() != 2:
+                raise ValueError(f"{name}.{field} is {t.dtype} of {t.dim()} dimensions, not a "
+                                 f"2-D int32 (8 packed 4-bit values a word)")
         k, n = self.in_features, self.out_features
         g = self.group_size
         if not (isinstance(g, int) and g >= 1 and k % g == 0):
             raise ValueError(f"{name}: group_size {g!r} does not divide its {k} input rows")
-        for field, shape in AwqQuantization(group_size=g).shapes(n, k).items():
+        shapes = {"qzeros": (k // g, n // AWQ_PACK), "scales": (k // g, n)}
+        for field, shape in shapes.items():
             t = getattr(self, field)
             if tuple(t.shape) != shape:
                 raise ValueError(f"{name}.{field} has shape {tuple(t.shape)}, expected {shape}")
-        for field in ("qweight", "qzeros"):
-            if getattr(self, field).dtype != torch.int32:
-                raise ValueError(f"{name}.{field} is {getattr(self, field).dtype}, not int32")
         if not self.scales.is_floating_point():
             raise ValueError(f"{name}.scales is {self.scales.dtype}, not a float dtype")
 
@@ -422,6 +441,7 @@ def dequantize_awq(weight: AwqWeight, dtype: torch.dtype) -> torch.Tensor:
     """The weight as x @ it would multiply: [in, out] in `dtype`, (q - z) * s computed in float32
     (exact: a 4-bit difference times an fp16 or bf16 scale) and rounded once to `dtype`. Static
     shapes throughout (the torch path of functional.linear, under torch.compile too)."""
+    weight.check()
     k, n, g = weight.in_features, weight.out_features, weight.group_size
     q = unpack_awq(weight.qweight).view(k // g, g, n)
     z = unpack_awq(weight.qzeros).unsqueeze(1)
