@@ -32,6 +32,7 @@ from .reasoning import ANSWER, REASONING, UNDECIDED
 from .regex_fsm import RegexDFA, check_pattern_length
 from .schema_bounds import (BOUNDS, bounds_of, describe_bounds, holds, integer_bounds_regex,
                             number_bounds_regex)
+from .schema_strings import string_regex
 
 State = tuple[int, bytes]  # (automaton state, the bytes of an unfinished character)
 
@@ -421,7 +422,7 @@ def choice_regex(choices) -> str:
 _ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
                 "deprecated", "readOnly", "writeOnly", "$defs", "definitions", "discriminator"}
 _KEYWORDS = {  # what each kind of schema may say here; any other keyword is refused
-    "string": {"minLength", "maxLength"},
+    "string": {"minLength", "maxLength", "pattern", "format"},
     "integer": set(BOUNDS), "number": set(BOUNDS), "boolean": set(), "null": set(),
     "array": {"items", "minItems", "maxItems"},
     "object": {"properties", "required", "additionalProperties"},
@@ -506,16 +507,17 @@ def schema_regex(schema, defs: dict | None = None, depth: int = 0) -> str:
 
 def _schema_regex(schema, defs: dict | None = None, depth: int = 0) -> str:
     """A regex for the JSON texts `schema` admits, for a subset of JSON Schema: types string
-    (minLength / maxLength), integer and number (minimum, maximum, exclusiveMinimum,
-    exclusiveMaximum: exactly the texts within them, a bounded number without exponent, as
-    xgrammar writes it), boolean, null, array (items, minItems / maxItems), object (its
-    properties, every one written, in order; additionalProperties false, true or a schema, as
-    only the listed ones are written; empty properties: {}), enum, const (an integer's 1.0 is 1,
-    written so; bounds beside them keep the values within), anyOf, oneOf (as anyOf), a
-    one-schema allOf, a list of types, and local $ref to $defs / definitions; annotations
-    (title, description, discriminator, ...) are ignored. Any other keyword is a ValueError that
-    names it (multipleOf, pattern, format, ...: an output would not be held to it), as is an
-    object without properties (any JSON object is not a regular language)."""
+    (minLength / maxLength; pattern or format, see runtime/schema_strings.py), integer and
+    number (minimum, maximum, exclusiveMinimum, exclusiveMaximum: exactly the texts within
+    them, a bounded number without exponent, as xgrammar writes it), boolean, null, array
+    (items, minItems / maxItems), object (its properties, every one written, in order;
+    additionalProperties false, true or a schema, as only the listed ones are written; empty
+    properties: {}), enum, const (an integer's 1.0 is 1, written so; bounds beside them keep the
+    values within), anyOf, oneOf (as anyOf), a one-schema allOf, a list of types, and local $ref
+    to $defs / definitions; annotations (title, description, discriminator, ...) are ignored.
+    Any other keyword is a ValueError that names it (multipleOf, uniqueItems, ...: an output
+    would not be held to it), as is an object without properties (any JSON object is not a
+    regular language)."""
     if depth > 32:
         raise ValueError("the JSON schema nests too deep (a recursive $ref?)")
     if schema is True:  # JSON Schema's "anything", as {}: any JSON value is no regular language
@@ -593,6 +595,8 @@ def _schema_regex(schema, defs: dict | None = None, depth: int = 0) -> str:
         lo, hi = _count(schema, "minLength", 0), _count(schema, "maxLength", None)
         if hi is not None and hi < lo:
             raise ValueError(f"JSON schema maxLength {hi} < minLength {lo}")
+        if "pattern" in schema or "format" in schema:
+            return string_regex(schema, lo, hi)
         return f'"{_STRING_CHAR}{{{lo},{"" if hi is None else hi}}}"'
     if kind in ("integer", "number"):
         bounds = bounds_of(schema)

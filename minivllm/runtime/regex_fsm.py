@@ -447,24 +447,36 @@ def check_pattern_length(pattern: str, what: str = "the regex") -> None:
                          f"{MAX_PATTERN_CHARS}")
 
 
+def parse_pattern(pattern: str):
+    """`pattern`'s tree as RegexDFA reads it, anchors gone (their places checked): ("set",
+    CharSet), ("cat", [node, ..]), ("alt", [node, ..]) or ("rep", node, lo, hi) (hi None: no
+    most). ValueError for what RegexDFA refuses. Public for runtime/schema_strings.py, which
+    rewrites a JSON schema's pattern as a regex over its JSON text."""
+    if not isinstance(pattern, str):
+        raise ValueError(f"a regex is a string, got {type(pattern).__name__}")
+    check_pattern_length(pattern)
+    try:  # what re refuses is refused here too, with re's reason
+        re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"regex {shown_pattern(pattern)}: {e}") from None
+    except RecursionError:  # re's parser recurses per group: ~1,000 nested groups
+        raise ValueError(f"regex {shown_pattern(pattern)}: nested too deep") from None
+    try:
+        return _Parser(pattern).parse()
+    except RecursionError:
+        raise ValueError(f"regex {shown_pattern(pattern)}: nested too deep") from None
+
+
 class RegexDFA(LazyDFA):
     """The DFA of `pattern` under fullmatch, built as it is walked. A state is the set of NFA
     states it stands for (the empty set: DEAD)."""
 
     def __init__(self, pattern: str):
-        if not isinstance(pattern, str):
-            raise ValueError(f"a regex is a string, got {type(pattern).__name__}")
-        check_pattern_length(pattern)
+        tree = parse_pattern(pattern)
         self.pattern = pattern
-        try:  # what re refuses is refused here too, with re's reason
-            re.compile(pattern)
-        except re.error as e:
-            raise ValueError(f"regex {shown_pattern(pattern)}: {e}") from None
-        except RecursionError:  # re's parser recurses per group: ~1,000 nested groups
-            raise ValueError(f"regex {shown_pattern(pattern)}: nested too deep") from None
         self._nfa = _NFA()
         try:
-            start, self._final = self._nfa.build(_Parser(pattern).parse())
+            start, self._final = self._nfa.build(tree)
         except RecursionError:
             raise ValueError(f"regex {shown_pattern(pattern)}: nested too deep") from None
         super().__init__(self._closure({start}), dead_key=frozenset())
