@@ -328,36 +328,45 @@ BOUNDED = {"type": "object", "properties": {
     "additionalProperties": {"type": "string"}}
 
 
-def test_guided_outputs_are_within_their_bounds(tmp_path_factory, device):
-    """Through the engine's guided decoding on the demo model, sampled at temperature 1: each
-    finished output parses and is within its bounds, each cut-short one is a prefix of one."""
+def guided_texts(tmp_path_factory, device, schema: dict, prompts: list[str], *,
+                 max_tokens: int, n: int, seed: int) -> list[str]:
+    """The finished outputs of the engine's guided decoding on the demo model, sampled at
+    temperature 1, each checked to fullmatch the schema's regex and to have stopped; each
+    cut-short one checked to be a prefix the automaton still walks. At least one finishes."""
     from minivllm.runtime.demo import ensure_demo_model
 
     from engine_helpers import make_llm
 
     llm = make_llm(ensure_demo_model(str(tmp_path_factory.mktemp("demo") / "model")), device,
                    max_model_len=512)
-    constraint = StructuredOutputsParams(json=BOUNDED)
-    params = SamplingParams(temperature=1.0, max_tokens=120, n=4, seed=5,
+    constraint = StructuredOutputsParams(json=schema)
+    params = SamplingParams(temperature=1.0, max_tokens=max_tokens, n=n, seed=seed,
                             structured_outputs=constraint)
-    outs = llm.generate(["The quick brown fox", "Hello, my name is", "0"], params,
-                        use_tqdm=False)
-    dfa, finished = RegexDFA(constraint.pattern), 0
-    for out in outs:
+    dfa, texts = RegexDFA(constraint.pattern), []
+    for out in llm.generate(prompts, params, use_tqdm=False):
         for c in out.outputs:
             if c.finish_reason == "length":
                 assert dfa.walk(dfa.start, c.text) != dfa.DEAD, c.text
                 continue
-            finished += 1
             assert c.finish_reason == "stop" and re.fullmatch(constraint.pattern, c.text)
-            value, exact = json.loads(c.text), json.loads(c.text, parse_float=Decimal)
-            assert list(value) == ["n", "big", "x", "ys"]
-            assert type(value["n"]) is int and -5 <= value["n"] <= 12
-            assert type(value["big"]) is int and value["big"] > 10 ** 20
-            assert 0 < value["x"] <= 2.5 and 0 < exact["x"] <= Decimal("2.5")
-            assert len(value["ys"]) <= 3 and all(type(y) is int and 3 <= y < 7
-                                                 for y in value["ys"])
-    assert finished > 0
+            texts.append(c.text)
+    assert texts
+    return texts
+
+
+def test_guided_outputs_are_within_their_bounds(tmp_path_factory, device):
+    """Through the engine's guided decoding on the demo model, sampled at temperature 1: each
+    finished output parses and is within its bounds, each cut-short one is a prefix of one."""
+    for text in guided_texts(tmp_path_factory, device, BOUNDED,
+                             ["The quick brown fox", "Hello, my name is", "0"],
+                             max_tokens=120, n=4, seed=5):
+        value, exact = json.loads(text), json.loads(text, parse_float=Decimal)
+        assert list(value) == ["n", "big", "x", "ys"]
+        assert type(value["n"]) is int and -5 <= value["n"] <= 12
+        assert type(value["big"]) is int and value["big"] > 10 ** 20
+        assert 0 < value["x"] <= 2.5 and 0 < exact["x"] <= Decimal("2.5")
+        assert len(value["ys"]) <= 3 and all(type(y) is int and 3 <= y < 7
+                                             for y in value["ys"])
 
 
 def test_a_guide_over_a_vocabulary_of_digit_pieces_spells_only_the_range():

@@ -24,14 +24,15 @@ from typing import Optional
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from pydantic import BaseModel, TypeAdapter, ValidationError, constr
+pytest.importorskip("pydantic")  # the oracle of schemas and of ECMA-style regexes (dev extra)
+from pydantic import BaseModel, TypeAdapter, ValidationError, constr  # noqa: E402
 
-from minivllm import SamplingParams
 from minivllm.runtime.guide import schema_regex
 from minivllm.runtime.regex_fsm import RegexDFA
 from minivllm.runtime.sampling_params import StructuredOutputsParams
 from minivllm.runtime.schema_strings import FORMATS
 
+from test_audit_s76_schema_ranges import guided_texts
 from test_audit_s76_structured import _walk
 
 
@@ -603,9 +604,6 @@ def test_guided_outputs_are_values_of_their_formats_and_patterns(tmp_path_factor
     """Through the engine's guided decoding on the demo model, sampled at temperature 1: each
     finished output is one pydantic validates and the checkers above take, each cut-short one a
     prefix the automaton still walks."""
-    from minivllm.runtime.demo import ensure_demo_model
-
-    from engine_helpers import make_llm
 
     class Small(BaseModel):
         id: uuid.UUID
@@ -613,22 +611,9 @@ def test_guided_outputs_are_values_of_their_formats_and_patterns(tmp_path_factor
         code: constr(pattern=r'^[A-Z]{2}"\d$')
         host: ipaddress.IPv4Address
 
-    llm = make_llm(ensure_demo_model(str(tmp_path_factory.mktemp("demo") / "model")), device,
-                   max_model_len=512)
-    constraint = StructuredOutputsParams(json=Small.model_json_schema())
-    params = SamplingParams(temperature=1.0, max_tokens=160, n=3, seed=11,
-                            structured_outputs=constraint)
-    outs = llm.generate(["The quick brown fox", "0"], params, use_tqdm=False)
-    dfa, finished = RegexDFA(constraint.pattern), 0
-    for out in outs:
-        for c in out.outputs:
-            if c.finish_reason == "length":
-                assert dfa.walk(dfa.start, c.text) != dfa.DEAD, c.text
-                continue
-            finished += 1
-            assert c.finish_reason == "stop" and re.fullmatch(constraint.pattern, c.text)
-            Small.model_validate_json(c.text)
-            value = json.loads(c.text)
-            assert _uuid_ok(value["id"]) and _date_ok(value["day"]) and _ipv4_ok(value["host"])
-            assert re.fullmatch(r'[A-Z]{2}"[0-9]', value["code"]), value
-    assert finished > 0
+    for text in guided_texts(tmp_path_factory, device, Small.model_json_schema(),
+                             ["The quick brown fox", "0"], max_tokens=160, n=3, seed=11):
+        Small.model_validate_json(text)
+        value = json.loads(text)
+        assert _uuid_ok(value["id"]) and _date_ok(value["day"]) and _ipv4_ok(value["host"])
+        assert re.fullmatch(r'[A-Z]{2}"[0-9]', value["code"]), value
