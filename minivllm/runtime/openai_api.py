@@ -418,8 +418,8 @@ def parse_completion(body, defaults: dict, embeds: EmbedsLimits | None = None) -
 
 
 def _message_text(message, k: int) -> dict:
-    """messages[k] as the chat template reads it (chat_messages.chat_message, vLLM's parser); its errors
-    a 400."""
+    """messages[k] as the chat template reads it (chat_messages.chat_message, vLLM's parser);
+    its errors a 400."""
     try:
         return chat_message(message, f"messages[{k}]")
     except (ValueError, TypeError) as e:
