@@ -95,7 +95,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "(default: on for one CUDA GPU with the triton attention backend)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="ranks to split the model over (default: torchrun's WORLD_SIZE, else 1)")
-    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="reuse the KV cache of prompts that begin the same way "
+                                      "(vLLM's flag; default: on)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help=argparse.SUPPRESS)  # minivllm's older spelling of the --no- form
     g.add_argument("--engine-seed", type=int, default=0, help="seeds requests that set no --seed")
     g.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON",
                    help="config.json values set over the checkpoint's (vLLM's), e.g. "
@@ -172,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="an interactive chat on stdin/stdout")
     _add_model_args(chat)
     _add_sampling_args(chat, "chat")
-    chat.add_argument("--system", default=None, help="a system message")
+    chat.add_argument("--system", "--system-prompt", default=None,
+                      help="a system message (--system-prompt: vLLM's `vllm chat` name)")
     chat.add_argument("--chat-template", default=None, metavar="TEMPLATE",
                       help="a Jinja file or the template itself (default: the tokenizer's)")
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (as `vllm serve`)")
@@ -286,7 +291,7 @@ def _make_llm(args, model: str):
                   tensor_parallel_size=(_default_tp() if args.tensor_parallel_size is None
                                         else args.tensor_parallel_size),
                   seed=args.engine_seed,
-                  enable_prefix_caching=not args.no_prefix_caching,
+                  enable_prefix_caching=args.enable_prefix_caching,
                   generation_config=args.generation_config,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   hf_overrides=_hf_overrides(args))
@@ -585,6 +590,27 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"minivllm: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader of the output went away (`minivllm generate | head -1`): stop quietly, as
+        # Unix tools do (128 + SIGPIPE), not with a traceback; stdout is pointed at /dev/null so
+        # that the interpreter's last flush of it does not fail again at exit.
+        _stdout_to_devnull()
+        return 128 + signal.SIGPIPE
+    except KeyboardInterrupt:
+        # Ctrl-C while the model loads or generate runs: the command stops, without a
+        # traceback (chat's own Ctrl-C at its prompt already ends the session with 0).
+        print("\nminivllm: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
+
+
+def _stdout_to_devnull() -> None:
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (a test's capture)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 if __name__ == "__main__":
