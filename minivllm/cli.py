@@ -184,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                        help="the checkpoint directory (as --model)")
     _add_model_args(serve)
+    # vLLM's --seed is the engine's (serve samples no request of its own): the same here
+    serve.add_argument("--seed", dest="engine_seed", type=int, default=argparse.SUPPRESS,
+                       help="as --engine-seed (vLLM's name for it)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=_port, default=8000)
     serve.add_argument("--served-model-name", default=None,

@@ -102,3 +102,14 @@ def test_ctrl_c_while_generating_ends_without_a_traceback(capsys, monkeypatch):
         pytest.fail("Ctrl-C escaped the command as a traceback")
     assert rc == 130
     assert capsys.readouterr().err.rstrip().endswith("minivllm: interrupted")
+
+
+def test_serve_takes_vllms_seed_as_the_engine_seed():
+    """`vllm serve --seed N` seeds the engine; serve here refused --seed (generate's --seed is
+    a request's). It is --engine-seed's other name on serve, and the default stays 0."""
+    from minivllm.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "m", "--seed", "7"]).engine_seed == 7
+    assert parser.parse_args(["serve", "m", "--engine-seed", "5"]).engine_seed == 5
+    assert parser.parse_args(["serve", "m"]).engine_seed == 0
