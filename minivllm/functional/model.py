@@ -106,6 +106,21 @@ def check_step(params: Params, cache: KVCache, batch: Batch) -> None:
                          f"{batch.embeds_mask.dtype}")
 
 
+def resolve_backend(params: Params, cache: KVCache, backend) -> AttentionBackend:
+    """backend as forward runs it: an attention backend object as it is; a name ("reference",
+    "triton", "flash_attn") or None, as generate takes them, through kernels.select_backend
+    (None: the best available for the device and cache); anything else a TypeError here, not
+    "'str' object is not callable" from inside the first layer. An isinstance check: free."""
+    if backend is None or isinstance(backend, str):
+        from ..kernels import select_backend
+
+        return select_backend(params.device, backend, cache.k[0].dtype, params.config.head_dim)
+    if not callable(backend):
+        raise TypeError(f"backend must be an attention backend, a name or None, got "
+                        f"{type(backend).__name__}")
+    return backend
+
+
 def without_embeds(batch: Batch) -> Batch:
     """batch less its input embeddings, which only the stem reads: the layers after it then
     take the pytree of a step without embeddings, so that a compiled layer is the same graph
@@ -135,18 +150,21 @@ def _layers(params: Params, cache: KVCache, batch: Batch, backend: AttentionBack
     return x, residual
 
 
-def hidden_states(params: Params, cache: KVCache, batch: Batch, backend: AttentionBackend = REFERENCE,
+def hidden_states(params: Params, cache: KVCache, batch: Batch,
+                  backend: AttentionBackend | str | None = REFERENCE,
                   rows: torch.Tensor | None = None, *, layer=decoder_layer) -> torch.Tensor:
     """The final-normed hidden state of each token in `rows` (default all): [rows, hidden].
     Writes this step's K/V into `cache`. `layer` is decoder_layer or a compiled form of it."""
     check_step(params, cache, batch)
+    backend = resolve_backend(params, cache, backend)
     x, residual, cos, sin = stem(params, batch)
     batch = without_embeds(batch)
     x, residual = _layers(params, cache, batch, backend, x, residual, cos, sin, layer)
     return final_hidden(params, x, residual, rows)
 
 
-def forward(params: Params, cache: KVCache, batch: Batch, backend: AttentionBackend = REFERENCE,
+def forward(params: Params, cache: KVCache, batch: Batch,
+            backend: AttentionBackend | str | None = REFERENCE,
             *, layer=decoder_layer, stem=stem, head=head, layers=None, lora_layer=None
             ) -> tuple[torch.Tensor, KVCache]:
     """logits: [len(batch.logits_indices), vocab_size] fp32, and the cache with this step's K/V.
@@ -163,8 +181,11 @@ def forward(params: Params, cache: KVCache, batch: Batch, backend: AttentionBack
     LoRA: when params.lora holds slot weights and batch.lora_slots names each row's slot, every
     layer adds its rows' LoRA deltas: `lora_layer` (default functional.lora.lora_decoder_layer,
     or a compiled form of it) runs in `layer`'s place. A batch without lora_slots runs `layer`,
-    exactly the forward without LoRA. `layers` (a kernel for the whole stack) takes no deltas."""
+    exactly the forward without LoRA. `layers` (a kernel for the whole stack) takes no deltas.
+
+    backend: an attention backend, or a name or None as generate takes them (resolve_backend)."""
     check_step(params, cache, batch)
+    backend = resolve_backend(params, cache, backend)
     if layers is not None and uses_lora(params, batch):
         raise ValueError("forward's `layers` (a whole-stack kernel) computes no LoRA deltas; "
                          "a step with lora_slots runs the layers one by one")
