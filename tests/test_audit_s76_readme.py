@@ -332,13 +332,8 @@ def write_model(path: str) -> str:
                          pad_token_id=tok.pad_token_id, **shape)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config).float().eval()
+    demo.demo_weights_(model, tok, eos)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.08)
-        demo._prefer_printable(model, tok, eos)
         model.lm_head.weight[len(tok):] = 0.0
         model.lm_head.weight[len(tok):, 0] = -10.0
     model.save_pretrained(path)

@@ -80,14 +80,7 @@ def build_demo_model(path: str, seed: int = 0) -> str:
                          pad_token_id=tokenizer.pad_token_id, **MODEL_SHAPE)
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).float().eval()
-    with torch.no_grad():
-        # Weights large enough that the next-token distribution is peaked, not uniform.
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.08)
-        _prefer_printable(model, tokenizer, eos)
+    demo_weights_(model, tokenizer, eos)
     from transformers.utils import logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()
@@ -101,6 +94,21 @@ def build_demo_model(path: str, seed: int = 0) -> str:
     with open(os.path.join(path, "README.md"), "w") as f:
         f.write(NOTICE + "\n")
     return path
+
+
+def demo_weights_(model, tokenizer, eos: int) -> None:
+    """Fill a transformers Qwen3 model in place with the demo's random weights (from torch's
+    global generator): large enough that the next-token distribution is peaked, not uniform,
+    and steered to printable tokens (_prefer_printable)."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.08)
+        _prefer_printable(model, tokenizer, eos)
 
 
 def _prefer_printable(model, tokenizer, eos: int) -> None:

@@ -198,8 +198,8 @@ def _runs(chars: list[str]) -> list[tuple[str, str]]:
 
 
 def _char(c: str) -> str:
-    """c in a regex, in a class or not: \\uXXXX but for letters, digits and astral characters
-    (which no escape of regex_fsm's spells)."""
+    """c in a regex, in a class or not: \\u and four hex digits but for letters, digits and
+    astral characters (which no escape of regex_fsm's spells)."""
     if c.isascii() and c.isalnum():
         return c
     return f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF else c
