@@ -7,10 +7,12 @@ graph, where one graph of the whole 28-layer forward took minutes to compile."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import attrs
 import torch
 
-from ..state.batch import Batch
+from ..state.batch import Batch, SeqChunk, make_batch
 from ..state.cache import KVCache, check_cache_fits
 from ..state.params import Params, check_layer_count
 from .attention import REFERENCE, AttentionBackend
@@ -106,6 +108,26 @@ def check_step(params: Params, cache: KVCache, batch: Batch) -> None:
                          f"{batch.embeds_mask.dtype}")
 
 
+def batch_for(params: Params, cache: KVCache, chunks: Sequence[SeqChunk], *,
+              every_row: bool = False, max_blocks: int | None = None,
+              lora_slots: Sequence[int] | None = None,
+              embeds: Sequence[tuple[int, torch.Tensor]] = ()) -> Batch:
+    """make_batch for a step of `params` over `cache`, with what they already know filled in:
+    the cache's block size, the params' device, embeds' width and dtype, and the bounds that
+    forward cannot check on the device without waiting for it. A token id outside the
+    vocabulary, a block past the cache or a LoRA slot outside [-1, params.lora.max_loras) (any
+    slot but -1 when params hold no LoRA weights) is a ValueError here, on the host, before any
+    work; a Batch packed by hand from such values would raise an IndexError on the CPU, a
+    device-side assert on CUDA, or (a slot) silently run the base model at that row."""
+    return make_batch(chunks, block_size=cache.block_size, device=params.device,
+                      max_blocks=max_blocks, every_row=every_row,
+                      num_blocks=cache.num_blocks, vocab_size=params.config.vocab_size,
+                      lora_slots=lora_slots,
+                      max_loras=0 if params.lora is None else params.lora.max_loras,
+                      embeds=embeds, hidden_size=params.config.hidden_size,
+                      embeds_dtype=params.dtype)
+
+
 def resolve_backend(params: Params, cache: KVCache, backend) -> AttentionBackend:
     """backend as forward runs it: an attention backend object as it is; a name ("reference",
     "triton", "flash_attn") or None, as generate takes them, through kernels.select_backend
@@ -154,7 +176,8 @@ def hidden_states(params: Params, cache: KVCache, batch: Batch,
                   backend: AttentionBackend | str | None = REFERENCE,
                   rows: torch.Tensor | None = None, *, layer=decoder_layer) -> torch.Tensor:
     """The final-normed hidden state of each token in `rows` (default all): [rows, hidden].
-    Writes this step's K/V into `cache`. `layer` is decoder_layer or a compiled form of it."""
+    Writes this step's K/V into `cache`. `layer` is decoder_layer or a compiled form of it.
+    The batch's values are unchecked, as forward's are (batch_for checks them on the host)."""
     check_step(params, cache, batch)
     backend = resolve_backend(params, cache, backend)
     x, residual, cos, sin = stem(params, batch)
@@ -183,7 +206,26 @@ def forward(params: Params, cache: KVCache, batch: Batch,
     or a compiled form of it) runs in `layer`'s place. A batch without lora_slots runs `layer`,
     exactly the forward without LoRA. `layers` (a kernel for the whole stack) takes no deltas.
 
-    backend: an attention backend, or a name or None as generate takes them (resolve_backend)."""
+    backend: an attention backend, or a name or None as generate takes them (resolve_backend).
+
+    What forward checks is what costs no wait for the device (check_step): not the batch's
+    values. Its token ids must lie in [0, vocab_size), its block tables' blocks (-1 aside) in
+    [0, cache.num_blocks), its lora_slots in [-1, params.lora.max_loras): an id or block beyond
+    is an IndexError on the CPU and a device-side assert on CUDA; a slot beyond runs the base
+    model at that row, silently. batch_for(params, cache, chunks) packs a batch with these
+    bounds checked (make_batch's vocab_size, num_blocks and max_loras).
+
+    torch.func: pass the cache to the transformed function as an argument. forward writes the
+    step's K/V into it in place, and torch.func refuses an in-place write to a tensor the
+    function captured ("... would mutate a captured Tensor"):
+
+        loss = lambda p, c: forward(p, c, batch)[0].logsumexp(-1).sum()
+        grads = torch.func.grad(loss)(params, cache)      # d loss / d params (argnums=0)
+
+    (grad wraps every argument, differentiating argnums' only). Or make the cache inside the
+    function, init_cache(p, ...): that form serves every transform, vjp included (which would
+    differentiate a cache passed among its primals, and refuses the in-place write to it).
+    vmap: one cache a member, vmapped alongside the params."""
     check_step(params, cache, batch)
     backend = resolve_backend(params, cache, backend)
     if layers is not None and uses_lora(params, batch):

@@ -11,7 +11,10 @@ T tokens from B sequences, packed without padding, sequence after sequence:
 and, static, the block_size the slots and tables count in: forward refuses a cache of another
 (its slots would address other tokens' K/V). Optional:
   lora_slots     [T]      int64  each token's LoRA slot in params.lora (-1: the base model), or
-                                 None (no LoRA in this step: the forward is the one without it)
+                                 None (no LoRA in this step: the forward is the one without it).
+                                 Values in [-1, max_loras): forward cannot check values on the
+                                 device; another value runs the base model at that row
+                                 (make_batch checks them, given max_loras)
   input_embeds   [T, hidden]       the rows' input embeddings where embeds_mask is set (vLLM's
   embeds_mask    [T]      bool     prompt_embeds): the stem takes them in place of the embedding
                                    lookup of input_ids; both None (no such row in this step: the
@@ -231,10 +234,31 @@ def check_chunks(chunks: Sequence[SeqChunk], *, block_size: int, num_blocks: int
                              f"{chunk.num_logits!r}")
 
 
+def check_lora_slots(lora_slots: Sequence[int], num_chunks: int,
+                     max_loras: int | None = None) -> None:
+    """TypeError/ValueError unless lora_slots holds one integer a chunk, each -1 (the base model)
+    or a slot below max_loras (params.lora.max_loras, where given). On the device a slot outside
+    [0, max_loras) matches no slot's mask column: that row would silently run the base model."""
+    if isinstance(lora_slots, (str, bytes)) or \
+            not isinstance(lora_slots, (Sequence, np.ndarray, torch.Tensor)):
+        raise TypeError(f"lora_slots must be a sequence of ints (one a chunk), got "
+                        f"{type(lora_slots).__name__}")
+    if len(lora_slots) != num_chunks:
+        raise ValueError(f"{len(lora_slots)} LoRA slots for {num_chunks} chunks")
+    for b, slot in enumerate(lora_slots):
+        s = as_int(slot)
+        if s is None:
+            raise TypeError(f"chunk {b}'s LoRA slot must be an int, got {slot!r}")
+        if s < -1 or (max_loras is not None and s >= max_loras):
+            bound = "" if max_loras is None else f" or a slot below max_loras ({max_loras})"
+            raise ValueError(f"chunk {b}'s LoRA slot {s} is out of range: -1 (the base "
+                             f"model){bound}")
+
+
 def make_batch(chunks: Sequence[SeqChunk], *, block_size: int, device=None,
                max_blocks: int | None = None, every_row: bool = False, check: bool = True,
                num_blocks: int | None = None, vocab_size: int | None = None,
-               lora_slots: Sequence[int] | None = None,
+               lora_slots: Sequence[int] | None = None, max_loras: int | None = None,
                embeds: Sequence[tuple[int, torch.Tensor]] = (), hidden_size: int | None = None,
                embeds_dtype: torch.dtype | None = None) -> Batch:
     """Pack sequence chunks into a Batch (built on the host, then moved to `device`).
@@ -246,13 +270,16 @@ def make_batch(chunks: Sequence[SeqChunk], *, block_size: int, device=None,
     when they were added, and a decode step's host time is on its critical path.
 
     lora_slots: one LoRA slot per chunk (-1: the base model), repeated over the chunk's tokens
-    into Batch.lora_slots; None, or every chunk -1, leaves it None.
+    into Batch.lora_slots; None, or every chunk -1, leaves it None. With check, each is an int
+    in [-1, max_loras) (max_loras: params.lora.max_loras, where given; check_lora_slots).
 
     embeds: (row, rows_embeds [n, hidden]) pairs: token rows row ... row + n - 1 (indices in the
     chunks' concatenated tokens) take those input embeddings (Batch.input_embeds, in
     embeds_dtype, and embeds_mask; embeds_rows). Empty: both stay None."""
     if check:
         check_chunks(chunks, block_size=block_size, num_blocks=num_blocks, vocab_size=vocab_size)
+        if lora_slots is not None:
+            check_lora_slots(lora_slots, len(chunks), max_loras)
     arrays = batch_arrays(chunks, block_size=block_size, max_blocks=max_blocks,
                           every_row=every_row)
     def t(x: np.ndarray):
