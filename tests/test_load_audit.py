@@ -207,5 +207,6 @@ def test_a_float64_checkpoint_loads_in_float32(model, tmp_path):
 def test_null_dtype_defers_to_torch_dtype():
     """{"dtype": null, "torch_dtype": "float16"} used to load as bfloat16 (the default)."""
     d = dict(vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
-             num_attention_heads=2, dtype=None, torch_dtype="float16")
+             num_attention_heads=2, num_key_value_heads=2, dtype=None,
+             torch_dtype="float16")
     assert minivllm.ModelConfig.from_dict(d).dtype == torch.float16

@@ -64,11 +64,16 @@ def test_config_rejects_other_architectures():
 
 
 def test_config_default_head_dim_and_kv_heads():
+    """Absent, they default as transformers' Qwen3Config reads the same dict (head_dim 128, not
+    hidden // heads); a null KV-head count means every head (transformers' and vLLM's rule)."""
+    from transformers import Qwen3Config
     d = hf_config().to_dict()
-    del d["head_dim"], d["num_key_value_heads"]
+    del d["head_dim"]
+    d["num_key_value_heads"] = None
     c = ModelConfig.from_dict(d)
-    assert c.head_dim == d["hidden_size"] // d["num_attention_heads"]
-    assert c.num_kv_heads == c.num_heads
+    oracle = Qwen3Config.from_dict(d)
+    assert c.head_dim == oracle.head_dim == 128
+    assert c.num_kv_heads == oracle.num_key_value_heads == c.num_heads
 
 
 def test_params_pytree_round_trip():

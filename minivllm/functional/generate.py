@@ -169,7 +169,8 @@ def generate(params: Params, cache: KVCache, tokens: Sequence[Sequence[int] | No
     if max(len(p) for p in prompts) + max_new_tokens - 1 > params.config.max_context_len:
         raise ValueError(f"prompt + max_new_tokens - 1 exceeds the model's context "
                          f"({params.config.max_context_len}: max_position_embeddings, or with "
-                         f"YaRN original_max_position_embeddings x factor)")
+                         f"YaRN original_max_position_embeddings x factor, or with linear or "
+                         f"dynamic scaling max_position_embeddings x factor)")
 
     # Each prompt draws from its own counter-based stream (seed, tokens generated so far), the
     # sampler the engine uses: the same seed gives the same tokens whatever else is batched.

@@ -1,4 +1,5 @@
-"""Rotary position embedding (neox / rotate-half layout), with YaRN and Llama-3 frequency scaling."""
+"""Rotary position embedding (neox / rotate-half layout), with YaRN, Llama-3, linear and
+dynamic-NTK frequency scaling."""
 
 from __future__ import annotations
 
@@ -20,6 +21,14 @@ def rope_inv_freq(config: ModelConfig, device=None) -> torch.Tensor:
         return inv_freq
     if scaling["rope_type"] == "yarn":
         return _yarn_inv_freq(config.rope_theta ** exponents, dim, config.rope_theta, scaling)
+    if scaling["rope_type"] == "linear":
+        # Positions divided by factor (vLLM) is frequencies divided by it; divided here, as
+        # transformers does, so that the fp32 products round as its do.
+        return inv_freq / float(scaling["factor"])
+    if scaling["rope_type"] == "dynamic":
+        base = dynamic_ntk_base(config.rope_theta, float(scaling["factor"]),
+                                config.max_position_embeddings, dim)
+        return 1.0 / (base ** exponents)
     # Llama 3: keep high frequencies, divide low ones by `factor`, interpolate in between.
     # Without original_max_position_embeddings: max_position_embeddings, as transformers
     # (ModelConfig.from_dict fills it in; a ModelConfig built in code may leave it out).
@@ -37,6 +46,19 @@ def rope_inv_freq(config: ModelConfig, device=None) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def dynamic_ntk_base(base: float, factor: float, max_position_embeddings: int,
+                     dim: int) -> float:
+    """Dynamic-NTK RoPE's base as vLLM fixes it (DynamicNTKScalingRotaryEmbedding: one table
+    for max_position_embeddings x factor positions), in its float arithmetic. Its correction,
+    (max_len / max_position_embeddings - (factor - 1)) ** (dim / (dim - 2)), is 1 up to
+    rounding: the base stays base, and RoPE is plain RoPE at every position. transformers'
+    dynamic instead raises the base once a sequence passes max_position_embeddings (the
+    correction with factor * seq_len in place of max_len), so the two agree only up to
+    max_position_embeddings positions, where transformers' is plain RoPE too."""
+    max_len = max_position_embeddings * factor
+    return base * ((max_len / max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
 
 
 def _yarn_inv_freq(pos_freqs: torch.Tensor, dim: int, base: float, scaling: dict) -> torch.Tensor:

@@ -228,8 +228,10 @@ class EngineConfig:
             max_model_len = limit
         elif max_model_len > limit:
             scaling = model_config.rope_scaling_dict or {}
-            what = ("YaRN's original_max_position_embeddings x factor"
-                    if scaling.get("rope_type") == "yarn" else "max_position_embeddings")
+            kind = scaling.get("rope_type")
+            what = ("YaRN's original_max_position_embeddings x factor" if kind == "yarn" else
+                    f"max_position_embeddings x {kind} rope scaling's factor"
+                    if kind in ("linear", "dynamic") else "max_position_embeddings")
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's context, its "
                              f"{what} ({limit})")
         from ..kernels.launch import triton_usable

@@ -165,6 +165,24 @@ def _yarn_scaling(scaling: dict, max_position_embeddings) -> dict:
     return out
 
 
+def _factor_scaling(kind: str, scaling: dict, max_position_embeddings: int) -> dict:
+    """Linear or dynamic-NTK RoPE scaling's parameters checked (functional.rope computes them):
+    a factor > 0, over which both stretch max_position_embeddings (vLLM's context for them:
+    max_position_embeddings x factor). transformers and vLLM read factor and nothing else
+    (rope_theta aside); vLLM's other dynamic form, with `alpha` (DynamicNTKAlpha), is refused."""
+    factor = scaling.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0 \
+            or not math.isfinite(factor):
+        raise ValueError(f"{kind} rope scaling needs factor > 0, got {factor!r}")
+    if kind == "dynamic" and "alpha" in scaling:
+        raise ValueError("dynamic rope scaling with alpha (vLLM's DynamicNTKAlpha) is not "
+                         "supported: minivllm computes dynamic scaling by factor")
+    if int(max_position_embeddings * factor) < 1:
+        raise ValueError(f"{kind} rope scaling's context, max_position_embeddings x factor "
+                         f"({max_position_embeddings} x {factor}), is less than one position")
+    return dict(scaling)
+
+
 def _token_ids(key: str, value: Any, *, many: bool) -> Any:
     """config.json's bos / eos id as given (null, an id, or for eos a list of ids), checked: a
     string or a float there would otherwise surface as a failed int() after the weights load."""
@@ -268,9 +286,18 @@ def _rope(d: dict, max_positions: int) -> tuple[Any, dict | None]:
         return rope_theta, _yarn_scaling(rope_scaling, max_positions)
     if kind == "llama3":
         return rope_theta, _llama3_scaling(rope_scaling, max_positions)
-    raise ValueError(f"unsupported rope scaling type {kind!r}: minivllm supports 'yarn' and "
-                     f"'llama3'")
+    if kind in ("linear", "dynamic"):
+        return rope_theta, _factor_scaling(kind, rope_scaling, max_positions)
+    raise ValueError(f"unsupported rope scaling type {kind!r}: minivllm supports 'yarn', "
+                     f"'llama3', 'linear' and 'dynamic'")
 
+
+# transformers' values for keys that config.json leaves out (vLLM reads the same config
+# objects): Qwen3Config's head_dim is 128 whatever hidden_size / num_attention_heads is, and its
+# num_key_value_heads 32 (all heads only when the key is null). Qwen3MoeConfig has no head_dim
+# (its attention takes hidden_size // num_attention_heads) and 4 KV heads.
+_ABSENT_DEFAULTS = {"qwen3": {"head_dim": 128, "num_key_value_heads": 32},
+                    "qwen3_moe": {"num_key_value_heads": 4}}
 
 # ModelConfig field -> its config.json key, where they differ (for error messages).
 _HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
@@ -317,6 +344,10 @@ class ModelConfig:
         if self.head_dim % 2:  # an odd one would fail deep in the attention, after the load
             raise ValueError(f"config head_dim must be even (RoPE rotates its two halves), got "
                              f"{self.head_dim}")
+        if (isinstance(self.rope_scaling, tuple) and self.head_dim == 2
+                and dict(self.rope_scaling).get("rope_type") == "dynamic"):
+            raise ValueError("dynamic rope scaling needs head_dim > 2 (its base is raised to the "
+                             "power head_dim / (head_dim - 2))")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) is not a multiple of "
@@ -365,11 +396,13 @@ class ModelConfig:
     @property
     def max_context_len(self) -> int:
         """The longest context the model's positions serve, as vLLM derives it: with YaRN
-        original_max_position_embeddings * factor (Qwen3's card: 32,768 * 4), else
-        max_position_embeddings."""
+        original_max_position_embeddings * factor (Qwen3's card: 32,768 * 4), with linear or
+        dynamic scaling max_position_embeddings * factor, else max_position_embeddings."""
         scaling = self.rope_scaling_dict
         if scaling is not None and scaling["rope_type"] == "yarn":
             return int(scaling["original_max_position_embeddings"] * scaling["factor"])
+        if scaling is not None and scaling["rope_type"] in ("linear", "dynamic"):
+            return int(self.max_position_embeddings * scaling["factor"])
         return self.max_position_embeddings
 
     @property
@@ -445,7 +478,8 @@ class ModelConfig:
         if tie not in (True, False):  # bool("false") would be True: a silently tied head
             raise ValueError(f"config tie_word_embeddings must be true or false, got {tie!r}")
         num_heads = d["num_attention_heads"]
-        head_dim = d.get("head_dim")
+        absent = _ABSENT_DEFAULTS[model_type]
+        head_dim = d["head_dim"] if "head_dim" in d else absent.get("head_dim")
         if head_dim is None:
             # Divided only when both are positive ints: otherwise __attrs_post_init__ names the
             # bad key (hidden_size // 0 would be a ZeroDivisionError that names nothing).
@@ -461,7 +495,14 @@ class ModelConfig:
         if isinstance(dtype_name, str) and dtype_name.removeprefix("torch.") in ("float64",
                                                                                  "double"):
             dtype_name = "float32"  # stored wider than minivllm computes: load narrows it
-        num_kv_heads = d.get("num_key_value_heads")  # a 0 is named below, not taken as absent
+        # Absent: transformers' default; null: all heads (Qwen3Config's __post_init__). A 0 is
+        # named by __attrs_post_init__, not taken as either.
+        num_kv_heads = d.get("num_key_value_heads", absent["num_key_value_heads"])
+        if "num_key_value_heads" not in d and type(num_heads) is int and num_heads > 0 \
+                and num_heads % num_kv_heads:
+            raise ValueError(f"config has no num_key_value_heads: transformers' {model_type} "
+                             f"config then takes {num_kv_heads}, which does not divide "
+                             f"num_attention_heads ({num_heads}); give num_key_value_heads")
         return cls(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
