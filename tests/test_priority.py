@@ -55,12 +55,12 @@ def test_the_lowest_priority_is_preempted_and_results_do_not_change(model_dir, d
     llm = make_llm(model_dir, device, num_kv_blocks=8, block_size=8, scheduling_policy="priority")
     preempted = []
     scheduler = llm.engine.scheduler
-    real = scheduler._preempt
+    real = scheduler.preempt
 
     def record(seq):
         preempted.append(seq.priority)
         real(seq)
-    scheduler._preempt = record
+    scheduler.preempt = record
     outs, order = run_in_order(llm, priority)
     assert preempted and scheduler.num_preemptions == len(preempted)
     assert 0 not in preempted  # the two of priority 0 always find a lower one to preempt

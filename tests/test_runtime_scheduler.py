@@ -345,5 +345,5 @@ def test_a_preempted_sequence_waits_ahead_of_newer_requests():
     out = sched.schedule()
     sched.update(out, [0] * len(out.sampled))
     sched.add(c)
-    sched._preempt(b)
+    sched.preempt(b)
     assert [s.seq_id for s in sched.waiting] == [1, 2]

@@ -385,7 +385,9 @@ class LLMEngine:
         first; level 2: discarded, for load_weights to fill after wake_up) and of the KV cache,
         whose prefix cache is forgotten. Refused (ValueError, nothing changed) without
         enable_sleep_mode, for a level other than 1 or 2, and while requests are unfinished. An
-        engine asleep already stays as it is, with a warning (vLLM's)."""
+        engine asleep already stays as it is, with a warning (vLLM's). A sleep that fails raises
+        with the engine awake and usable, its prefix cache forgotten, unless level 2 had begun
+        discarding the weights: then it sleeps, as after level 2 (ModelRunner.sleep)."""
         self._check_sleep_mode("sleep")
         check_level(level)
         if self.sleeping:
@@ -396,7 +398,20 @@ class LLMEngine:
             raise ValueError("sleep while requests are unfinished would lose their KV cache: "
                              "finish or abort them first")
         self._drain()
-        self.runner.sleep(level)
+        try:
+            self.runner.sleep(level)
+        except BaseException:
+            # The runner gave back what it had freed, the cache as zeros, and is awake; or, failed
+            # in level 2's discard of the weights, sleeps (ModelRunner.sleep). Either way the
+            # cache's K/V is gone.
+            self.block_manager.reset_prefix_cache()
+            asleep = getattr(self.runner, "asleep", None)
+            if isinstance(asleep, dict) and asleep:
+                self._fell_asleep(level)
+            raise
+        self._fell_asleep(level)
+
+    def _fell_asleep(self, level: int) -> None:
         self.sleeping = set(TAGS)
         # No sequence holds a block now: every registered one, whose K/V is gone, is forgotten.
         self.block_manager.reset_prefix_cache()
@@ -1165,7 +1180,7 @@ class LLMEngine:
                     del seq.token_ids[-seq.num_pending:]
                     seq.num_pending = 0
                 if seq.status is Status.RUNNING:
-                    sched._preempt(seq)
+                    sched.preempt(seq)
                 elif seq.finish_reason == "pooled" and \
                         getattr(self.requests.get(seq.request_id), "pooled", 0) is None:
                     # Ended by its step (Scheduler.advance), its result never read.

@@ -47,7 +47,7 @@ from .memory import (CAPTURE_CODE_BYTES, CUDA_SEGMENT_GRANULE, GiB, bytes_outsid
                      kv_blocks_within, kv_blocks_within_caches, kv_budget_bytes,
                      memory_owners, profile_lengths, startup_memory_report)
 from .prefill_graph import PrefillGraph, prefill_graph_sizes, verify_graph_shapes
-from .sleep import offload, owned, restore
+from .sleep import Offloaded, free, owned, restore, stage
 from .warmup import warm_up_kernels
 
 log = logging.getLogger("minivllm")
@@ -521,16 +521,64 @@ class ModelRunner:
 
     def sleep(self, level: int) -> None:
         """Free the weights' memory (level 1: copied to the host first; 2: discarded) and the KV
-        cache's, keeping every tensor object (runtime/sleep.py). The CUDA graphs, which read those
-        addresses, are released too, with their pool: after the offloads, so that a sleep that
-        fails (no host memory for the weights' copy) frees nothing and leaves them captured."""
-        asleep = {"weights": offload(self.params, keep=level == 1),
-                  "kv_cache": offload(self.cache, keep=False)}
-        self._drop_captures()
-        self.last_tokens, self.ids_in_graph = None, None
-        self.asleep = asleep
+        cache's, keeping every tensor object (runtime/sleep.py), and release the CUDA graphs,
+        which read those addresses.
+
+        All or nothing, as far as it can be: the weights' host copy is made before anything is
+        freed (no host memory for it frees nothing), the cache (discarded at either level) is
+        freed before the weights, and the graphs are released after both. A failure on the way
+        puts back what was freed (_undo_sleep: the weights' bytes from their host copy, the
+        cache's as zeros, whose prefix cache the engine forgets) and raises, the runner awake.
+        Level 2's discard of the weights, last, is the one step that cannot be undone: a failure
+        once it has freed any leaves the runner asleep, as a level-2 sleep does, and raises."""
+        weights = stage(self.params, keep=level == 1)
+        cache = stage(self.cache, keep=False)
+        released = False
+        try:
+            free(cache)
+            if level == 1:
+                free(weights)
+            released = True
+            self._drop_captures()
+            if level == 2:
+                free(weights)
+        except BaseException:
+            if level == 2 and weights.freed:
+                self._fall_asleep(weights, cache)
+            else:
+                self._undo_sleep(weights, cache, released)
+            raise
+        self._fall_asleep(weights, cache)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the freed blocks back to the device, for the trainer
+
+    def _fall_asleep(self, weights: Offloaded, cache: Offloaded) -> None:
+        """Record the weights and the cache asleep (for wake_up), the graphs released."""
+        self.last_tokens, self.ids_in_graph = None, None
+        self.asleep = {"weights": weights, "kv_cache": cache}
+
+    def _undo_sleep(self, weights: Offloaded, cache: Offloaded, released: bool) -> None:
+        """After a sleep failed before level 2's discard: give back what it freed (restore:
+        only the storages it emptied) and, where any came back (at a new address) or the graphs
+        were being released, capture the graphs again, as wake_up does (they are released for
+        good if that fails: eager steps read no baked address). Memory that cannot be taken
+        back leaves the runner asleep, for a wake_up to try again."""
+        moved = weights.freed or cache.freed
+        try:
+            restore(weights)
+            restore(cache)
+        except BaseException:
+            self._fall_asleep(weights, cache)
+            raise
+        if not (moved or released):
+            return  # nothing freed, nothing released: the graphs stand
+        self._drop_captures()
+        self.last_tokens, self.ids_in_graph = None, None
+        try:
+            self._capture_again()
+        except BaseException:
+            self.release_graphs()
+            raise
 
     def wake_up(self, tags: tuple[str, ...]) -> None:
         """Take back the memory of `tags` ("weights": their bytes from the host, or zeros after

@@ -36,6 +36,12 @@ pending token to the model from the device; the host never needs it to schedule.
 whose pending token is certain to end it (max_tokens, max_model_len) is not scheduled again; one
 that an EOS or stop token ends may run one step too many, whose token is dropped. Blocks are
 offered to the prefix cache only once every token in them is known.
+
+schedule() is all or nothing: one that raises part-way (an error, or Ctrl-C after it admitted,
+grew or preempted some sequences) puts the queues, the sequences and the block manager back as
+they were (ScheduleUndo), so that the engine can schedule again, or abort requests, as if it had not
+run. Its records cost a few percent of a 256-sequence decode step's schedule()
+(dbg/s77/schedule_cost.py).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from typing import NamedTuple
 
 from .block_manager import BlockManager
 from .sequence import PENDING, Sequence, Status
+from .schedule_undo import ScheduleUndo
 
 
 class ScheduledChunk(NamedTuple):
@@ -231,7 +238,10 @@ class Scheduler:
         if self.on_finish is not None:
             self.on_finish(seq)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence) -> None:
+        """Preempt running seq by recompute: free its blocks and queue it again, at its place by
+        _order (ahead of newer requests), keeping its tokens; it is prefilled again (through the
+        prefix cache where its blocks survive) when it comes back."""
         self.running.remove(seq)
         self.bm.free_blocks(seq)
         seq.num_computed = 0
@@ -242,6 +252,19 @@ class Scheduler:
     # -- one step --------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """The next step. All or nothing: if it raises part-way (an error, or Ctrl-C), the
+        scheduler, its block manager and its sequences are put back as they were before the call
+        (ScheduleUndo), so that the engine can schedule again, or abort, as if it never ran."""
+        undo = ScheduleUndo(self)
+        try:
+            return self._schedule_step(undo)
+        except BaseException:
+            undo.restore()
+            raise
+
+    def _schedule_step(self, undo: ScheduleUndo) -> SchedulerOutput:
+        """schedule()'s work; each change to the queues, a sequence or the block manager is
+        recorded in `undo` before it is made."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
 
@@ -264,9 +287,9 @@ class Scheduler:
                 drafts = self._drafts(seq, start, n, budget)
                 if drafts:
                     end += len(drafts)
-            if len(seq.block_table) * block_size < end and not self._grow(out, seq, end):
+            if len(seq.block_table) * block_size < end and not self._grow(out, seq, end, undo):
                 continue  # preempted to make room for itself
-            self._schedule(out, seq, start, n)
+            self._schedule(out, seq, start, n, undo)
             if drafts:
                 out.drafts[seq] = drafts
                 out.num_tokens += len(drafts)
@@ -294,6 +317,9 @@ class Scheduler:
             n = min(seq.num_tokens - cached, budget)
             if not self.bm.can_allocate(seq, cached + n, hits):
                 break
+            undo.queues()
+            undo.seq(seq)
+            undo.allocate(seq, cached + n, hits)
             self.waiting.pop(at)
             if loras is not None and seq.lora_id:
                 loras.add(seq.lora_id)
@@ -305,7 +331,7 @@ class Scheduler:
                 seq.scheduled_time = time.monotonic()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            self._schedule(out, seq, cached, n)
+            self._schedule(out, seq, cached, n, undo)
             budget -= n
         return out
 
@@ -322,27 +348,32 @@ class Scheduler:
             return None
         return drafts
 
-    def _grow(self, out: SchedulerOutput, seq: Sequence, num_tokens: int) -> bool:
+    def _grow(self, out: SchedulerOutput, seq: Sequence, num_tokens: int,
+              undo: ScheduleUndo) -> bool:
         """Grow running seq's table to `num_tokens` tokens, preempting the newest sequences not
         scheduled this step (the last by _order) while blocks are short. False when seq itself
         was preempted."""
         while not self.bm.can_allocate(seq, num_tokens):
             scheduled = {c.seq.seq_id for c in out.chunks}
             victim = max((s for s in self.running if s.seq_id not in scheduled), key=self._order)
-            self._preempt(victim)
+            undo.preempt(victim)
+            self.preempt(victim)
             out.preempted.append(victim)
             if victim is seq:
                 return False
+        undo.allocate(seq, num_tokens)
         self.bm.allocate(seq, num_tokens)
         return True
 
-    def _schedule(self, out: SchedulerOutput, seq: Sequence, start: int, n: int) -> None:
+    def _schedule(self, out: SchedulerOutput, seq: Sequence, start: int, n: int,
+                  undo: ScheduleUndo) -> None:
         """Schedule seq's tokens start ... start + n - 1, its table holding them already."""
         end, num_tokens = start + n, len(seq.token_ids)
         # A block is registered under its ids: one holding a pending token waits for a later
         # step. Most steps fill no block (a decode fills one every block_size steps).
         known = min(end, num_tokens - seq.num_pending)
         if known // self.bm.block_size > seq.num_registered_blocks:
+            undo.register(seq, known)
             self.bm.register_full_blocks(seq, known)
         last = end == num_tokens
         chunk = ScheduledChunk(seq, start, n, last and not seq.pooling)
@@ -363,7 +394,7 @@ class Scheduler:
             seq = chunk.seq
             if seq.status is Status.RUNNING and any(
                     b in unwritten for b in seq.block_table[:seq.num_computed // bs]):
-                self._preempt(seq)
+                self.preempt(seq)
 
     def advance(self, out: SchedulerOutput) -> None:
         """The first half of recording a launched step: its tokens are computed, each sampled

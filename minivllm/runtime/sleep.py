@@ -17,6 +17,9 @@ CUDA graphs, whose kernels were captured with pointers to the weights and the ca
 persistent decode's layer table (kernels/decode_layer.layer_table), a device tensor of those
 pointers. Compiled code takes the tensors as arguments and guards on their shapes, not their
 addresses: it needs nothing.
+
+A sleep stages each pytree first (its storages, their sizes, the host copy: nothing freed), then
+frees them, so that one that fails can give back exactly what it freed (ModelRunner.sleep).
 """
 
 from __future__ import annotations
@@ -33,11 +36,14 @@ LEVELS = (1, 2)
 @dataclass(eq=False)
 class Offloaded:
     """What offload took from a pytree: its distinct storages (emptied), each one's size in bytes
-    and, if kept, a host copy of its bytes (None: discarded)."""
+    and, if kept, a host copy of its bytes (None: discarded). freed: how many of the storages,
+    in order, free has emptied or was emptying (a free that failed part-way stops short), those
+    whose memory restore gives back."""
 
     storages: list[torch.UntypedStorage]
     nbytes: list[int]
     host: list[torch.UntypedStorage] | None
+    freed: int = 0
 
 
 def storages(tree) -> list[torch.UntypedStorage]:
@@ -62,10 +68,11 @@ def owned(tree):
                     not t.untyped_storage().resizable() else t, tree)
 
 
-def offload(tree, *, keep: bool) -> Offloaded:
-    """Free the memory of every storage under tree (resize_(0): the tensors stay, with no bytes),
-    its bytes first copied to the host when `keep` (pinned memory on CUDA). Waits for the
-    device's queued work, which may still read them."""
+def stage(tree, *, keep: bool) -> Offloaded:
+    """What offload will free under tree, nothing freed yet: its distinct storages, their sizes
+    and, when `keep`, a host copy of their bytes (pinned memory on CUDA). Waits for the device's
+    queued work, which may still write them. A failure here (no host memory for the copy)
+    leaves everything as it was."""
     found = storages(tree)
     sizes = [s.nbytes() for s in found]
     host = None
@@ -79,24 +86,40 @@ def offload(tree, *, keep: bool) -> Offloaded:
             h.copy_(s, non_blocking=pin)
         if pin:
             torch.cuda.synchronize(found[0].device)
-    for s in found:
-        s.resize_(0)
     return Offloaded(found, sizes, host)
 
 
+def free(off: Offloaded) -> None:
+    """Free the memory of each storage staged in `off` (resize_(0): the tensors stay, with no
+    bytes)."""
+    for i, s in enumerate(off.storages):
+        off.freed = i + 1  # first: one that fails inside resize_ is given back too
+        s.resize_(0)
+
+
+def offload(tree, *, keep: bool) -> Offloaded:
+    """Free the memory of every storage under tree, its bytes first copied to the host when
+    `keep`: stage, then free."""
+    off = stage(tree, keep=keep)
+    free(off)
+    return off
+
+
 def restore(off: Offloaded) -> None:
-    """Give each storage offload emptied its size again (at a new address) and its bytes back:
-    the host copy, or zeros where there is none."""
-    for s, n in zip(off.storages, off.nbytes):
+    """Give each storage that `off`'s free emptied its size again (at a new address) and its
+    bytes back: the host copy, or zeros where there is none. Those free never reached (it failed
+    part-way) are left as they are. A restore that fails can be run again."""
+    back = off.storages[:off.freed]
+    for s, n in zip(back, off.nbytes):
         s.resize_(n)
     if off.host is None:
-        for s in off.storages:
+        for s in back:
             s.fill_(0)
         return
-    for s, h in zip(off.storages, off.host):
+    for s, h in zip(back, off.host):
         s.copy_(h, non_blocking=True)
-    if off.storages and off.storages[0].device.type == "cuda":
-        torch.cuda.synchronize(off.storages[0].device)  # before the host copies are freed
+    if back and back[0].device.type == "cuda":
+        torch.cuda.synchronize(back[0].device)  # before the host copies are freed
 
 
 def check_level(level) -> int:
