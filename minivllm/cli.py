@@ -1,11 +1,13 @@
 """The `minivllm` command: `generate` completes prompts, `chat` is an interactive conversation,
-`bench` measures throughput or single-stream latency, `serve` answers OpenAI API requests.
+`bench` measures throughput or single-stream latency, `serve` answers OpenAI API requests,
+`run-batch` answers a file of them.
 
     minivllm generate --model DIR --prompt "Hello, my name is" --max-tokens 32
     minivllm chat --model DIR
     minivllm generate --demo          # a built-in tiny model with random weights: no download
     minivllm bench --shape qwen3-0.6b # nano-vllm's throughput workload (--latency: one stream)
     minivllm serve DIR --port 8000    # an OpenAI-compatible server (/v1/completions, /v1/chat/...)
+    minivllm run-batch -i in.jsonl -o out.jsonl --model DIR  # OpenAI batch lines, as serve answers
 
 With neither --model nor --demo, `generate` and `chat` run the demo model, and say so (`bench`
 runs random weights of --shape).
@@ -184,39 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                        help="the checkpoint directory (as --model)")
     _add_model_args(serve)
-    # vLLM's --seed is the engine's (serve samples no request of its own): the same here
-    serve.add_argument("--seed", dest="engine_seed", type=int, default=argparse.SUPPRESS,
-                       help="as --engine-seed (vLLM's name for it)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=_port, default=8000)
-    serve.add_argument("--served-model-name", default=None,
-                       help="the name requests give as \"model\" (default: the model's path)")
     serve.add_argument("--api-key", default=None,
                        help="answer /v1 requests only with 'Authorization: Bearer KEY'")
     serve.add_argument("--disable-log-stats", action="store_true",
                        help="record no metrics (GET /metrics then shows the cache config only)")
-    serve.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
-                       help="priority: requests' 'priority' field orders them, lower first")
-    serve.add_argument("--runner", choices=["auto", "generate", "pooling"], default="auto",
-                       help="pooling: serve embeddings (/v1/embeddings), or a classifier's "
-                            "/classify, /score and /rerank, instead of completions; auto: pooling "
-                            "for a sentence-transformers checkpoint (Qwen3-Embedding) or a "
-                            "Qwen3ForSequenceClassification (also one hf_overrides make)")
-    serve.add_argument("--reasoning-parser", choices=["qwen3"], default=None,
-                       help="split a thinking model's <think> text from its answer (the "
-                            "message's 'reasoning'); structured outputs then hold the answer")
-    serve.add_argument("--enable-auto-tool-choice", action="store_true",
-                       help="tool_choice 'auto' (the default with tools) reads tool calls from "
-                            "the answer (with --tool-call-parser)")
-    # runtime.tool_calls.PARSERS (not imported here: the runtime brings torch).
-    serve.add_argument("--tool-call-parser", choices=["hermes", "qwen3_coder"], default=None,
-                       help="the form of the model's tool calls: hermes (<tool_call> JSON "
-                            "blocks, Qwen3's) or qwen3_coder (<tool_call><function=...> XML "
-                            "blocks, Qwen3-Coder's)")
-    serve.add_argument("--enable-prompt-embeds", action="store_true",
-                       help="/v1/completions takes 'prompt_embeds': base64 strings of "
-                            "torch.save'd float tensors [tokens, hidden_size] (vLLM's flag; "
-                            "their rows reach the model as given: serve trusted clients)")
     serve.add_argument("--enable-sleep-mode", action="store_true",
                        help="the engine may free the weights' and the KV cache's memory and take "
                             "it back (vLLM's flag): with env VLLM_SERVER_DEV_MODE=1, POST "
@@ -226,11 +201,59 @@ def build_parser() -> argparse.ArgumentParser:
                        help="answer a request whose body is larger 413, unread (default 64 MiB, "
                             "or with --enable-prompt-embeds enough for one max_model_len prompt "
                             "of fp32 embeddings if that is more)")
-    lora = serve.add_argument_group("LoRA adapters")
+    _add_serving_args(serve)
+    batch = sub.add_parser("run-batch", help="answer a file of OpenAI batch requests, one JSON "
+                                             "object a line (as `vllm run-batch`)")
+    batch.add_argument("-i", "--input-file", required=True, metavar="PATH",
+                       help="the requests: one {\"custom_id\", \"method\", \"url\", \"body\"} "
+                            "a line; - reads stdin (vLLM's http(s) URLs are refused)")
+    batch.add_argument("-o", "--output-file", required=True, metavar="PATH",
+                       help="the responses, one {\"id\", \"custom_id\", \"response\", "
+                            "\"error\"} a line in the input's order; - writes stdout")
+    _add_model_args(batch)
+    _add_serving_args(batch)
+    from .runtime.bench import add_bench_args
+
+    bench = sub.add_parser("bench", help="throughput (nano-vllm's workload) or single-stream latency")
+    add_bench_args(bench)
+    return parser
+
+
+def _add_serving_args(p: argparse.ArgumentParser) -> None:
+    """How requests are answered, for serve and run-batch (which answers each line as serve
+    answers the same body)."""
+    # vLLM's --seed is the engine's (serve samples no request of its own): the same here
+    p.add_argument("--seed", dest="engine_seed", type=int, default=argparse.SUPPRESS,
+                   help="as --engine-seed (vLLM's name for it)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name requests give as \"model\" (default: the model's path)")
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="priority: requests' 'priority' field orders them, lower first")
+    p.add_argument("--runner", choices=["auto", "generate", "pooling"], default="auto",
+                   help="pooling: serve embeddings (/v1/embeddings), or a classifier's "
+                        "/classify, /score and /rerank, instead of completions; auto: pooling "
+                        "for a sentence-transformers checkpoint (Qwen3-Embedding) or a "
+                        "Qwen3ForSequenceClassification (also one hf_overrides make)")
+    p.add_argument("--reasoning-parser", choices=["qwen3"], default=None,
+                   help="split a thinking model's <think> text from its answer (the "
+                        "message's 'reasoning'); structured outputs then hold the answer")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="tool_choice 'auto' (the default with tools) reads tool calls from "
+                        "the answer (with --tool-call-parser)")
+    # runtime.tool_calls.PARSERS (not imported here: the runtime brings torch).
+    p.add_argument("--tool-call-parser", choices=["hermes", "qwen3_coder"], default=None,
+                   help="the form of the model's tool calls: hermes (<tool_call> JSON "
+                        "blocks, Qwen3's) or qwen3_coder (<tool_call><function=...> XML "
+                        "blocks, Qwen3-Coder's)")
+    p.add_argument("--enable-prompt-embeds", action="store_true",
+                   help="/v1/completions takes 'prompt_embeds': base64 strings of "
+                        "torch.save'd float tensors [tokens, hidden_size] (vLLM's flag; "
+                        "their rows reach the model as given: serve trusted clients)")
+    lora = p.add_argument_group("LoRA adapters")
     lora.add_argument("--enable-lora", action="store_true",
                       help="serve LoRA adapters: a request whose \"model\" names one of "
-                           "--lora-modules runs with it (with env "
-                           "MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING=1, also one loaded by POST "
+                           "--lora-modules runs with it (serve, with env "
+                           "MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING=1: also one loaded by POST "
                            "/v1/load_lora_adapter)")
     lora.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                       type=_lora_module,
@@ -240,11 +263,23 @@ def build_parser() -> argparse.ArgumentParser:
                       help="adapters in one batch at most (the engine's slots)")
     lora.add_argument("--max-lora-rank", type=int, default=16,
                       help="the largest adapter rank served")
-    from .runtime.bench import add_bench_args
 
-    bench = sub.add_parser("bench", help="throughput (nano-vllm's workload) or single-stream latency")
-    add_bench_args(bench)
-    return parser
+
+def _check_serving_args(args) -> None:
+    """_add_serving_args' flags that go together, checked before the model loads."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("minivllm: --enable-auto-tool-choice needs --tool-call-parser")
+    if args.lora_modules and not args.enable_lora:
+        raise SystemExit("minivllm: --lora-modules needs --enable-lora")
+    names = [name for name, _ in args.lora_modules or ()]
+    twice = next((name for k, name in enumerate(names) if name in names[:k]), None)
+    if twice is not None:  # as vLLM, whose second load of the name fails at start-up
+        raise SystemExit(f"minivllm: --lora-modules: the name {twice!r} is given twice")
+
+
+def _served_name(args) -> str:
+    """The name requests give as "model" (serve's and run-batch's)."""
+    return args.served_model_name or args.model or "minivllm-demo"
 
 
 def _torchrun_rank() -> int | None:
@@ -478,20 +513,13 @@ def cmd_serve(args) -> int:
         if args.model is not None and args.model != args.model_tag:
             raise SystemExit("minivllm: give the model once, as MODEL or --model")
         args.model = args.model_tag
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise SystemExit("minivllm: --enable-auto-tool-choice needs --tool-call-parser")
+    _check_serving_args(args)
     if args.max_request_body_bytes is not None and args.max_request_body_bytes < 1:
         raise SystemExit("minivllm: --max-request-body-bytes must be a positive number of bytes")
-    if args.lora_modules and not args.enable_lora:
-        raise SystemExit("minivllm: --lora-modules needs --enable-lora")
-    names = [name for name, _ in args.lora_modules or ()]
-    twice = next((name for k, name in enumerate(names) if name in names[:k]), None)
-    if twice is not None:  # as vLLM, whose second load of the name fails at start-up
-        raise SystemExit(f"minivllm: --lora-modules: the name {twice!r} is given twice")
     _check_address(args.host, args.port)
     model = _resolve_model(args)
     llm = _make_llm(args, model)
-    name = args.served_model_name or args.model or "minivllm-demo"
+    name = _served_name(args)
     server = OpenAIServer(llm, host=args.host, port=args.port, model_name=name,
                           api_key=args.api_key, disable_log_stats=args.disable_log_stats,
                           enable_auto_tool_choice=args.enable_auto_tool_choice,
@@ -511,6 +539,25 @@ def cmd_serve(args) -> int:
         pass
     finally:
         server.http.server_close()
+        llm.shutdown()
+    return 0
+
+
+def cmd_run_batch(args) -> int:
+    from .runtime import run_batch
+
+    _check_serving_args(args)
+    # The whole input is read and checked, and the output's place, before the model loads: a
+    # line that is no batch request ends the run, as vLLM's, with nothing run or written.
+    requests = run_batch.read_input(args.input_file)
+    run_batch.check_output(args.output_file)
+    llm = _make_llm(args, _resolve_model(args))
+    try:
+        run_batch.run_batch(llm, requests, args.output_file, model_name=_served_name(args),
+                            enable_auto_tool_choice=args.enable_auto_tool_choice,
+                            tool_call_parser=args.tool_call_parser,
+                            lora_modules=dict(args.lora_modules or ()))
+    finally:
         llm.shutdown()
     return 0
 
@@ -584,6 +631,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "serve":
             return cmd_serve(args)
+        if args.command == "run-batch":
+            return cmd_run_batch(args)
         if args.command == "bench":
             from .runtime.bench import main as bench_main
 

@@ -121,7 +121,8 @@ def test_the_readme_is_read():
     assert len(fences("python")) >= 15 and len(COMMANDS) >= 15
     # Every skip marker stands right above a python block (one elsewhere would skip nothing).
     assert len(SKIP.findall(README)) == sum(s is not None for _, _, s in fences("python")) > 0
-    assert {argv[0] for _, _, argv in COMMANDS} == {"generate", "chat", "serve", "bench"}
+    assert {argv[0] for _, _, argv in COMMANDS} == {"generate", "chat", "serve", "bench",
+                                                      "run-batch"}
 
 
 @pytest.mark.parametrize("line,env,argv", COMMANDS, ids=[f"line{c[0]}" for c in COMMANDS])
@@ -151,7 +152,7 @@ def scoped_flags() -> list[tuple[int, str, str]]:
     each flag of the paragraph that `minivllm generate --help` lists."""
     found = []
     for line, span in code_spans():
-        m = re.match(r"(?:minivllm )?(generate|chat|serve|bench)\b(.*)", span)
+        m = re.match(r"(?:minivllm )?(generate|chat|serve|bench|run-batch)(?![\w-])(.*)", span)
         if m and FLAG.search(m.group(2)):
             found += [(line, m.group(1), f) for f in FLAG.findall(m.group(2))]
     for line, env, argv in COMMANDS:
