@@ -122,8 +122,7 @@ def test_an_assistants_reasoning_reaches_the_template_as_reasoning_content(tok):
      r"content\[0\]\.text must be a string, got int"),
     ([[USER], USER], TypeError, r"messages\[1\] must be a conversation"),
     ([[USER], [USER, {"role": "user"}, "x"]], TypeError, r"messages\[1\]\[2\] must be an object"),
-    ([USER, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}],
-     ValueError, r"messages\[1\]\.tool_calls\[0\]\.function\.arguments is not JSON"),
+    # (broken arguments JSON is no longer refused: vLLM's {} since its PR 48922, test_audit_s77_chat)
     ([USER, {"role": "assistant", "tool_calls": "f()"}], TypeError, "tool_calls must be an array"),
 ])
 def test_malformed_messages_raise_before_any_rendering(tok, messages, error, match):

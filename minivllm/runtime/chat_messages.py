@@ -5,6 +5,9 @@ endpoint, so that both refuse and render a message alike."""
 from __future__ import annotations
 
 import json
+import logging
+
+log = logging.getLogger("minivllm")
 
 # The content parts vLLM's chat parser reads as text, and the key each holds its text under.
 _TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text",
@@ -16,12 +19,13 @@ def chat_message(message, where: str) -> dict:
     for a template that takes string content (Qwen3's). Content None or missing is "", a list
     of text parts (or strings) is their texts joined by newlines (an empty or null text is no
     part); an assistant's "reasoning" is also its "reasoning_content" (the name Qwen3's
-    template reads); earlier tool calls' JSON string arguments become objects (null, "" or a
-    number: {}), and an empty or null tool_calls is dropped. Other keys (name,
-    tool_call_id, ...) pass through. `where` names the message in errors ("messages[2]"): one
-    that is not a dict, or whose role or content has the wrong type, is a TypeError; a missing
-    role, a part that is not text (this engine reads text only) or arguments that are not
-    JSON, a ValueError."""
+    template reads); earlier tool calls' arguments become objects (_call_arguments: a JSON
+    string parsed; broken JSON, or anything but an object, {} with a warning, as vLLM), and an
+    empty or null tool_calls is dropped. Other keys (name, tool_call_id, ...) pass through.
+    `where` names the message in errors ("messages[2]"): one that is not a dict, or whose role
+    or content has the wrong type, is a TypeError; a missing role, a part that is not text
+    (this engine reads text only), a tool call that is not a function's or arguments nested
+    past what Python's JSON decoder reads, a ValueError."""
     if not isinstance(message, dict):
         raise TypeError(f"{where} must be an object with 'role' and 'content', got "
                         f"{type(message).__name__}")
@@ -96,14 +100,37 @@ def _history_calls(calls, where: str) -> list[dict]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise ValueError(f"{where}.tool_calls[{j}] must be {{'id', 'type': 'function', "
                              f"'function': {{'name', 'arguments'}}}}")
-        arguments = fn.get("arguments")
-        if isinstance(arguments, str) and arguments.strip():
-            try:
-                arguments = json.loads(arguments)
-            except (json.JSONDecodeError, RecursionError):  # broken, or nested too deep
-                raise ValueError(f"{where}.tool_calls[{j}].function.arguments is not JSON: "
-                                 f"{arguments!r:.80}") from None
-        elif not isinstance(arguments, (dict, list)):  # null, "", a number: none (vLLM's)
-            arguments = {}
+        if call.get("type", "function") != "function":  # vLLM's refusal
+            raise ValueError(f"{where}.tool_calls[{j}]: chat completions only support "
+                             f"assistant tool_calls of type 'function', got {call['type']!r}")
+        arguments = _call_arguments(fn["name"], fn.get("arguments"), f"{where}.tool_calls[{j}]")
         out.append({**call, "function": {**fn, "arguments": arguments}})
     return out
+
+
+def _call_arguments(name: str, arguments, where: str) -> dict:
+    """An earlier call's arguments as the object the template reads: vLLM's
+    _postprocess_messages (entrypoints/chat_utils). A JSON string is parsed; none (null, "",
+    0, []) is {}; arguments that are broken JSON, or JSON that is not an object, are {} with a
+    warning rather than a refusal: they live in the conversation's history, so refusing them
+    would refuse every later turn of that conversation too."""
+    if not arguments:
+        return {}
+    if isinstance(arguments, dict):
+        return arguments
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            log.warning("Tool call %r has arguments that are not valid JSON (%d chars); "
+                        "coercing to an empty object so the conversation can continue.",
+                        name, len(arguments))
+            return {}
+        except RecursionError:  # valid, maybe; Python's decoder cannot read it (vLLM: a 500)
+            raise ValueError(f"{where}.function.arguments is not JSON Python can read: it nests "
+                             f"too deep") from None
+    if not isinstance(arguments, dict):
+        log.warning("Tool call %r arguments decoded to %s, not a JSON object; coercing to an "
+                    "empty object.", name, type(arguments).__name__)
+        return {}
+    return arguments

@@ -24,7 +24,10 @@ count the parent once. Times are the host's monotonic clock, in seconds:
 Prompt tokens (prompt_tokens_total and its breakdown) count when a request's first token (a
 pooling request's result) comes, once, as vLLM's; generation tokens as they are read. A request
 without max_tokens observes max_model_len - prompt_len in request_params_max_tokens: the
-max_tokens vLLM's input processor gives it.
+max_tokens vLLM's input processor gives it. The server, as vLLM's, lowers a default max_tokens
+(generation_config's max_new_tokens) past that room to it before queueing, and refuses a
+requested one past it (openai_api.fit_context): both observe no more than the room. LLM.generate
+checks no max_tokens against the room (nor does vLLM's LLM): one past it is observed as given.
 Unlike vLLM 0.13 (issue #31503), a request that ends by an abort (the client left) counts in
 request_success{finished_reason="abort"} and the per-request histograms; one that an engine
 failure ends counts as "error".

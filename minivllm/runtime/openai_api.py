@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import io
 import json
 import math
@@ -38,15 +39,17 @@ from .sampling_params import SamplingParams, StructuredOutputsParams
 class RequestError(ValueError):
     """A bad request: the HTTP status and OpenAI's error type to answer it with."""
 
-    def __init__(self, message: str, status: int = 400, kind: str = "BadRequestError"):
+    def __init__(self, message: str, status: int = 400, kind: str = "BadRequestError",
+                 param: str | None = None):
         super().__init__(message)
         self.status = status
         self.kind = kind
+        self.param = param  # the field at fault, where vLLM's error names one
 
 
-def error_body(message: str, status: int, kind: str) -> dict:
+def error_body(message: str, status: int, kind: str, param: str | None = None) -> dict:
     """OpenAI's (and vLLM's) error body; the openai client raises on it, mid-stream too."""
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 # OpenAI fields accepted and not acted on: they ask for nothing a completion changes.
@@ -195,6 +198,13 @@ class ParsedRequest:
     # which the response's content starts with (vLLM's echo).
     role: str = "assistant"
     chat_echo: str = ""
+    # The output tokens the request itself asks for, as vLLM's server checks them against the
+    # context (its TokenizeParams' max_output_tokens), and the field that gave them: a chat's
+    # max_completion_tokens or max_tokens (None: neither), a completion's max_tokens (OpenAI's
+    # 16 when not given; 0 for echo_only). params.max_tokens may instead hold the server's
+    # default (generation_config's max_new_tokens): that one is lowered to the room left.
+    max_tokens_asked: int | None = None
+    max_tokens_field: str = "max_tokens"
 
 
 def _structured(values: dict, tool_schema: dict | None = None) -> StructuredOutputsParams | None:
@@ -414,7 +424,8 @@ def parse_completion(body, defaults: dict, embeds: EmbedsLimits | None = None) -
                          prompt_logprobs=scored is not None, model=values["model"] or None,
                          priority=values["priority"] or 0,
                          add_special_tokens=values["add_special_tokens"] is not False,
-                         request_id=values["request_id"])
+                         request_id=values["request_id"],
+                         max_tokens_asked=0 if echo_only else max_tokens)
 
 
 def _message_text(message, k: int) -> dict:
@@ -476,9 +487,9 @@ def parse_chat(body, defaults: dict) -> ParsedRequest:
         raise RequestError("'top_logprobs' needs 'logprobs': true")
     logprobs = (top or 0) if values["logprobs"] else None
     # As vLLM: max_completion_tokens, OpenAI's newer name, wins.
-    max_tokens = values["max_completion_tokens"]
+    max_tokens, max_tokens_field = values["max_completion_tokens"], "max_completion_tokens"
     if max_tokens is None:
-        max_tokens = values["max_tokens"]
+        max_tokens, max_tokens_field = values["max_tokens"], "max_tokens"
     _check_generation_prompt(values)
     options = _chat_options(values)
     # vLLM's response role, and its echo of the last message where that has the role.
@@ -499,7 +510,59 @@ def parse_chat(body, defaults: dict) -> ParsedRequest:
                          include_reasoning=True if include_reasoning is None else include_reasoning,
                          parallel_tool_calls=True if parallel is None else parallel,
                          priority=values["priority"] or 0, request_id=values["request_id"],
-                         role=role, chat_echo=echo)
+                         role=role, chat_echo=echo, max_tokens_asked=max_tokens,
+                         max_tokens_field=max_tokens_field)
+
+
+# -- the context: prompt + max_tokens within max_model_len (vLLM's server) ---------------------
+
+
+def context_params(params: SamplingParams, asked: int | None, field_name: str,
+                   max_model_len: int) -> SamplingParams:
+    """Before the prompt is tokenized, vLLM's TokenizeParams (renderers/params.py) for a
+    request asking for `asked` output tokens in `field_name`: more than max_model_len is a 400,
+    and so is a truncate_prompt_tokens past the room they leave; -1 keeps the last
+    max_model_len - asked prompt tokens (vLLM's max_input_tokens), not max_model_len, so that
+    a truncated prompt fits with them."""
+    if not asked:  # vLLM's `max_output_tokens=max_tokens or 0`: nothing to reserve
+        return params
+    if asked > max_model_len:
+        raise RequestError(f"{field_name}={asked} cannot be greater than max_model_len="
+                           f"{max_model_len}. Please request fewer output tokens. "
+                           f"(parameter={field_name}, value={asked})", param=field_name)
+    room = max_model_len - asked
+    keep = params.truncate_prompt_tokens
+    if keep == -1 and room >= 1:  # room 0: no prompt fits, and the engine refuses this one
+        return dataclasses.replace(params, truncate_prompt_tokens=room)
+    if keep is not None and keep > room:
+        raise RequestError(f"truncate_prompt_tokens={keep} cannot be greater than "
+                           f"max_model_len - {field_name} = {room}. Please request a smaller "
+                           f"truncation size. (parameter=truncate_prompt_tokens, value={keep})",
+                           param="truncate_prompt_tokens")
+    return params
+
+
+def fit_context(params: SamplingParams, asked: int | None, prompt_len: int,
+                max_model_len: int) -> SamplingParams:
+    """params for a prompt of prompt_len tokens (after truncation), as vLLM's server: output
+    tokens the request asks for past the room the prompt leaves are a 400 with vLLM's words
+    (TokenizeParams._token_len_check), never quietly fewer; a max_tokens it leaves to the
+    server's default is lowered to that room (get_max_tokens: the least of the room and the
+    default), so that vllm:request_params_max_tokens observes what can be generated."""
+    room = max_model_len - prompt_len
+    if asked:
+        if asked > room:
+            raise RequestError(f"This model's maximum context length is {max_model_len} tokens. "
+                               f"However, you requested {asked} output tokens and your prompt "
+                               f"contains {prompt_len} input tokens, for a total of "
+                               f"{prompt_len + asked} tokens. Please reduce the length of the "
+                               f"input prompt or the number of requested output tokens. "
+                               f"(parameter=input_tokens, value={prompt_len})",
+                               param="input_tokens")
+        return params
+    if params.max_tokens is not None and params.max_tokens > room:
+        return dataclasses.replace(params, max_tokens=room)
+    return params
 
 
 # -- responses ---------------------------------------------------------------------------------

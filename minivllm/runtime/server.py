@@ -50,8 +50,8 @@ from .lora import LoRARequest
 from . import metrics as prometheus
 from .openai_api import (EmbedsLimits, ParsedRequest, RequestError, chat_body, chat_choice,
                          chat_echo_choice, chat_output, chat_role_choice, classify_body,
-                         completion_body, completion_choice, detokenize, embedding_body,
-                         error_body, new_id, now,
+                         completion_body, completion_choice, context_params, detokenize,
+                         embedding_body, error_body, fit_context, new_id, now,
                          parse_chat, parse_classify, parse_completion, parse_detokenize,
                          parse_embedding, parse_rerank, parse_score, parse_tokenize, render_chat,
                          rerank_body, score_body, tokenize, usage, vllm_prompt_logprobs)
@@ -245,10 +245,15 @@ class EngineLoop:
                 if not req.add_special_tokens:  # a completion's (chat's prompts are rendered)
                     prompts = _without_special_tokens(self.engine.tokenizer, prompts)
                 lora = req.lora_request
-                checked = [self.engine.check_request(p, req.params, lora) for p in prompts]
-                ids = [self.engine.enqueue(text, ids, req.params, pr, lora,
-                                           arrival_time=sub.arrival)
-                       for (text, ids), pr in zip(checked, priority)]
+                max_len = self.llm.config.max_model_len
+                params = context_params(req.params, req.max_tokens_asked, req.max_tokens_field,
+                                        max_len)
+                checked = [self.engine.check_request(p, params, lora) for p in prompts]
+                # Each prompt's own: a default max_tokens is lowered to the room it leaves.
+                fitted = [fit_context(params, req.max_tokens_asked, len(rows), max_len)
+                          for _, rows in checked]
+                ids = [self.engine.enqueue(text, ids, pp, pr, lora, arrival_time=sub.arrival)
+                       for (text, ids), pp, pr in zip(checked, fitted, priority)]
                 # The rows the engine keeps (after truncate_prompt_tokens), as it counts them.
                 sub.prompt_lens = {rid: len(rows) for rid, (text, rows) in zip(ids, checked)
                                    if isinstance(rows, torch.Tensor)}
@@ -356,7 +361,7 @@ def _failure(error: Exception) -> tuple[int, dict]:
     """The status and error body of a request ended by `error`: a RequestError's own (a
     sleep's abort is a 503), else a 500 naming the engine's failure."""
     if isinstance(error, RequestError):
-        return error.status, error_body(str(error), error.status, error.kind)
+        return error.status, error_body(str(error), error.status, error.kind, error.param)
     return 500, error_body(f"the engine failed: {error}", 500, "InternalServerError")
 
 
@@ -393,8 +398,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _send_text(self, status: int, text: str) -> None:
         self._send(status, text.encode(), "text/plain; charset=utf-8")
 
-    def _error(self, status: int, message: str, kind: str = "BadRequestError") -> None:
-        self._send_json(status, error_body(message, status, kind))
+    def _error(self, status: int, message: str, kind: str = "BadRequestError",
+               param: str | None = None) -> None:
+        self._send_json(status, error_body(message, status, kind, param))
 
     def _read_body(self) -> bytes:
         """The request's body, read whole before anything is answered: a body left unread would
@@ -564,7 +570,7 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 self._whole(sub, parse is parse_chat)
         except RequestError as e:
-            self._error(e.status, str(e), e.kind)
+            self._error(e.status, str(e), e.kind, e.param)
         except (_ClientGone, BrokenPipeError, ConnectionResetError):
             if sub is not None:
                 self.app.loop.abort(sub)  # the client left: free its blocks
