@@ -283,9 +283,9 @@ def run_batch(llm, requests: list[BatchRequest], output: str, *, model_name: str
     server = OpenAIServer(llm, host="127.0.0.1", port=0, model_name=model_name,
                           enable_auto_tool_choice=enable_auto_tool_choice,
                           tool_call_parser=tool_call_parser, lora_modules=lora_modules,
-                          max_request_body_bytes=sys.maxsize)  # vLLM's batch has no cap
-    # Its socket is bound by the constructor and closed unused: the handler runs in memory.
-    server.http.server_close()
+                          max_request_body_bytes=sys.maxsize,  # vLLM's batch has no cap
+                          listen=False)  # the handler runs in memory: no address is bound
+    server.http.server_close()  # its socket, never bound
     workers = workers or 2 * llm.config.max_num_seqs
     written = failed = 0
     start = time.perf_counter()

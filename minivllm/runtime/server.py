@@ -754,7 +754,9 @@ class OpenAIServer:
                  model_name: str = "minivllm", api_key: str | None = None,
                  enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
                  lora_modules=None, disable_log_stats: bool = False,
-                 max_request_body_bytes: int | None = None):
+                 max_request_body_bytes: int | None = None, listen: bool = True):
+        """listen=False: no address is bound, for a caller that runs the request handler in
+        memory (runtime/run_batch.py)."""
         tool_calls.check_parser(tool_call_parser)
         check_port(port)
         if enable_auto_tool_choice and tool_call_parser is None:  # vLLM's check, at start
@@ -813,7 +815,7 @@ class OpenAIServer:
         self.routes = pooling_routes(llm) if llm.config.runner == "pooling" else _ROUTES
         # Bound first: an address that cannot be served (taken, a host not this machine's)
         # fails before the engine's thread starts, which nothing would stop then.
-        self.http = ThreadingHTTPServer((host, port), _Handler)
+        self.http = ThreadingHTTPServer((host, port), _Handler, bind_and_activate=listen)
         self.loop = EngineLoop(llm)
         self.http.daemon_threads = True
         self.http.app = self  # type: ignore[attr-defined]
