@@ -501,7 +501,6 @@ def test_config_forms():
     ("target", {"enable_lora": True}, "enable_lora"),
     ("target", {"runner": "pooling"}, "pooling"),
     ("target", {"enable_prompt_embeds": True}, "enable_prompt_embeds"),
-    ("target", {"enable_sleep_mode": True}, "enable_sleep_mode"),
 ])
 def test_unsupported_draft_setups_refused(paths, device, tmp_path, name, kwargs, match):
     path = paths.get(name, str(tmp_path / "missing"))

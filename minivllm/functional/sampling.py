@@ -131,7 +131,8 @@ class SampleOutput:
     """token_ids [B] int64; when the batch asks for logprobs (else None): logprobs [B] fp32 and
     ranks [B] int64 of the sampled token, top_ids / top_logprobs [B, N]. By default (logprobs_mode
     "raw_logprobs") logprobs are those of the model's raw distribution (log_softmax of the logits,
-    before penalties, banned ids, temperature and truncation), as vLLM v1 reports them; the
+    before penalties, banned ids, temperature and truncation; only a structured output's
+    constraint, allowed_bits, acts before: constrained_logits), as vLLM v1 reports them; the
     batch's logprobs_mode may take them from the raw logits, or from the processed logits or
     logprobs (see LOGPROBS_MODES), the values, ranks and top-N all from that one representation.
     A rank is vLLM v1's: the number of ids whose value is >= the sampled one's (1 = most likely;
@@ -236,6 +237,8 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, *, gumbel: bool = True,
         # Recomputed after the draw (its temporaries are gone): the same functions on the same
         # values give the very logits the tokens were drawn from. Only the processed modes pay.
         logits = processed_logits(logits, sb)
+    elif sb.allowed_bits is not None:
+        logits = constrained_logits(logits, sb.allowed_bits)
     return SampleOutput(token_ids, *token_logprobs(logits, token_ids, sb.num_logprobs,
                                                    as_logits=mode.endswith("logits")))
 
@@ -268,6 +271,20 @@ def processed_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
                           top_p=torch.where(sampled, sb.top_p, 1.0),
                           min_p=torch.where(sampled, sb.min_p, 0.0))
     return truncated_logits(x, sb)
+
+
+def constrained_logits(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V], bits [B, ceil(V / 8)] uint8 (SamplingBatch.allowed_bits: a structured
+    output's constraint, id i at bit i % 8 of byte i // 8; all ones for a row without) -> fp32
+    logits with the ids a row's constraint drops at -inf. The raw modes' values: vLLM applies
+    its grammar bitmask to the model's logits before its sampler, so that even its raw logprobs
+    are those of the constrained logits (allowed_token_ids, bad words, the bias and the
+    penalties act inside the sampler, after the raw values are taken)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    keep = (bits[:, :, None] >> shifts).bitwise_and_(1).view(bits.shape[0], -1)
+    # One fp32 copy whatever the logits' dtype (the caller's logits are never written).
+    return logits.to(torch.float32, copy=True).masked_fill_(keep[:, :logits.shape[-1]] == 0,
+                                                            float("-inf"))
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, n: int, *,

@@ -167,8 +167,10 @@ SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING
 MAX_TOP_K_BOUND = 1024
 
 # vLLM's logprobs_mode: what a sampled token's logprob, its rank and the top-N are taken from.
-#   raw_logprobs        log_softmax of the model's logits, before anything (the default).
-#   raw_logits          the model's logits themselves (fp32).
+#   raw_logprobs        log_softmax of the model's logits, before anything (the default) but a
+#                       structured output's constraint (allowed_bits), whose dropped ids are -inf:
+#                       vLLM masks the logits by its grammar before its sampler takes them.
+#   raw_logits          the model's logits themselves (fp32), so constrained.
 #   processed_logits    the logits the row actually samples from: vLLM v1's Sampler order, that is
 #                       the allowed token ids (and a structured output's constraint) -> -inf, the
 #                       banned ids (bad words, EOS / stop ids before min_tokens) -> -inf, the

@@ -548,7 +548,7 @@ def _check_workload(args, model: str) -> tuple[tuple[int, int], int]:
         # the draft's config against the target's (a checkpoint's read, a random one's shape)
         check_draft_model(speculative, config, tensor_parallel_size=args.tensor_parallel_size,
                           runner="generate", enable_lora=False, enable_prompt_embeds=False,
-                          enable_sleep_mode=False, max_model_len=limit)
+                          max_model_len=limit)
     return lengths, limit
 
 

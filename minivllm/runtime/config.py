@@ -311,7 +311,7 @@ class EngineConfig:
             speculative = check_draft_model(
                 speculative, model_config, tensor_parallel_size=tensor_parallel_size,
                 runner=runner, enable_lora=enable_lora, enable_prompt_embeds=enable_prompt_embeds,
-                enable_sleep_mode=enable_sleep_mode, max_model_len=max_model_len)
+                max_model_len=max_model_len)
         draft_persistent_decode = False
         if speculative is not None and speculative.draft_config is not None:
             draft_persistent_decode = draft_takes_persistent_decode(
@@ -349,12 +349,11 @@ class EngineConfig:
 
 def check_draft_model(speculative: SpeculativeConfig, target: ModelConfig, *,
                       tensor_parallel_size: int, runner: str, enable_lora: bool,
-                      enable_prompt_embeds: bool, enable_sleep_mode: bool,
-                      max_model_len: int) -> SpeculativeConfig:
+                      enable_prompt_embeds: bool, max_model_len: int) -> SpeculativeConfig:
     """A "draft_model" speculative config with its draft's ModelConfig read from its checkpoint
     and checked against the target's and the engine's settings: ValueError naming what minivllm
-    does not serve with a draft model (tensor parallelism, LoRA, pooling, prompt embeddings,
-    sleep mode) and a draft that is not a 16-bit Qwen3 dense checkpoint of the target's
+    does not serve with a draft model (tensor parallelism, LoRA, pooling, prompt embeddings)
+    and a draft that is not a 16-bit Qwen3 dense checkpoint of the target's
     vocabulary and at least max_model_len of context."""
     what = "speculative_config (draft_model)"
     for refused, why in ((tensor_parallel_size != 1,
@@ -363,9 +362,7 @@ def check_draft_model(speculative: SpeculativeConfig, target: ModelConfig, *,
                          (enable_lora, "enable_lora: the draft computes no LoRA deltas"),
                          (runner == "pooling", "a pooling runner: it samples nothing to draft"),
                          (enable_prompt_embeds, "enable_prompt_embeds: the draft cannot take the "
-                                                "target's input embeddings"),
-                         (enable_sleep_mode, "enable_sleep_mode: the draft's weights and cache "
-                                             "are not offloaded")):
+                                                "target's input embeddings")):
         if refused:
             raise ValueError(f"{what} is not supported with {why}")
     path = speculative.model

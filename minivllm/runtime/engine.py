@@ -383,13 +383,16 @@ class LLMEngine:
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep: free the device memory of the weights (level 1: copied to the host
         first; level 2: discarded, for load_weights to fill after wake_up) and of the KV cache,
-        whose prefix cache is forgotten. Refused (ValueError, nothing changed) without
-        enable_sleep_mode, for a level other than 1 or 2, and while requests are unfinished. An
-        engine asleep already stays as it is, with a warning (vLLM's). A sleep that fails raises
-        with the engine awake and usable, its prefix cache forgotten, unless level 2 had begun
-        discarding the weights: then it sleeps, as after level 2 (ModelRunner.sleep)."""
+        whose prefix cache is forgotten; a draft model's weights and cache with the target's.
+        Refused (ValueError, nothing changed) without enable_sleep_mode, for a level other than
+        1 or 2, for level 2 with a draft model (whose weights load_weights would not refill:
+        runtime/sleep.py), and while requests are unfinished. An engine asleep already stays as
+        it is, with a warning (vLLM's). A sleep that fails raises with the engine awake and
+        usable, its prefix cache forgotten, unless level 2 had begun discarding the weights:
+        then it sleeps, as after level 2 (ModelRunner.sleep)."""
         self._check_sleep_mode("sleep")
-        check_level(level)
+        spec = self.config.speculative
+        check_level(level, draft_model=spec is not None and spec.method == "draft_model")
         if self.sleeping:
             log.warning("minivllm: sleep: the engine is sleeping already (%s); nothing done",
                         ", ".join(sorted(self.sleeping)))
@@ -903,8 +906,10 @@ class LLMEngine:
         allowed = np.asarray(p.allowed_ids, dtype=np.int64) if p.allowed_ids else ()
         bits = None
         if seq.guide is not None:  # structured outputs: the constraint, packed
-            bits, allowed = bits_constraint(seq.guide.bits(seq.output_ids, self.vocab_size),
-                                            allowed)
+            bits = seq.guide.bits(seq.output_ids, self.vocab_size)
+            # The constraint stays whole beside allowed_token_ids inside it: the raw logprobs
+            # are those of the constrained logits, as vLLM's (sampling.constrained_logits).
+            _, allowed = bits_constraint(bits, allowed)
         row = SamplingRow(
             temperature=p.temperature, top_k=min(p.top_k, self.vocab_size), top_p=p.top_p,
             min_p=p.min_p,  # top_k past the vocabulary is off (and may not fit in int64)

@@ -128,8 +128,8 @@ class LLM:
     speculative_config: vLLM's n-gram speculative decoding, {"method": "ngram",
     "num_speculative_tokens": k, "prompt_lookup_max": N, "prompt_lookup_min": M}, or its
     draft-model one, {"model": DRAFT_DIR, "num_speculative_tokens": k} ("method": "draft_model"
-    implied; a Qwen3 dense checkpoint of the same vocabulary, one device, no LoRA, prompt
-    embeddings or sleep mode) (runtime/spec_decode.py): outputs are those without it; it turns async_scheduling off, and
+    implied; a Qwen3 dense checkpoint of the same vocabulary, one device, no LoRA or prompt
+    embeddings; sleep level 1 only) (runtime/spec_decode.py): outputs are those without it; it turns async_scheduling off, and
     sequences whose sampling reads their output (penalties, multi-token bad_words, structured
     outputs, min_tokens still pending) decode without drafts. LLM.stats counts the drafted and
     accepted tokens.

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Logprob:
-    """One token's log probability under the model's raw distribution. rank: a top-N entry's
-    position (1 the most likely); the sampled id's, when not among them, vLLM v1's count of ids
-    at least as likely (ties included)."""
+    """One token's log probability: under the model's raw distribution by default, else as the
+    engine's logprobs_mode says (a logit, or the processed distribution); prompt logprobs are
+    always raw. rank: a top-N entry's position (1 the most likely); the sampled id's, when not
+    among them, vLLM v1's count of ids at least as likely (ties included)."""
 
     logprob: float
     rank: int | None = None

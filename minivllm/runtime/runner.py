@@ -47,7 +47,7 @@ from .memory import (CAPTURE_CODE_BYTES, CUDA_SEGMENT_GRANULE, GiB, bytes_outsid
                      kv_blocks_within, kv_blocks_within_caches, kv_budget_bytes,
                      memory_owners, profile_lengths, startup_memory_report)
 from .prefill_graph import PrefillGraph, prefill_graph_sizes, verify_graph_shapes
-from .sleep import Offloaded, free, owned, restore, stage
+from .sleep import Offloaded, check_level, free, owned, restore, stage
 from .warmup import warm_up_kernels
 
 log = logging.getLogger("minivllm")
@@ -416,6 +416,8 @@ class ModelRunner:
                 else:
                     self.draft_params = load(spec.model, dtype=config.dtype,
                                              device=config.device, config=spec.draft_config)
+                if config.enable_sleep_mode:  # sleeps with the target's (sleep)
+                    self.draft_params = owned(self.draft_params)
             self.draft_backend = select_backend(self.device, config.attention_backend,
                                                 config.cache_dtype,
                                                 self.draft_params.config.head_dim)
@@ -522,7 +524,9 @@ class ModelRunner:
     def sleep(self, level: int) -> None:
         """Free the weights' memory (level 1: copied to the host first; 2: discarded) and the KV
         cache's, keeping every tensor object (runtime/sleep.py), and release the CUDA graphs,
-        which read those addresses.
+        which read those addresses. A draft model's weights and cache are freed with the
+        target's, staged as one pytree with them (_sleep_trees); level 2 with a draft model is
+        a ValueError before anything is staged (sleep.check_level).
 
         All or nothing, as far as it can be: the weights' host copy is made before anything is
         freed (no host memory for it frees nothing), the cache (discarded at either level) is
@@ -531,8 +535,10 @@ class ModelRunner:
         cache's as zeros, whose prefix cache the engine forgets) and raises, the runner awake.
         Level 2's discard of the weights, last, is the one step that cannot be undone: a failure
         once it has freed any leaves the runner asleep, as a level-2 sleep does, and raises."""
-        weights = stage(self.params, keep=level == 1)
-        cache = stage(self.cache, keep=False)
+        check_level(level, draft_model=self.draft_params is not None)
+        params, caches = self._sleep_trees()
+        weights = stage(params, keep=level == 1)
+        cache = stage(caches, keep=False)
         released = False
         try:
             free(cache)
@@ -551,6 +557,13 @@ class ModelRunner:
         self._fall_asleep(weights, cache)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the freed blocks back to the device, for the trainer
+
+    def _sleep_trees(self) -> tuple[tuple, tuple]:
+        """What "weights" and "kv_cache" free: the target's params and a draft model's, the
+        target's cache and the draft's (None without a draft: no leaves). One pytree a tag, so
+        that one stage, free and restore cover both models: a failure in the draft's part gives
+        back the target's too, and a wake_up of a tag brings back both models' memory."""
+        return (self.params, self.draft_params), (self.cache, self.draft_cache)
 
     def _fall_asleep(self, weights: Offloaded, cache: Offloaded) -> None:
         """Record the weights and the cache asleep (for wake_up), the graphs released."""
@@ -582,8 +595,9 @@ class ModelRunner:
 
     def wake_up(self, tags: tuple[str, ...]) -> None:
         """Take back the memory of `tags` ("weights": their bytes from the host, or zeros after
-        level 2; "kv_cache": zeros). Once nothing sleeps, capture what baked the old addresses
-        again (the graphs, the persistent decode's layer table), with no compile. A tag is
+        level 2; "kv_cache": zeros), a draft model's with the target's. Once nothing sleeps,
+        capture what baked the old addresses again (the graphs, the draft's among them, the
+        persistent decode's layer tables), with no compile. A tag is
         forgotten only once restored: a restore that fails (the device's memory still taken, say)
         keeps it, and its host copy, for a wake_up to try again, which skips the tags restored."""
         for tag in tags:

@@ -106,11 +106,13 @@ class SamplingParams:
     token_ids). ignore_eos: run past EOS. max_tokens: None means up to max_model_len.
     min_tokens: EOS and stop ids are masked out before this many tokens. logit_bias: {id: bias}
     added to the logits; allowed_token_ids: the only ids that may be sampled (both before the
-    penalties, as vLLM; logprobs stay the model's raw ones). bad_words: words never generated
-    (vLLM's: each word's last token is banned where the output ends with its others; needs a
-    tokenizer). structured_outputs: a StructuredOutputsParams (choice, regex, JSON schema or
-    json_object) the output must satisfy (needs a tokenizer). logprobs: the top-N logprobs (plus
-    the sampled token's) per generated token (-1: the whole vocabulary's; True: 1).
+    penalties, as vLLM; the default raw logprobs leave both out). bad_words: words never
+    generated (vLLM's: each word's last token is banned where the output ends with its others;
+    needs a tokenizer). structured_outputs: a StructuredOutputsParams (choice, regex, JSON schema
+    or json_object) the output must satisfy (needs a tokenizer; as vLLM's grammar mask, it acts
+    on the logits before even the raw logprobs are taken). logprobs: the top-N logprobs (plus
+    the sampled token's) per generated token (-1: the whole vocabulary's; True: 1), taken as the
+    engine's logprobs_mode says (LLM).
     prompt_logprobs: the same for each prompt token after the first (the prompt scored by the
     model; its first entry is None). truncate_prompt_tokens: keep only the prompt's last k
     tokens (-1: max_model_len; the output's prompt_token_ids are those kept)."""

@@ -950,7 +950,9 @@ class OpenAIServer:
             return
         text, mode = last("level", "1"), last("mode", "abort")
         try:
-            level = check_level(int(text) if re.fullmatch(r"-?[0-9]+", text.strip()) else text)
+            spec = self.llm.config.speculative  # level 2 is refused with a draft model
+            level = check_level(int(text) if re.fullmatch(r"-?[0-9]+", text.strip()) else text,
+                                draft_model=spec is not None and spec.method == "draft_model")
         except ValueError as e:
             raise RequestError(f"query parameter 'level': {e}") from None
         if mode not in ("abort", "wait"):

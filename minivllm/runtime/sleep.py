@@ -20,6 +20,14 @@ addresses: it needs nothing.
 
 A sleep stages each pytree first (its storages, their sizes, the host copy: nothing freed), then
 frees them, so that one that fails can give back exactly what it freed (ModelRunner.sleep).
+
+A draft model (speculative decoding, runtime/spec_decode.py) sleeps with the target, as in vLLM,
+whose draft is loaded into the same "weights" memory pool and whose KV cache holds the draft's
+layers too: its weights go with "weights" (one pytree staged with the target's), its cache with
+"kv_cache", and its decode graphs, persistent layer table and verification mirrors are captured
+again with the target's. Level 2 is refused with a draft model (check_level): load_weights
+refills only the target's weights, and vLLM leaves the draft's discarded ones undefined after
+its reload_weights (vllm-project/vllm issue 52479, open: every draft then rejected).
 """
 
 from __future__ import annotations
@@ -108,10 +116,13 @@ def offload(tree, *, keep: bool) -> Offloaded:
 def restore(off: Offloaded) -> None:
     """Give each storage that `off`'s free emptied its size again (at a new address) and its
     bytes back: the host copy, or zeros where there is none. Those free never reached (it failed
-    part-way) are left as they are. A restore that fails can be run again."""
+    part-way) are left as they are; the one whose resize_(0) raised keeps its size and is not
+    resized (one that cannot be, as a memory-mapped one, would raise again). A restore that
+    fails can be run again."""
     back = off.storages[:off.freed]
     for s, n in zip(back, off.nbytes):
-        s.resize_(n)
+        if s.nbytes() != n:
+            s.resize_(n)
     if off.host is None:
         for s in back:
             s.fill_(0)
@@ -122,11 +133,18 @@ def restore(off: Offloaded) -> None:
         torch.cuda.synchronize(back[0].device)  # before the host copies are freed
 
 
-def check_level(level) -> int:
-    """level, if it is a sleep level (1 or 2), else ValueError."""
+def check_level(level, *, draft_model: bool = False) -> int:
+    """level, if it is a sleep level (1 or 2), else ValueError; ValueError for level 2 with a
+    draft model (`draft_model`), whose discarded weights nothing would refill (module
+    docstring)."""
     if isinstance(level, bool) or level not in LEVELS:
         raise ValueError(f"sleep level must be 1 (offload the weights to the host, discard the "
                          f"KV cache) or 2 (discard both), got {level!r}")
+    if level == 2 and draft_model:
+        raise ValueError("sleep(level=2) is not supported with a draft model "
+                         "(speculative_config method 'draft_model'): it would discard the "
+                         "draft's weights, which load_weights does not refill (it takes the "
+                         "target's); sleep(level=1) offloads both to the host")
     return level
 
 

@@ -42,7 +42,9 @@ time on one stream): propose's and catch_up's rounds replay them, as do mirrored
 a mirrored verification step the target replays from a verification graph
 (runtime/prefill_graph.py) is mirrored by the draft's graph over the same inputs; other mirrored
 steps run the draft's own compiled forward where the target's is compiled; elsewhere (CPU,
-enforce_eager) the draft runs eagerly.
+enforce_eager) the draft runs eagerly. Sleep mode (runtime/sleep.py) frees the draft's weights
+and cache with the target's and captures its graphs again on waking; level 2 is refused with a
+draft model.
 """
 
 from __future__ import annotations
