@@ -229,6 +229,14 @@ def _experts(d: dict) -> dict:
     norm = d.get("norm_topk_prob", False)
     if norm not in (True, False):
         raise ValueError(f"config norm_topk_prob must be true or false, got {norm!r}")
+    # transformers' Qwen3MoeConfig ignores the key; Qwen2-MoE-style models (and some Qwen3-MoE
+    # implementations) add a sigmoid-gated shared expert when it is above 0. minivllm computes
+    # routed experts only: such a model would silently run without a part it was trained with.
+    shared = d.get("shared_expert_intermediate_size")
+    if shared is not None and not (isinstance(shared, (int, float)) and shared <= 0):
+        raise ValueError(f"config shared_expert_intermediate_size={shared!r}: a shared expert "
+                         f"(mlp.shared_expert, gated by mlp.shared_expert_gate) is not "
+                         f"supported: minivllm runs Qwen3-MoE's routed experts only")
     sparse = ()
     if isinstance(num_experts, int) and num_experts > 0 and isinstance(num_layers, int):
         sparse = tuple(n for n in range(num_layers) if n not in dense and (n + 1) % step == 0)

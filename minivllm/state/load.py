@@ -372,6 +372,18 @@ def load(path: str | os.PathLike, *, dtype=None, device=None, shard: ShardSpec |
             hint = (f": the AWQ tensors (qweight, qzeros, scales) of linears its "
                     f"quantization_config ({awq.describe()}) quantizes (a module stored "
                     f"unquantized is listed in modules_to_not_convert)")
+        fused = sorted(set(files) & {prefix + n.removeprefix("model.")
+                                     for n in _fused_expert_shapes(config)})
+        if fused:
+            # transformers 5's in-memory layout written as it is (a torch save of its
+            # state_dict): vLLM's Qwen3-MoE loader reads experts one by one only, and so does
+            # load; save_pretrained writes them one by one.
+            hint = (f": the checkpoint holds its experts fused ({', '.join(fused[:2])}"
+                    f"{', ...' if len(fused) > 2 else ''}), as transformers 5 holds them in "
+                    f"memory; minivllm, as vLLM, reads a checkpoint's experts one by one "
+                    f"(mlp.experts.E.gate_proj.weight, up_proj, down_proj), as Qwen's "
+                    f"checkpoints and transformers' save_pretrained write them "
+                    f"(LLM.load_weights takes the fused tensors)")
         raise CheckpointError(f"{path}: missing tensor(s) {', '.join(missing[:5])}"
                               + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
                               + hint)

@@ -123,7 +123,13 @@ def _part_rows(config: ModelConfig, group: str, shard: ShardSpec) -> list[tuple[
 def init_lora(config: ModelConfig, *, max_loras: int, max_rank: int,
               dtype: torch.dtype, device=None, shard: ShardSpec = ShardSpec()) -> LoRAParams:
     """max_loras empty (zero) slots of rank max_rank for every decoder layer, `shard`'s rank's
-    shard of them."""
+    shard of them. A mixture-of-experts config is refused, as the engine's enable_lora refuses
+    it: its sparse layers have no dense gate/up/down for the slots' deltas (lora_decoder_layer
+    would fail part-way through a forward, with an AttributeError that names nothing)."""
+    if config.is_moe:
+        raise ValueError(f"init_lora: LoRA on a mixture-of-experts model is not supported "
+                         f"(layers {list(config.sparse_layers)} are sparse; dense Qwen3 models "
+                         f"only)")
     shapes = module_shapes(config, shard)
     fields = {}
     for group, parts in GROUP_PARTS.items():
