@@ -1,8 +1,10 @@
 """Audit (session 77) of the Qwen3-MoE path against transformers and vLLM: configs and checkpoints
 that minivllm must refuse by name before any work, rather than run as another model.
 
-- shared_expert_intermediate_size > 0: transformers' Qwen3MoeConfig ignores it, vLLM's Qwen3-MoE
-  adds a sigmoid-gated shared expert for it; minivllm has none, so it refuses the config.
+- shared_expert_intermediate_size > 0: transformers' Qwen3MoeConfig ignores it, Qwen2-MoE-style
+  models add a sigmoid-gated shared expert for it; minivllm has none, so it refuses the config.
+- hf_overrides' num_experts over a transformers-5 file's num_local_experts: one field, as
+  transformers' attribute_map sets it.
 - experts saved fused (transformers 5's in-memory mlp.experts.gate_up_proj / down_proj written
   as they are): vLLM's loader and load read experts one by one (as save_pretrained writes
   them); the refusal names the fused tensors it found.
@@ -55,9 +57,9 @@ def _edit_config(path, **changes):
 # --- shared experts ----------------------------------------------------------------------------
 
 def test_a_shared_expert_config_is_refused_by_name():
-    """vLLM's Qwen3MoeSparseMoeBlock builds a shared expert when shared_expert_intermediate_size
-    > 0 (getattr(config, ..., 0)); minivllm would have run the routed experts alone. 0 or null
-    (no shared expert) reads as before."""
+    """A shared expert (shared_expert_intermediate_size > 0) would have been dropped silently:
+    minivllm would have run the routed experts alone. 0 or null (no shared expert) reads as
+    before."""
     for size in (64, 1, True, "64"):
         with pytest.raises(ValueError, match=r"shared_expert_intermediate_size=.*not supported"):
             ModelConfig.from_dict(_moe_dict(shared_expert_intermediate_size=size))
@@ -127,3 +129,23 @@ def test_init_lora_refuses_a_mixture_of_experts(checkpoint):
     dense = ModelConfig.from_dict(_moe_dict(mlp_only_layers=[0, 1, 2]))
     assert not dense.is_moe
     assert len(init_lora(dense, max_loras=1, max_rank=2, dtype=torch.float32).layers) == 3
+
+
+@pytest.mark.parametrize("file_key, override_key", [("num_local_experts", "num_experts"),
+                                                    ("num_experts", "num_local_experts")])
+def test_an_override_of_the_expert_count_wins_under_either_name(file_key, override_key):
+    """transformers' Qwen3MoeConfig maps num_local_experts to num_experts (attribute_map): an
+    hf_overrides of either name sets the one field (vLLM applies overrides to that object).
+    Before, the file's other name stayed beside it and the two 'disagree'd."""
+    from transformers import Qwen3MoeConfig
+
+    from minivllm.state.config import merge_overrides
+
+    d = _moe_dict()
+    d[file_key] = d.pop("num_experts")
+    hf = Qwen3MoeConfig(**{k: v for k, v in d.items() if k != "num_local_experts"},
+                        **({"num_experts": d["num_local_experts"]}
+                           if "num_local_experts" in d else {}))
+    setattr(hf, override_key, 6)
+    merged = merge_overrides(d, {override_key: 6})
+    assert ModelConfig.from_dict(merged).num_experts == hf.num_experts == 6 != d[file_key]

@@ -557,6 +557,10 @@ def read_config_dict(path: str | os.PathLike, overrides: dict | None = None) -> 
     return d
 
 
+# config.json keys that name one field (transformers 5's Qwen3MoeConfig writes num_local_experts).
+_ALIASES = {"num_experts": "num_local_experts", "num_local_experts": "num_experts"}
+
+
 def merge_overrides(base: dict, overrides) -> dict:
     """`base` with `overrides` set over it: a dict value merges into base's dict of that key
     (so {"rope_parameters": {"rope_type": "yarn", ...}} keeps the file's rope_theta)."""
@@ -564,6 +568,11 @@ def merge_overrides(base: dict, overrides) -> dict:
         raise ValueError(f"hf_overrides must be a dict of config.json keys, got {overrides!r:.80}")
     out = dict(base) if isinstance(base, dict) else {}
     for key, value in overrides.items():
+        # An override names one field whatever the file calls it: transformers sets it through
+        # the config's attribute_map, so the file's other name for it goes (it would disagree).
+        twin = _ALIASES.get(key)
+        if twin is not None and twin not in overrides:
+            out.pop(twin, None)
         if isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = merge_overrides(out[key], value)
         else:
