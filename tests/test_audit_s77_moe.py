@@ -149,3 +149,24 @@ def test_an_override_of_the_expert_count_wins_under_either_name(file_key, overri
     setattr(hf, override_key, 6)
     merged = merge_overrides(d, {override_key: 6})
     assert ModelConfig.from_dict(merged).num_experts == hf.num_experts == 6 != d[file_key]
+
+
+def test_forward_refuses_hand_built_lora_weights_on_a_mixture_of_experts():
+    """LoRA slots attached by hand to a MoE model's params (init_lora refuses to make them): a
+    ValueError from forward's free checks, before any K/V is written, not an AttributeError
+    from the first sparse layer part-way through."""
+    import attrs
+
+    from minivllm.state.batch import SeqChunk, make_batch
+
+    config = ModelConfig.from_dict(_moe_dict())
+    params = minivllm.random_params(config, seed=0)
+    dense = ModelConfig.from_dict(_moe_dict(mlp_only_layers=[0, 1, 2]))
+    lora = init_lora(dense, max_loras=1, max_rank=2, dtype=params.dtype)
+    cache = minivllm.init_cache(params, num_blocks=4, block_size=4)
+    before = [t.clone() for t in cache.k] if isinstance(cache.k, (list, tuple)) else None
+    batch = make_batch([SeqChunk([1, 2, 3], 0, [0])], block_size=4, lora_slots=[0])
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        minivllm.forward(attrs.evolve(params, lora=lora), cache, batch)
+    if before is not None:
+        assert all(torch.equal(a, b) for a, b in zip(before, cache.k))

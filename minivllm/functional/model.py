@@ -89,6 +89,9 @@ def check_step(params: Params, cache: KVCache, batch: Batch) -> None:
         raise TypeError(f"batch must be a Batch (make_batch), got {type(batch).__name__}")
     check_cache_fits(params, cache, whole=False)
     check_layer_count(params)
+    if params.lora is not None and params.config.is_moe:  # (init_lora refuses to make these)
+        raise ValueError(f"LoRA weights on a mixture-of-experts model are not supported: layers "
+                         f"{list(params.config.sparse_layers)} are sparse (dense Qwen3 only)")
     if batch.block_size != cache.block_size:
         raise ValueError(f"the batch was made for blocks of {batch.block_size} tokens, the cache "
                          f"holds blocks of {cache.block_size} (make_batch's block_size)")
