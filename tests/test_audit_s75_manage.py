@@ -138,7 +138,7 @@ def test_a_sleep_that_fails_releases_nothing(llm, reference, monkeypatch):
     def no_host_memory(tree, *, keep):
         raise RuntimeError("cannot allocate pinned memory")
 
-    monkeypatch.setattr(runner_module, "offload", no_host_memory)
+    monkeypatch.setattr(runner_module, "stage", no_host_memory)
     monkeypatch.setattr(llm.engine.runner, "_drop_captures", lambda: released.append(1))
     with pytest.raises(RuntimeError, match="pinned memory"):
         llm.sleep(1)
