@@ -227,6 +227,12 @@ def _add_serving_args(p: argparse.ArgumentParser) -> None:
                    help="as --engine-seed (vLLM's name for it)")
     p.add_argument("--served-model-name", default=None,
                    help="the name requests give as \"model\" (default: the model's path)")
+    p.add_argument("--override-generation-config", type=_json_object, default=None,
+                   metavar="JSON",
+                   help="sampling defaults set over --generation-config's (vLLM's flag), e.g. "
+                        "'{\"temperature\": 0.5}': repetition_penalty, temperature, top_k, "
+                        "top_p, min_p, max_new_tokens (null unsets one); max_new_tokens also "
+                        "caps a request's own max_tokens, as vLLM's server")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                    help="priority: requests' 'priority' field orders them, lower first")
     p.add_argument("--runner", choices=["auto", "generate", "pooling"], default="auto",
@@ -335,6 +341,8 @@ def _make_llm(args, model: str):
                   hf_overrides=_hf_overrides(args))
     if args.speculative_config is not None:
         kwargs["speculative_config"] = args.speculative_config
+    if getattr(args, "override_generation_config", None) is not None:  # serve's, run-batch's
+        kwargs["override_generation_config"] = args.override_generation_config
     if args.logprobs_mode != "raw_logprobs":
         kwargs["logprobs_mode"] = args.logprobs_mode
     if getattr(args, "reasoning_parser", None) is not None:  # serve's
@@ -518,6 +526,7 @@ def cmd_serve(args) -> int:
         raise SystemExit("minivllm: --max-request-body-bytes must be a positive number of bytes")
     _check_address(args.host, args.port)
     model = _resolve_model(args)
+    cap = _override_max_tokens(args, model)
     llm = _make_llm(args, model)
     name = _served_name(args)
     server = OpenAIServer(llm, host=args.host, port=args.port, model_name=name,
@@ -525,7 +534,8 @@ def cmd_serve(args) -> int:
                           enable_auto_tool_choice=args.enable_auto_tool_choice,
                           tool_call_parser=args.tool_call_parser,
                           lora_modules=dict(args.lora_modules or ()),
-                          max_request_body_bytes=args.max_request_body_bytes)
+                          max_request_body_bytes=args.max_request_body_bytes,
+                          override_max_tokens=cap)
     host, port = server.address
     # SIGTERM (kill, docker stop, a supervisor) stops the server as Ctrl-C does: the socket
     # closed, the engine (and any workers) shut down, exit 0; by default it ended the process
@@ -543,6 +553,18 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def _override_max_tokens(args, model: str) -> int | None:
+    """The cap vLLM's server puts on every request's max_tokens for --generation-config and
+    --override-generation-config (generation_config.override_max_tokens); both are checked
+    here, before the model loads (LLM reads them again, reading a file only)."""
+    from .runtime.generation_config import override_max_tokens
+    from .runtime.llm import generation_defaults
+
+    defaults, _ = generation_defaults(args.generation_config, args.override_generation_config,
+                                      model)
+    return override_max_tokens(args.generation_config, args.override_generation_config, defaults)
+
+
 def cmd_run_batch(args) -> int:
     from .runtime import run_batch
 
@@ -551,12 +573,15 @@ def cmd_run_batch(args) -> int:
     # line that is no batch request ends the run, as vLLM's, with nothing run or written.
     requests = run_batch.read_input(args.input_file)
     run_batch.check_output(args.output_file)
-    llm = _make_llm(args, _resolve_model(args))
+    model = _resolve_model(args)
+    cap = _override_max_tokens(args, model)
+    llm = _make_llm(args, model)
     try:
         run_batch.run_batch(llm, requests, args.output_file, model_name=_served_name(args),
                             enable_auto_tool_choice=args.enable_auto_tool_choice,
                             tool_call_parser=args.tool_call_parser,
-                            lora_modules=dict(args.lora_modules or ()))
+                            lora_modules=dict(args.lora_modules or ()),
+                            override_max_tokens=cap)
     finally:
         llm.shutdown()
     return 0

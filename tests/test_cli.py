@@ -154,7 +154,7 @@ def test_chat_goes_on_after_a_turn_that_does_not_fit(capsys, monkeypatch):
     assert main(["chat", "--demo", "--max-model-len", "64", "--max-tokens", "4",
                  "--temperature", "0"]) == 0
     out, err = capsys.readouterr()
-    assert "max_model_len=64" in err and "/reset starts the conversation over" in err
+    assert "maximum model length of 64" in err and "/reset starts the conversation over" in err
     assert len(out.splitlines()) == 2  # the replies to "hi" and to "hello"
 
 

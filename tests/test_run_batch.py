@@ -305,3 +305,18 @@ def test_the_readmes_command_and_line_are_read():
     req, = run_batch.parse_requests(request)
     assert req.url == "/v1/chat/completions" and req.method == "POST"
     assert run_batch.route(req.url, {req.url: 0}) == (req.url, None)
+
+
+def test_the_override_generation_configs_max_new_tokens_caps_each_line(device, tmp_path):
+    """--override-generation-config's max_new_tokens caps a line's own max_tokens, as serve's
+    (vLLM's override_max_tokens): a completion asking for 8 tokens gets 3."""
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    body = {"model": "minivllm-demo", "prompt": "Hello", "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}
+    source.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                                  "body": body}) + "\n")
+    assert main(["run-batch", "--demo", "-i", str(source), "-o", str(out), *engine_flags(device),
+                 "--override-generation-config", '{"max_new_tokens": 3}']) == 0
+    line = json.loads(out.read_text())
+    assert line["error"] is None
+    assert line["response"]["body"]["usage"]["completion_tokens"] == 3

@@ -19,13 +19,15 @@ def chat_message(message, where: str) -> dict:
     for a template that takes string content (Qwen3's). Content None or missing is "", a list
     of text parts (or strings) is their texts joined by newlines (an empty or null text is no
     part); an assistant's "reasoning" is also its "reasoning_content" (the name Qwen3's
-    template reads); earlier tool calls' arguments become objects (_call_arguments: a JSON
-    string parsed; broken JSON, or anything but an object, {} with a warning, as vLLM), and an
-    empty or null tool_calls is dropped. Other keys (name, tool_call_id, ...) pass through.
+    template reads); an assistant's earlier tool calls' arguments become objects
+    (_call_arguments: a JSON string parsed; broken JSON, or anything but an object, {} with a
+    warning, as vLLM), and an empty or null tool_calls is dropped, as is any tool_calls of
+    another role, unread (vLLM's _parse_chat_message_content keeps an assistant's alone). Other
+    keys (name, tool_call_id, ...) pass through.
     `where` names the message in errors ("messages[2]"): one that is not a dict, or whose role
     or content has the wrong type, is a TypeError; a missing role, a part that is not text
-    (this engine reads text only), a tool call that is not a function's or arguments nested
-    past what Python's JSON decoder reads, a ValueError."""
+    (this engine reads text only), an assistant's tool call that is not a function's or
+    arguments nested past what Python's JSON decoder reads, a ValueError."""
     if not isinstance(message, dict):
         raise TypeError(f"{where} must be an object with 'role' and 'content', got "
                         f"{type(message).__name__}")
@@ -37,7 +39,9 @@ def chat_message(message, where: str) -> dict:
     out = {**message, "content": _content_text(message.get("content"), where)}
     if role == "assistant" and isinstance(out.get("reasoning"), str):
         out["reasoning_content"] = out["reasoning"]  # vLLM's: "reasoning" wins
-    if not out.get("tool_calls"):
+    # vLLM's parser carries an assistant's tool_calls alone: another role's never reach the
+    # template, and are not read (whatever they hold, vLLM refuses nothing for them).
+    if role != "assistant" or not out.get("tool_calls"):
         out.pop("tool_calls", None)
     else:
         out["tool_calls"] = _history_calls(out["tool_calls"], where)

@@ -527,9 +527,18 @@ class LLMEngine:
         # On embeddings too: the last k rows, as the last k ids of a prompt of ids.
         ids = self._truncated(ids, params.truncate_prompt_tokens)
         max_len = self.config.max_model_len
-        if len(ids) >= max_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len={max_len} leaves "
-                             f"no room to generate (the prompt must be shorter than it)")
+        # vLLM's LLM's words (v1 InputProcessor._validate_prompt_len); its server says it in
+        # its own before the engine (openai_api.check_room).
+        if len(ids) > max_len:
+            raise ValueError(f"The decoder prompt (length {len(ids)}) is longer than the maximum "
+                             f"model length of {max_len}. Make sure that `max_model_len` is no "
+                             f"smaller than the number of text tokens.")
+        if len(ids) == max_len:
+            raise ValueError(f"The decoder prompt (length {len(ids)}) plus the number of "
+                             f"requested output tokens (at least 1) is longer than the maximum "
+                             f"model length of {max_len}. Make sure that `max_model_len` is no "
+                             f"smaller than the number of text tokens (prompt + requested output "
+                             f"tokens).")
         self._check_params(params)
         # The most tokens the sequence ever holds in the cache (its last token is never fed back).
         longest = min(len(ids) + (params.max_tokens or max_len), max_len) - 1

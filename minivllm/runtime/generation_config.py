@@ -5,6 +5,8 @@ As in vLLM (>= 0.8, `generation_config="auto"`), the recommended values become t
 parameters of requests that give none; a request that passes a SamplingParams gets exactly
 those, so nano-vllm-style calls, which always pass one, are unaffected. "vllm" ignores the
 file's sampling keys (not its EOS ids); a directory's file replaces the model's for both.
+override_generation_config (serve's --override-generation-config) sets values over either; its
+max_new_tokens also caps a server request's own max_tokens, as vLLM's (override_max_tokens).
 """
 
 from __future__ import annotations
@@ -91,3 +93,15 @@ def sampling_defaults(gen: Mapping, override: Mapping | None, where: str) -> dic
         except ValueError as e:
             raise ValueError(f"{source}: {e}") from None
     return kwargs
+
+
+def override_max_tokens(generation_config, override: Mapping | None,
+                        defaults: Mapping) -> int | None:
+    """The most tokens vLLM's server lets any request generate, even one whose own max_tokens
+    asks for more (OpenAIServingChat / OpenAIServingCompletion's override_max_tokens, which
+    get_max_tokens takes the least of): with generation_config "auto" or "vllm", the override's
+    max_new_tokens (--override-generation-config); with a directory, the max_tokens it gives
+    after the override (`defaults`: sampling_defaults' result). None: no such cap."""
+    if generation_config in ("auto", "vllm"):
+        return (override or {}).get("max_new_tokens")
+    return defaults.get("max_tokens")

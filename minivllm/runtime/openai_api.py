@@ -201,8 +201,9 @@ class ParsedRequest:
     # The output tokens the request itself asks for, as vLLM's server checks them against the
     # context (its TokenizeParams' max_output_tokens), and the field that gave them: a chat's
     # max_completion_tokens or max_tokens (None: neither), a completion's max_tokens (OpenAI's
-    # 16 when not given; 0 for echo_only). params.max_tokens may instead hold the server's
-    # default (generation_config's max_new_tokens): that one is lowered to the room left.
+    # 16 when not given, None when null; 0 for echo_only). params.max_tokens may instead hold
+    # the server's default (generation_config's max_new_tokens): that one is lowered to the
+    # room left.
     max_tokens_asked: int | None = None
     max_tokens_field: str = "max_tokens"
 
@@ -404,7 +405,9 @@ def parse_completion(body, defaults: dict, embeds: EmbedsLimits | None = None) -
         prompts += _prompts(values["prompt"], "prompt")
     echo = bool(values["echo"])
     logprobs = values["logprobs"]
-    max_tokens = values["max_tokens"] if values["max_tokens"] is not None else 16  # OpenAI's
+    # vLLM's CompletionRequest: absent is OpenAI's 16; null is None, which the server gives
+    # the room the prompt leaves (or generation_config's max_new_tokens if less: fit_context).
+    max_tokens = 16 if "max_tokens" not in body else values["max_tokens"]
     # Echo with max_tokens 0 scores the prompt alone (log-likelihood clients): one token is
     # generated and left out of the response, as vLLM does.
     echo_only = echo and max_tokens == 0
@@ -542,26 +545,42 @@ def context_params(params: SamplingParams, asked: int | None, field_name: str,
     return params
 
 
+def check_room(prompt_len: int, asked: int | None, max_model_len: int) -> None:
+    """A 400 with vLLM's words unless a prompt of prompt_len tokens (after truncation) leaves
+    room for the output tokens the request asks for: past the room, TokenizeParams.
+    _token_len_check's (renderers/params.py); asking for none (a null or absent max_tokens, a
+    chat's default) with a prompt that fills the context, OpenAIServing._validate_input's
+    (entrypoints/openai/engine/serving.py: the prompt must leave room for one token)."""
+    if asked and asked > max_model_len - prompt_len:
+        raise RequestError(f"This model's maximum context length is {max_model_len} tokens. "
+                           f"However, you requested {asked} output tokens and your prompt "
+                           f"contains {prompt_len} input tokens, for a total of "
+                           f"{prompt_len + asked} tokens. Please reduce the length of the "
+                           f"input prompt or the number of requested output tokens. "
+                           f"(parameter=input_tokens, value={prompt_len})",
+                           param="input_tokens")
+    if prompt_len >= max_model_len:
+        raise RequestError(f"This model's maximum context length is {max_model_len} tokens. "
+                           f"However, your request has {prompt_len} input tokens. Please reduce "
+                           f"the length of the input messages. (parameter=input_tokens, "
+                           f"value={prompt_len})", param="input_tokens")
+
+
 def fit_context(params: SamplingParams, asked: int | None, prompt_len: int,
-                max_model_len: int) -> SamplingParams:
+                max_model_len: int, override_max_tokens: int | None = None) -> SamplingParams:
     """params for a prompt of prompt_len tokens (after truncation), as vLLM's server: output
-    tokens the request asks for past the room the prompt leaves are a 400 with vLLM's words
-    (TokenizeParams._token_len_check), never quietly fewer; a max_tokens it leaves to the
-    server's default is lowered to that room (get_max_tokens: the least of the room and the
-    default), so that vllm:request_params_max_tokens observes what can be generated."""
-    room = max_model_len - prompt_len
-    if asked:
-        if asked > room:
-            raise RequestError(f"This model's maximum context length is {max_model_len} tokens. "
-                               f"However, you requested {asked} output tokens and your prompt "
-                               f"contains {prompt_len} input tokens, for a total of "
-                               f"{prompt_len + asked} tokens. Please reduce the length of the "
-                               f"input prompt or the number of requested output tokens. "
-                               f"(parameter=input_tokens, value={prompt_len})",
-                               param="input_tokens")
-        return params
-    if params.max_tokens is not None and params.max_tokens > room:
-        return dataclasses.replace(params, max_tokens=room)
+    tokens the request asks for past the room the prompt leaves are a 400 (check_room), never
+    quietly fewer; max_tokens is then vLLM's get_max_tokens, the least of the room, the tokens
+    asked for (else the server's default, else none) and override_max_tokens (serve
+    --override-generation-config's max_new_tokens, which lowers even a max_tokens asked for:
+    generation_config.override_max_tokens), so that vllm:request_params_max_tokens observes
+    what can be generated."""
+    check_room(prompt_len, asked, max_model_len)
+    wanted = asked or params.max_tokens  # echo_only asks 0 and generates the 1 it holds
+    limit = min(n for n in (max_model_len - prompt_len, wanted, override_max_tokens)
+                if n is not None)
+    if limit != params.max_tokens:
+        return dataclasses.replace(params, max_tokens=limit)
     return params
 
 

@@ -18,8 +18,10 @@ A request body is read only up to a cap (serve --max-request-body-bytes): a larg
 The engine is not thread-safe, so one thread owns it (EngineLoop): it takes new requests from a
 queue between steps, steps while any is unfinished, and hands each request's outputs to the
 thread serving its HTTP connection. Requests are checked on that thread before they are queued:
-a bad one is answered 400 and never touches the engine, and one that cannot run (a prompt too
-long, an id outside the vocabulary) is refused there by the engine's own checks, before any step.
+a bad one is answered 400 and never touches the engine, one whose prompt leaves no room for the
+output it asks for (or for one token) is refused in vLLM's words (openai_api.check_room), and one
+that cannot run otherwise (an id outside the vocabulary) is refused there by the engine's own
+checks, before any step.
 A client that disconnects mid-stream has its request aborted, freeing its blocks.
 Only the standard library serves HTTP (http.server, one thread a connection): a small server for
 a small engine, not a production front end.
@@ -49,7 +51,7 @@ from .llm import LLM, _delta
 from .lora import LoRARequest
 from . import metrics as prometheus
 from .openai_api import (EmbedsLimits, ParsedRequest, RequestError, chat_body, chat_choice,
-                         chat_echo_choice, chat_output, chat_role_choice, classify_body,
+                         chat_echo_choice, chat_output, chat_role_choice, check_room, classify_body,
                          completion_body, completion_choice, context_params, detokenize,
                          embedding_body, error_body, fit_context, new_id, now,
                          parse_chat, parse_classify, parse_completion, parse_detokenize,
@@ -90,23 +92,43 @@ def _refuse_pooling_priority(engine, priority: int) -> None:
                      f"classes) are served first come, first served: send priority 0")
 
 
-def _without_special_tokens(tokenizer, prompts: list) -> list:
-    """A request's text prompts tokenized without the tokenizer's special tokens
-    (add_special_tokens false, vLLM's); token ids, and texts where there is no tokenizer (the
-    engine names that), are left as they are."""
+def _tokenized(tokenizer, prompts: list, add_special_tokens: bool = True) -> list:
+    """A request's text prompts as {"prompt", "prompt_token_ids"}, tokenized here as the engine
+    would (add_special_tokens false: without the tokenizer's special tokens, vLLM's field), so
+    that their lengths are known before the engine's checks; token ids, embeddings, and texts
+    where there is no tokenizer (the engine names that), are left as they are."""
     if tokenizer is None:
         return prompts
-    return [{"prompt": p, "prompt_token_ids": tokenizer.encode(p, add_special_tokens=False)}
+    special = {} if add_special_tokens else {"add_special_tokens": False}
+    return [{"prompt": p, "prompt_token_ids": tokenizer.encode(p, **special)}
             if isinstance(p, str) else p for p in prompts]
+
+
+def _kept_len(prompt, keep: int | None, max_model_len: int) -> int | None:
+    """The tokens (or embedding rows) of an engine prompt that truncate_prompt_tokens=keep
+    leaves (its last keep; -1: max_model_len), as engine.check_request counts them; None where
+    that is not known here (a text without a tokenizer, a malformed prompt, a keep past
+    max_model_len): the engine's checks refuse those in their own words."""
+    if not isinstance(prompt, dict) or keep is not None and keep > max_model_len:
+        return None
+    embeds, ids = prompt.get("prompt_embeds"), prompt.get("prompt_token_ids")
+    if isinstance(embeds, torch.Tensor) and embeds.ndim:
+        n = embeds.shape[0]
+    elif isinstance(ids, (list, tuple)) and embeds is None:
+        n = len(ids)
+    else:
+        return None
+    return n if keep is None else min(n, max_model_len if keep == -1 else keep)
 
 
 class EngineLoop:
     """Runs `llm`'s engine on a thread of its own; other threads submit requests and read their
     outputs through queues."""
 
-    def __init__(self, llm: LLM):
+    def __init__(self, llm: LLM, override_max_tokens: int | None = None):
         self.llm = llm
         self.engine = llm.engine
+        self.override_max_tokens = override_max_tokens  # OpenAIServer's: fit_context caps by it
         self.inbox: queue.Queue = queue.Queue()
         self.owners: dict[str, _Submission] = {}  # request id -> its submission
         # A sleep (level, reply) waiting for the running requests to finish (mode "wait"); new
@@ -237,20 +259,26 @@ class EngineLoop:
                 sub.finish = plan.finish
             elif isinstance(req.params, PoolingParams):
                 if not req.add_special_tokens:
-                    prompts = _without_special_tokens(self.engine.tokenizer, prompts)
+                    prompts = _tokenized(self.engine.tokenizer, prompts, False)
                 ids = self.engine.add_pooling_requests(prompts, [req.params] * len(prompts),
                                                        arrival_time=sub.arrival)
             else:
                 priority = self.engine.check_priority([req.priority] * len(prompts), len(prompts))
-                if not req.add_special_tokens:  # a completion's (chat's prompts are rendered)
-                    prompts = _without_special_tokens(self.engine.tokenizer, prompts)
+                # A completion's texts (chat's prompts are rendered, with their ids).
+                prompts = _tokenized(self.engine.tokenizer, prompts, req.add_special_tokens)
                 lora = req.lora_request
                 max_len = self.llm.config.max_model_len
-                params = context_params(req.params, req.max_tokens_asked, req.max_tokens_field,
-                                        max_len)
+                asked = req.max_tokens_asked
+                params = context_params(req.params, asked, req.max_tokens_field, max_len)
+                # vLLM's server measures a prompt against the context before the engine sees
+                # it: a prompt with no room left is refused in its words, not the engine's.
+                for p in prompts:
+                    kept = _kept_len(p, params.truncate_prompt_tokens, max_len)
+                    if kept is not None:
+                        check_room(kept, asked, max_len)
                 checked = [self.engine.check_request(p, params, lora) for p in prompts]
-                # Each prompt's own: a default max_tokens is lowered to the room it leaves.
-                fitted = [fit_context(params, req.max_tokens_asked, len(rows), max_len)
+                # Each prompt's own: max_tokens is lowered to the room it leaves.
+                fitted = [fit_context(params, asked, len(rows), max_len, self.override_max_tokens)
                           for _, rows in checked]
                 ids = [self.engine.enqueue(text, ids, pp, pr, lora, arrival_time=sub.arrival)
                        for (text, ids), pp, pr in zip(checked, fitted, priority)]
@@ -754,11 +782,20 @@ class OpenAIServer:
                  model_name: str = "minivllm", api_key: str | None = None,
                  enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
                  lora_modules=None, disable_log_stats: bool = False,
-                 max_request_body_bytes: int | None = None, listen: bool = True):
+                 max_request_body_bytes: int | None = None, listen: bool = True,
+                 override_max_tokens: int | None = None):
         """listen=False: no address is bound, for a caller that runs the request handler in
-        memory (runtime/run_batch.py)."""
+        memory (runtime/run_batch.py). override_max_tokens: the most tokens any request
+        generates, even one whose max_tokens asks for more (vLLM's serving override_max_tokens:
+        generation_config.override_max_tokens gives it for LLM's generation_config and
+        override_generation_config; serve --override-generation-config's max_new_tokens)."""
         tool_calls.check_parser(tool_call_parser)
         check_port(port)
+        if override_max_tokens is not None and (
+                isinstance(override_max_tokens, bool) or not isinstance(override_max_tokens, int)
+                or override_max_tokens < 1):
+            raise ValueError(f"override_max_tokens must be a positive integer or None, got "
+                             f"{override_max_tokens!r}")
         if enable_auto_tool_choice and tool_call_parser is None:  # vLLM's check, at start
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (the form of the "
                              "calls tool_choice 'auto' reads from the answer)")
@@ -816,7 +853,7 @@ class OpenAIServer:
         # Bound first: an address that cannot be served (taken, a host not this machine's)
         # fails before the engine's thread starts, which nothing would stop then.
         self.http = ThreadingHTTPServer((host, port), _Handler, bind_and_activate=listen)
-        self.loop = EngineLoop(llm)
+        self.loop = EngineLoop(llm, override_max_tokens)
         self.http.daemon_threads = True
         self.http.app = self  # type: ignore[attr-defined]
 
