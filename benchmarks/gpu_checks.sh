@@ -16,7 +16,8 @@
 #   bash benchmarks/gpu_checks.sh load_weights  # nvidia-h200 or nvidia-h100-x1: LLM.load_weights
 #       on a compiled engine with decode graphs (no recapture) against a fresh engine, bf16 and fp32
 #   bash benchmarks/gpu_checks.sh sleep  # nvidia-h200 or nvidia-h100-x1: LLM.sleep / wake_up on a
-#       compiled engine with decode graphs (memory freed, graphs captured again, same tokens)
+#       compiled engine with decode graphs (memory freed, graphs captured again, same tokens),
+#       with a draft model too
 #   bash benchmarks/gpu_checks.sh embeds  # nvidia-h200 or nvidia-h100-x1: the pooling engine and
 #       prompt embeddings on the GPU (test_embed.py, test_prompt_embeds.py, test_decode_graphs.py)
 #   bash benchmarks/gpu_checks.sh awq  # nvidia-h200 or nvidia-h100-x1: AWQ checkpoints' GPU tests
@@ -516,8 +517,10 @@ sleep)
   # sleep(1) frees at least the weights' and the cache's bytes, wake_up captures the graphs again
   # (no compile) and they replay to the greedy tokens of before; then the CPU-side tests of
   # test_sleep.py on the GPU machine (the TP=2 one included: gloo ranks on the CPU).
-  STEP_LOG=$OUT/tests.txt step sleep_gpu_tests $(left_or 240) python3 -m pytest $PYTEST_ARGS \
-    tests/test_sleep.py -k gpu
+  # Session 77: a draft model's weights and cache sleep with the target's (its GPU test: the
+  # memory returns to the device, both sets of decode graphs captured again).
+  STEP_LOG=$OUT/tests.txt step sleep_gpu_tests $(left_or 300) python3 -m pytest $PYTEST_ARGS \
+    tests/test_sleep.py tests/test_audit_s77_sleep_draft.py -k gpu
   STEP_LOG=$OUT/tests.txt step sleep_tests $(left_or 180) python3 -m pytest $PYTEST_ARGS \
     tests/test_sleep.py -k "not gpu"
   ;;
