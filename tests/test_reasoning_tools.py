@@ -517,7 +517,9 @@ def test_a_tool_loops_next_turn_thinks_anew(server, reference):
     """Qwen3's template writes the reasoning of the tool loop's earlier turn, closed, into the
     prompt: the next turn's completion still starts undecided (its own <think> is reasoning)."""
     start, end = ids_of(reference, "<think>", "</think>")
-    loop = [*USER, {"role": "assistant", "content": "", "reasoning_content": "it needs a tool",
+    # "reasoning": what vLLM's parser reads (and passes on as reasoning_content); a message's own
+    # reasoning_content is dropped, as in vLLM (test_audit_s77_server_logprobs).
+    loop = [*USER, {"role": "assistant", "content": "", "reasoning": "it needs a tool",
                     "tool_calls": [{"id": "c1", "type": "function", "function": {
                         "name": "get_time", "arguments": None}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "noon"}]

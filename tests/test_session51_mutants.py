@@ -571,9 +571,10 @@ def test_max_tokens_defaults():
     assert only.echo_only and only.params.max_tokens == 1
 
 
-def test_echo_scores_the_prompt_at_the_larger_of_the_two_counts():
+def test_echo_scores_the_prompt_at_prompt_logprobs_else_at_logprobs():
     assert _completion(echo=True, logprobs=1, prompt_logprobs=3).params.prompt_logprobs == 3
-    assert _completion(echo=True, logprobs=4, prompt_logprobs=2).params.prompt_logprobs == 4
+    # An explicit prompt_logprobs wins, even the smaller: vLLM's to_sampling_params.
+    assert _completion(echo=True, logprobs=4, prompt_logprobs=2).params.prompt_logprobs == 2
     assert _completion(echo=True, logprobs=2).params.prompt_logprobs == 2
     assert _completion(logprobs=2).params.prompt_logprobs is None
 

@@ -22,8 +22,11 @@ def chat_message(message, where: str) -> dict:
     template reads); an assistant's earlier tool calls' arguments become objects
     (_call_arguments: a JSON string parsed; broken JSON, or anything but an object, {} with a
     warning, as vLLM), and an empty or null tool_calls is dropped, as is any tool_calls of
-    another role, unread (vLLM's _parse_chat_message_content keeps an assistant's alone). Other
-    keys (name, tool_call_id, ...) pass through.
+    another role, unread. Only the keys vLLM's _parse_chat_message_content
+    (renderers/chat_utils) carries reach the template: role, content, a string name or task of
+    any role, an assistant's tool_calls and reasoning, a tool message's tool_call_id and a
+    developer message's tools (null when not given); any other key (an assistant's own
+    reasoning_content, a user's tool_call_id, ...) is dropped.
     `where` names the message in errors ("messages[2]"): one that is not a dict, or whose role
     or content has the wrong type, is a TypeError; a missing role, a part that is not text
     (this engine reads text only), an assistant's tool call that is not a function's or
@@ -36,15 +39,22 @@ def chat_message(message, where: str) -> dict:
     role = message["role"]
     if not isinstance(role, str):
         raise TypeError(f"{where}.role must be a string, got {type(role).__name__}")
-    out = {**message, "content": _content_text(message.get("content"), where)}
-    if role == "assistant" and isinstance(out.get("reasoning"), str):
-        out["reasoning_content"] = out["reasoning"]  # vLLM's: "reasoning" wins
-    # vLLM's parser carries an assistant's tool_calls alone: another role's never reach the
-    # template, and are not read (whatever they hold, vLLM refuses nothing for them).
-    if role != "assistant" or not out.get("tool_calls"):
-        out.pop("tool_calls", None)
-    else:
-        out["tool_calls"] = _history_calls(out["tool_calls"], where)
+    out = {"role": role, "content": _content_text(message.get("content"), where)}
+    if role == "assistant":
+        # Another role's tool_calls never reach the template and are not read (whatever they
+        # hold, vLLM refuses nothing for them).
+        if message.get("tool_calls"):
+            out["tool_calls"] = _history_calls(message["tool_calls"], where)
+        if message.get("reasoning") is not None:
+            # Qwen3's template reads reasoning_content: vLLM fills it from "reasoning" alone.
+            out["reasoning"] = out["reasoning_content"] = message["reasoning"]
+    elif role == "tool" and "tool_call_id" in message:
+        out["tool_call_id"] = message["tool_call_id"]
+    for key in ("name", "task"):
+        if isinstance(message.get(key), str):
+            out[key] = message[key]
+    if role == "developer":
+        out["tools"] = message.get("tools")
     return out
 
 

@@ -176,7 +176,8 @@ class ParsedRequest:
     echo: bool = False
     echo_only: bool = False
     logprobs: int | None = None
-    prompt_logprobs: bool = False  # the response carries them (vLLM's prompt_logprobs field)
+    # The response carries them (vLLM's prompt_logprobs field; a stream's chunks never do).
+    prompt_logprobs: bool = False
     model: str | None = None
     tool_mode: str = "none"  # tool_calls.check_tool_choice's
     include_reasoning: bool = True
@@ -299,8 +300,11 @@ def _stream_options(values: dict) -> tuple[bool, bool]:
 
 
 def _prompt_logprobs(values: dict) -> int | None:
+    """The request's prompt_logprobs. As vLLM's check_logprobs: a stream refuses any that
+    returns alternatives (> 0, or -1 for all); 0 (each prompt token's own logprob) streams,
+    its stream chunks carrying no prompt_logprobs field."""
     n = values["prompt_logprobs"]
-    if n is not None and values["stream"]:
+    if n is not None and values["stream"] and (n > 0 or n == -1):
         raise RequestError("'prompt_logprobs' is not available with 'stream': true (as vLLM)")
     return n
 
@@ -413,18 +417,18 @@ def parse_completion(body, defaults: dict, embeds: EmbedsLimits | None = None) -
     echo_only = echo and max_tokens == 0
     if echo_only:
         max_tokens = 1
-    # Echo with logprobs scores the prompt too (vLLM's).
+    # Echo scores the prompt with `logprobs` alternatives unless prompt_logprobs is given:
+    # vLLM's CompletionRequest.to_sampling_params.
     scored = _prompt_logprobs(values)
-    prompt_logprobs = scored
-    if echo and logprobs is not None:
-        prompt_logprobs = max(logprobs, scored or 0) if logprobs != -1 else -1
+    prompt_logprobs = logprobs if scored is None and echo else scored
     params = _sampling(values, defaults, max_tokens=max_tokens, logprobs=logprobs,
                        prompt_logprobs=prompt_logprobs)
     include_usage, continuous = _stream_options(values)
     return ParsedRequest(params=params, stream=bool(values["stream"]),
                          include_usage=include_usage, continuous_usage=continuous,
                          prompts=prompts, echo=echo, echo_only=echo_only, logprobs=logprobs,
-                         prompt_logprobs=scored is not None, model=values["model"] or None,
+                         prompt_logprobs=scored is not None and not values["stream"],
+                         model=values["model"] or None,
                          priority=values["priority"] or 0,
                          add_special_tokens=values["add_special_tokens"] is not False,
                          request_id=values["request_id"],
@@ -508,7 +512,8 @@ def parse_chat(body, defaults: dict) -> ParsedRequest:
     return ParsedRequest(params=params, stream=bool(values["stream"]),
                          include_usage=include_usage, continuous_usage=continuous,
                          messages=messages, chat_options=options, logprobs=logprobs,
-                         prompt_logprobs=scored is not None, model=values["model"] or None,
+                         prompt_logprobs=scored is not None and not values["stream"],
+                         model=values["model"] or None,
                          tool_mode=tool_mode,
                          include_reasoning=True if include_reasoning is None else include_reasoning,
                          parallel_tool_calls=True if parallel is None else parallel,
