@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -37,27 +35,10 @@ from minivllm.runtime.server import OpenAIServer
 
 from engine_helpers import make_llm, serving
 from test_audit_s76_chat import USER, oracle, prompts, server_prompt, tok  # noqa: F401
+# model_dir: the demo checkpoint whose generation_config asks for DEFAULT_MAX_TOKENS (a fixture)
+from test_audit_s77_chat import DEFAULT_MAX_TOKENS, MAX_LEN, model_dir  # noqa: F401
 
-MAX_LEN = 128
-DEFAULT_MAX_TOKENS = 500  # generation_config.json's max_new_tokens: past any room left
 ROOM_OF_40 = MAX_LEN - 40
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """The demo checkpoint, greedy, whose generation_config.json asks for more new tokens than
-    any prompt leaves room for."""
-    from minivllm.runtime.demo import ensure_demo_model
-
-    path = str(tmp_path_factory.mktemp("s77srv") / "model")
-    shutil.copytree(ensure_demo_model(str(tmp_path_factory.mktemp("demo") / "model")), path)
-    gen_path = os.path.join(path, "generation_config.json")
-    with open(gen_path) as f:
-        gen = json.load(f)
-    gen.update(temperature=0.0, max_new_tokens=DEFAULT_MAX_TOKENS)
-    with open(gen_path, "w") as f:
-        json.dump(gen, f)
-    return path
 
 
 @pytest.fixture(scope="module")
