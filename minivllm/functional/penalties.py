@@ -55,11 +55,8 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         keep[sb.allowed_row_ids, sb.allowed_ids] = True
         x.masked_fill_(~keep, float("-inf"))
         del keep
-    if sb.allowed_bits is not None:  # packed, id i at bit i % 8 of byte i // 8
-        shifts = torch.arange(8, dtype=torch.uint8, device=x.device)
-        keep = (sb.allowed_bits[:, :, None] >> shifts).bitwise_and_(1).view(b, -1)[:, :vocab]
-        x.masked_fill_(keep == 0, float("-inf"))
-        del keep
+    if sb.allowed_bits is not None:
+        drop_disallowed_(x, sb.allowed_bits)
     if sb.bias_rows is not None:
         x.index_put_((sb.bias_rows, sb.bias_ids), sb.bias_values, accumulate=True)
     if sb.output_ids is not None:
@@ -76,3 +73,11 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     if sb.banned_rows is not None:
         x.index_put_((sb.banned_rows, sb.banned_ids), x.new_full((), float("-inf")))
     return x
+
+
+def drop_disallowed_(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """x [B, V] with the ids each row's packed bitmask drops set to -inf, in place; bits
+    [B, ceil(V / 8)] uint8, id i at bit i % 8 of byte i // 8 (SamplingBatch.allowed_bits)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=x.device)
+    keep = (bits[:, :, None] >> shifts).bitwise_and_(1).view(bits.shape[0], -1)
+    return x.masked_fill_(keep[:, :x.shape[-1]] == 0, float("-inf"))

@@ -34,7 +34,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from .penalties import apply_penalties, id_runs  # noqa: F401  (re-exported)
+from .penalties import apply_penalties, drop_disallowed_, id_runs  # noqa: F401  (re-exported)
 from .sampling_batch import (LOGPROBS_MODES, MAX_TOP_K_BOUND, SAMPLING_EPS,  # noqa: F401
                              SamplingBatch, SamplingRow, check_logprobs_mode,
                              make_sampling_batch, plain_greedy, with_pending_ids, with_steps)
@@ -280,11 +280,8 @@ def constrained_logits(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor
     its grammar bitmask to the model's logits before its sampler, so that even its raw logprobs
     are those of the constrained logits (allowed_token_ids, bad words, the bias and the
     penalties act inside the sampler, after the raw values are taken)."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
-    keep = (bits[:, :, None] >> shifts).bitwise_and_(1).view(bits.shape[0], -1)
     # One fp32 copy whatever the logits' dtype (the caller's logits are never written).
-    return logits.to(torch.float32, copy=True).masked_fill_(keep[:, :logits.shape[-1]] == 0,
-                                                            float("-inf"))
+    return drop_disallowed_(logits.to(torch.float32, copy=True), bits)
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, n: int, *,

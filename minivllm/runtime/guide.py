@@ -454,7 +454,8 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 def _literal(value) -> str:
     """The regex of one JSON text: `value` as json.dumps writes it, a string's characters as
     themselves (an e-acute as itself, not as \\u00e9: as xgrammar writes them, and as a model
-    would) but for JSON's escapes and lone surrogates (no UTF-8 text spells one: \\ud800-\\udfff)."""
+    would) but for JSON's escapes and lone surrogates (no UTF-8 text spells one:
+    \\ud800-\\udfff)."""
     try:
         text = json.dumps(value, allow_nan=False, ensure_ascii=False)
     except (TypeError, ValueError):

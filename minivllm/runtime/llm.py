@@ -129,9 +129,9 @@ class LLM:
     "num_speculative_tokens": k, "prompt_lookup_max": N, "prompt_lookup_min": M}, or its
     draft-model one, {"model": DRAFT_DIR, "num_speculative_tokens": k} ("method": "draft_model"
     implied; a Qwen3 dense checkpoint of the same vocabulary, one device, no LoRA or prompt
-    embeddings; sleep level 1 only) (runtime/spec_decode.py): outputs are those without it; it turns async_scheduling off, and
-    sequences whose sampling reads their output (penalties, multi-token bad_words, structured
-    outputs, min_tokens still pending) decode without drafts. LLM.stats counts the drafted and
+    embeddings; sleep level 1 only) (runtime/spec_decode.py): outputs are those without it;
+    it turns async_scheduling off, and sequences whose sampling reads their output (penalties,
+    multi-token bad_words, structured outputs, min_tokens still pending) decode without drafts. LLM.stats counts the drafted and
     accepted tokens.
     enable_lora, max_loras, max_lora_rank: serve PEFT LoRA adapters (generate / chat / stream's
     lora_request=LoRARequest(name, int_id, path)), up to max_loras in one batch, of rank up to
