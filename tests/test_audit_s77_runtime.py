@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import os
-import zlib
 
 import pytest
 import torch
@@ -24,12 +23,14 @@ from torch.utils._pytree import tree_leaves
 from minivllm import LLM, SamplingParams
 from minivllm.runtime import runner as runner_mod
 from minivllm.runtime.block_manager import BlockManager
-from minivllm.runtime.scheduler import Scheduler, stop_by_token
+from minivllm.runtime.scheduler import Scheduler
 from minivllm.runtime.sequence import Sequence, Status
 from minivllm.runtime.sleep import storages
 
 import engine_helpers
 from hf_tiny import hf_greedy, make_hf_model, save_checkpoint
+# The scheduler's mock model and its mock forward (tests/test_runtime_scheduler.py).
+from test_runtime_scheduler import BS, EOS, MockModelSteps, reference as mock_reference
 
 
 class Boom(Exception):
@@ -188,24 +189,6 @@ def test_level_2_failing_once_the_weights_are_discarded_sleeps(model_dir, refere
 
 # -- schedule() that raises part-way: the scheduler alone ----------------------------------------
 
-BS = 4
-VOCAB = 5
-EOS = 4
-
-
-def mock_next_token(tokens) -> int:
-    return zlib.crc32(bytes(tokens)) % VOCAB
-
-
-def mock_reference(prompt, params: SamplingParams, max_model_len: int) -> list[int]:
-    """The sequence run alone, a token at a time, with the same stop rules."""
-    seq = Sequence(0, "ref", 0, prompt, params, 0, eos_ids=(EOS,))
-    while True:
-        seq.token_ids.append(mock_next_token(seq.token_ids))
-        if stop_by_token(seq, max_model_len) is not None:
-            return seq.output_ids
-
-
 class FailingList(list):
     """A list whose `method` raises `error` on its k-th call."""
 
@@ -274,7 +257,7 @@ def summary(out) -> tuple:
             [c.seq.seq_id for c in out.prefills], out.num_tokens)
 
 
-class InterruptedScheduler(RuleBasedStateMachine):
+class InterruptedScheduler(MockModelSteps, RuleBasedStateMachine):
     """Random requests and aborts, steps, and steps whose schedule() raises at a random point:
     after one, the scheduler's state equals what it was before the call (the free queue's
     order aside for a prefix-cache hit taken from it, which goes back to its end); the call
@@ -373,37 +356,11 @@ class InterruptedScheduler(RuleBasedStateMachine):
         assert state(sched, with_times=False) == state(twin, with_times=False)
         self._run(out)
 
-    def _ids(self, seq) -> list[int]:
-        """seq's token ids with a pending one replaced by its value in the launched step."""
-        ids = list(seq.token_ids)
-        if seq.num_pending:
-            out, sampled = self.in_flight
-            ids[-1] = dict(zip((c.seq.seq_id for c in out.sampled), sampled))[seq.seq_id]
-        return ids
-
     def _run(self, out):
-        """The mock forward of a scheduled step: write every new token's slot, then check that
-        every chunk's context reads back its own prefix; then record the step."""
+        """The mock forward of a scheduled step (test_runtime_scheduler's), then its record."""
         self.steps += 1
         assert out.chunks or self.in_flight, "nothing scheduled while requests wait"
-        ids = {c.seq.seq_id: self._ids(c.seq) for c in out.chunks}
-        for c in out.chunks:
-            for pos in range(c.start, c.start + c.num_tokens):
-                self.slots[(c.seq.block_table[pos // BS], pos % BS)] = \
-                    tuple(ids[c.seq.seq_id][:pos + 1])
-        for c in out.chunks:
-            for pos in range(c.start):
-                got = self.slots.get((c.seq.block_table[pos // BS], pos % BS))
-                assert got == tuple(ids[c.seq.seq_id][:pos + 1]), f"{c.seq} reads a wrong prefix"
-        sampled = [mock_next_token(ids[c.seq.seq_id]) for c in out.sampled]
-        self.bm.commit()
-        if not self.asynchronous:
-            self.sched.update(out, sampled)
-            return
-        self.sched.advance(out)
-        if self.in_flight is not None:
-            self.sched.resolve(*self.in_flight)
-        self.in_flight = (out, sampled) if out.chunks else None
+        self._forward(out, commit=True)
 
     @invariant()
     def blocks_agree(self):
@@ -424,7 +381,7 @@ class InterruptedScheduler(RuleBasedStateMachine):
         for seq in self.all:
             assert seq.finished
             if seq.finish_reason != "abort":
-                want = mock_reference(seq.prompt_ids, seq.params, self.max_model_len)
+                want = mock_reference(seq.prompt_ids, seq.params, self.max_model_len, (EOS,))
                 assert seq.output_ids == want, (seq, seq.output_ids, want)
 
 

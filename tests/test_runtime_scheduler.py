@@ -43,7 +43,47 @@ def reference(prompt, params: SamplingParams, max_model_len: int, eos: tuple) ->
             return seq.output_ids
 
 
-class SchedulerMachine(RuleBasedStateMachine):
+class MockModelSteps:
+    """A machine's mock forward of scheduled steps (self.sched, self.bm, self.slots,
+    self.asynchronous and self.in_flight: the SchedulerOutput and sampled tokens launched and
+    not yet resolved)."""
+
+    def _ids(self, seq) -> list[int]:
+        """seq's token ids with a pending one replaced by its value in the launched step."""
+        ids = list(seq.token_ids)
+        if seq.num_pending:
+            assert seq.num_pending == 1 and ids[-1] == PENDING
+            out, sampled = self.in_flight
+            ids[-1] = dict(zip((c.seq.seq_id for c in out.sampled), sampled))[seq.seq_id]
+        return ids
+
+    def _forward(self, out, commit: bool = False) -> None:
+        """Write every new token's slot, then check that every chunk's context reads back its
+        own prefix; then record the step (commit: the block manager's registrations too, as
+        the engine commits them once a step is launched)."""
+        ids = {c.seq.seq_id: self._ids(c.seq) for c in out.chunks}
+        for c in out.chunks:
+            for pos in range(c.start, c.start + c.num_tokens):
+                self.slots[(c.seq.block_table[pos // BS], pos % BS)] = \
+                    tuple(ids[c.seq.seq_id][:pos + 1])
+        for c in out.chunks:
+            for pos in range(c.start):
+                got = self.slots.get((c.seq.block_table[pos // BS], pos % BS))
+                assert got == tuple(ids[c.seq.seq_id][:pos + 1]), \
+                    f"{c.seq} reads a wrong prefix at {pos}"
+        sampled = [mock_next_token(ids[c.seq.seq_id]) for c in out.sampled]
+        if commit:
+            self.bm.commit()
+        if not self.asynchronous:
+            self.sched.update(out, sampled)
+            return
+        self.sched.advance(out)
+        if self.in_flight is not None:
+            self.sched.resolve(*self.in_flight)
+        self.in_flight = (out, sampled) if out.chunks else None
+
+
+class SchedulerMachine(MockModelSteps, RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(4, 16), max_num_seqs=st.integers(1, 4),
                 max_tokens_per_step=st.integers(1, 12), caching=st.booleans(),
                 asynchronous=st.booleans(), longest_first=st.booleans(),
@@ -92,15 +132,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(self.sched.sequences))
         self.sched.finish(seq, "abort")
 
-    def _ids(self, seq) -> list[int]:
-        """seq's token ids with a pending one replaced by its value in the launched step."""
-        ids = list(seq.token_ids)
-        if seq.num_pending:
-            assert seq.num_pending == 1 and ids[-1] == PENDING
-            out, sampled = self.in_flight
-            ids[-1] = dict(zip((c.seq.seq_id for c in out.sampled), sampled))[seq.seq_id]
-        return ids
-
     def order(self, seq) -> tuple:
         """The policy's order: arrival, or priority then arrival (lower first)."""
         return (seq.priority, seq.seq_id) if self.policy == "priority" else (0, seq.seq_id)
@@ -140,23 +171,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             lead.append((self.order(c.seq)[0], -len(c.seq.token_ids) if self.longest_first else 0,
                          c.seq.seq_id))
         assert lead == sorted(lead), lead
-        # The mock forward: write every new token's slot, then read every chunk's context.
-        ids = {c.seq.seq_id: self._ids(c.seq) for c in out.chunks}
-        for c in out.chunks:
-            for pos in range(c.start, c.start + c.num_tokens):
-                self.slots[(c.seq.block_table[pos // BS], pos % BS)] = tuple(ids[c.seq.seq_id][:pos + 1])
-        for c in out.chunks:
-            for pos in range(c.start):
-                got = self.slots.get((c.seq.block_table[pos // BS], pos % BS))
-                assert got == tuple(ids[c.seq.seq_id][:pos + 1]), f"{c.seq} reads a wrong prefix at {pos}"
-        sampled = [mock_next_token(ids[c.seq.seq_id]) for c in out.sampled]
-        if not self.asynchronous:
-            self.sched.update(out, sampled)
-            return
-        self.sched.advance(out)
-        if self.in_flight is not None:
-            self.sched.resolve(*self.in_flight)
-        self.in_flight = (out, sampled) if out.chunks else None
+        self._forward(out)
 
     @invariant()
     def budgets_and_blocks(self):
