@@ -293,7 +293,10 @@ def test_tiny_temperatures():
     # Greedy to the engine's in-graph pick (plain_greedy) and to SamplingParams too.
     from minivllm import SamplingParams
     from minivllm.functional.sampling import plain_greedy
-    assert plain_greedy(SamplingRow(temperature=5e-6)) and SamplingParams(temperature=5e-6).greedy
+    # SamplingParams raises a positive temperature below 1e-2 to 1e-2 (vLLM's _MAX_TEMP), so only
+    # 0 is greedy there.
+    assert plain_greedy(SamplingRow(temperature=5e-6)) and SamplingParams(temperature=0).greedy
+    assert not SamplingParams(temperature=5e-6).greedy
     assert not plain_greedy(SamplingRow(temperature=2e-5)) and not SamplingParams(temperature=2e-5).greedy
     # Just above it samples: the tied maxima half and half (1.9999 / 2e-5 is 5 units below).
     for kw in (dict(), dict(top_k=3), dict(min_p=0.01)):

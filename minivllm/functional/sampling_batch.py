@@ -162,6 +162,7 @@ def _padded(rows: Sequence[Sequence[int]], pad: int, device) -> torch.Tensor:
 
 
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
+_FP32_MAX = float(np.finfo(np.float32).max)  # the float parameters' tensors are fp32
 # The largest top-k that truncates by candidates (truncated_logits): torch.topk of this many a
 # row, where a sort of the whole vocabulary took ~2 ms a step at 64 rows of 151,936 ids.
 MAX_TOP_K_BOUND = 1024
@@ -232,6 +233,11 @@ def make_sampling_batch(rows: Sequence[SamplingRow], *, vocab_size: int, device=
     # and softmax to NaN), and a top_p that fp32 rounds to 0 still keeps the top id.
     f64[:, 0][f64[:, 0] < SAMPLING_EPS] = 0.0
     np.maximum(f64[:, 1], np.finfo(np.float32).tiny, out=f64[:, 1])
+    # Values past fp32's range (a repetition penalty of 1e39, which vLLM takes) would become inf
+    # in the tensor, and a seen id's logit of exactly 0 times inf is nan, which torch's arg-max
+    # picks: the penalty would choose the very id it penalises. fp32's largest finite value
+    # penalises as inf does (x / 3.4e38 ~ 0, x * 3.4e38 = -inf for x < -1) without the nan.
+    np.clip(f64, -_FP32_MAX, _FP32_MAX, out=f64)
     temperature, top_p, min_p = f64[:, 0], f64[:, 1], f64[:, 2]
     top_k = np.fromiter([r.top_k for r in rows], dtype=np.int64, count=b)
     top_k[(top_k <= 0) | (top_k >= vocab_size)] = vocab_size

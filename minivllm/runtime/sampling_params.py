@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import math
 import reprlib
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -13,12 +15,21 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-_FP32_MAX = 3.4028234663852886e38  # the sampler divides fp32 logits by the temperature
+_FP32_MAX = 3.4028234663852886e38  # a logit bias is added to fp32 logits
 
 
 def _is_number(x) -> bool:
-    """A real field's value after __post_init__'s conversion: every finite real is a float."""
-    return isinstance(x, float)
+    """Whether a real field's value, after __post_init__'s conversion (every finite real becomes
+    a float), is a finite real: as_real leaves an infinity or NaN as it was given."""
+    return isinstance(x, float) and math.isfinite(x)
+
+
+log = logging.getLogger("minivllm")
+# vLLM's temperature bounds (sampling_params.py): at most 2 (OpenAI's range, vLLM PR 44965), and
+# a positive one below 1e-2 (its _MAX_TEMP) is raised to 1e-2 with a warning (dividing by a
+# tinier one made nan / inf there), so that only 0 itself is greedy.
+_TEMPERATURE_MAX = 2.0
+_TEMPERATURE_FLOOR = 1e-2
 
 
 # vLLM's bound on n (VLLM_MAX_N_SEQUENCES' default): a request makes its n sequences before
@@ -98,12 +109,14 @@ class StructuredOutputsParams:
 class SamplingParams:
     """Sampling parameters for one request (vLLM's `SamplingParams`, the subset minivllm runs).
 
-    n: completions per prompt. temperature: 0 is greedy. top_p in (0, 1]; top_k 0 or -1 is off;
-    min_p in [0, 1]. presence/frequency penalties in [-2, 2] act on generated tokens, the
-    repetition penalty (> 0, 1 is off) on prompt and generated tokens. seed: makes this request's
-    samples reproducible whatever it is batched with. stop: strings that end the output (left out
-    of the text unless include_stop_str_in_output); stop_token_ids: ids that end it (kept in
-    token_ids). ignore_eos: run past EOS. max_tokens: None means up to max_model_len.
+    n: completions per prompt. temperature in [0, 2]: 0 is greedy, one in (0, 0.01) is raised
+    to 0.01 (as vLLM). top_p in (0, 1]; top_k 0 or -1 is off; min_p in [0, 1].
+    presence/frequency penalties in [-2, 2] act on generated tokens, the repetition penalty
+    (finite, > 0, 1 is off) on prompt and generated tokens. seed: makes this request's samples
+    reproducible whatever it is batched with (-1: None, as vLLM). stop: strings that end the
+    output (left out of the text unless include_stop_str_in_output); stop_token_ids: ids that
+    end it (kept in token_ids). ignore_eos: run past EOS. max_tokens: None means up to
+    max_model_len.
     min_tokens: EOS and stop ids are masked out before this many tokens. logit_bias: {id: bias}
     added to the logits; allowed_token_ids: the only ids that may be sampled (both before the
     penalties, as vLLM; the default raw logprobs leave both out). bad_words: words never
@@ -161,6 +174,8 @@ class SamplingParams:
                 value = convert(getattr(self, name))
                 if value is not None:
                     object.__setattr__(self, name, value)
+        if self.seed == -1:  # vLLM's "no seed": the request samples as one without
+            object.__setattr__(self, "seed", None)
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             bad(f"n must be an integer in [1, {MAX_N}] (vLLM's VLLM_MAX_N_SEQUENCES bound), "
                 f"got {self.n!r:.40}")
@@ -169,9 +184,16 @@ class SamplingParams:
             if not _is_number(v) or not -2.0 <= v <= 2.0:
                 bad(f"{name} must be in [-2, 2], got {v!r}")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        if not _is_number(self.temperature) or not 0 <= self.temperature <= _FP32_MAX:
-            bad(f"temperature must be a number in [0, 3.4e38] (fp32's range), got {self.temperature!r}")
+            bad(f"repetition_penalty must be a finite number > 0, got "
+                f"{self.repetition_penalty!r}")
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= _TEMPERATURE_MAX:
+            bad(f"temperature must be a number in [0, {_TEMPERATURE_MAX:g}] (vLLM's range), got "
+                f"{self.temperature!r}")
+        if 0 < self.temperature < _TEMPERATURE_FLOOR:
+            log.warning("temperature %s is below %s: raised to %s, as vLLM does (only 0 is "
+                        "greedy)", self.temperature, _TEMPERATURE_FLOOR,
+                        _TEMPERATURE_FLOOR)
+            object.__setattr__(self, "temperature", _TEMPERATURE_FLOOR)
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             bad(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
@@ -265,7 +287,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Whether the sampler takes the arg-max: temperature below vLLM's 1e-5, 0 included."""
+        """Whether the sampler takes the arg-max: temperature 0 (__post_init__ raised a positive
+        one below 1e-2 to 1e-2, so none reaches the sampler's threshold, vLLM's 1e-5)."""
         from ..functional.sampling import SAMPLING_EPS
 
         return self.temperature < SAMPLING_EPS
@@ -304,8 +327,10 @@ class BeamSearchParams:
             if value is None:
                 bad(f"{name} must be a finite number, got {getattr(self, name)!r}")
             object.__setattr__(self, name, value)
-        if not 0 <= self.temperature <= _FP32_MAX:
-            bad(f"temperature must be in [0, 3.4e38] (fp32's range), got {self.temperature!r}")
+        if not 0 <= self.temperature <= _TEMPERATURE_MAX:
+            # vLLM's LLM.beam_search refuses it too: its steps' SamplingParams do.
+            bad(f"temperature must be in [0, {_TEMPERATURE_MAX:g}] (vLLM's range), got "
+                f"{self.temperature!r}")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 bad(f"{name} must be a bool, got {getattr(self, name)!r}")
