@@ -233,6 +233,9 @@ def _add_serving_args(p: argparse.ArgumentParser) -> None:
                         "'{\"temperature\": 0.5}': repetition_penalty, temperature, top_k, "
                         "top_p, min_p, max_new_tokens (null unsets one); max_new_tokens also "
                         "caps a request's own max_tokens, as vLLM's server")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage gives prompt_tokens_details {\"cached_tokens\"}: the prompt "
+                        "tokens found in the prefix cache (vLLM's flag)")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                    help="priority: requests' 'priority' field orders them, lower first")
     p.add_argument("--runner", choices=["auto", "generate", "pooling"], default="auto",
@@ -535,7 +538,8 @@ def cmd_serve(args) -> int:
                           tool_call_parser=args.tool_call_parser,
                           lora_modules=dict(args.lora_modules or ()),
                           max_request_body_bytes=args.max_request_body_bytes,
-                          override_max_tokens=cap)
+                          override_max_tokens=cap,
+                          enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     host, port = server.address
     # SIGTERM (kill, docker stop, a supervisor) stops the server as Ctrl-C does: the socket
     # closed, the engine (and any workers) shut down, exit 0; by default it ended the process
@@ -581,7 +585,8 @@ def cmd_run_batch(args) -> int:
                             enable_auto_tool_choice=args.enable_auto_tool_choice,
                             tool_call_parser=args.tool_call_parser,
                             lora_modules=dict(args.lora_modules or ()),
-                            override_max_tokens=cap)
+                            override_max_tokens=cap,
+                            enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     finally:
         llm.shutdown()
     return 0

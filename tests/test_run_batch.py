@@ -320,3 +320,29 @@ def test_the_override_generation_configs_max_new_tokens_caps_each_line(device, t
     line = json.loads(out.read_text())
     assert line["error"] is None
     assert line["response"]["body"]["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_enable_prompt_tokens_details_reports_the_prefix_cache_hits(flag, device, tmp_path):
+    """--enable-prompt-tokens-details (vLLM's run-batch and serve flag): each line's usage gives
+    prompt_tokens_details.cached_tokens, the prompt tokens the prefix cache served. One sequence
+    at a time, so the second line of the same prompt finds every full block of it but the one
+    holding its last token (vLLM recomputes that token); without the flag the key is absent."""
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    body = {"model": NAME, "prompt": "a b c d e f g " * 8, "max_tokens": 2, "temperature": 0}
+    source.write_text("".join(json.dumps(line(k, "/v1/completions", body)) + "\n"
+                              for k in ("first", "second")))
+    flags = engine_flags(device)
+    flags[flags.index("--max-num-seqs") + 1] = "1"
+    extra = ["--enable-prompt-tokens-details"] if flag else []
+    assert main(["run-batch", "--demo", "-i", str(source), "-o", str(out), *flags,
+                 "--block-size", "16", "--enable-prefix-caching", *extra]) == 0
+    first, second = (json.loads(s)["response"]["body"]["usage"]
+                     for s in out.read_text().splitlines())
+    if not flag:
+        assert "prompt_tokens_details" not in first and "prompt_tokens_details" not in second
+        return
+    prompt = second["prompt_tokens"]
+    assert prompt > 32 and first["prompt_tokens"] == prompt
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert second["prompt_tokens_details"] == {"cached_tokens": (prompt - 1) // 16 * 16}

@@ -265,7 +265,8 @@ def _sampling(values: dict, defaults: dict, *, max_tokens, logprobs, prompt_logp
             kwargs.setdefault(name, value)
     if values["logit_bias"] is not None:  # JSON keys are strings
         try:
-            kwargs["logit_bias"] = {int(k): v for k, v in values["logit_bias"].items()}
+            kwargs["logit_bias"] = {int(k): _clamp_bias(v)
+                                    for k, v in values["logit_bias"].items()}
         except ValueError:
             raise RequestError(f"'logit_bias' keys must be token ids, got "
                                f"{sorted(values['logit_bias'])!r:.80}") from None
@@ -279,11 +280,21 @@ def _sampling(values: dict, defaults: dict, *, max_tokens, logprobs, prompt_logp
         raise RequestError(str(e)) from None
 
 
+def _clamp_bias(bias):
+    """A request's logit bias within [-100, 100], as vLLM's server (SamplingParams.from_optional)
+    and OpenAI's range; what is no number is left for SamplingParams to refuse."""
+    if isinstance(bias, (int, float)) and not isinstance(bias, bool):
+        return min(100.0, max(-100.0, bias))
+    return bias
+
+
 def _stream_options(values: dict) -> tuple[bool, bool]:
-    """(include_usage, continuous_usage_stats): vLLM's defaults, include_usage true when
-    stream_options is given."""
+    """(include_usage, continuous usage): include_usage true when stream_options is given;
+    usage on each chunk only with include_usage too (vLLM's should_include_usage: a stream
+    asking for no usage gets none, continuous_usage_stats or not). An empty stream_options is
+    taken without a stream too (vLLM's validate_stream_options refuses only a non-empty one)."""
     options = values["stream_options"]
-    if options is None:
+    if options is None or not options and not values["stream"]:
         return False, False
     if not values["stream"]:
         raise RequestError("'stream_options' needs 'stream': true")
@@ -296,7 +307,7 @@ def _stream_options(values: dict) -> tuple[bool, bool]:
         if value is not None and not isinstance(value, bool):
             raise RequestError(f"'stream_options.{key}' must be true or false")
         flags.append(bool(value))
-    return flags[0], flags[1]
+    return flags[0], flags[0] and flags[1]
 
 
 def _prompt_logprobs(values: dict) -> int | None:
@@ -669,13 +680,25 @@ def vllm_prompt_logprobs(entries) -> list | None:
 
 
 def usage(outs: list[RequestOutput], req: ParsedRequest | None = None,
-          prompt_lens: dict[str, int] | None = None) -> dict:
+          prompt_lens: dict[str, int] | None = None, cached: bool = False) -> dict:
     """OpenAI's usage; prompt_lens: request id -> its prompt's tokens, for the outputs of
-    prompts given as embeddings (whose prompt_token_ids are None: T rows are T tokens)."""
+    prompts given as embeddings (whose prompt_token_ids are None: T rows are T tokens).
+    cached: with prompt_tokens_details {"cached_tokens"}, the prompt tokens found in the prefix
+    cache (vLLM's --enable-prompt-tokens-details)."""
     prompt = sum(len(o.prompt_token_ids) if o.prompt_token_ids is not None
                  else prompt_lens[o.request_id] for o in outs)
     completion = 0 if req is not None and req.echo_only else \
         sum(len(c.token_ids) for o in outs for c in o.outputs)
+    counts = token_usage(prompt, completion)
+    if cached:
+        counts["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens
+                                                                for o in outs)}
+    return counts
+
+
+def token_usage(prompt: int, completion: int) -> dict:
+    """OpenAI's usage of `prompt` prompt tokens and `completion` generated ones (a stream's
+    continuous usage: one choice's so far, with its own prompt's, as vLLM's)."""
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 
@@ -735,10 +758,13 @@ def chat_output(req: ParsedRequest, phase: str | None, tool_parser: str | None =
                       tool_parser or "hermes", req.chat_options.get("tools"))
 
 
-def _finish_reason(c, parser: ChatOutput) -> str | None:
+def _finish_reason(c, parser: ChatOutput, streamed: bool = False) -> str | None:
     """vLLM's (and OpenAI's): "tool_calls" where an "auto" answer called tools, or a "required"
-    one ended whole; a named function's call ends with the completion's own reason."""
-    if parser.called and (parser.tool_mode == "auto" and c.finish_reason is not None or
+    one ended whole; a named function's call ends with the completion's own reason. streamed:
+    a stream's last chunk, where vLLM's "auto" answer too says "tool_calls" only if it stopped
+    (cut by max_tokens it stays "length": its last call may be cut short)."""
+    ended = c.finish_reason == "stop" if streamed else c.finish_reason is not None
+    if parser.called and (parser.tool_mode == "auto" and ended or
                           parser.tool_mode == "required" and c.finish_reason == "stop"):
         return "tool_calls"
     return c.finish_reason
@@ -756,10 +782,16 @@ def chat_choice(c, req: ParsedRequest, parser: ChatOutput, *, delta: bool) -> di
         if c.finish_reason is not None:
             for key, value in parser.finish().items():
                 fields[key] = fields[key] + value if key in fields else value
+        if parser.split is None and parser.tool_mode == "none":
+            # vLLM's stream without a parser: each chunk its content, "" where its tokens' text
+            # is held back or empty (the last chunk's, after EOS), as clients reading
+            # delta["content"] expect.
+            fields.setdefault("content", "")
         if not fields and lps is None and c.finish_reason is None:
             return None
         return {"index": c.index, "delta": fields, "logprobs": lps,
-                "finish_reason": _finish_reason(c, parser), "stop_reason": c.stop_reason}
+                "finish_reason": _finish_reason(c, parser, streamed=True),
+                "stop_reason": c.stop_reason}
     msg = {**message(parser, c.text), "role": req.role}
     if req.chat_echo:  # vLLM's: prepended even to an answer of tool calls alone
         msg["content"] = req.chat_echo + (msg["content"] or "")

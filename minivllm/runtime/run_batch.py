@@ -277,6 +277,7 @@ def _answers(http, requests: list[BatchRequest], workers: int):
 def run_batch(llm, requests: list[BatchRequest], output: str, *, model_name: str,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
               lora_modules=None, override_max_tokens: int | None = None,
+              enable_prompt_tokens_details: bool = False,
               workers: int | None = None) -> tuple[int, int]:
     """Answer `requests` with `llm` as `minivllm serve` would (its options as OpenAIServer's)
     and write their output lines to `output` ("-": stdout) in input order, each once its turn
@@ -286,6 +287,7 @@ def run_batch(llm, requests: list[BatchRequest], output: str, *, model_name: str
                           tool_call_parser=tool_call_parser, lora_modules=lora_modules,
                           max_request_body_bytes=sys.maxsize,  # vLLM's batch has no cap
                           override_max_tokens=override_max_tokens,
+                          enable_prompt_tokens_details=enable_prompt_tokens_details,
                           listen=False)  # the handler runs in memory: no address is bound
     server.http.server_close()  # its socket, never bound
     workers = workers or 2 * llm.config.max_num_seqs

@@ -56,7 +56,8 @@ from .openai_api import (EmbedsLimits, ParsedRequest, RequestError, chat_body, c
                          embedding_body, error_body, fit_context, new_id, now,
                          parse_chat, parse_classify, parse_completion, parse_detokenize,
                          parse_embedding, parse_rerank, parse_score, parse_tokenize, render_chat,
-                         rerank_body, score_body, tokenize, usage, vllm_prompt_logprobs)
+                         rerank_body, score_body, token_usage, tokenize, usage,
+                         vllm_prompt_logprobs)
 from .pooling import PoolingParams
 from .sleep import check_level, check_tags
 
@@ -693,7 +694,8 @@ class _Handler(BaseHTTPRequestHandler):
             out = outs[0]
             body = chat_body(new_id("chatcmpl", req.request_id), created, name,
                              [chat_choice(c, req, app.chat_output(req, out), delta=False)
-                              for c in out.outputs], usage(outs, req, sub.prompt_lens))
+                              for c in out.outputs],
+                             usage(outs, req, sub.prompt_lens, app.prompt_tokens_details))
             if req.prompt_logprobs:
                 body["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs)
         else:
@@ -701,26 +703,46 @@ class _Handler(BaseHTTPRequestHandler):
             choices = [completion_choice(out, c, req, app.decode, index=k * n + c.index)
                        for k, out in enumerate(outs) for c in out.outputs]
             body = completion_body(new_id("cmpl", req.request_id), created, name, choices,
-                                   usage(outs, req, sub.prompt_lens))
+                                   usage(outs, req, sub.prompt_lens, app.prompt_tokens_details))
         self._send_json(200, body)
 
     def _stream(self, sub: _Submission, chat: bool) -> None:
-        """Server-sent events, as vLLM's: one choice a chunk (a chat completion's first names
-        its role), the finish_reason with a completion's last text, a usage chunk last with
-        stream_options.include_usage (usage on every chunk with continuous_usage_stats), then
-        [DONE]."""
+        """Server-sent events, as vLLM's: one choice a chunk (a chat completion's first chunks
+        name each choice's role, then with echo give each its echo), the finish_reason with a
+        choice's last chunk, a usage chunk last with stream_options.include_usage (with
+        continuous_usage_stats also on every chunk: its choice's tokens so far and its prompt's),
+        then [DONE]. A failure once the stream began is an error event before [DONE] (vLLM's),
+        its requests aborted."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Connection", "close")
         self.end_headers()
         self.close_connection = True
+        try:
+            self._stream_events(sub, chat)
+        except (_ClientGone, OSError):
+            raise
+        except Exception as e:  # the headers are sent: an error event, never a second answer
+            log.exception("minivllm serve: a stream failed; its requests are aborted")
+            self.app.loop.abort(sub)
+            self._event(error_body(f"{type(e).__name__}: {e}", 500, "InternalServerError"))
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+
+    def _stream_events(self, sub: _Submission, chat: bool) -> None:
+        """_stream's events before [DONE]."""
         app, req, created = self.app, sub.req, now()
         name = app.response_name(req)
         make = chat_body if chat else completion_body
         request_id = new_id("chatcmpl" if chat else "cmpl", req.request_id)
+
+        def event(choices: list[dict], usage_: dict | None) -> None:
+            self._event(make(request_id, created, name, choices, usage_, chunk=True))
+
         sent: dict = {}
-        offsets: dict[tuple[str, int], int] = {}  # a completion's text sent so far
+        texts: dict[tuple[str, int], int] = {}  # a completion's text sent (its text_offset)
+        tokens: dict[tuple[str, int], int] = {}  # each choice's tokens sent (continuous usage)
         parsers: dict[tuple[str, int], object] = {}  # a chat completion's ChatOutput
         last: dict[str, object] = {}
         order = {rid: k for k, rid in enumerate(sub.ids)}
@@ -729,45 +751,42 @@ class _Handler(BaseHTTPRequestHandler):
             kind, value = self._next_output(sub)
             if kind == "error":
                 self._event(_failure(value)[1])
-                break
-            last[value.request_id] = value
+                return
+            rid = value.request_id
+            prompt_len = (len(value.prompt_token_ids) if value.prompt_token_ids is not None
+                          else sub.prompt_lens[rid])
+            if chat and not last:  # vLLM's first chunks: every choice's role, then its echo
+                opening = token_usage(prompt_len, 0) if req.continuous_usage else None
+                for index in range(req.params.n):
+                    event([chat_role_choice(index, req.role)], opening)
+                for index in range(req.params.n if req.chat_echo else 0):
+                    event([chat_echo_choice(index, req.chat_echo)], opening)
+            last[rid] = value
             done += value.finished
             delta = _delta(value, sent)
             if delta is None:
                 continue
-            running = (usage(list(last.values()), req, sub.prompt_lens)
-                       if req.continuous_usage else None)
             for c in delta.outputs:
-                key = (value.request_id, c.index)
-                first = key not in offsets
-                offsets.setdefault(key, 0)
+                key = (rid, c.index)
+                tokens[key] = tokens.get(key, 0) + len(c.token_ids)
+                running = (token_usage(prompt_len, 0 if req.echo_only else tokens[key])
+                           if req.continuous_usage else None)
                 if chat:
-                    if first:
-                        self._event(make(request_id, created, name,
-                                         [chat_role_choice(c.index, req.role)], running,
-                                         chunk=True))
-                        if req.chat_echo:
-                            self._event(make(request_id, created, name,
-                                             [chat_echo_choice(c.index, req.chat_echo)],
-                                             running, chunk=True))
+                    if key not in parsers:
                         parsers[key] = app.chat_output(req, value)
                     choice = chat_choice(c, req, parsers[key], delta=True)
                     if choice is None:
                         continue
                 else:
-                    index = order[value.request_id] * req.params.n + c.index
-                    choice = completion_choice(delta, c, req, app.decode, index=index,
-                                               first=first, offset=offsets[key])
-                    offsets[key] += len(c.text)
-                self._event(make(request_id, created, name, [choice], running,
-                                 chunk=True))
-        else:
-            if req.include_usage:
-                self._event(make(request_id, created, name, [],
-                                 usage([last[i] for i in sub.ids], req, sub.prompt_lens),
-                                 chunk=True))
-        self.wfile.write(b"data: [DONE]\n\n")
-        self.wfile.flush()
+                    choice = completion_choice(delta, c, req, app.decode,
+                                               index=order[rid] * req.params.n + c.index,
+                                               first=key not in texts, offset=texts.get(key, 0))
+                    # The text sent, an echoed prompt's with it: the next token's text_offset.
+                    texts[key] = texts.get(key, 0) + len(choice["text"])
+                event([choice], running)
+        if req.include_usage:
+            event([], usage([last[i] for i in sub.ids], req, sub.prompt_lens,
+                            app.prompt_tokens_details))
 
     def _event(self, body: dict) -> None:
         self.wfile.write(b"data: " + json.dumps(body).encode() + b"\n\n")
@@ -783,12 +802,15 @@ class OpenAIServer:
                  enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
                  lora_modules=None, disable_log_stats: bool = False,
                  max_request_body_bytes: int | None = None, listen: bool = True,
-                 override_max_tokens: int | None = None):
+                 override_max_tokens: int | None = None,
+                 enable_prompt_tokens_details: bool = False):
         """listen=False: no address is bound, for a caller that runs the request handler in
         memory (runtime/run_batch.py). override_max_tokens: the most tokens any request
         generates, even one whose max_tokens asks for more (vLLM's serving override_max_tokens:
         generation_config.override_max_tokens gives it for LLM's generation_config and
-        override_generation_config; serve --override-generation-config's max_new_tokens)."""
+        override_generation_config; serve --override-generation-config's max_new_tokens).
+        enable_prompt_tokens_details: usage (a whole response's, a stream's last chunk's) gives
+        prompt_tokens_details {"cached_tokens"}, as vLLM's --enable-prompt-tokens-details."""
         tool_calls.check_parser(tool_call_parser)
         check_port(port)
         if override_max_tokens is not None and (
@@ -807,6 +829,10 @@ class OpenAIServer:
             raise ValueError(f"the KV cache holds {capacity} tokens, less than max_model_len="
                              f"{config.max_model_len}: lower max_model_len or give the cache "
                              f"more blocks")
+        if not isinstance(enable_prompt_tokens_details, bool):
+            raise TypeError(f"enable_prompt_tokens_details must be a bool, got "
+                            f"{enable_prompt_tokens_details!r}")
+        self.prompt_tokens_details = enable_prompt_tokens_details
         self.llm = llm
         if disable_log_stats:  # as vLLM's flag: no metrics recorded (/metrics has the config only)
             llm.engine.metrics = None
