@@ -434,8 +434,9 @@ def test_n_completions_stop_independently(config, async_scheduling):
 
 
 def test_min_tokens_masks_eos_and_stop_ids(config):
-    """The sampler is told to ban EOS and the stop ids for the first min_tokens tokens (EOS not
-    with ignore_eos), and nothing after."""
+    """The sampler is told to ban EOS and the stop ids for the first min_tokens tokens (EOS with
+    ignore_eos too, as vLLM's min_tokens processor bans its all_stop_token_ids, which always hold
+    EOS), and nothing after."""
     tok = BYTE_LEVEL
     eos = tok.eos_token_id
     stop_id = enc(tok, " two")[-1]
@@ -445,7 +446,7 @@ def test_min_tokens_masks_eos_and_stop_ids(config):
                                 stop_token_ids=[stop_id])
         final, _, eng = complete(config, tok, enc(tok, PROMPT), [out], params, False)
         banned = {step: set(b) for (_, step), b in eng.runner.banned.items()}
-        want = {stop_id} | (set() if ignore_eos else set(eng.eos_ids))
+        want = {stop_id} | set(eng.eos_ids)
         assert banned == {s: (want if s < 3 else set()) for s in range(len(out))}
 
 

@@ -19,12 +19,19 @@ from __future__ import annotations
 _LOOK_BACK = 8
 
 
-def _decode_kwargs(skip_special_tokens: bool, spaces_between_special_tokens: bool) -> dict:
+def _decode_kwargs(tokenizer, skip_special_tokens: bool,
+                   spaces_between_special_tokens: bool) -> dict:
     """tokenizer.decode's keywords (spaces_between_special_tokens only when off: fast tokenizers
-    take no such argument otherwise)."""
+    take no such argument otherwise). A tokenizer that cleans up tokenization spaces (" ." to
+    ".", " 's" to "'s": tokenizer_config.json's clean_up_tokenization_spaces) is told not to:
+    vLLM's detokenizers (DecodeStream, convert_tokens_to_string) never do, and a window whose
+    text the clean-up shortens (" it '" then " it 's" to " it's") reads as no new text, so the
+    token's characters were lost."""
     kwargs = dict(skip_special_tokens=skip_special_tokens)
     if not spaces_between_special_tokens:
         kwargs["spaces_between_special_tokens"] = False
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        kwargs["clean_up_tokenization_spaces"] = False
     return kwargs
 
 
@@ -35,7 +42,7 @@ def detokenize_incrementally(tokenizer, ids: list[int], prefix_offset: int, read
     """-> (new text, new prefix_offset, new read_offset) after ids[read_offset:end] were added
     (end: default all of ids; what follows it is not known yet)."""
     end = len(ids) if end is None else end
-    kwargs = _decode_kwargs(skip_special_tokens, spaces_between_special_tokens)
+    kwargs = _decode_kwargs(tokenizer, skip_special_tokens, spaces_between_special_tokens)
     prefix_text = tokenizer.decode(ids[prefix_offset:read_offset], **kwargs)
     text = tokenizer.decode(ids[prefix_offset:end], **kwargs)
     if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
@@ -56,7 +63,7 @@ def prompt_offsets(tokenizer, ids: list[int], prompt_len: int, *, skip_special_t
     one (the output's text began with it again) and the output's bytes that continue the run
     for U+FFFD. Looks back a few tokens only (a character is at most 4 bytes); a prompt ending
     in more invalid bytes than that keeps its end."""
-    kwargs = _decode_kwargs(skip_special_tokens, spaces_between_special_tokens)
+    kwargs = _decode_kwargs(tokenizer, skip_special_tokens, spaces_between_special_tokens)
     lowest = max(prompt_len - 4, 0)
     for read in range(prompt_len, lowest - 1, -1):
         if read == 0:
@@ -74,7 +81,8 @@ def prompt_offsets(tokenizer, ids: list[int], prompt_len: int, *, skip_special_t
     return max(prompt_len - 5, 0), prompt_len
 
 
-def find_stop_string(text: str, num_new_chars: int, stops: tuple[str, ...]) -> tuple[int, str] | None:
+def find_stop_string(text: str, num_new_chars: int, stops: tuple[str, ...]
+                     ) -> tuple[int, str] | None:
     """The earliest stop string that the last `num_new_chars` characters of `text` complete:
     (its start index, the string), or None. Only the tail is searched: earlier text was searched
     when it was new."""

@@ -632,7 +632,7 @@ class LLMEngine:
         if banned and all(i in banned for i in sampleable):
             raise ValueError(f"bad_words ban every id this request may sample (its {what})")
         if params.min_tokens > 0:
-            banned |= set(params.stop_ids) | set(() if params.ignore_eos else self.eos_ids)
+            banned |= set(params.stop_ids) | set(self.eos_ids)
             if all(i in banned for i in sampleable):
                 raise ValueError(f"min_tokens={params.min_tokens} bans every id this request may "
                                  f"sample: its {what} are all stop, EOS or bad-word ids")
@@ -906,8 +906,8 @@ class LLMEngine:
             return seq.sampling_row
         banned = ()
         if seq.num_output < p.min_tokens:
-            banned = tuple(i for i in (*(() if p.ignore_eos else seq.eos_ids), *p.stop_ids)
-                           if i < self.vocab_size)
+            # EOS too with ignore_eos, as vLLM's (its all_stop_token_ids always hold EOS).
+            banned = tuple(i for i in (*seq.eos_ids, *p.stop_ids) if i < self.vocab_size)
         if seq.bad_words:
             banned += banned_by_bad_words(seq.bad_words, seq.output_ids)
         # As an array, which make_sampling_batch copies whole (made once: a row without
