@@ -53,7 +53,7 @@ BAD_PROMPTS = {
     "longer than max_model_len": {"prompt_token_ids": [1] * 61},
     "as long as max_model_len": {"prompt_token_ids": [1] * 60},
     "string without tokenizer": "hello",
-    "a bare list": [1, 2, 3],
+    "a tuple of ids": (1, 2, 3),
     "dict without ids": {"text": "x"},
     "0-d tensor of ids": {"prompt_token_ids": torch.tensor(5)},
     "bool ids": {"prompt_token_ids": torch.tensor([True, False])},

@@ -75,7 +75,7 @@ def test_the_lowest_priority_is_preempted_and_results_do_not_change(model_dir, d
     ("priority", [0, 1], ValueError, "5 prompts but 2 priorities"),
     ("priority", [0, 1.5, 0, 0, 0], TypeError, "must be an integer"),
     ("priority", [0, True, 0, 0, 0], TypeError, "must be an integer"),
-    ("priority", 3, TypeError, "a list of integers"),
+    ("priority", 3.5, TypeError, "a list of integers"),
 ])
 def test_bad_priorities_are_refused_before_any_is_queued(model_dir, device, policy, priority,
                                                          error, match):

@@ -12,11 +12,11 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
-from ..state.values import as_flag
+from ..state.values import as_flag, as_int
 from .config import EngineConfig, is_random_model
 from .distributed import torchrun_env
 from . import reasoning
@@ -314,13 +314,18 @@ class LLM:
 
     @staticmethod
     def _prompt_list(prompts) -> list:
+        """One prompt or a list of them -> the list. As vLLM's prompt_to_seq and
+        parse_dec_only_prompt, a list of token ids (list[int], told by its first item) is one
+        prompt, {"prompt_token_ids": ids}, whether given alone or as an item of the list."""
         if isinstance(prompts, (str, dict)):
             return [prompts]
         if prompts is None:
             raise ValueError("prompts is None")
         if isinstance(prompts, bytes) or not isinstance(prompts, Iterable):
             raise ValueError(f"prompts must be a prompt or a list of them, got {type(prompts).__name__}")
-        prompts = list(prompts)
+        if isinstance(prompts, list) and prompts and as_int(prompts[0]) is not None:
+            return [{"prompt_token_ids": prompts}]
+        prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
         if not prompts:
             raise ValueError("no prompts given")
         return prompts
@@ -339,21 +344,87 @@ class LLM:
             return [None] * n
         return _one_per_prompt(lora_request, LoRARequest, n, "lora_request", "lora requests")
 
-    def _add(self, prompts, sampling_params, priority=None, lora_request=None) -> list[str]:
-        prompts = self._prompt_list(prompts)
-        return self.engine.add_requests(prompts, self._params_list(sampling_params, len(prompts)),
-                                        priority, self._lora_list(lora_request, len(prompts)))
+    def _tokenized(self, prompts: list, params: list[SamplingParams],
+                   tokenization_kwargs) -> tuple[list, list[SamplingParams]]:
+        """vLLM's tokenization_kwargs over the prompts and their SamplingParams:
+        truncate_prompt_tokens for each request that sets none of its own (vLLM's merge: the
+        request's wins), add_special_tokens for the prompts given as text (tokenized here).
+        Other keys are refused by name, rather than ignored as vLLM does with a warning."""
+        if tokenization_kwargs is None:
+            return prompts, params
+        if not isinstance(tokenization_kwargs, dict):
+            raise TypeError(f"tokenization_kwargs must be a dict or None, got "
+                            f"{type(tokenization_kwargs).__name__}")
+        unknown = sorted(map(str, set(tokenization_kwargs) -
+                             {"truncate_prompt_tokens", "add_special_tokens"}))
+        if unknown:
+            raise ValueError(f"tokenization_kwargs: minivllm takes truncate_prompt_tokens and "
+                             f"add_special_tokens, not {unknown}")
+        keep = tokenization_kwargs.get("truncate_prompt_tokens")
+        if keep is not None:  # SamplingParams checks the value (and names it)
+            params = [sp if sp.truncate_prompt_tokens is not None else
+                      dataclasses.replace(sp, truncate_prompt_tokens=keep) for sp in params]
+        special = as_flag("tokenization_kwargs' add_special_tokens",
+                          tokenization_kwargs.get("add_special_tokens"), True)
+        tok = self.engine.tokenizer
+        if not special and tok is not None:
+            def text_of(p):
+                if isinstance(p, str):
+                    return p
+                if isinstance(p, dict) and set(p) == {"prompt"} and isinstance(p["prompt"], str):
+                    return p["prompt"]
+                return None  # ids or embeddings given, or a prompt the engine's check names
 
-    def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = True,
-                 priority: list[int] | None = None, lora_request=None) -> list[RequestOutput]:
-        """Complete every prompt (a string, {"prompt_token_ids": [...]}, {"prompt_embeds": tensor}
-        with enable_prompt_embeds, or a list of them);
-        results in input order. Every request is checked (ValueError) before any is scheduled.
-        priority: one integer per prompt, lower scheduled first, with
-        scheduling_policy="priority" (vLLM's). lora_request: a LoRARequest for every prompt, or
-        a list of one per prompt (None: the base model), with enable_lora."""
-        ids = self._add(prompts, sampling_params, priority, lora_request)
-        return self._run(ids, use_tqdm)
+            prompts = [p if text_of(p) is None else
+                       {"prompt": text_of(p),
+                        "prompt_token_ids": tok.encode(text_of(p), add_special_tokens=False)}
+                       for p in prompts]
+        return prompts, params
+
+    def _add(self, prompts, sampling_params, priority=None, lora_request=None,
+             use_tqdm: bool | Callable = False,
+             tokenization_kwargs: dict | None = None) -> tuple[list[str], "_Progress | None"]:
+        """Queue one request per prompt, all checked first: their ids, and the progress bar of
+        use_tqdm (made after the checks and before any request is queued, so that a bar that
+        cannot be made leaves the engine as it was, its seeds for unseeded requests undrawn)."""
+        prompts = self._prompt_list(prompts)
+        n = len(prompts)
+        params = self._params_list(sampling_params, n)
+        prompts, params = self._tokenized(prompts, params, tokenization_kwargs)
+        loras = self._lora_list(lora_request, n)
+        if as_int(priority) is not None:  # vLLM's: one priority for every prompt
+            priority = [as_int(priority)] * n
+        priority = self.engine.check_priority(priority, n)
+        check_lora_ids(loras)
+        checked = [self.engine.check_request(p, sp, lr)
+                   for p, sp, lr in zip(prompts, params, loras)]
+        bar = _Progress(n, self.engine.stats, use_tqdm) if use_tqdm else None
+        try:
+            ids = [self.engine.enqueue(text, prompt_ids, sp, pr, lr)
+                   for (text, prompt_ids), sp, pr, lr in zip(checked, params, priority, loras)]
+        except BaseException:
+            if bar:
+                bar.close()
+            raise
+        return ids, bar
+
+    def generate(self, prompts, sampling_params=None, *, use_tqdm: bool | Callable = True,
+                 lora_request=None, priority: int | list[int] | None = None,
+                 tokenization_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Complete every prompt (a string, {"prompt": text}, a list of token ids or
+        {"prompt_token_ids": [...]}, {"prompt_embeds": tensor} with enable_prompt_embeds, or a
+        list of them, as vLLM's); results in input order. Every request is checked (ValueError)
+        before any is scheduled. sampling_params: one SamplingParams for every prompt, a list of
+        one per prompt, or None (get_default_sampling_params()). use_tqdm: a progress bar, or as
+        vLLM's a callable that makes one (tqdm's arguments, e.g. functools.partial(tqdm,
+        leave=False)). priority: an integer per prompt (or one for all), lower scheduled first,
+        with scheduling_policy="priority" (vLLM's). lora_request: a LoRARequest for every
+        prompt, or a list of one per prompt (None: the base model), with enable_lora.
+        tokenization_kwargs: vLLM's truncate_prompt_tokens (for the requests whose
+        SamplingParams set none) and add_special_tokens (for prompts given as text)."""
+        ids, bar = self._add(prompts, sampling_params, priority, lora_request, use_tqdm,
+                             tokenization_kwargs)
+        return self._run(ids, use_tqdm, bar)
 
     def beam_search(self, prompts, params: BeamSearchParams, lora_request=None, *,
                     use_tqdm: bool = False, concurrency_limit: int | None = None
@@ -415,7 +486,8 @@ class LLM:
                            progress=progress if use_tqdm else None)
 
     def embed(self, prompts, pooling_params=None, *, truncate_prompt_tokens: int | None = None,
-              use_tqdm: bool = True, lora_request=None) -> list[EmbeddingRequestOutput]:
+              use_tqdm: bool | Callable = True,
+              lora_request=None) -> list[EmbeddingRequestOutput]:
         """An embedding per prompt (vLLM's LLM.embed; runtime/pooling.py), in input order: the
         final-normed hidden state at the prompt's last token, cut to pooling_params.dimensions and
         L2-normalised unless pooling_params.normalize is False. prompts as generate's;
@@ -439,7 +511,8 @@ class LLM:
 
     def classify(self, prompts, pooling_params=None, *,
                  truncate_prompt_tokens: int | None = None,
-                 use_tqdm: bool = True, lora_request=None) -> list[ClassificationRequestOutput]:
+                 use_tqdm: bool | Callable = True,
+                 lora_request=None) -> list[ClassificationRequestOutput]:
         """Class probabilities per prompt (vLLM's LLM.classify; runtime/classify.py), in input
         order: the classifier head on the final-normed hidden state at the prompt's last token,
         softmax over the labels (a sigmoid for one label; none for problem_type "regression",
@@ -461,7 +534,8 @@ class LLM:
 
     def score(self, data_1, data_2, /, *, pooling_params: PoolingParams | None = None,
               truncate_prompt_tokens: int | None = None,
-              use_tqdm: bool = True, lora_request=None) -> list[ScoringRequestOutput]:
+              use_tqdm: bool | Callable = True,
+              lora_request=None) -> list[ScoringRequestOutput]:
         """A score per pair (vLLM's LLM.score; runtime/scoring.py): data_1 a text (or
         {"prompt": text}, or {"prompt_token_ids": ids}, decoded to its text as vLLM did) or a
         list of them, data_2 likewise; one data_1 is paired with every data_2 (1:N), else the
@@ -545,43 +619,61 @@ class LLM:
                              f"cannot enable it); embed, classify and score take "
                              f"lora_request=None")
 
-    def chat(self, messages, sampling_params=None, *, use_tqdm: bool = True, chat_template=None,
+    def chat(self, messages, sampling_params=None, use_tqdm: bool | Callable = True,
+             lora_request=None, chat_template=None, chat_template_content_format: str = "auto",
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
-             lora_request=None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+             tokenization_kwargs: dict | None = None) -> list[RequestOutput]:
         """Complete one conversation (a list of {"role", "content"} dicts) or a list of them,
         formatted by the tokenizer's chat template (with `tools`, OpenAI's function
         definitions, for a template that lists them, as Qwen3's). continue_final_message
         (with add_generation_prompt=False, as vLLM's) leaves the last message open, without
         its end of turn, for the model to continue ("prefill"); the outputs hold only the new
-        text."""
+        text. The parameters are vLLM's, in its order; chat_template_content_format: "auto" or
+        "string" (a message's content reaches the template as one string; "openai", its parts
+        as a list, is refused). tokenization_kwargs: generate's (the prompts are the template's
+        text tokenized without special tokens: its add_special_tokens changes nothing)."""
         prompts = self.chat_prompts(messages, chat_template=chat_template,
+                                    chat_template_content_format=chat_template_content_format,
                                     add_generation_prompt=add_generation_prompt,
                                     continue_final_message=continue_final_message,
                                     chat_template_kwargs=chat_template_kwargs, tools=tools)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
-                             lora_request=lora_request)
+                             lora_request=lora_request, tokenization_kwargs=tokenization_kwargs)
 
-    def chat_prompts(self, messages, *, chat_template=None, add_generation_prompt: bool = True,
-                     continue_final_message: bool = False,
+    def chat_prompts(self, messages, *, chat_template=None,
+                     chat_template_content_format: str = "auto",
+                     add_generation_prompt: bool = True, continue_final_message: bool = False,
                      chat_template_kwargs: dict | None = None, tools: list[dict] | None = None
                      ) -> list[dict]:
         """Conversations -> prompts ({"prompt", "prompt_token_ids"}) through the chat template,
         each message read as vLLM's parser reads it (chat_messages.chat_message: text parts
         joined, string tool-call arguments parsed; a malformed message raises before any is
-        rendered). As
-        vLLM's LLM.chat, chat_template_kwargs' chat_template / tools / add_generation_prompt /
-        continue_final_message win over the arguments; continue_final_message renders as
+        rendered). chat_template_kwargs' chat_template / tools / add_generation_prompt /
+        continue_final_message win over the arguments, as in vLLM's LLM.chat before its
+        renderers (current vLLM's let the arguments win); continue_final_message renders as
         transformers' apply_chat_template(continue_final_message=True): the text stops right
         after the last message's content."""
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("chat needs a tokenizer, and this engine has none")
+        if chat_template_content_format == "openai":
+            raise ValueError("chat_template_content_format='openai' (a message's content as a "
+                             "list of parts) is not supported: minivllm hands the template each "
+                             "message's text as one string ('string'; 'auto' does the same)")
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format must be 'auto', 'string' or "
+                             f"'openai', got {chat_template_content_format!r}")
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise TypeError(f"chat_template_kwargs must be a dict or None, got "
                             f"{type(chat_template_kwargs).__name__}")
         kwargs = dict(chat_template_kwargs or {})
-        # vLLM's LLM.chat updates its template arguments with chat_template_kwargs: theirs win.
+        # vLLM renders the text and tokenizes it after (its tokenize=False wins over theirs);
+        # passed on, transformers' "got multiple values for keyword argument 'tokenize'".
+        kwargs.pop("tokenize", None)
+        # chat_template_kwargs win over the arguments, as vLLM's LLM.chat updated its template
+        # arguments with them (before its renderers: current vLLM's merge_kwargs lets the
+        # arguments that are not None win; tests/test_engine.py pins this order).
         chat_template = kwargs.pop("chat_template", chat_template)
         if chat_template is not None and not isinstance(chat_template, str):
             raise TypeError(f"chat_template must be a Jinja template string or None, got "
@@ -686,15 +778,18 @@ class LLM:
             self._owned.discard(request_id)
             self._parked.pop(request_id, None)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool | Callable,
+             bar: "_Progress | None" = None) -> list[RequestOutput]:
+        """Step the engine until the requests `ids` finish: their outputs, in that order.
+        bar: the progress bar already made (generate's), else one is made here if use_tqdm."""
         pending = set(ids)
         final: dict[str, RequestOutput] = {}
-        bar = None
         self._owned |= pending
         try:
             # Inside: a bar that cannot be made (tqdm.auto's "IProgress not found" in a notebook
             # without ipywidgets) left the queued requests running on in the engine.
-            bar = _Progress(len(ids), self.engine.stats) if use_tqdm else None
+            if bar is None and use_tqdm:
+                bar = _Progress(len(ids), self.engine.stats, use_tqdm)
             while pending:
                 for out in self._next_outputs(pending, unfinished=False):
                     if out.finished:
@@ -757,13 +852,15 @@ def _delta(out: RequestOutput, sent: dict) -> RequestOutput | None:
 class _Progress:
     """A tqdm bar over finished requests, showing prompt and generation throughput."""
 
-    def __init__(self, total: int, stats: EngineStats):
+    def __init__(self, total: int, stats: EngineStats, use_tqdm: bool | Callable = True):
         from tqdm.auto import tqdm
 
         self.stats = stats
         self.start = time.perf_counter()
         self.base = (stats.prompt_tokens_computed + stats.prompt_tokens_cached, stats.generation_tokens)
-        self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True,
+        # vLLM's use_tqdm: a callable is the bar's factory, called with tqdm's arguments
+        make = use_tqdm if callable(use_tqdm) else tqdm
+        self.bar = make(total=total, desc="Processed prompts", dynamic_ncols=True,
                         postfix="input: 0.00 toks/s, output: 0.00 toks/s")
 
     def update(self, n: int) -> None:
