@@ -176,11 +176,12 @@ def test_tokenization_kwargs_as_vllm(llm, hf_model, model_dir, device, tmp_path)
     oracle = AutoTokenizer.from_pretrained(bos_dir)
     bos_llm = make_llm(model_dir, device, num_kv_blocks=16, block_size=4, max_model_len=32,
                        tokenizer=bos_dir)
-    with_bos, without = bos_llm.generate(
-        ["user hi", {"prompt": "user hi"}], GREEDY, use_tqdm=False,
-        tokenization_kwargs={"add_special_tokens": False})
+    with_bos, without, salted = bos_llm.generate(
+        ["user hi", {"prompt": "user hi"}, {"prompt": "user hi", "cache_salt": "s"}], GREEDY,
+        use_tqdm=False, tokenization_kwargs={"add_special_tokens": False})
     assert oracle.encode("user hi") == [1, 3, 4]
     assert with_bos.prompt_token_ids == without.prompt_token_ids == [3, 4]
+    assert salted.prompt_token_ids == [3, 4]  # a prompt with vLLM's cache_salt is text too
     assert with_bos.prompt == "user hi"
     assert with_bos.outputs[0].token_ids == hf_greedy(hf_model, [3, 4], 5)
     [default] = bos_llm.generate("user hi", GREEDY, use_tqdm=False,

@@ -24,11 +24,15 @@ computes one block.
 Sequences of a LoRA adapter compute other K/V from the same tokens: their trie hangs from a root
 of its own, -lora_int_id (node ids are positive, the base model's root 0), so that a prefix is
 shared only between sequences of one adapter (vLLM keys its prefix cache by the LoRA id too).
+A sequence with a cache_salt hangs its trie from (that root, the salt), as vLLM folds the salt
+into its first block's hash: its blocks are shared only with sequences of the same salt and
+adapter, never with unsalted ones. A salt costs no table of its own: it lives in its first
+blocks' keys, and goes with them.
 
-The trie is dicts of ints and tuples of ints, no object a node: the garbage collector stops
-tracking those, so tens of thousands of cached blocks cost its passes nothing (a first form with
-an object a node made benchmarks/prefix_cache_host.py's decode phase 20-35% dearer, most of it
-in collections).
+The trie is dicts of ints and tuples of ints (and salts' strings), no object a node: the
+garbage collector stops tracking those, so tens of thousands of cached blocks cost its passes
+nothing (a first form with an object a node made benchmarks/prefix_cache_host.py's decode phase
+20-35% dearer, most of it in collections).
 """
 
 from __future__ import annotations
@@ -46,9 +50,11 @@ def ceil_div(a: int, b: int) -> int:
 ROOT = 0  # the empty prefix: the parent of every first block's node
 
 
-def root_of(seq: Sequence) -> int:
-    """The trie root of seq's prefixes: ROOT for the base model, -lora_int_id for an adapter's."""
-    return -seq.lora_id
+def root_of(seq: Sequence) -> int | tuple[int, str]:
+    """The trie root of seq's prefixes: ROOT for the base model, -lora_int_id for an adapter's;
+    for a salted sequence, (that root, its cache_salt)."""
+    root = -seq.lora_id
+    return root if seq.cache_salt is None else (root, seq.cache_salt)
 
 
 class _Block:
@@ -101,7 +107,8 @@ class BlockManager:
             return []
         bs, ids, blocks, trie = self.block_size, seq.token_ids, self.blocks, self.trie
         hits: list[int] = []
-        node = -seq.lora_id  # root_of(seq)
+        salt = seq.cache_salt  # root_of(seq), inline
+        node = -seq.lora_id if salt is None else (-seq.lora_id, salt)
         for i in range((seq.num_tokens - 1) // bs):
             node = trie.get((node, tuple(ids[i * bs:(i + 1) * bs])))
             if node is None:
@@ -224,15 +231,19 @@ class BlockManager:
 
     def forget_root(self, root: int) -> None:
         """Forget the registered blocks no sequence holds whose prefixes hang from trie root
-        `root` (a LoRA id's, -lora_int_id, before the id names another adapter)."""
+        `root` (a LoRA id's, -lora_int_id, before the id names another adapter), salted or
+        not."""
         top: dict[int, int | None] = {}  # node -> its root (None: unreachable, a parent gone)
 
         def root_of_node(node: int) -> int | None:
             path = []
-            while node is not None and node > ROOT and node not in top:
+            while node is not None and type(node) is not tuple and node > ROOT and \
+                    node not in top:
                 path.append(node)
                 key = self.node_key.get(node)
                 node = key[0] if key is not None else None
+            if type(node) is tuple:  # a salted root: (the adapter's root, the salt)
+                node = node[0]
             found = None if node is None else top.get(node, node)
             for n in path:
                 top[n] = found

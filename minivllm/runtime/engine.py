@@ -25,7 +25,7 @@ import reprlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -54,7 +54,7 @@ from .pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 from .runner import ModelRunner, PromptScores, StepInput, StepResult, trace_range
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
-from .sequence import PENDING, PLACEHOLDER, Sequence, Status
+from .sequence import PENDING, PLACEHOLDER, Sequence, Status, check_cache_salt
 from .sleep import TAGS, check_level, check_tags
 from .spec_decode import ngram_propose
 
@@ -144,6 +144,23 @@ def check_lora_ids(lora_requests) -> None:
             if first.lora_path != lr.lora_path:
                 raise ValueError(f"lora_int_id {lr.lora_int_id} names adapter "
                                  f"{first.lora_path!r} and {lr.lora_path!r}: one id per adapter")
+
+
+def prompt_cache_salt(prompt: Any) -> str | None:
+    """A prompt dict's cache_salt (vLLM's TextPrompt / TokensPrompt / EmbedsPrompt key), checked
+    before any other work on the prompt; None where it gives none (or None)."""
+    return check_cache_salt(prompt.get("cache_salt")) if isinstance(prompt, dict) else None
+
+
+class CheckedPrompt(NamedTuple):
+    """A prompt that check_request (or check_pooling_request) accepted, as enqueue takes it:
+    its text (None where it came as ids or embeddings), its ids (or {"prompt_embeds"}' [T,
+    hidden] on the host), and vLLM's cache_salt (None: unsalted; a prompt of embeddings keeps
+    none, as its blocks are never shared at all)."""
+
+    text: str | None
+    ids: list[int] | torch.Tensor
+    cache_salt: str | None = None
 
 
 class LLMEngine:
@@ -238,15 +255,17 @@ class LLMEngine:
     def _prompt_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
         text = None
         if isinstance(prompt, dict):
-            # vLLM's prompt dicts also carry multi_modal_data, cache_salt, ...: asked for and
-            # dropped without a word, they would change what the request means.
+            # vLLM's prompt dicts also carry multi_modal_data, ...: asked for and dropped
+            # without a word, they would change what the request means. cache_salt is read by
+            # the callers (prompt_cache_salt).
             if "prompt_embeds" in prompt:  # check_request takes them before coming here
                 raise ValueError("prompt_embeds are taken by generate (LLM.generate, stream), "
                                  "with enable_prompt_embeds=True; not here")
-            unknown = sorted(map(str, set(prompt) - {"prompt", "prompt_token_ids"}))
+            unknown = sorted(map(str, set(prompt) - {"prompt", "prompt_token_ids",
+                                                     "cache_salt"}))
             if unknown:
-                raise ValueError(f"a prompt dict holds 'prompt' and / or 'prompt_token_ids'; "
-                                 f"minivllm does not take {unknown}")
+                raise ValueError(f"a prompt dict holds 'prompt' and / or 'prompt_token_ids' "
+                                 f"(and 'cache_salt'); minivllm does not take {unknown}")
             if "prompt_token_ids" in prompt:
                 ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
                 if text is not None and not isinstance(text, str):
@@ -509,10 +528,11 @@ class LLMEngine:
     def check_request(self, prompt: Any, params: SamplingParams,
                       lora_request: LoRARequest | None = None
                       ) -> tuple[str | None, list[int] | torch.Tensor]:
-        """ValueError unless the request can run; returns (prompt text, prompt ids), or for
-        {"prompt_embeds": tensor} (vLLM's EmbedsPrompt) (None, the embeddings [T, hidden] on the
-        host in the model's dtype). lora_request: its LoRA adapter (None: the base model), read
-        and checked here."""
+        """ValueError unless the request can run; returns it as a CheckedPrompt for enqueue: its
+        text and ids, or for {"prompt_embeds": tensor} (vLLM's EmbedsPrompt) the embeddings [T,
+        hidden] on the host in the model's dtype, and a prompt dict's "cache_salt" (vLLM's: the
+        request's prefix-cache blocks are shared only with requests of the same salt).
+        lora_request: its LoRA adapter (None: the base model), read and checked here."""
         self._check_awake()
         if self.config.runner == "pooling":  # vLLM's words
             raise ValueError("LLM.generate() is only supported for generative models. Try "
@@ -520,6 +540,7 @@ class LLMEngine:
                              "model.")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        salt = prompt_cache_salt(prompt)
         if isinstance(prompt, dict) and "prompt_embeds" in prompt:
             text, ids = None, self._prompt_embeds(prompt, params)
         else:
@@ -545,7 +566,7 @@ class LLMEngine:
         self._check_fits(f"this request can never fit the KV cache: it may grow to {longest} "
                          f"tokens", longest, "lower max_tokens or raise num_kv_blocks")
         self.check_lora(lora_request, bind=False)  # bound by enqueue, once the call is accepted
-        return text, ids
+        return CheckedPrompt(text, ids, salt if isinstance(ids, list) else None)
 
     def _prompt_embeds(self, prompt: dict, params: SamplingParams) -> torch.Tensor:
         """A {"prompt_embeds": [T, hidden]} prompt's embeddings checked, on the host in the
@@ -554,10 +575,11 @@ class LLMEngine:
         prompt_logprobs (there are no prompt ids to score)."""
         if not self.config.enable_prompt_embeds:
             raise ValueError("prompt_embeds prompts need LLM(..., enable_prompt_embeds=True)")
-        unknown = sorted(map(str, set(prompt) - {"prompt_embeds"}))
+        unknown = sorted(map(str, set(prompt) - {"prompt_embeds", "cache_salt"}))
         if unknown:
-            raise ValueError(f"a prompt_embeds prompt holds 'prompt_embeds' only (vLLM's "
-                             f"EmbedsPrompt); minivllm does not take {unknown} with it")
+            raise ValueError(f"a prompt_embeds prompt holds 'prompt_embeds' (and 'cache_salt') "
+                             f"only (vLLM's EmbedsPrompt); minivllm does not take {unknown} "
+                             f"with it")
         embeds = prompt["prompt_embeds"]
         if not isinstance(embeds, torch.Tensor):
             raise TypeError(f"prompt_embeds must be a torch.Tensor [tokens, hidden_size], got "
@@ -647,6 +669,14 @@ class LLMEngine:
         """Queue requests, all or none: every one is checked before any is queued. priority:
         one per request, lower first (the "priority" scheduling policy; None: all 0).
         lora_requests: one per request (None: the base model), or None: all the base model."""
+        return [self.enqueue(*request)
+                for request in self.check_requests(prompts, params, priority, lora_requests)]
+
+    def check_requests(self, prompts: list, params: list[SamplingParams],
+                       priority: list[int] | None = None,
+                       lora_requests: list[LoRARequest | None] | None = None) -> list[tuple]:
+        """add_requests' checks, all of them, queueing nothing: each request's arguments to
+        enqueue, (CheckedPrompt, SamplingParams, priority, LoRARequest or None)."""
         if len(prompts) != len(params):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         priority = self.check_priority(priority, len(prompts))
@@ -657,8 +687,7 @@ class LLMEngine:
         check_lora_ids(lora_requests)
         checked = [self.check_request(p, sp, lr)
                    for p, sp, lr in zip(prompts, params, lora_requests)]
-        return [self.enqueue(text, ids, sp, pr, lr)
-                for (text, ids), sp, pr, lr in zip(checked, params, priority, lora_requests)]
+        return list(zip(checked, params, priority, lora_requests))
 
     def add_request(self, prompt: Any, params: SamplingParams, priority: int = 0) -> str:
         return self.add_requests([prompt], [params], [priority])[0]
@@ -682,14 +711,15 @@ class LLMEngine:
             out.append(as_int(p))
         return out
 
-    def enqueue(self, text: str | None, ids: list[int], params: SamplingParams,
+    def enqueue(self, prompt: CheckedPrompt, params: SamplingParams,
                 priority: int = 0, lora_request: LoRARequest | None = None, *,
                 arrival_time: float | None = None) -> str:
-        """Queue a request that check_request accepted, as the (text, ids) it returned (and
+        """Queue a request that check_request accepted, as the CheckedPrompt it returned (and
         the lora_request it was checked with). arrival_time: when it arrived (time.monotonic();
         default now), which its time to first token and end-to-end latency count from."""
         lora = self.check_lora(lora_request)  # read by check_request: found, not read again
         lora_id = lora_request.lora_int_id if lora is not None else 0
+        text, ids, salt = prompt
         embeds = None
         if isinstance(ids, torch.Tensor):  # check_request's prompt_embeds: placeholder ids
             embeds, ids = ids, [PLACEHOLDER] * len(ids)
@@ -711,7 +741,7 @@ class LLMEngine:
                            eos_ids=self.eos_ids, bad_words=bad_words,
                            guide=Guide(compiled, phase, tags) if compiled is not None else None,
                            priority=priority, lora=lora, lora_id=lora_id,
-                           prompt_embeds=embeds)
+                           prompt_embeds=embeds, cache_salt=salt)
             seq.arrival_time, seq.queued_time = arrival, queued
             self._next_seq_id += 1
             request.seqs.append(seq)
@@ -743,6 +773,7 @@ class LLMEngine:
             raise TypeError(f"pooling params must be a PoolingParams, got {type(params).__name__}")
         task = params.task or "embed"
         params.check_task(task)
+        salt = prompt_cache_salt(prompt)
         if task != "embed" and self.classifier is None:
             raise ValueError(f"a {task} request needs a classifier head, and this model has "
                              f"none (a Qwen3ForSequenceClassification checkpoint, or hf_overrides "
@@ -758,17 +789,18 @@ class LLMEngine:
                              f"({hidden}), the embedding's full size")
         self._check_fits(f"this prompt can never fit the KV cache: its {len(ids)} tokens",
                          len(ids), "raise num_kv_blocks")
-        return text, ids
+        return CheckedPrompt(text, ids, salt)
 
-    def enqueue_pooling(self, text: str | None, ids: list[int], params: PoolingParams, *,
+    def enqueue_pooling(self, prompt: CheckedPrompt, params: PoolingParams, *,
                         arrival_time: float | None = None) -> str:
         """Queue a pooling request that check_pooling_request accepted: one sequence, its
         prompt, pooled at its last token (it samples nothing). arrival_time: as enqueue's."""
+        text, ids, salt = prompt
         request = self._new_request(text, ids, params)
         # The sampling parameters of a sequence that never samples: no penalties, no logprobs,
         # one token at most (its length limit is then its prompt's).
         seq = Sequence(self._next_seq_id, request.request_id, 0, ids, _NEVER_SAMPLED, 0,
-                       pooling=True)
+                       pooling=True, cache_salt=salt)
         seq.queued_time = time.monotonic()
         seq.arrival_time = seq.queued_time if arrival_time is None else arrival_time
         self._next_seq_id += 1
@@ -789,8 +821,8 @@ class LLMEngine:
         if len(prompts) != len(params):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} pooling params")
         checked = [self.check_pooling_request(p, pp) for p, pp in zip(prompts, params)]
-        return [self.enqueue_pooling(text, ids, pp, arrival_time=arrival_time)
-                for (text, ids), pp in zip(checked, params)]
+        return [self.enqueue_pooling(prompt, pp, arrival_time=arrival_time)
+                for prompt, pp in zip(checked, params)]
 
     def _record_pooled(self, pooled: list, hidden, now: float) -> int:
         """Each pooled chunk's request gets its result from its row of `hidden` ([rows, hidden]

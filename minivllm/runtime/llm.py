@@ -368,17 +368,17 @@ class LLM:
                           tokenization_kwargs.get("add_special_tokens"), True)
         tok = self.engine.tokenizer
         if not special and tok is not None:
-            def text_of(p):
+            def tokenized(p):
+                """p as {"prompt", "prompt_token_ids"} if given as text (its cache_salt kept);
+                else as it is: ids or embeddings given, or a prompt the engine's check names."""
                 if isinstance(p, str):
+                    p = {"prompt": p}
+                if not (isinstance(p, dict) and set(p) <= {"prompt", "cache_salt"} and
+                        isinstance(p.get("prompt"), str)):
                     return p
-                if isinstance(p, dict) and set(p) == {"prompt"} and isinstance(p["prompt"], str):
-                    return p["prompt"]
-                return None  # ids or embeddings given, or a prompt the engine's check names
+                return {**p, "prompt_token_ids": tok.encode(p["prompt"], add_special_tokens=False)}
 
-            prompts = [p if text_of(p) is None else
-                       {"prompt": text_of(p),
-                        "prompt_token_ids": tok.encode(text_of(p), add_special_tokens=False)}
-                       for p in prompts]
+            prompts = [tokenized(p) for p in prompts]
         return prompts, params
 
     def _add(self, prompts, sampling_params, priority=None, lora_request=None,
@@ -394,14 +394,10 @@ class LLM:
         loras = self._lora_list(lora_request, n)
         if as_int(priority) is not None:  # vLLM's: one priority for every prompt
             priority = [as_int(priority)] * n
-        priority = self.engine.check_priority(priority, n)
-        check_lora_ids(loras)
-        checked = [self.engine.check_request(p, sp, lr)
-                   for p, sp, lr in zip(prompts, params, loras)]
+        requests = self.engine.check_requests(prompts, params, priority, loras)
         bar = _Progress(n, self.engine.stats, use_tqdm) if use_tqdm else None
         try:
-            ids = [self.engine.enqueue(text, prompt_ids, sp, pr, lr)
-                   for (text, prompt_ids), sp, pr, lr in zip(checked, params, priority, loras)]
+            ids = [self.engine.enqueue(*request) for request in requests]
         except BaseException:
             if bar:
                 bar.close()
@@ -477,7 +473,7 @@ class LLM:
 
             return tqdm(steps, desc="Beam search", unit="token")  # the most steps; may end early
 
-        return beam_search(step, [ids for _, ids in checked], beam_width=params.beam_width,
+        return beam_search(step, [c.ids for c in checked], beam_width=params.beam_width,
                            max_tokens=params.max_tokens, eos_ids=self.engine.eos_ids,
                            length_penalty=params.length_penalty, ignore_eos=params.ignore_eos,
                            max_model_len=self.config.max_model_len,
@@ -731,8 +727,8 @@ class LLM:
     def _stream(self, checked: list, params: list[SamplingParams],
                 loras: list | None = None) -> Iterator[RequestOutput]:
         loras = loras or [None] * len(params)
-        ids = [self.engine.enqueue(text, ids, sp, 0, lr)
-               for (text, ids), sp, lr in zip(checked, params, loras)]
+        ids = [self.engine.enqueue(prompt, sp, 0, lr)
+               for prompt, sp, lr in zip(checked, params, loras)]
         mine = set(ids)
         # (request, index) -> progress; (request, "prompt") -> its prompt_logprobs were sent
         sent: dict[tuple[str, int | str], tuple[int, int, bool] | bool] = {}

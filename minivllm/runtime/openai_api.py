@@ -34,6 +34,7 @@ from .chat_output import ChatOutput, message
 from .outputs import Logprob, RequestOutput
 from .pooling import PoolingParams
 from .sampling_params import SamplingParams, StructuredOutputsParams
+from .sequence import check_cache_salt
 
 
 class RequestError(ValueError):
@@ -66,7 +67,8 @@ _COMMON = {"n": int, "best_of": int, "temperature": float, "top_p": float, "top_
            "stream": bool, "stream_options": dict, "model": str, "structured_outputs": dict,
            "guided_choice": list, "guided_regex": str, "guided_json": (dict, str),
            "response_format": dict, "priority": int, "use_beam_search": bool,
-           "length_penalty": float, "return_tokens_as_token_ids": bool, "request_id": str}
+           "length_penalty": float, "return_tokens_as_token_ids": bool, "request_id": str,
+           "cache_salt": str}
 _COMPLETION = {**_COMMON, "prompt": (str, list), "echo": bool, "logprobs": int, "suffix": str,
                "prompt_embeds": (str, list), "add_special_tokens": bool}
 _CHAT = {**_COMMON, "messages": list, "max_completion_tokens": int, "logprobs": bool,
@@ -207,6 +209,18 @@ class ParsedRequest:
     # room left.
     max_tokens_asked: int | None = None
     max_tokens_field: str = "max_tokens"
+    # vLLM's cache_salt: every prompt of the request salts its prefix-cache blocks with it
+    # (shared only with requests of the same salt); None: unsalted.
+    cache_salt: str | None = None
+
+
+def _cache_salt(values: dict) -> str | None:
+    """A completion or chat request's cache_salt: a non-empty string, or null / absent (vLLM's
+    check_cache_salt_support, in its words)."""
+    try:
+        return check_cache_salt(values["cache_salt"])
+    except (TypeError, ValueError) as e:
+        raise RequestError(str(e)) from None
 
 
 def _structured(values: dict, tool_schema: dict | None = None) -> StructuredOutputsParams | None:
@@ -403,6 +417,7 @@ def parse_completion(body, defaults: dict, embeds: EmbedsLimits | None = None) -
     first, then the text's); echo and prompt_logprobs are refused with embeddings (no prompt
     ids to return or score)."""
     values = _checked_fields(body, _COMPLETION)
+    cache_salt = _cache_salt(values)
     prompts = []
     if values["prompt_embeds"] is not None:
         if embeds is None:  # vLLM's words
@@ -443,7 +458,7 @@ def parse_completion(body, defaults: dict, embeds: EmbedsLimits | None = None) -
                          priority=values["priority"] or 0,
                          add_special_tokens=values["add_special_tokens"] is not False,
                          request_id=values["request_id"],
-                         max_tokens_asked=0 if echo_only else max_tokens)
+                         max_tokens_asked=0 if echo_only else max_tokens, cache_salt=cache_salt)
 
 
 def _message_text(message, k: int) -> dict:
@@ -483,6 +498,7 @@ def _check_generation_prompt(values: dict) -> None:
 def parse_chat(body, defaults: dict) -> ParsedRequest:
     """A /v1/chat/completions body -> ParsedRequest (see parse_completion)."""
     values = _checked_fields(body, _CHAT)
+    cache_salt = _cache_salt(values)
     messages = values["messages"]
     if not messages:
         raise RequestError("'messages' is required and must not be empty")
@@ -530,7 +546,7 @@ def parse_chat(body, defaults: dict) -> ParsedRequest:
                          parallel_tool_calls=True if parallel is None else parallel,
                          priority=values["priority"] or 0, request_id=values["request_id"],
                          role=role, chat_echo=echo, max_tokens_asked=max_tokens,
-                         max_tokens_field=max_tokens_field)
+                         max_tokens_field=max_tokens_field, cache_salt=cache_salt)
 
 
 # -- the context: prompt + max_tokens within max_model_len (vLLM's server) ---------------------

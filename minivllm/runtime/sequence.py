@@ -25,6 +25,19 @@ PLACEHOLDER = 0
 PENDING = -1
 
 
+def check_cache_salt(salt) -> str | None:
+    """vLLM's cache_salt checked (its request validator's words): a non-empty string, or None
+    (no salt). TypeError / ValueError otherwise."""
+    if salt is None:
+        return None
+    if not isinstance(salt, str):
+        raise TypeError(f"Parameter 'cache_salt' must be a non-empty string if provided, got "
+                        f"{type(salt).__name__} {salt!r:.40}")
+    if not salt:
+        raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided, got ''")
+    return salt
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -36,7 +49,8 @@ class Sequence:
     def __init__(self, seq_id: int, request_id: str, index: int, prompt_ids: list[int],
                  params: SamplingParams, seed: int, eos_ids: tuple[int, ...] = (),
                  bad_words: tuple[tuple[int, ...], ...] = (), guide=None, pooling: bool = False,
-                 priority: int = 0, lora=None, lora_id: int = 0, prompt_embeds=None):
+                 priority: int = 0, lora=None, lora_id: int = 0, prompt_embeds=None,
+                 cache_salt: str | None = None):
         self.seq_id = seq_id
         # vLLM's prompt_embeds: [prompt_len, hidden] host tensor in the model's dtype, which the
         # prompt's steps take in place of its ids' embeddings (its prompt ids are placeholders,
@@ -47,6 +61,9 @@ class Sequence:
         # None and 0: the base model. The id also keys its prefix cache (block_manager).
         self.lora = lora
         self.lora_id = lora_id if lora is not None else 0
+        # vLLM's cache_salt (a non-empty string), or None: its prefix-cache blocks are shared
+        # only with sequences of the same salt and adapter (block_manager.root_of).
+        self.cache_salt = cache_salt
         self.priority = priority  # lower first, under the scheduler's "priority" policy
         self.request_id = request_id
         self.index = index  # which of the request's n completions

@@ -267,6 +267,9 @@ class EngineLoop:
                 priority = self.engine.check_priority([req.priority] * len(prompts), len(prompts))
                 # A completion's texts (chat's prompts are rendered, with their ids).
                 prompts = _tokenized(self.engine.tokenizer, prompts, req.add_special_tokens)
+                if req.cache_salt is not None:  # the engine reads it from each prompt dict
+                    prompts = [{**(p if isinstance(p, dict) else {"prompt": p}),
+                                "cache_salt": req.cache_salt} for p in prompts]
                 lora = req.lora_request
                 max_len = self.llm.config.max_model_len
                 asked = req.max_tokens_asked
@@ -279,13 +282,13 @@ class EngineLoop:
                         check_room(kept, asked, max_len)
                 checked = [self.engine.check_request(p, params, lora) for p in prompts]
                 # Each prompt's own: max_tokens is lowered to the room it leaves.
-                fitted = [fit_context(params, asked, len(rows), max_len, self.override_max_tokens)
-                          for _, rows in checked]
-                ids = [self.engine.enqueue(text, ids, pp, pr, lora, arrival_time=sub.arrival)
-                       for (text, ids), pp, pr in zip(checked, fitted, priority)]
+                fitted = [fit_context(params, asked, len(c.ids), max_len,
+                                      self.override_max_tokens) for c in checked]
+                ids = [self.engine.enqueue(c, pp, pr, lora, arrival_time=sub.arrival)
+                       for c, pp, pr in zip(checked, fitted, priority)]
                 # The rows the engine keeps (after truncate_prompt_tokens), as it counts them.
-                sub.prompt_lens = {rid: len(rows) for rid, (text, rows) in zip(ids, checked)
-                                   if isinstance(rows, torch.Tensor)}
+                sub.prompt_lens = {rid: len(c.ids) for rid, c in zip(ids, checked)
+                                   if isinstance(c.ids, torch.Tensor)}
         except (ValueError, TypeError) as e:
             sub.replies.put(("error", e if isinstance(e, RequestError) else RequestError(str(e))))
             return
