@@ -49,7 +49,7 @@ def test_one_at_a_time_they_run_in_priority_order(model_dir, device):
 
 def test_the_lowest_priority_is_preempted_and_results_do_not_change(model_dir, device):
     """A cache too small for all five: the scheduler preempts, always the lowest priority's
-    latest among those not yet scheduled in the step, and greedy outputs are those of the
+    latest of all running (as vLLM's), and greedy outputs are those of the
     same requests under fcfs with a cache that holds them all."""
     priority = [3, 0, 2, 1, 0]
     llm = make_llm(model_dir, device, num_kv_blocks=8, block_size=8, scheduling_policy="priority")

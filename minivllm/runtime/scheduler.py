@@ -15,10 +15,16 @@ its generated tokens kept, to be prefilled again (through the prefix cache when 
 survive). The scheduler needs no tensors: a mock model can drive it.
 
 Under the "priority" policy (vLLM's) each sequence has a priority, lower first: "oldest first"
-above reads "by (priority, arrival)" and "newest" reads "last by (priority, arrival)", so
-running sequences take the budget, and waiting ones are admitted, in that order, and the one
-preempted is the lowest priority's latest. A waiting sequence preempts no running one to be
-admitted (as vLLM's).
+above reads "by (priority, arrival)", so running sequences take the budget (vLLM's in the order
+they were admitted), and waiting ones are admitted, in that order; the one preempted is the
+lowest priority's latest of all running, as vLLM's, even one the step has scheduled already:
+its chunk comes back out of the step, its tokens back into the budget, so that no sequence is
+preempted while a lower priority's runs. A waiting sequence preempts no running one to be
+admitted (as vLLM's). Under "fcfs", a synchronous step with no prefix-cache hits, LoRA limit
+or longest_decodes_first is the one vLLM's scheduler makes (tests/test_audit_s78_scheduler.py
+steps the two side by side): a sequence part-way through its prefill is always the newest
+running one, so vLLM's running list is in this order too, and its last running request the
+newest.
 
 With a speculator (n-gram speculative decoding, runtime/spec_decode.py), a decoding sequence may
 also compute draft tokens after its one token: they count in the step's budget and its table is
@@ -287,8 +293,12 @@ class Scheduler:
                 drafts = self._drafts(seq, start, n, budget)
                 if drafts:
                     end += len(drafts)
-            if len(seq.block_table) * block_size < end and not self._grow(out, seq, end, undo):
-                continue  # preempted to make room for itself
+            if len(seq.block_table) * block_size < end:
+                grown = self._grow(out, seq, end, undo)
+                # (A chunk that _grow took back out of the step gave its tokens back.)
+                budget = self.max_num_batched_tokens - out.num_tokens
+                if not grown:
+                    continue  # preempted to make room for itself
             self._schedule(out, seq, start, n, undo)
             if drafts:
                 out.drafts[seq] = drafts
@@ -350,13 +360,23 @@ class Scheduler:
 
     def _grow(self, out: SchedulerOutput, seq: Sequence, num_tokens: int,
               undo: ScheduleUndo) -> bool:
-        """Grow running seq's table to `num_tokens` tokens, preempting the newest sequences not
-        scheduled this step (the last by _order) while blocks are short. False when seq itself
-        was preempted."""
+        """Grow running seq's table to `num_tokens` tokens, preempting while blocks are short:
+        under "fcfs" the newest sequence not scheduled this step; under "priority" the lowest
+        priority's latest of all running, as vLLM's, even one this step has scheduled already
+        (its chunk is taken back out of the step, its tokens back into the budget): otherwise
+        a decode scheduled before seq could keep running at a lower priority than seq, which
+        preempted itself. False when seq itself was preempted (the loop goes on with the
+        others: in this order they include sequences vLLM's would have scheduled before it)."""
         while not self.bm.can_allocate(seq, num_tokens):
-            scheduled = {c.seq.seq_id for c in out.chunks}
-            victim = max((s for s in self.running if s.seq_id not in scheduled), key=self._order)
+            if self.policy == "priority":
+                victim = max(self.running, key=_priority)
+            else:
+                scheduled = {c.seq.seq_id for c in out.chunks}
+                victim = max((s for s in self.running if s.seq_id not in scheduled),
+                             key=_arrival)
             undo.preempt(victim)
+            if self.policy == "priority":
+                self._unschedule(out, victim, undo)
             self.preempt(victim)
             out.preempted.append(victim)
             if victim is seq:
@@ -364,6 +384,31 @@ class Scheduler:
         undo.allocate(seq, num_tokens)
         self.bm.allocate(seq, num_tokens)
         return True
+
+    def _unschedule(self, out: SchedulerOutput, seq: Sequence, undo: ScheduleUndo) -> None:
+        """Take seq's chunk and drafts, if the step has them, back out of it (seq is about to
+        be preempted), and unregister the blocks the chunk registered: their K/V it will never
+        write (BlockManager.uncommitted past this call's start lists them)."""
+        chunks = out.chunks
+        for i, chunk in enumerate(chunks):
+            if chunk.seq is seq:
+                break
+        else:
+            return
+        del chunks[i]
+        for kept in (out.sampled, out.pooled, out.prefills):
+            for j, c in enumerate(kept):
+                if c is chunk:
+                    del kept[j]
+                    break
+        out.num_tokens -= chunk.num_tokens + len(out.drafts.pop(seq, ()))
+        bm, first = self.bm, undo.num_uncommitted
+        ours = bm.uncommitted[first:]
+        if any(s is seq for s, _, _ in ours):
+            for s, _, b in ours:
+                if s is seq:
+                    bm._evict(b)  # (undo.register logged the block, and restore mends nodes)
+            bm.uncommitted[first:] = [e for e in ours if e[0] is not seq]
 
     def _schedule(self, out: SchedulerOutput, seq: Sequence, start: int, n: int,
                   undo: ScheduleUndo) -> None:
