@@ -209,6 +209,17 @@ class BlockManager:
         self.uncommitted.clear()
         return taken
 
+    def forget_uncommitted(self, seq: Sequence, since: int = 0) -> None:
+        """rollback's for seq alone, of the blocks it registered past uncommitted[since:]: its
+        chunk taken back out of the step being scheduled (Scheduler._unschedule; seq is then
+        preempted), their K/V never written."""
+        ours = self.uncommitted[since:]
+        if any(s is seq for s, _, _ in ours):
+            for s, _, b in reversed(ours):
+                if s is seq:
+                    self._evict(b)
+            self.uncommitted[since:] = [e for e in ours if e[0] is not seq]
+
     def free_blocks(self, seq: Sequence) -> None:
         """Drop seq's references, last block first. Registered blocks stay reusable, queued
         behind unregistered ones and in the order they were freed (LRU)."""

@@ -402,13 +402,8 @@ class Scheduler:
                     del kept[j]
                     break
         out.num_tokens -= chunk.num_tokens + len(out.drafts.pop(seq, ()))
-        bm, first = self.bm, undo.num_uncommitted
-        ours = bm.uncommitted[first:]
-        if any(s is seq for s, _, _ in ours):
-            for s, _, b in ours:
-                if s is seq:
-                    bm._evict(b)  # (undo.register logged the block, and restore mends nodes)
-            bm.uncommitted[first:] = [e for e in ours if e[0] is not seq]
+        # (undo.register logged those blocks, and ScheduleUndo.restore mends their nodes.)
+        self.bm.forget_uncommitted(seq, since=undo.num_uncommitted)
 
     def _schedule(self, out: SchedulerOutput, seq: Sequence, start: int, n: int,
                   undo: ScheduleUndo) -> None:
