@@ -28,6 +28,9 @@ class ClassificationOutput:
     def num_classes(self) -> int:
         return len(self.probs)
 
+    def __repr__(self) -> str:  # vLLM's: the count, not every probability
+        return f"ClassificationOutput(num_classes={self.num_classes})"
+
 
 @dataclass
 class ClassificationRequestOutput:
@@ -37,8 +40,9 @@ class ClassificationRequestOutput:
     request_id: str
     outputs: ClassificationOutput
     prompt_token_ids: list[int]
-    finished: bool = True
+    # vLLM's order (PoolingRequestOutput's arguments and repr)
     num_cached_tokens: int = 0
+    finished: bool = True
 
 
 def classifier_token_ids(tokenizer, tokens: tuple[str, ...]) -> tuple[int, ...]:

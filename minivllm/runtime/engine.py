@@ -99,6 +99,7 @@ class Request:
     # A pooling request's result, once its step is read: the embedding, or the classifier's
     # probabilities (or score).
     pooled: list[float] | None = None
+    lora_request: LoRARequest | None = None  # what it was queued with, for its outputs
 
     @property
     def pooling(self) -> bool:
@@ -725,6 +726,7 @@ class LLMEngine:
             embeds, ids = ids, [PLACEHOLDER] * len(ids)
         request = self._new_request(text, ids, params)
         request.embeds = embeds is not None
+        request.lora_request = lora_request
         queued = time.monotonic()
         arrival = queued if arrival_time is None else arrival_time
         request_id = request.request_id
@@ -1530,7 +1532,8 @@ class LLMEngine:
                              finished=request.finished,
                              prompt_logprobs=(list(scored) if scored is not None
                                               and len(scored) == len(request.prompt_ids) else None),
-                             num_cached_tokens=cached[0] if cached else 0)
+                             num_cached_tokens=cached[0] if cached else 0,
+                             lora_request=request.lora_request)
 
     @property
     def running_sequences(self) -> list[Sequence]:

@@ -28,7 +28,7 @@ from .executor import make_executor
 from .lora import LoRARequest
 from .generation_config import (FILE as GEN_FILE, eos_ids_of, generation_config_dir,
                                 read_generation_config, sampling_defaults)
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import RequestOutput
 from .pooling import EmbeddingRequestOutput, PoolingParams
 from .sampling_params import BeamSearchParams, SamplingParams
 from .scoring import ScorePlan, ScoringRequestOutput, plan_scores
@@ -231,6 +231,13 @@ class LLM:
         return dict(self._diff_sampling_param)
 
     def get_tokenizer(self):
+        """The tokenizer; ValueError where this LLM has none, as vLLM's (whose only such case
+        is skip_tokenizer_init=True; here also a random model, or a checkpoint without
+        tokenizer files). minivllm's own callers read engine.tokenizer, None there."""
+        if self.engine.tokenizer is None:
+            raise ValueError("Tokenizer not available when `skip_tokenizer_init=True` (this LLM "
+                             "has none: skip_tokenizer_init, a random model, or a checkpoint "
+                             "without tokenizer files)")
         return self.engine.tokenizer
 
     @property
@@ -823,10 +830,9 @@ def _delta(out: RequestOutput, sent: dict) -> RequestOutput | None:
     outputs = []
     for c in out.outputs:
         chars, tokens, ended = sent.get((out.request_id, c.index), (0, 0, False))
-        new = CompletionOutput(index=c.index, text=c.text[chars:], token_ids=c.token_ids[tokens:],
-                               cumulative_logprob=c.cumulative_logprob,
-                               logprobs=c.logprobs[tokens:] if c.logprobs is not None else None,
-                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+        # replace: every other field (lora_request, kv_transfer_params, ...) as the whole's
+        new = dataclasses.replace(c, text=c.text[chars:], token_ids=c.token_ids[tokens:],
+                                  logprobs=c.logprobs[tokens:] if c.logprobs is not None else None)
         sent[(out.request_id, c.index)] = (len(c.text), len(c.token_ids), c.finished())
         # A completion that ended is sent once with its finish_reason, not again with each delta
         # of its siblings (n > 1).
@@ -839,10 +845,9 @@ def _delta(out: RequestOutput, sent: dict) -> RequestOutput | None:
         prompt_logprobs = out.prompt_logprobs
     if not outputs and not out.finished and prompt_logprobs is None:
         return None
-    return RequestOutput(request_id=out.request_id, prompt=out.prompt,
-                         prompt_token_ids=out.prompt_token_ids, outputs=outputs,
-                         finished=out.finished, prompt_logprobs=prompt_logprobs,
-                         num_cached_tokens=out.num_cached_tokens)
+    # The request's own fields (lora_request, metrics, ...) as the whole output's, as vLLM's
+    # deltas carry them.
+    return dataclasses.replace(out, outputs=outputs, prompt_logprobs=prompt_logprobs)
 
 
 class _Progress:

@@ -121,6 +121,9 @@ class EmbeddingOutput:
     def hidden_size(self) -> int:
         return len(self.embedding)
 
+    def __repr__(self) -> str:  # vLLM's: the size, not every float
+        return f"EmbeddingOutput(hidden_size={self.hidden_size})"
+
 
 @dataclass
 class EmbeddingRequestOutput:
@@ -130,8 +133,9 @@ class EmbeddingRequestOutput:
     request_id: str
     outputs: EmbeddingOutput
     prompt_token_ids: list[int]
-    finished: bool = True
+    # vLLM's order (PoolingRequestOutput's arguments and repr)
     num_cached_tokens: int = 0
+    finished: bool = True
 
 
 def sentence_transformers_pooling(model_dir: str) -> dict | None:

@@ -45,8 +45,9 @@ class ScoringRequestOutput:
     request_id: str
     outputs: ScoringOutput
     prompt_token_ids: list[int]
-    finished: bool = True
+    # vLLM's order (PoolingRequestOutput's arguments and repr)
     num_cached_tokens: int = 0
+    finished: bool = True
 
 
 @dataclass

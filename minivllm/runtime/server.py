@@ -641,7 +641,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _tokenizer_route(self, path: str, body) -> dict:
         """vLLM's /tokenize (a prompt, or messages through the chat template) and /detokenize."""
         app = self.app
-        if app.llm.get_tokenizer() is None:
+        if app.llm.engine.tokenizer is None:  # get_tokenizer() raises there, as vLLM's
             raise RequestError("this server has no tokenizer")
         if path == "/tokenize":
             req = parse_tokenize(body)
@@ -876,7 +876,7 @@ class OpenAIServer:
             log.warning("minivllm serve: development routes are served (/sleep, /wake_up, "
                         "/is_sleeping, /reset_prefix_cache; VLLM_SERVER_DEV_MODE): not for "
                         "production, as vLLM warns")
-        tok = llm.get_tokenizer()
+        tok = llm.engine.tokenizer  # None without one (get_tokenizer() raises there)
         self.decode = tok.decode if tok is not None else None
         self.routes = pooling_routes(llm) if llm.config.runner == "pooling" else _ROUTES
         # Bound first: an address that cannot be served (taken, a host not this machine's)
