@@ -483,24 +483,16 @@ def cmd_generate(args) -> int:
 
 
 def _merged(so_far, delta):
-    """A stream's deltas of one request, accumulated into its whole output."""
-    from .runtime.outputs import CompletionOutput
-
-    whole = {c.index: c for c in (so_far.outputs if so_far is not None else [])}
-    for c in delta.outputs:
-        old = whole.get(c.index)
-        if old is not None:
-            c = CompletionOutput(index=c.index, text=old.text + c.text,
-                                 token_ids=[*old.token_ids, *c.token_ids],
-                                 cumulative_logprob=c.cumulative_logprob,
-                                 logprobs=None if c.logprobs is None else [*old.logprobs, *c.logprobs],
-                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-        whole[c.index] = c
-    # The prompt's scores come with one delta only (the first after the prompt is scored).
-    scored = delta.prompt_logprobs if so_far is None or so_far.prompt_logprobs is None \
-        else so_far.prompt_logprobs
-    return dataclasses.replace(delta, outputs=[whole[i] for i in sorted(whole)],
-                               prompt_logprobs=scored)
+    """A stream's deltas of one request, accumulated into its whole output (RequestOutput.add,
+    vLLM's, on a copy: the deltas are left as they came)."""
+    if so_far is None:
+        so_far = dataclasses.replace(delta, outputs=[], prompt_logprobs=None)
+    whole = dataclasses.replace(so_far, outputs=[dataclasses.replace(c) for c in so_far.outputs])
+    whole.add(delta, aggregate=True)
+    whole.outputs.sort(key=lambda c: c.index)
+    if whole.prompt_logprobs is None:  # the prompt's scores come with one delta only
+        whole.prompt_logprobs = delta.prompt_logprobs
+    return whole
 
 
 def _prompt_logprob(out) -> float:
