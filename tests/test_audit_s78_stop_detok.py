@@ -30,11 +30,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerFast
 
-from minivllm import LLM, SamplingParams
-from minivllm.runtime.config import EngineConfig
-from minivllm.runtime.demo import ensure_demo_model
+from minivllm import SamplingParams
 
-from test_detok_audit import BYTE_FALLBACK, BYTE_LEVEL, PROMPT, complete, enc, make_engine, seeds
+from test_detok_audit import (BYTE_FALLBACK, BYTE_LEVEL, PROMPT, complete, config,  # noqa: F401
+                              demo_dir, demo_llm, enc, make_engine, seeds)
 
 try:  # vLLM primes its DecodeStream with the prompt through tokenizers >= 0.22's `ids`
     DecodeStream(ids=[], skip_special_tokens=True)
@@ -114,17 +113,6 @@ def vllm_port(tok, prompt: list[int], out: list[int], p: SamplingParams, eos_ids
     return None
 
 
-@pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory):
-    return ensure_demo_model(str(tmp_path_factory.mktemp("demo") / "model"))
-
-
-@pytest.fixture(scope="module")
-def config(demo_dir):
-    return EngineConfig.create(demo_dir, device="cpu", num_kv_blocks=64, max_model_len=512,
-                               attention_backend="reference", async_scheduling=True)
-
-
 def check_against_port(config, tok, prompt, out, params, async_scheduling, label=""):
     final, seen, eng = complete(config, tok, prompt, [out], params, async_scheduling)
     want = vllm_port(tok, prompt, out, params, eng.eos_ids)
@@ -171,12 +159,6 @@ def test_stop_strings_are_matched_in_vllms_text(config, tok_name):
                                     include_stop_str_in_output=include)
             c = check_against_port(config, tok, prompt, out, params, False, stop)
             assert (c.finish_reason, c.stop_reason) == ("stop", reason)
-
-
-@pytest.fixture(scope="module")
-def demo_llm(demo_dir):
-    return LLM(demo_dir, device="cpu", attention_backend="reference", num_kv_blocks=64,
-               max_model_len=512)
 
 
 @pytest.mark.parametrize("tok_name", CLEANING)

@@ -17,8 +17,6 @@ server's field through usage's cached_tokens."""
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 
 import pytest
 import torch
@@ -35,6 +33,7 @@ from minivllm.runtime.server import OpenAIServer
 import engine_helpers
 from hf_tiny import make_hf_model, save_checkpoint
 from test_lora import write_adapter
+from test_server import post
 
 SALTS = [None, "a", "b"]
 
@@ -272,17 +271,6 @@ def server(tmp_path_factory):
     srv = OpenAIServer(llm, port=0, model_name="tiny", enable_prompt_tokens_details=True)
     with engine_helpers.serving(srv):
         yield srv
-
-
-def post(server, path, body):
-    host, port = server.address
-    req = urllib.request.Request(f"http://{host}:{port}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 SERVED = [("/v1/completions", {"prompt": "The quick brown fox jumps over the lazy dog " * 3}),
