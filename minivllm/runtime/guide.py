@@ -1,10 +1,11 @@
-"""Structured outputs (vLLM's `StructuredOutputsParams`: choice, regex, json, json_object): each
-step a guided sequence may sample only the tokens that keep its output a prefix of a string the
-constraint accepts, and EOS once its output is one.
+"""Structured outputs (vLLM's `StructuredOutputsParams`: choice, regex, json, grammar,
+json_object): each step a guided sequence may sample only the tokens that keep its output a
+prefix of a string the constraint accepts, and EOS once its output is one.
 
 The constraint becomes an automaton over characters: a regex's lazily built DFA
 (runtime/regex_fsm.py; a choice is an alternation of its strings, a JSON schema a regex as
-outlines builds one, for the subset `schema_regex` takes), or for json_object a bounded pushdown
+outlines builds one, for the subset `schema_regex` takes, a GBNF grammar without recursion the
+regex of its rules inlined, runtime/gbnf.py), or for json_object a bounded pushdown
 automaton (runtime/json_automaton.py) with the DFA's interface. Constraints are named by a key,
 ("regex", pattern) or ("json_object",) (`automaton` builds each). A guide state is the pair
 (automaton state, the bytes of a character begun but not finished): tokens are walked as the
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from . import gbnf
 from .json_automaton import JsonObjectAutomaton
 from .reasoning import ANSWER, REASONING, UNDECIDED
 from .regex_fsm import RegexDFA, check_pattern_length
@@ -408,6 +410,14 @@ WHITESPACE = r"[ ]?"  # between JSON tokens: at most one space (outlines' defaul
 _STRING_CHAR = r'(?:[^"\\\x00-\x1f\x7f]|\\["\\/bfnrt])'
 _INTEGER = r"-?(?:0|[1-9][0-9]*)"
 _NUMBER = _INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
+
+
+def grammar_regex(grammar) -> str:
+    """The regex of a GBNF grammar (vLLM's `grammar`, in xgrammar's syntax): its root rule with
+    every rule it refers to written in place (runtime/gbnf.py). ValueError for a malformed or a
+    recursive grammar, named by its line and column or its rule cycle, before any regex is
+    built."""
+    return gbnf.grammar_regex(grammar)
 
 
 def choice_regex(choices) -> str:

@@ -66,7 +66,7 @@ _COMMON = {"n": int, "best_of": int, "temperature": float, "top_p": float, "top_
            "truncate_prompt_tokens": int, "max_tokens": int, "prompt_logprobs": int,
            "stream": bool, "stream_options": dict, "model": str, "structured_outputs": dict,
            "guided_choice": list, "guided_regex": str, "guided_json": (dict, str),
-           "response_format": dict, "priority": int, "use_beam_search": bool,
+           "guided_grammar": str, "response_format": dict, "priority": int, "use_beam_search": bool,
            "length_penalty": float, "return_tokens_as_token_ids": bool, "request_id": str,
            "cache_salt": str}
 _COMPLETION = {**_COMMON, "prompt": (str, list), "echo": bool, "logprobs": int, "suffix": str,
@@ -225,15 +225,16 @@ def _cache_salt(values: dict) -> str | None:
 
 def _structured(values: dict, tool_schema: dict | None = None) -> StructuredOutputsParams | None:
     """The request's constraint: vLLM's structured_outputs object, its older guided_choice /
-    guided_regex / guided_json, OpenAI's response_format json_schema or json_object, or the JSON a
-    tool_choice of "required" or a named function asks for; at most one."""
+    guided_regex / guided_json / guided_grammar, OpenAI's response_format json_schema or
+    json_object, or the JSON a tool_choice of "required" or a named function asks for; at most
+    one."""
     given = {}
     if tool_schema is not None:
         given["tool_choice"] = {"json": tool_schema}
     if values["structured_outputs"] is not None:
         given["structured_outputs"] = values["structured_outputs"]
     for name, key in (("guided_choice", "choice"), ("guided_regex", "regex"),
-                      ("guided_json", "json")):
+                      ("guided_json", "json"), ("guided_grammar", "grammar")):
         if values[name] is not None:
             given[name] = {key: values[name]}
     fmt = values["response_format"]
@@ -258,8 +259,8 @@ def _structured(values: dict, tool_schema: dict | None = None) -> StructuredOutp
     try:
         return StructuredOutputsParams(**spec)
     except TypeError:
-        raise RequestError(f"'{name}' takes choice, regex, json or json_object, got "
-                           f"{sorted(spec)}") from None
+        raise RequestError(f"'{name}' takes choice, regex, json or json_object, or grammar, "
+                           f"got {sorted(spec)}") from None
     except ValueError as e:
         raise RequestError(str(e)) from None
 

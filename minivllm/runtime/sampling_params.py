@@ -48,9 +48,11 @@ class StructuredOutputsParams:
     """A constraint on the output (vLLM's `StructuredOutputsParams`; runtime/guide.py): one of
     `choice` (the output is one of these strings), `regex` (it fullmatches this pattern, Python
     re syntax: regex_fsm.py lists the subset), `json` (a JSON schema, a dict or its text: the
-    output is a JSON text it admits, for the subset guide.schema_regex lists) or
-    `json_object=True` (the output is a JSON object, within json_automaton.py's bounds on nesting
-    and whitespace). vLLM's `grammar` and `structural_tag` are not supported."""
+    output is a JSON text it admits, for the subset guide.schema_regex lists), `grammar` (a GBNF
+    grammar in xgrammar's syntax, as vLLM's: the output is a string its rule `root` derives;
+    grammars without recursion only, runtime/gbnf.py) or `json_object=True` (the output is a
+    JSON object, within json_automaton.py's bounds on nesting and whitespace). vLLM's
+    `structural_tag` is not supported."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -65,22 +67,23 @@ class StructuredOutputsParams:
     key: tuple = field(init=False, repr=False, default=())
 
     def __post_init__(self):
-        from .guide import JSON_OBJECT, choice_regex, schema_regex
+        from .guide import JSON_OBJECT, choice_regex, grammar_regex, schema_regex
         from .regex_fsm import RegexDFA
 
         def bad(msg):
             raise ValueError(f"StructuredOutputsParams: {msg}")
 
-        for name in ("grammar", "structural_tag"):
-            if getattr(self, name) not in (None, False):
-                bad(f"{name} is not supported (choice, regex, json and json_object are)")
+        if self.structural_tag not in (None, False):
+            bad("structural_tag is not supported (choice, regex, json, grammar and json_object "
+                "are)")
         if self.json_object is not None and not isinstance(self.json_object, bool):
             bad(f"json_object must be a bool, got {self.json_object!r:.80}")
-        given = [n for n in ("json", "regex", "choice") if getattr(self, n) is not None]
+        given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
         if self.json_object:  # False is vLLM's "not asked", as None
             given.append("json_object")
         if len(given) != 1:
-            bad(f"give exactly one of json, regex, choice and json_object, got {given or 'none'}")
+            bad(f"give exactly one of json, regex, choice, grammar and json_object, got "
+                f"{given or 'none'}")
         if self.json_object:
             object.__setattr__(self, "pattern", None)
             object.__setattr__(self, "key", JSON_OBJECT)
@@ -97,10 +100,15 @@ class StructuredOutputsParams:
                 bad(f"json is not a JSON schema's text: {e}")
         try:
             pattern = (choice_regex(self.choice) if self.choice is not None
-                       else self.regex if self.regex is not None else schema_regex(schema))
-            RegexDFA(pattern)  # parsed now: a bad pattern is named before any work
+                       else self.regex if self.regex is not None
+                       else grammar_regex(self.grammar) if self.grammar is not None
+                       else schema_regex(schema))
         except ValueError as e:
             bad(str(e))
+        try:
+            RegexDFA(pattern)  # parsed now: a bad pattern is named before any work
+        except ValueError as e:  # a grammar's regex is no text the user wrote: say whose it is
+            bad(str(e) if self.grammar is None else f"grammar, written as a regex: {e}")
         object.__setattr__(self, "pattern", pattern)
         object.__setattr__(self, "key", ("regex", pattern))
 
@@ -121,11 +129,11 @@ class SamplingParams:
     added to the logits; allowed_token_ids: the only ids that may be sampled (both before the
     penalties, as vLLM; the default raw logprobs leave both out). bad_words: words never
     generated (vLLM's: each word's last token is banned where the output ends with its others;
-    needs a tokenizer). structured_outputs: a StructuredOutputsParams (choice, regex, JSON schema
-    or json_object) the output must satisfy (needs a tokenizer; as vLLM's grammar mask, it acts
-    on the logits before even the raw logprobs are taken). logprobs: the top-N logprobs (plus
-    the sampled token's) per generated token (-1: the whole vocabulary's; True: 1), taken as the
-    engine's logprobs_mode says (LLM).
+    needs a tokenizer). structured_outputs: a StructuredOutputsParams (choice, regex, JSON
+    schema, grammar or json_object) the output must satisfy (needs a tokenizer; as vLLM's
+    grammar mask, it acts on the logits before even the raw logprobs are taken). logprobs: the
+    top-N logprobs (plus the sampled token's) per generated token (-1: the whole vocabulary's;
+    True: 1), taken as the engine's logprobs_mode says (LLM).
     prompt_logprobs: the same for each prompt token after the first (the prompt scored by the
     model; its first entry is None). truncate_prompt_tokens: keep only the prompt's last k
     tokens (-1: max_model_len; the output's prompt_token_ids are those kept)."""
