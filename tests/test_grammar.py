@@ -464,3 +464,15 @@ def test_the_sql_grammar_through_the_server(server, path, field):  # noqa: F811
 def test_a_bad_grammar_is_a_400_before_any_work(server, baseline, fields, match):  # noqa: F811
     assert_refused(server, baseline, "/v1/completions",
                    {"prompt": "x", "max_tokens": 4, **fields}, match)
+
+
+def test_a_long_regexs_error_quotes_its_head_only():
+    """A refused regex's error quotes its first 200 characters and its length, not the whole
+    of it: a grammar's inlined regex may run to 200,000 characters."""
+    from minivllm.runtime.regex_fsm import MAX_GROUP_DEPTH, RegexDFA
+
+    depth = MAX_GROUP_DEPTH + 5
+    pattern = "x" * 50_000 + "(?:" * depth + "a" + ")" * depth
+    with pytest.raises(ValueError, match="nested too deep") as e:
+        RegexDFA(pattern)
+    assert len(str(e.value)) < 400 and f"({len(pattern)} chars)" in str(e.value)

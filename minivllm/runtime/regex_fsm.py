@@ -106,7 +106,10 @@ class _Parser:
         self.depth = 0  # groups open at self.i
 
     def error(self, what: str):
-        return ValueError(f"regex {self.p!r}: {what} (at {self.i})")
+        # The pattern's head only: a generated one (a grammar's, a schema's) may be 200,000
+        # characters long.
+        shown = repr(self.p) if len(self.p) <= 200 else f"{self.p[:200]!r}... ({len(self.p)} chars)"
+        return ValueError(f"regex {shown}: {what} (at {self.i})")
 
     def peek(self) -> str | None:
         return self.p[self.i] if self.i < len(self.p) else None
