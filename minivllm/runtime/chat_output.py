@@ -10,12 +10,54 @@ end, what the whole answer's parse has beyond what was streamed (vLLM's "remaini
 stream cannot take back what it sent: where the answer turns out to be no call after a call
 began streaming (its JSON broken or cut by max_tokens, a hermes block after it broken, an
 unreadable qwen3_coder parameter), the stream's content still ends as the whole response's, and
-the streamed calls stay as they were (vLLM's stream keeps them too)."""
+the streamed calls stay as they were (vLLM's stream keeps them too).
+
+With a reasoning parser each ChatOutput also counts its completion's reasoning tokens from their
+ids (ReasoningTokens): vLLM's usage.completion_tokens_details.reasoning_tokens."""
 
 from __future__ import annotations
 
 from . import reasoning
+from .reasoning import ANSWER, REASONING, UNDECIDED, ThinkTags
 from .tool_calls import answer_split, call_json, new_call_id, parse_required
+
+
+class ReasoningTokens:
+    """A completion's reasoning tokens, counted from its token ids as they come: vLLM's
+    usage.completion_tokens_details.reasoning_tokens, which its qwen3 parser engine counts as
+    the tokens of the reasoning chunks it emits (vLLM PR #45802). So the tags that bound the
+    reasoning (<think>, </think>) are not among them, nor are special tokens (EOS, ...): vLLM's
+    parser drops those, as a text without special tokens has none. The reasoning starts where
+    the text's split starts it (reasoning.ReasoningSplit, the same phase): inside it where the
+    prompt opened it, at a first <think> where the prompt left it undecided, never where the
+    prompt closed it; it ends at the first </think>."""
+
+    def __init__(self, phase: str, tags: ThinkTags):
+        self.phase = phase
+        self.tags = tags
+        self.opening = phase in (UNDECIDED, REASONING)  # the first token may still be <think>
+        self.count = 0
+
+    def feed(self, token_ids) -> int:
+        """The count with `token_ids`, the completion's next tokens, added."""
+        tags = self.tags
+        for token in token_ids:
+            if token in tags.turn_marks:  # no text: as vLLM's parser, neither counted nor deciding
+                continue
+            if self.opening:
+                self.opening = False
+                if token == tags.start:
+                    self.phase = REASONING
+                    continue
+                if self.phase == UNDECIDED:
+                    self.phase = ANSWER
+            if self.phase != REASONING:
+                break
+            if token == tags.end:
+                self.phase = ANSWER
+            elif token != tags.start:  # a <think> inside is a tag vLLM's parser drops too
+                self.count += 1
+        return self.count
 
 
 class ChatOutput:
@@ -23,15 +65,18 @@ class ChatOutput:
     parser; tool_mode: "none", "auto" (calls read from the answer by tool_parser's rules:
     hermes or qwen3_coder, whose values the request's tools type), "required" or
     "function:NAME" (check_tool_choice); include_reasoning: false drops the reasoning (vLLM's
-    request field); parallel_tool_calls: false keeps only an answer's first call (vLLM's).
-    feed and finish return a delta's fields: "reasoning" (also as
-    "reasoning_content", the name of vLLM's earlier versions, which clients such as Qwen-Agent
-    read), "content", "tool_calls"; only those with something in them."""
+    request field); parallel_tool_calls: false keeps only an answer's first call (vLLM's);
+    tags: the tokenizer's ThinkTags, with which a reasoning parser's ChatOutput counts its
+    reasoning tokens (count, reasoning_tokens). feed and finish return a delta's fields:
+    "reasoning" (also as "reasoning_content", the name of vLLM's earlier versions, which clients
+    such as Qwen-Agent read), "content", "tool_calls"; only those with something in them."""
 
     def __init__(self, phase: str | None, tool_mode: str = "none", include_reasoning: bool = True,
                  parallel_tool_calls: bool = True, tool_parser: str = "hermes",
-                 tools: list[dict] | None = None):
+                 tools: list[dict] | None = None, tags: ThinkTags | None = None):
         self.split = reasoning.ReasoningSplit(phase) if phase is not None else None
+        self.tokens = (ReasoningTokens(phase, tags) if phase is not None and tags is not None
+                       else None)
         self.tool_mode = tool_mode
         self.include_reasoning = include_reasoning
         self.parallel_tool_calls = parallel_tool_calls
@@ -45,6 +90,17 @@ class ChatOutput:
     @property
     def reasoning_parser(self) -> bool:
         return self.split is not None
+
+    @property
+    def reasoning_tokens(self) -> int | None:
+        """The reasoning tokens counted so far; None without a reasoning parser's tags."""
+        return self.tokens.count if self.tokens is not None else None
+
+    def count(self, token_ids) -> None:
+        """Count the reasoning among the completion's next tokens (a stream's each delta, a
+        whole response's all at once)."""
+        if self.tokens is not None:
+            self.tokens.feed(token_ids)
 
     def feed(self, text: str, last: bool = False) -> dict:
         """The delta `text` makes; last: finish() comes next (a whole response, a stream's last

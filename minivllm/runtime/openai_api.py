@@ -33,6 +33,7 @@ from .chat_messages import chat_message
 from .chat_output import ChatOutput, message
 from .outputs import Logprob, RequestOutput
 from .pooling import PoolingParams
+from .reasoning import ThinkTags
 from .sampling_params import SamplingParams, StructuredOutputsParams
 from .sequence import check_cache_salt
 
@@ -697,27 +698,43 @@ def vllm_prompt_logprobs(entries) -> list | None:
 
 
 def usage(outs: list[RequestOutput], req: ParsedRequest | None = None,
-          prompt_lens: dict[str, int] | None = None, cached: bool = False) -> dict:
+          prompt_lens: dict[str, int] | None = None, cached: bool = False,
+          reasoning: int | None = None) -> dict:
     """OpenAI's usage; prompt_lens: request id -> its prompt's tokens, for the outputs of
     prompts given as embeddings (whose prompt_token_ids are None: T rows are T tokens).
     cached: with prompt_tokens_details {"cached_tokens"}, the prompt tokens found in the prefix
-    cache (vLLM's --enable-prompt-tokens-details)."""
+    cache (vLLM's --enable-prompt-tokens-details). reasoning: a chat's reasoning tokens, every
+    choice's (reasoning_tokens), None without a reasoning parser."""
     prompt = sum(len(o.prompt_token_ids) if o.prompt_token_ids is not None
                  else prompt_lens[o.request_id] for o in outs)
     completion = 0 if req is not None and req.echo_only else \
         sum(len(c.token_ids) for o in outs for c in o.outputs)
-    counts = token_usage(prompt, completion)
+    counts = token_usage(prompt, completion, reasoning)
     if cached:
         counts["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens
                                                                 for o in outs)}
     return counts
 
 
-def token_usage(prompt: int, completion: int) -> dict:
+def token_usage(prompt: int, completion: int, reasoning: int | None = None) -> dict:
     """OpenAI's usage of `prompt` prompt tokens and `completion` generated ones (a stream's
-    continuous usage: one choice's so far, with its own prompt's, as vLLM's)."""
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+    continuous usage: one choice's so far, with its own prompt's, as vLLM's). reasoning: how
+    many of those generated are reasoning, as completion_tokens_details {"reasoning_tokens"}:
+    vLLM's chat gives it wherever its server has a reasoning parser (0 where none came), and
+    only there."""
+    counts = {"prompt_tokens": prompt, "completion_tokens": completion,
+              "total_tokens": prompt + completion}
+    if reasoning is not None:
+        counts["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return counts
+
+
+def reasoning_tokens(parsers, reasoning_parser: bool) -> int | None:
+    """The reasoning tokens of a chat's choices (their ChatOutputs), summed as vLLM's usage does
+    for n > 1; None without a reasoning parser (the key is then absent, as vLLM's)."""
+    if not reasoning_parser:
+        return None
+    return sum(p.reasoning_tokens or 0 for p in parsers)
 
 
 def _prompt_text(out: RequestOutput, decode) -> str:
@@ -766,13 +783,14 @@ def completion_body(request_id: str, created: int, model: str, choices: list[dic
     return _body("text_completion", request_id, created, model, choices, usage_, chunk)
 
 
-def chat_output(req: ParsedRequest, phase: str | None, tool_parser: str | None = None
-                ) -> ChatOutput:
+def chat_output(req: ParsedRequest, phase: str | None, tool_parser: str | None = None,
+                tags: ThinkTags | None = None) -> ChatOutput:
     """A completion's ChatOutput; phase: ThinkTags.prompt_phase of its prompt, None without a
     reasoning parser; tool_parser: the server's, which reads an "auto" answer's calls (None
-    where it has none: "auto" is then refused before this)."""
+    where it has none: "auto" is then refused before this); tags: the ThinkTags the phase was
+    read with (its reasoning tokens are counted by them)."""
     return ChatOutput(phase, req.tool_mode, req.include_reasoning, req.parallel_tool_calls,
-                      tool_parser or "hermes", req.chat_options.get("tools"))
+                      tool_parser or "hermes", req.chat_options.get("tools"), tags)
 
 
 def _finish_reason(c, parser: ChatOutput, streamed: bool = False) -> str | None:
@@ -789,7 +807,9 @@ def _finish_reason(c, parser: ChatOutput, streamed: bool = False) -> str | None:
 
 def chat_choice(c, req: ParsedRequest, parser: ChatOutput, *, delta: bool) -> dict | None:
     """One choice of a chat response, or of a stream chunk (delta: c holds what is new; None
-    when the chunk would carry nothing: its text held back, no logprobs, not the last)."""
+    when the chunk would carry nothing: its text held back, no logprobs, not the last). The
+    parser counts c's reasoning tokens (its usage's), the chunk sent or not."""
+    parser.count(c.token_ids)
     # Hidden reasoning hides its tokens' logprobs too (vLLM's).
     hidden = parser.reasoning_parser and not parser.include_reasoning
     lps = (chat_logprobs(list(c.token_ids), c.logprobs, req.logprobs)

@@ -56,8 +56,8 @@ from .openai_api import (EmbedsLimits, ParsedRequest, RequestError, chat_body, c
                          embedding_body, error_body, fit_context, new_id, now,
                          parse_chat, parse_classify, parse_completion, parse_detokenize,
                          parse_embedding, parse_rerank, parse_score, parse_tokenize, render_chat,
-                         rerank_body, score_body, token_usage, tokenize, usage,
-                         vllm_prompt_logprobs)
+                         reasoning_tokens, rerank_body, score_body, token_usage, tokenize,
+                         usage, vllm_prompt_logprobs)
 from .pooling import PoolingParams
 from .sleep import check_level, check_tags
 
@@ -695,10 +695,11 @@ class _Handler(BaseHTTPRequestHandler):
         name = app.response_name(req)
         if chat:
             out = outs[0]
-            body = chat_body(new_id("chatcmpl", req.request_id), created, name,
-                             [chat_choice(c, req, app.chat_output(req, out), delta=False)
-                              for c in out.outputs],
-                             usage(outs, req, sub.prompt_lens, app.prompt_tokens_details))
+            parsers = [app.chat_output(req, out) for _ in out.outputs]
+            choices = [chat_choice(c, req, p, delta=False) for c, p in zip(out.outputs, parsers)]
+            body = chat_body(new_id("chatcmpl", req.request_id), created, name, choices,
+                             usage(outs, req, sub.prompt_lens, app.prompt_tokens_details,
+                                   reasoning_tokens(parsers, app.reasoning_parser)))
             if req.prompt_logprobs:
                 body["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs)
         else:
@@ -714,8 +715,9 @@ class _Handler(BaseHTTPRequestHandler):
         name each choice's role, then with echo give each its echo), the finish_reason with a
         choice's last chunk, a usage chunk last with stream_options.include_usage (with
         continuous_usage_stats also on every chunk: its choice's tokens so far and its prompt's),
-        then [DONE]. A failure once the stream began is an error event before [DONE] (vLLM's),
-        its requests aborted."""
+        then [DONE]. With a reasoning parser a chat's usage also says how many of the tokens are
+        reasoning (a chunk's: its choice's so far; the last: every choice's). A failure once the
+        stream began is an error event before [DONE] (vLLM's), its requests aborted."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -759,7 +761,8 @@ class _Handler(BaseHTTPRequestHandler):
             prompt_len = (len(value.prompt_token_ids) if value.prompt_token_ids is not None
                           else sub.prompt_lens[rid])
             if chat and not last:  # vLLM's first chunks: every choice's role, then its echo
-                opening = token_usage(prompt_len, 0) if req.continuous_usage else None
+                opening = (token_usage(prompt_len, 0, 0 if app.reasoning_parser else None)
+                           if req.continuous_usage else None)
                 for index in range(req.params.n):
                     event([chat_role_choice(index, req.role)], opening)
                 for index in range(req.params.n if req.chat_echo else 0):
@@ -772,11 +775,10 @@ class _Handler(BaseHTTPRequestHandler):
             for c in delta.outputs:
                 key = (rid, c.index)
                 tokens[key] = tokens.get(key, 0) + len(c.token_ids)
-                running = (token_usage(prompt_len, 0 if req.echo_only else tokens[key])
-                           if req.continuous_usage else None)
                 if chat:
                     if key not in parsers:
                         parsers[key] = app.chat_output(req, value)
+                    # It counts the reasoning among c's tokens too, its chunk sent or not.
                     choice = chat_choice(c, req, parsers[key], delta=True)
                     if choice is None:
                         continue
@@ -786,10 +788,15 @@ class _Handler(BaseHTTPRequestHandler):
                                                first=key not in texts, offset=texts.get(key, 0))
                     # The text sent, an echoed prompt's with it: the next token's text_offset.
                     texts[key] = texts.get(key, 0) + len(choice["text"])
-                event([choice], running)
+                if req.continuous_usage:
+                    event([choice], token_usage(prompt_len, 0 if req.echo_only else tokens[key],
+                                                parsers[key].reasoning_tokens if chat else None))
+                else:
+                    event([choice], None)
         if req.include_usage:
+            reasoning = reasoning_tokens(parsers.values(), chat and app.reasoning_parser)
             event([], usage([last[i] for i in sub.ids], req, sub.prompt_lens,
-                            app.prompt_tokens_details))
+                            app.prompt_tokens_details, reasoning))
 
     def _event(self, body: dict) -> None:
         self.wfile.write(b"data: " + json.dumps(body).encode() + b"\n\n")
@@ -890,12 +897,17 @@ class OpenAIServer:
     def address(self) -> tuple[str, int]:
         return self.http.server_address[:2]
 
+    @property
+    def reasoning_parser(self) -> bool:
+        """Whether the LLM has a reasoning parser (the chat's usage then counts reasoning)."""
+        return self.llm.engine.think_tags is not None
+
     def chat_output(self, req: ParsedRequest, out) -> ChatOutput:
         """The ChatOutput of a completion of `out`'s prompt (a RequestOutput): its reasoning
         phase read from the prompt's ids where the LLM has a reasoning parser."""
         tags = self.llm.engine.think_tags
         phase = tags.prompt_phase(out.prompt_token_ids) if tags is not None else None
-        return chat_output(req, phase, self.tool_call_parser)
+        return chat_output(req, phase, self.tool_call_parser, tags)
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": now(), "owned_by": "minivllm",
