@@ -27,6 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import attrs
 import numpy as np
 import torch
 
@@ -631,6 +632,11 @@ class LLMEngine:
             if n is not None and n > self.config.max_logprobs:
                 raise ValueError(f"{name}={getattr(params, name)} asks for {n} logprobs, more "
                                  f"than max_logprobs={self.config.max_logprobs}")
+        if params.thinking_token_budget is not None and self.think_tags is None:
+            # vLLM refuses it too (InputProcessor._validate_params), in its words.
+            raise ValueError("thinking_token_budget is set but this engine has no reasoning "
+                             "parser: start it with reasoning_parser=\"qwen3\" (serve "
+                             "--reasoning-parser qwen3) to use thinking_token_budget")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this engine has none")
         if params.bad_word_texts and self.tokenizer is None:
@@ -892,12 +898,14 @@ class LLMEngine:
     def _propose(self, seq: Sequence, most: int) -> list[int]:
         """Up to `most` draft tokens for decoding seq (the scheduler's speculator): none for a
         sequence whose sampling row reads its output or changes from step to step (penalties,
-        multi-token bad words, structured outputs, min_tokens not yet out), whose drafts' rows
+        multi-token bad words, structured outputs, min_tokens not yet out, a
+        thinking_token_budget, which forces </think> at some step), whose drafts' rows
         would differ from the row its next tokens get. With a draft model, as many placeholders
         as it will draft: the step's inputs take the draft's tokens on the device
         (_draft_tokens), and out.drafts gets them with the step's result (_take_drafts)."""
         if seq.reads_output or seq.penalised or seq.pooling or \
-                seq.num_output < seq.params.min_tokens:
+                seq.num_output < seq.params.min_tokens or \
+                seq.params.thinking_token_budget is not None:
             return []
         spec = self.config.speculative
         if spec.method == "draft_model":
@@ -935,9 +943,15 @@ class LLMEngine:
         sequence and reused (building one costs more than the rest of a decode step's host work
         for that sequence)."""
         p = seq.params
-        plain = not (seq.reads_output or seq.penalised) and seq.num_output >= p.min_tokens
-        if plain and seq.sampling_row is not None:
-            return seq.sampling_row
+        think, forced = None, False
+        if p.thinking_token_budget is not None:
+            think, forced = self._think_budget(seq)
+        reads = seq.reads_output if think is None else think.reads_ids
+        plain = not (reads or seq.penalised) and seq.num_output >= p.min_tokens
+        if plain:
+            kept = seq.sampling_row if think is None else think.row
+            if kept is not None:
+                return self._forced_row(kept, think) if forced else kept
         banned = ()
         if seq.num_output < p.min_tokens:
             # EOS too with ignore_eos, as vLLM's (its all_stop_token_ids always hold EOS).
@@ -966,8 +980,37 @@ class LLMEngine:
             banned_ids=banned, logit_bias=p.bias_pairs, allowed_ids=allowed, allowed_bits=bits,
             logprobs=self._num_logprobs(p.logprobs))
         if plain:
-            seq.sampling_row = row
-        return row
+            # A budget's row is kept by its state: step_input reuses sampling_row unasked.
+            if think is None:
+                seq.sampling_row = row
+            else:
+                think.row = row
+        return self._forced_row(row, think) if forced else row
+
+    def _think_budget(self, seq: Sequence) -> tuple[reasoning.ThinkBudget, bool]:
+        """seq's thinking_token_budget state, advanced over its known ids, and whether this
+        step's token is forced to be </think>. Sets seq.reads_output for the next step: a step
+        is set up while the previous step's token is unread (asynchronous scheduling), and where
+        that token decides the step after this one, the engine reads it first."""
+        think = seq.think_budget
+        if think is None:
+            # A prompt of embeddings shows no tags (as enqueue's phase).
+            think = seq.think_budget = reasoning.ThinkBudget(
+                self.think_tags, seq.params.thinking_token_budget, seq.prompt_ids,
+                shows_tags=seq.prompt_embeds is None)
+            think.reads_ids = seq.reads_output  # multi-token bad words, a structured output
+        think.advance(seq.token_ids, seq.num_known)
+        forced = think.forced(seq.num_pending)
+        seq.reads_output = think.reads_ids or think.needs_known(seq.num_pending)
+        return think, forced
+
+    @staticmethod
+    def _forced_row(row: SamplingRow, think: reasoning.ThinkBudget) -> SamplingRow:
+        """`row` made to sample </think> only (vLLM sets its logit to 1e9 after every other
+        processor): its one allowed id, nothing banned, biased or constrained beside it;
+        penalties and logprobs as ever (the raw logprobs are the model's)."""
+        return attrs.evolve(row, banned_ids=(), logit_bias=(), allowed_bits=None,
+                            allowed_ids=np.asarray([think.end], dtype=np.int64))
 
     def step_input(self, out: SchedulerOutput, prev: SchedulerOutput | None = None,
                    draft_ids: torch.Tensor | None = None) -> StepInput:

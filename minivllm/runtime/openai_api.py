@@ -69,7 +69,7 @@ _COMMON = {"n": int, "best_of": int, "temperature": float, "top_p": float, "top_
            "guided_choice": list, "guided_regex": str, "guided_json": (dict, str),
            "guided_grammar": str, "response_format": dict, "priority": int, "use_beam_search": bool,
            "length_penalty": float, "return_tokens_as_token_ids": bool, "request_id": str,
-           "cache_salt": str}
+           "cache_salt": str, "thinking_token_budget": int}
 _COMPLETION = {**_COMMON, "prompt": (str, list), "echo": bool, "logprobs": int, "suffix": str,
                "prompt_embeds": (str, list), "add_special_tokens": bool}
 _CHAT = {**_COMMON, "messages": list, "max_completion_tokens": int, "logprobs": bool,
@@ -275,7 +275,8 @@ def _sampling(values: dict, defaults: dict, *, max_tokens, logprobs, prompt_logp
         "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
         "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
         "allowed_token_ids", "bad_words", "skip_special_tokens", "spaces_between_special_tokens",
-        "include_stop_str_in_output", "truncate_prompt_tokens") if values[name] is not None}
+        "include_stop_str_in_output", "truncate_prompt_tokens", "thinking_token_budget")
+        if values[name] is not None}
     for name, value in defaults.items():  # the model's generation_config.json
         if name != "max_tokens":
             kwargs.setdefault(name, value)

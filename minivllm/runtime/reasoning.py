@@ -8,7 +8,8 @@ writes an empty <think></think>) starts it in the answer; one with neither (Qwen
 release, whose models write <think> themselves) starts it undecided: reasoning if its first token
 is <think>, answer otherwise. The same phases decide when a structured output's constraint starts
 (runtime/guide.py: after the reasoning, as vLLM's) and how the text splits (ReasoningSplit), so
-that the constrained part is exactly the answer.
+that the constrained part is exactly the answer. ThinkBudget is vLLM's thinking_token_budget:
+the engine forces </think> where a think block has used it up.
 """
 
 from __future__ import annotations
@@ -70,6 +71,83 @@ def think_tags(tokenizer) -> ThinkTags:
         ids.append(encoded[0])
     marks = frozenset(getattr(tokenizer, "all_special_ids", ()) or ()) - set(ids)
     return ThinkTags(ids[0], ids[1], marks)
+
+
+class ThinkBudget:
+    """vLLM's thinking_token_budget for one sequence (vllm/v1/sample/thinking_budget_state.py):
+    a think block counts the tokens after its <think>, a prompt's own among them where the
+    prompt opened it, and once it holds `budget` of them without its </think> the next token is
+    forced to be </think>. Every <think> the output writes opens a new block with the whole
+    budget again (vLLM's re-entry, PRs 43757 and 45984); a </think> outside a block does
+    nothing.
+
+    The state is the known ids' (advance): `count` is the open block's tokens, None outside
+    one. A step may be set up while the previous step's token is still being sampled
+    (asynchronous scheduling): forced() and needs_known() reason over what that token may be."""
+
+    def __init__(self, tags: ThinkTags, budget: int, prompt_ids, shows_tags: bool = True):
+        """shows_tags=False: the prompt's ids are placeholders (a prompt of embeddings), whose
+        completion starts outside any think block."""
+        self.start, self.end, self.budget = tags.start, tags.end, budget
+        count = None
+        # The last tag of the prompt's last turn is <think>.
+        if shows_tags and tags.prompt_phase(prompt_ids) == REASONING:
+            count = list(reversed(prompt_ids)).index(tags.start)  # the tokens after it
+        self.first = self.count = count
+        self.prompt_len = self.seen = len(prompt_ids)  # seen: the ids advanced over
+        self.row = None  # the engine's unforced SamplingRow, kept while only the step changes
+        # Whether the sequence reads its generated ids without the budget (multi-token bad
+        # words, a structured output): the engine's Sequence.reads_output before it took the
+        # budget's need in.
+        self.reads_ids = False
+
+    def advance(self, token_ids, known: int) -> None:
+        """Walk the sequence's ids (prompt and output) up to `known`, those not seen yet only
+        (a step costs its new ids, not the whole output); from the prompt's end again should
+        the known ones be fewer than those seen."""
+        if known < self.seen:
+            self.count, self.seen = self.first, self.prompt_len
+        count, start, end = self.count, self.start, self.end
+        for token in token_ids[self.seen:known]:
+            if count is None:
+                count = 0 if token == start else None
+            elif token == end:
+                count = None
+            else:
+                count += 1
+        self.count, self.seen = count, known
+
+    def _forces(self, count) -> bool:
+        return count is not None and count >= self.budget
+
+    def _next(self, count) -> tuple:
+        """The states one more token can lead to: a forced one is </think>."""
+        if count is None:
+            return None, 0
+        return (None,) if count >= self.budget else (None, count + 1)
+
+    def _reachable(self, pending: int) -> set:
+        states = {self.count}
+        for _ in range(pending):
+            states = {n for count in states for n in self._next(count)}
+        return states
+
+    def forced(self, pending: int) -> bool:
+        """Whether the next token must be </think>, `pending` tokens after the known ones still
+        unread. RuntimeError where those tokens decide it: needs_known() keeps that from
+        happening."""
+        answers = {self._forces(count) for count in self._reachable(pending)}
+        if len(answers) > 1:
+            raise RuntimeError("thinking_token_budget: the forced </think> depends on a token "
+                               "still being sampled")
+        return answers.pop()
+
+    def needs_known(self, pending: int) -> bool:
+        """Whether the step after this one (set up while this one's token is unread, and
+        `pending` tokens unread now) depends on that token: it must be set up after it is
+        read."""
+        return any(len({self._forces(n) for n in self._next(count)}) > 1
+                   for count in self._reachable(pending))
 
 
 def partial_tag(text: str, tag: str) -> int:

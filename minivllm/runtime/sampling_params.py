@@ -38,7 +38,7 @@ MAX_N = 16384
 # Fields taken as Python ints / floats when given as numpy or torch scalars (the checks below
 # then see plain numbers, and so does everything downstream).
 _INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
-               "truncate_prompt_tokens")
+               "truncate_prompt_tokens", "thinking_token_budget")
 _REAL_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
                 "top_p", "min_p")
 
@@ -136,7 +136,10 @@ class SamplingParams:
     True: 1), taken as the engine's logprobs_mode says (LLM).
     prompt_logprobs: the same for each prompt token after the first (the prompt scored by the
     model; its first entry is None). truncate_prompt_tokens: keep only the prompt's last k
-    tokens (-1: max_model_len; the output's prompt_token_ids are those kept)."""
+    tokens (-1: max_model_len; the output's prompt_token_ids are those kept).
+    thinking_token_budget: the most tokens a think block holds (the prompt's own after its
+    <think> included) before </think> is forced, as vLLM's (runtime/reasoning.ThinkBudget; needs
+    the engine's reasoning parser); -1 or None: no limit."""
 
     n: int = 1
     presence_penalty: float = 0.0
@@ -163,6 +166,7 @@ class SamplingParams:
     allowed_token_ids: Sequence[int] | None = None
     bad_words: str | Sequence[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    thinking_token_budget: int | None = None
     # Normalised forms of stop / stop_token_ids (tuples), filled in by __post_init__.
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
     stop_ids: tuple[int, ...] = field(init=False, repr=False, default=())
@@ -221,6 +225,14 @@ class SamplingParams:
             if n is not None and (not _is_int(n) or n < -1):
                 bad(f"{name} must be an integer >= 0, -1 (the whole vocabulary) or None, got "
                     f"{n!r}")
+
+        budget = self.thinking_token_budget
+        if budget is not None and (not _is_int(budget) or budget < -1):
+            # vLLM's words (validate_thinking_token_budget): floats and bools are refused too.
+            bad(f"`thinking_token_budget` must be a non-negative integer or -1 for unlimited "
+                f"(got {budget!r:.40})")
+        if budget == -1:  # vLLM keeps None for "no limit"
+            object.__setattr__(self, "thinking_token_budget", None)
 
         keep = self.truncate_prompt_tokens
         if keep is not None and (not _is_int(keep) or (keep < 1 and keep != -1)):

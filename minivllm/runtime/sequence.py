@@ -92,10 +92,15 @@ class Sequence:
         # Whether its sampling row is decided by its generated ids on the host (multi-token bad
         # words, a structured output's constraint): it never runs with a pending token (the
         # engine resolves the previous step before scheduling it). Penalties only count the
-        # ids, which the device completes: not these.
+        # ids, which the device completes: not these. The engine also sets it for a
+        # thinking_token_budget whose next forced </think> hangs on an unread id
+        # (LLMEngine._think_budget).
         self.reads_output = any(len(w) > 1 for w in bad_words) or guide is not None
         # The engine's SamplingRow for it, once only the step changes from step to step.
         self.sampling_row = None
+        # Its thinking_token_budget's state (reasoning.ThinkBudget), made by the engine at its
+        # first sampling row; None without a budget.
+        self.think_budget = None
         self.block_table: list[int] = []
         self.num_registered_blocks = 0  # leading blocks of block_table already offered to the prefix cache
         self.num_cached_prompt = -1  # prompt tokens found in the prefix cache at first admission
