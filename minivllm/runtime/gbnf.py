@@ -3,7 +3,7 @@
 vLLM hands a grammar to xgrammar, its default backend, whose EBNF is llama.cpp's GBNF: rules
 `name ::= body`, each name at the start of its line, `root` the start. A body is alternatives
 `|` of sequences of elements: "string literals" (escapes \\n \\t \\r \\" \\\\ \\' \\? \\/ \\a \\b
-\\f \\v \\e \\0, \\x followed by any number of hex digits, \\uXXXX, \\UXXXXXXXX), character
+\\f \\v \\e \\0, \\x followed by any number of hex digits, \\u and 4 of them, \\U and 8), character
 classes [a-z_] and [^...] (the same escapes, and \\- \\] \\[ \\^ ... for themselves), rule names,
 and groups ( ) (`()` is the empty string), each with at most one quantifier * + ? {m} {m,} {m,n};
 `#` starts a comment. This is xgrammar's syntax (its cpp/grammar_parser.cc), its refusals
