@@ -394,6 +394,26 @@ def _seq(i, prompt, **kw):
     return Sequence(i, str(i), 0, prompt, SamplingParams(ignore_eos=True, **kw), 0)
 
 
+def run_to_end(eng, final: dict, fault=(), on_fault=None, steps: int = 400) -> int:
+    """Step eng until no request is left (at most `steps` steps), each finished output's tokens
+    into final[its request id]. A step that raises `fault` is handed to on_fault and stepping
+    goes on. Returns how many steps raised it."""
+    faults = 0
+    for _ in range(steps):
+        if not (eng.has_unfinished_requests() or eng.in_flight or eng.unread or eng.undelivered):
+            break
+        try:
+            outs = eng.step()
+        except fault as e:
+            faults += 1
+            on_fault(e)
+            continue
+        for o in outs:
+            if o.finished:
+                final[o.request_id] = o.outputs[0].token_ids
+    return faults
+
+
 def test_a_failure_after_an_admission_or_a_preemption_is_undone():
     """Two cases written out: a step that admits one sequence (blocks allocated, moved to
     running) and is interrupted admitting the next, which used to be left in no queue; a step
@@ -456,20 +476,11 @@ def test_ctrl_c_inside_schedule_loses_nothing(tiny_dir, device, async_scheduling
     kw = dict(block_size=4, num_kv_blocks=12, max_num_batched_tokens=16,
               async_scheduling=async_scheduling)
 
-    def finish(eng, final):
-        for _ in range(400):
-            if not (eng.has_unfinished_requests() or eng.in_flight or eng.unread or
-                    eng.undelivered):
-                break
-            for o in eng.step():
-                if o.finished:
-                    final[o.request_id] = o.outputs[0].token_ids
-
     solo = engine_helpers.make_llm(tiny_dir, device, **kw)
     want = {}
     ids = solo.engine.add_requests([{"prompt_token_ids": p} for p in prompts],
                                    [params] * len(prompts))
-    finish(solo.engine, want)
+    run_to_end(solo.engine, want)
     want = [want[i] for i in ids]
 
     llm = engine_helpers.make_llm(tiny_dir, device, **kw)
@@ -486,19 +497,8 @@ def test_ctrl_c_inside_schedule_loses_nothing(tiny_dir, device, async_scheduling
         return real(*a, **kw)
 
     bm.allocate = allocate
-    interrupted = False
-    for _ in range(400):
-        try:
-            outs = eng.step()
-        except KeyboardInterrupt:
-            interrupted = True
-            bm.check(eng.scheduler.sequences)
-            continue
-        for o in outs:
-            if o.finished:
-                final[o.request_id] = o.outputs[0].token_ids
-        if not (eng.has_unfinished_requests() or eng.in_flight or eng.undelivered):
-            break
+    interrupted = run_to_end(eng, final, KeyboardInterrupt,
+                             lambda e: bm.check(eng.scheduler.sequences))
     del bm.allocate
     assert interrupted
     assert [final.get(i) for i in ids] == want
@@ -552,18 +552,9 @@ def test_preempt_is_public_and_the_engine_uses_it(tiny_dir, device, monkeypatch)
     monkeypatch.setattr(eng.runner, "launch", launch)
     ids = eng.add_requests([{"prompt_token_ids": p} for p in prompts], [params] * 2)
     final = {}
-    lost = False
-    for _ in range(200):
-        try:
-            outs = eng.step()
-        except RuntimeError as e:
-            assert "device error" in str(e)
-            lost = True
-            continue
-        for o in outs:
-            if o.finished:
-                final[o.request_id] = o.outputs[0].token_ids
-        if not (eng.has_unfinished_requests() or eng.in_flight or eng.undelivered):
-            break
+    def device_error(e):
+        assert "device error" in str(e)
+
+    lost = run_to_end(eng, final, RuntimeError, device_error, steps=200)
     assert lost and preempted
     assert [final[i] for i in ids] == want

@@ -24,8 +24,6 @@ that directory's max_new_tokens); minivllm's serve had no such flag."""
 
 from __future__ import annotations
 
-import http.client
-import json
 from types import SimpleNamespace
 
 import pytest
@@ -34,6 +32,7 @@ from minivllm import SamplingParams
 from minivllm.runtime.server import OpenAIServer
 
 from engine_helpers import make_llm, serving
+from test_server import post as call
 from test_audit_s76_chat import USER, oracle, prompts, server_prompt, tok  # noqa: F401
 # model_dir: the demo checkpoint whose generation_config asks for DEFAULT_MAX_TOKENS (a fixture)
 from test_audit_s77_chat import DEFAULT_MAX_TOKENS, MAX_LEN, model_dir  # noqa: F401
@@ -47,18 +46,6 @@ def server(model_dir, device):
                        port=0, model_name="tiny")
     with serving(srv):
         yield srv
-
-
-def call(server, path: str, body: dict) -> tuple[int, dict]:
-    host, port = server.address
-    conn = http.client.HTTPConnection(host, port, timeout=120)
-    try:
-        conn.request("POST", path, body=json.dumps(body).encode(),
-                     headers={"Content-Type": "application/json"})
-        r = conn.getresponse()
-        return r.status, json.loads(r.read())
-    finally:
-        conn.close()
 
 
 def generated(server, path: str, body: dict) -> int:

@@ -13,12 +13,11 @@ import os
 import re
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 
 import pytest
 
 from engine_helpers import make_llm, serving
+from test_server import post
 from minivllm import cli
 from minivllm.cli import build_parser, main
 from minivllm.runtime import run_batch
@@ -57,18 +56,6 @@ def server_llm(path, device, **kw):
 def server(demo_path, device):
     with serving(OpenAIServer(server_llm(demo_path, device), port=0, model_name=NAME)) as srv:
         yield srv
-
-
-def post(srv, path, body):
-    """-> (status, parsed JSON body), as tests/test_server.py's clients."""
-    host, port = srv.address
-    req = urllib.request.Request(f"http://{host}:{port}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def line(custom_id, url, body) -> dict:

@@ -154,6 +154,28 @@ def prompt_cache_salt(prompt: Any) -> str | None:
     return check_cache_salt(prompt.get("cache_salt")) if isinstance(prompt, dict) else None
 
 
+def tokenize_prompts(tokenizer, prompts: list, add_special_tokens: bool = True) -> list:
+    """The text prompts among `prompts` (a str, or a {"prompt"} dict, vLLM's cache_salt beside
+    it or not) as {"prompt", "prompt_token_ids"} (the salt kept), tokenized as the engine
+    tokenizes them, or without the tokenizer's special tokens (add_special_tokens=False: vLLM's
+    request field and tokenization_kwargs), for callers that must know their ids first. Token
+    ids, embeddings, texts without a tokenizer and malformed prompts are left as they are, for
+    the engine's checks to take or name."""
+    if tokenizer is None:
+        return prompts
+    special = {} if add_special_tokens else {"add_special_tokens": False}
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            p = {"prompt": p}
+        elif not (isinstance(p, dict) and set(p) <= {"prompt", "cache_salt"} and
+                  isinstance(p.get("prompt"), str)):
+            out.append(p)
+            continue
+        out.append({**p, "prompt_token_ids": tokenizer.encode(p["prompt"], **special)})
+    return out
+
+
 class CheckedPrompt(NamedTuple):
     """A prompt that check_request (or check_pooling_request) accepted, as enqueue takes it:
     its text (None where it came as ids or embeddings), its ids (or {"prompt_embeds"}' [T,

@@ -23,7 +23,7 @@ from . import reasoning
 from .beam_search import BeamSearchOutput, beam_search
 from .chat_messages import read_conversations
 from .classify import ClassificationRequestOutput, load_head
-from .engine import EngineStats, LLMEngine, check_lora_ids
+from .engine import EngineStats, LLMEngine, check_lora_ids, tokenize_prompts
 from .executor import make_executor
 from .lora import LoRARequest
 from .generation_config import (FILE as GEN_FILE, eos_ids_of, generation_config_dir,
@@ -373,19 +373,8 @@ class LLM:
                       dataclasses.replace(sp, truncate_prompt_tokens=keep) for sp in params]
         special = as_flag("tokenization_kwargs' add_special_tokens",
                           tokenization_kwargs.get("add_special_tokens"), True)
-        tok = self.engine.tokenizer
-        if not special and tok is not None:
-            def tokenized(p):
-                """p as {"prompt", "prompt_token_ids"} if given as text (its cache_salt kept);
-                else as it is: ids or embeddings given, or a prompt the engine's check names."""
-                if isinstance(p, str):
-                    p = {"prompt": p}
-                if not (isinstance(p, dict) and set(p) <= {"prompt", "cache_salt"} and
-                        isinstance(p.get("prompt"), str)):
-                    return p
-                return {**p, "prompt_token_ids": tok.encode(p["prompt"], add_special_tokens=False)}
-
-            prompts = [tokenized(p) for p in prompts]
+        if not special:
+            prompts = tokenize_prompts(self.engine.tokenizer, prompts, add_special_tokens=False)
         return prompts, params
 
     def _add(self, prompts, sampling_params, priority=None, lora_request=None,

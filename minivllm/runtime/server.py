@@ -47,6 +47,7 @@ import torch
 
 from . import reasoning, tool_calls
 from .chat_output import ChatOutput
+from .engine import tokenize_prompts
 from .llm import LLM, _delta
 from .lora import LoRARequest
 from . import metrics as prometheus
@@ -91,18 +92,6 @@ def _refuse_pooling_priority(engine, priority: int) -> None:
     engine.check_priority([priority], 1)
     raise ValueError(f"Got priority {priority}, but pooling requests (embeddings, scores, "
                      f"classes) are served first come, first served: send priority 0")
-
-
-def _tokenized(tokenizer, prompts: list, add_special_tokens: bool = True) -> list:
-    """A request's text prompts as {"prompt", "prompt_token_ids"}, tokenized here as the engine
-    would (add_special_tokens false: without the tokenizer's special tokens, vLLM's field), so
-    that their lengths are known before the engine's checks; token ids, embeddings, and texts
-    where there is no tokenizer (the engine names that), are left as they are."""
-    if tokenizer is None:
-        return prompts
-    special = {} if add_special_tokens else {"add_special_tokens": False}
-    return [{"prompt": p, "prompt_token_ids": tokenizer.encode(p, **special)}
-            if isinstance(p, str) else p for p in prompts]
 
 
 def _kept_len(prompt, keep: int | None, max_model_len: int) -> int | None:
@@ -260,13 +249,13 @@ class EngineLoop:
                 sub.finish = plan.finish
             elif isinstance(req.params, PoolingParams):
                 if not req.add_special_tokens:
-                    prompts = _tokenized(self.engine.tokenizer, prompts, False)
+                    prompts = tokenize_prompts(self.engine.tokenizer, prompts, False)
                 ids = self.engine.add_pooling_requests(prompts, [req.params] * len(prompts),
                                                        arrival_time=sub.arrival)
             else:
                 priority = self.engine.check_priority([req.priority] * len(prompts), len(prompts))
                 # A completion's texts (chat's prompts are rendered, with their ids).
-                prompts = _tokenized(self.engine.tokenizer, prompts, req.add_special_tokens)
+                prompts = tokenize_prompts(self.engine.tokenizer, prompts, req.add_special_tokens)
                 if req.cache_salt is not None:  # the engine reads it from each prompt dict
                     prompts = [{**(p if isinstance(p, dict) else {"prompt": p}),
                                 "cache_salt": req.cache_salt} for p in prompts]
